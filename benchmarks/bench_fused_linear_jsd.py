@@ -1,0 +1,175 @@
+"""Fused linear JSD, forward + backward, on one GPU: this project against plain PyTorch, Liger-Kernel's two
+losses and the matmul floor, in one run.
+
+    python -m benchmarks.bench_fused_linear_jsd --out runs/bench_fused_linear_jsd.json
+
+Columns: ms (median fwd+bwd), extra GiB (peak memory beyond the inputs and the gradients every method must
+return, so a method's own buffers, fp32 weight-grad copies included), grad err (max over d/dinput and
+d/dweight of ||g - g_ref|| / ||g_ref||, g_ref from float32 products and float32 softmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable
+
+import torch
+
+from liger_patch_kd import KDLossConfig, fused_linear_jsd
+from liger_patch_kd import reference as R
+
+from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+
+LLAMA_V, QWEN_V, GEMMA_V = 128256, 151936, 262144
+
+
+def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    # hidden states ~N(0,1), weights scaled so logits have std ~2: distributions neither flat nor one-hot
+    return dict(
+        h_s=rand(n, hidden).requires_grad_(),
+        w_s=rand(vocab, hidden, scale=2 / hidden**0.5).requires_grad_(),
+        h_t=rand(n, hidden),
+        w_t=rand(vocab, hidden, scale=2.5 / hidden**0.5),
+        labels=torch.randint(0, vocab, (n,), device="cuda", generator=g),
+    )
+
+
+def reference_grads(x: dict, cfg: KDLossConfig, rows: int = 1024) -> list[torch.Tensor]:
+    """d loss / d(h_s, w_s) from float32 products and float32 math, computed a chunk of rows at a time."""
+    h = x["h_s"].detach().float().requires_grad_()
+    w = x["w_s"].detach().float().requires_grad_()
+    w_t = x["w_t"].float()
+    valid = (x["labels"] != cfg.ignore_index).sum()
+    for start in range(0, h.shape[0], rows):
+        sl = slice(start, start + rows)
+        loss = R.kd_loss(h[sl] @ w.T, x["h_t"][sl].float() @ w_t.T, x["labels"][sl], cfg.replace(reduction="sum"))
+        (loss / valid).backward()
+    return [h.grad, w.grad]
+
+
+def method_ours(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg)
+
+
+def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    """What a plain HF user writes: materialise both logits, upcast, reference loss."""
+    s = x["h_s"] @ x["w_s"].T
+    with torch.no_grad():
+        t = x["h_t"] @ x["w_t"].T
+    return R.kd_loss(s.float(), t.float(), x["labels"], cfg)
+
+
+def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        from liger_kernel.transformers import LigerFusedLinearJSD
+    except ImportError as e:
+        return {}, f"Liger-Kernel not importable ({e}); its rows are skipped"
+    chunked = LigerFusedLinearJSDLoss(
+        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=cfg.beta, temperature=cfg.temperature, compiled=True
+    )
+    fused = LigerFusedLinearJSD(jsd_beta=cfg.beta, temperature=cfg.temperature)
+    return {
+        "liger chunked (compiled)": lambda x, _: chunked(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
+        "liger triton": lambda x, _: fused(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
+    }, None
+
+
+def floor_ms(x: dict) -> float:
+    """The four N x H x V bf16 products an exact online method cannot avoid, back to back."""
+    n, vocab = x["h_s"].shape[0], x["w_s"].shape[0]
+    logits = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
+    g_in = torch.empty_like(x["h_s"])
+    g_w = torch.empty_like(x["w_s"])
+    h_s, w_s, h_t, w_t = (x[k].detach() for k in ("h_s", "w_s", "h_t", "w_t"))
+
+    def products():
+        torch.mm(h_s, w_s.T, out=logits)
+        torch.mm(h_t, w_t.T, out=logits)
+        torch.mm(logits, w_s, out=g_in)
+        torch.mm(logits.T, h_s, out=g_w)
+
+    ms = cuda_time_ms(products)
+    del logits, g_in, g_w
+    return ms
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm())
+
+
+def run_case(n: int, hidden: int, vocab: int, cfg: KDLossConfig, methods: dict, with_error: bool) -> list[dict]:
+    x = make_inputs(n, hidden, vocab)
+    ref = reference_grads(x, cfg) if with_error else None
+    floor = floor_ms(x)
+    params = [x["h_s"], x["w_s"]]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    rows = [dict(N=n, V=vocab, beta=cfg.beta, method="matmul floor (4 bf16 products)", ms=floor, x_floor=1.0)]
+    for name, fn in methods.items():
+        row = dict(N=n, V=vocab, beta=cfg.beta, method=name)
+
+        def step():
+            for p in params:
+                p.grad = None
+            fn(x, cfg).backward()
+
+        try:
+            step()  # compile / autotune outside the measurement
+            row["ms"] = cuda_time_ms(step)
+            row["x_floor"] = row["ms"] / floor
+            for p in params:
+                p.grad = None
+            row["extra_GiB"] = peak_extra_gib(step, exclude_bytes=grad_bytes)
+            if ref is not None:
+                row["grad_err"] = max(rel_err(p.grad, r) for p, r in zip(params, ref))
+        except torch.OutOfMemoryError:
+            row["ms"] = "OOM"
+        for p in params:
+            p.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, flush=True)
+    del x, ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_fused_linear_jsd.json")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--quick", action="store_true", help="two sizes only, for a smoke test")
+    args = parser.parse_args()
+    ns = [1024, 2048] if args.quick else args.ns
+
+    cfg = KDLossConfig(beta=0.5)
+    liger, note = liger_methods(cfg)
+    methods = {"liger_patch_kd": method_ours, "plain pytorch": method_torch, **liger}
+    cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns]
+    if not args.quick:
+        cases += [(8192, QWEN_V, cfg, False), (8192, GEMMA_V, cfg, False)]
+        cases += [(8192, LLAMA_V, KDLossConfig(beta=0.0), True), (8192, LLAMA_V, KDLossConfig(beta=1.0), False)]
+    rows = []
+    for n, vocab, case_cfg, with_error in cases:
+        if case_cfg is not cfg:  # other betas: ours and the Liger losses (same convention), not plain torch again
+            liger_b, _ = liger_methods(case_cfg)
+            case_methods = {"liger_patch_kd": method_ours, **liger_b}
+        else:
+            case_methods = methods
+        rows += run_case(n, args.hidden, vocab, case_cfg, case_methods, with_error)
+    print(f"\nH={args.hidden}, bf16, forward+backward" + (f"; note: {note}" if note else ""))
+    table = print_table(rows, ["N", "V", "beta", "method", "ms", "x_floor", "extra_GiB", "grad_err"])
+    write_json(args.out, dict(environment=environment(), hidden=args.hidden, note=note, rows=rows, table=table))
+
+
+if __name__ == "__main__":
+    main()

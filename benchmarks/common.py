@@ -1,0 +1,93 @@
+"""What every benchmark here shares: timing with CUDA events, peak memory, a printed table and a JSON file."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8) -> float:
+    """Median wall time of fn() on the GPU, in ms, measured with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_gib(fn: Callable[[], object], exclude_bytes: int = 0) -> float:
+    """Peak memory fn() allocates beyond what existed before it, minus `exclude_bytes` (e.g. the gradients
+    any method must return), in GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before - exclude_bytes) / 2**30
+
+
+def environment() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": " ".join(["python"] + sys.argv),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["liger_kernel"] = version("liger-kernel")
+    except Exception:
+        info["liger_kernel"] = None
+    return info
+
+
+def print_table(rows: list[dict], columns: list[str]) -> str:
+    """A GitHub-markdown table of `rows` (missing cells print as '-'); printed and returned."""
+
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Everything this project runs on the GPU, in one call of the device tool:
+#   the whole test suite with Triton compiled for real, then the benchmarks, results under $OUT (or runs/).
+# Wheels the GPU image lacks (liger-kernel for the side-by-side rows) travel in .whl/ and install to /tmp/site.
+# Usage: bash benchmarks/run_gpu_suite.sh [tests|bench-kernel|bench-step|all]...
+set -uo pipefail
+OUT=${OUT:-runs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+status=0
+for what in "${@:-all}"; do
+  case $what in
+    tests|all)
+      python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;&
+    bench-kernel|all)
+      python3 -m benchmarks.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
+    bench-step|all)
+      [ -f benchmarks/bench_train_step.py ] && python3 -m benchmarks.bench_train_step --out "$OUT/bench_train_step.json" 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
+  esac
+done
+exit $status

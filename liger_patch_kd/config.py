@@ -1,0 +1,98 @@
+"""Every loss hyper-parameter in one dataclass, validated once.
+
+The fused ops, the reference and the patched forward all take a
+:class:`KDLossConfig` (or its fields as keyword arguments), so a bad value is
+rejected in one place with one message instead of deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+REDUCTIONS = ("batchmean", "sum", "none")
+TAIL_POLICIES = ("bucket", "renormalize", "none")
+
+
+@dataclass(frozen=True)
+class KDLossConfig:
+    """Hyper-parameters of the distillation objective.
+
+    total = soft_weight * KD(student, teacher) + hard_weight * CE(student at T=1, labels)
+
+    beta: generalized-JSD interpolation, TRL / Liger convention: 0 is forward KL(teacher || student),
+        1 is reverse KL(student || teacher), anything in between is
+        beta * KL(P || M) + (1 - beta) * KL(S || M) with M = beta * P + (1 - beta) * S.
+    temperature: both distributions are softmax(logits / temperature). The loss is not rescaled by T**2.
+    ignore_index: label value whose row contributes nothing.
+    reduction: "batchmean" (sum over vocab, mean over non-ignored rows, or sum / num_items_in_batch
+        when that is given), "sum", or "none" (one value per row).
+    soft_weight / hard_weight: weights of the KD term and of the hard-label cross-entropy.
+    softcap: final-logit soft-capping (tanh(x / c) * c) of the student, as Gemma-2/3 apply it; None for none.
+    teacher_softcap: the teacher's, when it differs from the student's (defaults to `softcap`).
+    chunk_size: rows per chunk of the fused loss; None lets the op choose from the shapes and free memory.
+    tail: with top-k teacher log-probs, how the mass outside the top-k is treated
+        ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
+    fp32_weight_grad: accumulate the lm_head weight gradient in float32 across chunks
+        (one extra V x H float32 buffer; more exact for long inputs in bf16).
+    """
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    reduction: str = "batchmean"
+    soft_weight: float = 1.0
+    hard_weight: float = 0.0
+    softcap: float | None = None
+    teacher_softcap: float | None = None
+    chunk_size: int | None = None
+    tail: str = "bucket"
+    fp32_weight_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
+            raise ValueError(f"beta must be a number in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={self.beta!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0; got temperature={self.temperature!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}; got reduction={self.reduction!r}")
+        if self.tail not in TAIL_POLICIES:
+            raise ValueError(f"tail must be one of {TAIL_POLICIES}; got tail={self.tail!r}")
+        for name in ("soft_weight", "hard_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0; got {name}={value!r}")
+        if self.soft_weight == 0 and self.hard_weight == 0:
+            raise ValueError("soft_weight and hard_weight are both 0, so the loss would be identically 0; set one > 0")
+        for name in ("softcap", "teacher_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be None or a number > 0 (e.g. 30.0 for Gemma-2); got {name}={value!r}")
+        if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
+            raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={self.chunk_size!r}")
+        if not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int; got ignore_index={self.ignore_index!r}")
+
+    @property
+    def effective_teacher_softcap(self) -> float | None:
+        return self.softcap if self.teacher_softcap is None else self.teacher_softcap
+
+    def replace(self, **changes: Any) -> KDLossConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def build(cls, config: KDLossConfig | None = None, **overrides: Any) -> KDLossConfig:
+        """`config` (or the defaults) with `overrides` applied.
+
+        Overrides that are None mean "not given" and are skipped; unknown names are a ValueError.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown KD loss option(s) {unknown}; valid options are {sorted(known)}")
+        base = config if config is not None else cls()
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(base, **overrides) if overrides else base

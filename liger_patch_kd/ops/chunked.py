@@ -1,0 +1,193 @@
+"""The row-chunk loop that every fused linear loss shares.
+
+For each chunk of rows: student logits in fp32 from one product, the teacher's chunk (logits from a second
+product, or precomputed log-probs), a per-chunk kernel that turns both into per-row losses and dLoss/dlogits
+(already weighted per row), then the two gradient products. Only one chunk of (rows x V) logits lives at a
+time, so peak memory does not grow with the number of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backend import logits_fp32
+
+# (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
+#   -> (soft_rows, hard_rows, grad_logits | None)
+ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+# Budget for one chunk's (rows x V) buffers. 1 GiB keeps the chunk well inside the flat-memory target while
+# its products are still large (>= 512 rows) enough for cuBLAS to run near peak at H=4096.
+_GPU_CHUNK_BYTES = 1 << 30
+_GPU_FREE_FRACTION = 8  # never take more than 1/8 of what is free: the model and its activations come first
+# On CPU chunks only bound memory: 4M logits (16 MiB fp32) per chunk.
+_CPU_CHUNK_ELEMS = 1 << 22
+
+
+def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_logit: int) -> int:
+    """Rows per chunk, from N, V and free memory; `bytes_per_logit` counts every (rows x V) buffer a chunk holds.
+
+    On the GPU rows are a multiple of 128 (tensor-core tiles) so the products stay efficient.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(_GPU_CHUNK_BYTES, free // _GPU_FREE_FRACTION)
+        rows = max(128, (budget // (vocab * bytes_per_logit)) // 128 * 128)
+    else:
+        rows = max(1, _CPU_CHUNK_ELEMS // vocab)
+    return max(1, min(n_rows, rows))
+
+
+@dataclass
+class ChunkedResult:
+    soft_rows: torch.Tensor  # (N,) float32, unweighted KD term per row
+    hard_rows: torch.Tensor  # (N,) float32, unweighted CE term per row
+    grad_input: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+
+
+def run_chunked(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    student_bias: torch.Tensor | None,
+    teacher_chunk: Callable[[int, int], Any],
+    labels: torch.Tensor,
+    w_soft: torch.Tensor,
+    w_hard: torch.Tensor,
+    kernel: ChunkKernel,
+    *,
+    chunk_size: int,
+    needs_grad: tuple[bool, bool, bool],
+    fp32_weight_grad: bool = False,
+) -> ChunkedResult:
+    """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias)."""
+    n_rows, vocab = student_input.shape[0], student_weight.shape[0]
+    acc_dtype = torch.float64 if student_input.dtype == torch.float64 else torch.float32
+    soft_rows = torch.zeros(n_rows, dtype=acc_dtype, device=student_input.device)
+    hard_rows = torch.zeros_like(soft_rows)
+    need_input, need_weight, need_bias = needs_grad
+    any_grad = need_input or need_weight or need_bias
+    grad_input = torch.empty_like(student_input) if need_input else None
+    grad_weight = None
+    if need_weight:
+        weight_grad_dtype = torch.float32 if fp32_weight_grad and student_weight.dtype != torch.float64 else student_weight.dtype
+        grad_weight = torch.zeros(student_weight.shape, dtype=weight_grad_dtype, device=student_weight.device)
+    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
+
+    for start in range(0, n_rows, chunk_size):
+        end = min(n_rows, start + chunk_size)
+        hidden = student_input[start:end]
+        logits = logits_fp32(hidden, student_weight, student_bias)
+        soft, hard, grad_logits = kernel(
+            logits,
+            teacher_chunk(start, end),
+            labels[start:end],
+            w_soft[start:end],
+            w_hard[start:end],
+            student_input.dtype if any_grad else None,
+        )
+        soft_rows[start:end] = soft
+        hard_rows[start:end] = hard
+        del logits
+        if grad_logits is None:
+            continue
+        if need_input:
+            torch.mm(grad_logits, student_weight, out=grad_input[start:end])
+        if need_weight:
+            _accumulate_weight_grad(grad_weight, grad_logits, hidden)
+        if need_bias:
+            grad_bias += grad_logits.sum(0, dtype=acc_dtype)
+    if grad_bias is not None and student_bias is not None:
+        grad_bias = grad_bias.to(student_bias.dtype)
+    return ChunkedResult(soft_rows, hard_rows, grad_input, grad_weight, grad_bias)
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ hidden, accumulating in grad_weight's dtype."""
+    if grad_weight.dtype == grad_logits.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+    elif grad_weight.is_cuda and hasattr(torch.ops.aten.addmm, "dtype"):
+        # bf16 operands, fp32 accumulator and output: no rounding between chunks
+        torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight.add_(grad_logits.t() @ hidden)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Everything about a fused call that is not a differentiable tensor."""
+
+    teacher_chunk: Callable[[int, int], Any]
+    kernel: ChunkKernel
+    chunk_size: int
+    reduction: str
+    soft_weight: float
+    hard_weight: float
+    fp32_weight_grad: bool = False
+
+
+class FusedLinearKDFunction(torch.autograd.Function):
+    """Loss of student rows (h W^T + b) against a teacher chunk source, without materialising the logits.
+
+    `row_weight` (N,) holds each row's share of the reduction: 0 for ignored rows, 1 / denominator for
+    "batchmean", 1 for "sum" and "none". For "sum" / "batchmean" the gradients are computed during the forward
+    (the loss is usually the last op) and scaled by grad_output in the backward; for "none" grad_output is a
+    vector of row weights, so the backward recomputes the chunks with it.
+    Returns (loss, soft term, hard term), the two terms detached, for logging.
+    """
+
+    @staticmethod
+    def forward(ctx, student_input, student_weight, student_bias, labels, row_weight, plan: ChunkPlan):
+        needs_grad = tuple(ctx.needs_input_grad[:3])
+        eager_grads = any(needs_grad) and plan.reduction != "none"
+        result = _run(
+            plan, student_input, student_weight, student_bias, labels, row_weight, needs_grad if eager_grads else (False,) * 3
+        )
+        soft = result.soft_rows * row_weight
+        hard = result.hard_rows * row_weight
+        ctx.plan, ctx.needs_grad = plan, needs_grad
+        if plan.reduction == "none":
+            ctx.save_for_backward(student_input, student_weight, student_bias, labels, row_weight)
+            ctx.grads = None
+            loss = plan.soft_weight * soft + plan.hard_weight * hard
+        else:
+            ctx.grads = (result.grad_input, result.grad_weight, result.grad_bias)
+            soft, hard = soft.sum(), hard.sum()
+            loss = plan.soft_weight * soft + plan.hard_weight * hard
+        ctx.mark_non_differentiable(soft, hard)
+        return loss, soft, hard
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+        if ctx.plan.reduction == "none":
+            student_input, student_weight, student_bias, labels, row_weight = ctx.saved_tensors
+            result = _run(
+                ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss, ctx.needs_grad
+            )
+            grads = (result.grad_input, result.grad_weight, result.grad_bias)
+        else:
+            # out of place: a retained graph may run this backward again
+            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads)
+        # an fp32-accumulated weight grad is cast to the weight's dtype by autograd itself
+        return (*grads, None, None, None)
+
+
+def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, row_weight, needs_grad) -> ChunkedResult:
+    return run_chunked(
+        student_input,
+        student_weight,
+        student_bias,
+        plan.teacher_chunk,
+        labels,
+        row_weight * plan.soft_weight,
+        row_weight * plan.hard_weight,
+        plan.kernel,
+        chunk_size=plan.chunk_size,
+        needs_grad=needs_grad,
+        fp32_weight_grad=plan.fp32_weight_grad,
+    )

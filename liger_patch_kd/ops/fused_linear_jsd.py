@@ -1,0 +1,249 @@
+"""Fused linear generalized JSD: the online-teacher distillation loss without materialised logits.
+
+Per row chunk (see `chunked.py`) the student and teacher logits come from two fp32-output products; then
+`_jsd_chunk_kernel` (Triton) or `jsd_chunk_torch` (PyTorch, same math) reads both logit rows, computes both
+log-sum-exps, the loss and dLoss/dlogits, and writes the gradient in the input dtype for the backward
+products.
+
+Gradient of the tempered student logits u = cap(z) / T, with S = softmax(u), P = softmax(cap(z_t) / T):
+    beta == 0 (KL(P||S)):  dL/du = S - P
+    beta == 1 (KL(S||P)):  dL/du = S * (log S - log P - L)
+    otherwise:             dL/du = (1 - beta) * S * (g - sum(S * g)),  g = log S - log M
+and dL/dz = dL/du / T * cap'(z), cap'(z) = 1 - (cap(z) / c)^2. The hard term adds softmax(cap(z)) - onehot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KDLossConfig
+from ..reference import apply_softcap
+from .backend import logits_fp32, select_backend, triton_available
+from .chunked import choose_chunk_size, run_chunked
+
+MODE_FORWARD_KL, MODE_REVERSE_KL, MODE_JSD = 0, 1, 2
+
+
+def _mode(beta: float) -> int:
+    return MODE_FORWARD_KL if beta == 0 else MODE_REVERSE_KL if beta == 1 else MODE_JSD
+
+
+# --------------------------------------------------------------------------------------------- PyTorch chunk
+def hard_ce_rows_and_grad(
+    capped: torch.Tensor, labels: torch.Tensor, ignore_index: int, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy at T=1 per row (0 where ignored) and its gradient wrt the capped logits (unweighted)."""
+    log_q = F.log_softmax(capped, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    rows = -log_q.gather(-1, safe[:, None]).squeeze(-1) * valid
+    if not need_grad:
+        return rows, None
+    grad = log_q.exp()
+    grad.scatter_add_(-1, safe[:, None], -valid[:, None].to(grad.dtype))
+    return rows, grad
+
+
+def jsd_chunk_torch(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    w_soft: torch.Tensor,
+    w_hard: torch.Tensor,
+    grad_dtype: torch.dtype | None,
+    cfg: KDLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
+    beta, inv_t = cfg.beta, 1.0 / cfg.temperature
+    capped = apply_softcap(student_logits, cfg.softcap)
+    log_s = F.log_softmax(capped * inv_t, dim=-1)
+    log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.effective_teacher_softcap) * inv_t, dim=-1)
+    s, p = log_s.exp(), log_p.exp()
+    mode = _mode(beta)
+    if mode == MODE_FORWARD_KL:
+        soft = (p * (log_p - log_s)).sum(-1)
+        grad_u = s - p
+    elif mode == MODE_REVERSE_KL:
+        soft = (s * (log_s - log_p)).sum(-1)
+        grad_u = s * (log_s - log_p - soft[:, None])
+    else:
+        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_p + math.log(beta))
+        g = log_s - log_m
+        soft = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (s * g).sum(-1)
+        grad_u = (1 - beta) * s * (g - (s * g).sum(-1, keepdim=True))
+    hard, hard_grad = (torch.zeros_like(soft), None)
+    if cfg.hard_weight:
+        hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
+    if grad_dtype is None:
+        return soft, hard, None
+    grad = grad_u * (inv_t * w_soft.to(grad_u.dtype))[:, None]
+    if hard_grad is not None:
+        grad += hard_grad * w_hard.to(grad.dtype)[:, None]
+    if cfg.softcap is not None:
+        grad *= 1 - (capped / cfg.softcap) ** 2
+    return soft, hard, grad.to(grad_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- Triton chunk
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _softcap(x, c, CAP: tl.constexpr):
+        if CAP:
+            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends, no tanh intrinsic needed
+            x = c * (1.0 - 2.0 / (tl.exp(2.0 * x / c) + 1.0))
+        return x
+
+    @triton.jit
+    def _online_lse_update(m_vec, d_vec, x):
+        """Lane-wise online log-sum-exp: (running max, running sum of exp(x - max)) with x folded in."""
+        new = tl.maximum(m_vec, x)
+        safe = tl.where(new == float("-inf"), 0.0, new)  # lanes that have seen only -inf stay at (−inf, 0)
+        d_vec = d_vec * tl.exp(m_vec - safe) + tl.exp(x - safe)
+        return new, d_vec
+
+    @triton.jit
+    def _lse_finish(m_vec, d_vec):
+        m = tl.max(m_vec, axis=0)
+        return m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+
+    @triton.jit
+    def _jsd_chunk_kernel(
+        zs_ptr, zt_ptr, grad_ptr, labels_ptr, w_soft_ptr, w_hard_ptr, soft_ptr, hard_ptr,
+        stride_zs, stride_zt, stride_g, V,
+        inv_temp, beta, cap_s, cap_t, ignore_index,
+        MODE: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
+        CAP_S: tl.constexpr, CAP_T: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
+        JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss)."""
+        row = tl.program_id(0).to(tl.int64)
+        zs_row = zs_ptr + row * stride_zs
+        zt_row = zt_ptr + row * stride_zt
+        acc_ty = zs_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        neg_inf = tl.full([BLOCK], float("-inf"), acc_ty)
+        zero = tl.zeros([BLOCK], acc_ty)
+
+        m_s, d_s, m_t, d_t, m_1, d_1 = neg_inf, zero, neg_inf, zero, neg_inf, zero
+        for off in range(0, V, BLOCK):
+            mask = off + cols < V
+            xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+            xt = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
+            m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
+            m_t, d_t = _online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
+            if HAS_HARD and not UNIT_TEMP:
+                m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
+        lse_s = _lse_finish(m_s, d_s)
+        lse_t = _lse_finish(m_t, d_t)
+
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        valid = label != ignore_index
+        w_soft = tl.load(w_soft_ptr + row)
+        w_hard = tl.load(w_hard_ptr + row)
+        if HAS_HARD:
+            lse_1 = lse_s if UNIT_TEMP else _lse_finish(m_1, d_1)
+            safe_label = tl.where(valid, label, 0)
+            x_label = _softcap(tl.load(zs_row + safe_label), cap_s, CAP_S)
+            tl.store(hard_ptr + row, tl.where(valid, lse_1 - x_label, 0.0))
+
+        log_beta = 0.0
+        log_1m_beta = 0.0
+        if MODE == 2:  # beta is only strictly inside (0, 1) here
+            log_beta = tl.log(beta)
+            log_1m_beta = tl.log(1.0 - beta)
+        loss = tl.zeros([BLOCK], acc_ty)
+        sum_sg = tl.zeros([BLOCK], acc_ty)
+        if MODE != 0:
+            for off in range(0, V, BLOCK):
+                mask = off + cols < V
+                log_s = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S) * inv_temp - lse_s
+                log_p = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                s = tl.exp(log_s)
+                if MODE == 1:
+                    term = s * (log_s - log_p)
+                    sum_sg += tl.where(mask, term, 0.0)
+                    loss += tl.where(mask, term, 0.0)
+                else:
+                    a = log_p + log_beta
+                    b = log_s + log_1m_beta
+                    log_m = tl.maximum(a, b) + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+                    sg = s * (log_s - log_m)
+                    term = beta * tl.exp(log_p) * (log_p - log_m) + (1.0 - beta) * sg
+                    sum_sg += tl.where(mask, sg, 0.0)
+                    loss += tl.where(mask, term, 0.0)
+        row_loss = tl.sum(loss, axis=0)
+        row_sg = tl.sum(sum_sg, axis=0)
+
+        if COMPUTE_GRAD or MODE == 0:
+            g_row = grad_ptr + row * stride_g
+            soft_scale = w_soft * inv_temp
+            for off in range(0, V, BLOCK):
+                mask = off + cols < V
+                xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+                log_s = xs * inv_temp - lse_s
+                log_p = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                s = tl.exp(log_s)
+                if MODE == 0:
+                    p = tl.exp(log_p)
+                    loss += tl.where(mask, p * (log_p - log_s), 0.0)
+                    grad = s - p
+                elif MODE == 1:
+                    grad = s * (log_s - log_p - row_loss)
+                else:
+                    a = log_p + log_beta
+                    b = log_s + log_1m_beta
+                    log_m = tl.maximum(a, b) + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+                    grad = (1.0 - beta) * s * (log_s - log_m - row_sg)
+                if COMPUTE_GRAD:
+                    grad = grad * soft_scale
+                    if HAS_HARD:
+                        q = tl.exp(xs - lse_1)
+                        grad += w_hard * (q - tl.where((off + cols == label) & valid, 1.0, 0.0))
+                    if CAP_S:
+                        grad = grad * (1.0 - (xs / cap_s) * (xs / cap_s))
+                    tl.store(g_row + off + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            if MODE == 0:
+                row_loss = tl.sum(loss, axis=0)
+        tl.store(soft_ptr + row, row_loss)
+
+    def _jsd_launch_config(vocab: int) -> tuple[int, int]:
+        """(BLOCK, num_warps): 4096-wide tiles keep 16 fp32 values per thread at 8 warps, enough loads in flight
+        to stream a row at full bandwidth without spilling; small vocabularies (tests) get one tile."""
+        block = min(4096, triton.next_power_of_2(vocab))
+        return block, 8 if block >= 2048 else 4
+
+
+def jsd_chunk_triton(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    w_soft: torch.Tensor,
+    w_hard: torch.Tensor,
+    grad_dtype: torch.dtype | None,
+    cfg: KDLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch`."""
+    rows, vocab = student_logits.shape
+    soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
+    hard = torch.zeros_like(soft)
+    grad = torch.empty((rows, vocab), dtype=grad_dtype, device=student_logits.device) if grad_dtype else soft
+    block, num_warps = _jsd_launch_config(vocab)
+    teacher_cap = cfg.effective_teacher_softcap
+    _jsd_chunk_kernel[(rows,)](
+        student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard,
+        student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,
+        1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
+        MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
+        CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
+        BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return soft, hard, grad if grad_dtype else None
+
+
+CHUNK_KERNELS = {"torch": jsd_chunk_torch, "triton": jsd_chunk_triton}
