@@ -144,7 +144,7 @@ def fused_linear_jsd(
     chosen = select_backend(device, backend)
     kernel = jsd_op.CHUNK_KERNELS[chosen]
     vocab = w_s.shape[0]
-    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=4 + 4 + dtype.itemsize)
+    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=8)  # fp32 student and teacher logits; the grad reuses the teacher's
     plan = ChunkPlan(
         teacher_chunk=lambda start, end: logits_fp32(h_t[start:end], w_t, b_t),
         kernel=lambda *args: kernel(*args, cfg),

@@ -118,7 +118,8 @@ if triton_available():
         stride_zs, stride_zt, stride_g, V,
         inv_temp, beta, cap_s, cap_t, ignore_index,
         MODE: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
-        CAP_S: tl.constexpr, CAP_T: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+        CAP_S: tl.constexpr, CAP_T: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_IN_TEACHER: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
         """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
         JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss)."""
@@ -207,6 +208,10 @@ if triton_available():
                         grad += w_hard * (q - tl.where((off + cols == label) & valid, 1.0, 0.0))
                     if CAP_S:
                         grad = grad * (1.0 - (xs / cap_s) * (xs / cap_s))
+                    if GRAD_IN_TEACHER:
+                        # the gradient overwrites this row's teacher logits: every warp must have read this
+                        # tile before any warp writes (writes only reach tiles already read)
+                        tl.debug_barrier()
                     tl.store(g_row + off + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             if MODE == 0:
                 row_loss = tl.sum(loss, axis=0)
@@ -217,6 +222,19 @@ if triton_available():
         to stream a row at full bandwidth without spilling; small vocabularies (tests) get one tile."""
         block = min(4096, triton.next_power_of_2(vocab))
         return block, 8 if block >= 2048 else 4
+
+
+def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
+    """A (rows, V) gradient buffer inside the teacher logits' own storage, row i inside row i's bytes.
+
+    The teacher chunk is dead once the last pass has read it, and reusing it drops a (rows x V) buffer per
+    chunk, which buys larger chunks (fewer read-modify-writes of the V x H weight gradient) for the same
+    memory. A bf16 row takes the first half of its fp32 row's bytes, so its row stride is 2V: cuBLAS reads
+    that as a leading dimension, no copy.
+    """
+    if not teacher_logits.is_contiguous() or teacher_logits.element_size() % torch.empty((), dtype=grad_dtype).element_size():
+        return torch.empty(teacher_logits.shape, dtype=grad_dtype, device=teacher_logits.device)
+    return teacher_logits.view(grad_dtype)[:, : teacher_logits.shape[1]]
 
 
 def jsd_chunk_triton(
@@ -232,7 +250,7 @@ def jsd_chunk_triton(
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
-    grad = torch.empty((rows, vocab), dtype=grad_dtype, device=student_logits.device) if grad_dtype else soft
+    grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
     block, num_warps = _jsd_launch_config(vocab)
     teacher_cap = cfg.effective_teacher_softcap
     _jsd_chunk_kernel[(rows,)](
@@ -241,7 +259,7 @@ def jsd_chunk_triton(
         1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
         MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        BLOCK=block, num_warps=num_warps,
+        GRAD_IN_TEACHER=grad_dtype is not None, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
 
