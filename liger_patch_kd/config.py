@@ -31,7 +31,8 @@ class KDLossConfig:
         when that is given), "sum", or "none" (one value per row).
     soft_weight / hard_weight: weights of the KD term and of the hard-label cross-entropy.
     softcap: final-logit soft-capping (tanh(x / c) * c) of the student, as Gemma-2/3 apply it; None for none.
-    teacher_softcap: the teacher's, when it differs from the student's (defaults to `softcap`).
+    teacher_softcap: the teacher's own soft-capping; None for none. The two are independent because teacher and
+        student may be different architectures (the patched forward reads each from its model's config).
     chunk_size: rows per chunk of the fused loss; None lets the op choose from the shapes and free memory.
     tail: with top-k teacher log-probs, how the mass outside the top-k is treated
         ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
@@ -74,10 +75,6 @@ class KDLossConfig:
             raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={self.chunk_size!r}")
         if not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an int; got ignore_index={self.ignore_index!r}")
-
-    @property
-    def effective_teacher_softcap(self) -> float | None:
-        return self.softcap if self.teacher_softcap is None else self.teacher_softcap
 
     def replace(self, **changes: Any) -> KDLossConfig:
         """A copy with some fields changed (validated again)."""

@@ -4,16 +4,18 @@ PyTorch chunk math elsewhere. Nothing here knows about models."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from . import reference
 from .config import KDLossConfig
-from .ops.backend import select_backend
-from .ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
-from .ops.backend import logits_fp32
 from .ops import fused_linear_jsd as jsd_op
+from .ops import fused_linear_topk_kd as topk_op
+from .ops.backend import logits_fp32, select_backend
+from .ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 
 
 class KDLossOutput(NamedTuple):
@@ -133,20 +135,37 @@ def fused_linear_jsd(
             f"teacher_input rows {tuple(teacher_input.shape[:-1])} do not match student_input rows {tuple(leading)}; "
             f"row i of the student is scored against row i of the teacher"
         )
+    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach()
+    w_t = teacher_weight.detach()
+    b_t = None if teacher_bias is None else teacher_bias.detach()
+    return _run_fused(
+        student_input, student_weight, student_bias, labels, cfg, num_items_in_batch, backend, return_components,
+        teacher_chunk=lambda dtype: _teacher_logits_source(h_t.to(dtype), w_t.to(dtype), b_t),
+        kernels=jsd_op.CHUNK_KERNELS,
+        bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
+    )
+
+
+def _teacher_logits_source(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Teacher logits of rows [start, end), from operands already cast once to the compute dtype."""
+    return lambda start, end: logits_fp32(hidden[start:end], weight, bias)
+
+
+def _run_fused(
+    student_input, student_weight, student_bias, labels, cfg: KDLossConfig, num_items_in_batch, backend,
+    return_components, *, teacher_chunk, kernels, bytes_per_logit,
+):  # fmt: skip
+    """What both fused losses share: flattening, dtype policy, row weights, chunking and the autograd call."""
+    leading = student_input.shape[:-1]
     device = student_input.device
     flat_labels = _flatten_labels(labels, leading, device, cfg)
     dtype = _compute_dtype(device, student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
-    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).to(dtype).detach()
     w_s = student_weight.to(dtype)
-    w_t = teacher_weight.detach().to(dtype)
-    b_t = None if teacher_bias is None else teacher_bias.detach()
-    chosen = select_backend(device, backend)
-    kernel = jsd_op.CHUNK_KERNELS[chosen]
-    vocab = w_s.shape[0]
-    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=8)  # fp32 student and teacher logits; the grad reuses the teacher's
+    kernel = kernels[select_backend(device, backend)]
+    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], w_s.shape[0], device, bytes_per_logit=bytes_per_logit)
     plan = ChunkPlan(
-        teacher_chunk=lambda start, end: logits_fp32(h_t[start:end], w_t, b_t),
+        teacher_chunk=teacher_chunk(dtype),
         kernel=lambda *args: kernel(*args, cfg),
         chunk_size=rows,
         reduction=cfg.reduction,
@@ -191,3 +210,201 @@ class FusedLinearJSDLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return repr(self.config)
+
+
+@torch.compiler.disable
+def fused_linear_topk_kd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    tail: str = "bucket",
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    soft_weight: float = 1.0,
+    hard_weight: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    fp32_weight_grad: bool = False,
+    config: KDLossConfig | None = None,
+    return_components: bool = False,
+    check_inputs: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor | KDLossOutput:
+    """Distillation against precomputed teacher log-probs, straight from hidden states and the lm_head weight.
+
+    teacher_token_ids / teacher_logprobs: (N, K) or (B, T, K), row-aligned with the student's rows like logits
+    (row t holds the teacher's top-k for the token after position t); log-probs taken at temperature 1 over
+    the full vocabulary, as vLLM / SGLang return them; K may equal V (full log-probs). Padding slots (-inf,
+    values <= -1000 such as vLLM's -9999, or negative ids) are ignored. Ids must be unique within a row.
+    The student is normalised over its full vocabulary inside the fused kernel; `tail` says what happens to
+    the teacher mass outside the top-k ("bucket", "renormalize", "none": see reference.topk_kd_per_row).
+    Temperature: exact within the top-k (log-probs are logits minus a constant); for the tail bucket with
+    T != 1 the remaining mass is assumed spread evenly over the tokens outside the top-k.
+    Equals `reference.topk_kd_loss(student_input @ student_weight.T + student_bias, ...)`.
+    `check_inputs` validates ids and log-probs on the device (one host sync); the other options are as in
+    `fused_linear_jsd`.
+    """
+    cfg = config or KDLossConfig(
+        beta=beta, temperature=temperature, tail=tail, ignore_index=ignore_index, reduction=reduction,
+        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
+        fp32_weight_grad=fp32_weight_grad,
+    )  # fmt: skip
+    _check_linear("student", student_input, student_weight, student_bias)
+    vocab = student_weight.shape[0]
+    _check_topk(teacher_token_ids, teacher_logprobs, student_input.shape[:-1], vocab, check_inputs)
+    k = teacher_token_ids.shape[-1]
+    ids = teacher_token_ids.reshape(-1, k).to(student_input.device)
+    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach()
+    return _run_fused(
+        student_input, student_weight, student_bias, labels, cfg, num_items_in_batch, backend, return_components,
+            teacher_chunk=lambda dtype: (lambda start, end: (ids[start:end], logprobs[start:end])),
+        kernels=topk_op.CHUNK_KERNELS,
+        bytes_per_logit=6,  # fp32 student logits and a bf16 gradient
+    )
+
+
+class FusedLinearTopKKDLoss(nn.Module):
+    """Module form of `fused_linear_topk_kd`: the loss options go to the constructor (or a KDLossConfig)."""
+
+    def __init__(self, config: KDLossConfig | None = None, **options) -> None:
+        super().__init__()
+        self.config = KDLossConfig.build(config, **options)
+
+    def forward(
+        self,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_token_ids: torch.Tensor,
+        teacher_logprobs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        student_bias: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        return_components: bool = False,
+    ) -> torch.Tensor | KDLossOutput:
+        return fused_linear_topk_kd(
+            student_input, student_weight, teacher_token_ids, teacher_logprobs, labels, student_bias=student_bias,
+            num_items_in_batch=num_items_in_batch, config=self.config, return_components=return_components,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+
+def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, vocab: int, check_values: bool) -> None:
+    if ids.shape != logprobs.shape:
+        raise ValueError(
+            f"teacher_token_ids {tuple(ids.shape)} and teacher_logprobs {tuple(logprobs.shape)} must have one shape"
+        )
+    if ids.shape[:-1] != leading:
+        raise ValueError(
+            f"teacher_token_ids rows {tuple(ids.shape[:-1])} do not match the student's rows {tuple(leading)}; "
+            f"they are row-aligned like logits (row t: the teacher's top-k for the token after position t)"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"teacher_token_ids must be integer ids; got dtype {ids.dtype}")
+    if not logprobs.dtype.is_floating_point:
+        raise ValueError(f"teacher_logprobs must be floating point log-probabilities; got dtype {logprobs.dtype}")
+    if ids.shape[-1] > vocab:
+        raise ValueError(f"teacher_token_ids has K={ids.shape[-1]} slots per row but the vocabulary has {vocab} ids")
+    if check_values and ids.numel():
+        too_big, has_nan, positive = torch.stack(
+            [(ids >= vocab).any(), logprobs.isnan().any(), (logprobs > 1e-3).any()]
+        ).tolist()  # one host sync for all three
+        if too_big:
+            raise ValueError(
+                f"teacher_token_ids holds ids >= the student's vocab size {vocab} (max {int(ids.max())}); the teacher "
+                f"data was made with another tokenizer or vocabulary"
+            )
+        if has_nan:
+            raise ValueError("teacher_logprobs contains NaN; regenerate the teacher data (padding slots should be -inf)")
+        if positive:
+            raise ValueError(
+                "teacher_logprobs contains values > 0, so they are not log-probabilities (logits?); pass "
+                "log_softmax(teacher_logits) or the log-probs an inference server returns"
+            )
+
+
+def kl_estimator(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    kind: str = "k3",
+    mask: torch.Tensor | None = None,
+    clamp: float | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """On-policy estimate of KL(student || teacher) from the log-probs of tokens sampled from the student.
+
+    k1 = log q - log p, k2 = (log q - log p)^2 / 2, k3 = exp(log p - log q) - (log p - log q) - 1 (see
+    reference.kl_estimator_terms). `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can
+    explode on tokens the teacher finds unlikely). `mask` (same shape, bool or 0/1) selects the tokens that
+    count: the completion, not the prompt or padding. reduction: "mean" over masked tokens (0 when none),
+    "sum", or "none". Gradients flow to whichever inputs require them (usually student_logprobs).
+    """
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(
+            f"student_logprobs {tuple(student_logprobs.shape)} and teacher_logprobs "
+            f"{tuple(teacher_logprobs.shape)} must have one shape (one value per sampled token)"
+        )
+    if clamp is not None:
+        if not clamp > 0:
+            raise ValueError(f"clamp must be None or > 0; got clamp={clamp!r}")
+        log_ratio = (teacher_logprobs - student_logprobs).clamp(-clamp, clamp)
+        student_logprobs = teacher_logprobs - log_ratio
+    terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind)
+    return _masked_reduce(terms, mask, reduction)
+
+
+def topk_kd_from_logprobs(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    beta: float = 0.0,
+    tail: str = "bucket",
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Top-k forward KL (beta=0) / reverse KL (beta=1) / generalized JSD on student-sampled sequences, from
+    log-probs an RL framework already holds: both (..., K) on the same K ids (e.g. the teacher's top-k),
+    each normalised over its full vocabulary. No logits, no patch. `tail` as in `fused_linear_topk_kd`; padding
+    slots (-inf in either) are ignored. `mask` (...) selects the tokens; reduction as in `kl_estimator`.
+    """
+    KDLossConfig(beta=beta, tail=tail)  # validates
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(
+            f"student_logprobs {tuple(student_logprobs.shape)} and teacher_logprobs {tuple(teacher_logprobs.shape)} "
+            f"must have one shape (..., K): both models' log-probs on the same K ids"
+        )
+    present = torch.isfinite(student_logprobs) & (teacher_logprobs > reference.LOGPROB_PLACEHOLDER)
+    log_s = torch.where(present, student_logprobs, -math.inf)
+    log_p = torch.where(present, teacher_logprobs.to(log_s.dtype), -math.inf)
+    if tail == "renormalize":
+        log_s = torch.where(present, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
+        log_p = torch.where(present, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
+    terms = reference._divergence_terms(log_s, log_p, beta, present).sum(-1)
+    if tail == "bucket":
+        tails = [(1 - t.exp().sum(-1)).clamp(min=reference.TAIL_FLOOR).log() for t in (log_s, log_p)]
+        terms = terms + reference._divergence_terms(*tails, beta, torch.ones_like(terms, dtype=torch.bool))
+    return _masked_reduce(terms, mask, reduction)
+
+
+def _masked_reduce(terms: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> torch.Tensor:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got reduction={reduction!r}")
+    if mask is not None:
+        if mask.shape != terms.shape:
+            raise ValueError(f"mask {tuple(mask.shape)} must have the per-token shape {tuple(terms.shape)}")
+        terms = torch.where(mask.bool(), terms, torch.zeros_like(terms))
+    if reduction == "none":
+        return terms
+    if reduction == "sum":
+        return terms.sum()
+    count = terms.new_tensor(terms.numel()) if mask is None else mask.sum().to(terms.dtype)
+    return terms.sum() / count.clamp(min=1)

@@ -100,7 +100,7 @@ def kd_loss(
     objective that `losses.fused_linear_jsd` computes without materialising the logits."""
     cfg = config or KDLossConfig()
     student = apply_softcap(student_logits, cfg.softcap)
-    teacher = apply_softcap(teacher_logits, cfg.effective_teacher_softcap)
+    teacher = apply_softcap(teacher_logits, cfg.teacher_softcap)
     per_row = cfg.soft_weight * generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
     if cfg.hard_weight:
         if labels is None:
@@ -109,3 +109,128 @@ def kd_loss(
     return reduce_rows(
         per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
     )
+
+
+# ------------------------------------------------------------------------------------------- top-k teacher
+# Inference servers pad missing top-k slots with -inf or a large negative number (vLLM: -9999.0); any log-prob
+# at or below this is a padding slot, as is a negative id. exp(-1000) is 0 in every float format anyway.
+LOGPROB_PLACEHOLDER = -1e3
+# The tail bucket's mass is 1 - sum(top-k probs): rounding noise when the top-k holds nearly all the mass (and
+# bf16 log-probs can even sum above 1). Both sides' tail masses are floored here so the loss stays finite.
+TAIL_FLOOR = 1e-6
+
+
+def topk_valid_slots(teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    return (teacher_token_ids >= 0) & (teacher_logprobs > LOGPROB_PLACEHOLDER) & torch.isfinite(teacher_logprobs)
+
+
+def tempered_topk_teacher(
+    teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher log-probs at temperature T from top-k log-probs taken at T = 1 over the full vocabulary.
+
+    Returns (valid slots, log P_j on the top-k (-inf on padding), log P_tail (-inf when there is no tail)).
+    Log-probs are logits minus a constant, so softmax(logp / T) is the tempered teacher: exact within the
+    top-k. The unknown tail is assumed spread evenly over the V - k tokens outside the top-k, each holding
+    m / (V - k) of the remaining mass m; at T = 1 (or k = V) that assumption plays no role.
+    """
+    valid = topk_valid_slots(teacher_token_ids, teacher_logprobs)
+    lp = torch.where(valid, teacher_logprobs.to(torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32), -math.inf)
+    n_tail = vocab - valid.sum(-1)
+    mass = lp.exp().sum(-1)
+    tail = (1 - mass).clamp(min=TAIL_FLOOR)
+    has_tail = n_tail > 0
+    log_n = n_tail.clamp(min=1).to(lp.dtype).log()
+    log_tail_t = torch.where(has_tail, log_n + (tail.log() - log_n) / temperature, -math.inf)
+    scaled = lp / temperature
+    log_z = torch.logaddexp(torch.logsumexp(scaled, -1), log_tail_t)
+    return valid, scaled - log_z[..., None], log_tail_t - log_z
+
+
+def _divergence_terms(log_s: torch.Tensor, log_p: torch.Tensor, beta: float, present: torch.Tensor) -> torch.Tensor:
+    """Per-class generalized-JSD terms between two (sub-)distributions; 0 where a class is not present."""
+    s, p = log_s.exp(), log_p.exp()
+    if beta == 0:
+        terms = p * (log_p - log_s)
+    elif beta == 1:
+        terms = s * (log_s - log_p)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_s + math.log(1 - beta))
+        terms = beta * p * (log_p - log_m) + (1 - beta) * s * (log_s - log_m)
+    return torch.where(present, terms, torch.zeros_like(terms))
+
+
+def topk_kd_per_row(
+    student_logits: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    tail: str = "bucket",
+) -> torch.Tensor:
+    """Distillation loss per row against top-k teacher log-probs; student logits (..., V), ids/log-probs (..., K).
+
+    tail="bucket": the K top-k classes plus one class for everything else, on both sides (student tail mass is
+    exact: 1 - its mass on the teacher's ids). tail="renormalize": both distributions restricted to the
+    teacher's top-k and renormalised. tail="none": the terms on the top-k only, the student normalised over the
+    full vocabulary. beta as in `generalized_jsd_per_row`.
+    """
+    vocab = student_logits.shape[-1]
+    valid, log_p, log_p_tail = tempered_topk_teacher(teacher_token_ids, teacher_logprobs, vocab, temperature)
+    log_s_full = F.log_softmax(student_logits / temperature, dim=-1)
+    safe_ids = torch.where(valid, teacher_token_ids, torch.zeros_like(teacher_token_ids)).long()
+    log_s = torch.where(valid, log_s_full.gather(-1, safe_ids), -math.inf)
+    if tail == "renormalize":
+        log_s = torch.where(valid, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
+        log_p = torch.where(valid, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
+        return _divergence_terms(log_s, log_p, beta, valid).sum(-1)
+    loss = _divergence_terms(log_s, log_p, beta, valid).sum(-1)
+    if tail == "bucket":
+        has_tail = torch.isfinite(log_p_tail)
+        log_s_tail = (1 - log_s.exp().sum(-1)).clamp(min=TAIL_FLOOR).log()
+        loss = loss + _divergence_terms(log_s_tail, log_p_tail, beta, has_tail)
+    return loss
+
+
+def topk_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    config: KDLossConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels)."""
+    cfg = config or KDLossConfig()
+    student = apply_softcap(student_logits, cfg.softcap)
+    per_row = cfg.soft_weight * topk_kd_per_row(
+        student, teacher_token_ids, teacher_logprobs, beta=cfg.beta, temperature=cfg.temperature, tail=cfg.tail
+    )
+    if cfg.hard_weight:
+        if labels is None:
+            raise ValueError("hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0")
+        per_row = per_row + cfg.hard_weight * cross_entropy_per_row(student, labels, cfg.ignore_index)
+    return reduce_rows(
+        per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
+    )
+
+
+# ----------------------------------------------------------------------------------------- on-policy
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimator_terms(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimates of KL(student || teacher) from the log-probs of a token sampled from the student.
+
+    With log r = log p_teacher - log q_student: k1 = -log r (unbiased, high variance, can be negative),
+    k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased and never negative).
+    """
+    log_ratio = teacher_logprobs - student_logprobs
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"kind must be one of {KL_ESTIMATORS}; got kind={kind!r}")

@@ -22,8 +22,10 @@ def triton_interpreted() -> bool:
 def select_backend(device: torch.device, requested: str | None = None) -> str:
     """"triton" for CUDA tensors (or any tensor under TRITON_INTERPRET=1 when asked for), else "torch".
 
-    `requested` forces one; the tests use it to run the Triton kernels on CPU through the interpreter.
+    `requested` forces one; so does the LIGER_KD_BACKEND environment variable (the tests use both to run the
+    Triton kernels, and whole patched models, on CPU through the interpreter).
     """
+    requested = requested or os.environ.get("LIGER_KD_BACKEND") or None
     if requested is not None:
         if requested not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None (automatic); got backend={requested!r}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .backend import logits_fp32
 
@@ -206,3 +207,18 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         needs_grad=needs_grad,
         fp32_weight_grad=plan.fp32_weight_grad,
     )
+
+
+def hard_ce_rows_and_grad(
+    capped: torch.Tensor, labels: torch.Tensor, ignore_index: int, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy at T=1 per row (0 where ignored) and its gradient wrt the capped logits (unweighted)."""
+    log_q = F.log_softmax(capped, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    rows = -log_q.gather(-1, safe[:, None]).squeeze(-1) * valid
+    if not need_grad:
+        return rows, None
+    grad = log_q.exp()
+    grad.scatter_add_(-1, safe[:, None], -valid[:, None].to(grad.dtype))
+    return rows, grad

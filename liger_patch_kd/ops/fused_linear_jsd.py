@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from ..config import KDLossConfig
 from ..reference import apply_softcap
-from .backend import logits_fp32, select_backend, triton_available
-from .chunked import choose_chunk_size, run_chunked
+from .backend import triton_available
+from .chunked import hard_ce_rows_and_grad
 
 MODE_FORWARD_KL, MODE_REVERSE_KL, MODE_JSD = 0, 1, 2
 
@@ -32,21 +32,6 @@ def _mode(beta: float) -> int:
 
 
 # --------------------------------------------------------------------------------------------- PyTorch chunk
-def hard_ce_rows_and_grad(
-    capped: torch.Tensor, labels: torch.Tensor, ignore_index: int, need_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cross-entropy at T=1 per row (0 where ignored) and its gradient wrt the capped logits (unweighted)."""
-    log_q = F.log_softmax(capped, dim=-1)
-    valid = labels != ignore_index
-    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    rows = -log_q.gather(-1, safe[:, None]).squeeze(-1) * valid
-    if not need_grad:
-        return rows, None
-    grad = log_q.exp()
-    grad.scatter_add_(-1, safe[:, None], -valid[:, None].to(grad.dtype))
-    return rows, grad
-
-
 def jsd_chunk_torch(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -60,7 +45,7 @@ def jsd_chunk_torch(
     beta, inv_t = cfg.beta, 1.0 / cfg.temperature
     capped = apply_softcap(student_logits, cfg.softcap)
     log_s = F.log_softmax(capped * inv_t, dim=-1)
-    log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.effective_teacher_softcap) * inv_t, dim=-1)
+    log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.teacher_softcap) * inv_t, dim=-1)
     s, p = log_s.exp(), log_p.exp()
     mode = _mode(beta)
     if mode == MODE_FORWARD_KL:
@@ -92,25 +77,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _softcap(x, c, CAP: tl.constexpr):
-        if CAP:
-            # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends, no tanh intrinsic needed
-            x = c * (1.0 - 2.0 / (tl.exp(2.0 * x / c) + 1.0))
-        return x
-
-    @triton.jit
-    def _online_lse_update(m_vec, d_vec, x):
-        """Lane-wise online log-sum-exp: (running max, running sum of exp(x - max)) with x folded in."""
-        new = tl.maximum(m_vec, x)
-        safe = tl.where(new == float("-inf"), 0.0, new)  # lanes that have seen only -inf stay at (−inf, 0)
-        d_vec = d_vec * tl.exp(m_vec - safe) + tl.exp(x - safe)
-        return new, d_vec
-
-    @triton.jit
-    def _lse_finish(m_vec, d_vec):
-        m = tl.max(m_vec, axis=0)
-        return m + tl.log(tl.sum(d_vec * tl.exp(m_vec - m), axis=0))
+    from .triton_utils import _lse_finish, _online_lse_update, _softcap
 
     @triton.jit
     def _jsd_chunk_kernel(
@@ -252,7 +219,7 @@ def jsd_chunk_triton(
     hard = torch.zeros_like(soft)
     grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
     block, num_warps = _jsd_launch_config(vocab)
-    teacher_cap = cfg.effective_teacher_softcap
+    teacher_cap = cfg.teacher_softcap
     _jsd_chunk_kernel[(rows,)](
         student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard,
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,

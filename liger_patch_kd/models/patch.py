@@ -1,0 +1,205 @@
+"""apply_kd_patch_to_<arch>, apply_kd_patch and revert_kd_patch.
+
+Before loading (model=None) the architecture's classes are patched, so every model built afterwards gets the
+kernels and the KD forward. With model=..., only that instance and its submodules are patched (RoPE is a
+module-level function in transformers, so it is always patched module-wide: the same math, to rounding).
+Every replaced attribute is recorded once, so patching twice is harmless and revert restores the originals.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+from torch import nn
+
+from ..config import KDLossConfig
+from ..ops.rms_norm import rms_norm as rms_norm_kernel
+from ..ops.rope import rope as rope_kernel
+from ..ops.swiglu import ACTIVATIONS, gated_act
+from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PatchState, kd_causal_lm_forward, unwrap_model
+from .registry import REGISTRY, ArchSpec, spec_for
+
+# (owner, attribute) -> original value, for everything patched at class / module level
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+_MISSING = object()
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """setattr that remembers the first original (a class's own attribute, not an inherited one)."""
+    original = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+    _ORIGINALS.setdefault((owner, name), original)
+    setattr(owner, name, value)
+
+
+# ------------------------------------------------------------------------------------------ patched methods
+def _make_rms_norm_forward(spec: ArchSpec):
+    def forward(self, hidden_states):
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        return rms_norm_kernel(hidden_states, self.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting)
+
+    forward.__liger_kd__ = True
+    return forward
+
+
+def _activation_name(mlp: nn.Module) -> str | None:
+    config = getattr(mlp, "config", None)
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    return name if name in ACTIVATIONS else None
+
+
+def _gated_mlp_forward(self, x):
+    activation = _activation_name(self)
+    if activation is None:  # an activation the kernel does not know: the original computation
+        return type(self).__liger_kd_original_forward__(self, x)
+    return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), activation))
+
+
+def _fused_gate_up_mlp_forward(self, x):
+    activation = _activation_name(self)
+    if activation is None:
+        return type(self).__liger_kd_original_forward__(self, x)
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(gated_act(gate, up, activation))
+
+
+_gated_mlp_forward.__liger_kd__ = _fused_gate_up_mlp_forward.__liger_kd__ = True
+
+
+def _make_rope(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        # (q, k, cos, sin, unsqueeze_dim=1) in transformers 5, (..., position_ids=None, unsqueeze_dim=1) before
+        positional_dims = [a for a in args if isinstance(a, int)]
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", positional_dims[-1] if positional_dims else 1)
+        if cos.shape[-1] != q.shape[-1]:  # partial rotary (Phi-4-mini): the model's own function knows how
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rope_kernel(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb.__liger_kd__ = True
+    return apply_rotary_pos_emb
+
+
+# ------------------------------------------------------------------------------------------------- apply
+def apply_kd_patch(
+    model: nn.Module | None = None,
+    model_type: str | None = None,
+    *,
+    rope: bool = True,
+    swiglu: bool = True,
+    rms_norm: bool = True,
+    fused_linear_jsd: bool = True,
+    kd_config: KDLossConfig | None = None,
+    **kd: Any,
+) -> nn.Module | None:
+    """Patch a model instance (model=...) or an architecture's classes (model_type=...).
+
+    rope / swiglu / rms_norm swap in the Triton kernels (PyTorch on CPU); the KD forward is always installed,
+    and fused_linear_jsd chooses whether it computes the loss from hidden states (True) or on materialised
+    logits (False). `kd_config` / `**kd` (KDLossConfig fields) are the default loss options of the patched
+    forward. Returns the model when one was given.
+    """
+    if model is None and model_type is None:
+        raise ValueError("apply_kd_patch needs model= (patch that instance) or model_type= (patch the classes)")
+    inner = unwrap_model(model) if model is not None else None
+    spec = spec_for(model_type or inner.config.model_type)
+    config = KDLossConfig.build(kd_config, **kd)
+    module = spec.load()
+    if rope and hasattr(module, "apply_rotary_pos_emb"):
+        current = module.apply_rotary_pos_emb
+        if not getattr(current, "__liger_kd__", False):
+            _set(module, "apply_rotary_pos_emb", _make_rope(current))
+    mlp_forward = _fused_gate_up_mlp_forward if spec.fused_gate_up else _gated_mlp_forward
+    norm_cls, mlp_cls, lm_cls = (getattr(module, name) for name in (spec.rms_norm, spec.mlp, spec.causal_lm))
+    if not hasattr(mlp_cls, "__liger_kd_original_forward__"):
+        mlp_cls.__liger_kd_original_forward__ = mlp_cls.forward
+    if inner is None:
+        if rms_norm:
+            _set(norm_cls, "forward", _make_rms_norm_forward(spec))
+        if swiglu:
+            _set(mlp_cls, "forward", mlp_forward)
+        _ORIGINALS.setdefault((lm_cls, "forward"), lm_cls.__dict__["forward"])
+        _CLASS_STATE[lm_cls] = PatchState(_ORIGINALS[(lm_cls, "forward")], config, fused_linear_jsd)
+        lm_cls.forward = kd_causal_lm_forward
+        return None
+    if not isinstance(inner, lm_cls):
+        raise ValueError(
+            f"model is a {type(inner).__name__}; apply_kd_patch for {spec.model_type!r} patches {spec.causal_lm} "
+            f"(a text-only causal LM). Pass the *ForCausalLM model"
+        )
+    norm_forward = _make_rms_norm_forward(spec)
+    for sub in inner.modules():
+        if rms_norm and isinstance(sub, norm_cls):
+            _bind(sub, norm_forward)
+        elif swiglu and isinstance(sub, mlp_cls):
+            _bind(sub, mlp_forward)
+    original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
+    inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
+    _bind(inner, kd_causal_lm_forward)
+    return model
+
+
+def _bind(module: nn.Module, function) -> None:
+    module.forward = types.MethodType(function, module)
+
+
+def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = None) -> None:
+    """Undo apply_kd_patch: an instance's bound forwards (model=...), or an architecture's classes and module
+    functions (model_type=...), or everything this process patched at class level (neither)."""
+    if model is not None:
+        for sub in unwrap_model(model).modules():
+            bound = getattr(sub.__dict__.get("forward"), "__func__", None)
+            if getattr(bound, "__liger_kd__", False):
+                del sub.__dict__["forward"]
+            sub.__dict__.pop(_INSTANCE_ATTR, None)
+        return
+    specs = [spec_for(model_type)] if model_type else list(REGISTRY.values())
+    for spec in specs:
+        try:
+            module = spec.load()
+        except ValueError:
+            continue
+        owners = {module, *(getattr(module, n, None) for n in (spec.rms_norm, spec.mlp, spec.causal_lm))}
+        for (owner, name), original in list(_ORIGINALS.items()):
+            if owner in owners:
+                if original is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
+                del _ORIGINALS[(owner, name)]
+        _CLASS_STATE.pop(getattr(module, spec.causal_lm, None), None)
+
+
+def _make_apply(model_type: str):
+    def apply(
+        rope: bool = True,
+        swiglu: bool = True,
+        rms_norm: bool = True,
+        fused_linear_jsd: bool = True,
+        model: nn.Module | None = None,
+        **kd: Any,
+    ) -> nn.Module | None:
+        return apply_kd_patch(
+            model, model_type=model_type, rope=rope, swiglu=swiglu, rms_norm=rms_norm,
+            fused_linear_jsd=fused_linear_jsd, **kd,
+        )  # fmt: skip
+
+    spec = spec_for(model_type)
+    apply.__name__ = f"apply_kd_patch_to_{model_type}"
+    apply.__doc__ = (
+        f"Patch {spec.causal_lm} (model=None: the classes, before loading; model=...: that instance) with the "
+        f"Triton RMSNorm / RoPE / gated-MLP kernels and the KD forward. See apply_kd_patch."
+    )
+    return apply
+
+
+apply_kd_patch_to_llama = _make_apply("llama")
+apply_kd_patch_to_mistral = _make_apply("mistral")
+apply_kd_patch_to_qwen2 = _make_apply("qwen2")
+apply_kd_patch_to_qwen3 = _make_apply("qwen3")
+apply_kd_patch_to_gemma = _make_apply("gemma")
+apply_kd_patch_to_gemma2 = _make_apply("gemma2")
+apply_kd_patch_to_gemma3 = _make_apply("gemma3")
+apply_kd_patch_to_phi3 = _make_apply("phi3")
+

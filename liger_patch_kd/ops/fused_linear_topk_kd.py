@@ -1,0 +1,290 @@
+"""Fused linear top-k distillation: the student against precomputed teacher log-probs (top-k or full vocab),
+without materialising the student's logits beyond one chunk.
+
+Per row the student is normalised over its full vocabulary (one pass), compared with the teacher on the
+teacher's K ids, and its gradient written in a second pass. With S_j the student's probability of id j,
+a_j = dL/dS_j * S_j per class and r = dL/dS_tail for the tail bucket:
+    dL/du_v = [v in ids] (a_v - r S_v) - c S_v,   c = sum_j a_j - r sum_j S_j
+(the tail's mass is 1 - sum_j S_j, hence the -r S terms). Renormalised top-k has no dense term:
+    dL/du_v = [v in ids] (a'_v - S'_v sum_j a'_j).
+    a_j:  forward KL -P_j;  reverse KL S_j (log S_j - log P_j + 1);  JSD (1 - beta) S_j (log S_j - log M_j)
+Teacher ids must be unique within a row (as top-k ids are).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KDLossConfig
+from ..reference import LOGPROB_PLACEHOLDER, TAIL_FLOOR, apply_softcap, tempered_topk_teacher
+from .backend import triton_available
+from .chunked import hard_ce_rows_and_grad
+
+TAILS = {"bucket": 0, "renormalize": 1, "none": 2}
+
+
+def _mode(beta: float) -> int:
+    return 0 if beta == 0 else 1 if beta == 1 else 2
+
+
+# --------------------------------------------------------------------------------------------- PyTorch chunk
+def _terms_and_a(log_s, log_p, beta, present):
+    """(divergence term, a = dL/dS * S) per class, 0 where the class is absent."""
+    s, p = log_s.exp(), log_p.exp()
+    if beta == 0:
+        terms, a = p * (log_p - log_s), -p
+    elif beta == 1:
+        terms, a = s * (log_s - log_p), s * (log_s - log_p + 1)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_s + math.log(1 - beta))
+        terms = beta * p * (log_p - log_m) + (1 - beta) * s * (log_s - log_m)
+        a = (1 - beta) * s * (log_s - log_m)
+    zero = torch.zeros_like(terms)
+    return torch.where(present, terms, zero), torch.where(present, a, zero)
+
+
+def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
+    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
+    ids, logprobs = teacher
+    vocab, beta, inv_t = student_logits.shape[-1], cfg.beta, 1.0 / cfg.temperature
+    capped = apply_softcap(student_logits, cfg.softcap)
+    log_s_full = F.log_softmax(capped * inv_t, dim=-1)
+    valid, log_p, log_p_tail = tempered_topk_teacher(ids, logprobs, vocab, cfg.temperature)
+    log_p = log_p.to(log_s_full.dtype)
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).long()
+    log_s = torch.where(valid, log_s_full.gather(-1, safe), -math.inf)
+    s = log_s.exp()
+    dense_c = torch.zeros_like(s[:, 0])
+    if cfg.tail == "renormalize":
+        log_s_r = torch.where(valid, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
+        log_p_r = torch.where(valid, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
+        terms, a = _terms_and_a(log_s_r, log_p_r, beta, valid)
+        soft = terms.sum(-1)
+        sparse = a - log_s_r.exp() * a.sum(-1, keepdim=True)
+    else:
+        terms, a = _terms_and_a(log_s, log_p, beta, valid)
+        soft = terms.sum(-1)
+        r = torch.zeros_like(soft)
+        if cfg.tail == "bucket":
+            raw_tail = 1 - s.sum(-1)
+            log_s_tail = raw_tail.clamp(min=TAIL_FLOOR).log()
+            has_tail = torch.isfinite(log_p_tail)
+            log_p_tail = log_p_tail.to(soft.dtype)
+            tail_term, tail_a = _terms_and_a(log_s_tail, log_p_tail, beta, has_tail)
+            soft = soft + tail_term
+            # dL/dS_tail; no gradient where the tail is at its floor (as clamp's own gradient)
+            r = torch.where(has_tail & (raw_tail > TAIL_FLOOR), tail_a / log_s_tail.exp(), 0.0)
+        sparse = a - r[:, None] * s
+        dense_c = a.sum(-1) - r * s.sum(-1)
+    hard, hard_grad = (torch.zeros_like(soft), None)
+    if cfg.hard_weight:
+        hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
+    if grad_dtype is None:
+        return soft, hard, None
+    grad = -dense_c[:, None] * log_s_full.exp()
+    grad.scatter_add_(-1, safe, torch.where(valid, sparse, 0.0))
+    grad *= (inv_t * w_soft.to(grad.dtype))[:, None]
+    if hard_grad is not None:
+        grad += hard_grad * w_hard.to(grad.dtype)[:, None]
+    if cfg.softcap is not None:
+        grad *= 1 - (capped / cfg.softcap) ** 2
+    return soft, hard, grad.to(grad_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- Triton chunk
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .triton_utils import _lse_finish, _online_lse_update, _softcap
+
+    @triton.jit
+    def _class_term_and_a(log_s, log_p, beta, log_beta, log_1m_beta, MODE: tl.constexpr):
+        s = tl.exp(log_s)
+        if MODE == 0:
+            p = tl.exp(log_p)
+            term = p * (log_p - log_s)
+            a = -p
+        elif MODE == 1:
+            term = s * (log_s - log_p)
+            a = s * (log_s - log_p + 1.0)
+        else:
+            x = log_p + log_beta
+            y = log_s + log_1m_beta
+            log_m = tl.maximum(x, y) + tl.log(1.0 + tl.exp(-tl.abs(x - y)))
+            term = beta * tl.exp(log_p) * (log_p - log_m) + (1.0 - beta) * s * (log_s - log_m)
+            a = (1.0 - beta) * s * (log_s - log_m)
+        return term, a
+
+    @triton.jit
+    def _topk_chunk_kernel(
+        zs_ptr, ids_ptr, lp_ptr, grad_ptr, labels_ptr, w_soft_ptr, w_hard_ptr, soft_ptr, hard_ptr,
+        stride_zs, stride_ids, stride_lp, stride_g, V, K,
+        inv_temp, beta, cap_s, ignore_index, placeholder, tail_floor,
+        MODE: tl.constexpr, TAIL: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
+        CAP_S: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row: student log-sum-exp over V; three short passes over the K teacher slots
+        (normalisers, loss and the dense coefficient, then the sparse gradient); one dense gradient pass."""
+        row = tl.program_id(0).to(tl.int64)
+        zs_row = zs_ptr + row * stride_zs
+        ids_row = ids_ptr + row * stride_ids
+        lp_row = lp_ptr + row * stride_lp
+        acc_ty = zs_ptr.dtype.element_ty
+        cv = tl.arange(0, BLOCK_V)
+        ck = tl.arange(0, BLOCK_K)
+        neg_v = tl.full([BLOCK_V], float("-inf"), acc_ty)
+        zero_v = tl.zeros([BLOCK_V], acc_ty)
+
+        # pass V1: student log-sum-exp at T (and at 1 for the CE term)
+        m_s, d_s, m_1, d_1 = neg_v, zero_v, neg_v, zero_v
+        for off in range(0, V, BLOCK_V):
+            mask = off + cv < V
+            x = _softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
+            m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, x * inv_temp, float("-inf")))
+            if HAS_HARD and not UNIT_TEMP:
+                m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
+        lse_s = _lse_finish(m_s, d_s)
+
+        # pass K1: teacher normalisers, student mass on the ids (and its own normaliser for "renormalize")
+        neg_k = tl.full([BLOCK_K], float("-inf"), acc_ty)
+        zero_k = tl.zeros([BLOCK_K], acc_ty)
+        m_p, d_p, m_q, d_q = neg_k, zero_k, neg_k, zero_k
+        n_valid = tl.zeros([BLOCK_K], tl.int32)
+        mass_vec = zero_k
+        s_sum_vec = zero_k
+        for off in range(0, K, BLOCK_K):
+            kmask = off + ck < K
+            ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
+            lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
+            valid = kmask & (ids >= 0) & (lp > placeholder)
+            u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
+            n_valid += valid.to(tl.int32)
+            mass_vec += tl.where(valid, tl.exp(lp), 0.0)
+            s_sum_vec += tl.where(valid, tl.exp(u - lse_s), 0.0)
+            m_p, d_p = _online_lse_update(m_p, d_p, tl.where(valid, lp * inv_temp, float("-inf")))
+            m_q, d_q = _online_lse_update(m_q, d_q, tl.where(valid, u, float("-inf")))
+        lse_pk = _lse_finish(m_p, d_p)  # -inf when no slot is valid
+        lse_qk = _lse_finish(m_q, d_q)
+        s_sum = tl.sum(s_sum_vec, axis=0)
+        n_tail = V - tl.sum(n_valid, axis=0)
+        has_tail = n_tail > 0
+        tail_mass = tl.maximum(1.0 - tl.sum(mass_vec, axis=0), tail_floor)
+        log_n = tl.log(tl.maximum(n_tail, 1).to(acc_ty))
+        log_tail_t = tl.where(has_tail, log_n + (tl.log(tail_mass) - log_n) * inv_temp, float("-inf"))
+        big = tl.maximum(lse_pk, log_tail_t)
+        log_z = big + tl.log(tl.exp(lse_pk - big) + tl.exp(log_tail_t - big))
+        if TAIL == 1:  # renormalize: both sides over the valid slots only
+            log_z = lse_pk
+
+        log_beta = 0.0
+        log_1m_beta = 0.0
+        if MODE == 2:
+            log_beta = tl.log(beta)
+            log_1m_beta = tl.log(1.0 - beta)
+
+        # pass K2: the loss and the sum of a over the slots
+        loss_vec = zero_k
+        a_vec = zero_k
+        for off in range(0, K, BLOCK_K):
+            kmask = off + ck < K
+            ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
+            lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
+            valid = kmask & (ids >= 0) & (lp > placeholder)
+            u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
+            log_s = u - (lse_qk if TAIL == 1 else lse_s)
+            log_p = lp * inv_temp - log_z
+            term, a = _class_term_and_a(log_s, log_p, beta, log_beta, log_1m_beta, MODE)
+            loss_vec += tl.where(valid, term, 0.0)
+            a_vec += tl.where(valid, a, 0.0)
+        row_loss = tl.sum(loss_vec, axis=0)
+        a_sum = tl.sum(a_vec, axis=0)
+        r = 0.0
+        dense_c = 0.0
+        if TAIL == 0:
+            raw_tail = 1.0 - s_sum
+            log_s_tail = tl.log(tl.maximum(raw_tail, tail_floor))
+            log_p_tail = log_tail_t - log_z
+            t_term, t_a = _class_term_and_a(log_s_tail, log_p_tail, beta, log_beta, log_1m_beta, MODE)
+            row_loss += tl.where(has_tail, t_term, 0.0)
+            r = tl.where(has_tail & (raw_tail > tail_floor), t_a / tl.exp(log_s_tail), 0.0)
+        if TAIL != 1:
+            dense_c = a_sum - r * s_sum
+        tl.store(soft_ptr + row, row_loss)
+
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        valid_row = label != ignore_index
+        lse_1 = lse_s
+        if HAS_HARD:
+            if not UNIT_TEMP:
+                lse_1 = _lse_finish(m_1, d_1)
+            x_label = _softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
+            tl.store(hard_ptr + row, tl.where(valid_row, lse_1 - x_label, 0.0))
+
+        if COMPUTE_GRAD:
+            w_soft = tl.load(w_soft_ptr + row) * inv_temp
+            w_hard = tl.load(w_hard_ptr + row)
+            g_row = grad_ptr + row * stride_g
+            # pass V2: the dense part, -c S_v (+ the CE gradient)
+            for off in range(0, V, BLOCK_V):
+                mask = off + cv < V
+                x = _softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
+                grad = -dense_c * tl.exp(x * inv_temp - lse_s) * w_soft
+                if HAS_HARD:
+                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((off + cv == label) & valid_row, 1.0, 0.0))
+                if CAP_S:
+                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                tl.store(g_row + off + cv, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.debug_barrier()  # the sparse pass overwrites values other warps wrote above
+            # pass K3: the complete gradient at the teacher's ids
+            for off in range(0, K, BLOCK_K):
+                kmask = off + ck < K
+                ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
+                lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
+                valid = kmask & (ids >= 0) & (lp > placeholder)
+                x = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S)
+                u = x * inv_temp
+                log_s = u - (lse_qk if TAIL == 1 else lse_s)
+                log_p = lp * inv_temp - log_z
+                _, a = _class_term_and_a(log_s, log_p, beta, log_beta, log_1m_beta, MODE)
+                s_full = tl.exp(u - lse_s)
+                if TAIL == 1:
+                    sparse = a - tl.exp(log_s) * a_sum
+                else:
+                    sparse = a - r * s_full - dense_c * s_full
+                grad = sparse * w_soft
+                if HAS_HARD:
+                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((ids == label) & valid_row, 1.0, 0.0))
+                if CAP_S:
+                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)
+
+    def _topk_launch_config(vocab: int, k: int) -> tuple[int, int, int]:
+        """(BLOCK_V, BLOCK_K, num_warps): vocab tiles as in the JSD kernel; K slots in one tile up to 1024."""
+        return min(4096, triton.next_power_of_2(vocab)), min(1024, triton.next_power_of_2(max(k, 16))), 8
+
+
+def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
+    """Launch `_topk_chunk_kernel`; same contract as `topk_chunk_torch`."""
+    ids, logprobs = teacher
+    rows, vocab = student_logits.shape
+    soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
+    hard = torch.zeros_like(soft)
+    grad = torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device) if grad_dtype else soft
+    block_v, block_k, num_warps = _topk_launch_config(vocab, ids.shape[1])
+    _topk_chunk_kernel[(rows,)](
+        student_logits, ids, logprobs, grad, labels, w_soft, w_hard, soft, hard,
+        student_logits.stride(0), ids.stride(0), logprobs.stride(0), grad.stride(0) if grad_dtype else 0,
+        vocab, ids.shape[1], 1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), cfg.ignore_index,
+        LOGPROB_PLACEHOLDER, TAIL_FLOOR,
+        MODE=_mode(cfg.beta), TAIL=TAILS[cfg.tail], HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
+        CAP_S=cfg.softcap is not None, COMPUTE_GRAD=grad_dtype is not None, BLOCK_V=block_v, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return soft, hard, grad if grad_dtype else None
+
+
+CHUNK_KERNELS = {"torch": topk_chunk_torch, "triton": topk_chunk_triton}

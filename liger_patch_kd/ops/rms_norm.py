@@ -1,0 +1,134 @@
+"""RMSNorm, forward and backward, as each architecture computes it.
+
+y = x / sqrt(mean(x^2) + eps) * (offset + w), with two casting modes:
+    "llama": normalise in fp32, cast to the input dtype, then multiply by the weight (Llama, Mistral, Qwen, Phi-3)
+    "gemma": normalise and multiply by (1 + w) in fp32, cast at the end (Gemma 1/2/3, offset 1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import select_backend, triton_available
+
+CASTING_MODES = ("llama", "gemma")
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama"):
+    """The reference computation, op for op as transformers writes it."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return (offset + weight) * normed.to(x.dtype)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, H, eps, offset,
+        GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        normed = x32 * rstd
+        if GEMMA:
+            y = normed * (offset + w.to(tl.float32))
+        else:
+            y = normed.to(x.dtype).to(tl.float32) * (offset + w.to(tl.float32))
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(
+        dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, stride_dy, stride_x, stride_dx, n_rows, H, offset,
+        rows_per_program, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Each program takes a run of rows: dx per row, and its share of dW summed in fp32 (one partial row)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        dw = tl.zeros([BLOCK], tl.float32)
+        start = pid * rows_per_program
+        for i in range(0, rows_per_program):
+            row = (start + i).to(tl.int64)
+            if row < n_rows:
+                x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+                x32 = x.to(tl.float32)
+                dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(rstd_ptr + row)
+                normed = x32 * rstd
+                if GEMMA:
+                    dw += dy * normed
+                else:
+                    dw += dy * normed.to(x.dtype).to(tl.float32)
+                dn = dy * w
+                dx = rstd * (dn - normed * (tl.sum(dn * normed, axis=0) / H))
+                tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_partial_ptr + pid * H + cols, dw, mask=mask)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        n_rows, hidden = x2.shape
+        out_dtype = x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty((n_rows, hidden), dtype=out_dtype, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_fwd_kernel[(n_rows,)](
+            x2, weight, y, rstd, x2.stride(0), y.stride(0), hidden, eps, offset,
+            GEMMA=casting == "gemma", BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.meta = (shape, offset, casting)
+        return y.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        shape, offset, casting = ctx.meta
+        dy2 = dy.reshape(-1, shape[-1])
+        n_rows, hidden = x2.shape
+        dx = torch.empty_like(x2)
+        # enough programs to fill the GPU; each sums its rows' dW in fp32 so no atomics are needed
+        programs = max(1, min(n_rows, 4 * _sm_count(x2.device)))
+        rows_per_program = -(-n_rows // programs)
+        dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, hidden, offset,
+            rows_per_program, GEMMA=casting == "gemma", BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+        return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype), None, None, None
+
+
+def _warps(block: int) -> int:
+    """One warp per 256 columns, 1..16: a row stays in registers without spilling at hidden sizes up to 16k."""
+    return max(1, min(16, block // 256))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama", backend: str | None = None
+) -> torch.Tensor:
+    """RMSNorm of the last dimension; Triton on CUDA, `rms_norm_torch` elsewhere."""
+    if casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
+    if select_backend(x.device, backend) == "torch":
+        return rms_norm_torch(x, weight, eps, offset, casting)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)

@@ -1,0 +1,95 @@
+"""Rotary position embedding for q and k in one kernel (rotate-half convention, as transformers writes it).
+
+q_out = q * cos + rotate_half(q) * sin, with q (B, heads, T, D) in any strides and cos / sin (B, T, D) or
+(1, T, D). The backward is the same rotation with sin negated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import select_backend, triton_available
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_torch(q, k, cos, sin, unsqueeze_dim: int = 1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_kernel(
+        x_ptr, out_ptr, cos_ptr, sin_ptr, sxb, sxh, sxt, sob, soh, sot, scb, sct, T, n_heads,
+        BACKWARD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (batch, position): all heads of one tensor, both halves of the rotation.
+        The backward applies the transposed rotation: sin halves swapped and negated."""
+        pid = tl.program_id(0)
+        b = (pid // T).to(tl.int64)
+        t = (pid % T).to(tl.int64)
+        d = tl.arange(0, HALF)
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads[:, None] < n_heads
+        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(tl.float32)
+        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(tl.float32)
+        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(tl.float32)
+        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(tl.float32)
+        if BACKWARD:
+            sin1, sin2 = -sin2, -sin1
+        base = x_ptr + b * sxb + t * sxt + heads[:, None] * sxh
+        x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+        out = out_ptr + b * sob + t * sot + heads[:, None] * soh
+        tl.store(out + d[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out + HALF + d[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(out_ptr.dtype.element_ty), mask=hmask)
+
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+        bsz, heads, seq, dim = x.shape
+        out = torch.empty((bsz, seq, heads, dim), dtype=x.dtype, device=x.device).transpose(1, 2)  # HF's layout
+        cb = cos.stride(0) if cos.shape[0] > 1 else 0
+        _rope_kernel[(bsz * seq,)](
+            x, out, cos, sin, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            cb, cos.stride(1), seq, heads, BACKWARD=backward, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
+        )  # fmt: skip
+        return out
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True), None, None
+
+
+def _triton_can_take(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> bool:
+    dim = q.shape[-1]
+    return (
+        unsqueeze_dim == 1
+        and q.dim() == 4
+        and cos.dim() == 3
+        and cos.shape[-1] == dim  # partial rotary (Phi-4-mini) goes to the torch path
+        and dim % 2 == 0
+        and (dim // 2) & (dim // 2 - 1) == 0  # power-of-two half: tl.arange needs it
+        and q.stride(-1) == 1
+    )
+
+
+def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, backend: str | None = None):
+    """Drop-in for transformers' apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)."""
+    if select_backend(q.device, backend) == "torch" or not (_triton_can_take(q, cos, unsqueeze_dim) and k.stride(-1) == 1):
+        return rope_torch(q, k, cos, sin, unsqueeze_dim)
+    return RoPEFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))

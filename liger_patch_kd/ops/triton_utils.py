@@ -1,0 +1,29 @@
+"""Triton helpers the per-chunk loss kernels share."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softcap(x, c, CAP: tl.constexpr):
+    if CAP:
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends, no tanh intrinsic needed
+        x = c * (1.0 - 2.0 / (tl.exp(2.0 * x / c) + 1.0))
+    return x
+
+
+@triton.jit
+def _online_lse_update(m_vec, d_vec, x):
+    """Lane-wise online log-sum-exp: (running max, running sum of exp(x - max)) with x folded in."""
+    new = tl.maximum(m_vec, x)
+    safe = tl.where(new == float("-inf"), 0.0, new)  # lanes that have seen only -inf stay at (−inf, 0)
+    d_vec = d_vec * tl.exp(m_vec - safe) + tl.exp(x - safe)
+    return new, d_vec
+
+
+@triton.jit
+def _lse_finish(m_vec, d_vec):
+    """log-sum-exp from the lane-wise state; -inf when every value was -inf (an empty set)."""
+    m = tl.max(m_vec, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m_safe + tl.log(tl.sum(d_vec * tl.exp(m_vec - m_safe), axis=0))

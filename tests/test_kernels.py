@@ -1,0 +1,89 @@
+"""RMSNorm, RoPE and gated-MLP kernels (Triton: compiled on GPU, interpreted on CPU) against their PyTorch
+twins, forward and backward, in the dtypes models run in."""
+
+import pytest
+import torch
+
+from liger_patch_kd.ops.rms_norm import rms_norm, rms_norm_torch
+from liger_patch_kd.ops.rope import rope, rope_torch
+from liger_patch_kd.ops.swiglu import gated_act, gated_act_torch
+
+from .helpers import DEVICE
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
+
+
+def _compare(fn_kernel, fn_torch, inputs, dtype):
+    a = [t.detach().clone().requires_grad_() for t in inputs]
+    b = [t.detach().clone().requires_grad_() for t in inputs]
+    out_a, out_b = fn_kernel(*a), fn_torch(*b)
+    out_a = out_a if isinstance(out_a, tuple) else (out_a,)
+    out_b = out_b if isinstance(out_b, tuple) else (out_b,)
+    upstream = [torch.randn_like(o) for o in out_b]
+    for x, y in zip(out_a, out_b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        torch.testing.assert_close(x, y, **TOL[dtype])
+    ga = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out_a, upstream)), a)
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out_b, upstream)), b)
+    for x, y in zip(ga, gb):
+        # weight grads sum over rows: compare norm-wise
+        assert float((x.float() - y.float()).norm() / y.float().norm()) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_rms_norm(dtype, casting, offset, hidden):
+    x = torch.randn(3, 7, hidden, device=DEVICE, dtype=dtype)
+    w = (torch.rand(hidden, device=DEVICE) - 0.5).to(dtype)
+    _compare(
+        lambda x, w: rms_norm(x, w, 1e-6, offset, casting, backend="triton"),
+        lambda x, w: rms_norm_torch(x, w, 1e-6, offset, casting),
+        [x, w],
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch_cos", [1, 2])
+def test_rope_q_and_k_in_one_kernel(dtype, batch_cos):
+    bsz, heads, kv_heads, seq, dim = 2, 4, 2, 9, 16
+    # HF layout: (B, T, heads, D) projections transposed to (B, heads, T, D) views
+    q = torch.randn(bsz, seq, heads, dim, device=DEVICE, dtype=dtype).transpose(1, 2)
+    k = torch.randn(bsz, seq, kv_heads, dim, device=DEVICE, dtype=dtype).transpose(1, 2)
+    angles = torch.randn(batch_cos, seq, dim // 2, device=DEVICE)
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    _compare(
+        lambda q, k: rope(q, k, cos, sin, backend="triton"), lambda q, k: rope_torch(q, k, cos, sin), [q, k], dtype
+    )
+
+
+def test_rope_backward_with_unequal_halves():
+    """The backward is the transposed rotation: right even when cos/sin halves differ (not HF's layout)."""
+    q = torch.randn(1, 3, 2, 8, device=DEVICE).transpose(1, 2)  # (B, heads=2, T=3, D)
+    k = torch.randn(1, 3, 1, 8, device=DEVICE).transpose(1, 2)
+    cos, sin = torch.randn(1, 3, 8, device=DEVICE), torch.randn(1, 3, 8, device=DEVICE)
+    _compare(lambda q, k: rope(q, k, cos, sin, backend="triton"), lambda q, k: rope_torch(q, k, cos, sin), [q, k], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation(dtype, activation):
+    gate = torch.randn(5, 333, device=DEVICE, dtype=dtype) * 3
+    up = torch.randn(5, 333, device=DEVICE, dtype=dtype)
+    _compare(
+        lambda g, u: gated_act(g, u, activation, backend="triton"),
+        lambda g, u: gated_act_torch(g, u, activation),
+        [gate, up],
+        dtype,
+    )
+
+
+def test_kernel_argument_errors():
+    with pytest.raises(ValueError, match="activation"):
+        gated_act(torch.zeros(2), torch.zeros(2), "relu")
+    with pytest.raises(ValueError, match="same shape|one shape"):
+        gated_act(torch.zeros(2), torch.zeros(3))
+    with pytest.raises(ValueError, match="casting"):
+        rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-6, casting="t5")
