@@ -1,0 +1,144 @@
+"""precompute -> store -> dataset -> collator -> patched forward, and the store's failure modes."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import liger_patch_kd.models as M
+from liger_patch_kd import KDLossConfig
+from liger_patch_kd import teacher_data as TD
+
+from .tiny_models import VOCAB, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _clean_patches():
+    yield
+    M.revert_kd_patch()
+
+
+def _sequences(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("tail", ["bucket", "renormalize", "none"])
+def test_round_trip_full_vocab_equals_online_loss(tmp_path, tail):
+    teacher = tiny_model("llama", seed=3)
+    seqs = _sequences()
+    TD.precompute(teacher, seqs, tmp_path, top_k=VOCAB, batch_size=3, shard_size=4, logprob_dtype="float32", progress=False)
+    data = TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB)
+    assert len(data) == len(seqs) and data.top_k == VOCAB
+    batch = next(iter(DataLoader(data, batch_size=len(seqs), collate_fn=TD.TeacherDataCollator())))
+    student = M.apply_kd_patch_to_llama(model=tiny_model("llama", seed=1), kd_config=KDLossConfig(beta=0.3, tail=tail))
+    common = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    offline = student(**common, teacher_token_ids=batch["teacher_token_ids"], teacher_logprobs=batch["teacher_logprobs"])
+    online = student(**common, teacher_model=teacher)
+    # the store keeps fp32 log-probs of the fp64 teacher: agreement to fp32 rounding
+    torch.testing.assert_close(offline.loss, online.loss, rtol=1e-6, atol=1e-7)
+
+
+def test_topk_store_trains_the_patched_forward(tmp_path):
+    teacher = tiny_model("qwen2", seed=3)
+    TD.precompute(teacher, _sequences(), tmp_path, top_k=8, batch_size=4, shard_size=3, progress=False)
+    data = TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB)
+    item = data[5]
+    assert item["teacher_token_ids"].dtype == torch.int32 and item["teacher_logprobs"].dtype == torch.bfloat16
+    assert (item["teacher_token_ids"][-1] == -1).all()  # the last position has no target
+    batch = TD.TeacherDataCollator()([data[i] for i in range(4)])
+    student = M.apply_kd_patch_to_qwen2(model=tiny_model("qwen2", seed=1))
+    out = student(**batch)
+    assert torch.isfinite(out.loss) and out.loss > 0
+    out.loss.backward()
+
+
+def test_interrupted_precompute_resumes_to_identical_shards(tmp_path, monkeypatch):
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    seqs = _sequences(10)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    TD.precompute(teacher, seqs, full, top_k=5, shard_size=3, progress=False)
+
+    original = TD.StoreWriter.write_shard
+    calls = {"n": 0}
+
+    def crash_on_third(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            (self.out_dir / "shard-00002.safetensors.tmp").write_bytes(b"half a shard")
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(TD.StoreWriter, "write_shard", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        TD.precompute(teacher, seqs, resumed, top_k=5, shard_size=3, progress=False)
+    with pytest.raises(TD.TeacherStoreError, match="interrupted"):
+        TD.TeacherLogprobsDataset(resumed)
+    monkeypatch.setattr(TD.StoreWriter, "write_shard", original)
+    TD.precompute(teacher, seqs, resumed, top_k=5, shard_size=3, progress=False)
+    names = sorted(p.name for p in full.glob("shard-*"))
+    assert names == sorted(p.name for p in resumed.glob("*") if p.name != TD.MANIFEST)
+    for name in names:
+        assert (full / name).read_bytes() == (resumed / name).read_bytes()
+    with pytest.raises(TD.TeacherStoreError, match="other settings"):
+        TD.precompute(teacher, seqs, resumed, top_k=6, shard_size=3, progress=False)
+
+
+def test_damaged_or_mismatched_store_is_refused(tmp_path):
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    TD.precompute(teacher, _sequences(6), tmp_path, top_k=4, shard_size=3, progress=False)
+    with pytest.raises(TD.TeacherStoreError, match="vocab_size"):
+        TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB + 1)
+    shard = tmp_path / "shard-00001.safetensors"
+    blob = bytearray(shard.read_bytes())
+    blob[-3] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    data = TD.TeacherLogprobsDataset(tmp_path)
+    data[0]  # shard 0 is intact
+    with pytest.raises(TD.TeacherStoreError, match="checksum"):
+        data[4]
+    shard.unlink()
+    with pytest.raises(TD.TeacherStoreError, match="missing"):
+        TD.TeacherLogprobsDataset(tmp_path)[4]
+    with pytest.raises(TD.TeacherStoreError, match="not a teacher store"):
+        TD.TeacherLogprobsDataset(tmp_path / "nowhere")
+
+
+def test_tokenizer_fingerprint_is_checked(tmp_path):
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    a, b = Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0})
+    assert TD.tokenizer_fingerprint(a) != TD.tokenizer_fingerprint(b)
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    TD.precompute(teacher, _sequences(2), tmp_path, top_k=4, tokenizer_fp=TD.tokenizer_fingerprint(a), progress=False)
+    TD.TeacherLogprobsDataset(tmp_path, tokenizer=a)
+    with pytest.raises(TD.TeacherStoreError, match="fingerprint"):
+        TD.TeacherLogprobsDataset(tmp_path, tokenizer=b)
+
+
+def test_vllm_import(tmp_path):
+    records = [
+        {
+            "prompt_token_ids": [5, 9, 2],
+            "prompt_logprobs": [None, {"9": {"logprob": -0.1, "rank": 1}, "3": {"logprob": -2.5, "rank": 2}},
+                                {"2": -0.7, "7": -1.0, "8": -9999.0}],
+            "output_token_ids": [4],
+            "output_logprobs": [{"4": {"logprob": -0.2}}],
+        }
+    ]  # fmt: skip
+    TD.import_vllm_logprobs(records, tmp_path, vocab_size=10, top_k=2)
+    item = TD.TeacherLogprobsDataset(tmp_path, vocab_size=10)[0]
+    assert item["input_ids"].tolist() == [5, 9, 2, 4]
+    assert item["teacher_token_ids"].tolist() == [[9, 3], [2, 7], [4, -1], [-1, -1]]
+    lp = item["teacher_logprobs"]
+    assert lp[0].tolist() == pytest.approx([-0.1, -2.5]) and lp[2, 1] == float("-inf")
+    with pytest.raises(TD.TeacherStoreError, match="outside vocab_size"):
+        TD.import_vllm_logprobs([{"prompt_token_ids": [1, 2], "prompt_logprobs": [None, {"12": -0.1}]}], tmp_path / "b", vocab_size=10, top_k=2)
+    manifest = json.loads((tmp_path / TD.MANIFEST).read_text())
+    assert manifest["top_k"] == 2 and manifest["shards"][0]["sha256"]
