@@ -105,6 +105,7 @@ def kd_causal_lm_forward(
     kd_config: KDLossConfig | dict | None = None,
     return_logits: bool = False,
     kd_teacher_callback: TeacherCallback | None = None,
+    kd_log_agreement: bool = False,
     **kwargs,
 ):
     """The patched *ForCausalLM.forward.
@@ -115,6 +116,8 @@ def kd_causal_lm_forward(
     (patched with fused_linear_jsd=False, or return_logits=True). Without labels or a teacher it is the
     original forward, so generation and plain CE training behave exactly as before. `kd_config` (a
     KDLossConfig or a dict of its fields) overrides the options given at patch time for this call.
+    `kd_log_agreement` adds `.kd_top1_agreement`: how often the student's most likely token is the teacher's,
+    on up to 256 scored rows (one host sync; the trainer asks on logging steps only).
     `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
     last hidden states inside this model's own forward, where FSDP has its parameters gathered.
     """
@@ -127,6 +130,9 @@ def kd_causal_lm_forward(
     _check_teacher_args(teacher_model, teacher_hidden_states, teacher_weight, teacher_token_ids, teacher_logprobs)
 
     cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
+    # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
+    # no attention mask) from attending across their boundaries
+    kwargs.setdefault("use_cache", False)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = given_shift if given_shift is not None else shift_labels(labels, cfg.ignore_index)
@@ -138,17 +144,26 @@ def kd_causal_lm_forward(
     hidden = decoder_out.last_hidden_state
     head = output_head(self, "student")
     common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
+    agreement = None
     if teacher_token_ids is not None:
         out = fused_linear_topk_kd(hidden, head.weight, teacher_token_ids, teacher_logprobs, targets, config=cfg, **common)
+        if kd_log_agreement:
+            agreement = _top1_agreement(hidden, head, targets, cfg, _topk_top1(teacher_token_ids, teacher_logprobs))
     elif teacher_hidden_states is not None:
         out = fused_linear_jsd(
             hidden, head.weight, teacher_hidden_states, teacher_weight, targets, teacher_bias=teacher_bias,
             config=cfg, **common,
         )  # fmt: skip
+        if kd_log_agreement:
+            teacher_top1 = _linear_top1(teacher_hidden_states, teacher_weight, teacher_bias)
+            agreement = _top1_agreement(hidden, head, targets, cfg, teacher_top1)
     else:
         grad_enabled = torch.is_grad_enabled()
+        measured = {}
 
         def loss_on(h_t, w_t, b_t, cap_t):
+            if kd_log_agreement:
+                measured["agreement"] = _top1_agreement(hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t))
             with torch.set_grad_enabled(grad_enabled):
                 return fused_linear_jsd(
                     hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
@@ -156,7 +171,32 @@ def kd_causal_lm_forward(
                 )  # fmt: skip
 
         out = call_teacher(teacher_model, input_ids, attention_mask, kwargs, loss_on)
-    return _output(out, decoder_out)
+        agreement = measured.get("agreement")
+    result = _output(out, decoder_out)
+    if agreement is not None:
+        result.kd_top1_agreement = agreement
+    return result
+
+
+def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """rows -> the teacher's most likely token on those rows (soft-capping is monotone: argmax unchanged)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return lambda rows: F.linear(flat[rows].to(weight.dtype), weight, bias).argmax(-1)
+
+
+def _topk_top1(ids: torch.Tensor, logprobs: torch.Tensor):
+    flat_ids, flat_lp = ids.reshape(-1, ids.shape[-1]), logprobs.reshape(-1, ids.shape[-1])
+    return lambda rows: flat_ids[rows].gather(-1, flat_lp[rows].float().argmax(-1, keepdim=True)).squeeze(-1)
+
+
+@torch.no_grad()
+def _top1_agreement(hidden, head: nn.Linear, targets, cfg: KDLossConfig, teacher_top1, max_rows: int = 256):
+    flat_targets = targets.reshape(-1)
+    rows = (flat_targets != cfg.ignore_index).nonzero().squeeze(-1)[:max_rows]
+    if rows.numel() == 0:
+        return torch.zeros((), device=hidden.device)
+    student_top1 = head(hidden.reshape(-1, hidden.shape[-1])[rows]).argmax(-1)
+    return (student_top1 == teacher_top1(rows).to(student_top1.device)).float().mean()
 
 
 kd_causal_lm_forward.__liger_kd__ = True
@@ -176,7 +216,7 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     sharded parameters; the teacher's decoder runs under no_grad, and FSDP registers no backward hooks for it.
     """
     install_teacher_forward(teacher)
-    passthrough = {k: student_kwargs[k] for k in ("position_ids",) if student_kwargs.get(k) is not None}
+    passthrough = {k: student_kwargs[k] for k in ("position_ids", "use_cache") if student_kwargs.get(k) is not None}
     with torch.no_grad():
         return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
 

@@ -1,0 +1,262 @@
+"""KDTrainingArguments (the flag) and KDTrainer: online, offline (teacher log-probs as data) and on-policy
+distillation through the Hugging Face Trainer."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from . import reference
+from .config import KDLossConfig
+from .models import apply_kd_patch
+from .models.kd_forward import shift_labels
+
+KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+
+
+@dataclass
+class KDTrainingArguments(TrainingArguments):
+    """TrainingArguments plus the distillation options. `use_kd_patch=True` is the one flag: the student is
+    patched with `apply_kd_patch(model=...)` (kernel toggles from `kd_patch_config`, e.g. {"rope": False})."""
+
+    use_kd_patch: bool = field(default=False, metadata={"help": "Patch the student: fused KD loss and Triton kernels."})
+    kd_patch_config: dict | None = field(default=None, metadata={"help": "apply_kd_patch keywords: rope, swiglu, rms_norm, fused_linear_jsd."})
+    kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
+    kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
+    kd_soft_weight: float = field(default=1.0, metadata={"help": "Weight of the distillation term."})
+    kd_hard_weight: float = field(default=0.0, metadata={"help": "Weight of the hard-label cross-entropy term."})
+    kd_top_k_tail: str = field(default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."})
+    kd_lmbda: float = field(default=0.0, metadata={"help": "Fraction of steps on student-generated completions (GKD)."})
+    kd_seq_kd: bool = field(default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."})
+    kd_max_new_tokens: int = field(default=128, metadata={"help": "Completion length for on-policy / seq-KD steps."})
+    kd_generation_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of those completions."})
+    kd_self_distill: bool = field(default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.kd_lmbda <= 1.0:
+            raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
+        if self.kd_max_new_tokens < 1:
+            raise ValueError(f"kd_max_new_tokens must be >= 1; got {self.kd_max_new_tokens}")
+        if self.kd_generation_temperature <= 0:
+            raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
+        self.kd_loss_config()  # validates the loss options now, not at the first step
+
+    def kd_loss_config(self) -> KDLossConfig:
+        return KDLossConfig(
+            beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
+            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail,
+        )  # fmt: skip
+
+
+class AdapterDisabledTeacher(nn.Module):
+    """Self-distillation: the PEFT student with its adapter disabled is the teacher (no second copy)."""
+
+    def __init__(self, peft_model: nn.Module) -> None:
+        super().__init__()
+        if not hasattr(peft_model, "disable_adapter"):
+            raise ValueError("kd_self_distill needs a PEFT model (with disable_adapter()) as the student")
+        object.__setattr__(self, "module", peft_model)  # not a submodule: its parameters stay the student's
+
+    def forward(self, *args, **kwargs):
+        with self.module.disable_adapter():
+            return self.module(*args, **kwargs)
+
+
+class KDTrainer(Trainer):
+    """Trainer that distils `teacher_model` (or the teacher log-probs in the batches) into `model`.
+
+    The loss is soft_weight * KD + hard_weight * CE as KDTrainingArguments set it, exact under gradient
+    accumulation (normalised by the token count of the whole accumulated batch). With use_kd_patch it runs
+    through the patched forward (no logits); without, the same objective on materialised logits
+    (reference.py), the baseline to compare with.
+    """
+
+    def __init__(self, model: nn.Module, teacher_model: nn.Module | None = None, args: KDTrainingArguments | None = None, **kwargs):
+        if args is None or not isinstance(args, KDTrainingArguments):
+            raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        self.kd_config = args.kd_loss_config()
+        if args.use_kd_patch:
+            apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
+        super().__init__(model=model, args=args, **kwargs)
+        self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
+        if args.kd_self_distill:
+            if teacher_model is not None:
+                raise ValueError("kd_self_distill uses the student's base model as teacher; do not pass teacher_model")
+            teacher_model = AdapterDisabledTeacher(self.model)
+        elif teacher_model is not None:
+            teacher_model.eval().requires_grad_(False)
+            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+                teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+            else:
+                teacher_model = teacher_model.to(self.args.device)
+        self.teacher_model = teacher_model
+        self._kd_sums: dict[str, torch.Tensor] = {}
+        self._kd_count = 0
+        self._kd_agreement: torch.Tensor | None = None
+
+    # --------------------------------------------------------------------------------------- data columns
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *KD_COLUMNS, "position_ids"]))
+
+    # ---------------------------------------------------------------------------------------------- loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        generated = inputs.pop("_kd_generated", False)
+        offline = inputs.get("teacher_token_ids") is not None
+        if not offline and self.teacher_model is None:
+            raise ValueError(
+                "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
+                "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher_data)"
+            )
+        if generated:
+            num_items_in_batch = None  # generated completions: a mean over this micro-batch (see below)
+        log_now = self._kd_should_log()
+        if self.args.use_kd_patch:
+            outputs = model(
+                **inputs, teacher_model=None if offline else self.teacher_model,
+                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now,
+            )  # fmt: skip
+            loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
+            agreement = getattr(outputs, "kd_top1_agreement", None)
+        else:
+            loss, soft, hard, agreement, outputs = self._materialised_loss(model, inputs, num_items_in_batch)
+        if generated and self.model.training:
+            # the Trainer does not divide by the accumulation steps when num_items_in_batch is set
+            loss = loss / self.args.gradient_accumulation_steps
+        elif self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
+        self._kd_record(soft, hard, agreement)
+        return (loss, outputs) if return_outputs else loss
+
+    def _materialised_loss(self, model, inputs, num_items_in_batch):
+        """use_kd_patch=False: both models' logits, then reference.py (softcaps already in the logits)."""
+        cfg = self.kd_config.replace(softcap=None, teacher_softcap=None)
+        teacher_ids, teacher_lp = inputs.pop("teacher_token_ids", None), inputs.pop("teacher_logprobs", None)
+        labels = inputs.pop("labels")
+        targets = inputs.pop("shift_labels", None)
+        targets = targets if targets is not None else shift_labels(labels, cfg.ignore_index)
+        outputs = model(**inputs)
+        student = _upcast(outputs.logits)
+        if teacher_ids is not None:
+            soft = reference.topk_kd_loss(student, teacher_ids, teacher_lp, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch)
+            teacher_top1 = teacher_ids.gather(-1, teacher_lp.float().argmax(-1, keepdim=True)).squeeze(-1)
+        else:
+            with torch.no_grad():
+                teacher_logits = _upcast(self.teacher_model(**inputs).logits)
+            soft = reference.kd_loss(student, teacher_logits, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch)
+            teacher_top1 = teacher_logits.argmax(-1)
+        hard = torch.zeros_like(soft)
+        if cfg.hard_weight:
+            ce = reference.cross_entropy_per_row(student, targets, cfg.ignore_index)
+            hard = reference.reduce_rows(ce, targets, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch)
+        loss = cfg.soft_weight * soft + cfg.hard_weight * hard
+        valid = targets != cfg.ignore_index
+        agreement = ((student.argmax(-1) == teacher_top1) & valid).sum() / valid.sum().clamp(min=1)
+        outputs.loss = loss
+        return loss, soft.detach(), hard.detach(), agreement.detach(), outputs
+
+    # ------------------------------------------------------------------------------------------ on-policy
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.kd_seq_kd or (self.args.kd_lmbda > 0 and random.random() < self.args.kd_lmbda):
+            generator = self.teacher_model if self.args.kd_seq_kd else model
+            if generator is None:
+                raise ValueError("kd_seq_kd needs a teacher_model to generate with")
+            inputs = self.generate_completions(generator, inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    @torch.no_grad()
+    def generate_completions(self, generator: nn.Module, inputs: dict) -> dict:
+        """Replace each row's completion (labelled tokens) by one sampled from `generator` given its prompt
+        (the tokens before the first label). Prompts of length 0 start from BOS; completions end at EOS or
+        kd_max_new_tokens; the prompt is masked out of the labels."""
+        from .models.kd_forward import unwrap_model
+
+        inputs = self._prepare_inputs(inputs)
+        input_ids, labels = inputs["input_ids"], inputs["labels"]
+        mask = inputs.get("attention_mask", torch.ones_like(input_ids))
+        gen_cfg = unwrap_model(generator).generation_config
+        eos = gen_cfg.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        pad = _first(gen_cfg.pad_token_id, self._pad_id(), eos, 0)
+        start = _first(gen_cfg.bos_token_id, eos, pad)
+        prompts = []
+        for row in range(input_ids.shape[0]):
+            keep = mask[row].bool()
+            ids, lab = input_ids[row][keep], labels[row][keep]
+            scored = (lab != -100).nonzero()
+            cut = int(scored[0]) if len(scored) else len(ids)
+            prompts.append(ids[:cut] if cut > 0 else torch.tensor([start], device=ids.device))
+        width = max(len(p) for p in prompts)
+        prompt_ids = torch.full((len(prompts), width), pad, dtype=input_ids.dtype, device=input_ids.device)
+        prompt_mask = torch.zeros_like(prompt_ids)
+        for row, p in enumerate(prompts):  # left padding for batched generation
+            prompt_ids[row, width - len(p) :] = p
+            prompt_mask[row, width - len(p) :] = 1
+        was_training = generator.training
+        generator.eval()
+        out = unwrap_model(generator).generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=self.args.kd_max_new_tokens, do_sample=True,
+            temperature=self.args.kd_generation_temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+        )  # fmt: skip
+        generator.train(was_training)
+        rows = []
+        for row, p in enumerate(prompts):
+            completion = out[row, width:].tolist()
+            ends = [i for i, t in enumerate(completion) if t in eos_ids]
+            completion = completion[: ends[0] + 1] if ends else completion  # up to and including EOS
+            rows.append((p.tolist(), completion))
+        length = max(len(p) + len(c) for p, c in rows)
+        new_ids = torch.full((len(rows), length), pad, dtype=input_ids.dtype, device=input_ids.device)
+        new_labels = torch.full_like(new_ids, -100)
+        new_mask = torch.zeros_like(new_ids)
+        for row, (p, c) in enumerate(rows):
+            new_ids[row, : len(p) + len(c)] = torch.tensor(p + c, device=new_ids.device)
+            new_labels[row, len(p) : len(p) + len(c)] = torch.tensor(c, dtype=torch.long, device=new_ids.device)
+            new_mask[row, : len(p) + len(c)] = 1
+        return {"input_ids": new_ids, "attention_mask": new_mask, "labels": new_labels, "_kd_generated": True}
+
+    def _pad_id(self) -> int | None:
+        tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        return getattr(tokenizer, "pad_token_id", None)
+
+    # -------------------------------------------------------------------------------------------- logging
+    def _kd_should_log(self) -> bool:
+        steps = self.args.logging_steps
+        return self.model.training and steps > 0 and (self.state.global_step + 1) % max(1, int(steps)) == 0
+
+    def _kd_record(self, soft, hard, agreement) -> None:
+        """Sum the terms on the device (no host sync per step); `log` reads them once per logging step."""
+        self._kd_count += 1
+        for key, value in (("kd_soft_loss", soft), ("kd_hard_loss", hard)):
+            self._kd_sums[key] = self._kd_sums.get(key, 0.0) + value.detach().float().mean()
+        if agreement is not None:  # measured on logging steps only
+            self._kd_agreement = agreement.detach().float()
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._kd_count and "loss" in logs:
+            for key, total in self._kd_sums.items():
+                logs[key] = round(float(total) / self._kd_count, 6)
+            if getattr(self, "_kd_agreement", None) is not None:
+                logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
+            self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
+        super().log(logs, *args, **kwargs)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _first(*values: Any) -> Any:
+    for v in values:
+        if v is not None:
+            return v[0] if isinstance(v, list) and v else v
+    return None
+
+
