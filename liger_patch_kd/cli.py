@@ -1,0 +1,86 @@
+"""`liger-kd`: demo, precompute, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(quick=args.quick, device=args.device)
+
+
+def _precompute(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .teacher_data import precompute, tokenizer_fingerprint
+
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, torch_dtype="auto")
+    teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
+    sequences = []
+    with open(args.data) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "input_ids" in record:
+                ids = list(record["input_ids"])
+            elif "text" in record:
+                ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+            else:
+                raise ValueError(f"{args.data}:{line_no}: each line needs 'text' or 'input_ids'")
+            sequences.append(ids[: args.max_length] if args.max_length else ids)
+    out = precompute(
+        teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,
+        logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher,
+        tokenizer_fp=tokenizer_fingerprint(tokenizer),
+    )  # fmt: skip
+    print(f"wrote {out}")
+
+
+def _bench(args) -> None:
+    import torch
+
+    from .demo import loss_memory_demo
+
+    loss_memory_demo(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny teacher and distil it four ways; print a table")
+    demo.add_argument("--quick", action="store_true", help="fewer steps (CI)")
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=_demo)
+
+    pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store")
+    pre.add_argument("--teacher", required=True, help="HF model path or name")
+    pre.add_argument("--data", required=True, help="JSONL with 'text' or 'input_ids' per line")
+    pre.add_argument("--out", required=True)
+    pre.add_argument("--top-k", type=int, default=64)
+    pre.add_argument("--temperature", type=float, default=1.0, help="keep 1: tempering later is exact")
+    pre.add_argument("--max-length", type=int, default=None)
+    pre.add_argument("--batch-size", type=int, default=8)
+    pre.add_argument("--shard-size", type=int, default=1024)
+    pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pre.add_argument("--tokenizer", default=None)
+    pre.add_argument("--device", default=None)
+    pre.set_defaults(func=_precompute)
+
+    bench = sub.add_parser("bench", help="the fused loss against materialised logits on this device")
+    bench.add_argument("--device", default=None)
+    bench.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

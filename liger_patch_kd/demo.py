@@ -1,0 +1,225 @@
+"""`liger-kd demo`: distillation from nothing, on whatever machine this is.
+
+1. the fused loss against materialised logits on one toy batch: same value, a fraction of the memory;
+2. a small teacher trained on the packaged corpus (character tokenizer, no downloads);
+3. one smaller student per recipe, same init, same steps: CE only, online fused JSD, offline top-k from a
+   store precomputed here, on-policy (GKD) with student-generated completions;
+4. a table: held-out CE, KL(teacher || student) per token, tokens/s, peak memory.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from .losses import fused_linear_jsd
+from .models import revert_kd_patch
+from .utils.memory import PeakMemory
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+class CharTokenizer:
+    """Characters of the corpus, after three specials; enough for a demo and fingerprintable like HF's."""
+
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        self.index = {c: i + 3 for i, c in enumerate(self.chars)}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+
+    def __len__(self) -> int:
+        return len(self.chars) + 3
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **self.index}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index[c] for c in text if c in self.index]
+
+    def decode(self, ids: list[int]) -> str:
+        inverse = {i: c for c, i in self.index.items()}
+        return "".join(inverse.get(i, "") for i in ids)
+
+
+def load_corpus() -> str:
+    return resources.files("liger_patch_kd").joinpath("data/corpus.txt").read_text()
+
+
+@dataclass
+class DemoSizes:
+    seq: int = 64
+    teacher_steps: int = 500
+    student_steps: int = 400
+    batch: int = 16
+    top_k: int = 8
+
+    @classmethod
+    def quick(cls) -> DemoSizes:
+        return cls(seq=48, teacher_steps=200, student_steps=150, batch=8)
+
+
+def _windows(ids: list[int], seq: int) -> list[list[int]]:
+    """BOS + non-overlapping windows of the token stream."""
+    return [[BOS] + ids[i : i + seq - 1] for i in range(0, len(ids) - seq, seq - 1)]
+
+
+def _model(vocab: int, hidden: int, layers: int, seed: int, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def _args(out: Path, steps: int, batch: int, device, **kd):
+    from .trainer import KDTrainingArguments
+
+    return KDTrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=max(1, steps // 5),
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda", **kd,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float, float]:
+    """Held-out next-token CE of the student and KL(teacher || student) per token."""
+    student.eval()
+    ids = torch.tensor(windows, device=device)
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    s = student(input_ids=ids).logits.float()
+    t = teacher(input_ids=ids).logits.float()
+    ce = reference.cross_entropy_per_row(s, labels)[labels != -100].mean()
+    kl = reference.generalized_jsd(s, t, labels, beta=0.0)
+    return float(ce), float(kl)
+
+
+@torch.no_grad()
+def evaluate_on_own_samples(student, teacher, windows: list[list[int]], device, prompt: int = 16, new: int = 32) -> float:
+    """KL(teacher || student) per token on the student's own sampled continuations of held-out prompts: the
+    distribution on-policy distillation trains on (teacher forcing on real text is the other column)."""
+    student.eval()
+    prompts = torch.tensor([w[:prompt] for w in windows], device=device)
+    torch.manual_seed(0)
+    seqs = student.generate(
+        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, do_sample=True, top_k=0,
+        pad_token_id=PAD, eos_token_id=None,
+    )  # fmt: skip
+    labels = torch.full_like(seqs, -100)
+    labels[:, prompt - 1 : -1] = seqs[:, prompt:]  # score the generated tokens only
+    s, t = student(input_ids=seqs).logits.float(), teacher(input_ids=seqs).logits.float()
+    return float(reference.generalized_jsd(s, t, labels, beta=0.0))
+
+
+def loss_memory_demo(device) -> None:
+    """Step 1: one batch of the fused loss against the loss on materialised logits."""
+    n, hidden, vocab = (1024, 128, 32000) if device.type == "cpu" else (8192, 2048, 128256)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    h_s = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+    w_s = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype).requires_grad_()
+    h_t = torch.randn(n, hidden, device=device, dtype=dtype)
+    w_t = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (n,), device=device)
+    rows = []
+    for name in ("fused (liger_patch_kd)", "materialised logits"):
+        with PeakMemory(device) as mem:
+            start = time.perf_counter()
+            if name.startswith("fused"):
+                loss = fused_linear_jsd(h_s, w_s, h_t, w_t, labels)
+            else:
+                loss = reference.kd_loss((h_s @ w_s.T).float(), (h_t @ w_t.T).float(), labels)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        rows.append((name, loss.item(), mem.peak_mib, seconds * 1000))
+        h_s.grad = w_s.grad = None
+    print(f"\n[1/4] the loss alone: N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}, forward+backward")
+    print(f"{'':24}{'loss':>12}{'peak MiB':>12}{'ms':>10}")
+    for name, loss, mib, ms in rows:
+        print(f"{name:24}{loss:12.6f}{mib:12.1f}{ms:10.1f}")
+
+
+def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
+    from transformers import Trainer
+
+    from . import teacher_data as TD
+    from .trainer import KDTrainer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sizes = DemoSizes.quick() if quick else DemoSizes()
+    loss_memory_demo(dev)
+
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    split = int(len(text) * 0.9)
+    train = _windows(tok.encode(text[:split]), sizes.seq)
+    held_out = _windows(tok.encode(text[split:]), sizes.seq)[:64]
+    dataset = [{"input_ids": torch.tensor(w)} for w in train]
+    collator = TD.TeacherDataCollator(pad_token_id=PAD)
+    work = Path(tempfile.mkdtemp(prefix="liger_kd_demo_"))
+    vocab = len(tok)
+
+    print(f"\n[2/4] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
+    teacher = _model(vocab, 128, 4, seed=0, device=dev)
+    Trainer(model=teacher, args=_args(work / "teacher", sizes.teacher_steps, sizes.batch, dev), train_dataset=dataset,
+            data_collator=collator).train()  # fmt: skip
+    teacher.eval()
+    ce, _ = evaluate(teacher, teacher, held_out, dev)
+    print(f"teacher held-out CE {ce:.3f} nats/char")
+
+    print(f"\n[3/4] students: Llama 2 x 64, {sizes.student_steps} steps each, same init")
+    store = TD.precompute(teacher, train, work / "store", top_k=sizes.top_k, batch_size=32,
+                          tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=True)  # fmt: skip
+    offline_data = TD.TeacherLogprobsDataset(store, vocab_size=vocab, tokenizer=tok)
+    recipes = {
+        "CE only": None,
+        # beta 0 (forward KL) in every KD recipe: the quantity the table reports, so the recipes compare fairly
+        "online fused JSD (beta 0)": dict(teacher=teacher, data=dataset, kd=dict(use_kd_patch=True, kd_beta=0.0)),
+        f"offline top-{sizes.top_k} (store)": dict(teacher=None, data=offline_data, kd=dict(use_kd_patch=True, kd_beta=0.0)),
+        "on-policy (GKD, lmbda 0.5)": dict(teacher=teacher, data=dataset,
+                                           kd=dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)),
+    }  # fmt: skip
+    results = []
+    for name, recipe in recipes.items():
+        student = _model(vocab, 64, 2, seed=1, device=dev)
+        args = _args(work / "student", sizes.student_steps, sizes.batch, dev, **(recipe or {}).get("kd", {}))
+        if recipe is None:
+            trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
+        else:
+            trainer = KDTrainer(model=student, teacher_model=recipe["teacher"], args=args, train_dataset=recipe["data"],
+                                data_collator=collator)  # fmt: skip
+        with PeakMemory(dev) as mem:
+            start = time.perf_counter()
+            trainer.train()
+            seconds = time.perf_counter() - start
+        revert_kd_patch(model=student)
+        ce, kl = evaluate(student, teacher, held_out, dev)
+        kl_own = evaluate_on_own_samples(student, teacher, held_out, dev)
+        tokens = sizes.student_steps * sizes.batch * sizes.seq
+        results.append(dict(recipe=name, held_out_ce=ce, kl_to_teacher=kl, kl_own_samples=kl_own,
+                            tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib))  # fmt: skip
+        print(f"  {name}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
+
+    print(f"\n[4/4] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
+    print(f"samples; training tokens/s and peak training memory on {dev.type}")
+    print(f"{'recipe':30}{'CE':>8}{'KL text':>9}{'KL own':>9}{'tokens/s':>10}{'peak MiB':>10}")
+    for r in results:
+        print(f"{r['recipe']:30}{r['held_out_ce']:8.3f}{r['kl_to_teacher']:9.4f}{r['kl_own_samples']:9.4f}"
+              f"{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")  # fmt: skip
+    assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
+    return results
