@@ -16,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import reference
 from ..config import KDLossConfig
+from ..distributed import check_full_weight, gathered_weights
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .registry import softcap_of
 
@@ -63,6 +64,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def output_head(model: nn.Module, role: str) -> nn.Linear:
+    """The model's lm_head as a plain Linear whose weight is whole (see distributed.py)."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or hasattr(head, "lora_A") or hasattr(head, "base_layer"):
         raise ValueError(
@@ -70,6 +72,8 @@ def output_head(model: nn.Module, role: str) -> nn.Linear:
             f"lm_head.weight directly, so an adapter on lm_head would be ignored. Exclude lm_head from the adapter's "
             f"target_modules, merge it first, or patch with fused_linear_jsd=False"
         )
+    if not hasattr(head.weight, "ds_id"):  # ZeRO-3 partitions are gathered by the caller (gathered_weights)
+        check_full_weight(head.weight, (head.out_features, head.in_features), role)
     return head
 
 
@@ -88,6 +92,35 @@ def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> K
 
 
 TeacherCallback = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], Any]
+
+
+@dataclass
+class TeacherInputs:
+    """The teacher of one call: a live model, its hidden states and lm_head, or its log-probs (exactly one)."""
+
+    model: nn.Module | None = None
+    hidden_states: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        sources = {"teacher_model": self.model, "teacher_hidden_states": self.hidden_states, "teacher_token_ids": self.token_ids}
+        given = [name for name, value in sources.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"pass one teacher source, not {given}: a live teacher_model, teacher_hidden_states + teacher_weight, "
+                f"or teacher_token_ids + teacher_logprobs"
+            )
+        if self.hidden_states is not None and self.weight is None:
+            raise ValueError("teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))")
+        if self.token_ids is not None and self.logprobs is None:
+            raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
+
+    @property
+    def given(self) -> bool:
+        return any(t is not None for t in (self.model, self.hidden_states, self.token_ids))
 
 
 def kd_causal_lm_forward(
@@ -124,10 +157,9 @@ def kd_causal_lm_forward(
     state = patch_state(self)
     if kd_teacher_callback is not None:
         return _serve_as_teacher(self, input_ids, attention_mask, kd_teacher_callback, kwargs)
-    has_teacher = any(t is not None for t in (teacher_model, teacher_hidden_states, teacher_token_ids))
-    if labels is None or not has_teacher:
+    teacher = TeacherInputs(teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs)
+    if labels is None or not teacher.given:
         return state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-    _check_teacher_args(teacher_model, teacher_hidden_states, teacher_weight, teacher_token_ids, teacher_logprobs)
 
     cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
@@ -137,41 +169,42 @@ def kd_causal_lm_forward(
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = given_shift if given_shift is not None else shift_labels(labels, cfg.ignore_index)
     if not state.fused or return_logits:
-        return _materialised(self, state, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs, locals())
+        return _materialised(self, state, teacher, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs)
 
     kwargs.pop("logits_to_keep", None)
     decoder_out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = decoder_out.last_hidden_state
-    head = output_head(self, "student")
-    common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
-    agreement = None
-    if teacher_token_ids is not None:
-        out = fused_linear_topk_kd(hidden, head.weight, teacher_token_ids, teacher_logprobs, targets, config=cfg, **common)
-        if kd_log_agreement:
-            agreement = _top1_agreement(hidden, head, targets, cfg, _topk_top1(teacher_token_ids, teacher_logprobs))
-    elif teacher_hidden_states is not None:
-        out = fused_linear_jsd(
-            hidden, head.weight, teacher_hidden_states, teacher_weight, targets, teacher_bias=teacher_bias,
-            config=cfg, **common,
-        )  # fmt: skip
-        if kd_log_agreement:
-            teacher_top1 = _linear_top1(teacher_hidden_states, teacher_weight, teacher_bias)
-            agreement = _top1_agreement(hidden, head, targets, cfg, teacher_top1)
-    else:
-        grad_enabled = torch.is_grad_enabled()
-        measured = {}
-
-        def loss_on(h_t, w_t, b_t, cap_t):
+    with gathered_weights(self.get_output_embeddings()):
+        head = output_head(self, "student")
+        common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
+        agreement = None
+        if teacher.token_ids is not None:
+            out = fused_linear_topk_kd(hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common)
             if kd_log_agreement:
-                measured["agreement"] = _top1_agreement(hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t))
-            with torch.set_grad_enabled(grad_enabled):
-                return fused_linear_jsd(
-                    hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
-                    config=cfg.replace(teacher_softcap=cap_t), **common,
-                )  # fmt: skip
+                agreement = _top1_agreement(hidden, head, targets, cfg, _topk_top1(teacher.token_ids, teacher.logprobs))
+        elif teacher.hidden_states is not None:
+            out = fused_linear_jsd(
+                hidden, head.weight, teacher.hidden_states, teacher.weight, targets, teacher_bias=teacher.bias,
+                config=cfg, **common,
+            )  # fmt: skip
+            if kd_log_agreement:
+                top1 = _linear_top1(teacher.hidden_states, teacher.weight, teacher.bias)
+                agreement = _top1_agreement(hidden, head, targets, cfg, top1)
+        else:
+            grad_enabled = torch.is_grad_enabled()
+            measured = {}
 
-        out = call_teacher(teacher_model, input_ids, attention_mask, kwargs, loss_on)
-        agreement = measured.get("agreement")
+            def loss_on(h_t, w_t, b_t, cap_t):
+                if kd_log_agreement:
+                    measured["agreement"] = _top1_agreement(hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t))
+                with torch.set_grad_enabled(grad_enabled):
+                    return fused_linear_jsd(
+                        hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
+                        config=cfg.replace(teacher_softcap=cap_t), **common,
+                    )  # fmt: skip
+
+            out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+            agreement = measured.get("agreement")
     result = _output(out, decoder_out)
     if agreement is not None:
         result.kd_top1_agreement = agreement
@@ -238,30 +271,27 @@ def _is_kd_forward(model: nn.Module) -> bool:
 def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict):
     with torch.no_grad():
         hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-    head = output_head(self, "teacher")
-    bias = None if head.bias is None else head.bias.detach()
-    return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
+    with gathered_weights(self.get_output_embeddings()):
+        head = output_head(self, "teacher")
+        bias = None if head.bias is None else head.bias.detach()
+        return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
 
 
-def _materialised(self, state, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs, args) -> Any:
+def _materialised(self, state, teacher: TeacherInputs, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs):
     """fused_linear_jsd=False (or return_logits=True): the same objective on materialised logits."""
     out = state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     student_logits = _upcast(out.logits)  # already soft-capped by the model's own forward
     cfg = cfg.replace(softcap=None)
-    if args["teacher_token_ids"] is not None:
-        loss = reference.topk_kd_loss(
-            student_logits, args["teacher_token_ids"], args["teacher_logprobs"], targets, cfg, num_items_in_batch
-        )
+    if teacher.token_ids is not None:
+        loss = reference.topk_kd_loss(student_logits, teacher.token_ids, teacher.logprobs, targets, cfg, num_items_in_batch)
     else:
-        if args["teacher_hidden_states"] is not None:
-            teacher_logits = args["teacher_hidden_states"] @ args["teacher_weight"].T
-            if args["teacher_bias"] is not None:
-                teacher_logits = teacher_logits + args["teacher_bias"]
+        if teacher.hidden_states is not None:
+            teacher_logits = teacher.hidden_states @ teacher.weight.T
+            if teacher.bias is not None:
+                teacher_logits = teacher_logits + teacher.bias
         else:
-            teacher = args["teacher_model"]
             with torch.no_grad():
-                t_out = teacher(input_ids=input_ids, attention_mask=attention_mask)
-            teacher_logits = t_out.logits
+                teacher_logits = teacher.model(input_ids=input_ids, attention_mask=attention_mask).logits
             cfg = cfg.replace(teacher_softcap=None)  # an HF model's logits already carry its own soft-capping
         loss = reference.kd_loss(student_logits, _upcast(teacher_logits), targets, cfg, num_items_in_batch)
     out.loss = loss
@@ -271,19 +301,3 @@ def _materialised(self, state, input_ids, attention_mask, targets, cfg, num_item
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
     """Softmax math in fp32 at least (fp64 stays fp64)."""
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
-def _check_teacher_args(teacher_model, hidden, weight, token_ids, logprobs) -> None:
-    sources = {"teacher_model": teacher_model, "teacher_hidden_states": hidden, "teacher_token_ids": token_ids}
-    given = [name for name, value in sources.items() if value is not None]
-    if len(given) > 1:
-        raise ValueError(
-            f"pass one teacher source, not {given}: a live teacher_model, teacher_hidden_states + teacher_weight, "
-            f"or teacher_token_ids + teacher_logprobs"
-        )
-    if hidden is not None and weight is None:
-        raise ValueError("teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))")
-    if token_ids is not None and logprobs is None:
-        raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
-
-

@@ -1,0 +1,217 @@
+"""One distillation training step, end to end, on one GPU: tokens/s and peak memory against the alternatives.
+
+    python -m benchmarks.bench_train_step --out runs/bench_train_step.json
+
+Random-initialised models from configs (no downloads): a Llama-3.2-1B-shaped student (tied embeddings) and a
+Llama-3.1-8B-shaped teacher, bf16, sdpa, AdamW, sequence 4096, gradient checkpointing on the student unless a
+row says otherwise. For each micro-batch, in one run:
+  plain HF            both models produce logits, reference.generalized_jsd on them
+  trl/liger           decoder hidden states into Liger's chunked fused JSD (compiled), TRL's way
+  trl/liger+kernels   the same plus Liger's RoPE / RMSNorm / SwiGLU on the student
+  liger_patch_kd      apply_kd_patch_to_llama with every kernel, the patched forward with teacher_model=
+  ... no recompute    the same without gradient checkpointing (the flat-memory loss leaves the room)
+  offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
+`--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from liger_patch_kd import reference as R
+from liger_patch_kd.models import apply_kd_patch_to_llama, revert_kd_patch
+
+from .common import environment, print_table, write_json
+
+SHAPES = {
+    # name: (student kwargs, teacher kwargs); both LlamaConfig
+    "llama": (
+        dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
+        dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    ),
+    "qwen-vocab": (  # Qwen's 151936 vocabulary on the same bodies
+        dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+             num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True, head_dim=128),
+        dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=151936, head_dim=128),
+    ),
+    "tiny": (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+        dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512),
+    ),
+}  # fmt: skip
+TOP_K = 64
+
+
+def build(kwargs: dict, device, dtype, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(max_position_embeddings=8192, attn_implementation="sdpa", **kwargs)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model
+
+
+def method_step(name: str, student, teacher, batch: dict):
+    """A function doing forward + backward for `name` (the optimizer step is added by the caller)."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    if name == "plain HF":
+
+        def step():
+            logits = student(input_ids=ids).logits
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids).logits
+            return R.generalized_jsd(logits.float(), t_logits.float(), targets, beta=0.5)
+
+    elif name.startswith("trl/liger"):
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        loss_fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.5, compiled=True)
+
+        def step():
+            hidden = student.model(input_ids=ids).last_hidden_state
+            with torch.no_grad():
+                t_hidden = teacher.model(input_ids=ids).last_hidden_state
+            return loss_fn(hidden.flatten(0, 1), student.lm_head.weight, t_hidden.flatten(0, 1), teacher.lm_head.weight,
+                           targets.flatten())  # fmt: skip
+
+    elif name.startswith("offline"):
+
+        def step():
+            return student(input_ids=ids, labels=labels, teacher_token_ids=batch["topk_ids"].to(ids.device, non_blocking=True),
+                           teacher_logprobs=batch["topk_logprobs"].to(ids.device, non_blocking=True)).loss  # fmt: skip
+
+    else:
+
+        def step():
+            return student(input_ids=ids, labels=labels, teacher_model=teacher).loss
+
+    def full_step():
+        loss = step()
+        loss.backward()
+        return loss
+
+    return full_step
+
+
+def prepare_student(name: str, student):
+    if name == "trl/liger+kernels":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=student)  # fmt: skip
+    elif name.startswith("liger_patch_kd") or name.startswith("offline"):
+        apply_kd_patch_to_llama(model=student, beta=0.5 if not name.startswith("offline") else 0.0)
+    if "no recompute" not in name:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    student.config.use_cache = False
+    student.train()
+
+
+def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps) -> dict:
+    row = dict(method=name, micro_batch=micro_batch, seq=seq)
+    student = build(shapes[0], device, dtype, seed=1)
+    prepare_student(name, student)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    vocab = shapes[0]["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    if name.startswith("offline"):  # top-k log-probs arrive from host memory each step, as from a data loader
+        logits = torch.randn(micro_batch * seq, TOP_K, generator=g).sort(-1, descending=True).values
+        batch["topk_logprobs"] = (torch.log_softmax(logits, -1) - 0.5).to(torch.bfloat16).reshape(micro_batch, seq, TOP_K)
+        # distinct ids per row: a random start plus a stride that cannot wrap onto itself within K slots
+        start = torch.randint(0, vocab, (micro_batch, seq, 1), generator=g)
+        batch["topk_ids"] = ((start + torch.arange(TOP_K) * (vocab // TOP_K - 1)) % vocab).int()
+        if device.type == "cuda":
+            batch = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in batch.items()}
+    step = method_step(name, student, None if name.startswith("offline") else teacher, batch)
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(warmup + reps):
+            if i == warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            loss = step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / reps
+        row.update(tokens_per_s=micro_batch * seq / seconds, step_s=seconds, loss=float(loss))
+        if device.type == "cuda":
+            row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    except torch.OutOfMemoryError:
+        row["tokens_per_s"] = "OOM"
+    finally:
+        del student, opt, step, batch
+        revert_kd_patch()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_train_step.json")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--shapes", nargs="+", default=["llama", "qwen-vocab"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    shape_names = ["tiny"] if args.tiny else args.shapes
+    seq = 32 if args.tiny else args.seq
+    try:
+        import liger_kernel  # noqa: F401
+
+        liger = ["trl/liger", "trl/liger+kernels"]
+        note = None
+    except ImportError:
+        liger, note = [], "Liger-Kernel not importable: its rows are skipped"
+    if args.tiny:
+        liger = []
+    methods = ["plain HF", *liger[:1], "liger_patch_kd", "liger_patch_kd no recompute", f"offline top-{TOP_K}", *liger[1:]]
+    rows = []
+    for shape in shape_names:
+        teacher = build(SHAPES[shape][1], device, dtype, seed=2).eval().requires_grad_(False)
+        teacher.config.use_cache = False
+        micro_batches = args.micro_batches if shape in ("llama", "tiny") else [4]
+        for name in methods:
+            failed = False
+            for mb in micro_batches:
+                if failed:  # a larger micro-batch than one that ran out of memory will too
+                    rows.append(dict(shape=shape, method=name, micro_batch=mb, seq=seq, tokens_per_s="OOM"))
+                    continue
+                row = run_one(name, SHAPES[shape], mb, seq, device, dtype, teacher, args.warmup, args.reps)
+                row["shape"] = shape
+                rows.append(row)
+                failed = row["tokens_per_s"] == "OOM"
+        del teacher
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\nsequence {seq}, bf16, AdamW; student gradient checkpointing unless 'no recompute'" + (f"; {note}" if note else ""))
+    table = print_table(rows, ["shape", "method", "micro_batch", "tokens_per_s", "peak_GiB", "loss"])
+    write_json(args.out, dict(environment=environment(), note=note, rows=rows, table=table))
+
+
+if __name__ == "__main__":
+    main()

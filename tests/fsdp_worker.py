@@ -1,0 +1,83 @@
+"""Worker for test_distributed: one process of an FSDP2 (fully_shard) run on CPU with gloo.
+
+Each rank takes its half of the global batch; the loss is normalised by the global token count and scaled by
+the world size (FSDP averages gradients over ranks), so the gathered gradients must equal a single process
+on the whole batch. Run by torch.multiprocessing.spawn from the test.
+"""
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+import liger_patch_kd.models as M
+from liger_patch_kd import KDLossConfig
+
+from .tiny_models import VOCAB, tiny_model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (4, 12), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[3, 8:] = -100
+    k = 16
+    teacher_logits = torch.randn(4, 12, VOCAB, generator=g, dtype=torch.float64) * 2
+    lp, tid = torch.log_softmax(teacher_logits, -1).topk(k, -1)
+    return ids, labels, tid, lp
+
+
+def _shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)  # root unit: embeddings, final norm and lm_head are gathered during its forward
+    return model
+
+
+def run(rank: int, world: int, port: int, mode: str, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2, hidden=96)
+    cfg = KDLossConfig(beta=0.3, hard_weight=0.2)
+    ids, labels, tid, lp = _batch()
+    n_items = (labels[:, 1:] != -100).sum()
+    mine = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
+
+    def loss_of(model, rows, teacher_model):
+        kwargs = dict(labels=labels[rows], num_items_in_batch=n_items)
+        if mode == "offline":
+            kwargs.update(teacher_token_ids=tid[rows], teacher_logprobs=lp[rows])
+        else:
+            kwargs.update(teacher_model=teacher_model)
+        return model(input_ids=ids[rows], **kwargs).loss
+
+    reference = M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg)
+    ref_teacher = copy.deepcopy(teacher)
+    sharded = _shard(M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg))
+    sharded_teacher = _shard(copy.deepcopy(teacher).eval().requires_grad_(False))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
+    errors = []
+    for step in range(3):
+        ref_loss = loss_of(reference, slice(None), ref_teacher)
+        ref_loss.backward()
+        loss = loss_of(sharded, mine, sharded_teacher)
+        (loss * world).backward()  # FSDP averages gradients over ranks
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        errors.append(abs(total.item() - ref_loss.item()))
+        for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
+            full = p.grad.full_tensor()
+            errors.append(float((full - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-30)))
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for p, q in zip(sharded.parameters(), reference.parameters()):
+        errors.append(float((p.full_tensor() - q).abs().max()))
+    if rank == 0:
+        torch.save(torch.tensor(errors), result_path)
+    dist.destroy_process_group()
