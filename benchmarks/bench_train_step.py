@@ -121,7 +121,12 @@ def prepare_student(name: str, student):
 def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps) -> dict:
     row = dict(method=name, micro_batch=micro_batch, seq=seq)
     student = build(shapes[0], device, dtype, seed=1)
-    prepare_student(name, student)
+    try:
+        prepare_student(name, student)
+    except Exception as e:
+        row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        print(row, flush=True)
+        return row
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
     vocab = shapes[0]["vocab_size"]
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -155,6 +160,11 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
             row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:
         row["tokens_per_s"] = "OOM"
+    except Exception as e:  # a method that breaks (e.g. a Liger / transformers mismatch) is reported, not fatal
+        import traceback
+
+        traceback.print_exc()
+        row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
     finally:
         del student, opt, step, batch
         revert_kd_patch()
@@ -203,7 +213,7 @@ def main() -> None:
                 row = run_one(name, SHAPES[shape], mb, seq, device, dtype, teacher, args.warmup, args.reps)
                 row["shape"] = shape
                 rows.append(row)
-                failed = row["tokens_per_s"] == "OOM"
+                failed = row["tokens_per_s"] == "OOM" or str(row["tokens_per_s"]).startswith("error")
         del teacher
         gc.collect()
         if device.type == "cuda":

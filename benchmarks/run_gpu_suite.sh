@@ -16,12 +16,12 @@ status=0
 for what in "${@:-all}"; do
   case $what in
     tests|all)
-      python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
+      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;&
     bench-kernel|all)
       python3 -m benchmarks.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
     bench-step|all)
-      [ -f benchmarks/bench_train_step.py ] && python3 -m benchmarks.bench_train_step --out "$OUT/bench_train_step.json" 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
+      python3 -m benchmarks.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
   esac
 done
 exit $status

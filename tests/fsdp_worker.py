@@ -30,11 +30,13 @@ def _batch():
 
 
 def _shard(model):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # CPU tensors, also on a machine with a GPU
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)  # root unit: embeddings, final norm and lm_head are gathered during its forward
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # root unit: embeddings, final norm and lm_head are gathered during its forward
     return model
 
 

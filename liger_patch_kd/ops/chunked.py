@@ -110,6 +110,8 @@ def run_chunked(
             _accumulate_weight_grad(grad_weight, grad_logits, hidden, first=start == 0)
         if need_bias:
             grad_bias += grad_logits.sum(0, dtype=acc_dtype)
+        # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk, not two
+        del grad_logits
     if grad_bias is not None and student_bias is not None:
         grad_bias = grad_bias.to(student_bias.dtype)
     return ChunkedResult(soft_rows, hard_rows, grad_input, grad_weight, grad_bias)
