@@ -8,7 +8,8 @@ row says otherwise. For each micro-batch, in one run:
   plain HF            both models produce logits, reference.generalized_jsd on them
   trl/liger           decoder hidden states into Liger's chunked fused JSD (compiled), TRL's way
   trl/liger+kernels   the same plus Liger's RoPE / RMSNorm / SwiGLU on the student
-  liger_patch_kd      apply_kd_patch_to_llama with every kernel, the patched forward with teacher_model=
+  liger_patch_kd      apply_kd_patch_to_llama with every kernel on student and teacher, the patched forward
+                      with teacher_model=
   ... no recompute    the same without gradient checkpointing (the flat-memory loss leaves the room)
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
 `--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
@@ -123,7 +124,10 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
     student = build(shapes[0], device, dtype, seed=1)
     try:
         prepare_student(name, student)
+        if name.startswith("liger_patch_kd"):  # the product patches the teacher's kernels too (KDTrainer does)
+            apply_kd_patch_to_llama(model=teacher)
     except Exception as e:
+        revert_kd_patch(model=teacher)
         row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
         print(row, flush=True)
         return row
@@ -167,6 +171,7 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
     finally:
         del student, opt, step, batch
+        revert_kd_patch(model=teacher)
         revert_kd_patch()
         gc.collect()
         if device.type == "cuda":
@@ -184,6 +189,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    parser.add_argument("--methods", nargs="+", default=None, help="a subset of the rows, by name")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -199,6 +205,8 @@ def main() -> None:
     if args.tiny:
         liger = []
     methods = ["plain HF", *liger[:1], "liger_patch_kd", "liger_patch_kd no recompute", f"offline top-{TOP_K}", *liger[1:]]
+    if args.methods:
+        methods = [m for m in methods if m in args.methods]
     rows = []
     for shape in shape_names:
         teacher = build(SHAPES[shape][1], device, dtype, seed=2).eval().requires_grad_(False)

@@ -91,6 +91,8 @@ class KDTrainer(Trainer):
             teacher_model = AdapterDisabledTeacher(self.model)
         elif teacher_model is not None:
             teacher_model.eval().requires_grad_(False)
+            if args.use_kd_patch:
+                _patch_teacher_kernels(teacher_model, args.kd_patch_config)
             if self.is_fsdp_enabled or self.is_deepspeed_enabled:
                 teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
             else:
@@ -247,6 +249,19 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
         super().log(logs, *args, **kwargs)
+
+
+def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None:
+    """The teacher's forward is a third of the step or more: give it the same RMSNorm / RoPE / MLP kernels
+    (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
+    from .models.kd_forward import unwrap_model
+    from .models.registry import REGISTRY, ALIASES
+
+    inner = unwrap_model(teacher)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if ALIASES.get(model_type, model_type) in REGISTRY:
+        toggles = {k: v for k, v in (patch_config or {}).items() if k in ("rope", "swiglu", "rms_norm")}
+        apply_kd_patch(model=inner, **toggles)
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:

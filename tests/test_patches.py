@@ -10,6 +10,7 @@ import liger_patch_kd.models as M
 from liger_patch_kd import reference as R
 from liger_patch_kd.models.registry import softcap_of
 
+from .helpers import DEVICE
 from .tiny_models import ARCHS, VOCAB, tiny_model
 
 APPLY = {arch: getattr(M, f"apply_kd_patch_to_{arch}") for arch in ARCHS}
@@ -93,9 +94,9 @@ def test_teacher_hidden_states_path_and_materialised_path(arch):
 def test_patched_model_runs_the_triton_kernels(monkeypatch):
     """The whole patched model with every Triton kernel (interpreted on CPU, compiled on GPU)."""
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
-    base = tiny_model("gemma2", dtype=torch.float32)
-    teacher = tiny_model("gemma2", dtype=torch.float32, seed=3)
-    ids, mask, labels = _batch(seq=9)
+    base = tiny_model("gemma2", dtype=torch.float32).to(DEVICE)
+    teacher = tiny_model("gemma2", dtype=torch.float32, seed=3).to(DEVICE)
+    ids, mask, labels = (t.to(DEVICE) for t in _batch(seq=9))
     expected = _reference_kd(base, teacher, ids, mask, labels, R.KDLossConfig())
     patched = M.apply_kd_patch(model=copy.deepcopy(base))
     out = patched(input_ids=ids, attention_mask=mask, labels=labels, teacher_model=teacher)
