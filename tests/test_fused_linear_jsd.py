@@ -239,3 +239,11 @@ def test_fp32_weight_grad_accumulation(backend):
     # 12 chunks: one bf16 rounding of the accumulator per chunk costs accuracy that fp32 accumulation keeps
     assert rel_err(fp32[1], want) <= rel_err(plain[1], want) + 1e-3
     assert rel_err(fp32[1], want) < 1e-2
+
+
+def test_second_backward_is_a_clear_error():
+    pair = make_pair(n=6, vocab=50)
+    loss = fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()

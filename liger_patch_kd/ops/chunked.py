@@ -189,8 +189,14 @@ class FusedLinearKDFunction(torch.autograd.Function):
             )
             grads = (result.grad_input, result.grad_weight, result.grad_bias)
         else:
-            # out of place: a retained graph may run this backward again
-            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads)
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "backward ran twice through a fused KD loss: it computes its gradients during the forward and "
+                    "hands them over once. Recompute the loss instead of retain_graph=True"
+                )
+            # scaled in place and handed over: a copy would double the V x H weight gradient for a moment
+            grads, ctx.grads = ctx.grads, None
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
         # an fp32-accumulated weight grad is cast to the weight's dtype by autograd itself
         return (*grads, None, None, None)
 
