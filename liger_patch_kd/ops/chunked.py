@@ -155,7 +155,9 @@ class FusedLinearKDFunction(torch.autograd.Function):
     `row_weight` (N,) holds each row's share of the reduction: 0 for ignored rows, 1 / denominator for
     "batchmean", 1 for "sum" and "none". For "sum" / "batchmean" the gradients are computed during the forward
     (the loss is usually the last op) and scaled by grad_output in the backward; for "none" grad_output is a
-    vector of row weights, so the backward recomputes the chunks with it.
+    vector of row weights, so the backward recomputes the chunks with it (as does a second backward through a
+    retained graph). A recomputing backward needs the teacher's weight again: under FSDP, where the teacher
+    reshards after its forward, keep to "sum" / "batchmean" and one backward.
     Returns (loss, soft term, hard term), the two terms detached, for logging.
     """
 
@@ -169,8 +171,10 @@ class FusedLinearKDFunction(torch.autograd.Function):
         soft = result.soft_rows * row_weight
         hard = result.hard_rows * row_weight
         ctx.plan, ctx.needs_grad = plan, needs_grad
+        # the inputs are kept (references, no copies) for backwards that must recompute: reduction "none", or a
+        # second backward through a retained graph after the precomputed gradients were handed over
+        ctx.save_for_backward(student_input, student_weight, student_bias, labels, row_weight)
         if plan.reduction == "none":
-            ctx.save_for_backward(student_input, student_weight, student_bias, labels, row_weight)
             ctx.grads = None
             loss = plan.soft_weight * soft + plan.hard_weight * hard
         else:
@@ -182,21 +186,17 @@ class FusedLinearKDFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
-        if ctx.plan.reduction == "none":
+        if ctx.grads is not None:
+            # the usual case: gradients from the forward, scaled in place and handed over (a copy would double
+            # the V x H weight gradient for a moment); a later backward through a retained graph recomputes
+            grads, ctx.grads = ctx.grads, None
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        else:
             student_input, student_weight, student_bias, labels, row_weight = ctx.saved_tensors
             result = _run(
                 ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss, ctx.needs_grad
             )
             grads = (result.grad_input, result.grad_weight, result.grad_bias)
-        else:
-            if ctx.grads is None:
-                raise RuntimeError(
-                    "backward ran twice through a fused KD loss: it computes its gradients during the forward and "
-                    "hands them over once. Recompute the loss instead of retain_graph=True"
-                )
-            # scaled in place and handed over: a copy would double the V x H weight gradient for a moment
-            grads, ctx.grads = ctx.grads, None
-            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
         # an fp32-accumulated weight grad is cast to the weight's dtype by autograd itself
         return (*grads, None, None, None)
 
