@@ -29,24 +29,28 @@ def _batch():
     return ids, labels, tid, lp
 
 
-def _shard(model):
+def _shard(model, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # CPU tensors, also on a machine with a GPU
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))  # "cpu" for gloo, also on a machine with a GPU
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)  # root unit: embeddings, final norm and lm_head are gathered during its forward
     return model
 
 
-def run(rank: int, world: int, port: int, mode: str, result_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run(rank: int, world: int, port: int, mode: str, result_path: str, backend: str = "gloo") -> None:
+    """backend "gloo": CPU tensors; "nccl": one GPU per process (the multi-GPU run of the same check)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
-    student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2, hidden=96)
+    student, teacher = tiny_model("llama", seed=1).to(device), tiny_model("llama", seed=2, hidden=96).to(device)
     cfg = KDLossConfig(beta=0.3, hard_weight=0.2)
-    ids, labels, tid, lp = _batch()
+    ids, labels, tid, lp = (t.to(device) for t in _batch())
     n_items = (labels[:, 1:] != -100).sum()
     mine = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
 
@@ -60,8 +64,8 @@ def run(rank: int, world: int, port: int, mode: str, result_path: str) -> None:
 
     reference = M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg)
     ref_teacher = copy.deepcopy(teacher)
-    sharded = _shard(M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg))
-    sharded_teacher = _shard(copy.deepcopy(teacher).eval().requires_grad_(False))
+    sharded = _shard(M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg), device.type)
+    sharded_teacher = _shard(copy.deepcopy(teacher).eval().requires_grad_(False), device.type)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
     errors = []
@@ -82,4 +86,5 @@ def run(rank: int, world: int, port: int, mode: str, result_path: str) -> None:
         errors.append(float((p.full_tensor() - q).abs().max()))
     if rank == 0:
         torch.save(torch.tensor(errors), result_path)
+        print(f"fsdp2 {backend} x{world} {mode}: max error {max(errors):.3e} over {len(errors)} checks", flush=True)
     dist.destroy_process_group()
