@@ -89,8 +89,12 @@ def method_step(name: str, student, teacher, batch: dict):
     elif name.startswith("offline"):
 
         def step():
-            return student(input_ids=ids, labels=labels, teacher_token_ids=batch["topk_ids"].to(ids.device, non_blocking=True),
-                           teacher_logprobs=batch["topk_logprobs"].to(ids.device, non_blocking=True)).loss  # fmt: skip
+            return student(
+                input_ids=ids,
+                labels=labels,
+                teacher_token_ids=batch["topk_ids"].to(ids.device, non_blocking=True),
+                teacher_logprobs=batch["topk_logprobs"].to(ids.device, non_blocking=True),
+            ).loss
 
     else:
 
@@ -138,7 +142,9 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
     batch = {"input_ids": ids, "labels": ids}
     if name.startswith("offline"):  # top-k log-probs arrive from host memory each step, as from a data loader
         logits = torch.randn(micro_batch * seq, TOP_K, generator=g).sort(-1, descending=True).values
-        batch["topk_logprobs"] = (torch.log_softmax(logits, -1) - 0.5).to(torch.bfloat16).reshape(micro_batch, seq, TOP_K)
+        batch["topk_logprobs"] = (
+            (torch.log_softmax(logits, -1) - 0.5).to(torch.bfloat16).reshape(micro_batch, seq, TOP_K)
+        )
         # distinct ids per row: a random start plus a stride that cannot wrap onto itself within K slots
         start = torch.randint(0, vocab, (micro_batch, seq, 1), generator=g)
         batch["topk_ids"] = ((start + torch.arange(TOP_K) * (vocab // TOP_K - 1)) % vocab).int()
@@ -204,7 +210,14 @@ def main() -> None:
         liger, note = [], "Liger-Kernel not importable: its rows are skipped"
     if args.tiny:
         liger = []
-    methods = ["plain HF", *liger[:1], "liger_patch_kd", "liger_patch_kd no recompute", f"offline top-{TOP_K}", *liger[1:]]
+    methods = [
+        "plain HF",
+        *liger[:1],
+        "liger_patch_kd",
+        "liger_patch_kd no recompute",
+        f"offline top-{TOP_K}",
+        *liger[1:],
+    ]
     if args.methods:
         methods = [m for m in methods if m in args.methods]
     rows = []
@@ -226,7 +239,10 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\nsequence {seq}, bf16, AdamW; student gradient checkpointing unless 'no recompute'" + (f"; {note}" if note else ""))
+    print(
+        f"\nsequence {seq}, bf16, AdamW; student gradient checkpointing unless 'no recompute'"
+        + (f"; {note}" if note else "")
+    )
     table = print_table(rows, ["shape", "method", "micro_batch", "tokens_per_s", "peak_GiB", "loss"])
     write_json(args.out, dict(environment=environment(), note=note, rows=rows, table=table))
 

@@ -62,8 +62,15 @@ def main() -> None:
     print("top kernels:")
     for e in top:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms  x{e.count:<5} {e.key[:100]}")
-    write_json(args.out, dict(environment=environment(), total_ms=total / 1e3, categories_ms={k: v / 1e3 for k, v in by_cat.items()},
-                              top=[dict(kernel=e.key, ms=e.self_device_time_total / 1e3, count=e.count) for e in top]))  # fmt: skip
+    write_json(
+        args.out,
+        dict(
+            environment=environment(),
+            total_ms=total / 1e3,
+            categories_ms={k: v / 1e3 for k, v in by_cat.items()},
+            top=[dict(kernel=e.key, ms=e.self_device_time_total / 1e3, count=e.count) for e in top],
+        ),
+    )
 
 
 if __name__ == "__main__":

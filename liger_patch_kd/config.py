@@ -54,8 +54,12 @@ class KDLossConfig:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
-            raise ValueError(f"beta must be a number in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={self.beta!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"beta must be a number in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={self.beta!r}"
+            )
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0
+        ):
             raise ValueError(f"temperature must be a finite number > 0; got temperature={self.temperature!r}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}; got reduction={self.reduction!r}")

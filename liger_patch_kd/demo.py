@@ -108,7 +108,9 @@ def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float,
 
 
 @torch.no_grad()
-def evaluate_on_own_samples(student, teacher, windows: list[list[int]], device, prompt: int = 16, new: int = 32) -> float:
+def evaluate_on_own_samples(
+    student, teacher, windows: list[list[int]], device, prompt: int = 16, new: int = 32
+) -> float:
     """KL(teacher || student) per token on the student's own sampled continuations of held-out prompts: the
     distribution on-policy distillation trains on (teacher forcing on real text is the other column)."""
     student.eval()
@@ -190,10 +192,13 @@ def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
         "CE only": None,
         # beta 0 (forward KL) in every KD recipe: the quantity the table reports, so the recipes compare fairly
         "online fused JSD (beta 0)": dict(teacher=teacher, data=dataset, kd=dict(use_kd_patch=True, kd_beta=0.0)),
-        f"offline top-{sizes.top_k} (store)": dict(teacher=None, data=offline_data, kd=dict(use_kd_patch=True, kd_beta=0.0)),
-        "on-policy (GKD, lmbda 0.5)": dict(teacher=teacher, data=dataset,
-                                           kd=dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)),
-    }  # fmt: skip
+        f"offline top-{sizes.top_k} (store)": dict(
+            teacher=None, data=offline_data, kd=dict(use_kd_patch=True, kd_beta=0.0)
+        ),
+        "on-policy (GKD, lmbda 0.5)": dict(
+            teacher=teacher, data=dataset, kd=dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)
+        ),
+    }
     results = []
     for name, recipe in recipes.items():
         student = _model(vocab, 64, 2, seed=1, device=dev)
@@ -215,7 +220,7 @@ def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
                             tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib))  # fmt: skip
         print(f"  {name}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
 
-    print(f"\n[4/4] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
+    print("\n[4/4] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
     print(f"samples; training tokens/s and peak training memory on {dev.type}")
     print(f"{'recipe':30}{'CE':>8}{'KL text':>9}{'KL own':>9}{'tokens/s':>10}{'peak MiB':>10}")
     for r in results:

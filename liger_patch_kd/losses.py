@@ -34,7 +34,9 @@ def _check_linear(role: str, hidden: torch.Tensor, weight: torch.Tensor, bias: t
             f"of the model that owns this lm_head"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{role}_bias must have shape ({weight.shape[0]},) to match {role}_weight; got {tuple(bias.shape)}")
+        raise ValueError(
+            f"{role}_bias must have shape ({weight.shape[0]},) to match {role}_weight; got {tuple(bias.shape)}"
+        )
 
 
 def _check_labels(labels: torch.Tensor | None, leading: torch.Size) -> None:
@@ -71,7 +73,9 @@ def _flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: to
     _check_labels(labels, leading)
     if labels is None:
         if cfg.hard_weight:
-            raise ValueError("hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0")
+            raise ValueError(
+                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
+            )
         return torch.zeros(leading.numel(), dtype=torch.long, device=device)
     return labels.reshape(-1).to(device)
 
@@ -139,7 +143,14 @@ def fused_linear_jsd(
     w_t = teacher_weight.detach()
     b_t = None if teacher_bias is None else teacher_bias.detach()
     return _run_fused(
-        student_input, student_weight, student_bias, labels, cfg, num_items_in_batch, backend, return_components,
+        student_input,
+        student_weight,
+        student_bias,
+        labels,
+        cfg,
+        num_items_in_batch,
+        backend,
+        return_components,
         teacher_chunk=lambda dtype: _teacher_logits_source(h_t.to(dtype), w_t.to(dtype), b_t),
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
@@ -263,8 +274,15 @@ def fused_linear_topk_kd(
     ids = teacher_token_ids.reshape(-1, k).to(student_input.device)
     logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach()
     return _run_fused(
-        student_input, student_weight, student_bias, labels, cfg, num_items_in_batch, backend, return_components,
-            teacher_chunk=lambda dtype: (lambda start, end: (ids[start:end], logprobs[start:end])),
+        student_input,
+        student_weight,
+        student_bias,
+        labels,
+        cfg,
+        num_items_in_batch,
+        backend,
+        return_components,
+        teacher_chunk=lambda dtype: lambda start, end: (ids[start:end], logprobs[start:end]),
         kernels=topk_op.CHUNK_KERNELS,
         bytes_per_logit=6,  # fp32 student logits and a bf16 gradient
     )
@@ -324,7 +342,9 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, 
                 f"data was made with another tokenizer or vocabulary"
             )
         if has_nan:
-            raise ValueError("teacher_logprobs contains NaN; regenerate the teacher data (padding slots should be -inf)")
+            raise ValueError(
+                "teacher_logprobs contains NaN; regenerate the teacher data (padding slots should be -inf)"
+            )
         if positive:
             raise ValueError(
                 "teacher_logprobs contains values > 0, so they are not log-probabilities (logits?); pass "

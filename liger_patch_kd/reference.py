@@ -45,7 +45,10 @@ def generalized_jsd_per_row(
 def cross_entropy_per_row(student_logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """-log softmax(logits)[label] per row; 0 where the label is ignore_index."""
     flat = F.cross_entropy(
-        student_logits.reshape(-1, student_logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="none"
+        student_logits.reshape(-1, student_logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="none",
     )
     return flat.reshape(labels.shape)
 
@@ -86,7 +89,9 @@ def generalized_jsd(
     """The generalized JSD distillation loss on materialised logits; see `generalized_jsd_per_row`."""
     KDLossConfig(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction)  # validates
     per_row = generalized_jsd_per_row(student_logits, teacher_logits, beta=beta, temperature=temperature)
-    return reduce_rows(per_row, labels, reduction=reduction, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
+    return reduce_rows(
+        per_row, labels, reduction=reduction, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch
+    )
 
 
 def kd_loss(
@@ -104,7 +109,9 @@ def kd_loss(
     per_row = cfg.soft_weight * generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
     if cfg.hard_weight:
         if labels is None:
-            raise ValueError("hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0")
+            raise ValueError(
+                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
+            )
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(student, labels, cfg.ignore_index)
     return reduce_rows(
         per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
@@ -135,7 +142,11 @@ def tempered_topk_teacher(
     m / (V - k) of the remaining mass m; at T = 1 (or k = V) that assumption plays no role.
     """
     valid = topk_valid_slots(teacher_token_ids, teacher_logprobs)
-    lp = torch.where(valid, teacher_logprobs.to(torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32), -math.inf)
+    lp = torch.where(
+        valid,
+        teacher_logprobs.to(torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32),
+        -math.inf,
+    )
     n_tail = vocab - valid.sum(-1)
     mass = lp.exp().sum(-1)
     tail = (1 - mass).clamp(min=TAIL_FLOOR)
@@ -209,7 +220,9 @@ def topk_kd_loss(
     )
     if cfg.hard_weight:
         if labels is None:
-            raise ValueError("hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0")
+            raise ValueError(
+                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
+            )
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(student, labels, cfg.ignore_index)
     return reduce_rows(
         per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch

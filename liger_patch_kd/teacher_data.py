@@ -93,21 +93,27 @@ class StoreWriter:
     def done_shards(self) -> int:
         return len(self.meta["shards"])
 
-    def write_shard(self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> None:
+    def write_shard(
+        self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
+    ) -> None:
         """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order."""
         index = self.done_shards()
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
         if topk_ids.shape != (int(offsets[-1]), k) or topk_logprobs.shape != topk_ids.shape:
-            raise ValueError(f"shard arrays {tuple(topk_ids.shape)} / {tuple(topk_logprobs.shape)} != ({int(offsets[-1])}, {k})")
+            raise ValueError(
+                f"shard arrays {tuple(topk_ids.shape)} / {tuple(topk_logprobs.shape)} != ({int(offsets[-1])}, {k})"
+            )
         if topk_ids.numel() and int(topk_ids.max()) >= vocab:
             raise ValueError(f"teacher ids >= vocab_size {vocab}: wrong vocab_size for this teacher")
         if torch.isnan(topk_logprobs.float()).any():
             raise ValueError("teacher log-probs contain NaN; check the teacher's dtype and inputs")
         name = f"shard-{index:05d}.safetensors"
         tensors = {
-            "input_ids": torch.cat([s.to(torch.int32) for s in sequences]) if sequences else torch.zeros(0, dtype=torch.int32),
+            "input_ids": torch.cat([s.to(torch.int32) for s in sequences])
+            if sequences
+            else torch.zeros(0, dtype=torch.int32),
             "offsets": offsets,
             "topk_ids": topk_ids.to(torch.int32).contiguous(),
             "topk_logprobs": topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous(),
@@ -189,12 +195,17 @@ def precompute(
     with tqdm(total=len(sequences), initial=min(len(sequences), writer.done_shards() * shard_size),
               desc="teacher top-k", unit="seq", disable=not progress) as bar:  # fmt: skip
         for shard in range(writer.done_shards(), n_shards):
-            shard_seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences[shard * shard_size : (shard + 1) * shard_size]]
+            shard_seqs = [
+                torch.as_tensor(s, dtype=torch.long) for s in sequences[shard * shard_size : (shard + 1) * shard_size]
+            ]
             ids, values = [], []
             for start in range(0, len(shard_seqs), batch_size):
                 batch = shard_seqs[start : start + batch_size]
                 padded = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True).to(device)
-                mask = (torch.arange(padded.shape[1], device=device)[None] < torch.tensor([len(s) for s in batch], device=device)[:, None]).long()
+                mask = (
+                    torch.arange(padded.shape[1], device=device)[None]
+                    < torch.tensor([len(s) for s in batch], device=device)[:, None]
+                ).long()
                 b_ids, b_values = teacher_topk(teacher, padded, mask, top_k, temperature)
                 for row, seq in enumerate(batch):
                     i, v = b_ids[row, : len(seq)].cpu(), b_values[row, : len(seq)].cpu()
@@ -208,7 +219,9 @@ def precompute(
 
 
 # ----------------------------------------------------------------------------------------- vLLM import
-def import_vllm_logprobs(records: Iterable[dict], out_dir: str | Path, *, vocab_size: int, top_k: int, **meta: Any) -> Path:
+def import_vllm_logprobs(
+    records: Iterable[dict], out_dir: str | Path, *, vocab_size: int, top_k: int, **meta: Any
+) -> Path:
     """Convert vLLM / OpenAI-style prompt log-probs into a store.
 
     Each record: {"prompt_token_ids": [...], "prompt_logprobs": [null, {"<id>": {"logprob": x, ...} or x, ...},
@@ -240,7 +253,9 @@ def import_vllm_logprobs(records: Iterable[dict], out_dir: str | Path, *, vocab_
             pairs = sorted(((int(tok), _logprob(val)) for tok, val in entry.items()), key=lambda p: -p[1])[:top_k]
             for j, (tok, lp) in enumerate(pairs):
                 if not 0 <= tok < vocab_size:
-                    raise TeacherStoreError(f"token id {tok} in record {len(sequences)} is outside vocab_size {vocab_size}")
+                    raise TeacherStoreError(
+                        f"token id {tok} in record {len(sequences)} is outside vocab_size {vocab_size}"
+                    )
                 rows_i[t, j], rows_v[t, j] = tok, lp
         sequences.append(torch.tensor(tokens, dtype=torch.int32))
         ids.append(rows_i)
@@ -268,7 +283,9 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         self.dir = Path(store_dir)
         path = self.dir / MANIFEST
         if not path.exists():
-            raise TeacherStoreError(f"{self.dir} has no {MANIFEST}: not a teacher store (make one with `liger-kd precompute`)")
+            raise TeacherStoreError(
+                f"{self.dir} has no {MANIFEST}: not a teacher store (make one with `liger-kd precompute`)"
+            )
         self.meta = json.loads(path.read_text())
         if vocab_size is not None and vocab_size != self.meta["vocab_size"]:
             raise TeacherStoreError(
@@ -308,7 +325,9 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             if not path.exists():
                 raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
             if _sha256(path) != entry["sha256"]:
-                raise TeacherStoreError(f"shard {entry['file']} fails its checksum: the file is corrupted; recompute it")
+                raise TeacherStoreError(
+                    f"shard {entry['file']} fails its checksum: the file is corrupted; recompute it"
+                )
             self._cache = {index: load_file(str(path))}  # one shard in memory at a time
         return self._cache[index]
 
@@ -347,7 +366,9 @@ class TeacherDataCollator:
         if has_teacher:
             k = features[0]["teacher_token_ids"].shape[-1]
             out["teacher_token_ids"] = torch.full((batch, length, k), -1, dtype=torch.int32)
-            out["teacher_logprobs"] = torch.full((batch, length, k), -math.inf, dtype=features[0]["teacher_logprobs"].dtype)
+            out["teacher_logprobs"] = torch.full(
+                (batch, length, k), -math.inf, dtype=features[0]["teacher_logprobs"].dtype
+            )
         for row, (f, seq) in enumerate(zip(features, seqs)):
             n = len(seq)
             out["input_ids"][row, :n] = seq

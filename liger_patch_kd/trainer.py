@@ -25,17 +25,27 @@ class KDTrainingArguments(TrainingArguments):
     patched with `apply_kd_patch(model=...)` (kernel toggles from `kd_patch_config`, e.g. {"rope": False})."""
 
     use_kd_patch: bool = field(default=False, metadata={"help": "Patch the student: fused KD loss and Triton kernels."})
-    kd_patch_config: dict | None = field(default=None, metadata={"help": "apply_kd_patch keywords: rope, swiglu, rms_norm, fused_linear_jsd."})
+    kd_patch_config: dict | None = field(
+        default=None, metadata={"help": "apply_kd_patch keywords: rope, swiglu, rms_norm, fused_linear_jsd."}
+    )
     kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
     kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
     kd_soft_weight: float = field(default=1.0, metadata={"help": "Weight of the distillation term."})
     kd_hard_weight: float = field(default=0.0, metadata={"help": "Weight of the hard-label cross-entropy term."})
-    kd_top_k_tail: str = field(default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."})
+    kd_top_k_tail: str = field(
+        default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."}
+    )
     kd_lmbda: float = field(default=0.0, metadata={"help": "Fraction of steps on student-generated completions (GKD)."})
-    kd_seq_kd: bool = field(default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."})
+    kd_seq_kd: bool = field(
+        default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."}
+    )
     kd_max_new_tokens: int = field(default=128, metadata={"help": "Completion length for on-policy / seq-KD steps."})
-    kd_generation_temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of those completions."})
-    kd_self_distill: bool = field(default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."})
+    kd_generation_temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of those completions."}
+    )
+    kd_self_distill: bool = field(
+        default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,7 +87,13 @@ class KDTrainer(Trainer):
     (reference.py), the baseline to compare with.
     """
 
-    def __init__(self, model: nn.Module, teacher_model: nn.Module | None = None, args: KDTrainingArguments | None = None, **kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        teacher_model: nn.Module | None = None,
+        args: KDTrainingArguments | None = None,
+        **kwargs,
+    ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         self.kd_config = args.kd_loss_config()
@@ -147,17 +163,32 @@ class KDTrainer(Trainer):
         outputs = model(**inputs)
         student = _upcast(outputs.logits)
         if teacher_ids is not None:
-            soft = reference.topk_kd_loss(student, teacher_ids, teacher_lp, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch)
+            soft = reference.topk_kd_loss(
+                student,
+                teacher_ids,
+                teacher_lp,
+                targets,
+                cfg.replace(hard_weight=0.0, soft_weight=1.0),
+                num_items_in_batch,
+            )
             teacher_top1 = teacher_ids.gather(-1, teacher_lp.float().argmax(-1, keepdim=True)).squeeze(-1)
         else:
             with torch.no_grad():
                 teacher_logits = _upcast(self.teacher_model(**inputs).logits)
-            soft = reference.kd_loss(student, teacher_logits, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch)
+            soft = reference.kd_loss(
+                student, teacher_logits, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch
+            )
             teacher_top1 = teacher_logits.argmax(-1)
         hard = torch.zeros_like(soft)
         if cfg.hard_weight:
             ce = reference.cross_entropy_per_row(student, targets, cfg.ignore_index)
-            hard = reference.reduce_rows(ce, targets, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch)
+            hard = reference.reduce_rows(
+                ce,
+                targets,
+                reduction=cfg.reduction,
+                ignore_index=cfg.ignore_index,
+                num_items_in_batch=num_items_in_batch,
+            )
         loss = cfg.soft_weight * soft + cfg.hard_weight * hard
         valid = targets != cfg.ignore_index
         agreement = ((student.argmax(-1) == teacher_top1) & valid).sum() / valid.sum().clamp(min=1)
@@ -204,9 +235,15 @@ class KDTrainer(Trainer):
         was_training = generator.training
         generator.eval()
         out = unwrap_model(generator).generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=self.args.kd_max_new_tokens, do_sample=True,
-            temperature=self.args.kd_generation_temperature, top_k=0, top_p=1.0, pad_token_id=pad,
-        )  # fmt: skip
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=self.args.kd_max_new_tokens,
+            do_sample=True,
+            temperature=self.args.kd_generation_temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad,
+        )
         generator.train(was_training)
         rows = []
         for row, p in enumerate(prompts):
@@ -255,7 +292,7 @@ def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> Non
     """The teacher's forward is a third of the step or more: give it the same RMSNorm / RoPE / MLP kernels
     (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
     from .models.kd_forward import unwrap_model
-    from .models.registry import REGISTRY, ALIASES
+    from .models.registry import ALIASES, REGISTRY
 
     inner = unwrap_model(teacher)
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
@@ -273,5 +310,3 @@ def _first(*values: Any) -> Any:
         if v is not None:
             return v[0] if isinstance(v, list) and v else v
     return None
-
-

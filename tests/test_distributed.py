@@ -21,9 +21,13 @@ def test_fsdp2_two_processes_match_one(tmp_path, mode):
         pytest.skip("torch.distributed with gloo is not available")
     result = tmp_path / "errors.pt"
     mp.spawn(fsdp_worker.run, args=(2, _free_port(), mode, str(result)), nprocs=2, join=True)
-    errors = torch.load(result)
     # float64 models: loss, every parameter's gathered gradient (relative) and the parameters after 3 SGD steps
-    assert errors.max() < 1e-9, errors
+    _assert_small(torch.load(result), 1e-9)
+
+
+def _assert_small(errors: dict[str, float], bound: float) -> None:
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] < bound, f"largest differences from one process: {worst}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 run of issue 9)")
@@ -31,9 +35,8 @@ def test_fsdp2_two_processes_match_one(tmp_path, mode):
 def test_fsdp2_two_gpus_nccl_match_one(tmp_path, mode):
     result = tmp_path / "errors.pt"
     mp.spawn(fsdp_worker.run, args=(2, _free_port(), mode, str(result), "nccl"), nprocs=2, join=True)
-    errors = torch.load(result)
     # float64 on GPUs: cuBLAS / NCCL reduction order differs from one process; still far below any real bug
-    assert errors.max() < 1e-7, errors
+    _assert_small(torch.load(result), 1e-7)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs a non-CPU accelerator device (FSDP1 refuses CPU)")
@@ -60,10 +63,16 @@ def test_fsdp1_one_process_matches_unwrapped(tmp_path, use_orig_params):
         plain = M.apply_kd_patch_to_llama(model=copy.deepcopy(student))
         expected = plain(input_ids=ids, labels=ids, teacher_model=teacher).loss
         expected.backward()
-        wrapped = FSDP(M.apply_kd_patch_to_llama(model=copy.deepcopy(student)), auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
-                       use_orig_params=use_orig_params)  # fmt: skip
-        wrapped_teacher = FSDP(copy.deepcopy(teacher).requires_grad_(False), auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
-                               use_orig_params=use_orig_params)  # fmt: skip
+        wrapped = FSDP(
+            M.apply_kd_patch_to_llama(model=copy.deepcopy(student)),
+            auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+            use_orig_params=use_orig_params,
+        )
+        wrapped_teacher = FSDP(
+            copy.deepcopy(teacher).requires_grad_(False),
+            auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+            use_orig_params=use_orig_params,
+        )
         loss = wrapped(input_ids=ids, labels=ids, teacher_model=wrapped_teacher).loss
         loss.backward()
         torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)

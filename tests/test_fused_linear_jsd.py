@@ -132,7 +132,9 @@ def test_inputs_without_grad_and_no_grad_mode():
     loss = fused_linear_jsd(*args, pair.labels)
     assert not loss.requires_grad
     with torch.no_grad():
-        loss2 = fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
+        loss2 = fused_linear_jsd(
+            pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels
+        )
     torch.testing.assert_close(loss, loss2)
     # only the weight needs grad (frozen embeddings below, e.g. LoRA elsewhere)
     w = pair.student_weight.detach().requires_grad_()
@@ -155,7 +157,9 @@ def test_gradcheck_tiny_float64():
 def test_autocast_casts_like_linear():
     pair = make_pair(n=16, h_s=32, h_t=16, vocab=300, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
+        loss = fused_linear_jsd(
+            pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels
+        )
     g = grads(loss, pair.params())
     assert all(t.dtype == torch.float32 for t in g)  # grads come back in the parameters' dtype
     ref = R.kd_loss(pair.student_logits(), pair.teacher_logits(), pair.labels)
@@ -169,7 +173,7 @@ def test_peak_memory_is_one_chunk_not_n_by_v():
     vocab, hidden, chunk = 512, 32, 16
 
     class LargestLogitTensor(TorchDispatchMode):
-        """Records the largest tensor with a vocab-sized dimension other than the (V, H) weight, its grad and their transposes."""
+        """The largest tensor with a vocab-sized dimension, except the (V, H) weight, its grad and transposes."""
 
         largest = 0
 
@@ -243,7 +247,9 @@ def test_fp32_weight_grad_accumulation(backend):
 
 def test_second_backward_through_a_retained_graph_recomputes():
     pair = make_pair(n=6, vocab=50)
-    loss = fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
+    loss = fused_linear_jsd(
+        pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels
+    )
     first = torch.autograd.grad(3.0 * loss, pair.params(), retain_graph=True)
     second = torch.autograd.grad(3.0 * loss, pair.params())
     for a, b in zip(first, second):

@@ -64,7 +64,12 @@ def test_rope_backward_with_unequal_halves():
     q = torch.randn(1, 3, 2, 8, device=DEVICE).transpose(1, 2)  # (B, heads=2, T=3, D)
     k = torch.randn(1, 3, 1, 8, device=DEVICE).transpose(1, 2)
     cos, sin = torch.randn(1, 3, 8, device=DEVICE), torch.randn(1, 3, 8, device=DEVICE)
-    _compare(lambda q, k: rope(q, k, cos, sin, backend="triton"), lambda q, k: rope_torch(q, k, cos, sin), [q, k], torch.float32)
+    _compare(
+        lambda q, k: rope(q, k, cos, sin, backend="triton"),
+        lambda q, k: rope_torch(q, k, cos, sin),
+        [q, k],
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -44,7 +44,9 @@ def _clean_patches():
 @pytest.mark.parametrize("kernels", [True, False])
 def test_logits_unchanged_when_not_fused(arch, kernels):
     base = tiny_model(arch, dtype=torch.float32)
-    patched = APPLY[arch](rope=kernels, swiglu=kernels, rms_norm=kernels, fused_linear_jsd=False, model=copy.deepcopy(base))
+    patched = APPLY[arch](
+        rope=kernels, swiglu=kernels, rms_norm=kernels, fused_linear_jsd=False, model=copy.deepcopy(base)
+    )
     ids, mask, _ = _batch()
     with torch.no_grad():
         expected = base(input_ids=ids, attention_mask=mask).logits
@@ -140,7 +142,9 @@ def test_generate_works_on_patched_model():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 9)
     unpatched = tiny_model("qwen3", dtype=torch.float32)
-    expected = unpatched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = unpatched.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
     assert torch.equal(out, expected)
 
 
@@ -163,6 +167,12 @@ def test_errors():
     with pytest.raises(ValueError, match="vocab"):
         student(input_ids=ids, attention_mask=mask, labels=labels, teacher_model=teacher)
     with pytest.raises(ValueError, match="one teacher source"):
-        student(input_ids=ids, labels=labels, teacher_model=teacher, teacher_token_ids=ids[..., None], teacher_logprobs=ids[..., None].float())
+        student(
+            input_ids=ids,
+            labels=labels,
+            teacher_model=teacher,
+            teacher_token_ids=ids[..., None],
+            teacher_logprobs=ids[..., None].float(),
+        )
     with pytest.raises(ValueError, match="teacher_weight"):
         student(input_ids=ids, labels=labels, teacher_hidden_states=torch.zeros(2, 13, 64))

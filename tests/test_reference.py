@@ -91,7 +91,9 @@ def test_agrees_with_trl_generalized_jsd_loss(beta, temperature):
     labels = torch.randint(0, 33, (2, 7))
     labels[0, :3] = -100
     got = R.generalized_jsd(s, t, labels, beta=beta, temperature=temperature)
-    torch.testing.assert_close(got, _trl_style_jsd(s, t, labels, beta=beta, temperature=temperature), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        got, _trl_style_jsd(s, t, labels, beta=beta, temperature=temperature), rtol=1e-5, atol=1e-6
+    )
     assert math.isfinite(got.item())
     trainer = _trl_gkd_trainer()
     if trainer is not None:

@@ -21,20 +21,26 @@ def _clean_patches():
 
 def _sequences(n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("tail", ["bucket", "renormalize", "none"])
 def test_round_trip_full_vocab_equals_online_loss(tmp_path, tail):
     teacher = tiny_model("llama", seed=3)
     seqs = _sequences()
-    TD.precompute(teacher, seqs, tmp_path, top_k=VOCAB, batch_size=3, shard_size=4, logprob_dtype="float32", progress=False)
+    TD.precompute(
+        teacher, seqs, tmp_path, top_k=VOCAB, batch_size=3, shard_size=4, logprob_dtype="float32", progress=False
+    )
     data = TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB)
     assert len(data) == len(seqs) and data.top_k == VOCAB
     batch = next(iter(DataLoader(data, batch_size=len(seqs), collate_fn=TD.TeacherDataCollator())))
     student = M.apply_kd_patch_to_llama(model=tiny_model("llama", seed=1), kd_config=KDLossConfig(beta=0.3, tail=tail))
     common = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-    offline = student(**common, teacher_token_ids=batch["teacher_token_ids"], teacher_logprobs=batch["teacher_logprobs"])
+    offline = student(
+        **common, teacher_token_ids=batch["teacher_token_ids"], teacher_logprobs=batch["teacher_logprobs"]
+    )
     online = student(**common, teacher_model=teacher)
     # the store keeps fp32 log-probs of the fp64 teacher: agreement to fp32 rounding
     torch.testing.assert_close(offline.loss, online.loss, rtol=1e-6, atol=1e-7)
@@ -139,6 +145,11 @@ def test_vllm_import(tmp_path):
     lp = item["teacher_logprobs"]
     assert lp[0].tolist() == pytest.approx([-0.1, -2.5]) and lp[2, 1] == float("-inf")
     with pytest.raises(TD.TeacherStoreError, match="outside vocab_size"):
-        TD.import_vllm_logprobs([{"prompt_token_ids": [1, 2], "prompt_logprobs": [None, {"12": -0.1}]}], tmp_path / "b", vocab_size=10, top_k=2)
+        TD.import_vllm_logprobs(
+            [{"prompt_token_ids": [1, 2], "prompt_logprobs": [None, {"12": -0.1}]}],
+            tmp_path / "b",
+            vocab_size=10,
+            top_k=2,
+        )
     manifest = json.loads((tmp_path / TD.MANIFEST).read_text())
     assert manifest["top_k"] == 2 and manifest["shards"][0]["sha256"]

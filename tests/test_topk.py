@@ -43,7 +43,16 @@ def _check(h, w, b, ids, logprobs, labels, cfg, backend):
 @pytest.mark.parametrize("k", [1, 8, V])
 def test_matches_reference_float64(backend, tail, beta, temperature, k):
     h, w, _, _, ids, logprobs, labels = _data(k)
-    _check(h, w, None, ids, logprobs, labels, KDLossConfig(beta=beta, temperature=temperature, tail=tail, chunk_size=8), backend)
+    _check(
+        h,
+        w,
+        None,
+        ids,
+        logprobs,
+        labels,
+        KDLossConfig(beta=beta, temperature=temperature, tail=tail, chunk_size=8),
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -62,7 +71,10 @@ def test_full_vocab_logprobs_equal_the_online_loss(backend, tail, beta):
     torch.manual_seed(1)
     h = torch.randn(N, H, dtype=torch.float64, device=DEVICE, requires_grad=True)
     w = torch.randn(V, H, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    h_t, w_t = torch.randn(N, 11, dtype=torch.float64, device=DEVICE), torch.randn(V, 11, dtype=torch.float64, device=DEVICE)
+    h_t, w_t = (
+        torch.randn(N, 11, dtype=torch.float64, device=DEVICE),
+        torch.randn(V, 11, dtype=torch.float64, device=DEVICE),
+    )
     labels = torch.randint(0, V, (N,), device=DEVICE)
     logprobs = F.log_softmax(h_t @ w_t.T, -1)
     ids = torch.arange(V, device=DEVICE).expand(N, V).flip(-1)  # any order
@@ -149,7 +161,9 @@ def test_kl_estimators_match_their_formulas():
     mask = torch.tensor([1, 0, 1])
     torch.testing.assert_close(kl_estimator(q, p, "k1", mask=mask), (q - p)[[0, 2]].mean())
     assert kl_estimator(q, p, "k3", mask=torch.zeros(3)).item() == 0.0
-    torch.testing.assert_close(kl_estimator(q, p - 10, "k3", clamp=1.0, reduction="none"), torch.full((3,), math.exp(-1) + 1 - 1))
+    torch.testing.assert_close(
+        kl_estimator(q, p - 10, "k3", clamp=1.0, reduction="none"), torch.full((3,), math.exp(-1) + 1 - 1)
+    )
     with pytest.raises(ValueError, match="kind"):
         kl_estimator(q, p, "k4")
     with pytest.raises(ValueError, match="one shape"):
@@ -182,7 +196,9 @@ def test_topk_from_logprobs(tail, beta):
     student_logits = torch.randn(6, 40, dtype=torch.float64, requires_grad=True)
     teacher_logits = torch.randn(6, 40, dtype=torch.float64)
     # full vocabulary: every policy is the generalized JSD
-    got = topk_kd_from_logprobs(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1), beta=beta, tail=tail)
+    got = topk_kd_from_logprobs(
+        F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1), beta=beta, tail=tail
+    )
     torch.testing.assert_close(got, R.generalized_jsd_per_row(student_logits, teacher_logits, beta=beta).mean())
     # top-k on the teacher's ids: the offline reference on the same ids
     lp_t, ids = F.log_softmax(teacher_logits, -1).topk(5, -1)

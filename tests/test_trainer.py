@@ -60,8 +60,13 @@ def _decreases(losses):
 
 @pytest.mark.parametrize("use_kd_patch", [True, False])
 def test_online_distillation_trains(tmp_path, use_kd_patch):
-    trainer = _train(tmp_path, tiny_model("llama", dtype=torch.float32, seed=1), tiny_model("llama", dtype=torch.float32, seed=2, hidden=96),
-                     use_kd_patch=use_kd_patch, kd_hard_weight=0.1)  # fmt: skip
+    trainer = _train(
+        tmp_path,
+        tiny_model("llama", dtype=torch.float32, seed=1),
+        tiny_model("llama", dtype=torch.float32, seed=2, hidden=96),
+        use_kd_patch=use_kd_patch,
+        kd_hard_weight=0.1,
+    )
     _decreases(_losses(trainer))
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert logged and {"kd_hard_loss", "kd_top1_agreement"} <= set(logged[-1])
@@ -78,8 +83,15 @@ def test_offline_distillation_trains_without_a_teacher(tmp_path):
 
 @pytest.mark.parametrize("mode", [dict(kd_lmbda=1.0), dict(kd_seq_kd=True)])
 def test_on_policy_and_sequence_kd_train(tmp_path, mode):
-    trainer = _train(tmp_path, tiny_model("llama", dtype=torch.float32, seed=1), tiny_model("llama", dtype=torch.float32, seed=2),
-                     use_kd_patch=True, kd_max_new_tokens=6, learning_rate=1e-2, **mode)  # fmt: skip
+    trainer = _train(
+        tmp_path,
+        tiny_model("llama", dtype=torch.float32, seed=1),
+        tiny_model("llama", dtype=torch.float32, seed=2),
+        use_kd_patch=True,
+        kd_max_new_tokens=6,
+        learning_rate=1e-2,
+        **mode,
+    )
     losses = _losses(trainer)
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
 
@@ -91,7 +103,11 @@ def test_patched_and_unpatched_agree_on_loss_and_grads(tmp_path):
     results = []
     for use_kd_patch in (True, False):
         model = copy.deepcopy(student)
-        trainer = KDTrainer(model=model, teacher_model=teacher, args=_args(tmp_path, use_kd_patch=use_kd_patch, kd_hard_weight=0.3, kd_temperature=2.0))
+        trainer = KDTrainer(
+            model=model,
+            teacher_model=teacher,
+            args=_args(tmp_path, use_kd_patch=use_kd_patch, kd_hard_weight=0.3, kd_temperature=2.0),
+        )
         loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(29))
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
@@ -108,8 +124,19 @@ def test_gradient_accumulation_is_exact(tmp_path):
     for bs, ga in ((4, 1), (1, 4)):
         student = tiny_model("llama", seed=1)
         teacher = tiny_model("llama", seed=2)
-        _train(tmp_path, student, teacher, data=_dataset(4), use_kd_patch=True, per_device_train_batch_size=bs,
-               gradient_accumulation_steps=ga, max_steps=1, optim="sgd", learning_rate=1.0, kd_hard_weight=0.2)  # fmt: skip
+        _train(
+            tmp_path,
+            student,
+            teacher,
+            data=_dataset(4),
+            use_kd_patch=True,
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            kd_hard_weight=0.2,
+        )
         params.append([p.detach().clone() for p in student.parameters()])
     for a, b in zip(*params):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -122,8 +149,13 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     first = tiny_model("llama", dtype=torch.float32, seed=1)
     _train(tmp_path / "b", first, teacher, use_kd_patch=True, max_steps=4, save_strategy="steps", save_steps=2)
     resumed = tiny_model("llama", dtype=torch.float32, seed=7)  # weights come from the checkpoint
-    trainer = KDTrainer(model=resumed, teacher_model=teacher, train_dataset=_dataset(), data_collator=TD.TeacherDataCollator(),
-                        args=_args(tmp_path / "b", use_kd_patch=True, max_steps=4))  # fmt: skip
+    trainer = KDTrainer(
+        model=resumed,
+        teacher_model=teacher,
+        train_dataset=_dataset(),
+        data_collator=TD.TeacherDataCollator(),
+        args=_args(tmp_path / "b", use_kd_patch=True, max_steps=4),
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
     for a, b in zip(full.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -160,7 +192,9 @@ class _ImmediateEOS(torch.nn.Module):
 
 
 def test_empty_prompts_and_immediate_eos_are_handled(tmp_path):
-    trainer = KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama", seed=3), args=_args(tmp_path, use_kd_patch=True))
+    trainer = KDTrainer(
+        model=tiny_model("llama"), teacher_model=tiny_model("llama", seed=3), args=_args(tmp_path, use_kd_patch=True)
+    )
     rows = _dataset(2, prompt=0)  # every token scored: no prompt at all
     rows[1]["labels"][:4] = -100
     batch = trainer.generate_completions(_ImmediateEOS(), TD.TeacherDataCollator()(rows))
@@ -174,7 +208,9 @@ def test_empty_prompts_and_immediate_eos_are_handled(tmp_path):
 def test_self_distillation_with_adapter_disabled(tmp_path):
     peft = pytest.importorskip("peft")
     base = tiny_model("llama", dtype=torch.float32, seed=1)
-    student = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    student = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     trainer = KDTrainer(model=student, args=_args(tmp_path, use_kd_patch=True, kd_self_distill=True, max_steps=4),
                         train_dataset=_dataset(), data_collator=TD.TeacherDataCollator())  # fmt: skip
     batch = TD.TeacherDataCollator()(_dataset(2))
@@ -188,8 +224,14 @@ def test_self_distillation_with_adapter_disabled(tmp_path):
 
 def test_lora_on_lm_head_is_refused(tmp_path):
     peft = pytest.importorskip("peft")
-    student = peft.get_peft_model(tiny_model("llama", dtype=torch.float32), peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
-    trainer = KDTrainer(model=student, teacher_model=tiny_model("llama", dtype=torch.float32, seed=2), args=_args(tmp_path, use_kd_patch=True))
+    student = peft.get_peft_model(
+        tiny_model("llama", dtype=torch.float32), peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"])
+    )
+    trainer = KDTrainer(
+        model=student,
+        teacher_model=tiny_model("llama", dtype=torch.float32, seed=2),
+        args=_args(tmp_path, use_kd_patch=True),
+    )
     with pytest.raises(ValueError, match="adapter on lm_head"):
         trainer.compute_loss(student, TD.TeacherDataCollator()(_dataset(2)))
 

@@ -106,7 +106,11 @@ class TeacherInputs:
     logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        sources = {"teacher_model": self.model, "teacher_hidden_states": self.hidden_states, "teacher_token_ids": self.token_ids}
+        sources = {
+            "teacher_model": self.model,
+            "teacher_hidden_states": self.hidden_states,
+            "teacher_token_ids": self.token_ids,
+        }
         given = [name for name, value in sources.items() if value is not None]
         if len(given) > 1:
             raise ValueError(
@@ -114,7 +118,9 @@ class TeacherInputs:
                 f"or teacher_token_ids + teacher_logprobs"
             )
         if self.hidden_states is not None and self.weight is None:
-            raise ValueError("teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))")
+            raise ValueError(
+                "teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))"
+            )
         if self.token_ids is not None and self.logprobs is None:
             raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
 
@@ -157,7 +163,9 @@ def kd_causal_lm_forward(
     state = patch_state(self)
     if kd_teacher_callback is not None:
         return _serve_as_teacher(self, input_ids, attention_mask, kd_teacher_callback, kwargs)
-    teacher = TeacherInputs(teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs)
+    teacher = TeacherInputs(
+        teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs
+    )
     if labels is None or not teacher.given:
         return state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
@@ -179,7 +187,9 @@ def kd_causal_lm_forward(
         common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
         agreement = None
         if teacher.token_ids is not None:
-            out = fused_linear_topk_kd(hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common)
+            out = fused_linear_topk_kd(
+                hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common
+            )
             if kd_log_agreement:
                 agreement = _top1_agreement(hidden, head, targets, cfg, _topk_top1(teacher.token_ids, teacher.logprobs))
         elif teacher.hidden_states is not None:
@@ -277,13 +287,17 @@ def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback
         return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
 
 
-def _materialised(self, state, teacher: TeacherInputs, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs):
+def _materialised(
+    self, state, teacher: TeacherInputs, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs
+):
     """fused_linear_jsd=False (or return_logits=True): the same objective on materialised logits."""
     out = state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     student_logits = _upcast(out.logits)  # already soft-capped by the model's own forward
     cfg = cfg.replace(softcap=None)
     if teacher.token_ids is not None:
-        loss = reference.topk_kd_loss(student_logits, teacher.token_ids, teacher.logprobs, targets, cfg, num_items_in_batch)
+        loss = reference.topk_kd_loss(
+            student_logits, teacher.token_ids, teacher.logprobs, targets, cfg, num_items_in_batch
+        )
     else:
         if teacher.hidden_states is not None:
             teacher_logits = teacher.hidden_states @ teacher.weight.T

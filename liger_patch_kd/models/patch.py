@@ -202,4 +202,3 @@ apply_kd_patch_to_gemma = _make_apply("gemma")
 apply_kd_patch_to_gemma2 = _make_apply("gemma2")
 apply_kd_patch_to_gemma3 = _make_apply("gemma3")
 apply_kd_patch_to_phi3 = _make_apply("phi3")
-

@@ -20,7 +20,7 @@ def triton_interpreted() -> bool:
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
-    """"triton" for CUDA tensors (or any tensor under TRITON_INTERPRET=1 when asked for), else "torch".
+    """ "triton" for CUDA tensors (or any tensor under TRITON_INTERPRET=1 when asked for), else "torch".
 
     `requested` forces one; so does the LIGER_KD_BACKEND environment variable (the tests use both to run the
     Triton kernels, and whole patched models, on CPU through the interpreter).
@@ -33,7 +33,8 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
             raise ValueError("backend='triton' was requested but triton is not installed; pip install triton")
         if requested == "triton" and device.type != "cuda" and not triton_interpreted():
             raise ValueError(
-                f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before import for {device.type} tensors"
+                f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before import "
+                f"for {device.type} tensors"
             )
         return requested
     return "triton" if device.type == "cuda" and triton_available() else "torch"

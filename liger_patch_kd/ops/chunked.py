@@ -81,7 +81,9 @@ def run_chunked(
     grad_input = torch.empty_like(student_input) if need_input else None
     grad_weight = None
     if need_weight:
-        weight_grad_dtype = torch.float32 if fp32_weight_grad and student_weight.dtype != torch.float64 else student_weight.dtype
+        weight_grad_dtype = (
+            torch.float32 if fp32_weight_grad and student_weight.dtype != torch.float64 else student_weight.dtype
+        )
         # the first chunk writes it, later chunks accumulate (zeros only when there is no chunk at all)
         new = torch.empty if n_rows else torch.zeros
         grad_weight = new(student_weight.shape, dtype=weight_grad_dtype, device=student_weight.device)
@@ -117,7 +119,9 @@ def run_chunked(
     return ChunkedResult(soft_rows, hard_rows, grad_input, grad_weight, grad_bias)
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, first: bool) -> None:
+def _accumulate_weight_grad(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, first: bool
+) -> None:
     """grad_weight (+)= grad_logits.T @ hidden in grad_weight's dtype; the first chunk writes without reading."""
     g_t = grad_logits.t()
     same_dtype = grad_weight.dtype == grad_logits.dtype
@@ -166,7 +170,13 @@ class FusedLinearKDFunction(torch.autograd.Function):
         needs_grad = tuple(ctx.needs_input_grad[:3])
         eager_grads = any(needs_grad) and plan.reduction != "none"
         result = _run(
-            plan, student_input, student_weight, student_bias, labels, row_weight, needs_grad if eager_grads else (False,) * 3
+            plan,
+            student_input,
+            student_weight,
+            student_bias,
+            labels,
+            row_weight,
+            needs_grad if eager_grads else (False,) * 3,
         )
         soft = result.soft_rows * row_weight
         hard = result.hard_rows * row_weight

@@ -199,7 +199,10 @@ def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torc
     memory. A bf16 row takes the first half of its fp32 row's bytes, so its row stride is 2V: cuBLAS reads
     that as a leading dimension, no copy.
     """
-    if not teacher_logits.is_contiguous() or teacher_logits.element_size() % torch.empty((), dtype=grad_dtype).element_size():
+    if (
+        not teacher_logits.is_contiguous()
+        or teacher_logits.element_size() % torch.empty((), dtype=grad_dtype).element_size()
+    ):
         return torch.empty(teacher_logits.shape, dtype=grad_dtype, device=teacher_logits.device)
     return teacher_logits.view(grad_dtype)[:, : teacher_logits.shape[1]]
 

@@ -124,7 +124,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama", backend: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    casting: str = "llama",
+    backend: str | None = None,
 ) -> torch.Tensor:
     """RMSNorm of the last dimension; Triton on CUDA, `rms_norm_torch` elsewhere."""
     if casting not in CASTING_MODES:

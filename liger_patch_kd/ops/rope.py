@@ -49,7 +49,9 @@ if triton_available():
         x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
         out = out_ptr + b * sob + t * sot + heads[:, None] * soh
         tl.store(out + d[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(out_ptr.dtype.element_ty), mask=hmask)
-        tl.store(out + HALF + d[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(
+            out + HALF + d[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(out_ptr.dtype.element_ty), mask=hmask
+        )
 
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
         bsz, heads, seq, dim = x.shape
@@ -90,6 +92,8 @@ def _triton_can_take(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> 
 
 def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, backend: str | None = None):
     """Drop-in for transformers' apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)."""
-    if select_backend(q.device, backend) == "torch" or not (_triton_can_take(q, cos, unsqueeze_dim) and k.stride(-1) == 1):
+    if select_backend(q.device, backend) == "torch" or not (
+        _triton_can_take(q, cos, unsqueeze_dim) and k.stride(-1) == 1
+    ):
         return rope_torch(q, k, cos, sin, unsqueeze_dim)
     return RoPEFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))

@@ -3,7 +3,6 @@ Qwen, Phi-3) or tanh-approximated GELU (GeGLU: Gemma)."""
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -85,7 +84,9 @@ class GatedActFunction(torch.autograd.Function):
         return dgate, dup, None
 
 
-def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", backend: str | None = None) -> torch.Tensor:
+def gated_act(
+    gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", backend: str | None = None
+) -> torch.Tensor:
     """act(gate) * up; activation is one of ACTIVATIONS' names."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}; got activation={activation!r}")
@@ -94,5 +95,3 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", ba
     if select_backend(gate.device, backend) == "torch":
         return gated_act_torch(gate, up, activation)
     return GatedActFunction.apply(gate, up, activation)
-
-
