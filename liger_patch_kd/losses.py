@@ -71,11 +71,8 @@ def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dty
 
 def _flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: torch.device, cfg: KDLossConfig):
     _check_labels(labels, leading)
+    reference.require_labels_for_hard_term(cfg, labels)
     if labels is None:
-        if cfg.hard_weight:
-            raise ValueError(
-                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
-            )
         return torch.zeros(leading.numel(), dtype=torch.long, device=device)
     return labels.reshape(-1).to(device)
 
@@ -193,12 +190,19 @@ def _run_fused(
     return KDLossOutput(loss, soft, hard) if return_components else loss
 
 
-class FusedLinearJSDLoss(nn.Module):
-    """Module form of `fused_linear_jsd`: the loss options go to the constructor (or a KDLossConfig)."""
+class _ConfiguredLoss(nn.Module):
+    """The loss options go to the constructor (a KDLossConfig and/or its fields), the tensors to forward."""
 
     def __init__(self, config: KDLossConfig | None = None, **options) -> None:
         super().__init__()
         self.config = KDLossConfig.build(config, **options)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+
+class FusedLinearJSDLoss(_ConfiguredLoss):
+    """Module form of `fused_linear_jsd`."""
 
     def forward(
         self,
@@ -218,9 +222,6 @@ class FusedLinearJSDLoss(nn.Module):
             student_bias=student_bias, teacher_bias=teacher_bias, num_items_in_batch=num_items_in_batch,
             config=self.config, return_components=return_components,
         )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return repr(self.config)
 
 
 @torch.compiler.disable
@@ -288,12 +289,8 @@ def fused_linear_topk_kd(
     )
 
 
-class FusedLinearTopKKDLoss(nn.Module):
-    """Module form of `fused_linear_topk_kd`: the loss options go to the constructor (or a KDLossConfig)."""
-
-    def __init__(self, config: KDLossConfig | None = None, **options) -> None:
-        super().__init__()
-        self.config = KDLossConfig.build(config, **options)
+class FusedLinearTopKKDLoss(_ConfiguredLoss):
+    """Module form of `fused_linear_topk_kd`."""
 
     def forward(
         self,
@@ -311,9 +308,6 @@ class FusedLinearTopKKDLoss(nn.Module):
             student_input, student_weight, teacher_token_ids, teacher_logprobs, labels, student_bias=student_bias,
             num_items_in_batch=num_items_in_batch, config=self.config, return_components=return_components,
         )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return repr(self.config)
 
 
 def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, vocab: int, check_values: bool) -> None:

@@ -106,13 +106,27 @@ def kd_loss(
     cfg = config or KDLossConfig()
     student = apply_softcap(student_logits, cfg.softcap)
     teacher = apply_softcap(teacher_logits, cfg.teacher_softcap)
-    per_row = cfg.soft_weight * generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
+    soft = generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
+    return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
+
+
+def require_labels_for_hard_term(cfg: KDLossConfig, labels) -> None:
+    if cfg.hard_weight and labels is None:
+        raise ValueError("hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0")
+
+
+def weigh_and_reduce(
+    soft_per_row: torch.Tensor,
+    capped_student_logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    cfg: KDLossConfig,
+    num_items_in_batch: int | torch.Tensor | None,
+) -> torch.Tensor:
+    """soft_weight * KD + hard_weight * CE(student at T = 1) per row, then the reduction."""
+    require_labels_for_hard_term(cfg, labels)
+    per_row = cfg.soft_weight * soft_per_row
     if cfg.hard_weight:
-        if labels is None:
-            raise ValueError(
-                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
-            )
-        per_row = per_row + cfg.hard_weight * cross_entropy_per_row(student, labels, cfg.ignore_index)
+        per_row = per_row + cfg.hard_weight * cross_entropy_per_row(capped_student_logits, labels, cfg.ignore_index)
     return reduce_rows(
         per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
     )
@@ -215,18 +229,10 @@ def topk_kd_loss(
     """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels)."""
     cfg = config or KDLossConfig()
     student = apply_softcap(student_logits, cfg.softcap)
-    per_row = cfg.soft_weight * topk_kd_per_row(
+    soft = topk_kd_per_row(
         student, teacher_token_ids, teacher_logprobs, beta=cfg.beta, temperature=cfg.temperature, tail=cfg.tail
     )
-    if cfg.hard_weight:
-        if labels is None:
-            raise ValueError(
-                "hard_weight > 0 needs labels for the cross-entropy term; pass labels or set hard_weight=0"
-            )
-        per_row = per_row + cfg.hard_weight * cross_entropy_per_row(student, labels, cfg.ignore_index)
-    return reduce_rows(
-        per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
-    )
+    return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
 
 
 # ----------------------------------------------------------------------------------------- on-policy

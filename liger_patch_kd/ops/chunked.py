@@ -240,3 +240,30 @@ def hard_ce_rows_and_grad(
     grad = log_q.exp()
     grad.scatter_add_(-1, safe[:, None], -valid[:, None].to(grad.dtype))
     return rows, grad
+
+
+def finish_chunk(
+    soft: torch.Tensor,
+    grad_u: Callable[[], torch.Tensor],
+    capped: torch.Tensor,
+    labels: torch.Tensor,
+    w_soft: torch.Tensor,
+    w_hard: torch.Tensor,
+    grad_dtype: torch.dtype | None,
+    cfg,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What every PyTorch chunk kernel does after its own divergence: the hard CE term, then dLoss/du (u = the
+    tempered capped logits, from `grad_u()`, only called when a gradient is wanted) weighted per row and
+    chained back to the raw logits through 1/T and the soft-cap."""
+    hard, hard_grad = torch.zeros_like(soft), None
+    if cfg.hard_weight:
+        hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
+    if grad_dtype is None:
+        return soft, hard, None
+    grad = grad_u()
+    grad *= (w_soft.to(grad.dtype) / cfg.temperature)[:, None]
+    if hard_grad is not None:
+        grad += hard_grad * w_hard.to(grad.dtype)[:, None]
+    if cfg.softcap is not None:
+        grad *= 1 - (capped / cfg.softcap) ** 2
+    return soft, hard, grad.to(grad_dtype)

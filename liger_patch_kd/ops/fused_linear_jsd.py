@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..config import KDLossConfig
 from ..reference import apply_softcap
 from .backend import triton_available
-from .chunked import hard_ce_rows_and_grad
+from .chunked import finish_chunk
 
 MODE_FORWARD_KL, MODE_REVERSE_KL, MODE_JSD = 0, 1, 2
 
@@ -50,26 +50,16 @@ def jsd_chunk_torch(
     mode = _mode(beta)
     if mode == MODE_FORWARD_KL:
         soft = (p * (log_p - log_s)).sum(-1)
-        grad_u = s - p
+        grad_u = lambda: s - p  # noqa: E731
     elif mode == MODE_REVERSE_KL:
         soft = (s * (log_s - log_p)).sum(-1)
-        grad_u = s * (log_s - log_p - soft[:, None])
+        grad_u = lambda: s * (log_s - log_p - soft[:, None])  # noqa: E731
     else:
         log_m = torch.logaddexp(log_s + math.log(1 - beta), log_p + math.log(beta))
         g = log_s - log_m
         soft = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (s * g).sum(-1)
-        grad_u = (1 - beta) * s * (g - (s * g).sum(-1, keepdim=True))
-    hard, hard_grad = (torch.zeros_like(soft), None)
-    if cfg.hard_weight:
-        hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
-    if grad_dtype is None:
-        return soft, hard, None
-    grad = grad_u * (inv_t * w_soft.to(grad_u.dtype))[:, None]
-    if hard_grad is not None:
-        grad += hard_grad * w_hard.to(grad.dtype)[:, None]
-    if cfg.softcap is not None:
-        grad *= 1 - (capped / cfg.softcap) ** 2
-    return soft, hard, grad.to(grad_dtype)
+        grad_u = lambda: (1 - beta) * s * (g - (s * g).sum(-1, keepdim=True))  # noqa: E731
+    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- Triton chunk

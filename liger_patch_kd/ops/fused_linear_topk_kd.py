@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..config import KDLossConfig
 from ..reference import LOGPROB_PLACEHOLDER, TAIL_FLOOR, apply_softcap, tempered_topk_teacher
 from .backend import triton_available
-from .chunked import hard_ce_rows_and_grad
+from .chunked import finish_chunk
 
 TAILS = {"bucket": 0, "renormalize": 1, "none": 2}
 
@@ -79,19 +79,12 @@ def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype
             r = torch.where(has_tail & (raw_tail > TAIL_FLOOR), tail_a / log_s_tail.exp(), 0.0)
         sparse = a - r[:, None] * s
         dense_c = a.sum(-1) - r * s.sum(-1)
-    hard, hard_grad = (torch.zeros_like(soft), None)
-    if cfg.hard_weight:
-        hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
-    if grad_dtype is None:
-        return soft, hard, None
-    grad = -dense_c[:, None] * log_s_full.exp()
-    grad.scatter_add_(-1, safe, torch.where(valid, sparse, 0.0))
-    grad *= (inv_t * w_soft.to(grad.dtype))[:, None]
-    if hard_grad is not None:
-        grad += hard_grad * w_hard.to(grad.dtype)[:, None]
-    if cfg.softcap is not None:
-        grad *= 1 - (capped / cfg.softcap) ** 2
-    return soft, hard, grad.to(grad_dtype)
+
+    def grad_u():
+        grad = -dense_c[:, None] * log_s_full.exp()
+        return grad.scatter_add_(-1, safe, torch.where(valid, sparse, 0.0))
+
+    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- Triton chunk
