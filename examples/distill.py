@@ -55,8 +55,8 @@ def load(args):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     tok = AutoTokenizer.from_pretrained(args.student)
-    student = AutoModelForCausalLM.from_pretrained(args.student, torch_dtype=dtype)
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, torch_dtype=dtype)
+    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=dtype)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=dtype)
     with open(args.data) as f:
         texts = [json.loads(line)["text"] for line in f if line.strip()]
     return student, teacher, [tok(t)["input_ids"][: args.seq] for t in texts], tok

@@ -19,26 +19,32 @@ def _precompute(args) -> None:
 
     from .teacher_data import precompute, tokenizer_fingerprint
 
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, torch_dtype="auto")
-    teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
-    sequences = []
     with open(args.data) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "input_ids" in record:
-                ids = list(record["input_ids"])
-            elif "text" in record:
-                ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-            else:
-                raise ValueError(f"{args.data}:{line_no}: each line needs 'text' or 'input_ids'")
-            sequences.append(ids[: args.max_length] if args.max_length else ids)
+        records = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+    tokenizer = None
+    needs_tokenizer = any("input_ids" not in r for _, r in records)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
+    except (OSError, ValueError) as e:
+        if needs_tokenizer:
+            raise ValueError(
+                f"{args.data} has 'text' lines but no tokenizer loads from {args.tokenizer or args.teacher}: {e}"
+            )
+    sequences = []
+    for line_no, record in records:
+        if "input_ids" in record:
+            ids = list(record["input_ids"])
+        elif "text" in record:
+            ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        else:
+            raise ValueError(f"{args.data}:{line_no}: each line needs 'text' or 'input_ids'")
+        sequences.append(ids[: args.max_length] if args.max_length else ids)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto")
+    teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = precompute(
         teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,
         logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher,
-        tokenizer_fp=tokenizer_fingerprint(tokenizer),
+        tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
     )  # fmt: skip
     print(f"wrote {out}")
 

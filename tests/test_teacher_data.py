@@ -153,3 +153,16 @@ def test_vllm_import(tmp_path):
         )
     manifest = json.loads((tmp_path / TD.MANIFEST).read_text())
     assert manifest["top_k"] == 2 and manifest["shards"][0]["sha256"]
+
+
+def test_precompute_command_line(tmp_path):
+    from liger_patch_kd.cli import main
+
+    tiny_model("llama", seed=3, dtype=torch.float32).save_pretrained(tmp_path / "teacher")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(5)) + "\n")
+    main(["precompute", "--teacher", str(tmp_path / "teacher"), "--data", str(data), "--top-k", "4",
+          "--out", str(tmp_path / "store"), "--shard-size", "2", "--device", "cpu"])  # fmt: skip
+    store = TD.TeacherLogprobsDataset(tmp_path / "store", vocab_size=VOCAB)
+    assert len(store) == 5 and store.top_k == 4
+    assert json.loads((tmp_path / "store" / TD.MANIFEST).read_text())["teacher"] == str(tmp_path / "teacher")
