@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from liger_patch_kd import KDLossConfig, fused_linear_jsd
+from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 
 from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
@@ -142,6 +142,54 @@ def run_case(n: int, hidden: int, vocab: int, cfg: KDLossConfig, methods: dict, 
     return rows  # x and ref go with this frame; the next case starts with gc
 
 
+def run_topk_case(n: int, hidden: int, vocab: int, k: int, cfg: KDLossConfig) -> list[dict]:
+    """Offline top-k: this project against plain PyTorch on materialised student logits, and the floor of the
+    three N x H x V products left when the teacher is data (student logits, grad of input, grad of weight)."""
+    x = make_inputs(n, hidden, vocab)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    teacher_lp, ids = torch.log_softmax(torch.randn(n, vocab, device="cuda", generator=g) * 2, -1).topk(k, -1)
+    ids, teacher_lp = ids.int(), teacher_lp.to(torch.bfloat16)
+    logits = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
+    g_in, g_w = torch.empty_like(x["h_s"]), torch.empty_like(x["w_s"])
+    h_s, w_s = x["h_s"].detach(), x["w_s"].detach()
+
+    def products():
+        torch.mm(h_s, w_s.T, out=logits)
+        torch.mm(logits, w_s, out=g_in)
+        torch.mm(logits.T, h_s, out=g_w)
+
+    floor = cuda_time_ms(products)
+    del logits
+    rows = [dict(N=n, V=vocab, beta=cfg.beta, method=f"top-{k} floor (3 bf16 products)", ms=floor, x_floor=1.0)]
+    methods = {
+        f"liger_patch_kd top-{k}": lambda: fused_linear_topk_kd(
+            x["h_s"], x["w_s"], ids, teacher_lp, x["labels"], config=cfg, check_inputs=False
+        ),
+        f"plain pytorch top-{k}": lambda: R.topk_kd_loss(
+            (x["h_s"] @ x["w_s"].T).float(), ids, teacher_lp, x["labels"], cfg
+        ),
+    }
+    params = [x["h_s"], x["w_s"]]
+    for name, fn in methods.items():
+
+        def step():
+            for p in params:
+                p.grad = None
+            fn().backward()
+
+        row = dict(N=n, V=vocab, beta=cfg.beta, method=name)
+        try:
+            step()
+            row["ms"] = cuda_time_ms(step)
+            row["x_floor"] = row["ms"] / floor
+            row["extra_GiB"] = peak_extra_gib(step, exclude_bytes=sum(p.numel() * p.element_size() for p in params))
+        except torch.OutOfMemoryError:
+            row["ms"] = "OOM"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_fused_linear_jsd.json")
@@ -169,6 +217,8 @@ def main() -> None:
         else:
             case_methods = methods
         rows += run_case(n, args.hidden, vocab, case_cfg, case_methods, with_error)
+    if not args.quick:  # the offline loss: teacher log-probs as data, K = 64
+        rows += run_topk_case(8192, args.hidden, LLAMA_V, 64, KDLossConfig(beta=0.0))
     print(f"\nH={args.hidden}, bf16, forward+backward" + (f"; note: {note}" if note else ""))
     table = print_table(rows, ["N", "V", "beta", "method", "ms", "x_floor", "extra_GiB", "grad_err"])
     write_json(args.out, dict(environment=environment(), hidden=args.hidden, note=note, rows=rows, table=table))
