@@ -56,8 +56,8 @@ def load_corpus() -> str:
 @dataclass
 class DemoSizes:
     seq: int = 64
-    teacher_steps: int = 500
-    student_steps: int = 400
+    teacher_steps: int = 300
+    student_steps: int = 250
     batch: int = 16
     top_k: int = 8
 
