@@ -40,13 +40,14 @@ def _shard(model, device_type: str):
     return model
 
 
-def run(rank: int, world: int, port: int, mode: str, result_path: str, backend: str = "gloo") -> None:
-    """backend "gloo": CPU tensors; "nccl": one GPU per process (the multi-GPU run of the same check)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+def run(rank: int, world: int, init_file: str, mode: str, result_path: str, backend: str = "gloo") -> None:
+    """backend "gloo": CPU tensors; "nccl": one GPU per process (the multi-GPU run of the same check).
+    Rendezvous through a file, not a TCP port another test could grab in between."""
+    os.environ.update(NCCL_NVLS_ENABLE="0")
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
     student, teacher = tiny_model("llama", seed=1).to(device), tiny_model("llama", seed=2, hidden=96).to(device)
     cfg = KDLossConfig(beta=0.3, hard_weight=0.2)

@@ -20,7 +20,7 @@ def test_fsdp2_two_processes_match_one(tmp_path, mode):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     result = tmp_path / "errors.pt"
-    mp.spawn(fsdp_worker.run, args=(2, _free_port(), mode, str(result)), nprocs=2, join=True)
+    mp.spawn(fsdp_worker.run, args=(2, str(tmp_path / "rendezvous"), mode, str(result)), nprocs=2, join=True)
     # float64 models: loss, every parameter's gathered gradient (relative) and the parameters after 3 SGD steps
     _assert_small(torch.load(result), 1e-9)
 
@@ -34,9 +34,11 @@ def _assert_small(errors: dict[str, float], bound: float) -> None:
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_fsdp2_two_gpus_nccl_match_one(tmp_path, mode):
     result = tmp_path / "errors.pt"
-    mp.spawn(fsdp_worker.run, args=(2, _free_port(), mode, str(result), "nccl"), nprocs=2, join=True)
-    # float64 on GPUs: cuBLAS / NCCL reduction order differs from one process; still far below any real bug
-    _assert_small(torch.load(result), 1e-7)
+    mp.spawn(fsdp_worker.run, args=(2, str(tmp_path / "rendezvous"), mode, str(result), "nccl"), nprocs=2, join=True)
+    # float64 models, but HF's RMSNorm normalises in fp32 even there, and cuBLAS picks other kernels for the
+    # half batch than for the whole one: those fp32 roundings can differ at ~1e-7 between the two runs. 1e-5 is
+    # still far below what a real sharding bug gives (a missing world-size factor is 0.5)
+    _assert_small(torch.load(result), 1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs a non-CPU accelerator device (FSDP1 refuses CPU)")

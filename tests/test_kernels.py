@@ -10,7 +10,12 @@ from liger_patch_kd.ops.swiglu import gated_act, gated_act_torch
 
 from .helpers import DEVICE
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
+TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-12),  # RoPE and the gated MLP compute fp64 inputs in fp64, as HF does
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=3e-2),
+}
+GRAD_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _compare(fn_kernel, fn_torch, inputs, dtype):
@@ -27,10 +32,10 @@ def _compare(fn_kernel, fn_torch, inputs, dtype):
     gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out_b, upstream)), b)
     for x, y in zip(ga, gb):
         # weight grads sum over rows: compare norm-wise
-        assert float((x.float() - y.float()).norm() / y.float().norm()) < (1e-5 if dtype == torch.float32 else 2e-2)
+        assert float((x.double() - y.double()).norm() / y.double().norm()) < GRAD_TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # HF normalises in fp32 even for fp64 models
 @pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
 @pytest.mark.parametrize("hidden", [48, 64])
 def test_rms_norm(dtype, casting, offset, hidden):
@@ -44,7 +49,7 @@ def test_rms_norm(dtype, casting, offset, hidden):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_cos", [1, 2])
 def test_rope_q_and_k_in_one_kernel(dtype, batch_cos):
     bsz, heads, kv_heads, seq, dim = 2, 4, 2, 9, 16
@@ -72,7 +77,7 @@ def test_rope_backward_with_unequal_halves():
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 def test_gated_activation(dtype, activation):
     gate = torch.randn(5, 333, device=DEVICE, dtype=dtype) * 3

@@ -25,10 +25,12 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .triton_utils import acc_type
+
     @triton.jit
     def _rope_kernel(
         x_ptr, out_ptr, cos_ptr, sin_ptr, sxb, sxh, sxt, sob, soh, sot, scb, sct, T, n_heads,
-        BACKWARD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+        BACKWARD: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         """One program per (batch, position): all heads of one tensor, both halves of the rotation.
         The backward applies the transposed rotation: sin halves swapped and negated."""
@@ -38,15 +40,15 @@ if triton_available():
         d = tl.arange(0, HALF)
         heads = tl.arange(0, BLOCK_H)
         hmask = heads[:, None] < n_heads
-        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(tl.float32)
-        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(tl.float32)
-        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(tl.float32)
-        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(tl.float32)
+        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(ACC)
+        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(ACC)
+        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(ACC)
+        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(ACC)
         if BACKWARD:
             sin1, sin2 = -sin2, -sin1
         base = x_ptr + b * sxb + t * sxt + heads[:, None] * sxh
-        x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(ACC)
+        x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(ACC)
         out = out_ptr + b * sob + t * sot + heads[:, None] * soh
         tl.store(out + d[None, :], (x1 * cos1[None, :] - x2 * sin1[None, :]).to(out_ptr.dtype.element_ty), mask=hmask)
         tl.store(
@@ -59,7 +61,8 @@ if triton_available():
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
         _rope_kernel[(bsz * seq,)](
             x, out, cos, sin, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            cb, cos.stride(1), seq, heads, BACKWARD=backward, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
+            cb, cos.stride(1), seq, heads, BACKWARD=backward, ACC=acc_type(x.dtype), HALF=dim // 2,
+            BLOCK_H=triton.next_power_of_2(heads),
         )  # fmt: skip
         return out
 

@@ -20,13 +20,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .triton_utils import acc_type
+
     @triton.jit
     def _tanh(x):
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
     def _act_and_grad(g, GELU: tl.constexpr):
-        """(act(g), act'(g)) in fp32."""
+        """(act(g), act'(g)) in the arithmetic type of g."""
         if GELU:
             k: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi)
             inner = k * (g + 0.044715 * g * g * g)
@@ -40,21 +42,23 @@ if triton_available():
         return act, d
 
     @triton.jit
-    def _gated_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, GELU: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(ACC)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(ACC)
         act, _ = _act_and_grad(g, GELU)
         tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gated_bwd_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_bwd_kernel(
+        dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, GELU: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        do = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        do = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(ACC)
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(ACC)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(ACC)
         act, d = _act_and_grad(g, GELU)
         tl.store(dgate_ptr + offs, (do * u * d).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offs, (do * act).to(dup_ptr.dtype.element_ty), mask=mask)
@@ -69,7 +73,9 @@ class GatedActFunction(torch.autograd.Function):
         out = torch.empty_like(gate)
         n = gate.numel()
         gelu = ACTIVATIONS[activation] == 1
-        _gated_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, GELU=gelu, BLOCK=_BLOCK)
+        _gated_fwd_kernel[(triton.cdiv(n, _BLOCK),)](
+            gate, up, out, n, GELU=gelu, ACC=acc_type(gate.dtype), BLOCK=_BLOCK
+        )
         ctx.save_for_backward(gate, up)
         ctx.gelu = gelu
         return out
@@ -80,7 +86,9 @@ class GatedActFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _gated_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dout, gate, up, dgate, dup, n, GELU=ctx.gelu, BLOCK=_BLOCK)
+        _gated_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+            dout, gate, up, dgate, dup, n, GELU=ctx.gelu, ACC=acc_type(gate.dtype), BLOCK=_BLOCK
+        )
         return dgate, dup, None
 
 

@@ -1,7 +1,13 @@
-"""Triton helpers the per-chunk loss kernels share."""
+"""Triton helpers the kernels share."""
 
+import torch
 import triton
 import triton.language as tl
+
+
+def acc_type(dtype: torch.dtype):
+    """The kernels' arithmetic type: fp32 for 16- and 32-bit inputs, fp64 for fp64 inputs (tests, references)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 @triton.jit
