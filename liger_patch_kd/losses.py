@@ -402,10 +402,10 @@ def topk_kd_from_logprobs(
     if tail == "renormalize":
         log_s = torch.where(present, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
         log_p = torch.where(present, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
-    terms = reference._divergence_terms(log_s, log_p, beta, present).sum(-1)
+    terms = reference.divergence_terms(log_s, log_p, beta, present).sum(-1)
     if tail == "bucket":
         tails = [(1 - t.exp().sum(-1)).clamp(min=reference.TAIL_FLOOR).log() for t in (log_s, log_p)]
-        terms = terms + reference._divergence_terms(*tails, beta, torch.ones_like(terms, dtype=torch.bool))
+        terms = terms + reference.divergence_terms(*tails, beta, torch.ones_like(terms, dtype=torch.bool))
     return _masked_reduce(terms, mask, reduction)
 
 

@@ -19,6 +19,11 @@ def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax math in fp32 at least: 16-bit logits are upcast, fp32 and fp64 stay as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def generalized_jsd_per_row(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float = 0.5, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -172,7 +177,7 @@ def tempered_topk_teacher(
     return valid, scaled - log_z[..., None], log_tail_t - log_z
 
 
-def _divergence_terms(log_s: torch.Tensor, log_p: torch.Tensor, beta: float, present: torch.Tensor) -> torch.Tensor:
+def divergence_terms(log_s: torch.Tensor, log_p: torch.Tensor, beta: float, present: torch.Tensor) -> torch.Tensor:
     """Per-class generalized-JSD terms between two (sub-)distributions; 0 where a class is not present."""
     s, p = log_s.exp(), log_p.exp()
     if beta == 0:
@@ -209,12 +214,12 @@ def topk_kd_per_row(
     if tail == "renormalize":
         log_s = torch.where(valid, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
         log_p = torch.where(valid, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
-        return _divergence_terms(log_s, log_p, beta, valid).sum(-1)
-    loss = _divergence_terms(log_s, log_p, beta, valid).sum(-1)
+        return divergence_terms(log_s, log_p, beta, valid).sum(-1)
+    loss = divergence_terms(log_s, log_p, beta, valid).sum(-1)
     if tail == "bucket":
         has_tail = torch.isfinite(log_p_tail)
         log_s_tail = (1 - log_s.exp().sum(-1)).clamp(min=TAIL_FLOOR).log()
-        loss = loss + _divergence_terms(log_s_tail, log_p_tail, beta, has_tail)
+        loss = loss + divergence_terms(log_s_tail, log_p_tail, beta, has_tail)
     return loss
 
 

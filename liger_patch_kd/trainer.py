@@ -161,7 +161,7 @@ class KDTrainer(Trainer):
         targets = inputs.pop("shift_labels", None)
         targets = targets if targets is not None else shift_labels(labels, cfg.ignore_index)
         outputs = model(**inputs)
-        student = _upcast(outputs.logits)
+        student = reference.upcast_logits(outputs.logits)
         if teacher_ids is not None:
             soft = reference.topk_kd_loss(
                 student,
@@ -174,7 +174,7 @@ class KDTrainer(Trainer):
             teacher_top1 = teacher_ids.gather(-1, teacher_lp.float().argmax(-1, keepdim=True)).squeeze(-1)
         else:
             with torch.no_grad():
-                teacher_logits = _upcast(self.teacher_model(**inputs).logits)
+                teacher_logits = reference.upcast_logits(self.teacher_model(**inputs).logits)
             soft = reference.kd_loss(
                 student, teacher_logits, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch
             )
@@ -299,10 +299,6 @@ def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> Non
     if ALIASES.get(model_type, model_type) in REGISTRY:
         toggles = {k: v for k, v in (patch_config or {}).items() if k in ("rope", "swiglu", "rms_norm")}
         apply_kd_patch(model=inner, **toggles)
-
-
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _first(*values: Any) -> Any:

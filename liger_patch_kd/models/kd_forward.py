@@ -292,7 +292,7 @@ def _materialised(
 ):
     """fused_linear_jsd=False (or return_logits=True): the same objective on materialised logits."""
     out = state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    student_logits = _upcast(out.logits)  # already soft-capped by the model's own forward
+    student_logits = reference.upcast_logits(out.logits)  # already soft-capped by the model's own forward
     cfg = cfg.replace(softcap=None)
     if teacher.token_ids is not None:
         loss = reference.topk_kd_loss(
@@ -307,11 +307,8 @@ def _materialised(
             with torch.no_grad():
                 teacher_logits = teacher.model(input_ids=input_ids, attention_mask=attention_mask).logits
             cfg = cfg.replace(teacher_softcap=None)  # an HF model's logits already carry its own soft-capping
-        loss = reference.kd_loss(student_logits, _upcast(teacher_logits), targets, cfg, num_items_in_batch)
+        loss = reference.kd_loss(
+            student_logits, reference.upcast_logits(teacher_logits), targets, cfg, num_items_in_batch
+        )
     out.loss = loss
     return out
-
-
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    """Softmax math in fp32 at least (fp64 stays fp64)."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
