@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from liger_patch_kd import teacher_data as TD
+from liger_patch_kd import teacher as TD
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
 

@@ -17,7 +17,7 @@ def _precompute(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .teacher_data import precompute, tokenizer_fingerprint
+    from .teacher import precompute, tokenizer_fingerprint
 
     with open(args.data) as f:
         records = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]

@@ -159,7 +159,7 @@ def loss_memory_demo(device) -> None:
 def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
     from transformers import Trainer
 
-    from . import teacher_data as TD
+    from . import teacher as TD
     from .trainer import KDTrainer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

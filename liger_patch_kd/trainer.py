@@ -131,7 +131,7 @@ class KDTrainer(Trainer):
         if not offline and self.teacher_model is None:
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
-                "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher_data)"
+                "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
             )
         if generated:
             num_items_in_batch = None  # generated completions: a mean over this micro-batch (see below)

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 import liger_patch_kd.models as M
 from liger_patch_kd import KDLossConfig
-from liger_patch_kd import teacher_data as TD
+from liger_patch_kd import teacher as TD
 
 from .tiny_models import VOCAB, tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import liger_patch_kd.models as M
-from liger_patch_kd import teacher_data as TD
+from liger_patch_kd import teacher as TD
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
 from .tiny_models import VOCAB, tiny_model
