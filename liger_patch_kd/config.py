@@ -38,6 +38,10 @@ class KDLossConfig:
         ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
     fp32_weight_grad: accumulate the lm_head weight gradient in float32 across chunks
         (one extra V x H float32 buffer; more exact for long inputs in bf16).
+    vocab_size: the number of leading lm_head rows that are real tokens (e.g. len(tokenizer)); both
+        distributions and the CE term are taken over ids [0, vocab_size) only, so heads padded to different
+        sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) can be distilled into each other.
+        None: the whole head, and the two heads must have one size.
     """
 
     beta: float = 0.5
@@ -51,6 +55,7 @@ class KDLossConfig:
     chunk_size: int | None = None
     tail: str = "bucket"
     fp32_weight_grad: bool = False
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
@@ -77,6 +82,13 @@ class KDLossConfig:
                 raise ValueError(f"{name} must be None or a number > 0 (e.g. 30.0 for Gemma-2); got {name}={value!r}")
         if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
             raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={self.chunk_size!r}")
+        if self.vocab_size is not None and not (
+            isinstance(self.vocab_size, int) and not isinstance(self.vocab_size, bool) and self.vocab_size > 0
+        ):
+            raise ValueError(
+                f"vocab_size must be None (the whole lm_head) or an int > 0, e.g. len(tokenizer); "
+                f"got vocab_size={self.vocab_size!r}"
+            )
         if not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an int; got ignore_index={self.ignore_index!r}")
 
