@@ -48,7 +48,7 @@ def check_full_weight(weight: torch.Tensor, expected_shape: tuple[int, int] | No
 @contextlib.contextmanager
 def gathered_weights(module: nn.Module) -> Iterator[None]:
     """Gather a ZeRO-3 partitioned module's own parameters for the duration of the block (no-op otherwise)."""
-    params = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]  # an adapter's too
     if not params:
         yield
         return

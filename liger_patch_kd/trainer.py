@@ -10,13 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
+from transformers.utils import logging
 
-from . import reference
 from .config import KDLossConfig
 from .models import apply_kd_patch
-from .models.kd_forward import shift_labels
+from .models.kd_io import TeacherInputs, targets_of
+from .models.materialised import materialised_kd
+from .teacher.collator import TeacherDataCollator
+
+logger = logging.get_logger(__name__)
 
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 
 
 @dataclass
@@ -26,7 +31,7 @@ class KDTrainingArguments(TrainingArguments):
 
     use_kd_patch: bool = field(default=False, metadata={"help": "Patch the student: fused KD loss and Triton kernels."})
     kd_patch_config: dict | None = field(
-        default=None, metadata={"help": "apply_kd_patch keywords: rope, swiglu, rms_norm, fused_linear_jsd."}
+        default=None, metadata={"help": f"apply_kd_patch toggles: {', '.join(PATCH_TOGGLES)} (each True/False)."}
     )
     kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
     kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
@@ -46,6 +51,13 @@ class KDTrainingArguments(TrainingArguments):
     kd_self_distill: bool = field(
         default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
     )
+    kd_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Leading lm_head rows that are real tokens (e.g. len(tokenizer)); lets heads padded to different "
+            "sizes be distilled. Default: len(processing_class) when the two heads differ in size."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -55,12 +67,18 @@ class KDTrainingArguments(TrainingArguments):
             raise ValueError(f"kd_max_new_tokens must be >= 1; got {self.kd_max_new_tokens}")
         if self.kd_generation_temperature <= 0:
             raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
+        unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
+        if unknown:
+            raise ValueError(
+                f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
+                f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
+            )
         self.kd_loss_config()  # validates the loss options now, not at the first step
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(
             beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
-            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail,
+            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail, vocab_size=self.kd_vocab_size,
         )  # fmt: skip
 
 
@@ -96,7 +114,11 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
-        self.kd_config = args.kd_loss_config()
+        self.kd_config = _with_vocab_size(args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class"))
+        if kwargs.get("data_collator") is None:
+            # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
+            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
+            kwargs["data_collator"] = TeacherDataCollator(pad_token_id=0 if pad is None else pad)
         if args.use_kd_patch:
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
@@ -127,6 +149,13 @@ class KDTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         generated = inputs.pop("_kd_generated", False)
+        if inputs.get("labels") is None:
+            raise ValueError(
+                f"the batch has no 'labels' (keys: {sorted(inputs)}); KDTrainer scores the positions that have a label. "
+                f"Give the dataset a 'labels' column, or use a collator that sets them (the default "
+                f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; DataCollatorForLanguageModeling(mlm=False)"
+                f" or DataCollatorWithFlattening do too)"
+            )
         offline = inputs.get("teacher_token_ids") is not None
         if not offline and self.teacher_model is None:
             raise ValueError(
@@ -154,46 +183,16 @@ class KDTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _materialised_loss(self, model, inputs, num_items_in_batch):
-        """use_kd_patch=False: both models' logits, then reference.py (softcaps already in the logits)."""
-        cfg = self.kd_config.replace(softcap=None, teacher_softcap=None)
-        teacher_ids, teacher_lp = inputs.pop("teacher_token_ids", None), inputs.pop("teacher_logprobs", None)
-        labels = inputs.pop("labels")
-        targets = inputs.pop("shift_labels", None)
-        targets = targets if targets is not None else shift_labels(labels, cfg.ignore_index)
-        outputs = model(**inputs)
-        student = reference.upcast_logits(outputs.logits)
-        if teacher_ids is not None:
-            soft = reference.topk_kd_loss(
-                student,
-                teacher_ids,
-                teacher_lp,
-                targets,
-                cfg.replace(hard_weight=0.0, soft_weight=1.0),
-                num_items_in_batch,
-            )
-            teacher_top1 = teacher_ids.gather(-1, teacher_lp.float().argmax(-1, keepdim=True)).squeeze(-1)
-        else:
-            with torch.no_grad():
-                teacher_logits = reference.upcast_logits(self.teacher_model(**inputs).logits)
-            soft = reference.kd_loss(
-                student, teacher_logits, targets, cfg.replace(hard_weight=0.0, soft_weight=1.0), num_items_in_batch
-            )
-            teacher_top1 = teacher_logits.argmax(-1)
-        hard = torch.zeros_like(soft)
-        if cfg.hard_weight:
-            ce = reference.cross_entropy_per_row(student, targets, cfg.ignore_index)
-            hard = reference.reduce_rows(
-                ce,
-                targets,
-                reduction=cfg.reduction,
-                ignore_index=cfg.ignore_index,
-                num_items_in_batch=num_items_in_batch,
-            )
-        loss = cfg.soft_weight * soft + cfg.hard_weight * hard
-        valid = targets != cfg.ignore_index
-        agreement = ((student.argmax(-1) == teacher_top1) & valid).sum() / valid.sum().clamp(min=1)
-        outputs.loss = loss
-        return loss, soft.detach(), hard.detach(), agreement.detach(), outputs
+        """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
+        teacher = TeacherInputs(
+            model=self.teacher_model if inputs.get("teacher_token_ids") is None else None,
+            token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
+        )  # fmt: skip
+        targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), self.kd_config.ignore_index)
+        outputs = materialised_kd(
+            model, teacher, targets, self.kd_config, num_items_in_batch, inputs, log_agreement=self._kd_should_log()
+        )
+        return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 
     # ------------------------------------------------------------------------------------------ on-policy
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -286,6 +285,31 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
         super().log(logs, *args, **kwargs)
+
+
+def _with_vocab_size(
+    cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any
+) -> KDLossConfig:
+    """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
+    tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
+    from .models.kd_forward import unwrap_model
+
+    if cfg.vocab_size is not None or teacher is None or isinstance(teacher, AdapterDisabledTeacher):
+        return cfg
+    rows = [getattr(unwrap_model(m).get_output_embeddings(), "out_features", None) for m in (student, teacher)]
+    if None in rows or rows[0] == rows[1]:
+        return cfg
+    if tokenizer is None or not hasattr(tokenizer, "__len__"):
+        raise ValueError(
+            f"the student's lm_head has {rows[0]} rows and the teacher's {rows[1]}; distillation compares "
+            f"distributions over one vocabulary. Set kd_vocab_size to the number of real tokens (len(tokenizer)), "
+            f"or pass processing_class=tokenizer so KDTrainer takes len(tokenizer)"
+        )
+    logger.warning_once(
+        f"student lm_head has {rows[0]} rows and teacher's {rows[1]}: distilling over the tokenizer's "
+        f"{len(tokenizer)} tokens (kd_vocab_size={len(tokenizer)}); set kd_vocab_size to choose otherwise"
+    )
+    return cfg.replace(vocab_size=len(tokenizer))
 
 
 def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None:

@@ -30,7 +30,7 @@ def _assert_small(errors: dict[str, float], bound: float) -> None:
     assert worst[0][1] < bound, f"largest differences from one process: {worst}"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the nvidia-h200-x2 run of issue 9)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_fsdp2_two_gpus_nccl_match_one(tmp_path, mode):
     result = tmp_path / "errors.pt"

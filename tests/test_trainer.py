@@ -221,21 +221,6 @@ def test_self_distillation_with_adapter_disabled(tmp_path):
     trainer.train()
     assert all(torch.isfinite(torch.tensor(_losses(trainer))))
 
-
-def test_lora_on_lm_head_is_refused(tmp_path):
-    peft = pytest.importorskip("peft")
-    student = peft.get_peft_model(
-        tiny_model("llama", dtype=torch.float32), peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"])
-    )
-    trainer = KDTrainer(
-        model=student,
-        teacher_model=tiny_model("llama", dtype=torch.float32, seed=2),
-        args=_args(tmp_path, use_kd_patch=True),
-    )
-    with pytest.raises(ValueError, match="adapter on lm_head"):
-        trainer.compute_loss(student, TD.TeacherDataCollator()(_dataset(2)))
-
-
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="kd_lmbda"):
         _args(tmp_path, kd_lmbda=2.0)

@@ -1,6 +1,7 @@
 """Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures."""
 
 from .kd_forward import kd_causal_lm_forward, unwrap_model
+from .kd_io import KDCausalLMOutput
 from .patch import (
     apply_kd_patch,
     apply_kd_patch_to_gemma,
@@ -16,6 +17,7 @@ from .patch import (
 from .registry import REGISTRY, ArchSpec
 
 __all__ = [
+    "KDCausalLMOutput",
     "REGISTRY",
     "ArchSpec",
     "apply_kd_patch",

@@ -6,19 +6,24 @@ the forward survives transformers renaming them (`past_key_values` -> `cache`).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .. import reference
 from ..config import KDLossConfig
-from ..distributed import check_full_weight, gathered_weights
+from ..distributed import gathered_weights
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
+from .heads import HeadWeights, output_head
+from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output, shift_labels, targets_of
+from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .registry import softcap_of
+
+__all__ = ["KDCausalLMOutput", "TeacherInputs", "kd_causal_lm_forward", "output_head", "shift_labels", "unwrap_model"]
 
 
 @dataclass
@@ -32,6 +37,9 @@ class PatchState:
 
 _CLASS_STATE: dict[type, PatchState] = {}
 _INSTANCE_ATTR = "_liger_kd_state"
+# every instance given the KD forward (apply_kd_patch(model=...), or a teacher via install_teacher_forward),
+# so that revert_kd_patch() with no arguments can undo them all
+PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def patch_state(model: nn.Module) -> PatchState:
@@ -63,25 +71,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def output_head(model: nn.Module, role: str) -> nn.Linear:
-    """The model's lm_head as a plain Linear whose weight is whole (see distributed.py)."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or hasattr(head, "lora_A") or hasattr(head, "base_layer"):
-        raise ValueError(
-            f"the {role}'s output embedding is {type(head).__name__}, not a plain nn.Linear; the fused loss reads "
-            f"lm_head.weight directly, so an adapter on lm_head would be ignored. Exclude lm_head from the adapter's "
-            f"target_modules, merge it first, or patch with fused_linear_jsd=False"
-        )
-    if not hasattr(head.weight, "ds_id"):  # ZeRO-3 partitions are gathered by the caller (gathered_weights)
-        check_full_weight(head.weight, (head.out_features, head.in_features), role)
-    return head
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """HF style: row t is scored against token t + 1; the last position has no target."""
-    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
-
-
 def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
     base = patch_state(model).config
     if kd_config is None:
@@ -92,41 +81,6 @@ def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> K
 
 
 TeacherCallback = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], Any]
-
-
-@dataclass
-class TeacherInputs:
-    """The teacher of one call: a live model, its hidden states and lm_head, or its log-probs (exactly one)."""
-
-    model: nn.Module | None = None
-    hidden_states: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    token_ids: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        sources = {
-            "teacher_model": self.model,
-            "teacher_hidden_states": self.hidden_states,
-            "teacher_token_ids": self.token_ids,
-        }
-        given = [name for name, value in sources.items() if value is not None]
-        if len(given) > 1:
-            raise ValueError(
-                f"pass one teacher source, not {given}: a live teacher_model, teacher_hidden_states + teacher_weight, "
-                f"or teacher_token_ids + teacher_logprobs"
-            )
-        if self.hidden_states is not None and self.weight is None:
-            raise ValueError(
-                "teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))"
-            )
-        if self.token_ids is not None and self.logprobs is None:
-            raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
-
-    @property
-    def given(self) -> bool:
-        return any(t is not None for t in (self.model, self.hidden_states, self.token_ids))
 
 
 def kd_causal_lm_forward(
@@ -175,9 +129,13 @@ def kd_causal_lm_forward(
     kwargs.setdefault("use_cache", False)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
-    targets = given_shift if given_shift is not None else shift_labels(labels, cfg.ignore_index)
+    targets = targets_of(labels, given_shift, cfg.ignore_index)
     if not state.fused or return_logits:
-        return _materialised(self, state, teacher, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs)
+        student_forward = functools.partial(state.original_forward, self)
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
+        return materialised_kd(
+            student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
+        )
 
     kwargs.pop("logits_to_keep", None)
     decoder_out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -191,14 +149,15 @@ def kd_causal_lm_forward(
                 hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common
             )
             if kd_log_agreement:
-                agreement = _top1_agreement(hidden, head, targets, cfg, _topk_top1(teacher.token_ids, teacher.logprobs))
+                top1 = _topk_top1(teacher.token_ids, teacher.logprobs)
+                agreement = _top1_agreement(hidden, head, targets, cfg, top1)
         elif teacher.hidden_states is not None:
             out = fused_linear_jsd(
                 hidden, head.weight, teacher.hidden_states, teacher.weight, targets, teacher_bias=teacher.bias,
                 config=cfg, **common,
             )  # fmt: skip
             if kd_log_agreement:
-                top1 = _linear_top1(teacher.hidden_states, teacher.weight, teacher.bias)
+                top1 = _linear_top1(teacher.hidden_states, teacher.weight, teacher.bias, cfg.vocab_size)
                 agreement = _top1_agreement(hidden, head, targets, cfg, top1)
         else:
             grad_enabled = torch.is_grad_enabled()
@@ -206,7 +165,9 @@ def kd_causal_lm_forward(
 
             def loss_on(h_t, w_t, b_t, cap_t):
                 if kd_log_agreement:
-                    measured["agreement"] = _top1_agreement(hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t))
+                    measured["agreement"] = _top1_agreement(
+                        hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t, cfg.vocab_size)
+                    )
                 with torch.set_grad_enabled(grad_enabled):
                     return fused_linear_jsd(
                         hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
@@ -215,15 +176,13 @@ def kd_causal_lm_forward(
 
             out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
             agreement = measured.get("agreement")
-    result = _output(out, decoder_out)
-    if agreement is not None:
-        result.kd_top1_agreement = agreement
-    return result
+    return _output(out, decoder_out, agreement)
 
 
-def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """rows -> the teacher's most likely token on those rows (soft-capping is monotone: argmax unchanged)."""
+def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):
+    """rows -> the teacher's most likely real token on those rows (soft-capping is monotone: argmax unchanged)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
+    weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
     return lambda rows: F.linear(flat[rows].to(weight.dtype), weight, bias).argmax(-1)
 
 
@@ -233,23 +192,26 @@ def _topk_top1(ids: torch.Tensor, logprobs: torch.Tensor):
 
 
 @torch.no_grad()
-def _top1_agreement(hidden, head: nn.Linear, targets, cfg: KDLossConfig, teacher_top1, max_rows: int = 256):
+def _top1_agreement(hidden, head: HeadWeights, targets, cfg: KDLossConfig, teacher_top1, max_rows: int = 256):
     flat_targets = targets.reshape(-1)
     rows = (flat_targets != cfg.ignore_index).nonzero().squeeze(-1)[:max_rows]
     if rows.numel() == 0:
         return torch.zeros((), device=hidden.device)
-    student_top1 = head(hidden.reshape(-1, hidden.shape[-1])[rows]).argmax(-1)
+    weight = head.weight[: cfg.vocab_size]
+    bias = None if head.bias is None else head.bias[: cfg.vocab_size]
+    flat = hidden.reshape(-1, hidden.shape[-1])[rows]
+    student_top1 = F.linear(flat.to(weight.dtype), weight, bias).argmax(-1)
     return (student_top1 == teacher_top1(rows).to(student_top1.device)).float().mean()
 
 
 kd_causal_lm_forward.__liger_kd__ = True
 
 
-def _output(out: KDLossOutput, decoder_out, logits=None) -> CausalLMOutputWithPast:
-    extras = {k: v for k, v in decoder_out.items() if k not in ("last_hidden_state", "logits", "loss")}
-    result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **extras)
-    result.kd_soft_loss, result.kd_hard_loss = out.soft, out.hard  # for logging; not ModelOutput fields
-    return result
+def _output(out: KDLossOutput, decoder_out, agreement: torch.Tensor | None) -> KDCausalLMOutput:
+    return kd_output(
+        decoder_out, loss=out.loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard,
+        kd_top1_agreement=agreement,
+    )  # fmt: skip
 
 
 def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: dict, loss_on: TeacherCallback):
@@ -259,19 +221,22 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     sharded parameters; the teacher's decoder runs under no_grad, and FSDP registers no backward hooks for it.
     """
     install_teacher_forward(teacher)
-    passthrough = {k: student_kwargs[k] for k in ("position_ids", "use_cache") if student_kwargs.get(k) is not None}
+    keys = (*TEACHER_INPUT_KEYS[2:], "use_cache")  # input_ids and attention_mask are passed explicitly
+    passthrough = {k: student_kwargs[k] for k in keys if student_kwargs.get(k) is not None}
     with torch.no_grad():
         return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
 
 
+@torch.compiler.disable  # runs once per teacher; dynamo on torch 2.11 cannot trace building the PatchState
 def install_teacher_forward(teacher: nn.Module) -> None:
     """Give an unpatched teacher the KD forward (fused path only, no kernels): its behaviour is unchanged
-    except when it is asked to serve as a teacher."""
+    except when it is asked to serve as a teacher. `revert_kd_patch()` takes it off again."""
     inner = unwrap_model(teacher)
     if _is_kd_forward(inner):
         return
     inner.__dict__[_INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
     inner.forward = kd_causal_lm_forward.__get__(inner)
+    PATCHED_INSTANCES.add(inner)
 
 
 def _is_kd_forward(model: nn.Module) -> bool:
@@ -285,30 +250,3 @@ def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback
         head = output_head(self, "teacher")
         bias = None if head.bias is None else head.bias.detach()
         return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
-
-
-def _materialised(
-    self, state, teacher: TeacherInputs, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs
-):
-    """fused_linear_jsd=False (or return_logits=True): the same objective on materialised logits."""
-    out = state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    student_logits = reference.upcast_logits(out.logits)  # already soft-capped by the model's own forward
-    cfg = cfg.replace(softcap=None)
-    if teacher.token_ids is not None:
-        loss = reference.topk_kd_loss(
-            student_logits, teacher.token_ids, teacher.logprobs, targets, cfg, num_items_in_batch
-        )
-    else:
-        if teacher.hidden_states is not None:
-            teacher_logits = teacher.hidden_states @ teacher.weight.T
-            if teacher.bias is not None:
-                teacher_logits = teacher_logits + teacher.bias
-        else:
-            with torch.no_grad():
-                teacher_logits = teacher.model(input_ids=input_ids, attention_mask=attention_mask).logits
-            cfg = cfg.replace(teacher_softcap=None)  # an HF model's logits already carry its own soft-capping
-        loss = reference.kd_loss(
-            student_logits, reference.upcast_logits(teacher_logits), targets, cfg, num_items_in_batch
-        )
-    out.loss = loss
-    return out

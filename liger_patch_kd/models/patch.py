@@ -18,7 +18,7 @@ from ..config import KDLossConfig
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act
-from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PatchState, kd_causal_lm_forward, unwrap_model
+from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, kd_causal_lm_forward, unwrap_model
 from .registry import REGISTRY, ArchSpec, spec_for
 
 # (owner, attribute) -> original value, for everything patched at class / module level
@@ -137,6 +137,7 @@ def apply_kd_patch(
     original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
     inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
     _bind(inner, kd_causal_lm_forward)
+    PATCHED_INSTANCES.add(inner)
     return model
 
 
@@ -145,15 +146,25 @@ def _bind(module: nn.Module, function) -> None:
 
 
 def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = None) -> None:
-    """Undo apply_kd_patch: an instance's bound forwards (model=...), or an architecture's classes and module
-    functions (model_type=...), or everything this process patched at class level (neither)."""
+    """Undo apply_kd_patch.
+
+    model=...: that instance's patched forwards (the KD forward and its kernels' bound forwards).
+    model_type=...: that architecture's classes and module functions (RoPE).
+    Neither: everything this process patched — every architecture's classes, every patched instance, and the
+    KD forward given to teachers (KDTrainer patches instances, so this is what undoes a KDTrainer's patches).
+    """
     if model is not None:
-        for sub in unwrap_model(model).modules():
+        inner = unwrap_model(model)
+        for sub in inner.modules():
             bound = getattr(sub.__dict__.get("forward"), "__func__", None)
             if getattr(bound, "__liger_kd__", False):
                 del sub.__dict__["forward"]
             sub.__dict__.pop(_INSTANCE_ATTR, None)
+        PATCHED_INSTANCES.discard(inner)
         return
+    if model_type is None:
+        for instance in list(PATCHED_INSTANCES):
+            revert_kd_patch(model=instance)
     specs = [spec_for(model_type)] if model_type else list(REGISTRY.values())
     for spec in specs:
         try:
