@@ -22,9 +22,12 @@ from liger_patch_kd import reference as R
 from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
 
 LLAMA_V, QWEN_V, GEMMA_V = 128256, 151936, 262144
+# Qwen2.5: 0.5B-3B heads have 151936 rows, 7B and up 152064; the tokenizer holds 151665 real tokens
+QWEN_SMALL_V, QWEN_LARGE_V, QWEN_TOKENS = 151936, 152064, 151665
+GROUPS = ("sweep", "vocab", "betas", "topk", "padded")
 
 
-def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0) -> dict:
+def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0, teacher_vocab: int | None = None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -35,7 +38,7 @@ def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0) -> dict:
         h_s=rand(n, hidden).requires_grad_(),
         w_s=rand(vocab, hidden, scale=2 / hidden**0.5).requires_grad_(),
         h_t=rand(n, hidden),
-        w_t=rand(vocab, hidden, scale=2.5 / hidden**0.5),
+        w_t=rand(teacher_vocab or vocab, hidden, scale=2.5 / hidden**0.5),
         labels=torch.randint(0, vocab, (n,), device="cuda", generator=g),
     )
 
@@ -46,9 +49,11 @@ def reference_grads(x: dict, cfg: KDLossConfig, rows: int = 1024) -> list[torch.
     w = x["w_s"].detach().float().requires_grad_()
     w_t = x["w_t"].float()
     valid = (x["labels"] != cfg.ignore_index).sum()
+    v = cfg.vocab_size  # padded heads: the reference sees the real tokens' columns only
     for start in range(0, h.shape[0], rows):
         sl = slice(start, start + rows)
-        loss = R.kd_loss(h[sl] @ w.T, x["h_t"][sl].float() @ w_t.T, x["labels"][sl], cfg.replace(reduction="sum"))
+        s_logits, t_logits = h[sl] @ w[:v].T, x["h_t"][sl].float() @ w_t[:v].T
+        loss = R.kd_loss(s_logits, t_logits, x["labels"][sl], cfg.replace(reduction="sum", vocab_size=None))
         (loss / valid).backward()
     return [h.grad, w.grad]
 
@@ -105,6 +110,39 @@ def floor_ms(x: dict) -> float:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm())
+
+
+def run_padded_case(n: int, hidden: int) -> list[dict]:
+    """A Qwen2.5-shaped padded pair (student head 151936 rows, teacher 152064, 151665 real tokens) against the
+    same loss on equal heads: slicing the weights as row views should cost nothing beyond the smaller V."""
+    rows = []
+    for label, teacher_vocab, vocab_size in (
+        (f"equal heads V={QWEN_SMALL_V}", None, None),
+        (f"padded V_s={QWEN_SMALL_V} V_t={QWEN_LARGE_V} vocab_size={QWEN_TOKENS}", QWEN_LARGE_V, QWEN_TOKENS),
+    ):
+        gc.collect()
+        torch.cuda.empty_cache()
+        x = make_inputs(n, hidden, QWEN_SMALL_V, teacher_vocab=teacher_vocab)
+        x["labels"] = x["labels"] % QWEN_TOKENS
+        cfg = KDLossConfig(beta=0.5, vocab_size=vocab_size)
+        ref = reference_grads(x, cfg)
+        params = [x["h_s"], x["w_s"]]
+        row = dict(N=n, V=QWEN_SMALL_V, beta=cfg.beta, method=f"liger_patch_kd, {label}")
+
+        def step():
+            for p in params:
+                p.grad = None
+            method_ours(x, cfg).backward()
+
+        step()
+        row["ms"] = cuda_time_ms(step)
+        row["extra_GiB"] = peak_extra_gib(step, exclude_bytes=sum(p.numel() * p.element_size() for p in params))
+        row["grad_err"] = max(rel_err(p.grad, r) for p, r in zip(params, ref))
+        if vocab_size is not None:
+            row["padding_rows_grad_zero"] = bool((x["w_s"].grad[vocab_size:] == 0).all())
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def run_case(n: int, hidden: int, vocab: int, cfg: KDLossConfig, methods: dict, with_error: bool) -> list[dict]:
@@ -195,16 +233,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--quick", action="store_true", help="two sizes only, for a smoke test")
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="case groups to run")
     args = parser.parse_args()
     ns = [1024, 2048] if args.quick else args.ns
+    groups = set(args.only)
 
     cfg = KDLossConfig(beta=0.5)
     liger, note = liger_methods(cfg)
     methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
                "plain pytorch": method_torch, **liger}  # fmt: skip
-    cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns]
-    if not args.quick:
+    cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
+    if not args.quick and "vocab" in groups:
         cases += [(8192, QWEN_V, cfg, False), (8192, GEMMA_V, cfg, False)]
+    if not args.quick and "betas" in groups:
         cases += [(8192, LLAMA_V, KDLossConfig(beta=0.0), True), (8192, LLAMA_V, KDLossConfig(beta=1.0), False)]
     rows = []
     for n, vocab, case_cfg, with_error in cases:
@@ -216,10 +257,13 @@ def main() -> None:
         else:
             case_methods = methods
         rows += run_case(n, args.hidden, vocab, case_cfg, case_methods, with_error)
-    if not args.quick:  # the offline loss: teacher log-probs as data, K = 64
+    if not args.quick and "topk" in groups:  # the offline loss: teacher log-probs as data, K = 64
         rows += run_topk_case(8192, args.hidden, LLAMA_V, 64, KDLossConfig(beta=0.0))
+    if not args.quick and "padded" in groups:
+        rows += run_padded_case(8192, args.hidden)
     print(f"\nH={args.hidden}, bf16, forward+backward" + (f"; note: {note}" if note else ""))
-    table = print_table(rows, ["N", "V", "beta", "method", "ms", "x_floor", "extra_GiB", "grad_err"])
+    columns = ["N", "V", "beta", "method", "ms", "x_floor", "extra_GiB", "grad_err", "padding_rows_grad_zero"]
+    table = print_table(rows, columns)
     write_json(args.out, dict(environment=environment(), hidden=args.hidden, note=note, rows=rows, table=table))
 
 
