@@ -81,13 +81,20 @@ class PackedCodec:
         id_codes = np.where(ids < 0, (1 << self.id_bits) - 1, ids).astype(np.uint64)
         fields = np.zeros((rows, self.padded_k), dtype=np.uint64)
         fields[:, : self.top_k] = id_codes | (codes << np.uint64(self.id_bits))
-        out = np.zeros((rows, self.row_bytes), dtype=np.uint8)
+        out = np.zeros((rows, self.row_bytes + 8), dtype=np.uint8)  # 8 spare bytes for the last window
         out[:, :4] = top32.view(np.uint8).reshape(rows, 4)
         out[:, 4:8] = step.view(np.uint8).reshape(rows, 4)
-        bits = (fields[:, :, None] >> np.arange(self.field_bits, dtype=np.uint64)) & np.uint64(1)
-        packed = np.packbits(bits.astype(np.uint8).reshape(rows, -1), axis=1, bitorder="little")
-        out[:, HEADER_BYTES:] = packed
-        return out
+        # the mirror of decode: field m of each group of eight is OR-ed into its 8-byte window, one m at a time
+        # (windows of one m lie fb >= 8 bytes apart, so they never overlap within one operation)
+        fb, groups = self.field_bits, self.padded_k // 8
+        grouped = fields.reshape(rows, groups, 8)
+        for m in range(8):
+            window = np.lib.stride_tricks.as_strided(
+                out[:, HEADER_BYTES + (m * fb) // 8 :], shape=(rows, groups, 8), strides=(out.strides[0], fb, 1)
+            )
+            shifted = np.ascontiguousarray(grouped[:, :, m] << np.uint64((m * fb) % 8))
+            window |= shifted.view(np.uint8).reshape(rows, groups, 8)
+        return np.ascontiguousarray(out[:, : self.row_bytes])
 
     # --------------------------------------------------------------------------------------------- decode
     def decode(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -141,3 +141,69 @@ def teacher_fingerprint(teacher: torch.nn.Module, samples_per_tensor: int = 4096
         digest.update(json.dumps([name, list(param.shape), str(param.dtype)]).encode())
         digest.update(sample.float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+class BadLine(ValueError):
+    """A data line precompute cannot use; the message starts with file:line and says the fix."""
+
+
+def read_jsonl_sequences(
+    path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
+    skip_bad_lines: bool = False,
+) -> tuple[list[list[int]], dict[str, int]]:  # fmt: skip
+    """Token id sequences from a JSONL file of {"input_ids": [...]} or {"text": "..."} lines (blank lines ignored).
+
+    A line that is not JSON, has neither key, holds no tokens, or holds an id outside [0, vocab_size) raises
+    BadLine naming file:line and the fix; with skip_bad_lines it is skipped instead and counted in the returned
+    {reason: count}.
+    """
+    sequences, skipped = [], {}
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                sequences.append(_parse_line(line, tokenizer, max_length, vocab_size, f"{path}:{line_no}"))
+            except BadLine as e:
+                if not skip_bad_lines:
+                    raise
+                reason = e.args[1]
+                skipped[reason] = skipped.get(reason, 0) + 1
+    return sequences, skipped
+
+
+def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | None, where: str) -> list[int]:
+    skip = "; or pass --skip-bad-lines to skip such lines"
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise BadLine(f"{where}: not valid JSON ({e}){skip}", "invalid JSON") from None
+    if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
+        raise BadLine(f"{where}: each line needs 'text' or 'input_ids'{skip}", "no text or input_ids")
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadLine(f"{where}: 'input_ids' must be a list of integers{skip}", "input_ids not integers")
+    elif tokenizer is None:
+        raise ValueError(f"{where}: a 'text' line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
+    else:
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+    ids = ids[:max_length] if max_length else ids
+    if not ids:
+        raise BadLine(f"{where}: the line holds no tokens; remove it{skip}", "no tokens")
+    bad = [t for t in ids if not 0 <= t < (vocab_size if vocab_size is not None else math.inf)]
+    if bad:
+        raise BadLine(
+            f"{where}: token id {bad[0]} is outside the teacher's vocabulary [0, {vocab_size}): the line was "
+            f"tokenized for another model; re-tokenize it with the teacher's tokenizer{skip}",
+            "token id outside the vocabulary",
+        )
+    return list(ids)
+
+
+def file_fingerprint(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

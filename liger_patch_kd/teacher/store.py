@@ -130,9 +130,14 @@ class StoreWriter:
         return len(self.meta["shards"])
 
     def write_shard(
-        self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
-    ) -> None:
-        """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order."""
+        self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+        packed_rows: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order.
+
+        packed_rows: for a packed store, rows already encoded with this store's codec (e.g. copied from another
+        packed store); they replace encoding `topk_logprobs`, and `topk_ids` is still checked against the vocab.
+        """
         index = self.done_shards()
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         offsets = np.concatenate([np.zeros(1, dtype=np.int64), lengths.cumsum()])
@@ -157,7 +162,8 @@ class StoreWriter:
             tensors["topk_ids"] = topk_ids.to(torch.int32).contiguous()
             tensors["topk_logprobs"] = topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous()
         else:
-            tensors["topk_packed"] = torch.from_numpy(codec.encode(topk_ids.numpy(), topk_logprobs.float().numpy()))
+            rows = packed_rows if packed_rows is not None else codec.encode(topk_ids.numpy(), topk_logprobs.float().numpy())
+            tensors["topk_packed"] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8))
         as_bytes = {name: _byte_rows(t) for name, t in tensors.items() if name != "offsets"}
         tensors["checksums"] = torch.from_numpy(sequence_checksums(offsets, as_bytes))
         name = f"shard-{index:05d}.safetensors"
