@@ -146,6 +146,10 @@ def teacher_fingerprint(teacher: torch.nn.Module, samples_per_tensor: int = 4096
 class BadLine(ValueError):
     """A data line precompute cannot use; the message starts with file:line and says the fix."""
 
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 def read_jsonl_sequences(
     path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
@@ -167,8 +171,7 @@ def read_jsonl_sequences(
             except BadLine as e:
                 if not skip_bad_lines:
                     raise
-                reason = e.args[1]
-                skipped[reason] = skipped.get(reason, 0) + 1
+                skipped[e.reason] = skipped.get(e.reason, 0) + 1
     return sequences, skipped
 
 
