@@ -1,6 +1,6 @@
 """Shuffled reading from a teacher store: tokens/s, resident memory and first-batch latency, before and after.
 
-    python -m benchmarks.bench_store [--tokens 50e6] [--top-k 64] [--dir /tmp] [--out benchmarks/results/bench_store.json]
+    python -m benchmarks.bench_store [--tokens 50e6] [--top-k 64] [--dir /tmp] [--out FILE.json]
 
 Makes synthetic stores (random ids below a Qwen-sized vocabulary, sorted random log-probs; random lengths
 128-1024) of `--tokens` tokens, plain bf16 and packed10, and a 10x smaller plain one (memory must not grow with
@@ -111,7 +111,7 @@ def read_benchmark(dataset, workers: int, seconds: float, max_batches: int | Non
     rss_before = _rss_mib(proc)
     start = time.perf_counter()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                        collate_fn=TeacherDataCollator(), persistent_workers=False, prefetch_factor=4 if workers else None,
+                        collate_fn=TeacherDataCollator(), prefetch_factor=4 if workers else None,
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     it = iter(loader)
     first = next(it)
@@ -148,8 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(tempfile.mkdtemp(prefix="bench_store_", dir=args.dir))
     rows, stores = [], {}
     try:
-        for label, tokens, encoding in [("plain bf16, small", args.tokens / 10, "plain"),
-                                        ("plain bf16", args.tokens, "plain"), ("packed10", args.tokens, "packed10")]:  # fmt: skip
+        for label, tokens, encoding in [
+            ("plain bf16, small", args.tokens / 10, "plain"),
+            ("plain bf16", args.tokens, "plain"),
+            ("packed10", args.tokens, "packed10"),
+        ]:
             path = root / label.replace(" ", "_").replace(",", "")
             seconds = make_store(path, int(tokens), args.top_k, encoding)
             size = _store_bytes(path)
@@ -157,8 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
             data = TeacherLogprobsDataset(path, vocab_size=VOCAB)
             open_s = time.perf_counter() - t0
             n_tokens = sum(int(r.shape[0]) for r in (data[i]["input_ids"] for i in range(0, len(data), 997)))
-            stores[label] = dict(tokens_approx=int(tokens), bytes=size, make_s=seconds, open_s=open_s,
-                                 bytes_per_token=size / tokens, sequences=len(data), sampled_tokens=n_tokens)  # fmt: skip
+            stores[label] = dict(
+                tokens_approx=int(tokens),
+                bytes=size,
+                make_s=seconds,
+                open_s=open_s,
+                bytes_per_token=size / tokens,
+                sequences=len(data),
+                sampled_tokens=n_tokens,
+            )
             print(f"made {label}: {size / 1e9:.2f} GB, {size / tokens:.0f} B/token, {seconds:.0f} s", flush=True)
             if encoding == "plain" and tokens == args.tokens:
                 rows.append(dict(reader="before (0.1.0)", store=label, **read_benchmark(

@@ -61,7 +61,9 @@ def _convert(args) -> None:
                 tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
             )  # fmt: skip
         else:
-            table = (axolotl.store_to_axolotl if args.to_format == "axolotl" else hf_datasets.store_to_dataset)(args.input)
+            table = (axolotl.store_to_axolotl if args.to_format == "axolotl" else hf_datasets.store_to_dataset)(
+                args.input
+            )
             _save_table(table, args.out)
         print(f"wrote {args.out}")
         return
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    demo = sub.add_parser("demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt)
+    demo = sub.add_parser(
+        "demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt
+    )
     demo.add_argument("--quick", action="store_true", help="fewer steps (CI)")
     demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     demo.set_defaults(func=_demo)
@@ -126,9 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")
     pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                      help="log-prob dtype of a plain store")  # fmt: skip
-    pre.add_argument("--encoding", default="plain",
-                     help="plain (int32 ids + --dtype log-probs) or packed<bits>, e.g. packed10: ids in the fewest "
-                          "bits, log-probs quantised to <bits> bits per row (about 3.6 bytes per slot at 152k vocab)")  # fmt: skip
+    pre.add_argument(
+        "--encoding",
+        default="plain",
+        help="plain (int32 ids + --dtype log-probs) or packed<bits>, e.g. packed10: ids in the fewest "
+        "bits, log-probs quantised to <bits> bits per row (about 3.6 bytes per slot at 152k vocab)",
+    )
     pre.add_argument("--tokenizer", default=None, help="tokenizer path; None: the teacher's")
     pre.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     pre.add_argument("--skip-bad-lines", action="store_true",
@@ -137,28 +144,52 @@ def main(argv: list[str] | None = None) -> None:
     pre.set_defaults(func=_precompute)
 
     conv = sub.add_parser("convert", help="teacher data between a store and other tools' formats", formatter_class=fmt)
-    conv.add_argument("--from", dest="from_format", required=True, choices=["store", "axolotl", "hf"],
-                      help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs (required)")  # fmt: skip
-    conv.add_argument("--to", dest="to_format", required=True, choices=["store", "axolotl", "hf"],
-                      help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)")  # fmt: skip
-    conv.add_argument("--input", required=True,
-                      help="a store folder, a save_to_disk folder, or .parquet / .jsonl / .arrow file(s) (required)")  # fmt: skip
-    conv.add_argument("--out", required=True,
-                      help="a store folder; for axolotl / hf a .parquet, .jsonl or save_to_disk folder (required)")  # fmt: skip
+    conv.add_argument(
+        "--from",
+        dest="from_format",
+        required=True,
+        choices=["store", "axolotl", "hf"],
+        help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs (required)",
+    )
+    conv.add_argument(
+        "--to",
+        dest="to_format",
+        required=True,
+        choices=["store", "axolotl", "hf"],
+        help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)",
+    )
+    conv.add_argument(
+        "--input",
+        required=True,
+        help="a store folder, a save_to_disk folder, or .parquet / .jsonl / .arrow file(s) (required)",
+    )
+    conv.add_argument(
+        "--out",
+        required=True,
+        help="a store folder; for axolotl / hf a .parquet, .jsonl or save_to_disk folder (required)",
+    )
     conv.add_argument("--vocab-size", type=int, default=None, help="the teacher's vocabulary (needed --to store)")
     conv.add_argument("--top-k", type=int, default=None, help="slots per token in the store (needed --to store)")
     conv.add_argument("--temperature", type=float, default=1.0, help="temperature the axolotl data was made at")
-    conv.add_argument("--keep-temperature", action="store_true",
-                      help="store log-probs made at --temperature != 1 as they are (top-k cannot be undone exactly)")  # fmt: skip
-    conv.add_argument("--logprobs-field", default="logprobs",
-                      help="column of axolotl's older per-position [{'token': 'token_id:N', 'logprob': x}] layout")  # fmt: skip
+    conv.add_argument(
+        "--keep-temperature",
+        action="store_true",
+        help="store log-probs made at --temperature != 1 as they are (top-k cannot be undone exactly)",
+    )
+    conv.add_argument(
+        "--logprobs-field",
+        default="logprobs",
+        help="column of axolotl's older per-position [{'token': 'token_id:N', 'logprob': x}] layout",
+    )
     conv.add_argument("--encoding", default="plain", help="plain or packed<bits> for --to store")
     conv.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                       help="log-prob dtype of a plain output store; None: the input store's, else float32")  # fmt: skip
     conv.add_argument("--shard-size", type=int, default=1024, help="sequences per shard of the output store")
     conv.set_defaults(func=_convert)
 
-    bench = sub.add_parser("bench", help="the fused loss against materialised logits on this device", formatter_class=fmt)
+    bench = sub.add_parser(
+        "bench", help="the fused loss against materialised logits on this device", formatter_class=fmt
+    )
     bench.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     bench.set_defaults(func=_bench)
 

@@ -118,7 +118,14 @@ def saved_teacher(tmp_path_factory):
 def test_precompute_bad_lines_and_resume_fingerprint(tmp_path, saved_teacher, capsys):
     data = tmp_path / "data.jsonl"
     good = [json.dumps({"input_ids": s}) for s in _sequences(4)]
-    lines = [good[0], json.dumps({"input_ids": []}), good[1], "{not json", json.dumps({"input_ids": [1, VOCAB]}), good[2]]
+    lines = [
+        good[0],
+        json.dumps({"input_ids": []}),
+        good[1],
+        "{not json",
+        json.dumps({"input_ids": [1, VOCAB]}),
+        good[2],
+    ]
     data.write_text("\n".join(lines) + "\n")
     base = ["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--top-k", "4", "--device", "cpu"]
     for expected in [f"{data}:2: the line holds no tokens", f"{data}:4: not valid JSON",
@@ -248,7 +255,8 @@ def test_axolotl_temperature_is_undone_only_when_exact(tmp_path):
     TD.axolotl_to_store(rows, tmp_path / "b", vocab_size=VOCAB, top_k=2, temperature=2.0, keep_temperature=True)
     assert TD.read_manifest(tmp_path / "b")["temperature"] == 2.0
     full = torch.log_softmax(torch.tensor([1.0, -0.5, 0.25]), -1)  # a 3-token vocabulary, rows at T = 2
-    rows = [{"input_ids": [0, 1], "target_token_ids": [[0, 1, 2]], "target_logprobs": [(full / 2).log_softmax(-1).tolist()],
+    tempered = (full / 2).log_softmax(-1).tolist()
+    rows = [{"input_ids": [0, 1], "target_token_ids": [[0, 1, 2]], "target_logprobs": [tempered],
              "target_mask": [[1, 1, 1]]}]  # fmt: skip
     TD.axolotl_to_store(rows, tmp_path / "c", vocab_size=3, top_k=3, temperature=2.0)
     got = TD.TeacherLogprobsDataset(tmp_path / "c")[0]["teacher_logprobs"][0]

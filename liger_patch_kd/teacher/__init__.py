@@ -4,6 +4,7 @@ from .axolotl import axolotl_to_store, store_to_axolotl
 from .collator import TeacherDataCollator
 from .compact import PackedCodec
 from .formats import import_vllm_logprobs
+from .hf_datasets import dataset_to_store, load_table, store_to_dataset
 from .precompute import precompute, teacher_topk, topk_of_logits
 from .store import (
     FORMAT_VERSION,
@@ -17,7 +18,6 @@ from .store import (
     tokenizer_fingerprint,
     verify_store,
 )
-from .hf_datasets import dataset_to_store, load_table, store_to_dataset
 
 __all__ = [
     "FORMAT_VERSION",

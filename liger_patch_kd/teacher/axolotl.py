@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .hf_datasets import _flush, _datasets, rows_to_arrays
+from .hf_datasets import _datasets, _flush, rows_to_arrays
 from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
 
 _TOKEN = re.compile(r"^token_id:(\d+)$")

@@ -44,7 +44,10 @@ def store_to_dataset(store_dir: str | Path, cache_dir: str | Path | None = None)
                    "teacher_logprobs": top_lp.float().numpy()}  # fmt: skip
 
     return datasets.Dataset.from_generator(
-        rows, gen_kwargs={"store": str(store_dir)}, features=features, cache_dir=None if cache_dir is None else str(cache_dir)
+        rows,
+        gen_kwargs={"store": str(store_dir)},
+        features=features,
+        cache_dir=None if cache_dir is None else str(cache_dir),
     )
 
 
@@ -58,7 +61,9 @@ def load_table(path: str | Path):
     kinds = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
     kind = {kinds.get(f.suffix) for f in files} - {None}
     if len(kind) != 1:
-        raise ValueError(f"{path}: expected a save_to_disk folder or .parquet / .jsonl / .arrow files; found {kind or 'none'}")
+        raise ValueError(
+            f"{path}: expected a save_to_disk folder or .parquet / .jsonl / .arrow files; found {kind or 'none'}"
+        )
     return datasets.load_dataset(kind.pop(), data_files=[str(f) for f in files if f.suffix in kinds], split="train")
 
 
@@ -79,8 +84,14 @@ def dataset_to_store(
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for n, row in enumerate(rows):
         pending.append(
-            rows_to_arrays(row[names["input_ids"]], row[names["teacher_token_ids"]], row[names["teacher_logprobs"]],
-                           top_k, vocab_size, where=f"row {n}")  # fmt: skip
+            rows_to_arrays(
+                row[names["input_ids"]],
+                row[names["teacher_token_ids"]],
+                row[names["teacher_logprobs"]],
+                top_k,
+                vocab_size,
+                where=f"row {n}",
+            )  # fmt: skip
         )
         if len(pending) == shard_size:
             _flush(writer, pending)
@@ -120,7 +131,9 @@ def rows_to_arrays(
 
 def _flush(writer: StoreWriter, pending: list) -> None:
     if pending:
-        writer.write_shard([p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending]))
+        writer.write_shard(
+            [p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending])
+        )
         pending.clear()
 
 

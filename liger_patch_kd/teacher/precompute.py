@@ -77,7 +77,11 @@ def precompute(
     vocab = teacher.get_output_embeddings().weight.shape[0]
     if not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must be in [1, vocab_size={vocab}]; got {top_k}")
-    fingerprint = {"sequences": sequences_fingerprint(sequences), "teacher": teacher_fingerprint(teacher), **(inputs or {})}
+    fingerprint = {
+        "sequences": sequences_fingerprint(sequences),
+        "teacher": teacher_fingerprint(teacher),
+        **(inputs or {}),
+    }
     writer = StoreWriter.open(
         out_dir, teacher=teacher_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp, top_k=top_k,
         logprob_dtype=logprob_dtype, temperature=temperature, shard_size=shard_size, num_sequences=len(sequences),

@@ -59,7 +59,9 @@ def read_manifest(store_dir: str | Path) -> dict:
     """The manifest as a dict; a missing, truncated or foreign one is a TeacherStoreError saying what to do."""
     path = Path(store_dir) / MANIFEST
     if not path.exists():
-        raise TeacherStoreError(f"{path.parent} has no {MANIFEST}: not a teacher store (make one with `liger-kd precompute`)")
+        raise TeacherStoreError(
+            f"{path.parent} has no {MANIFEST}: not a teacher store (make one with `liger-kd precompute`)"
+        )
     try:
         meta = json.loads(path.read_text())
     except ValueError as e:
@@ -115,7 +117,9 @@ class StoreWriter:
             inputs = changed.pop("inputs", None)
             if inputs is not None:  # name the input that differs, not the whole fingerprint dict
                 old, new = inputs[0] or {}, inputs[1] or {}
-                changed.update({k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)})
+                changed.update(
+                    {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+                )
             if changed:
                 raise TeacherStoreError(_mismatch_message(out_dir, changed))
             meta = existing
@@ -162,7 +166,11 @@ class StoreWriter:
             tensors["topk_ids"] = topk_ids.to(torch.int32).contiguous()
             tensors["topk_logprobs"] = topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous()
         else:
-            rows = packed_rows if packed_rows is not None else codec.encode(topk_ids.numpy(), topk_logprobs.float().numpy())
+            rows = (
+                packed_rows
+                if packed_rows is not None
+                else codec.encode(topk_ids.numpy(), topk_logprobs.float().numpy())
+            )
             tensors["topk_packed"] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8))
         as_bytes = {name: _byte_rows(t) for name, t in tensors.items() if name != "offsets"}
         tensors["checksums"] = torch.from_numpy(sequence_checksums(offsets, as_bytes))
