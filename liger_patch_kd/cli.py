@@ -1,9 +1,8 @@
-"""`liger-kd`: demo, precompute, bench."""
+"""`liger-kd`: demo, precompute, convert, bench."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -18,35 +17,85 @@ def _precompute(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .teacher import precompute, tokenizer_fingerprint
+    from .teacher.precompute import file_fingerprint, read_jsonl_sequences
 
-    with open(args.data) as f:
-        records = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
     tokenizer = None
-    needs_tokenizer = any("input_ids" not in r for _, r in records)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
-    except (OSError, ValueError) as e:
-        if needs_tokenizer:
-            raise ValueError(
-                f"{args.data} has 'text' lines but no tokenizer loads from {args.tokenizer or args.teacher}: {e}"
-            )
-    sequences = []
-    for line_no, record in records:
-        if "input_ids" in record:
-            ids = list(record["input_ids"])
-        elif "text" in record:
-            ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-        else:
-            raise ValueError(f"{args.data}:{line_no}: each line needs 'text' or 'input_ids'")
-        sequences.append(ids[: args.max_length] if args.max_length else ids)
+    except (OSError, ValueError):
+        if args.tokenizer:
+            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer loads from there") from None
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto")
+    vocab = teacher.get_output_embeddings().weight.shape[0]
+    sequences, skipped = read_jsonl_sequences(
+        args.data, tokenizer=tokenizer, max_length=args.max_length, vocab_size=vocab, skip_bad_lines=args.skip_bad_lines
+    )
+    if not sequences:
+        raise ValueError(f"{args.data}: no usable lines")
     teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = precompute(
         teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,
-        logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher,
+        logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher, encoding=args.encoding,
         tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+        inputs={"data file": file_fingerprint(args.data), "max_length": args.max_length,
+                "skip_bad_lines": args.skip_bad_lines},
     )  # fmt: skip
-    print(f"wrote {out}")
+    if skipped:
+        print(f"skipped {sum(skipped.values())} bad lines: " + ", ".join(f"{n} {why}" for why, n in skipped.items()))
+    print(f"wrote {out} ({len(sequences)} sequences)")
+
+
+def _convert(args) -> None:
+    from .teacher import axolotl, hf_datasets
+    from .teacher.store import read_manifest
+
+    if args.from_format == args.to_format and args.from_format != "store":
+        raise ValueError(f"--from and --to are both {args.from_format}: nothing to convert")
+    if args.from_format == "store":
+        if args.to_format == "store":
+            meta = read_manifest(args.input)
+            hf_datasets.dataset_to_store(
+                _store_rows(args.input), args.out, vocab_size=meta["vocab_size"], top_k=meta["top_k"],
+                logprob_dtype=args.dtype or meta.get("logprob_dtype", "float32"), encoding=args.encoding,
+                shard_size=args.shard_size, teacher=meta.get("teacher", ""), temperature=meta.get("temperature", 1.0),
+                tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
+            )  # fmt: skip
+        else:
+            table = (axolotl.store_to_axolotl if args.to_format == "axolotl" else hf_datasets.store_to_dataset)(
+                args.input
+            )
+            _save_table(table, args.out)
+        print(f"wrote {args.out}")
+        return
+    if args.to_format != "store":
+        raise ValueError(f"--from {args.from_format} converts to --to store only (then export the store)")
+    if args.vocab_size is None or args.top_k is None:
+        raise ValueError(f"--from {args.from_format} needs --vocab-size (the teacher's) and --top-k (slots to keep)")
+    rows = hf_datasets.load_table(args.input)
+    common = dict(vocab_size=args.vocab_size, top_k=args.top_k, logprob_dtype=args.dtype or "float32",
+                  encoding=args.encoding, shard_size=args.shard_size)  # fmt: skip
+    if args.from_format == "axolotl":
+        axolotl.axolotl_to_store(rows, args.out, temperature=args.temperature, keep_temperature=args.keep_temperature,
+                                 logprobs_field=args.logprobs_field, **common)  # fmt: skip
+    else:
+        hf_datasets.dataset_to_store(rows, args.out, **common)
+    print(f"wrote {args.out}")
+
+
+def _store_rows(store: str):
+    from .teacher.store import iter_store
+
+    for ids, top_ids, top_lp in iter_store(store):
+        yield {"input_ids": ids, "teacher_token_ids": top_ids, "teacher_logprobs": top_lp.float()}
+
+
+def _save_table(table, out: str) -> None:
+    if out.endswith(".parquet"):
+        table.to_parquet(out)
+    elif out.endswith((".jsonl", ".json")):
+        table.to_json(out)
+    else:
+        table.save_to_disk(out)
 
 
 def _bench(args) -> None:
@@ -60,32 +109,97 @@ def _bench(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    demo = sub.add_parser("demo", help="train a tiny teacher and distil it four ways; print a table")
+    demo = sub.add_parser(
+        "demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt
+    )
     demo.add_argument("--quick", action="store_true", help="fewer steps (CI)")
-    demo.add_argument("--device", default=None)
+    demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     demo.set_defaults(func=_demo)
 
-    pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store")
-    pre.add_argument("--teacher", required=True, help="HF model path or name")
-    pre.add_argument("--data", required=True, help="JSONL with 'text' or 'input_ids' per line")
-    pre.add_argument("--out", required=True)
-    pre.add_argument("--top-k", type=int, default=64)
+    pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",
+                         formatter_class=fmt)  # fmt: skip
+    pre.add_argument("--teacher", required=True, help="HF model path or name (required)")
+    pre.add_argument("--data", required=True, help="JSONL with 'text' or 'input_ids' per line (required)")
+    pre.add_argument("--out", required=True, help="store folder; rerun with the same inputs to resume (required)")
+    pre.add_argument("--top-k", type=int, default=64, help="slots kept per token")
     pre.add_argument("--temperature", type=float, default=1.0, help="keep 1: tempering later is exact")
-    pre.add_argument("--max-length", type=int, default=None)
-    pre.add_argument("--batch-size", type=int, default=8)
-    pre.add_argument("--shard-size", type=int, default=1024)
-    pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    pre.add_argument("--tokenizer", default=None)
-    pre.add_argument("--device", default=None)
+    pre.add_argument("--max-length", type=int, default=None, help="truncate sequences to this many tokens; None: keep")
+    pre.add_argument("--batch-size", type=int, default=8, help="sequences per teacher forward")
+    pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")
+    pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="log-prob dtype of a plain store")  # fmt: skip
+    pre.add_argument(
+        "--encoding",
+        default="plain",
+        help="plain (int32 ids + --dtype log-probs) or packed<bits>, e.g. packed10: ids in the fewest "
+        "bits, log-probs quantised to <bits> bits per row (about 3.6 bytes per slot at 152k vocab)",
+    )
+    pre.add_argument("--tokenizer", default=None, help="tokenizer path; None: the teacher's")
+    pre.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
+    pre.add_argument("--skip-bad-lines", action="store_true",
+                     help="skip lines with no tokens, ids outside the teacher's vocabulary or invalid JSON (counted "
+                          "at the end) instead of stopping at the first")  # fmt: skip
     pre.set_defaults(func=_precompute)
 
-    bench = sub.add_parser("bench", help="the fused loss against materialised logits on this device")
-    bench.add_argument("--device", default=None)
+    conv = sub.add_parser("convert", help="teacher data between a store and other tools' formats", formatter_class=fmt)
+    conv.add_argument(
+        "--from",
+        dest="from_format",
+        required=True,
+        choices=["store", "axolotl", "hf"],
+        help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs (required)",
+    )
+    conv.add_argument(
+        "--to",
+        dest="to_format",
+        required=True,
+        choices=["store", "axolotl", "hf"],
+        help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)",
+    )
+    conv.add_argument(
+        "--input",
+        required=True,
+        help="a store folder, a save_to_disk folder, or .parquet / .jsonl / .arrow file(s) (required)",
+    )
+    conv.add_argument(
+        "--out",
+        required=True,
+        help="a store folder; for axolotl / hf a .parquet, .jsonl or save_to_disk folder (required)",
+    )
+    conv.add_argument("--vocab-size", type=int, default=None, help="the teacher's vocabulary (needed --to store)")
+    conv.add_argument("--top-k", type=int, default=None, help="slots per token in the store (needed --to store)")
+    conv.add_argument("--temperature", type=float, default=1.0, help="temperature the axolotl data was made at")
+    conv.add_argument(
+        "--keep-temperature",
+        action="store_true",
+        help="store log-probs made at --temperature != 1 as they are (top-k cannot be undone exactly)",
+    )
+    conv.add_argument(
+        "--logprobs-field",
+        default="logprobs",
+        help="column of axolotl's older per-position [{'token': 'token_id:N', 'logprob': x}] layout",
+    )
+    conv.add_argument("--encoding", default="plain", help="plain or packed<bits> for --to store")
+    conv.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                      help="log-prob dtype of a plain output store; None: the input store's, else float32")  # fmt: skip
+    conv.add_argument("--shard-size", type=int, default=1024, help="sequences per shard of the output store")
+    conv.set_defaults(func=_convert)
+
+    bench = sub.add_parser(
+        "bench", help="the fused loss against materialised logits on this device", formatter_class=fmt
+    )
+    bench.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, OSError, ImportError) as e:  # TeacherStoreError is a ValueError
+        message = " ".join(str(e).split())  # one line
+        print(f"liger-kd {args.command}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

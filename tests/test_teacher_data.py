@@ -87,28 +87,40 @@ def test_interrupted_precompute_resumes_to_identical_shards(tmp_path, monkeypatc
     assert names == sorted(p.name for p in resumed.glob("*") if p.name != TD.MANIFEST)
     for name in names:
         assert (full / name).read_bytes() == (resumed / name).read_bytes()
-    with pytest.raises(TD.TeacherStoreError, match="other settings"):
+    with pytest.raises(TD.TeacherStoreError, match=r"other inputs: top_k \(store: 5, now: 6\)"):
         TD.precompute(teacher, seqs, resumed, top_k=6, shard_size=3, progress=False)
+    with pytest.raises(TD.TeacherStoreError, match="sequences"):
+        TD.precompute(teacher, seqs[:-1] + [seqs[-1][:-1]], resumed, top_k=5, shard_size=3, progress=False)
+    with pytest.raises(TD.TeacherStoreError, match="teacher"):
+        TD.precompute(tiny_model("llama", seed=4, dtype=torch.float32), seqs, resumed, top_k=5, shard_size=3,
+                      progress=False)  # fmt: skip
 
 
 def test_damaged_or_mismatched_store_is_refused(tmp_path):
     teacher = tiny_model("llama", seed=3, dtype=torch.float32)
     TD.precompute(teacher, _sequences(6), tmp_path, top_k=4, shard_size=3, progress=False)
-    with pytest.raises(TD.TeacherStoreError, match="vocab_size"):
-        TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB + 1)
     shard = tmp_path / "shard-00001.safetensors"
     blob = bytearray(shard.read_bytes())
-    blob[-3] ^= 0xFF
+    blob[-3] ^= 0xFF  # a byte of the last sequence's log-probs
     shard.write_bytes(bytes(blob))
     data = TD.TeacherLogprobsDataset(tmp_path)
-    data[0]  # shard 0 is intact
-    with pytest.raises(TD.TeacherStoreError, match="checksum"):
-        data[4]
+    data[0], data[3], data[4]  # shard 0 and the intact sequences of shard 1 read fine
+    with pytest.raises(TD.TeacherStoreError, match="sequence 2 fails its checksum"):
+        data[5]
+    with pytest.raises(TD.TeacherStoreError, match="fails its checksum"):
+        TD.verify_store(tmp_path)
+    shard.write_bytes(bytes(blob[: len(blob) // 2]))
+    with pytest.raises(TD.TeacherStoreError, match="cut short"):
+        TD.TeacherLogprobsDataset(tmp_path)[4]
     shard.unlink()
     with pytest.raises(TD.TeacherStoreError, match="missing"):
         TD.TeacherLogprobsDataset(tmp_path)[4]
     with pytest.raises(TD.TeacherStoreError, match="not a teacher store"):
         TD.TeacherLogprobsDataset(tmp_path / "nowhere")
+    manifest = tmp_path / TD.MANIFEST
+    manifest.write_text(manifest.read_text()[:-40])
+    with pytest.raises(TD.TeacherStoreError, match="truncated or damaged"):
+        TD.TeacherLogprobsDataset(tmp_path)
 
 
 def test_tokenizer_fingerprint_is_checked(tmp_path):

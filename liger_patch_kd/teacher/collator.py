@@ -6,39 +6,55 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+# numpy has no bfloat16: bf16 rows are copied as their 16-bit patterns (the pattern of -inf is 0xFF80)
+_BITS_OF = {torch.bfloat16: np.uint16}
 
 
 @dataclass
 class TeacherDataCollator:
     """Right-pads a batch: input_ids (pad_token_id), attention_mask, labels (given labels, else input_ids;
     ignore_index on padding) and, when the features carry them, the teacher's top-k (id -1, log-prob -inf on
-    padding), row-aligned with the positions. Works for plain {"input_ids", "labels"} features too."""
+    padding), row-aligned with the positions. Works for plain {"input_ids", "labels"} features too.
+
+    The teacher arrays are filled with numpy copies: a few large memcpys per batch, on one thread. (torch's
+    element-wise copies on CPU use every intra-op thread and, on a busy 2-core host, made this collator the
+    slowest step of reading a store in the main process.)
+    """
 
     pad_token_id: int = 0
     ignore_index: int = -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
+        seqs = [np.asarray(f["input_ids"], dtype=np.int64) for f in features]
         length, batch = max(len(s) for s in seqs), len(features)
-        out = {
-            "input_ids": torch.full((batch, length), self.pad_token_id, dtype=torch.long),
-            "attention_mask": torch.zeros((batch, length), dtype=torch.long),
-            "labels": torch.full((batch, length), self.ignore_index, dtype=torch.long),
-        }
-        has_teacher = "teacher_token_ids" in features[0]
-        if has_teacher:
-            k = features[0]["teacher_token_ids"].shape[-1]
-            out["teacher_token_ids"] = torch.full((batch, length, k), -1, dtype=torch.int32)
-            out["teacher_logprobs"] = torch.full(
-                (batch, length, k), -math.inf, dtype=features[0]["teacher_logprobs"].dtype
-            )
+        input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
+        attention = np.zeros((batch, length), dtype=np.int64)
+        labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
         for row, (f, seq) in enumerate(zip(features, seqs)):
-            n = len(seq)
-            out["input_ids"][row, :n] = seq
-            out["attention_mask"][row, :n] = 1
-            out["labels"][row, :n] = torch.as_tensor(f.get("labels", seq), dtype=torch.long)
-            if has_teacher:
-                out["teacher_token_ids"][row, :n] = f["teacher_token_ids"]
-                out["teacher_logprobs"][row, :n] = f["teacher_logprobs"]
+            input_ids[row, : len(seq)] = seq
+            attention[row, : len(seq)] = 1
+            labels[row, : len(seq)] = np.asarray(f["labels"], dtype=np.int64) if "labels" in f else seq
+        out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+        out = {name: torch.from_numpy(a) for name, a in out.items()}
+        if "teacher_token_ids" in features[0]:
+            out["teacher_token_ids"] = _pad_rows([f["teacher_token_ids"] for f in features], length, -1, torch.int32)
+            dtype = torch.as_tensor(features[0]["teacher_logprobs"]).dtype
+            out["teacher_logprobs"] = _pad_rows([f["teacher_logprobs"] for f in features], length, -math.inf, dtype)
         return out
+
+
+def _pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, length, k) of `dtype`: each item's (n, k) rows, then `fill`."""
+    tensors = [torch.as_tensor(r).to(dtype) for r in rows]
+    k = tensors[0].shape[-1]
+    bits = _BITS_OF.get(dtype)
+    fill_bits = torch.tensor(fill, dtype=dtype).view(torch.int16 if bits else dtype) if bits else None
+    np_dtype = bits or torch.empty(0, dtype=dtype).numpy().dtype
+    out = np.full((len(tensors), length, k), fill_bits.item() & 0xFFFF if bits else fill, dtype=np_dtype)
+    for row, t in enumerate(tensors):
+        out[row, : t.shape[0]] = (t.view(torch.int16) if bits else t).numpy().view(np_dtype)
+    result = torch.from_numpy(out)
+    return result.view(dtype) if bits else result

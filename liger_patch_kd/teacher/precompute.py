@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,11 +58,17 @@ def precompute(
     teacher_name: str = "",
     tokenizer_fp: str | None = None,
     progress: bool = True,
+    encoding: str = "plain",
+    inputs: dict | None = None,
 ) -> Path:
     """Run `teacher` over `sequences` (lists of token ids) and write a store; resumes an interrupted one.
 
     Shard i always holds sequences [i * shard_size, (i + 1) * shard_size), so a resumed run writes exactly
-    the shards a complete run would (the test checks byte-identical files).
+    the shards a complete run would (the test checks byte-identical files). A resume is refused, naming the
+    input, when anything that shapes the store differs: the sequences (content hash), the teacher (config and a
+    weights fingerprint; `teacher_name` is only recorded), top_k, temperature, tokenizer, dtype, encoding,
+    shard size, or an entry of `inputs` (the CLI adds the data file's hash and --max-length).
+    encoding: "plain" or "packed<bits>" (compact ids and log-probs quantised to <bits> bits; see compact.py).
     """
     from tqdm.auto import tqdm
 
@@ -69,9 +77,15 @@ def precompute(
     vocab = teacher.get_output_embeddings().weight.shape[0]
     if not 1 <= top_k <= vocab:
         raise ValueError(f"top_k must be in [1, vocab_size={vocab}]; got {top_k}")
+    fingerprint = {
+        "sequences": sequences_fingerprint(sequences),
+        "teacher": teacher_fingerprint(teacher),
+        **(inputs or {}),
+    }
     writer = StoreWriter.open(
         out_dir, teacher=teacher_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp, top_k=top_k,
         logprob_dtype=logprob_dtype, temperature=temperature, shard_size=shard_size, num_sequences=len(sequences),
+        encoding=encoding, inputs=fingerprint,
     )  # fmt: skip
     device = next(teacher.parameters()).device
     n_shards = math.ceil(len(sequences) / shard_size)
@@ -101,3 +115,102 @@ def precompute(
             writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values))
     teacher.train(was_training)
     return writer.out_dir
+
+
+def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
+    """sha256 of the token ids (lengths included), so a resume with other data or truncation is caught."""
+    digest = hashlib.sha256()
+    for seq in sequences:
+        ids = torch.as_tensor(seq, dtype=torch.int64)
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(ids.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def teacher_fingerprint(teacher: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
+    """sha256 of the teacher's config and a strided sample of every parameter (names, shapes, dtypes, values).
+
+    Cheap on any model size (a few thousand values per tensor) and independent of where the weights were loaded
+    from, so `teacher` and `/abs/path/teacher` agree while another checkpoint of the same architecture does not.
+    """
+    config = getattr(teacher, "config", None)
+    fields = json.loads(config.to_json_string(use_diff=False)) if config is not None else {}
+    # where it was loaded from and which transformers wrote it do not change the numbers
+    fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "transformers_version"}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
+    for name, param in teacher.named_parameters():
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // samples_per_tensor)][:samples_per_tensor]
+        digest.update(json.dumps([name, list(param.shape), str(param.dtype)]).encode())
+        digest.update(sample.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class BadLine(ValueError):
+    """A data line precompute cannot use; the message starts with file:line and says the fix."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def read_jsonl_sequences(
+    path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
+    skip_bad_lines: bool = False,
+) -> tuple[list[list[int]], dict[str, int]]:  # fmt: skip
+    """Token id sequences from a JSONL file of {"input_ids": [...]} or {"text": "..."} lines (blank lines ignored).
+
+    A line that is not JSON, has neither key, holds no tokens, or holds an id outside [0, vocab_size) raises
+    BadLine naming file:line and the fix; with skip_bad_lines it is skipped instead and counted in the returned
+    {reason: count}.
+    """
+    sequences, skipped = [], {}
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                sequences.append(_parse_line(line, tokenizer, max_length, vocab_size, f"{path}:{line_no}"))
+            except BadLine as e:
+                if not skip_bad_lines:
+                    raise
+                skipped[e.reason] = skipped.get(e.reason, 0) + 1
+    return sequences, skipped
+
+
+def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | None, where: str) -> list[int]:
+    skip = "; or pass --skip-bad-lines to skip such lines"
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise BadLine(f"{where}: not valid JSON ({e}){skip}", "invalid JSON") from None
+    if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
+        raise BadLine(f"{where}: each line needs 'text' or 'input_ids'{skip}", "no text or input_ids")
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadLine(f"{where}: 'input_ids' must be a list of integers{skip}", "input_ids not integers")
+    elif tokenizer is None:
+        raise ValueError(f"{where}: a 'text' line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
+    else:
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+    ids = ids[:max_length] if max_length else ids
+    if not ids:
+        raise BadLine(f"{where}: the line holds no tokens; remove it{skip}", "no tokens")
+    bad = [t for t in ids if not 0 <= t < (vocab_size if vocab_size is not None else math.inf)]
+    if bad:
+        raise BadLine(
+            f"{where}: token id {bad[0]} is outside the teacher's vocabulary [0, {vocab_size}): the line was "
+            f"tokenized for another model; re-tokenize it with the teacher's tokenizer{skip}",
+            "token id outside the vocabulary",
+        )
+    return list(ids)
+
+
+def file_fingerprint(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]

@@ -1,0 +1,141 @@
+"""A store as a Hugging Face `datasets.Dataset` (Arrow, memory-mapped) and back; table files for converters.
+
+Columns: input_ids (list of int32), teacher_token_ids (list of K int32 per position), teacher_logprobs (list of
+K float32 per position; padding -1 / -inf as in the store). `map` / `filter` / `to_parquet` / streaming then work
+on teacher data; `dataset_to_store` writes any such dataset (or a filtered one) back. The round trip is exact for
+float32 stores, and for bf16 / fp16 stores (their values are exact in float32).
+`datasets` and `pyarrow` are optional: pip install "liger-patch-kd[formats]".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
+
+COLUMNS = ("input_ids", "teacher_token_ids", "teacher_logprobs")
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError('this needs the `datasets` package: pip install "liger-patch-kd[formats]"') from e
+    return datasets
+
+
+def store_to_dataset(store_dir: str | Path, cache_dir: str | Path | None = None):
+    """The store as a `datasets.Dataset` (written once to Arrow files, then memory-mapped)."""
+    datasets = _datasets()
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "teacher_token_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
+        "teacher_logprobs": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))),
+    })  # fmt: skip
+
+    def rows(store: str) -> Iterator[dict]:
+        for ids, top_ids, top_lp in iter_store(store):
+            yield {"input_ids": ids.to(torch.int32).numpy(), "teacher_token_ids": top_ids.numpy(),
+                   "teacher_logprobs": top_lp.float().numpy()}  # fmt: skip
+
+    return datasets.Dataset.from_generator(
+        rows,
+        gen_kwargs={"store": str(store_dir)},
+        features=features,
+        cache_dir=None if cache_dir is None else str(cache_dir),
+    )
+
+
+def load_table(path: str | Path):
+    """A dataset from a `save_to_disk` folder, or a .parquet / .jsonl / .json / .arrow file (or folder of them)."""
+    datasets = _datasets()
+    path = Path(path)
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(path))
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    kinds = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
+    kind = {kinds.get(f.suffix) for f in files} - {None}
+    if len(kind) != 1:
+        raise ValueError(
+            f"{path}: expected a save_to_disk folder or .parquet / .jsonl / .arrow files; found {kind or 'none'}"
+        )
+    return datasets.load_dataset(kind.pop(), data_files=[str(f) for f in files if f.suffix in kinds], split="train")
+
+
+def dataset_to_store(
+    rows: Iterable[dict], out_dir: str | Path, *, vocab_size: int, top_k: int, columns: dict[str, str] | None = None,
+    logprob_dtype: str = "float32", encoding: str = "plain", shard_size: int = 1024, **meta: Any,
+) -> Path:  # fmt: skip
+    """Write rows with (input_ids, teacher_token_ids, teacher_logprobs) into a store; `columns` renames them
+    ({"teacher_token_ids": "my_ids", ...}). Rows with fewer than top_k slots are padded (-1, -inf)."""
+    names = {c: c for c in COLUMNS} | (columns or {})
+    writer = StoreWriter.open(
+        out_dir, teacher=meta.pop("teacher", "datasets"), vocab_size=vocab_size, top_k=top_k,
+        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), logprob_dtype=logprob_dtype,
+        temperature=meta.pop("temperature", 1.0), shard_size=shard_size, num_sequences=None, encoding=encoding, **meta,
+    )  # fmt: skip
+    if writer.done_shards():
+        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for n, row in enumerate(rows):
+        pending.append(
+            rows_to_arrays(
+                row[names["input_ids"]],
+                row[names["teacher_token_ids"]],
+                row[names["teacher_logprobs"]],
+                top_k,
+                vocab_size,
+                where=f"row {n}",
+            )  # fmt: skip
+        )
+        if len(pending) == shard_size:
+            _flush(writer, pending)
+    _flush(writer, pending)
+    return writer.out_dir
+
+
+def rows_to_arrays(
+    input_ids, ids, logprobs, top_k: int, vocab_size: int, where: str, mask=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's (T,), (T, top_k) int32 and (T, top_k) float32 arrays from ragged per-position lists.
+
+    Positions past the lists' end and slots past a row's end (or with mask 0) become padding (-1, -inf); a row
+    longer than top_k keeps its top_k largest log-probs."""
+    seq = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))
+    n = len(seq)
+    if len(ids) != len(logprobs) or len(ids) > n:
+        raise TeacherStoreError(
+            f"{where}: {len(ids)} id rows and {len(logprobs)} log-prob rows for {n} tokens; expected equal counts, "
+            f"at most one per token"
+        )
+    out_ids = np.full((n, top_k), -1, dtype=np.int32)
+    out_lp = np.full((n, top_k), -np.inf, dtype=np.float32)
+    for t in range(len(ids)):  # per position, vectorised over the slots
+        i = np.asarray(ids[t], dtype=np.int64).reshape(-1)
+        v = np.asarray(logprobs[t], dtype=np.float32).reshape(-1)
+        keep = (i >= 0) & np.isfinite(v) if mask is None else np.asarray(mask[t], dtype=bool).reshape(-1) & (i >= 0)
+        i, v = i[keep], v[keep]
+        if len(i) > top_k:
+            order = np.argsort(-v, kind="stable")[:top_k]
+            i, v = i[order], v[order]
+        if len(i) and (i.max() >= vocab_size):
+            raise TeacherStoreError(f"{where}, position {t}: token id {int(i.max())} >= vocab_size {vocab_size}")
+        out_ids[t, : len(i)], out_lp[t, : len(i)] = i, v
+    return seq, torch.from_numpy(out_ids), torch.from_numpy(out_lp)
+
+
+def _flush(writer: StoreWriter, pending: list) -> None:
+    if pending:
+        writer.write_shard(
+            [p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending])
+        )
+        pending.clear()
+
+
+def store_meta(store_dir: str | Path) -> dict:
+    return read_manifest(store_dir)

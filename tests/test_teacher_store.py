@@ -1,0 +1,263 @@
+"""The store's compact encoding, vocabulary semantics, the precompute CLI's input handling and kill-resume, and the
+converters (axolotl, Hugging Face datasets)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import liger_patch_kd.models as M
+from liger_patch_kd import KDLossConfig
+from liger_patch_kd import teacher as TD
+from liger_patch_kd.cli import main
+from liger_patch_kd.teacher.compact import PackedCodec, codec_from_spec
+
+from .tiny_models import VOCAB, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_patches():
+    yield
+    M.revert_kd_patch()
+
+
+def _sequences(n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]  # fmt: skip
+
+
+def _topk_rows(vocab, k, rows=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp, ids = torch.log_softmax(torch.randn(rows, vocab, generator=g) * 4, -1).topk(k, -1)
+    ids, lp = ids.int().numpy(), lp.numpy()
+    ids[3, k // 2 :], lp[3, k // 2 :] = -1, -np.inf  # a partly padded row
+    ids[4], lp[4] = -1, -np.inf  # a fully padded row (a sequence's last position)
+    return ids, lp
+
+
+@pytest.mark.parametrize("vocab,k", [(151936, 64), (262144, 5), (131072, 3), (50, 50), (1000, 13)])
+@pytest.mark.parametrize("bits", [8, 10, 12])
+def test_packed_codec_round_trip(vocab, k, bits):
+    ids, lp = _topk_rows(vocab, k, seed=bits)
+    codec = PackedCodec(vocab, k, bits)
+    assert codec.id_bits == vocab.bit_length()  # 151936 -> 18, 262144 -> 19 (the padding code), 131072 -> 18
+    rows = codec.encode(ids, lp)
+    assert rows.shape == (len(ids), codec.row_bytes) and codec.row_bytes == 8 + codec.padded_k * codec.field_bits // 8
+    got_ids, got_lp = codec.decode(rows)
+    np.testing.assert_array_equal(got_ids, ids)  # exact, padding included
+    finite = np.isfinite(lp)
+    np.testing.assert_array_equal(np.isneginf(got_lp), ~finite)
+    span = (np.where(finite, lp, -np.inf).max(1) - np.where(finite, lp, np.inf).min(1))[finite.any(1)]
+    bound = span.max() / (2 * (2**bits - 2)) + 1e-5  # half a step of the widest row, plus fp32 rounding
+    assert np.abs(got_lp[finite] - lp[finite]).max() <= bound
+    np.testing.assert_array_equal(got_lp[:, 0][finite[:, 0]], lp[:, 0][finite[:, 0]])  # the top slot is exact
+
+
+def test_codec_specs_are_validated():
+    assert codec_from_spec("plain", 10, 2) is None
+    with pytest.raises(ValueError, match="packed<bits>"):
+        codec_from_spec("zip", 10, 2)
+    with pytest.raises(ValueError, match="logprob_bits"):
+        PackedCodec(10, 2, 20)
+
+
+def test_packed_store_trains_like_the_plain_one(tmp_path):
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    seqs = _sequences(9)
+    losses = {}
+    for encoding in ("plain", "packed8", "packed12"):
+        TD.precompute(teacher, seqs, tmp_path / encoding, top_k=16, shard_size=4, logprob_dtype="float32",
+                      encoding=encoding, progress=False)  # fmt: skip
+        data = TD.TeacherLogprobsDataset(tmp_path / encoding, vocab_size=VOCAB)
+        batch = TD.TeacherDataCollator()([data[i] for i in range(len(data))])
+        student = M.apply_kd_patch_to_llama(model=tiny_model("llama", seed=1, dtype=torch.float64),
+                                            kd_config=KDLossConfig(beta=0.5, tail="bucket"))  # fmt: skip
+        losses[encoding] = student(**batch).loss.item()
+        M.revert_kd_patch()
+        if encoding != "plain":
+            plain = TD.TeacherLogprobsDataset(tmp_path / "plain")
+            for i in range(len(data)):
+                torch.testing.assert_close(data[i]["teacher_token_ids"], plain[i]["teacher_token_ids"], rtol=0, atol=0)
+                err = (data[i]["teacher_logprobs"] - plain[i]["teacher_logprobs"]).nan_to_num(0).abs().max()
+                assert err < (2e-2 if encoding == "packed8" else 2e-3)
+    assert losses["packed12"] == pytest.approx(losses["plain"], rel=1e-3)
+    assert losses["packed8"] == pytest.approx(losses["plain"], rel=1e-2)
+
+
+def test_store_serves_a_student_with_another_head_size(tmp_path):
+    """Issue 13: ids, not head sizes, decide; the check reads the manifest, not the shards."""
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    TD.precompute(teacher, _sequences(6), tmp_path, top_k=4, shard_size=4, progress=False)
+    meta = TD.read_manifest(tmp_path)
+    highest = max(max(s["max_id"], s["max_input_id"]) for s in meta["shards"])
+    assert meta["vocab_size"] == VOCAB and highest < VOCAB
+    assert len(TD.TeacherLogprobsDataset(tmp_path, vocab_size=VOCAB + 128)) == 6  # a larger student head
+    assert len(TD.TeacherLogprobsDataset(tmp_path, vocab_size=highest + 1)) == 6  # a smaller one that covers the ids
+    with pytest.raises(TD.TeacherStoreError, match=f"token id {highest} .*vocab_size={highest}"):
+        TD.TeacherLogprobsDataset(tmp_path, vocab_size=highest)
+
+
+@pytest.fixture(scope="module")
+def saved_teacher(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher") / "teacher"
+    tiny_model("llama", seed=3, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def test_precompute_bad_lines_and_resume_fingerprint(tmp_path, saved_teacher, capsys):
+    data = tmp_path / "data.jsonl"
+    good = [json.dumps({"input_ids": s}) for s in _sequences(4)]
+    lines = [
+        good[0],
+        json.dumps({"input_ids": []}),
+        good[1],
+        "{not json",
+        json.dumps({"input_ids": [1, VOCAB]}),
+        good[2],
+    ]
+    data.write_text("\n".join(lines) + "\n")
+    base = ["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--top-k", "4", "--device", "cpu"]
+    for expected in [f"{data}:2: the line holds no tokens", f"{data}:4: not valid JSON",
+                     f"{data}:5: token id {VOCAB} is outside the teacher's vocabulary"]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, "--out", str(tmp_path / "store")])
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # (above it: transformers' loading bar)
+        assert exit_info.value.code == 2 and err.startswith("liger-kd precompute: error: ")
+        assert expected in err and "--skip-bad-lines" in err
+        lines.pop(int(expected.split(":")[1]) - 1)  # fix that line, see the next one reported
+        lines.insert(int(expected.split(":")[1]) - 1, good[3])
+        data.write_text("\n".join(lines) + "\n")
+    data.write_text("\n".join([good[0], json.dumps({"input_ids": []}), "{", good[1]]) + "\n")
+    main([*base, "--out", str(tmp_path / "store"), "--skip-bad-lines"])
+    assert "skipped 2 bad lines: 1 no tokens, 1 invalid JSON" in capsys.readouterr().out
+    assert len(TD.TeacherLogprobsDataset(tmp_path / "store")) == 2
+    # a resume with the teacher under another path string is accepted; another data file or --max-length is not
+    relative = os.path.relpath(saved_teacher)
+    main(["precompute", "--teacher", relative, *base[3:], "--out", str(tmp_path / "store"), "--skip-bad-lines"])
+    capsys.readouterr()
+    for change, name in [(["--max-length", "3"], "max_length"), (["--top-k", "5"], "top_k")]:
+        with pytest.raises(SystemExit):
+            main([*base, "--out", str(tmp_path / "store"), "--skip-bad-lines", *change])
+        assert f"other inputs: {name} (store:" in capsys.readouterr().err
+    data.write_text("\n".join([good[0], good[1]]) + "\n")
+    with pytest.raises(SystemExit):
+        main([*base, "--out", str(tmp_path / "store"), "--skip-bad-lines"])
+    assert "data file (store:" in capsys.readouterr().err
+
+
+def test_every_option_documents_its_default(capsys):
+    import argparse
+
+    from liger_patch_kd import cli
+
+    for command in ("demo", "precompute", "convert", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        options = [a for a in text.split() if a.startswith("--") and a != "--help"]
+        assert options, command
+        assert text.count("(default:") >= len({o.split("=")[0].strip("[],") for o in options}) // 2, command
+    assert isinstance(cli.main, type(main)) and argparse
+
+
+def test_precompute_survives_sigkill_at_random_points(tmp_path, saved_teacher):
+    """SIGKILL the real CLI at random moments while it writes shards, several times; resume; byte-identical."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(60, seed=1)) + "\n")
+    args = ["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--top-k", "4", "--shard-size", "2",
+            "--batch-size", "2", "--device", "cpu"]  # fmt: skip
+    main([*args, "--out", str(tmp_path / "full")])
+    store, rng, kills = tmp_path / "killed", random.Random(0), 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "liger_patch_kd.cli", *args, "--out", str(store)], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (store / TD.MANIFEST).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the shard loop
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills >= 2
+    main([*args, "--out", str(store)])
+    names = sorted(p.name for p in (tmp_path / "full").iterdir())
+    assert names == sorted(p.name for p in store.iterdir())
+    for name in names:
+        if name != TD.MANIFEST:
+            assert (store / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
+    TD.verify_store(store)
+
+
+# --------------------------------------------------------------------------------------------- converters
+def _store(tmp_path, k=5, n=5):
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    return TD.precompute(teacher, _sequences(n), tmp_path / "store", top_k=k, shard_size=2, logprob_dtype="float32",
+                         progress=False)  # fmt: skip
+
+
+def _assert_same_store(a, b):
+    da, db = TD.TeacherLogprobsDataset(a), TD.TeacherLogprobsDataset(b)
+    assert len(da) == len(db)
+    for i in range(len(da)):
+        for key in ("input_ids", "teacher_token_ids", "teacher_logprobs"):
+            assert torch.equal(da[i][key], db[i][key]), (i, key)
+
+
+def test_hf_datasets_round_trip(tmp_path):
+    store = _store(tmp_path)
+    ds = TD.store_to_dataset(store, cache_dir=tmp_path / "cache")
+    assert ds.column_names == ["input_ids", "teacher_token_ids", "teacher_logprobs"] and len(ds) == 5
+    assert ds.cache_files  # Arrow on disk, memory-mapped
+    TD.dataset_to_store(ds, tmp_path / "back", vocab_size=VOCAB, top_k=5)
+    _assert_same_store(store, tmp_path / "back")
+    short = ds.filter(lambda r: len(r["input_ids"]) < 8)
+    TD.dataset_to_store(short, tmp_path / "short", vocab_size=VOCAB, top_k=5)
+    assert len(TD.TeacherLogprobsDataset(tmp_path / "short")) == len(short) < 5
+
+
+def test_axolotl_layouts_and_cli_round_trip(tmp_path):
+    store = _store(tmp_path)
+    assert main(["convert", "--from", "store", "--to", "axolotl", "--input", str(store),
+                 "--out", str(tmp_path / "ax.parquet")]) is None  # fmt: skip
+    table = TD.load_table(tmp_path / "ax.parquet")
+    assert {"input_ids", "target_token_ids", "target_logprobs", "target_mask"} <= set(table.column_names)
+    main(["convert", "--from", "axolotl", "--to", "store", "--input", str(tmp_path / "ax.parquet"),
+          "--out", str(tmp_path / "back"), "--vocab-size", str(VOCAB), "--top-k", "5"])  # fmt: skip
+    _assert_same_store(store, tmp_path / "back")
+    # the older layout: per position a list of {"token": "token_id:N", "logprob": x}
+    older = [{"input_ids": [3, 7, 9], "logprobs": [[{"token": "token_id:7", "logprob": -0.25},
+                                                     {"token": "token_id:2", "logprob": -1.5}],
+                                                    [{"token": "token_id:9", "logprob": -0.5}]]}]  # fmt: skip
+    TD.axolotl_to_store(older, tmp_path / "older", vocab_size=VOCAB, top_k=2)
+    item = TD.TeacherLogprobsDataset(tmp_path / "older")[0]
+    assert item["teacher_token_ids"].tolist() == [[7, 2], [9, -1], [-1, -1]]
+    assert item["teacher_logprobs"][:2].tolist() == [[-0.25, -1.5], [-0.5, float("-inf")]]
+
+
+def test_axolotl_temperature_is_undone_only_when_exact(tmp_path):
+    rows = [{"input_ids": [1, 2], "target_token_ids": [[0, 1]], "target_logprobs": [[-0.1, -2.0]],
+             "target_mask": [[1, 1]]}]  # fmt: skip
+    with pytest.raises(TD.TeacherStoreError, match="exact only with the full distribution"):
+        TD.axolotl_to_store(rows, tmp_path / "a", vocab_size=VOCAB, top_k=2, temperature=2.0)
+    TD.axolotl_to_store(rows, tmp_path / "b", vocab_size=VOCAB, top_k=2, temperature=2.0, keep_temperature=True)
+    assert TD.read_manifest(tmp_path / "b")["temperature"] == 2.0
+    full = torch.log_softmax(torch.tensor([1.0, -0.5, 0.25]), -1)  # a 3-token vocabulary, rows at T = 2
+    tempered = (full / 2).log_softmax(-1).tolist()
+    rows = [{"input_ids": [0, 1], "target_token_ids": [[0, 1, 2]], "target_logprobs": [tempered],
+             "target_mask": [[1, 1, 1]]}]  # fmt: skip
+    TD.axolotl_to_store(rows, tmp_path / "c", vocab_size=3, top_k=3, temperature=2.0)
+    got = TD.TeacherLogprobsDataset(tmp_path / "c")[0]["teacher_logprobs"][0]
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-6)
