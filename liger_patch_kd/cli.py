@@ -1,4 +1,4 @@
-"""`liger-kd`: demo, precompute, bench."""
+"""`liger-kd`: demo, precompute, serve, bench."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def _precompute(args) -> None:
     print(f"wrote {out}")
 
 
+def _serve(args) -> None:
+    from .teacher.server import serve
+
+    serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          max_batch_tokens=args.max_batch_tokens, log_level=args.log_level)  # fmt: skip
+
+
 def _bench(args) -> None:
     import torch
 
@@ -79,6 +86,17 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--tokenizer", default=None)
     pre.add_argument("--device", default=None)
     pre.set_defaults(func=_precompute)
+
+    srv = sub.add_parser("serve", help="serve a teacher's prompt log-probs (vLLM's /v1/completions protocol)")
+    srv.add_argument("--teacher", required=True, help="HF model path or name")
+    srv.add_argument("--top-k", type=int, default=64, help="the most log-probs per position a request may ask")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32, ...")
+    srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
+    srv.add_argument("--log-level", default="warning")
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="the fused loss against materialised logits on this device")
     bench.add_argument("--device", default=None)

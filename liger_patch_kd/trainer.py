@@ -14,7 +14,8 @@ from transformers import Trainer, TrainingArguments
 from . import reference
 from .config import KDLossConfig
 from .models import apply_kd_patch
-from .models.kd_forward import shift_labels
+from .models.kd_forward import shift_labels, unwrap_model
+from .teacher.prefetch import check_served_teacher_args, served_teacher_dataloader
 
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
 
@@ -46,6 +47,13 @@ class KDTrainingArguments(TrainingArguments):
     kd_self_distill: bool = field(
         default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
     )
+    kd_teacher_url: str | None = field(
+        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
+    )
+    kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
+    kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
+    kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
+    kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,6 +64,7 @@ class KDTrainingArguments(TrainingArguments):
         if self.kd_generation_temperature <= 0:
             raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
         self.kd_loss_config()  # validates the loss options now, not at the first step
+        check_served_teacher_args(self)
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(
@@ -97,6 +106,8 @@ class KDTrainer(Trainer):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         self.kd_config = args.kd_loss_config()
+        if args.kd_teacher_url and teacher_model is not None:
+            raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
         if args.use_kd_patch:
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
@@ -119,6 +130,13 @@ class KDTrainer(Trainer):
         self._kd_agreement: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------- data columns
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        if self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (teacher/prefetch.py)
+            vocab_size = unwrap_model(self.model).config.vocab_size
+            dataloader = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
+        return dataloader
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *KD_COLUMNS, "position_ids"]))
