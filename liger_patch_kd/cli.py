@@ -53,7 +53,8 @@ def _serve(args) -> None:
     from .teacher.server import serve
 
     serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          max_batch_tokens=args.max_batch_tokens, log_level=args.log_level)  # fmt: skip
+          max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
+          attn_implementation=args.attn_implementation)  # fmt: skip
 
 
 def _bench(args) -> None:
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--device", default=None)
     srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32, ...")
     srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
+    srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning")
     srv.set_defaults(func=_serve)
 

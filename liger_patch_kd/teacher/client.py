@@ -10,6 +10,7 @@ fit the request raises protocols.TeacherReplyError naming the request.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
@@ -75,7 +76,8 @@ class TeacherClient:
         self._model = model
         self._model_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="teacher-client")
-        self._requests = 0
+        self._counter = itertools.count(1)
+        self.retried = 0  # requests sent again after a connection error or a 5xx, for logs and tests
 
     # ------------------------------------------------------------------------------------------------ public
     def wait_until_ready(self, timeout: float | None = None) -> None:
@@ -116,8 +118,7 @@ class TeacherClient:
 
     # ------------------------------------------------------------------------------------------------ private
     def _request(self, sequences: list[list[int]]) -> list[P.TopK]:
-        self._requests += 1
-        name = f"request {self._requests} ({len(sequences)} sequences, {sum(map(len, sequences))} tokens) to {self.url}"
+        name = f"request {next(self._counter)} ({len(sequences)} sequences, {sum(map(len, sequences))} tokens) to {self.url}"
         if self.protocol == "sglang":
             body, accept = P.sglang_request(sequences, self.top_k), "application/json"
         else:
@@ -154,6 +155,7 @@ class TeacherClient:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
+                self.retried += 1
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             request = urllib.request.Request(
                 url, data=data, method=method, headers={"Content-Type": "application/json", "Accept": accept}

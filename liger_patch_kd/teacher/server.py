@@ -196,7 +196,7 @@ def _validated(body: Any, max_top_k: int, vocab: int, http_error) -> tuple[list[
 
 def serve(
     teacher: str, *, top_k: int, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
-    dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
+    dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning", attn_implementation: str | None = None,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted."""
     try:
@@ -206,7 +206,8 @@ def serve(
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype).to(device).eval().requires_grad_(False)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra).to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cuda":
         from ..trainer import _patch_teacher_kernels
 
