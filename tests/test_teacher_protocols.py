@@ -48,7 +48,10 @@ def test_vllm_prompt_logprobs_keep_the_top_k_row_aligned():
 
 def test_sglang_input_top_logprobs():
     _check(P.parse_sglang_input_top_logprobs(SGLANG_TOP, 3, top_k=2, vocab_size=10, request="r"))
-    reply = [{"text": "", "meta_info": {"input_top_logprobs": SGLANG_TOP}}, {"meta_info": {"input_top_logprobs": [None]}}]
+    reply = [
+        {"text": "", "meta_info": {"input_top_logprobs": SGLANG_TOP}},
+        {"meta_info": {"input_top_logprobs": [None]}},
+    ]
     first, single = P.parse_sglang_reply(reply, [VLLM_PROMPT, [4]], top_k=2, vocab_size=10, request="r")
     _check(first)
     _check(single, [[-1, -1]], [[-INF, -INF]])

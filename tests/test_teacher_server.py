@@ -53,8 +53,11 @@ class Server:
 
     def start(self, wait: bool = True) -> "Server":
         # one thread: the server shares CI's two cores with the training process
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1",
+        }
         cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
                str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--attn-implementation", "eager"]  # fmt: skip
@@ -286,7 +289,7 @@ def test_5xx_is_retried_and_4xx_is_not(stub):
     url, behaviour = stub
     behaviour["fail"] = 2
     client = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB, retries=2, backoff=0.01)
-    (ids, _), = client.fetch([[1, 2]])
+    ((ids, _),) = client.fetch([[1, 2]])
     assert ids.shape == (2, TOP_K) and client.retried == 2
     behaviour.update(posts=0, fail=5)
     with pytest.raises(TD.TeacherServerError, match=rf"{url}/v1/completions failed 3 times .*HTTP 503"):

@@ -1,8 +1,8 @@
 """Teacher signals as data: the store (write, read), precompute, other tools' formats, batching, and a teacher
 behind a server (protocols, client, prefetch; the server itself is teacher.server, FastAPI imported lazily)."""
 
-from .collator import TeacherDataCollator
 from .client import TeacherClient, TeacherServerError, TeacherTimeoutError
+from .collator import TeacherDataCollator
 from .formats import import_sglang_logprobs, import_vllm_logprobs
 from .precompute import precompute, teacher_topk, teacher_topk_and_next, topk_of_logits
 from .prefetch import TeacherPrefetcher

@@ -118,7 +118,8 @@ class TeacherClient:
 
     # ------------------------------------------------------------------------------------------------ private
     def _request(self, sequences: list[list[int]]) -> list[P.TopK]:
-        name = f"request {next(self._counter)} ({len(sequences)} sequences, {sum(map(len, sequences))} tokens) to {self.url}"
+        size = f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens"
+        name = f"request {next(self._counter)} ({size}) to {self.url}"
         if self.protocol == "sglang":
             body, accept = P.sglang_request(sequences, self.top_k), "application/json"
         else:

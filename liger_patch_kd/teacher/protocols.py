@@ -75,8 +75,9 @@ def parse_vllm_reply(
         raise TeacherReplyError(f"{request}: the reply has {got} choices for {len(sequences)} prompts")
     by_index = sorted(choices, key=lambda c: c.get("index", 0))
     return [
-        parse_vllm_prompt_logprobs(c.get("prompt_logprobs"), len(seq), top_k=top_k, vocab_size=vocab_size,
-                                   request=f"{request} prompt {i}")  # fmt: skip
+        parse_vllm_prompt_logprobs(
+            c.get("prompt_logprobs"), len(seq), top_k=top_k, vocab_size=vocab_size, request=f"{request} prompt {i}"
+        )  # fmt: skip
         for i, (c, seq) in enumerate(zip(by_index, sequences))
     ]
 
@@ -222,7 +223,9 @@ def decode_binary(
         raise TeacherReplyError(f"{request}: not a liger binary reply (starts {blob[:16]!r})")
     _, n, k = _HEADER.unpack_from(blob)
     if n != len(sequences) or k != top_k:
-        raise TeacherReplyError(f"{request}: binary reply for {n} sequences of top-{k}; asked {len(sequences)}, {top_k}")
+        raise TeacherReplyError(
+            f"{request}: binary reply for {n} sequences of top-{k}; asked {len(sequences)}, {top_k}"
+        )
     lengths = struct.unpack_from(f"<{n}I", blob, _HEADER.size)
     want = [len(s) for s in sequences]
     if list(lengths) != want:

@@ -14,7 +14,6 @@ runs the teacher once over them (teacher_topk_and_next: chunked, the logits neve
 and answers each request. FastAPI and uvicorn are the optional extra `serve`.
 """
 
-
 import asyncio  # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
 import json
 import math
@@ -63,9 +62,11 @@ class TeacherBatcher:
             self.wakeup.clear()
             while self.waiting:
                 batch = [self.waiting.popleft()]  # at least one request, however long
-                while self.waiting and _padded_tokens(
-                    [s for p in (*batch, self.waiting[0]) for s in p.sequences]
-                ) <= self.max_batch_tokens:
+                while (
+                    self.waiting
+                    and _padded_tokens([s for p in (*batch, self.waiting[0]) for s in p.sequences])
+                    <= self.max_batch_tokens
+                ):
                     batch.append(self.waiting.popleft())
                 await self._run_batch(batch)
 
@@ -196,7 +197,8 @@ def _validated(body: Any, max_top_k: int, vocab: int, http_error) -> tuple[list[
 
 def serve(
     teacher: str, *, top_k: int, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
-    dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning", attn_implementation: str | None = None,
+    dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
+    attn_implementation: str | None = None,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted."""
     try:
