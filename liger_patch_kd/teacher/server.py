@@ -198,9 +198,10 @@ def _validated(body: Any, max_top_k: int, vocab: int, http_error) -> tuple[list[
 def serve(
     teacher: str, *, top_k: int, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
-    attn_implementation: str | None = None,
+    attn_implementation: str | None = None, random_weights: bool = False,
 ) -> None:  # fmt: skip
-    """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted."""
+    """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
+    `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only."""
     try:
         import uvicorn
     except ImportError as e:
@@ -209,7 +210,17 @@ def serve(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra).to(device).eval().requires_grad_(False)
+    if random_weights:
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(teacher, **extra)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=None if dtype == "auto" else getattr(torch, dtype))
+        print("liger-kd serve: RANDOM WEIGHTS (--random-weights), for benchmarks only", flush=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
+    model = model.to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cuda":
         from ..trainer import _patch_teacher_kernels
 
