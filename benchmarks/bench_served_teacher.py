@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from liger_patch_kd.models import apply_kd_patch_to_llama, revert_kd_patch
+from liger_patch_kd.models import revert_kd_patch
 from liger_patch_kd.teacher import TeacherClient, TeacherDataCollator, TeacherPrefetcher
 
 from .bench_train_step import SHAPES, TOP_K, build, prepare_student, run_one
