@@ -1,4 +1,4 @@
-"""`liger-kd`: demo, precompute, convert, bench."""
+"""`liger-kd`: demo, precompute, convert, serve, bench."""
 
 from __future__ import annotations
 
@@ -98,6 +98,14 @@ def _save_table(table, out: str) -> None:
         table.save_to_disk(out)
 
 
+def _serve(args) -> None:
+    from .teacher.server import serve
+
+    serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
+          attn_implementation=args.attn_implementation, random_weights=args.random_weights)  # fmt: skip
+
+
 def _bench(args) -> None:
     import torch
 
@@ -186,6 +194,21 @@ def main(argv: list[str] | None = None) -> None:
                       help="log-prob dtype of a plain output store; None: the input store's, else float32")  # fmt: skip
     conv.add_argument("--shard-size", type=int, default=1024, help="sequences per shard of the output store")
     conv.set_defaults(func=_convert)
+
+    srv = sub.add_parser(
+        "serve", help="serve a teacher's prompt log-probs (vLLM's /v1/completions protocol)", formatter_class=fmt
+    )
+    srv.add_argument("--teacher", required=True, help="HF model path or name (required)")
+    srv.add_argument("--top-k", type=int, default=64, help="the most log-probs per position a request may ask")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
+    srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32, ...")
+    srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
+    srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
+    srv.add_argument("--log-level", default="warning", help="uvicorn log level")
+    srv.add_argument("--random-weights", action="store_true", help="the config's model, random weights (benchmarks)")
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser(
         "bench", help="the fused loss against materialised logits on this device", formatter_class=fmt

@@ -14,9 +14,11 @@ from transformers.utils import logging
 
 from .config import KDLossConfig
 from .models import apply_kd_patch
+from .models.kd_forward import unwrap_model
 from .models.kd_io import TeacherInputs, targets_of
 from .models.materialised import materialised_kd
 from .teacher.collator import TeacherDataCollator
+from .teacher.prefetch import check_served_teacher_args, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
@@ -58,6 +60,13 @@ class KDTrainingArguments(TrainingArguments):
             "sizes be distilled. Default: len(processing_class) when the two heads differ in size."
         },
     )
+    kd_teacher_url: str | None = field(
+        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
+    )
+    kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
+    kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
+    kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
+    kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,6 +83,7 @@ class KDTrainingArguments(TrainingArguments):
                 f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
             )
         self.kd_loss_config()  # validates the loss options now, not at the first step
+        check_served_teacher_args(self)
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(
@@ -114,6 +124,8 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        if args.kd_teacher_url and teacher_model is not None:
+            raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
         self.kd_config = _with_vocab_size(args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class"))
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
@@ -141,6 +153,13 @@ class KDTrainer(Trainer):
         self._kd_agreement: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------- data columns
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        if self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (teacher/prefetch.py)
+            vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
+            dataloader = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
+        return dataloader
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *KD_COLUMNS, "position_ids"]))
@@ -151,10 +170,10 @@ class KDTrainer(Trainer):
         generated = inputs.pop("_kd_generated", False)
         if inputs.get("labels") is None:
             raise ValueError(
-                f"the batch has no 'labels' (keys: {sorted(inputs)}); KDTrainer scores the positions that have a label. "
-                f"Give the dataset a 'labels' column, or use a collator that sets them (the default "
-                f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; DataCollatorForLanguageModeling(mlm=False)"
-                f" or DataCollatorWithFlattening do too)"
+                f"the batch has no 'labels' (keys: {sorted(inputs)}); KDTrainer scores the positions that have a "
+                f"label. Give the dataset a 'labels' column, or use a collator that sets them (the default "
+                f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; "
+                f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None
         if not offline and self.teacher_model is None:
@@ -208,8 +227,6 @@ class KDTrainer(Trainer):
         """Replace each row's completion (labelled tokens) by one sampled from `generator` given its prompt
         (the tokens before the first label). Prompts of length 0 start from BOS; completions end at EOS or
         kd_max_new_tokens; the prompt is masked out of the labels."""
-        from .models.kd_forward import unwrap_model
-
         inputs = self._prepare_inputs(inputs)
         input_ids, labels = inputs["input_ids"], inputs["labels"]
         mask = inputs.get("attention_mask", torch.ones_like(input_ids))
@@ -292,7 +309,6 @@ def _with_vocab_size(
 ) -> KDLossConfig:
     """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
     tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
-    from .models.kd_forward import unwrap_model
 
     if cfg.vocab_size is not None or teacher is None or isinstance(teacher, AdapterDisabledTeacher):
         return cfg
@@ -315,7 +331,6 @@ def _with_vocab_size(
 def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None:
     """The teacher's forward is a third of the step or more: give it the same RMSNorm / RoPE / MLP kernels
     (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
-    from .models.kd_forward import unwrap_model
     from .models.registry import ALIASES, REGISTRY
 
     inner = unwrap_model(teacher)

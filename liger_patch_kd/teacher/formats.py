@@ -1,15 +1,15 @@
-"""Teacher log-probs in other tools' formats, converted into a store."""
+"""Teacher log-probs in other tools' formats, converted into a store. The per-position parsing is protocols.py's,
+shared with the client that asks live servers."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..reference import LOGPROB_PLACEHOLDER
+from .protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
 from .store import StoreWriter, TeacherStoreError
 
 
@@ -24,8 +24,40 @@ def import_vllm_logprobs(
     so it becomes row t - 1 here. Rows with fewer than top_k entries are padded (-1, -inf); rows with more
     (vLLM adds the actual token) keep the top_k most likely.
     """
+
+    def split(record: dict) -> tuple[list[int], list]:
+        tokens = list(record["prompt_token_ids"]) + list(record.get("output_token_ids", []))
+        return tokens, list(record["prompt_logprobs"])[1:] + list(record.get("output_logprobs", []))
+
+    return _import(records, out_dir, split, vllm_entry, vocab_size=vocab_size, top_k=top_k, source="vllm", **meta)
+
+
+def import_sglang_logprobs(
+    records: Iterable[dict], out_dir: str | Path, *, vocab_size: int, top_k: int, **meta: Any
+) -> Path:
+    """Convert SGLang /generate replies into a store.
+
+    Each record: {"input_ids": [...], "meta_info": {"input_top_logprobs": [null, [[logprob, id, text], ...], ...]}}
+    (a /generate reply with its input_ids, asked with return_logprob, logprob_start_len 0, top_logprobs_num) and
+    optionally the completion: "output_ids" with meta_info.output_top_logprobs. Entry t scores token t, so it
+    becomes row t - 1; short rows are padded, long ones keep the top_k most likely.
+    """
+
+    def split(record: dict) -> tuple[list[int], list]:
+        info = record["meta_info"]
+        tokens = list(record["input_ids"]) + list(record.get("output_ids", []))
+        return tokens, list(info["input_top_logprobs"])[1:] + list(info.get("output_top_logprobs") or [])
+
+    return _import(records, out_dir, split, sglang_entry, vocab_size=vocab_size, top_k=top_k, source="sglang", **meta)
+
+
+def _import(
+    records: Iterable[dict], out_dir: str | Path, split: Callable[[dict], tuple[list[int], list]],
+    parse_entry: Callable, *, vocab_size: int, top_k: int, source: str, **meta: Any,
+) -> Path:  # fmt: skip
+    """records -> (tokens, per-position entries scoring tokens 1..) -> a store, shard by shard."""
     writer = StoreWriter.open(
-        out_dir, teacher=meta.get("teacher", "vllm"), vocab_size=vocab_size, top_k=top_k,
+        out_dir, teacher=meta.get("teacher", source), vocab_size=vocab_size, top_k=top_k,
         tokenizer_fingerprint=meta.get("tokenizer_fingerprint"), logprob_dtype=meta.get("logprob_dtype", "float32"),
         temperature=1.0, shard_size=meta.get("shard_size", 1024), num_sequences=None,
     )  # fmt: skip
@@ -36,21 +68,16 @@ def import_vllm_logprobs(
             writer.write_shard(sequences, torch.cat(ids), torch.cat(values))
             sequences.clear(), ids.clear(), values.clear()
 
-    for record in records:
-        tokens = list(record["prompt_token_ids"]) + list(record.get("output_token_ids", []))
-        per_position = list(record["prompt_logprobs"])[1:] + list(record.get("output_logprobs", []))
-        rows_i = torch.full((len(tokens), top_k), -1, dtype=torch.int32)
-        rows_v = torch.full((len(tokens), top_k), -math.inf)
-        for t, entry in enumerate(per_position[: len(tokens) - 1]):
-            if not entry:
-                continue
-            pairs = sorted(((int(tok), _logprob(val)) for tok, val in entry.items()), key=lambda p: -p[1])[:top_k]
-            for j, (tok, lp) in enumerate(pairs):
-                if not 0 <= tok < vocab_size:
-                    raise TeacherStoreError(
-                        f"token id {tok} in record {len(sequences)} is outside vocab_size {vocab_size}"
-                    )
-                rows_i[t, j], rows_v[t, j] = tok, lp
+    for n, record in enumerate(records):
+        tokens, per_position = split(record)
+        try:
+            entries = [parse_entry(e, t, f"record {n}") if e else None for t, e in enumerate(per_position, 1)]
+            rows_i, rows_v = rows_from_entries(
+                entries[: max(len(tokens) - 1, 0)], len(tokens), top_k=top_k, vocab_size=vocab_size,
+                request=f"record {n}", pad_short_rows=True,
+            )  # fmt: skip
+        except TeacherReplyError as e:
+            raise TeacherStoreError(str(e)) from e
         sequences.append(torch.tensor(tokens, dtype=torch.int32))
         ids.append(rows_i)
         values.append(rows_v)
@@ -58,8 +85,3 @@ def import_vllm_logprobs(
             flush()
     flush()
     return writer.out_dir
-
-
-def _logprob(value: Any) -> float:
-    lp = float(value["logprob"] if isinstance(value, dict) else value)
-    return -math.inf if lp <= LOGPROB_PLACEHOLDER else lp

@@ -27,6 +27,40 @@ def teacher_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Top-k of a teacher batch (B, T) -> (B, T, k) ids and log-probs, from last hidden states a chunk of rows
     at a time, so the (B x T x V) logits are never held at once. Soft-capping is applied as the model does."""
+    ids, values = [], []
+    for _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
+        v, i = logprobs.topk(k, dim=-1)
+        ids.append(i)
+        values.append(v)
+    shape = (*input_ids.shape, k)
+    return torch.cat(ids).reshape(shape), torch.cat(values).reshape(shape)
+
+
+@torch.no_grad()
+def teacher_topk_and_next(
+    teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, k: int,
+    rows_per_chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """teacher_topk at temperature 1, plus at each position the log-prob of the next input token and its rank
+    (1 = most likely), as vLLM's prompt_logprobs report it: (B, T, k) ids, (B, T, k) log-probs, (B, T) next-token
+    log-probs and (B, T) ranks (the last position, with no next token, gets -inf and 0)."""
+    following = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+    ids, values, next_lp, ranks = [], [], [], []
+    for rows, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, 1.0, rows_per_chunk):
+        v, i = logprobs.topk(k, dim=-1)
+        own = logprobs.gather(-1, following[rows, None]).squeeze(-1)
+        ids.append(i)
+        values.append(v)
+        next_lp.append(own)
+        ranks.append((logprobs > own[:, None]).sum(-1) + 1)
+    shape = (*input_ids.shape, k)
+    next_lp, ranks = torch.cat(next_lp).reshape(input_ids.shape), torch.cat(ranks).reshape(input_ids.shape)
+    next_lp[:, -1], ranks[:, -1] = -math.inf, 0
+    return torch.cat(ids).reshape(shape), torch.cat(values).reshape(shape), next_lp, ranks
+
+
+def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
+    """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
     from ..models.kd_forward import output_head, unwrap_model
     from ..models.registry import softcap_of
     from ..reference import apply_softcap
@@ -35,14 +69,10 @@ def teacher_topk(
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     head = output_head(model, "teacher")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    ids, values = [], []
     for start in range(0, flat.shape[0], rows_per_chunk):
-        logits = apply_softcap(head(flat[start : start + rows_per_chunk]).float(), softcap_of(model.config))
-        i, v = topk_of_logits(logits, k, temperature)
-        ids.append(i)
-        values.append(v)
-    shape = (*input_ids.shape, k)
-    return torch.cat(ids).reshape(shape), torch.cat(values).reshape(shape)
+        rows = slice(start, start + rows_per_chunk)
+        logits = apply_softcap(head(flat[rows]).float(), softcap_of(model.config))
+        yield rows, torch.log_softmax(logits / temperature, dim=-1)
 
 
 def precompute(

@@ -1,0 +1,187 @@
+"""TeacherClient: ask a teacher server (vLLM, SGLang, `trl vllm-serve` or `liger-kd serve`) for row-aligned top-k
+log-probs of token sequences, many requests in flight, with retries. Standard library only (urllib, threads).
+
+Faults are never silent: a connection error or a 5xx is retried with exponential backoff up to `retries` times,
+then TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
+TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a reply that does not
+fit the request raises protocols.TeacherReplyError naming the request.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from . import protocols as P
+
+PROTOCOLS = ("vllm", "sglang", "liger")
+_PATHS = {"vllm": "/v1/completions", "sglang": "/generate", "liger": "/v1/completions"}
+
+
+class TeacherServerError(RuntimeError):
+    """The teacher server could not be reached or refused the request; the message names the URL."""
+
+
+class TeacherTimeoutError(TeacherServerError, TimeoutError):
+    """The teacher server sent nothing for `timeout` seconds."""
+
+
+class PendingTopK:
+    """The replies to one `submit`: `result()` waits for every request and returns one TopK per sequence."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> list[P.TopK]:
+        return [topk for f in self._futures for topk in f.result()]
+
+
+class TeacherClient:
+    """Row-aligned (T, top_k) teacher ids / log-probs for token sequences from a server.
+
+    protocol: "vllm" (vLLM's /v1/completions with prompt_logprobs; also `trl vllm-serve`, which runs vLLM's server;
+    start vLLM with --max-logprobs >= top_k), "sglang" (/generate with input_top_logprobs) or "liger"
+    (`liger-kd serve`, binary replies). `sequences_per_request` sequences go in one request and up to
+    `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the server may return.
+    """
+
+    def __init__(
+        self, url: str, protocol: str = "vllm", *, top_k: int, vocab_size: int, timeout: float = 120.0,
+        retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int = 4,
+        backoff: float = 0.5,
+    ) -> None:  # fmt: skip
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+        if top_k < 1 or vocab_size < 1:
+            raise ValueError(f"top_k and vocab_size must be >= 1; got top_k={top_k}, vocab_size={vocab_size}")
+        if timeout <= 0 or retries < 0 or max_in_flight < 1 or sequences_per_request < 1:
+            raise ValueError(
+                f"need timeout > 0, retries >= 0, max_in_flight >= 1, sequences_per_request >= 1; got {timeout}, "
+                f"{retries}, {max_in_flight}, {sequences_per_request}"
+            )
+        self.url = url.rstrip("/")
+        self.protocol, self.top_k, self.vocab_size = protocol, top_k, vocab_size
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.sequences_per_request = sequences_per_request
+        self._model = model
+        self._model_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="teacher-client")
+        self._counter = itertools.count(1)
+        self.retried = 0  # requests sent again after a connection error or a 5xx, for logs and tests
+
+    # ------------------------------------------------------------------------------------------------ public
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Poll GET /health until the server answers 200, or raise TeacherServerError after `timeout` seconds
+        (default: the client's timeout) naming the URL: a server that is down at start fails fast and clearly."""
+        limit = self.timeout if timeout is None else timeout
+        deadline, last = time.monotonic() + limit, None
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=max(0.1, min(5.0, limit))) as reply:
+                    if reply.status == 200:
+                        return
+            except (OSError, http.client.HTTPException) as e:
+                last = e
+            if time.monotonic() >= deadline:
+                raise TeacherServerError(
+                    f"no teacher server answers at {self.url}/health within {limit:g} s (last error: {last}); start "
+                    f"it (e.g. `liger-kd serve --teacher PATH --top-k {self.top_k} --port PORT`) or fix "
+                    f"kd_teacher_url"
+                )
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def submit(self, sequences: Sequence[Sequence[int]]) -> PendingTopK:
+        """Send the requests for `sequences` now (background threads); `.result()` gives one TopK each."""
+        seqs = [list(map(int, s)) for s in sequences]
+        for n, s in enumerate(seqs):
+            if len(s) < 1:
+                raise ValueError(f"sequence {n} is empty: nothing to score")
+        chunks = [seqs[i : i + self.sequences_per_request] for i in range(0, len(seqs), self.sequences_per_request)]
+        return PendingTopK([self._pool.submit(self._request, chunk) for chunk in chunks])
+
+    def fetch(self, sequences: Sequence[Sequence[int]]) -> list[P.TopK]:
+        """Row-aligned (ids (T, K) int32, log-probs (T, K) float32) per sequence; waits for the replies."""
+        return self.submit(sequences).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------------ private
+    def _request(self, sequences: list[list[int]]) -> list[P.TopK]:
+        size = f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens"
+        name = f"request {next(self._counter)} ({size}) to {self.url}"
+        if self.protocol == "sglang":
+            body, accept = P.sglang_request(sequences, self.top_k), "application/json"
+        else:
+            body = P.vllm_request(sequences, self.top_k, self._model_name())
+            accept = P.BINARY_MEDIA_TYPE if self.protocol == "liger" else "application/json"
+        raw, content_type = self._post(_PATHS[self.protocol], body, accept)
+        common = dict(top_k=self.top_k, vocab_size=self.vocab_size, request=name)
+        if content_type.startswith(P.BINARY_MEDIA_TYPE):
+            return P.decode_binary(raw, sequences, **common)
+        try:
+            reply = json.loads(raw)
+        except ValueError as e:
+            raise P.TeacherReplyError(f"{name}: the reply is not JSON ({raw[:80]!r}...)") from e
+        parse = P.parse_sglang_reply if self.protocol == "sglang" else P.parse_vllm_reply
+        return parse(reply, sequences, **common)
+
+    def _model_name(self) -> str:
+        """vLLM wants the served model's name: asked once from /v1/models unless given."""
+        with self._model_lock:
+            if self._model is None:
+                raw, _ = self._send("GET", "/v1/models", None, "application/json")
+                try:
+                    self._model = json.loads(raw)["data"][0]["id"]
+                except (ValueError, KeyError, IndexError, TypeError) as e:
+                    raise TeacherServerError(f"{self.url}/v1/models lists no model ({raw[:200]!r})") from e
+            return self._model
+
+    def _post(self, path: str, body: dict, accept: str) -> tuple[bytes, str]:
+        return self._send("POST", path, json.dumps(body).encode(), accept)
+
+    def _send(self, method: str, path: str, data: bytes | None, accept: str) -> tuple[bytes, str]:
+        """One HTTP exchange with retries on connection errors and 5xx; the reply's bytes and content type."""
+        url = self.url + path
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.retried += 1
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(
+                url, data=data, method=method, headers={"Content-Type": "application/json", "Accept": accept}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return reply.read(), reply.headers.get("Content-Type", "")
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:500].decode(errors="replace")
+                if e.code < 500:
+                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}") from e
+                last = TeacherServerError(f"HTTP {e.code}: {detail}")
+            except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                if _is_timeout(e):
+                    raise TeacherTimeoutError(
+                        f"the teacher server at {url} sent nothing for {self.timeout:g} s (kd_teacher_timeout); it is "
+                        f"overloaded or stuck"
+                    ) from e
+                last = e
+        raise TeacherServerError(
+            f"the teacher server at {url} failed {self.retries + 1} times (retries={self.retries}, last error: "
+            f"{last!r}); training stops rather than train without teacher data"
+        ) from last
+
+
+def _is_timeout(error: BaseException) -> bool:
+    reason = getattr(error, "reason", None)
+    return isinstance(error, TimeoutError) or isinstance(reason, TimeoutError)

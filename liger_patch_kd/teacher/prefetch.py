@@ -1,0 +1,189 @@
+"""Teacher data from a server, fetched ahead: while step i trains, the requests for batches i + 1 ... i + depth are
+in flight, so the student waits only when the server is slower than the student.
+
+TeacherPrefetcher wraps the training DataLoader: a background thread draws batches, splits each into its sequences
+(rows by attention_mask; packed rows, where position_ids restart, into the sequences packed in them) and submits
+them to a TeacherClient; the training loop gets each batch, in order, with teacher_token_ids / teacher_logprobs
+(B, T, K) aligned with its positions (padding positions: id -1, log-prob -inf), i.e. exactly what an offline store's
+collator gives. Every batch waits for its own replies: none trains without its teacher data, and an error (server
+gone after the retries, timeout, malformed reply, or the DataLoader's own) is raised in the training loop. Each
+process wraps its own DataLoader shard, so each rank asks for its own batches.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .client import PROTOCOLS, TeacherClient
+from .protocols import TopK
+
+Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
+
+
+def split_sequences(batch: Mapping[str, torch.Tensor]) -> Segments:
+    """The sequences of a batch: per row the positions attention_mask keeps (all without a mask), cut where
+    position_ids restart at 0 (DataCollatorWithFlattening packs several sequences in one row)."""
+    ids = batch["input_ids"]
+    mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
+    segments: Segments = []
+    for row in range(ids.shape[0]):
+        keep = mask[row].bool().nonzero().squeeze(-1) if mask is not None else torch.arange(ids.shape[1])
+        if keep.numel() == 0:
+            continue
+        starts = [0]
+        if position_ids is not None:
+            starts += [s for s in (position_ids[row, keep] == 0).nonzero().squeeze(-1).tolist() if s > 0]
+        bounds = [*starts, keep.numel()]
+        segments += [(row, keep[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return segments
+
+
+def attach_teacher(batch: Mapping[str, Any], segments: Segments, topks: list[TopK], top_k: int) -> dict[str, Any]:
+    """A copy of `batch` with teacher_token_ids (B, T, K) int32 and teacher_logprobs (B, T, K) float32: each
+    sequence's rows at its positions, padding elsewhere."""
+    if "teacher_token_ids" in batch:
+        raise ValueError("the batch already holds teacher_token_ids: use an offline store or a server, not both")
+    if len(topks) != len(segments):
+        raise ValueError(f"{len(topks)} teacher replies for {len(segments)} sequences")
+    rows, length = batch["input_ids"].shape
+    ids = torch.full((rows, length, top_k), -1, dtype=torch.int32)
+    logprobs = torch.full((rows, length, top_k), -math.inf, dtype=torch.float32)
+    for (row, positions), (i, v) in zip(segments, topks):
+        ids[row, positions] = i
+        logprobs[row, positions] = v
+    return {**batch, "teacher_token_ids": ids, "teacher_logprobs": logprobs}
+
+
+def _tokens(batch: Mapping[str, torch.Tensor], segments: Segments) -> list[list[int]]:
+    ids = batch["input_ids"].cpu()
+    return [ids[row, positions].tolist() for row, positions in segments]
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+class TeacherPrefetcher:
+    """Iterates `dataloader`, attaching the served teacher's top-k to each batch, `depth` batches ahead.
+
+    Behaves as the wrapped DataLoader otherwise (len, set_epoch, dataset, sampler, ... are its). `collate_fn`
+    is the DataLoader's with the teacher attached synchronously, so a DataLoader rebuilt from this one (the
+    Trainer skipping batches when it resumes from a checkpoint) still gives every batch its teacher data.
+    `wait_seconds` is the time the training loop spent waiting for replies.
+    """
+
+    def __init__(self, dataloader: Any, client: TeacherClient, *, depth: int = 4) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1 (batches fetched ahead); got {depth}")
+        self.dataloader, self.client, self.depth = dataloader, client, depth
+        self.wait_seconds, self.batches = 0.0, 0
+        self._ready = False
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataloader":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataloader, "set_epoch"):
+            self.dataloader.set_epoch(epoch)
+
+    @property
+    def collate_fn(self) -> Callable:
+        collate = self.dataloader.collate_fn
+        return lambda features: self.with_teacher(collate(features))
+
+    def with_teacher(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """One batch with its teacher data, fetched now."""
+        segments = split_sequences(batch)
+        return attach_teacher(batch, segments, self.client.fetch(_tokens(batch, segments)), self.client.top_k)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self._ready:  # a server down at start fails here, within the client's timeout
+            self.client.wait_until_ready()
+            self._ready = True
+        pending: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    pending.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for batch in self.dataloader:
+                    segments = split_sequences(batch)
+                    if not put((batch, segments, self.client.submit(_tokens(batch, segments)))):
+                        return
+                put(_END)
+            except BaseException as e:  # raised again in the training loop
+                put(_Failure(e))
+
+        thread = threading.Thread(target=produce, name="teacher-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = pending.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                batch, segments, replies = item
+                start = time.perf_counter()
+                topks = replies.result()
+                self.wait_seconds += time.perf_counter() - start
+                self.batches += 1
+                yield attach_teacher(batch, segments, topks, self.client.top_k)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+
+def served_teacher_dataloader(dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4) -> TeacherPrefetcher:
+    """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
+    kd_teacher_* fields). Batches stay on the CPU until the Trainer moves them (with their teacher data) to the
+    device, so the background thread never waits on the GPU."""
+    if getattr(dataloader, "device", None) is not None:
+        dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+    client = TeacherClient(
+        args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
+        timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
+    )  # fmt: skip
+    return TeacherPrefetcher(dataloader, client, depth=depth)
+
+
+def check_served_teacher_args(args: Any) -> None:
+    """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
+    if not args.kd_teacher_url:
+        return
+    if args.kd_teacher_protocol not in PROTOCOLS:
+        raise ValueError(f"kd_teacher_protocol must be one of {PROTOCOLS}; got {args.kd_teacher_protocol!r}")
+    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(
+            f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
+            f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
+        )
+    if args.kd_lmbda > 0 or args.kd_seq_kd or args.kd_self_distill:
+        raise ValueError(
+            "kd_teacher_url serves teacher log-probs for the dataset's sequences; on-policy (kd_lmbda), sequence-level "
+            "(kd_seq_kd) and self-distillation need a teacher_model in the process"
+        )

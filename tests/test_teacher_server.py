@@ -1,0 +1,328 @@
+"""A teacher behind a server: `liger-kd serve` in a subprocess, the client, the prefetching DataLoader and KDTrainer
+against it, and its faults (server killed mid-run, never answering, down at start, 5xx)."""
+
+import http.server
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import liger_patch_kd.models as M  # noqa: E402
+from liger_patch_kd import teacher as TD  # noqa: E402
+from liger_patch_kd.teacher import prefetch  # noqa: E402
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
+
+from .tiny_models import VOCAB, tiny_model  # noqa: E402
+
+TOP_K = 8
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_patches():
+    yield
+    M.revert_kd_patch()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`liger-kd serve` in a subprocess on 127.0.0.1; stop() kills it by its PID."""
+
+    def __init__(self, teacher_dir: Path, port: int | None = None) -> None:
+        self.teacher_dir, self.port = teacher_dir, port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self, wait: bool = True) -> "Server":
+        # one thread: the server shares CI's two cores with the training process
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
+               str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+               "--attn-implementation", "eager"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if wait:
+            TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90).wait_until_ready()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _teacher():
+    """A tiny float64 teacher whose distributions are far from uniform, so the losses are not all near 0."""
+    model = tiny_model("llama", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher")
+    _teacher().save_pretrained(path)  # float64: the server loads it as saved
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(teacher_dir):
+    srv = Server(teacher_dir).start()
+    yield srv
+    srv.stop()
+
+
+def _rows(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (int(torch.randint(5, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
+    """vLLM-style JSON (top K plus the prompt token when outside it) and binary replies against log_softmax of the
+    teacher's materialised float64 logits."""
+    teacher = _teacher()
+    seqs = [r.tolist() for r in _rows(5)]
+    as_json = TD.TeacherClient(server.url, "vllm", top_k=TOP_K, vocab_size=VOCAB, sequences_per_request=2).fetch(seqs)
+    as_binary = TD.TeacherClient(server.url, "liger", top_k=TOP_K, vocab_size=VOCAB).fetch(seqs)
+    body = {"model": "m", "prompt": seqs[0], "prompt_logprobs": TOP_K, "max_tokens": 1}
+    request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    raw = json.loads(urllib.request.urlopen(request).read())["choices"][0]["prompt_logprobs"]
+    for seq, (i, v), (j, w) in zip(seqs, as_json, as_binary):
+        assert torch.equal(i, j) and torch.equal(v, w)
+        with torch.no_grad():
+            ref = torch.log_softmax(teacher(torch.tensor([seq])).logits[0].double(), -1)
+        ref_v, ref_i = ref.topk(TOP_K, -1)
+        assert i[:-1].tolist() == ref_i[:-1].tolist() and (i[-1] == -1).all() and (v[-1] == -math.inf).all()
+        torch.testing.assert_close(v[:-1].double(), ref_v[:-1], rtol=0, atol=1e-5)
+    assert raw[0] is None and len(raw) == len(seqs[0])
+    with torch.no_grad():
+        ref = torch.log_softmax(teacher(torch.tensor([seqs[0]])).logits[0].double(), -1)
+    for t in range(1, len(seqs[0])):
+        own, own_lp = str(seqs[0][t]), ref[t - 1, seqs[0][t]]
+        assert len(raw[t]) == TOP_K + (own not in {str(x) for x in as_json[0][0][t - 1].tolist()})
+        assert raw[t][own]["logprob"] == pytest.approx(float(own_lp), abs=1e-5)
+        assert raw[t][own]["rank"] == int((ref[t - 1] > own_lp).sum()) + 1
+
+
+def test_concurrent_requests_are_batched(server):
+    client = TD.TeacherClient(server.url, "liger", top_k=TOP_K, vocab_size=VOCAB, sequences_per_request=1,
+                              max_in_flight=8)  # fmt: skip
+    seqs = [r.tolist() for r in _rows(16, seed=1)]
+    before = json.loads(urllib.request.urlopen(server.url + "/health").read())["batches_run"]
+    together = client.fetch(seqs)
+    after = json.loads(urllib.request.urlopen(server.url + "/health").read())["batches_run"]
+    assert after - before < len(seqs)  # some requests shared a teacher forward
+    for seq, (i, v) in zip(seqs, together):  # and each got its own rows
+        j, w = client.fetch([seq])[0]
+        assert torch.equal(i, j) and torch.allclose(v, w, atol=1e-6)
+
+
+def _args(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=8, learning_rate=5e-3,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        data_seed=0, dataloader_num_workers=0, kd_beta=0.5, use_kd_patch=True,
+        kd_patch_config={"rope": False, "swiglu": False, "rms_norm": False},  # the fused loss only: fast on CPU
+    )  # fmt: skip
+    return KDTrainingArguments(**{**base, **overrides})
+
+
+def _train(tmp_path, data, collator=None, callbacks=None, **overrides):
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    trainer = KDTrainer(model=student, args=_args(tmp_path, **overrides), train_dataset=data,
+                        data_collator=collator or TD.TeacherDataCollator(), callbacks=callbacks)  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, [p.detach().clone() for p in student.parameters()], trainer
+
+
+@pytest.fixture(scope="module")
+def offline_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("store")
+    rows = _rows()
+    TD.precompute(_teacher(), [r.tolist() for r in rows], path, top_k=TOP_K, batch_size=1,
+                  logprob_dtype="float32", progress=False)  # fmt: skip
+    return rows, TD.TeacherLogprobsDataset(path, vocab_size=VOCAB)
+
+
+def test_training_against_the_server_equals_training_from_a_store(tmp_path, server, offline_store):
+    """Same seed, same data order, gradient accumulation, two epochs: the same losses and weights, bit for bit."""
+    rows, store = offline_store
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5)
+    offline_losses, offline_params, _ = _train(tmp_path / "offline", store, **common)
+    served_losses, served_params, _ = _train(tmp_path / "served", [{"input_ids": r} for r in rows],
+                                             kd_teacher_url=server.url, kd_teacher_protocol="liger",
+                                             kd_teacher_top_k=TOP_K, **common)  # fmt: skip
+    assert served_losses == offline_losses and len(served_losses) == 5
+    for a, b in zip(served_params, offline_params):
+        assert torch.equal(a, b)
+
+
+def test_packed_batches_get_each_sequences_teacher_rows(server):
+    from transformers import DataCollatorWithFlattening
+
+    rows = _rows(3, seed=2)
+    client = TD.TeacherClient(server.url, "vllm", top_k=TOP_K, vocab_size=VOCAB)
+    packed = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": r.tolist()} for r in rows])
+    batches = list(prefetch.TeacherPrefetcher([packed, TD.TeacherDataCollator()([{"input_ids": r} for r in rows])],
+                                              client, depth=2))  # fmt: skip
+    flat, padded = batches
+    start = 0
+    for row, r in enumerate(rows):
+        n = len(r)
+        for key in ("teacher_token_ids", "teacher_logprobs"):
+            assert torch.equal(flat[key][0, start : start + n], padded[key][row, :n])
+            assert (padded[key][row, n:] == (-1 if key == "teacher_token_ids" else -math.inf)).all()
+        assert (flat["teacher_token_ids"][0, start + n - 1] == -1).all()  # no teacher row across the boundary
+        start += n
+    student = M.apply_kd_patch_to_llama(model=tiny_model("llama", seed=1), reduction="sum")
+    torch.testing.assert_close(student(**flat).loss, student(**padded).loss, rtol=1e-9, atol=1e-10)
+
+
+def test_training_with_packing_against_the_server(tmp_path, server):
+    from transformers import DataCollatorWithFlattening
+
+    data = [{"input_ids": r.tolist()} for r in _rows()]
+    losses, _, _ = _train(tmp_path, data, DataCollatorWithFlattening(return_tensors="pt"), max_steps=4,
+                          kd_teacher_url=server.url, kd_teacher_top_k=TOP_K)  # fmt: skip
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+
+
+def test_server_killed_mid_run_and_restarted(tmp_path, teacher_dir, server):
+    """The server dies after step 1 (by its PID) and comes back: the retries carry training on, to the very same
+    result as a run that never lost it."""
+    from transformers import TrainerCallback
+
+    rows = [{"input_ids": r} for r in _rows(8)]  # two batches an epoch: the second epoch's requests meet no server
+    flaky = Server(teacher_dir).start()
+    common = dict(kd_teacher_top_k=TOP_K, kd_teacher_protocol="liger", kd_teacher_retries=8, max_steps=4)
+    state = {}
+
+    class KillAtStep1(TrainerCallback):
+        def on_step_end(self, args, st, control, train_dataloader=None, **kwargs):
+            state["loader"] = train_dataloader
+            if st.global_step == 1:
+                flaky.stop()
+                threading.Timer(1.0, lambda: flaky.start(wait=False)).start()
+
+    try:
+        losses, params, _ = _train(tmp_path / "flaky", rows, callbacks=[KillAtStep1()], kd_teacher_url=flaky.url,
+                                   **common)  # fmt: skip
+    finally:
+        flaky.stop()
+    assert state["loader"].client.retried > 0  # the lost server was noticed and waited for
+    steady_losses, steady_params, _ = _train(tmp_path / "steady", rows, kd_teacher_url=server.url, **common)
+    assert losses == steady_losses
+    for a, b in zip(params, steady_params):
+        assert torch.equal(a, b)
+
+
+class _Stub(http.server.BaseHTTPRequestHandler):
+    """/health answers; POST replies as `behaviour` says: hang, or fail with 503 `fail` times and then answer."""
+
+    behaviour: dict = {}
+
+    def do_GET(self):
+        self._reply(200, b'{"status": "ok", "data": [{"id": "stub"}]}', "application/json")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        b = type(self).behaviour
+        if b.get("hang"):
+            b["release"].wait(30)
+            return
+        b["posts"] = b.get("posts", 0) + 1
+        if b["posts"] <= b.get("fail", 0):
+            self._reply(503, b"busy", "text/plain")
+        elif b.get("bad_request"):
+            self._reply(400, b"prompt_logprobs too large", "text/plain")
+        else:
+            topk = (torch.zeros(2, TOP_K, dtype=torch.int32), torch.full((2, TOP_K), -2.0))
+            self._reply(200, TD.protocols.encode_binary([topk]), TD.protocols.BINARY_MEDIA_TYPE)
+
+    def _reply(self, code, payload, content_type):
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stub():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    srv.daemon_threads = True
+    _Stub.behaviour = {"release": threading.Event()}
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", _Stub.behaviour
+    _Stub.behaviour["release"].set()
+    srv.shutdown()
+
+
+def test_5xx_is_retried_and_4xx_is_not(stub):
+    url, behaviour = stub
+    behaviour["fail"] = 2
+    client = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB, retries=2, backoff=0.01)
+    ((ids, _),) = client.fetch([[1, 2]])
+    assert ids.shape == (2, TOP_K) and client.retried == 2
+    behaviour.update(posts=0, fail=5)
+    with pytest.raises(TD.TeacherServerError, match=rf"{url}/v1/completions failed 3 times .*HTTP 503"):
+        client.fetch([[1, 2]])
+    behaviour.update(posts=0, fail=0, bad_request=True)
+    with pytest.raises(TD.TeacherServerError, match="refused the request: HTTP 400: prompt_logprobs too large"):
+        client.fetch([[1, 2]])
+
+
+def test_a_server_that_never_answers_stops_training_with_the_timeout_error(tmp_path, stub):
+    url, behaviour = stub
+    behaviour["hang"] = True
+    start = time.monotonic()
+    with pytest.raises(TD.TeacherTimeoutError, match=rf"{url}/v1/completions sent nothing for 1.5 s"):
+        _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url, kd_teacher_protocol="liger",
+               kd_teacher_top_k=TOP_K, kd_teacher_timeout=1.5, max_steps=2)  # fmt: skip
+    assert time.monotonic() - start < 20
+
+
+def test_server_down_at_start_is_a_clear_error_within_the_timeout(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    with pytest.raises(TD.TeacherServerError, match=rf"no teacher server answers at {url}/health within 2 s"):
+        _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url, kd_teacher_top_k=TOP_K,
+               kd_teacher_timeout=2, max_steps=2)  # fmt: skip
+    assert time.monotonic() - start < 2 + 5
+
+
+def test_served_teacher_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="kd_teacher_protocol"):
+        _args(tmp_path, kd_teacher_url="http://x", kd_teacher_protocol="grpc")
+    with pytest.raises(ValueError, match="on-policy"):
+        _args(tmp_path, kd_teacher_url="http://x", kd_lmbda=0.5)
+    with pytest.raises(ValueError, match="not both"):
+        KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama"),
+                  args=_args(tmp_path, kd_teacher_url="http://x"))  # fmt: skip
