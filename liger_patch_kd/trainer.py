@@ -304,9 +304,7 @@ class KDTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-def _with_vocab_size(
-    cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any
-) -> KDLossConfig:
+def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:
     """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
     tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
 

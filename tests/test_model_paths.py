@@ -182,7 +182,8 @@ def test_output_carries_kd_terms_as_fields():
 # ------------------------------------------------------------------------------------------ bad batches
 def test_batch_without_labels_is_a_clear_error(tmp_path):
     trainer = L.KDTrainer(
-        model=tiny_model("llama", dtype=torch.float32), teacher_model=tiny_model("llama", dtype=torch.float32),
+        model=tiny_model("llama", dtype=torch.float32),
+        teacher_model=tiny_model("llama", dtype=torch.float32),
         args=_trainer_args(tmp_path, use_kd_patch=True),
     )
     ids, _ = _batch()

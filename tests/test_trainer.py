@@ -221,6 +221,7 @@ def test_self_distillation_with_adapter_disabled(tmp_path):
     trainer.train()
     assert all(torch.isfinite(torch.tensor(_losses(trainer))))
 
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="kd_lmbda"):
         _args(tmp_path, kd_lmbda=2.0)
