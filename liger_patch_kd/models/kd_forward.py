@@ -18,7 +18,10 @@ from .. import reference
 from ..config import KDLossConfig
 from ..distributed import check_full_weight, gathered_weights
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
-from .registry import softcap_of
+from .backbone import run_backbone, teacher_vision_inputs
+from .moe import router_aux_loss, with_router_aux_loss
+from .registry import softcap_of, spec_for_model
+from .transforms import scaled_head_inputs
 
 
 @dataclass
@@ -180,11 +183,12 @@ def kd_causal_lm_forward(
         return _materialised(self, state, teacher, input_ids, attention_mask, targets, cfg, num_items_in_batch, kwargs)
 
     kwargs.pop("logits_to_keep", None)
-    decoder_out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings()):
         head = output_head(self, "student")
-        common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
+        hidden, student_bias = scaled_head_inputs(self, hidden, head.bias)
+        common = dict(student_bias=student_bias, num_items_in_batch=num_items_in_batch, return_components=True)
         agreement = None
         if teacher.token_ids is not None:
             out = fused_linear_topk_kd(
@@ -216,6 +220,8 @@ def kd_causal_lm_forward(
             out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
             agreement = measured.get("agreement")
     result = _output(out, decoder_out)
+    result.aux_loss = router_aux_loss(self, decoder_out, attention_mask)
+    result.loss = with_router_aux_loss(self, result.loss, result.aux_loss)
     if agreement is not None:
         result.kd_top1_agreement = agreement
     return result
@@ -246,7 +252,8 @@ kd_causal_lm_forward.__liger_kd__ = True
 
 
 def _output(out: KDLossOutput, decoder_out, logits=None) -> CausalLMOutputWithPast:
-    extras = {k: v for k, v in decoder_out.items() if k not in ("last_hidden_state", "logits", "loss")}
+    known = CausalLMOutputWithPast.__dataclass_fields__  # a MoE backbone's router_logits have no field here
+    extras = {k: v for k, v in decoder_out.items() if k in known and k not in ("logits", "loss")}
     result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **extras)
     result.kd_soft_loss, result.kd_hard_loss = out.soft, out.hard  # for logging; not ModelOutput fields
     return result
@@ -260,6 +267,7 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     """
     install_teacher_forward(teacher)
     passthrough = {k: student_kwargs[k] for k in ("position_ids", "use_cache") if student_kwargs.get(k) is not None}
+    passthrough.update(teacher_vision_inputs(teacher, student_kwargs))
     with torch.no_grad():
         return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
 
@@ -270,6 +278,7 @@ def install_teacher_forward(teacher: nn.Module) -> None:
     inner = unwrap_model(teacher)
     if _is_kd_forward(inner):
         return
+    spec_for_model(inner)  # a teacher whose forward transforms its logits in a way the registry does not know: refused
     inner.__dict__[_INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
     inner.forward = kd_causal_lm_forward.__get__(inner)
 
@@ -280,11 +289,11 @@ def _is_kd_forward(model: nn.Module) -> bool:
 
 def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict):
     with torch.no_grad():
-        hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
     with gathered_weights(self.get_output_embeddings()):
         head = output_head(self, "teacher")
-        bias = None if head.bias is None else head.bias.detach()
-        return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
+        hidden, bias = scaled_head_inputs(self, hidden.detach(), None if head.bias is None else head.bias.detach())
+        return callback(hidden, head.weight.detach(), bias, softcap_of(self.config))
 
 
 def _materialised(
@@ -305,10 +314,11 @@ def _materialised(
                 teacher_logits = teacher_logits + teacher.bias
         else:
             with torch.no_grad():
-                teacher_logits = teacher.model(input_ids=input_ids, attention_mask=attention_mask).logits
+                vision = teacher_vision_inputs(teacher.model, kwargs)
+                teacher_logits = teacher.model(input_ids=input_ids, attention_mask=attention_mask, **vision).logits
             cfg = cfg.replace(teacher_softcap=None)  # an HF model's logits already carry its own soft-capping
         loss = reference.kd_loss(
             student_logits, reference.upcast_logits(teacher_logits), targets, cfg, num_items_in_batch
         )
-    out.loss = loss
+    out.loss = with_router_aux_loss(self, loss, out.get("aux_loss"))
     return out
