@@ -9,6 +9,7 @@ Every replaced attribute is recorded once, so patching twice is harmless and rev
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
@@ -128,8 +129,28 @@ def apply_kd_patch(
     lm_cls = spec.model_class()
     original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
     inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
-    _bind(inner, kd_causal_lm_forward)
+    _bind_kd_forward(inner, original)
     return model
+
+
+def _bind_kd_forward(model: nn.Module, original) -> None:
+    """model.forward = the KD forward, showing the original's parameters as well as its own: generate() and the
+    Trainer read the signature to decide which inputs reach the model (a VLM's pixel_values among them)."""
+    bound = functools.partial(kd_causal_lm_forward, model)
+    bound.__func__, bound.__self__ = kd_causal_lm_forward, model  # what a bound method offers; revert reads these
+    bound.__signature__ = _merged_signature(original, kd_causal_lm_forward)
+    model.forward = bound
+
+
+def _merged_signature(original, kd_forward) -> inspect.Signature:
+    params = list(inspect.signature(original).parameters.values())[1:]  # without self
+    names = {p.name for p in params}
+    extra = [p for p in inspect.signature(kd_forward).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    extra = [p for p in extra if p.name not in names]
+    ordered = sorted(params + extra, key=lambda p: p.kind)  # stable: positional first, **kwargs last
+    if not any(p.kind is p.VAR_KEYWORD for p in ordered):
+        ordered.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(ordered)
 
 
 def _patch_rope(spec: ArchSpec, rope: bool) -> None:
