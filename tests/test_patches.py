@@ -11,7 +11,7 @@ from liger_patch_kd import reference as R
 from liger_patch_kd.models.registry import FAMILIES, REGISTRY, softcap_of
 
 from .helpers import DEVICE
-from .tiny_models import ALL_ARCHS, TEXT_VOCAB, VLMS, VOCAB, tiny_model, vision_inputs
+from .tiny_models import ALL_ARCHS, TEXT_VOCAB, VOCAB, tiny_model, vision_inputs
 
 FAMILY_OF = {key: family for family, keys in FAMILIES.items() for key in keys}
 APPLY = {arch: getattr(M, f"apply_kd_patch_to_{FAMILY_OF.get(arch, arch)}") for arch in ALL_ARCHS}
@@ -188,18 +188,18 @@ def test_instance_patch_leaves_others_untouched_and_reverts():
 @pytest.mark.parametrize("family", sorted({FAMILY_OF.get(arch, arch) for arch in ALL_ARCHS}))
 def test_class_patch_and_revert_restore_every_original(family):
     specs = [REGISTRY[k] for k in FAMILIES.get(family, (family,))]
-    owners = [(s.load(), "apply_rotary_pos_emb") for s in specs if hasattr(s.load(), "apply_rotary_pos_emb")]
-    for s in specs:
-        owners += [(cls, "forward") for cls in (s.model_class(), *s.classes(s.rms_norm), *s.classes(s.mlp))]
+    rope = [(s.load(), "apply_rotary_pos_emb") for s in specs if hasattr(s.load(), "apply_rotary_pos_emb")]
+    classes = [(c, "forward") for s in specs for c in (s.model_class(), *s.classes(s.rms_norm), *s.classes(s.mlp))]
+    owners = rope + classes
     before = [getattr(owner, name) for owner, name in owners]
     M.apply_kd_patch(model_type=family)
     M.apply_kd_patch(model_type=family)  # twice is harmless
     assert all(s.model_class().forward is M.kd_causal_lm_forward for s in specs)
-    patched = [getattr(owner, name) for owner, name in owners]
-    changed = {(o, n) for (o, n), a, b in zip(owners, before, patched) if a is not b}
-    assert all((s.load(), "apply_rotary_pos_emb") in changed for s in specs if s.rope and (s.load(), "apply_rotary_pos_emb") in owners)
+    changed = {key for key, old in zip(owners, before) if getattr(*key) is not old}
+    # every class is patched; RoPE exactly where the entry says the module's function is Llama's
+    assert changed == set(classes) | {(s.load(), n) for s in specs if s.rope for (m, n) in rope if m is s.load()}
     M.revert_kd_patch(model_type=family)
-    assert all(getattr(owner, name) is b for (owner, name), b in zip(owners, before))
+    assert all(getattr(owner, name) is old for (owner, name), old in zip(owners, before))
 
 
 def test_class_patch_before_loading_and_revert():
@@ -265,3 +265,16 @@ def test_errors():
         student(input_ids=ids, labels=labels, teacher_hidden_states=torch.zeros(2, 13, 64))
     with pytest.raises(ValueError, match="patches"):
         M.apply_kd_patch_to_qwen3(model=tiny_model("llama"))
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere", "gemma2"])
+def test_precomputed_teacher_topk_has_the_models_own_logit_transform(arch):
+    from liger_patch_kd.teacher.precompute import teacher_topk
+
+    teacher = tiny_model(arch, seed=3)
+    ids, mask, _, _ = _batch(arch)
+    token_ids, logprobs = teacher_topk(teacher, ids, mask, k=5)
+    with torch.no_grad():
+        expected = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits.float(), -1).topk(5, -1)
+    torch.testing.assert_close(logprobs.float(), expected.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(token_ids.long(), expected.indices)

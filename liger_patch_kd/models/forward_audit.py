@@ -156,3 +156,30 @@ def _unknown(function: Callable, why: str) -> ValueError:
         f"does to the logits or the loss, because {why}. It refuses rather than score other logits than the "
         f"model's; a supported architecture is one entry in liger_patch_kd/models/registry.py"
     )
+
+
+def survey() -> dict[str, str]:
+    """Every *ForCausalLM / *ForConditionalGeneration class of the installed transformers -> what the audit finds
+    ("nothing", its features, or why it is refused). Slow (imports every modeling module); for the docs table:
+    `python -c "from liger_patch_kd.models.forward_audit import survey; [print(k, v) for k, v in survey().items()]"`
+    """
+    import importlib
+    import pkgutil
+
+    import transformers.models as models
+
+    found = {}
+    for info in pkgutil.iter_modules(models.__path__):
+        try:
+            module = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        except Exception:  # noqa: BLE001 - no modeling module, or one needing an optional dependency
+            continue
+        for name, cls in vars(module).items():
+            own = getattr(cls, "__module__", None) == module.__name__
+            if own and name.endswith(("ForCausalLM", "ForConditionalGeneration")):
+                try:
+                    features = forward_features(cls.forward)
+                    found[f"{info.name}.{name}"] = ", ".join(sorted(features)) or "nothing"
+                except ValueError as e:
+                    found[f"{info.name}.{name}"] = "refused: " + str(e).split("because ")[-1].split(". It refuses")[0]
+    return found

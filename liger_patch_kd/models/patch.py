@@ -19,8 +19,8 @@ from ..config import KDLossConfig
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act
-from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PatchState, kd_causal_lm_forward, unwrap_model
 from .forward_audit import check_forward
+from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PatchState, kd_causal_lm_forward, unwrap_model
 from .registry import REGISTRY, ArchSpec, spec_for_model, specs_for
 
 # (owner, attribute) -> original value, for everything patched at class / module level

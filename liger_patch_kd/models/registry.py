@@ -23,7 +23,7 @@ Names = tuple[str, ...]  # candidate class names, first found wins (transformers
 class ArchSpec:
     model_type: str  # config.model_type of the patched class
     module: str  # where transformers keeps the modeling code
-    causal_lm: str  # the class whose forward becomes the KD forward (*ForCausalLM, or a VLM's *ForConditionalGeneration)
+    causal_lm: str  # the class whose forward becomes the KD forward (*ForCausalLM, a VLM's *ForConditionalGeneration)
     rms_norm: Names  # RMSNorm classes (every instance, q/k norms included); () where the norm is not an RMSNorm
     mlp: Names  # dense gated-MLP classes; () where there is none
     rms_norm_offset: float = 0.0  # Gemma scales by (1 + weight)

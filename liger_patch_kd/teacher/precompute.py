@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .store import LOGPROB_DTYPES, StoreWriter
 
@@ -26,16 +27,20 @@ def teacher_topk(
     """Top-k of a teacher batch (B, T) -> (B, T, k) ids and log-probs, from last hidden states a chunk of rows
     at a time, so the (B x T x V) logits are never held at once. Soft-capping is applied as the model does."""
     from ..models.kd_forward import output_head, unwrap_model
+    from ..models.backbone import run_backbone
     from ..models.registry import softcap_of
+    from ..models.transforms import scaled_head_inputs
     from ..reference import apply_softcap
 
     model = unwrap_model(teacher)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = run_backbone(model, input_ids, attention_mask, {}).last_hidden_state
     head = output_head(model, "teacher")
+    hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
     flat = hidden.reshape(-1, hidden.shape[-1])
     ids, values = [], []
     for start in range(0, flat.shape[0], rows_per_chunk):
-        logits = apply_softcap(head(flat[start : start + rows_per_chunk]).float(), softcap_of(model.config))
+        logits = F.linear(flat[start : start + rows_per_chunk], head.weight, bias)
+        logits = apply_softcap(logits.float(), softcap_of(model.config))
         i, v = topk_of_logits(logits, k, temperature)
         ids.append(i)
         values.append(v)
