@@ -30,12 +30,20 @@ ARCHS = {  # registry key -> (config class, model class, config overrides)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, **_MOE}),
     # layer 1 is dense (Qwen3MoeMLP, which the gated-MLP kernel covers), layer 0 sparse
     "qwen3_moe": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        {"num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32, "head_dim": 16, "mlp_only_layers": [1],
-         **_MOE},
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_local_experts": 4,
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+            "mlp_only_layers": [1],
+            **_MOE,
+        },
     ),  # fmt: skip
     "gpt_oss": (
-        "GptOssConfig", "GptOssForCausalLM",
+        "GptOssConfig",
+        "GptOssForCausalLM",
         {"num_local_experts": 4, "head_dim": 16, "sliding_window": 8, "layer_types": None, **_MOE},
     ),  # fmt: skip
 }

@@ -26,9 +26,11 @@ _TRACKED = ("logits", "lm_logits", "hidden_states", "loss", "aux_loss")
 # (pattern of one normalised statement, the feature it is, or None for a step that does not change the objective)
 _KNOWN: list[tuple[str, str | None]] = [
     # before the backbone call: the standard defaults from the config
-    (r"(output_attentions|output_hidden_states|return_dict|output_router_logits|use_cache) = \1 if \1 is not None "
-     r"else self\.config\.(output_attentions|output_hidden_states|use_return_dict|output_router_logits|use_cache)",
-     None),  # fmt: skip
+    (
+        r"(output_attentions|output_hidden_states|return_dict|output_router_logits|use_cache) = \1 if \1 is not None "
+        r"else self\.config\.(output_attentions|output_hidden_states|use_return_dict|output_router_logits|use_cache)",
+        None,
+    ),  # fmt: skip
     # the last hidden states and the head
     (r"hidden_states = (outputs|\w+_outputs)(\.last_hidden_state|\[0\])", None),
     (r"slice_indices = slice\(-logits_to_keep, None\) if isinstance\(logits_to_keep, int\) else logits_to_keep", None),
@@ -45,8 +47,11 @@ _KNOWN: list[tuple[str, str | None]] = [
     (r"logits = logits / self\.config\.logits_scaling", "logits_scaling"),
     (r"logits = logits \* self\.logit_scale", "logit_scale"),
     # the router's load-balancing loss (moe.py)
-    (r"aux_loss = load_balancing_loss_func\(outputs\.router_logits, self\.num_experts, self\.num_experts_per_tok, "
-     r"attention_mask\)", "router_aux_loss"),  # fmt: skip
+    (
+        r"aux_loss = load_balancing_loss_func\(outputs\.router_logits, self\.num_experts, self\.num_experts_per_tok, "
+        r"attention_mask\)",
+        "router_aux_loss",
+    ),  # fmt: skip
     (r"loss \+= self\.router_aux_loss_coef \* aux_loss\.to\(loss\.device\)", "router_aux_loss"),
 ]
 _KNOWN_RE = [(re.compile(p + r"$"), feature) for p, feature in _KNOWN]
@@ -176,7 +181,7 @@ def survey() -> dict[str, str]:
             continue
         for name, cls in vars(module).items():
             own = getattr(cls, "__module__", None) == module.__name__
-            if own and name.endswith(("ForCausalLM", "ForConditionalGeneration")):
+            if own and name.endswith(("ForCausalLM", "ForConditionalGeneration")) and hasattr(cls, "forward"):
                 try:
                     features = forward_features(cls.forward)
                     found[f"{info.name}.{name}"] = ", ".join(sorted(features)) or "nothing"

@@ -104,23 +104,31 @@ REGISTRY: dict[str, ArchSpec] = {
         _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE),
         # GPT-OSS: GptOssMLP is the router + experts block; experts use a clamped SwiGLU (alpha, limit) and biases;
         # its RoPE takes a half-width cos/sin (the kernel wrapper would fall back anyway)
-        _spec(
-            "gpt_oss", "GptOss", rms_norm=(), mlp=(), rope=False, experts=("GptOssExperts",), **_MOE
-        ),
+        _spec("gpt_oss", "GptOss", rms_norm=(), mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),
         # vision-language: the KD forward runs the model's own backbone (vision tower + language model)
         _spec(
-            "gemma3", "Gemma3", **_GEMMA, causal_lm="Gemma3ForConditionalGeneration",
+            "gemma3",
+            "Gemma3",
+            **_GEMMA,
+            causal_lm="Gemma3ForConditionalGeneration",
             vision_inputs=("pixel_values", "token_type_ids"),
-        ),  # fmt: skip
+        ),
         _spec(
-            "qwen2_5_vl", "Qwen2_5_VL", causal_lm="Qwen2_5_VLForConditionalGeneration",
-            rms_norm=("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"), mlp=("Qwen2MLP",),
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            causal_lm="Qwen2_5_VLForConditionalGeneration",
+            rms_norm=("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
+            mlp=("Qwen2MLP",),
             vision_inputs=(*_QWEN_VL_INPUTS, "second_per_grid_ts"),
-        ),  # fmt: skip
+        ),
         _spec(
-            "qwen3_vl", "Qwen3VL", causal_lm="Qwen3VLForConditionalGeneration",
-            rms_norm=("Qwen3VLTextRMSNorm",), mlp=("Qwen3VLTextMLP",), vision_inputs=_QWEN_VL_INPUTS,
-        ),  # fmt: skip
+            "qwen3_vl",
+            "Qwen3VL",
+            causal_lm="Qwen3VLForConditionalGeneration",
+            rms_norm=("Qwen3VLTextRMSNorm",),
+            mlp=("Qwen3VLTextMLP",),
+            vision_inputs=_QWEN_VL_INPUTS,
+        ),
     )
 }
 for _spec_entry in REGISTRY.values():

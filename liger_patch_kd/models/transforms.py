@@ -3,19 +3,22 @@
 A scale s of the logits is applied to the hidden states and the bias instead: (h·s)Wᵀ + b·s = s·(hWᵀ + b), exact in
 exact arithmetic and one elementwise pass over (N, H) instead of (N, V). Soft-capping is the loss's own `softcap`.
 
-Every `*ForCausalLM.forward` of transformers 5.24 was read for what it does between lm_head and the loss
-(`scripts/survey_forwards.py` lists them; the audit in forward_audit.py checks each patched class):
+Every `*ForCausalLM.forward` (and the VLMs' `*ForConditionalGeneration.forward`) of transformers 5.24 was read
+for what it does between lm_head and the loss; `forward_audit.survey()` lists them, and the audit checks each
+patched class against its entry:
 
-| after lm_head                         | families in transformers 5.24                                  | here               |
-|---------------------------------------|----------------------------------------------------------------|--------------------|
-| nothing                               | llama, mistral, qwen2/3, olmo2, glm4, smollm3, phi3, gemma ... | supported (listed) |
-| tanh soft-cap (final_logit_softcapping)| gemma2, gemma3, gemma3n, vaultgemma, nanochat, beam           | gemma2, gemma3     |
-| / config.logits_scaling               | granite, granite_swa, granitemoe*                              | granite            |
-| * config.logit_scale                  | cohere, cohere2, cohere2_moe, cohere_compass                   | cohere, cohere2    |
-| + router aux loss (load balancing)    | mixtral, qwen3_moe, gpt_oss, qwen2_moe, olmoe, ...             | mixtral, qwen3_moe, gpt_oss |
-| * lm_head_multiplier, * logits_scaling| falcon_h1, hyperclovax                                         | refused            |
-| hidden / scaling before lm_head       | minicpm3, inkling                                              | refused            |
-| z-loss, vocab slicing, other soft caps| bamba, inkling, inkling2, recurrent_gemma, xlstm               | refused            |
+| after lm_head                          | families (transformers 5.24)                   | here                     |
+|----------------------------------------|------------------------------------------------|--------------------------|
+| nothing                                | llama, mistral, qwen2/3, olmo2, glm4, smollm3, | the registered ones      |
+|                                        | phi3, gemma, qwen2.5-vl, qwen3-vl, gemma3 VLM  |                          |
+| tanh soft-cap, final_logit_softcapping | gemma2, gemma3, gemma3n, vaultgemma, nanochat  | gemma2, gemma3 (text)    |
+| / config.logits_scaling                | granite, granite_swa, granitemoe*              | granite                  |
+| * config.logit_scale                   | cohere, cohere2, cohere2_moe, cohere_compass   | cohere, cohere2          |
+| + router_aux_loss_coef * load balancing| mixtral, qwen3_moe, gpt_oss, qwen2_moe, olmoe..| mixtral, qwen3_moe,      |
+|                                        |                                                | gpt_oss                  |
+| * lm_head_multiplier / logits_scaling  | falcon_h1, hyperclovax                         | refused                  |
+| hidden states scaled before lm_head    | minicpm3, inkling                              | refused                  |
+| z-loss, vocab slicing, other soft-caps | bamba, inkling, inkling2, recurrent_gemma, xlstm| refused                 |
 
 "Refused" is what any class without a registry entry gets, and what a registered class gets when its forward
 (a subclass, another transformers release) does something its entry does not declare.

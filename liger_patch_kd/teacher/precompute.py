@@ -26,8 +26,8 @@ def teacher_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Top-k of a teacher batch (B, T) -> (B, T, k) ids and log-probs, from last hidden states a chunk of rows
     at a time, so the (B x T x V) logits are never held at once. Soft-capping is applied as the model does."""
-    from ..models.kd_forward import output_head, unwrap_model
     from ..models.backbone import run_backbone
+    from ..models.kd_forward import output_head, unwrap_model
     from ..models.registry import softcap_of
     from ..models.transforms import scaled_head_inputs
     from ..reference import apply_softcap
