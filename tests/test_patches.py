@@ -125,8 +125,9 @@ def test_expert_mlps_are_knowingly_left_to_transformers(arch):
     spec = REGISTRY[arch]
     experts = tuple(spec.classes(spec.experts))
     dense = tuple(spec.classes(spec.mlp))
-    found = [m for m in model.modules() if isinstance(m, experts)]
-    assert found and all("forward" not in m.__dict__ for m in found)
+    if experts:  # transformers 4.57's Qwen3-MoE builds its experts from Qwen3MoeMLP, which the kernel covers
+        found = [m for m in model.modules() if isinstance(m, experts)]
+        assert found and all("forward" not in m.__dict__ for m in found)
     assert all("forward" in m.__dict__ for m in model.modules() if dense and isinstance(m, dense))
 
 
