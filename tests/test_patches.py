@@ -227,8 +227,10 @@ def test_generate_is_unchanged_by_the_patch(arch):
     if arch == "gemma3":
         vision.pop("token_type_ids")  # generation rebuilds it; transformers would reject a prompt-length one
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0, **vision)
-    expected = tiny_model(arch, dtype=torch.float32).generate(ids, **kwargs)
-    model = APPLY[arch](model=tiny_model(arch, dtype=torch.float32))
+    # transformers 4.57 cannot generate with output_router_logits=True (its router loss meets a one-token step)
+    moe = {"output_router_logits": False} if arch in MOE else {}
+    expected = tiny_model(arch, dtype=torch.float32, **moe).generate(ids, **kwargs)
+    model = APPLY[arch](model=tiny_model(arch, dtype=torch.float32, **moe))
     out = model.generate(ids, **kwargs)
     assert out.shape == (1, 12)
     assert torch.equal(out, expected)

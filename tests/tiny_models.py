@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 
@@ -136,8 +138,10 @@ def vision_inputs(arch: str, ids: torch.Tensor, dtype: torch.dtype = torch.float
         }
     # Qwen-VL: a 28x28 image is a 2x2 grid of 14-pixel patches (x2 frames), merged 2x2 into one token
     ids[:, 1], ids[:, 2], ids[:, 3] = VISION_START, IMAGE_TOKEN, VISION_END
-    return {
+    inputs = {
         "pixel_values": torch.randn(4 * batch, 3 * 2 * 14 * 14, generator=g, dtype=dtype),
         "image_grid_thw": torch.tensor([[1, 2, 2]] * batch),
-        "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
     }
+    if "mm_token_type_ids" in inspect.signature(getattr(transformers, VLMS[arch][1]).forward).parameters:
+        inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()  # transformers 5 needs it for M-RoPE; 4.57 has none
+    return inputs
