@@ -209,7 +209,14 @@ class KDTrainer(Trainer):
         )  # fmt: skip
         targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), self.kd_config.ignore_index)
         outputs = materialised_kd(
-            model, teacher, targets, self.kd_config, num_items_in_batch, inputs, log_agreement=self._kd_should_log()
+            unwrap_model(model),
+            model,
+            teacher,
+            targets,
+            self.kd_config,
+            num_items_in_batch,
+            inputs,
+            log_agreement=self._kd_should_log(),
         )
         return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 

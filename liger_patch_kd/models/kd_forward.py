@@ -18,10 +18,13 @@ from torch import nn
 from ..config import KDLossConfig
 from ..distributed import gathered_weights
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
+from .backbone import run_backbone, teacher_vision_inputs
 from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
-from .registry import softcap_of
+from .moe import router_aux_loss, with_router_aux_loss
+from .registry import softcap_of, spec_for_model
+from .transforms import scaled_head_inputs
 
 __all__ = ["KDCausalLMOutput", "TeacherInputs", "kd_causal_lm_forward", "output_head", "shift_labels", "unwrap_model"]
 
@@ -134,15 +137,16 @@ def kd_causal_lm_forward(
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(
-            student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
+            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
         )
 
     kwargs.pop("logits_to_keep", None)
-    decoder_out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings()):
         head = output_head(self, "student")
-        common = dict(student_bias=head.bias, num_items_in_batch=num_items_in_batch, return_components=True)
+        hidden, student_bias = scaled_head_inputs(self, hidden, head.bias)
+        common = dict(student_bias=student_bias, num_items_in_batch=num_items_in_batch, return_components=True)
         agreement = None
         if teacher.token_ids is not None:
             out = fused_linear_topk_kd(
@@ -176,7 +180,8 @@ def kd_causal_lm_forward(
 
             out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
             agreement = measured.get("agreement")
-    return _output(out, decoder_out, agreement)
+    aux_loss = router_aux_loss(self, decoder_out, attention_mask)
+    return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):
@@ -207,10 +212,10 @@ def _top1_agreement(hidden, head: HeadWeights, targets, cfg: KDLossConfig, teach
 kd_causal_lm_forward.__liger_kd__ = True
 
 
-def _output(out: KDLossOutput, decoder_out, agreement: torch.Tensor | None) -> KDCausalLMOutput:
+def _output(out: KDLossOutput, decoder_out, agreement, aux_loss, loss) -> KDCausalLMOutput:
     return kd_output(
-        decoder_out, loss=out.loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard,
-        kd_top1_agreement=agreement,
+        decoder_out, loss=loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard,
+        kd_top1_agreement=agreement, aux_loss=aux_loss,
     )  # fmt: skip
 
 
@@ -223,6 +228,7 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     install_teacher_forward(teacher)
     keys = (*TEACHER_INPUT_KEYS[2:], "use_cache")  # input_ids and attention_mask are passed explicitly
     passthrough = {k: student_kwargs[k] for k in keys if student_kwargs.get(k) is not None}
+    passthrough.update(teacher_vision_inputs(teacher, student_kwargs))
     with torch.no_grad():
         return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
 
@@ -234,6 +240,7 @@ def install_teacher_forward(teacher: nn.Module) -> None:
     inner = unwrap_model(teacher)
     if _is_kd_forward(inner):
         return
+    spec_for_model(inner)  # a teacher whose forward transforms its logits in a way the registry does not know: refused
     inner.__dict__[_INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
     inner.forward = kd_causal_lm_forward.__get__(inner)
     PATCHED_INSTANCES.add(inner)
@@ -245,8 +252,8 @@ def _is_kd_forward(model: nn.Module) -> bool:
 
 def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict):
     with torch.no_grad():
-        hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
     with gathered_weights(self.get_output_embeddings()):
         head = output_head(self, "teacher")
-        bias = None if head.bias is None else head.bias.detach()
-        return callback(hidden.detach(), head.weight.detach(), bias, softcap_of(self.config))
+        hidden, bias = scaled_head_inputs(self, hidden.detach(), None if head.bias is None else head.bias.detach())
+        return callback(hidden, head.weight.detach(), bias, softcap_of(self.config))

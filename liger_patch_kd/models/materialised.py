@@ -9,10 +9,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .. import reference
 from ..config import KDLossConfig
+from .backbone import teacher_vision_inputs
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output
+from .moe import with_router_aux_loss
 
 # What a live teacher gets of the student's inputs: the tokens and how they are laid out (padding, packing).
 # Anything else (pixel_values of a VLM student, labels) is the student's own.
@@ -20,6 +23,7 @@ TEACHER_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def materialised_kd(
+    student: nn.Module,
     student_forward: Callable[..., Any],
     teacher: TeacherInputs,
     targets: torch.Tensor,
@@ -30,7 +34,8 @@ def materialised_kd(
 ) -> KDCausalLMOutput:
     """Run the student (and a live teacher) for their logits and score them with reference.py.
 
-    `student_forward(**model_inputs)` must return the model's output with `.logits` (soft-capped by the model
+    `student` is the unwrapped *ForCausalLM (its router-loss settings count); `student_forward(**model_inputs)`
+    (its forward, or a wrapper's) must return the model's output with `.logits` (soft-capped by the model
     itself, as every HF forward does). `targets` are row-aligned (already shifted). Both models run without a
     KV cache: besides saving memory, transformers only keeps packed sequences (position_ids restarting, no
     attention mask) apart when no cache is in use.
@@ -48,6 +53,7 @@ def materialised_kd(
     else:
         if teacher.model is not None:
             teacher_inputs = {k: model_inputs[k] for k in TEACHER_INPUT_KEYS if model_inputs.get(k) is not None}
+            teacher_inputs.update(teacher_vision_inputs(teacher.model, model_inputs))  # a VLM teacher's image
             with torch.no_grad():
                 teacher_logits = teacher.model(**teacher_inputs, use_cache=False).logits
             soft_only = soft_only.replace(teacher_softcap=None)  # likewise already in the teacher's logits
@@ -63,6 +69,8 @@ def materialised_kd(
             ce, targets, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
         )
     loss = cfg.soft_weight * soft + cfg.hard_weight * hard
+    aux_loss = out.get("aux_loss")  # a mixture of experts' router loss, added as its own forward adds it to CE
+    loss = with_router_aux_loss(student, loss, aux_loss)
     agreement = None
     if log_agreement:
         valid = targets != cfg.ignore_index
@@ -70,7 +78,7 @@ def materialised_kd(
         agreement = (same.sum() / valid.sum().clamp(min=1)).detach().float()
     return kd_output(
         out, loss=loss, logits=out.logits, kd_soft_loss=soft.detach(), kd_hard_loss=hard.detach(),
-        kd_top1_agreement=agreement,
+        kd_top1_agreement=agreement, aux_loss=aux_loss,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ Every replaced attribute is recorded once, so patching twice is harmless and rev
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
@@ -18,8 +19,9 @@ from ..config import KDLossConfig
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act
+from .forward_audit import check_forward
 from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, kd_causal_lm_forward, unwrap_model
-from .registry import REGISTRY, ArchSpec, spec_for
+from .registry import REGISTRY, ArchSpec, spec_for_model, specs_for
 
 # (owner, attribute) -> original value, for everything patched at class / module level
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -102,43 +104,85 @@ def apply_kd_patch(
     """
     if model is None and model_type is None:
         raise ValueError("apply_kd_patch needs model= (patch that instance) or model_type= (patch the classes)")
-    inner = unwrap_model(model) if model is not None else None
-    spec = spec_for(model_type or inner.config.model_type)
     config = KDLossConfig.build(kd_config, **kd)
+    if model is None:
+        for spec in specs_for(model_type):
+            check_forward(spec)  # refuse before changing anything
+        for spec in specs_for(model_type):
+            _patch_classes(spec, config, rope=rope, swiglu=swiglu, rms_norm=rms_norm, fused=fused_linear_jsd)
+        return None
+    inner = unwrap_model(model)
+    spec = spec_for_model(inner)  # the instance's own entry; its forward and config are checked against it
+    if model_type is not None and spec not in specs_for(model_type):
+        raise ValueError(
+            f"model is a {type(inner).__name__}; apply_kd_patch for {model_type!r} patches "
+            f"{[s.causal_lm for s in specs_for(model_type)]}. Pass such a model, or call apply_kd_patch(model=...)"
+        )
+    _patch_rope(spec, rope)
+    norm_forward, mlp_forward = _make_rms_norm_forward(spec), _mlp_forward(spec)
+    norm_classes, mlp_classes = tuple(spec.classes(spec.rms_norm)), tuple(spec.classes(spec.mlp))
+    for sub in inner.modules():
+        if rms_norm and isinstance(sub, norm_classes):
+            _bind(sub, norm_forward)
+        elif swiglu and isinstance(sub, mlp_classes):
+            _bind(sub, mlp_forward)
+    lm_cls = spec.model_class()
+    original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
+    inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
+    _bind_kd_forward(inner, original)
+    PATCHED_INSTANCES.add(inner)
+    return model
+
+
+def _bind_kd_forward(model: nn.Module, original) -> None:
+    """model.forward = the KD forward, showing the original's parameters as well as its own: generate() and the
+    Trainer read the signature to decide which inputs reach the model (a VLM's pixel_values among them)."""
+    bound = functools.partial(kd_causal_lm_forward, model)
+    bound.__func__, bound.__self__ = kd_causal_lm_forward, model  # what a bound method offers; revert reads these
+    bound.__signature__ = _merged_signature(original, kd_causal_lm_forward)
+    model.forward = bound
+
+
+def _merged_signature(original, kd_forward) -> inspect.Signature:
+    params = list(inspect.signature(original).parameters.values())[1:]  # without self
+    names = {p.name for p in params}
+    extra = [p for p in inspect.signature(kd_forward).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    extra = [p for p in extra if p.name not in names]
+    ordered = sorted(params + extra, key=lambda p: p.kind)  # stable: positional first, **kwargs last
+    if not any(p.kind is p.VAR_KEYWORD for p in ordered):
+        ordered.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(ordered)
+
+
+def _patch_rope(spec: ArchSpec, rope: bool) -> None:
+    """RoPE is a module-level function in transformers: always patched module-wide (same math, to rounding)."""
     module = spec.load()
-    if rope and hasattr(module, "apply_rotary_pos_emb"):
+    if rope and spec.rope and hasattr(module, "apply_rotary_pos_emb"):
         current = module.apply_rotary_pos_emb
         if not getattr(current, "__liger_kd__", False):
             _set(module, "apply_rotary_pos_emb", _make_rope(current))
-    mlp_forward = _fused_gate_up_mlp_forward if spec.fused_gate_up else _gated_mlp_forward
-    norm_cls, mlp_cls, lm_cls = (getattr(module, name) for name in (spec.rms_norm, spec.mlp, spec.causal_lm))
-    if not hasattr(mlp_cls, "__liger_kd_original_forward__"):
-        mlp_cls.__liger_kd_original_forward__ = mlp_cls.forward
-    if inner is None:
-        if rms_norm:
+
+
+def _mlp_forward(spec: ArchSpec):
+    for mlp_cls in spec.classes(spec.mlp):
+        if not hasattr(mlp_cls, "__liger_kd_original_forward__"):
+            mlp_cls.__liger_kd_original_forward__ = mlp_cls.forward
+    return _fused_gate_up_mlp_forward if spec.fused_gate_up else _gated_mlp_forward
+
+
+def _patch_classes(spec: ArchSpec, config: KDLossConfig, *, rope: bool, swiglu: bool, rms_norm: bool, fused: bool):
+    _patch_rope(spec, rope)
+    mlp_forward = _mlp_forward(spec)
+    if rms_norm:
+        for norm_cls in spec.classes(spec.rms_norm):
             _set(norm_cls, "forward", _make_rms_norm_forward(spec))
-        if swiglu:
+    if swiglu:
+        for mlp_cls in spec.classes(spec.mlp):
             _set(mlp_cls, "forward", mlp_forward)
-        _ORIGINALS.setdefault((lm_cls, "forward"), lm_cls.__dict__["forward"])
-        _CLASS_STATE[lm_cls] = PatchState(_ORIGINALS[(lm_cls, "forward")], config, fused_linear_jsd)
-        lm_cls.forward = kd_causal_lm_forward
-        return None
-    if not isinstance(inner, lm_cls):
-        raise ValueError(
-            f"model is a {type(inner).__name__}; apply_kd_patch for {spec.model_type!r} patches {spec.causal_lm} "
-            f"(a text-only causal LM). Pass the *ForCausalLM model"
-        )
-    norm_forward = _make_rms_norm_forward(spec)
-    for sub in inner.modules():
-        if rms_norm and isinstance(sub, norm_cls):
-            _bind(sub, norm_forward)
-        elif swiglu and isinstance(sub, mlp_cls):
-            _bind(sub, mlp_forward)
-    original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
-    inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
-    _bind(inner, kd_causal_lm_forward)
-    PATCHED_INSTANCES.add(inner)
-    return model
+    lm_cls = spec.model_class()
+    _ORIGINALS.setdefault((lm_cls, "forward"), lm_cls.__dict__["forward"])
+    _CLASS_STATE[lm_cls] = PatchState(_ORIGINALS[(lm_cls, "forward")], config, fused)
+    lm_cls.forward = kd_causal_lm_forward
 
 
 def _bind(module: nn.Module, function) -> None:
@@ -165,13 +209,13 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
     if model_type is None:
         for instance in list(PATCHED_INSTANCES):
             revert_kd_patch(model=instance)
-    specs = [spec_for(model_type)] if model_type else list(REGISTRY.values())
+    specs = specs_for(model_type) if model_type else list(REGISTRY.values())
     for spec in specs:
         try:
             module = spec.load()
         except ValueError:
             continue
-        owners = {module, *(getattr(module, n, None) for n in (spec.rms_norm, spec.mlp, spec.causal_lm))}
+        owners = {module, spec.model_class(), *spec.classes(spec.rms_norm), *spec.classes(spec.mlp)}
         for (owner, name), original in list(_ORIGINALS.items()):
             if owner in owners:
                 if original is _MISSING:
@@ -179,7 +223,7 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                 else:
                     setattr(owner, name, original)
                 del _ORIGINALS[(owner, name)]
-        _CLASS_STATE.pop(getattr(module, spec.causal_lm, None), None)
+        _CLASS_STATE.pop(spec.model_class(), None)
 
 
 def _make_apply(model_type: str):
@@ -196,10 +240,11 @@ def _make_apply(model_type: str):
             fused_linear_jsd=fused_linear_jsd, **kd,
         )  # fmt: skip
 
-    spec = spec_for(model_type)
+    specs = specs_for(model_type)
     apply.__name__ = f"apply_kd_patch_to_{model_type}"
     apply.__doc__ = (
-        f"Patch {spec.causal_lm} (model=None: the classes, before loading; model=...: that instance) with the "
+        f"Patch {' and '.join(s.causal_lm for s in specs)} (model=None: the classes, before loading; model=...: that "
+        f"instance) with the "
         f"Triton RMSNorm / RoPE / gated-MLP kernels and the KD forward. See apply_kd_patch."
     )
     return apply
@@ -213,3 +258,14 @@ apply_kd_patch_to_gemma = _make_apply("gemma")
 apply_kd_patch_to_gemma2 = _make_apply("gemma2")
 apply_kd_patch_to_gemma3 = _make_apply("gemma3")
 apply_kd_patch_to_phi3 = _make_apply("phi3")
+apply_kd_patch_to_smollm3 = _make_apply("smollm3")
+apply_kd_patch_to_olmo2 = _make_apply("olmo2")
+apply_kd_patch_to_glm4 = _make_apply("glm4")
+apply_kd_patch_to_granite = _make_apply("granite")
+apply_kd_patch_to_cohere = _make_apply("cohere")
+apply_kd_patch_to_cohere2 = _make_apply("cohere2")
+apply_kd_patch_to_mixtral = _make_apply("mixtral")
+apply_kd_patch_to_qwen3_moe = _make_apply("qwen3_moe")
+apply_kd_patch_to_gpt_oss = _make_apply("gpt_oss")
+apply_kd_patch_to_qwen2_5_vl = _make_apply("qwen2_5_vl")
+apply_kd_patch_to_qwen3_vl = _make_apply("qwen3_vl")

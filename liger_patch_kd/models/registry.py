@@ -1,6 +1,9 @@
-"""One entry per architecture: where its classes live and the quirks the kernels must reproduce.
+"""One entry per model class: where transformers keeps it and the quirks the kernels and the loss must reproduce.
 
-Adding an architecture is adding an `ArchSpec` here; the KD forward itself is generic (`kd_forward.py`).
+Adding an architecture is adding an `ArchSpec` here; the KD forward itself is generic (`kd_forward.py`). What a
+class's forward does to its logits after lm_head (`logits`, see transforms.py) and whether it adds a router's
+auxiliary loss is declared here and checked against the forward's source when a model is patched
+(forward_audit.py): a forward that does something its entry does not declare is refused, never mis-scored.
 """
 
 from __future__ import annotations
@@ -9,18 +12,30 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from torch import nn
+
+from .transforms import LOGIT_TRANSFORMS
+
+Names = tuple[str, ...]  # candidate class names, first found wins (transformers renames classes between releases)
+
 
 @dataclass(frozen=True)
 class ArchSpec:
-    model_type: str  # config.model_type
+    model_type: str  # config.model_type of the patched class
     module: str  # where transformers keeps the modeling code
-    causal_lm: str  # the *ForCausalLM class whose forward becomes the KD forward
-    rms_norm: str  # RMSNorm class (every instance, q/k norms included)
-    mlp: str  # gated MLP class
+    causal_lm: str  # the class whose forward becomes the KD forward (*ForCausalLM, a VLM's *ForConditionalGeneration)
+    rms_norm: Names  # RMSNorm classes (every instance, q/k norms included); () where the norm is not an RMSNorm
+    mlp: Names  # dense gated-MLP classes; () where there is none
     rms_norm_offset: float = 0.0  # Gemma scales by (1 + weight)
     rms_norm_casting: str = "llama"  # see ops/rms_norm.py
-    fused_gate_up: bool = False  # Phi-3 keeps gate and up in one gate_up_proj (gate first)
-    # Gemma-2/3's final_logit_softcapping lives in config; the KD forward reads it through `softcap_of`
+    fused_gate_up: bool = False  # Phi-3 / GLM-4 keep gate and up in one gate_up_proj (gate first)
+    rope: bool = True  # False where the module's apply_rotary_pos_emb is not Llama's (interleaved, half-width cos)
+    # MoE expert classes the gated-MLP kernel knowingly leaves alone: their weights are 3-D parameters run by
+    # transformers' experts implementation (grouped_mm / batched_mm), or their activation is not SwiGLU (GPT-OSS)
+    experts: Names = ()
+    logits: frozenset[str] = frozenset()  # what the forward does to logits after lm_head (transforms.py)
+    router_aux_loss: bool = False  # the forward adds router_aux_loss_coef * load_balancing_loss_func(...)
+    vision_inputs: Names = ()  # a VLM's non-text inputs; a VLM teacher is given those its student received
 
     def load(self) -> ModuleType:
         try:
@@ -31,60 +46,131 @@ class ArchSpec:
                 f"(transformers too old? this library supports >= 4.57): {e}"
             ) from e
 
+    def model_class(self) -> type[nn.Module]:
+        return getattr(self.load(), self.causal_lm)
 
-def _llama_like(model_type: str, prefix: str, module: str | None = None) -> ArchSpec:
-    return ArchSpec(
-        model_type=model_type,
-        module=module or f"transformers.models.{model_type}.modeling_{model_type}",
-        causal_lm=f"{prefix}ForCausalLM",
-        rms_norm=f"{prefix}RMSNorm",
-        mlp=f"{prefix}MLP",
-    )
+    def classes(self, names: Names) -> list[type[nn.Module]]:
+        """The classes of `names` that the installed transformers has."""
+        module = self.load()
+        return [getattr(module, n) for n in names if hasattr(module, n)]
+
+    @property
+    def is_vlm(self) -> bool:
+        return bool(self.vision_inputs)
 
 
-def _gemma_like(model_type: str, prefix: str, module: str) -> ArchSpec:
+def _spec(model_type: str, prefix: str, module: str | None = None, **quirks) -> ArchSpec:
+    module = module or model_type
+    quirks.setdefault("rms_norm", (f"{prefix}RMSNorm",))
+    quirks.setdefault("mlp", (f"{prefix}MLP",))
     return ArchSpec(
         model_type=model_type,
         module=f"transformers.models.{module}.modeling_{module}",
-        causal_lm=f"{prefix}ForCausalLM",
-        rms_norm=f"{prefix}RMSNorm",
-        mlp=f"{prefix}MLP",
-        rms_norm_offset=1.0,
-        rms_norm_casting="gemma",
+        causal_lm=quirks.pop("causal_lm", f"{prefix}ForCausalLM"),
+        **quirks,
     )
 
+
+_GEMMA = dict(rms_norm_offset=1.0, rms_norm_casting="gemma")
+_SOFTCAP = frozenset({"softcap"})
+_MOE = dict(router_aux_loss=True)
+_QWEN_VL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_token_type_ids")
 
 REGISTRY: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
-        _llama_like("llama", "Llama"),
-        _llama_like("mistral", "Mistral"),
-        _llama_like("qwen2", "Qwen2"),
-        _llama_like("qwen3", "Qwen3"),
-        _gemma_like("gemma", "Gemma", "gemma"),
-        _gemma_like("gemma2", "Gemma2", "gemma2"),
-        _gemma_like("gemma3_text", "Gemma3", "gemma3"),
-        ArchSpec(
-            model_type="phi3",
-            module="transformers.models.phi3.modeling_phi3",
-            causal_lm="Phi3ForCausalLM",
-            rms_norm="Phi3RMSNorm",
-            mlp="Phi3MLP",
-            fused_gate_up=True,
+        # dense, Llama-like
+        _spec("llama", "Llama"),
+        _spec("mistral", "Mistral"),
+        _spec("qwen2", "Qwen2"),
+        _spec("qwen3", "Qwen3"),
+        _spec("smollm3", "SmolLM3"),  # NoPE layers skip RoPE inside attention: nothing to do here
+        # OLMo-2 / GPT-OSS norm as (w * x_fp32).to(dtype) with w in its own dtype; ops/rms_norm.py's "gemma" mode
+        # rounds w to fp32 first (the same for bf16 / fp32 weights, not for fp64): their norms stay as they are
+        _spec("olmo2", "Olmo2", rms_norm=()),
+        _spec("glm4", "Glm4", fused_gate_up=True, rope=False),  # interleaved, partial RoPE
+        _spec("phi3", "Phi3", fused_gate_up=True),
+        _spec("gemma", "Gemma", **_GEMMA),
+        _spec("gemma2", "Gemma2", **_GEMMA, logits=_SOFTCAP),
+        _spec("gemma3_text", "Gemma3", "gemma3", **_GEMMA, logits=_SOFTCAP),
+        # a logit scale
+        _spec("granite", "Granite", logits=frozenset({"logits_scaling"})),
+        # Cohere: LayerNorm (mean-centred, not an RMSNorm) and interleaved RoPE stay as they are
+        _spec("cohere", "Cohere", rms_norm=(), rope=False, logits=frozenset({"logit_scale"})),
+        _spec("cohere2", "Cohere2", rms_norm=(), rope=False, logits=frozenset({"logit_scale"})),
+        # mixture of experts
+        _spec("mixtral", "Mixtral", mlp=(), experts=("MixtralExperts", "MixtralBlockSparseTop2MLP"), **_MOE),
+        # Qwen3-MoE's dense layers (mlp_only_layers) use Qwen3MoeMLP; transformers 4.57's experts are that class too
+        _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE),
+        # GPT-OSS: GptOssMLP is the router + experts block; experts use a clamped SwiGLU (alpha, limit) and biases;
+        # its RoPE takes a half-width cos/sin (the kernel wrapper would fall back anyway)
+        _spec("gpt_oss", "GptOss", rms_norm=(), mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),
+        # vision-language: the KD forward runs the model's own backbone (vision tower + language model)
+        _spec(
+            "gemma3",
+            "Gemma3",
+            **_GEMMA,
+            causal_lm="Gemma3ForConditionalGeneration",
+            vision_inputs=("pixel_values", "token_type_ids"),
+        ),
+        _spec(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            causal_lm="Qwen2_5_VLForConditionalGeneration",
+            rms_norm=("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
+            mlp=("Qwen2MLP",),
+            vision_inputs=(*_QWEN_VL_INPUTS, "second_per_grid_ts"),
+        ),
+        _spec(
+            "qwen3_vl",
+            "Qwen3VL",
+            causal_lm="Qwen3VLForConditionalGeneration",
+            rms_norm=("Qwen3VLTextRMSNorm",),
+            mlp=("Qwen3VLTextMLP",),
+            vision_inputs=_QWEN_VL_INPUTS,
         ),
     )
 }
-ALIASES = {"gemma3": "gemma3_text"}  # the apply function is named for the family; the text model's type differs
+for _spec_entry in REGISTRY.values():
+    assert _spec_entry.logits <= LOGIT_TRANSFORMS.keys(), _spec_entry  # a typo here would silently skip a transform
+
+# apply_kd_patch_to_<family> patches every class of the family; a model_type not listed is its own family
+FAMILIES: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3_text", "gemma3")}
+ALIASES: dict[str, str] = {}  # model_type -> registry key (none needed since every class has its own entry)
+
+
+def specs_for(name: str) -> list[ArchSpec]:
+    """The entries of a family name or model_type (class-level patching)."""
+    keys = FAMILIES.get(name, (ALIASES.get(name, name),))
+    missing = [k for k in keys if k not in REGISTRY]
+    if missing:
+        raise ValueError(
+            f"model_type {name!r} is not supported by liger_patch_kd; supported: {sorted(REGISTRY)}. "
+            f"A new architecture is one ArchSpec in liger_patch_kd/models/registry.py"
+        )
+    return [REGISTRY[k] for k in keys]
 
 
 def spec_for(model_type: str) -> ArchSpec:
-    key = ALIASES.get(model_type, model_type)
-    if key not in REGISTRY:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported by liger_patch_kd; supported: {sorted(REGISTRY)}. "
-            f"A new architecture is one ArchSpec in liger_patch_kd/models/registry.py"
-        )
-    return REGISTRY[key]
+    """The entry of one model_type; a family name gives its first (text) member."""
+    return specs_for(model_type)[0]
+
+
+def spec_for_model(model: nn.Module) -> ArchSpec:
+    """The entry of a model instance, checked: its class is the entry's, and its forward and config do nothing to
+    the logits or the loss that the entry does not declare (ValueError otherwise)."""
+    from .forward_audit import check_model  # forward_audit reads the registry's declarations
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = spec_for(model_type or type(model).__name__)
+    for candidate in specs_for(model_type) if model_type in FAMILIES else [spec]:
+        if isinstance(model, candidate.model_class()):
+            check_model(model, candidate)
+            return candidate
+    raise ValueError(
+        f"model is a {type(model).__name__} (model_type {model_type!r}); liger_patch_kd patches "
+        f"{spec.causal_lm} for that model_type. Pass that model"
+    )
 
 
 def softcap_of(config) -> float | None:

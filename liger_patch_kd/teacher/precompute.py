@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .store import LOGPROB_DTYPES, StoreWriter
 
@@ -61,17 +62,22 @@ def teacher_topk_and_next(
 
 def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
     """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
+    from ..models.backbone import run_backbone
     from ..models.kd_forward import output_head, unwrap_model
     from ..models.registry import softcap_of
+    from ..models.transforms import scaled_head_inputs
     from ..reference import apply_softcap
 
     model = unwrap_model(teacher)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = run_backbone(model, input_ids, attention_mask, {}).last_hidden_state
     head = output_head(model, "teacher")
+    hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
     flat = hidden.reshape(-1, hidden.shape[-1])
     for start in range(0, flat.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        logits = apply_softcap(head(flat[rows]).float(), softcap_of(model.config))
+        logits = apply_softcap(
+            F.linear(flat[rows].to(head.weight.dtype), head.weight, bias).float(), softcap_of(model.config)
+        )
         yield rows, torch.log_softmax(logits / temperature, dim=-1)
 
 
