@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import reference
 from ..config import KDLossConfig
-from ..distributed import check_full_weight, gathered_weights
+from ..distributed import check_full_weight, gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .registry import softcap_of
 
@@ -215,10 +215,7 @@ def kd_causal_lm_forward(
 
             out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
             agreement = measured.get("agreement")
-    result = _output(out, decoder_out)
-    if agreement is not None:
-        result.kd_top1_agreement = agreement
-    return result
+    return _output(out, decoder_out, agreement)
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -245,11 +242,22 @@ def _top1_agreement(hidden, head: nn.Linear, targets, cfg: KDLossConfig, teacher
 kd_causal_lm_forward.__liger_kd__ = True
 
 
-def _output(out: KDLossOutput, decoder_out, logits=None) -> CausalLMOutputWithPast:
+@dataclass
+class KDCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus the loss's terms (for logging). They are fields, not attributes set
+    afterwards, because wrappers rebuild the output from its fields (FSDP2's forward hooks, accelerate's
+    autocast wrapper) and would drop anything else."""
+
+    kd_soft_loss: torch.Tensor | None = None
+    kd_hard_loss: torch.Tensor | None = None
+    kd_top1_agreement: torch.Tensor | None = None
+
+
+def _output(out: KDLossOutput, decoder_out, agreement: torch.Tensor | None = None) -> KDCausalLMOutput:
     extras = {k: v for k, v in decoder_out.items() if k not in ("last_hidden_state", "logits", "loss")}
-    result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **extras)
-    result.kd_soft_loss, result.kd_hard_loss = out.soft, out.hard  # for logging; not ModelOutput fields
-    return result
+    return KDCausalLMOutput(
+        loss=out.loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard, kd_top1_agreement=agreement, **extras
+    )
 
 
 def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: dict, loss_on: TeacherCallback):
@@ -261,7 +269,9 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     install_teacher_forward(teacher)
     passthrough = {k: student_kwargs[k] for k in ("position_ids", "use_cache") if student_kwargs.get(k) is not None}
     with torch.no_grad():
-        return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
+        out = teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
+    release_root_parameters(teacher)
+    return out
 
 
 def install_teacher_forward(teacher: nn.Module) -> None:
