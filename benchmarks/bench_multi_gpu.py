@@ -330,16 +330,21 @@ def summarize(paths: list[str]) -> dict:
         with open(path) as f:
             data = json.load(f)
         if "results" in data:
-            runs += [dict(label=data["label"], **r) for r in data["results"]]
-    base = next((r for r in runs if r["world_size"] == 1), None)
+            models = {k: data.get(k) for k in ("student", "teacher", "meta_init")}
+            runs += [dict(label=data["label"], models=models, **r) for r in data["results"]]
+
+    def same_work(a, b):  # same models (weights), sequence and global batch: the same losses are expected
+        return all(a[k] == b[k] for k in ("models", "seq", "global_batch"))
+
     rows = []
     for r in runs:
+        base = next((b for b in runs if b["world_size"] == 1 and same_work(b, r)), None)
         row = dict(label=r["label"], gpus=r["world_size"], micro_batch=r["micro_batch_per_gpu"],
                    global_batch=r["global_batch"], tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"],
                    peak_GiB=max(r["peak_GiB_per_gpu"]),
                    loss_extra_GiB=max([x for x in r["loss_extra_GiB_per_gpu"] if x is not None], default=None),
                    lm_heads_whole=r["lm_heads_whole"])  # fmt: skip
-        if base is not None and r is not base and r["global_batch"] == base["global_batch"]:
+        if base is not None and r is not base:
             row["vs_1gpu"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
             pairs = list(zip(base["log"], r["log"]))
             row["loss_max_rel_diff"] = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in pairs)
@@ -371,7 +376,7 @@ def main() -> None:
         return
     if args.tiny:
         args.student, args.teacher, args.seq = "tiny", "tiny", min(args.seq, 32)
-        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # launched by accelerate or torchrun
             allow_fsdp_on_cpu()
     from accelerate.state import PartialState
 

@@ -218,4 +218,5 @@ def zero3_prepare_teacher(teacher: nn.Module, config: dict) -> nn.Module:
     import deepspeed  # optional extra
 
     engine, *_ = deepspeed.initialize(model=teacher, config=config)
-    return engine.eval()
+    engine.eval()  # DeepSpeedEngine.eval() returns None, not the engine
+    return engine

@@ -268,10 +268,17 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     """
     install_teacher_forward(teacher)
     passthrough = {k: student_kwargs[k] for k in ("position_ids", "use_cache") if student_kwargs.get(k) is not None}
+    # the loss leaves through this dict, not as the teacher's output: wrappers rebuild a module's outputs inside
+    # its call, under the teacher's no_grad (DeepSpeed ZeRO-3 does), which would cut the loss from the graph
+    result = {}
+
+    def keep(*args):
+        result["loss"] = loss_on(*args)
+
     with torch.no_grad():
-        out = teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
+        teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=keep, **passthrough)
     release_root_parameters(teacher)
-    return out
+    return result["loss"]
 
 
 def install_teacher_forward(teacher: nn.Module) -> None:
