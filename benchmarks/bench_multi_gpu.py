@@ -182,8 +182,8 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
             output_dir=tempfile.mkdtemp(prefix="bench_multi_"), max_steps=steps,
             per_device_train_batch_size=micro_batch, learning_rate=1e-5, lr_scheduler_type="constant",
             max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-            bf16=not args.tiny, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-            dataloader_num_workers=0, use_kd_patch=True, kd_beta=0.5, seed=0,
+            bf16=not args.tiny, dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
+            kd_beta=0.5, seed=0, **_recompute_student(),
         )  # fmt: skip
         trainer = SequentialKDTrainer(
             model=student, teacher_model=teacher, args=training_args, train_dataset=dataset,
@@ -244,6 +244,16 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
         init_s=init_s,
         per_rank=ranks,
     ), launch
+
+
+def _recompute_student() -> dict:
+    """Gradient checkpointing on the student, non-reentrant, under the argument name this transformers has
+    (5.2x renamed gradient_checkpointing to activation_checkpointing)."""
+    from transformers import TrainingArguments
+
+    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else None
+    name = name or "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": {"use_reentrant": False}}
 
 
 def _wrapping(model) -> str:
@@ -357,7 +367,7 @@ def summarize(paths: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/multi_gpu.json")
     parser.add_argument("--label", default=None, help="name of the run in the summary (default: from --out)")
@@ -370,7 +380,7 @@ def main() -> None:
     parser.add_argument("--meta-init", action="store_true", help="build the teacher sharded (FSDP2 only)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     parser.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print a table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.summarize:
         write_json(args.out, summarize([p for pattern in args.summarize for p in glob.glob(pattern)]))
         return
