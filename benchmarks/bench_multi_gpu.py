@@ -54,15 +54,16 @@ TEACHERS = {
 def build_sharded_random(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """A random model that is never whole in memory: built on the meta device, FSDP2-sharded (decoder layers,
     then the root, as KDTrainer shards), then each process allocates and initialises only its shards."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
     from liger_patch_kd import distributed
 
     model = build(shape, "meta", dtype, seed)
-    distributed.fsdp2_shard(
-        model, distributed.decoder_layer_types(model), mp_policy=MixedPrecisionPolicy(param_dtype=dtype)
-    )
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    layers = distributed.decoder_layer_types(model)
+    distributed.fsdp2_shard(model, layers, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
     model.to_empty(device=device)
     rank = torch.distributed.get_rank()
     generator = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
@@ -388,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
         args.student, args.teacher, args.seq = "tiny", "tiny", min(args.seq, 32)
         if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # launched by accelerate or torchrun
             allow_fsdp_on_cpu()
+    if "LOCAL_RANK" not in os.environ and torch.cuda.device_count() > 1:
+        raise ValueError(
+            f"{torch.cuda.device_count()} GPUs visible to a single process: the Trainer would wrap the student in "
+            f"DataParallel. Run on one GPU with CUDA_VISIBLE_DEVICES=0, or launch one process per GPU "
+            f"(accelerate launch --num_processes N)"
+        )
     from accelerate.state import PartialState
 
     state = PartialState()  # initialises the process group under accelerate launch / torchrun
