@@ -12,6 +12,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
+from . import distributed
 from .config import KDLossConfig
 from .models import apply_kd_patch
 from .models.kd_forward import unwrap_model
@@ -135,6 +136,8 @@ class KDTrainer(Trainer):
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
+        if self._fsdp_version() == 2:  # lm_head must stay in the root unit: see distributed.py
+            self.model = self.model_wrapped = distributed.fsdp2_prepare(self.model, self.accelerator, trainable=True)
         if args.kd_self_distill:
             if teacher_model is not None:
                 raise ValueError("kd_self_distill uses the student's base model as teacher; do not pass teacher_model")
@@ -143,14 +146,33 @@ class KDTrainer(Trainer):
             teacher_model.eval().requires_grad_(False)
             if args.use_kd_patch:
                 _patch_teacher_kernels(teacher_model, args.kd_patch_config)
-            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-                teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
-            else:
-                teacher_model = teacher_model.to(self.args.device)
+            teacher_model = self._prepare_teacher(teacher_model)
         self.teacher_model = teacher_model
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
+
+    def _fsdp_version(self) -> int | None:
+        return getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
+
+    def _prepare_teacher(self, teacher: nn.Module) -> nn.Module:
+        """Shard the frozen teacher like the student (accelerate's prepare_model(evaluation_mode=True) would leave
+        it whole on every process); on one device, move it there."""
+        version = self._fsdp_version()
+        if version == 2:
+            return distributed.fsdp2_prepare(teacher, self.accelerator, trainable=False)
+        if version == 1:
+            return distributed.fsdp1_prepare_teacher(teacher, self.accelerator)
+        if self.is_deepspeed_enabled:
+            config = distributed.zero3_teacher_config(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                hidden_size=teacher.config.hidden_size,
+                micro_batch=self.args.per_device_train_batch_size,
+                accumulation=self.args.gradient_accumulation_steps,
+                world=self.accelerator.num_processes,
+            )
+            return distributed.zero3_prepare_teacher(teacher, config)
+        return teacher.to(self.args.device)
 
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):

@@ -40,18 +40,58 @@ def _shard(model, device_type: str):
     return model
 
 
-def run(rank: int, world: int, init_file: str, mode: str, result_path: str, backend: str = "gloo") -> None:
-    """backend "gloo": CPU tensors; "nccl": one GPU per process (the multi-GPU run of the same check).
-    Rendezvous through a file, not a TCP port another test could grab in between."""
+def _wrap_fsdp1(model, device: torch.device):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # decoder layers as units, lm_head in the root unit; original parameters visible (for the gradient checks)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}), device_id=device,
+                use_orig_params=True)  # fmt: skip
+
+
+def _gathered(model, wrapper: str, what: str) -> dict[str, torch.Tensor]:
+    """name -> the whole gradient (what="grad") or parameter (what="param"), gathered from the shards, under the
+    original names (FSDP1's wrapper prefix removed)."""
+    if wrapper == "fsdp2":
+        return {n: (p.grad if what == "grad" else p).full_tensor().detach() for n, p in model.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, with_grads=what == "grad"):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): (p.grad if what == "grad" else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, exact: bool) -> float:
+    """exact (float64): largest difference relative to the largest entry. bf16: relative norm of the difference
+    (single entries carry bf16 rounding; a sharding bug moves the whole tensor, e.g. by half)."""
+    got, want = got.double(), want.double()
+    if exact:
+        return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def run(
+    rank: int, world: int, init_file: str, mode: str, result_path: str, backend: str = "gloo",
+    wrapper: str = "fsdp2", dtype: str = "float64",
+) -> None:  # fmt: skip
+    """backend "gloo": CPU tensors; "nccl": one GPU per process (the multi-GPU run of the same check). wrapper
+    "fsdp2" (fully_shard) or "fsdp1" (FullyShardedDataParallel, GPU only); dtype of both models "float64" or
+    "bfloat16". Rendezvous through a file, not a TCP port another test could grab in between."""
     os.environ.update(NCCL_NVLS_ENABLE="0")
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    student, teacher = tiny_model("llama", seed=1).to(device), tiny_model("llama", seed=2, hidden=96).to(device)
+    model_dtype = getattr(torch, dtype)
+    exact = model_dtype == torch.float64
+    student = tiny_model("llama", seed=1, dtype=model_dtype).to(device)
+    teacher = tiny_model("llama", seed=2, hidden=96, dtype=model_dtype).to(device)
     cfg = KDLossConfig(beta=0.3, hard_weight=0.2)
     ids, labels, tid, lp = (t.to(device) for t in _batch())
+    lp = lp.to(model_dtype)
     n_items = (labels[:, 1:] != -100).sum()
     mine = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
 
@@ -63,30 +103,33 @@ def run(rank: int, world: int, init_file: str, mode: str, result_path: str, back
             kwargs.update(teacher_model=teacher_model)
         return model(input_ids=ids[rows], **kwargs).loss
 
+    def wrap(model):
+        return _shard(model, device.type) if wrapper == "fsdp2" else _wrap_fsdp1(model, device)
+
     reference = M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg)
     ref_teacher = copy.deepcopy(teacher)
-    sharded = _shard(M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg), device.type)
-    sharded_teacher = _shard(copy.deepcopy(teacher).eval().requires_grad_(False), device.type)
+    sharded = wrap(M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg))
+    sharded_teacher = wrap(copy.deepcopy(teacher).eval().requires_grad_(False))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
+    ref_named = dict(reference.named_parameters())
     errors: dict[str, float] = {}  # check -> error, so a failure names what differs
     for step in range(3):
         ref_loss = loss_of(reference, slice(None), ref_teacher)
         ref_loss.backward()
         loss = loss_of(sharded, mine, sharded_teacher)
         (loss * world).backward()  # FSDP averages gradients over ranks
-        total = loss.detach().clone()
+        total = loss.detach().double()  # summed in float64 (a bf16 all-reduce would round the sum)
         dist.all_reduce(total)
-        errors[f"step {step} loss"] = abs(total.item() - ref_loss.item())
-        for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
-            full = p.grad.full_tensor()
-            errors[f"step {step} grad {name}"] = float(
-                (full - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-30)
-            )
+        scale = 1.0 if exact else abs(ref_loss.item())
+        errors[f"step {step} loss"] = abs(total.item() - ref_loss.item()) / scale
+        for name, grad in _gathered(sharded, wrapper, "grad").items():
+            errors[f"step {step} grad {name}"] = _error(grad, ref_named[name].grad, exact)
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
-    for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
-        errors[f"after 3 steps {name}"] = float((p.full_tensor() - q).abs().max())
+    for name, param in _gathered(sharded, wrapper, "param").items():
+        want = ref_named[name].detach()
+        errors[f"after 3 steps {name}"] = float((param - want).abs().max()) if exact else _error(param, want, exact)
     if rank == 0:
         torch.save(errors, result_path)
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import KDLossConfig
-from ..distributed import gathered_weights
+from ..distributed import gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .backbone import run_backbone, teacher_vision_inputs
 from .heads import HeadWeights, output_head
@@ -182,6 +182,7 @@ def kd_causal_lm_forward(
             agreement = measured.get("agreement")
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
     return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
+    return _output(out, decoder_out, agreement)
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):
@@ -229,8 +230,17 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     keys = (*TEACHER_INPUT_KEYS[2:], "use_cache")  # input_ids and attention_mask are passed explicitly
     passthrough = {k: student_kwargs[k] for k in keys if student_kwargs.get(k) is not None}
     passthrough.update(teacher_vision_inputs(teacher, student_kwargs))
+    # the loss leaves through this dict, not as the teacher's output: wrappers rebuild a module's outputs inside
+    # its call, under the teacher's no_grad (DeepSpeed ZeRO-3 does), which would cut the loss from the graph
+    result = {}
+
+    def keep(*args):
+        result["loss"] = loss_on(*args)
+
     with torch.no_grad():
-        return teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=loss_on, **passthrough)
+        teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=keep, **passthrough)
+    release_root_parameters(teacher)
+    return result["loss"]
 
 
 @torch.compiler.disable  # runs once per teacher; dynamo on torch 2.11 cannot trace building the PatchState
