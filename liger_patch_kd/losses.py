@@ -335,10 +335,8 @@ def fused_linear_topk_kd(
     _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
     flat_labels = _flatten_labels(labels, leading, student_input.device, cfg)
     k = teacher_token_ids.shape[-1]
-    # contiguous (a copy only for a strided view; N x K is small beside the N x V work): the Triton kernel reads
-    # a row's K slots at unit stride, which saves an index multiply per slot load and a stride argument per tensor
-    ids = teacher_token_ids.reshape(-1, k).to(student_input.device).contiguous()
-    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach().contiguous()
+    ids = teacher_token_ids.reshape(-1, k).to(student_input.device)
+    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach()
     if check_inputs:
         counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
         label_checks = [_label_check(flat_labels, vocab, cfg)] if labels is not None else []
@@ -346,7 +344,10 @@ def fused_linear_topk_kd(
 
     def teacher_chunk(_logits_dtype: torch.dtype):
         def slots(start: int, end: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # rows that do not count become rows without teacher data: never read, whatever they hold
+            # The select writes fresh rows: those that do not count become rows without teacher data (never read,
+            # whatever they hold), and every layout the caller passes (transposed, strided, expanded) arrives
+            # contiguous, as the Triton kernel reads a row's K slots at unit stride. A chunk x K copy is nothing
+            # beside the chunk x V work, and cheaper than a stride multiply on every slot load of three passes.
             return _zero_rows(ids[start:end], active, -1), _zero_rows(logprobs[start:end], active, -math.inf)
 
         return slots
