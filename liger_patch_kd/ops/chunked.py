@@ -98,9 +98,11 @@ def run_chunked(
         weight_grad_dtype = (
             torch.float32 if fp32_weight_grad and student_weight.dtype != torch.float64 else student_weight.dtype
         )
-        # the first chunk writes rows [0, vocab), later chunks accumulate; the padding rows are 0
-        new = torch.empty if n_rows and vocab == full_vocab else torch.zeros
+        # the first chunk writes rows [0, vocab), later chunks accumulate (zeros only when there is no chunk at
+        # all); the padding rows past vocab are 0
+        new = torch.empty if n_rows else torch.zeros
         grad_weight = new(student_weight.shape, dtype=weight_grad_dtype, device=student_weight.device)
+        grad_weight[vocab:].zero_()
     grad_bias = torch.zeros(full_vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
 
     for start in range(0, n_rows, chunk_size):
