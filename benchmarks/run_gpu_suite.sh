@@ -2,7 +2,8 @@
 # Everything this project runs on the GPU, in one call of the device tool:
 #   the whole test suite with Triton compiled for real, then the benchmarks, results under $OUT (or runs/).
 # Wheels the GPU image lacks (liger-kernel for the side-by-side rows) travel in .whl/ and install to /tmp/site.
-# Usage: bash benchmarks/run_gpu_suite.sh [tests|bench-kernel|bench-step|all]...
+# Usage: bash benchmarks/run_gpu_suite.sh [tests|properties|bench-kernel|bench-step|all]...
+#   properties: the hypothesis suite's larger "gpu" profile (several vocabulary and top-k tiles, Triton compiled)
 set -uo pipefail
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -18,6 +19,16 @@ for what in "${@:-all}"; do
     tests|all)
       python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;&
+    properties|all)
+      # importorskip would turn a missing hypothesis into a silent skip: here it is a failure
+      if python3 -c "import hypothesis" 2>/dev/null; then
+        HYPOTHESIS_PROFILE=gpu python3 -m pytest -q -p no:cacheprovider tests/test_properties.py 2>&1 \
+          | tee "$OUT/properties_gpu.log" | tail -25
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      else
+        echo "properties: hypothesis is not installed; put its wheel (and sortedcontainers') in .whl/" | tee "$OUT/properties_gpu.log"
+        status=1
+      fi ;;&
     bench-kernel|all)
       python3 -m benchmarks.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
     bench-step|all)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from . import reference
 from .config import KDLossConfig
+from .conventions import resolve_vocab, topk_valid_slots
 from .ops import fused_linear_jsd as jsd_op
 from .ops import fused_linear_topk_kd as topk_op
 from .ops.backend import logits_fp32, select_backend
@@ -57,16 +59,18 @@ def _compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
 
 def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dtype: torch.dtype) -> torch.Tensor:
     """Each row's share of the reduction (0 for ignored rows), float32 (float64 for float64 inputs).
-    No host sync: the count stays on the device."""
+    No host sync: the count stays on the device. No items at all (num_items_in_batch == 0, which the Trainer
+    passes for a micro-batch whose labels are all ignored) gives every row weight 0: loss 0, zero gradients."""
     dtype = torch.float64 if dtype == torch.float64 else torch.float32
     valid = (labels != cfg.ignore_index).to(dtype)
     if cfg.reduction != "batchmean":
         return valid
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(device=labels.device, dtype=dtype)
-        return valid / num_items_in_batch
-    return valid / valid.sum().clamp(min=1.0)
+    if num_items_in_batch is None:
+        return valid / valid.sum().clamp(min=1.0)
+    if not isinstance(num_items_in_batch, torch.Tensor) and not num_items_in_batch >= 0:
+        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")
+    count = torch.as_tensor(num_items_in_batch, dtype=dtype, device=labels.device)
+    return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
 
 
 def _flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: torch.device, cfg: KDLossConfig):
@@ -74,7 +78,48 @@ def _flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: to
     reference.require_labels_for_hard_term(cfg, labels)
     if labels is None:
         return torch.zeros(leading.numel(), dtype=torch.long, device=device)
-    return labels.reshape(-1).to(device)
+    # contiguous: the Triton kernels index labels by row (a stride-2 view would be read as every other label)
+    return labels.reshape(-1).to(device).contiguous()
+
+
+def _label_check(flat_labels: torch.Tensor, vocab: int, cfg: KDLossConfig) -> tuple[torch.Tensor, Callable[[], str]]:
+    """(device flag, message) for labels that are neither ignore_index nor a real id in [0, vocab)."""
+    bad = (flat_labels != cfg.ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+
+    def message() -> str:
+        wrong = flat_labels[bad]
+        return (
+            f"labels hold {wrong.numel()} value(s) that are neither ignore_index={cfg.ignore_index} nor a token id "
+            f"in [0, {vocab}) (e.g. {wrong[:4].tolist()}); set ignored positions to ignore_index, and pass "
+            f"vocab_size=len(tokenizer) (or a tokenizer that matches the model)"
+        )
+
+    return bad.any(), message
+
+
+def _run_device_checks(checks: list[tuple[torch.Tensor, Callable[[], str]]]) -> None:
+    """Every check's flag stays on the device until one host sync reads them all; the first failure raises."""
+    if not checks:
+        return
+    failed = torch.stack([flag for flag, _ in checks]).tolist()
+    for bad, (_, message) in zip(failed, checks):
+        if bad:
+            raise ValueError(message())
+
+
+def _zero_rows(values: torch.Tensor, keep: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """`values` with `fill` where `keep` (its leading dims) is False. A select, not a product: 0 * NaN is NaN."""
+    return torch.where(keep.reshape(keep.shape + (1,) * (values.dim() - keep.dim())), values, fill)
+
+
+def _config_with_vocab_size(cfg: KDLossConfig, vocab_size: int | None) -> KDLossConfig:
+    if vocab_size is None or cfg.vocab_size == vocab_size:
+        return cfg
+    if cfg.vocab_size is not None:
+        raise ValueError(
+            f"vocab_size={vocab_size} was given but config.vocab_size={cfg.vocab_size}; pass one of the two"
+        )
+    return cfg.replace(vocab_size=vocab_size)
 
 
 def _no_autocast(device: torch.device):
@@ -102,8 +147,10 @@ def fused_linear_jsd(
     teacher_softcap: float | None = None,
     chunk_size: int | None = None,
     fp32_weight_grad: bool = False,
+    vocab_size: int | None = None,
     config: KDLossConfig | None = None,
     return_components: bool = False,
+    check_inputs: bool = True,
     backend: str | None = None,
 ) -> torch.Tensor | KDLossOutput:
     """Generalized-JSD distillation loss straight from last hidden states and lm_head weights.
@@ -111,8 +158,14 @@ def fused_linear_jsd(
     Equals `reference.kd_loss(student_input @ student_weight.T + student_bias, teacher_input @ teacher_weight.T
     + teacher_bias, labels, config)` without ever holding more than one chunk of (rows x V) logits.
     Inputs are (N, H) or (B, T, H) with labels of the leading shape, row-aligned (shift labels, not hidden
-    states). Student and teacher hidden sizes may differ; vocab sizes may not. Gradients flow to the student
-    input, weight and bias only. `config` (a KDLossConfig) replaces the loss keywords when given.
+    states). Student and teacher hidden sizes may differ. The two heads must have one size unless `vocab_size`
+    (e.g. len(tokenizer)) says how many leading rows are real tokens: both distributions and the CE term are
+    then taken over ids [0, vocab_size) (rows viewed, not copied; the student's weight-gradient rows past it are
+    0). Each model's logits come from its own dtype's product (the autocast dtype under autocast), in fp32.
+    Ignored rows are never read: NaN or inf in their hidden states touches neither the loss nor a gradient.
+    Gradients flow to the student input, weight and bias only. `config` (a KDLossConfig) replaces the loss
+    keywords when given (`vocab_size` may still be given beside it). `check_inputs` validates the labels
+    (ignore_index or a real id) with one host sync when a label names a class (vocab_size or hard_weight set).
     Returns the loss (a scalar, or the leading shape for reduction="none"), or KDLossOutput with
     return_components=True. `backend` forces "triton" or "torch" (default: Triton on CUDA).
     """
@@ -121,61 +174,65 @@ def fused_linear_jsd(
         hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap, chunk_size=chunk_size,
         fp32_weight_grad=fp32_weight_grad,
     )  # fmt: skip
+    cfg = _config_with_vocab_size(cfg, vocab_size)
     _check_linear("student", student_input, student_weight, student_bias)
     _check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
-    if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(
-            f"student vocab ({student_weight.shape[0]}, student_weight {tuple(student_weight.shape)}) differs from "
-            f"teacher vocab ({teacher_weight.shape[0]}, teacher_weight {tuple(teacher_weight.shape)}); distillation "
-            f"compares distributions over one vocabulary. Resize the embeddings to one size (padding rows the teacher "
-            f"never predicts) or map the tokenizers first"
-        )
+    vocab = resolve_vocab(student_weight.shape[0], teacher_weight.shape[0], cfg.vocab_size)
     leading = student_input.shape[:-1]
     if teacher_input.shape[:-1] != leading:
         raise ValueError(
             f"teacher_input rows {tuple(teacher_input.shape[:-1])} do not match student_input rows {tuple(leading)}; "
             f"row i of the student is scored against row i of the teacher"
         )
-    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach()
-    w_t = teacher_weight.detach()
-    b_t = None if teacher_bias is None else teacher_bias.detach()
+    flat_labels = _flatten_labels(labels, leading, student_input.device, cfg)
+    if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
+        _run_device_checks([_label_check(flat_labels, vocab, cfg)])
+    # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
+    teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
+    h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
+    w_t = teacher_weight.detach()[:vocab].to(teacher_dtype)
+    b_t = None if teacher_bias is None else teacher_bias.detach()[:vocab]
+
+    def teacher_chunk(logits_dtype: torch.dtype):
+        def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
+            return logits_fp32(_zero_rows(h_t[start:end], active), w_t, b_t).to(logits_dtype)
+
+        return logits
+
     return _run_fused(
         student_input,
         student_weight,
         student_bias,
-        labels,
+        flat_labels,
         cfg,
         num_items_in_batch,
         backend,
         return_components,
-        teacher_chunk=lambda dtype: _teacher_logits_source(h_t.to(dtype), w_t.to(dtype), b_t),
+        vocab=vocab,
+        teacher_chunk=teacher_chunk,
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
     )
 
 
-def _teacher_logits_source(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Teacher logits of rows [start, end), from operands already cast once to the compute dtype."""
-    return lambda start, end: logits_fp32(hidden[start:end], weight, bias)
-
-
 def _run_fused(
-    student_input, student_weight, student_bias, labels, cfg: KDLossConfig, num_items_in_batch, backend,
-    return_components, *, teacher_chunk, kernels, bytes_per_logit,
+    student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit,
 ):  # fmt: skip
-    """What both fused losses share: flattening, dtype policy, row weights, chunking and the autograd call."""
+    """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
+    and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
     leading = student_input.shape[:-1]
     device = student_input.device
-    flat_labels = _flatten_labels(labels, leading, device, cfg)
     dtype = _compute_dtype(device, student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
     w_s = student_weight.to(dtype)
     kernel = kernels[select_backend(device, backend)]
-    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], w_s.shape[0], device, bytes_per_logit=bytes_per_logit)
+    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=bytes_per_logit)
     plan = ChunkPlan(
-        teacher_chunk=teacher_chunk(dtype),
+        teacher_chunk=teacher_chunk(torch.float64 if dtype == torch.float64 else torch.float32),
         kernel=lambda *args: kernel(*args, cfg),
         chunk_size=rows,
+        vocab=vocab,
         reduction=cfg.reduction,
         soft_weight=cfg.soft_weight,
         hard_weight=cfg.hard_weight,
@@ -244,6 +301,7 @@ def fused_linear_topk_kd(
     softcap: float | None = None,
     chunk_size: int | None = None,
     fp32_weight_grad: bool = False,
+    vocab_size: int | None = None,
     config: KDLossConfig | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
@@ -255,35 +313,56 @@ def fused_linear_topk_kd(
     (row t holds the teacher's top-k for the token after position t); log-probs taken at temperature 1 over
     the full vocabulary, as vLLM / SGLang return them; K may equal V (full log-probs). Padding slots (-inf,
     values <= -1000 such as vLLM's -9999, or negative ids) are ignored. Ids must be unique within a row.
-    The student is normalised over its full vocabulary inside the fused kernel; `tail` says what happens to
-    the teacher mass outside the top-k ("bucket", "renormalize", "none": see reference.topk_kd_per_row).
+    The student is normalised over its full vocabulary (ids [0, vocab_size) when `vocab_size` is given) inside
+    the fused kernel; `tail` says what happens to the teacher mass outside the top-k ("bucket", "renormalize",
+    "none": see reference.topk_kd_per_row).
     Temperature: exact within the top-k (log-probs are logits minus a constant); for the tail bucket with
     T != 1 the remaining mass is assumed spread evenly over the tokens outside the top-k.
     Equals `reference.topk_kd_loss(student_input @ student_weight.T + student_bias, ...)`.
-    `check_inputs` validates ids and log-probs on the device (one host sync); the other options are as in
-    `fused_linear_jsd`.
+    `check_inputs` validates, with one host sync, the rows that count (label not ignore_index): ids below the
+    vocabulary and unique within a row, log-probs neither NaN nor > 0, labels ignore_index or a real id.
+    Ignored rows are never read. The other options are as in `fused_linear_jsd`.
     """
     cfg = config or KDLossConfig(
         beta=beta, temperature=temperature, tail=tail, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
         fp32_weight_grad=fp32_weight_grad,
     )  # fmt: skip
+    cfg = _config_with_vocab_size(cfg, vocab_size)
     _check_linear("student", student_input, student_weight, student_bias)
-    vocab = student_weight.shape[0]
-    _check_topk(teacher_token_ids, teacher_logprobs, student_input.shape[:-1], vocab, check_inputs)
+    vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
+    leading = student_input.shape[:-1]
+    _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
+    flat_labels = _flatten_labels(labels, leading, student_input.device, cfg)
     k = teacher_token_ids.shape[-1]
     ids = teacher_token_ids.reshape(-1, k).to(student_input.device)
     logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach()
+    if check_inputs:
+        counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
+        label_checks = [_label_check(flat_labels, vocab, cfg)] if labels is not None else []
+        _run_device_checks(_topk_checks(ids, logprobs, counted, vocab) + label_checks)
+
+    def teacher_chunk(_logits_dtype: torch.dtype):
+        def slots(start: int, end: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # The select writes fresh rows: those that do not count become rows without teacher data (never read,
+            # whatever they hold), and every layout the caller passes (transposed, strided, expanded) arrives
+            # contiguous, as the Triton kernel reads a row's K slots at unit stride. A chunk x K copy is nothing
+            # beside the chunk x V work, and cheaper than a stride multiply on every slot load of three passes.
+            return _zero_rows(ids[start:end], active, -1), _zero_rows(logprobs[start:end], active, -math.inf)
+
+        return slots
+
     return _run_fused(
         student_input,
         student_weight,
         student_bias,
-        labels,
+        flat_labels,
         cfg,
         num_items_in_batch,
         backend,
         return_components,
-        teacher_chunk=lambda dtype: lambda start, end: (ids[start:end], logprobs[start:end]),
+        vocab=vocab,
+        teacher_chunk=teacher_chunk,
         kernels=topk_op.CHUNK_KERNELS,
         bytes_per_logit=6,  # fp32 student logits and a bf16 gradient
     )
@@ -310,7 +389,7 @@ class FusedLinearTopKKDLoss(_ConfiguredLoss):
         )  # fmt: skip
 
 
-def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, vocab: int, check_values: bool) -> None:
+def _check_topk_shapes(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, vocab: int) -> None:
     if ids.shape != logprobs.shape:
         raise ValueError(
             f"teacher_token_ids {tuple(ids.shape)} and teacher_logprobs {tuple(logprobs.shape)} must have one shape"
@@ -326,24 +405,62 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, leading: torch.Size, 
         raise ValueError(f"teacher_logprobs must be floating point log-probabilities; got dtype {logprobs.dtype}")
     if ids.shape[-1] > vocab:
         raise ValueError(f"teacher_token_ids has K={ids.shape[-1]} slots per row but the vocabulary has {vocab} ids")
-    if check_values and ids.numel():
-        too_big, has_nan, positive = torch.stack(
-            [(ids >= vocab).any(), logprobs.isnan().any(), (logprobs > 1e-3).any()]
-        ).tolist()  # one host sync for all three
-        if too_big:
-            raise ValueError(
-                f"teacher_token_ids holds ids >= the student's vocab size {vocab} (max {int(ids.max())}); the teacher "
-                f"data was made with another tokenizer or vocabulary"
-            )
-        if has_nan:
-            raise ValueError(
-                "teacher_logprobs contains NaN; regenerate the teacher data (padding slots should be -inf)"
-            )
-        if positive:
-            raise ValueError(
-                "teacher_logprobs contains values > 0, so they are not log-probabilities (logits?); pass "
-                "log_softmax(teacher_logits) or the log-probs an inference server returns"
-            )
+
+
+# Log-probs are <= 0; this much above 0 is more than bf16 rounding of a log-prob near 0 and means logits.
+_LOGPROB_SLACK = 1e-3
+# Rows per sort in the duplicate-id check: bounds its temporary to 16M ids even for full-vocabulary rows.
+_DUPLICATE_CHECK_ELEMS = 1 << 24
+
+
+def _topk_checks(ids: torch.Tensor, logprobs: torch.Tensor, counted: torch.Tensor, vocab: int):
+    """(device flag, message) pairs for the top-k data of the rows that count; padding slots are skipped."""
+    counted = counted[:, None]
+    present = topk_valid_slots(ids, logprobs) & counted
+
+    def too_big() -> str:
+        return (
+            f"teacher_token_ids holds ids >= the vocab size {vocab} (max {int(ids[present].max())}); the "
+            f"teacher data was made with another tokenizer or vocabulary (or vocab_size is too small)"
+        )
+
+    return [
+        ((present & (ids >= vocab)).any(), too_big),
+        (
+            (logprobs.isnan() & counted).any(),
+            lambda: "teacher_logprobs contains NaN; regenerate the teacher data (padding slots should be -inf)",
+        ),
+        (
+            ((logprobs > _LOGPROB_SLACK) & counted).any(),
+            lambda: (
+                "teacher_logprobs contains values > 0 (or +inf), so they are not log-probabilities (logits?); "
+                "pass log_softmax(teacher_logits) or the log-probs an inference server returns"
+            ),
+        ),
+        (
+            _has_duplicate_ids(ids, present),
+            lambda: (
+                "teacher_token_ids repeats an id within a row; top-k ids are unique (a repeated id would count "
+                "its probability twice): deduplicate the teacher data, or mark the repeats as padding (id -1)"
+            ),
+        ),
+    ]
+
+
+def _has_duplicate_ids(ids: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """True (on the device) when a row repeats an id among its present slots: sort each row, compare neighbours.
+    Padding slots get distinct negative keys so they never match each other or a real id."""
+    n, k = ids.shape
+    found = torch.zeros((), dtype=torch.bool, device=ids.device)
+    if k < 2:
+        return found
+    padding_keys = -1 - torch.arange(k, device=ids.device)
+    rows = max(1, _DUPLICATE_CHECK_ELEMS // k)
+    for start in range(0, n, rows):
+        keys = torch.where(present[start : start + rows], ids[start : start + rows].long(), padding_keys)
+        keys = keys.sort(-1).values
+        found |= (keys[:, 1:] == keys[:, :-1]).any()
+    return found
 
 
 def kl_estimator(
@@ -353,26 +470,43 @@ def kl_estimator(
     mask: torch.Tensor | None = None,
     clamp: float | None = None,
     reduction: str = "mean",
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """On-policy estimate of KL(student || teacher) from the log-probs of tokens sampled from the student.
 
     k1 = log q - log p, k2 = (log q - log p)^2 / 2, k3 = exp(log p - log q) - (log p - log q) - 1 (see
     reference.kl_estimator_terms). `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can
-    explode on tokens the teacher finds unlikely). `mask` (same shape, bool or 0/1) selects the tokens that
-    count: the completion, not the prompt or padding. reduction: "mean" over masked tokens (0 when none),
-    "sum", or "none". Gradients flow to whichever inputs require them (usually student_logprobs).
+    explode on tokens the teacher finds unlikely). A teacher log-prob of -inf (a token the teacher rules out)
+    makes the estimate +inf without `clamp` and counts as log-ratio -clamp with it (no gradient there, as
+    clamp's own). `mask` (same shape, bool or 0/1) selects the tokens that count: the completion, not the
+    prompt or padding, whose values are never read. reduction: "mean" over masked tokens (0 when none), "sum",
+    or "none". `check_inputs` refuses, with one host sync, NaN, +inf or positive log-probs on selected tokens,
+    and a student log-prob of -inf (a token sampled from the student has probability > 0).
+    Gradients flow to whichever inputs require them (usually student_logprobs).
     """
     if student_logprobs.shape != teacher_logprobs.shape:
         raise ValueError(
             f"student_logprobs {tuple(student_logprobs.shape)} and teacher_logprobs "
             f"{tuple(teacher_logprobs.shape)} must have one shape (one value per sampled token)"
         )
-    if clamp is not None:
-        if not clamp > 0:
-            raise ValueError(f"clamp must be None or > 0; got clamp={clamp!r}")
-        log_ratio = (teacher_logprobs - student_logprobs).clamp(-clamp, clamp)
-        student_logprobs = teacher_logprobs - log_ratio
-    terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind)
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be None or > 0; got clamp={clamp!r}")
+    selected = _selected_tokens(mask, student_logprobs.shape, student_logprobs.device)
+    if check_inputs:
+        checks = _logprob_checks("student_logprobs", student_logprobs, selected)
+        checks += _logprob_checks("teacher_logprobs", teacher_logprobs, selected)
+        checks.append(
+            (
+                (student_logprobs.isneginf() & selected).any(),
+                lambda: (
+                    "student_logprobs holds -inf on a selected token, which the student cannot have sampled; "
+                    "mask that token out"
+                ),
+            )
+        )
+        _run_device_checks(checks)
+    student_logprobs, teacher_logprobs = _zero_rows(student_logprobs, selected), _zero_rows(teacher_logprobs, selected)
+    terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind, clamp)
     return _masked_reduce(terms, mask, reduction)
 
 
@@ -384,11 +518,14 @@ def topk_kd_from_logprobs(
     beta: float = 0.0,
     tail: str = "bucket",
     reduction: str = "mean",
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """Top-k forward KL (beta=0) / reverse KL (beta=1) / generalized JSD on student-sampled sequences, from
     log-probs an RL framework already holds: both (..., K) on the same K ids (e.g. the teacher's top-k),
     each normalised over its full vocabulary. No logits, no patch. `tail` as in `fused_linear_topk_kd`; padding
-    slots (-inf in either) are ignored. `mask` (...) selects the tokens; reduction as in `kl_estimator`.
+    slots (-inf in either, or a teacher value <= -1000) are ignored. `mask` (...) selects the tokens; the others
+    are never read. `check_inputs` refuses NaN, +inf and positive log-probs on selected tokens (one host sync).
+    reduction as in `kl_estimator`.
     """
     KDLossConfig(beta=beta, tail=tail)  # validates
     if student_logprobs.shape != teacher_logprobs.shape:
@@ -396,7 +533,16 @@ def topk_kd_from_logprobs(
             f"student_logprobs {tuple(student_logprobs.shape)} and teacher_logprobs {tuple(teacher_logprobs.shape)} "
             f"must have one shape (..., K): both models' log-probs on the same K ids"
         )
-    present = torch.isfinite(student_logprobs) & (teacher_logprobs > reference.LOGPROB_PLACEHOLDER)
+    selected = _selected_tokens(mask, student_logprobs.shape[:-1], student_logprobs.device)
+    if check_inputs:
+        checks = _logprob_checks("student_logprobs", student_logprobs, selected[..., None])
+        _run_device_checks(checks + _logprob_checks("teacher_logprobs", teacher_logprobs, selected[..., None]))
+    present = (
+        selected[..., None]
+        & torch.isfinite(student_logprobs)
+        & (teacher_logprobs > reference.LOGPROB_PLACEHOLDER)
+        & torch.isfinite(teacher_logprobs)
+    )
     log_s = torch.where(present, student_logprobs, -math.inf)
     log_p = torch.where(present, teacher_logprobs.to(log_s.dtype), -math.inf)
     if tail == "renormalize":
@@ -407,6 +553,28 @@ def topk_kd_from_logprobs(
         tails = [(1 - t.exp().sum(-1)).clamp(min=reference.TAIL_FLOOR).log() for t in (log_s, log_p)]
         terms = terms + reference.divergence_terms(*tails, beta, torch.ones_like(terms, dtype=torch.bool))
     return _masked_reduce(terms, mask, reduction)
+
+
+def _selected_tokens(mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if mask.shape != shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must have the per-token shape {tuple(shape)}")
+    return mask.bool()
+
+
+def _logprob_checks(name: str, values: torch.Tensor, selected: torch.Tensor):
+    """(device flag, message) pairs: no NaN and nothing above 0 (+inf included) among the selected values."""
+    return [
+        ((values.isnan() & selected).any(), lambda: f"{name} contains NaN on a selected token; mask it out or fix it"),
+        (
+            ((values > _LOGPROB_SLACK) & selected).any(),
+            lambda: (
+                f"{name} contains values > 0 (or +inf), so they are not log-probabilities (logits?); pass "
+                f"log_softmax(logits) gathered at the tokens"
+            ),
+        ),
+    ]
 
 
 def _masked_reduce(terms: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import KDLossConfig
+from .conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR, resolve_vocab, topk_valid_slots  # noqa: F401 (re-export)
 
 
 def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -67,7 +68,8 @@ def reduce_rows(
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Zero the ignored rows, then reduce: "none" keeps rows, "sum" adds, "batchmean" divides the sum by
-    num_items_in_batch when given, else by the number of non-ignored rows (all ignored -> 0, never NaN)."""
+    num_items_in_batch when given, else by the number of non-ignored rows. No items at all (every row ignored,
+    or num_items_in_batch == 0, as the Trainer passes for a micro-batch without labels) gives 0, never 0 / 0."""
     valid = torch.ones_like(per_row, dtype=torch.bool) if labels is None else labels != ignore_index
     per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
     if reduction == "none":
@@ -75,9 +77,9 @@ def reduce_rows(
     total = per_row.sum()
     if reduction == "sum":
         return total
-    if num_items_in_batch is not None:
-        return total / num_items_in_batch
-    return total / valid.sum().clamp(min=1)
+    count = valid.sum() if num_items_in_batch is None else num_items_in_batch
+    count = torch.as_tensor(count, dtype=total.dtype, device=total.device)
+    return torch.where(count > 0, total / torch.where(count > 0, count, 1), 0)
 
 
 def generalized_jsd(
@@ -107,12 +109,23 @@ def kd_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """soft_weight * JSD(cap(student) / T, cap(teacher) / T) + hard_weight * CE(cap(student), labels): the full
-    objective that `losses.fused_linear_jsd` computes without materialising the logits."""
+    objective that `losses.fused_linear_jsd` computes without materialising the logits. With `config.vocab_size`
+    both logits are restricted to ids [0, vocab_size) first (heads padded to different sizes)."""
     cfg = config or KDLossConfig()
-    student = apply_softcap(student_logits, cfg.softcap)
-    teacher = apply_softcap(teacher_logits, cfg.teacher_softcap)
+    vocab = resolve_vocab(student_logits.shape[-1], teacher_logits.shape[-1], cfg.vocab_size)
+    student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
+    teacher = apply_softcap(teacher_logits[..., :vocab], cfg.teacher_softcap)
     soft = generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
     return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
+
+
+def require_real_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """Every id must be a real token: in [0, vocab)."""
+    if ids.numel() and not bool(((ids >= 0) & (ids < vocab)).all()):
+        raise ValueError(
+            f"{name} holds ids outside [0, {vocab}) (min {int(ids.min())}, max {int(ids.max())}); with "
+            f"vocab_size={vocab} every id must be a real token of the tokenizer"
+        )
 
 
 def require_labels_for_hard_term(cfg: KDLossConfig, labels) -> None:
@@ -129,6 +142,8 @@ def weigh_and_reduce(
 ) -> torch.Tensor:
     """soft_weight * KD + hard_weight * CE(student at T = 1) per row, then the reduction."""
     require_labels_for_hard_term(cfg, labels)
+    if labels is not None and cfg.vocab_size is not None:
+        require_real_ids("labels", labels[labels != cfg.ignore_index], capped_student_logits.shape[-1])
     per_row = cfg.soft_weight * soft_per_row
     if cfg.hard_weight:
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(capped_student_logits, labels, cfg.ignore_index)
@@ -138,18 +153,6 @@ def weigh_and_reduce(
 
 
 # ------------------------------------------------------------------------------------------- top-k teacher
-# Inference servers pad missing top-k slots with -inf or a large negative number (vLLM: -9999.0); any log-prob
-# at or below this is a padding slot, as is a negative id. exp(-1000) is 0 in every float format anyway.
-LOGPROB_PLACEHOLDER = -1e3
-# The tail bucket's mass is 1 - sum(top-k probs): rounding noise when the top-k holds nearly all the mass (and
-# bf16 log-probs can even sum above 1). Both sides' tail masses are floored here so the loss stays finite.
-TAIL_FLOOR = 1e-6
-
-
-def topk_valid_slots(teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    return (teacher_token_ids >= 0) & (teacher_logprobs > LOGPROB_PLACEHOLDER) & torch.isfinite(teacher_logprobs)
-
-
 def tempered_topk_teacher(
     teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,9 +234,14 @@ def topk_kd_loss(
     config: KDLossConfig | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels)."""
+    """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels); with
+    `config.vocab_size` the student is restricted to ids [0, vocab_size) first."""
     cfg = config or KDLossConfig()
-    student = apply_softcap(student_logits, cfg.softcap)
+    vocab = resolve_vocab(student_logits.shape[-1], None, cfg.vocab_size)
+    if cfg.vocab_size is not None:
+        present = topk_valid_slots(teacher_token_ids, teacher_logprobs)
+        require_real_ids("teacher_token_ids", teacher_token_ids[present], vocab)
+    student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
     soft = topk_kd_per_row(
         student, teacher_token_ids, teacher_logprobs, beta=cfg.beta, temperature=cfg.temperature, tail=cfg.tail
     )
@@ -244,13 +252,18 @@ def topk_kd_loss(
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimator_terms(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_estimator_terms(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, kind: str, clamp: float | None = None
+) -> torch.Tensor:
     """Per-token estimates of KL(student || teacher) from the log-probs of a token sampled from the student.
 
     With log r = log p_teacher - log q_student: k1 = -log r (unbiased, high variance, can be negative),
     k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased and never negative).
+    `clamp` bounds log r to [-clamp, clamp] (a token the teacher rules out, log p = -inf, counts as -clamp).
     """
     log_ratio = teacher_logprobs - student_logprobs
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
     if kind == "k1":
         return -log_ratio
     if kind == "k2":

@@ -19,6 +19,8 @@ from .backend import logits_fp32
 
 # (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
 #   -> (soft_rows, hard_rows, grad_logits | None)
+# A teacher chunk source: (start, end, active rows of the chunk) -> what the kernel compares with (teacher logits,
+# or top-k ids and log-probs), with the inactive rows replaced by harmless values.
 ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 # Budget for one chunk's (rows x V) buffers. Larger chunks mean fewer read-modify-writes of the V x H weight
@@ -61,7 +63,7 @@ def run_chunked(
     student_input: torch.Tensor,
     student_weight: torch.Tensor,
     student_bias: torch.Tensor | None,
-    teacher_chunk: Callable[[int, int], Any],
+    teacher_chunk: Callable[[int, int, torch.Tensor], Any],
     labels: torch.Tensor,
     w_soft: torch.Tensor,
     w_hard: torch.Tensor,
@@ -69,33 +71,48 @@ def run_chunked(
     *,
     chunk_size: int,
     needs_grad: tuple[bool, bool, bool],
+    vocab: int | None = None,
     fp32_weight_grad: bool = False,
 ) -> ChunkedResult:
-    """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias)."""
-    n_rows, vocab = student_input.shape[0], student_weight.shape[0]
+    """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
+
+    `vocab`: only the first `vocab` rows of the weight (and bias) are real tokens; the chunks see row views of
+    them and the gradient rows past them are 0. Rows whose weights are both 0 (ignored labels, or no items in
+    the batch) are replaced by zeros before any product, so NaN or inf in them (padding garbage) reaches
+    neither the loss nor a gradient: a zero row weight alone would not do, as 0 * NaN is NaN.
+    """
+    n_rows, full_vocab = student_input.shape[0], student_weight.shape[0]
+    vocab = full_vocab if vocab is None else vocab
+    weight = student_weight[:vocab]
+    bias = None if student_bias is None else student_bias[:vocab]
+    active = (w_soft != 0) | (w_hard != 0)
     acc_dtype = torch.float64 if student_input.dtype == torch.float64 else torch.float32
     soft_rows = torch.zeros(n_rows, dtype=acc_dtype, device=student_input.device)
     hard_rows = torch.zeros_like(soft_rows)
     need_input, need_weight, need_bias = needs_grad
     any_grad = need_input or need_weight or need_bias
-    grad_input = torch.empty_like(student_input) if need_input else None
+    # contiguous whatever the input's strides, so each chunk's rows are one block for mm(out=)
+    grad_input = student_input.new_empty(student_input.shape) if need_input else None
     grad_weight = None
     if need_weight:
         weight_grad_dtype = (
             torch.float32 if fp32_weight_grad and student_weight.dtype != torch.float64 else student_weight.dtype
         )
-        # the first chunk writes it, later chunks accumulate (zeros only when there is no chunk at all)
+        # the first chunk writes rows [0, vocab), later chunks accumulate (zeros only when there is no chunk at
+        # all); the padding rows past vocab are 0
         new = torch.empty if n_rows else torch.zeros
         grad_weight = new(student_weight.shape, dtype=weight_grad_dtype, device=student_weight.device)
-    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
+        grad_weight[vocab:].zero_()
+    grad_bias = torch.zeros(full_vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
 
     for start in range(0, n_rows, chunk_size):
         end = min(n_rows, start + chunk_size)
-        hidden = student_input[start:end]
-        logits = logits_fp32(hidden, student_weight, student_bias)
+        chunk_active = active[start:end]
+        hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
+        logits = logits_fp32(hidden, weight, bias)
         soft, hard, grad_logits = kernel(
             logits,
-            teacher_chunk(start, end),
+            teacher_chunk(start, end, chunk_active),
             labels[start:end],
             w_soft[start:end],
             w_hard[start:end],
@@ -107,11 +124,11 @@ def run_chunked(
         if grad_logits is None:
             continue
         if need_input:
-            torch.mm(grad_logits, student_weight, out=grad_input[start:end])
+            torch.mm(grad_logits, weight, out=grad_input[start:end])
         if need_weight:
-            _accumulate_weight_grad(grad_weight, grad_logits, hidden, first=start == 0)
+            _accumulate_weight_grad(grad_weight[:vocab], grad_logits, hidden, first=start == 0)
         if need_bias:
-            grad_bias += grad_logits.sum(0, dtype=acc_dtype)
+            grad_bias[:vocab] += grad_logits.sum(0, dtype=acc_dtype)
         # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk, not two
         del grad_logits
     if grad_bias is not None and student_bias is not None:
@@ -144,9 +161,10 @@ def _accumulate_weight_grad(
 class ChunkPlan:
     """Everything about a fused call that is not a differentiable tensor."""
 
-    teacher_chunk: Callable[[int, int], Any]
+    teacher_chunk: Callable[[int, int, torch.Tensor], Any]
     kernel: ChunkKernel
     chunk_size: int
+    vocab: int  # the leading weight rows that are real tokens (all of them unless vocab_size says otherwise)
     reduction: str
     soft_weight: float
     hard_weight: float
@@ -223,6 +241,7 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         plan.kernel,
         chunk_size=plan.chunk_size,
         needs_grad=needs_grad,
+        vocab=plan.vocab,
         fp32_weight_grad=plan.fp32_weight_grad,
     )
 
@@ -230,9 +249,11 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
 def hard_ce_rows_and_grad(
     capped: torch.Tensor, labels: torch.Tensor, ignore_index: int, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Cross-entropy at T=1 per row (0 where ignored) and its gradient wrt the capped logits (unweighted)."""
+    """Cross-entropy at T=1 per row (0 where ignored) and its gradient wrt the capped logits (unweighted).
+    A label outside [0, V) (only reachable with check_inputs=False) counts as ignored here, as in the Triton
+    kernel: never an out-of-bounds read."""
     log_q = F.log_softmax(capped, dim=-1)
-    valid = labels != ignore_index
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < capped.shape[-1])
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     rows = -log_q.gather(-1, safe[:, None]).squeeze(-1) * valid
     if not need_grad:

@@ -101,7 +101,8 @@ if triton_available():
         lse_t = _lse_finish(m_t, d_t)
 
         label = tl.load(labels_ptr + row).to(tl.int64)
-        valid = label != ignore_index
+        # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
+        valid = (label != ignore_index) & (label >= 0) & (label < V)
         w_soft = tl.load(w_soft_ptr + row)
         w_hard = tl.load(w_hard_ptr + row)
         if HAS_HARD:

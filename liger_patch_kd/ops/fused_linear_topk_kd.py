@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import KDLossConfig
-from ..reference import LOGPROB_PLACEHOLDER, TAIL_FLOOR, apply_softcap, tempered_topk_teacher
+from ..conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR
+from ..reference import apply_softcap, tempered_topk_teacher
 from .backend import triton_available
 from .chunked import finish_chunk
 
@@ -154,6 +155,7 @@ if triton_available():
             ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
             lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
             valid = kmask & (ids >= 0) & (lp > placeholder)
+            lp = tl.where(valid, lp, 0.0)  # padding lanes compute on finite values (no -inf - -inf), then drop
             u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
             n_valid += valid.to(tl.int32)
             mass_vec += tl.where(valid, tl.exp(lp), 0.0)
@@ -172,6 +174,10 @@ if triton_available():
         log_z = big + tl.log(tl.exp(lse_pk - big) + tl.exp(log_tail_t - big))
         if TAIL == 1:  # renormalize: both sides over the valid slots only
             log_z = lse_pk
+        # a row without valid slots has log_z (renormalize) and lse_qk at -inf; its lanes are all dropped, so any
+        # finite stand-in keeps them free of inf - inf
+        log_z = tl.where(log_z == float("-inf"), 0.0, log_z)
+        lse_qk = tl.where(lse_qk == float("-inf"), 0.0, lse_qk)
 
         log_beta = 0.0
         log_1m_beta = 0.0
@@ -187,6 +193,7 @@ if triton_available():
             ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
             lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
             valid = kmask & (ids >= 0) & (lp > placeholder)
+            lp = tl.where(valid, lp, 0.0)  # padding lanes compute on finite values (no -inf - -inf), then drop
             u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
             log_s = u - (lse_qk if TAIL == 1 else lse_s)
             log_p = lp * inv_temp - log_z
@@ -200,7 +207,7 @@ if triton_available():
         if TAIL == 0:
             raw_tail = 1.0 - s_sum
             log_s_tail = tl.log(tl.maximum(raw_tail, tail_floor))
-            log_p_tail = log_tail_t - log_z
+            log_p_tail = tl.where(has_tail, log_tail_t, log_z) - log_z  # no tail: a dropped, finite stand-in
             t_term, t_a = _class_term_and_a(log_s_tail, log_p_tail, beta, log_beta, log_1m_beta, MODE)
             row_loss += tl.where(has_tail, t_term, 0.0)
             r = tl.where(has_tail & (raw_tail > tail_floor), t_a / tl.exp(log_s_tail), 0.0)
@@ -209,7 +216,8 @@ if triton_available():
         tl.store(soft_ptr + row, row_loss)
 
         label = tl.load(labels_ptr + row).to(tl.int64)
-        valid_row = label != ignore_index
+        # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
+        valid_row = (label != ignore_index) & (label >= 0) & (label < V)
         lse_1 = lse_s
         if HAS_HARD:
             if not UNIT_TEMP:
@@ -238,6 +246,7 @@ if triton_available():
                 ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
                 lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
                 valid = kmask & (ids >= 0) & (lp > placeholder)
+                lp = tl.where(valid, lp, 0.0)
                 x = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S)
                 u = x * inv_temp
                 log_s = u - (lse_qk if TAIL == 1 else lse_s)

@@ -31,5 +31,8 @@ def _online_lse_update(m_vec, d_vec, x):
 def _lse_finish(m_vec, d_vec):
     """log-sum-exp from the lane-wise state; -inf when every value was -inf (an empty set)."""
     m = tl.max(m_vec, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return m_safe + tl.log(tl.sum(d_vec * tl.exp(m_vec - m_safe), axis=0))
+    empty = m == float("-inf")
+    m_safe = tl.where(empty, 0.0, m)
+    total = tl.sum(d_vec * tl.exp(m_vec - m_safe), axis=0)  # >= 1 unless empty
+    # log(1) on an empty set, then -inf: no log(0) evaluated (the interpreter warns on it)
+    return tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
