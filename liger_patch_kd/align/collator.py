@@ -48,7 +48,8 @@ class CrossTokenizerCollator:
     """Batches for `align.loss` / `align.trainer_hooks`: the student's input_ids / attention_mask / labels (HF
     style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per
     shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
-    in the batch, -1 outside) and align_exact_ok (True on groups whose last tokens start at one character).
+    in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,
+    where the exact-token term applies).
     `*_prefix_ids` are prepended to each sequence (e.g. [bos_token_id] when the template does not add it)."""
 
     student_tokenizer: Any
@@ -85,7 +86,7 @@ class CrossTokenizerCollator:
             s_group, t_group, exact = [-1] * len(s_ids), [-1] * len(t_ids), [False] * len(s_ids)
             for g in groups:
                 for j in range(g.s_first, g.s_last + 1):
-                    s_group[j - 1], exact[j - 1] = n_groups, g.same_last_start
+                    s_group[j - 1], exact[j - 1] = n_groups, g.one_to_one
                 for j in range(g.t_first, g.t_last + 1):
                     t_group[j - 1] = n_groups
                     t_labels[j] = t_ids[j]

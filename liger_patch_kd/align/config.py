@@ -20,9 +20,10 @@ class CrossTokenizerConfig:
       kind="uld":    ULD(q_g, p_g) = sum_i |sort(q_g)_i - sort(p_g)_i| (the shorter vector padded with zeros)
       kind="exact":  generalized JSD(beta) between q_g and p_g on the token strings both vocabularies hold
       kind="hybrid": exact_weight * exact + uld_weight * ULD over the tokens outside the vocabulary map
-    exact / hybrid apply the exact term only to groups whose last tokens start at the same character (else both
-    merged distributions are over continuations of different text); other groups get ULD over all tokens
-    (hybrid) or nothing (exact). Without that per-group flag every group counts as exact-eligible (GOLD).
+    exact / hybrid apply the exact term only to one-to-one groups (the collator's align_exact_ok; in a merged
+    group the two merged distributions are over continuations of different text, see align.offsets.Group);
+    other groups get ULD over all tokens (hybrid) or nothing (exact). Without align_exact_ok every group
+    counts as exact-eligible, as in TRL's GOLD.
     unmatched: mass outside the map in the exact term: "bucket" (one extra class on both sides) or "ignore"
         (terms on the mapped tokens only; TRL GOLD's hybrid).
     uld_top_k: None for the full sort; k for the sorted top-k of both sides plus one tail bucket each

@@ -66,15 +66,17 @@ def canonical_ends(offsets: list[tuple[int, int]]) -> list[int]:
 @dataclass(frozen=True)
 class Group:
     """Student tokens [s_first, s_last] and teacher tokens [t_first, t_last] covering the same text.
-    `same_last_start`: the last tokens of both sides start at the same character, so the two merged
-    distributions (see `align.reference.merged_log_probs`) are over continuations of the same text and an
-    exact-token comparison is meaningful."""
+
+    `one_to_one`: one token on each side. Only then are the two merged distributions (see
+    `align.reference.merged_log_probs`) over continuations of the same text, so that an exact-token comparison
+    means something: the last tokens of a group start at one character only if that character is a shared
+    boundary, which would have ended the group before them."""
 
     s_first: int
     s_last: int
     t_first: int
     t_last: int
-    same_last_start: bool
+    one_to_one: bool
 
 
 def align_tokens(
@@ -98,9 +100,7 @@ def align_tokens(
         t0, t1 = bisect_right(e_t, lo), bisect_right(e_t, hi) - 1
         if s0 == 0 or t0 == 0:
             continue
-        # the last tokens start where the token before them ends (canonically)
-        same = e_s[s1 - 1] == e_t[t1 - 1] if s1 > 0 and t1 > 0 else False
-        groups.append(Group(s0, s1, t0, t1, same))
+        groups.append(Group(s0, s1, t0, t1, s0 == s1 and t0 == t1))
     return groups
 
 
