@@ -30,7 +30,12 @@ def random_case(seed=0, dtype=torch.float64, bias=False, leading_s=(2, 9), leadi
     s_labels[0, 0] = -100  # a prompt row
     s_labels[1, -1] = -100
     exact_ok = torch.rand(leading_s, generator=g) > 0.4
-    vocab_map = VocabMap(torch.tensor([0, 2, 3, 7, 11, 30, 52]), torch.tensor([1, 2, 5, 6, 9, 17, 40]), v_s, v_t)
+    # first-byte classes: a few bytes shared, some only on one side, a special class
+    s_bytes = torch.randint(60, 70, (v_s,), generator=g)
+    t_bytes = torch.randint(62, 72, (v_t,), generator=g)
+    s_bytes[:2], t_bytes[:1] = 256, 256
+    vocab_map = VocabMap(torch.tensor([0, 2, 3, 7, 11, 30, 52]), torch.tensor([1, 2, 5, 6, 9, 17, 40]), v_s, v_t,
+                         s_bytes, t_bytes)  # fmt: skip
     return dict(h_s=h_s, w_s=w_s, b_s=b_s, h_t=h_t, w_t=w_t, s_labels=s_labels, t_labels=t_labels,
                 s_groups=s_groups, t_groups=t_groups, exact_ok=exact_ok, vocab_map=vocab_map)  # fmt: skip
 
@@ -56,7 +61,7 @@ def grads(loss, c, weight=None):
     return torch.autograd.grad(loss if weight is None else (loss * weight).sum(), params)
 
 
-@pytest.mark.parametrize("kind", ["uld", "exact", "hybrid"])
+@pytest.mark.parametrize("kind", ["uld", "exact", "hybrid", "next_byte"])
 @pytest.mark.parametrize("top_k", [None, 4, 1000])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_fused_matches_reference(kind, top_k, beta):
@@ -70,11 +75,12 @@ def test_fused_matches_reference(kind, top_k, beta):
 
 
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
-@pytest.mark.parametrize("unmatched", ["bucket", "ignore"])
+@pytest.mark.parametrize("unmatched", ["bucket", "ignore", "next_byte"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 64])
 def test_reductions_unmatched_policies_and_chunks(reduction, unmatched, chunk_size):
     c = random_case(seed=1)
-    cfg = CrossTokenizerConfig(kind="hybrid", unmatched=unmatched, reduction=reduction, softcap=3.0,
+    kind, unmatched = ("next_byte", "bucket") if unmatched == "next_byte" else ("hybrid", unmatched)
+    cfg = CrossTokenizerConfig(kind=kind, unmatched=unmatched, reduction=reduction, softcap=3.0,
                                teacher_softcap=2.0, chunk_size=chunk_size, beta=0.3)  # fmt: skip
     ref, fused = reference_loss(c, cfg), fused_loss(c, cfg)
     torch.testing.assert_close(fused, ref, rtol=1e-10, atol=1e-12)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..config import REDUCTIONS
 
-KINDS = ("hybrid", "uld", "exact")
+KINDS = ("hybrid", "uld", "exact", "next_byte")
 UNMATCHED = ("bucket", "ignore")
 
 
@@ -20,6 +20,11 @@ class CrossTokenizerConfig:
       kind="uld":    ULD(q_g, p_g) = sum_i |sort(q_g)_i - sort(p_g)_i| (the shorter vector padded with zeros)
       kind="exact":  generalized JSD(beta) between q_g and p_g on the token strings both vocabularies hold
       kind="hybrid": exact_weight * exact + uld_weight * ULD over the tokens outside the vocabulary map
+      kind="next_byte": generalized JSD(beta) between the two models' distributions of the next byte of text at
+                     the group's start (a boundary both share, so both condition on the same text): each side's
+                     next-token probabilities summed by the first UTF-8 byte of the token (257 classes, one
+                     for special tokens). No merging and no vocabulary overlap needed; VocabMap.build fills in
+                     the byte classes.
     exact / hybrid apply the exact term only to one-to-one groups (the collator's align_exact_ok; in a merged
     group the two merged distributions are over continuations of different text, see align.offsets.Group);
     other groups get ULD over all tokens (hybrid) or nothing (exact). Without align_exact_ok every group

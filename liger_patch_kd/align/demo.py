@@ -86,14 +86,24 @@ def _train_teacher(char_tok, train_texts, sizes: DemoSizes, device):
     return teacher.eval().requires_grad_(False)
 
 
+DEFAULT_RECIPES = {
+    "CE + next-byte KD": CrossTokenizerConfig(kind="next_byte", beta=0.0, hard_weight=1.0),
+    "CE + GOLD-style hybrid": CrossTokenizerConfig(kind="hybrid", beta=0.0, hard_weight=1.0),
+}
+
+
 def run_cross_tokenizer_demo(
-    teacher=None, quick: bool = False, device: str | None = None, config: CrossTokenizerConfig | None = None
+    teacher=None,
+    quick: bool = False,
+    device: str | None = None,
+    recipes: dict[str, CrossTokenizerConfig] | None = None,
+    sizes: CrossTokenizerDemoSizes | None = None,
 ) -> dict:
-    """Train the BPE student twice from one init: CE only, and CE + cross-tokenizer KD from the character
-    teacher; returns (and prints) held-out CE of both, the teacher's, wall time and the vocabulary overlap."""
+    """Train the BPE student from one init on CE only and on CE + each cross-tokenizer KD recipe from the
+    character teacher; returns (and prints) held-out CE of each, wall time and the vocabulary overlap."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sizes = CrossTokenizerDemoSizes.quick() if quick else CrossTokenizerDemoSizes()
-    cfg = config or CrossTokenizerConfig(kind="hybrid", beta=0.0, hard_weight=1.0, soft_weight=1.0)
+    sizes = sizes or (CrossTokenizerDemoSizes.quick() if quick else CrossTokenizerDemoSizes())
+    recipes = DEFAULT_RECIPES if recipes is None else recipes
     text = load_corpus()
     split = int(len(text) * 0.9)
     char_tok = CharTokenizerWithOffsets(text)
@@ -104,16 +114,14 @@ def run_cross_tokenizer_demo(
         teacher = _train_teacher(char_tok, _text_windows(text[:split], 63), DemoSizes.quick() if quick else DemoSizes(),
                                  dev)  # fmt: skip
     teacher = teacher.to(dev).eval().requires_grad_(False)
-    vocab_map = VocabMap.build(bpe.get_vocab(), char_tok.get_vocab(), normalize=byte_level_to_text,
-                               teacher_vocab_size=len(char_tok))  # fmt: skip
+    vocab_map = VocabMap.build(bpe, char_tok, normalize=byte_level_to_text, teacher_vocab_size=len(char_tok))
     collator = CrossTokenizerCollator(bpe, char_tok, student_pad_id=PAD, teacher_pad_id=PAD,
                                       student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))  # fmt: skip
     examples = [{"prompt": "", "completion": t} for t in train_texts]
     print(f"\ncross-tokenizer: char teacher ({len(char_tok)} symbols) -> BPE student ({bpe.get_vocab_size()} tokens, "
-          f"{len(vocab_map)} shared strings), {sizes.steps} steps x {sizes.batch} windows of {sizes.chars} chars, "
-          f"{cfg.kind} (beta {cfg.beta}) + CE")  # fmt: skip
-    results = {"teacher_ce_per_char": None, "vocab_overlap": len(vocab_map), "recipes": {}}
-    for name in ("CE only", f"CE + cross-tokenizer {cfg.kind}"):
+          f"{len(vocab_map)} shared strings), {sizes.steps} steps x {sizes.batch} windows of {sizes.chars} chars")
+    results = {"vocab_overlap": len(vocab_map), "recipes": {}}
+    for name, cfg in {"CE only": None, **recipes}.items():
         student = _model(bpe.get_vocab_size(), 64, 2, seed=1, device=dev)
         student.config.eos_token_id = EOS
         opt = torch.optim.AdamW(student.parameters(), lr=sizes.lr)
@@ -124,7 +132,7 @@ def run_cross_tokenizer_demo(
             batch = {k: v.to(dev) for k, v in collator([examples[i] for i in idx]).items()}
             for g in opt.param_groups:
                 g["lr"] = sizes.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / sizes.steps))
-            if name == "CE only":
+            if cfg is None:
                 loss = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                labels=batch["labels"]).loss  # fmt: skip
             else:
@@ -136,11 +144,12 @@ def run_cross_tokenizer_demo(
         seconds = time.perf_counter() - start
         per_token, per_char = held_out_ce(student, bpe, held_out, dev)
         results["recipes"][name] = dict(ce_per_token=per_token, ce_per_char=per_char, seconds=seconds)
-        print(f"  {name:34} held-out CE {per_token:.3f} nats/token, {per_char:.4f} nats/char, {seconds:.1f} s")
+        print(f"  {name:26} held-out CE {per_token:.3f} nats/token, {per_char:.4f} nats/char, {seconds:.1f} s")
     return results
 
 
 if __name__ == "__main__":
+    import json
     import sys
 
-    run_cross_tokenizer_demo(quick="--quick" in sys.argv)
+    print(json.dumps(run_cross_tokenizer_demo(quick="--quick" in sys.argv), indent=1))

@@ -18,10 +18,12 @@ import torch
 
 from ..ops.backend import logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
-from ..reference import apply_softcap
+from ..ops.fused_linear_topk_kd import _terms_and_a
+from ..reference import TAIL_FLOOR, apply_softcap
 from .config import CrossTokenizerConfig
 from .fused_math import group_loss_and_a
-from .vocab import VocabMap
+from .reference import group_ids_consistent, project_to_bytes
+from .vocab import NO_BYTE, VocabMap
 
 
 class CrossTokenizerLossOutput(NamedTuple):
@@ -35,9 +37,11 @@ class _ChunkMeta:
     """One chunk's groups, in chunk-local indices (all on the loss's device)."""
 
     row_group: torch.Tensor  # (C,) local group of each chunk row, -1 for none
+    first_row: torch.Tensor  # (G_c,) chunk row predicting each group's first token
     last_row: torch.Tensor  # (G_c,) chunk row predicting each group's last token
     teacher_rows: torch.Tensor  # (R,) flat teacher rows of the chunk's groups
     teacher_group: torch.Tensor  # (R,) local group of each
+    teacher_first: torch.Tensor  # (G_c,) index into teacher_rows of each group's first row
     teacher_last: torch.Tensor  # (G_c,) index into teacher_rows of each group's last row
     exact_ok: torch.Tensor  # (G_c,) bool
 
@@ -60,8 +64,6 @@ def plan_layout(
 ) -> tuple[torch.Tensor, list[dict], int]:
     """Host-side: (layout (N',): the student row of each chunk row, -1 for padding; per-chunk index lists; the
     chunk size, raised to the longest group when one is longer)."""
-    from .reference import group_ids_consistent
-
     n_groups = group_ids_consistent(s_groups, t_groups)
     s_first, s_last = _group_ranges(s_groups, n_groups, "student")
     t_first, t_last = _group_ranges(t_groups, n_groups, "teacher")
@@ -93,16 +95,18 @@ def plan_layout(
         layout.extend(range(first, last + 1))
     metas = []
     for chunk in chunks:
-        row_group, last_row, t_rows, t_group, t_last_local, ok = [], [], [], [], [], []
+        row_group, first_row, last_row, t_rows, t_group, t_first_local, t_last_local, ok = [], [], [], [], [], [], [], []
         for local, (g, offset, length) in enumerate(chunk["groups"]):
             row_group.append((offset, length, local))
+            first_row.append(offset)
             last_row.append(offset + length - 1)
+            t_first_local.append(len(t_rows))
             t_rows.extend(range(int(t_first[g]), int(t_last[g]) + 1))
             t_group.extend([local] * (int(t_last[g]) - int(t_first[g]) + 1))
             t_last_local.append(len(t_rows) - 1)
             ok.append(True if exact_ok is None else bool(exact_ok[int(s_last[g])]))
-        metas.append(dict(row_group=row_group, last_row=last_row, teacher_rows=t_rows, teacher_group=t_group,
-                          teacher_last=t_last_local, exact_ok=ok))  # fmt: skip
+        metas.append(dict(row_group=row_group, first_row=first_row, last_row=last_row, teacher_rows=t_rows,
+                          teacher_group=t_group, teacher_first=t_first_local, teacher_last=t_last_local, exact_ok=ok))  # fmt: skip
     return torch.tensor(layout, dtype=torch.long), metas, chunk_size
 
 
@@ -111,8 +115,9 @@ def _to_meta(raw: dict, rows: int, device) -> _ChunkMeta:
     for offset, length, local in raw["row_group"]:
         row_group[offset : offset + length] = local
     tensor = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return _ChunkMeta(row_group.to(device), tensor(raw["last_row"]), tensor(raw["teacher_rows"]),
-                      tensor(raw["teacher_group"]), tensor(raw["teacher_last"]), tensor(raw["exact_ok"], torch.bool))  # fmt: skip
+    return _ChunkMeta(row_group.to(device), tensor(raw["first_row"]), tensor(raw["last_row"]),
+                      tensor(raw["teacher_rows"]), tensor(raw["teacher_group"]), tensor(raw["teacher_first"]),
+                      tensor(raw["teacher_last"]), tensor(raw["exact_ok"], torch.bool))  # fmt: skip
 
 
 def _merge(log_probs: torch.Tensor, targets: torch.Tensor, row_group: torch.Tensor, last: torch.Tensor, n: int):
@@ -131,6 +136,8 @@ def _chunk_kernel(logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg, voca
     log_p, meta = teacher
     capped = apply_softcap(logits, cfg.softcap)
     log_s = torch.log_softmax(capped / cfg.temperature, dim=-1)
+    if cfg.kind == "next_byte":
+        return _next_byte_chunk(log_s, log_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map)
     targets = labels.clamp(min=0)
     n_groups = meta.last_row.numel()
     log_q, earlier = _merge(log_s, targets, meta.row_group, meta.last_row, n_groups)
@@ -153,9 +160,37 @@ def _chunk_kernel(logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg, voca
     return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
 
 
-def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig):
+def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map):
+    """kind="next_byte": each group's loss from its first row alone (no coupling between rows)."""
+    first = meta.first_row
+    probs = log_s[first].exp()
+    q = torch.zeros(first.numel(), NO_BYTE + 1, dtype=probs.dtype, device=probs.device)
+    q.index_add_(1, vocab_map.student_first_byte, probs)
+    byte_p = byte_p.to(q.dtype)
+    present = (q > 0) | (byte_p > 0)
+    terms, a_class = _terms_and_a(q.clamp(min=TAIL_FLOOR).log(), byte_p.clamp(min=TAIL_FLOOR).log(), cfg.beta, present)
+    soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), terms.sum(-1))
+
+    def grad_u():
+        # dL/dq_c where the class mass is above its floor (as clamp's own gradient), then a_v = S_v dL/dq_c(v)
+        d_class = torch.where(q > TAIL_FLOOR, a_class / q.clamp(min=TAIL_FLOOR), torch.zeros_like(q))
+        a = probs * d_class[:, vocab_map.student_first_byte]
+        weight = w_soft[meta.last_row].to(a.dtype)
+        grad = torch.zeros_like(log_s)
+        grad[first] = (a - probs * a.sum(-1, keepdim=True)) * weight[:, None]
+        return grad
+
+    return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
+
+
+def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
     def chunk(start: int, end: int):
         meta = metas[start]
+        if cfg.kind == "next_byte":  # the teacher's next-byte distribution at each group's first row only
+            rows = meta.teacher_rows[meta.teacher_first]
+            logits = logits_fp32(h_t[rows], w_t, b_t)
+            probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+            return project_to_bytes(probs, vocab_map.teacher_first_byte), meta
         logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
         log_probs = torch.log_softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
         targets = t_labels[meta.teacher_rows].clamp(min=0)
@@ -215,7 +250,9 @@ def fused_linear_cross_tokenizer_kd(
     _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
     if exact_ok is not None:
         _check("exact_ok", exact_ok, student_input.shape[:-1])
-    if cfg.kind != "uld" and (vocab_map is None or len(vocab_map) == 0):
+    if cfg.kind == "next_byte" and (vocab_map is None or vocab_map.student_first_byte is None):
+        raise ValueError("kind='next_byte' needs a VocabMap with first-byte classes: VocabMap.build(student, teacher)")
+    if cfg.kind in ("exact", "hybrid") and (vocab_map is None or len(vocab_map) == 0):
         raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
     if vocab_map is not None:
         vocab_map.check(student_weight.shape[0], teacher_weight.shape[0])
@@ -250,7 +287,7 @@ def fused_linear_cross_tokenizer_kd(
     b_t = None if teacher_bias is None else teacher_bias.detach()
     t_labels = teacher_labels.reshape(-1).to(device)
     plan = ChunkPlan(
-        teacher_chunk=_teacher_source(h_t, teacher_weight.detach().to(dtype), b_t, t_labels, metas, cfg),
+        teacher_chunk=_teacher_source(h_t, teacher_weight.detach().to(dtype), b_t, t_labels, metas, cfg, vocab_map),
         kernel=lambda *args: _chunk_kernel(*args, cfg, vocab_map),
         chunk_size=chunk_size,
         reduction=cfg.reduction,

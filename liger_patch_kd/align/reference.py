@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
 from .config import CrossTokenizerConfig
-from .vocab import VocabMap
+from .vocab import NO_BYTE, VocabMap
 
 
 def merged_log_probs(
@@ -33,6 +33,13 @@ def merged_log_probs(
     label_lp = log_s[rows[earlier], labels[earlier]]
     log_scale = torch.zeros(n_groups, dtype=log_s.dtype).index_add(0, groups[earlier], label_lp)
     return log_s[last] + log_scale[:, None]
+
+
+def first_rows(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The row predicting each group's first token (on either side)."""
+    rows = torch.arange(groups.numel())
+    member = groups >= 0
+    return torch.full((n_groups,), groups.numel()).scatter_reduce(0, groups[member], rows[member], "amin")
 
 
 def sorted_l1(q: torch.Tensor, p: torch.Tensor, top_k: int | None = None) -> torch.Tensor:
@@ -87,6 +94,31 @@ def group_losses(
     return torch.where(exact_ok, cfg.exact_weight * exact, torch.zeros_like(exact)) + cfg.uld_weight * uld
 
 
+def next_byte_terms(
+    log_s: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMap, beta: float
+) -> torch.Tensor:
+    """Generalized JSD per row between next-byte distributions: probabilities summed by each token's first
+    byte (VocabMap.*_first_byte). Class masses are floored at TAIL_FLOOR inside the logs (a byte one side
+    cannot start a token with)."""
+    if vocab_map is None:
+        raise ValueError("kind='next_byte' needs a VocabMap (its first-byte classes): VocabMap.build(student, teacher)")
+    q = project_to_bytes(log_s.exp(), vocab_map.student_first_byte)
+    p = project_to_bytes(log_p.exp(), vocab_map.teacher_first_byte)
+    lq, lp = q.clamp(min=TAIL_FLOOR).log(), p.clamp(min=TAIL_FLOOR).log()
+    return divergence_terms(lq, lp, beta, (q > 0) | (p > 0)).sum(-1)
+
+
+def project_to_bytes(probs: torch.Tensor, first_byte: torch.Tensor | None) -> torch.Tensor:
+    if first_byte is None or first_byte.numel() != probs.shape[-1]:
+        raise ValueError(
+            f"kind='next_byte' needs a VocabMap with first-byte classes for all {probs.shape[-1]} ids; build it "
+            f"with VocabMap.build(student_tokenizer, teacher_tokenizer, ...)"
+        )
+    return torch.zeros(probs.shape[0], NO_BYTE + 1, dtype=probs.dtype, device=probs.device).index_add(
+        1, first_byte.to(probs.device), probs
+    )
+
+
 def group_ids_consistent(student_groups: torch.Tensor, teacher_groups: torch.Tensor) -> int:
     """The number of groups, after checking both sides name the same groups 0..G-1."""
     s = torch.unique(student_groups[student_groups >= 0])
@@ -123,13 +155,19 @@ def cross_tokenizer_kd_loss(
     n_groups = group_ids_consistent(s_groups, t_groups)
     s_capped = apply_softcap(s_logits, cfg.softcap)
     t_capped = apply_softcap(t_logits, cfg.teacher_softcap).detach()
-    log_q = merged_log_probs(s_capped, s_labels.clamp(min=0), s_groups, n_groups, cfg.temperature)
-    log_p = merged_log_probs(t_capped, t_labels.clamp(min=0), t_groups, n_groups, cfg.temperature)
     rows = torch.arange(s_groups.numel())
     in_group = s_groups >= 0
     last = torch.full((n_groups,), -1, dtype=torch.long).scatter_reduce(0, s_groups[in_group], rows[in_group], "amax")
-    ok = torch.ones(n_groups, dtype=torch.bool) if exact_ok is None else exact_ok.reshape(-1)[last].bool()
-    per_group = group_losses(log_q, log_p, vocab_map, ok, cfg)
+    if cfg.kind == "next_byte":
+        s_first, t_first = first_rows(s_groups, n_groups), first_rows(t_groups, n_groups)
+        log_s = F.log_softmax(s_capped[s_first] / cfg.temperature, dim=-1)
+        log_p = F.log_softmax(t_capped[t_first] / cfg.temperature, dim=-1)
+        per_group = next_byte_terms(log_s, log_p, vocab_map, cfg.beta)
+    else:
+        log_q = merged_log_probs(s_capped, s_labels.clamp(min=0), s_groups, n_groups, cfg.temperature)
+        log_p = merged_log_probs(t_capped, t_labels.clamp(min=0), t_groups, n_groups, cfg.temperature)
+        ok = torch.ones(n_groups, dtype=torch.bool) if exact_ok is None else exact_ok.reshape(-1)[last].bool()
+        per_group = group_losses(log_q, log_p, vocab_map, ok, cfg)
     per_row = torch.zeros(s_groups.numel(), dtype=per_group.dtype).index_add(0, last, per_group) * cfg.soft_weight
     if cfg.hard_weight:
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(s_capped, s_labels, cfg.ignore_index)
