@@ -76,8 +76,9 @@ def synthetic_batch(n_tokens: int, seq: int, v_s: int, v_t: int, h_s: int, h_t: 
     )  # fmt: skip
     # a vocabulary map as between two BPE families: a third of the student's ids share a string with the teacher
     shared = torch.randperm(min(v_s, v_t), generator=g)[: min(v_s, v_t) // 3].sort().values
-    x["vocab_map"] = VocabMap(shared, torch.randperm(v_t, generator=g)[: shared.numel()], v_s, v_t,
-                              torch.randint(0, 257, (v_s,), generator=g), torch.randint(0, 257, (v_t,), generator=g))  # fmt: skip
+    teacher_ids = torch.randperm(v_t, generator=g)[: shared.numel()]
+    bytes_s, bytes_t = torch.randint(0, 257, (v_s,), generator=g), torch.randint(0, 257, (v_t,), generator=g)
+    x["vocab_map"] = VocabMap(shared, teacher_ids, v_s, v_t, bytes_s, bytes_t)
     return x
 
 
@@ -160,7 +161,9 @@ def main() -> None:
     methods = {
         "ours ULD (full sort)": CrossTokenizerConfig(kind="uld"),
         "ours hybrid (full sort)": CrossTokenizerConfig(kind="hybrid", unmatched="ignore"),
-        f"ours hybrid (top-{topks[-1]} ULD)": CrossTokenizerConfig(kind="hybrid", unmatched="ignore", uld_top_k=topks[-1]),
+        f"ours hybrid (top-{topks[-1]} ULD)": CrossTokenizerConfig(
+            kind="hybrid", unmatched="ignore", uld_top_k=topks[-1]
+        ),
         "ours next-byte": CrossTokenizerConfig(kind="next_byte"),
     }
     rows = []
@@ -169,6 +172,7 @@ def main() -> None:
         n_groups = int(x["s_groups"].max()) + 1
         ref_values = {}
         for name, cfg in methods.items():
+
             def step(cfg=cfg):
                 x["h_s"].grad = x["w_s"].grad = None
                 return ours(x, cfg)
@@ -214,8 +218,12 @@ def main() -> None:
     with torch.no_grad():
         s_logits = (x["h_s"] @ x["w_s"].T).float().reshape(-1, v_s)
         t_logits = (x["h_t"] @ x["w_t"].T).float().reshape(-1, v_t)
-        log_q = xref.merged_log_probs(s_logits, x["s_labels"].reshape(-1).clamp(min=0), x["s_groups"].reshape(-1), n_groups)
-        log_p = xref.merged_log_probs(t_logits, x["t_labels"].reshape(-1).clamp(min=0), x["t_groups"].reshape(-1), n_groups)
+        log_q = xref.merged_log_probs(
+            s_logits, x["s_labels"].reshape(-1).clamp(min=0), x["s_groups"].reshape(-1), n_groups
+        )
+        log_p = xref.merged_log_probs(
+            t_logits, x["t_labels"].reshape(-1).clamp(min=0), x["t_groups"].reshape(-1), n_groups
+        )
         del s_logits, t_logits
         q, p = log_q.exp(), log_p.exp()
         full = xref.sorted_l1(q, p)
@@ -225,8 +233,10 @@ def main() -> None:
             rel = (full - approx).abs() / full
             topk_rows.append(dict(k=k, mean_rel_err=float(rel.mean()), max_rel_err=float(rel.max()),
                                   total_rel_err=float((full.sum() - approx.sum()).abs() / full.sum())))  # fmt: skip
-    print(f"\ntop-k ULD against the full sort, {n_groups} merged groups (teacher entropy "
-          f"{float(-(p / p.sum(-1, keepdim=True) * log_p.log_softmax(-1)).sum(-1).mean()):.2f} nats)")
+    print(
+        f"\ntop-k ULD against the full sort, {n_groups} merged groups (teacher entropy "
+        f"{float(-(p / p.sum(-1, keepdim=True) * log_p.log_softmax(-1)).sum(-1).mean()):.2f} nats)"
+    )
     topk_table = print_table(topk_rows, ["k", "mean_rel_err", "max_rel_err", "total_rel_err"])
     write_json(args.out, dict(environment=environment(), rows=rows, table=table, topk=topk_rows, topk_table=topk_table))
 

@@ -192,3 +192,18 @@ def test_collator_rejects_unusable_examples():
         collate([{"text": "abc"}])
     with pytest.raises(ValueError, match="end with the assistant"):
         collate([{"messages": [{"role": "user", "content": "a"}]}])
+
+
+def test_first_byte_classes_by_tokenizer_kind():
+    from liger_patch_kd.align.vocab import NO_BYTE, first_byte_classes, token_first_byte
+
+    assert token_first_byte("Ġthe", byte_level=True) == 32 and token_first_byte("ð", byte_level=True) == 0xF0
+    assert token_first_byte("é", byte_level=False) == 0xC3  # text, not a byte-level symbol
+    assert token_first_byte("▁the", byte_level=False) == 32 and token_first_byte("<0xE2>", byte_level=False) == 0xE2
+    char = CharTokenizerWithOffsets("ab é")
+    classes = first_byte_classes(char, len(char))
+    assert classes[:3].tolist() == [NO_BYTE] * 3  # pad, bos, eos
+    assert sorted(classes[3:].tolist()) == sorted([32, 97, 98, 0xC3])
+    bpe = train_bpe_tokenizer("ab é ab é", 262)
+    bpe_classes = first_byte_classes(bpe, bpe.get_vocab_size())
+    assert bpe_classes[bpe.token_to_id("<s>")] == NO_BYTE and bpe_classes[bpe.token_to_id("Ġ")] == 32

@@ -205,7 +205,9 @@ def test_parity_with_trl_gold_on_two_tokenizers(hybrid):
     n, per_sequence = 0, []
     for b in range(len(pairs)):
         s_len, t_len = int((s_lab[b] != -100).nonzero().max()) + 1, int((t_lab[b] != -100).nonzero().max()) + 1
-        groups = align_tokens([tuple(o) for o in s_off[b, :s_len].tolist()], [tuple(o) for o in t_off[b, :t_len].tolist()])
+        groups = align_tokens(
+            [tuple(o) for o in s_off[b, :s_len].tolist()], [tuple(o) for o in t_off[b, :t_len].tolist()]
+        )
         first = n
         for grp in groups:
             s_groups[b, grp.s_first - 1 : grp.s_last] = n

@@ -118,8 +118,10 @@ def run_cross_tokenizer_demo(
     collator = CrossTokenizerCollator(bpe, char_tok, student_pad_id=PAD, teacher_pad_id=PAD,
                                       student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))  # fmt: skip
     examples = [{"prompt": "", "completion": t} for t in train_texts]
-    print(f"\ncross-tokenizer: char teacher ({len(char_tok)} symbols) -> BPE student ({bpe.get_vocab_size()} tokens, "
-          f"{len(vocab_map)} shared strings), {sizes.steps} steps x {sizes.batch} windows of {sizes.chars} chars")
+    print(
+        f"\ncross-tokenizer: char teacher ({len(char_tok)} symbols) -> BPE student ({bpe.get_vocab_size()} tokens, "
+        f"{len(vocab_map)} shared strings), {sizes.steps} steps x {sizes.batch} windows of {sizes.chars} chars"
+    )
     results = {"vocab_overlap": len(vocab_map), "recipes": {}}
     for name, cfg in {"CE only": None, **recipes}.items():
         student = _model(bpe.get_vocab_size(), 64, 2, seed=1, device=dev)

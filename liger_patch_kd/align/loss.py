@@ -59,7 +59,10 @@ def _group_ranges(groups: torch.Tensor, n_groups: int, side: str) -> tuple[torch
 
 
 def plan_layout(
-    s_groups: torch.Tensor, s_valid: torch.Tensor, t_groups: torch.Tensor, exact_ok: torch.Tensor | None,
+    s_groups: torch.Tensor,
+    s_valid: torch.Tensor,
+    t_groups: torch.Tensor,
+    exact_ok: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, list[dict], int]:
     """Host-side: (layout (N',): the student row of each chunk row, -1 for padding; per-chunk index lists; the
@@ -95,7 +98,16 @@ def plan_layout(
         layout.extend(range(first, last + 1))
     metas = []
     for chunk in chunks:
-        row_group, first_row, last_row, t_rows, t_group, t_first_local, t_last_local, ok = [], [], [], [], [], [], [], []
+        row_group, first_row, last_row, t_rows, t_group, t_first_local, t_last_local, ok = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         for local, (g, offset, length) in enumerate(chunk["groups"]):
             row_group.append((offset, length, local))
             first_row.append(offset)
@@ -106,7 +118,8 @@ def plan_layout(
             t_last_local.append(len(t_rows) - 1)
             ok.append(True if exact_ok is None else bool(exact_ok[int(s_last[g])]))
         metas.append(dict(row_group=row_group, first_row=first_row, last_row=last_row, teacher_rows=t_rows,
-                          teacher_group=t_group, teacher_first=t_first_local, teacher_last=t_last_local, exact_ok=ok))  # fmt: skip
+                          teacher_group=t_group, teacher_first=t_first_local, teacher_last=t_last_local,
+                          exact_ok=ok))  # fmt: skip
     return torch.tensor(layout, dtype=torch.long), metas, chunk_size
 
 
@@ -128,7 +141,9 @@ def _merge(log_probs: torch.Tensor, targets: torch.Tensor, row_group: torch.Tens
     is_last[last] = True
     earlier = (row_group >= 0) & ~is_last
     label_lp = log_probs[rows[earlier], targets[earlier]]
-    log_scale = torch.zeros(n, dtype=log_probs.dtype, device=log_probs.device).index_add(0, row_group[earlier], label_lp)
+    log_scale = torch.zeros(n, dtype=log_probs.dtype, device=log_probs.device).index_add(
+        0, row_group[earlier], label_lp
+    )
     return log_probs[last] + log_scale[:, None], earlier
 
 

@@ -79,7 +79,9 @@ def group_losses(
     q, p = log_q.exp(), log_p.exp()
     if cfg.kind == "uld" or vocab_map is None or len(vocab_map) == 0:
         if cfg.kind != "uld":
-            raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
+            raise ValueError(
+                f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))"
+            )
         return sorted_l1(q, p, cfg.uld_top_k)
     exact = exact_terms(log_q, log_p, vocab_map, cfg.beta, cfg.unmatched)
     if cfg.kind == "exact":
@@ -94,9 +96,7 @@ def group_losses(
     return torch.where(exact_ok, cfg.exact_weight * exact, torch.zeros_like(exact)) + cfg.uld_weight * uld
 
 
-def next_byte_terms(
-    log_s: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMap, beta: float
-) -> torch.Tensor:
+def next_byte_terms(log_s: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMap, beta: float) -> torch.Tensor:
     """Generalized JSD per row between next-byte distributions: probabilities summed by each token's first
     byte (VocabMap.*_first_byte). Class masses are floored at TAIL_FLOOR inside the logs (a byte one side
     cannot start a token with)."""

@@ -127,15 +127,17 @@ def compute_cross_tokenizer_loss(
         raise ValueError("cross-tokenizer distillation needs a live teacher_model (offline data: not yet supported)")
     h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
     with torch.no_grad():
-        h_t, head_t = last_hidden_and_head(teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask"))
+        h_t, head_t = last_hidden_and_head(
+            teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
+        )
     cfg = config.replace(
         softcap=softcap_of(model.config if hasattr(model, "config") else None),
         teacher_softcap=softcap_of(teacher_model.config if hasattr(teacher_model, "config") else None),
         ignore_index=config.ignore_index,
     )
-    ignore = cfg.ignore_index
+    s_labels, t_labels = _shift(inputs["labels"], cfg.ignore_index), _shift(inputs["teacher_labels"], cfg.ignore_index)
     return fused_linear_cross_tokenizer_kd(
-        h_s, head_s.weight, h_t, head_t.weight, _shift(inputs["labels"], ignore), _shift(inputs["teacher_labels"], ignore),
+        h_s, head_s.weight, h_t, head_t.weight, s_labels, t_labels,
         inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
         config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, teacher_bias=head_t.bias,
         return_components=True,

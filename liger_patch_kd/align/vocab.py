@@ -78,7 +78,8 @@ class VocabMap:
     def to(self, device: torch.device | str) -> VocabMap:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VocabMap(move(self.student_ids), move(self.teacher_ids), self.student_vocab_size,
-                        self.teacher_vocab_size, move(self.student_first_byte), move(self.teacher_first_byte))  # fmt: skip
+                        self.teacher_vocab_size, move(self.student_first_byte),
+                        move(self.teacher_first_byte))  # fmt: skip
 
     def check(self, student_vocab_size: int, teacher_vocab_size: int) -> None:
         if len(self) and (
@@ -86,8 +87,8 @@ class VocabMap:
         ):
             raise ValueError(
                 f"the VocabMap has ids up to student {int(self.student_ids.max())} / teacher "
-                f"{int(self.teacher_ids.max())} but the lm_heads have {student_vocab_size} / {teacher_vocab_size} rows; "
-                f"build it from these models' tokenizers (VocabMap.build(..., student_vocab_size=..., ...))"
+                f"{int(self.teacher_ids.max())} but the lm_heads have {student_vocab_size} / {teacher_vocab_size} "
+                f"rows; build it from these models' tokenizers (VocabMap.build(..., student_vocab_size=..., ...))"
             )
 
 
