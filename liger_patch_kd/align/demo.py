@@ -16,6 +16,7 @@ import torch
 from ..demo import BOS, EOS, PAD, CharTokenizer, DemoSizes, _model, load_corpus
 from .collator import CrossTokenizerCollator
 from .config import CrossTokenizerConfig
+from .offsets import encode_with_offsets
 from .trainer_hooks import compute_cross_tokenizer_loss
 from .vocab import VocabMap, byte_level_to_text
 
@@ -56,12 +57,12 @@ def _text_windows(text: str, chars: int) -> list[str]:
 
 
 @torch.no_grad()
-def held_out_ce(model, bpe, texts: list[str], device) -> tuple[float, float]:
-    """Student CE on held-out text: nats per BPE token and nats per character."""
+def held_out_ce(model, tokenizer, texts: list[str], device) -> tuple[float, float]:
+    """CE on held-out text: nats per token (of this model's tokenizer) and nats per character."""
     model.eval()
     total, tokens, chars = 0.0, 0, 0
     for text in texts:
-        ids = torch.tensor([[BOS] + bpe.encode(text).ids], device=device)
+        ids = torch.tensor([[BOS] + encode_with_offsets(tokenizer, text)[0]], device=device)
         logits = model(input_ids=ids).logits[0, :-1].float()
         total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
         tokens += ids.shape[1] - 1
@@ -114,6 +115,7 @@ def run_cross_tokenizer_demo(
         teacher = _train_teacher(char_tok, _text_windows(text[:split], 63), DemoSizes.quick() if quick else DemoSizes(),
                                  dev)  # fmt: skip
     teacher = teacher.to(dev).eval().requires_grad_(False)
+    teacher_ce = held_out_ce(teacher, char_tok, held_out, dev)[1]
     vocab_map = VocabMap.build(bpe, char_tok, normalize=byte_level_to_text, teacher_vocab_size=len(char_tok))
     collator = CrossTokenizerCollator(bpe, char_tok, student_pad_id=PAD, teacher_pad_id=PAD,
                                       student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))  # fmt: skip
@@ -122,7 +124,8 @@ def run_cross_tokenizer_demo(
         f"\ncross-tokenizer: char teacher ({len(char_tok)} symbols) -> BPE student ({bpe.get_vocab_size()} tokens, "
         f"{len(vocab_map)} shared strings), {sizes.steps} steps x {sizes.batch} windows of {sizes.chars} chars"
     )
-    results = {"vocab_overlap": len(vocab_map), "recipes": {}}
+    print(f"  teacher (characters)       held-out CE {teacher_ce:.4f} nats/char")
+    results = {"vocab_overlap": len(vocab_map), "teacher_ce_per_char": teacher_ce, "recipes": {}}
     for name, cfg in {"CE only": None, **recipes}.items():
         student = _model(bpe.get_vocab_size(), 64, 2, seed=1, device=dev)
         student.config.eos_token_id = EOS
@@ -151,7 +154,19 @@ def run_cross_tokenizer_demo(
 
 
 if __name__ == "__main__":
+    import argparse
     import json
-    import sys
+    from pathlib import Path
 
-    print(json.dumps(run_cross_tokenizer_demo(quick="--quick" in sys.argv), indent=1))
+    parser = argparse.ArgumentParser(description="char teacher -> BPE student, against CE alone")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    cli = parser.parse_args()
+    start = time.perf_counter()
+    results = run_cross_tokenizer_demo(quick=cli.quick, device=cli.device)
+    results["total_seconds"] = time.perf_counter() - start
+    print(json.dumps(results, indent=1))
+    if cli.out:
+        Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cli.out).write_text(json.dumps(results, indent=1))

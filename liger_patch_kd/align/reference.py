@@ -26,20 +26,28 @@ def merged_log_probs(
 ) -> torch.Tensor:
     """(n_groups, V) log q_g from (N, V) logits, (N,) shifted labels and (N,) group ids."""
     log_s = F.log_softmax(logits / temperature, dim=-1)
-    rows = torch.arange(groups.numel())
+    rows = torch.arange(groups.numel(), device=groups.device)
     in_group = groups >= 0
-    last = torch.full((n_groups,), -1, dtype=torch.long).scatter_reduce(0, groups[in_group], rows[in_group], "amax")
+    last = last_rows(groups, n_groups)
     earlier = in_group & (rows != last[groups.clamp(min=0)])
     label_lp = log_s[rows[earlier], labels[earlier]]
-    log_scale = torch.zeros(n_groups, dtype=log_s.dtype).index_add(0, groups[earlier], label_lp)
+    log_scale = torch.zeros(n_groups, dtype=log_s.dtype, device=log_s.device).index_add(0, groups[earlier], label_lp)
     return log_s[last] + log_scale[:, None]
 
 
 def first_rows(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     """The row predicting each group's first token (on either side)."""
-    rows = torch.arange(groups.numel())
+    rows = torch.arange(groups.numel(), device=groups.device)
     member = groups >= 0
-    return torch.full((n_groups,), groups.numel()).scatter_reduce(0, groups[member], rows[member], "amin")
+    start = torch.full((n_groups,), groups.numel(), device=groups.device)
+    return start.scatter_reduce(0, groups[member], rows[member], "amin")
+
+
+def last_rows(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The row predicting each group's last token (on either side)."""
+    rows = torch.arange(groups.numel(), device=groups.device)
+    member = groups >= 0
+    return torch.full((n_groups,), -1, device=groups.device).scatter_reduce(0, groups[member], rows[member], "amax")
 
 
 def sorted_l1(q: torch.Tensor, p: torch.Tensor, top_k: int | None = None) -> torch.Tensor:
@@ -155,9 +163,7 @@ def cross_tokenizer_kd_loss(
     n_groups = group_ids_consistent(s_groups, t_groups)
     s_capped = apply_softcap(s_logits, cfg.softcap)
     t_capped = apply_softcap(t_logits, cfg.teacher_softcap).detach()
-    rows = torch.arange(s_groups.numel())
-    in_group = s_groups >= 0
-    last = torch.full((n_groups,), -1, dtype=torch.long).scatter_reduce(0, s_groups[in_group], rows[in_group], "amax")
+    last = last_rows(s_groups, n_groups)
     if cfg.kind == "next_byte":
         s_first, t_first = first_rows(s_groups, n_groups), first_rows(t_groups, n_groups)
         log_s = F.log_softmax(s_capped[s_first] / cfg.temperature, dim=-1)
@@ -166,9 +172,11 @@ def cross_tokenizer_kd_loss(
     else:
         log_q = merged_log_probs(s_capped, s_labels.clamp(min=0), s_groups, n_groups, cfg.temperature)
         log_p = merged_log_probs(t_capped, t_labels.clamp(min=0), t_groups, n_groups, cfg.temperature)
-        ok = torch.ones(n_groups, dtype=torch.bool) if exact_ok is None else exact_ok.reshape(-1)[last].bool()
+        ok = torch.ones(n_groups, dtype=torch.bool, device=last.device)
+        ok = ok if exact_ok is None else exact_ok.reshape(-1)[last].bool()
         per_group = group_losses(log_q, log_p, vocab_map, ok, cfg)
-    per_row = torch.zeros(s_groups.numel(), dtype=per_group.dtype).index_add(0, last, per_group) * cfg.soft_weight
+    per_row = torch.zeros(s_groups.numel(), dtype=per_group.dtype, device=per_group.device)
+    per_row = per_row.index_add(0, last, per_group) * cfg.soft_weight
     if cfg.hard_weight:
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(s_capped, s_labels, cfg.ignore_index)
     valid = s_labels != cfg.ignore_index
