@@ -35,15 +35,14 @@ def synthetic_batch(n_tokens: int, seq: int, v_s: int, v_t: int, h_s: int, h_t: 
     for _ in range(batches):
         s_cuts, t_cuts, pos = [0], [0], 0
         while len(s_cuts) <= seq:
-            span = rng.choice([1, 1, 1, 1, 1, 2, 2, 3])  # teacher tokens per student token (or the reverse)
             pos += 4
-            if rng.random() < 0.15:  # a boundary the student does not share: one student token, several teacher
-                t_cuts += [pos - 2] * 0 + [pos - 2]
-            elif rng.random() < 0.15:
+            r = rng.random()
+            if r < 0.15:  # the teacher splits a student token: one-to-many
+                t_cuts.append(pos - 2)
+            elif r < 0.30:  # the student splits a teacher token: many-to-one
                 s_cuts.append(pos - 2)
             s_cuts.append(pos)
             t_cuts.append(pos)
-            del span
         s_cuts, t_cuts = s_cuts[: seq + 1], [c for c in t_cuts if c <= s_cuts[seq]]
         s_off.append([(0, 0)] + list(zip(s_cuts[:-1], s_cuts[1:])))
         t_off.append([(0, 0)] + list(zip(t_cuts[:-1], t_cuts[1:])))
