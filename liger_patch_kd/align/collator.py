@@ -1,0 +1,111 @@
+"""CrossTokenizerCollator: one batch, two tokenizations, and the groups that align them.
+
+Each example is a conversation ({"messages": [..., {"role": "assistant", "content": ...}]}, each tokenizer
+rendering it through its own chat template) or a plain pair ({"prompt": str, "completion": str}, the text
+prompt + completion for both). Both texts are tokenized once with character offsets; the completion's content
+(the last message's text) is located in each rendered string, and the tokens covering it are aligned by
+`align_tokens`. The loss covers the completion only: student labels on every token after the prompt
+(including the student template's end-of-turn tokens, for the CE term), groups on the aligned content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .offsets import align_tokens, encode_with_offsets, first_token_at_or_after
+
+
+def render(tokenizer, example: dict[str, Any]) -> tuple[str, int, int]:
+    """(text, first character of the completion's content, end of it) for one example and tokenizer."""
+    if "messages" in example:
+        messages = example["messages"]
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("messages must end with the assistant's completion ({'role': 'assistant', ...})")
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        content = messages[-1]["content"]
+        start = text.find(content, len(prompt) if text.startswith(prompt) else 0)
+        if start < 0 and content.strip():
+            content = content.strip()  # templates that strip the message
+            start = text.find(content, len(prompt) if text.startswith(prompt) else 0)
+        if start < 0:
+            raise ValueError(
+                f"the completion's content is not in the text {type(tokenizer).__name__}'s chat template renders; "
+                f"cross-tokenizer alignment needs the content verbatim in both renderings"
+            )
+        return text, start, start + len(content)
+    if "prompt" in example and "completion" in example:
+        text = example["prompt"] + example["completion"]
+        return text, len(example["prompt"]), len(text)
+    raise ValueError(f"an example needs 'messages' or 'prompt' + 'completion'; got keys {sorted(example)}")
+
+
+@dataclass
+class CrossTokenizerCollator:
+    """Batches for `align.loss` / `align.trainer_hooks`: the student's input_ids / attention_mask / labels (HF
+    style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per
+    shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
+    in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,
+    where the exact-token term applies).
+    `*_prefix_ids` are prepended to each sequence (e.g. [bos_token_id] when the template does not add it)."""
+
+    student_tokenizer: Any
+    teacher_tokenizer: Any
+    student_pad_id: int = 0
+    teacher_pad_id: int = 0
+    student_prefix_ids: tuple[int, ...] = ()
+    teacher_prefix_ids: tuple[int, ...] = ()
+    max_length: int | None = None
+    ignore_index: int = -100
+
+    def encode(self, tokenizer, prefix: tuple[int, ...], example) -> tuple[list[int], list[tuple[int, int]], int, int]:
+        text, start, end = render(tokenizer, example)
+        ids, offsets = encode_with_offsets(tokenizer, text)
+        ids, offsets = list(prefix) + ids, [(0, 0)] * len(prefix) + offsets
+        if self.max_length is not None:
+            ids, offsets = ids[: self.max_length], offsets[: self.max_length]
+        return ids, offsets, start, end
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = []
+        n_groups = 0
+        for example in examples:
+            s_ids, s_off, s_start, s_end = self.encode(self.student_tokenizer, self.student_prefix_ids, example)
+            t_ids, t_off, t_start, t_end = self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)
+            # content-relative offsets, so both sides share one coordinate system
+            s_rel = [(a - s_start, b - s_start) for a, b in s_off]
+            t_rel = [(a - t_start, b - t_start) for a, b in t_off]
+            groups = align_tokens(s_rel, t_rel, 0, min(s_end - s_start, t_end - t_start))
+            s_labels = [self.ignore_index] * len(s_ids)
+            for j in range(max(1, first_token_at_or_after(s_rel, 0)), len(s_ids)):
+                s_labels[j] = s_ids[j]
+            t_labels = [self.ignore_index] * len(t_ids)
+            s_group, t_group, exact = [-1] * len(s_ids), [-1] * len(t_ids), [False] * len(s_ids)
+            for g in groups:
+                for j in range(g.s_first, g.s_last + 1):
+                    s_group[j - 1], exact[j - 1] = n_groups, g.one_to_one
+                for j in range(g.t_first, g.t_last + 1):
+                    t_group[j - 1] = n_groups
+                    t_labels[j] = t_ids[j]
+                n_groups += 1
+            rows.append((s_ids, s_labels, s_group, exact, t_ids, t_labels, t_group))
+        s_len = max(len(r[0]) for r in rows)
+        t_len = max(len(r[4]) for r in rows)
+
+        def pad(values, length, fill, dtype=torch.long):
+            return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
+
+        return {
+            "input_ids": pad([r[0] for r in rows], s_len, self.student_pad_id),
+            "attention_mask": pad([[1] * len(r[0]) for r in rows], s_len, 0),
+            "labels": pad([r[1] for r in rows], s_len, self.ignore_index),
+            "student_align_groups": pad([r[2] for r in rows], s_len, -1),
+            "align_exact_ok": pad([r[3] for r in rows], s_len, False, torch.bool),
+            "teacher_input_ids": pad([r[4] for r in rows], t_len, self.teacher_pad_id),
+            "teacher_attention_mask": pad([[1] * len(r[4]) for r in rows], t_len, 0),
+            "teacher_labels": pad([r[5] for r in rows], t_len, self.ignore_index),
+            "teacher_align_groups": pad([r[6] for r in rows], t_len, -1),
+        }

@@ -1,0 +1,323 @@
+"""The fused cross-tokenizer distillation loss: student and teacher hidden states and lm_heads in, the loss of
+align.reference.cross_tokenizer_kd_loss out, never more than one chunk of (rows x V) logits in memory.
+
+It runs on ops.chunked's row-chunk loop. A merged group couples its rows (the group's loss depends on every
+row's probability of its actual token, and each of those rows' gradients on the group's loss), so a group
+must not straddle two chunks: the student rows that matter (those in a group or with a label; prompt rows are
+skipped entirely) are packed group by group into chunks of `chunk_size` rows, padding a chunk's end with
+ignored rows when the next group does not fit. Per chunk the teacher's logits are computed for the teacher
+rows of that chunk's groups only. The layout is planned on the host from the group ids (one small copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..ops.backend import logits_fp32
+from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
+from ..ops.fused_linear_topk_kd import _terms_and_a
+from ..reference import TAIL_FLOOR, apply_softcap
+from .config import CrossTokenizerConfig
+from .fused_math import group_loss_and_a
+from .reference import group_ids_consistent, project_to_bytes
+from .vocab import NO_BYTE, VocabMap
+
+
+class CrossTokenizerLossOutput(NamedTuple):
+    loss: torch.Tensor
+    soft: torch.Tensor  # the distillation term (detached), same reduction
+    hard: torch.Tensor  # the CE term (detached)
+
+
+@dataclass
+class _ChunkMeta:
+    """One chunk's groups, in chunk-local indices (all on the loss's device)."""
+
+    row_group: torch.Tensor  # (C,) local group of each chunk row, -1 for none
+    first_row: torch.Tensor  # (G_c,) chunk row predicting each group's first token
+    last_row: torch.Tensor  # (G_c,) chunk row predicting each group's last token
+    teacher_rows: torch.Tensor  # (R,) flat teacher rows of the chunk's groups
+    teacher_group: torch.Tensor  # (R,) local group of each
+    teacher_first: torch.Tensor  # (G_c,) index into teacher_rows of each group's first row
+    teacher_last: torch.Tensor  # (G_c,) index into teacher_rows of each group's last row
+    exact_ok: torch.Tensor  # (G_c,) bool
+
+
+def _group_ranges(groups: torch.Tensor, n_groups: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last row of every group, checking that each group is one run of consecutive rows."""
+    rows = torch.arange(groups.numel())
+    member = groups >= 0
+    first = torch.full((n_groups,), groups.numel()).scatter_reduce(0, groups[member], rows[member], "amin")
+    last = torch.full((n_groups,), -1).scatter_reduce(0, groups[member], rows[member], "amax")
+    count = torch.zeros(n_groups, dtype=torch.long).index_add(0, groups[member], torch.ones_like(rows[member]))
+    if not torch.equal(last - first + 1, count):
+        raise ValueError(f"{side}_groups: every group must be one run of consecutive rows (the aligner's output)")
+    return first, last
+
+
+def plan_layout(
+    s_groups: torch.Tensor,
+    s_valid: torch.Tensor,
+    t_groups: torch.Tensor,
+    exact_ok: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, list[dict], int]:
+    """Host-side: (layout (N',): the student row of each chunk row, -1 for padding; per-chunk index lists; the
+    chunk size, raised to the longest group when one is longer)."""
+    n_groups = group_ids_consistent(s_groups, t_groups)
+    s_first, s_last = _group_ranges(s_groups, n_groups, "student")
+    t_first, t_last = _group_ranges(t_groups, n_groups, "teacher")
+    if n_groups and not bool(s_valid[s_groups >= 0].all()):
+        raise ValueError("student_labels must not be ignore_index on rows that are in a group (the aligned tokens)")
+    longest = int((s_last - s_first).max()) + 1 if n_groups else 1
+    chunk_size = max(chunk_size, longest)
+    units = []  # (first row, last row, group or -1), in row order
+    row = 0
+    keep = s_valid | (s_groups >= 0)
+    for r in torch.nonzero(keep).flatten().tolist():
+        if r < row:
+            continue
+        g = int(s_groups[r])
+        end = int(s_last[g]) if g >= 0 else r
+        units.append((r, end, g))
+        row = end + 1
+    layout: list[int] = []
+    chunks: list[dict] = []
+    current = None
+    for first, last, g in units:
+        length = last - first + 1
+        if current is None or len(layout) - current["start"] + length > chunk_size:
+            layout.extend([-1] * (-len(layout) % chunk_size))  # pad to the chunk boundary
+            current = dict(start=len(layout), groups=[])
+            chunks.append(current)
+        if g >= 0:
+            current["groups"].append((g, len(layout) - current["start"], length))
+        layout.extend(range(first, last + 1))
+    metas = []
+    for chunk in chunks:
+        row_group, first_row, last_row, t_rows, t_group, t_first_local, t_last_local, ok = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+        for local, (g, offset, length) in enumerate(chunk["groups"]):
+            row_group.append((offset, length, local))
+            first_row.append(offset)
+            last_row.append(offset + length - 1)
+            t_first_local.append(len(t_rows))
+            t_rows.extend(range(int(t_first[g]), int(t_last[g]) + 1))
+            t_group.extend([local] * (int(t_last[g]) - int(t_first[g]) + 1))
+            t_last_local.append(len(t_rows) - 1)
+            ok.append(True if exact_ok is None else bool(exact_ok[int(s_last[g])]))
+        metas.append(dict(row_group=row_group, first_row=first_row, last_row=last_row, teacher_rows=t_rows,
+                          teacher_group=t_group, teacher_first=t_first_local, teacher_last=t_last_local,
+                          exact_ok=ok))  # fmt: skip
+    return torch.tensor(layout, dtype=torch.long), metas, chunk_size
+
+
+def _to_meta(raw: dict, rows: int, device) -> _ChunkMeta:
+    row_group = torch.full((rows,), -1, dtype=torch.long)
+    for offset, length, local in raw["row_group"]:
+        row_group[offset : offset + length] = local
+    tensor = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return _ChunkMeta(row_group.to(device), tensor(raw["first_row"]), tensor(raw["last_row"]),
+                      tensor(raw["teacher_rows"]), tensor(raw["teacher_group"]), tensor(raw["teacher_first"]),
+                      tensor(raw["teacher_last"]), tensor(raw["exact_ok"], torch.bool))  # fmt: skip
+
+
+def _merge(log_probs: torch.Tensor, targets: torch.Tensor, row_group: torch.Tensor, last: torch.Tensor, n: int):
+    """Merged log-distributions (n, V) of a chunk's groups: the last row's log-probs plus the log-probs of the
+    actual tokens of the group's earlier rows. Also returns the mask of those earlier rows."""
+    rows = torch.arange(row_group.numel(), device=row_group.device)
+    is_last = torch.zeros_like(row_group, dtype=torch.bool)
+    is_last[last] = True
+    earlier = (row_group >= 0) & ~is_last
+    label_lp = log_probs[rows[earlier], targets[earlier]]
+    log_scale = torch.zeros(n, dtype=log_probs.dtype, device=log_probs.device).index_add(
+        0, row_group[earlier], label_lp
+    )
+    return log_probs[last] + log_scale[:, None], earlier
+
+
+def _chunk_kernel(logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map):
+    log_p, meta = teacher
+    capped = apply_softcap(logits, cfg.softcap)
+    log_s = torch.log_softmax(capped / cfg.temperature, dim=-1)
+    if cfg.kind == "next_byte":
+        return _next_byte_chunk(log_s, log_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map)
+    targets = labels.clamp(min=0)
+    n_groups = meta.last_row.numel()
+    log_q, earlier = _merge(log_s, targets, meta.row_group, meta.last_row, n_groups)
+    loss_g, a = group_loss_and_a(log_q, log_p.to(log_q.dtype), vocab_map, meta.exact_ok, cfg)
+    soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), loss_g)
+
+    def grad_u():
+        weight = w_soft[meta.last_row].to(a.dtype)  # the group's share of the reduction (and grad_output)
+        total = a.sum(-1) * weight
+        probs = log_s.exp()
+        grad = torch.zeros_like(log_s)
+        grad[meta.last_row] = a * weight[:, None] - probs[meta.last_row] * total[:, None]
+        rows = torch.nonzero(earlier).flatten()
+        coef = total[meta.row_group[rows]]
+        grad[rows] = -coef[:, None] * probs[rows]
+        grad[rows, targets[rows]] += coef
+        return grad
+
+    # group weights are applied inside grad_u; finish_chunk adds the CE term and chains through 1/T and the cap
+    return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
+
+
+def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map):
+    """kind="next_byte": each group's loss from its first row alone (no coupling between rows)."""
+    first = meta.first_row
+    probs = log_s[first].exp()
+    q = torch.zeros(first.numel(), NO_BYTE + 1, dtype=probs.dtype, device=probs.device)
+    q.index_add_(1, vocab_map.student_first_byte, probs)
+    byte_p = byte_p.to(q.dtype)
+    present = (q > 0) | (byte_p > 0)
+    terms, a_class = _terms_and_a(q.clamp(min=TAIL_FLOOR).log(), byte_p.clamp(min=TAIL_FLOOR).log(), cfg.beta, present)
+    soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), terms.sum(-1))
+
+    def grad_u():
+        # dL/dq_c where the class mass is above its floor (as clamp's own gradient), then a_v = S_v dL/dq_c(v)
+        d_class = torch.where(q > TAIL_FLOOR, a_class / q.clamp(min=TAIL_FLOOR), torch.zeros_like(q))
+        a = probs * d_class[:, vocab_map.student_first_byte]
+        weight = w_soft[meta.last_row].to(a.dtype)
+        grad = torch.zeros_like(log_s)
+        grad[first] = (a - probs * a.sum(-1, keepdim=True)) * weight[:, None]
+        return grad
+
+    return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
+
+
+def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
+    def chunk(start: int, end: int):
+        meta = metas[start]
+        if cfg.kind == "next_byte":  # the teacher's next-byte distribution at each group's first row only
+            rows = meta.teacher_rows[meta.teacher_first]
+            logits = logits_fp32(h_t[rows], w_t, b_t)
+            probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+            return project_to_bytes(probs, vocab_map.teacher_first_byte), meta
+        logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
+        log_probs = torch.log_softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+        targets = t_labels[meta.teacher_rows].clamp(min=0)
+        log_p, _ = _merge(log_probs, targets, meta.teacher_group, meta.teacher_last, meta.last_row.numel())
+        return log_p, meta
+
+    return chunk
+
+
+def _check(name: str, t: torch.Tensor, leading: torch.Size) -> None:
+    if t.shape != leading:
+        raise ValueError(
+            f"{name} must have the leading shape of its hidden states {tuple(leading)}; got {tuple(t.shape)} "
+            f"(rows are HF-shifted: row r holds what concerns the token r + 1)"
+        )
+
+
+@torch.compiler.disable
+def fused_linear_cross_tokenizer_kd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    student_labels: torch.Tensor,
+    teacher_labels: torch.Tensor,
+    student_groups: torch.Tensor,
+    teacher_groups: torch.Tensor,
+    vocab_map: VocabMap | None = None,
+    exact_ok: torch.Tensor | None = None,
+    *,
+    config: CrossTokenizerConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    return_components: bool = False,
+    **options,
+) -> torch.Tensor | CrossTokenizerLossOutput:
+    """Equals `align.reference.cross_tokenizer_kd_loss(h_s W_s^T + b_s, h_t W_t^T + b_t, ...)`.
+
+    student_input (..., H_s) with student_labels / student_groups / exact_ok of its leading shape, shifted
+    HF style (row r: label = token r + 1, group of token r + 1); teacher_input (..., H_t) with teacher_labels /
+    teacher_groups of its own leading shape (the teacher's sequence length differs). `config` or its fields
+    as keywords (CrossTokenizerConfig). Gradients flow to the student input, weight and bias.
+    """
+    cfg = config or CrossTokenizerConfig(**options)
+    if config is not None and options:
+        cfg = config.replace(**options)
+    for role, h, w in (("student", student_input, student_weight), ("teacher", teacher_input, teacher_weight)):
+        if w.dim() != 2 or h.shape[-1] != w.shape[1]:
+            raise ValueError(
+                f"{role}_input has hidden size {h.shape[-1]} (shape {tuple(h.shape)}) but {role}_weight has shape "
+                f"{tuple(w.shape)}; pass the last hidden states of the model that owns this lm_head"
+            )
+    _check("student_labels", student_labels, student_input.shape[:-1])
+    _check("student_groups", student_groups, student_input.shape[:-1])
+    _check("teacher_labels", teacher_labels, teacher_input.shape[:-1])
+    _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
+    if exact_ok is not None:
+        _check("exact_ok", exact_ok, student_input.shape[:-1])
+    if cfg.kind == "next_byte" and (vocab_map is None or vocab_map.student_first_byte is None):
+        raise ValueError("kind='next_byte' needs a VocabMap with first-byte classes: VocabMap.build(student, teacher)")
+    if cfg.kind in ("exact", "hybrid") and (vocab_map is None or len(vocab_map) == 0):
+        raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
+    if vocab_map is not None:
+        vocab_map.check(student_weight.shape[0], teacher_weight.shape[0])
+        vocab_map = vocab_map.to(student_input.device)
+    device = student_input.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else student_input.dtype
+    h_s = student_input.reshape(-1, student_input.shape[-1])
+    s_labels = student_labels.reshape(-1).to(device)
+    s_valid = s_labels != cfg.ignore_index
+    host = lambda t: None if t is None else t.reshape(-1).long().cpu()  # noqa: E731
+    vocab = max(student_weight.shape[0], teacher_weight.shape[0])
+    rows_hint = int(s_valid.sum()) if cfg.chunk_size is None else 0
+    chunk_size = cfg.chunk_size or choose_chunk_size(max(1, rows_hint), vocab, device, bytes_per_logit=32)
+    layout, raw_metas, chunk_size = plan_layout(
+        host(student_groups), host(s_valid), host(teacher_groups), host(exact_ok), chunk_size
+    )
+    layout = layout.to(device)
+    pad = layout < 0
+    safe = layout.clamp(min=0)
+    h_layout = h_s.index_select(0, safe).to(dtype)
+    labels_layout = torch.where(pad, cfg.ignore_index, s_labels[safe])
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    valid_layout = (labels_layout != cfg.ignore_index).to(acc)
+    if cfg.reduction == "batchmean":
+        denom = num_items_in_batch if num_items_in_batch is not None else s_valid.sum().clamp(min=1)
+        row_weight = valid_layout / (denom.to(device=device, dtype=acc) if torch.is_tensor(denom) else denom)
+    else:
+        row_weight = valid_layout
+    metas = {i * chunk_size: _to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)
+             for i, raw in enumerate(raw_metas)}  # fmt: skip
+    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(dtype)
+    b_t = None if teacher_bias is None else teacher_bias.detach()
+    t_labels = teacher_labels.reshape(-1).to(device)
+    plan = ChunkPlan(
+        teacher_chunk=_teacher_source(h_t, teacher_weight.detach().to(dtype), b_t, t_labels, metas, cfg, vocab_map),
+        kernel=lambda *args: _chunk_kernel(*args, cfg, vocab_map),
+        chunk_size=chunk_size,
+        reduction=cfg.reduction,
+        soft_weight=cfg.soft_weight,
+        hard_weight=cfg.hard_weight,
+    )
+    with torch.autocast(device.type, enabled=False):
+        loss, soft, hard = FusedLinearKDFunction.apply(
+            h_layout, student_weight.to(dtype), student_bias, labels_layout, row_weight, plan
+        )
+    if cfg.reduction == "none":
+        keep = ~pad
+        leading = student_input.shape[:-1]
+        loss, soft, hard = (
+            torch.zeros(h_s.shape[0], dtype=t.dtype, device=device).index_add(0, layout[keep], t[keep]).reshape(leading)
+            for t in (loss, soft, hard)
+        )
+    return CrossTokenizerLossOutput(loss, soft, hard) if return_components else loss

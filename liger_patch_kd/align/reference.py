@@ -1,0 +1,188 @@
+"""Cross-tokenizer distillation, plainly, on materialised logits: the oracle the fused loss is tested against.
+
+Rows are HF-shifted: student row r predicts student token r + 1, whose id is `student_labels[r]` (the same
+on the teacher side). `student_groups[r]` / `teacher_groups[r]` name the aligned group (align.offsets) of the
+token row r predicts, -1 outside every group; a group is a run of consecutive rows on each side.
+
+Merging (GOLD's chain rule, its "bayesian" strategy): a group whose rows are r_1 < ... < r_k predicting tokens
+y_1 ... y_k has the merged distribution
+    q_g(v) = S_{r_1}(y_1) ... S_{r_{k-1}}(y_{k-1}) * S_{r_k}(v),
+the probability of the group's earlier tokens followed by v. It sums to the product of the earlier tokens'
+probabilities, not to 1 (as in GOLD), and gradients flow through every factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
+from .config import CrossTokenizerConfig
+from .vocab import NO_BYTE, VocabMap
+
+
+def merged_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, n_groups: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """(n_groups, V) log q_g from (N, V) logits, (N,) shifted labels and (N,) group ids."""
+    log_s = F.log_softmax(logits / temperature, dim=-1)
+    rows = torch.arange(groups.numel(), device=groups.device)
+    in_group = groups >= 0
+    last = last_rows(groups, n_groups)
+    earlier = in_group & (rows != last[groups.clamp(min=0)])
+    label_lp = log_s[rows[earlier], labels[earlier]]
+    log_scale = torch.zeros(n_groups, dtype=log_s.dtype, device=log_s.device).index_add(0, groups[earlier], label_lp)
+    return log_s[last] + log_scale[:, None]
+
+
+def first_rows(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The row predicting each group's first token (on either side)."""
+    rows = torch.arange(groups.numel(), device=groups.device)
+    member = groups >= 0
+    start = torch.full((n_groups,), groups.numel(), device=groups.device)
+    return start.scatter_reduce(0, groups[member], rows[member], "amin")
+
+
+def last_rows(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The row predicting each group's last token (on either side)."""
+    rows = torch.arange(groups.numel(), device=groups.device)
+    member = groups >= 0
+    return torch.full((n_groups,), -1, device=groups.device).scatter_reduce(0, groups[member], rows[member], "amax")
+
+
+def sorted_l1(q: torch.Tensor, p: torch.Tensor, top_k: int | None = None) -> torch.Tensor:
+    """ULD per row: sum_i |sort(q)_i - sort(p)_i|, descending, zero-padded; with top_k, the first k sorted
+    entries plus |rest of q - rest of p| (the rest: each row's total minus its top-k)."""
+    width = max(q.shape[-1], p.shape[-1]) if top_k is None else top_k
+    qs = F.pad(q.sort(-1, descending=True).values, (0, max(0, width - q.shape[-1])))[..., :width]
+    ps = F.pad(p.sort(-1, descending=True).values, (0, max(0, width - p.shape[-1])))[..., :width]
+    loss = (qs - ps).abs().sum(-1)
+    if top_k is not None:
+        loss = loss + ((q.sum(-1) - qs.sum(-1)) - (p.sum(-1) - ps.sum(-1))).abs()
+    return loss
+
+
+def exact_terms(
+    log_q: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMap, beta: float, unmatched: str
+) -> torch.Tensor:
+    """Generalized JSD per row on the mapped tokens, plus (unmatched="bucket") one class for the rest of each
+    side's mass: 1 - its mass on the mapped tokens, floored at TAIL_FLOOR (merged distributions sum to <= 1)."""
+    lq, lp = log_q[:, vocab_map.student_ids], log_p[:, vocab_map.teacher_ids]
+    loss = divergence_terms(lq, lp, beta, torch.ones_like(lq, dtype=torch.bool)).sum(-1)
+    if unmatched == "bucket":
+        tail_q = (1 - lq.exp().sum(-1)).clamp(min=TAIL_FLOOR).log()
+        tail_p = (1 - lp.exp().sum(-1)).clamp(min=TAIL_FLOOR).log()
+        loss = loss + divergence_terms(tail_q, tail_p, beta, torch.ones_like(tail_q, dtype=torch.bool))
+    return loss
+
+
+def group_losses(
+    log_q: torch.Tensor,
+    log_p: torch.Tensor,
+    vocab_map: VocabMap | None,
+    exact_ok: torch.Tensor,
+    cfg: CrossTokenizerConfig,
+) -> torch.Tensor:
+    """Loss per group (see CrossTokenizerConfig) from merged log-distributions (G, V_s) and (G, V_t)."""
+    q, p = log_q.exp(), log_p.exp()
+    if cfg.kind == "uld" or vocab_map is None or len(vocab_map) == 0:
+        if cfg.kind != "uld":
+            raise ValueError(
+                f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))"
+            )
+        return sorted_l1(q, p, cfg.uld_top_k)
+    exact = exact_terms(log_q, log_p, vocab_map, cfg.beta, cfg.unmatched)
+    if cfg.kind == "exact":
+        return torch.where(exact_ok, exact, torch.zeros_like(exact))
+    # hybrid: ULD over the unmatched tokens where the exact term applies, over all tokens elsewhere
+    mask_q = torch.zeros_like(q, dtype=torch.bool)
+    mask_q[:, vocab_map.student_ids] = True
+    mask_p = torch.zeros_like(p, dtype=torch.bool)
+    mask_p[:, vocab_map.teacher_ids] = True
+    ok = exact_ok[:, None]
+    uld = sorted_l1(q.masked_fill(mask_q & ok, 0), p.masked_fill(mask_p & ok, 0), cfg.uld_top_k)
+    return torch.where(exact_ok, cfg.exact_weight * exact, torch.zeros_like(exact)) + cfg.uld_weight * uld
+
+
+def next_byte_terms(log_s: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMap, beta: float) -> torch.Tensor:
+    """Generalized JSD per row between next-byte distributions: probabilities summed by each token's first
+    byte (VocabMap.*_first_byte). Class masses are floored at TAIL_FLOOR inside the logs (a byte one side
+    cannot start a token with)."""
+    if vocab_map is None:
+        raise ValueError("kind='next_byte' needs a VocabMap (its first-byte classes): VocabMap.build(student, teacher)")
+    q = project_to_bytes(log_s.exp(), vocab_map.student_first_byte)
+    p = project_to_bytes(log_p.exp(), vocab_map.teacher_first_byte)
+    lq, lp = q.clamp(min=TAIL_FLOOR).log(), p.clamp(min=TAIL_FLOOR).log()
+    return divergence_terms(lq, lp, beta, (q > 0) | (p > 0)).sum(-1)
+
+
+def project_to_bytes(probs: torch.Tensor, first_byte: torch.Tensor | None) -> torch.Tensor:
+    if first_byte is None or first_byte.numel() != probs.shape[-1]:
+        raise ValueError(
+            f"kind='next_byte' needs a VocabMap with first-byte classes for all {probs.shape[-1]} ids; build it "
+            f"with VocabMap.build(student_tokenizer, teacher_tokenizer, ...)"
+        )
+    return torch.zeros(probs.shape[0], NO_BYTE + 1, dtype=probs.dtype, device=probs.device).index_add(
+        1, first_byte.to(probs.device), probs
+    )
+
+
+def group_ids_consistent(student_groups: torch.Tensor, teacher_groups: torch.Tensor) -> int:
+    """The number of groups, after checking both sides name the same groups 0..G-1."""
+    s = torch.unique(student_groups[student_groups >= 0])
+    t = torch.unique(teacher_groups[teacher_groups >= 0])
+    if not torch.equal(s, t) or (s.numel() and not torch.equal(s, torch.arange(s.numel(), device=s.device))):
+        raise ValueError(
+            f"student_groups and teacher_groups must name the same groups 0..G-1 (the aligner's output); got "
+            f"{s.numel()} student groups and {t.numel()} teacher groups"
+        )
+    return int(s.numel())
+
+
+def cross_tokenizer_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_labels: torch.Tensor,
+    teacher_labels: torch.Tensor,
+    student_groups: torch.Tensor,
+    teacher_groups: torch.Tensor,
+    vocab_map: VocabMap | None = None,
+    exact_ok: torch.Tensor | None = None,
+    config: CrossTokenizerConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """soft_weight * sum_g loss_g + hard_weight * sum CE(student, labels), reduced (see CrossTokenizerConfig).
+
+    student_logits (..., V_s) with student_labels / student_groups of the leading shape; the teacher likewise
+    with its own shape. exact_ok: per student row, True on the rows of exact-eligible groups (None: all)."""
+    cfg = config or CrossTokenizerConfig()
+    s_logits = student_logits.reshape(-1, student_logits.shape[-1])
+    t_logits = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    s_labels, t_labels = student_labels.reshape(-1), teacher_labels.reshape(-1)
+    s_groups, t_groups = student_groups.reshape(-1).long(), teacher_groups.reshape(-1).long()
+    n_groups = group_ids_consistent(s_groups, t_groups)
+    s_capped = apply_softcap(s_logits, cfg.softcap)
+    t_capped = apply_softcap(t_logits, cfg.teacher_softcap).detach()
+    last = last_rows(s_groups, n_groups)
+    if cfg.kind == "next_byte":
+        s_first, t_first = first_rows(s_groups, n_groups), first_rows(t_groups, n_groups)
+        log_s = F.log_softmax(s_capped[s_first] / cfg.temperature, dim=-1)
+        log_p = F.log_softmax(t_capped[t_first] / cfg.temperature, dim=-1)
+        per_group = next_byte_terms(log_s, log_p, vocab_map, cfg.beta)
+    else:
+        log_q = merged_log_probs(s_capped, s_labels.clamp(min=0), s_groups, n_groups, cfg.temperature)
+        log_p = merged_log_probs(t_capped, t_labels.clamp(min=0), t_groups, n_groups, cfg.temperature)
+        ok = torch.ones(n_groups, dtype=torch.bool, device=last.device)
+        ok = ok if exact_ok is None else exact_ok.reshape(-1)[last].bool()
+        per_group = group_losses(log_q, log_p, vocab_map, ok, cfg)
+    per_row = torch.zeros(s_groups.numel(), dtype=per_group.dtype, device=per_group.device)
+    per_row = per_row.index_add(0, last, per_group) * cfg.soft_weight
+    if cfg.hard_weight:
+        per_row = per_row + cfg.hard_weight * cross_entropy_per_row(s_capped, s_labels, cfg.ignore_index)
+    valid = s_labels != cfg.ignore_index
+    if cfg.reduction == "none":
+        return per_row.reshape(student_labels.shape)
+    total = per_row.sum()
+    if cfg.reduction == "sum":
+        return total
+    return total / (num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1))

@@ -1,0 +1,144 @@
+"""What KDTrainer calls to distil across tokenizers (the lead wires these into trainer.py).
+
+Proposed KDTrainingArguments fields (read here with getattr, so these hooks work before they exist):
+    kd_teacher_tokenizer: str | None = None     # name or path of the teacher's tokenizer; set => cross-tokenizer
+    kd_cross_tokenizer_loss: str = "hybrid"     # "hybrid", "uld" or "exact" (CrossTokenizerConfig.kind)
+    kd_exact_weight: float = 1.0                # hybrid: weight of the exact-token term
+    kd_uld_weight: float = 1.0                  # hybrid: weight of the ULD term
+    kd_uld_top_k: int | None = None             # None: full sort; k: sorted top-k + tail bucket
+    kd_unmatched: str = "bucket"                # exact term: "bucket" or "ignore" (TRL GOLD)
+and the existing kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight.
+
+Wiring, in KDTrainer:
+    __init__:  if cross_tokenizer_enabled(args):
+                   self.xtok = CrossTokenizerSetup.build(args, processing_class, model, teacher_model)
+                   kwargs["data_collator"] = kwargs.get("data_collator") or self.xtok.collator
+    _set_signature_columns_if_needed: add CROSS_TOKENIZER_COLUMNS
+    compute_loss: if is_cross_tokenizer_batch(inputs):
+                   out = compute_cross_tokenizer_loss(model, self.teacher_model, inputs, self.xtok.config,
+                                                      self.xtok.vocab_map, num_items_in_batch)
+                   loss, soft, hard = out  (then the usual scaling / logging)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .collator import CrossTokenizerCollator
+from .config import CrossTokenizerConfig
+from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd
+from .vocab import VocabMap, byte_level_to_text
+
+CROSS_TOKENIZER_COLUMNS = (
+    "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
+    "align_exact_ok", "messages", "prompt", "completion",
+)  # fmt: skip
+
+
+def cross_tokenizer_enabled(args) -> bool:
+    return getattr(args, "kd_teacher_tokenizer", None) is not None
+
+
+def is_cross_tokenizer_batch(inputs: dict) -> bool:
+    return inputs.get("teacher_align_groups") is not None
+
+
+def cross_tokenizer_config(args) -> CrossTokenizerConfig:
+    """The loss options from KDTrainingArguments (the proposed fields and the shared kd_* ones)."""
+    return CrossTokenizerConfig(
+        kind=getattr(args, "kd_cross_tokenizer_loss", "hybrid"), exact_weight=getattr(args, "kd_exact_weight", 1.0),
+        uld_weight=getattr(args, "kd_uld_weight", 1.0), uld_top_k=getattr(args, "kd_uld_top_k", None),
+        unmatched=getattr(args, "kd_unmatched", "bucket"), beta=getattr(args, "kd_beta", 0.0),
+        temperature=getattr(args, "kd_temperature", 1.0), soft_weight=getattr(args, "kd_soft_weight", 1.0),
+        hard_weight=getattr(args, "kd_hard_weight", 0.0),
+    )  # fmt: skip
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
+
+
+@dataclass
+class CrossTokenizerSetup:
+    """Everything built once for a cross-tokenizer run."""
+
+    config: CrossTokenizerConfig
+    vocab_map: VocabMap
+    collator: CrossTokenizerCollator
+
+    @classmethod
+    def build(cls, args, student_tokenizer, student_model: nn.Module, teacher_model: nn.Module,
+              teacher_tokenizer: Any = None, max_length: int | None = None) -> CrossTokenizerSetup:  # fmt: skip
+        """`teacher_tokenizer` defaults to AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer). The
+        vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
+        ids the two lm_heads have."""
+        if student_tokenizer is None:
+            raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
+        if teacher_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            teacher_tokenizer = AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer)
+        vocab_map = VocabMap.build(
+            student_tokenizer, teacher_tokenizer, normalize=byte_level_to_text,
+            student_vocab_size=student_model.get_output_embeddings().weight.shape[0],
+            teacher_vocab_size=teacher_model.get_output_embeddings().weight.shape[0],
+        )  # fmt: skip
+        collator = CrossTokenizerCollator(
+            student_tokenizer, teacher_tokenizer, student_pad_id=_pad_id(student_tokenizer),
+            teacher_pad_id=_pad_id(teacher_tokenizer), max_length=max_length,
+        )  # fmt: skip
+        return cls(cross_tokenizer_config(args), vocab_map, collator)
+
+
+def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Tensor, nn.Linear]:
+    """The decoder's last hidden states and the lm_head, without computing logits (a patched model too)."""
+    from ..models.kd_forward import output_head, unwrap_model
+
+    inner = unwrap_model(model)
+    hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return hidden.last_hidden_state, output_head(inner, "model")
+
+
+def _shift(t: torch.Tensor, fill) -> torch.Tensor:
+    """Row r gets what concerns token r + 1 (labels HF style)."""
+    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
+
+
+def compute_cross_tokenizer_loss(
+    model: nn.Module,
+    teacher_model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    config: CrossTokenizerConfig,
+    vocab_map: VocabMap,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> CrossTokenizerLossOutput:
+    """One batch from CrossTokenizerCollator -> (loss, soft, hard). Runs the student's decoder (with grad) and
+    the teacher's (without), then the fused loss on their hidden states and lm_heads. Soft-capping is read from
+    each model's config. Under FSDP the lm_heads must be whole here (as for the patched forward: keep lm_head in
+    the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today."""
+    from ..models.registry import softcap_of
+
+    if teacher_model is None:
+        raise ValueError("cross-tokenizer distillation needs a live teacher_model (offline data: not yet supported)")
+    h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
+    with torch.no_grad():
+        h_t, head_t = last_hidden_and_head(
+            teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
+        )
+    cfg = config.replace(
+        softcap=softcap_of(model.config if hasattr(model, "config") else None),
+        teacher_softcap=softcap_of(teacher_model.config if hasattr(teacher_model, "config") else None),
+        ignore_index=config.ignore_index,
+    )
+    s_labels, t_labels = _shift(inputs["labels"], cfg.ignore_index), _shift(inputs["teacher_labels"], cfg.ignore_index)
+    return fused_linear_cross_tokenizer_kd(
+        h_s, head_s.weight, h_t, head_t.weight, s_labels, t_labels,
+        inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
+        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, teacher_bias=head_t.bias,
+        return_components=True,
+    )  # fmt: skip

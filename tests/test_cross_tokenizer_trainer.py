@@ -1,0 +1,97 @@
+"""Trainer hooks, the demo function and the benchmark's CPU smoke test for cross-tokenizer distillation."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
+from liger_patch_kd.align import reference as xref
+from liger_patch_kd.align.demo import (
+    CharTokenizerWithOffsets,
+    CrossTokenizerDemoSizes,
+    run_cross_tokenizer_demo,
+    train_bpe_tokenizer,
+)
+from liger_patch_kd.align.trainer_hooks import (
+    CrossTokenizerSetup,
+    compute_cross_tokenizer_loss,
+    cross_tokenizer_config,
+    cross_tokenizer_enabled,
+    is_cross_tokenizer_batch,
+)
+from liger_patch_kd.demo import BOS, _model, load_corpus
+
+
+@pytest.fixture(scope="module")
+def setup():
+    text = load_corpus()[:8000]
+    char = CharTokenizerWithOffsets(load_corpus())
+    bpe = train_bpe_tokenizer(text, 300)
+    student, teacher = _model(bpe.get_vocab_size(), 32, 1, seed=0, device="cpu"), _model(len(char), 32, 1, 1, "cpu")
+    collator = CrossTokenizerCollator(bpe, char, student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))
+    batch = collator([{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
+                      {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."}])  # fmt: skip
+    return dict(bpe=bpe, char=char, student=student, teacher=teacher, batch=batch,
+                vocab_map=VocabMap.build(bpe, char, normalize=byte_level_to_text))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next_byte"])
+def test_trainer_loss_equals_reference_on_the_models_logits(setup, kind):
+    s, cfg = setup, CrossTokenizerConfig(kind=kind, hard_weight=0.5, uld_top_k=32)
+    batch = s["batch"]
+    assert is_cross_tokenizer_batch(batch)
+    out = compute_cross_tokenizer_loss(s["student"], s["teacher"], batch, cfg, s["vocab_map"])
+    out.loss.backward()
+    fused_grad = s["student"].lm_head.weight.grad.clone()
+    s["student"].zero_grad()
+    shift = lambda t: torch.cat([t[:, 1:], torch.full_like(t[:, :1], -100)], 1)  # noqa: E731
+    with torch.no_grad():
+        t_logits = s["teacher"](input_ids=batch["teacher_input_ids"]).logits
+    s_logits = s["student"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref = xref.cross_tokenizer_kd_loss(s_logits, t_logits, shift(batch["labels"]), shift(batch["teacher_labels"]),
+                                       batch["student_align_groups"], batch["teacher_align_groups"], s["vocab_map"],
+                                       batch["align_exact_ok"], cfg)  # fmt: skip
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, s["student"].lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    s["student"].zero_grad()
+    assert out.soft > 0 and out.hard > 0
+
+
+def test_setup_from_training_arguments(setup):
+    args = types.SimpleNamespace(kd_teacher_tokenizer="unused: the tokenizer is passed", kd_cross_tokenizer_loss="uld",
+                                 kd_uld_top_k=64, kd_beta=0.0, kd_hard_weight=1.0)  # fmt: skip
+    assert cross_tokenizer_enabled(args) and not cross_tokenizer_enabled(types.SimpleNamespace())
+    assert cross_tokenizer_config(args) == CrossTokenizerConfig(kind="uld", uld_top_k=64, hard_weight=1.0)
+    built = CrossTokenizerSetup.build(args, setup["bpe"], setup["student"], setup["teacher"],
+                                      teacher_tokenizer=setup["char"])  # fmt: skip
+    assert len(built.vocab_map) == len(setup["vocab_map"]) > 20
+    assert built.vocab_map.teacher_first_byte[BOS] == 256 and built.vocab_map.student_first_byte[BOS] == 256
+    with pytest.raises(ValueError, match="live teacher_model"):
+        compute_cross_tokenizer_loss(setup["student"], None, setup["batch"], built.config, built.vocab_map)
+
+
+def test_demo_function_runs_on_a_given_teacher():
+    char = CharTokenizerWithOffsets(load_corpus())
+    teacher = _model(len(char), 32, 1, seed=0, device="cpu")
+    results = run_cross_tokenizer_demo(teacher, device="cpu", sizes=CrossTokenizerDemoSizes(chars=32, steps=2, batch=2))
+    assert set(results["recipes"]) == {"CE only", "CE + next-byte KD", "CE + GOLD-style hybrid"}
+    assert all(r["ce_per_char"] > 0 for r in results["recipes"].values())
+
+
+def test_benchmark_tiny(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    from benchmarks import bench_cross_tokenizer
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--tiny", "--ns", "64", "--out", str(out)])
+    bench_cross_tokenizer.main()
+    payload = json.loads(out.read_text())
+    gold_uld = [r for r in payload["rows"] if r["method"] == "TRL GOLD uld (materialised)"]
+    assert gold_uld and gold_uld[0]["rel_diff_vs_ours"] < 1e-5
+    assert [r["k"] for r in payload["topk"]] == [16, 64] and payload["topk"][1]["mean_rel_err"] < 0.01
