@@ -13,6 +13,13 @@ from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from . import distributed
+from .align.trainer_hooks import (
+    CROSS_TOKENIZER_COLUMNS,
+    CrossTokenizerSetup,
+    compute_cross_tokenizer_loss,
+    cross_tokenizer_enabled,
+    is_cross_tokenizer_batch,
+)
 from .config import KDLossConfig
 from .models import apply_kd_patch
 from .models.kd_forward import unwrap_model
@@ -53,6 +60,23 @@ class KDTrainingArguments(TrainingArguments):
     )
     kd_self_distill: bool = field(
         default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
+    )
+    kd_teacher_tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "The teacher's tokenizer (name or path) when it differs from the student's: "
+                  "cross-tokenizer distillation (liger_patch_kd.align)."},
+    )  # fmt: skip
+    kd_cross_tokenizer_loss: str = field(
+        default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact or next_byte."}
+    )
+    kd_exact_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: exact-token weight."})
+    kd_uld_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: ULD weight."})
+    kd_uld_top_k: int | None = field(
+        default=None, metadata={"help": "ULD over the sorted top-k plus a tail bucket; None: the full sort."}
+    )
+    kd_unmatched: str = field(
+        default="bucket",
+        metadata={"help": "Teacher mass on tokens the student lacks: bucket (one 'other' class) or ignore (GOLD)."},
     )
     kd_vocab_size: int | None = field(
         default=None,
@@ -121,13 +145,24 @@ class KDTrainer(Trainer):
         model: nn.Module,
         teacher_model: nn.Module | None = None,
         args: KDTrainingArguments | None = None,
+        teacher_tokenizer: Any = None,
         **kwargs,
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
-        self.kd_config = _with_vocab_size(args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class"))
+        self.xtok = None
+        if cross_tokenizer_enabled(args):  # a teacher with another tokenizer: liger_patch_kd/align/
+            self.xtok = CrossTokenizerSetup.build(
+                args, kwargs.get("processing_class"), model, teacher_model, teacher_tokenizer=teacher_tokenizer
+            )
+            kwargs["data_collator"] = kwargs.get("data_collator") or self.xtok.collator
+            self.kd_config = args.kd_loss_config()
+        else:
+            self.kd_config = _with_vocab_size(
+                args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
+            )
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
@@ -184,7 +219,8 @@ class KDTrainer(Trainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *KD_COLUMNS, "position_ids"]))
+        extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -206,7 +242,13 @@ class KDTrainer(Trainer):
         if generated:
             num_items_in_batch = None  # generated completions: a mean over this micro-batch (see below)
         log_now = self._kd_should_log()
-        if self.args.use_kd_patch:
+        if is_cross_tokenizer_batch(inputs):
+            xtok = self.xtok
+            outputs = compute_cross_tokenizer_loss(
+                model, self.teacher_model, inputs, xtok.config, xtok.vocab_map, num_items_in_batch
+            )
+            loss, soft, hard, agreement = outputs.loss, outputs.soft, outputs.hard, None
+        elif self.args.use_kd_patch:
             outputs = model(
                 **inputs, teacher_model=None if offline else self.teacher_model,
                 num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now,

@@ -95,3 +95,27 @@ def test_benchmark_tiny(tmp_path, monkeypatch):
     gold_uld = [r for r in payload["rows"] if r["method"] == "TRL GOLD uld (materialised)"]
     assert gold_uld and gold_uld[0]["rel_diff_vs_ours"] < 1e-5
     assert [r["k"] for r in payload["topk"]] == [16, 64] and payload["topk"][1]["mean_rel_err"] < 0.01
+
+
+def test_kd_trainer_trains_across_tokenizers(setup, tmp_path):
+    """The way users run it: KDTrainer.train() with kd_teacher_tokenizer, gradient accumulation."""
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+    rows = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
+            {"prompt": "The mill ", "completion": "stands by the river."},
+            {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."},
+            {"prompt": "Night: ", "completion": "owls call twice."}] * 2  # fmt: skip
+    args = KDTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        kd_teacher_tokenizer="given below", kd_cross_tokenizer_loss="hybrid", kd_uld_top_k=32, kd_hard_weight=0.5,
+        remove_unused_columns=False,
+    )  # fmt: skip
+    student = _model(setup["bpe"].get_vocab_size(), 32, 1, seed=3, device="cpu")
+    trainer = KDTrainer(
+        model=student, teacher_model=setup["teacher"], args=args, train_dataset=rows,
+        processing_class=setup["bpe"], teacher_tokenizer=setup["char"],
+    )  # fmt: skip
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 and h["kd_hard_loss"] > 0 for h in logged), logged

@@ -199,7 +199,8 @@ def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_d
 
 
 def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
-    def chunk(start: int, end: int):
+    def chunk(start: int, end: int, active: torch.Tensor | None = None):
+        # `active` (the chunk loop's mask of scored rows) is unused: the layout holds scored groups only
         meta = metas[start]
         if cfg.kind == "next_byte":  # the teacher's next-byte distribution at each group's first row only
             rows = meta.teacher_rows[meta.teacher_first]
@@ -308,6 +309,7 @@ def fused_linear_cross_tokenizer_kd(
         reduction=cfg.reduction,
         soft_weight=cfg.soft_weight,
         hard_weight=cfg.hard_weight,
+        vocab=student_weight.shape[0],  # the student's whole head: its rows map through vocab_map
     )
     with torch.autocast(device.type, enabled=False):
         loss, soft, hard = FusedLinearKDFunction.apply(
