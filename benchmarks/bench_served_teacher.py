@@ -10,6 +10,8 @@ and a Llama-3.1-8B-shaped teacher, bf16, sequence 4096, top-64, gradient checkpo
   served 8B teacher     `liger-kd serve --random-weights` (GPU 1 when there are two, else the student's GPU) asked
                         through TeacherPrefetcher + TeacherClient (binary replies), batches fetched ahead
   served 1B teacher     the same with a teacher faster than the student: the prefetch should hide it
+  offline (store)       the same top-64 written to a store and read back through TeacherLogprobsDataset with a
+                        shuffling 2-worker DataLoader: the data path offline training really takes
 wait_frac is the fraction of the served rows' step time spent waiting for the teacher's replies.
 `--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
 """
@@ -28,7 +30,13 @@ from pathlib import Path
 import torch
 
 from liger_patch_kd.models import revert_kd_patch
-from liger_patch_kd.teacher import TeacherClient, TeacherDataCollator, TeacherPrefetcher
+from liger_patch_kd.teacher import (
+    StoreWriter,
+    TeacherClient,
+    TeacherDataCollator,
+    TeacherLogprobsDataset,
+    TeacherPrefetcher,
+)
 
 from .bench_train_step import SHAPES, TOP_K, build, prepare_student, run_one
 from .common import environment, print_table, write_json
@@ -49,30 +57,19 @@ def start_server(shape: dict, device: str, gpu: int | None, port: int, workdir: 
     return subprocess.Popen(cmd, env=env)
 
 
-def served_row(name, shapes, teacher_shape, micro_batch, seq, device, dtype, warmup, reps, args, workdir) -> dict:
+def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, reps, waited=None):
+    """Train the patched student on `batches` (dicts with teacher_token_ids / teacher_logprobs) and time the last
+    `reps` steps; `waited()` (optional) gives the seconds spent waiting for teacher data so far."""
     row = dict(method=name, micro_batch=micro_batch, seq=seq)
-    two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
-    server_device = "cpu" if device.type == "cpu" else "cuda"
-    server = start_server(teacher_shape, server_device, 1 if two_gpus else None, args.port, workdir)
-    row["server"] = "GPU 1" if two_gpus else ("same GPU" if device.type == "cuda" else "CPU")
     student = build(shapes[0], device, dtype, seed=1)
     try:
-        vocab = shapes[0]["vocab_size"]
-        client = TeacherClient(f"http://127.0.0.1:{args.port}", "liger", top_k=TOP_K, vocab_size=vocab,
-                               timeout=600, sequences_per_request=micro_batch)  # fmt: skip
-        client.wait_until_ready(timeout=600)
         prepare_student("offline", student)
         opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
-        g = torch.Generator().manual_seed(0)
-        steps = warmup + reps
-        data = [{"input_ids": torch.randint(0, vocab, (seq,), generator=g)} for _ in range(steps * micro_batch)]
-        loader = torch.utils.data.DataLoader(data, batch_size=micro_batch, collate_fn=TeacherDataCollator())
-        prefetcher = TeacherPrefetcher(loader, client, depth=args.depth)
-        for i, batch in enumerate(prefetcher):
+        for i, batch in enumerate(batches):
             if i == warmup:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                start, waited = time.perf_counter(), prefetcher.wait_seconds
+                start, waited_before = time.perf_counter(), waited() if waited else 0.0
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = student(input_ids=batch["input_ids"], labels=batch["labels"],
                            teacher_token_ids=batch["teacher_token_ids"],
@@ -83,26 +80,74 @@ def served_row(name, shapes, teacher_shape, micro_batch, seq, device, dtype, war
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / reps
-        row.update(tokens_per_s=micro_batch * seq / seconds, step_s=seconds, loss=float(loss.detach()),
-                   wait_frac=(prefetcher.wait_seconds - waited) / (seconds * reps))  # fmt: skip
+        row.update(tokens_per_s=micro_batch * seq / seconds, step_s=seconds, loss=float(loss.detach()))
+        if waited:
+            row["wait_frac"] = (waited() - waited_before) / (seconds * reps)
         if device.type == "cuda":
             row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-        client.close()
     except Exception as e:  # reported in the table, not fatal: the other rows still run
         import traceback
 
         traceback.print_exc()
         row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
     finally:
-        server.terminate()
-        server.wait(timeout=60)
         del student
         revert_kd_patch()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     print(row, flush=True)
     return row
+
+
+def random_sequences(n: int, seq: int, vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, vocab, (seq,), generator=g)} for _ in range(n)]
+
+
+def served_row(name, shapes, teacher_shape, micro_batch, seq, device, dtype, warmup, reps, args, workdir) -> dict:
+    two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
+    server = start_server(teacher_shape, "cpu" if device.type == "cpu" else "cuda", 1 if two_gpus else None,
+                          args.port, workdir)  # fmt: skip
+    try:
+        vocab = shapes[0]["vocab_size"]
+        client = TeacherClient(f"http://127.0.0.1:{args.port}", "liger", top_k=TOP_K, vocab_size=vocab,
+                               timeout=600, sequences_per_request=micro_batch)  # fmt: skip
+        client.wait_until_ready(timeout=600)
+        data = random_sequences((warmup + reps) * micro_batch, seq, vocab)
+        loader = torch.utils.data.DataLoader(data, batch_size=micro_batch, collate_fn=TeacherDataCollator())
+        prefetcher = TeacherPrefetcher(loader, client, depth=args.depth)
+        row = train_rows(name, prefetcher, shapes, micro_batch, seq, device, dtype, warmup, reps,
+                         waited=lambda: prefetcher.wait_seconds)  # fmt: skip
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    row["server"] = "GPU 1" if two_gpus else ("same GPU" if device.type == "cuda" else "CPU")
+    return row
+
+
+def store_row(shapes, micro_batch, seq, device, dtype, warmup, reps, workdir: Path) -> dict:
+    """Offline top-k the way training reads it: a store on disk, a shuffling DataLoader with workers."""
+    vocab = shapes[0]["vocab_size"]
+    n = (warmup + reps) * micro_batch
+    writer = StoreWriter.open(workdir / "store", teacher="synthetic", vocab_size=vocab, tokenizer_fingerprint=None,
+                              top_k=TOP_K, logprob_dtype="bfloat16", temperature=1.0, shard_size=n,
+                              num_sequences=n)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    sequences = [row["input_ids"] for row in random_sequences(n, seq, vocab)]
+    logits = torch.randn(n * seq, TOP_K, generator=g).sort(-1, descending=True).values
+    start = torch.randint(0, vocab, (n * seq, 1), generator=g)
+    ids = ((start + torch.arange(TOP_K) * (vocab // TOP_K - 1)) % vocab).int()  # distinct ids per row
+    writer.write_shard(sequences, ids, torch.log_softmax(logits, -1) - 0.5)
+    data = TeacherLogprobsDataset(workdir / "store", vocab_size=vocab)
+    pin = device.type == "cuda"
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=micro_batch, shuffle=True, num_workers=2, collate_fn=TeacherDataCollator(), pin_memory=pin
+    )
+    name = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
+    return train_rows(name, loader, shapes, micro_batch, seq, device, dtype, warmup, reps)
 
 
 def main() -> None:
@@ -133,13 +178,14 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as workdir:
+        rows.append(store_row(shapes, mb, seq, device, dtype, args.warmup, args.reps, Path(workdir)))
         for name, teacher_shape in (("served 8B teacher", shapes[1]), ("served 1B teacher", shapes[0])):
             if args.tiny:
                 name = name.replace("8B", "tiny-large").replace("1B", "tiny-small")
             rows.append(served_row(name, shapes, teacher_shape, mb, seq, device, dtype, args.warmup, args.reps, args,
                                    Path(workdir)))  # fmt: skip
     online = next(r["tokens_per_s"] for r in rows if r["method"].startswith("online"))
-    offline = next(r["tokens_per_s"] for r in rows if r["method"].startswith("offline"))
+    offline = next(r["tokens_per_s"] for r in rows if r["method"] == f"offline top-{TOP_K}")
     for r in rows:
         if isinstance(r.get("tokens_per_s"), float):
             r["x_online"], r["of_offline"] = r["tokens_per_s"] / online, r["tokens_per_s"] / offline

@@ -19,6 +19,20 @@ for what in "${@:-all}"; do
     tests|all)
       python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;&
+    tests-core)
+      python3 -m pytest -q -p no:cacheprovider tests/test_fused_linear_jsd.py tests/test_topk.py tests/test_kernels.py \
+        tests/test_vocab_size.py tests/test_loss_edge_cases.py tests/test_reference.py tests/test_compile.py \
+        tests/test_model_paths.py tests/test_patches.py tests/test_trainer.py tests/test_distributed.py \
+        2>&1 | tee "$OUT/tests_core_gpu.log" | tail -25
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    demo|all)
+      python3 -m liger_patch_kd.cli demo 2>&1 | tee "$OUT/demo_gpu.log" | tail -12 ;;&
+    bench-padded)
+      python3 -m benchmarks.bench_fused_linear_jsd --only padded --out "$OUT/bench_padded_vocab.json" 2>&1 \
+        | tee "$OUT/bench_padded.log" | grep -v "^{" ;;
+    bench-served|all)
+      python3 -m benchmarks.bench_served_teacher --out "$OUT/bench_served_teacher.json" 2>&1 \
+        | tee "$OUT/bench_served.log" | grep -v "^{" ;;&
     properties|all)
       # importorskip would turn a missing hypothesis into a silent skip: here it is a failure
       if python3 -c "import hypothesis" 2>/dev/null; then
