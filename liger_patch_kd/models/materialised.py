@@ -42,12 +42,12 @@ def materialised_kd(
     """
     model_inputs = {**model_inputs, "use_cache": False}
     out = student_forward(**model_inputs)
-    student = reference.upcast_logits(out.logits)
+    student_logits = reference.upcast_logits(out.logits)
     cfg = cfg.replace(softcap=None)  # the model's forward has applied its own soft-capping already
     soft_only = cfg.replace(soft_weight=1.0, hard_weight=0.0)
     if teacher.token_ids is not None:
         soft = reference.topk_kd_loss(
-            student, teacher.token_ids, teacher.logprobs, targets, soft_only, num_items_in_batch
+            student_logits, teacher.token_ids, teacher.logprobs, targets, soft_only, num_items_in_batch
         )
         teacher_top1 = teacher.token_ids.gather(-1, teacher.logprobs.float().argmax(-1, keepdim=True)).squeeze(-1)
     else:
@@ -60,11 +60,11 @@ def materialised_kd(
         else:
             teacher_logits = F.linear(teacher.hidden_states, teacher.weight, teacher.bias)
         teacher_logits = reference.upcast_logits(teacher_logits)
-        soft = reference.kd_loss(student, teacher_logits, targets, soft_only, num_items_in_batch)
+        soft = reference.kd_loss(student_logits, teacher_logits, targets, soft_only, num_items_in_batch)
         teacher_top1 = _real_vocab(teacher_logits, cfg).argmax(-1)
     hard = torch.zeros_like(soft)
     if cfg.hard_weight:
-        ce = reference.cross_entropy_per_row(_real_vocab(student, cfg), targets, cfg.ignore_index)
+        ce = reference.cross_entropy_per_row(_real_vocab(student_logits, cfg), targets, cfg.ignore_index)
         hard = reference.reduce_rows(
             ce, targets, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
         )
@@ -74,7 +74,7 @@ def materialised_kd(
     agreement = None
     if log_agreement:
         valid = targets != cfg.ignore_index
-        same = (_real_vocab(student, cfg).argmax(-1) == teacher_top1.to(student.device)) & valid
+        same = (_real_vocab(student_logits, cfg).argmax(-1) == teacher_top1.to(student_logits.device)) & valid
         agreement = (same.sum() / valid.sum().clamp(min=1)).detach().float()
     return kd_output(
         out, loss=loss, logits=out.logits, kd_soft_loss=soft.detach(), kd_hard_loss=hard.detach(),
