@@ -335,8 +335,12 @@ def fused_linear_topk_kd(
     _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
     flat_labels = _flatten_labels(labels, leading, student_input.device, cfg)
     k = teacher_token_ids.shape[-1]
-    ids = teacher_token_ids.reshape(-1, k).to(student_input.device)
-    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach()
+    # contiguous at the door (a copy only for a strided or transposed view): the Triton kernel reads a row's K
+    # slots at unit stride. N x K is small beside the N x V work, and a copy costs less than a stride multiply
+    # on every slot load of three passes. (The per-chunk select below would not do it: torch.where keeps a
+    # transposed input's layout.)
+    ids = teacher_token_ids.reshape(-1, k).to(student_input.device).contiguous()
+    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach().contiguous()
     if check_inputs:
         counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
         label_checks = [_label_check(flat_labels, vocab, cfg)] if labels is not None else []
@@ -344,10 +348,7 @@ def fused_linear_topk_kd(
 
     def teacher_chunk(_logits_dtype: torch.dtype):
         def slots(start: int, end: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # The select writes fresh rows: those that do not count become rows without teacher data (never read,
-            # whatever they hold), and every layout the caller passes (transposed, strided, expanded) arrives
-            # contiguous, as the Triton kernel reads a row's K slots at unit stride. A chunk x K copy is nothing
-            # beside the chunk x V work, and cheaper than a stride multiply on every slot load of three passes.
+            # rows that do not count become rows without teacher data: never read, whatever they hold
             return _zero_rows(ids[start:end], active, -1), _zero_rows(logprobs[start:end], active, -math.inf)
 
         return slots

@@ -20,11 +20,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import acc_type
-
-    @triton.jit
-    def _tanh(x):
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    from .triton_utils import _tanh, acc_type
 
     @triton.jit
     def _act_and_grad(g, GELU: tl.constexpr):

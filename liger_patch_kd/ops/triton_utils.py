@@ -11,10 +11,18 @@ def acc_type(dtype: torch.dtype):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh without a tanh intrinsic: (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, sign restored. The exponent is
+    never positive, so nothing overflows (exp(2x) did, harmlessly on a GPU, with a warning when interpreted)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _softcap(x, c, CAP: tl.constexpr):
     if CAP:
-        # tanh(y) = 1 - 2 / (exp(2y) + 1): exact at both ends, no tanh intrinsic needed
-        x = c * (1.0 - 2.0 / (tl.exp(2.0 * x / c) + 1.0))
+        x = c * _tanh(x / c)
     return x
 
 
