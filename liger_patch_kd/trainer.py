@@ -152,6 +152,15 @@ class KDTrainer(Trainer):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
+        if args.n_gpu > 1:
+            # One process seeing several GPUs would make the Trainer wrap the student in nn.DataParallel, which
+            # splits every input tensor across replicas while the teacher stays on one GPU. Distillation runs one
+            # GPU per process; several GPUs through accelerate / torchrun (DDP, FSDP, ZeRO-3).
+            logger.warning(
+                f"KDTrainer: this process sees {args.n_gpu} GPUs; training on one (cuda:0). For several GPUs, launch "
+                f"one process per GPU: `accelerate launch` or `torchrun` (DDP, FSDP or DeepSpeed)"
+            )
+            args._n_gpu = 1
         self.xtok = None
         if cross_tokenizer_enabled(args):  # a teacher with another tokenizer: liger_patch_kd/align/
             self.xtok = CrossTokenizerSetup.build(
