@@ -13,7 +13,7 @@ from torch import nn
 
 from . import reference
 from .config import KDLossConfig
-from .conventions import resolve_vocab, topk_valid_slots
+from .conventions import column_bias, computed_columns, resolve_vocab, topk_valid_slots
 from .ops import fused_linear_jsd as jsd_op
 from .ops import fused_linear_topk_kd as topk_op
 from .ops.backend import logits_fp32, select_backend
@@ -178,6 +178,9 @@ def fused_linear_jsd(
     _check_linear("student", student_input, student_weight, student_bias)
     _check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
     vocab = resolve_vocab(student_weight.shape[0], teacher_weight.shape[0], cfg.vocab_size)
+    columns = computed_columns(
+        vocab, [student_weight.shape[0], teacher_weight.shape[0]], [cfg.softcap, cfg.teacher_softcap], cfg.temperature
+    )
     leading = student_input.shape[:-1]
     if teacher_input.shape[:-1] != leading:
         raise ValueError(
@@ -190,8 +193,8 @@ def fused_linear_jsd(
     # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
     teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
     h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
-    w_t = teacher_weight.detach()[:vocab].to(teacher_dtype)
-    b_t = None if teacher_bias is None else teacher_bias.detach()[:vocab]
+    w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
+    b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
 
     def teacher_chunk(logits_dtype: torch.dtype):
         def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
@@ -209,6 +212,7 @@ def fused_linear_jsd(
         backend,
         return_components,
         vocab=vocab,
+        columns=columns,
         teacher_chunk=teacher_chunk,
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
@@ -217,7 +221,7 @@ def fused_linear_jsd(
 
 def _run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
-    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None,
 ):  # fmt: skip
     """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
     and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
@@ -233,6 +237,8 @@ def _run_fused(
         kernel=lambda *args: kernel(*args, cfg),
         chunk_size=rows,
         vocab=vocab,
+        columns=columns,
+        temperature=cfg.temperature,
         reduction=cfg.reduction,
         soft_weight=cfg.soft_weight,
         hard_weight=cfg.hard_weight,
@@ -331,6 +337,11 @@ def fused_linear_topk_kd(
     cfg = _config_with_vocab_size(cfg, vocab_size)
     _check_linear("student", student_input, student_weight, student_bias)
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
+    # tempering top-k log-probs (T != 1) spreads the teacher's rest over the V - k tokens outside its top-k: V
+    # must stay the real vocabulary there, so the columns are padded for alignment only at T = 1
+    columns = vocab
+    if cfg.temperature == 1.0:
+        columns = computed_columns(vocab, [student_weight.shape[0]], [cfg.softcap], cfg.temperature)
     leading = student_input.shape[:-1]
     _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
     flat_labels = _flatten_labels(labels, leading, student_input.device, cfg)
@@ -363,6 +374,7 @@ def fused_linear_topk_kd(
         backend,
         return_components,
         vocab=vocab,
+        columns=columns,
         teacher_chunk=teacher_chunk,
         kernels=topk_op.CHUNK_KERNELS,
         bytes_per_logit=6,  # fp32 student logits and a bf16 gradient

@@ -174,3 +174,34 @@ def test_unchecked_out_of_range_labels_are_never_read_out_of_row(backend):
     rows = fused_linear_jsd(student[0], student[1], teacher[0], teacher[1], bad, vocab_size=VOCAB, config=cfg,
                             check_inputs=False, backend=backend)  # fmt: skip
     assert torch.isfinite(rows).all() and rows[1].abs().item() < 1e-6
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("temperature", [1.0, 2.5, 0.05])
+def test_aligned_columns_for_an_odd_vocab_size(backend, temperature):
+    """vocab_size 61 is odd (as Qwen2.5's 151665): the chunks compute 64 columns for aligned products and push the
+    3 extra ones out with conventions.PAD_LOGIT. The result is still the reference on the sliced logits, and the
+    padding rows' gradients are exactly 0 (their probability underflows to 0, not merely to something small)."""
+    from liger_patch_kd.conventions import computed_columns
+
+    assert computed_columns(VOCAB, [V_S, V_T], [None, None], temperature) == 64
+    student, teacher, labels = _padded_pair()
+    cfg = KDLossConfig(beta=0.4, temperature=temperature, hard_weight=0.3, chunk_size=5)
+    loss = fused_linear_jsd(
+        student[0], student[1], teacher[0], teacher[1], labels, student_bias=student[2], teacher_bias=teacher[2],
+        vocab_size=VOCAB, config=cfg, backend=backend,
+    )  # fmt: skip
+    expected = _sliced_reference_jsd(student, teacher, labels, cfg)
+    torch.testing.assert_close(loss, expected, **TOL[backend])
+    _check_grads(loss, expected, student, backend)
+    if temperature == 1.0:  # the top-k loss pads its columns at T = 1 only (tempering counts the real V)
+        t_logits = (teacher[0] @ teacher[1].T + teacher[2])[:, :VOCAB]
+        logprobs, ids = F.log_softmax(t_logits, -1).topk(7, -1)
+        topk_cfg = cfg.replace(tail="bucket", vocab_size=VOCAB)
+        loss = fused_linear_topk_kd(
+            student[0], student[1], ids, logprobs, labels, student_bias=student[2], config=topk_cfg, backend=backend
+        )
+        s_logits = (student[0] @ student[1].T + student[2])[:, :VOCAB]
+        expected = R.topk_kd_loss(s_logits, ids, logprobs, labels, topk_cfg.replace(vocab_size=None))
+        torch.testing.assert_close(loss, expected, **TOL[backend])
+        _check_grads(loss, expected, student, backend)

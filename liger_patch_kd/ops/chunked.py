@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..conventions import column_bias
 from .backend import logits_fp32
 
 # (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
@@ -72,19 +73,24 @@ def run_chunked(
     chunk_size: int,
     needs_grad: tuple[bool, bool, bool],
     vocab: int | None = None,
+    columns: int | None = None,
+    temperature: float = 1.0,
     fp32_weight_grad: bool = False,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
     `vocab`: only the first `vocab` rows of the weight (and bias) are real tokens; the chunks see row views of
-    them and the gradient rows past them are 0. Rows whose weights are both 0 (ignored labels, or no items in
+    them and the gradient rows past them are 0. `columns` (>= vocab, conventions.computed_columns) is how many rows
+    the products use: the extra ones get conventions.PAD_LOGIT as bias, so they carry no probability and no
+    gradient, and the products stay aligned. Rows whose weights are both 0 (ignored labels, or no items in
     the batch) are replaced by zeros before any product, so NaN or inf in them (padding garbage) reaches
     neither the loss nor a gradient: a zero row weight alone would not do, as 0 * NaN is NaN.
     """
     n_rows, full_vocab = student_input.shape[0], student_weight.shape[0]
     vocab = full_vocab if vocab is None else vocab
-    weight = student_weight[:vocab]
-    bias = None if student_bias is None else student_bias[:vocab]
+    columns = vocab if columns is None else columns
+    weight = student_weight[:columns]
+    bias = column_bias(student_bias, vocab, columns, temperature, student_input)
     active = (w_soft != 0) | (w_hard != 0)
     acc_dtype = torch.float64 if student_input.dtype == torch.float64 else torch.float32
     soft_rows = torch.zeros(n_rows, dtype=acc_dtype, device=student_input.device)
@@ -102,7 +108,7 @@ def run_chunked(
         # all); the padding rows past vocab are 0
         new = torch.empty if n_rows else torch.zeros
         grad_weight = new(student_weight.shape, dtype=weight_grad_dtype, device=student_weight.device)
-        grad_weight[vocab:].zero_()
+        grad_weight[columns:].zero_()
     grad_bias = torch.zeros(full_vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
 
     for start in range(0, n_rows, chunk_size):
@@ -126,9 +132,9 @@ def run_chunked(
         if need_input:
             torch.mm(grad_logits, weight, out=grad_input[start:end])
         if need_weight:
-            _accumulate_weight_grad(grad_weight[:vocab], grad_logits, hidden, first=start == 0)
+            _accumulate_weight_grad(grad_weight[:columns], grad_logits, hidden, first=start == 0)
         if need_bias:
-            grad_bias[:vocab] += grad_logits.sum(0, dtype=acc_dtype)
+            grad_bias[:vocab] += grad_logits[:, :vocab].sum(0, dtype=acc_dtype)
         # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk, not two
         del grad_logits
     if grad_bias is not None and student_bias is not None:
@@ -169,6 +175,8 @@ class ChunkPlan:
     soft_weight: float
     hard_weight: float
     fp32_weight_grad: bool = False
+    columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
+    temperature: float = 1.0  # scales the padding columns' bias
 
 
 class FusedLinearKDFunction(torch.autograd.Function):
@@ -242,6 +250,8 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         chunk_size=plan.chunk_size,
         needs_grad=needs_grad,
         vocab=plan.vocab,
+        columns=plan.columns,
+        temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
     )
 
