@@ -83,7 +83,9 @@ def test_zero_items_with_counted_rows_is_zero_and_negative_count_is_refused(back
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
 def test_no_rows_at_all(backend, kind, reduction):
     pair = make_pair(n=0, vocab=29, device=DEVICE)
-    teacher = (pair.teacher_input, pair.teacher_weight) if kind == "jsd" else _topk(torch.zeros(0, 29), 4)
+    teacher = (
+        (pair.teacher_input, pair.teacher_weight) if kind == "jsd" else _topk(torch.zeros(0, 29, device=DEVICE), 4)
+    )
     cfg = KDLossConfig(reduction=reduction, hard_weight=0.5)
     loss = _fused(kind, pair.student_input, pair.student_weight, teacher, pair.labels, cfg, backend)
     assert loss.shape == ((0,) if reduction == "none" else ())

@@ -155,6 +155,10 @@ def test_trainer_trains_in_bf16_mixed_precision(tmp_path, use_kd_patch, fused):
     trainer.train()
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert logged and all(h["kd_soft_loss"] > 0 and h["loss"] > 0 for h in logged), logged
+    # accelerate left its autocast wrapper around the KD forward; after revert the model is plain again
+    M.revert_kd_patch(model=trainer.model)
+    ids, _ = _batch()
+    assert trainer.model(ids).logits.shape == (*ids.shape, VOCAB)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 mixed precision needs a GPU")

@@ -200,9 +200,13 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
     if model is not None:
         inner = unwrap_model(model)
         for sub in inner.modules():
-            bound = getattr(sub.__dict__.get("forward"), "__func__", None)
-            if getattr(bound, "__liger_kd__", False):
+            # accelerate's mixed-precision wrapper replaces `forward` and keeps ours as `_original_forward`: a
+            # wrapper around the KD forward goes too, or it would call the KD forward after its state is gone
+            wrapped = sub.__dict__.get("_original_forward")
+            if _is_ours(sub.__dict__.get("forward")) or _is_ours(wrapped):
                 del sub.__dict__["forward"]
+                if _is_ours(wrapped):
+                    del sub.__dict__["_original_forward"]
             sub.__dict__.pop(_INSTANCE_ATTR, None)
         PATCHED_INSTANCES.discard(inner)
         return
@@ -224,6 +228,10 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                     setattr(owner, name, original)
                 del _ORIGINALS[(owner, name)]
         _CLASS_STATE.pop(spec.model_class(), None)
+
+
+def _is_ours(forward) -> bool:
+    return getattr(getattr(forward, "__func__", None), "__liger_kd__", False)
 
 
 def _make_apply(model_type: str):
