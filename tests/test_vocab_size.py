@@ -48,6 +48,17 @@ def _sliced_reference_jsd(student, teacher, labels, cfg):
     return R.kd_loss(s_logits[:, :VOCAB], t_logits[:, :VOCAB], labels, cfg.replace(vocab_size=None))
 
 
+def _fused_and_sliced_reference_jsd(student, teacher, labels, cfg, backend):
+    """The fused loss with vocab_size=VOCAB and the reference on the sliced logits, checked to agree."""
+    loss = fused_linear_jsd(
+        student[0], student[1], teacher[0], teacher[1], labels, student_bias=student[2], teacher_bias=teacher[2],
+        vocab_size=VOCAB, config=cfg, backend=backend,
+    )  # fmt: skip
+    expected = _sliced_reference_jsd(student, teacher, labels, cfg)
+    torch.testing.assert_close(loss, expected, **TOL[backend])
+    return loss, expected
+
+
 def _check_grads(loss, expected, student, backend):
     got, want = grads(loss, student), grads(expected, student)
     for g, e in zip(got, want):
@@ -60,12 +71,7 @@ def _check_grads(loss, expected, student, backend):
 def test_jsd_over_the_real_vocabulary(backend, beta):
     student, teacher, labels = _padded_pair()
     cfg = KDLossConfig(beta=beta, temperature=1.3, hard_weight=0.4, softcap=20.0, teacher_softcap=25.0, chunk_size=9)
-    loss = fused_linear_jsd(
-        student[0], student[1], teacher[0], teacher[1], labels, student_bias=student[2], teacher_bias=teacher[2],
-        vocab_size=VOCAB, config=cfg, backend=backend,
-    )  # fmt: skip
-    expected = _sliced_reference_jsd(student, teacher, labels, cfg)
-    torch.testing.assert_close(loss, expected, **TOL[backend])
+    loss, expected = _fused_and_sliced_reference_jsd(student, teacher, labels, cfg, backend)
     # the oracle with vocab_size on the full logits is the same thing
     full = R.kd_loss(
         student[0] @ student[1].T + student[2], teacher[0] @ teacher[1].T + teacher[2], labels,
@@ -187,12 +193,7 @@ def test_aligned_columns_for_an_odd_vocab_size(backend, temperature):
     assert computed_columns(VOCAB, [V_S, V_T], [None, None], temperature) == 64
     student, teacher, labels = _padded_pair()
     cfg = KDLossConfig(beta=0.4, temperature=temperature, hard_weight=0.3, chunk_size=5)
-    loss = fused_linear_jsd(
-        student[0], student[1], teacher[0], teacher[1], labels, student_bias=student[2], teacher_bias=teacher[2],
-        vocab_size=VOCAB, config=cfg, backend=backend,
-    )  # fmt: skip
-    expected = _sliced_reference_jsd(student, teacher, labels, cfg)
-    torch.testing.assert_close(loss, expected, **TOL[backend])
+    loss, expected = _fused_and_sliced_reference_jsd(student, teacher, labels, cfg, backend)
     _check_grads(loss, expected, student, backend)
     if temperature == 1.0:  # the top-k loss pads its columns at T = 1 only (tempering counts the real V)
         t_logits = (teacher[0] @ teacher[1].T + teacher[2])[:, :VOCAB]
