@@ -434,6 +434,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"lm_heads whole: {r['lm_heads_whole']}, losses {[x['loss'] for x in r['log']]}",
                   flush=True)  # fmt: skip
     state.wait_for_everyone()
+    # an explicit teardown: left to interpreter exit, gloo's threads can abort the process
+    # ("terminate called without an active exception") after the results are written
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def probe_sync(device: torch.device) -> None:
