@@ -43,7 +43,7 @@ class ArchSpec:
         except ImportError as e:  # pragma: no cover - depends on the installed transformers
             raise ValueError(
                 f"transformers has no module {self.module} for model_type {self.model_type!r} "
-                f"(transformers too old? this library supports >= 4.57): {e}"
+                f"(transformers too old? this library supports >= 5.17): {e}"
             ) from e
 
     def model_class(self) -> type[nn.Module]:
