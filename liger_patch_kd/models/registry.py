@@ -12,6 +12,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from .transforms import LOGIT_TRANSFORMS
@@ -156,9 +157,21 @@ def spec_for(model_type: str) -> ArchSpec:
     return specs_for(model_type)[0]
 
 
+_SPEC_ATTR = "_liger_kd_spec"
+
+
 def spec_for_model(model: nn.Module) -> ArchSpec:
     """The entry of a model instance, checked: its class is the entry's, and its forward and config do nothing to
-    the logits or the loss that the entry does not declare (ValueError otherwise)."""
+    the logits or the loss that the entry does not declare (ValueError otherwise). Resolved once per instance:
+    the KD forward asks several times per step, and the check parses source code."""
+    spec = model.__dict__.get(_SPEC_ATTR)
+    if spec is None:
+        spec = model.__dict__[_SPEC_ATTR] = _checked_spec(model)
+    return spec
+
+
+@torch.compiler.disable  # once per instance; dynamo need not trace the source audit
+def _checked_spec(model: nn.Module) -> ArchSpec:
     from .forward_audit import check_model  # forward_audit reads the registry's declarations
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
