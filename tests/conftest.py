@@ -13,3 +13,13 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def clean_patches():
+    """Undo every patch a test made (classes, instances, teachers), so the next test starts from plain models.
+    Test files that patch opt in with `pytestmark = pytest.mark.usefixtures("clean_patches")`."""
+    yield
+    from liger_patch_kd.models import revert_kd_patch  # imported late: TRITON_INTERPRET is set above first
+
+    revert_kd_patch()

@@ -79,3 +79,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm-wise relative error ||a - b|| / ||b|| (elementwise ratios blow up near zero)."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def random_sequences(vocab: int, n: int = 7, seed: int = 0, lengths: tuple[int, int] = (4, 12)) -> list[list[int]]:
+    """n token-id lists of random lengths in [lengths[0], lengths[1]), reproducible from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]

@@ -10,11 +10,7 @@ from liger_patch_kd.models.registry import REGISTRY
 
 from .tiny_models import TEXT_VOCAB, tiny_config, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 @pytest.mark.parametrize("key", sorted(REGISTRY))

@@ -15,11 +15,7 @@ from liger_patch_kd.models.kd_io import shift_labels
 from .helpers import rel_err
 from .tiny_models import VOCAB, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _batch(rows=3, length=12, seed=0, vocab=VOCAB):

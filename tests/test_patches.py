@@ -47,10 +47,7 @@ def _reference_kd(student, teacher, ids, mask, labels, vision, cfg):
     return loss
 
 
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def test_every_registry_entry_is_tested():

@@ -10,20 +10,14 @@ import liger_patch_kd.models as M
 from liger_patch_kd import KDLossConfig
 from liger_patch_kd import teacher as TD
 
+from .helpers import random_sequences
 from .tiny_models import VOCAB, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _sequences(n=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
-    ]
+    return random_sequences(VOCAB, n, seed)
 
 
 @pytest.mark.parametrize("tail", ["bucket", "renormalize", "none"])

@@ -20,21 +20,17 @@ from liger_patch_kd import teacher as TD
 from liger_patch_kd.cli import main
 from liger_patch_kd.teacher.compact import PackedCodec, codec_from_spec
 
+from .helpers import random_sequences
 from .tiny_models import VOCAB, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _sequences(n=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]  # fmt: skip
+    return random_sequences(VOCAB, n, seed)
 
 
 def _topk_rows(vocab, k, rows=64, seed=0):

@@ -11,11 +11,7 @@ from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
 from .tiny_models import VOCAB, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _clean_patches():
-    yield
-    M.revert_kd_patch()
+pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _dataset(n=16, seed=0, prompt=3):
