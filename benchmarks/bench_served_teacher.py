@@ -177,6 +177,7 @@ def main() -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the rows below need no teacher on this GPU
     with tempfile.TemporaryDirectory() as workdir:
         rows.append(store_row(shapes, mb, seq, device, dtype, args.warmup, args.reps, Path(workdir)))
         for name, teacher_shape in (("served 8B teacher", shapes[1]), ("served 1B teacher", shapes[0])):

@@ -56,15 +56,30 @@ def release_root_parameters(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def gathered_weights(module: nn.Module) -> Iterator[None]:
-    """Gather a ZeRO-3 partitioned module's own parameters for the duration of the block (no-op otherwise)."""
+def gathered_weights(module: nn.Module, owner: nn.Module | None = None) -> Iterator[None]:
+    """Have a ZeRO-3 partitioned module's own parameters whole for the duration of the block (no-op otherwise).
+
+    The KD forward reads lm_head's weight inside `owner`'s forward without calling lm_head, so ZeRO-3's module
+    hooks never fetch it. Gathering it here on every step collides with ZeRO's prefetcher, which learns the
+    order of fetches from the first step and then has the weight in flight when this block starts (partitioning
+    it at the end fails: "Cannot partition a param in flight"). So the weight is registered as an external
+    parameter of `owner`: from the next forward on ZeRO fetches, prefetches and releases it with `owner`, and
+    this block only gathers what is still partitioned (the first forward's)."""
     params = [p for p in module.parameters() if hasattr(p, "ds_id")]  # an adapter's too
     if not params:
         yield
         return
     import deepspeed  # optional extra: only reached when the parameters are ZeRO-3 partitioned
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    if owner is not None:
+        for param in params:
+            deepspeed.zero.register_external_parameter(owner, param)  # a no-op when already registered
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield
 
 

@@ -143,7 +143,7 @@ def kd_causal_lm_forward(
     kwargs.pop("logits_to_keep", None)
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
-    with gathered_weights(self.get_output_embeddings()):
+    with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "student")
         hidden, student_bias = scaled_head_inputs(self, hidden, head.bias)
         common = dict(student_bias=student_bias, num_items_in_batch=num_items_in_batch, return_components=True)
@@ -263,7 +263,7 @@ def _is_kd_forward(model: nn.Module) -> bool:
 def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict):
     with torch.no_grad():
         hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
-    with gathered_weights(self.get_output_embeddings()):
+    with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "teacher")
         hidden, bias = scaled_head_inputs(self, hidden.detach(), None if head.bias is None else head.bias.detach())
         return callback(hidden, head.weight.detach(), bias, softcap_of(self.config))
