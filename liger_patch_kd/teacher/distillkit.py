@@ -228,7 +228,7 @@ def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.
                              ("bytepacked_indices", index_rows, cfg.index_bytes)):  # fmt: skip
         if rows.ndim != 2 or rows.shape[1] != want:
             raise TeacherStoreError(
-                f"{where}: {name} rows are {rows.shape[1:] if rows.ndim == 2 else 'ragged'} bytes; these compressor "
+                f"{where}: {name} rows are {rows.shape[1] if rows.ndim == 2 else 'ragged'} bytes; these compressor "
                 f"settings (d={cfg.d}, k={cfg.k}, exact_k={cfg.exact_k}, ...) write {want}: the settings are not the "
                 f"ones the data was written with"
             )
