@@ -46,13 +46,17 @@ def _precompute(args) -> None:
 
 
 def _convert(args) -> None:
-    from .teacher import axolotl, hf_datasets
+    from .teacher import axolotl, distillkit, hf_datasets
     from .teacher.store import read_manifest
 
     if args.from_format == args.to_format and args.from_format != "store":
         raise ValueError(f"--from and --to are both {args.from_format}: nothing to convert")
     if args.from_format == "store":
-        if args.to_format == "store":
+        if args.to_format == "distillkit":
+            if args.compressor is None:
+                raise ValueError("--to distillkit needs --compressor (a compression_config.yaml: d, k, exact_k, ...)")
+            distillkit.store_to_distillkit(args.input, args.out, compressor=args.compressor)
+        elif args.to_format == "store":
             meta = read_manifest(args.input)
             hf_datasets.dataset_to_store(
                 _store_rows(args.input), args.out, vocab_size=meta["vocab_size"], top_k=meta["top_k"],
@@ -69,6 +73,13 @@ def _convert(args) -> None:
         return
     if args.to_format != "store":
         raise ValueError(f"--from {args.from_format} converts to --to store only (then export the store)")
+    if args.from_format == "distillkit":  # the settings carry the vocabulary and k
+        distillkit.distillkit_to_store(
+            args.input, args.out, compressor=args.compressor, vocab_size=args.vocab_size, top_k=args.top_k,
+            logprob_dtype=args.dtype or "float32", encoding=args.encoding, shard_size=args.shard_size,
+        )  # fmt: skip
+        print(f"wrote {args.out}")
+        return
     if args.vocab_size is None or args.top_k is None:
         raise ValueError(f"--from {args.from_format} needs --vocab-size (the teacher's) and --top-k (slots to keep)")
     rows = hf_datasets.load_table(args.input)
@@ -156,14 +167,15 @@ def main(argv: list[str] | None = None) -> None:
         "--from",
         dest="from_format",
         required=True,
-        choices=["store", "axolotl", "hf"],
-        help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs (required)",
+        choices=["store", "axolotl", "hf", "distillkit"],
+        help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs; distillkit: its compressed "
+        "parquet (input_ids, compressed_logprobs, bytepacked_indices) (required)",
     )
     conv.add_argument(
         "--to",
         dest="to_format",
         required=True,
-        choices=["store", "axolotl", "hf"],
+        choices=["store", "axolotl", "hf", "distillkit"],
         help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)",
     )
     conv.add_argument(
@@ -176,8 +188,21 @@ def main(argv: list[str] | None = None) -> None:
         required=True,
         help="a store folder; for axolotl / hf a .parquet, .jsonl or save_to_disk folder (required)",
     )
-    conv.add_argument("--vocab-size", type=int, default=None, help="the teacher's vocabulary (needed --to store)")
-    conv.add_argument("--top-k", type=int, default=None, help="slots per token in the store (needed --to store)")
+    conv.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the teacher's vocabulary (needed --to store; from distillkit: default the settings' d)",
+    )
+    conv.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="slots per token in the store (needed --to store; from distillkit: default the settings' k)",
+    )
+    conv.add_argument("--compressor", default=None,
+                      help="DistillKit compression_config.yaml (.json) the data was written with; None: the one in "
+                           "the --input folder (a capture's)")  # fmt: skip
     conv.add_argument("--temperature", type=float, default=1.0, help="temperature the axolotl data was made at")
     conv.add_argument(
         "--keep-temperature",

@@ -5,6 +5,7 @@ from .axolotl import axolotl_to_store, store_to_axolotl
 from .client import TeacherClient, TeacherServerError, TeacherTimeoutError
 from .collator import TeacherDataCollator
 from .compact import PackedCodec
+from .distillkit import distillkit_to_store, store_to_distillkit
 from .formats import import_sglang_logprobs, import_vllm_logprobs
 from .hf_datasets import dataset_to_store, load_table, store_to_dataset
 from .precompute import precompute, teacher_topk, teacher_topk_and_next, topk_of_logits
@@ -28,11 +29,13 @@ __all__ = [
     "PackedCodec",
     "axolotl_to_store",
     "dataset_to_store",
+    "distillkit_to_store",
     "iter_store",
     "load_table",
     "read_manifest",
     "store_to_axolotl",
     "store_to_dataset",
+    "store_to_distillkit",
     "verify_store",
     "LOGPROB_DTYPES",
     "MANIFEST",

@@ -1,0 +1,520 @@
+"""DistillKit's compressed teacher data (arcee-ai/DistillKit, `DistributionQuantizationConfig`), into a store and
+out of one.
+
+Files: parquet with `input_ids` (list<uint64>), `compressed_logprobs` and `bytepacked_indices` (list<list<uint8>>,
+one byte row per position), plus `compression_config.yaml` beside them (DistillKit's capture writes it; its
+settings must be the ones the data was written with). Row j holds the teacher's top-k for the token after
+input_ids[j], sorted by log-prob, descending: temperature-1 log-probs (vLLM `raw_logprobs`). A capture has
+len(input_ids) - 1 rows; DistillKit's packing trims input_ids to the row count and marks packed examples with
+`attention_mask` = 1, 2, ... (split back into sequences here).
+
+Per position, with b = ceil(log2(d)) (DistillKit computes it in float32) and m = k - exact_k:
+- bytepacked_indices: k ids of b bits each, most significant bit first, concatenated, zero-padded to a byte.
+- compressed_logprobs, in order: exact_k floats (exact_dtype); one coefficient per polynomial term (term_dtype);
+  per residual bin a scale (scale_dtype) and num_elements codes of element_bits bits, packed like the ids.
+  Floats are little-endian. Tail slot t (0 .. m - 1) is sum_j c_j * basis_j(x_t) + residual_t, x_t = t or
+  linspace(0, 1, m)[t] (normalize_t), basis "int p" = x**p, "sqrt", "exp"; the fit is evaluated in term_dtype
+  (as DistillKit's reader does: the writer took the residuals against that). A residual code q decodes to
+  (q - 2**(bits - 1)) * scale, or (2q - 1) * scale for 1-bit bins; slots past the bins have residual 0.
+- delta_encoding: the k decoded values are differences (the first is the value): log-probs are their cumsum.
+Decoding here is in float64 (DistillKit's reader rounds the result to exact_dtype; this keeps the extra bits).
+`error_diffusion` changes only how a writer rounds; the reader is the same. The older "legacy" layout
+(`packed_indices`, `exact_values`, `coeffs`) is refused. `pyarrow` (and `pyyaml`) are imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .hf_datasets import _flush
+from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
+
+COLUMNS = ("input_ids", "compressed_logprobs", "bytepacked_indices")
+CONFIG_FILE = "compression_config.yaml"
+_FLOAT_WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}  # fmt: skip
+_NUMPY_DTYPE = {"float16": "<f2", "float32": "<f4", "float64": "<f8"}  # bfloat16: by hand (numpy has none)
+_SPECIAL_TERMS = {"sqrt": torch.sqrt, "exp": torch.exp}
+# DistillKit's defaults for keys a hand-written config may leave out (its pydantic model's).
+_DEFAULTS = {"exact_dtype": "float32", "polynomial_terms": None, "term_dtype": "float32", "delta_encoding": True,
+             "error_diffusion": False, "normalize_t": False}  # fmt: skip
+_REQUIRED = ("d", "k", "exact_k", "residual_bins")
+_LEGACY_KEYS = {"vocab_size", "polynomial_degree", "invert_polynomial", "with_sqrt_term"}
+_LEGACY_COLUMNS = {"packed_indices", "exact_values", "coeffs"}
+
+
+@dataclass(frozen=True)
+class ResidualBin:
+    scale_dtype: str
+    element_bits: int
+    num_elements: int
+
+    @property
+    def nbytes(self) -> int:
+        return _FLOAT_WIDTH[self.scale_dtype] + (self.num_elements * self.element_bits + 7) // 8
+
+
+@dataclass(frozen=True)
+class CompressorConfig:
+    """DistillKit's compressor settings, validated; `from_any` reads a dict, a .yaml / .json file or a folder."""
+
+    d: int
+    k: int
+    exact_k: int
+    residual_bins: tuple[ResidualBin, ...]
+    exact_dtype: str = "float32"
+    polynomial_terms: tuple[int | str, ...] = ()
+    term_dtype: str = "float32"
+    delta_encoding: bool = True
+    error_diffusion: bool = False
+    normalize_t: bool = False
+
+    @classmethod
+    def from_any(cls, source: dict | str | Path | CompressorConfig) -> CompressorConfig:
+        if isinstance(source, CompressorConfig):
+            return source
+        if not isinstance(source, dict):
+            source = _read_config_file(Path(source))
+        return cls.from_dict(source)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CompressorConfig:
+        if _LEGACY_KEYS & set(raw):
+            raise ValueError(
+                f"compressor settings {sorted(_LEGACY_KEYS & set(raw))} are DistillKit's legacy_logit_compression; "
+                f"only the logprob_compressor format (compressed_logprobs + bytepacked_indices) is supported"
+            )
+        unknown = set(raw) - set(_REQUIRED) - set(_DEFAULTS)
+        missing = [key for key in _REQUIRED if key not in raw]
+        if unknown or missing:
+            raise ValueError(
+                f"compressor settings: unknown keys {sorted(unknown)}, missing keys {missing}; expected "
+                f"{list(_REQUIRED)} and optionally {sorted(_DEFAULTS)} (the compression_config.yaml of the capture)"
+            )
+        cfg = {**_DEFAULTS, **raw}
+        for key in ("exact_dtype", "term_dtype"):
+            _check_dtype(cfg[key], key)
+        bins = []
+        for n, b in enumerate(cfg["residual_bins"] or []):
+            if set(b) != {"scale_dtype", "element_bits", "num_elements"}:
+                raise ValueError(f"residual_bins[{n}] has keys {sorted(b)}; expected scale_dtype, element_bits, "
+                                 f"num_elements")  # fmt: skip
+            _check_dtype(b["scale_dtype"], f"residual_bins[{n}].scale_dtype")
+            if not (1 <= int(b["element_bits"]) <= 64 and int(b["num_elements"]) >= 1):
+                raise ValueError(f"residual_bins[{n}]: element_bits must be in [1, 64] and num_elements >= 1; got {b}")
+            bins.append(ResidualBin(b["scale_dtype"], int(b["element_bits"]), int(b["num_elements"])))
+        terms = []
+        for term in cfg["polynomial_terms"] or []:
+            if isinstance(term, str) and term in _SPECIAL_TERMS:
+                terms.append(term)
+            elif isinstance(term, int) and not isinstance(term, bool) and term >= 0:
+                terms.append(term)
+            else:
+                raise ValueError(f"polynomial term {term!r} is not a power >= 0 nor one of {sorted(_SPECIAL_TERMS)}")
+        d, k, exact_k = int(cfg["d"]), int(cfg["k"]), int(cfg["exact_k"])
+        tail = k - exact_k
+        if d < 2 or k < 1 or not 0 <= exact_k <= k or sum(b.num_elements for b in bins) > tail:
+            raise ValueError(
+                f"compressor settings need d >= 2, 1 <= k, 0 <= exact_k <= k and residual bins holding at most "
+                f"k - exact_k elements; got d={d}, k={k}, exact_k={exact_k}, bins={bins}"
+            )
+        if tail and not terms and not bins:
+            raise ValueError(f"exact_k {exact_k} < k {k} with no polynomial_terms and no residual_bins: the tail "
+                             f"would carry no information (DistillKit refuses this config too)")  # fmt: skip
+        return cls(d=d, k=k, exact_k=exact_k, residual_bins=tuple(bins), exact_dtype=cfg["exact_dtype"],
+                   polynomial_terms=tuple(terms), term_dtype=cfg["term_dtype"],
+                   delta_encoding=bool(cfg["delta_encoding"]), error_diffusion=bool(cfg["error_diffusion"]),
+                   normalize_t=bool(cfg["normalize_t"]))  # fmt: skip
+
+    def to_dict(self) -> dict:
+        """Every key, as DistillKit's capture writes compression_config.yaml."""
+        return {"d": self.d, "k": self.k, "exact_k": self.exact_k, "exact_dtype": self.exact_dtype,
+                "polynomial_terms": list(self.polynomial_terms) or None, "term_dtype": self.term_dtype,
+                "residual_bins": [vars(b).copy() for b in self.residual_bins], "delta_encoding": self.delta_encoding,
+                "error_diffusion": self.error_diffusion, "normalize_t": self.normalize_t}  # fmt: skip
+
+    @property
+    def index_bits(self) -> int:
+        # DistillKit's definition: ceil(log2(d)) in float32 (differs from exact for some d > 2**21).
+        return int(torch.log2(torch.tensor(float(self.d), dtype=torch.float32)).ceil().item())
+
+    @property
+    def index_bytes(self) -> int:
+        return (self.k * self.index_bits + 7) // 8
+
+    @property
+    def logprob_bytes(self) -> int:
+        return (self.exact_k * _FLOAT_WIDTH[self.exact_dtype]
+                + len(self.polynomial_terms) * _FLOAT_WIDTH[self.term_dtype]
+                + sum(b.nbytes for b in self.residual_bins))  # fmt: skip
+
+    def basis(self) -> torch.Tensor:
+        """(m, terms) basis of the tail fit, in term_dtype as DistillKit's reader builds it."""
+        m, dtype = self.k - self.exact_k, _TORCH_DTYPE[self.term_dtype]
+        x = torch.linspace(0, 1, steps=m, dtype=dtype) if self.normalize_t else torch.arange(m, dtype=dtype)
+        cols = [_SPECIAL_TERMS[t](x) if isinstance(t, str) else x**t for t in self.polynomial_terms]
+        return torch.stack(cols, dim=-1)
+
+
+def _check_dtype(name: Any, what: str) -> None:
+    if name not in _FLOAT_WIDTH:
+        raise ValueError(f"compressor setting {what} = {name!r}; expected one of {sorted(_FLOAT_WIDTH)}")
+
+
+def _read_config_file(path: Path) -> dict:
+    if path.is_dir():
+        path = path / CONFIG_FILE
+    if not path.exists():
+        raise ValueError(f"{path}: no compressor settings there; pass the compression_config.yaml the data was "
+                         f"written with (--compressor)")  # fmt: skip
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+# ------------------------------------------------------------------------------------------------- bit fields
+def unpack_fields(rows: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """(P, bytes) uint8 -> (P, count) uint64: `count` fields of `bits` bits, most significant bit first."""
+    stream = np.unpackbits(rows, axis=-1)[:, : bits * count].reshape(len(rows), count, bits)
+    weights = np.left_shift(np.uint64(1), np.arange(bits - 1, -1, -1, dtype=np.uint64))
+    return (stream.astype(np.uint64) * weights).sum(-1, dtype=np.uint64)
+
+
+def pack_fields(values: np.ndarray, bits: int) -> np.ndarray:
+    """(P, count) non-negative ints -> (P, ceil(count * bits / 8)) uint8, the inverse of `unpack_fields`."""
+    shifts = np.arange(bits - 1, -1, -1, dtype=np.uint64)
+    stream = (values.astype(np.uint64)[..., None] >> shifts) & np.uint64(1)
+    return np.packbits(stream.reshape(len(values), -1).astype(np.uint8), axis=-1)
+
+
+def _floats(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """(P, n * width) little-endian bytes -> (P, n) float64."""
+    if dtype == "bfloat16":  # a bf16 is the high half of a float32
+        halves = np.ascontiguousarray(raw).view("<u2").astype(np.uint32) << 16
+        return halves.view(np.float32).astype(np.float64)
+    return np.ascontiguousarray(raw).view(_NUMPY_DTYPE[dtype]).astype(np.float64)
+
+
+def _float_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
+    """(P, n) float64 -> (P, n * width) little-endian bytes, rounded to nearest even in `dtype`."""
+    if dtype == "bfloat16":
+        bits = torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16).numpy()
+        return bits.astype("<i2").view(np.uint8).reshape(len(values), -1)
+    out = values.astype(_NUMPY_DTYPE[dtype])
+    return np.ascontiguousarray(out).view(np.uint8).reshape(len(values), -1)
+
+
+def _tail_fit(cfg: CompressorConfig, coeffs: np.ndarray) -> np.ndarray:
+    """(P, terms) coefficients -> (P, m) fitted tail, evaluated in term_dtype like DistillKit's reader."""
+    c = torch.from_numpy(coeffs).to(_TORCH_DTYPE[cfg.term_dtype])
+    return (cfg.basis().unsqueeze(0) * c.unsqueeze(-2)).sum(-1).double().numpy()
+
+
+# ------------------------------------------------------------------------------------------------- decoding
+def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.ndarray, where: str = "rows"):
+    """(P, logprob_bytes), (P, index_bytes) uint8 -> ids (P, k) int64 and log-probs (P, k) float64."""
+    for name, rows, want in (("compressed_logprobs", logprob_rows, cfg.logprob_bytes),
+                             ("bytepacked_indices", index_rows, cfg.index_bytes)):  # fmt: skip
+        if rows.ndim != 2 or rows.shape[1] != want:
+            raise TeacherStoreError(
+                f"{where}: {name} rows are {rows.shape[1] if rows.ndim == 2 else 'ragged'} bytes; these compressor "
+                f"settings (d={cfg.d}, k={cfg.k}, exact_k={cfg.exact_k}, ...) write {want}: the settings are not the "
+                f"ones the data was written with"
+            )
+    ids = unpack_fields(index_rows, cfg.index_bits, cfg.k).astype(np.int64)
+    values = np.zeros((len(logprob_rows), cfg.k))
+    at = cfg.exact_k * _FLOAT_WIDTH[cfg.exact_dtype]
+    values[:, : cfg.exact_k] = _floats(logprob_rows[:, :at], cfg.exact_dtype)
+    tail = values[:, cfg.exact_k :]
+    if cfg.polynomial_terms:
+        end = at + len(cfg.polynomial_terms) * _FLOAT_WIDTH[cfg.term_dtype]
+        tail += _tail_fit(cfg, _floats(logprob_rows[:, at:end], cfg.term_dtype))
+        at = end
+    slot = 0
+    for b in cfg.residual_bins:
+        width = _FLOAT_WIDTH[b.scale_dtype]
+        scale = _floats(logprob_rows[:, at : at + width], b.scale_dtype)
+        codes = unpack_fields(logprob_rows[:, at + width : at + b.nbytes], b.element_bits, b.num_elements)
+        levels = 2.0 * codes - 1.0 if b.element_bits == 1 else codes.astype(np.float64) - 2.0 ** (b.element_bits - 1)
+        tail[:, slot : slot + b.num_elements] += levels * scale
+        at, slot = at + b.nbytes, slot + b.num_elements
+    if cfg.delta_encoding:
+        values = np.cumsum(values, axis=-1)
+    return ids, values
+
+
+def _rows_to_store_arrays(
+    cfg: CompressorConfig, tokens: np.ndarray, ids: np.ndarray, values: np.ndarray, top_k: int, vocab_size: int,
+    where: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One sequence's decoded rows as store arrays: -inf slots (vLLM's missing entries) become padding."""
+    if np.isnan(values).any():
+        pos = int(np.argwhere(np.isnan(values))[0, 0])
+        raise TeacherStoreError(f"{where}, position {pos}: log-probs decode to NaN (the writer fitted a row holding "
+                                f"-inf, or the settings are wrong)")  # fmt: skip
+    kept = np.isfinite(values)
+    bad = kept & ((ids >= cfg.d) | (ids >= vocab_size))
+    if bad.any():
+        pos, slot = (int(x) for x in np.argwhere(bad)[0])
+        raise TeacherStoreError(
+            f"{where}, position {pos}: token id {int(ids[pos, slot])} >= d {cfg.d} / vocab_size {vocab_size}: the "
+            f"compressor's d is not the data's, or --vocab-size is too small for this teacher"
+        )
+    n = len(tokens)
+    out_ids = np.full((n, top_k), -1, dtype=np.int32)
+    out_lp = np.full((n, top_k), -np.inf, dtype=np.float64)
+    keep = min(top_k, cfg.k)  # rows are sorted by log-prob, so the first slots are the most likely
+    out_ids[: len(ids), :keep] = np.where(kept[:, :keep], ids[:, :keep], -1)
+    out_lp[: len(ids), :keep] = np.where(kept[:, :keep], values[:, :keep], -np.inf)
+    return torch.from_numpy(tokens), torch.from_numpy(out_ids), torch.from_numpy(out_lp).float()
+
+
+# ------------------------------------------------------------------------------------------------- reading
+def _check_columns(names: Iterable[str], where: str) -> None:
+    names = set(names)
+    if _LEGACY_COLUMNS <= names:
+        raise TeacherStoreError(f"{where} is DistillKit's legacy layout ({sorted(_LEGACY_COLUMNS)}); only the newer "
+                                f"compressed_logprobs + bytepacked_indices layout is supported")  # fmt: skip
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise TeacherStoreError(f"{where} lacks columns {missing} (has {sorted(names)}); DistillKit's packed parquet "
+                                f"has {list(COLUMNS)}")  # fmt: skip
+
+
+def _parquet_records(files: list[Path]) -> Iterator[dict]:
+    """Rows of DistillKit parquet files with their byte rows as (P, bytes) uint8 arrays, vectorised per batch."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError('this needs the `pyarrow` package: pip install "liger-patch-kd[formats]"') from e
+    for path in files:
+        pf = pq.ParquetFile(path)
+        _check_columns(pf.schema_arrow.names, str(path))
+        columns = list(COLUMNS) + (["attention_mask"] if "attention_mask" in pf.schema_arrow.names else [])
+        for batch in pf.iter_batches(columns=columns, batch_size=256):
+            cols = {name: batch.column(name) for name in columns}
+            matrices = {name: _byte_matrix(cols[name], f"{path}: {name}") for name in COLUMNS[1:]}
+            for i in range(batch.num_rows):
+                record = {name: cols[name][i].values.to_numpy(zero_copy_only=False) for name in cols}
+                for name, (starts, matrix) in matrices.items():
+                    record[name] = matrix[starts[i] : starts[i + 1]]
+                yield record
+
+
+def _byte_matrix(column, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list<list<uint8>> column -> (row start offsets, (positions, bytes) matrix); ragged rows are an error."""
+    if column.null_count:
+        raise TeacherStoreError(f"{where} has null rows")
+    counts = column.value_lengths().to_numpy(zero_copy_only=False)
+    inner = column.flatten()
+    widths = inner.value_lengths().to_numpy(zero_copy_only=False)
+    width = int(widths[0]) if len(widths) else 0
+    if len(widths) and (widths != width).any():
+        raise TeacherStoreError(f"{where}: byte rows of different lengths ({sorted(set(widths.tolist()))[:4]})")
+    flat = inner.flatten().to_numpy(zero_copy_only=False).astype(np.uint8, copy=False)
+    return np.concatenate([[0], np.cumsum(counts)]), flat.reshape(len(widths), width)
+
+
+def _dict_records(rows: Iterable[dict]) -> Iterator[dict]:
+    for n, row in enumerate(rows):
+        if n == 0:
+            _check_columns(row.keys(), "row 0")
+        record = {"input_ids": np.asarray(row["input_ids"])}
+        for name in COLUMNS[1:]:
+            try:
+                record[name] = np.asarray(row[name], dtype=np.uint8)
+            except ValueError:  # ragged: sized by the check in decode_rows
+                record[name] = np.zeros(0, dtype=np.uint8)
+        if row.get("attention_mask") is not None:
+            record["attention_mask"] = np.asarray(row["attention_mask"])
+        yield record
+
+
+def _segments(record: dict, where: str) -> Iterator[tuple[np.ndarray, slice]]:
+    """(tokens, row slice) per sequence: a packed row is split where its attention_mask segment id changes."""
+    tokens = np.asarray(record["input_ids"], dtype=np.int64)
+    rows = len(record["compressed_logprobs"])
+    if rows != len(record["bytepacked_indices"]) or rows not in (len(tokens), len(tokens) - 1):
+        raise TeacherStoreError(
+            f"{where}: {len(tokens)} input_ids, {rows} compressed_logprobs rows and "
+            f"{len(record['bytepacked_indices'])} bytepacked_indices rows; expected one row per token (packed) or "
+            f"per token but the last (a capture)"
+        )
+    mask = record.get("attention_mask")
+    if mask is None or len(tokens) == 0:
+        yield tokens, slice(0, rows)
+        return
+    mask = np.asarray(mask, dtype=np.int64)
+    if len(mask) != len(tokens):
+        raise TeacherStoreError(f"{where}: attention_mask has {len(mask)} entries for {len(tokens)} input_ids")
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(mask)) + 1, [len(tokens)]])
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        if mask[start] != 0:  # 0: padding, no example
+            yield tokens[start:end], slice(start, min(end, rows))
+
+
+def distillkit_to_store(
+    source: str | Path | Iterable[dict], out_dir: str | Path, *, compressor: dict | str | Path | None = None,
+    vocab_size: int | None = None, top_k: int | None = None, logprob_dtype: str = "float32",
+    encoding: str = "plain", shard_size: int = 1024, **meta: Any,
+) -> Path:  # fmt: skip
+    """Convert DistillKit compressed teacher data into a store.
+
+    source: a .parquet file, a folder of them (DistillKit's capture output, whose compression_config.yaml is used
+    when `compressor` is None), or rows (dicts, e.g. a `datasets.Dataset`). compressor: the settings the data was
+    written with (dict, .yaml / .json, or a folder). vocab_size: the teacher's (default: the settings' d); top_k:
+    slots kept (default k; fewer keeps the most likely)."""
+    if compressor is None:
+        if isinstance(source, (str, Path)) and Path(source).is_dir():
+            compressor = Path(source)
+        else:
+            raise ValueError("compressor=None: pass the settings the data was written with (its compression_config"
+                             ".yaml, --compressor); only a capture folder carries them")  # fmt: skip
+    cfg = CompressorConfig.from_any(compressor)
+    vocab_size = cfg.d if vocab_size is None else vocab_size
+    top_k = cfg.k if top_k is None else top_k
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+        if not files:
+            raise ValueError(f"{path}: no .parquet files")
+        records = _parquet_records(files)
+    else:
+        records = _dict_records(source)
+    writer = StoreWriter.open(
+        out_dir, teacher=meta.pop("teacher", "distillkit"), vocab_size=vocab_size, top_k=top_k,
+        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), logprob_dtype=logprob_dtype, temperature=1.0,
+        shard_size=shard_size, num_sequences=None, encoding=encoding, distillkit_compressor=cfg.to_dict(), **meta,
+    )  # fmt: skip
+    if writer.done_shards():
+        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
+    pending = []
+    for n, record in enumerate(records):
+        where = f"row {n}"
+        lp_rows, idx_rows = record["compressed_logprobs"], record["bytepacked_indices"]
+        for tokens, rows in _segments(record, where):
+            ids, values = decode_rows(cfg, lp_rows[rows], idx_rows[rows], where)
+            pending.append(_rows_to_store_arrays(cfg, tokens, ids, values, top_k, vocab_size, where))
+            if len(pending) == shard_size:
+                _flush(writer, pending)
+    _flush(writer, pending)
+    return writer.out_dir
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def encode_rows(cfg: CompressorConfig, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(P, k) ids and finite log-probs -> (compressed_logprobs, bytepacked_indices) byte rows.
+
+    Least-squares tail fit (coefficients rounded to term_dtype, residuals taken against the fit as the reader
+    evaluates it) and round-to-nearest residual codes with scale max|r| / 2**(bits - 1) (mean |r| for 1-bit
+    bins, whose codes are signs). No error diffusion."""
+    order = np.argsort(-values, axis=-1, kind="stable")  # the reader expects slots sorted, most likely first
+    ids, v = np.take_along_axis(ids, order, -1), np.take_along_axis(values.astype(np.float64), order, -1)
+    if cfg.delta_encoding:
+        v = np.concatenate([v[:, :1], np.diff(v, axis=-1)], axis=-1)
+    parts = [_float_bytes(v[:, : cfg.exact_k], cfg.exact_dtype)]
+    residual = v[:, cfg.exact_k :]
+    if cfg.polynomial_terms:
+        basis = cfg.basis().double().numpy()
+        coeffs = np.linalg.lstsq(basis, residual.T, rcond=None)[0].T
+        stored = _float_bytes(coeffs, cfg.term_dtype)
+        parts.append(stored)
+        residual = residual - _tail_fit(cfg, _floats(stored, cfg.term_dtype))
+    slot = 0
+    for b in cfg.residual_bins:
+        r = residual[:, slot : slot + b.num_elements]
+        if b.element_bits == 1:
+            scale = np.abs(r).mean(-1, keepdims=True)
+        else:
+            scale = np.abs(r).max(-1, keepdims=True) / 2.0 ** (b.element_bits - 1)
+        scale_bytes = _float_bytes(np.where(scale > 0, scale, 1.0), b.scale_dtype)
+        scale = _floats(scale_bytes, b.scale_dtype)
+        if b.element_bits == 1:
+            codes = (r >= 0).astype(np.uint64)
+        else:
+            half = 2.0 ** (b.element_bits - 1)
+            codes = (np.clip(np.rint(r / scale), -half, half - 1) + half).astype(np.uint64)
+        parts += [scale_bytes, pack_fields(codes, b.element_bits)]
+        slot += b.num_elements
+    return np.concatenate(parts, axis=-1), pack_fields(ids, cfg.index_bits)
+
+
+def store_to_distillkit(
+    store_dir: str | Path, out_dir: str | Path, *, compressor: dict | str | Path, rows_per_file: int = 4096
+) -> Path:
+    """Write a store as DistillKit compressed parquet (data_<n>.parquet + compression_config.yaml) in `out_dir`.
+
+    Every position but a sequence's final padding row needs at least k finite slots (the format has no
+    padding); a store with more than k slots keeps its k most likely. Lossless only with exact_k = k and an
+    exact_dtype holding the store's values (float32 for a float32 store)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        import yaml
+    except ImportError as e:
+        raise ImportError('this needs `pyarrow` and `pyyaml`: pip install "liger-patch-kd[formats]"') from e
+    raw = compressor if isinstance(compressor, dict) else _read_config_file(Path(compressor))
+    meta = read_manifest(store_dir)
+    cfg = CompressorConfig.from_dict({"d": meta["vocab_size"], **raw})
+    if cfg.error_diffusion:
+        raise ValueError("error_diffusion=True: this writer rounds to nearest only; set it to false (the reader is "
+                         "the same either way)")  # fmt: skip
+    if meta.get("temperature", 1.0) != 1.0:
+        raise TeacherStoreError(f"{store_dir} holds log-probs at temperature {meta['temperature']}; DistillKit data "
+                                f"is temperature 1")  # fmt: skip
+    if meta["top_k"] < cfg.k:
+        raise TeacherStoreError(f"{store_dir} has top_k {meta['top_k']} < the compressor's k {cfg.k}: lower k")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict()))
+    byte_rows = pa.list_(pa.list_(pa.uint8()))
+    schema = pa.schema([("input_ids", pa.list_(pa.uint64())), ("compressed_logprobs", byte_rows),
+                        ("bytepacked_indices", byte_rows)])  # fmt: skip
+    buffer: dict[str, list] = {name: [] for name in COLUMNS}
+    files = 0
+
+    def flush() -> None:
+        nonlocal files
+        if buffer["input_ids"]:
+            pq.write_table(pa.table(buffer, schema=schema), out_dir / f"data_{files}.parquet")
+            files += 1
+            for column in buffer.values():
+                column.clear()
+
+    for n, (tokens, ids, lp) in enumerate(iter_store(store_dir)):
+        ids, lp = ids[:, : cfg.k].numpy(), lp[:, : cfg.k].double().numpy()
+        rows = len(tokens) - 1 if len(tokens) and not np.isfinite(lp[-1]).any() else len(tokens)
+        short = ~np.isfinite(lp[:rows]).all(-1)
+        if short.any():
+            raise TeacherStoreError(f"store sequence {n}, position {int(np.argmax(short))}: fewer than k = {cfg.k} "
+                                    f"slots; DistillKit's format has no padding slots: lower k")  # fmt: skip
+        if ids.max(initial=-1) >= cfg.d:
+            raise TeacherStoreError(f"store sequence {n}: token id {int(ids.max())} >= the compressor's d {cfg.d}")
+        lp_rows, idx_rows = encode_rows(cfg, ids[:rows], lp[:rows])
+        buffer["input_ids"].append(tokens.numpy().astype(np.uint64))
+        buffer["compressed_logprobs"].append(list(lp_rows))
+        buffer["bytepacked_indices"].append(list(idx_rows))
+        if len(buffer["input_ids"]) == rows_per_file:
+            flush()
+    flush()
+    return out_dir
+
+
+def row_bytes(compressor: dict | str | Path) -> int:
+    """Bytes per position of DistillKit's format with these settings (log-probs + ids)."""
+    cfg = CompressorConfig.from_any(compressor)
+    return cfg.logprob_bytes + cfg.index_bytes
+
+
+__all__ = ["CompressorConfig", "decode_rows", "distillkit_to_store", "encode_rows", "row_bytes", "store_to_distillkit"]
