@@ -183,8 +183,8 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
             output_dir=tempfile.mkdtemp(prefix="bench_multi_"), max_steps=steps,
             per_device_train_batch_size=micro_batch, learning_rate=1e-5, lr_scheduler_type="constant",
             max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-            bf16=not args.tiny, dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
-            kd_beta=0.5, seed=0, **_recompute_student(),
+            bf16=not args.tiny and args.student_dtype == "float32", dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
+            kd_beta=0.5, seed=0, kd_teacher_precision=args.teacher_precision, **_recompute_student(),
         )  # fmt: skip
         trainer = SequentialKDTrainer(
             model=student, teacher_model=teacher, args=training_args, train_dataset=dataset,
@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+    parser.add_argument("--student-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="float32: fp32 master weights + bf16 autocast; bfloat16: bf16 weights, no autocast")
+    parser.add_argument("--teacher-precision", choices=["bf16", "fp8"], default="bf16", help="fp8: an FP8 teacher")
     parser.add_argument("--meta-init", action="store_true", help="build the teacher sharded (FSDP2 only)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     parser.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print a table")
@@ -416,7 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     probe_sync(device)
     init_s["teacher"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    student = build(STUDENTS[args.student], device, torch.float32, seed=1)  # fp32 master weights, bf16 compute
+    # fp32 master weights and bf16 autocast (the default), or bf16 weights throughout as bench_train_step's loop
+    student_dtype = torch.float32 if args.tiny or args.student_dtype == "float32" else torch.bfloat16
+    student = build(STUDENTS[args.student], device, student_dtype, seed=1)
     student.config.use_cache = False
     init_s["student"] = time.perf_counter() - t0
     results = []
@@ -426,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(result)
         if state.is_main_process:  # after each micro-batch, so a timeout loses only the one running
             payload = dict(label=label, environment={**environment(), **launch}, student=args.student,
+                           student_dtype=args.student_dtype, teacher_precision=args.teacher_precision,
                            teacher=args.teacher, meta_init=args.meta_init, results=results)  # fmt: skip
             write_json(args.out, payload)
             r = results[-1]

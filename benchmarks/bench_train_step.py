@@ -8,10 +8,13 @@ row says otherwise. For each micro-batch, in one run:
   plain HF            both models produce logits, reference.generalized_jsd on them
   trl/liger           decoder hidden states into Liger's chunked fused JSD (compiled), TRL's way
   trl/liger+kernels   the same plus Liger's RoPE / RMSNorm / SwiGLU on the student
+  trl/liger+kernels both  ... and on the teacher: the best a Liger user can do, as this project patches both
   liger_patch_kd      apply_kd_patch_to_llama with every kernel on student and teacher, the patched forward
                       with teacher_model=
   ... no recompute    the same without gradient checkpointing (the flat-memory loss leaves the room)
+  ... fp8 teacher     the same with the teacher quantised by quantize_teacher_fp8 (a second copy of it)
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
+  offline ... (store) the same read from a store on disk through a shuffling 2-worker DataLoader
 `--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
 """
 
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from liger_patch_kd import reference as R
-from liger_patch_kd.models import apply_kd_patch_to_llama, revert_kd_patch
+from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 
 from .common import environment, print_table, write_json
 
@@ -60,6 +65,19 @@ def build(kwargs: dict, device, dtype, seed: int):
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model
+
+
+FP8_ROW = "liger_patch_kd fp8 teacher"
+STORE_ROW = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
+
+
+def fp8_copy(shape: dict, device, dtype):
+    """The teacher again (same seed, same weights), quantised to FP8 for its row."""
+    teacher = build(shape, device, dtype, seed=2).eval().requires_grad_(False)
+    teacher.config.use_cache = False
+    summary = quantize_teacher_fp8(teacher)
+    print(f"fp8 teacher: {summary.bytes_before / 2**30:.1f} -> {summary.bytes_after / 2**30:.1f} GiB", flush=True)
+    return teacher
 
 
 def method_step(name: str, student, teacher, batch: dict):
@@ -110,7 +128,7 @@ def method_step(name: str, student, teacher, batch: dict):
 
 
 def prepare_student(name: str, student):
-    if name == "trl/liger+kernels":
+    if name.startswith("trl/liger+kernels"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
@@ -130,6 +148,11 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         prepare_student(name, student)
         if name.startswith("liger_patch_kd"):  # the product patches the teacher's kernels too (KDTrainer does)
             apply_kd_patch_to_llama(model=teacher)
+        elif name == "trl/liger+kernels both":  # irreversible: main() runs this row last
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False, model=teacher)  # fmt: skip
     except Exception as e:
         revert_kd_patch(model=teacher)
         row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
@@ -193,8 +216,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--shapes", nargs="+", default=["llama", "qwen-vocab"])
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    parser.add_argument("--no-fp8", action="store_true", help="leave out the FP8-teacher row (GPUs before Ada)")
     parser.add_argument("--methods", nargs="+", default=None, help="a subset of the rows, by name")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -204,7 +228,7 @@ def main() -> None:
     try:
         import liger_kernel  # noqa: F401
 
-        liger = ["trl/liger", "trl/liger+kernels"]
+        liger = ["trl/liger", "trl/liger+kernels", "trl/liger+kernels both"]
         note = None
     except ImportError:
         liger, note = [], "Liger-Kernel not importable: its rows are skipped"
@@ -215,8 +239,10 @@ def main() -> None:
         *liger[:1],
         "liger_patch_kd",
         "liger_patch_kd no recompute",
+        *([] if args.no_fp8 else [FP8_ROW]),
         f"offline top-{TOP_K}",
-        *liger[1:],
+        STORE_ROW,
+        *liger[1:],  # last: Liger's patch of the teacher cannot be undone
     ]
     if args.methods:
         methods = [m for m in methods if m in args.methods]
@@ -227,14 +253,22 @@ def main() -> None:
         micro_batches = args.micro_batches if shape in ("llama", "tiny") else [4]
         for name in methods:
             failed = False
+            row_teacher = fp8_copy(SHAPES[shape][1], device, dtype) if name == FP8_ROW else teacher
             for mb in micro_batches:
                 if failed:  # a larger micro-batch than one that ran out of memory will too
                     rows.append(dict(shape=shape, method=name, micro_batch=mb, seq=seq, tokens_per_s="OOM"))
                     continue
-                row = run_one(name, SHAPES[shape], mb, seq, device, dtype, teacher, args.warmup, args.reps)
+                if name == STORE_ROW:
+                    from .bench_served_teacher import store_row  # it imports this module
+
+                    with tempfile.TemporaryDirectory() as workdir:
+                        row = store_row(SHAPES[shape], mb, seq, device, dtype, args.warmup, args.reps, Path(workdir))
+                else:
+                    row = run_one(name, SHAPES[shape], mb, seq, device, dtype, row_teacher, args.warmup, args.reps)
                 row["shape"] = shape
                 rows.append(row)
                 failed = row["tokens_per_s"] == "OOM" or str(row["tokens_per_s"]).startswith("error")
+            del row_teacher
         del teacher
         gc.collect()
         if device.type == "cuda":

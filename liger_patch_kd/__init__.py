@@ -37,6 +37,7 @@ _LAZY = {
             "apply_kd_patch_to_qwen2",
             "apply_kd_patch_to_qwen3",
             "KDCausalLMOutput",
+            "quantize_teacher_fp8",
         )
     },
     "KDTrainer": ".trainer",

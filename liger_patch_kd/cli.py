@@ -114,7 +114,8 @@ def _serve(args) -> None:
 
     serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
-          attn_implementation=args.attn_implementation, random_weights=args.random_weights)  # fmt: skip
+          attn_implementation=args.attn_implementation, random_weights=args.random_weights,
+          precision=args.precision)  # fmt: skip
 
 
 def _bench(args) -> None:
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
+    srv.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                     help="fp8: the teacher's decoder products in FP8 (Ada / Hopper GPUs), half the memory")
     srv.add_argument("--random-weights", action="store_true", help="the config's model, random weights (benchmarks)")
     srv.set_defaults(func=_serve)
 

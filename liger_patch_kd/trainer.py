@@ -21,7 +21,8 @@ from .align.trainer_hooks import (
     is_cross_tokenizer_batch,
 )
 from .config import KDLossConfig
-from .models import apply_kd_patch
+from .models import apply_kd_patch, patch_teacher_kernels
+from .models.fp8_teacher import quantize_teacher_fp8
 from .models.kd_forward import unwrap_model
 from .models.kd_io import TeacherInputs, targets_of
 from .models.materialised import materialised_kd
@@ -92,6 +93,10 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
+    kd_teacher_precision: str = field(
+        default="bf16",
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products as FP8 (Ada/Hopper), half the memory."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,6 +112,8 @@ class KDTrainingArguments(TrainingArguments):
                 f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
                 f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
             )
+        if self.kd_teacher_precision not in ("bf16", "fp8"):
+            raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
         self.kd_loss_config()  # validates the loss options now, not at the first step
         check_served_teacher_args(self)
 
@@ -189,8 +196,21 @@ class KDTrainer(Trainer):
         elif teacher_model is not None:
             teacher_model.eval().requires_grad_(False)
             if args.use_kd_patch:
-                _patch_teacher_kernels(teacher_model, args.kd_patch_config)
+                patch_teacher_kernels(teacher_model, args.kd_patch_config)
             teacher_model = self._prepare_teacher(teacher_model)
+        if args.kd_teacher_precision == "fp8":
+            if teacher_model is None or args.kd_self_distill:
+                raise ValueError(
+                    "kd_teacher_precision='fp8' quantises an in-process teacher_model; this run has none "
+                    "(offline data, a teacher server or self-distillation): serve the teacher with "
+                    "`liger-kd serve --precision fp8` instead, or leave kd_teacher_precision='bf16'"
+                )
+            summary = quantize_teacher_fp8(teacher_model)
+            logger.info(
+                "FP8 teacher: %d products quantised, %d kept in bf16 (%s); %.2f -> %.2f GiB",
+                len(summary.quantized), len(summary.kept), ", ".join(sorted(set(summary.kept.values()))),
+                summary.bytes_before / 2**30, summary.bytes_after / 2**30,
+            )  # fmt: skip
         self.teacher_model = teacher_model
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
@@ -404,18 +424,6 @@ def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module |
         f"{len(tokenizer)} tokens (kd_vocab_size={len(tokenizer)}); set kd_vocab_size to choose otherwise"
     )
     return cfg.replace(vocab_size=len(tokenizer))
-
-
-def _patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None:
-    """The teacher's forward is a third of the step or more: give it the same RMSNorm / RoPE / MLP kernels
-    (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
-    from .models.registry import ALIASES, REGISTRY
-
-    inner = unwrap_model(teacher)
-    model_type = getattr(getattr(inner, "config", None), "model_type", None)
-    if ALIASES.get(model_type, model_type) in REGISTRY:
-        toggles = {k: v for k, v in (patch_config or {}).items() if k in ("rope", "swiglu", "rms_norm")}
-        apply_kd_patch(model=inner, **toggles)
 
 
 def _first(*values: Any) -> Any:

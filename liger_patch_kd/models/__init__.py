@@ -1,6 +1,7 @@
 """Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures."""
 
 from .kd_forward import kd_causal_lm_forward, unwrap_model
+from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
 from .kd_io import KDCausalLMOutput
 from .patch import (
     apply_kd_patch,
@@ -23,11 +24,15 @@ from .patch import (
     apply_kd_patch_to_qwen3_moe,
     apply_kd_patch_to_qwen3_vl,
     apply_kd_patch_to_smollm3,
+    patch_teacher_kernels,
     revert_kd_patch,
 )
 from .registry import FAMILIES, REGISTRY, ArchSpec
 
 __all__ = [
+    "Fp8Linear",
+    "quantize_teacher_fp8",
+    "patch_teacher_kernels",
     "KDCausalLMOutput",
     "FAMILIES",
     "REGISTRY",

@@ -21,7 +21,7 @@ from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act
 from .forward_audit import check_forward
 from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, kd_causal_lm_forward, unwrap_model
-from .registry import REGISTRY, ArchSpec, spec_for_model, specs_for
+from .registry import ALIASES, REGISTRY, ArchSpec, spec_for_model, specs_for
 
 # (owner, attribute) -> original value, for everything patched at class / module level
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -277,3 +277,13 @@ apply_kd_patch_to_qwen3_moe = _make_apply("qwen3_moe")
 apply_kd_patch_to_gpt_oss = _make_apply("gpt_oss")
 apply_kd_patch_to_qwen2_5_vl = _make_apply("qwen2_5_vl")
 apply_kd_patch_to_qwen3_vl = _make_apply("qwen3_vl")
+
+
+def patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None:
+    """The teacher's forward is a third of the step or more: give it the same RMSNorm / RoPE / MLP kernels
+    (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
+    inner = unwrap_model(teacher)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if ALIASES.get(model_type, model_type) in REGISTRY:
+        toggles = {k: v for k, v in (patch_config or {}).items() if k in ("rope", "swiglu", "rms_norm")}
+        apply_kd_patch(model=inner, **toggles)

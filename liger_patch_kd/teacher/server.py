@@ -198,10 +198,11 @@ def _validated(body: Any, max_top_k: int, vocab: int, http_error) -> tuple[list[
 def serve(
     teacher: str, *, top_k: int, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
-    attn_implementation: str | None = None, random_weights: bool = False,
+    attn_implementation: str | None = None, random_weights: bool = False, precision: str = "bf16",
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
-    `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only."""
+    `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
+    `precision="fp8"` runs its decoder products in FP8 (models/fp8_teacher.py)."""
     try:
         import uvicorn
     except ImportError as e:
@@ -222,9 +223,14 @@ def serve(
         model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
     model = model.to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cuda":
-        from ..trainer import _patch_teacher_kernels
+        from ..models import patch_teacher_kernels
 
-        _patch_teacher_kernels(model, None)
+        patch_teacher_kernels(model, None)
+    if precision == "fp8":
+        from ..models import quantize_teacher_fp8
+
+        summary = quantize_teacher_fp8(model)
+        print(f"liger-kd serve: FP8 teacher, {len(summary.quantized)} products quantised, lm_head in bf16", flush=True)
     app = build_app(model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens)
     print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

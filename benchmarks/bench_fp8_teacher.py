@@ -1,0 +1,211 @@
+"""How faithful and how fast an FP8 teacher is (quantize_teacher_fp8), in one run on one GPU.
+
+    python -m benchmarks.bench_fp8_teacher --out $OUT/bench_fp8_teacher.json
+
+Fidelity needs a teacher whose distributions are peaked like a trained model's (a random one's are nearly flat
+and hide rounding), so one is trained here: a Llama-shaped model of ~190M parameters on the packaged corpus
+(character level, 90 % for training, 10 % held out), for --train-seconds. On the held-out text:
+  KL(P_bf16 ‖ P_fp8) per token (mean, median, p99, max) and top-1 agreement, beside the same figures for
+  KL(P_fp32 ‖ P_bf16) (what bf16 rounding alone does, the scale to read them against);
+  a small student distilled for --student-steps from the bf16 teacher and, from the same start and data, from the
+  FP8 teacher: its held-out KD loss (against the bf16 teacher, for both) and its held-out CE.
+Speed: the 8B-shaped teacher's forward (random weights, patched kernels, 4 x 4096 tokens) in bf16 and in FP8,
+and its weight memory. `--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+
+import torch
+
+from liger_patch_kd.demo import CharTokenizer, load_corpus
+from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
+
+from .bench_train_step import SHAPES, build
+from .common import environment, print_table, write_json
+
+TEACHER = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+               num_key_value_heads=8)  # fmt: skip
+STUDENT = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=4)  # fmt: skip
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def llama(shape: dict, vocab: int, device, dtype, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=1024, attn_implementation="sdpa", **shape)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype)
+
+
+class Windows:
+    """Random training windows of a token stream, and the held-out stream cut into consecutive windows."""
+
+    def __init__(self, ids: torch.Tensor, seq: int, device):
+        self.ids, self.seq, self.device = ids, seq, device
+        self.gen = torch.Generator().manual_seed(0)
+
+    def batch(self, size: int) -> torch.Tensor:
+        starts = torch.randint(0, len(self.ids) - self.seq, (size,), generator=self.gen)
+        return torch.stack([self.ids[s : s + self.seq] for s in starts.tolist()]).to(self.device)
+
+    def consecutive(self) -> torch.Tensor:
+        n = len(self.ids) // self.seq
+        return self.ids[: n * self.seq].reshape(n, self.seq).to(self.device)
+
+
+def train_teacher(model, data: Windows, seconds: float, batch: int, device) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95))
+    start, step, loss = time.perf_counter(), 0, float("nan")
+    while time.perf_counter() - start < seconds:
+        for group in opt.param_groups:
+            group["lr"] = 6e-4 * min(1.0, (step + 1) / 50)
+        ids = data.batch(batch)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 100 == 0:
+            loss = float(out.loss)
+            print(f"teacher step {step}: loss {loss:.3f}", flush=True)
+    return dict(steps=step, seconds=time.perf_counter() - start, final_train_loss=out.loss.item())
+
+
+@torch.no_grad()
+def logprobs(model, windows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([model(input_ids=w[None]).logits[0].float().log_softmax(-1) for w in windows])
+
+
+def divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> dict:
+    """KL(P ‖ Q) per token and top-1 agreement, over all held-out positions."""
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1).clamp_min(0).double()
+    return dict(kl_mean=kl.mean().item(), kl_median=kl.median().item(), kl_p99=kl.quantile(0.99).item(),
+                kl_max=kl.max().item(), top1_agreement=(p_log.argmax(-1) == q_log.argmax(-1)).double().mean().item(),
+                positions=kl.numel())  # fmt: skip
+
+
+def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, steps: int, batch: int, vocab, device):
+    """The student from a fixed start, distilled from `teacher` on a fixed data order; held-out figures are
+    against `reference` (the bf16 teacher) so the two runs are read on one scale."""
+    student = llama(STUDENT if device.type == "cuda" else TINY, vocab, device, torch.bfloat16, seed=7)
+    apply_kd_patch_to_llama(model=student, beta=0.5)
+    apply_kd_patch_to_llama(model=teacher)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    data.gen.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = data.batch(batch)
+        loss = student(input_ids=ids, labels=ids, teacher_model=teacher).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    student.eval()
+    kd, ce = [], []
+    with torch.no_grad():
+        for w in held_out:
+            kd.append(float(student(input_ids=w[None], labels=w[None], teacher_model=reference).loss))
+    revert_kd_patch(model=student)
+    with torch.no_grad():
+        for w in held_out:
+            ce.append(float(student(input_ids=w[None], labels=w[None]).loss))
+    revert_kd_patch(model=teacher)
+    return dict(train_kd_loss_last10=sum(losses[-10:]) / len(losses[-10:]), held_out_kd_loss=sum(kd) / len(kd),
+                held_out_ce_nats_per_char=sum(ce) / len(ce))  # fmt: skip
+
+
+@torch.no_grad()
+def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) -> list[dict]:
+    """The 8B-shaped teacher's forward to its last hidden states (what the fused loss consumes), bf16 then FP8."""
+    teacher = build(shape, device, torch.bfloat16, seed=2).eval().requires_grad_(False)
+    teacher.config.use_cache = False
+    apply_kd_patch_to_llama(model=teacher)
+    ids = torch.randint(0, shape["vocab_size"], (micro_batch, seq), device=device)
+    rows = []
+    for precision in ("bf16", "fp8"):
+        if precision == "fp8":
+            quantize_teacher_fp8(teacher)
+        weights = sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()])
+        for i in range(reps + 2):
+            if i == 2:
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                start = time.perf_counter()
+            teacher.model(input_ids=ids)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        seconds = (time.perf_counter() - start) / reps
+        rows.append(dict(precision=precision, forward_ms=1e3 * seconds, tokens_per_s=micro_batch * seq / seconds,
+                         weights_GiB=weights / 2**30))  # fmt: skip
+    revert_kd_patch(model=teacher)
+    rows[1]["speedup"] = rows[0]["forward_ms"] / rows[1]["forward_ms"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_fp8_teacher.json")
+    parser.add_argument("--train-seconds", type=float, default=75.0)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--student-steps", type=int, default=150)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        args.train_seconds, args.seq, args.batch, args.student_steps = 3.0, 32, 4, 5
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    ids = torch.tensor(tok.encode(text))
+    cut = int(0.9 * len(ids))
+    train, held = Windows(ids[:cut], args.seq, device), Windows(ids[cut:], args.seq, device).consecutive()
+    vocab = len(tok)
+
+    teacher = llama(TINY if args.tiny else TEACHER, vocab, device, torch.float32, seed=0)
+    params = sum(p.numel() for p in teacher.parameters())
+    training = train_teacher(teacher, train, args.train_seconds, args.batch, device)
+    teacher.eval().requires_grad_(False)
+    fp32 = logprobs(teacher, held)
+    teacher_bf16 = teacher.to(torch.bfloat16)
+    bf16 = logprobs(teacher_bf16, held)
+    teacher_fp8 = copy.deepcopy(teacher_bf16)
+    summary = quantize_teacher_fp8(teacher_fp8)
+    fp8 = logprobs(teacher_fp8, held)
+    targets = held[:, 1:].reshape(-1)
+    rows_fidelity = [
+        dict(pair="P_fp32 vs P_bf16 (bf16 rounding alone)", **divergence(fp32, bf16)),
+        dict(pair="P_bf16 vs P_fp8 (the FP8 teacher)", **divergence(bf16, fp8)),
+    ]
+    per_window = bf16.reshape(len(held), args.seq, -1)[:, :-1].reshape(-1, vocab)
+    teacher_ce = -per_window.gather(-1, targets[:, None].long()).mean().item()
+    print(f"\ntrained teacher: {params / 1e6:.0f}M parameters, {training['steps']} steps in "
+          f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/char ({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
+    table_fidelity = print_table(rows_fidelity, ["pair", "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement"])
+
+    rows_student = []
+    for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8)):
+        rows_student.append(dict(teacher=name, **distil_student(t, train, held, teacher_bf16, args.student_steps,
+                                                                args.batch, vocab, device)))  # fmt: skip
+    table_student = print_table(rows_student, ["teacher", "train_kd_loss_last10", "held_out_kd_loss",
+                                               "held_out_ce_nats_per_char"])  # fmt: skip
+    del teacher, teacher_bf16, teacher_fp8
+    shape = SHAPES["tiny" if args.tiny else "llama"][1]
+    rows_speed = teacher_speed(shape, device, 1 if args.tiny else 4, 32 if args.tiny else 4096, 3 if args.tiny else 10)
+    table_speed = print_table(rows_speed, ["precision", "forward_ms", "tokens_per_s", "weights_GiB", "speedup"])
+    write_json(args.out, dict(
+        environment=environment(), args=vars(args), teacher_parameters=params, teacher_training=training,
+        teacher_held_out_ce=teacher_ce, quantised=len(summary.quantized), kept=summary.kept,
+        fidelity=rows_fidelity, student=rows_student, speed=rows_speed,
+        tables=dict(fidelity=table_fidelity, student=table_student, speed=table_speed),
+    ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""An FP8 teacher: the frozen teacher's decoder products run as e4m3 `torch._scaled_mm` (ops/fp8.py).
+
+`quantize_teacher_fp8(teacher)` replaces, in place and once, every `nn.Linear` of the teacher's decoder by an
+`Fp8Linear` holding the weight in e4m3 with one scale per output channel, and frees the bf16 weight: the
+decoder's weights take half the memory. Activations are quantised per token as they arrive (dynamic scales):
+  - an input shared by several products (q, k and v read the same normed hidden states) is quantised once;
+  - a gated MLP's gate and up products become one product over the concatenated weight, and its activation
+    kernel writes the quantised input of the down product directly (the wide intermediate never exists in bf16).
+What stays in bf16, and why:
+  - lm_head: the fused KD loss reads the teacher's head weight in its own chunked product (the teacher's logits
+    are never materialised), so a quantised head would need an FP8 product inside the loss; it is also the one
+    product whose rounding lands directly on the distribution the student learns;
+  - embeddings, norms, attention (softmax(QKᵀ)V inside sdpa / flash), MoE experts held as 3-D tensors and
+    routers (a routing decision is discrete: a flipped expert is not a small error);
+  - products whose sizes are not multiples of 16 (`_scaled_mm`'s requirement).
+The result is for inference only: the teacher must be frozen, and it cannot be sharded afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..ops.fp8 import fp8_available, fp8_linear, gated_act_quantized, quantize_rows, quantize_weight
+
+_FP8_ATTR = "__liger_kd_fp8__"
+_ROUTER_NAMES = ("router", "gate")  # MoE routers: a module named exactly so is kept in bf16
+
+
+class _LastQuantized(threading.local):
+    """The last activation quantised on this thread, while it is alive: q, k and v (or gate and up when they are
+    separate) are called on the same tensor one after another, and quantise it once."""
+
+    ref: weakref.ref | None = None
+    version: int = -1
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lookup(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.ref is not None and self.ref() is x and self.version == x._version:
+            return self.quantized
+        return None
+
+    def remember(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.ref = weakref.ref(x, lambda _: self.forget())  # the bytes go when the activation goes
+        self.version, self.quantized = x._version, quantized
+
+    def forget(self) -> None:
+        self.ref, self.quantized = None, None
+
+
+_LAST = _LastQuantized()
+
+
+class Fp8Linear(nn.Module):
+    """y = x Wᵀ + b with W in e4m3 (one scale per output channel) and x quantised per token on the fly."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        weight_fp8, weight_scale = quantize_weight(weight)
+        self.register_buffer("weight_fp8", weight_fp8)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linears(cls, *linears: nn.Linear) -> Fp8Linear:
+        """One product over several linears reading the same input (their outputs concatenated, in order)."""
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)]
+        )  # fmt: skip
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        quantized = _LAST.lookup(x)
+        if quantized is None:
+            quantized = quantize_rows(x.reshape(-1, self.in_features).contiguous())
+            _LAST.remember(x, quantized)
+        return self.forward_quantized(*quantized, x.shape[:-1], x.dtype)
+
+    def forward_quantized(
+        self, x8: torch.Tensor, x_scale: torch.Tensor, leading: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor:
+        y = fp8_linear(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias)
+        return y.to(dtype).reshape(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Fp8GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one FP8 product and the activation quantised in-kernel.
+    It replaces the model's MLP module (rather than its forward), so nothing that restores patched forwards
+    (revert_kd_patch) can bring back a forward whose weights are gone."""
+
+    def __init__(self, gate_up: Fp8Linear, down: Fp8Linear, activation: str):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.activation = gate_up, down, activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        h8, h_scale = gated_act_quantized(gate_up.reshape(-1, gate_up.shape[-1]), self.activation)
+        return self.down_proj.forward_quantized(h8, h_scale, x.shape[:-1], x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+
+@dataclass
+class Fp8Summary:
+    """What `quantize_teacher_fp8` did: products quantised, kept in bf16 (with the reason), bytes before/after."""
+
+    quantized: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+def _fits(linear: nn.Linear) -> bool:
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _check_teacher(model: nn.Module) -> torch.device:
+    from ..distributed import is_dtensor
+
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"quantize_teacher_fp8: {type(model).__name__} has no parameters")
+    if any(p.requires_grad for p in params):
+        raise ValueError(
+            "quantize_teacher_fp8: the teacher has parameters with requires_grad=True; an FP8 teacher is for "
+            "inference only: call teacher.requires_grad_(False) (KDTrainer does) before quantising it"
+        )
+    if any(is_dtensor(p) or hasattr(p, "ds_id") or type(p).__name__ == "FlatParameter" for p in params):
+        raise ValueError(
+            "quantize_teacher_fp8: the teacher is sharded (FSDP / ZeRO-3); an FP8 teacher runs whole on each "
+            "device. Quantise it unsharded, or keep kd_teacher_precision='bf16' when sharding the teacher"
+        )
+    device = params[0].device
+    ok, why = fp8_available(device)
+    if not ok:
+        raise ValueError(f"quantize_teacher_fp8: {why}. Keep the teacher in bf16 (kd_teacher_precision='bf16')")
+    return device
+
+
+@torch.no_grad()
+def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
+    """Quantise the frozen teacher's decoder products to FP8, in place (see the module's docstring). Returns
+    what was done; a second call returns the first call's summary and changes nothing."""
+    from .kd_forward import unwrap_model
+    from .patch import _activation_name
+
+    inner = unwrap_model(model)
+    if hasattr(inner, _FP8_ATTR):
+        return getattr(inner, _FP8_ATTR)
+    _check_teacher(inner)
+    summary = Fp8Summary(bytes_before=_nbytes(inner))
+    head = inner.get_output_embeddings()
+    # gated MLPs first: gate and up become one product, the activation feeds the down product quantised
+    for name, module in list(inner.named_modules()):
+        separate = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+        fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
+        activation = _activation_name(module) if separate or fused else None
+        if activation is None or not name:
+            continue
+        parts = (module.gate_proj, module.up_proj) if separate else (module.gate_up_proj,)
+        if not all(_fits(lin) for lin in (*parts, module.down_proj)):
+            continue  # left to the loop below, which keeps them in bf16 and says why
+        mlp = Fp8GatedMLP(Fp8Linear.from_linears(*parts), Fp8Linear(module.down_proj.weight, None), activation)
+        if module.down_proj.bias is not None:
+            mlp.down_proj.bias = module.down_proj.bias.detach().clone()
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(inner.get_submodule(parent_name), child_name, mlp)
+        summary.quantized += [f"{name}.gate_up_proj", f"{name}.down_proj"]
+    for name, module in list(inner.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if child is head:
+                summary.kept[full] = "lm_head: read by the fused loss in bf16"
+            elif child_name in _ROUTER_NAMES:
+                summary.kept[full] = "MoE router: routing is discrete"
+            elif not _fits(child):
+                summary.kept[full] = f"{child.in_features} x {child.out_features}: not multiples of 16"
+            else:
+                setattr(module, child_name, Fp8Linear(child.weight, child.bias))
+                summary.quantized.append(full)
+    summary.bytes_after = _nbytes(inner)
+    setattr(inner, _FP8_ATTR, summary)
+    if next(inner.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
+    return summary
+
+
+def is_fp8_teacher(model: nn.Module) -> bool:
+    from .kd_forward import unwrap_model
+
+    return hasattr(unwrap_model(model), _FP8_ATTR)

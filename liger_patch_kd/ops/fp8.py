@@ -1,0 +1,140 @@
+"""FP8 (e4m3) products for a frozen teacher: rowwise-scaled quantisation and `torch._scaled_mm`.
+
+A product y = x Wᵀ runs as y = (x₈ Wᵀ₈) · sₓ sᵂᵀ, where x₈ = x / sₓ with one scale per token (row of x, computed
+from the row's absolute maximum as it arrives: "dynamic") and W₈ = W / sᵂ with one scale per output channel (row
+of W, computed once). e4m3 keeps 3 mantissa bits: a relative rounding error of at most 2⁻⁴ per element, which
+averages out over the K-long dot product.
+
+Quantising an activation is a separate pass over it; in eager PyTorch (abs, amax, divide, clamp, cast) it costs
+about what the FP8 product saves (MEASUREMENTS.md). Here it is one Triton pass (read the row, write a byte per
+element and one scale), and after the gated activation it is fused into that kernel, so the MLP's wide
+intermediate is never written in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import select_backend, triton_available
+from .swiglu import ACTIVATIONS, gated_act_torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+SCALE_FLOOR = 1e-12  # an all-zero row gets this scale (and zeros), not a division by zero
+
+
+def fp8_available(device: torch.device) -> tuple[bool, str]:
+    """(whether `device` runs FP8 products, why not). CUDA needs compute capability 8.9 (Ada) or 9.0+ (Hopper);
+    the CPU runs `_scaled_mm` too (slowly: for tests and small models)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_mm"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores; 8.9+ (Ada, Hopper)"
+    elif device.type != "cpu":
+        return False, f"FP8 products are not available on {device.type}"
+    return True, ""
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x₈, s) with x ≈ x₈ · s[:, None]: one fp32 scale per row of the 2-D `x`, the reference."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1).clamp_min(SCALE_FLOOR) / FP8_MAX
+    return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def gated_act_quantized_torch(gate_up: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate) * up quantised per row, from the (M, 2I) output of the fused gate/up product."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return quantize_rows_torch(gated_act_torch(gate, up, activation))
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .swiglu import _act_and_grad
+
+    @triton.jit
+    def _store_quantized(y_ptr, scale_ptr, row, stride_y, x, cols, mask, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr):
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / FP8_MAX
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        tl.store(y_ptr + row * stride_y + cols, q.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr, y_ptr, scale_ptr, stride_x, stride_y, K,
+        FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One row per program, held whole in registers (up to 32 per thread at 32k columns): read once, a byte per
+        element out."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        _store_quantized(y_ptr, scale_ptr, row, stride_y, x, cols, mask, FP8_MAX, FLOOR)
+
+    @triton.jit
+    def _gated_quantized_kernel(
+        gu_ptr, y_ptr, scale_ptr, stride_gu, stride_y, I,
+        GELU: tl.constexpr, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """act(gate) * up for one row of the fused product's output [gate | up], quantised on the way out."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < I
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+        act, _ = _act_and_grad(g, GELU)
+        _store_quantized(y_ptr, scale_ptr, row, stride_y, act * u, cols, mask, FP8_MAX, FLOOR)
+
+
+def _launch_rowwise(kernel, x: torch.Tensor, width: int, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
+    out = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(width)
+    if rows:
+        kernel[(rows,)](x, out, scale, x.stride(0), out.stride(0), width, FP8_MAX=FP8_MAX, FLOOR=SCALE_FLOOR,
+                        BLOCK=block, num_warps=max(4, min(32, block // 512)), **meta)  # fmt: skip
+    return out, scale
+
+
+def quantize_rows(x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x₈ contiguous e4m3, fp32 scale per row) of a 2-D `x` whose rows are contiguous."""
+    if select_backend(x.device, backend) == "torch":
+        return quantize_rows_torch(x)
+    return _launch_rowwise(_quantize_rows_kernel, x, x.shape[1])
+
+
+def gated_act_quantized(
+    gate_up: torch.Tensor, activation: str, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate) * up quantised per row, from the (M, 2I) output [gate | up] of the fused gate/up product."""
+    if select_backend(gate_up.device, backend) == "torch":
+        return gated_act_quantized_torch(gate_up, activation)
+    return _launch_rowwise(
+        _gated_quantized_kernel, gate_up, gate_up.shape[1] // 2, GELU=ACTIVATIONS[activation] == 1
+    )
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W₈, one scale per output channel) of an (N, K) weight: done once, when the teacher is quantised."""
+    return quantize_rows_torch(weight.detach())
+
+
+def fp8_linear(
+    x8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """(x₈ W₈ᵀ) · sₓ sᵂᵀ (+ bias) in `out_dtype`, accumulated in fp32 by `torch._scaled_mm`. The bias is added
+    after the product: not every torch release takes a bias with rowwise scales."""
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=out_dtype)
+    return y if bias is None else y + bias

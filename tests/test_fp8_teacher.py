@@ -1,0 +1,167 @@
+"""The FP8 teacher (models/fp8_teacher.py, ops/fp8.py): quantisation bounds, the product's scale orientation, the
+quantised model against the bf16 one, the shared-input reuse, its errors, and KDTrainer with an FP8 teacher.
+
+`torch._scaled_mm` runs on the CPU, so everything but the Triton kernels is checked here; the kernels are checked
+against the PyTorch reference on the GPU (the Triton interpreter's e4m3 cast is not round-to-nearest: measured,
+~1.5 % of values a step or two off, so a CPU comparison of the kernels would test the interpreter)."""
+
+import pytest
+import torch
+
+import liger_patch_kd.ops.fp8 as F8
+from liger_patch_kd.models import apply_kd_patch, quantize_teacher_fp8, revert_kd_patch
+from liger_patch_kd.models.fp8_teacher import Fp8GatedMLP, Fp8Linear
+
+from .test_trainer import _args, _dataset
+from .tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: neighbours differ by at most 2^-3 of the smaller one
+
+
+def _rows(m=37, k=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]  # rows of very different scales
+    x[5] = 0.0  # an all-zero row
+    return x
+
+
+def test_quantize_rows_bound_and_zero_row():
+    x = _rows()
+    x8, scale = F8.quantize_rows_torch(x)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (x.shape[0],)
+    back = x8.float() * scale[:, None]
+    # round to nearest: half a step of the element's magnitude, or of the smallest normal (2^-6) in scaled units
+    bound = 0.5 * E4M3_STEP * back.abs().clamp_min(2.0**-6 * scale[:, None])
+    assert ((back - x).abs() <= bound + 1e-30).all()
+    assert (x8.float().abs().amax(-1)[scale > F8.SCALE_FLOOR] == F8.FP8_MAX).all()  # the range is used in full
+    assert (back[5] == 0).all() and scale[5] == F8.SCALE_FLOOR / F8.FP8_MAX
+
+
+def test_fp8_linear_is_the_product_of_the_dequantised_operands():
+    """A scale applied on the wrong side (per input channel, or transposed) cannot pass: the rows and the
+    output channels have scales six orders of magnitude apart."""
+    x, w = _rows(m=24, k=64), _rows(m=48, k=64, seed=1)
+    bias = torch.randn(48)
+    x8, sx = F8.quantize_rows_torch(x)
+    w8, sw = F8.quantize_weight(w)
+    y = F8.fp8_linear(x8, sx, w8, sw, bias.bfloat16(), out_dtype=torch.float32)
+    expected = (x8.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).T + bias.bfloat16().double()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def _pair(arch, hidden=64):
+    model = tiny_model(arch, dtype=torch.bfloat16, seed=3, hidden=hidden).eval().requires_grad_(False)
+    quantized = tiny_model(arch, dtype=torch.bfloat16, seed=3, hidden=hidden).eval().requires_grad_(False)
+    return model, quantized
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])  # separate / biased / fused gate-up / GeGLU
+def test_quantized_teacher_follows_the_bf16_teacher(arch):
+    model, quantized = _pair(arch)
+    summary = quantize_teacher_fp8(quantized)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert summary.kept == {"lm_head": "lm_head: read by the fused loss in bf16"} or arch == "gemma"  # gemma ties it
+    assert not [m for m in quantized.modules() if type(m) is torch.nn.Linear and m is not quantized.lm_head]
+    assert all(isinstance(m, Fp8GatedMLP) for n, m in quantized.named_modules() if n.endswith(".mlp"))
+    assert len(summary.quantized) >= len(linears) - 1 - model.config.num_hidden_layers  # gate+up counted once
+    assert summary.bytes_after < summary.bytes_before
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids).logits.float().log_softmax(-1)
+    out = quantized(input_ids=ids).logits.float().log_softmax(-1)
+    kl = (ref.exp() * (ref - out)).sum(-1)
+    assert kl.mean() < 2e-3 and kl.max() < 1e-2, kl  # bf16 rounding alone gives ~1e-5 on these random models
+    assert (kl > 0).any()  # quantisation did happen
+    assert quantize_teacher_fp8(quantized) is summary  # a second call changes nothing
+
+
+def test_shared_inputs_are_quantised_once(monkeypatch):
+    """Per layer: the attention input (shared by q, k, v), the o-projection input and the MLP input; the down
+    projection's input comes quantised out of the activation kernel."""
+    _, quantized = _pair("llama")
+    quantize_teacher_fp8(quantized)
+    calls = []
+    original = F8.quantize_rows
+    monkeypatch.setattr("liger_patch_kd.models.fp8_teacher.quantize_rows", lambda x: calls.append(x.shape) or original(x))
+    quantized(input_ids=torch.ones(1, 8, dtype=torch.long))
+    assert len(calls) == 3 * quantized.config.num_hidden_layers
+
+
+def test_gated_mlp_matches_its_definition():
+    mlp_source = tiny_model("llama", dtype=torch.float32, seed=0).model.layers[0].mlp
+    gate_up = Fp8Linear.from_linears(mlp_source.gate_proj, mlp_source.up_proj)
+    mlp = Fp8GatedMLP(gate_up, Fp8Linear(mlp_source.down_proj.weight, None), "silu")
+    x = torch.randn(3, 5, mlp_source.gate_proj.in_features)
+    gu = gate_up(x).float().reshape(15, -1)
+    g, u = gu.chunk(2, -1)
+    h8, sh = F8.quantize_rows_torch(torch.nn.functional.silu(g) * u)
+    expected = F8.fp8_linear(h8, sh, mlp.down_proj.weight_fp8, mlp.down_proj.weight_scale).reshape(3, 5, -1)
+    torch.testing.assert_close(mlp(x), expected.float())
+
+
+def test_revert_keeps_a_quantised_teacher_working():
+    _, quantized = _pair("llama")
+    apply_kd_patch(model=quantized)  # KDTrainer patches the teacher's kernels first
+    quantize_teacher_fp8(quantized)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    before = quantized(input_ids=ids).logits
+    revert_kd_patch()
+    torch.testing.assert_close(quantized(input_ids=ids).logits, before)
+
+
+def test_refusals(monkeypatch):
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=r"requires_grad_\(False\)"):
+        quantize_teacher_fp8(model)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    ok, why = F8.fp8_available(torch.device("cuda"))
+    assert not ok and "A100" in why and "8.0" in why
+
+
+def test_trainer_with_an_fp8_teacher(tmp_path):
+    """The FP8 teacher trains the student through KDTrainer; its losses stay close to the bf16 teacher's."""
+    from liger_patch_kd.trainer import KDTrainer
+
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        trainer = KDTrainer(
+            model=tiny_model("llama", dtype=torch.float32, seed=1),
+            teacher_model=tiny_model("llama", dtype=torch.bfloat16, seed=2, hidden=96),
+            args=_args(tmp_path, use_kd_patch=True, max_steps=4, kd_teacher_precision=precision),
+            train_dataset=_dataset(),
+        )
+        trainer.train()
+        losses[precision] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if precision == "fp8":
+            assert isinstance(trainer.teacher_model.model.layers[0].mlp, Fp8GatedMLP)
+    assert all(torch.isfinite(torch.tensor(losses["fp8"])))
+    torch.testing.assert_close(torch.tensor(losses["fp8"]), torch.tensor(losses["bf16"]), rtol=5e-2, atol=1e-3)
+    assert losses["fp8"] != losses["bf16"]
+
+
+def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
+    from liger_patch_kd.trainer import KDTrainer
+
+    with pytest.raises(ValueError, match="kd_teacher_precision='fp8'.*liger-kd serve --precision fp8"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=_dataset(),
+                  args=_args(tmp_path, use_kd_patch=True, kd_teacher_precision="fp8"))  # fmt: skip
+    with pytest.raises(ValueError, match="kd_teacher_precision must be 'bf16' or 'fp8'"):
+        _args(tmp_path, kd_teacher_precision="int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels' e4m3 cast is checked on a GPU")
+@pytest.mark.parametrize("width", [4096, 14336])
+def test_triton_kernels_match_the_reference(width):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 2 * width, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    for triton_out, torch_out in (
+        (F8.quantize_rows(x[:, :width].contiguous()), F8.quantize_rows_torch(x[:, :width])),
+        (F8.gated_act_quantized(x, "silu"), F8.gated_act_quantized_torch(x, "silu")),
+        (F8.gated_act_quantized(x, "gelu_pytorch_tanh"), F8.gated_act_quantized_torch(x, "gelu_pytorch_tanh")),
+    ):
+        (q, s), (q_ref, s_ref) = triton_out, torch_out
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+        assert same > 0.999, same  # an fp32 division rounded differently may move a value across a tie
+        assert ((q.float() - q_ref.float()).abs() <= E4M3_STEP * q_ref.float().abs().clamp_min(2.0**-6)).all()
