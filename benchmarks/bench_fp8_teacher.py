@@ -186,7 +186,8 @@ def main() -> None:
     per_window = bf16.reshape(len(held), args.seq, -1)[:, :-1].reshape(-1, vocab)
     teacher_ce = -per_window.gather(-1, targets[:, None].long()).mean().item()
     print(f"\ntrained teacher: {params / 1e6:.0f}M parameters, {training['steps']} steps in "
-          f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/char ({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
+          f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/char "
+          f"({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
     table_fidelity = print_table(rows_fidelity, ["pair", "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement"])
 
     rows_student = []

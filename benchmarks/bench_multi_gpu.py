@@ -183,7 +183,8 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
             output_dir=tempfile.mkdtemp(prefix="bench_multi_"), max_steps=steps,
             per_device_train_batch_size=micro_batch, learning_rate=1e-5, lr_scheduler_type="constant",
             max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-            bf16=not args.tiny and args.student_dtype == "float32", dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
+            bf16=not args.tiny and args.student_dtype == "float32",
+            dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
             kd_beta=0.5, seed=0, kd_teacher_precision=args.teacher_precision, **_recompute_student(),
         )  # fmt: skip
         trainer = SequentialKDTrainer(
@@ -378,8 +379,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
-    parser.add_argument("--student-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="float32: fp32 master weights + bf16 autocast; bfloat16: bf16 weights, no autocast")
+    parser.add_argument(
+        "--student-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="float32: fp32 master weights + bf16 autocast; bfloat16: bf16 weights, no autocast",
+    )
     parser.add_argument("--teacher-precision", choices=["bf16", "fp8"], default="bf16", help="fp8: an FP8 teacher")
     parser.add_argument("--meta-init", action="store_true", help="build the teacher sharded (FSDP2 only)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")

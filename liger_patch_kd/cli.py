@@ -233,8 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
-    srv.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
-                     help="fp8: the teacher's decoder products in FP8 (Ada / Hopper GPUs), half the memory")
+    srv.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="fp8: the teacher's decoder products in FP8 (Ada / Hopper GPUs), half the memory",
+    )
     srv.add_argument("--random-weights", action="store_true", help="the config's model, random weights (benchmarks)")
     srv.set_defaults(func=_serve)
 

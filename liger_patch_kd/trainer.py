@@ -95,7 +95,7 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
     kd_teacher_precision: str = field(
         default="bf16",
-        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products as FP8 (Ada/Hopper), half the memory."},
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
     )
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures."""
 
-from .kd_forward import kd_causal_lm_forward, unwrap_model
 from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
+from .kd_forward import kd_causal_lm_forward, unwrap_model
 from .kd_io import KDCausalLMOutput
 from .patch import (
     apply_kd_patch,

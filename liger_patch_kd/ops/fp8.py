@@ -79,15 +79,15 @@ if triton_available():
 
     @triton.jit
     def _gated_quantized_kernel(
-        gu_ptr, y_ptr, scale_ptr, stride_gu, stride_y, I,
+        gu_ptr, y_ptr, scale_ptr, stride_gu, stride_y, width,
         GELU: tl.constexpr, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """act(gate) * up for one row of the fused product's output [gate | up], quantised on the way out."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < I
+        mask = cols < width
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=mask, other=0.0).to(tl.float32)
         act, _ = _act_and_grad(g, GELU)
         _store_quantized(y_ptr, scale_ptr, row, stride_y, act * u, cols, mask, FP8_MAX, FLOOR)
 
@@ -116,9 +116,7 @@ def gated_act_quantized(
     """act(gate) * up quantised per row, from the (M, 2I) output [gate | up] of the fused gate/up product."""
     if select_backend(gate_up.device, backend) == "torch":
         return gated_act_quantized_torch(gate_up, activation)
-    return _launch_rowwise(
-        _gated_quantized_kernel, gate_up, gate_up.shape[1] // 2, GELU=ACTIVATIONS[activation] == 1
-    )
+    return _launch_rowwise(_gated_quantized_kernel, gate_up, gate_up.shape[1] // 2, GELU=ACTIVATIONS[activation] == 1)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
