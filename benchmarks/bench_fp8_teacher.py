@@ -8,7 +8,7 @@ and hide rounding), so one is trained here: a Llama-shaped model of ~190M parame
   KL(P_bf16 ‖ P_fp8) per token (mean, median, p99, max) and top-1 agreement, beside the same figures for
   KL(P_fp32 ‖ P_bf16) (what bf16 rounding alone does, the scale to read them against);
   a small student distilled for --student-steps from the bf16 teacher and, from the same start and data, from the
-  FP8 teacher: its held-out KD loss (against the bf16 teacher, for both) and its held-out CE.
+  FP8 teacher, for --student-seeds seeds: its held-out KD loss (against the bf16 teacher, for both) and CE.
 Speed: the 8B-shaped teacher's forward (random weights, patched kernels, 4 x 4096 tokens) in bf16 and in FP8,
 and its weight memory. `--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
 """
@@ -93,14 +93,14 @@ def divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> dict:
                 positions=kl.numel())  # fmt: skip
 
 
-def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, steps: int, batch: int, vocab, device):
-    """The student from a fixed start, distilled from `teacher` on a fixed data order; held-out figures are
-    against `reference` (the bf16 teacher) so the two runs are read on one scale."""
-    student = llama(STUDENT if device.type == "cuda" else TINY, vocab, device, torch.bfloat16, seed=7)
+def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, steps, batch, vocab, device, seed):
+    """The student from a start and data order fixed by `seed`, distilled from `teacher`; held-out figures are
+    against `reference` (the bf16 teacher) so the runs are read on one scale."""
+    student = llama(STUDENT if device.type == "cuda" else TINY, vocab, device, torch.bfloat16, seed=7 + seed)
     apply_kd_patch_to_llama(model=student, beta=0.5)
     apply_kd_patch_to_llama(model=teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
-    data.gen.manual_seed(1)
+    data.gen.manual_seed(1 + seed)
     losses = []
     for _ in range(steps):
         ids = data.batch(batch)
@@ -119,8 +119,8 @@ def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, st
         for w in held_out:
             ce.append(float(student(input_ids=w[None], labels=w[None]).loss))
     revert_kd_patch(model=teacher)
-    return dict(train_kd_loss_last10=sum(losses[-10:]) / len(losses[-10:]), held_out_kd_loss=sum(kd) / len(kd),
-                held_out_ce_nats_per_char=sum(ce) / len(ce))  # fmt: skip
+    return dict(seed=seed, train_kd_loss_last10=sum(losses[-10:]) / len(losses[-10:]),
+                held_out_kd_loss=sum(kd) / len(kd), held_out_ce_nats_per_char=sum(ce) / len(ce))  # fmt: skip
 
 
 @torch.no_grad()
@@ -156,11 +156,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--student-steps", type=int, default=150)
+    parser.add_argument("--student-seeds", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
-        args.train_seconds, args.seq, args.batch, args.student_steps = 3.0, 32, 4, 5
+        args.train_seconds, args.seq, args.batch, args.student_steps, args.student_seeds = 3.0, 32, 4, 5, 1
     text = load_corpus()
     tok = CharTokenizer(text)
     ids = torch.tensor(tok.encode(text))
@@ -190,11 +191,12 @@ def main() -> None:
           f"({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
     table_fidelity = print_table(rows_fidelity, ["pair", "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement"])
 
-    rows_student = []
-    for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8)):
-        rows_student.append(dict(teacher=name, **distil_student(t, train, held, teacher_bf16, args.student_steps,
-                                                                args.batch, vocab, device)))  # fmt: skip
-    table_student = print_table(rows_student, ["teacher", "train_kd_loss_last10", "held_out_kd_loss",
+    rows_student = []  # seed by seed: a short run's spread between seeds is the scale to read the gap against
+    for seed in range(args.student_seeds):
+        for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8)):
+            rows_student.append(dict(teacher=name, **distil_student(t, train, held, teacher_bf16, args.student_steps,
+                                                                    args.batch, vocab, device, seed)))  # fmt: skip
+    table_student = print_table(rows_student, ["teacher", "seed", "train_kd_loss_last10", "held_out_kd_loss",
                                                "held_out_ce_nats_per_char"])  # fmt: skip
     del teacher, teacher_bf16, teacher_fp8
     shape = SHAPES["tiny" if args.tiny else "llama"][1]

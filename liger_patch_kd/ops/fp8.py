@@ -35,6 +35,12 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
             return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores; 8.9+ (Ada, Hopper)"
     elif device.type != "cpu":
         return False, f"FP8 products are not available on {device.type}"
+    else:
+        try:  # torch's CPU _scaled_mm takes rowwise scales from 2.13 on; earlier releases refuse them
+            a = torch.zeros(16, 16, dtype=FP8_DTYPE)
+            fp8_linear(a, torch.ones(16), a, torch.ones(16))
+        except RuntimeError as e:
+            return False, f"torch {torch.__version__}'s CPU FP8 product refuses rowwise scales ({str(e)[:80]})"
     return True, ""
 
 
@@ -130,9 +136,8 @@ def fp8_linear(
     w8: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """(x₈ W₈ᵀ) · sₓ sᵂᵀ (+ bias) in `out_dtype`, accumulated in fp32 by `torch._scaled_mm`. The bias is added
-    after the product: not every torch release takes a bias with rowwise scales."""
-    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=out_dtype)
+    """(x₈ W₈ᵀ) · sₓ sᵂᵀ (+ bias) in bf16, accumulated in fp32 by `torch._scaled_mm` (rowwise scales need a bf16
+    output on CUDA). The bias is added after the product: not every torch release takes one with rowwise scales."""
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
