@@ -68,7 +68,7 @@ class KDTrainingArguments(TrainingArguments):
                   "cross-tokenizer distillation (liger_patch_kd.align)."},
     )  # fmt: skip
     kd_cross_tokenizer_loss: str = field(
-        default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact or next_byte."}
+        default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact, next_byte or chain."}
     )
     kd_exact_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: exact-token weight."})
     kd_uld_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: ULD weight."})

@@ -10,6 +10,7 @@ import torch
 
 from liger_patch_kd.align import CrossTokenizerConfig, VocabMap, align_tokens, fused_linear_cross_tokenizer_kd
 from liger_patch_kd.align import reference as xref
+from liger_patch_kd.align.chain import TokenTrie
 from liger_patch_kd.align.demo import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.align.offsets import encode_with_offsets
 from liger_patch_kd.demo import load_corpus
@@ -34,8 +35,14 @@ def random_case(seed=0, dtype=torch.float64, bias=False, leading_s=(2, 9), leadi
     s_bytes = torch.randint(60, 70, (v_s,), generator=g)
     t_bytes = torch.randint(62, 72, (v_t,), generator=g)
     s_bytes[:2], t_bytes[:1] = 256, 256
+    # kind="chain": student texts of 1-4 bytes over 3 of the teacher's first bytes (so prefixes are shared),
+    # teacher tokens of 1-2 bytes; ids 0 and 1 special (no text)
+    lengths, letters = torch.randint(1, 5, (v_s,), generator=g), torch.randint(63, 66, (v_s, 4), generator=g)
+    texts = [b""] * 2 + [bytes(letters[i, : lengths[i]].tolist()) for i in range(2, v_s)]
+    t_len = torch.randint(1, 3, (v_t,), generator=g)
+    t_len[0] = 0
     vocab_map = VocabMap(torch.tensor([0, 2, 3, 7, 11, 30, 52]), torch.tensor([1, 2, 5, 6, 9, 17, 40]), v_s, v_t,
-                         s_bytes, t_bytes)  # fmt: skip
+                         s_bytes, t_bytes, TokenTrie.build(texts), t_len)  # fmt: skip
     return dict(h_s=h_s, w_s=w_s, b_s=b_s, h_t=h_t, w_t=w_t, s_labels=s_labels, t_labels=t_labels,
                 s_groups=s_groups, t_groups=t_groups, exact_ok=exact_ok, vocab_map=vocab_map)  # fmt: skip
 
@@ -61,7 +68,7 @@ def grads(loss, c, weight=None):
     return torch.autograd.grad(loss if weight is None else (loss * weight).sum(), params)
 
 
-@pytest.mark.parametrize("kind", ["uld", "exact", "hybrid", "next_byte"])
+@pytest.mark.parametrize("kind", ["uld", "exact", "hybrid", "next_byte", "chain"])
 @pytest.mark.parametrize("top_k", [None, 4, 1000])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_fused_matches_reference(kind, top_k, beta):
@@ -75,11 +82,11 @@ def test_fused_matches_reference(kind, top_k, beta):
 
 
 @pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
-@pytest.mark.parametrize("unmatched", ["bucket", "ignore", "next_byte"])
+@pytest.mark.parametrize("unmatched", ["bucket", "ignore", "next_byte", "chain"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 64])
 def test_reductions_unmatched_policies_and_chunks(reduction, unmatched, chunk_size):
     c = random_case(seed=1)
-    kind, unmatched = ("next_byte", "bucket") if unmatched == "next_byte" else ("hybrid", unmatched)
+    kind, unmatched = (unmatched, "bucket") if unmatched in ("next_byte", "chain") else ("hybrid", unmatched)
     cfg = CrossTokenizerConfig(kind=kind, unmatched=unmatched, reduction=reduction, softcap=3.0,
                                teacher_softcap=2.0, chunk_size=chunk_size, beta=0.3)  # fmt: skip
     ref, fused = reference_loss(c, cfg), fused_loss(c, cfg)
@@ -233,3 +240,53 @@ def test_parity_with_trl_gold_on_two_tokenizers(hybrid):
                                   t_groups.reshape(-1), n)  # fmt: skip
     assert float(log_q.exp().min()) > 1e-8 and float(log_p.exp().min()) > 1e-8
     torch.testing.assert_close(ours, expected.double(), rtol=1e-9, atol=1e-12)
+
+
+def test_chain_masses_and_depths_by_hand():
+    """kind="chain" on a 5-token trie: the student's next byte at each depth of its token, given the text so far."""
+    from liger_patch_kd.align.chain import allowed_classes, chain_pairs, continuation_masses
+
+    texts = [b"", b"a", b"ab", b"ac", b"b", b"abc"]  # id 0 special
+    trie = TokenTrie.build(texts)
+    probs = torch.tensor([[0.05, 0.1, 0.2, 0.3, 0.15, 0.2]], dtype=torch.float64)
+    label = torch.tensor([5])  # the next token is "abc"
+    mass, member, byte = continuation_masses(probs, label, 0, trie)
+    assert mass[0, ord("a")] == pytest.approx(0.1 + 0.2 + 0.3 + 0.2) and mass[0, ord("b")] == pytest.approx(0.15)
+    assert mass.sum() == pytest.approx(0.95)  # the special token has no first byte
+    mass, member, byte = continuation_masses(probs, label, 1, trie)  # after "a": "ab", "ac", "abc" go on
+    assert mass[0, ord("b")] == pytest.approx(0.2 + 0.2) and mass[0, ord("c")] == pytest.approx(0.3)
+    assert mass.sum() == pytest.approx(0.7)  # "a" itself ends there
+    mass, member, byte = continuation_masses(probs, label, 2, trie)  # after "ab": only "abc"
+    assert mass[0, ord("c")] == pytest.approx(0.2) and mass.sum() == pytest.approx(0.2)
+    teacher = torch.zeros(1, 257, dtype=torch.float64)
+    teacher[0, ord("c")], teacher[0, ord("z")] = 0.6, 0.4  # "z": where the student's token would end instead
+    allowed = allowed_classes(member, byte, teacher)
+    assert allowed.sum() == 1 and allowed[0, ord("c")]
+    assert not allowed_classes(member, byte, torch.zeros_like(teacher)).any()  # no teacher mass there: skipped
+    # a group of 3 teacher tokens of 1, 2, 1 bytes over a 3-byte student token, then a group over a 1-byte one
+    depth, scored = chain_pairs(torch.tensor([0, 0, 0, 1]), torch.tensor([3, 1]), torch.tensor([1, 2, 1, 1]), 32)
+    assert depth.tolist() == [0, 1, 3, 0] and scored.tolist() == [True, True, False, True]
+
+
+def test_chain_loss_is_zero_when_the_student_matches_the_teacher():
+    """A character teacher whose next-character probabilities are the student's own conditionals gives 0."""
+    texts = [b"", b"a", b"b", b"ab", b"ba"]
+    trie = TokenTrie.build(texts)
+    s_logits = torch.tensor([[0.0, 0.2, -0.3, 1.1, 0.4]], dtype=torch.float64)
+    s = torch.softmax(s_logits, -1)[0]
+    # teacher ids: 0 special, 1 "a", 2 "b"; the student's token is "ab" (group: student row 0, teacher rows 0-1)
+    depth0 = torch.tensor([0.0, s[1] + s[3], s[2] + s[4]])  # next byte overall
+    depth1 = torch.tensor([0.0, 0.0, 1.0])  # after "a" only "ab" goes on, with "b"
+    t_logits = torch.stack([depth0, depth1]).clamp(min=1e-300).log()
+    vocab_map = VocabMap(torch.tensor([1, 2]), torch.tensor([1, 2]), 5, 3, torch.tensor([256, 97, 98, 97, 98]),
+                         torch.tensor([256, 97, 98]), trie, torch.tensor([0, 1, 1]))  # fmt: skip
+    loss = xref.cross_tokenizer_kd_loss(
+        s_logits, t_logits, torch.tensor([3]), torch.tensor([1, 2]), torch.tensor([0]), torch.tensor([0, 0]),
+        vocab_map, config=CrossTokenizerConfig(kind="chain", reduction="sum"),
+    )  # fmt: skip
+    assert abs(float(loss)) < 1e-12
+    off = xref.cross_tokenizer_kd_loss(
+        s_logits, t_logits.flip(-1), torch.tensor([3]), torch.tensor([1, 2]), torch.tensor([0]), torch.tensor([0, 0]),
+        vocab_map, config=CrossTokenizerConfig(kind="chain", reduction="sum"),
+    )  # fmt: skip
+    assert float(off) > 0.01

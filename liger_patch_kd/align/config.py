@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..config import REDUCTIONS
 
-KINDS = ("hybrid", "uld", "exact", "next_byte")
+KINDS = ("hybrid", "uld", "exact", "next_byte", "chain")
 UNMATCHED = ("bucket", "ignore")
 
 
@@ -25,6 +25,10 @@ class CrossTokenizerConfig:
                      next-token probabilities summed by the first UTF-8 byte of the token (257 classes, one
                      for special tokens). No merging and no vocabulary overlap needed; VocabMap.build fills in
                      the byte classes.
+      kind="chain":  next_byte at every depth of the group's first student token where a teacher token starts
+                     (a character teacher: every byte of it), the student's side being its next-byte
+                     distribution given the token's text so far, both restricted to the bytes its tokens can
+                     go on with there (align.chain says why: a BPE student's first byte is mostly a space).
     exact / hybrid apply the exact term only to one-to-one groups (the collator's align_exact_ok; in a merged
     group the two merged distributions are over continuations of different text, see align.offsets.Group);
     other groups get ULD over all tokens (hybrid) or nothing (exact). Without align_exact_ok every group

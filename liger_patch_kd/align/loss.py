@@ -20,6 +20,7 @@ from ..ops.backend import logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.fused_linear_topk_kd import _terms_and_a
 from ..reference import TAIL_FLOOR, apply_softcap
+from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
 from .fused_math import group_loss_and_a
 from .reference import group_ids_consistent, project_to_bytes
@@ -153,6 +154,8 @@ def _chunk_kernel(logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg, voca
     log_s = torch.log_softmax(capped / cfg.temperature, dim=-1)
     if cfg.kind == "next_byte":
         return _next_byte_chunk(log_s, log_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map)
+    if cfg.kind == "chain":
+        return _chain_chunk(log_s, log_p, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map)
     targets = labels.clamp(min=0)
     n_groups = meta.last_row.numel()
     log_q, earlier = _merge(log_s, targets, meta.row_group, meta.last_row, n_groups)
@@ -198,6 +201,44 @@ def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_d
     return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
 
 
+def _chain_chunk(log_s, teacher, meta, capped, labels, w_soft, w_hard, grad_dtype, cfg, vocab_map):
+    """kind="chain" (align.chain): per group, the depths of its first student token where a teacher token
+    starts; one pass per depth over the groups that reach it. a_v = S_v dL/dS_v = S_v g_c(v) / m_c(v) on the
+    tokens counted in byte class c, g_c = dL/dlog m_c (the restriction's renormalisation included)."""
+    byte_p, byte_len = teacher
+    trie = vocab_map.student_trie
+    y = labels[meta.first_row].clamp(min=0)
+    depth, scored = chain_pairs(meta.teacher_group, trie.length[y], byte_len, trie.depth)
+    group_loss = torch.zeros_like(log_s[:, 0]).new_zeros(meta.first_row.numel())
+    a_rows = []  # (chunk rows, a over the vocabulary) per depth
+    for d in torch.unique(depth[scored]).tolist():
+        pick = torch.nonzero(scored & (depth == d)).flatten()
+        g = meta.teacher_group[pick]
+        rows = meta.first_row[g]
+        probs = log_s[rows].exp()
+        mass, member, byte = continuation_masses(probs, y[g], d, trie)
+        p = byte_p[pick].to(mass.dtype)
+        allowed = allowed_classes(member, byte, p)
+        log_q = restricted_log(mass, allowed)
+        terms, a_class = _terms_and_a(log_q, restricted_log(p, allowed), cfg.beta, allowed)
+        group_loss.index_add_(0, g, terms.sum(-1))
+        # through the renormalisation (d log q_c / d log m_c' = [c = c'] - q_c'), then to each counted token
+        g_class = a_class - torch.where(allowed, log_q.exp(), 0.0) * a_class.sum(-1, keepdim=True)
+        per_mass = torch.where(mass > TAIL_FLOOR, g_class / mass.clamp(min=TAIL_FLOOR), torch.zeros_like(mass))
+        a_rows.append((rows, probs * member * per_mass[:, byte]))
+    soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), group_loss)
+
+    def grad_u():
+        grad = torch.zeros_like(log_s)
+        row_weight = torch.zeros_like(log_s[:, 0]).index_put_((meta.first_row,), w_soft[meta.last_row].to(log_s.dtype))
+        for rows, a in a_rows:
+            probs = log_s[rows].exp()
+            grad.index_add_(0, rows, (a - probs * a.sum(-1, keepdim=True)) * row_weight[rows, None])
+        return grad
+
+    return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
+
+
 def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
     def chunk(start: int, end: int, active: torch.Tensor | None = None):
         # `active` (the chunk loop's mask of scored rows) is unused: the layout holds scored groups only
@@ -207,6 +248,11 @@ def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: 
             logits = logits_fp32(h_t[rows], w_t, b_t)
             probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
             return project_to_bytes(probs, vocab_map.teacher_first_byte), meta
+        if cfg.kind == "chain":  # next-byte distributions at every teacher row of the chunk's groups
+            logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
+            probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+            byte_len = vocab_map.teacher_byte_len[t_labels[meta.teacher_rows].clamp(min=0)]
+            return (project_to_bytes(probs, vocab_map.teacher_first_byte), byte_len), meta
         logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
         log_probs = torch.log_softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
         targets = t_labels[meta.teacher_rows].clamp(min=0)
@@ -268,6 +314,8 @@ def fused_linear_cross_tokenizer_kd(
         _check("exact_ok", exact_ok, student_input.shape[:-1])
     if cfg.kind == "next_byte" and (vocab_map is None or vocab_map.student_first_byte is None):
         raise ValueError("kind='next_byte' needs a VocabMap with first-byte classes: VocabMap.build(student, teacher)")
+    if cfg.kind == "chain" and (vocab_map is None or vocab_map.student_trie is None):
+        raise ValueError("kind='chain' needs a VocabMap with the student's token trie: VocabMap.build(student, ...)")
     if cfg.kind in ("exact", "hybrid") and (vocab_map is None or len(vocab_map) == 0):
         raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
     if vocab_map is not None:

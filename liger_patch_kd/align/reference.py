@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
+from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
 from .vocab import NO_BYTE, VocabMap
 
@@ -116,6 +117,41 @@ def next_byte_terms(log_s: torch.Tensor, log_p: torch.Tensor, vocab_map: VocabMa
     return divergence_terms(lq, lp, beta, (q > 0) | (p > 0)).sum(-1)
 
 
+def chain_group_losses(
+    s_capped: torch.Tensor,
+    t_capped: torch.Tensor,
+    s_labels: torch.Tensor,
+    t_labels: torch.Tensor,
+    s_groups: torch.Tensor,
+    t_groups: torch.Tensor,
+    n_groups: int,
+    vocab_map: VocabMap,
+    cfg: CrossTokenizerConfig,
+) -> torch.Tensor:
+    """kind="chain" (see align.chain), per group: the sum over the teacher rows starting inside the group's first
+    student token of D(teacher's next byte || student's next byte given its token's text so far), both
+    restricted to the bytes the student's token can go on with there."""
+    trie = vocab_map.student_trie
+    s_first = first_rows(s_groups, n_groups)
+    y = s_labels[s_first].clamp(min=0)
+    t_rows = torch.nonzero(t_groups >= 0).flatten()
+    group = t_groups[t_rows]
+    byte_len = vocab_map.teacher_byte_len[t_labels[t_rows].clamp(min=0)]
+    depth, scored = chain_pairs(group, trie.length[y], byte_len, trie.depth)
+    per_group = torch.zeros(n_groups, dtype=s_capped.dtype, device=s_capped.device)
+    for d in torch.unique(depth[scored]).tolist():
+        pick = scored & (depth == d)
+        g = group[pick]
+        probs = F.softmax(s_capped[s_first[g]] / cfg.temperature, dim=-1)
+        mass, member, byte = continuation_masses(probs, y[g], d, trie)
+        p = project_to_bytes(F.softmax(t_capped[t_rows[pick]] / cfg.temperature, dim=-1), vocab_map.teacher_first_byte)
+        allowed = allowed_classes(member, byte, p.to(mass.dtype))
+        terms = divergence_terms(restricted_log(mass, allowed), restricted_log(p.to(mass.dtype), allowed), cfg.beta,
+                                 allowed)  # fmt: skip
+        per_group = per_group.index_add(0, g, terms.sum(-1))
+    return per_group
+
+
 def project_to_bytes(probs: torch.Tensor, first_byte: torch.Tensor | None) -> torch.Tensor:
     if first_byte is None or first_byte.numel() != probs.shape[-1]:
         raise ValueError(
@@ -164,7 +200,10 @@ def cross_tokenizer_kd_loss(
     s_capped = apply_softcap(s_logits, cfg.softcap)
     t_capped = apply_softcap(t_logits, cfg.teacher_softcap).detach()
     last = last_rows(s_groups, n_groups)
-    if cfg.kind == "next_byte":
+    if cfg.kind == "chain":
+        per_group = chain_group_losses(s_capped, t_capped, s_labels, t_labels, s_groups, t_groups, n_groups,
+                                       vocab_map, cfg)  # fmt: skip
+    elif cfg.kind == "next_byte":
         s_first, t_first = first_rows(s_groups, n_groups), first_rows(t_groups, n_groups)
         log_s = F.log_softmax(s_capped[s_first] / cfg.temperature, dim=-1)
         log_p = F.log_softmax(t_capped[t_first] / cfg.temperature, dim=-1)

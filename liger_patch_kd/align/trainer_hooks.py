@@ -2,7 +2,7 @@
 
 Proposed KDTrainingArguments fields (read here with getattr, so these hooks work before they exist):
     kd_teacher_tokenizer: str | None = None     # name or path of the teacher's tokenizer; set => cross-tokenizer
-    kd_cross_tokenizer_loss: str = "hybrid"     # "hybrid", "uld" or "exact" (CrossTokenizerConfig.kind)
+    kd_cross_tokenizer_loss: str = "hybrid"     # CrossTokenizerConfig.kind: hybrid, uld, exact, next_byte, chain
     kd_exact_weight: float = 1.0                # hybrid: weight of the exact-token term
     kd_uld_weight: float = 1.0                  # hybrid: weight of the ULD term
     kd_uld_top_k: int | None = None             # None: full sort; k: sorted top-k + tail bucket

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .chain import NO_BYTE, TokenTrie
+
 
 def vocabulary_of(tokenizer) -> dict[str, int]:
     """token string -> id, from an HF tokenizer, a `tokenizers.Tokenizer` or anything with get_vocab()."""
@@ -33,6 +35,9 @@ class VocabMap:
     # each token's first UTF-8 byte (NO_BYTE for special and empty tokens), for kind="next_byte"
     student_first_byte: torch.Tensor | None = None  # (V_s,) int64
     teacher_first_byte: torch.Tensor | None = None  # (V_t,) int64
+    # for kind="chain": the student's token texts as a byte trie, the byte length of each teacher token's text
+    student_trie: TokenTrie | None = None
+    teacher_byte_len: torch.Tensor | None = None  # (V_t,) int64
 
     @classmethod
     def build(
@@ -68,9 +73,10 @@ class VocabMap:
         pairs = sorted((s_index[k], t_index[k]) for k in s_index.keys() & t_index.keys())
         s_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         t_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-        s_bytes = first_byte_classes(student_vocab, v_s, student_byte_level)
-        t_bytes = first_byte_classes(teacher_vocab, v_t, teacher_byte_level)
-        return cls(s_ids, t_ids, v_s, v_t, s_bytes, t_bytes)
+        s_texts = token_texts(student_vocab, v_s, student_byte_level)
+        t_texts = token_texts(teacher_vocab, v_t, teacher_byte_level)
+        t_len = torch.tensor([len(t) for t in t_texts], dtype=torch.long)
+        return cls(s_ids, t_ids, v_s, v_t, first_bytes(s_texts), first_bytes(t_texts), TokenTrie.build(s_texts), t_len)
 
     def __len__(self) -> int:
         return int(self.student_ids.numel())
@@ -78,8 +84,9 @@ class VocabMap:
     def to(self, device: torch.device | str) -> VocabMap:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return VocabMap(move(self.student_ids), move(self.teacher_ids), self.student_vocab_size,
-                        self.teacher_vocab_size, move(self.student_first_byte),
-                        move(self.teacher_first_byte))  # fmt: skip
+                        self.teacher_vocab_size, move(self.student_first_byte), move(self.teacher_first_byte),
+                        None if self.student_trie is None else self.student_trie.to(device),
+                        move(self.teacher_byte_len))  # fmt: skip
 
     def check(self, student_vocab_size: int, teacher_vocab_size: int) -> None:
         if len(self) and (
@@ -117,9 +124,6 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, codes)}
 
 
-NO_BYTE = 256  # the class of special tokens (and of tokens with no text): 257 next-byte classes in all
-
-
 def is_byte_level(tokenizer) -> bool:
     """Whether a tokenizer's token strings are GPT-2 byte-level ("Ġthe"), from its serialised pipeline."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
@@ -136,25 +140,39 @@ def special_ids_of(tokenizer) -> set[int]:
     return ids
 
 
-def token_first_byte(token: str, byte_level: bool) -> int:
-    """The first UTF-8 byte of the text a token string stands for (NO_BYTE when it stands for none)."""
+def token_text_bytes(token: str, byte_level: bool) -> bytes:
+    """The UTF-8 bytes of the text a token string stands for (b"" when it stands for none)."""
     if byte_level:
         table = _byte_decoder()
-        return table[token[0]] if token and token[0] in table else NO_BYTE
+        return bytes(table[ch] for ch in token) if all(ch in table for ch in token) else b""
     if token.startswith("<0x") and token.endswith(">") and len(token) == 6:  # SentencePiece byte fallback
-        return int(token[3:5], 16)
-    data = token.replace("▁", " ").encode("utf-8")
+        return bytes([int(token[3:5], 16)])
+    return token.replace("▁", " ").encode("utf-8")
+
+
+def token_first_byte(token: str, byte_level: bool) -> int:
+    """The first UTF-8 byte of the text a token string stands for (NO_BYTE when it stands for none)."""
+    data = token_text_bytes(token, byte_level)
     return data[0] if data else NO_BYTE
 
 
-def first_byte_classes(tokenizer_or_vocab, size: int, byte_level: bool | None = None) -> torch.Tensor:
-    """(size,) first byte of each id's token (NO_BYTE for special tokens and ids without a token)."""
+def token_texts(tokenizer_or_vocab, size: int, byte_level: bool | None = None) -> list[bytes]:
+    """The text (UTF-8 bytes) of each id below `size`; b"" for special tokens and ids without a token."""
     is_dict = isinstance(tokenizer_or_vocab, Mapping)
     vocab = tokenizer_or_vocab if is_dict else vocabulary_of(tokenizer_or_vocab)
     level = byte_level if byte_level is not None else (False if is_dict else is_byte_level(tokenizer_or_vocab))
     special = set() if is_dict else special_ids_of(tokenizer_or_vocab)
-    classes = torch.full((size,), NO_BYTE, dtype=torch.long)
+    texts = [b""] * size
     for token, i in vocab.items():
         if i < size and i not in special:
-            classes[i] = token_first_byte(token, level)
-    return classes
+            texts[i] = token_text_bytes(token, level)
+    return texts
+
+
+def first_byte_classes(tokenizer_or_vocab, size: int, byte_level: bool | None = None) -> torch.Tensor:
+    """(size,) first byte of each id's token (NO_BYTE for special tokens and ids without a token)."""
+    return first_bytes(token_texts(tokenizer_or_vocab, size, byte_level))
+
+
+def first_bytes(texts: list[bytes]) -> torch.Tensor:
+    return torch.tensor([t[0] if t else NO_BYTE for t in texts], dtype=torch.long)
