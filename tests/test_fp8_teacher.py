@@ -52,10 +52,14 @@ def test_fp8_linear_is_the_product_of_the_dequantised_operands():
     x8, sx = F8.quantize_rows_torch(x)
     w8, sw = F8.quantize_weight(w)
     y = F8.fp8_linear(x8, sx, w8, sw, bias)
-    product = (x8.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).T
-    # bf16 roundings: the product's (a step, 2^-8 relative: the CPU kernel rounds twice), then the sum's
-    bound = 2**-8 * (product.abs() + (product + bias.double()).abs())
-    assert ((y.double() - (product + bias.double())).abs() <= bound).all()
+    xd, wd = x8.double() * sx.double()[:, None], w8.double() * sw.double()[:, None]
+    product = xd @ wd.T
+    # a dot product's error is relative to the sum of its terms' magnitudes (Hopper's FP8 tensor cores accumulate
+    # with fewer than fp32's bits), then bf16 roundings of the product and of the sum (a step, 2^-8, each)
+    bound = 2**-8 * (xd.abs() @ wd.abs().T + (product + bias.double()).abs())
+    excess = (y.double() - (product + bias.double())).abs() / bound
+    worst = excess.argmax()
+    assert (excess <= 1).all(), (excess.max().item(), product.flatten()[worst].item(), y.flatten()[worst].item())
 
 
 def _pair(arch, hidden=64):
