@@ -1,11 +1,14 @@
 """Choices that the fused kernels and the reference oracle must share because they are conventions, not math:
-which top-k slots are padding, the floor of a tail bucket's mass, and which vocabulary ids are real.
+which top-k slots are padding, the floor of a tail bucket's mass, how a top-k teacher is tempered (where its
+unknown tail mass goes), what a model's soft-cap is, and which vocabulary ids are real.
 
 Everything else in `reference.py` is written independently of the kernels; only these definitions are imported
 by both, so a kernel and the oracle cannot disagree about what the input means.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -79,3 +82,35 @@ def column_bias(bias, vocab: int, columns: int, temperature: float, like):
     real = bias[:vocab].to(dtype) if bias is not None else torch.zeros(vocab, dtype=dtype, device=like.device)
     pad = torch.full((columns - vocab,), PAD_LOGIT * max(1.0, temperature), dtype=dtype, device=like.device)
     return torch.cat([real, pad])
+
+
+def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2 style final-logit soft-capping: tanh(x / c) * c (identity when softcap is None)."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def tempered_topk_teacher(
+    teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher log-probs at temperature T from top-k log-probs taken at T = 1 over the full vocabulary.
+
+    Returns (valid slots, log P_j on the top-k (-inf on padding), log P_tail (-inf when there is no tail)).
+    Log-probs are logits minus a constant, so softmax(logp / T) is the tempered teacher: exact within the
+    top-k. The unknown tail is assumed spread evenly over the V - k tokens outside the top-k, each holding
+    m / (V - k) of the remaining mass m; at T = 1 (or k = V) that assumption plays no role.
+    """
+    valid = topk_valid_slots(teacher_token_ids, teacher_logprobs)
+    lp = torch.where(
+        valid,
+        teacher_logprobs.to(torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32),
+        -math.inf,
+    )
+    n_tail = vocab - valid.sum(-1)
+    mass = lp.exp().sum(-1)
+    tail = (1 - mass).clamp(min=TAIL_FLOOR)
+    has_tail = n_tail > 0
+    log_n = n_tail.clamp(min=1).to(lp.dtype).log()
+    log_tail_t = torch.where(has_tail, log_n + (tail.log() - log_n) / temperature, -math.inf)
+    scaled = lp / temperature
+    log_z = torch.logaddexp(torch.logsumexp(scaled, -1), log_tail_t)
+    return valid, scaled - log_z[..., None], log_tail_t - log_z

@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from .config import KDLossConfig
-from .conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR, resolve_vocab, topk_valid_slots  # noqa: F401 (re-export)
-
-
-def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma-2 style final-logit soft-capping: tanh(x / c) * c (identity when softcap is None)."""
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+from .conventions import (  # noqa: F401 (re-exported: the oracle's public names)
+    LOGPROB_PLACEHOLDER,
+    TAIL_FLOOR,
+    apply_softcap,
+    resolve_vocab,
+    tempered_topk_teacher,
+    topk_valid_slots,
+)
 
 
 def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -153,33 +155,6 @@ def weigh_and_reduce(
 
 
 # ------------------------------------------------------------------------------------------- top-k teacher
-def tempered_topk_teacher(
-    teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Teacher log-probs at temperature T from top-k log-probs taken at T = 1 over the full vocabulary.
-
-    Returns (valid slots, log P_j on the top-k (-inf on padding), log P_tail (-inf when there is no tail)).
-    Log-probs are logits minus a constant, so softmax(logp / T) is the tempered teacher: exact within the
-    top-k. The unknown tail is assumed spread evenly over the V - k tokens outside the top-k, each holding
-    m / (V - k) of the remaining mass m; at T = 1 (or k = V) that assumption plays no role.
-    """
-    valid = topk_valid_slots(teacher_token_ids, teacher_logprobs)
-    lp = torch.where(
-        valid,
-        teacher_logprobs.to(torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32),
-        -math.inf,
-    )
-    n_tail = vocab - valid.sum(-1)
-    mass = lp.exp().sum(-1)
-    tail = (1 - mass).clamp(min=TAIL_FLOOR)
-    has_tail = n_tail > 0
-    log_n = n_tail.clamp(min=1).to(lp.dtype).log()
-    log_tail_t = torch.where(has_tail, log_n + (tail.log() - log_n) / temperature, -math.inf)
-    scaled = lp / temperature
-    log_z = torch.logaddexp(torch.logsumexp(scaled, -1), log_tail_t)
-    return valid, scaled - log_z[..., None], log_tail_t - log_z
-
-
 def divergence_terms(log_s: torch.Tensor, log_p: torch.Tensor, beta: float, present: torch.Tensor) -> torch.Tensor:
     """Per-class generalized-JSD terms between two (sub-)distributions; 0 where a class is not present."""
     s, p = log_s.exp(), log_p.exp()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import KDLossConfig
-from ..reference import apply_softcap
+from ..conventions import apply_softcap
 from .backend import triton_available
 from .chunked import finish_chunk
 

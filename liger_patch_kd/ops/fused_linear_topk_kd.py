@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import KDLossConfig
-from ..conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR
-from ..reference import apply_softcap, tempered_topk_teacher
+from ..conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR, apply_softcap, tempered_topk_teacher
 from .backend import triton_available
 from .chunked import finish_chunk
 

@@ -62,11 +62,11 @@ def teacher_topk_and_next(
 
 def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
     """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
+    from ..conventions import apply_softcap
     from ..models.backbone import run_backbone
     from ..models.kd_forward import output_head, unwrap_model
     from ..models.registry import softcap_of
     from ..models.transforms import scaled_head_inputs
-    from ..reference import apply_softcap
 
     model = unwrap_model(teacher)
     hidden = run_backbone(model, input_ids, attention_mask, {}).last_hidden_state
