@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .hf_datasets import _datasets, _flush, rows_to_arrays
-from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
+from .hf_datasets import _datasets, _flush, open_conversion, rows_to_arrays
+from .store import TeacherStoreError, iter_store, read_manifest
 
 _TOKEN = re.compile(r"^token_id:(\d+)$")
 
@@ -48,13 +48,10 @@ def axolotl_to_store(
             f"train with kd temperature 1"
         )
     stored_t = temperature if keep_temperature else 1.0
-    writer = StoreWriter.open(
-        out_dir, teacher=meta.pop("teacher", "axolotl"), vocab_size=vocab_size, top_k=top_k,
-        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), logprob_dtype=logprob_dtype,
-        temperature=stored_t, shard_size=shard_size, num_sequences=None, encoding=encoding, **meta,
+    writer = open_conversion(
+        out_dir, "axolotl", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype,
+        temperature=stored_t, shard_size=shard_size, encoding=encoding,
     )  # fmt: skip
-    if writer.done_shards():
-        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
     pending = []
     for n, row in enumerate(rows):
         where = f"row {n}"

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .hf_datasets import _flush
-from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
+from .hf_datasets import _flush, open_conversion
+from .store import TeacherStoreError, iter_store, read_manifest
 
 COLUMNS = ("input_ids", "compressed_logprobs", "bytepacked_indices")
 CONFIG_FILE = "compression_config.yaml"
@@ -392,13 +392,10 @@ def distillkit_to_store(
         records = _parquet_records(files)
     else:
         records = _dict_records(source)
-    writer = StoreWriter.open(
-        out_dir, teacher=meta.pop("teacher", "distillkit"), vocab_size=vocab_size, top_k=top_k,
-        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), logprob_dtype=logprob_dtype, temperature=1.0,
-        shard_size=shard_size, num_sequences=None, encoding=encoding, distillkit_compressor=cfg.to_dict(), **meta,
+    writer = open_conversion(
+        out_dir, "distillkit", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype, temperature=1.0,
+        shard_size=shard_size, encoding=encoding, distillkit_compressor=cfg.to_dict(),
     )  # fmt: skip
-    if writer.done_shards():
-        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
     pending = []
     for n, record in enumerate(records):
         where = f"row {n}"

@@ -74,13 +74,10 @@ def dataset_to_store(
     """Write rows with (input_ids, teacher_token_ids, teacher_logprobs) into a store; `columns` renames them
     ({"teacher_token_ids": "my_ids", ...}). Rows with fewer than top_k slots are padded (-1, -inf)."""
     names = {c: c for c in COLUMNS} | (columns or {})
-    writer = StoreWriter.open(
-        out_dir, teacher=meta.pop("teacher", "datasets"), vocab_size=vocab_size, top_k=top_k,
-        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), logprob_dtype=logprob_dtype,
-        temperature=meta.pop("temperature", 1.0), shard_size=shard_size, num_sequences=None, encoding=encoding, **meta,
+    writer = open_conversion(
+        out_dir, "datasets", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype,
+        temperature=meta.pop("temperature", 1.0), shard_size=shard_size, encoding=encoding,
     )  # fmt: skip
-    if writer.done_shards():
-        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for n, row in enumerate(rows):
         pending.append(
@@ -127,6 +124,18 @@ def rows_to_arrays(
             raise TeacherStoreError(f"{where}, position {t}: token id {int(i.max())} >= vocab_size {vocab_size}")
         out_ids[t, : len(i)], out_lp[t, : len(i)] = i, v
     return seq, torch.from_numpy(out_ids), torch.from_numpy(out_lp)
+
+
+def open_conversion(out_dir: str | Path, default_teacher: str, meta: dict, **store: Any) -> StoreWriter:
+    """A new store for a converter (`meta` may name the teacher and the tokenizer's fingerprint). A folder that
+    already holds shards is refused: a conversion is not resumed, it is run again into a new folder."""
+    writer = StoreWriter.open(
+        out_dir, teacher=meta.pop("teacher", default_teacher),
+        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), num_sequences=None, **store, **meta,
+    )  # fmt: skip
+    if writer.done_shards():
+        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
+    return writer
 
 
 def _flush(writer: StoreWriter, pending: list) -> None:
