@@ -36,7 +36,7 @@ def _compare(fn_kernel, fn_torch, inputs, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # HF normalises in fp32 even for fp64 models
-@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0), ("olmo", 0.0)])
 @pytest.mark.parametrize("hidden", [48, 64])
 def test_rms_norm(dtype, casting, offset, hidden):
     x = torch.randn(3, 7, hidden, device=DEVICE, dtype=dtype)
@@ -97,3 +97,15 @@ def test_kernel_argument_errors():
         gated_act(torch.zeros(2), torch.zeros(3))
     with pytest.raises(ValueError, match="casting"):
         rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-6, casting="t5")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_olmo_casting_is_the_models_own_norm(dtype):
+    """OLMo-2's and GPT-OSS's RMSNorm, op for op, against the "olmo" mode on the PyTorch path (fp64 included)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    norm = Olmo2RMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(-1.0, 1.0)
+    x = torch.randn(4, 32, dtype=dtype)
+    assert torch.equal(rms_norm_torch(x, norm.weight, 1e-6, 0.0, "olmo"), norm(x))

@@ -86,9 +86,8 @@ REGISTRY: dict[str, ArchSpec] = {
         _spec("qwen2", "Qwen2"),
         _spec("qwen3", "Qwen3"),
         _spec("smollm3", "SmolLM3"),  # NoPE layers skip RoPE inside attention: nothing to do here
-        # OLMo-2 / GPT-OSS norm as (w * x_fp32).to(dtype) with w in its own dtype; ops/rms_norm.py's "gemma" mode
-        # rounds w to fp32 first (the same for bf16 / fp32 weights, not for fp64): their norms stay as they are
-        _spec("olmo2", "Olmo2", rms_norm=()),
+        # OLMo-2 / GPT-OSS normalise in fp32 and multiply by w before casting back: ops/rms_norm.py's "olmo" mode
+        _spec("olmo2", "Olmo2", rms_norm_casting="olmo"),
         _spec("glm4", "Glm4", fused_gate_up=True, rope=False),  # interleaved, partial RoPE
         _spec("phi3", "Phi3", fused_gate_up=True),
         _spec("gemma", "Gemma", **_GEMMA),
@@ -105,7 +104,7 @@ REGISTRY: dict[str, ArchSpec] = {
         _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE),
         # GPT-OSS: GptOssMLP is the router + experts block; experts use a clamped SwiGLU (alpha, limit) and biases;
         # its RoPE takes a half-width cos/sin (the kernel wrapper would fall back anyway)
-        _spec("gpt_oss", "GptOss", rms_norm=(), mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),
+        _spec("gpt_oss", "GptOss", rms_norm_casting="olmo", mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),
         # vision-language: the KD forward runs the model's own backbone (vision tower + language model)
         _spec(
             "gemma3",

@@ -1,8 +1,11 @@
 """RMSNorm, forward and backward, as each architecture computes it.
 
-y = x / sqrt(mean(x^2) + eps) * (offset + w), with two casting modes:
+y = x / sqrt(mean(x^2) + eps) * (offset + w), with three casting modes:
     "llama": normalise in fp32, cast to the input dtype, then multiply by the weight (Llama, Mistral, Qwen, Phi-3)
     "gemma": normalise and multiply by (1 + w) in fp32, cast at the end (Gemma 1/2/3, offset 1)
+    "olmo":  normalise in fp32, multiply by w in w's dtype promoted with fp32, cast at the end (OLMo-2, GPT-OSS).
+             For fp32 / bf16 / fp16 weights that is "gemma" with offset 0, which is what the kernel computes;
+             it differs only for fp64 weights, which the PyTorch path (CPU) computes as the model does.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 
 from .backend import select_backend, triton_available
 
-CASTING_MODES = ("llama", "gemma")
+CASTING_MODES = ("llama", "gemma", "olmo")
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama"):
@@ -20,6 +23,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if casting == "gemma":
         return (normed * (offset + weight.float())).to(x.dtype)
+    if casting == "olmo":
+        return ((offset + weight) * normed).to(x.dtype)
     return (offset + weight) * normed.to(x.dtype)
 
 
@@ -30,7 +35,7 @@ if triton_available():
     @triton.jit
     def _rms_norm_fwd_kernel(
         x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, H, eps, offset,
-        GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+        CAST_LAST: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -40,7 +45,7 @@ if triton_available():
         rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         normed = x32 * rstd
-        if GEMMA:
+        if CAST_LAST:
             y = normed * (offset + w.to(tl.float32))
         else:
             y = normed.to(x.dtype).to(tl.float32) * (offset + w.to(tl.float32))
@@ -50,7 +55,7 @@ if triton_available():
     @triton.jit
     def _rms_norm_bwd_kernel(
         dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, stride_dy, stride_x, stride_dx, n_rows, H, offset,
-        rows_per_program, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+        rows_per_program, CAST_LAST: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Each program takes a run of rows: dx per row, and its share of dW summed in fp32 (one partial row)."""
         pid = tl.program_id(0)
@@ -67,7 +72,7 @@ if triton_available():
                 dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
                 rstd = tl.load(rstd_ptr + row)
                 normed = x32 * rstd
-                if GEMMA:
+                if CAST_LAST:
                     dw += dy * normed
                 else:
                     dw += dy * normed.to(x.dtype).to(tl.float32)
@@ -83,13 +88,13 @@ class RMSNormFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n_rows, hidden = x2.shape
-        out_dtype = x.dtype if casting == "gemma" else torch.promote_types(x.dtype, weight.dtype)
+        out_dtype = x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
         y = torch.empty((n_rows, hidden), dtype=out_dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(hidden)
         _rms_norm_fwd_kernel[(n_rows,)](
             x2, weight, y, rstd, x2.stride(0), y.stride(0), hidden, eps, offset,
-            GEMMA=casting == "gemma", BLOCK=block, num_warps=_warps(block),
+            CAST_LAST=casting != "llama", BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
         ctx.save_for_backward(x2, weight, rstd)
         ctx.meta = (shape, offset, casting)
@@ -109,7 +114,7 @@ class RMSNormFunction(torch.autograd.Function):
         block = triton.next_power_of_2(hidden)
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, hidden, offset,
-            rows_per_program, GEMMA=casting == "gemma", BLOCK=block, num_warps=_warps(block),
+            rows_per_program, CAST_LAST=casting != "llama", BLOCK=block, num_warps=_warps(block),
         )  # fmt: skip
         return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype), None, None, None
 
