@@ -22,6 +22,7 @@ pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
+from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
 from liger_patch_kd.teacher import prefetch  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
@@ -43,8 +44,8 @@ def _free_port() -> int:
 class Server:
     """`liger-kd serve` in a subprocess on 127.0.0.1; stop() kills it by its PID."""
 
-    def __init__(self, teacher_dir: Path, port: int | None = None) -> None:
-        self.teacher_dir, self.port = teacher_dir, port or _free_port()
+    def __init__(self, teacher_dir: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.teacher_dir, self.port, self.extra = teacher_dir, port or _free_port(), list(extra)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
@@ -57,7 +58,7 @@ class Server:
         }
         cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
                str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-               "--attn-implementation", "eager"]  # fmt: skip
+               "--attn-implementation", "eager", *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if wait:
             TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90).wait_until_ready()
@@ -122,6 +123,31 @@ def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
         assert len(raw[t]) == TOP_K + (own not in {str(x) for x in as_json[0][0][t - 1].tolist()})
         assert raw[t][own]["logprob"] == pytest.approx(float(own_lp), abs=1e-5)
         assert raw[t][own]["rank"] == int((ref[t - 1] > own_lp).sum()) + 1
+
+
+@pytest.mark.skipif(not fp8_available(torch.device("cpu"))[0], reason=fp8_available(torch.device("cpu"))[1])
+def test_fp8_server_serves_the_quantised_teacher(teacher_dir):
+    """`liger-kd serve --precision fp8`: the replies are those of the teacher quantised in process, and not the
+    bf16 teacher's (the flag took effect)."""
+    from liger_patch_kd.models import quantize_teacher_fp8
+
+    seqs = [r.tolist() for r in _rows(3)]
+    srv = Server(teacher_dir, extra=("--precision", "fp8", "--dtype", "bfloat16")).start()
+    try:
+        served = TD.TeacherClient(srv.url, "liger", top_k=TOP_K, vocab_size=VOCAB).fetch(seqs)
+    finally:
+        srv.stop()
+    bf16 = _teacher().to(torch.bfloat16).eval().requires_grad_(False)
+    fp8 = _teacher().to(torch.bfloat16).eval().requires_grad_(False)
+    quantize_teacher_fp8(fp8)
+    for seq, (ids, values) in zip(seqs, served):
+        with torch.no_grad():
+            logp = {m: torch.log_softmax(m(torch.tensor([seq])).logits[0].float(), -1) for m in (bf16, fp8)}
+        top = logp[fp8].topk(TOP_K, -1)
+        assert (ids[:-1, 0] == top.indices[:-1, 0]).float().mean() >= 0.9  # bf16 logits of the x40 head can tie
+        near = (values[:-1, 0] - top.values[:-1, 0]).abs().max()
+        far = (values[:-1, 0] - logp[bf16].gather(-1, ids[:-1, :1].clamp_min(0))[:, 0]).abs().max()
+        assert near < far, (near, far)
 
 
 def test_concurrent_requests_are_batched(server):
