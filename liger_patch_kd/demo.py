@@ -4,7 +4,9 @@
 2. a small teacher trained on the packaged corpus (character tokenizer, no downloads);
 3. one smaller student per recipe, same init, same steps: CE only, online fused JSD, offline top-k from a
    store precomputed here, on-policy (GKD) with student-generated completions;
-4. a table: held-out CE, KL(teacher || student) per token, tokens/s, peak memory.
+4. a table: held-out CE, KL(teacher || student) per token, tokens/s, peak memory;
+5. across tokenizers (align.demo): a student with its own byte-level BPE tokenizer, on 10 % of the training
+   text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char, 3 inits).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -157,13 +159,15 @@ def loss_memory_demo(device) -> None:
             seconds = time.perf_counter() - start
         rows.append((name, loss.item(), mem.peak_mib, seconds * 1000))
         h_s.grad = w_s.grad = None
-    print(f"\n[1/4] the loss alone: N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}, forward+backward")
+    print(f"\n[1/5] the loss alone: N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}, forward+backward")
     print(f"{'':24}{'loss':>12}{'peak MiB':>12}{'ms':>10}")
     for name, loss, mib, ms in rows:
         print(f"{name:24}{loss:12.6f}{mib:12.1f}{ms:10.1f}")
 
 
-def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
+def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bool = True) -> list[dict]:
+    """The rows of step 4, then (with `cross_tokenizer`) step 5's: {"recipe": "BPE student: ...",
+    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}."""
     from transformers import Trainer
 
     from . import teacher as TD
@@ -183,7 +187,7 @@ def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="liger_kd_demo_"))
     vocab = len(tok)
 
-    print(f"\n[2/4] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
+    print(f"\n[2/5] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
     teacher = _model(vocab, 128, 4, seed=0, device=dev)
     Trainer(model=teacher, args=_args(work / "teacher", sizes.teacher_steps, sizes.batch, dev), train_dataset=dataset,
             data_collator=collator).train()  # fmt: skip
@@ -191,7 +195,7 @@ def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
     ce, _ = evaluate(teacher, teacher, held_out, dev)
     print(f"teacher held-out CE {ce:.3f} nats/char")
 
-    print(f"\n[3/4] students: Llama 2 x 64, {sizes.student_steps} steps each, same init")
+    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each, same init")
     store = TD.precompute(teacher, train, work / "store", top_k=sizes.top_k, batch_size=32,
                           tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=True)  # fmt: skip
     offline_data = TD.TeacherLogprobsDataset(store, vocab_size=vocab, tokenizer=tok)
@@ -227,11 +231,27 @@ def run_demo(quick: bool = False, device: str | None = None) -> list[dict]:
                             tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib))  # fmt: skip
         print(f"  {name}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
 
-    print("\n[4/4] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
+    print("\n[4/5] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
     print(f"samples; training tokens/s and peak training memory on {dev.type}")
     print(f"{'recipe':30}{'CE':>8}{'KL text':>9}{'KL own':>9}{'tokens/s':>10}{'peak MiB':>10}")
     for r in results:
         print(f"{r['recipe']:30}{r['held_out_ce']:8.3f}{r['kl_to_teacher']:9.4f}{r['kl_own_samples']:9.4f}"
               f"{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")  # fmt: skip
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
+    if cross_tokenizer:
+        results += _cross_tokenizer_rows(teacher, quick, dev)
     return results
+
+
+def _cross_tokenizer_rows(teacher, quick: bool, device) -> list[dict]:
+    """Step 5 on the demo's teacher (trained on the same 90 % of the corpus): align.demo's quick sizes, one
+    student init under --quick."""
+    from .align.demo import QUICK_RECIPES, CrossTokenizerDemoSizes, run_cross_tokenizer_demo
+
+    sizes = CrossTokenizerDemoSizes.quick()
+    print("\n[5/5] across tokenizers: the same teacher into a student with its own byte-level BPE tokenizer")
+    out = run_cross_tokenizer_demo(teacher, device=str(device), recipes=QUICK_RECIPES,
+                                   sizes=replace(sizes, seeds=(1,)) if quick else sizes)  # fmt: skip
+    return [dict(recipe=f"BPE student: {name}", held_out_ce=r["ce_per_char"],
+                 held_out_ce_by_seed=r["ce_per_char_by_seed"], cross_tokenizer=True)
+            for name, r in out["recipes"].items()]  # fmt: skip

@@ -14,7 +14,9 @@ from liger_patch_kd.align import reference as xref
 from liger_patch_kd.align.demo import (
     CharTokenizerWithOffsets,
     CrossTokenizerDemoSizes,
+    demo_splits,
     run_cross_tokenizer_demo,
+    student_subset,
     train_bpe_tokenizer,
 )
 from liger_patch_kd.align.trainer_hooks import (
@@ -80,7 +82,7 @@ def test_demo_function_runs_on_a_given_teacher():
     char = CharTokenizerWithOffsets(load_corpus())
     teacher = _model(len(char), 32, 1, seed=0, device="cpu")
     results = run_cross_tokenizer_demo(
-        teacher, device="cpu", sizes=CrossTokenizerDemoSizes(chars=32, steps=2, batch=2, seeds=(1,))
+        teacher, device="cpu", sizes=CrossTokenizerDemoSizes(chars=32, steps=4, batch=2, seeds=(1,))
     )
     assert set(results["recipes"]) == {
         "CE only",
@@ -88,7 +90,32 @@ def test_demo_function_runs_on_a_given_teacher():
         "CE + GOLD-style hybrid",
         "CE + 2 x byte-chain KD",
     }
-    assert all(r["ce_per_char"] > 0 for r in results["recipes"].values())
+    for r in results["recipes"].values():
+        assert r["ce_per_char"] > 0 and r["train_ce_per_char"] > 0
+        assert len(r["ce_per_char_by_quarter"]) == 4 and r["ce_per_char_by_quarter"][-1] == r["ce_per_char"]
+
+
+def test_student_subset_is_a_fixed_nested_fraction_in_corpus_order():
+    windows = [f"w{i:03d}" for i in range(200)]
+    tenth, quarter = student_subset(windows, 0.1), student_subset(windows, 0.25)
+    assert len(tenth) == 20 and len(quarter) == 50
+    assert tenth == sorted(tenth) and set(tenth) <= set(quarter) <= set(windows)  # a larger fraction adds windows
+    assert tenth == student_subset(windows, 0.1) and tenth != windows[:20]  # fixed, and spread over the corpus
+    assert student_subset(windows, 1.0) == windows
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            student_subset(windows, bad)
+    with pytest.raises(ValueError, match="student_fraction"):
+        CrossTokenizerDemoSizes(student_fraction=0.0)
+
+
+def test_validation_split_is_carved_from_the_training_text():
+    text = load_corpus()
+    train, test = demo_splits(text)
+    val_train, validation = demo_splits(text, validation=True)
+    assert train + test == text and len(test) == len(text) - int(len(text) * 0.9)
+    assert val_train + validation == train  # validation comes out of training text, never touches the test text
+    assert len(validation) >= len(text) // 11
 
 
 def test_benchmark_tiny(tmp_path, monkeypatch):

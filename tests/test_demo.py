@@ -6,9 +6,13 @@ from liger_patch_kd.demo import run_demo
 
 def test_quick_demo_distilled_students_beat_ce_only():
     try:
-        results = {r["recipe"]: r for r in run_demo(quick=True, device="cpu")}
+        rows = run_demo(quick=True, device="cpu")
     finally:
         M.revert_kd_patch()
+    results = {r["recipe"]: r for r in rows if not r.get("cross_tokenizer")}
+    across = {r["recipe"]: r for r in rows if r.get("cross_tokenizer")}
+    assert set(across) == {"BPE student: CE only", "BPE student: CE + 2 x byte-chain KD"}
+    assert all(0 < r["held_out_ce"] < 5 and len(r["held_out_ce_by_seed"]) == 1 for r in across.values())
     ce_only = results.pop("CE only")
     on_policy = next(r for name, r in results.items() if name.startswith("on-policy"))
     for name, r in results.items():
