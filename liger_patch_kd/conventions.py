@@ -114,3 +114,17 @@ def tempered_topk_teacher(
     scaled = lp / temperature
     log_z = torch.logaddexp(torch.logsumexp(scaled, -1), log_tail_t)
     return valid, scaled - log_z[..., None], log_tail_t - log_z
+
+
+def dense_topk_teacher(
+    teacher_token_ids: torch.Tensor, teacher_logprobs: torch.Tensor, vocab: int, temperature: float
+) -> torch.Tensor:
+    """(rows, vocab) teacher log-probs at temperature T from (rows, K) top-k data, by `tempered_topk_teacher`'s
+    convention: the top-k ids get their tempered log-prob, every other id an even share of the tempered tail.
+    Each row is normalised; with K = vocab valid slots it is exactly log_softmax(logp / T). Ids must be unique
+    and below `vocab` on valid slots (padding slots are dropped)."""
+    valid, log_p, log_tail = tempered_topk_teacher(teacher_token_ids, teacher_logprobs, vocab, temperature)
+    n_tail = (vocab - valid.sum(-1)).clamp(min=1).to(log_p.dtype)
+    dense = (log_tail - n_tail.log())[:, None].expand(-1, vocab).clone()
+    rows = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
+    return dense.index_put_((rows[valid], teacher_token_ids[valid].long()), log_p[valid])

@@ -3,7 +3,7 @@ the fused ULD / exact-token / hybrid loss (see align.config.CrossTokenizerConfig
 
 from .collator import CrossTokenizerCollator
 from .config import CrossTokenizerConfig
-from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd
+from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd, fused_linear_cross_tokenizer_topk_kd
 from .offsets import Group, align_tokens, canonical_ends, encode_with_offsets
 from .vocab import VocabMap, byte_level_to_text
 
@@ -18,4 +18,5 @@ __all__ = [
     "canonical_ends",
     "encode_with_offsets",
     "fused_linear_cross_tokenizer_kd",
+    "fused_linear_cross_tokenizer_topk_kd",
 ]

@@ -10,6 +10,7 @@ prompt + completion for both). Both texts are tokenized once with character offs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,11 @@ class CrossTokenizerCollator:
     shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
     in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,
     where the exact-token term applies).
+    Offline teacher data (a store or a server, no teacher model in process): an example that also carries
+    `teacher_token_ids` / `teacher_logprobs` (L_t, K), row t the teacher's top-k after its token t, and
+    `teacher_input_ids` (L_t,), the ids they were computed on (the store's key), gets them padded into the
+    batch (padding slots: id -1, log-prob -inf) after checking those ids are the ones this collator builds from
+    the text (`teacher_sequence`); the offsets are recomputed from the text, so the store need not hold them.
     `*_prefix_ids` are prepended to each sequence (e.g. [bos_token_id] when the template does not add it)."""
 
     student_tokenizer: Any
@@ -69,12 +75,34 @@ class CrossTokenizerCollator:
             ids, offsets = ids[: self.max_length], offsets[: self.max_length]
         return ids, offsets, start, end
 
+    def teacher_sequence(self, example: dict[str, Any]) -> list[int]:
+        """The teacher ids of one example, as batches hold them: what to precompute the teacher's top-k on."""
+        return self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)[0]
+
+    def _offline_topk(self, example: dict[str, Any], t_ids: list[int], index: int):
+        stored = [int(i) for i in example.get("teacher_input_ids", t_ids)]
+        if stored[: len(t_ids)] != t_ids:
+            raise ValueError(
+                f"example {index}: its teacher_input_ids (the ids its teacher_token_ids were computed on) differ from "
+                f"the ids the teacher tokenizer gives its text; compute the teacher data on "
+                f"collator.teacher_sequence(example), with the same tokenizer, template and prefix"
+            )
+        ids, logprobs = torch.as_tensor(example["teacher_token_ids"]), torch.as_tensor(example["teacher_logprobs"])
+        if ids.dim() != 2 or ids.shape != logprobs.shape or ids.shape[0] < len(t_ids):
+            raise ValueError(
+                f"example {index}: teacher_token_ids {tuple(ids.shape)} and teacher_logprobs "
+                f"{tuple(logprobs.shape)} must be one (L_t, K) shape with a row per teacher token ({len(t_ids)})"
+            )
+        return ids[: len(t_ids)].long(), logprobs[: len(t_ids)].float()
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rows = []
+        rows, topk = [], []
         n_groups = 0
         for example in examples:
             s_ids, s_off, s_start, s_end = self.encode(self.student_tokenizer, self.student_prefix_ids, example)
             t_ids, t_off, t_start, t_end = self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)
+            if "teacher_token_ids" in example:
+                topk.append(self._offline_topk(example, t_ids, len(rows)))
             # content-relative offsets, so both sides share one coordinate system
             s_rel = [(a - s_start, b - s_start) for a, b in s_off]
             t_rel = [(a - t_start, b - t_start) for a, b in t_off]
@@ -98,7 +126,7 @@ class CrossTokenizerCollator:
         def pad(values, length, fill, dtype=torch.long):
             return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
 
-        return {
+        batch = {
             "input_ids": pad([r[0] for r in rows], s_len, self.student_pad_id),
             "attention_mask": pad([[1] * len(r[0]) for r in rows], s_len, 0),
             "labels": pad([r[1] for r in rows], s_len, self.ignore_index),
@@ -109,3 +137,13 @@ class CrossTokenizerCollator:
             "teacher_labels": pad([r[5] for r in rows], t_len, self.ignore_index),
             "teacher_align_groups": pad([r[6] for r in rows], t_len, -1),
         }
+        if topk:
+            if len(topk) != len(rows):
+                raise ValueError("either every example of a batch carries teacher_token_ids or none does")
+            k = max(ids.shape[1] for ids, _ in topk)
+            batch["teacher_token_ids"] = torch.full((len(rows), t_len, k), -1, dtype=torch.long)
+            batch["teacher_logprobs"] = torch.full((len(rows), t_len, k), -math.inf)
+            for b, (ids, logprobs) in enumerate(topk):
+                batch["teacher_token_ids"][b, : ids.shape[0], : ids.shape[1]] = ids
+                batch["teacher_logprobs"][b, : ids.shape[0], : ids.shape[1]] = logprobs
+        return batch

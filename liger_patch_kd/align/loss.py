@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..conventions import dense_topk_teacher
+from ..losses import _check_topk_shapes, _run_device_checks, _topk_checks
 from ..ops.backend import logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.fused_linear_topk_kd import _terms_and_a
@@ -239,27 +241,45 @@ def _chain_chunk(log_s, teacher, meta, capped, labels, w_soft, w_hard, grad_dtyp
     return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
 
 
-def _teacher_source(h_t, w_t, b_t, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
+def _teacher_source(teacher_log_probs, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
+    """The chunk loop's teacher side. `teacher_log_probs(rows)` gives the teacher's log-probs at temperature T
+    on those flat teacher rows, (R, V_t): from its hidden states and lm_head, or rebuilt from top-k data."""
+
     def chunk(start: int, end: int, active: torch.Tensor | None = None):
         # `active` (the chunk loop's mask of scored rows) is unused: the layout holds scored groups only
         meta = metas[start]
         if cfg.kind == "next_byte":  # the teacher's next-byte distribution at each group's first row only
-            rows = meta.teacher_rows[meta.teacher_first]
-            logits = logits_fp32(h_t[rows], w_t, b_t)
-            probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+            probs = teacher_log_probs(meta.teacher_rows[meta.teacher_first]).exp()
             return project_to_bytes(probs, vocab_map.teacher_first_byte), meta
         if cfg.kind == "chain":  # next-byte distributions at every teacher row of the chunk's groups
-            logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
-            probs = torch.softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+            probs = teacher_log_probs(meta.teacher_rows).exp()
             byte_len = vocab_map.teacher_byte_len[t_labels[meta.teacher_rows].clamp(min=0)]
             return (project_to_bytes(probs, vocab_map.teacher_first_byte), byte_len), meta
-        logits = logits_fp32(h_t[meta.teacher_rows], w_t, b_t)
-        log_probs = torch.log_softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+        log_probs = teacher_log_probs(meta.teacher_rows)
         targets = t_labels[meta.teacher_rows].clamp(min=0)
         log_p, _ = _merge(log_probs, targets, meta.teacher_group, meta.teacher_last, meta.last_row.numel())
         return log_p, meta
 
     return chunk
+
+
+def _model_teacher(h_t, w_t, b_t, cfg: CrossTokenizerConfig):
+    """A teacher in process: log_softmax(softcap(h_t W_t^T + b_t) / T) on the rows asked for."""
+
+    def log_probs(rows: torch.Tensor) -> torch.Tensor:
+        logits = logits_fp32(h_t[rows], w_t, b_t)
+        return torch.log_softmax(apply_softcap(logits, cfg.teacher_softcap) / cfg.temperature, dim=-1)
+
+    return log_probs
+
+
+def _topk_teacher(ids: torch.Tensor, logprobs: torch.Tensor, vocab: int, cfg: CrossTokenizerConfig):
+    """A teacher given as top-k log-probs (a store or a server): the dense rows of conventions.dense_topk_teacher."""
+
+    def log_probs(rows: torch.Tensor) -> torch.Tensor:
+        return dense_topk_teacher(ids[rows], logprobs[rows], vocab, cfg.temperature)
+
+    return log_probs
 
 
 def _check(name: str, t: torch.Tensor, leading: torch.Size) -> None:
@@ -268,6 +288,30 @@ def _check(name: str, t: torch.Tensor, leading: torch.Size) -> None:
             f"{name} must have the leading shape of its hidden states {tuple(leading)}; got {tuple(t.shape)} "
             f"(rows are HF-shifted: row r holds what concerns the token r + 1)"
         )
+
+
+def _resolve_config(config: CrossTokenizerConfig | None, options: dict) -> CrossTokenizerConfig:
+    cfg = config or CrossTokenizerConfig(**options)
+    return config.replace(**options) if config is not None and options else cfg
+
+
+def _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map):
+    if student_weight.dim() != 2 or student_input.shape[-1] != student_weight.shape[1]:
+        raise ValueError(
+            f"student_input has hidden size {student_input.shape[-1]} (shape {tuple(student_input.shape)}) but "
+            f"student_weight has shape {tuple(student_weight.shape)}; pass the last hidden states of the model that "
+            f"owns this lm_head"
+        )
+    _check("student_labels", student_labels, student_input.shape[:-1])
+    _check("student_groups", student_groups, student_input.shape[:-1])
+    if exact_ok is not None:
+        _check("exact_ok", exact_ok, student_input.shape[:-1])
+    if cfg.kind == "next_byte" and (vocab_map is None or vocab_map.student_first_byte is None):
+        raise ValueError("kind='next_byte' needs a VocabMap with first-byte classes: VocabMap.build(student, teacher)")
+    if cfg.kind == "chain" and (vocab_map is None or vocab_map.student_trie is None):
+        raise ValueError("kind='chain' needs a VocabMap with the student's token trie: VocabMap.build(student, ...)")
+    if cfg.kind in ("exact", "hybrid") and (vocab_map is None or len(vocab_map) == 0):
+        raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
 
 
 @torch.compiler.disable
@@ -297,37 +341,104 @@ def fused_linear_cross_tokenizer_kd(
     teacher_groups of its own leading shape (the teacher's sequence length differs). `config` or its fields
     as keywords (CrossTokenizerConfig). Gradients flow to the student input, weight and bias.
     """
-    cfg = config or CrossTokenizerConfig(**options)
-    if config is not None and options:
-        cfg = config.replace(**options)
-    for role, h, w in (("student", student_input, student_weight), ("teacher", teacher_input, teacher_weight)):
-        if w.dim() != 2 or h.shape[-1] != w.shape[1]:
-            raise ValueError(
-                f"{role}_input has hidden size {h.shape[-1]} (shape {tuple(h.shape)}) but {role}_weight has shape "
-                f"{tuple(w.shape)}; pass the last hidden states of the model that owns this lm_head"
-            )
-    _check("student_labels", student_labels, student_input.shape[:-1])
-    _check("student_groups", student_groups, student_input.shape[:-1])
+    cfg = _resolve_config(config, options)
+    _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
+    if teacher_weight.dim() != 2 or teacher_input.shape[-1] != teacher_weight.shape[1]:
+        raise ValueError(
+            f"teacher_input has hidden size {teacher_input.shape[-1]} (shape {tuple(teacher_input.shape)}) but "
+            f"teacher_weight has shape {tuple(teacher_weight.shape)}; pass the last hidden states of the model that "
+            f"owns this lm_head"
+        )
     _check("teacher_labels", teacher_labels, teacher_input.shape[:-1])
     _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
-    if exact_ok is not None:
-        _check("exact_ok", exact_ok, student_input.shape[:-1])
-    if cfg.kind == "next_byte" and (vocab_map is None or vocab_map.student_first_byte is None):
-        raise ValueError("kind='next_byte' needs a VocabMap with first-byte classes: VocabMap.build(student, teacher)")
-    if cfg.kind == "chain" and (vocab_map is None or vocab_map.student_trie is None):
-        raise ValueError("kind='chain' needs a VocabMap with the student's token trie: VocabMap.build(student, ...)")
-    if cfg.kind in ("exact", "hybrid") and (vocab_map is None or len(vocab_map) == 0):
-        raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
+    dtype = _compute_dtype(student_input)
+    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(dtype)
+    b_t = None if teacher_bias is None else teacher_bias.detach()
+    teacher = _model_teacher(h_t, teacher_weight.detach().to(dtype), b_t, cfg)
+    return _fused_loss(
+        student_input, student_weight, student_bias, student_labels, student_groups, teacher, teacher_weight.shape[0],
+        teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch, return_components,
+    )  # fmt: skip
+
+
+@torch.compiler.disable
+def fused_linear_cross_tokenizer_topk_kd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    student_labels: torch.Tensor,
+    teacher_labels: torch.Tensor,
+    student_groups: torch.Tensor,
+    teacher_groups: torch.Tensor,
+    vocab_map: VocabMap | None = None,
+    exact_ok: torch.Tensor | None = None,
+    *,
+    teacher_vocab_size: int | None = None,
+    config: CrossTokenizerConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    return_components: bool = False,
+    **options,
+) -> torch.Tensor | CrossTokenizerLossOutput:
+    """`fused_linear_cross_tokenizer_kd` with the teacher given as top-k data (a store or a server) instead of
+    its hidden states and lm_head: equals `align.reference.cross_tokenizer_topk_kd_loss(h_s W_s^T + b_s, ...)`.
+
+    teacher_token_ids / teacher_logprobs (..., K) on the teacher's rows (row t: its top-k for the token after
+    teacher position t, log-probs at T = 1 over its whole vocabulary; padding slots as conventions.
+    topk_valid_slots), with teacher_labels / teacher_groups of their leading shape. Each chunk rebuilds its
+    teacher rows densely (conventions.dense_topk_teacher: the unknown tail spread evenly over the other ids), so
+    memory stays one chunk. teacher_vocab_size: the teacher's vocabulary (its lm_head rows), default
+    vocab_map.teacher_vocab_size. The log-probs already carry any soft-cap, so teacher_softcap must be None.
+    """
+    cfg = _resolve_config(config, options)
+    _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
+    if cfg.teacher_softcap is not None:
+        raise ValueError(
+            f"teacher_softcap={cfg.teacher_softcap} with top-k teacher data: the log-probs are already the capped "
+            f"model's; leave teacher_softcap=None"
+        )
+    vocab = teacher_vocab_size if teacher_vocab_size is not None else getattr(vocab_map, "teacher_vocab_size", None)
+    if vocab is None:
+        raise ValueError("teacher_vocab_size is needed with top-k teacher data (the teacher's lm_head rows) "
+                         "unless a vocab_map gives it")  # fmt: skip
+    leading = teacher_token_ids.shape[:-1]
+    _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
+    _check("teacher_labels", teacher_labels, leading)
+    _check("teacher_groups", teacher_groups, leading)
+    device = student_input.device
+    ids = teacher_token_ids.reshape(-1, teacher_token_ids.shape[-1]).to(device)
+    logprobs = teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1]).to(device).detach()
+    counted = (teacher_groups.reshape(-1) >= 0).to(device)  # only the rows in a group are read
+    _run_device_checks(_topk_checks(ids, logprobs, counted, vocab))
+    return _fused_loss(
+        student_input, student_weight, student_bias, student_labels, student_groups,
+        _topk_teacher(ids, logprobs, vocab, cfg), vocab, teacher_labels, teacher_groups, vocab_map, exact_ok, cfg,
+        num_items_in_batch, return_components,
+    )  # fmt: skip
+
+
+def _compute_dtype(student_input: torch.Tensor) -> torch.dtype:
+    device = student_input.device
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else student_input.dtype
+
+
+def _fused_loss(
+    student_input, student_weight, student_bias, student_labels, student_groups, teacher_log_probs,
+    teacher_vocab: int, teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch,
+    return_components,
+):  # fmt: skip
+    """The chunk loop shared by both teacher sources (`teacher_log_probs(rows)`, see _teacher_source)."""
     if vocab_map is not None:
-        vocab_map.check(student_weight.shape[0], teacher_weight.shape[0])
+        vocab_map.check(student_weight.shape[0], teacher_vocab)
         vocab_map = vocab_map.to(student_input.device)
     device = student_input.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else student_input.dtype
+    dtype = _compute_dtype(student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1])
     s_labels = student_labels.reshape(-1).to(device)
     s_valid = s_labels != cfg.ignore_index
     host = lambda t: None if t is None else t.reshape(-1).long().cpu()  # noqa: E731
-    vocab = max(student_weight.shape[0], teacher_weight.shape[0])
+    vocab = max(student_weight.shape[0], teacher_vocab)
     rows_hint = int(s_valid.sum()) if cfg.chunk_size is None else 0
     chunk_size = cfg.chunk_size or choose_chunk_size(max(1, rows_hint), vocab, device, bytes_per_logit=32)
     layout, raw_metas, chunk_size = plan_layout(
@@ -347,11 +458,9 @@ def fused_linear_cross_tokenizer_kd(
         row_weight = valid_layout
     metas = {i * chunk_size: _to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)
              for i, raw in enumerate(raw_metas)}  # fmt: skip
-    h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(dtype)
-    b_t = None if teacher_bias is None else teacher_bias.detach()
     t_labels = teacher_labels.reshape(-1).to(device)
     plan = ChunkPlan(
-        teacher_chunk=_teacher_source(h_t, teacher_weight.detach().to(dtype), b_t, t_labels, metas, cfg, vocab_map),
+        teacher_chunk=_teacher_source(teacher_log_probs, t_labels, metas, cfg, vocab_map),
         kernel=lambda *args: _chunk_kernel(*args, cfg, vocab_map),
         chunk_size=chunk_size,
         reduction=cfg.reduction,

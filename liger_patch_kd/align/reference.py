@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..conventions import dense_topk_teacher
 from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
@@ -225,3 +226,31 @@ def cross_tokenizer_kd_loss(
     if cfg.reduction == "sum":
         return total
     return total / (num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1))
+
+
+def cross_tokenizer_topk_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    teacher_vocab_size: int,
+    student_labels: torch.Tensor,
+    teacher_labels: torch.Tensor,
+    student_groups: torch.Tensor,
+    teacher_groups: torch.Tensor,
+    vocab_map: VocabMap | None = None,
+    exact_ok: torch.Tensor | None = None,
+    config: CrossTokenizerConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`cross_tokenizer_kd_loss` with the teacher as top-k log-probs (..., K) at T = 1 on its own rows: the
+    dense tempered teacher of conventions.dense_topk_teacher, L, is a normalised log-distribution, so
+    log_softmax(T * L / T) = L and T * L stands in for the teacher's logits (uncapped: the data carry the cap)."""
+    cfg = config or CrossTokenizerConfig()
+    if cfg.teacher_softcap is not None:
+        raise ValueError("teacher_softcap must be None with top-k teacher data (the log-probs carry the cap)")
+    k = teacher_token_ids.shape[-1]
+    dense = dense_topk_teacher(teacher_token_ids.reshape(-1, k), teacher_logprobs.reshape(-1, k).double(),
+                               teacher_vocab_size, cfg.temperature)  # fmt: skip
+    logits = (dense * cfg.temperature).reshape(*teacher_token_ids.shape[:-1], teacher_vocab_size)
+    return cross_tokenizer_kd_loss(student_logits, logits, student_labels, teacher_labels, student_groups,
+                                   teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch)  # fmt: skip

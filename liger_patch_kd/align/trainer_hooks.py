@@ -30,12 +30,12 @@ from torch import nn
 
 from .collator import CrossTokenizerCollator
 from .config import CrossTokenizerConfig
-from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd
+from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd, fused_linear_cross_tokenizer_topk_kd
 from .vocab import VocabMap, byte_level_to_text
 
 CROSS_TOKENIZER_COLUMNS = (
     "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
-    "align_exact_ok", "messages", "prompt", "completion",
+    "align_exact_ok", "messages", "prompt", "completion", "teacher_token_ids", "teacher_logprobs",
 )  # fmt: skip
 
 
@@ -72,11 +72,13 @@ class CrossTokenizerSetup:
     collator: CrossTokenizerCollator
 
     @classmethod
-    def build(cls, args, student_tokenizer, student_model: nn.Module, teacher_model: nn.Module,
-              teacher_tokenizer: Any = None, max_length: int | None = None) -> CrossTokenizerSetup:  # fmt: skip
+    def build(cls, args, student_tokenizer, student_model: nn.Module, teacher_model: nn.Module | None,
+              teacher_tokenizer: Any = None, max_length: int | None = None,
+              teacher_vocab_size: int | None = None) -> CrossTokenizerSetup:  # fmt: skip
         """`teacher_tokenizer` defaults to AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer). The
         vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
-        ids the two lm_heads have."""
+        ids the two lm_heads have. Without a teacher_model (offline top-k data) the teacher's vocabulary is
+        `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over."""
         if student_tokenizer is None:
             raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
         if teacher_tokenizer is None:
@@ -86,7 +88,10 @@ class CrossTokenizerSetup:
         vocab_map = VocabMap.build(
             student_tokenizer, teacher_tokenizer, normalize=byte_level_to_text,
             student_vocab_size=student_model.get_output_embeddings().weight.shape[0],
-            teacher_vocab_size=teacher_model.get_output_embeddings().weight.shape[0],
+            teacher_vocab_size=(
+                teacher_model.get_output_embeddings().weight.shape[0] if teacher_model is not None
+                else teacher_vocab_size or len(teacher_tokenizer)
+            ),
         )  # fmt: skip
         collator = CrossTokenizerCollator(
             student_tokenizer, teacher_tokenizer, student_pad_id=_pad_id(student_tokenizer),
@@ -111,7 +116,7 @@ def _shift(t: torch.Tensor, fill) -> torch.Tensor:
 
 def compute_cross_tokenizer_loss(
     model: nn.Module,
-    teacher_model: nn.Module,
+    teacher_model: nn.Module | None,
     inputs: dict[str, torch.Tensor],
     config: CrossTokenizerConfig,
     vocab_map: VocabMap,
@@ -120,12 +125,27 @@ def compute_cross_tokenizer_loss(
     """One batch from CrossTokenizerCollator -> (loss, soft, hard). Runs the student's decoder (with grad) and
     the teacher's (without), then the fused loss on their hidden states and lm_heads. Soft-capping is read from
     each model's config. Under FSDP the lm_heads must be whole here (as for the patched forward: keep lm_head in
-    the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today."""
+    the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today.
+    A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
+    fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
     from ..models.registry import softcap_of
 
-    if teacher_model is None:
-        raise ValueError("cross-tokenizer distillation needs a live teacher_model (offline data: not yet supported)")
+    offline = inputs.get("teacher_token_ids") is not None
+    if teacher_model is None and not offline:
+        raise ValueError(
+            "cross-tokenizer distillation needs a live teacher_model or batches with the teacher's top-k "
+            "(teacher_token_ids / teacher_logprobs on its rows; see CrossTokenizerCollator)"
+        )
     h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
+    if offline:  # as in the same-tokenizer trainer, the batch's teacher data win over a teacher_model
+        cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
+        s_labels = _shift(inputs["labels"], cfg.ignore_index)
+        t_labels = _shift(inputs["teacher_labels"], cfg.ignore_index)
+        return fused_linear_cross_tokenizer_topk_kd(
+            h_s, head_s.weight, inputs["teacher_token_ids"], inputs["teacher_logprobs"], s_labels, t_labels,
+            inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
+            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, return_components=True,
+        )  # fmt: skip
     with torch.no_grad():
         h_t, head_t = last_hidden_and_head(
             teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")

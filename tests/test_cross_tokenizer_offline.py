@@ -1,0 +1,96 @@
+"""Offline cross-tokenizer data: the teacher's top-k on its own ids (a store), joined to the text by the
+collator, scored without a teacher model; with K = V_t it equals the in-process teacher exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
+from liger_patch_kd.align import reference as xref
+from liger_patch_kd.align.demo import CharTokenizerWithOffsets, train_bpe_tokenizer
+from liger_patch_kd.align.trainer_hooks import compute_cross_tokenizer_loss
+from liger_patch_kd.demo import BOS, _model, load_corpus
+from liger_patch_kd.teacher import TeacherLogprobsDataset
+from liger_patch_kd.teacher.precompute import precompute, teacher_topk
+
+EXAMPLES = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
+            {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup():
+    char = CharTokenizerWithOffsets(load_corpus())
+    bpe = train_bpe_tokenizer(load_corpus()[:8000], 300)
+    student, teacher = _model(bpe.get_vocab_size(), 32, 1, seed=0, device="cpu"), _model(len(char), 32, 1, 1, "cpu")
+    collator = CrossTokenizerCollator(bpe, char, student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))
+    vocab_map = VocabMap.build(bpe, char, normalize=byte_level_to_text, teacher_vocab_size=len(char))
+    return dict(char=char, student=student, teacher=teacher, collator=collator, vocab_map=vocab_map)
+
+
+def offline_rows(s, k):
+    """The examples joined with the teacher's top-k computed on collator.teacher_sequence(example)."""
+    rows = []
+    for example in EXAMPLES:
+        ids = torch.tensor([s["collator"].teacher_sequence(example)])
+        top_ids, top_lp = teacher_topk(s["teacher"], ids, torch.ones_like(ids), k)
+        rows.append(dict(example, teacher_input_ids=ids[0].tolist(), teacher_token_ids=top_ids[0],
+                         teacher_logprobs=top_lp[0]))  # fmt: skip
+    return rows
+
+
+def test_full_vocabulary_offline_batch_equals_the_in_process_teacher(setup):
+    s, cfg = setup, CrossTokenizerConfig(kind="hybrid", hard_weight=0.5, temperature=1.5)
+    offline = s["collator"](offline_rows(s, k=len(s["char"])))
+    live = s["collator"](EXAMPLES)
+    assert offline["teacher_token_ids"].shape[:2] == live["teacher_input_ids"].shape
+    out = compute_cross_tokenizer_loss(s["student"], None, offline, cfg, s["vocab_map"])
+    ref = compute_cross_tokenizer_loss(s["student"], s["teacher"], live, cfg, s["vocab_map"])
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert out.soft > 0
+
+
+def test_topk_offline_batch_equals_reference_on_the_students_logits(setup):
+    s, cfg = setup, CrossTokenizerConfig(kind="chain", hard_weight=0.5, temperature=2.0)
+    batch = s["collator"](offline_rows(s, k=5))
+    out = compute_cross_tokenizer_loss(s["student"], None, batch, cfg, s["vocab_map"])
+    shift = lambda t: torch.cat([t[:, 1:], torch.full_like(t[:, :1], -100)], 1)  # noqa: E731
+    logits = s["student"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref = xref.cross_tokenizer_topk_kd_loss(
+        logits.double(), batch["teacher_token_ids"], batch["teacher_logprobs"], len(s["char"]),
+        shift(batch["labels"]), shift(batch["teacher_labels"]), batch["student_align_groups"],
+        batch["teacher_align_groups"], s["vocab_map"], batch["align_exact_ok"], cfg,
+    )  # fmt: skip
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_offline_data_on_other_ids_is_refused(setup):
+    rows = offline_rows(setup, k=4)
+    rows[1]["teacher_input_ids"] = rows[1]["teacher_input_ids"][:-2] + [7, 7]
+    with pytest.raises(ValueError, match="example 1: its teacher_input_ids"):
+        setup["collator"](rows)
+    rows = offline_rows(setup, k=4)
+    del rows[0]["teacher_token_ids"]
+    with pytest.raises(ValueError, match="every example"):
+        setup["collator"](rows)
+
+
+def test_kd_trainer_trains_from_a_precomputed_store_without_a_teacher(setup, tmp_path):
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+    s = setup
+    sequences = [s["collator"].teacher_sequence(example) for example in EXAMPLES]
+    store = TeacherLogprobsDataset(precompute(s["teacher"], sequences, tmp_path / "store", top_k=8, progress=False))
+    rows = [dict(example, teacher_input_ids=item["input_ids"].tolist(), teacher_token_ids=item["teacher_token_ids"],
+                 teacher_logprobs=item["teacher_logprobs"]) for example, item in zip(EXAMPLES, store)] * 2  # fmt: skip
+    args = KDTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, kd_teacher_tokenizer="given below",
+        kd_cross_tokenizer_loss="hybrid", kd_uld_top_k=32, kd_hard_weight=0.5, remove_unused_columns=False,
+    )  # fmt: skip
+    student = _model(len(s["collator"].student_tokenizer.get_vocab()), 32, 1, seed=3, device="cpu")
+    trainer = KDTrainer(model=student, teacher_model=None, args=args, train_dataset=rows, data_collator=s["collator"],
+                        processing_class=s["collator"].student_tokenizer, teacher_tokenizer=s["char"])  # fmt: skip
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged
