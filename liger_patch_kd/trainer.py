@@ -27,7 +27,7 @@ from .models.kd_forward import unwrap_model
 from .models.kd_io import TeacherInputs, targets_of
 from .models.materialised import materialised_kd
 from .teacher.collator import TeacherDataCollator
-from .teacher.prefetch import check_served_teacher_args, served_teacher_dataloader
+from .teacher.prefetch import CROSS_TOKENIZER_KEYS, check_served_teacher_args, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
@@ -241,7 +241,11 @@ class KDTrainer(Trainer):
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
-        if self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (teacher/prefetch.py)
+        if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
+            dataloader = served_teacher_dataloader(
+                dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
+            )
+        elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (teacher/prefetch.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
             dataloader = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
         return dataloader

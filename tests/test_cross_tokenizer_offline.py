@@ -94,3 +94,57 @@ def test_kd_trainer_trains_from_a_precomputed_store_without_a_teacher(setup, tmp
     trainer.train()
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged
+
+
+@pytest.fixture(scope="module")
+def served(setup, tmp_path_factory):
+    """`liger-kd serve` with the character teacher (CPU, float32)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from .test_teacher_server import Server
+
+    path = tmp_path_factory.mktemp("char_teacher")
+    setup["teacher"].save_pretrained(path)
+    srv = Server(path, extra=("--dtype", "float32")).start()
+    yield srv
+    srv.stop()
+
+
+def test_served_teacher_is_asked_about_its_own_tokenization(setup, served):
+    """The prefetcher asks the server about teacher_input_ids (not the student's ids) and aligns the replies with
+    them: the loss equals the one from the same top-k computed in process (offline rows)."""
+    from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
+    from liger_patch_kd.teacher.prefetch import CROSS_TOKENIZER_KEYS
+
+    from .test_teacher_server import TOP_K
+
+    s, cfg = setup, CrossTokenizerConfig(kind="chain", hard_weight=0.5, temperature=1.5)
+    client = TeacherClient(served.url, "liger", top_k=TOP_K, vocab_size=len(s["char"]))
+    loader = torch.utils.data.DataLoader(EXAMPLES, batch_size=2, collate_fn=s["collator"])
+    batch = next(iter(TeacherPrefetcher(loader, client, keys=CROSS_TOKENIZER_KEYS)))
+    offline = s["collator"](offline_rows(s, k=TOP_K))
+    assert batch["teacher_token_ids"].shape == offline["teacher_token_ids"].shape
+    out = compute_cross_tokenizer_loss(s["student"], None, batch, cfg, s["vocab_map"])
+    ref = compute_cross_tokenizer_loss(s["student"], None, offline, cfg, s["vocab_map"])
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert out.soft > 0
+
+
+def test_kd_trainer_trains_against_a_served_teacher_with_another_tokenizer(setup, served, tmp_path):
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+    from .test_teacher_server import TOP_K
+
+    s = setup
+    args = KDTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, kd_teacher_tokenizer="given below",
+        kd_cross_tokenizer_loss="chain", kd_hard_weight=0.5, remove_unused_columns=False,
+        kd_teacher_url=served.url, kd_teacher_protocol="liger", kd_teacher_top_k=TOP_K,
+    )  # fmt: skip
+    student = _model(len(s["collator"].student_tokenizer.get_vocab()), 32, 1, seed=3, device="cpu")
+    trainer = KDTrainer(model=student, args=args, train_dataset=EXAMPLES * 2, data_collator=s["collator"],
+                        processing_class=s["collator"].student_tokenizer, teacher_tokenizer=s["char"])  # fmt: skip
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged

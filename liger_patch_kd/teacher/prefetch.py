@@ -8,6 +8,9 @@ them to a TeacherClient; the training loop gets each batch, in order, with teach
 collator gives. Every batch waits for its own replies: none trains without its teacher data, and an error (server
 gone after the retries, timeout, malformed reply, or the DataLoader's own) is raised in the training loop. Each
 process wraps its own DataLoader shard, so each rank asks for its own batches.
+
+A teacher with another tokenizer (align/) is asked about the batch's `teacher_input_ids` under its
+`teacher_attention_mask` (the `keys`), and its replies are aligned with those positions, as offline data is.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from .client import PROTOCOLS, TeacherClient
 from .protocols import TopK
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
+STUDENT_KEYS = ("input_ids", "attention_mask")  # the ids the teacher is asked about, and their mask
+CROSS_TOKENIZER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own tokenization
 
 
-def split_sequences(batch: Mapping[str, torch.Tensor]) -> Segments:
-    """The sequences of a batch: per row the positions attention_mask keeps (all without a mask), cut where
-    position_ids restart at 0 (DataCollatorWithFlattening packs several sequences in one row)."""
-    ids = batch["input_ids"]
-    mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
+def split_sequences(batch: Mapping[str, torch.Tensor], keys: tuple[str, str] = STUDENT_KEYS) -> Segments:
+    """The sequences of a batch: per row the positions the mask keeps (all without a mask), cut where
+    position_ids restart at 0 (DataCollatorWithFlattening packs several sequences in one row; the student's)."""
+    ids = batch[keys[0]]
+    mask = batch.get(keys[1])
+    position_ids = batch.get("position_ids") if keys == STUDENT_KEYS else None
     segments: Segments = []
     for row in range(ids.shape[0]):
         keep = mask[row].bool().nonzero().squeeze(-1) if mask is not None else torch.arange(ids.shape[1])
@@ -45,14 +51,16 @@ def split_sequences(batch: Mapping[str, torch.Tensor]) -> Segments:
     return segments
 
 
-def attach_teacher(batch: Mapping[str, Any], segments: Segments, topks: list[TopK], top_k: int) -> dict[str, Any]:
-    """A copy of `batch` with teacher_token_ids (B, T, K) int32 and teacher_logprobs (B, T, K) float32: each
-    sequence's rows at its positions, padding elsewhere."""
+def attach_teacher(
+    batch: Mapping[str, Any], segments: Segments, topks: list[TopK], top_k: int, keys: tuple[str, str] = STUDENT_KEYS
+) -> dict[str, Any]:
+    """A copy of `batch` with teacher_token_ids (B, T, K) int32 and teacher_logprobs (B, T, K) float32 (T: the
+    length of batch[keys[0]]): each sequence's rows at its positions, padding elsewhere."""
     if "teacher_token_ids" in batch:
         raise ValueError("the batch already holds teacher_token_ids: use an offline store or a server, not both")
     if len(topks) != len(segments):
         raise ValueError(f"{len(topks)} teacher replies for {len(segments)} sequences")
-    rows, length = batch["input_ids"].shape
+    rows, length = batch[keys[0]].shape
     ids = torch.full((rows, length, top_k), -1, dtype=torch.int32)
     logprobs = torch.full((rows, length, top_k), -math.inf, dtype=torch.float32)
     for (row, positions), (i, v) in zip(segments, topks):
@@ -61,8 +69,8 @@ def attach_teacher(batch: Mapping[str, Any], segments: Segments, topks: list[Top
     return {**batch, "teacher_token_ids": ids, "teacher_logprobs": logprobs}
 
 
-def _tokens(batch: Mapping[str, torch.Tensor], segments: Segments) -> list[list[int]]:
-    ids = batch["input_ids"].cpu()
+def _tokens(batch: Mapping[str, torch.Tensor], segments: Segments, keys: tuple[str, str]) -> list[list[int]]:
+    ids = batch[keys[0]].cpu()
     return [ids[row, positions].tolist() for row, positions in segments]
 
 
@@ -83,10 +91,12 @@ class TeacherPrefetcher:
     `wait_seconds` is the time the training loop spent waiting for replies.
     """
 
-    def __init__(self, dataloader: Any, client: TeacherClient, *, depth: int = 4) -> None:
+    def __init__(
+        self, dataloader: Any, client: TeacherClient, *, depth: int = 4, keys: tuple[str, str] = STUDENT_KEYS
+    ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1 (batches fetched ahead); got {depth}")
-        self.dataloader, self.client, self.depth = dataloader, client, depth
+        self.dataloader, self.client, self.depth, self.keys = dataloader, client, depth, keys
         self.wait_seconds, self.batches = 0.0, 0
         self._ready = False
 
@@ -109,8 +119,9 @@ class TeacherPrefetcher:
 
     def with_teacher(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One batch with its teacher data, fetched now."""
-        segments = split_sequences(batch)
-        return attach_teacher(batch, segments, self.client.fetch(_tokens(batch, segments)), self.client.top_k)
+        segments = split_sequences(batch, self.keys)
+        topks = self.client.fetch(_tokens(batch, segments, self.keys))
+        return attach_teacher(batch, segments, topks, self.client.top_k, self.keys)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self._ready:  # a server down at start fails here, within the client's timeout
@@ -131,8 +142,8 @@ class TeacherPrefetcher:
         def produce() -> None:
             try:
                 for batch in self.dataloader:
-                    segments = split_sequences(batch)
-                    if not put((batch, segments, self.client.submit(_tokens(batch, segments)))):
+                    segments = split_sequences(batch, self.keys)
+                    if not put((batch, segments, self.client.submit(_tokens(batch, segments, self.keys)))):
                         return
                 put(_END)
             except BaseException as e:  # raised again in the training loop
@@ -152,23 +163,25 @@ class TeacherPrefetcher:
                 topks = replies.result()
                 self.wait_seconds += time.perf_counter() - start
                 self.batches += 1
-                yield attach_teacher(batch, segments, topks, self.client.top_k)
+                yield attach_teacher(batch, segments, topks, self.client.top_k, self.keys)
         finally:
             stop.set()
             thread.join(timeout=5)
 
 
-def served_teacher_dataloader(dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4) -> TeacherPrefetcher:
+def served_teacher_dataloader(
+    dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4, keys: tuple[str, str] = STUDENT_KEYS
+) -> TeacherPrefetcher:
     """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
-    kd_teacher_* fields). Batches stay on the CPU until the Trainer moves them (with their teacher data) to the
-    device, so the background thread never waits on the GPU."""
+    kd_teacher_* fields) about batch[keys[0]]. Batches stay on the CPU until the Trainer moves them (with their
+    teacher data) to the device, so the background thread never waits on the GPU."""
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     client = TeacherClient(
         args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
         timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
     )  # fmt: skip
-    return TeacherPrefetcher(dataloader, client, depth=depth)
+    return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
 
 
 def check_served_teacher_args(args: Any) -> None:
