@@ -16,6 +16,35 @@ REDUCTIONS = ("batchmean", "sum", "none")
 TAIL_POLICIES = ("bucket", "renormalize", "none")
 
 
+def check_shared_options(cfg: Any) -> None:
+    """Validate the options every loss config shares (this KDLossConfig and align's CrossTokenizerConfig): beta,
+    temperature, reduction, the soft / hard weights, the soft-caps, chunk_size and ignore_index."""
+    if not (isinstance(cfg.beta, (int, float)) and 0.0 <= cfg.beta <= 1.0):
+        raise ValueError(f"beta must be a number in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={cfg.beta!r}")
+    if not (isinstance(cfg.temperature, (int, float)) and math.isfinite(cfg.temperature) and cfg.temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0; got temperature={cfg.temperature!r}")
+    if cfg.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}; got reduction={cfg.reduction!r}")
+    for name in ("soft_weight", "hard_weight"):
+        check_weight(cfg, name)
+    if cfg.soft_weight == 0 and cfg.hard_weight == 0:
+        raise ValueError("soft_weight and hard_weight are both 0, so the loss would be identically 0; set one > 0")
+    for name in ("softcap", "teacher_softcap"):
+        value = getattr(cfg, name)
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name} must be None or a number > 0 (e.g. 30.0 for Gemma-2); got {name}={value!r}")
+    if cfg.chunk_size is not None and not (isinstance(cfg.chunk_size, int) and cfg.chunk_size > 0):
+        raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={cfg.chunk_size!r}")
+    if not isinstance(cfg.ignore_index, int):
+        raise ValueError(f"ignore_index must be an int; got ignore_index={cfg.ignore_index!r}")
+
+
+def check_weight(cfg: Any, name: str) -> None:
+    value = getattr(cfg, name)
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0; got {name}={value!r}")
+
+
 @dataclass(frozen=True)
 class KDLossConfig:
     """Hyper-parameters of the distillation objective.
@@ -58,30 +87,9 @@ class KDLossConfig:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
-            raise ValueError(
-                f"beta must be a number in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={self.beta!r}"
-            )
-        if not (
-            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0
-        ):
-            raise ValueError(f"temperature must be a finite number > 0; got temperature={self.temperature!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}; got reduction={self.reduction!r}")
+        check_shared_options(self)
         if self.tail not in TAIL_POLICIES:
             raise ValueError(f"tail must be one of {TAIL_POLICIES}; got tail={self.tail!r}")
-        for name in ("soft_weight", "hard_weight"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0; got {name}={value!r}")
-        if self.soft_weight == 0 and self.hard_weight == 0:
-            raise ValueError("soft_weight and hard_weight are both 0, so the loss would be identically 0; set one > 0")
-        for name in ("softcap", "teacher_softcap"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be None or a number > 0 (e.g. 30.0 for Gemma-2); got {name}={value!r}")
-        if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
-            raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={self.chunk_size!r}")
         if self.vocab_size is not None and not (
             isinstance(self.vocab_size, int) and not isinstance(self.vocab_size, bool) and self.vocab_size > 0
         ):
@@ -89,8 +97,6 @@ class KDLossConfig:
                 f"vocab_size must be None (the whole lm_head) or an int > 0, e.g. len(tokenizer); "
                 f"got vocab_size={self.vocab_size!r}"
             )
-        if not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an int; got ignore_index={self.ignore_index!r}")
 
     def replace(self, **changes: Any) -> KDLossConfig:
         """A copy with some fields changed (validated again)."""

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from ..config import REDUCTIONS
+from ..config import check_shared_options, check_weight
 
 KINDS = ("hybrid", "uld", "exact", "next_byte", "chain")
 UNMATCHED = ("bucket", "ignore")
@@ -63,26 +62,11 @@ class CrossTokenizerConfig:
             raise ValueError(f"kind must be one of {KINDS}; got kind={self.kind!r}")
         if self.unmatched not in UNMATCHED:
             raise ValueError(f"unmatched must be one of {UNMATCHED}; got unmatched={self.unmatched!r}")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}; got reduction={self.reduction!r}")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL); got beta={self.beta!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0; got temperature={self.temperature!r}")
-        for name in ("exact_weight", "uld_weight", "soft_weight", "hard_weight"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0; got {name}={value!r}")
-        if self.soft_weight == 0 and self.hard_weight == 0:
-            raise ValueError("soft_weight and hard_weight are both 0, so the loss would be identically 0; set one > 0")
+        check_shared_options(self)
+        for name in ("exact_weight", "uld_weight"):
+            check_weight(self, name)
         if self.uld_top_k is not None and not (isinstance(self.uld_top_k, int) and self.uld_top_k > 0):
             raise ValueError(f"uld_top_k must be None (full sort) or an int > 0; got uld_top_k={self.uld_top_k!r}")
-        if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
-            raise ValueError(f"chunk_size must be None (automatic) or an int > 0; got chunk_size={self.chunk_size!r}")
-        for name in ("softcap", "teacher_softcap"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be None or a number > 0; got {name}={value!r}")
 
     def replace(self, **changes) -> CrossTokenizerConfig:
         return dataclasses.replace(self, **changes)
