@@ -392,6 +392,8 @@ class KDTrainer(Trainer):
 
     def _kd_record(self, soft, hard, agreement) -> None:
         """Sum the terms on the device (no host sync per step); `log` reads them once per logging step."""
+        if self._kd_count == 0:
+            self._kd_first_step = self.state.global_step  # the optimizer step these terms start in
         self._kd_count += 1
         for key, value in (("kd_soft_loss", soft), ("kd_hard_loss", hard)):
             self._kd_sums[key] = self._kd_sums.get(key, 0.0) + value.detach().float().mean()
@@ -400,8 +402,12 @@ class KDTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._kd_count and "loss" in logs:
+            # per optimizer step, as the Trainer logs "loss": each micro-batch's terms are normalised by the whole
+            # step's item count (num_items_in_batch), so they add up over gradient accumulation, then average
+            # over the steps since the last log; a loop without the Trainer's step count averages per call
+            steps = self.state.global_step - self._kd_first_step
             for key, total in self._kd_sums.items():
-                logs[key] = round(float(total) / self._kd_count, 6)
+                logs[key] = round(float(total) / (steps if steps > 0 else self._kd_count), 6)
             if getattr(self, "_kd_agreement", None) is not None:
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None

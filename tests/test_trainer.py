@@ -138,6 +138,18 @@ def test_gradient_accumulation_is_exact(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_logged_kd_terms_add_up_to_the_logged_loss_under_gradient_accumulation(tmp_path):
+    """kd_soft_loss and kd_hard_loss are per optimizer step like "loss" (they were averaged per micro-batch,
+    i.e. divided by the accumulation steps)."""
+    trainer = _train(tmp_path, tiny_model("llama", seed=1), tiny_model("llama", seed=2), data=_dataset(8),
+                     use_kd_patch=True, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=2,
+                     logging_steps=1, kd_hard_weight=0.3)  # fmt: skip
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2
+    for h in logged:
+        assert h["loss"] == pytest.approx(h["kd_soft_loss"] + 0.3 * h["kd_hard_loss"], rel=1e-3)
+
+
 def test_checkpoint_resume_continues_identically(tmp_path):
     teacher = tiny_model("llama", dtype=torch.float32, seed=2)
     full = tiny_model("llama", dtype=torch.float32, seed=1)
