@@ -180,3 +180,13 @@ def test_triton_kernels_match_the_reference(width):
         same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
         assert same > 0.999, same  # an fp32 division rounded differently may move a value across a tie
         assert ((q.float() - q_ref.float()).abs() <= E4M3_STEP * q_ref.float().abs().clamp_min(2.0**-6)).all()
+
+
+def test_a_vlm_teacher_keeps_its_vision_tower():
+    """Only the language decoder is quantised: a VLM's vision tower stays as loaded."""
+    model = tiny_model("qwen2_5_vl", dtype=torch.bfloat16, seed=0).to(DEVICE).eval().requires_grad_(False)
+    vision = {n: type(m) for n, m in model.named_modules() if "visual" in n and isinstance(m, torch.nn.Linear)}
+    summary = quantize_teacher_fp8(model)
+    assert vision and {n: type(m) for n, m in model.named_modules() if n in vision} == vision
+    assert summary.quantized and not any("visual" in n for n in summary.quantized)
+    assert torch.isfinite(model(input_ids=torch.randint(0, 200, (1, 10), device=DEVICE)).logits.float()).all()

@@ -12,6 +12,7 @@ What stays in bf16, and why:
     product whose rounding lands directly on the distribution the student learns;
   - embeddings, norms, attention (softmax(QKᵀ)V inside sdpa / flash), MoE experts held as 3-D tensors and
     routers (a routing decision is discrete: a flipped expert is not a small error);
+  - everything outside the language decoder (`get_decoder()`), e.g. a VLM's vision tower;
   - products whose sizes are not multiples of 16 (`_scaled_mm`'s requirement).
 The result is for inference only: the teacher must be frozen, and it cannot be sharded afterwards.
 """
@@ -163,9 +164,14 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         return getattr(inner, _FP8_ATTR)
     _check_teacher(inner)
     summary = Fp8Summary(bytes_before=_nbytes(inner))
+    names = {id(m): n for n, m in inner.named_modules()}
     head = inner.get_output_embeddings()
+    summary.kept[names[id(head)]] = "lm_head: read by the fused loss in bf16"
+    # the language decoder only: a VLM's vision tower (and anything else outside it) stays as loaded
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else inner
+    decoder_modules = [(names[id(m)], m) for m in decoder.modules()]
     # gated MLPs first: gate and up become one product, the activation feeds the down product quantised
-    for name, module in list(inner.named_modules()):
+    for name, module in decoder_modules:
         separate = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
         fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
         activation = _activation_name(module) if separate or fused else None
@@ -180,14 +186,13 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         parent_name, _, child_name = name.rpartition(".")
         setattr(inner.get_submodule(parent_name), child_name, mlp)
         summary.quantized += [f"{name}.gate_up_proj", f"{name}.down_proj"]
-    for name, module in list(inner.named_modules()):
+    for module in list(decoder.modules()):
+        name = names.get(id(module), "")
         for child_name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or child is head:
                 continue
             full = f"{name}.{child_name}" if name else child_name
-            if child is head:
-                summary.kept[full] = "lm_head: read by the fused loss in bf16"
-            elif child_name in _ROUTER_NAMES:
+            if child_name in _ROUTER_NAMES:
                 summary.kept[full] = "MoE router: routing is discrete"
             elif not _fits(child):
                 summary.kept[full] = f"{child.in_features} x {child.out_features}: not multiples of 16"
