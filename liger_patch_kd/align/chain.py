@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reference import TAIL_FLOOR
+from ..conventions import TAIL_FLOOR
 
 NO_BYTE = 256  # the class of special tokens (and of tokens with no text): 257 next-byte classes in all
 

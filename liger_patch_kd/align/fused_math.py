@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..conventions import TAIL_FLOOR
 from ..ops.fused_linear_topk_kd import _terms_and_a
-from ..reference import TAIL_FLOOR
 from .config import CrossTokenizerConfig
 from .vocab import VocabMap
 

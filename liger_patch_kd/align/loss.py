@@ -16,12 +16,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..conventions import dense_topk_teacher
+from ..conventions import TAIL_FLOOR, apply_softcap, dense_topk_teacher
 from ..losses import _check_topk_shapes, _run_device_checks, _topk_checks
 from ..ops.backend import logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.fused_linear_topk_kd import _terms_and_a
-from ..reference import TAIL_FLOOR, apply_softcap
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
 from .fused_math import group_loss_and_a
