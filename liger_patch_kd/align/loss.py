@@ -294,13 +294,16 @@ def _resolve_config(config: CrossTokenizerConfig | None, options: dict) -> Cross
     return config.replace(**options) if config is not None and options else cfg
 
 
-def _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map):
-    if student_weight.dim() != 2 or student_input.shape[-1] != student_weight.shape[1]:
+def _check_head_input(role: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"student_input has hidden size {student_input.shape[-1]} (shape {tuple(student_input.shape)}) but "
-            f"student_weight has shape {tuple(student_weight.shape)}; pass the last hidden states of the model that "
-            f"owns this lm_head"
+            f"{role}_input has hidden size {hidden.shape[-1]} (shape {tuple(hidden.shape)}) but {role}_weight has "
+            f"shape {tuple(weight.shape)}; pass the last hidden states of the model that owns this lm_head"
         )
+
+
+def _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map):
+    _check_head_input("student", student_input, student_weight)
     _check("student_labels", student_labels, student_input.shape[:-1])
     _check("student_groups", student_groups, student_input.shape[:-1])
     if exact_ok is not None:
@@ -342,12 +345,7 @@ def fused_linear_cross_tokenizer_kd(
     """
     cfg = _resolve_config(config, options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
-    if teacher_weight.dim() != 2 or teacher_input.shape[-1] != teacher_weight.shape[1]:
-        raise ValueError(
-            f"teacher_input has hidden size {teacher_input.shape[-1]} (shape {tuple(teacher_input.shape)}) but "
-            f"teacher_weight has shape {tuple(teacher_weight.shape)}; pass the last hidden states of the model that "
-            f"owns this lm_head"
-        )
+    _check_head_input("teacher", teacher_input, teacher_weight)
     _check("teacher_labels", teacher_labels, teacher_input.shape[:-1])
     _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
     dtype = _compute_dtype(student_input)
