@@ -49,7 +49,7 @@ def topk_reference(c, ids, logprobs, cfg):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("beta", [0.0, 0.5])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_topk_fused_matches_reference(kind, beta):
     c = random_case(bias=True)
     ids, logprobs = teacher_topk(c, k=6)
@@ -122,3 +122,44 @@ def test_topk_bad_inputs_are_clear_errors():
     # uld without a vocab map runs with teacher_vocab_size given
     out = topk_fused(dict(c, vocab_map=None), ids, logprobs, cfg, teacher_vocab_size=41)
     assert torch.isfinite(out)
+
+
+def _both_paths(c, cfg, ids, logprobs, **kw):
+    return {"in process": fused_loss(c, cfg, **kw), "top-k": topk_fused(c, ids, logprobs, cfg, **kw)}
+
+
+def test_all_rows_ignored_with_zero_items_is_zero_with_zero_grads():
+    """Every label ignored and no aligned group, num_items_in_batch=0 (a batch of prompts only)."""
+    c = random_case(seed=4)
+    ids, logprobs = teacher_topk(c, k=6)
+    c["s_groups"], c["t_groups"] = torch.full_like(c["s_groups"], -1), torch.full_like(c["t_groups"], -1)
+    c["s_labels"] = torch.full_like(c["s_labels"], -100)
+    for kind in KINDS:
+        for name, loss in _both_paths(c, CrossTokenizerConfig(kind=kind, hard_weight=0.5), ids, logprobs,
+                                      num_items_in_batch=0).items():  # fmt: skip
+            assert float(loss.detach()) == 0.0, (kind, name)
+            assert all(float(g.abs().sum()) == 0.0 for g in grads(loss, c)), (kind, name)
+
+
+def test_nan_in_ignored_rows_and_non_contiguous_inputs_change_nothing():
+    """NaN in rows that are not scored (student rows without a label or group, teacher rows without a group,
+    their top-k) never reaches the loss or a gradient; strided views give the contiguous result."""
+    c = random_case(seed=5, bias=True)
+    ids, logprobs = teacher_topk(c, k=6)
+    cfg = CrossTokenizerConfig(kind="hybrid", hard_weight=0.4, temperature=1.7, beta=0.5)
+    expected = {name: (loss.detach(), grads(loss, c)) for name, loss in _both_paths(c, cfg, ids, logprobs).items()}
+    s_idle = (c["s_labels"] == -100) & (c["s_groups"] < 0)
+    t_idle = c["t_groups"] < 0
+    poisoned = dict(c, h_s=c["h_s"].detach().masked_fill(s_idle[..., None], math.nan).requires_grad_(),
+                    h_t=c["h_t"].masked_fill(t_idle[..., None], math.nan))  # fmt: skip
+    strided = dict(poisoned, h_t=poisoned["h_t"].transpose(0, 1).contiguous().transpose(0, 1))
+    ids_view = ids.transpose(0, 1).contiguous().transpose(0, 1)
+    lp_view = logprobs.masked_fill(t_idle[..., None], math.nan).transpose(0, 1).contiguous().transpose(0, 1)
+    assert not (ids_view.is_contiguous() or lp_view.is_contiguous() or strided["h_t"].is_contiguous())
+    assert poisoned["h_s"].isnan().any() and poisoned["h_t"].isnan().any() and lp_view.isnan().any()
+    for name, loss in _both_paths(strided, cfg, ids_view, lp_view).items():
+        want_loss, want_grads = expected[name]
+        torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-10, atol=1e-12)
+        got = grads(loss, strided)
+        for i, (a, b) in enumerate(zip(got, want_grads)):  # the poisoned rows' own gradient included: 0
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"{name}: gradient {i}")
