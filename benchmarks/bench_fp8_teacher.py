@@ -130,23 +130,31 @@ def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) ->
     teacher.config.use_cache = False
     apply_kd_patch_to_llama(model=teacher)
     ids = torch.randint(0, shape["vocab_size"], (micro_batch, seq), device=device)
-    rows = []
-    for precision in ("bf16", "fp8"):
-        if precision == "fp8":
-            quantize_teacher_fp8(teacher)
-        weights = sum(t.numel() * t.element_size() for t in [*teacher.parameters(), *teacher.buffers()])
+
+    def seconds_per_forward() -> float:
         for i in range(reps + 2):
             if i == 2:
-                torch.cuda.synchronize() if device.type == "cuda" else None
+                _sync(device)
                 start = time.perf_counter()
             teacher.model(input_ids=ids)
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        seconds = (time.perf_counter() - start) / reps
-        rows.append(dict(precision=precision, forward_ms=1e3 * seconds, tokens_per_s=micro_batch * seq / seconds,
-                         weights_GiB=weights / 2**30))  # fmt: skip
+        _sync(device)
+        return (time.perf_counter() - start) / reps
+
+    bf16_s = seconds_per_forward()
+    summary = quantize_teacher_fp8(teacher)  # its byte counts: the weights before and after
+    fp8_s = seconds_per_forward()
     revert_kd_patch(model=teacher)
-    rows[1]["speedup"] = rows[0]["forward_ms"] / rows[1]["forward_ms"]
+    rows = [
+        dict(precision=name, forward_ms=1e3 * sec, tokens_per_s=micro_batch * seq / sec, weights_GiB=size / 2**30)
+        for name, sec, size in (("bf16", bf16_s, summary.bytes_before), ("fp8", fp8_s, summary.bytes_after))
+    ]
+    rows[1]["speedup"] = bf16_s / fp8_s
     return rows
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:

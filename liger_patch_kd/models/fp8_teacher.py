@@ -180,9 +180,8 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         parts = (module.gate_proj, module.up_proj) if separate else (module.gate_up_proj,)
         if not all(_fits(lin) for lin in (*parts, module.down_proj)):
             continue  # left to the loop below, which keeps them in bf16 and says why
-        mlp = Fp8GatedMLP(Fp8Linear.from_linears(*parts), Fp8Linear(module.down_proj.weight, None), activation)
-        if module.down_proj.bias is not None:
-            mlp.down_proj.bias = module.down_proj.bias.detach().clone()
+        down = Fp8Linear(module.down_proj.weight, module.down_proj.bias)
+        mlp = Fp8GatedMLP(Fp8Linear.from_linears(*parts), down, activation)
         parent_name, _, child_name = name.rpartition(".")
         setattr(inner.get_submodule(parent_name), child_name, mlp)
         summary.quantized += [f"{name}.gate_up_proj", f"{name}.down_proj"]
