@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,15 @@ def method_ours(x: dict, cfg: KDLossConfig) -> torch.Tensor:
 def method_ours_chunk_2048(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     """The memory / speed trade-off: fewer, larger chunks (2 GiB of logits) re-read the weight gradient less."""
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg.replace(chunk_size=2048))
+
+
+def method_ours_lse_in_product(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    """The opt-in variant: Triton products that reduce each row's log-sum-exp, the kernel without its first pass."""
+    os.environ["LIGER_KD_LSE_IN_PRODUCT"] = "1"
+    try:
+        return method_ours(x, cfg)
+    finally:
+        del os.environ["LIGER_KD_LSE_IN_PRODUCT"]
 
 
 def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
@@ -234,13 +244,15 @@ def main() -> None:
     parser.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--quick", action="store_true", help="two sizes only, for a smoke test")
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="case groups to run")
+    parser.add_argument("--methods", nargs="+", help="run only the methods whose names start with one of these")
     args = parser.parse_args()
     ns = [1024, 2048] if args.quick else args.ns
     groups = set(args.only)
 
     cfg = KDLossConfig(beta=0.5)
     liger, note = liger_methods(cfg)
-    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
+    methods = {"liger_patch_kd": method_ours, "liger_patch_kd, lse in product": method_ours_lse_in_product,
+               "liger_patch_kd chunk 2048": method_ours_chunk_2048,
                "plain pytorch": method_torch, **liger}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
     if not args.quick and "vocab" in groups:
@@ -253,9 +265,12 @@ def main() -> None:
         torch.cuda.empty_cache()
         if case_cfg is not cfg:  # other betas: ours and the Liger losses (same convention), not plain torch again
             liger_b, _ = liger_methods(case_cfg)
-            case_methods = {"liger_patch_kd": method_ours, **liger_b}
+            case_methods = {"liger_patch_kd": method_ours, "liger_patch_kd, lse in product": method_ours_lse_in_product,
+                            **liger_b}  # fmt: skip
         else:
             case_methods = methods
+        if args.methods:
+            case_methods = {k: v for k, v in case_methods.items() if k.startswith(tuple(args.methods))}
         rows += run_case(n, args.hidden, vocab, case_cfg, case_methods, with_error)
     if not args.quick and "topk" in groups:  # the offline loss: teacher log-probs as data, K = 64
         rows += run_topk_case(8192, args.hidden, LLAMA_V, 64, KDLossConfig(beta=0.0))

@@ -109,3 +109,22 @@ def test_olmo_casting_is_the_models_own_norm(dtype):
         norm.weight.uniform_(-1.0, 1.0)
     x = torch.randn(4, 32, dtype=dtype)
     assert torch.equal(rms_norm_torch(x, norm.weight, 1e-6, 0.0, "olmo"), norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("factor", [1.0, 0.37, 0.0])
+def test_scale_by_a_device_factor(dtype, factor):
+    """The backward's in-place scaling by grad_output (ops/scale.py): exact fp32 products rounded once, the
+    tensor left bit-for-bit untouched when the factor is 1, and a size that is not a multiple of the block."""
+    from liger_patch_kd.ops.scale import scale_
+
+    x = torch.randn(3, 8195, device=DEVICE).to(dtype)
+    expected = (x.float() * factor).to(dtype)
+    before = x.clone()
+    out = scale_(x, torch.tensor(factor, device=DEVICE))
+    assert out is x
+    if factor == 1.0:
+        assert torch.equal(x, before)
+    # the interpreter casts fp32 to bf16 by truncation (one ulp off half the time); the GPU rounds, exactly
+    interpreted_bf16 = DEVICE.type == "cpu" and dtype == torch.bfloat16
+    torch.testing.assert_close(x, expected, rtol=2**-7 if interpreted_bf16 else 0, atol=0)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..conventions import column_bias
 from .backend import logits_fp32
+from .scale import scale_
 
 # (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
 #   -> (soft_rows, hard_rows, grad_logits | None)
@@ -52,6 +53,20 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
 
 
 @dataclass
+class LogitsWithLse:
+    """A chunk's fp32 logits with each row's log-sum-exp already reduced by the product that made them
+    (ops/logits_lse.py), so a kernel that knows this type skips its own first pass over the rows."""
+
+    values: torch.Tensor
+    lse: torch.Tensor  # (rows,) of cap(values) / T
+    lse_unit: torch.Tensor | None = None  # (rows,) of cap(values), when the hard term needs it at T != 1
+
+
+def plain_logits(logits: torch.Tensor | LogitsWithLse) -> torch.Tensor:
+    return logits.values if isinstance(logits, LogitsWithLse) else logits
+
+
+@dataclass
 class ChunkedResult:
     soft_rows: torch.Tensor  # (N,) float32, unweighted KD term per row
     hard_rows: torch.Tensor  # (N,) float32, unweighted CE term per row
@@ -76,6 +91,7 @@ def run_chunked(
     columns: int | None = None,
     temperature: float = 1.0,
     fp32_weight_grad: bool = False,
+    student_logits: Callable[..., torch.Tensor | LogitsWithLse] = logits_fp32,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
@@ -115,7 +131,7 @@ def run_chunked(
         end = min(n_rows, start + chunk_size)
         chunk_active = active[start:end]
         hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
-        logits = logits_fp32(hidden, weight, bias)
+        logits = student_logits(hidden, weight, bias)
         soft, hard, grad_logits = kernel(
             logits,
             teacher_chunk(start, end, chunk_active),
@@ -177,6 +193,7 @@ class ChunkPlan:
     fp32_weight_grad: bool = False
     columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
     temperature: float = 1.0  # scales the padding columns' bias
+    student_logits: Callable[..., torch.Tensor | LogitsWithLse] = logits_fp32  # (hidden, weight, bias) -> logits
 
 
 class FusedLinearKDFunction(torch.autograd.Function):
@@ -226,7 +243,7 @@ class FusedLinearKDFunction(torch.autograd.Function):
             # the usual case: gradients from the forward, scaled in place and handed over (a copy would double
             # the V x H weight gradient for a moment); a later backward through a retained graph recomputes
             grads, ctx.grads = ctx.grads, None
-            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+            grads = tuple(None if g is None else scale_(g, grad_loss) for g in grads)
         else:
             student_input, student_weight, student_bias, labels, row_weight = ctx.saved_tensors
             result = _run(
@@ -253,6 +270,7 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         columns=plan.columns,
         temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
+        student_logits=plan.student_logits,
     )
 
 
