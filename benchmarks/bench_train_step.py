@@ -13,6 +13,8 @@ row says otherwise. For each micro-batch, in one run:
                       with teacher_model=
   ... no recompute    the same without gradient checkpointing (the flat-memory loss leaves the room)
   ... fp8 teacher     the same with the teacher quantised by quantize_teacher_fp8 (a second copy of it)
+  ... recompute 10/16 the FP8 row with only the first 10 student layers recomputed: the memory the FP8 teacher
+                      frees goes to keeping activations
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
   offline ... (store) the same read from a store on disk through a shuffling 2-worker DataLoader
 `--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
@@ -69,6 +71,8 @@ def build(kwargs: dict, device, dtype, seed: int):
 
 FP8_ROW = "liger_patch_kd fp8 teacher"
 STORE_ROW = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
+SELECTIVE, SELECTIVE_LAYERS = "recompute 10/16", 10
+FP8_SELECTIVE_ROW = f"{FP8_ROW}, {SELECTIVE}"
 
 
 def fp8_copy(shape: dict, device, dtype):
@@ -137,6 +141,9 @@ def prepare_student(name: str, student):
         apply_kd_patch_to_llama(model=student, beta=0.5 if not name.startswith("offline") else 0.0)
     if "no recompute" not in name:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if SELECTIVE in name:  # the first layers recompute, the rest keep their activations
+            for layer in student.model.layers[SELECTIVE_LAYERS:]:
+                layer.gradient_checkpointing = False
     student.config.use_cache = False
     student.train()
 
@@ -239,7 +246,7 @@ def main() -> None:
         *liger[:1],
         "liger_patch_kd",
         "liger_patch_kd no recompute",
-        *([] if args.no_fp8 else [FP8_ROW]),
+        *([] if args.no_fp8 else [FP8_ROW, FP8_SELECTIVE_ROW]),
         f"offline top-{TOP_K}",
         STORE_ROW,
         *liger[1:],  # last: Liger's patch of the teacher cannot be undone
@@ -253,7 +260,7 @@ def main() -> None:
         micro_batches = args.micro_batches if shape in ("llama", "tiny") else [4]
         for name in methods:
             failed = False
-            row_teacher = fp8_copy(SHAPES[shape][1], device, dtype) if name == FP8_ROW else teacher
+            row_teacher = fp8_copy(SHAPES[shape][1], device, dtype) if name.startswith(FP8_ROW) else teacher
             for mb in micro_batches:
                 if failed:  # a larger micro-batch than one that ran out of memory will too
                     rows.append(dict(shape=shape, method=name, micro_batch=mb, seq=seq, tokens_per_s="OOM"))
