@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 from collections.abc import Callable
 
 import torch
@@ -66,15 +65,6 @@ def method_ours(x: dict, cfg: KDLossConfig) -> torch.Tensor:
 def method_ours_chunk_2048(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     """The memory / speed trade-off: fewer, larger chunks (2 GiB of logits) re-read the weight gradient less."""
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg.replace(chunk_size=2048))
-
-
-def method_ours_lse_in_product(x: dict, cfg: KDLossConfig) -> torch.Tensor:
-    """The opt-in variant: Triton products that reduce each row's log-sum-exp, the kernel without its first pass."""
-    os.environ["LIGER_KD_LSE_IN_PRODUCT"] = "1"
-    try:
-        return method_ours(x, cfg)
-    finally:
-        del os.environ["LIGER_KD_LSE_IN_PRODUCT"]
 
 
 def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
@@ -251,7 +241,7 @@ def main() -> None:
 
     cfg = KDLossConfig(beta=0.5)
     liger, note = liger_methods(cfg)
-    methods = {"liger_patch_kd": method_ours, "liger_patch_kd, lse in product": method_ours_lse_in_product,
+    methods = {"liger_patch_kd": method_ours,
                "liger_patch_kd chunk 2048": method_ours_chunk_2048,
                "plain pytorch": method_torch, **liger}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
@@ -265,8 +255,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         if case_cfg is not cfg:  # other betas: ours and the Liger losses (same convention), not plain torch again
             liger_b, _ = liger_methods(case_cfg)
-            case_methods = {"liger_patch_kd": method_ours, "liger_patch_kd, lse in product": method_ours_lse_in_product,
-                            **liger_b}  # fmt: skip
+            case_methods = {"liger_patch_kd": method_ours, **liger_b}
         else:
             case_methods = methods
         if args.methods:

@@ -3,27 +3,29 @@ a profile of whole forward + backward calls grouped by kernel.
 
     python -m benchmarks.bench_loss_breakdown --out runs/bench_loss_breakdown.json
 
-Stages of a chunk of R rows (V = 128256, H = 4096, bf16): the student's logits product with an fp32 output
-(cuBLAS), the same product with each row's log-sum-exp reduced in its epilogue (ops/logits_lse.py, Triton), the
-per-chunk JSD kernel with and without that log-sum-exp given, the two gradient products (the weight gradient's
-first chunk written, later chunks accumulated), and a device-to-device copy for the memory bandwidth the kernel
-is measured against. The profile sums CUDA kernel time by kernel name for fused_linear_jsd at N rows, with the
-log-sum-exp in the product and without (LIGER_KD_LSE_IN_PRODUCT=0).
+Stages of a chunk of R rows (V = 128256, H = 4096, bf16): the student's logits product with an fp32 and a bf16
+output (cuBLAS), the per-chunk JSD kernel, a device-to-device copy for the memory bandwidth the kernel is
+measured against, the backward's scaling of the V x H weight gradient by grad_output, and the two gradient
+products (the weight gradient's first chunk written, later chunks accumulated). The profile sums CUDA kernel
+time by kernel name for whole fused_linear_jsd calls at N rows, beside the time between the first kernel's start
+and the last one's end and the time CUDA events measure around the call.
+
+A Triton product that reduced each row's log-sum-exp in its epilogue (so the JSD kernel could skip its first
+pass) was measured with this script at commit 1591d19 and removed: 582 TFLOP/s against cuBLAS's 679 at
+R = 896, costing 0.46 ms per chunk for the two products against the 0.27 ms the skipped pass saved
+(benchmarks/results/bench_loss_breakdown_lse_trial.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
 
 import torch
 
 from liger_patch_kd import KDLossConfig, fused_linear_jsd
 from liger_patch_kd.ops.backend import logits_fp32
-from liger_patch_kd.ops.chunked import LogitsWithLse
 from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_triton
-from liger_patch_kd.ops.logits_lse import logits_with_lse
 from liger_patch_kd.ops.scale import scale_
 
 from .bench_fused_linear_jsd import LLAMA_V, make_inputs
@@ -49,27 +51,19 @@ def stage_rows(rows: int, hidden: int, vocab: int) -> list[dict]:
 
     add("product fp32 out (cuBLAS)", cuda_time_ms(lambda: logits_fp32(h, w, None), reps=20), flop=flops)
     add("product bf16 out (cuBLAS)", cuda_time_ms(lambda: h @ w.T, reps=20), flop=flops)
-    logits_with_lse(h, w, None)  # autotune outside the measurement
-    add("product fp32 out + lse (Triton)", cuda_time_ms(lambda: logits_with_lse(h, w, None), reps=20), flop=flops)
     src = torch.randn(rows, vocab, device="cuda")
     add("copy R x V fp32 (bandwidth)", cuda_time_ms(lambda: src.clone(), reps=20), nbytes=2 * logit_bytes)
+    s = logits_fp32(h, w, None)
+    t = logits_fp32(h_t, w_t, None)
     for beta in (0.5, 0.0):
         cfg = KDLossConfig(beta=beta)
-        s, t = logits_with_lse(h, w, None), logits_with_lse(h_t, w_t, None)
 
-        # the kernel overwrites the teacher's logits with the gradient: fresh copies per call, timed apart
-        def kernel(given):
-            t_values = t.values.clone()
-            teacher = LogitsWithLse(t_values, t.lse) if given else t_values
-            student = s if given else s.values
-            return jsd_chunk_triton(student, teacher, labels, ones, ones * 0, torch.bfloat16, cfg)
+        def kernel():  # the kernel overwrites the teacher's logits with the gradient: a fresh copy per call
+            return jsd_chunk_triton(s, t.clone(), labels, ones, ones * 0, torch.bfloat16, cfg)
 
-        clone_ms = cuda_time_ms(lambda: t.values.clone(), reps=20)
-        passes = 3 if beta not in (0.0, 1.0) else 2
-        for given in (False, True):
-            reads = (passes - given) * 2 * logit_bytes
-            ms = cuda_time_ms(lambda: kernel(given), reps=20) - clone_ms
-            add(f"JSD kernel beta={beta}{' lse given' if given else ''}", ms, nbytes=reads + rows * vocab * 2)
+        reads = (3 if beta not in (0.0, 1.0) else 2) * 2 * logit_bytes
+        ms = cuda_time_ms(kernel, reps=20) - cuda_time_ms(lambda: t.clone(), reps=20)
+        add(f"JSD kernel beta={beta}", ms, nbytes=reads + rows * vocab * 2)
     g = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
     g_in, g_w = torch.empty_like(h), torch.empty_like(w)
     head_bytes = 2 * w.numel() * w.element_size()
@@ -84,8 +78,7 @@ def stage_rows(rows: int, hidden: int, vocab: int) -> list[dict]:
     return out
 
 
-def kernel_profile(n: int, hidden: int, vocab: int, lse_in_product: bool) -> dict:
-    os.environ["LIGER_KD_LSE_IN_PRODUCT"] = "1" if lse_in_product else "0"
+def kernel_profile(n: int, hidden: int, vocab: int) -> dict:
     x = make_inputs(n, hidden, vocab)
     cfg = KDLossConfig(beta=0.5)
 
@@ -110,12 +103,11 @@ def kernel_profile(n: int, hidden: int, vocab: int, lse_in_product: bool) -> dic
     span = (max(ends) - min(starts)) / 1e3  # first kernel's start to last kernel's end: busy plus idle gaps
     timed = cuda_time_ms(step)
     top = dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12])
-    print(f"\nN={n} lse_in_product={lse_in_product}: {total:.2f} ms of kernels over a {span:.2f} ms span; "
+    print(f"\nN={n}: {total:.2f} ms of kernels over a {span:.2f} ms span; "
           f"{timed:.2f} ms timed with events", flush=True)  # fmt: skip
     for name, ms in top.items():
         print(f"  {ms:8.3f} ms  {name}")
-    os.environ.pop("LIGER_KD_LSE_IN_PRODUCT")
-    return dict(N=n, lse_in_product=lse_in_product, kernel_ms=total, span_ms=span, timed_ms=timed, top=top)
+    return dict(N=n, kernel_ms=total, span_ms=span, timed_ms=timed, top=top)
 
 
 def main() -> None:
@@ -124,11 +116,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rows", type=int, nargs="+", default=[896, 2048])
     parser.add_argument("--profile-ns", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--profile-lse", choices=["both", "off"], default="both", help="profile the opt-in path too")
     args = parser.parse_args()
-    flags = (False, True) if args.profile_lse == "both" else (False,)
     rows = [r for n in args.rows for r in stage_rows(n, args.hidden, LLAMA_V)]
-    profiles = [kernel_profile(n, args.hidden, LLAMA_V, flag) for n in args.profile_ns for flag in flags]
+    profiles = [kernel_profile(n, args.hidden, LLAMA_V) for n in args.profile_ns]
     print(f"\nV={LLAMA_V}, H={args.hidden}, bf16")
     table = print_table(rows, ["R", "stage", "ms", "TFLOP/s", "TB/s"])
     write_json(args.out, dict(environment=environment(), stages=rows, profiles=profiles, table=table))

@@ -186,6 +186,7 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
             bf16=not args.tiny and args.student_dtype == "float32",
             dataloader_num_workers=0, dataloader_pin_memory=probe.cuda, use_kd_patch=True,
             kd_beta=0.5, seed=0, kd_teacher_precision=args.teacher_precision, **_recompute_student(),
+            kd_recompute_layers=args.recompute_layers,
         )  # fmt: skip
         trainer = SequentialKDTrainer(
             model=student, teacher_model=teacher, args=training_args, train_dataset=dataset,
@@ -387,6 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--teacher-precision", choices=["bf16", "fp8"], default="bf16", help="fp8: an FP8 teacher")
     parser.add_argument("--meta-init", action="store_true", help="build the teacher sharded (FSDP2 only)")
+    parser.add_argument(
+        "--recompute-layers", type=int, default=None, help="only the first N student layers recompute (default: all)"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     parser.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print a table")
     args = parser.parse_args(argv)
@@ -437,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         if state.is_main_process:  # after each micro-batch, so a timeout loses only the one running
             payload = dict(label=label, environment={**environment(), **launch}, student=args.student,
                            student_dtype=args.student_dtype, teacher_precision=args.teacher_precision,
+                           recompute_layers=args.recompute_layers,
                            teacher=args.teacher, meta_init=args.meta_init, results=results)  # fmt: skip
             write_json(args.out, payload)
             r = results[-1]

@@ -4,7 +4,6 @@ PyTorch chunk math elsewhere. Nothing here knows about models."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -197,23 +196,9 @@ def fused_linear_jsd(
     w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
     b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
 
-    student_dtype = _compute_dtype(student_input.device, student_input)
-    lse_in_product = jsd_op.lse_in_product(select_backend(student_input.device, backend), student_dtype, teacher_dtype)
-    if lse_in_product:
-        from .ops.logits_lse import logits_with_lse  # Triton is imported only where the Triton path runs
-
-        teacher_product = functools.partial(logits_with_lse, temperature=cfg.temperature, softcap=cfg.teacher_softcap)
-        needs_unit = bool(cfg.hard_weight) and cfg.temperature != 1.0
-        student_product = functools.partial(
-            logits_with_lse, temperature=cfg.temperature, softcap=cfg.softcap, with_unit_temperature=needs_unit
-        )
-    else:
-        teacher_product, student_product = logits_fp32, None
-
     def teacher_chunk(logits_dtype: torch.dtype):
-        def logits(start: int, end: int, active: torch.Tensor):
-            chunk = teacher_product(_zero_rows(h_t[start:end], active), w_t, b_t)
-            return chunk if lse_in_product else chunk.to(logits_dtype)
+        def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
+            return logits_fp32(_zero_rows(h_t[start:end], active), w_t, b_t).to(logits_dtype)
 
         return logits
 
@@ -231,13 +216,12 @@ def fused_linear_jsd(
         teacher_chunk=teacher_chunk,
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
-        student_product=student_product,
     )
 
 
 def _run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
-    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None, student_product=None,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None,
 ):  # fmt: skip
     """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
     and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
@@ -259,7 +243,6 @@ def _run_fused(
         soft_weight=cfg.soft_weight,
         hard_weight=cfg.hard_weight,
         fp32_weight_grad=cfg.fp32_weight_grad,
-        student_logits=student_product or logits_fp32,
     )
     with _no_autocast(device):
         loss, soft, hard = FusedLinearKDFunction.apply(

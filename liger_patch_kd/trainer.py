@@ -26,6 +26,7 @@ from .models.fp8_teacher import quantize_teacher_fp8
 from .models.kd_forward import unwrap_model
 from .models.kd_io import TeacherInputs, targets_of
 from .models.materialised import materialised_kd
+from .models.recompute import limit_recompute
 from .teacher.collator import TeacherDataCollator
 from .teacher.prefetch import CROSS_TOKENIZER_KEYS, check_served_teacher_args, served_teacher_dataloader
 
@@ -97,6 +98,12 @@ class KDTrainingArguments(TrainingArguments):
         default="bf16",
         metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
     )
+    kd_recompute_layers: int | None = field(
+        default=None,
+        metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
+                  "activations, the rest keep them (memory for speed, e.g. what an FP8 teacher frees). "
+                  "None: every layer recomputes."},
+    )  # fmt: skip
 
     def __post_init__(self):
         super().__post_init__()
@@ -114,6 +121,16 @@ class KDTrainingArguments(TrainingArguments):
             )
         if self.kd_teacher_precision not in ("bf16", "fp8"):
             raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
+        if self.kd_recompute_layers is not None:
+            if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
+                raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")
+            # transformers 5.2x renames gradient_checkpointing to activation_checkpointing; either turns it on
+            if not (getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)):
+                raise ValueError(
+                    f"kd_recompute_layers={self.kd_recompute_layers} chooses which layers recompute under gradient "
+                    f"checkpointing, which is off: set gradient_checkpointing=True (activation_checkpointing=True "
+                    f"in newer transformers), or leave kd_recompute_layers=None"
+                )
         self.kd_loss_config()  # validates the loss options now, not at the first step
         check_served_teacher_args(self)
 
@@ -215,6 +232,7 @@ class KDTrainer(Trainer):
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
+        self._kd_recompute_limited = False
 
     def _fsdp_version(self) -> int | None:
         return getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
@@ -319,6 +337,11 @@ class KDTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------ on-policy
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.kd_recompute_layers is not None and not self._kd_recompute_limited:
+            # HF's train() turns checkpointing on for every layer before the first step; this narrows it once
+            recompute, keep = limit_recompute(model, self.args.kd_recompute_layers)
+            logger.info("checkpointing: %d decoder layers recompute, %d keep their activations", recompute, keep)
+            self._kd_recompute_limited = True
         if self.args.kd_seq_kd or (self.args.kd_lmbda > 0 and random.random() < self.args.kd_lmbda):
             generator = self.teacher_model if self.args.kd_seq_kd else model
             if generator is None:

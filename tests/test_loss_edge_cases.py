@@ -295,3 +295,25 @@ def test_topk_kernel_computes_no_inf_minus_inf(tail, beta):
         loss = fused_linear_topk_kd(pair.student_input, pair.student_weight, ids, logprobs, pair.labels,
                                     config=cfg, backend="triton")  # fmt: skip
         grads(loss, pair.params())
+
+
+@pytest.mark.parametrize(
+    "n_rows,vocab,bytes_per_logit,expected",
+    [
+        (8192, 128256, 8, 1024),  # eight aligned chunks of a Llama-3 vocabulary under the 1 GiB budget
+        (2048, 128256, 8, 1024),
+        (16384, 128256, 8, 1024),
+        (8192, 151936, 8, 820),  # Qwen2.5: 10 equal chunks (896 rows would not fit)
+        (300, 128256, 8, 300),  # fewer rows than a chunk: one chunk of exactly N
+    ],
+)
+def test_gpu_chunk_rows_stay_under_one_gib(monkeypatch, n_rows, vocab, bytes_per_logit, expected):
+    """choose_chunk_size's GPU rule, with the free memory faked: equal chunks, multiples of 128 rows where they
+    fit, and a chunk's (rows x V) buffers at most the budget that keeps a call's own memory under 1 GiB."""
+    from liger_patch_kd.ops import chunked
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 141 << 30))
+    rows = chunked.choose_chunk_size(n_rows, vocab, torch.device("cuda"), bytes_per_logit)
+    assert rows == expected
+    assert rows * vocab * bytes_per_logit <= chunked._GPU_CHUNK_BYTES < 1 << 30
+    assert -(-n_rows // rows) * rows - n_rows < rows  # no chunk is empty

@@ -238,3 +238,38 @@ def test_bad_arguments(tmp_path):
     trainer = KDTrainer(model=tiny_model("llama"), args=_args(tmp_path, use_kd_patch=True))
     with pytest.raises(ValueError, match="no teacher"):
         trainer.compute_loss(trainer.model, TD.TeacherDataCollator()(_dataset(2)))
+
+
+def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path):
+    """kd_recompute_layers=1 on a 2-layer student: layer 0's attention runs twice per step (once more when the
+    backward recomputes it), layer 1's once; the losses equal those of full recompute (checkpointing changes no
+    arithmetic). Counted on the attention: transformers checkpoints a layer's forward, inside its own hooks."""
+    runs = {}
+    for limit in (None, 1):
+        student = tiny_model("llama", dtype=torch.float32, seed=1)
+        calls = [0, 0]
+        for i, layer in enumerate(student.model.layers):
+            layer.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        trainer = _train(
+            tmp_path / str(limit), student, tiny_model("llama", dtype=torch.float32, seed=2), max_steps=3,
+            gradient_checkpointing=True, kd_recompute_layers=limit,
+        )  # fmt: skip
+        runs[limit] = (_losses(trainer), calls)
+    assert runs[None][1] == [6, 6]  # 3 steps, every layer recomputed
+    assert runs[1][1] == [6, 3]
+    assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == [True, False]
+    torch.testing.assert_close(runs[1][0], runs[None][0], rtol=1e-6, atol=0)
+
+
+def test_selective_recompute_arguments(tmp_path):
+    with pytest.raises(ValueError, match="gradient_checkpointing=True"):
+        _args(tmp_path, kd_recompute_layers=2)
+    with pytest.raises(ValueError, match="int >= 0"):
+        _args(tmp_path, kd_recompute_layers=-1, gradient_checkpointing=True)
+    trainer = KDTrainer(
+        model=tiny_model("llama", dtype=torch.float32), teacher_model=tiny_model("llama", dtype=torch.float32),
+        args=_args(tmp_path, kd_recompute_layers=5, gradient_checkpointing=True, max_steps=1),
+        train_dataset=_dataset(), data_collator=TD.TeacherDataCollator(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="has 2 layers"):
+        trainer.train()

@@ -25,9 +25,12 @@ from .scale import scale_
 # or top-k ids and log-probs), with the inactive rows replaced by harmless values.
 ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
-# Budget for one chunk's (rows x V) buffers. Larger chunks mean fewer read-modify-writes of the V x H weight
-# gradient (one per chunk); 0.875 GiB keeps a chunk's peak under 1 GiB and gives 896+ rows at V=128256.
-_GPU_CHUNK_BYTES = 7 << 27
+# Budget for one chunk's (rows x V) buffers: the 1 GiB a call may hold, less ~20 MiB for the rest of its own
+# memory (the chunk's hidden rows, per-row terms: 15 MiB measured at V = 128256). Rows per chunk set how well
+# the products run: on an H200 an 896-row logits product ran at 650-679 TFLOP/s and a 2048-row one at 719, while
+# accumulating the weight gradient instead of writing it cost only 5 % of its product (bench_loss_breakdown.py).
+# At V = 128256 this budget holds 1024 rows (8 bytes per logit): N = 8192 runs as 8 aligned chunks, not 9 of 911.
+_GPU_CHUNK_BYTES = (1 << 30) - (20 << 20)
 _GPU_FREE_FRACTION = 8  # never take more than 1/8 of what is free: the model and its activations come first
 # On CPU chunks only bound memory: 4M logits (16 MiB fp32) per chunk.
 _CPU_CHUNK_ELEMS = 1 << 22
@@ -50,20 +53,6 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
     if device.type == "cuda" and -(-rows // 128) * 128 <= max_rows:
         rows = -(-rows // 128) * 128
     return max(1, min(n_rows, rows))
-
-
-@dataclass
-class LogitsWithLse:
-    """A chunk's fp32 logits with each row's log-sum-exp already reduced by the product that made them
-    (ops/logits_lse.py), so a kernel that knows this type skips its own first pass over the rows."""
-
-    values: torch.Tensor
-    lse: torch.Tensor  # (rows,) of cap(values) / T
-    lse_unit: torch.Tensor | None = None  # (rows,) of cap(values), when the hard term needs it at T != 1
-
-
-def plain_logits(logits: torch.Tensor | LogitsWithLse) -> torch.Tensor:
-    return logits.values if isinstance(logits, LogitsWithLse) else logits
 
 
 @dataclass
@@ -91,7 +80,6 @@ def run_chunked(
     columns: int | None = None,
     temperature: float = 1.0,
     fp32_weight_grad: bool = False,
-    student_logits: Callable[..., torch.Tensor | LogitsWithLse] = logits_fp32,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
@@ -131,7 +119,7 @@ def run_chunked(
         end = min(n_rows, start + chunk_size)
         chunk_active = active[start:end]
         hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
-        logits = student_logits(hidden, weight, bias)
+        logits = logits_fp32(hidden, weight, bias)
         soft, hard, grad_logits = kernel(
             logits,
             teacher_chunk(start, end, chunk_active),
@@ -193,7 +181,6 @@ class ChunkPlan:
     fp32_weight_grad: bool = False
     columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
     temperature: float = 1.0  # scales the padding columns' bias
-    student_logits: Callable[..., torch.Tensor | LogitsWithLse] = logits_fp32  # (hidden, weight, bias) -> logits
 
 
 class FusedLinearKDFunction(torch.autograd.Function):
@@ -270,7 +257,6 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         columns=plan.columns,
         temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
-        student_logits=plan.student_logits,
     )
 
 

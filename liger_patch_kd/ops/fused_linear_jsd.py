@@ -15,7 +15,6 @@ and dL/dz = dL/du / T * cap'(z), cap'(z) = 1 - (cap(z) / c)^2. The hard term add
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from ..config import KDLossConfig
 from ..conventions import apply_softcap
 from .backend import triton_available
-from .chunked import LogitsWithLse, finish_chunk, plain_logits
+from .chunked import finish_chunk
 
 MODE_FORWARD_KL, MODE_REVERSE_KL, MODE_JSD = 0, 1, 2
 
@@ -73,53 +72,42 @@ if triton_available():
     @triton.jit
     def _log_mixture(s, p, beta):
         """log M = log(beta * P + (1 - beta) * S) from the two probabilities the passes already hold: one
-        transcendental where a log-sum-exp of the two log-probabilities takes two. The pass is memory-bound only
-        while its special-function work stays under the bandwidth; with both probabilities under fp32's smallest
-        normal (terms < 1e-36) the floor keeps log M finite."""
+        transcendental where a log-sum-exp of the two log-probabilities takes two. The JSD passes are not purely
+        memory-bound (3.4 TB/s against a 4.1 TB/s copy on an H200); this took the kernel from 8.74 to 8.41 ms
+        at N = 8192 (benchmarks/bench_loss_breakdown.py). With both probabilities under fp32's smallest normal
+        (their terms < 1e-36) the floor keeps log M finite."""
         return tl.log(tl.maximum(beta * p + (1.0 - beta) * s, 1.1754944e-38))
 
     @triton.jit
     def _jsd_chunk_kernel(
         zs_ptr, zt_ptr, grad_ptr, labels_ptr, w_soft_ptr, w_hard_ptr, soft_ptr, hard_ptr,
-        lse_s_ptr, lse_t_ptr, lse_1_ptr,
         stride_zs, stride_zt, stride_g, V,
         inv_temp, beta, cap_s, cap_t, ignore_index,
         MODE: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
         CAP_S: tl.constexpr, CAP_T: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_IN_TEACHER: tl.constexpr,
-        GIVEN_LSE: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE), unless the products'
-        epilogues computed them (GIVEN_LSE). Pass 2 (reverse KL and JSD only): the loss and sum(S * g) the
-        gradient needs. Pass 3: gradient (and the forward-KL loss)."""
+        """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
+        JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss)."""
         row = tl.program_id(0).to(tl.int64)
         zs_row = zs_ptr + row * stride_zs
         zt_row = zt_ptr + row * stride_zt
         acc_ty = zs_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK)
+        neg_inf = tl.full([BLOCK], float("-inf"), acc_ty)
+        zero = tl.zeros([BLOCK], acc_ty)
 
-        if GIVEN_LSE:
-            lse_s = tl.load(lse_s_ptr + row).to(acc_ty)
-            lse_t = tl.load(lse_t_ptr + row).to(acc_ty)
-            lse_1 = lse_s
+        m_s, d_s, m_t, d_t, m_1, d_1 = neg_inf, zero, neg_inf, zero, neg_inf, zero
+        for off in range(0, V, BLOCK):
+            mask = off + cols < V
+            xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+            xt = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
+            m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
+            m_t, d_t = _online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
-                lse_1 = tl.load(lse_1_ptr + row).to(acc_ty)
-        else:
-            neg_inf = tl.full([BLOCK], float("-inf"), acc_ty)
-            zero = tl.zeros([BLOCK], acc_ty)
-            m_s, d_s, m_t, d_t, m_1, d_1 = neg_inf, zero, neg_inf, zero, neg_inf, zero
-            for off in range(0, V, BLOCK):
-                mask = off + cols < V
-                xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
-                xt = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
-                m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
-                m_t, d_t = _online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
-                if HAS_HARD and not UNIT_TEMP:
-                    m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
-            lse_s = _lse_finish(m_s, d_s)
-            lse_t = _lse_finish(m_t, d_t)
-            lse_1 = lse_s
-            if HAS_HARD and not UNIT_TEMP:
-                lse_1 = _lse_finish(m_1, d_1)
+                m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
+        lse_s = _lse_finish(m_s, d_s)
+        lse_t = _lse_finish(m_t, d_t)
 
         label = tl.load(labels_ptr + row).to(tl.int64)
         # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
@@ -127,6 +115,7 @@ if triton_available():
         w_soft = tl.load(w_soft_ptr + row)
         w_hard = tl.load(w_hard_ptr + row)
         if HAS_HARD:
+            lse_1 = lse_s if UNIT_TEMP else _lse_finish(m_1, d_1)
             safe_label = tl.where(valid, label, 0)
             x_label = _softcap(tl.load(zs_row + safe_label), cap_s, CAP_S)
             tl.store(hard_ptr + row, tl.where(valid, lse_1 - x_label, 0.0))
@@ -194,20 +183,6 @@ if triton_available():
         return block, 8 if block >= 2048 else 4
 
 
-def lse_in_product(backend: str, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> bool:
-    """Whether the chunks' products also reduce each row's log-sum-exp (ops/logits_lse.py), letting the kernel
-    skip its first pass. Opt-in (LIGER_KD_LSE_IN_PRODUCT=1), Triton path and 16-bit products only: on an H200
-    the Triton product runs at 582 TFLOP/s against cuBLAS's 679 at a 896-row chunk, which costs more (0.46 ms
-    per chunk for the two products) than the skipped pass saves (0.27 ms; benchmarks/bench_loss_breakdown.py)."""
-    sixteen = (torch.bfloat16, torch.float16)
-    return (
-        os.environ.get("LIGER_KD_LSE_IN_PRODUCT", "0") == "1"
-        and backend == "triton"
-        and student_dtype in sixteen
-        and teacher_dtype in sixteen
-    )
-
-
 def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
     """A (rows, V) gradient buffer inside the teacher logits' own storage, row i inside row i's bytes.
 
@@ -225,36 +200,28 @@ def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torc
 
 
 def jsd_chunk_triton(
-    student_logits: torch.Tensor | LogitsWithLse,
-    teacher_logits: torch.Tensor | LogitsWithLse,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
     labels: torch.Tensor,
     w_soft: torch.Tensor,
     w_hard: torch.Tensor,
     grad_dtype: torch.dtype | None,
     cfg: KDLossConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch`. When both products already reduced their
-    rows (`LogitsWithLse`), the kernel skips its first pass."""
-    given_lse = isinstance(student_logits, LogitsWithLse) and isinstance(teacher_logits, LogitsWithLse)
-    if given_lse:
-        lse_s, lse_t = student_logits.lse, teacher_logits.lse
-        lse_1 = student_logits.lse_unit if student_logits.lse_unit is not None else lse_s
-    student_logits, teacher_logits = plain_logits(student_logits), plain_logits(teacher_logits)
+    """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch`."""
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
-    if not given_lse:
-        lse_s = lse_t = lse_1 = soft  # unread
     grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
     block, num_warps = _jsd_launch_config(vocab)
     teacher_cap = cfg.teacher_softcap
     _jsd_chunk_kernel[(rows,)](
-        student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard, lse_s, lse_t, lse_1,
+        student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard,
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,
         1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
         MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        GRAD_IN_TEACHER=grad_dtype is not None, GIVEN_LSE=given_lse, BLOCK=block, num_warps=num_warps,
+        GRAD_IN_TEACHER=grad_dtype is not None, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
 
