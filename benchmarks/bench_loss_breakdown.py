@@ -110,18 +110,51 @@ def kernel_profile(n: int, hidden: int, vocab: int) -> dict:
     return dict(N=n, kernel_ms=total, span_ms=span, timed_ms=timed, top=top)
 
 
+def host_overhead(n: int, hidden: int, vocab: int) -> dict:
+    """What the call spends outside its kernels: torch.cuda.mem_get_info (the automatic chunk size asks it once
+    per call) timed alone, and the fused call with the automatic chunk size against the same size given."""
+    import time
+
+    from liger_patch_kd.ops.chunked import choose_chunk_size
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(100):
+        torch.cuda.mem_get_info()
+    info_ms = (time.perf_counter() - start) * 10
+    x = make_inputs(n, hidden, vocab)
+    rows = choose_chunk_size(n, vocab, torch.device("cuda"), bytes_per_logit=8)
+    out = dict(N=n, mem_get_info_ms=info_ms, chunk_rows=rows)
+    for label, cfg in (("automatic", KDLossConfig(beta=0.5)), ("given", KDLossConfig(beta=0.5, chunk_size=rows))):
+
+        def step(cfg=cfg):
+            x["h_s"].grad = x["w_s"].grad = None
+            fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
+
+        out[f"{label}_ms"] = cuda_time_ms(step, reps=10)
+    print(out, flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_loss_breakdown.json")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rows", type=int, nargs="+", default=[896, 2048])
     parser.add_argument("--profile-ns", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--host-only", action="store_true", help="only the host-overhead probe")
     args = parser.parse_args()
+    if args.host_only:
+        overhead = [host_overhead(n, args.hidden, LLAMA_V) for n in args.profile_ns]
+        write_json(args.out, dict(environment=environment(), host_overhead=overhead))
+        return
     rows = [r for n in args.rows for r in stage_rows(n, args.hidden, LLAMA_V)]
     profiles = [kernel_profile(n, args.hidden, LLAMA_V) for n in args.profile_ns]
+    overhead = [host_overhead(n, args.hidden, LLAMA_V) for n in args.profile_ns]
     print(f"\nV={LLAMA_V}, H={args.hidden}, bf16")
     table = print_table(rows, ["R", "stage", "ms", "TFLOP/s", "TB/s"])
-    write_json(args.out, dict(environment=environment(), stages=rows, profiles=profiles, table=table))
+    payload = dict(environment=environment(), stages=rows, profiles=profiles, host_overhead=overhead, table=table)
+    write_json(args.out, payload)
 
 
 if __name__ == "__main__":
