@@ -62,6 +62,8 @@ def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, r
     `reps` steps; `waited()` (optional) gives the seconds spent waiting for teacher data so far."""
     row = dict(method=name, micro_batch=micro_batch, seq=seq)
     student = build(shapes[0], device, dtype, seed=1)
+    if device.type == "cuda":  # this row's own peak, not one left by whatever ran before it in the process
+        torch.cuda.reset_peak_memory_stats()
     try:
         prepare_student("offline", student)
         opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
