@@ -24,8 +24,8 @@ from ..ops.fused_linear_topk_kd import _terms_and_a
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
 from .fused_math import group_loss_and_a
-from .reference import group_ids_consistent, project_to_bytes
-from .vocab import NO_BYTE, VocabMap
+from .offsets import group_ids_consistent
+from .vocab import NO_BYTE, VocabMap, project_to_bytes
 
 
 class CrossTokenizerLossOutput(NamedTuple):

@@ -18,6 +18,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
+import torch
+
 
 def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and character offsets of `text`, no special tokens added: an HF fast tokenizer, a
@@ -108,3 +110,16 @@ def first_token_at_or_after(offsets: list[tuple[int, int]], char: int) -> int:
     """Index of the first token that lies after `char` (canonically: the token before it ends at or before)."""
     ends = canonical_ends(offsets)
     return bisect_left([-1] + ends[:-1], char) if ends else 0
+
+
+def group_ids_consistent(student_groups: torch.Tensor, teacher_groups: torch.Tensor) -> int:
+    """The number of groups, after checking both sides name the same groups 0..G-1 (this module's output).
+    Shared by the fused loss and its reference."""
+    s = torch.unique(student_groups[student_groups >= 0])
+    t = torch.unique(teacher_groups[teacher_groups >= 0])
+    if not torch.equal(s, t) or (s.numel() and not torch.equal(s, torch.arange(s.numel(), device=s.device))):
+        raise ValueError(
+            f"student_groups and teacher_groups must name the same groups 0..G-1 (the aligner's output); got "
+            f"{s.numel()} student groups and {t.numel()} teacher groups"
+        )
+    return int(s.numel())

@@ -20,7 +20,8 @@ from ..conventions import dense_topk_teacher
 from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
-from .vocab import NO_BYTE, VocabMap
+from .offsets import group_ids_consistent
+from .vocab import VocabMap, project_to_bytes
 
 
 def merged_log_probs(
@@ -151,29 +152,6 @@ def chain_group_losses(
                                  allowed)  # fmt: skip
         per_group = per_group.index_add(0, g, terms.sum(-1))
     return per_group
-
-
-def project_to_bytes(probs: torch.Tensor, first_byte: torch.Tensor | None) -> torch.Tensor:
-    if first_byte is None or first_byte.numel() != probs.shape[-1]:
-        raise ValueError(
-            f"kind='next_byte' needs a VocabMap with first-byte classes for all {probs.shape[-1]} ids; build it "
-            f"with VocabMap.build(student_tokenizer, teacher_tokenizer, ...)"
-        )
-    return torch.zeros(probs.shape[0], NO_BYTE + 1, dtype=probs.dtype, device=probs.device).index_add(
-        1, first_byte.to(probs.device), probs
-    )
-
-
-def group_ids_consistent(student_groups: torch.Tensor, teacher_groups: torch.Tensor) -> int:
-    """The number of groups, after checking both sides name the same groups 0..G-1."""
-    s = torch.unique(student_groups[student_groups >= 0])
-    t = torch.unique(teacher_groups[teacher_groups >= 0])
-    if not torch.equal(s, t) or (s.numel() and not torch.equal(s, torch.arange(s.numel(), device=s.device))):
-        raise ValueError(
-            f"student_groups and teacher_groups must name the same groups 0..G-1 (the aligner's output); got "
-            f"{s.numel()} student groups and {t.numel()} teacher groups"
-        )
-    return int(s.numel())
 
 
 def cross_tokenizer_kd_loss(

@@ -176,3 +176,16 @@ def first_byte_classes(tokenizer_or_vocab, size: int, byte_level: bool | None = 
 
 def first_bytes(texts: list[bytes]) -> torch.Tensor:
     return torch.tensor([t[0] if t else NO_BYTE for t in texts], dtype=torch.long)
+
+
+def project_to_bytes(probs: torch.Tensor, first_byte: torch.Tensor | None) -> torch.Tensor:
+    """(rows, NO_BYTE + 1): each id's probability added to its first byte's class (`VocabMap.*_first_byte`);
+    ids with no byte (special tokens) go to the NO_BYTE class. Shared by the fused loss and its reference."""
+    if first_byte is None or first_byte.numel() != probs.shape[-1]:
+        raise ValueError(
+            f"kind='next_byte' needs a VocabMap with first-byte classes for all {probs.shape[-1]} ids; build it "
+            f"with VocabMap.build(student_tokenizer, teacher_tokenizer, ...)"
+        )
+    return torch.zeros(probs.shape[0], NO_BYTE + 1, dtype=probs.dtype, device=probs.device).index_add(
+        1, first_byte.to(probs.device), probs
+    )
