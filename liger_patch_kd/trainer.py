@@ -335,6 +335,10 @@ class KDTrainer(Trainer):
         )
         return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 
+    def train(self, *args, **kwargs):
+        self._kd_recompute_limited = False  # every train() turns checkpointing back on for every layer
+        return super().train(*args, **kwargs)
+
     # ------------------------------------------------------------------------------------------ on-policy
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.args.kd_recompute_layers is not None and not self._kd_recompute_limited:

@@ -259,6 +259,10 @@ def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path):
     assert runs[1][1] == [6, 3]
     assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == [True, False]
     torch.testing.assert_close(runs[1][0], runs[None][0], rtol=1e-6, atol=0)
+    calls = runs[1][1]
+    calls[:] = [0, 0]
+    trainer.train()  # a second train() turns checkpointing on for every layer again: still narrowed
+    assert calls == [6, 3]
 
 
 def test_selective_recompute_arguments(tmp_path):
