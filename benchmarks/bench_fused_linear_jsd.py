@@ -241,8 +241,7 @@ def main() -> None:
 
     cfg = KDLossConfig(beta=0.5)
     liger, note = liger_methods(cfg)
-    methods = {"liger_patch_kd": method_ours,
-               "liger_patch_kd chunk 2048": method_ours_chunk_2048,
+    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
                "plain pytorch": method_torch, **liger}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
     if not args.quick and "vocab" in groups:

@@ -78,14 +78,18 @@ def stage_rows(rows: int, hidden: int, vocab: int) -> list[dict]:
     return out
 
 
-def kernel_profile(n: int, hidden: int, vocab: int) -> dict:
-    x = make_inputs(n, hidden, vocab)
-    cfg = KDLossConfig(beta=0.5)
+def loss_step(x: dict, cfg: KDLossConfig):
+    """One fused_linear_jsd forward + backward on make_inputs' tensors, as a callable for the timers."""
 
     def step():
         x["h_s"].grad = x["w_s"].grad = None
         fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
 
+    return step
+
+
+def kernel_profile(n: int, hidden: int, vocab: int) -> dict:
+    step = loss_step(make_inputs(n, hidden, vocab), KDLossConfig(beta=0.5))
     step()
     step()
     torch.cuda.synchronize()
@@ -126,12 +130,7 @@ def host_overhead(n: int, hidden: int, vocab: int) -> dict:
     rows = choose_chunk_size(n, vocab, torch.device("cuda"), bytes_per_logit=8)
     out = dict(N=n, mem_get_info_ms=info_ms, chunk_rows=rows)
     for label, cfg in (("automatic", KDLossConfig(beta=0.5)), ("given", KDLossConfig(beta=0.5, chunk_size=rows))):
-
-        def step(cfg=cfg):
-            x["h_s"].grad = x["w_s"].grad = None
-            fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
-
-        out[f"{label}_ms"] = cuda_time_ms(step, reps=10)
+        out[f"{label}_ms"] = cuda_time_ms(loss_step(x, cfg), reps=10)
     print(out, flush=True)
     return out
 

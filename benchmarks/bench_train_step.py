@@ -32,6 +32,7 @@ import torch
 
 from liger_patch_kd import reference as R
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
+from liger_patch_kd.models.recompute import limit_recompute
 
 from .common import environment, print_table, write_json
 
@@ -141,9 +142,8 @@ def prepare_student(name: str, student):
         apply_kd_patch_to_llama(model=student, beta=0.5 if not name.startswith("offline") else 0.0)
     if "no recompute" not in name:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if SELECTIVE in name:  # the first layers recompute, the rest keep their activations
-            for layer in student.model.layers[SELECTIVE_LAYERS:]:
-                layer.gradient_checkpointing = False
+        if SELECTIVE in name:  # the first layers recompute, the rest keep their activations (as KDTrainer does)
+            limit_recompute(student, min(SELECTIVE_LAYERS, student.config.num_hidden_layers))  # --tiny has 2
     student.config.use_cache = False
     student.train()
 
