@@ -240,10 +240,12 @@ def test_bad_arguments(tmp_path):
         trainer.compute_loss(trainer.model, TD.TeacherDataCollator()(_dataset(2)))
 
 
-def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path):
-    """kd_recompute_layers=1 on a 2-layer student: layer 0's attention runs twice per step (once more when the
-    backward recomputes it), layer 1's once; the losses equal those of full recompute (checkpointing changes no
-    arithmetic). Counted on the attention: transformers checkpoints a layer's forward, inside its own hooks."""
+@pytest.mark.parametrize("bf16,accumulation", [(False, 1), (True, 2)], ids=["fp32", "bf16-accumulated"])
+def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path, bf16, accumulation):
+    """kd_recompute_layers=1 on a 2-layer student: layer 0's attention runs twice per micro-batch (once more when
+    the backward recomputes it), layer 1's once; the losses equal those of full recompute (checkpointing changes
+    no arithmetic), in fp32 and under bf16 autocast with gradient accumulation. Counted on the attention:
+    transformers checkpoints a layer's forward, inside its own hooks."""
     runs = {}
     for limit in (None, 1):
         student = tiny_model("llama", dtype=torch.float32, seed=1)
@@ -252,17 +254,19 @@ def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path):
             layer.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
         trainer = _train(
             tmp_path / str(limit), student, tiny_model("llama", dtype=torch.float32, seed=2), max_steps=3,
-            gradient_checkpointing=True, kd_recompute_layers=limit,
+            gradient_checkpointing=True, kd_recompute_layers=limit, bf16=bf16,
+            gradient_accumulation_steps=accumulation,
         )  # fmt: skip
         runs[limit] = (_losses(trainer), calls)
-    assert runs[None][1] == [6, 6]  # 3 steps, every layer recomputed
-    assert runs[1][1] == [6, 3]
+    micro_batches = 3 * accumulation
+    assert runs[None][1] == [2 * micro_batches, 2 * micro_batches]  # every layer recomputed
+    assert runs[1][1] == [2 * micro_batches, micro_batches]
     assert [layer.gradient_checkpointing for layer in trainer.model.model.layers] == [True, False]
     torch.testing.assert_close(runs[1][0], runs[None][0], rtol=1e-6, atol=0)
     calls = runs[1][1]
     calls[:] = [0, 0]
     trainer.train()  # a second train() turns checkpointing on for every layer again: still narrowed
-    assert calls == [6, 3]
+    assert calls == [2 * micro_batches, micro_batches]
 
 
 def test_selective_recompute_arguments(tmp_path):
