@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 
 from . import fsdp_worker
 
+pytestmark = pytest.mark.multiprocess  # every test spawns worker processes (mp.spawn, torchrun, accelerate launch)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -51,6 +53,7 @@ def _assert_small(errors: dict[str, float], bound: float) -> None:
     assert worst[0][1] < bound, f"largest differences from one process: {worst}"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_fsdp2_two_gpus_nccl_match_one(tmp_path, mode):
@@ -62,6 +65,7 @@ def test_fsdp2_two_gpus_nccl_match_one(tmp_path, mode):
     _assert_small(torch.load(result), 1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (FSDP1 refuses CPU)")
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_fsdp1_two_gpus_nccl_match_one(tmp_path, mode):
@@ -71,6 +75,7 @@ def test_fsdp1_two_gpus_nccl_match_one(tmp_path, mode):
     _assert_small(torch.load(result), 1e-5)  # float64, fp32 RMSNorm and cuBLAS roundings: see the FSDP2 test
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp1"])
 def test_two_gpus_bf16_match_one(tmp_path, wrapper):
@@ -125,6 +130,7 @@ def test_kdtrainer_under_accelerate_matches_one_process(tmp_path, config, single
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (single["log"], sharded["log"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP needs a non-CPU accelerator device (FSDP1 refuses CPU)")
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_fsdp1_one_process_matches_unwrapped(tmp_path, use_orig_params):

@@ -165,6 +165,7 @@ def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
         _args(tmp_path, kd_teacher_precision="int8")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels' e4m3 cast is checked on a GPU")
 @pytest.mark.parametrize("width", [4096, 14336])
 def test_triton_kernels_match_the_reference(width):

@@ -157,6 +157,7 @@ def test_trainer_trains_in_bf16_mixed_precision(tmp_path, use_kd_patch, fused):
     assert trainer.model(ids).logits.shape == (*ids.shape, VOCAB)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 mixed precision needs a GPU")
 def test_trainer_trains_in_fp16_mixed_precision(tmp_path):
     trainer = L.KDTrainer(

@@ -92,11 +92,30 @@ def server(teacher_dir):
     srv.stop()
 
 
+# The server runs float64 teachers but returns float32 log-probs (log_softmax of the logits cast to float32), and it
+# batches whatever requests are waiting when a batch starts: which sequences share a forward, and how far they are
+# padded, depends on timing. A float64 GEMM over other shapes may reduce in another order on another BLAS, so the
+# same sequence can come back one float32 ulp apart (|log-prob| <~ 50 here: ulp <= 4e-6), and two log-probs within
+# that of each other can swap places in the top-k. Replies are therefore compared to SERVED_ATOL, and ids only
+# through the values they point at (tie-robust); a wrong id or a row of another position is off by >= 1e-4.
+SERVED_ATOL = 1e-5
+
+
+def assert_same_topk(ids, values, ref_logprobs, atol=SERVED_ATOL):
+    """(T, K) served ids / log-probs against (T, V) reference log-probs: ids unique per row, each id's reference
+    log-prob is its served value, and the served values are the reference's K largest, so any order of ties passes."""
+    ids, values = ids.long(), values.double()
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+    torch.testing.assert_close(values, ref_logprobs.gather(-1, ids), rtol=0, atol=atol)
+    torch.testing.assert_close(values, ref_logprobs.topk(ids.shape[-1], -1).values, rtol=0, atol=atol)
+
+
 def _rows(n=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (int(torch.randint(5, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
     """vLLM-style JSON (top K plus the prompt token when outside it) and binary replies against log_softmax of the
     teacher's materialised float64 logits."""
@@ -109,22 +128,27 @@ def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     raw = json.loads(urllib.request.urlopen(request).read())["choices"][0]["prompt_logprobs"]
     for seq, (i, v), (j, w) in zip(seqs, as_json, as_binary):
-        assert torch.equal(i, j) and torch.equal(v, w)
+        # the JSON client's 3 concurrent requests and the binary client's 2 meet the batcher at different times, so
+        # the two replies of one sequence may come from forwards of different batches: not bit-equal (see above)
         with torch.no_grad():
             ref = torch.log_softmax(teacher(torch.tensor([seq])).logits[0].double(), -1)
-        ref_v, ref_i = ref.topk(TOP_K, -1)
-        assert i[:-1].tolist() == ref_i[:-1].tolist() and (i[-1] == -1).all() and (v[-1] == -math.inf).all()
-        torch.testing.assert_close(v[:-1].double(), ref_v[:-1], rtol=0, atol=1e-5)
+        for ids, values in ((i, v), (j, w)):
+            assert_same_topk(ids[:-1], values[:-1], ref[:-1])
+            assert (ids[-1] == -1).all() and (values[-1] == -math.inf).all()
     assert raw[0] is None and len(raw) == len(seqs[0])
     with torch.no_grad():
         ref = torch.log_softmax(teacher(torch.tensor([seqs[0]])).logits[0].double(), -1)
     for t in range(1, len(seqs[0])):
         own, own_lp = str(seqs[0][t]), ref[t - 1, seqs[0][t]]
         assert len(raw[t]) == TOP_K + (own not in {str(x) for x in as_json[0][0][t - 1].tolist()})
-        assert raw[t][own]["logprob"] == pytest.approx(float(own_lp), abs=1e-5)
-        assert raw[t][own]["rank"] == int((ref[t - 1] > own_lp).sum()) + 1
+        assert raw[t][own]["logprob"] == pytest.approx(float(own_lp), abs=SERVED_ATOL)
+        # the server ranks in float32: a log-prob within SERVED_ATOL of the token's own may count either way
+        above = int((ref[t - 1] > own_lp + SERVED_ATOL).sum())
+        near = int((ref[t - 1] - own_lp).abs().le(SERVED_ATOL).sum())
+        assert above + 1 <= raw[t][own]["rank"] <= above + near
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 @pytest.mark.skipif(not fp8_available(torch.device("cpu"))[0], reason=fp8_available(torch.device("cpu"))[1])
 def test_fp8_server_serves_the_quantised_teacher(teacher_dir):
     """`liger-kd serve --precision fp8`: the replies are those of the teacher quantised in process, and not the
@@ -150,6 +174,7 @@ def test_fp8_server_serves_the_quantised_teacher(teacher_dir):
         assert near < far, (near, far)
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_concurrent_requests_are_batched(server):
     client = TD.TeacherClient(server.url, "liger", top_k=TOP_K, vocab_size=VOCAB, sequences_per_request=1,
                               max_in_flight=8)  # fmt: skip
@@ -158,9 +183,13 @@ def test_concurrent_requests_are_batched(server):
     together = client.fetch(seqs)
     after = json.loads(urllib.request.urlopen(server.url + "/health").read())["batches_run"]
     assert after - before < len(seqs)  # some requests shared a teacher forward
-    for seq, (i, v) in zip(seqs, together):  # and each got its own rows
+    teacher = _teacher()
+    for seq, (i, v) in zip(seqs, together):  # and each got its own rows: batched and alone agree to SERVED_ATOL
         j, w = client.fetch([seq])[0]
-        assert torch.equal(i, j) and torch.allclose(v, w, atol=1e-6)
+        with torch.no_grad():
+            ref = torch.log_softmax(teacher(torch.tensor([seq])).logits[0].double(), -1)
+        assert_same_topk(i[:-1], v[:-1], ref[:-1])
+        assert_same_topk(j[:-1], w[:-1], ref[:-1])
 
 
 def _args(tmp_path, **overrides):
@@ -182,6 +211,16 @@ def _train(tmp_path, data, collator=None, callbacks=None, **overrides):
     return losses, [p.detach().clone() for p in student.parameters()], trainer
 
 
+def _assert_same_training(losses, params, want_losses, want_params):
+    """Float32 student trained on teacher rows that may differ by float32 ulps. Measured: 30 % of a store's log-probs
+    moved by one ulp move these losses by <= 1.8e-7 relative and the weights by <= 1.1e-6 after the Adam steps (lr
+    5e-3; an EPYC saw 1.1e-7 on a loss); allowed: 1e-5 for both. Wrong teacher rows or a lost step move each Adam
+    step's weights by ~lr = 5e-3 and the loss by > 1e-3."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    for a, b in zip(params, want_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def offline_store(tmp_path_factory):
     path = tmp_path_factory.mktemp("store")
@@ -191,19 +230,22 @@ def offline_store(tmp_path_factory):
     return rows, TD.TeacherLogprobsDataset(path, vocab_size=VOCAB)
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_training_against_the_server_equals_training_from_a_store(tmp_path, server, offline_store):
-    """Same seed, same data order, gradient accumulation, two epochs: the same losses and weights, bit for bit."""
+    """Same seed, same data order, gradient accumulation, two epochs: the same losses and weights, up to the float32
+    ulps by which the served log-probs may differ from the store's (the store ran one sequence per forward, the server
+    batches by arrival time: see SERVED_ATOL)."""
     rows, store = offline_store
     common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5)
     offline_losses, offline_params, _ = _train(tmp_path / "offline", store, **common)
     served_losses, served_params, _ = _train(tmp_path / "served", [{"input_ids": r} for r in rows],
                                              kd_teacher_url=server.url, kd_teacher_protocol="liger",
                                              kd_teacher_top_k=TOP_K, **common)  # fmt: skip
-    assert served_losses == offline_losses and len(served_losses) == 5
-    for a, b in zip(served_params, offline_params):
-        assert torch.equal(a, b)
+    assert len(served_losses) == 5
+    _assert_same_training(served_losses, served_params, offline_losses, offline_params)
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_packed_batches_get_each_sequences_teacher_rows(server):
     from transformers import DataCollatorWithFlattening
 
@@ -222,9 +264,12 @@ def test_packed_batches_get_each_sequences_teacher_rows(server):
         assert (flat["teacher_token_ids"][0, start + n - 1] == -1).all()  # no teacher row across the boundary
         start += n
     student = M.apply_kd_patch_to_llama(model=tiny_model("llama", seed=1), reduction="sum")
-    torch.testing.assert_close(student(**flat).loss, student(**padded).loss, rtol=1e-9, atol=1e-10)
+    # float64 student, but packed (1 x sum(n)) and padded (3 x max(n)) batches go through BLAS and attention in other
+    # shapes and reduction orders: ~1e-9 relative on an EPYC's BLAS; a teacher row given to another sequence is O(1)
+    torch.testing.assert_close(student(**flat).loss, student(**padded).loss, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_training_with_packing_against_the_server(tmp_path, server):
     from transformers import DataCollatorWithFlattening
 
@@ -234,6 +279,7 @@ def test_training_with_packing_against_the_server(tmp_path, server):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 def test_server_killed_mid_run_and_restarted(tmp_path, teacher_dir, server):
     """The server dies after step 1 (by its PID) and comes back: the retries carry training on, to the very same
     result as a run that never lost it."""
@@ -258,9 +304,7 @@ def test_server_killed_mid_run_and_restarted(tmp_path, teacher_dir, server):
         flaky.stop()
     assert state["loader"].client.retried > 0  # the lost server was noticed and waited for
     steady_losses, steady_params, _ = _train(tmp_path / "steady", rows, kd_teacher_url=server.url, **common)
-    assert losses == steady_losses
-    for a, b in zip(params, steady_params):
-        assert torch.equal(a, b)
+    _assert_same_training(losses, params, steady_losses, steady_params)  # batches met the batcher differently
 
 
 class _Stub(http.server.BaseHTTPRequestHandler):

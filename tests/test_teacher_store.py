@@ -167,6 +167,7 @@ def test_every_option_documents_its_default(capsys):
     assert isinstance(cli.main, type(main)) and argparse
 
 
+@pytest.mark.multiprocess
 def test_precompute_survives_sigkill_at_random_points(tmp_path, saved_teacher):
     """SIGKILL the real CLI at random moments while it writes shards, several times; resume; byte-identical."""
     data = tmp_path / "data.jsonl"

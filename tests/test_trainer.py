@@ -116,7 +116,7 @@ def test_patched_and_unpatched_agree_on_loss_and_grads(tmp_path):
 
 def test_gradient_accumulation_is_exact(tmp_path):
     """One optimizer step over 4 sequences: batch 4 x 1 micro-batch == batch 1 x 4 accumulated."""
-    params = []
+    params, before = [], [p.detach().clone() for p in tiny_model("llama", seed=1).parameters()]
     for bs, ga in ((4, 1), (1, 4)):
         student = tiny_model("llama", seed=1)
         teacher = tiny_model("llama", seed=2)
@@ -134,8 +134,13 @@ def test_gradient_accumulation_is_exact(tmp_path):
             kd_hard_weight=0.2,
         )
         params.append([p.detach().clone() for p in student.parameters()])
-    for a, b in zip(*params):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    # Compare the SGD updates, relative to the largest: float64, but one padded batch of 4 and four unpadded batches
+    # of 1 reduce in other orders through BLAS; measured up to 3e-8 of the largest update (2.6e-10 absolute on an
+    # AVX2 EPYC). Normalising by each micro-batch's tokens instead of the whole batch's changes updates by O(1).
+    updates = [[a - p0 for a, p0 in zip(run, before)] for run in params]
+    scale = max(u.abs().max().item() for u in updates[0])
+    for a, b in zip(*updates):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * scale)
 
 
 def test_logged_kd_terms_add_up_to_the_logged_loss_under_gradient_accumulation(tmp_path):
