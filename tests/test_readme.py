@@ -1,0 +1,109 @@
+"""Every ```python block of README.md runs as written, each in a fresh namespace in a fresh temporary directory.
+
+A block may carry an HTML comment on the line(s) above it:
+- `<!-- readme-test: prelude=NAME -->`: the names listed in PRELUDES[NAME] are put in its namespace first (the
+  README says where they come from: `student`, `teacher`, `tokenizer`, `data` ... are the reader's own);
+- `<!-- readme-test: skip (REASON) -->`: skipped with that reason (only for what a CPU cannot run: GPUs, launches).
+Without a comment a block must run from nothing.
+"""
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TIMEOUT_S = 300  # per block, on a loaded 2-core CPU
+_DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
+
+
+def python_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line number, directive or "", code) of each fenced ```python block, in order."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            start, j = i + 1, i + 1
+            while lines[j].strip() != "```":
+                j += 1
+            above = [ln for ln in lines[max(0, i - 3) : i] if ln.strip()]
+            found = [m.group(1) for ln in above if (m := _DIRECTIVE.search(ln))]
+            blocks.append((start, found[-1] if found else "", "\n".join(lines[start:j])))
+            i = j
+        i += 1
+    return blocks
+
+
+def _tiny_pair() -> dict:
+    """A character tokenizer on the packaged corpus, a 2-layer student and a 2-layer teacher (Llama, float32),
+    a few rows of data, one batch, and the student saved as a checkpoint (STUDENT_PATH)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from liger_patch_kd.demo import CharTokenizer, load_corpus
+
+    class Tokenizer(CharTokenizer):  # the Trainer saves its processing_class with the checkpoint; the demo's cannot
+        def save_pretrained(self, directory):
+            Path(directory, "vocab.json").write_text(json.dumps(self.get_vocab()))
+
+    text = load_corpus()
+    tokenizer = Tokenizer(text)
+
+    def model(hidden, seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+    student, teacher = model(32, 0), model(64, 1)
+    ids = tokenizer.encode(text[:2048])
+    data = [{"input_ids": ids[i : i + 32]} for i in range(0, 8 * 32, 32)]
+    input_ids = torch.tensor([row["input_ids"] for row in data[:2]])
+    student.save_pretrained("student_checkpoint")
+    return dict(student=student, teacher=teacher, tokenizer=tokenizer, data=data, input_ids=input_ids,
+                mask=torch.ones_like(input_ids), labels=input_ids.clone(),
+                STUDENT_PATH="student_checkpoint")  # fmt: skip
+
+
+def _store() -> dict:
+    """_tiny_pair plus a top-8 store of the teacher's log-probs on `data`, in ./store/."""
+    from liger_patch_kd.teacher import precompute
+
+    names = _tiny_pair()
+    precompute(names["teacher"], [r["input_ids"] for r in names["data"]], "store", top_k=8, progress=False)
+    return names
+
+
+PRELUDES = {"tiny_pair": _tiny_pair, "store": _store}
+BLOCKS = python_blocks(README.read_text())
+
+
+def test_the_readme_has_python_blocks_and_only_known_directives():
+    assert len(BLOCKS) >= 4
+    for line, directive, _ in BLOCKS:
+        assert directive == "" or directive.startswith("skip (") or directive.split("=", 1)[0] == "prelude", line
+        if directive.startswith("prelude="):
+            assert directive.split("=", 1)[1] in PRELUDES, (line, directive)
+
+
+@pytest.mark.parametrize("line,directive,code", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
+def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypatch, clean_patches):
+    if directive.startswith("skip"):
+        pytest.skip(directive[len("skip") :].strip(" ()"))
+    monkeypatch.chdir(tmp_path)  # "out", "store/" ... land in the test's own directory
+    namespace = {"__name__": "__readme__"}
+
+    def too_long(*_):
+        raise TimeoutError(f"README.md:{line}: the block ran past {TIMEOUT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(TIMEOUT_S)
+    try:
+        if directive.startswith("prelude="):
+            namespace.update(PRELUDES[directive.split("=", 1)[1]]())
+        exec(compile(code, f"README.md:{line}", "exec"), namespace)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
