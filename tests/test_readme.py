@@ -107,3 +107,15 @@ def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypat
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_readmes_compressor_yaml_is_accepted():
+    """The `--compressor cfg.yaml` example (```yaml block) is a valid DistillKit compressor configuration."""
+    yaml = pytest.importorskip("yaml")
+    from liger_patch_kd.teacher.distillkit import CompressorConfig
+
+    found = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
+    assert found
+    for text in found:
+        cfg = CompressorConfig.from_any(yaml.safe_load(text))
+        assert cfg.exact_k == cfg.k  # the lossless example
