@@ -1,9 +1,12 @@
 """The demo in its reduced mode: it runs, and distillation beats CE alone on KL to the teacher."""
 
+import pytest
+
 import liger_patch_kd.models as M
 from liger_patch_kd.demo import run_demo
 
 
+@pytest.mark.slow  # trains a teacher and six students: the suite's longest test on a CPU
 def test_quick_demo_distilled_students_beat_ce_only():
     try:
         rows = run_demo(quick=True, device="cpu")
