@@ -37,7 +37,7 @@ from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.demo import BOS, PAD, CharTokenizer, DemoSizes, _args, _model, _windows, evaluate, load_corpus
 from liger_patch_kd.models import revert_kd_patch
 from liger_patch_kd.teacher import TeacherDataCollator, TeacherLogprobsDataset, precompute, tokenizer_fingerprint
-from liger_patch_kd.teacher.compact import codec_from_spec
+from liger_patch_kd.teacher.store.compact import codec_from_spec
 
 # (name, precompute encoding, plain log-prob dtype); the first is the reference every other row is compared with
 ENCODINGS = [

@@ -27,8 +27,8 @@ from .models.kd_forward import unwrap_model
 from .models.kd_io import TeacherInputs, targets_of
 from .models.materialised import materialised_kd
 from .models.recompute import limit_recompute
-from .teacher.collator import TeacherDataCollator
-from .teacher.prefetch import CROSS_TOKENIZER_KEYS, check_served_teacher_args, served_teacher_dataloader
+from .teacher import TeacherDataCollator
+from .teacher.serve.prefetch import CROSS_TOKENIZER_KEYS, check_served_teacher_args, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 

@@ -114,7 +114,7 @@ def test_served_teacher_is_asked_about_its_own_tokenization(setup, served):
     """The prefetcher asks the server about teacher_input_ids (not the student's ids) and aligns the replies with
     them: the loss equals the one from the same top-k computed in process (offline rows)."""
     from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
-    from liger_patch_kd.teacher.prefetch import CROSS_TOKENIZER_KEYS
+    from liger_patch_kd.teacher.serve.prefetch import CROSS_TOKENIZER_KEYS
 
     from .test_teacher_server import TOP_K
 

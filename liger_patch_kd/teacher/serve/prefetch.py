@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .client import PROTOCOLS, TeacherClient
-from .protocols import TopK
+from .client import TeacherClient
+from .protocols import PROTOCOLS, TopK
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
 STUDENT_KEYS = ("input_ids", "attention_mask")  # the ids the teacher is asked about, and their mask
@@ -189,7 +189,7 @@ def check_served_teacher_args(args: Any) -> None:
     if not args.kd_teacher_url:
         return
     if args.kd_teacher_protocol not in PROTOCOLS:
-        raise ValueError(f"kd_teacher_protocol must be one of {PROTOCOLS}; got {args.kd_teacher_protocol!r}")
+        raise ValueError(f"kd_teacher_protocol must be one of {tuple(PROTOCOLS)}; got {args.kd_teacher_protocol!r}")
     if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
         raise ValueError(
             f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
