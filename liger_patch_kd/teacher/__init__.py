@@ -1,7 +1,7 @@
-"""Teacher signals as data, in three rooms and a step: the store (store/: format, writer, reader, packed
-encoding, collator), other tools' formats and the converter table (formats/), a teacher behind a server
-(serve/: wire formats, client, prefetcher; the server itself is teacher.serve.server, FastAPI imported lazily),
-and precompute.py, which fills a store from a teacher model."""
+"""Teacher signals as data, in three rooms: the store (store/: format, writer, reader, packed encoding,
+collator), other tools' formats and the converter table (formats/), a teacher behind a server (serve/: wire
+formats, client, prefetcher; the server itself is teacher.serve.server, FastAPI imported lazily); and
+precompute.py, which fills a store from a teacher model. `__all__` is what users call."""
 
 from .formats import (
     CONVERTERS,
