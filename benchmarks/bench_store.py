@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from liger_patch_kd.teacher import StoreWriter, TeacherDataCollator, TeacherLogprobsDataset
-from liger_patch_kd.teacher.compact import PackedCodec
-from liger_patch_kd.teacher.shard import sha256_file
+from liger_patch_kd.teacher.store.compact import PackedCodec
+from liger_patch_kd.teacher.store.shard import sha256_file
 
 VOCAB = 151936
 

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_store_encodings [--quick] [--out FILE.json]
 
-`liger-kd demo`'s teacher, corpus and offline top-k recipe (liger_patch_kd/demo.py): the teacher is trained once,
+`liger-kd demo`'s teacher, corpus and offline top-k recipe (liger_patch_kd/demo/): the teacher is trained once,
 its top-k store is precomputed once per encoding (plain float32 = the reference, plain bf16 = the default, plain
 float16, packed6/8/10/12), and the same student (same init, steps and data order) is trained from each store.
 Per encoding:
@@ -34,10 +34,20 @@ import torch.nn.functional as F
 from benchmarks.common import environment, print_table, write_json
 from liger_patch_kd import reference
 from liger_patch_kd.config import KDLossConfig
-from liger_patch_kd.demo import BOS, PAD, CharTokenizer, DemoSizes, _args, _model, _windows, evaluate, load_corpus
+from liger_patch_kd.demo import (
+    BOS,
+    PAD,
+    CharTokenizer,
+    DemoSizes,
+    build_model,
+    evaluate,
+    load_corpus,
+    training_args,
+    windows,
+)
 from liger_patch_kd.models import revert_kd_patch
 from liger_patch_kd.teacher import TeacherDataCollator, TeacherLogprobsDataset, precompute, tokenizer_fingerprint
-from liger_patch_kd.teacher.compact import codec_from_spec
+from liger_patch_kd.teacher.store.compact import codec_from_spec
 
 # (name, precompute encoding, plain log-prob dtype); the first is the reference every other row is compared with
 ENCODINGS = [
@@ -50,7 +60,7 @@ ENCODINGS = [
     ("packed6", "packed6", "float32"),
 ]
 QWEN_VOCAB, QWEN_K = 151936, 64
-STUDENT_SEED, NOISE_SEED = 1, 2  # demo.py's student init seed, and the second one for the noise row
+STUDENT_SEED, NOISE_SEED = 1, 2  # demo/same_tokenizer.py's student init seed, and the second one for the noise row
 FIXED_STUDENT_SEQUENCES = 128  # training windows the fixed-student KD loss is measured on
 
 
@@ -100,8 +110,8 @@ def train_student(data, sizes: DemoSizes, vocab: int, seed: int, work: Path, tea
     from liger_patch_kd.trainer import KDTrainer
 
     device = torch.device("cpu")
-    student = _model(vocab, 64, 2, seed=seed, device=device)
-    args = _args(work / "student", sizes.student_steps, sizes.batch, device, use_kd_patch=True, kd_beta=0.0)
+    student = build_model(vocab, 64, 2, seed=seed, device=device)
+    args = training_args(work / "student", sizes.student_steps, sizes.batch, device, use_kd_patch=True, kd_beta=0.0)
     trainer = KDTrainer(model=student, teacher_model=None, args=args, train_dataset=data,
                         data_collator=TeacherDataCollator(pad_token_id=PAD))  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # the per-log dicts; the table below says what matters
@@ -130,14 +140,15 @@ def main() -> None:
     text = load_corpus()
     tok = CharTokenizer(text)
     split = int(len(text) * 0.9)
-    train = _windows(tok.encode(text[:split]), sizes.seq)
-    held_out = _windows(tok.encode(text[split:]), sizes.seq)[:64]
+    train = windows(tok.encode(text[:split]), sizes.seq)
+    held_out = windows(tok.encode(text[split:]), sizes.seq)[:64]
     vocab = len(tok)
     assert train[0][0] == BOS
     work = Path(tempfile.mkdtemp(prefix="bench_store_encodings_"))
 
-    teacher = _model(vocab, 128, 4, seed=0, device=device)
-    teacher_trainer = Trainer(model=teacher, args=_args(work / "teacher", sizes.teacher_steps, sizes.batch, device),
+    teacher = build_model(vocab, 128, 4, seed=0, device=device)
+    teacher_args = training_args(work / "teacher", sizes.teacher_steps, sizes.batch, device)
+    teacher_trainer = Trainer(model=teacher, args=teacher_args,
                               train_dataset=[{"input_ids": torch.tensor(w)} for w in train],
                               data_collator=TeacherDataCollator(pad_token_id=PAD))  # fmt: skip
     teacher_trainer.remove_callback(PrinterCallback)

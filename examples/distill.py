@@ -45,12 +45,12 @@ def tiny_pair(vocab: int):
 def load(args):
     """(student, teacher, tokenized sequences, tokenizer-like object with pad/fingerprint)."""
     if args.student is None:
-        from liger_patch_kd.demo import CharTokenizer, _windows, load_corpus
+        from liger_patch_kd.demo import CharTokenizer, load_corpus, windows
 
         text = load_corpus()
         tok = CharTokenizer(text)
         student, teacher = tiny_pair(len(tok))
-        return student, teacher, _windows(tok.encode(text), args.seq), tok
+        return student, teacher, windows(tok.encode(text), args.seq), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32

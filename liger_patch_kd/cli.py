@@ -46,71 +46,19 @@ def _precompute(args) -> None:
 
 
 def _convert(args) -> None:
-    from .teacher import axolotl, distillkit, hf_datasets
-    from .teacher.store import read_manifest
+    from .teacher.formats import ConvertOptions, convert
 
-    if args.from_format == args.to_format and args.from_format != "store":
-        raise ValueError(f"--from and --to are both {args.from_format}: nothing to convert")
-    if args.from_format == "store":
-        if args.to_format == "distillkit":
-            if args.compressor is None:
-                raise ValueError("--to distillkit needs --compressor (a compression_config.yaml: d, k, exact_k, ...)")
-            distillkit.store_to_distillkit(args.input, args.out, compressor=args.compressor)
-        elif args.to_format == "store":
-            meta = read_manifest(args.input)
-            hf_datasets.dataset_to_store(
-                _store_rows(args.input), args.out, vocab_size=meta["vocab_size"], top_k=meta["top_k"],
-                logprob_dtype=args.dtype or meta.get("logprob_dtype", "float32"), encoding=args.encoding,
-                shard_size=args.shard_size, teacher=meta.get("teacher", ""), temperature=meta.get("temperature", 1.0),
-                tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
-            )  # fmt: skip
-        else:
-            table = (axolotl.store_to_axolotl if args.to_format == "axolotl" else hf_datasets.store_to_dataset)(
-                args.input
-            )
-            _save_table(table, args.out)
-        print(f"wrote {args.out}")
-        return
-    if args.to_format != "store":
-        raise ValueError(f"--from {args.from_format} converts to --to store only (then export the store)")
-    if args.from_format == "distillkit":  # the settings carry the vocabulary and k
-        distillkit.distillkit_to_store(
-            args.input, args.out, compressor=args.compressor, vocab_size=args.vocab_size, top_k=args.top_k,
-            logprob_dtype=args.dtype or "float32", encoding=args.encoding, shard_size=args.shard_size,
-        )  # fmt: skip
-        print(f"wrote {args.out}")
-        return
-    if args.vocab_size is None or args.top_k is None:
-        raise ValueError(f"--from {args.from_format} needs --vocab-size (the teacher's) and --top-k (slots to keep)")
-    rows = hf_datasets.load_table(args.input)
-    common = dict(vocab_size=args.vocab_size, top_k=args.top_k, logprob_dtype=args.dtype or "float32",
-                  encoding=args.encoding, shard_size=args.shard_size)  # fmt: skip
-    if args.from_format == "axolotl":
-        axolotl.axolotl_to_store(rows, args.out, temperature=args.temperature, keep_temperature=args.keep_temperature,
-                                 logprobs_field=args.logprobs_field, **common)  # fmt: skip
-    else:
-        hf_datasets.dataset_to_store(rows, args.out, **common)
+    options = ConvertOptions(
+        vocab_size=args.vocab_size, top_k=args.top_k, compressor=args.compressor, temperature=args.temperature,
+        keep_temperature=args.keep_temperature, logprobs_field=args.logprobs_field, encoding=args.encoding,
+        dtype=args.dtype, shard_size=args.shard_size,
+    )  # fmt: skip
+    convert(args.from_format, args.to_format, args.input, args.out, options)
     print(f"wrote {args.out}")
 
 
-def _store_rows(store: str):
-    from .teacher.store import iter_store
-
-    for ids, top_ids, top_lp in iter_store(store):
-        yield {"input_ids": ids, "teacher_token_ids": top_ids, "teacher_logprobs": top_lp.float()}
-
-
-def _save_table(table, out: str) -> None:
-    if out.endswith(".parquet"):
-        table.to_parquet(out)
-    elif out.endswith((".jsonl", ".json")):
-        table.to_json(out)
-    else:
-        table.save_to_disk(out)
-
-
 def _serve(args) -> None:
-    from .teacher.server import serve
+    from .teacher.serve.server import serve
 
     serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
@@ -127,6 +75,8 @@ def _bench(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .teacher.formats import CONVERTERS  # the formats `convert` knows, one table
+
     parser = argparse.ArgumentParser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -168,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         "--from",
         dest="from_format",
         required=True,
-        choices=["store", "axolotl", "hf", "distillkit"],
+        choices=list(CONVERTERS),
         help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs; distillkit: its compressed "
         "parquet (input_ids, compressed_logprobs, bytepacked_indices) (required)",
     )
@@ -176,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         "--to",
         dest="to_format",
         required=True,
-        choices=["store", "axolotl", "hf", "distillkit"],
+        choices=list(CONVERTERS),
         help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)",
     )
     conv.add_argument(

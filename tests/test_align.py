@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, VocabMap, align_tokens, byte_level_to_text, canonical_ends
-from liger_patch_kd.align.demo import CharTokenizerWithOffsets, train_bpe_tokenizer
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.align.offsets import encode_with_offsets
 
 

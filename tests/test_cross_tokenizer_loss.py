@@ -11,7 +11,7 @@ import torch
 from liger_patch_kd.align import CrossTokenizerConfig, VocabMap, align_tokens, fused_linear_cross_tokenizer_kd
 from liger_patch_kd.align import reference as xref
 from liger_patch_kd.align.chain import TokenTrie
-from liger_patch_kd.align.demo import CharTokenizerWithOffsets, train_bpe_tokenizer
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.align.offsets import encode_with_offsets
 from liger_patch_kd.demo import load_corpus
 

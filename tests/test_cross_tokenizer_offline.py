@@ -8,9 +8,10 @@ import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from liger_patch_kd.align import reference as xref
-from liger_patch_kd.align.demo import CharTokenizerWithOffsets, train_bpe_tokenizer
-from liger_patch_kd.align.trainer_hooks import compute_cross_tokenizer_loss
-from liger_patch_kd.demo import BOS, _model, load_corpus
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
+from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
+from liger_patch_kd.demo import BOS, load_corpus
+from liger_patch_kd.demo import build_model as _model
 from liger_patch_kd.teacher import TeacherLogprobsDataset
 from liger_patch_kd.teacher.precompute import precompute, teacher_topk
 
@@ -114,7 +115,7 @@ def test_served_teacher_is_asked_about_its_own_tokenization(setup, served):
     """The prefetcher asks the server about teacher_input_ids (not the student's ids) and aligns the replies with
     them: the loss equals the one from the same top-k computed in process (offline rows)."""
     from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
-    from liger_patch_kd.teacher.prefetch import CROSS_TOKENIZER_KEYS
+    from liger_patch_kd.trainer.served import CROSS_TOKENIZER_KEYS
 
     from .test_teacher_server import TOP_K
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 
 import pytest
 import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from liger_patch_kd.align import reference as xref
-from liger_patch_kd.align.demo import (
+from liger_patch_kd.demo.cross_tokenizer import (
     CharTokenizerWithOffsets,
     CrossTokenizerDemoSizes,
     demo_splits,
@@ -19,14 +18,16 @@ from liger_patch_kd.align.demo import (
     student_subset,
     train_bpe_tokenizer,
 )
-from liger_patch_kd.align.trainer_hooks import (
+from liger_patch_kd.trainer import KDTrainingArguments
+from liger_patch_kd.trainer.cross_tokenizer import (
     CrossTokenizerSetup,
     compute_cross_tokenizer_loss,
     cross_tokenizer_config,
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
 )
-from liger_patch_kd.demo import BOS, _model, load_corpus
+from liger_patch_kd.demo import BOS, load_corpus
+from liger_patch_kd.demo import build_model as _model
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +67,10 @@ def test_trainer_loss_equals_reference_on_the_models_logits(setup, kind):
 
 
 def test_setup_from_training_arguments(setup):
-    args = types.SimpleNamespace(kd_teacher_tokenizer="unused: the tokenizer is passed", kd_cross_tokenizer_loss="uld",
-                                 kd_uld_top_k=64, kd_beta=0.0, kd_hard_weight=1.0)  # fmt: skip
-    assert cross_tokenizer_enabled(args) and not cross_tokenizer_enabled(types.SimpleNamespace())
+    args = KDTrainingArguments(output_dir="unused", report_to="none", kd_teacher_tokenizer="unused: the tokenizer is "
+                               "passed", kd_cross_tokenizer_loss="uld", kd_uld_top_k=64, kd_beta=0.0,
+                               kd_hard_weight=1.0)  # fmt: skip
+    assert cross_tokenizer_enabled(args) and not cross_tokenizer_enabled(KDTrainingArguments(output_dir="unused"))
     assert cross_tokenizer_config(args) == CrossTokenizerConfig(kind="uld", uld_top_k=64, hard_weight=1.0)
     built = CrossTokenizerSetup.build(args, setup["bpe"], setup["student"], setup["teacher"],
                                       teacher_tokenizer=setup["char"])  # fmt: skip

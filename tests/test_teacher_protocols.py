@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from liger_patch_kd import teacher as TD
-from liger_patch_kd.teacher import protocols as P
+from liger_patch_kd.teacher.serve import protocols as P
 
 INF = math.inf
 

@@ -18,7 +18,7 @@ import liger_patch_kd.models as M
 from liger_patch_kd import KDLossConfig
 from liger_patch_kd import teacher as TD
 from liger_patch_kd.cli import main
-from liger_patch_kd.teacher.compact import PackedCodec, codec_from_spec
+from liger_patch_kd.teacher.store.compact import PackedCodec, codec_from_spec
 
 from .helpers import random_sequences
 from .tiny_models import VOCAB, tiny_model

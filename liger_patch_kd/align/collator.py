@@ -46,7 +46,7 @@ def render(tokenizer, example: dict[str, Any]) -> tuple[str, int, int]:
 
 @dataclass
 class CrossTokenizerCollator:
-    """Batches for `align.loss` / `align.trainer_hooks`: the student's input_ids / attention_mask / labels (HF
+    """Batches for `align.loss` / `trainer.cross_tokenizer`: the student's input_ids / attention_mask / labels (HF
     style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per
     shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
     in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,

@@ -1,21 +1,33 @@
-"""Teacher signals as data: the store (write, read), precompute, other tools' formats, batching, and a teacher
-behind a server (protocols, client, prefetch; the server itself is teacher.server, FastAPI imported lazily)."""
+"""Teacher signals as data, in three rooms: the store (store/: format, writer, reader, packed encoding,
+collator), other tools' formats and the converter table (formats/), a teacher behind a server (serve/: wire
+formats, client, prefetcher; the server itself is teacher.serve.server, FastAPI imported lazily); and
+precompute.py, which fills a store from a teacher model. `__all__` is what users call."""
 
-from .axolotl import axolotl_to_store, store_to_axolotl
-from .client import TeacherClient, TeacherServerError, TeacherTimeoutError
-from .collator import TeacherDataCollator
-from .compact import PackedCodec
-from .distillkit import distillkit_to_store, store_to_distillkit
-from .formats import import_sglang_logprobs, import_vllm_logprobs
-from .hf_datasets import dataset_to_store, load_table, store_to_dataset
-from .precompute import precompute, teacher_topk, teacher_topk_and_next, topk_of_logits
-from .prefetch import TeacherPrefetcher
-from .protocols import TeacherReplyError
+from .formats import (
+    CONVERTERS,
+    axolotl_to_store,
+    dataset_to_store,
+    distillkit_to_store,
+    import_sglang_logprobs,
+    import_vllm_logprobs,
+    load_table,
+    store_to_axolotl,
+    store_to_dataset,
+    store_to_distillkit,
+)
+from .precompute import precompute, teacher_topk
+from .serve import (
+    TeacherClient,
+    TeacherPrefetcher,
+    TeacherReplyError,
+    TeacherServerError,
+    TeacherTimeoutError,
+    protocols,  # the wire formats, as teacher.protocols (the module's old path)
+)
 from .store import (
-    FORMAT_VERSION,
-    LOGPROB_DTYPES,
     MANIFEST,
     StoreWriter,
+    TeacherDataCollator,
     TeacherLogprobsDataset,
     TeacherStoreError,
     iter_store,
@@ -25,34 +37,35 @@ from .store import (
 )
 
 __all__ = [
-    "FORMAT_VERSION",
-    "PackedCodec",
+    # the store
+    "MANIFEST",
+    "StoreWriter",
+    "TeacherDataCollator",
+    "TeacherLogprobsDataset",
+    "iter_store",
+    "read_manifest",
+    "tokenizer_fingerprint",
+    "verify_store",
+    # converters
+    "CONVERTERS",
     "axolotl_to_store",
     "dataset_to_store",
     "distillkit_to_store",
-    "iter_store",
+    "import_sglang_logprobs",
+    "import_vllm_logprobs",
     "load_table",
-    "read_manifest",
     "store_to_axolotl",
     "store_to_dataset",
     "store_to_distillkit",
-    "verify_store",
-    "LOGPROB_DTYPES",
-    "MANIFEST",
-    "StoreWriter",
+    # precompute
+    "precompute",
+    "teacher_topk",
+    # a served teacher
     "TeacherClient",
-    "TeacherDataCollator",
-    "TeacherLogprobsDataset",
     "TeacherPrefetcher",
+    # errors
     "TeacherReplyError",
     "TeacherServerError",
     "TeacherStoreError",
     "TeacherTimeoutError",
-    "import_sglang_logprobs",
-    "import_vllm_logprobs",
-    "precompute",
-    "teacher_topk",
-    "teacher_topk_and_next",
-    "tokenizer_fingerprint",
-    "topk_of_logits",
 ]

@@ -63,8 +63,9 @@ def teacher_topk_and_next(
 def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
     """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
     from ..conventions import apply_softcap
+    from ..models import unwrap_model
     from ..models.backbone import run_backbone
-    from ..models.kd_forward import output_head, unwrap_model
+    from ..models.kd_forward import output_head
     from ..models.registry import softcap_of
     from ..models.transforms import scaled_head_inputs
 

@@ -5,7 +5,7 @@
 3. one smaller student per recipe, same init, same steps: CE only, online fused JSD, offline top-k from a
    store precomputed here, on-policy (GKD) with student-generated completions;
 4. a table: held-out CE, KL(teacher || student) per token, tokens/s, peak memory;
-5. across tokenizers (align.demo): a student with its own byte-level BPE tokenizer, on 10 % of the training
+5. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char, 3 inits).
 """
 
@@ -14,87 +14,17 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from importlib import resources
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import reference
-from .losses import fused_linear_jsd
-from .models import revert_kd_patch
-from .utils.memory import PeakMemory
-
-PAD, BOS, EOS = 0, 1, 2
-
-
-class CharTokenizer:
-    """Characters of the corpus, after three specials; enough for a demo and fingerprintable like HF's."""
-
-    def __init__(self, text: str) -> None:
-        self.chars = sorted(set(text))
-        self.index = {c: i + 3 for i, c in enumerate(self.chars)}
-        self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
-
-    def __len__(self) -> int:
-        return len(self.chars) + 3
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **self.index}
-
-    def encode(self, text: str) -> list[int]:
-        return [self.index[c] for c in text if c in self.index]
-
-    def decode(self, ids: list[int]) -> str:
-        inverse = {i: c for c, i in self.index.items()}
-        return "".join(inverse.get(i, "") for i in ids)
-
-
-def load_corpus() -> str:
-    return resources.files("liger_patch_kd").joinpath("data/corpus.txt").read_text()
-
-
-@dataclass
-class DemoSizes:
-    seq: int = 64
-    teacher_steps: int = 300
-    student_steps: int = 250
-    batch: int = 16
-    top_k: int = 8
-
-    @classmethod
-    def quick(cls) -> DemoSizes:
-        return cls(seq=48, teacher_steps=200, student_steps=150, batch=8)
-
-
-def _windows(ids: list[int], seq: int) -> list[list[int]]:
-    """BOS + non-overlapping windows of the token stream."""
-    return [[BOS] + ids[i : i + seq - 1] for i in range(0, len(ids) - seq, seq - 1)]
-
-
-def _model(vocab: int, hidden: int, layers: int, seed: int, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).to(device)
-
-
-def _args(out: Path, steps: int, batch: int, device, **kd):
-    from .trainer import KDTrainingArguments
-
-    return KDTrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
-        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=max(1, steps // 5),
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=device.type == "cpu",
-        bf16=device.type == "cuda", **kd,
-    )  # fmt: skip
-
+from .. import reference
+from ..losses import fused_linear_jsd
+from ..models import revert_kd_patch
+from ..utils.memory import PeakMemory
+from .toys import PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args, windows
 
 @torch.no_grad()
 def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float, float]:
@@ -170,8 +100,8 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}."""
     from transformers import Trainer
 
-    from . import teacher as TD
-    from .trainer import KDTrainer
+    from .. import teacher as TD
+    from ..trainer import KDTrainer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = DemoSizes.quick() if quick else DemoSizes()
@@ -180,17 +110,17 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     text = load_corpus()
     tok = CharTokenizer(text)
     split = int(len(text) * 0.9)
-    train = _windows(tok.encode(text[:split]), sizes.seq)
-    held_out = _windows(tok.encode(text[split:]), sizes.seq)[:64]
+    train = windows(tok.encode(text[:split]), sizes.seq)
+    held_out = windows(tok.encode(text[split:]), sizes.seq)[:64]
     dataset = [{"input_ids": torch.tensor(w)} for w in train]
     collator = TD.TeacherDataCollator(pad_token_id=PAD)
     work = Path(tempfile.mkdtemp(prefix="liger_kd_demo_"))
     vocab = len(tok)
 
     print(f"\n[2/5] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
-    teacher = _model(vocab, 128, 4, seed=0, device=dev)
-    Trainer(model=teacher, args=_args(work / "teacher", sizes.teacher_steps, sizes.batch, dev), train_dataset=dataset,
-            data_collator=collator).train()  # fmt: skip
+    teacher = build_model(vocab, 128, 4, seed=0, device=dev)
+    Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, dev),
+            train_dataset=dataset, data_collator=collator).train()  # fmt: skip
     teacher.eval()
     ce, _ = evaluate(teacher, teacher, held_out, dev)
     print(f"teacher held-out CE {ce:.3f} nats/char")
@@ -212,8 +142,8 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     }
     results = []
     for name, recipe in recipes.items():
-        student = _model(vocab, 64, 2, seed=1, device=dev)
-        args = _args(work / "student", sizes.student_steps, sizes.batch, dev, **(recipe or {}).get("kd", {}))
+        student = build_model(vocab, 64, 2, seed=1, device=dev)
+        args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, **(recipe or {}).get("kd", {}))
         if recipe is None:
             trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
         else:
@@ -244,9 +174,9 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
 
 
 def _cross_tokenizer_rows(teacher, quick: bool, device) -> list[dict]:
-    """Step 5 on the demo's teacher (trained on the same 90 % of the corpus): align.demo's quick sizes, one
+    """Step 5 on the demo's teacher (trained on the same 90 % of the corpus): cross_tokenizer.py's quick sizes, one
     student init under --quick."""
-    from .align.demo import QUICK_RECIPES, CrossTokenizerDemoSizes, run_cross_tokenizer_demo
+    from .cross_tokenizer import QUICK_RECIPES, CrossTokenizerDemoSizes, run_cross_tokenizer_demo
 
     sizes = CrossTokenizerDemoSizes.quick()
     print("\n[5/5] across tokenizers: the same teacher into a student with its own byte-level BPE tokenizer")

@@ -13,25 +13,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from .store import StoreWriter, TeacherStoreError, iter_store, read_manifest
+from ..store import iter_store
+from .common import flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 COLUMNS = ("input_ids", "teacher_token_ids", "teacher_logprobs")
 
 
-def _datasets():
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError('this needs the `datasets` package: pip install "liger-patch-kd[formats]"') from e
-    return datasets
-
-
 def store_to_dataset(store_dir: str | Path, cache_dir: str | Path | None = None):
     """The store as a `datasets.Dataset` (written once to Arrow files, then memory-mapped)."""
-    datasets = _datasets()
+    datasets = import_datasets()
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "teacher_token_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
@@ -53,7 +45,7 @@ def store_to_dataset(store_dir: str | Path, cache_dir: str | Path | None = None)
 
 def load_table(path: str | Path):
     """A dataset from a `save_to_disk` folder, or a .parquet / .jsonl / .json / .arrow file (or folder of them)."""
-    datasets = _datasets()
+    datasets = import_datasets()
     path = Path(path)
     if path.is_dir() and (path / "dataset_info.json").exists():
         return datasets.load_from_disk(str(path))
@@ -91,60 +83,6 @@ def dataset_to_store(
             )  # fmt: skip
         )
         if len(pending) == shard_size:
-            _flush(writer, pending)
-    _flush(writer, pending)
+            flush_rows(writer, pending)
+    flush_rows(writer, pending)
     return writer.out_dir
-
-
-def rows_to_arrays(
-    input_ids, ids, logprobs, top_k: int, vocab_size: int, where: str, mask=None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sequence's (T,), (T, top_k) int32 and (T, top_k) float32 arrays from ragged per-position lists.
-
-    Positions past the lists' end and slots past a row's end (or with mask 0) become padding (-1, -inf); a row
-    longer than top_k keeps its top_k largest log-probs."""
-    seq = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))
-    n = len(seq)
-    if len(ids) != len(logprobs) or len(ids) > n:
-        raise TeacherStoreError(
-            f"{where}: {len(ids)} id rows and {len(logprobs)} log-prob rows for {n} tokens; expected equal counts, "
-            f"at most one per token"
-        )
-    out_ids = np.full((n, top_k), -1, dtype=np.int32)
-    out_lp = np.full((n, top_k), -np.inf, dtype=np.float32)
-    for t in range(len(ids)):  # per position, vectorised over the slots
-        i = np.asarray(ids[t], dtype=np.int64).reshape(-1)
-        v = np.asarray(logprobs[t], dtype=np.float32).reshape(-1)
-        keep = (i >= 0) & np.isfinite(v) if mask is None else np.asarray(mask[t], dtype=bool).reshape(-1) & (i >= 0)
-        i, v = i[keep], v[keep]
-        if len(i) > top_k:
-            order = np.argsort(-v, kind="stable")[:top_k]
-            i, v = i[order], v[order]
-        if len(i) and (i.max() >= vocab_size):
-            raise TeacherStoreError(f"{where}, position {t}: token id {int(i.max())} >= vocab_size {vocab_size}")
-        out_ids[t, : len(i)], out_lp[t, : len(i)] = i, v
-    return seq, torch.from_numpy(out_ids), torch.from_numpy(out_lp)
-
-
-def open_conversion(out_dir: str | Path, default_teacher: str, meta: dict, **store: Any) -> StoreWriter:
-    """A new store for a converter (`meta` may name the teacher and the tokenizer's fingerprint). A folder that
-    already holds shards is refused: a conversion is not resumed, it is run again into a new folder."""
-    writer = StoreWriter.open(
-        out_dir, teacher=meta.pop("teacher", default_teacher),
-        tokenizer_fingerprint=meta.pop("tokenizer_fingerprint", None), num_sequences=None, **store, **meta,
-    )  # fmt: skip
-    if writer.done_shards():
-        raise TeacherStoreError(f"{out_dir} already holds shards: convert into a new folder")
-    return writer
-
-
-def _flush(writer: StoreWriter, pending: list) -> None:
-    if pending:
-        writer.write_shard(
-            [p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending])
-        )
-        pending.clear()
-
-
-def store_meta(store_dir: str | Path) -> dict:
-    return read_manifest(store_dir)

@@ -42,12 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..demo import BOS, EOS, PAD, CharTokenizer, DemoSizes, _model, load_corpus
-from .collator import CrossTokenizerCollator
-from .config import CrossTokenizerConfig
-from .offsets import encode_with_offsets
-from .trainer_hooks import compute_cross_tokenizer_loss
-from .vocab import VocabMap, byte_level_to_text
+from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text, encode_with_offsets
+from ..trainer.cross_tokenizer import compute_cross_tokenizer_loss
+from .toys import BOS, EOS, PAD, CharTokenizer, DemoSizes, build_model, load_corpus
 
 
 class CharTokenizerWithOffsets(CharTokenizer):
@@ -135,7 +132,7 @@ def held_out_ce(model, tokenizer, texts: list[str], device) -> tuple[float, floa
 
 def _train_teacher(char_tok, train_texts, sizes: DemoSizes, device):
     """The demo's character teacher, Llama 4 x 128, cosine schedule from 3e-3."""
-    teacher = _model(len(char_tok), 128, 4, seed=0, device=device)
+    teacher = build_model(len(char_tok), 128, 4, seed=0, device=device)
     opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
     windows = [[BOS] + char_tok.encode(t) for t in train_texts]
     gen = torch.Generator().manual_seed(0)
@@ -155,7 +152,7 @@ def _train_student(bpe, teacher, collator, texts, cfg, vocab_map, sizes, seed, h
     training windows (the gap shows overfitting), held-out nats/char after each quarter of the steps (`curve`,
     to show whether CE alone would have done better stopped early), seconds (training only). CE only when `cfg`
     is None."""
-    student = _model(bpe.get_vocab_size(), 64, 2, seed=seed, device=dev)
+    student = build_model(bpe.get_vocab_size(), 64, 2, seed=seed, device=dev)
     student.config.eos_token_id = EOS
     opt = torch.optim.AdamW(student.parameters(), lr=sizes.lr)
     examples = [{"prompt": "", "completion": t} for t in texts]

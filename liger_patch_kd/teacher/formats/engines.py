@@ -1,5 +1,5 @@
-"""Teacher log-probs in other tools' formats, converted into a store. The per-position parsing is protocols.py's,
-shared with the client that asks live servers."""
+"""Inference engines' dumped log-probs (vLLM, SGLang) converted into a store. The per-position parsing is
+serve/protocols.py's, shared with the client that asks live servers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
-from .store import StoreWriter, TeacherStoreError
+from ..serve.protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
+from ..store import StoreWriter, TeacherStoreError
 
 
 def import_vllm_logprobs(

@@ -1,37 +1,31 @@
-"""What KDTrainer calls to distil across tokenizers (the lead wires these into trainer.py).
-
-Proposed KDTrainingArguments fields (read here with getattr, so these hooks work before they exist):
-    kd_teacher_tokenizer: str | None = None     # name or path of the teacher's tokenizer; set => cross-tokenizer
-    kd_cross_tokenizer_loss: str = "hybrid"     # CrossTokenizerConfig.kind: hybrid, uld, exact, next_byte, chain
-    kd_exact_weight: float = 1.0                # hybrid: weight of the exact-token term
-    kd_uld_weight: float = 1.0                  # hybrid: weight of the ULD term
-    kd_uld_top_k: int | None = None             # None: full sort; k: sorted top-k + tail bucket
-    kd_unmatched: str = "bucket"                # exact term: "bucket" or "ignore" (TRL GOLD)
-and the existing kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight.
-
-Wiring, in KDTrainer:
-    __init__:  if cross_tokenizer_enabled(args):
-                   self.xtok = CrossTokenizerSetup.build(args, processing_class, model, teacher_model)
-                   kwargs["data_collator"] = kwargs.get("data_collator") or self.xtok.collator
-    _set_signature_columns_if_needed: add CROSS_TOKENIZER_COLUMNS
-    compute_loss: if is_cross_tokenizer_batch(inputs):
-                   out = compute_cross_tokenizer_loss(model, self.teacher_model, inputs, self.xtok.config,
-                                                      self.xtok.vocab_map, num_items_in_batch)
-                   loss, soft, hard = out  (then the usual scaling / logging)
-"""
+"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set): the vocabulary map and collator built
+once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight, kd_uld_weight, kd_uld_top_k,
+kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight; the loss of one batch from
+CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .collator import CrossTokenizerCollator
-from .config import CrossTokenizerConfig
-from .loss import CrossTokenizerLossOutput, fused_linear_cross_tokenizer_kd, fused_linear_cross_tokenizer_topk_kd
-from .vocab import VocabMap, byte_level_to_text
+from ..align import (
+    CrossTokenizerCollator,
+    CrossTokenizerConfig,
+    CrossTokenizerLossOutput,
+    VocabMap,
+    byte_level_to_text,
+    fused_linear_cross_tokenizer_kd,
+    fused_linear_cross_tokenizer_topk_kd,
+)
+from ..models import unwrap_model
+from ..models.kd_forward import output_head
+from ..models.registry import softcap_of
+
+if TYPE_CHECKING:
+    from .arguments import KDTrainingArguments
 
 CROSS_TOKENIZER_COLUMNS = (
     "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
@@ -39,22 +33,20 @@ CROSS_TOKENIZER_COLUMNS = (
 )  # fmt: skip
 
 
-def cross_tokenizer_enabled(args) -> bool:
-    return getattr(args, "kd_teacher_tokenizer", None) is not None
+def cross_tokenizer_enabled(args: KDTrainingArguments) -> bool:
+    return args.kd_teacher_tokenizer is not None
 
 
 def is_cross_tokenizer_batch(inputs: dict) -> bool:
     return inputs.get("teacher_align_groups") is not None
 
 
-def cross_tokenizer_config(args) -> CrossTokenizerConfig:
-    """The loss options from KDTrainingArguments (the proposed fields and the shared kd_* ones)."""
+def cross_tokenizer_config(args: KDTrainingArguments) -> CrossTokenizerConfig:
+    """The loss options from KDTrainingArguments (the cross-tokenizer fields and the shared kd_* ones)."""
     return CrossTokenizerConfig(
-        kind=getattr(args, "kd_cross_tokenizer_loss", "hybrid"), exact_weight=getattr(args, "kd_exact_weight", 1.0),
-        uld_weight=getattr(args, "kd_uld_weight", 1.0), uld_top_k=getattr(args, "kd_uld_top_k", None),
-        unmatched=getattr(args, "kd_unmatched", "bucket"), beta=getattr(args, "kd_beta", 0.0),
-        temperature=getattr(args, "kd_temperature", 1.0), soft_weight=getattr(args, "kd_soft_weight", 1.0),
-        hard_weight=getattr(args, "kd_hard_weight", 0.0),
+        kind=args.kd_cross_tokenizer_loss, exact_weight=args.kd_exact_weight, uld_weight=args.kd_uld_weight,
+        uld_top_k=args.kd_uld_top_k, unmatched=args.kd_unmatched, beta=args.kd_beta, temperature=args.kd_temperature,
+        soft_weight=args.kd_soft_weight, hard_weight=args.kd_hard_weight,
     )  # fmt: skip
 
 
@@ -72,8 +64,8 @@ class CrossTokenizerSetup:
     collator: CrossTokenizerCollator
 
     @classmethod
-    def build(cls, args, student_tokenizer, student_model: nn.Module, teacher_model: nn.Module | None,
-              teacher_tokenizer: Any = None, max_length: int | None = None,
+    def build(cls, args: KDTrainingArguments, student_tokenizer, student_model: nn.Module,
+              teacher_model: nn.Module | None, teacher_tokenizer: Any = None, max_length: int | None = None,
               teacher_vocab_size: int | None = None) -> CrossTokenizerSetup:  # fmt: skip
         """`teacher_tokenizer` defaults to AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer). The
         vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
@@ -102,8 +94,6 @@ class CrossTokenizerSetup:
 
 def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Tensor, nn.Linear]:
     """The decoder's last hidden states and the lm_head, without computing logits (a patched model too)."""
-    from ..models.kd_forward import output_head, unwrap_model
-
     inner = unwrap_model(model)
     hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return hidden.last_hidden_state, output_head(inner, "model")
@@ -128,8 +118,6 @@ def compute_cross_tokenizer_loss(
     the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today.
     A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
     fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
-    from ..models.registry import softcap_of
-
     offline = inputs.get("teacher_token_ids") is not None
     if teacher_model is None and not offline:
         raise ValueError(

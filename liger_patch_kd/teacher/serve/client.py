@@ -20,9 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import protocols as P
-
-PROTOCOLS = ("vllm", "sglang", "liger")
-_PATHS = {"vllm": "/v1/completions", "sglang": "/generate", "liger": "/v1/completions"}
+from .protocols import PROTOCOLS
 
 
 class TeacherServerError(RuntimeError):
@@ -61,7 +59,7 @@ class TeacherClient:
         backoff: float = 0.5,
     ) -> None:  # fmt: skip
         if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}; got {protocol!r}")
+            raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}; got {protocol!r}")
         if top_k < 1 or vocab_size < 1:
             raise ValueError(f"top_k and vocab_size must be >= 1; got top_k={top_k}, vocab_size={vocab_size}")
         if timeout <= 0 or retries < 0 or max_in_flight < 1 or sequences_per_request < 1:
@@ -120,12 +118,9 @@ class TeacherClient:
     def _request(self, sequences: list[list[int]]) -> list[P.TopK]:
         size = f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens"
         name = f"request {next(self._counter)} ({size}) to {self.url}"
-        if self.protocol == "sglang":
-            body, accept = P.sglang_request(sequences, self.top_k), "application/json"
-        else:
-            body = P.vllm_request(sequences, self.top_k, self._model_name())
-            accept = P.BINARY_MEDIA_TYPE if self.protocol == "liger" else "application/json"
-        raw, content_type = self._post(_PATHS[self.protocol], body, accept)
+        wire = PROTOCOLS[self.protocol]
+        body = wire.request(sequences, self.top_k, self._model_name)
+        raw, content_type = self._post(wire.path, body, wire.accept)
         common = dict(top_k=self.top_k, vocab_size=self.vocab_size, request=name)
         if content_type.startswith(P.BINARY_MEDIA_TYPE):
             return P.decode_binary(raw, sequences, **common)
@@ -133,8 +128,7 @@ class TeacherClient:
             reply = json.loads(raw)
         except ValueError as e:
             raise P.TeacherReplyError(f"{name}: the reply is not JSON ({raw[:80]!r}...)") from e
-        parse = P.parse_sglang_reply if self.protocol == "sglang" else P.parse_vllm_reply
-        return parse(reply, sequences, **common)
+        return wire.parse_reply(reply, sequences, **common)
 
     def _model_name(self) -> str:
         """vLLM wants the served model's name: asked once from /v1/models unless given."""

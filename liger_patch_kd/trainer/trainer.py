@@ -1,144 +1,37 @@
-"""KDTrainingArguments (the flag) and KDTrainer: online, offline (teacher log-probs as data) and on-policy
-distillation through the Hugging Face Trainer."""
+"""KDTrainer: online, offline (teacher log-probs as data), served and on-policy distillation through the Hugging
+Face Trainer."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.utils import logging
 
-from . import distributed
-from .align.trainer_hooks import (
+from .. import distributed
+from ..config import KDLossConfig
+from ..models import apply_kd_patch, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
+from ..models.kd_io import TeacherInputs, targets_of
+from ..models.materialised import materialised_kd
+from ..models.recompute import limit_recompute
+from ..teacher import TeacherDataCollator
+from .arguments import KDTrainingArguments
+from .cross_tokenizer import (
     CROSS_TOKENIZER_COLUMNS,
     CrossTokenizerSetup,
     compute_cross_tokenizer_loss,
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
 )
-from .config import KDLossConfig
-from .models import apply_kd_patch, patch_teacher_kernels
-from .models.fp8_teacher import quantize_teacher_fp8
-from .models.kd_forward import unwrap_model
-from .models.kd_io import TeacherInputs, targets_of
-from .models.materialised import materialised_kd
-from .models.recompute import limit_recompute
-from .teacher.collator import TeacherDataCollator
-from .teacher.prefetch import CROSS_TOKENIZER_KEYS, check_served_teacher_args, served_teacher_dataloader
+from .rollouts import generate_completions
+from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
-PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
-
-
-@dataclass
-class KDTrainingArguments(TrainingArguments):
-    """TrainingArguments plus the distillation options. `use_kd_patch=True` is the one flag: the student is
-    patched with `apply_kd_patch(model=...)` (kernel toggles from `kd_patch_config`, e.g. {"rope": False})."""
-
-    use_kd_patch: bool = field(default=False, metadata={"help": "Patch the student: fused KD loss and Triton kernels."})
-    kd_patch_config: dict | None = field(
-        default=None, metadata={"help": f"apply_kd_patch toggles: {', '.join(PATCH_TOGGLES)} (each True/False)."}
-    )
-    kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
-    kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
-    kd_soft_weight: float = field(default=1.0, metadata={"help": "Weight of the distillation term."})
-    kd_hard_weight: float = field(default=0.0, metadata={"help": "Weight of the hard-label cross-entropy term."})
-    kd_top_k_tail: str = field(
-        default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."}
-    )
-    kd_lmbda: float = field(default=0.0, metadata={"help": "Fraction of steps on student-generated completions (GKD)."})
-    kd_seq_kd: bool = field(
-        default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."}
-    )
-    kd_max_new_tokens: int = field(default=128, metadata={"help": "Completion length for on-policy / seq-KD steps."})
-    kd_generation_temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature of those completions."}
-    )
-    kd_self_distill: bool = field(
-        default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
-    )
-    kd_teacher_tokenizer: str | None = field(
-        default=None,
-        metadata={"help": "The teacher's tokenizer (name or path) when it differs from the student's: "
-                  "cross-tokenizer distillation (liger_patch_kd.align)."},
-    )  # fmt: skip
-    kd_cross_tokenizer_loss: str = field(
-        default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact, next_byte or chain."}
-    )
-    kd_exact_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: exact-token weight."})
-    kd_uld_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: ULD weight."})
-    kd_uld_top_k: int | None = field(
-        default=None, metadata={"help": "ULD over the sorted top-k plus a tail bucket; None: the full sort."}
-    )
-    kd_unmatched: str = field(
-        default="bucket",
-        metadata={"help": "Teacher mass on tokens the student lacks: bucket (one 'other' class) or ignore (GOLD)."},
-    )
-    kd_vocab_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Leading lm_head rows that are real tokens (e.g. len(tokenizer)); lets heads padded to different "
-            "sizes be distilled. Default: len(processing_class) when the two heads differ in size."
-        },
-    )
-    kd_teacher_url: str | None = field(
-        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
-    )
-    kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
-    kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
-    kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
-    kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
-    kd_teacher_precision: str = field(
-        default="bf16",
-        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
-    )
-    kd_recompute_layers: int | None = field(
-        default=None,
-        metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
-                  "activations, the rest keep them (memory for speed, e.g. what an FP8 teacher frees). "
-                  "None: every layer recomputes."},
-    )  # fmt: skip
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.kd_lmbda <= 1.0:
-            raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
-        if self.kd_max_new_tokens < 1:
-            raise ValueError(f"kd_max_new_tokens must be >= 1; got {self.kd_max_new_tokens}")
-        if self.kd_generation_temperature <= 0:
-            raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
-        unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
-        if unknown:
-            raise ValueError(
-                f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
-                f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
-            )
-        if self.kd_teacher_precision not in ("bf16", "fp8"):
-            raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
-        if self.kd_recompute_layers is not None:
-            if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
-                raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")
-            # transformers 5.2x renames gradient_checkpointing to activation_checkpointing; either turns it on
-            if not (getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)):
-                raise ValueError(
-                    f"kd_recompute_layers={self.kd_recompute_layers} chooses which layers recompute under gradient "
-                    f"checkpointing, which is off: set gradient_checkpointing=True (activation_checkpointing=True "
-                    f"in newer transformers), or leave kd_recompute_layers=None"
-                )
-        self.kd_loss_config()  # validates the loss options now, not at the first step
-        check_served_teacher_args(self)
-
-    def kd_loss_config(self) -> KDLossConfig:
-        return KDLossConfig(
-            beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
-            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail, vocab_size=self.kd_vocab_size,
-        )  # fmt: skip
 
 
 class AdapterDisabledTeacher(nn.Module):
@@ -263,7 +156,7 @@ class KDTrainer(Trainer):
             dataloader = served_teacher_dataloader(
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
             )
-        elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (teacher/prefetch.py)
+        elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
             dataloader = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
         return dataloader
@@ -353,60 +246,12 @@ class KDTrainer(Trainer):
             inputs = self.generate_completions(generator, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    @torch.no_grad()
     def generate_completions(self, generator: nn.Module, inputs: dict) -> dict:
-        """Replace each row's completion (labelled tokens) by one sampled from `generator` given its prompt
-        (the tokens before the first label). Prompts of length 0 start from BOS; completions end at EOS or
-        kd_max_new_tokens; the prompt is masked out of the labels."""
-        inputs = self._prepare_inputs(inputs)
-        input_ids, labels = inputs["input_ids"], inputs["labels"]
-        mask = inputs.get("attention_mask", torch.ones_like(input_ids))
-        gen_cfg = unwrap_model(generator).generation_config
-        eos = gen_cfg.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        pad = _first(gen_cfg.pad_token_id, self._pad_id(), eos, 0)
-        start = _first(gen_cfg.bos_token_id, eos, pad)
-        prompts = []
-        for row in range(input_ids.shape[0]):
-            keep = mask[row].bool()
-            ids, lab = input_ids[row][keep], labels[row][keep]
-            scored = (lab != -100).nonzero()
-            cut = int(scored[0]) if len(scored) else len(ids)
-            prompts.append(ids[:cut] if cut > 0 else torch.tensor([start], device=ids.device))
-        width = max(len(p) for p in prompts)
-        prompt_ids = torch.full((len(prompts), width), pad, dtype=input_ids.dtype, device=input_ids.device)
-        prompt_mask = torch.zeros_like(prompt_ids)
-        for row, p in enumerate(prompts):  # left padding for batched generation
-            prompt_ids[row, width - len(p) :] = p
-            prompt_mask[row, width - len(p) :] = 1
-        was_training = generator.training
-        generator.eval()
-        out = unwrap_model(generator).generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            max_new_tokens=self.args.kd_max_new_tokens,
-            do_sample=True,
-            temperature=self.args.kd_generation_temperature,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=pad,
-        )
-        generator.train(was_training)
-        rows = []
-        for row, p in enumerate(prompts):
-            completion = out[row, width:].tolist()
-            ends = [i for i, t in enumerate(completion) if t in eos_ids]
-            completion = completion[: ends[0] + 1] if ends else completion  # up to and including EOS
-            rows.append((p.tolist(), completion))
-        length = max(len(p) + len(c) for p, c in rows)
-        new_ids = torch.full((len(rows), length), pad, dtype=input_ids.dtype, device=input_ids.device)
-        new_labels = torch.full_like(new_ids, -100)
-        new_mask = torch.zeros_like(new_ids)
-        for row, (p, c) in enumerate(rows):
-            new_ids[row, : len(p) + len(c)] = torch.tensor(p + c, device=new_ids.device)
-            new_labels[row, len(p) : len(p) + len(c)] = torch.tensor(c, dtype=torch.long, device=new_ids.device)
-            new_mask[row, : len(p) + len(c)] = 1
-        return {"input_ids": new_ids, "attention_mask": new_mask, "labels": new_labels, "_kd_generated": True}
+        """Replace each row's completion by one sampled from `generator` given its prompt (rollouts.py)."""
+        return generate_completions(
+            generator, self._prepare_inputs(inputs), max_new_tokens=self.args.kd_max_new_tokens,
+            temperature=self.args.kd_generation_temperature, pad_id=self._pad_id(),
+        )  # fmt: skip
 
     def _pad_id(self) -> int | None:
         tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
@@ -461,10 +306,3 @@ def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module |
         f"{len(tokenizer)} tokens (kd_vocab_size={len(tokenizer)}); set kd_vocab_size to choose otherwise"
     )
     return cfg.replace(vocab_size=len(tokenizer))
-
-
-def _first(*values: Any) -> Any:
-    for v in values:
-        if v is not None:
-            return v[0] if isinstance(v, list) and v else v
-    return None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .precompute import teacher_topk_and_next
+from ..precompute import teacher_topk_and_next
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
@@ -223,11 +223,11 @@ def serve(
         model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
     model = model.to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cuda":
-        from ..models import patch_teacher_kernels
+        from ...models import patch_teacher_kernels
 
         patch_teacher_kernels(model, None)
     if precision == "fp8":
-        from ..models import quantize_teacher_fp8
+        from ...models import quantize_teacher_fp8
 
         summary = quantize_teacher_fp8(model)
         print(f"liger-kd serve: FP8 teacher, {len(summary.quantized)} products quantised, lm_head in bf16", flush=True)

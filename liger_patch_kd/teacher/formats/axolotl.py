@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .hf_datasets import _datasets, _flush, open_conversion, rows_to_arrays
-from .store import TeacherStoreError, iter_store, read_manifest
+from ..store import TeacherStoreError, iter_store, read_manifest
+from .common import flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 _TOKEN = re.compile(r"^token_id:(\d+)$")
 
@@ -73,8 +73,8 @@ def axolotl_to_store(
             lp[filled] = torch.log_softmax(lp[filled].double() * temperature, dim=-1).float()
         pending.append((seq, ids, lp))
         if len(pending) == shard_size:
-            _flush(writer, pending)
-    _flush(writer, pending)
+            flush_rows(writer, pending)
+    flush_rows(writer, pending)
     return writer.out_dir
 
 
@@ -97,7 +97,7 @@ def store_to_axolotl(store_dir: str | Path):
     """The store as a `datasets.Dataset` in axolotl's current layout (input_ids, labels, target_token_ids,
     target_logprobs, target_mask; padding slots: id 0, log-prob 0, mask 0). Refuses a store whose manifest
     records temperature != 1 being passed off as temperature 1: the temperature is kept in the dataset's info."""
-    datasets = _datasets()
+    datasets = import_datasets()
     meta = read_manifest(store_dir)
     if meta.get("temperature", 1.0) != 1.0:
         warnings.warn(f"{store_dir} holds log-probs at temperature {meta['temperature']}; axolotl must be told so",

@@ -14,18 +14,21 @@ its number of positions, every id in [0, vocab_size), no NaN; errors name the re
   [logprob, token id, text or null] triples.
 - liger: the vLLM request with `Accept: application/octet-stream`, answered by `liger-kd serve` with the arrays
   themselves (see encode_binary); a few hundred times cheaper to decode than the JSON.
+
+`PROTOCOLS` is the registry of these wire formats (name -> WireFormat) the client and the Trainer's checks read.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..conventions import LOGPROB_PLACEHOLDER
+from ...conventions import LOGPROB_PLACEHOLDER
 
 TopK = tuple[torch.Tensor, torch.Tensor]
 BINARY_MEDIA_TYPE = "application/octet-stream"
@@ -239,3 +242,31 @@ def decode_binary(
     values = values.reshape(rows, k)
     check_topk(ids, values, vocab_size=vocab_size, request=request)
     return list(zip(ids.split(list(lengths)), values.split(list(lengths))))
+
+
+# ------------------------------------------------------------------------------------------------ registry
+@dataclass(frozen=True)
+class WireFormat:
+    """One server protocol: the path to POST to, the media type to accept, the request body for (sequences, top_k,
+    a function giving the served model's name, called only by protocols that need it) and the JSON reply's parser
+    (replies in BINARY_MEDIA_TYPE are decode_binary's, whatever the protocol)."""
+
+    path: str
+    accept: str
+    request: Callable[[Sequence[Sequence[int]], int, Callable[[], str]], dict[str, Any]]
+    parse_reply: Callable[..., list[TopK]]
+
+
+def _vllm_body(sequences: Sequence[Sequence[int]], top_k: int, model_name: Callable[[], str]) -> dict[str, Any]:
+    return vllm_request(sequences, top_k, model_name())
+
+
+def _sglang_body(sequences: Sequence[Sequence[int]], top_k: int, model_name: Callable[[], str]) -> dict[str, Any]:
+    return sglang_request(sequences, top_k)
+
+
+PROTOCOLS: dict[str, WireFormat] = {
+    "vllm": WireFormat("/v1/completions", "application/json", _vllm_body, parse_vllm_reply),
+    "sglang": WireFormat("/generate", "application/json", _sglang_body, parse_sglang_reply),
+    "liger": WireFormat("/v1/completions", BINARY_MEDIA_TYPE, _vllm_body, parse_vllm_reply),
+}

@@ -1,0 +1,81 @@
+"""The demo's toys: a character tokenizer and its special ids, the packaged corpus, the demo's sizes, its small
+Llama models and training arguments. Everything here runs offline (no downloads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+class CharTokenizer:
+    """Characters of the corpus, after three specials; enough for a demo and fingerprintable like HF's."""
+
+    def __init__(self, text: str) -> None:
+        self.chars = sorted(set(text))
+        self.index = {c: i + 3 for i, c in enumerate(self.chars)}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+
+    def __len__(self) -> int:
+        return len(self.chars) + 3
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **self.index}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index[c] for c in text if c in self.index]
+
+    def decode(self, ids: list[int]) -> str:
+        inverse = {i: c for c, i in self.index.items()}
+        return "".join(inverse.get(i, "") for i in ids)
+
+
+def load_corpus() -> str:
+    return resources.files("liger_patch_kd").joinpath("data/corpus.txt").read_text()
+
+
+@dataclass
+class DemoSizes:
+    seq: int = 64
+    teacher_steps: int = 300
+    student_steps: int = 250
+    batch: int = 16
+    top_k: int = 8
+
+    @classmethod
+    def quick(cls) -> DemoSizes:
+        return cls(seq=48, teacher_steps=200, student_steps=150, batch=8)
+
+
+def windows(ids: list[int], seq: int) -> list[list[int]]:
+    """BOS + non-overlapping windows of the token stream."""
+    return [[BOS] + ids[i : i + seq - 1] for i in range(0, len(ids) - seq, seq - 1)]
+
+
+def build_model(vocab: int, hidden: int, layers: int, seed: int, device):
+    """A small Llama (tied embeddings, the demo's special ids), seeded: the demo's teachers and students."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def training_args(out: Path, steps: int, batch: int, device, **kd):
+    """The demo's KDTrainingArguments: cosine schedule from 3e-3, no saving, no reports; `kd` adds kd_* options."""
+    from ..trainer import KDTrainingArguments
+
+    return KDTrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=max(1, steps // 5),
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda", **kd,
+    )  # fmt: skip

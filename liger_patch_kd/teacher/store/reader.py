@@ -1,0 +1,157 @@
+"""Reading a store: random access to its sequences (each read checked against its crc32), in order for
+converters, and a full sha256 pass (the layout is manifest.py's docstring)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .compact import codec_from_manifest
+from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
+from .shard import ShardDamaged, ShardReader, sha256_file
+
+_TORCH_OF_SAFETENSORS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class TeacherLogprobsDataset(torch.utils.data.Dataset):
+    """Sequences with their teacher top-k, checked against the student's vocabulary and tokenizer.
+
+    Items: {"input_ids": (T,), "teacher_token_ids": (T, k) int32, "teacher_logprobs": (T, k)}; log-probs have
+    the store's dtype ("plain") or float32 (a packed store, decoded here).
+
+    vocab_size: the student's real vocabulary (e.g. len(tokenizer), or KDLossConfig.vocab_size). Any store whose
+        ids are all below it is accepted, whatever the teacher's head size (a 152064-row teacher serves a
+        151936-row student); an id at or above it is a TeacherStoreError. The tokenizer fingerprint, not the
+        head size, is what says that ids mean the same tokens.
+    tokenizer: checked against the store's tokenizer fingerprint when both exist.
+
+    Reading is random-access and cheap: the shard is found by bisection, a sequence is read with positioned
+    reads and checked against its own crc32 (see shard.py), and at most `max_open_shards` descriptors are
+    held per process. Nothing is cached, so memory is flat in the store's size, and DataLoader workers (forked or
+    spawned) each open what they read.
+    """
+
+    def __init__(
+        self, store_dir: str | Path, *, vocab_size: int | None = None, tokenizer: Any = None,
+        max_open_shards: int = 64,
+    ) -> None:  # fmt: skip
+        self.dir = Path(store_dir)
+        self.meta = read_manifest(self.dir)
+        self.vocab_size = vocab_size
+        self._check_ids_per_item = False
+        if vocab_size is not None:
+            self._check_vocab(vocab_size)
+        if tokenizer is not None and self.meta.get("tokenizer_fingerprint"):
+            fp = tokenizer_fingerprint(tokenizer)
+            if fp != self.meta["tokenizer_fingerprint"]:
+                raise TeacherStoreError(
+                    f"tokenizer fingerprint {fp} differs from the store's {self.meta['tokenizer_fingerprint']}: the "
+                    f"ids in the store mean other tokens for this student"
+                )
+        counts = [s["num_sequences"] for s in self.meta["shards"]]
+        expected = self.meta.get("num_sequences")
+        if expected is not None and sum(counts) != expected:
+            raise TeacherStoreError(
+                f"the store holds {sum(counts)} of {expected} sequences: the precompute was interrupted; rerun it "
+                f"with the same arguments to resume"
+            )
+        self._starts = [0]
+        for c in counts:
+            self._starts.append(self._starts[-1] + c)
+        self._codec = codec_from_manifest(self.meta)
+        self._max_open = max_open_shards
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+
+    def _check_vocab(self, vocab_size: int) -> None:
+        shards = self.meta["shards"]
+        if shards and all("max_id" in s for s in shards):
+            max_id = max(max(s["max_id"], s["max_input_id"]) for s in shards)
+            if max_id >= vocab_size:
+                raise TeacherStoreError(
+                    f"the store holds token id {max_id} but the student's vocabulary has {vocab_size} tokens "
+                    f"(vocab_size={vocab_size}): the teacher's top-k reaches ids the student does not have; "
+                    f"pass the student's real vocabulary (len(tokenizer)) or precompute with a matching teacher"
+                )
+        elif vocab_size < self.meta["vocab_size"]:  # format 1 records no maximum: check each item as it is read
+            self._check_ids_per_item = True
+
+    def __getstate__(self) -> dict:  # descriptors are per process: a spawned worker opens its own
+        state = self.__dict__.copy()
+        state["_readers"] = OrderedDict()
+        return state
+
+    @property
+    def top_k(self) -> int:
+        return self.meta["top_k"]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _reader(self, index: int) -> ShardReader:
+        reader = self._readers.get(index)
+        if reader is not None:
+            self._readers.move_to_end(index)
+            return reader
+        entry = self.meta["shards"][index]
+        path = self.dir / entry["file"]
+        if not path.exists():
+            raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
+        try:
+            reader = ShardReader(path, entry)
+        except ShardDamaged as e:
+            raise TeacherStoreError(f"shard {entry['file']} in {self.dir} is damaged: {e}; recompute it") from None
+        self._readers[index] = reader
+        if len(self._readers) > self._max_open:
+            self._readers.popitem(last=False)[1].close()
+        return reader
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        shard = bisect.bisect_right(self._starts, i) - 1
+        reader = self._reader(shard)
+        try:
+            raw = reader.sequence(i - self._starts[shard])
+        except ShardDamaged as e:
+            name = self.meta["shards"][shard]["file"]
+            raise TeacherStoreError(f"shard {name} in {self.dir} is damaged: {e}; recompute it") from None
+        n, k = raw["input_ids"].shape[0], self.top_k
+        item = {"input_ids": torch.from_numpy(raw["input_ids"].view(np.int32).reshape(n)).long()}
+        if self._codec is None:
+            item["teacher_token_ids"] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
+            dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("topk_logprobs")]
+            item["teacher_logprobs"] = torch.from_numpy(raw["topk_logprobs"]).view(dtype).reshape(n, k)
+        else:
+            ids, lp = self._codec.decode(raw["topk_packed"])
+            item["teacher_token_ids"], item["teacher_logprobs"] = torch.from_numpy(ids), torch.from_numpy(lp)
+        if self._check_ids_per_item and n and int(item["teacher_token_ids"].max()) >= self.vocab_size:
+            raise TeacherStoreError(
+                f"item {i} holds teacher id {int(item['teacher_token_ids'].max())} >= vocab_size {self.vocab_size}: "
+                f"the teacher's top-k reaches ids the student does not have"
+            )
+        return item
+
+
+def iter_store(store_dir: str | Path) -> Any:
+    """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters."""
+    data = TeacherLogprobsDataset(store_dir)
+    for i in range(len(data)):
+        item = data[i]
+        yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]
+
+
+def verify_store(store_dir: str | Path) -> int:
+    """Check every shard's whole-file sha256 against the manifest (a full pass: run it after copying a store)."""
+    meta = read_manifest(store_dir)
+    for entry in meta["shards"]:
+        path = Path(store_dir) / entry["file"]
+        if not path.exists():
+            raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {store_dir}")
+        if sha256_file(path) != entry["sha256"]:
+            raise TeacherStoreError(f"shard {entry['file']} fails its checksum: the file is corrupted; recompute it")
+    return len(meta["shards"])

@@ -1,0 +1,117 @@
+"""KDTrainingArguments: TrainingArguments plus the distillation options, validated when they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ..config import KDLossConfig
+from .served import check_served_teacher_args
+
+PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
+
+
+@dataclass
+class KDTrainingArguments(TrainingArguments):
+    """TrainingArguments plus the distillation options. `use_kd_patch=True` is the one flag: the student is
+    patched with `apply_kd_patch(model=...)` (kernel toggles from `kd_patch_config`, e.g. {"rope": False})."""
+
+    use_kd_patch: bool = field(default=False, metadata={"help": "Patch the student: fused KD loss and Triton kernels."})
+    kd_patch_config: dict | None = field(
+        default=None, metadata={"help": f"apply_kd_patch toggles: {', '.join(PATCH_TOGGLES)} (each True/False)."}
+    )
+    kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
+    kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
+    kd_soft_weight: float = field(default=1.0, metadata={"help": "Weight of the distillation term."})
+    kd_hard_weight: float = field(default=0.0, metadata={"help": "Weight of the hard-label cross-entropy term."})
+    kd_top_k_tail: str = field(
+        default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."}
+    )
+    kd_lmbda: float = field(default=0.0, metadata={"help": "Fraction of steps on student-generated completions (GKD)."})
+    kd_seq_kd: bool = field(
+        default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."}
+    )
+    kd_max_new_tokens: int = field(default=128, metadata={"help": "Completion length for on-policy / seq-KD steps."})
+    kd_generation_temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of those completions."}
+    )
+    kd_self_distill: bool = field(
+        default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
+    )
+    kd_teacher_tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "The teacher's tokenizer (name or path) when it differs from the student's: "
+                  "cross-tokenizer distillation (liger_patch_kd.align)."},
+    )  # fmt: skip
+    kd_cross_tokenizer_loss: str = field(
+        default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact, next_byte or chain."}
+    )
+    kd_exact_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: exact-token weight."})
+    kd_uld_weight: float = field(default=1.0, metadata={"help": "Hybrid cross-tokenizer loss: ULD weight."})
+    kd_uld_top_k: int | None = field(
+        default=None, metadata={"help": "ULD over the sorted top-k plus a tail bucket; None: the full sort."}
+    )
+    kd_unmatched: str = field(
+        default="bucket",
+        metadata={"help": "Teacher mass on tokens the student lacks: bucket (one 'other' class) or ignore (GOLD)."},
+    )
+    kd_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Leading lm_head rows that are real tokens (e.g. len(tokenizer)); lets heads padded to different "
+            "sizes be distilled. Default: len(processing_class) when the two heads differ in size."
+        },
+    )
+    kd_teacher_url: str | None = field(
+        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
+    )
+    kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
+    kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
+    kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
+    kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
+    kd_teacher_precision: str = field(
+        default="bf16",
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
+    )
+    kd_recompute_layers: int | None = field(
+        default=None,
+        metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
+                  "activations, the rest keep them (memory for speed, e.g. what an FP8 teacher frees). "
+                  "None: every layer recomputes."},
+    )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.kd_lmbda <= 1.0:
+            raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
+        if self.kd_max_new_tokens < 1:
+            raise ValueError(f"kd_max_new_tokens must be >= 1; got {self.kd_max_new_tokens}")
+        if self.kd_generation_temperature <= 0:
+            raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
+        unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
+        if unknown:
+            raise ValueError(
+                f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
+                f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
+            )
+        if self.kd_teacher_precision not in ("bf16", "fp8"):
+            raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
+        if self.kd_recompute_layers is not None:
+            if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
+                raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")
+            # transformers 5.2x renames gradient_checkpointing to activation_checkpointing; either turns it on
+            if not (getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)):
+                raise ValueError(
+                    f"kd_recompute_layers={self.kd_recompute_layers} chooses which layers recompute under gradient "
+                    f"checkpointing, which is off: set gradient_checkpointing=True (activation_checkpointing=True "
+                    f"in newer transformers), or leave kd_recompute_layers=None"
+                )
+        self.kd_loss_config()  # validates the loss options now, not at the first step
+        check_served_teacher_args(self)
+
+    def kd_loss_config(self) -> KDLossConfig:
+        return KDLossConfig(
+            beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
+            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail, vocab_size=self.kd_vocab_size,
+        )  # fmt: skip

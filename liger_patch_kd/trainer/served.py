@@ -1,0 +1,48 @@
+"""The Trainer's glue to a served teacher: its kd_teacher_* arguments checked, and its training DataLoader wrapped
+with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ..teacher.serve.prefetch import STUDENT_KEYS
+
+if TYPE_CHECKING:
+    from .arguments import KDTrainingArguments
+
+CROSS_TOKENIZER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own tokenization
+
+
+def served_teacher_dataloader(
+    dataloader: Any, args: KDTrainingArguments, *, vocab_size: int, depth: int = 4,
+    keys: tuple[str, str] = STUDENT_KEYS,
+) -> TeacherPrefetcher:  # fmt: skip
+    """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
+    kd_teacher_* fields) about batch[keys[0]]. Batches stay on the CPU until the Trainer moves them (with their
+    teacher data) to the device, so the background thread never waits on the GPU."""
+    if getattr(dataloader, "device", None) is not None:
+        dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+    client = TeacherClient(
+        args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
+        timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
+    )  # fmt: skip
+    return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
+
+
+def check_served_teacher_args(args: KDTrainingArguments) -> None:
+    """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
+    if not args.kd_teacher_url:
+        return
+    if args.kd_teacher_protocol not in PROTOCOLS:
+        raise ValueError(f"kd_teacher_protocol must be one of {tuple(PROTOCOLS)}; got {args.kd_teacher_protocol!r}")
+    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(
+            f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
+            f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
+        )
+    if args.kd_lmbda > 0 or args.kd_seq_kd or args.kd_self_distill:
+        raise ValueError(
+            "kd_teacher_url serves teacher log-probs for the dataset's sequences; on-policy (kd_lmbda), sequence-level "
+            "(kd_seq_kd) and self-distillation need a teacher_model in the process"
+        )
