@@ -133,6 +133,12 @@ REGISTRY: dict[str, ArchSpec] = {
 FAMILIES: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3_text", "gemma3")}
 
 
+def family_names() -> list[str]:
+    """Every name there is an `apply_kd_patch_to_<name>` for: each family, and each model_type in none."""
+    members = {m for family in FAMILIES.values() for m in family}
+    return sorted({*FAMILIES, *(k for k in REGISTRY if k not in members)})
+
+
 def specs_for(name: str) -> list[ArchSpec]:
     """The entries of a family name or model_type (class-level patching)."""
     keys = FAMILIES.get(name, (name,))
