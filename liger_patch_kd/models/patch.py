@@ -100,10 +100,25 @@ def apply_kd_patch(
 ) -> nn.Module | None:
     """Patch a model instance (model=...) or an architecture's classes (model_type=...).
 
-    rope / swiglu / rms_norm swap in the Triton kernels (PyTorch on CPU); the KD forward is always installed,
-    and fused_linear_jsd chooses whether it computes the loss from hidden states (True) or on materialised
-    logits (False). `kd_config` / `**kd` (KDLossConfig fields) are the default loss options of the patched
-    forward. Returns the model when one was given.
+    The KD forward is always installed; a patched forward given labels and a teacher returns the distillation
+    loss (see kd_forward.kd_causal_lm_forward), otherwise it is the original forward.
+
+    Args:
+        model (nn.Module | None): the instance to patch (DDP / FSDP / PEFT wrappers are unwrapped); None patches
+            the classes of `model_type`, so every model built afterwards is patched.
+        model_type (str | None): a registry family or model_type ("llama", "gemma3", ...); with `model`, a
+            check that the instance is of that family.
+        rope (bool): swap in the RoPE kernel (Triton on CUDA, PyTorch elsewhere).
+        swiglu (bool): swap in the gated-MLP kernel.
+        rms_norm (bool): swap in the RMSNorm kernel.
+        fused_linear_jsd (bool): compute the loss from hidden states and the lm_head weight (True) or on
+            materialised logits (False).
+        kd_config (KDLossConfig | None): the default loss options of the patched forward.
+        **kd: KDLossConfig fields as keywords, merged with `kd_config` by `KDLossConfig.build` (a keyword that
+            conflicts with `kd_config` is a ValueError).
+
+    Returns:
+        nn.Module | None: `model` (patched in place) when one was given, else None.
     """
     if model is None and model_type is None:
         raise ValueError("apply_kd_patch needs model= (patch that instance) or model_type= (patch the classes)")
