@@ -103,15 +103,43 @@ class KDLossConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def build(cls, config: KDLossConfig | None = None, **overrides: Any) -> KDLossConfig:
-        """`config` (or the defaults) with `overrides` applied.
+    def build(cls, config: Any = None, **given: Any) -> Any:
+        """The one rule for merging a config with keyword options (every loss function, module and patch uses it).
 
-        Overrides that are None mean "not given" and are skipped; unknown names are a ValueError.
+        Keywords that are None were not given. With no `config`: the defaults with the given keywords applied.
+        With a `config`: a given keyword equal to the config's value is fine; one that differs is a ValueError
+        naming the option and both values, never a silent choice of one of them. A config field that is None
+        (an option whose default is None: vocab_size, softcap, chunk_size, ...) holds no value, so a given
+        keyword fills it in. Unknown names are a ValueError.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown KD loss option(s) {unknown}; valid options are {sorted(known)}")
-        base = config if config is not None else cls()
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        return dataclasses.replace(base, **overrides) if overrides else base
+        return merge_options(cls, config, given)
+
+
+def merge_options(cls: type, config: Any, given: dict[str, Any]) -> Any:
+    """`KDLossConfig.build`'s rule for any frozen config dataclass `cls` (align's CrossTokenizerConfig too)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; valid options are {sorted(known)}")
+    given = {k: v for k, v in given.items() if v is not None}
+    if config is None:
+        return cls(**given)
+    if not isinstance(config, cls):
+        raise ValueError(f"config must be a {cls.__name__}; got {type(config).__name__}")
+    for name, value in given.items():
+        held = getattr(config, name)
+        if held is not None and held != value:
+            raise ValueError(f"{name}={value!r} conflicts with config.{name}={held!r}; pass one or the other")
+    fill = {k: v for k, v in given.items() if getattr(config, k) is None}
+    return dataclasses.replace(config, **fill) if fill else config
+
+
+def override_options(config: Any, changes: dict[str, Any]) -> Any:
+    """A copy of `config` with `changes` (None: unchanged) replacing its values: for a deliberate per-call
+    override of options set earlier (the patched forward's `kd_config` dict), not for merging two sources."""
+    known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise ValueError(f"unknown {type(config).__name__} option(s) {unknown}; valid options are {sorted(known)}")
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return dataclasses.replace(config, **changes) if changes else config

@@ -89,17 +89,20 @@ def generalized_jsd(
     teacher_logits: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    reduction: str = "batchmean",
+    config: KDLossConfig | None = None,
+    beta: float | None = None,
+    temperature: float | None = None,
+    ignore_index: int | None = None,
+    reduction: str | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The generalized JSD distillation loss on materialised logits; see `generalized_jsd_per_row`."""
-    KDLossConfig(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction)  # validates
-    per_row = generalized_jsd_per_row(student_logits, teacher_logits, beta=beta, temperature=temperature)
+    """The generalized JSD distillation loss on materialised logits; see `generalized_jsd_per_row`. The options
+    come from `config` and / or the keywords (None: not given), merged by `KDLossConfig.build` (a keyword that
+    conflicts with `config` is a ValueError); only beta, temperature, ignore_index and reduction are read."""
+    cfg = KDLossConfig.build(config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction)
+    per_row = generalized_jsd_per_row(student_logits, teacher_logits, beta=cfg.beta, temperature=cfg.temperature)
     return reduce_rows(
-        per_row, labels, reduction=reduction, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch
+        per_row, labels, reduction=cfg.reduction, ignore_index=cfg.ignore_index, num_items_in_batch=num_items_in_batch
     )
 
 
@@ -109,11 +112,13 @@ def kd_loss(
     labels: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    **options,
 ) -> torch.Tensor:
     """soft_weight * JSD(cap(student) / T, cap(teacher) / T) + hard_weight * CE(cap(student), labels): the full
     objective that `losses.fused_linear_jsd` computes without materialising the logits. With `config.vocab_size`
-    both logits are restricted to ids [0, vocab_size) first (heads padded to different sizes)."""
-    cfg = config or KDLossConfig()
+    both logits are restricted to ids [0, vocab_size) first (heads padded to different sizes). `options` are
+    KDLossConfig fields as keywords, merged with `config` by `KDLossConfig.build` (a conflict is a ValueError)."""
+    cfg = KDLossConfig.build(config, **options)
     vocab = resolve_vocab(student_logits.shape[-1], teacher_logits.shape[-1], cfg.vocab_size)
     student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
     teacher = apply_softcap(teacher_logits[..., :vocab], cfg.teacher_softcap)
@@ -208,10 +213,11 @@ def topk_kd_loss(
     labels: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    **options,
 ) -> torch.Tensor:
     """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels); with
-    `config.vocab_size` the student is restricted to ids [0, vocab_size) first."""
-    cfg = config or KDLossConfig()
+    `config.vocab_size` the student is restricted to ids [0, vocab_size) first. `options` as in `kd_loss`."""
+    cfg = KDLossConfig.build(config, **options)
     vocab = resolve_vocab(student_logits.shape[-1], None, cfg.vocab_size)
     if cfg.vocab_size is not None:
         present = topk_valid_slots(teacher_token_ids, teacher_logprobs)

@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("reference", "ops"),
     ("losses",),
     ("align",),
-    ("models", "distributed"),
+    ("distributed",),  # imports nothing above torch; models and the trainer read lm_head weights through it
+    ("models",),
     ("teacher",),
     ("trainer",),
     ("demo",),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import check_shared_options, check_weight
+from ..config import check_shared_options, check_weight, merge_options
 
 KINDS = ("hybrid", "uld", "exact", "next_byte", "chain")
 UNMATCHED = ("bucket", "ignore")
@@ -70,3 +70,9 @@ class CrossTokenizerConfig:
 
     def replace(self, **changes) -> CrossTokenizerConfig:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def build(cls, config: CrossTokenizerConfig | None = None, **given) -> CrossTokenizerConfig:
+        """`config` and / or keyword options merged by KDLossConfig.build's rule: None is "not given", a keyword
+        that conflicts with `config` is a ValueError naming both values, no config means the defaults."""
+        return merge_options(cls, config, given)

@@ -2,7 +2,7 @@
 
 With the merged student distribution q over the student vocabulary (align.reference), a_v = q_v dL/dq_v
 is all the chunk kernel needs: the row predicting the group's last token gets a - S A (A = sum_v a_v, S its
-softmax), each earlier row of the group gets A (onehot(y) - S), the gradient of log S(y).
+softmax: ops.divergence.softmax_grad), each earlier row of the group gets A (onehot(y) - S), the gradient of log S(y).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..conventions import TAIL_FLOOR
-from ..ops.fused_linear_topk_kd import _terms_and_a
+from ..ops.divergence import terms_and_a
 from .config import CrossTokenizerConfig
 from .vocab import VocabMap
 
@@ -42,14 +42,14 @@ def exact_and_a(
     """The exact-token term per row (see reference.exact_terms) and a = q dL/dq over the student vocabulary."""
     lq, lp = log_q[:, vocab_map.student_ids], log_p[:, vocab_map.teacher_ids]
     present = torch.ones_like(lq, dtype=torch.bool)
-    terms, a_m = _terms_and_a(lq, lp, beta, present)
+    terms, a_m = terms_and_a(lq, lp, beta, present)
     loss = terms.sum(-1)
     if unmatched == "bucket":
         q_m = lq.exp()
         raw_tail = 1 - q_m.sum(-1)
         log_tail_q = raw_tail.clamp(min=TAIL_FLOOR).log()
         log_tail_p = (1 - lp.exp().sum(-1)).clamp(min=TAIL_FLOOR).log()
-        tail_term, tail_a = _terms_and_a(log_tail_q, log_tail_p, beta, torch.ones_like(raw_tail, dtype=torch.bool))
+        tail_term, tail_a = terms_and_a(log_tail_q, log_tail_p, beta, torch.ones_like(raw_tail, dtype=torch.bool))
         loss = loss + tail_term
         # dL/d tail_q; none where the tail sits at its floor (as clamp's own gradient); d tail_q / d q_m = -1
         r = torch.where(raw_tail > TAIL_FLOOR, tail_a / log_tail_q.exp(), torch.zeros_like(raw_tail))

@@ -1,30 +1,25 @@
 """The fused cross-tokenizer distillation loss: student and teacher hidden states and lm_heads in, the loss of
 align.reference.cross_tokenizer_kd_loss out, never more than one chunk of (rows x V) logits in memory.
 
-It runs on ops.chunked's row-chunk loop. A merged group couples its rows (the group's loss depends on every
-row's probability of its actual token, and each of those rows' gradients on the group's loss), so a group
-must not straddle two chunks: the student rows that matter (those in a group or with a label; prompt rows are
-skipped entirely) are packed group by group into chunks of `chunk_size` rows, padding a chunk's end with
-ignored rows when the next group does not fit. Per chunk the teacher's logits are computed for the teacher
-rows of that chunk's groups only. The layout is planned on the host from the group ids (one small copy).
+It runs on ops.chunked's row-chunk loop, on the chunk layout of align.layout (a group never straddles two
+chunks). Per chunk the teacher's logits are computed for the teacher rows of that chunk's groups only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from ..conventions import TAIL_FLOOR, apply_softcap, dense_topk_teacher
-from ..losses import _check_topk_shapes, _run_device_checks, _topk_checks
-from ..ops.backend import logits_fp32
+from ..losses.checks import check_topk_shapes, run_device_checks, topk_checks
+from ..ops.backend import eager, logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
-from ..ops.fused_linear_topk_kd import _terms_and_a
+from ..ops.divergence import softmax_grad, terms_and_a
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
 from .config import CrossTokenizerConfig
 from .fused_math import group_loss_and_a
-from .offsets import group_ids_consistent
+from .layout import ChunkMeta, plan_layout, to_meta
 from .vocab import NO_BYTE, VocabMap, project_to_bytes
 
 
@@ -32,107 +27,6 @@ class CrossTokenizerLossOutput(NamedTuple):
     loss: torch.Tensor
     soft: torch.Tensor  # the distillation term (detached), same reduction
     hard: torch.Tensor  # the CE term (detached)
-
-
-@dataclass
-class _ChunkMeta:
-    """One chunk's groups, in chunk-local indices (all on the loss's device)."""
-
-    row_group: torch.Tensor  # (C,) local group of each chunk row, -1 for none
-    first_row: torch.Tensor  # (G_c,) chunk row predicting each group's first token
-    last_row: torch.Tensor  # (G_c,) chunk row predicting each group's last token
-    teacher_rows: torch.Tensor  # (R,) flat teacher rows of the chunk's groups
-    teacher_group: torch.Tensor  # (R,) local group of each
-    teacher_first: torch.Tensor  # (G_c,) index into teacher_rows of each group's first row
-    teacher_last: torch.Tensor  # (G_c,) index into teacher_rows of each group's last row
-    exact_ok: torch.Tensor  # (G_c,) bool
-
-
-def _group_ranges(groups: torch.Tensor, n_groups: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last row of every group, checking that each group is one run of consecutive rows."""
-    rows = torch.arange(groups.numel())
-    member = groups >= 0
-    first = torch.full((n_groups,), groups.numel()).scatter_reduce(0, groups[member], rows[member], "amin")
-    last = torch.full((n_groups,), -1).scatter_reduce(0, groups[member], rows[member], "amax")
-    count = torch.zeros(n_groups, dtype=torch.long).index_add(0, groups[member], torch.ones_like(rows[member]))
-    if not torch.equal(last - first + 1, count):
-        raise ValueError(f"{side}_groups: every group must be one run of consecutive rows (the aligner's output)")
-    return first, last
-
-
-def plan_layout(
-    s_groups: torch.Tensor,
-    s_valid: torch.Tensor,
-    t_groups: torch.Tensor,
-    exact_ok: torch.Tensor | None,
-    chunk_size: int,
-) -> tuple[torch.Tensor, list[dict], int]:
-    """Host-side: (layout (N',): the student row of each chunk row, -1 for padding; per-chunk index lists; the
-    chunk size, raised to the longest group when one is longer)."""
-    n_groups = group_ids_consistent(s_groups, t_groups)
-    s_first, s_last = _group_ranges(s_groups, n_groups, "student")
-    t_first, t_last = _group_ranges(t_groups, n_groups, "teacher")
-    if n_groups and not bool(s_valid[s_groups >= 0].all()):
-        raise ValueError("student_labels must not be ignore_index on rows that are in a group (the aligned tokens)")
-    longest = int((s_last - s_first).max()) + 1 if n_groups else 1
-    chunk_size = max(chunk_size, longest)
-    units = []  # (first row, last row, group or -1), in row order
-    row = 0
-    keep = s_valid | (s_groups >= 0)
-    for r in torch.nonzero(keep).flatten().tolist():
-        if r < row:
-            continue
-        g = int(s_groups[r])
-        end = int(s_last[g]) if g >= 0 else r
-        units.append((r, end, g))
-        row = end + 1
-    layout: list[int] = []
-    chunks: list[dict] = []
-    current = None
-    for first, last, g in units:
-        length = last - first + 1
-        if current is None or len(layout) - current["start"] + length > chunk_size:
-            layout.extend([-1] * (-len(layout) % chunk_size))  # pad to the chunk boundary
-            current = dict(start=len(layout), groups=[])
-            chunks.append(current)
-        if g >= 0:
-            current["groups"].append((g, len(layout) - current["start"], length))
-        layout.extend(range(first, last + 1))
-    metas = []
-    for chunk in chunks:
-        row_group, first_row, last_row, t_rows, t_group, t_first_local, t_last_local, ok = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        for local, (g, offset, length) in enumerate(chunk["groups"]):
-            row_group.append((offset, length, local))
-            first_row.append(offset)
-            last_row.append(offset + length - 1)
-            t_first_local.append(len(t_rows))
-            t_rows.extend(range(int(t_first[g]), int(t_last[g]) + 1))
-            t_group.extend([local] * (int(t_last[g]) - int(t_first[g]) + 1))
-            t_last_local.append(len(t_rows) - 1)
-            ok.append(True if exact_ok is None else bool(exact_ok[int(s_last[g])]))
-        metas.append(dict(row_group=row_group, first_row=first_row, last_row=last_row, teacher_rows=t_rows,
-                          teacher_group=t_group, teacher_first=t_first_local, teacher_last=t_last_local,
-                          exact_ok=ok))  # fmt: skip
-    return torch.tensor(layout, dtype=torch.long), metas, chunk_size
-
-
-def _to_meta(raw: dict, rows: int, device) -> _ChunkMeta:
-    row_group = torch.full((rows,), -1, dtype=torch.long)
-    for offset, length, local in raw["row_group"]:
-        row_group[offset : offset + length] = local
-    tensor = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return _ChunkMeta(row_group.to(device), tensor(raw["first_row"]), tensor(raw["last_row"]),
-                      tensor(raw["teacher_rows"]), tensor(raw["teacher_group"]), tensor(raw["teacher_first"]),
-                      tensor(raw["teacher_last"]), tensor(raw["exact_ok"], torch.bool))  # fmt: skip
 
 
 def _merge(log_probs: torch.Tensor, targets: torch.Tensor, row_group: torch.Tensor, last: torch.Tensor, n: int):
@@ -168,7 +62,7 @@ def _chunk_kernel(logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg, voca
         total = a.sum(-1) * weight
         probs = log_s.exp()
         grad = torch.zeros_like(log_s)
-        grad[meta.last_row] = a * weight[:, None] - probs[meta.last_row] * total[:, None]
+        grad[meta.last_row] = softmax_grad(a * weight[:, None], probs[meta.last_row], total[:, None])
         rows = torch.nonzero(earlier).flatten()
         coef = total[meta.row_group[rows]]
         grad[rows] = -coef[:, None] * probs[rows]
@@ -187,7 +81,7 @@ def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_d
     q.index_add_(1, vocab_map.student_first_byte, probs)
     byte_p = byte_p.to(q.dtype)
     present = (q > 0) | (byte_p > 0)
-    terms, a_class = _terms_and_a(q.clamp(min=TAIL_FLOOR).log(), byte_p.clamp(min=TAIL_FLOOR).log(), cfg.beta, present)
+    terms, a_class = terms_and_a(q.clamp(min=TAIL_FLOOR).log(), byte_p.clamp(min=TAIL_FLOOR).log(), cfg.beta, present)
     soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), terms.sum(-1))
 
     def grad_u():
@@ -196,7 +90,7 @@ def _next_byte_chunk(log_s, byte_p, meta, capped, labels, w_soft, w_hard, grad_d
         a = probs * d_class[:, vocab_map.student_first_byte]
         weight = w_soft[meta.last_row].to(a.dtype)
         grad = torch.zeros_like(log_s)
-        grad[first] = (a - probs * a.sum(-1, keepdim=True)) * weight[:, None]
+        grad[first] = softmax_grad(a, probs) * weight[:, None]
         return grad
 
     return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
@@ -221,10 +115,10 @@ def _chain_chunk(log_s, teacher, meta, capped, labels, w_soft, w_hard, grad_dtyp
         p = byte_p[pick].to(mass.dtype)
         allowed = allowed_classes(member, byte, p)
         log_q = restricted_log(mass, allowed)
-        terms, a_class = _terms_and_a(log_q, restricted_log(p, allowed), cfg.beta, allowed)
+        terms, a_class = terms_and_a(log_q, restricted_log(p, allowed), cfg.beta, allowed)
         group_loss.index_add_(0, g, terms.sum(-1))
         # through the renormalisation (d log q_c / d log m_c' = [c = c'] - q_c'), then to each counted token
-        g_class = a_class - torch.where(allowed, log_q.exp(), 0.0) * a_class.sum(-1, keepdim=True)
+        g_class = softmax_grad(a_class, torch.where(allowed, log_q.exp(), 0.0))
         per_mass = torch.where(mass > TAIL_FLOOR, g_class / mass.clamp(min=TAIL_FLOOR), torch.zeros_like(mass))
         a_rows.append((rows, probs * member * per_mass[:, byte]))
     soft = torch.zeros_like(log_s[:, 0]).index_put_((meta.last_row,), group_loss)
@@ -234,13 +128,13 @@ def _chain_chunk(log_s, teacher, meta, capped, labels, w_soft, w_hard, grad_dtyp
         row_weight = torch.zeros_like(log_s[:, 0]).index_put_((meta.first_row,), w_soft[meta.last_row].to(log_s.dtype))
         for rows, a in a_rows:
             probs = log_s[rows].exp()
-            grad.index_add_(0, rows, (a - probs * a.sum(-1, keepdim=True)) * row_weight[rows, None])
+            grad.index_add_(0, rows, softmax_grad(a, probs) * row_weight[rows, None])
         return grad
 
     return finish_chunk(soft, grad_u, capped, labels, torch.ones_like(w_soft), w_hard, grad_dtype, cfg)
 
 
-def _teacher_source(teacher_log_probs, t_labels, metas: dict[int, _ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
+def _teacher_source(teacher_log_probs, t_labels, metas: dict[int, ChunkMeta], cfg: CrossTokenizerConfig, vocab_map):
     """The chunk loop's teacher side. `teacher_log_probs(rows)` gives the teacher's log-probs at temperature T
     on those flat teacher rows, (R, V_t): from its hidden states and lm_head, or rebuilt from top-k data."""
 
@@ -289,11 +183,6 @@ def _check(name: str, t: torch.Tensor, leading: torch.Size) -> None:
         )
 
 
-def _resolve_config(config: CrossTokenizerConfig | None, options: dict) -> CrossTokenizerConfig:
-    cfg = config or CrossTokenizerConfig(**options)
-    return config.replace(**options) if config is not None and options else cfg
-
-
 def _check_head_input(role: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -316,7 +205,7 @@ def _check_student_side(student_input, student_weight, student_labels, student_g
         raise ValueError(f"kind={cfg.kind!r} needs a non-empty vocab_map (VocabMap.build(student_tok, teacher_tok))")
 
 
-@torch.compiler.disable
+@eager  # a clean graph break under torch.compile, as the fused losses
 def fused_linear_cross_tokenizer_kd(
     student_input: torch.Tensor,
     student_weight: torch.Tensor,
@@ -340,10 +229,11 @@ def fused_linear_cross_tokenizer_kd(
 
     student_input (..., H_s) with student_labels / student_groups / exact_ok of its leading shape, shifted
     HF style (row r: label = token r + 1, group of token r + 1); teacher_input (..., H_t) with teacher_labels /
-    teacher_groups of its own leading shape (the teacher's sequence length differs). `config` or its fields
-    as keywords (CrossTokenizerConfig). Gradients flow to the student input, weight and bias.
+    teacher_groups of its own leading shape (the teacher's sequence length differs). `config` and / or its
+    fields as keywords, merged by CrossTokenizerConfig.build (a keyword that conflicts with `config` is a
+    ValueError). Gradients flow to the student input, weight and bias.
     """
-    cfg = _resolve_config(config, options)
+    cfg = CrossTokenizerConfig.build(config, **options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
     _check_head_input("teacher", teacher_input, teacher_weight)
     _check("teacher_labels", teacher_labels, teacher_input.shape[:-1])
@@ -358,7 +248,7 @@ def fused_linear_cross_tokenizer_kd(
     )  # fmt: skip
 
 
-@torch.compiler.disable
+@eager  # a clean graph break under torch.compile, as the fused losses
 def fused_linear_cross_tokenizer_topk_kd(
     student_input: torch.Tensor,
     student_weight: torch.Tensor,
@@ -388,7 +278,7 @@ def fused_linear_cross_tokenizer_topk_kd(
     memory stays one chunk. teacher_vocab_size: the teacher's vocabulary (its lm_head rows), default
     vocab_map.teacher_vocab_size. The log-probs already carry any soft-cap, so teacher_softcap must be None.
     """
-    cfg = _resolve_config(config, options)
+    cfg = CrossTokenizerConfig.build(config, **options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
     if cfg.teacher_softcap is not None:
         raise ValueError(
@@ -400,14 +290,14 @@ def fused_linear_cross_tokenizer_topk_kd(
         raise ValueError("teacher_vocab_size is needed with top-k teacher data (the teacher's lm_head rows) "
                          "unless a vocab_map gives it")  # fmt: skip
     leading = teacher_token_ids.shape[:-1]
-    _check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
+    check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
     _check("teacher_labels", teacher_labels, leading)
     _check("teacher_groups", teacher_groups, leading)
     device = student_input.device
     ids = teacher_token_ids.reshape(-1, teacher_token_ids.shape[-1]).to(device)
     logprobs = teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1]).to(device).detach()
     counted = (teacher_groups.reshape(-1) >= 0).to(device)  # only the rows in a group are read
-    _run_device_checks(_topk_checks(ids, logprobs, counted, vocab))
+    run_device_checks(topk_checks(ids, logprobs, counted, vocab))
     return _fused_loss(
         student_input, student_weight, student_bias, student_labels, student_groups,
         _topk_teacher(ids, logprobs, vocab, cfg), vocab, teacher_labels, teacher_groups, vocab_map, exact_ok, cfg,
@@ -453,7 +343,7 @@ def _fused_loss(
         row_weight = valid_layout / (denom.to(device=device, dtype=acc) if torch.is_tensor(denom) else denom)
     else:
         row_weight = valid_layout
-    metas = {i * chunk_size: _to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)
+    metas = {i * chunk_size: to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)
              for i, raw in enumerate(raw_metas)}  # fmt: skip
     t_labels = teacher_labels.reshape(-1).to(device)
     plan = ChunkPlan(

@@ -1,8 +1,11 @@
 """Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures."""
 
+from .backbone import run_backbone
 from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
-from .kd_forward import kd_causal_lm_forward, unwrap_model
-from .kd_io import KDCausalLMOutput
+from .heads import output_head
+from .kd_forward import kd_causal_lm_forward
+from .kd_io import KDCausalLMOutput, TeacherInputs, targets_of
+from .materialised import materialised_kd
 from .patch import (
     apply_kd_patch,
     apply_kd_patch_to_cohere,
@@ -27,7 +30,11 @@ from .patch import (
     patch_teacher_kernels,
     revert_kd_patch,
 )
-from .registry import FAMILIES, REGISTRY, ArchSpec
+from .recompute import limit_recompute
+from .registry import FAMILIES, REGISTRY, ArchSpec, softcap_of
+from .spec import spec_for_model
+from .state import unwrap_model
+from .transforms import scaled_head_inputs
 
 __all__ = [
     "Fp8Linear",
@@ -60,4 +67,13 @@ __all__ = [
     "kd_causal_lm_forward",
     "revert_kd_patch",
     "unwrap_model",
+    "output_head",
+    "materialised_kd",
+    "TeacherInputs",
+    "targets_of",
+    "limit_recompute",
+    "run_backbone",
+    "softcap_of",
+    "scaled_head_inputs",
+    "spec_for_model",
 ]

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from .moe import router_logits_request
-from .registry import REGISTRY, spec_for_model
+from .registry import REGISTRY
+from .spec import spec_for_model
+from .state import unwrap_model
 
 
 def run_backbone(
@@ -43,8 +45,6 @@ def run_backbone(
 
 def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The student's vision inputs a VLM teacher takes; {} for a text teacher."""
-    from .kd_forward import unwrap_model
-
     inner = unwrap_model(teacher)
     spec = REGISTRY.get(getattr(getattr(inner, "config", None), "model_type", None))
     if spec is None or not isinstance(inner, spec.model_class()):  # any teacher may run its own forward (materialised)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .registry import ArchSpec, softcap_of
+from .state import CLASS_STATE
 
 _BACKBONE_CALL = re.compile(r"^(outputs(: \w+)?|\w+_outputs) = self\.model\(")
 _TRACKED = ("logits", "lm_logits", "hidden_states", "loss", "aux_loss")
@@ -59,14 +60,12 @@ _KNOWN_RE = [(re.compile(p + r"$"), feature) for p, feature in _KNOWN]
 
 def unpatched_forward(cls: type[nn.Module]) -> Callable:
     """The forward `cls` runs without this library (a class patched before loading keeps its original)."""
-    from .kd_forward import _CLASS_STATE
-
     for owner in cls.__mro__:
         forward = owner.__dict__.get("forward")
         if forward is None:
             continue
-        if getattr(forward, "__liger_kd__", False) and owner in _CLASS_STATE:
-            return _CLASS_STATE[owner].original_forward
+        if getattr(forward, "__liger_kd__", False) and owner in CLASS_STATE:
+            return CLASS_STATE[owner].original_forward
         return forward
     raise ValueError(f"{cls.__name__} has no forward")
 

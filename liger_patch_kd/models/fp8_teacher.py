@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..distributed import is_dtensor
 from ..ops.fp8 import fp8_available, fp8_linear, gated_act_quantized, quantize_rows, quantize_weight
+from .patch import activation_name
+from .state import unwrap_model
 
 _FP8_ATTR = "__liger_kd_fp8__"
 _ROUTER_NAMES = ("router", "gate")  # MoE routers: a module named exactly so is kept in bf16
@@ -130,8 +133,6 @@ def _nbytes(module: nn.Module) -> int:
 
 
 def _check_teacher(model: nn.Module) -> torch.device:
-    from ..distributed import is_dtensor
-
     params = list(model.parameters())
     if not params:
         raise ValueError(f"quantize_teacher_fp8: {type(model).__name__} has no parameters")
@@ -156,9 +157,6 @@ def _check_teacher(model: nn.Module) -> torch.device:
 def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
     """Quantise the frozen teacher's decoder products to FP8, in place (see the module's docstring). Returns
     what was done; a second call returns the first call's summary and changes nothing."""
-    from .kd_forward import unwrap_model
-    from .patch import _activation_name
-
     inner = unwrap_model(model)
     if hasattr(inner, _FP8_ATTR):
         return getattr(inner, _FP8_ATTR)
@@ -174,7 +172,7 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
     for name, module in decoder_modules:
         separate = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
         fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
-        activation = _activation_name(module) if separate or fused else None
+        activation = activation_name(module) if separate or fused else None
         if activation is None or not name:
             continue
         parts = (module.gate_proj, module.up_proj) if separate else (module.gate_up_proj,)
@@ -204,8 +202,3 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         torch.cuda.empty_cache()
     return summary
 
-
-def is_fp8_teacher(model: nn.Module) -> bool:
-    from .kd_forward import unwrap_model
-
-    return hasattr(unwrap_model(model), _FP8_ATTR)

@@ -7,71 +7,41 @@ the forward survives transformers renaming them (`past_key_values` -> `cache`).
 from __future__ import annotations
 
 import functools
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import KDLossConfig
+from ..config import KDLossConfig, override_options
 from ..distributed import gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
+from ..ops.backend import eager
 from .backbone import run_backbone, teacher_vision_inputs
 from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .moe import router_aux_loss, with_router_aux_loss
-from .registry import softcap_of, spec_for_model
+from .registry import softcap_of
+from .spec import spec_for_model
+from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, patch_state, unwrap_model
 from .transforms import scaled_head_inputs
 
-__all__ = ["KDCausalLMOutput", "TeacherInputs", "kd_causal_lm_forward", "output_head", "shift_labels", "unwrap_model"]
-
-
-@dataclass
-class PatchState:
-    """What a patched class or instance remembers: its original forward and its loss options."""
-
-    original_forward: Callable
-    config: KDLossConfig = field(default_factory=KDLossConfig)
-    fused: bool = True
-
-
-_CLASS_STATE: dict[type, PatchState] = {}
-_INSTANCE_ATTR = "_liger_kd_state"
-# every instance given the KD forward (apply_kd_patch(model=...), or a teacher via install_teacher_forward),
-# so that revert_kd_patch() with no arguments can undo them all
-PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def patch_state(model: nn.Module) -> PatchState:
-    state = model.__dict__.get(_INSTANCE_ATTR)
-    if state is not None:
-        return state
-    for cls in type(model).__mro__:  # FSDP2 swaps in a subclass of the patched class
-        if cls in _CLASS_STATE:
-            return _CLASS_STATE[cls]
-    raise RuntimeError(f"{type(model).__name__} runs the KD forward but was never patched; call apply_kd_patch")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face *ForCausalLM inside DDP / FSDP1 / PEFT / torch.compile wrappers."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        for attr in ("module", "_fsdp_wrapped_module", "_orig_mod"):
-            inner = getattr(model, attr, None)
-            if isinstance(inner, nn.Module):
-                model = inner
-                break
-        else:
-            base = getattr(model, "base_model", None)  # PEFT: PeftModel.base_model (LoraModel).model
-            if base is not None and base is not model and isinstance(getattr(base, "model", None), nn.Module):
-                model = base.model
-                continue
-            return model
-    return model
+# unwrap_model, output_head, TeacherInputs, shift_labels live in state / heads / kd_io; re-exported from here,
+# where they were first defined, so that `models.kd_forward.unwrap_model` keeps working
+__all__ = [
+    "KDCausalLMOutput",
+    "PatchState",
+    "TeacherInputs",
+    "call_teacher",
+    "install_teacher_forward",
+    "kd_causal_lm_forward",
+    "output_head",
+    "patch_state",
+    "shift_labels",
+    "unwrap_model",
+]
 
 
 def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
@@ -80,7 +50,7 @@ def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> K
         return base
     if isinstance(kd_config, KDLossConfig):
         return kd_config
-    return KDLossConfig.build(base, **kd_config)
+    return override_options(base, kd_config)  # this call's options replace the patch-time ones
 
 
 TeacherCallback = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], Any]
@@ -182,7 +152,6 @@ def kd_causal_lm_forward(
             agreement = measured.get("agreement")
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
     return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
-    return _output(out, decoder_out, agreement)
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):
@@ -243,7 +212,7 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     return result["loss"]
 
 
-@torch.compiler.disable  # runs once per teacher; dynamo on torch 2.11 cannot trace building the PatchState
+@eager  # runs once per teacher; dynamo on torch 2.11 cannot trace building the PatchState
 def install_teacher_forward(teacher: nn.Module) -> None:
     """Give an unpatched teacher the KD forward (fused path only, no kernels): its behaviour is unchanged
     except when it is asked to serve as a teacher. `revert_kd_patch()` takes it off again."""
@@ -251,7 +220,7 @@ def install_teacher_forward(teacher: nn.Module) -> None:
     if _is_kd_forward(inner):
         return
     spec_for_model(inner)  # a teacher whose forward transforms its logits in a way the registry does not know: refused
-    inner.__dict__[_INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
+    inner.__dict__[INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
     inner.forward = kd_causal_lm_forward.__get__(inner)
     PATCHED_INSTANCES.add(inner)
 

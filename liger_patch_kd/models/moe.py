@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import spec_for_model
+from .spec import spec_for_model
 
 
 def router_logits_request(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,10 @@ from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act
 from .forward_audit import check_forward
-from .kd_forward import _CLASS_STATE, _INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, kd_causal_lm_forward, unwrap_model
-from .registry import ALIASES, REGISTRY, ArchSpec, spec_for_model, specs_for
+from .kd_forward import kd_causal_lm_forward
+from .registry import REGISTRY, ArchSpec, specs_for
+from .spec import spec_for_model
+from .state import CLASS_STATE, INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, unwrap_model
 
 # (owner, attribute) -> original value, for everything patched at class / module level
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -45,21 +47,22 @@ def _make_rms_norm_forward(spec: ArchSpec):
     return forward
 
 
-def _activation_name(mlp: nn.Module) -> str | None:
+def activation_name(mlp: nn.Module) -> str | None:
+    """The gated MLP's activation when the kernels know it (ops.swiglu.ACTIVATIONS), else None."""
     config = getattr(mlp, "config", None)
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     return name if name in ACTIVATIONS else None
 
 
 def _gated_mlp_forward(self, x):
-    activation = _activation_name(self)
+    activation = activation_name(self)
     if activation is None:  # an activation the kernel does not know: the original computation
         return type(self).__liger_kd_original_forward__(self, x)
     return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), activation))
 
 
 def _fused_gate_up_mlp_forward(self, x):
-    activation = _activation_name(self)
+    activation = activation_name(self)
     if activation is None:
         return type(self).__liger_kd_original_forward__(self, x)
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -97,10 +100,25 @@ def apply_kd_patch(
 ) -> nn.Module | None:
     """Patch a model instance (model=...) or an architecture's classes (model_type=...).
 
-    rope / swiglu / rms_norm swap in the Triton kernels (PyTorch on CPU); the KD forward is always installed,
-    and fused_linear_jsd chooses whether it computes the loss from hidden states (True) or on materialised
-    logits (False). `kd_config` / `**kd` (KDLossConfig fields) are the default loss options of the patched
-    forward. Returns the model when one was given.
+    The KD forward is always installed; a patched forward given labels and a teacher returns the distillation
+    loss (see kd_forward.kd_causal_lm_forward), otherwise it is the original forward.
+
+    Args:
+        model (nn.Module | None): the instance to patch (DDP / FSDP / PEFT wrappers are unwrapped); None patches
+            the classes of `model_type`, so every model built afterwards is patched.
+        model_type (str | None): a registry family or model_type ("llama", "gemma3", ...); with `model`, a
+            check that the instance is of that family.
+        rope (bool): swap in the RoPE kernel (Triton on CUDA, PyTorch elsewhere).
+        swiglu (bool): swap in the gated-MLP kernel.
+        rms_norm (bool): swap in the RMSNorm kernel.
+        fused_linear_jsd (bool): compute the loss from hidden states and the lm_head weight (True) or on
+            materialised logits (False).
+        kd_config (KDLossConfig | None): the default loss options of the patched forward.
+        **kd: KDLossConfig fields as keywords, merged with `kd_config` by `KDLossConfig.build` (a keyword that
+            conflicts with `kd_config` is a ValueError).
+
+    Returns:
+        nn.Module | None: `model` (patched in place) when one was given, else None.
     """
     if model is None and model_type is None:
         raise ValueError("apply_kd_patch needs model= (patch that instance) or model_type= (patch the classes)")
@@ -127,8 +145,8 @@ def apply_kd_patch(
         elif swiglu and isinstance(sub, mlp_classes):
             _bind(sub, mlp_forward)
     lm_cls = spec.model_class()
-    original = _CLASS_STATE[lm_cls].original_forward if lm_cls in _CLASS_STATE else type(inner).forward
-    inner.__dict__[_INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
+    original = CLASS_STATE[lm_cls].original_forward if lm_cls in CLASS_STATE else type(inner).forward
+    inner.__dict__[INSTANCE_ATTR] = PatchState(original, config, fused_linear_jsd)
     _bind_kd_forward(inner, original)
     PATCHED_INSTANCES.add(inner)
     return model
@@ -181,7 +199,7 @@ def _patch_classes(spec: ArchSpec, config: KDLossConfig, *, rope: bool, swiglu: 
             _set(mlp_cls, "forward", mlp_forward)
     lm_cls = spec.model_class()
     _ORIGINALS.setdefault((lm_cls, "forward"), lm_cls.__dict__["forward"])
-    _CLASS_STATE[lm_cls] = PatchState(_ORIGINALS[(lm_cls, "forward")], config, fused)
+    CLASS_STATE[lm_cls] = PatchState(_ORIGINALS[(lm_cls, "forward")], config, fused)
     lm_cls.forward = kd_causal_lm_forward
 
 
@@ -207,7 +225,7 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                 del sub.__dict__["forward"]
                 if _is_ours(wrapped):
                     del sub.__dict__["_original_forward"]
-            sub.__dict__.pop(_INSTANCE_ATTR, None)
+            sub.__dict__.pop(INSTANCE_ATTR, None)
         PATCHED_INSTANCES.discard(inner)
         return
     if model_type is None:
@@ -227,7 +245,7 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                 else:
                     setattr(owner, name, original)
                 del _ORIGINALS[(owner, name)]
-        _CLASS_STATE.pop(spec.model_class(), None)
+        CLASS_STATE.pop(spec.model_class(), None)
 
 
 def _is_ours(forward) -> bool:
@@ -284,6 +302,6 @@ def patch_teacher_kernels(teacher: nn.Module, patch_config: dict | None) -> None
     (its results are unchanged to rounding). A teacher of an architecture without a registry entry runs as is."""
     inner = unwrap_model(teacher)
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
-    if ALIASES.get(model_type, model_type) in REGISTRY:
+    if model_type in REGISTRY:
         toggles = {k: v for k, v in (patch_config or {}).items() if k in ("rope", "swiglu", "rms_norm")}
         apply_kd_patch(model=inner, **toggles)

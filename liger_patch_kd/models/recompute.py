@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .kd_forward import unwrap_model
+from .state import unwrap_model
 
 
 def limit_recompute(model: nn.Module, n_layers: int) -> tuple[int, int]:

@@ -4,6 +4,7 @@ Adding an architecture is adding an `ArchSpec` here; the KD forward itself is ge
 class's forward does to its logits after lm_head (`logits`, see transforms.py) and whether it adds a router's
 auxiliary loss is declared here and checked against the forward's source when a model is patched
 (forward_audit.py): a forward that does something its entry does not declare is refused, never mis-scored.
+This module holds the declarations only; `spec.spec_for_model` picks a model's entry and audits its forward.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
 from torch import nn
-
-from .transforms import LOGIT_TRANSFORMS
 
 Names = tuple[str, ...]  # candidate class names, first found wins (transformers renames classes between releases)
 
@@ -131,17 +129,19 @@ REGISTRY: dict[str, ArchSpec] = {
         ),
     )
 }
-for _spec_entry in REGISTRY.values():
-    assert _spec_entry.logits <= LOGIT_TRANSFORMS.keys(), _spec_entry  # a typo here would silently skip a transform
-
 # apply_kd_patch_to_<family> patches every class of the family; a model_type not listed is its own family
 FAMILIES: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3_text", "gemma3")}
-ALIASES: dict[str, str] = {}  # model_type -> registry key (none needed since every class has its own entry)
+
+
+def family_names() -> list[str]:
+    """Every name there is an `apply_kd_patch_to_<name>` for: each family, and each model_type in none."""
+    members = {m for family in FAMILIES.values() for m in family}
+    return sorted({*FAMILIES, *(k for k in REGISTRY if k not in members)})
 
 
 def specs_for(name: str) -> list[ArchSpec]:
     """The entries of a family name or model_type (class-level patching)."""
-    keys = FAMILIES.get(name, (ALIASES.get(name, name),))
+    keys = FAMILIES.get(name, (name,))
     missing = [k for k in keys if k not in REGISTRY]
     if missing:
         raise ValueError(
@@ -154,35 +154,6 @@ def specs_for(name: str) -> list[ArchSpec]:
 def spec_for(model_type: str) -> ArchSpec:
     """The entry of one model_type; a family name gives its first (text) member."""
     return specs_for(model_type)[0]
-
-
-_SPEC_ATTR = "_liger_kd_spec"
-
-
-def spec_for_model(model: nn.Module) -> ArchSpec:
-    """The entry of a model instance, checked: its class is the entry's, and its forward and config do nothing to
-    the logits or the loss that the entry does not declare (ValueError otherwise). Resolved once per instance:
-    the KD forward asks several times per step, and the check parses source code."""
-    spec = model.__dict__.get(_SPEC_ATTR)
-    if spec is None:
-        spec = model.__dict__[_SPEC_ATTR] = _checked_spec(model)
-    return spec
-
-
-@torch.compiler.disable  # once per instance; dynamo need not trace the source audit
-def _checked_spec(model: nn.Module) -> ArchSpec:
-    from .forward_audit import check_model  # forward_audit reads the registry's declarations
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    spec = spec_for(model_type or type(model).__name__)
-    for candidate in specs_for(model_type) if model_type in FAMILIES else [spec]:
-        if isinstance(model, candidate.model_class()):
-            check_model(model, candidate)
-            return candidate
-    raise ValueError(
-        f"model is a {type(model).__name__} (model_type {model_type!r}); liger_patch_kd patches "
-        f"{spec.causal_lm} for that model_type. Pass that model"
-    )
 
 
 def softcap_of(config) -> float | None:

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .registry import REGISTRY
+from .spec import spec_for_model
+
 
 @dataclass(frozen=True)
 class LogitScale:
@@ -53,14 +56,14 @@ LOGIT_TRANSFORMS: dict[str, LogitScale | None] = {
     "logits_scaling": LogitScale(lambda model: model.config.logits_scaling, divide=True),  # Granite
     "logit_scale": LogitScale(lambda model: model.logit_scale),  # Cohere: self.logit_scale = config.logit_scale
 }
+for _entry in REGISTRY.values():
+    assert _entry.logits <= LOGIT_TRANSFORMS.keys(), _entry  # a typo in the registry would silently skip a transform
 
 
 def scaled_head_inputs(
     model: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last hidden states and lm_head bias for the fused loss, with the model's logit scales folded in."""
-    from .registry import spec_for_model
-
     for name in sorted(spec_for_model(model).logits):
         scale = LOGIT_TRANSFORMS[name]
         if scale is not None:

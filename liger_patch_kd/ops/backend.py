@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 BACKENDS = ("triton", "torch")
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager(fn: F) -> F:
+    """`torch.compiler.disable(fn)`, applied on the first call rather than at import.
+
+    A clean graph break under torch.compile: the decorated function (a chunk loop, Triton launches, a source
+    audit) always runs eagerly. Applying the decorator at import would import torch._dynamo (1.8 s) with the
+    package; on the first call under torch.compile dynamo is loaded anyway, and it handles the disable there.
+    """
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def triton_available() -> bool:

@@ -61,7 +61,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .swiglu import _act_and_grad
+    from .swiglu import act_and_grad
 
     @triton.jit
     def _store_quantized(y_ptr, scale_ptr, row, stride_y, x, cols, mask, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr):
@@ -94,7 +94,7 @@ if triton_available():
         mask = cols < width
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + width + cols, mask=mask, other=0.0).to(tl.float32)
-        act, _ = _act_and_grad(g, GELU)
+        act, _ = act_and_grad(g, GELU)
         _store_quantized(y_ptr, scale_ptr, row, stride_y, act * u, cols, mask, FP8_MAX, FLOOR)
 
 

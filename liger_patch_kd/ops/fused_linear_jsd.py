@@ -5,16 +5,15 @@ Per row chunk (see `chunked.py`) the student and teacher logits come from two fp
 log-sum-exps, the loss and dLoss/dlogits, and writes the gradient in the input dtype for the backward
 products.
 
-Gradient of the tempered student logits u = cap(z) / T, with S = softmax(u), P = softmax(cap(z_t) / T):
-    beta == 0 (KL(P||S)):  dL/du = S - P
-    beta == 1 (KL(S||P)):  dL/du = S * (log S - log P - L)
+Gradient of the tempered student logits u = cap(z) / T, with S = softmax(u), P = softmax(cap(z_t) / T): the
+divergence.py form dL/du = a - S * sum(a), which here reads
+    beta == 0 (KL(P||S)):  dL/du = S - P                                  (a = -P, sum(a) = -1)
+    beta == 1 (KL(S||P)):  dL/du = S * (log S - log P - L)                (sum(a) = L + 1)
     otherwise:             dL/du = (1 - beta) * S * (g - sum(S * g)),  g = log S - log M
 and dL/dz = dL/du / T * cap'(z), cap'(z) = 1 - (cap(z) / c)^2. The hard term adds softmax(cap(z)) - onehot.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from ..config import KDLossConfig
 from ..conventions import apply_softcap
 from .backend import triton_available
 from .chunked import finish_chunk
+from .divergence import dense_divergence
 
 MODE_FORWARD_KL, MODE_REVERSE_KL, MODE_JSD = 0, 1, 2
 
@@ -42,23 +42,11 @@ def jsd_chunk_torch(
     cfg: KDLossConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
-    beta, inv_t = cfg.beta, 1.0 / cfg.temperature
+    inv_t = 1.0 / cfg.temperature
     capped = apply_softcap(student_logits, cfg.softcap)
     log_s = F.log_softmax(capped * inv_t, dim=-1)
     log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.teacher_softcap) * inv_t, dim=-1)
-    s, p = log_s.exp(), log_p.exp()
-    mode = _mode(beta)
-    if mode == MODE_FORWARD_KL:
-        soft = (p * (log_p - log_s)).sum(-1)
-        grad_u = lambda: s - p  # noqa: E731
-    elif mode == MODE_REVERSE_KL:
-        soft = (s * (log_s - log_p)).sum(-1)
-        grad_u = lambda: s * (log_s - log_p - soft[:, None])  # noqa: E731
-    else:
-        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_p + math.log(beta))
-        g = log_s - log_m
-        soft = beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (s * g).sum(-1)
-        grad_u = lambda: (1 - beta) * s * (g - (s * g).sum(-1, keepdim=True))  # noqa: E731
+    soft, grad_u = dense_divergence(log_s, log_p, cfg.beta)
     return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg)
 
 
@@ -67,7 +55,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import _lse_finish, _online_lse_update, _softcap
+    from .triton_utils import lse_finish, online_lse_update, softcap
 
     @triton.jit
     def _log_mixture(s, p, beta):
@@ -80,15 +68,39 @@ if triton_available():
 
     @triton.jit
     def _jsd_chunk_kernel(
-        zs_ptr, zt_ptr, grad_ptr, labels_ptr, w_soft_ptr, w_hard_ptr, soft_ptr, hard_ptr,
-        stride_zs, stride_zt, stride_g, V,
-        inv_temp, beta, cap_s, cap_t, ignore_index,
-        MODE: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
-        CAP_S: tl.constexpr, CAP_T: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_IN_TEACHER: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        # pointers
+        zs_ptr,  # (rows, V) student logits, fp32 (fp64 in tests)
+        zt_ptr,  # (rows, V) teacher logits; the gradient overwrites them when grad_ptr views their storage
+        grad_ptr,  # (rows, V) dLoss/dlogits out, in the input dtype (unused without COMPUTE_GRAD)
+        labels_ptr,  # (rows,) int64
+        w_soft_ptr,  # (rows,) each row's weight of the KD term
+        w_hard_ptr,  # (rows,) each row's weight of the CE term
+        soft_ptr,  # (rows,) out: the KD term per row
+        hard_ptr,  # (rows,) out: the CE term per row
+        # strides and shapes
+        stride_zs,
+        stride_zt,
+        stride_g,
+        V,
+        # loss options
+        inv_temp,
+        beta,
+        cap_s,  # the student's soft-cap (read when CAP_S)
+        cap_t,  # the teacher's soft-cap (read when CAP_T)
+        ignore_index,
+        # meta-parameters
+        MODE: tl.constexpr,  # 0 forward KL, 1 reverse KL, 2 generalized JSD
+        HAS_HARD: tl.constexpr,  # the CE term is wanted
+        UNIT_TEMP: tl.constexpr,  # T == 1: the CE term's log-sum-exp is the KD one
+        CAP_S: tl.constexpr,
+        CAP_T: tl.constexpr,
+        COMPUTE_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,  # vocabulary tile
+    ):
         """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
-        JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss)."""
+        JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss).
+        The terms and the gradient are ops/divergence.py's (`dense_divergence`), in the same structure:
+        dL/du = a - S * sum(a), written out per mode as in divergence.py."""
         row = tl.program_id(0).to(tl.int64)
         zs_row = zs_ptr + row * stride_zs
         zt_row = zt_ptr + row * stride_zt
@@ -100,14 +112,14 @@ if triton_available():
         m_s, d_s, m_t, d_t, m_1, d_1 = neg_inf, zero, neg_inf, zero, neg_inf, zero
         for off in range(0, V, BLOCK):
             mask = off + cols < V
-            xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
-            xt = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
-            m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
-            m_t, d_t = _online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
+            xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+            xt = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
+            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
+            m_t, d_t = online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
-                m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
-        lse_s = _lse_finish(m_s, d_s)
-        lse_t = _lse_finish(m_t, d_t)
+                m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
+        lse_s = lse_finish(m_s, d_s)
+        lse_t = lse_finish(m_t, d_t)
 
         label = tl.load(labels_ptr + row).to(tl.int64)
         # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
@@ -115,9 +127,9 @@ if triton_available():
         w_soft = tl.load(w_soft_ptr + row)
         w_hard = tl.load(w_hard_ptr + row)
         if HAS_HARD:
-            lse_1 = lse_s if UNIT_TEMP else _lse_finish(m_1, d_1)
+            lse_1 = lse_s if UNIT_TEMP else lse_finish(m_1, d_1)
             safe_label = tl.where(valid, label, 0)
-            x_label = _softcap(tl.load(zs_row + safe_label), cap_s, CAP_S)
+            x_label = softcap(tl.load(zs_row + safe_label), cap_s, CAP_S)
             tl.store(hard_ptr + row, tl.where(valid, lse_1 - x_label, 0.0))
 
         loss = tl.zeros([BLOCK], acc_ty)
@@ -125,8 +137,8 @@ if triton_available():
         if MODE != 0:
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
-                log_s = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S) * inv_temp - lse_s
-                log_p = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                log_s = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S) * inv_temp - lse_s
+                log_p = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
                 s = tl.exp(log_s)
                 if MODE == 1:
                     term = s * (log_s - log_p)
@@ -147,9 +159,9 @@ if triton_available():
             soft_scale = w_soft * inv_temp
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
-                xs = _softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
                 log_s = xs * inv_temp - lse_s
-                log_p = _softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                log_p = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
                 s = tl.exp(log_s)
                 if MODE == 0:
                     p = tl.exp(log_p)
@@ -167,10 +179,9 @@ if triton_available():
                         grad += w_hard * (q - tl.where((off + cols == label) & valid, 1.0, 0.0))
                     if CAP_S:
                         grad = grad * (1.0 - (xs / cap_s) * (xs / cap_s))
-                    if GRAD_IN_TEACHER:
-                        # the gradient overwrites this row's teacher logits: every warp must have read this
-                        # tile before any warp writes (writes only reach tiles already read)
-                        tl.debug_barrier()
+                    # the gradient may overwrite this row's teacher logits (_grad_view_of): every warp must have
+                    # read this tile before any warp writes (writes only reach tiles already read)
+                    tl.debug_barrier()
                     tl.store(g_row + off + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             if MODE == 0:
                 row_loss = tl.sum(loss, axis=0)
@@ -216,12 +227,16 @@ def jsd_chunk_triton(
     block, num_warps = _jsd_launch_config(vocab)
     teacher_cap = cfg.teacher_softcap
     _jsd_chunk_kernel[(rows,)](
+        # pointers
         student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard,
+        # strides and shapes
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,
+        # loss options
         1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
+        # meta-parameters
         MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        GRAD_IN_TEACHER=grad_dtype is not None, BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
 

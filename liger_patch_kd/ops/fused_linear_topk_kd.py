@@ -2,8 +2,9 @@
 without materialising the student's logits beyond one chunk.
 
 Per row the student is normalised over its full vocabulary (one pass), compared with the teacher on the
-teacher's K ids, and its gradient written in a second pass. With S_j the student's probability of id j,
-a_j = dL/dS_j * S_j per class and r = dL/dS_tail for the tail bucket:
+teacher's K ids, and its gradient written in a second pass. The terms and a_j = dL/dS_j * S_j per class are
+divergence.py's (`terms_and_a`); the gradient is its dL/du = a - S * sum(a) with the tail bucket chained in.
+With S_j the student's probability of id j and r = dL/dS_tail for the tail bucket:
     dL/du_v = [v in ids] (a_v - r S_v) - c S_v,   c = sum_j a_j - r sum_j S_j
 (the tail's mass is 1 - sum_j S_j, hence the -r S terms). Renormalised top-k has no dense term:
     dL/du_v = [v in ids] (a'_v - S'_v sum_j a'_j).
@@ -22,6 +23,7 @@ from ..config import KDLossConfig
 from ..conventions import LOGPROB_PLACEHOLDER, TAIL_FLOOR, apply_softcap, tempered_topk_teacher
 from .backend import triton_available
 from .chunked import finish_chunk
+from .divergence import softmax_grad, terms_and_a
 
 TAILS = {"bucket": 0, "renormalize": 1, "none": 2}
 
@@ -31,21 +33,6 @@ def _mode(beta: float) -> int:
 
 
 # --------------------------------------------------------------------------------------------- PyTorch chunk
-def _terms_and_a(log_s, log_p, beta, present):
-    """(divergence term, a = dL/dS * S) per class, 0 where the class is absent."""
-    s, p = log_s.exp(), log_p.exp()
-    if beta == 0:
-        terms, a = p * (log_p - log_s), -p
-    elif beta == 1:
-        terms, a = s * (log_s - log_p), s * (log_s - log_p + 1)
-    else:
-        log_m = torch.logaddexp(log_p + math.log(beta), log_s + math.log(1 - beta))
-        terms = beta * p * (log_p - log_m) + (1 - beta) * s * (log_s - log_m)
-        a = (1 - beta) * s * (log_s - log_m)
-    zero = torch.zeros_like(terms)
-    return torch.where(present, terms, zero), torch.where(present, a, zero)
-
-
 def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
     """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
     ids, logprobs = teacher
@@ -61,11 +48,11 @@ def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype
     if cfg.tail == "renormalize":
         log_s_r = torch.where(valid, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
         log_p_r = torch.where(valid, log_p - torch.logsumexp(log_p, -1, keepdim=True), -math.inf)
-        terms, a = _terms_and_a(log_s_r, log_p_r, beta, valid)
+        terms, a = terms_and_a(log_s_r, log_p_r, beta, valid)
         soft = terms.sum(-1)
-        sparse = a - log_s_r.exp() * a.sum(-1, keepdim=True)
+        sparse = softmax_grad(a, log_s_r.exp())  # the renormalised S' is a softmax over the valid ids
     else:
-        terms, a = _terms_and_a(log_s, log_p, beta, valid)
+        terms, a = terms_and_a(log_s, log_p, beta, valid)
         soft = terms.sum(-1)
         r = torch.zeros_like(soft)
         if cfg.tail == "bucket":
@@ -73,7 +60,7 @@ def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype
             log_s_tail = raw_tail.clamp(min=TAIL_FLOOR).log()
             has_tail = torch.isfinite(log_p_tail)
             log_p_tail = log_p_tail.to(soft.dtype)
-            tail_term, tail_a = _terms_and_a(log_s_tail, log_p_tail, beta, has_tail)
+            tail_term, tail_a = terms_and_a(log_s_tail, log_p_tail, beta, has_tail)
             soft = soft + tail_term
             # dL/dS_tail; no gradient where the tail is at its floor (as clamp's own gradient)
             r = torch.where(has_tail & (raw_tail > TAIL_FLOOR), tail_a / log_s_tail.exp(), 0.0)
@@ -92,10 +79,25 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import _lse_finish, _online_lse_update, _softcap
+    from .triton_utils import lse_finish, online_lse_update, softcap
+
+    @triton.jit
+    def _load_slots(zs_row, ids_row, lp_row, off, ck, K, placeholder, cap_s, CAP_S: tl.constexpr):
+        """One tile of a row's teacher slots [off, off + BLOCK_K): (ids, log-probs, valid, the student's capped
+        logit at each id). Padding slots (past K, negative id, log-prob at or below the placeholder) are not
+        valid; their log-prob lanes hold 0 so they compute on finite values (no -inf - -inf), then are dropped."""
+        kmask = off + ck < K
+        ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
+        lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(zs_row.dtype.element_ty)
+        valid = kmask & (ids >= 0) & (lp > placeholder)
+        lp = tl.where(valid, lp, 0.0)
+        x = softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S)
+        return ids, lp, valid, x
 
     @triton.jit
     def _class_term_and_a(log_s, log_p, beta, log_beta, log_1m_beta, MODE: tl.constexpr):
+        """divergence.terms_and_a for one tile of classes: (term, a = S dL/dS), same formulas (ops/divergence.py);
+        log M by a stable log-add-exp of the two log-probabilities."""
         s = tl.exp(log_s)
         if MODE == 0:
             p = tl.exp(log_p)
@@ -114,14 +116,44 @@ if triton_available():
 
     @triton.jit
     def _topk_chunk_kernel(
-        zs_ptr, ids_ptr, lp_ptr, grad_ptr, labels_ptr, w_soft_ptr, w_hard_ptr, soft_ptr, hard_ptr,
-        stride_zs, stride_ids, stride_lp, stride_g, V, K,
-        inv_temp, beta, cap_s, ignore_index, placeholder, tail_floor,
-        MODE: tl.constexpr, TAIL: tl.constexpr, HAS_HARD: tl.constexpr, UNIT_TEMP: tl.constexpr,
-        CAP_S: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+        # pointers
+        zs_ptr,  # (rows, V) student logits, fp32 (fp64 in tests)
+        ids_ptr,  # (rows, K) teacher ids, negative on padding slots
+        lp_ptr,  # (rows, K) teacher log-probs at T = 1
+        grad_ptr,  # (rows, V) dLoss/dlogits out, in the input dtype (unused without COMPUTE_GRAD)
+        labels_ptr,  # (rows,) int64
+        w_soft_ptr,  # (rows,) each row's weight of the KD term
+        w_hard_ptr,  # (rows,) each row's weight of the CE term
+        soft_ptr,  # (rows,) out: the KD term per row
+        hard_ptr,  # (rows,) out: the CE term per row
+        # strides and shapes
+        stride_zs,
+        stride_ids,
+        stride_lp,
+        stride_g,
+        V,
+        K,
+        # loss options and conventions
+        inv_temp,
+        beta,
+        cap_s,  # the student's soft-cap (read when CAP_S)
+        ignore_index,
+        placeholder,  # conventions.LOGPROB_PLACEHOLDER: a log-prob at or below it is a padding slot
+        tail_floor,  # conventions.TAIL_FLOOR
+        # meta-parameters
+        MODE: tl.constexpr,  # 0 forward KL, 1 reverse KL, 2 generalized JSD
+        TAIL: tl.constexpr,  # TAILS: 0 bucket, 1 renormalize, 2 none
+        HAS_HARD: tl.constexpr,  # the CE term is wanted
+        UNIT_TEMP: tl.constexpr,  # T == 1: the CE term's log-sum-exp is the KD one
+        CAP_S: tl.constexpr,
+        COMPUTE_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,  # vocabulary tile
+        BLOCK_K: tl.constexpr,  # teacher-slot tile
+    ):
         """One program per row: student log-sum-exp over V; three short passes over the K teacher slots
-        (normalisers, loss and the dense coefficient, then the sparse gradient); one dense gradient pass."""
+        (normalisers, loss and the dense coefficient, then the sparse gradient); one dense gradient pass.
+        The gradient is divergence.py's dL/du = a - S * sum(a) with the tail bucket chained in, as in
+        `topk_chunk_torch`."""
         row = tl.program_id(0).to(tl.int64)
         zs_row = zs_ptr + row * stride_zs
         ids_row = ids_ptr + row * stride_ids
@@ -136,11 +168,11 @@ if triton_available():
         m_s, d_s, m_1, d_1 = neg_v, zero_v, neg_v, zero_v
         for off in range(0, V, BLOCK_V):
             mask = off + cv < V
-            x = _softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
-            m_s, d_s = _online_lse_update(m_s, d_s, tl.where(mask, x * inv_temp, float("-inf")))
+            x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
+            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, x * inv_temp, float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
-                m_1, d_1 = _online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
-        lse_s = _lse_finish(m_s, d_s)
+                m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
+        lse_s = lse_finish(m_s, d_s)
 
         # pass K1: teacher normalisers, student mass on the ids (and its own normaliser for "renormalize")
         neg_k = tl.full([BLOCK_K], float("-inf"), acc_ty)
@@ -150,19 +182,15 @@ if triton_available():
         mass_vec = zero_k
         s_sum_vec = zero_k
         for off in range(0, K, BLOCK_K):
-            kmask = off + ck < K
-            ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
-            lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
-            valid = kmask & (ids >= 0) & (lp > placeholder)
-            lp = tl.where(valid, lp, 0.0)  # padding lanes compute on finite values (no -inf - -inf), then drop
-            u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
+            ids, lp, valid, x = _load_slots(zs_row, ids_row, lp_row, off, ck, K, placeholder, cap_s, CAP_S)
+            u = x * inv_temp
             n_valid += valid.to(tl.int32)
             mass_vec += tl.where(valid, tl.exp(lp), 0.0)
             s_sum_vec += tl.where(valid, tl.exp(u - lse_s), 0.0)
-            m_p, d_p = _online_lse_update(m_p, d_p, tl.where(valid, lp * inv_temp, float("-inf")))
-            m_q, d_q = _online_lse_update(m_q, d_q, tl.where(valid, u, float("-inf")))
-        lse_pk = _lse_finish(m_p, d_p)  # -inf when no slot is valid
-        lse_qk = _lse_finish(m_q, d_q)
+            m_p, d_p = online_lse_update(m_p, d_p, tl.where(valid, lp * inv_temp, float("-inf")))
+            m_q, d_q = online_lse_update(m_q, d_q, tl.where(valid, u, float("-inf")))
+        lse_pk = lse_finish(m_p, d_p)  # -inf when no slot is valid
+        lse_qk = lse_finish(m_q, d_q)
         s_sum = tl.sum(s_sum_vec, axis=0)
         n_tail = V - tl.sum(n_valid, axis=0)
         has_tail = n_tail > 0
@@ -188,12 +216,8 @@ if triton_available():
         loss_vec = zero_k
         a_vec = zero_k
         for off in range(0, K, BLOCK_K):
-            kmask = off + ck < K
-            ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
-            lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
-            valid = kmask & (ids >= 0) & (lp > placeholder)
-            lp = tl.where(valid, lp, 0.0)  # padding lanes compute on finite values (no -inf - -inf), then drop
-            u = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S) * inv_temp
+            ids, lp, valid, x = _load_slots(zs_row, ids_row, lp_row, off, ck, K, placeholder, cap_s, CAP_S)
+            u = x * inv_temp
             log_s = u - (lse_qk if TAIL == 1 else lse_s)
             log_p = lp * inv_temp - log_z
             term, a = _class_term_and_a(log_s, log_p, beta, log_beta, log_1m_beta, MODE)
@@ -220,8 +244,8 @@ if triton_available():
         lse_1 = lse_s
         if HAS_HARD:
             if not UNIT_TEMP:
-                lse_1 = _lse_finish(m_1, d_1)
-            x_label = _softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
+                lse_1 = lse_finish(m_1, d_1)
+            x_label = softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
             tl.store(hard_ptr + row, tl.where(valid_row, lse_1 - x_label, 0.0))
 
         if COMPUTE_GRAD:
@@ -231,7 +255,7 @@ if triton_available():
             # pass V2: the dense part, -c S_v (+ the CE gradient)
             for off in range(0, V, BLOCK_V):
                 mask = off + cv < V
-                x = _softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
+                x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
                 grad = -dense_c * tl.exp(x * inv_temp - lse_s) * w_soft
                 if HAS_HARD:
                     grad += w_hard * (tl.exp(x - lse_1) - tl.where((off + cv == label) & valid_row, 1.0, 0.0))
@@ -241,12 +265,7 @@ if triton_available():
             tl.debug_barrier()  # the sparse pass overwrites values other warps wrote above
             # pass K3: the complete gradient at the teacher's ids
             for off in range(0, K, BLOCK_K):
-                kmask = off + ck < K
-                ids = tl.load(ids_row + off + ck, mask=kmask, other=-1).to(tl.int64)
-                lp = tl.load(lp_row + off + ck, mask=kmask, other=float("-inf")).to(acc_ty)
-                valid = kmask & (ids >= 0) & (lp > placeholder)
-                lp = tl.where(valid, lp, 0.0)
-                x = _softcap(tl.load(zs_row + ids, mask=valid, other=0.0), cap_s, CAP_S)
+                ids, lp, valid, x = _load_slots(zs_row, ids_row, lp_row, off, ck, K, placeholder, cap_s, CAP_S)
                 u = x * inv_temp
                 log_s = u - (lse_qk if TAIL == 1 else lse_s)
                 log_p = lp * inv_temp - log_z
@@ -277,10 +296,15 @@ def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtyp
     grad = torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device) if grad_dtype else soft
     block_v, block_k, num_warps = _topk_launch_config(vocab, ids.shape[1])
     _topk_chunk_kernel[(rows,)](
+        # pointers
         student_logits, ids, logprobs, grad, labels, w_soft, w_hard, soft, hard,
+        # strides and shapes
         student_logits.stride(0), ids.stride(0), logprobs.stride(0), grad.stride(0) if grad_dtype else 0,
-        vocab, ids.shape[1], 1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), cfg.ignore_index,
+        vocab, ids.shape[1],
+        # loss options and conventions
+        1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), cfg.ignore_index,
         LOGPROB_PLACEHOLDER, TAIL_FLOOR,
+        # meta-parameters
         MODE=_mode(cfg.beta), TAIL=TAILS[cfg.tail], HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, COMPUTE_GRAD=grad_dtype is not None, BLOCK_V=block_v, BLOCK_K=block_k,
         num_warps=num_warps,

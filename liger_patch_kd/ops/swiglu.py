@@ -20,15 +20,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import _tanh, acc_type
+    from .triton_utils import tanh, acc_type
 
     @triton.jit
-    def _act_and_grad(g, GELU: tl.constexpr):
+    def act_and_grad(g, GELU: tl.constexpr):
         """(act(g), act'(g)) in the arithmetic type of g."""
         if GELU:
             k: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi)
             inner = k * (g + 0.044715 * g * g * g)
-            t = _tanh(inner)
+            t = tanh(inner)
             act = 0.5 * g * (1.0 + t)
             d = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * g * g)
         else:
@@ -43,7 +43,7 @@ if triton_available():
         mask = offs < n
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(ACC)
         u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(ACC)
-        act, _ = _act_and_grad(g, GELU)
+        act, _ = act_and_grad(g, GELU)
         tl.store(out_ptr + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -55,7 +55,7 @@ if triton_available():
         do = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(ACC)
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(ACC)
         u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(ACC)
-        act, d = _act_and_grad(g, GELU)
+        act, d = act_and_grad(g, GELU)
         tl.store(dgate_ptr + offs, (do * u * d).to(dgate_ptr.dtype.element_ty), mask=mask)
         tl.store(dup_ptr + offs, (do * act).to(dup_ptr.dtype.element_ty), mask=mask)
 

@@ -11,7 +11,7 @@ def acc_type(dtype: torch.dtype):
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     """tanh without a tanh intrinsic: (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, sign restored. The exponent is
     never positive, so nothing overflows (exp(2x) did, harmlessly on a GPU, with a warning when interpreted)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -20,14 +20,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _softcap(x, c, CAP: tl.constexpr):
+def softcap(x, c, CAP: tl.constexpr):
     if CAP:
-        x = c * _tanh(x / c)
+        x = c * tanh(x / c)
     return x
 
 
 @triton.jit
-def _online_lse_update(m_vec, d_vec, x):
+def online_lse_update(m_vec, d_vec, x):
     """Lane-wise online log-sum-exp: (running max, running sum of exp(x - max)) with x folded in."""
     new = tl.maximum(m_vec, x)
     safe = tl.where(new == float("-inf"), 0.0, new)  # lanes that have seen only -inf stay at (−inf, 0)
@@ -36,7 +36,7 @@ def _online_lse_update(m_vec, d_vec, x):
 
 
 @triton.jit
-def _lse_finish(m_vec, d_vec):
+def lse_finish(m_vec, d_vec):
     """log-sum-exp from the lane-wise state; -inf when every value was -inf (an empty set)."""
     m = tl.max(m_vec, axis=0)
     empty = m == float("-inf")

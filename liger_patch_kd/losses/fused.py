@@ -1,0 +1,392 @@
+"""The fused front doors: `fused_linear_jsd` (a live teacher's hidden states and lm_head) and
+`fused_linear_topk_kd` (teacher top-k log-probs), and their nn.Module twins. Both dispatch to Triton on CUDA and
+to the PyTorch chunk math elsewhere, through ops.chunked's row-chunk loop. Nothing here knows about models."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..config import KDLossConfig
+from ..conventions import column_bias, computed_columns, resolve_vocab
+from ..ops import fused_linear_jsd as jsd_op
+from ..ops import fused_linear_topk_kd as topk_op
+from ..ops.backend import eager, logits_fp32, select_backend
+from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
+from .checks import check_linear, check_topk_shapes, flatten_labels, label_check, run_device_checks, topk_checks, zero_rows
+from .docs import LOSS_OPTIONS, args_section, returns_loss_section, shared_docs
+
+__all__ = ["FusedLinearJSDLoss", "FusedLinearTopKKDLoss", "KDLossOutput", "fused_linear_jsd", "fused_linear_topk_kd"]
+
+
+class KDLossOutput(NamedTuple):
+    """What a fused loss returns with return_components=True."""
+
+    loss: torch.Tensor  # soft_weight * soft + hard_weight * hard, differentiable
+    soft: torch.Tensor  # the KD term alone (detached), same reduction
+    hard: torch.Tensor  # the CE term alone (detached; zeros when hard_weight == 0)
+
+
+def _compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
+    """Under autocast the products run in the autocast dtype, as nn.Linear's would; otherwise in the dtype of
+    the hidden states (a weight of another dtype, e.g. fp32 master weights, is cast to it)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return hidden.dtype
+
+
+def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's share of the reduction (0 for ignored rows), float32 (float64 for float64 inputs).
+    No host sync: the count stays on the device. No items at all (num_items_in_batch == 0, which the Trainer
+    passes for a micro-batch whose labels are all ignored) gives every row weight 0: loss 0, zero gradients."""
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    valid = (labels != cfg.ignore_index).to(dtype)
+    if cfg.reduction != "batchmean":
+        return valid
+    if num_items_in_batch is None:
+        return valid / valid.sum().clamp(min=1.0)
+    if not isinstance(num_items_in_batch, torch.Tensor) and not num_items_in_batch >= 0:
+        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")
+    count = torch.as_tensor(num_items_in_batch, dtype=dtype, device=labels.device)
+    return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
+
+
+def _run_fused(
+    student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None,
+):  # fmt: skip
+    """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
+    and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
+    leading = student_input.shape[:-1]
+    device = student_input.device
+    dtype = _compute_dtype(device, student_input)
+    h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
+    w_s = student_weight.to(dtype)
+    kernel = kernels[select_backend(device, backend)]
+    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=bytes_per_logit)
+    plan = ChunkPlan(
+        teacher_chunk=teacher_chunk(torch.float64 if dtype == torch.float64 else torch.float32),
+        kernel=lambda *args: kernel(*args, cfg),
+        chunk_size=rows,
+        vocab=vocab,
+        columns=columns,
+        temperature=cfg.temperature,
+        reduction=cfg.reduction,
+        soft_weight=cfg.soft_weight,
+        hard_weight=cfg.hard_weight,
+        fp32_weight_grad=cfg.fp32_weight_grad,
+    )
+    with _no_autocast(device):
+        loss, soft, hard = FusedLinearKDFunction.apply(
+            h_s, w_s, student_bias, flat_labels, _row_weight(flat_labels, cfg, num_items_in_batch, dtype), plan
+        )
+    if cfg.reduction == "none":
+        loss, soft, hard = (t.reshape(leading) for t in (loss, soft, hard))
+    return KDLossOutput(loss, soft, hard) if return_components else loss
+
+
+@eager  # a clean graph break: the chunk loop and Triton launches stay eager under torch.compile
+@shared_docs(
+    args=args_section(
+        "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
+        "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
+        "return_components", "check_inputs", "backend",
+    )
+)  # fmt: skip
+def fused_linear_jsd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    config: KDLossConfig | None = None,
+    beta: float | None = None,
+    temperature: float | None = None,
+    ignore_index: int | None = None,
+    reduction: str | None = None,
+    soft_weight: float | None = None,
+    hard_weight: float | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    chunk_size: int | None = None,
+    fp32_weight_grad: bool | None = None,
+    vocab_size: int | None = None,
+    return_components: bool = False,
+    check_inputs: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor | KDLossOutput:
+    """Generalized-JSD distillation loss straight from last hidden states and lm_head weights.
+
+    Equals `reference.kd_loss(student_input @ student_weight.T + student_bias, teacher_input @ teacher_weight.T
+    + teacher_bias, labels, config)` without ever holding more than one chunk of (rows x V) logits. The two heads
+    must have one size unless `vocab_size` says how many leading rows are real tokens (rows viewed, not copied;
+    the student's weight-gradient rows past it are 0). Each model's logits come from its own dtype's product (the
+    autocast dtype under autocast), in fp32. Ignored rows are never read: NaN or inf in their hidden states
+    touches neither the loss nor a gradient. `check_inputs` validates the labels (ignore_index or a real id)
+    when a label names a class (vocab_size or hard_weight set).
+
+    Args:
+{args}
+
+    Returns:
+{returns_loss}
+    """
+    cfg = KDLossConfig.build(
+        config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
+        chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
+    )  # fmt: skip
+    check_linear("student", student_input, student_weight, student_bias)
+    check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
+    vocab = resolve_vocab(student_weight.shape[0], teacher_weight.shape[0], cfg.vocab_size)
+    columns = computed_columns(
+        vocab, [student_weight.shape[0], teacher_weight.shape[0]], [cfg.softcap, cfg.teacher_softcap], cfg.temperature
+    )
+    leading = student_input.shape[:-1]
+    if teacher_input.shape[:-1] != leading:
+        raise ValueError(
+            f"teacher_input rows {tuple(teacher_input.shape[:-1])} do not match student_input rows {tuple(leading)}; "
+            f"row i of the student is scored against row i of the teacher"
+        )
+    flat_labels = flatten_labels(labels, leading, student_input.device, cfg)
+    if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
+        run_device_checks([label_check(flat_labels, vocab, cfg)])
+    # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
+    teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
+    h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
+    w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
+    b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
+
+    def teacher_chunk(logits_dtype: torch.dtype):
+        def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
+            return logits_fp32(zero_rows(h_t[start:end], active), w_t, b_t).to(logits_dtype)
+
+        return logits
+
+    return _run_fused(
+        student_input,
+        student_weight,
+        student_bias,
+        flat_labels,
+        cfg,
+        num_items_in_batch,
+        backend,
+        return_components,
+        vocab=vocab,
+        columns=columns,
+        teacher_chunk=teacher_chunk,
+        kernels=jsd_op.CHUNK_KERNELS,
+        bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
+    )
+
+
+
+class _ConfiguredLoss(nn.Module):
+    """The loss options go to the constructor (`KDLossConfig.build(config, **options)`), the tensors to forward."""
+
+    def __init__(self, config: KDLossConfig | None = None, **options) -> None:
+        super().__init__()
+        self.config = KDLossConfig.build(config, **options)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+
+class FusedLinearJSDLoss(_ConfiguredLoss):
+    """Module form of `fused_linear_jsd`: the loss options at construction, the tensors to `forward`.
+
+    Args:
+        config (KDLossConfig | None): every loss option at once.
+        **options: KDLossConfig fields as keywords (beta=0.3, ...), merged with `config` by `KDLossConfig.build`:
+            a keyword that conflicts with `config` is a ValueError.
+    """
+
+    @shared_docs(
+        args=args_section(
+            "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "student_bias",
+            "teacher_bias", "num_items_in_batch", "return_components", indent=12,
+        ),
+        returns_loss=returns_loss_section(indent=12),
+    )  # fmt: skip
+    def forward(
+        self,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        student_bias: torch.Tensor | None = None,
+        teacher_bias: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        return_components: bool = False,
+    ) -> torch.Tensor | KDLossOutput:
+        """The loss of these tensors with this module's options (`self.config`).
+
+        Args:
+{args}
+
+        Returns:
+{returns_loss}
+        """
+        return fused_linear_jsd(
+            student_input, student_weight, teacher_input, teacher_weight, labels,
+            student_bias=student_bias, teacher_bias=teacher_bias, num_items_in_batch=num_items_in_batch,
+            config=self.config, return_components=return_components,
+        )  # fmt: skip
+
+
+@eager
+@shared_docs(
+    args=args_section(
+        "student_input", "student_weight", "teacher_token_ids", "teacher_logprobs", "labels", "num_items_in_batch",
+        "student_bias", *LOSS_OPTIONS[:3], "tail", *LOSS_OPTIONS[3:], "return_components", "check_inputs", "backend",
+    )
+)  # fmt: skip
+def fused_linear_topk_kd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    student_bias: torch.Tensor | None = None,
+    config: KDLossConfig | None = None,
+    beta: float | None = None,
+    temperature: float | None = None,
+    tail: str | None = None,
+    ignore_index: int | None = None,
+    reduction: str | None = None,
+    soft_weight: float | None = None,
+    hard_weight: float | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    fp32_weight_grad: bool | None = None,
+    vocab_size: int | None = None,
+    return_components: bool = False,
+    check_inputs: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor | KDLossOutput:
+    """Distillation against precomputed teacher log-probs, straight from hidden states and the lm_head weight.
+
+    Equals `reference.topk_kd_loss(student_input @ student_weight.T + student_bias, ids, logprobs, labels,
+    config)`. The student is normalised over its full vocabulary (ids [0, vocab_size) when `vocab_size` is given)
+    inside the fused kernel; `tail` says what happens to the teacher mass outside the top-k (see
+    reference.topk_kd_per_row). Temperature is exact within the top-k (log-probs are logits minus a constant);
+    for the tail bucket with T != 1 the remaining mass is assumed spread evenly over the tokens outside the top-k.
+    Ids must be unique within a row. `check_inputs` validates the rows that count (label not ignore_index): ids
+    below the vocabulary and unique within a row, log-probs neither NaN nor > 0, labels ignore_index or a real id.
+    Ignored rows are never read.
+
+    Args:
+{args}
+
+    Returns:
+{returns_loss}
+    """
+    cfg = KDLossConfig.build(
+        config, beta=beta, temperature=temperature, tail=tail, ignore_index=ignore_index, reduction=reduction,
+        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
+        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
+    )  # fmt: skip
+    check_linear("student", student_input, student_weight, student_bias)
+    vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
+    # tempering top-k log-probs (T != 1) spreads the teacher's rest over the V - k tokens outside its top-k: V
+    # must stay the real vocabulary there, so the columns are padded for alignment only at T = 1
+    columns = vocab
+    if cfg.temperature == 1.0:
+        columns = computed_columns(vocab, [student_weight.shape[0]], [cfg.softcap], cfg.temperature)
+    leading = student_input.shape[:-1]
+    check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
+    flat_labels = flatten_labels(labels, leading, student_input.device, cfg)
+    k = teacher_token_ids.shape[-1]
+    # contiguous at the door (a copy only for a strided or transposed view): the Triton kernel reads a row's K
+    # slots at unit stride. N x K is small beside the N x V work, and a copy costs less than a stride multiply
+    # on every slot load of three passes. (The per-chunk select below would not do it: torch.where keeps a
+    # transposed input's layout.)
+    ids = teacher_token_ids.reshape(-1, k).to(student_input.device).contiguous()
+    logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach().contiguous()
+    if check_inputs:
+        counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
+        label_checks = [label_check(flat_labels, vocab, cfg)] if labels is not None else []
+        run_device_checks(topk_checks(ids, logprobs, counted, vocab) + label_checks)
+
+    def teacher_chunk(_logits_dtype: torch.dtype):
+        def slots(start: int, end: int, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # rows that do not count become rows without teacher data: never read, whatever they hold
+            return zero_rows(ids[start:end], active, -1), zero_rows(logprobs[start:end], active, -math.inf)
+
+        return slots
+
+    return _run_fused(
+        student_input,
+        student_weight,
+        student_bias,
+        flat_labels,
+        cfg,
+        num_items_in_batch,
+        backend,
+        return_components,
+        vocab=vocab,
+        columns=columns,
+        teacher_chunk=teacher_chunk,
+        kernels=topk_op.CHUNK_KERNELS,
+        bytes_per_logit=6,  # fp32 student logits and a bf16 gradient
+    )
+
+
+class FusedLinearTopKKDLoss(_ConfiguredLoss):
+    """Module form of `fused_linear_topk_kd`: the loss options at construction, the tensors to `forward`.
+
+    Args:
+        config (KDLossConfig | None): every loss option at once.
+        **options: KDLossConfig fields as keywords (beta=0.3, ...), merged with `config` by `KDLossConfig.build`:
+            a keyword that conflicts with `config` is a ValueError.
+    """
+
+    @shared_docs(
+        args=args_section(
+            "student_input", "student_weight", "teacher_token_ids", "teacher_logprobs", "labels", "student_bias",
+            "num_items_in_batch", "return_components", indent=12,
+        ),
+        returns_loss=returns_loss_section(indent=12),
+    )  # fmt: skip
+    def forward(
+        self,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_token_ids: torch.Tensor,
+        teacher_logprobs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        student_bias: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        return_components: bool = False,
+    ) -> torch.Tensor | KDLossOutput:
+        """The loss of these tensors with this module's options (`self.config`).
+
+        Args:
+{args}
+
+        Returns:
+{returns_loss}
+        """
+        return fused_linear_topk_kd(
+            student_input, student_weight, teacher_token_ids, teacher_logprobs, labels, student_bias=student_bias,
+            num_items_in_batch=num_items_in_batch, config=self.config, return_components=return_components,
+        )  # fmt: skip
+
+

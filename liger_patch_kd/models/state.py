@@ -1,0 +1,68 @@
+"""What patching remembers, and where: the registries every other module of `models` reads.
+
+A patched class keeps its `PatchState` in `CLASS_STATE`; a patched instance keeps its own in its `__dict__`
+under `INSTANCE_ATTR`; every instance given the KD forward is in `PATCHED_INSTANCES`, so that revert_kd_patch()
+with no arguments can undo them all. Nothing here imports another module of `models`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..config import KDLossConfig
+
+__all__ = ["CLASS_STATE", "INSTANCE_ATTR", "PATCHED_INSTANCES", "PatchState", "patch_state", "unwrap_model"]
+
+
+@dataclass
+class PatchState:
+    """What a patched class or instance remembers: its original forward and its loss options."""
+
+    original_forward: Callable
+    config: KDLossConfig = field(default_factory=KDLossConfig)
+    fused: bool = True
+
+
+CLASS_STATE: dict[type, PatchState] = {}
+INSTANCE_ATTR = "_liger_kd_state"
+# every instance given the KD forward (apply_kd_patch(model=...), or a teacher via install_teacher_forward)
+PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def class_state(cls: type) -> PatchState | None:
+    """The state of the patched class `cls` or of its nearest patched base (FSDP2 swaps in a subclass)."""
+    for owner in cls.__mro__:
+        if owner in CLASS_STATE:
+            return CLASS_STATE[owner]
+    return None
+
+
+def patch_state(model: nn.Module) -> PatchState:
+    """The state of a model running the KD forward: its instance's own, else its class's."""
+    state = model.__dict__.get(INSTANCE_ATTR) or class_state(type(model))
+    if state is None:
+        raise RuntimeError(f"{type(model).__name__} runs the KD forward but was never patched; call apply_kd_patch")
+    return state
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face *ForCausalLM inside DDP / FSDP1 / PEFT / torch.compile wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        for attr in ("module", "_fsdp_wrapped_module", "_orig_mod"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+        else:
+            base = getattr(model, "base_model", None)  # PEFT: PeftModel.base_model (LoraModel).model
+            if base is not None and base is not model and isinstance(getattr(base, "model", None), nn.Module):
+                model = base.model
+                continue
+            return model
+    return model
