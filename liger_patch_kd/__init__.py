@@ -1,9 +1,10 @@
 """liger_patch_kd: knowledge distillation for Hugging Face causal LMs without materialised logits.
 
-Everything a user needs is importable from here: the names of `losses.__all__` (loaded at once: torch and
-triton only) and KDLossConfig; the names of `models.__all__` (every `apply_kd_patch_to_<family>` among them), the
-Trainer and the teacher-data classes load on first use, so `import liger_patch_kd` pulls in neither transformers'
-Trainer machinery nor torch._dynamo. The lazy names are read from the subpackage's `__all__` in its source, so
+Everything a user needs is importable from here: KDLossConfig (loaded at once: no torch); the names of
+`losses.__all__` (torch and triton), of `models.__all__` (every `apply_kd_patch_to_<family>` among them), the
+Trainer and the teacher-data classes load on first use, so `import liger_patch_kd` imports no torch (the
+`liger-kd` CLI answers --help and argument errors without it) and neither transformers' Trainer machinery nor
+torch._dynamo. The lazy names are read from the subpackage's `__all__` in its source, so
 the two lists cannot drift apart.
 """
 
@@ -12,9 +13,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from . import losses
 from .config import KDLossConfig
-from .losses import *  # noqa: F403 (losses.__all__)
 
 __version__ = "0.2.0.dev0"
 
@@ -30,6 +29,7 @@ def _declared_all(subpackage: str) -> list[str]:
 
 # public name -> the submodule that defines it, imported when the name is first used
 _LAZY = {
+    **dict.fromkeys(_declared_all("losses"), ".losses"),
     **dict.fromkeys(_declared_all("models"), ".models"),
     "KDTrainer": ".trainer",
     "KDTrainingArguments": ".trainer",
@@ -48,6 +48,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "losses":  # `liger_patch_kd.losses` without importing it first, as when it loaded eagerly
+        return import_module(".losses", __name__)
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(import_module(_LAZY[name], __name__), name)
@@ -59,4 +61,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["KDLossConfig", "__version__", *losses.__all__, *_LAZY]
+__all__ = ["KDLossConfig", "__version__", *_LAZY]
