@@ -1,9 +1,158 @@
-"""`liger-kd`: demo, precompute, convert, serve, bench."""
+"""`liger-kd`: demo, precompute, convert, serve, bench.
+
+Every mistake is one line, `liger-kd <command>: error: <the option, what is wrong, the fix>`, exit status 2 and no
+traceback (`--debug` or LIGER_KD_DEBUG=1 shows it). Each command's options are checked (`_check_<command>`) before
+any work, and nothing is imported here at module level beyond the standard library: `liger-kd --help` and argument
+errors answer without importing torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+from pathlib import Path
+
+# the keys of teacher.formats.CONVERTERS, spelt out so that --help needs no torch (tests/test_cli.py keeps them equal)
+FORMATS = ("store", "axolotl", "hf", "distillkit")
+PACKED_BITS = range(4, 17)  # the log-prob bits teacher.store.compact.PackedCodec accepts (tests/test_cli.py checks)
+ENCODINGS = f"plain, packed{PACKED_BITS[0]} .. packed{PACKED_BITS[-1]} (e.g. packed10)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is the CLI's one line (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _at_least(args, dest: str, low: int, high: int | None = None) -> None:
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    if value < low or (high is not None and value > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{_option(dest)} {value}: must be {bound}")
+
+
+def _check_temperature(value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--temperature {value:g}: must be a finite number > 0 (1 keeps the teacher's distribution)")
+
+
+def _check_encoding(spec: str) -> None:
+    if spec == "plain":
+        return
+    bits = spec[len("packed") :] if spec.startswith("packed") else ""
+    if not (bits.isdigit() and int(bits) in PACKED_BITS):
+        raise ValueError(f"--encoding {spec}: not an encoding; valid: {ENCODINGS}")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub name (org/name has at most one slash)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def _check_model(args, dest: str) -> None:
+    """A model (or tokenizer) given as a path must exist: say so instead of the hub's 'Repo id must be ...'."""
+    name = getattr(args, dest, None)
+    if name is None or not _looks_like_path(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ValueError(f"{_option(dest)} {name}: no such file or directory (a local model folder, or a hub name "
+                         "such as org/model)")  # fmt: skip
+    setattr(args, dest, str(path))  # "~/models/x" quoted past the shell
+
+
+def _check_exists(args, dest: str, what: str = "file or folder") -> None:
+    name = getattr(args, dest, None)
+    if name is not None and not Path(name).exists():
+        raise ValueError(f"{_option(dest)} {name}: no such {what}")
+
+
+def _check_device(device: str | None) -> None:
+    """`device` names a torch device this build can use (imports torch: call it after the cheap checks)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device}: not a torch device; use cpu, cuda, cuda:1, mps, ... or leave "
+                         "--device out (cuda when available, else cpu)") from None  # fmt: skip
+    if dev.type == "cpu":
+        return
+    backend = getattr(torch, dev.type, None)
+    if dev.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+        count = backend.device_count() if available and hasattr(backend, "device_count") else 0
+    if not available:
+        raise ValueError(f"--device {device}: this torch build ({torch.__version__}) sees no {dev.type} device; use "
+                         "--device cpu or leave --device out")  # fmt: skip
+    if dev.index is not None and count and dev.index >= count:
+        raise ValueError(f"--device {device}: there are {count} {dev.type} device(s), {dev.type}:0 .. "
+                         f"{dev.type}:{count - 1}")  # fmt: skip
+
+
+def _check_demo(args) -> None:
+    _check_device(args.device)
+
+
+def _check_precompute(args) -> None:
+    _check_exists(args, "data", "file")
+    _at_least(args, "top_k", 1)
+    _check_temperature(args.temperature)
+    if args.max_length is not None and args.max_length < 1:  # 0 is not "no limit"
+        raise ValueError(f"--max-length {args.max_length}: must be >= 1 (leave --max-length out to keep whole sequences)")
+    _at_least(args, "batch_size", 1)
+    _at_least(args, "shard_size", 1)
+    _check_encoding(args.encoding)
+    _check_model(args, "teacher")
+    _check_model(args, "tokenizer")
+    _check_device(args.device)
+
+
+def _check_convert(args) -> None:
+    _check_exists(args, "input")
+    _check_exists(args, "compressor", "file")
+    _at_least(args, "vocab_size", 1)
+    _at_least(args, "top_k", 1)
+    _at_least(args, "shard_size", 1)
+    _check_temperature(args.temperature)
+    _check_encoding(args.encoding)
+    if args.from_format == "hf":
+        from .teacher.formats.hf_datasets import COLUMNS, load_table
+
+        try:
+            names = load_table(args.input).column_names
+        except ValueError as e:
+            raise ValueError(f"--input {e}") from e
+        names = names if isinstance(names, list) else sorted({c for cols in names.values() for c in cols})
+        missing = [c for c in COLUMNS if c not in names]
+        if missing:
+            raise ValueError(f"--input {args.input}: no column {', '.join(missing)} (--from hf reads "
+                             f"{', '.join(COLUMNS)}; found {', '.join(names) or 'none'})")  # fmt: skip
+
+
+def _check_serve(args) -> None:
+    _at_least(args, "port", 1, 65535)
+    _at_least(args, "top_k", 1)
+    _at_least(args, "max_batch_tokens", 1)
+    _check_model(args, "teacher")
+    _check_device(args.device)
+
+
+def _check_bench(args) -> None:
+    _check_device(args.device)
 
 
 def _demo(args) -> None:
@@ -53,8 +202,23 @@ def _convert(args) -> None:
         keep_temperature=args.keep_temperature, logprobs_field=args.logprobs_field, encoding=args.encoding,
         dtype=args.dtype, shard_size=args.shard_size,
     )  # fmt: skip
-    convert(args.from_format, args.to_format, args.input, args.out, options)
+    out, existed = Path(args.out), Path(args.out).exists()
+    try:
+        convert(args.from_format, args.to_format, args.input, args.out, options)
+    except BaseException:
+        if not existed:  # only what this run created: a failed conversion leaves no half store behind
+            _remove(out)
+        raise
     print(f"wrote {args.out}")
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
 
 
 def _serve(args) -> None:
@@ -74,10 +238,13 @@ def _bench(args) -> None:
     loss_memory_demo(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .teacher.formats import CONVERTERS  # the formats `convert` knows, one table
+def _is_user_error(e: BaseException) -> bool:
+    """A mistake in the options or inputs (reported in one line), not a bug (a traceback)."""
+    return isinstance(e, (ValueError, OSError, ImportError)) or type(e).__module__.startswith("liger_patch_kd.")
 
-    parser = argparse.ArgumentParser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -94,8 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--data", required=True, help="JSONL with 'text' or 'input_ids' per line (required)")
     pre.add_argument("--out", required=True, help="store folder; rerun with the same inputs to resume (required)")
     pre.add_argument("--top-k", type=int, default=64, help="slots kept per token")
-    pre.add_argument("--temperature", type=float, default=1.0, help="keep 1: tempering later is exact")
-    pre.add_argument("--max-length", type=int, default=None, help="truncate sequences to this many tokens; None: keep")
+    pre.add_argument("--temperature", type=float, default=1.0, help="> 0; keep 1: tempering later is exact")
+    pre.add_argument("--max-length", type=int, default=None,
+                     help="truncate sequences to this many tokens (>= 1); None: keep them whole")  # fmt: skip
     pre.add_argument("--batch-size", type=int, default=8, help="sequences per teacher forward")
     pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")
     pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -118,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         "--from",
         dest="from_format",
         required=True,
-        choices=list(CONVERTERS),
+        choices=FORMATS,
         help="input format; hf: columns input_ids, teacher_token_ids, teacher_logprobs; distillkit: its compressed "
         "parquet (input_ids, compressed_logprobs, bytepacked_indices) (required)",
     )
@@ -126,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "--to",
         dest="to_format",
         required=True,
-        choices=list(CONVERTERS),
+        choices=FORMATS,
         help="output format; store -> store re-encodes (e.g. --encoding packed10) (required)",
     )
     conv.add_argument(
@@ -165,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         default="logprobs",
         help="column of axolotl's older per-position [{'token': 'token_id:N', 'logprob': x}] layout",
     )
-    conv.add_argument("--encoding", default="plain", help="plain or packed<bits> for --to store")
+    conv.add_argument("--encoding", default="plain", help=f"for --to store: {ENCODINGS}")
     conv.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                       help="log-prob dtype of a plain output store; None: the input store's, else float32")  # fmt: skip
     conv.add_argument("--shard-size", type=int, default=1024, help="sequences per shard of the output store")
@@ -198,13 +366,35 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     bench.set_defaults(func=_bench)
 
-    args = parser.parse_args(argv)
+    for name, command in sub.choices.items():
+        command.set_defaults(check=globals()[f"_check_{name}"], parser=command)
+        command.add_argument("--debug", action="store_true",
+                             help="a failure shows its traceback (also LIGER_KD_DEBUG=1)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`liger-kd ...`: 0 on success, 2 (one line on stderr) on a mistake in the options or inputs."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's parser: "liger-kd demo: error: unrecognized arguments: ..."
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    debug = args.debug or os.environ.get("LIGER_KD_DEBUG", "") not in ("", "0")
     try:
+        args.check(args)  # every option before any work
         args.func(args)
-    except (ValueError, OSError, ImportError) as e:  # TeacherStoreError is a ValueError
-        message = " ".join(str(e).split())  # one line
+    except Exception as e:
+        if debug or not _is_user_error(e):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__  # one line
         print(f"liger-kd {args.command}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"liger-kd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
