@@ -1,6 +1,7 @@
 """Distil a teacher into a student with KDTrainer: online, offline (precompute, then train) or on-policy.
 
-Tiny random Llama models on the packaged demo corpus by default (runs on a CPU in seconds):
+Tiny random Llama models on the packaged demo corpus by default (20 steps; each mode took TIMING on a
+2-core CPU, most of it importing torch and transformers):
 
     python examples/distill.py --mode online
     python examples/distill.py --mode offline --store /tmp/kd_store
@@ -15,15 +16,14 @@ Real models: pass paths (or hub names) and your own JSONL ({"text": ...} per lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-
-import torch
-
-from liger_patch_kd import teacher as TD
-from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+import os
+from pathlib import Path
 
 
 def tiny_pair(vocab: int):
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def make(hidden, layers, seed):
@@ -44,6 +44,8 @@ def tiny_pair(vocab: int):
 
 def load(args):
     """(student, teacher, tokenized sequences, tokenizer-like object with pad/fingerprint)."""
+    import torch
+
     if args.student is None:
         from liger_patch_kd.demo import CharTokenizer, load_corpus, windows
 
@@ -62,20 +64,47 @@ def load(args):
     return student, teacher, [tok(t)["input_ids"][: args.seq] for t in texts], tok
 
 
+def check(parser: argparse.ArgumentParser, args) -> None:
+    """Every option before any work: a mistake is one line and exit status 2 (argparse's parser.error)."""
+    if (args.student is None) != (args.teacher is None):
+        parser.error("--student and --teacher go together: pass both (with --data) for real models, or neither "
+                     "for the tiny demo pair")  # fmt: skip
+    if args.student is not None and args.data is None:
+        parser.error("--data is needed with --student / --teacher: a JSONL file with a 'text' field per line")
+    for option, name in (("--student", args.student), ("--teacher", args.teacher)):
+        # a hub name is org/model (one slash); anything else path-like must exist
+        looks_like_path = name is not None and (name.startswith(("/", ".", "~")) or name.count("/") > 1)
+        if looks_like_path and not Path(name).expanduser().exists():
+            parser.error(f"{option} {name}: no such file or directory (a local model folder, or a hub name)")
+    if args.data is not None and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    for option, value, low in (("--top-k", args.top_k, 1), ("--seq", args.seq, 2), ("--max-steps", args.max_steps, 1),
+                               ("--batch-size", args.batch_size, 1)):  # fmt: skip
+        if value < low:
+            parser.error(f"{option} {value}: must be >= {low}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["online", "offline", "on-policy"], default="online")
-    parser.add_argument("--student", default=None, help="model path; default: tiny random Llama")
-    parser.add_argument("--teacher", default=None)
+    parser.add_argument("--student", default=None, help="model path or hub name (with --teacher and --data); "
+                        "default: the tiny random Llama pair")  # fmt: skip
+    parser.add_argument("--teacher", default=None, help="model path or hub name (with --student)")
     parser.add_argument("--data", default=None, help="JSONL with a 'text' field (real models)")
     parser.add_argument("--store", default="kd_store", help="offline: where the teacher top-k goes")
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--max-steps", type=int, default=50)
+    parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--output-dir", default="kd_out")
     args = parser.parse_args()
+    check(parser, args)
+
+    import torch
+
+    from liger_patch_kd import teacher as TD
+    from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
     student, teacher, sequences, tok = load(args)
     dataset = [{"input_ids": torch.tensor(s)} for s in sequences]
@@ -93,10 +122,13 @@ def main() -> None:
         teacher, kd["kd_beta"] = None, 0.0  # no teacher in memory; forward KL against the stored top-k
     elif args.mode == "on-policy":
         kd.update(kd_lmbda=0.5, kd_max_new_tokens=32)
+    if args.student is not None:  # real models: recompute activations in the backward (gradient_checkpointing before)
+        fields = {f.name for f in dataclasses.fields(KDTrainingArguments)}
+        kd["activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"] = True
     training_args = KDTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=3e-3 if args.student is None else 1e-5, logging_steps=10, report_to="none", save_strategy="no",
-        bf16=args.bf16, gradient_checkpointing=args.student is not None, **kd,
+        bf16=args.bf16, dataloader_pin_memory=torch.cuda.is_available(), **kd,
     )  # fmt: skip
     trainer = KDTrainer(model=student, teacher_model=teacher, args=training_args, train_dataset=dataset,
                         data_collator=TD.TeacherDataCollator(pad_token_id=tok.pad_token_id or 0))  # fmt: skip

@@ -1,4 +1,7 @@
-"""The demo in its reduced mode: it runs, and distillation beats CE alone on KL to the teacher."""
+"""The demo in its reduced mode: it runs, distillation beats CE alone on KL to the teacher, and it leaves no
+temporary folder behind."""
+
+import tempfile
 
 import pytest
 
@@ -7,11 +10,14 @@ from liger_patch_kd.demo import run_demo
 
 
 @pytest.mark.slow  # trains a teacher and six students: the suite's longest test on a CPU
-def test_quick_demo_distilled_students_beat_ce_only():
+def test_quick_demo_distilled_students_beat_ce_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo's temporary folder goes
     try:
         rows = run_demo(quick=True, device="cpu")
     finally:
         M.revert_kd_patch()
+    assert list(tmp_path.iterdir()) == [], "the demo removes the temporary folder it made"
+    assert all(r["seeds"] == [1] and len(r["held_out_ce_by_seed"]) == 1 for r in rows if not r.get("cross_tokenizer"))
     results = {r["recipe"]: r for r in rows if not r.get("cross_tokenizer")}
     across = {r["recipe"]: r for r in rows if r.get("cross_tokenizer")}
     assert set(across) == {"BPE student: CE only", "BPE student: CE + 2 x byte-chain KD"}

@@ -95,9 +95,37 @@ def loss_memory_demo(device) -> None:
         print(f"{name:24}{loss:12.6f}{mib:12.1f}{ms:10.1f}")
 
 
-def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bool = True) -> list[dict]:
+def _mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _figure(values: list[float], digits: int, width: int) -> str:
+    """`mean ± spread` over the seeds (the mean alone for one seed), right-aligned in `width`."""
+    mean, spread = _mean_spread(values)
+    text = f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if len(values) > 1 else "")
+    return f"{text:>{width}}"
+
+
+def run_demo(
+    quick: bool = False, device: str | None = None, cross_tokenizer: bool = True, seeds: tuple[int, ...] | None = None
+) -> list[dict]:
     """The rows of step 4, then (with `cross_tokenizer`) step 5's: {"recipe": "BPE student: ...",
-    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}."""
+    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
+
+    Each student recipe is trained from `seeds` (student init and data order; default 1, 2, 3, or 1 under `quick`)
+    against the one teacher; a step-4 row holds the means (held_out_ce, kl_to_teacher, kl_own_samples, tokens_per_s,
+    peak_mib) and every seed's CE and KL (`<name>_by_seed`). The table prints mean ± standard deviation over the
+    seeds: float32 results differ between CPUs (BLAS kernels, thread counts), and such differences move the figures
+    by about that spread. Everything is written to a temporary folder, removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="liger_kd_demo_") as work:
+        return _run_demo(Path(work), quick, device, cross_tokenizer, seeds)
+
+
+def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool, seeds) -> list[dict]:
     from transformers import Trainer
 
     from .. import teacher as TD
@@ -105,6 +133,7 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = DemoSizes.quick() if quick else DemoSizes()
+    seeds = tuple(seeds or ((1,) if quick else (1, 2, 3)))
     loss_memory_demo(dev)
 
     text = load_corpus()
@@ -114,7 +143,6 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     held_out = windows(tok.encode(text[split:]), sizes.seq)[:64]
     dataset = [{"input_ids": torch.tensor(w)} for w in train]
     collator = TD.TeacherDataCollator(pad_token_id=PAD)
-    work = Path(tempfile.mkdtemp(prefix="liger_kd_demo_"))
     vocab = len(tok)
 
     print(f"\n[2/5] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
@@ -125,7 +153,7 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     ce, _ = evaluate(teacher, teacher, held_out, dev)
     print(f"teacher held-out CE {ce:.3f} nats/char")
 
-    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each, same init")
+    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each, seeds {list(seeds)} (init, data order)")
     store = TD.precompute(teacher, train, work / "store", top_k=sizes.top_k, batch_size=32,
                           tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=True)  # fmt: skip
     offline_data = TD.TeacherLogprobsDataset(store, vocab_size=vocab, tokenizer=tok)
@@ -142,31 +170,41 @@ def run_demo(quick: bool = False, device: str | None = None, cross_tokenizer: bo
     }
     results = []
     for name, recipe in recipes.items():
-        student = build_model(vocab, 64, 2, seed=1, device=dev)
-        args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, **(recipe or {}).get("kd", {}))
-        if recipe is None:
-            trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
-        else:
-            trainer = KDTrainer(model=student, teacher_model=recipe["teacher"], args=args, train_dataset=recipe["data"],
-                                data_collator=collator)  # fmt: skip
-        with PeakMemory(dev) as mem:
-            start = time.perf_counter()
-            trainer.train()
-            seconds = time.perf_counter() - start
-        revert_kd_patch(model=student)
-        ce, kl = evaluate(student, teacher, held_out, dev)
-        kl_own = evaluate_on_own_samples(student, teacher, held_out, dev)
-        tokens = sizes.student_steps * sizes.batch * sizes.seq
-        results.append(dict(recipe=name, held_out_ce=ce, kl_to_teacher=kl, kl_own_samples=kl_own,
-                            tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib))  # fmt: skip
-        print(f"  {name}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
+        runs = []
+        for seed in seeds:
+            student = build_model(vocab, 64, 2, seed=seed, device=dev)
+            args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, seed=seed,
+                                 **(recipe or {}).get("kd", {}))  # fmt: skip
+            if recipe is None:
+                trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
+            else:
+                trainer = KDTrainer(model=student, teacher_model=recipe["teacher"], args=args,
+                                    train_dataset=recipe["data"], data_collator=collator)  # fmt: skip
+            with PeakMemory(dev) as mem:
+                start = time.perf_counter()
+                trainer.train()
+                seconds = time.perf_counter() - start
+            revert_kd_patch(model=student)
+            ce, kl = evaluate(student, teacher, held_out, dev)
+            kl_own = evaluate_on_own_samples(student, teacher, held_out, dev)
+            tokens = sizes.student_steps * sizes.batch * sizes.seq
+            runs.append(dict(held_out_ce=ce, kl_to_teacher=kl, kl_own_samples=kl_own, tokens_per_s=tokens / seconds,
+                             peak_mib=mem.peak_mib))  # fmt: skip
+            print(f"  {name}, seed {seed}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
+        row = dict(recipe=name, seeds=list(seeds))
+        for key in runs[0]:
+            row[key] = _mean_spread([r[key] for r in runs])[0]
+            row[f"{key}_by_seed"] = [r[key] for r in runs]
+        results.append(row)
 
+    spread = f"mean ± standard deviation over student seeds {list(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}"
     print("\n[4/5] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
-    print(f"samples; training tokens/s and peak training memory on {dev.type}")
-    print(f"{'recipe':30}{'CE':>8}{'KL text':>9}{'KL own':>9}{'tokens/s':>10}{'peak MiB':>10}")
+    print(f"samples; training tokens/s and peak training memory on {dev.type}; {spread}")
+    w = 16 if len(seeds) > 1 else 9
+    print(f"{'recipe':28}{'CE':>{w}}{'KL text':>{w}}{'KL own':>{w}}{'tokens/s':>10}{'peak MiB':>10}")
     for r in results:
-        print(f"{r['recipe']:30}{r['held_out_ce']:8.3f}{r['kl_to_teacher']:9.4f}{r['kl_own_samples']:9.4f}"
-              f"{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")  # fmt: skip
+        print(f"{r['recipe']:28}{_figure(r['held_out_ce_by_seed'], 3, w)}{_figure(r['kl_to_teacher_by_seed'], 4, w)}"
+              f"{_figure(r['kl_own_samples_by_seed'], 4, w)}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")  # fmt: skip
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
     if cross_tokenizer:
         results += _cross_tokenizer_rows(teacher, quick, dev)

@@ -69,13 +69,14 @@ def build_model(vocab: int, hidden: int, layers: int, seed: int, device):
     return LlamaForCausalLM(cfg).to(device)
 
 
-def training_args(out: Path, steps: int, batch: int, device, **kd):
-    """The demo's KDTrainingArguments: cosine schedule from 3e-3, no saving, no reports; `kd` adds kd_* options."""
+def training_args(out: Path, steps: int, batch: int, device, seed: int = 0, **kd):
+    """The demo's KDTrainingArguments: cosine schedule from 3e-3, no saving, no reports; `seed` orders the data;
+    `kd` adds kd_* options."""
     from ..trainer import KDTrainingArguments
 
     return KDTrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
         lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), logging_steps=max(1, steps // 5),
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=device.type == "cpu",
-        bf16=device.type == "cuda", **kd,
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=seed, use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda", dataloader_pin_memory=device.type == "cuda", **kd,
     )  # fmt: skip
