@@ -52,7 +52,8 @@ def load(args):
         text = load_corpus()
         tok = CharTokenizer(text)
         student, teacher = tiny_pair(len(tok))
-        return student, teacher, windows(tok.encode(text), args.seq), tok
+        # the windows the run trains on, no more: --mode offline precomputes the teacher on each of them
+        return student, teacher, windows(tok.encode(text), args.seq)[: args.max_steps * args.batch_size], tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
