@@ -138,7 +138,7 @@ def generate_rollouts(
     back in the mode it was in. Prompts are sorted by length before batching (less padding) and the output put back
     in order; each call is seeded from (seed, step, call), so results do not depend on the global RNG.
     """
-    device = next(generator.parameters()).device
+    device = next(generator.parameters(), torch.empty(0)).device
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
