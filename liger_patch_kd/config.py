@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 REDUCTIONS = ("batchmean", "sum", "none")
+# sampled-token estimators of KL(student || teacher), on labels that are tokens sampled from the student
+ESTIMATORS = ("pg", "k1", "k2", "k3")
 TAIL_POLICIES = ("bucket", "renormalize", "none")
 
 
@@ -71,6 +73,11 @@ class KDLossConfig:
         distributions and the CE term are taken over ids [0, vocab_size) only, so heads padded to different
         sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) can be distilled into each other.
         None: the whole head, and the two heads must have one size.
+    estimator: None (the default) scores the full-vocabulary generalized JSD above. "pg", "k1", "k2" or "k3"
+        instead scores only each row's label, which must be a token sampled from the student (on-policy
+        rollouts): the sampled-token estimators of KL(student || teacher) of `reference.kl_estimator_terms`
+        ("pg": the policy gradient of the per-token reverse KL). They take the models' own distributions
+        (temperature 1); beta and tail do not apply.
     """
 
     beta: float = 0.5
@@ -85,9 +92,18 @@ class KDLossConfig:
     tail: str = "bucket"
     fp32_weight_grad: bool = False
     vocab_size: int | None = None
+    estimator: str | None = None
 
     def __post_init__(self) -> None:
         check_shared_options(self)
+        if self.estimator is not None:
+            if self.estimator not in ESTIMATORS:
+                raise ValueError(f"estimator must be None or one of {ESTIMATORS}; got estimator={self.estimator!r}")
+            if self.temperature != 1.0:
+                raise ValueError(
+                    f"estimator={self.estimator!r} scores sampled tokens under the models' own distributions, so it "
+                    f"takes temperature=1; got temperature={self.temperature!r}"
+                )
         if self.tail not in TAIL_POLICIES:
             raise ValueError(f"tail must be one of {TAIL_POLICIES}; got tail={self.tail!r}")
         if self.vocab_size is not None and not (

@@ -122,8 +122,26 @@ def kd_loss(
     vocab = resolve_vocab(student_logits.shape[-1], teacher_logits.shape[-1], cfg.vocab_size)
     student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
     teacher = apply_softcap(teacher_logits[..., :vocab], cfg.teacher_softcap)
-    soft = generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
+    if cfg.estimator is not None:
+        soft = sampled_token_per_row(student, teacher, labels, cfg.estimator, cfg.ignore_index)
+    else:
+        soft = generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
     return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
+
+
+def sampled_token_per_row(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor | None, kind: str, ignore_index: int
+) -> torch.Tensor:
+    """Per row, the `kind` estimator of KL(student || teacher) at the row's label (a token sampled from the
+    student): log q and log p are the two log-softmaxes gathered there; 0 on ignored rows."""
+    if labels is None:
+        raise ValueError(f"estimator={kind!r} scores each row's label (the sampled token): pass labels")
+    valid = labels != ignore_index
+    index = torch.where(valid, labels, 0)[..., None]
+    log_q = torch.log_softmax(upcast_logits(student_logits), dim=-1).gather(-1, index).squeeze(-1)
+    log_p = torch.log_softmax(upcast_logits(teacher_logits), dim=-1).gather(-1, index).squeeze(-1)
+    zero = torch.zeros_like(log_q)
+    return kl_estimator_terms(torch.where(valid, log_q, zero), torch.where(valid, log_p, zero), kind)
 
 
 def require_real_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
@@ -230,7 +248,7 @@ def topk_kd_loss(
 
 
 # ----------------------------------------------------------------------------------------- on-policy
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "pg")
 
 
 def kl_estimator_terms(
@@ -251,4 +269,30 @@ def kl_estimator_terms(
         return 0.5 * log_ratio**2
     if kind == "k3":
         return torch.expm1(log_ratio) - log_ratio
+    if kind == "pg":
+        return policy_gradient_terms(student_logprobs, teacher_logprobs, clamp=clamp)
     raise ValueError(f"kind must be one of {KL_ESTIMATORS}; got kind={kind!r}")
+
+
+def policy_gradient_terms(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token surrogate of the policy gradient of KL(student || teacher) on tokens sampled from the student.
+
+    The per-token reverse KL is the negative advantage, A = sg(log p - log q) (discount 0: Thinking Machines'
+    on-policy distillation, TRL's DistillationTrainer), and the term is -rho * A with the importance ratio
+    rho = exp(log q - sg(log b)) to the behaviour policy b that sampled the token (b = q, the default: rho = 1 with
+    gradient grad log q). Its gradient sg(log q - log p) * rho * grad log q has, over tokens drawn from b, the
+    expectation sum_y q(y) (log q(y) - log p(y)) grad log q(y) = grad KL(q || p) at each position, exactly (the
+    sum_y grad q(y) term is 0); its value is the (importance-weighted) k1 estimate. `clamp` bounds the log-ratio
+    inside the advantage.
+    """
+    log_ratio = (teacher_logprobs - student_logprobs).detach()
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
+    behaviour = student_logprobs if behaviour_logprobs is None else behaviour_logprobs
+    ratio = torch.exp(student_logprobs - behaviour.detach())
+    return -ratio * log_ratio

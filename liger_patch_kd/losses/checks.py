@@ -55,6 +55,8 @@ def check_labels(labels: torch.Tensor | None, leading: torch.Size) -> None:
 def flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: torch.device, cfg: KDLossConfig):
     check_labels(labels, leading)
     reference.require_labels_for_hard_term(cfg, labels)
+    if labels is None and cfg.estimator is not None:
+        raise ValueError(f"estimator={cfg.estimator!r} scores each row's label (the sampled token): pass labels")
     if labels is None:
         return torch.zeros(leading.numel(), dtype=torch.long, device=device)
     # contiguous: the Triton kernels index labels by row (a stride-2 view would be read as every other label)

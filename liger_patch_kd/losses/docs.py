@@ -47,6 +47,9 @@ PARAMS: dict[str, str] = {
     "fp32_weight_grad": "fp32_weight_grad (bool | None): accumulate the weight gradient in fp32 across chunks.",
     "vocab_size": "vocab_size (int | None): how many leading lm_head rows are real tokens (len(tokenizer)); "
     "both distributions and the CE term are taken over ids [0, vocab_size). Default: the whole head.",
+    "estimator": 'estimator (str | None): None (default) scores the full-vocabulary divergence; "pg", "k1", "k2" '
+    "or \"k3\" scores each row's label, a token sampled from the student, with that sampled-token estimator of "
+    "KL(student || teacher) (see KDLossConfig.estimator).",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',

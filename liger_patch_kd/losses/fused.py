@@ -19,6 +19,7 @@ from ..ops.backend import eager, logits_fp32, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from .checks import check_linear, check_topk_shapes, flatten_labels, label_check, run_device_checks, topk_checks, zero_rows
 from .docs import LOSS_OPTIONS, args_section, returns_loss_section, shared_docs
+from .sampled import sampled_token_kd
 
 __all__ = ["FusedLinearJSDLoss", "FusedLinearTopKKDLoss", "KDLossOutput", "fused_linear_jsd", "fused_linear_topk_kd"]
 
@@ -98,7 +99,7 @@ def _run_fused(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
         "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "return_components", "check_inputs", "backend",
+        "estimator", "return_components", "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_jsd(
@@ -123,6 +124,7 @@ def fused_linear_jsd(
     chunk_size: int | None = None,
     fp32_weight_grad: bool | None = None,
     vocab_size: int | None = None,
+    estimator: str | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
@@ -146,7 +148,7 @@ def fused_linear_jsd(
     cfg = KDLossConfig.build(
         config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
-        chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
+        chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, estimator=estimator,
     )  # fmt: skip
     check_linear("student", student_input, student_weight, student_bias)
     check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
@@ -161,6 +163,12 @@ def fused_linear_jsd(
             f"row i of the student is scored against row i of the teacher"
         )
     flat_labels = flatten_labels(labels, leading, student_input.device, cfg)
+    if cfg.estimator is not None:  # the sampled-token estimators: one label per row, not the whole vocabulary
+        loss, soft, hard = sampled_token_kd(
+            student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, flat_labels,
+            cfg, num_items_in_batch, vocab,
+        )  # fmt: skip
+        return KDLossOutput(loss, soft, hard) if return_components else loss
     if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
         run_device_checks([label_check(flat_labels, vocab, cfg)])
     # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
@@ -388,5 +396,3 @@ class FusedLinearTopKKDLoss(_ConfiguredLoss):
             student_input, student_weight, teacher_token_ids, teacher_logprobs, labels, student_bias=student_bias,
             num_items_in_batch=num_items_in_batch, config=self.config, return_components=return_components,
         )  # fmt: skip
-
-

@@ -25,11 +25,14 @@ def kl_estimator(
     clamp: float | None = None,
     reduction: str = "mean",
     check_inputs: bool = True,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """On-policy estimate of KL(student || teacher) from the log-probs of tokens sampled from the student.
 
     k1 = log q - log p, k2 = (log q - log p)^2 / 2, k3 = exp(log p - log q) - (log p - log q) - 1 (see
-    reference.kl_estimator_terms). `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can
+    reference.kl_estimator_terms), each differentiated as a loss (verl's use); "pg" is the policy gradient of the
+    reverse KL, -rho * sg(log p - log q) with rho = exp(log q - sg(log b)) (reference.policy_gradient_terms): its
+    value is k1's, its gradient's expectation over the samples is exactly grad KL(q || p) per position. `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can
     explode on tokens the teacher finds unlikely). A teacher log-prob of -inf (a token the teacher rules out)
     makes the estimate +inf without `clamp` and counts as log-ratio -clamp with it (no gradient there, as
     clamp's own). `mask` (same shape, bool or 0/1) selects the tokens that count: the completion, not the
@@ -41,11 +44,13 @@ def kl_estimator(
     Args:
         student_logprobs (Tensor): (...) the student's log-prob of each sampled token; gradients flow to it.
         teacher_logprobs (Tensor): (...) the teacher's log-prob of the same tokens.
-        kind (str): "k1", "k2" or "k3" (default), see below.
+        kind (str): "k1", "k2", "k3" (default) or "pg", see below.
 {mask}
         clamp (float | None): bound the log-ratio to [-clamp, clamp] first.
 {reduction}
         check_inputs (bool): refuse bad log-probs on selected tokens (one host sync), see below.
+        behaviour_logprobs (Tensor | None): (...) "pg" only: the log-probs of the policy that sampled the tokens
+            (an engine's weights some steps old); None: the student itself (fresh rollouts).
 
     Returns:
         Tensor: a scalar ("mean", "sum") or (...) per token ("none").
@@ -72,7 +77,19 @@ def kl_estimator(
         )
         run_device_checks(checks)
     student_logprobs, teacher_logprobs = zero_rows(student_logprobs, selected), zero_rows(teacher_logprobs, selected)
-    terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind, clamp)
+    if behaviour_logprobs is not None:
+        if kind != "pg":
+            raise ValueError(f"behaviour_logprobs importance-correct the policy gradient: pass kind='pg', not {kind!r}")
+        if behaviour_logprobs.shape != student_logprobs.shape:
+            raise ValueError(
+                f"behaviour_logprobs {tuple(behaviour_logprobs.shape)} must have student_logprobs' shape "
+                f"{tuple(student_logprobs.shape)}"
+            )
+        terms = reference.policy_gradient_terms(
+            student_logprobs, teacher_logprobs, zero_rows(behaviour_logprobs, selected), clamp
+        )
+    else:
+        terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind, clamp)
     return _masked_reduce(terms, mask, reduction)
 
 

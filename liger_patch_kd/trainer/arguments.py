@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig
+from .rollouts import RolloutSettings
 from .served import check_served_teacher_args
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
+ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
 
 
 @dataclass
@@ -35,6 +37,24 @@ class KDTrainingArguments(TrainingArguments):
     kd_max_new_tokens: int = field(default=128, metadata={"help": "Completion length for on-policy / seq-KD steps."})
     kd_generation_temperature: float = field(
         default=1.0, metadata={"help": "Sampling temperature of those completions."}
+    )
+    kd_num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt on generated steps."})
+    kd_rollout_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Prompts per generate() call; None: every prompt of the optimizer step in one call."},
+    )
+    kd_generation_cache: str = field(
+        default="auto",
+        metadata={"help": "KV cache for generation: auto (static + compiled on CUDA below 128 rows, else dynamic), "
+                  "dynamic or static."},
+    )  # fmt: skip
+    kd_onpolicy_loss: str = field(
+        default="divergence",
+        metadata={"help": "Loss on generated completions: divergence (the kd_beta generalized JSD over the full "
+                  "vocabulary, GKD), pg (policy gradient of the per-token reverse KL), k1 or k3 (estimators)."},
+    )  # fmt: skip
+    kd_max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}
     )
     kd_self_distill: bool = field(
         default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
@@ -85,10 +105,17 @@ class KDTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not 0.0 <= self.kd_lmbda <= 1.0:
             raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
-        if self.kd_max_new_tokens < 1:
-            raise ValueError(f"kd_max_new_tokens must be >= 1; got {self.kd_max_new_tokens}")
-        if self.kd_generation_temperature <= 0:
-            raise ValueError(f"kd_generation_temperature must be > 0; got {self.kd_generation_temperature}")
+        self.rollout_settings()  # validates the generation options (kd_max_new_tokens, ...) now
+        if self.kd_onpolicy_loss not in ONPOLICY_LOSSES:
+            raise ValueError(f"kd_onpolicy_loss must be one of {ONPOLICY_LOSSES}; got {self.kd_onpolicy_loss!r}")
+        if self.kd_onpolicy_loss != "divergence" and self.kd_generation_temperature != 1.0:
+            raise ValueError(
+                f"kd_onpolicy_loss={self.kd_onpolicy_loss!r} estimates the KL on tokens sampled from the student's own "
+                f"distribution: set kd_generation_temperature=1 (got {self.kd_generation_temperature}), or use "
+                f"kd_onpolicy_loss='divergence'"
+            )
+        if self.kd_max_prompt_length is not None and not self.kd_max_prompt_length >= 1:
+            raise ValueError(f"kd_max_prompt_length must be None or >= 1; got {self.kd_max_prompt_length!r}")
         unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
         if unknown:
             raise ValueError(
@@ -109,6 +136,14 @@ class KDTrainingArguments(TrainingArguments):
                 )
         self.kd_loss_config()  # validates the loss options now, not at the first step
         check_served_teacher_args(self)
+
+    def rollout_settings(self) -> RolloutSettings:
+        """How generated steps sample their completions (trainer/rollouts.py)."""
+        return RolloutSettings(
+            max_new_tokens=self.kd_max_new_tokens, temperature=self.kd_generation_temperature,
+            num_generations=self.kd_num_generations, batch_size=self.kd_rollout_batch_size,
+            cache=self.kd_generation_cache, seed=self.seed,
+        )  # fmt: skip
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(

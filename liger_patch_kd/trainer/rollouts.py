@@ -1,76 +1,194 @@
-"""On-policy and sequence-level distillation's rollouts: completions sampled from the student (kd_lmbda, GKD) or
-the teacher (kd_seq_kd), which the step then trains on in place of the dataset's."""
+"""On-policy rollouts as data: a step's prompts become (prompt, completion) rows in few, large generate() calls.
+
+The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every
+prompt of an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per
+call), which is where generation gets its speed: on one H200 a 1B student makes 564 tokens/s at 8 rows and 9,393 at
+128 (MEASUREMENTS.md). The rows then train in micro-batches like any other rows: labels on the completion only
+(EOS included, padding never), the prompt masked.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..models import unwrap_model
+CACHES = ("auto", "dynamic", "static")
+# A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
+# prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
+STATIC_WIDTH_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How completions are sampled.
+
+    max_new_tokens: completion length limit (a completion ends at EOS, which it keeps, or here).
+    temperature, top_p, top_k: sampling (top_k 0 = off); temperature 1 with top_p 1 and top_k 0 is the
+        generator's own distribution, which on-policy KD assumes.
+    num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
+    batch_size: prompts per generate() call; None: every prompt of the step in one call.
+    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 128 rows
+        (measured on an H200: 4.3x the dynamic cache at 8 rows, 2.3x at 32, equal at 128), dynamic elsewhere
+        (compiling for a CPU costs more than it saves on the short runs a CPU does).
+    seed: with the step number, seeds each call, so the same seed gives the same completions.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_generations: int = 1
+    batch_size: int | None = None
+    cache: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens (kd_max_new_tokens) must be an int >= 1; got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature (kd_generation_temperature) must be > 0; got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if not (isinstance(self.num_generations, int) and self.num_generations >= 1):
+            raise ValueError(f"num_generations (kd_num_generations) must be an int >= 1; got {self.num_generations!r}")
+        if self.batch_size is not None and not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"batch_size (kd_rollout_batch_size) must be None or an int >= 1; got {self.batch_size!r}")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache (kd_generation_cache) must be one of {CACHES}; got {self.cache!r}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    prompt: list[int]
+    completion: list[int]  # up to and including the first EOS, or max_new_tokens long
+    finished: bool  # ended at EOS
+
+
+def call_seed(seed: int, step: int, call: int) -> int:
+    """One seed per generate() call: distinct across steps and calls, the same in every run with `seed`."""
+    return (seed * 1_000_003 + step) * 1_009 + call
+
+
+def cache_for(rows: int, device: torch.device, choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "static" if device.type == "cuda" and rows < 128 else "dynamic"
+
+
+def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
+    """Each row's prompt: its attended tokens before the first scored label (all of them when none is scored)."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    mask = batch.get("attention_mask")
+    prompts = []
+    for row in range(input_ids.shape[0]):
+        keep = mask[row].bool() if mask is not None else torch.ones_like(input_ids[row], dtype=torch.bool)
+        ids, lab = input_ids[row][keep], labels[row][keep]
+        scored = (lab != ignore_index).nonzero()
+        cut = int(scored[0]) if len(scored) else len(ids)
+        prompts.append(ids[:cut].tolist())
+    return prompts
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
 
 
 @torch.no_grad()
-def generate_completions(
-    generator: nn.Module, inputs: dict, *, max_new_tokens: int, temperature: float, pad_id: int | None = None
-) -> dict:
-    """Replace each row's completion (labelled tokens) by one sampled from `generator` given its prompt
-    (the tokens before the first label). Prompts of length 0 start from BOS; completions end at EOS or
-    max_new_tokens (kd_max_new_tokens); the prompt is masked out of the labels. `inputs` are on the
-    generator's device; `pad_id` (the tokenizer's) pads when the generation config names none."""
-    input_ids, labels = inputs["input_ids"], inputs["labels"]
-    mask = inputs.get("attention_mask", torch.ones_like(input_ids))
-    gen_cfg = unwrap_model(generator).generation_config
-    eos = gen_cfg.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    pad = _first(gen_cfg.pad_token_id, pad_id, eos, 0)
-    start = _first(gen_cfg.bos_token_id, eos, pad)
-    prompts = []
-    for row in range(input_ids.shape[0]):
-        keep = mask[row].bool()
-        ids, lab = input_ids[row][keep], labels[row][keep]
-        scored = (lab != -100).nonzero()
-        cut = int(scored[0]) if len(scored) else len(ids)
-        prompts.append(ids[:cut] if cut > 0 else torch.tensor([start], device=ids.device))
-    width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), width), pad, dtype=input_ids.dtype, device=input_ids.device)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for row, p in enumerate(prompts):  # left padding for batched generation
-        prompt_ids[row, width - len(p) :] = p
-        prompt_mask[row, width - len(p) :] = 1
+def generate_rollouts(
+    generator: nn.Module,
+    prompts: list[list[int]],
+    settings: RolloutSettings,
+    *,
+    pad_id: int,
+    eos_ids: set[int],
+    start_id: int,
+    step: int = 0,
+) -> list[Rollout]:
+    """Completions for `prompts` (token lists), each repeated settings.num_generations times, in prompt order.
+
+    Args:
+        generator: a Hugging Face causal LM (already unwrapped from DDP / PEFT wrappers where generate lives).
+        prompts: token ids per prompt; an empty prompt starts from `start_id` (BOS), which is then its prompt.
+        settings: sampling and batching (RolloutSettings).
+        pad_id: the id used for left padding (never scored, masked out of attention).
+        eos_ids: ids that end a completion (kept as its last token, so the loss scores stopping).
+        start_id: the token an empty prompt begins with.
+        step: the optimizer step, mixed into the seed.
+
+    Returns:
+        one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
+
+    Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
+    back in the mode it was in. Prompts are sorted by length before batching (less padding) and the output put back
+    in order; each call is seeded from (seed, step, call), so results do not depend on the global RNG.
+    """
+    device = next(generator.parameters(), torch.empty(0)).device
+    rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
+    out: list[Rollout | None] = [None] * len(rows)
     was_training = generator.training
     generator.eval()
-    out = unwrap_model(generator).generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=pad,
-    )
-    generator.train(was_training)
-    rows = []
-    for row, p in enumerate(prompts):
-        completion = out[row, width:].tolist()
-        ends = [i for i, t in enumerate(completion) if t in eos_ids]
-        completion = completion[: ends[0] + 1] if ends else completion  # up to and including EOS
-        rows.append((p.tolist(), completion))
-    length = max(len(p) + len(c) for p, c in rows)
-    new_ids = torch.full((len(rows), length), pad, dtype=input_ids.dtype, device=input_ids.device)
-    new_labels = torch.full_like(new_ids, -100)
-    new_mask = torch.zeros_like(new_ids)
-    for row, (p, c) in enumerate(rows):
-        new_ids[row, : len(p) + len(c)] = torch.tensor(p + c, device=new_ids.device)
-        new_labels[row, len(p) : len(p) + len(c)] = torch.tensor(c, dtype=torch.long, device=new_ids.device)
-        new_mask[row, : len(p) + len(c)] = 1
-    return {"input_ids": new_ids, "attention_mask": new_mask, "labels": new_labels, "_kd_generated": True}
+    try:
+        for call, first in enumerate(range(0, len(order), per_call)):
+            chunk = order[first : first + per_call]
+            batch = [rows[i] for i in chunk]
+            cache = cache_for(len(batch), device, settings.cache)
+            width = max(len(p) for p in batch)
+            if cache == "static":
+                width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
+            ids, mask = _left_padded(batch, pad_id, width, device)
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(call_seed(settings.seed, step, call))
+                generated = generator.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=settings.max_new_tokens,
+                    do_sample=True,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    top_k=settings.top_k,
+                    pad_token_id=pad_id,
+                    eos_token_id=sorted(eos_ids) or None,
+                    cache_implementation=cache,
+                )
+            for row, index in enumerate(chunk):
+                completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
+                out[index] = Rollout(rows[index], completion, finished)
+            del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
+    finally:
+        generator.train(was_training)
+    return out  # type: ignore[return-value]
 
 
-def _first(*values: Any) -> Any:
-    for v in values:
-        if v is not None:
-            return v[0] if isinstance(v, list) and v else v
-    return None
+def rollout_batch(rollouts: list[Rollout], pad_id: int, ignore_index: int = -100) -> dict[str, torch.Tensor]:
+    """Right-padded training rows: input_ids = prompt + completion, labels = the completion (prompt and padding
+    ignore_index), attention_mask."""
+    length = max(len(r.prompt) + len(r.completion) for r in rollouts)
+    input_ids = torch.full((len(rollouts), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, ignore_index)
+    mask = torch.zeros_like(input_ids)
+    for row, r in enumerate(rollouts):
+        p, c = len(r.prompt), len(r.completion)
+        input_ids[row, : p + c] = torch.tensor(r.prompt + r.completion)
+        if c:
+            labels[row, p : p + c] = torch.tensor(r.completion)
+        mask[row, : p + c] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}

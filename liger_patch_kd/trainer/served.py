@@ -41,8 +41,8 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
             f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
             f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
         )
-    if args.kd_lmbda > 0 or args.kd_seq_kd or args.kd_self_distill:
+    if args.kd_seq_kd or args.kd_self_distill:
         raise ValueError(
-            "kd_teacher_url serves teacher log-probs for the dataset's sequences; on-policy (kd_lmbda), sequence-level "
-            "(kd_seq_kd) and self-distillation need a teacher_model in the process"
+            "kd_teacher_url serves teacher log-probs; sequence-level KD (kd_seq_kd, the teacher generates) and "
+            "self-distillation need a teacher_model in the process"
         )

@@ -3,7 +3,6 @@ Face Trainer."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import torch
@@ -26,7 +25,8 @@ from .cross_tokenizer import (
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
 )
-from .rollouts import generate_completions
+from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
+from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
@@ -89,6 +89,11 @@ class KDTrainer(Trainer):
             self.kd_config = _with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
+        self.prompt_rows = _first_row_is_prompt(kwargs.get("train_dataset"))
+        if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
+            if kwargs.get("processing_class") is None:
+                raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
+            kwargs["data_collator"] = PromptCollator(kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length)
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
@@ -126,6 +131,20 @@ class KDTrainer(Trainer):
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
         self._kd_recompute_limited = False
+        self.onpolicy = OnPolicySteps(args)
+        self._served = None  # the served teacher's prefetcher: asked about generated rows too
+        if args.kd_seq_kd and teacher_model is None:
+            raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
+        if self.onpolicy.enabled and teacher_model is None and not args.kd_teacher_url:
+            raise ValueError(
+                f"kd_lmbda={args.kd_lmbda} trains on completions generated during training, which no offline store "
+                f"holds: pass teacher_model (or kd_self_distill=True) or kd_teacher_url, or set kd_lmbda=0"
+            )
+
+    @property
+    def kd_rollout_seconds(self) -> list[float]:
+        """Seconds spent in generate() per generated optimizer step."""
+        return self.onpolicy.seconds
 
     def _fsdp_version(self) -> int | None:
         return getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
@@ -158,18 +177,23 @@ class KDTrainer(Trainer):
             )
         elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
-            dataloader = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
+            served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
+            self._served = served
+            # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
+            dataloader = dataloader if self.args.kd_lmbda >= 1 or self.args.kd_seq_kd else served
         return dataloader
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
+        extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        generated = inputs.pop("_kd_generated", False)
+        generated = inputs.pop(GENERATED, False)
+        inputs.pop(HAS_COMPLETION, None)
         if inputs.get("labels") is None:
             raise ValueError(
                 f"the batch has no 'labels' (keys: {sorted(inputs)}); KDTrainer scores the positions that have a "
@@ -183,8 +207,9 @@ class KDTrainer(Trainer):
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
             )
-        if generated:
-            num_items_in_batch = None  # generated completions: a mean over this micro-batch (see below)
+        cfg = self.kd_config
+        if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
+            cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
         if is_cross_tokenizer_batch(inputs):
             xtok = self.xtok
@@ -195,33 +220,30 @@ class KDTrainer(Trainer):
         elif self.args.use_kd_patch:
             outputs = model(
                 **inputs, teacher_model=None if offline else self.teacher_model,
-                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now,
+                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg,
             )  # fmt: skip
             loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
             agreement = getattr(outputs, "kd_top1_agreement", None)
         else:
-            loss, soft, hard, agreement, outputs = self._materialised_loss(model, inputs, num_items_in_batch)
-        if generated and self.model.training:
-            # the Trainer does not divide by the accumulation steps when num_items_in_batch is set
-            loss = loss / self.args.gradient_accumulation_steps
-        elif self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss, soft, hard, agreement, outputs = self._materialised_loss(model, inputs, num_items_in_batch, cfg)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
 
-    def _materialised_loss(self, model, inputs, num_items_in_batch):
+    def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
         teacher = TeacherInputs(
             model=self.teacher_model if inputs.get("teacher_token_ids") is None else None,
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
         )  # fmt: skip
-        targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), self.kd_config.ignore_index)
+        targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
         outputs = materialised_kd(
             unwrap_model(model),
             model,
             teacher,
             targets,
-            self.kd_config,
+            cfg,
             num_items_in_batch,
             inputs,
             log_agreement=self._kd_should_log(),
@@ -239,23 +261,26 @@ class KDTrainer(Trainer):
             recompute, keep = limit_recompute(model, self.args.kd_recompute_layers)
             logger.info("checkpointing: %d decoder layers recompute, %d keep their activations", recompute, keep)
             self._kd_recompute_limited = True
-        if self.args.kd_seq_kd or (self.args.kd_lmbda > 0 and random.random() < self.args.kd_lmbda):
-            generator = self.teacher_model if self.args.kd_seq_kd else model
-            if generator is None:
-                raise ValueError("kd_seq_kd needs a teacher_model to generate with")
-            inputs = self.generate_completions(generator, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def generate_completions(self, generator: nn.Module, inputs: dict) -> dict:
-        """Replace each row's completion by one sampled from `generator` given its prompt (rollouts.py)."""
-        return generate_completions(
-            generator, self._prepare_inputs(inputs), max_new_tokens=self.args.kd_max_new_tokens,
-            temperature=self.args.kd_generation_temperature, pad_id=self._pad_id(),
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """An optimizer step's micro-batches; on a generated step (kd_lmbda, kd_seq_kd) their completions are
+        sampled here, all in one pass (onpolicy.py), and num_items_in_batch counts the sampled tokens."""
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:  # the Trainer's loop is the only caller: these are training micro-batches
+            return batches, num_items_in_batch
+        if not (self.onpolicy.enabled and self.onpolicy.step_generates()):
+            require_completions(batches, self.args)
+            return batches, num_items_in_batch
+        generator = self.teacher_model if self.args.kd_seq_kd else self.model
+        attach = None
+        if self._served is not None:
+            attach = self._served.with_teacher
+        batches = self.onpolicy.replace(
+            generator, batches, tokenizer=self.processing_class, step=self.state.global_step,
+            device=self.args.device, attach_teacher=attach,
         )  # fmt: skip
-
-    def _pad_id(self) -> int | None:
-        tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
-        return getattr(tokenizer, "pad_token_id", None)
+        return batches, self._get_num_items_in_batch(batches, device)
 
     # -------------------------------------------------------------------------------------------- logging
     def _kd_should_log(self) -> bool:
@@ -284,6 +309,15 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
         super().log(logs, *args, **kwargs)
+
+
+def _first_row_is_prompt(dataset: Any) -> bool:
+    """Whether the training rows are TRL-style prompt rows (prompt / completion / messages), judged by the first."""
+    try:
+        row = dataset[0]
+    except Exception:  # an iterable dataset, or none: the collator given decides
+        return False
+    return isinstance(row, dict) and is_prompt_row(row)
 
 
 def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:

@@ -1,0 +1,101 @@
+"""On-policy steps in the Trainer: which optimizer steps train on generated completions, and the swap of a step's
+micro-batches for rollouts, made in one generation pass before the step's first forward.
+
+KDTrainer.get_batch_samples (the Trainer's hook that fetches an optimizer step's micro-batches together) calls
+`OnPolicySteps.replace`: the prompts of all the step's micro-batches go to `generate_rollouts` at once
+(`kd_rollout_batch_size` prompts per call), and micro-batch i is replaced by the rollouts of its own prompts, so
+the step keeps its gradient-accumulation structure and the Trainer counts the scored completion tokens of the
+whole step for an exact num_items_in_batch. All of a step's rollouts come from the weights the step starts with:
+they are exactly on-policy.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models import unwrap_model
+from .rollouts import generate_rollouts, prompts_of, rollout_batch
+
+GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
+HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
+
+
+def special_ids(generator: nn.Module, tokenizer: Any) -> tuple[int, set[int], int]:
+    """(pad id, EOS ids, the token an empty prompt starts with) from the generation config, then the tokenizer."""
+    gen = unwrap_model(generator).generation_config
+    eos = gen.eos_token_id if gen.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    pad = next((x for x in (gen.pad_token_id, getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids)) if x is not None), 0)
+    start = next((x for x in (gen.bos_token_id, getattr(tokenizer, "bos_token_id", None)) if x is not None), pad)
+    return pad, eos_ids, start
+
+
+class OnPolicySteps:
+    """Decides, per optimizer step, whether it trains on generated completions (every step with kd_seq_kd; a
+    kd_lmbda fraction otherwise, drawn from a generator seeded with args.seed), and makes them."""
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.settings = args.rollout_settings()
+        self.rng = random.Random(args.seed)
+        self.seconds: list[float] = []  # time inside generate() per generated step
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.args.kd_seq_kd or self.args.kd_lmbda > 0)
+
+    def step_generates(self) -> bool:
+        if self.args.kd_seq_kd or self.args.kd_lmbda >= 1:
+            return True
+        return self.args.kd_lmbda > 0 and self.rng.random() < self.args.kd_lmbda
+
+    def replace(
+        self,
+        generator: nn.Module,
+        batches: list[dict[str, Any]],
+        *,
+        tokenizer: Any,
+        step: int,
+        device: torch.device,
+        attach_teacher: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The step's micro-batches with each row's completion sampled by `generator` (num_generations rows per
+        prompt, adjacent); `attach_teacher` adds a served teacher's top-k to each (on the CPU)."""
+        model = unwrap_model(generator)
+        pad, eos_ids, start = special_ids(model, tokenizer)
+        prompts = [prompts_of(batch) for batch in batches]
+        began = time.perf_counter()
+        rollouts = generate_rollouts(
+            model, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
+            start_id=start, step=step,
+        )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds.append(time.perf_counter() - began)
+        out, first = [], 0
+        per_batch = [len(group) * self.settings.num_generations for group in prompts]
+        for count in per_batch:
+            batch = rollout_batch(rollouts[first : first + count], pad)
+            first += count
+            if attach_teacher is not None:
+                batch = attach_teacher(batch)
+            out.append({**{k: v.to(device) for k, v in batch.items()}, GENERATED: True})
+        return out
+
+
+def require_completions(batches: list[dict[str, Any]], args: Any) -> None:
+    """An off-policy step trains on the dataset's completions: prompt-only rows have none."""
+    for batch in batches:
+        flags = batch.get(HAS_COMPLETION)
+        if flags is not None and not bool(flags.all()):
+            raise ValueError(
+                f"this optimizer step trains on the dataset's completions (kd_lmbda={args.kd_lmbda}), but some rows "
+                f"are prompts without a completion; give every row a 'completion', or set kd_lmbda=1 (every step "
+                f"generated) or kd_seq_kd=True"
+            )

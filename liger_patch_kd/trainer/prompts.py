@@ -1,0 +1,125 @@
+"""Prompt datasets in TRL's conventions, tokenized for distillation.
+
+Rows are one of:
+- `{"prompt": str}` or conversational `{"prompt": [{"role": ..., "content": ...}, ...]}`: a prompt only; the
+  completion is generated (on-policy steps, `kd_lmbda=1`, or teacher generations, `kd_seq_kd`);
+- the same with a `completion` (str, or a list of messages after a conversational prompt): a fixed completion,
+  which off-policy steps of a `kd_lmbda` mix train on;
+- `{"messages": [...]}` ending with the assistant's turn: prompt = the turns before it, completion = it.
+
+A text prompt is tokenized as the tokenizer encodes text (its special tokens included, e.g. BOS); a conversational
+prompt is rendered with the tokenizer's chat template with the generation prompt added. A text completion is
+tokenized without special tokens and ends with EOS (as TRL's trainers do, so the student learns to stop); a
+conversational one is the template's rendering of prompt + completion past the prompt's rendering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PROMPT_COLUMNS = ("prompt", "completion", "messages")
+
+
+def is_prompt_row(row: dict[str, Any]) -> bool:
+    return "prompt" in row or "messages" in row
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "a conversational prompt needs a tokenizer with a chat template (tokenizer.chat_template is None); "
+            "set one, or give text prompts"
+        )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int] | None]:
+    """(prompt ids, completion ids or None when the row has no completion) for one row."""
+    if "messages" in row:
+        messages = row["messages"]
+        if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
+            raise ValueError(
+                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's; got "
+                f"{str(messages)[:80]}"
+            )
+        row = {"prompt": messages[:-1], "completion": messages[-1:]}
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if _is_conversation(prompt):
+        prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+        if completion is None:
+            return prompt_ids, None
+        if not _is_conversation(completion):
+            raise ValueError("a conversational prompt takes a conversational completion (a list of messages)")
+        full = _template_ids(tokenizer, prompt + completion, add_generation_prompt=False)
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise ValueError(
+                "the chat template renders the prompt differently alone and followed by the completion, so the "
+                "completion's tokens cannot be told apart; use a template whose prompt is a prefix of the whole"
+            )
+        return prompt_ids, full[len(prompt_ids) :]
+    if not isinstance(prompt, str):
+        raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    if completion is None:
+        return prompt_ids, None
+    if not isinstance(completion, str):
+        raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not completion_ids or completion_ids[-1] != eos):
+        completion_ids = completion_ids + [eos]
+    return prompt_ids, completion_ids
+
+
+@dataclass
+class PromptCollator:
+    """Batches of prompt rows: input_ids = prompt + completion (right-padded), labels on the completion only,
+    attention_mask, and `kd_has_completion` (B,) saying which rows came with one (a prompt-only row has no
+    labelled token; only generated steps may train on it).
+
+    max_prompt_length keeps a prompt's last tokens (its end is what the completion continues); max_length cuts
+    prompt + completion on the right.
+    """
+
+    tokenizer: Any
+    max_prompt_length: int | None = None
+    max_length: int | None = None
+    ignore_index: int = -100
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        seqs, labels, has_completion = [], [], []
+        for row in rows:
+            prompt, completion = tokenize_prompt_row(self.tokenizer, row)
+            if self.max_prompt_length is not None:
+                prompt = prompt[-self.max_prompt_length :]
+            tokens = prompt + (completion or [])
+            label = [self.ignore_index] * len(prompt) + (completion or [])
+            if self.max_length is not None:
+                tokens, label = tokens[: self.max_length], label[: self.max_length]
+            seqs.append(tokens)
+            labels.append(label)
+            has_completion.append(completion is not None)
+        width = max(1, max(len(s) for s in seqs))
+        input_ids = torch.full((len(rows), width), 0 if pad is None else pad, dtype=torch.long)
+        label_ids = torch.full_like(input_ids, self.ignore_index)
+        mask = torch.zeros_like(input_ids)
+        for row, (s, lab) in enumerate(zip(seqs, labels)):
+            input_ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+            label_ids[row, : len(s)] = torch.tensor(lab, dtype=torch.long)
+            mask[row, : len(s)] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "labels": label_ids,
+            "kd_has_completion": torch.tensor(has_completion),
+        }

@@ -1,0 +1,206 @@
+"""On-policy distillation through KDTrainer: TRL-style prompt datasets, one generation pass per optimizer step,
+completions scored up to and including EOS, seeded rollouts, and the sampled-token losses against their
+materialised reference."""
+
+import copy
+
+import pytest
+import torch
+
+import liger_patch_kd.models as M
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+from liger_patch_kd.trainer.onpolicy import GENERATED, OnPolicySteps
+from liger_patch_kd.trainer.prompts import PromptCollator, tokenize_prompt_row
+from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts, prompts_of
+
+from .tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+CHATML = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEXT = "the cat sat on the mat. a dog ran to the park. the sun is warm today. " * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from liger_patch_kd.demo.cross_tokenizer import train_bpe_tokenizer
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe_tokenizer(TEXT, 200), pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    tok.chat_template = CHATML
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)  # the tiny models' ids
+    return tok
+
+
+def _args(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        seed=0, dataloader_num_workers=0, use_kd_patch=True, kd_lmbda=1.0, kd_max_new_tokens=5,
+        remove_unused_columns=False,
+    )  # fmt: skip
+    return KDTrainingArguments(**{**base, **overrides})
+
+
+class CountingGenerate:
+    """Wraps a model's generate to count calls and the rows each call generates."""
+
+    def __init__(self, model):
+        self.calls, self.inner = [], model.generate
+        model.generate = self
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs["input_ids"].shape[0])
+        return self.inner(**kwargs)
+
+
+PROMPTS = [{"prompt": p} for p in ("the cat", "a dog ran", "the sun is", "on the mat.", "the", "a dog")] * 2
+CHATS = [{"prompt": [{"role": "user", "content": p["prompt"]}]} for p in PROMPTS]
+
+
+@pytest.mark.parametrize("rows", [PROMPTS, CHATS], ids=["text", "conversational"])
+def test_prompt_datasets_train_with_bf16_and_accumulation_one_generate_per_step(tmp_path, tokenizer, rows):
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    counter = CountingGenerate(student)
+    trainer = KDTrainer(
+        model=student, teacher_model=tiny_model("llama", dtype=torch.float32, seed=2), processing_class=tokenizer,
+        args=_args(tmp_path, bf16=True), train_dataset=rows,
+    )  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    # one generate() per optimizer step, for both micro-batches' prompts together (2 x 2 rows)
+    assert counter.calls == [4, 4, 4]
+    assert len(trainer.kd_rollout_seconds) == 3
+
+
+def test_rollouts_end_at_eos_which_is_scored_and_padding_never_is(tokenizer):
+    class FixedLength(torch.nn.Module):
+        """Emits 5, 6, EOS for the first row, 7 then max_new_tokens of 8 for the second (no EOS)."""
+
+        def __init__(self):
+            super().__init__()
+            from transformers import GenerationConfig
+
+            self.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0, bos_token_id=1)
+
+        def generate(self, input_ids, max_new_tokens, **_):
+            rows = [[5, 6, 2] + [0] * (max_new_tokens - 3), [7] + [8] * (max_new_tokens - 1)]
+            order = [0, 1] if input_ids[0, -1] == 11 else [1, 0]  # rows are sorted by prompt length
+            return torch.cat([input_ids, torch.tensor([rows[i] for i in order])], dim=1)
+
+    steps = OnPolicySteps(_args_plain(kd_max_new_tokens=6))
+    batch = {
+        "input_ids": torch.tensor([[10, 11, 0, 0], [12, 13, 14, 15]]),
+        "attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
+        "labels": torch.tensor([[-100, -100, -100, -100], [-100, -100, 14, 15]]),
+    }
+    (out,) = steps.replace(FixedLength(), [batch], tokenizer=tokenizer, step=0, device=torch.device("cpu"))
+    assert out[GENERATED]
+    assert out["input_ids"][0].tolist()[:5] == [10, 11, 5, 6, 2]
+    assert out["labels"][0].tolist() == [-100, -100, 5, 6, 2, -100, -100, -100]  # EOS scored, padding not
+    assert out["labels"][1].tolist() == [-100, -100, 7, 8, 8, 8, 8, 8]  # the prompt is the tokens before labels
+    assert out["attention_mask"][0].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+
+
+def _args_plain(**overrides):
+    return KDTrainingArguments(output_dir="unused", report_to="none", use_cpu=True, **overrides)
+
+
+def test_the_same_seed_gives_the_same_completions_and_the_global_rng_is_untouched():
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    prompts = [[5, 6, 7], [8], []]
+    settings = RolloutSettings(max_new_tokens=6, num_generations=2, seed=3)
+    kw = dict(pad_id=0, eos_ids={2}, start_id=1)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    a = generate_rollouts(model, prompts, settings, step=4, **kw)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = generate_rollouts(model, prompts, settings, step=4, **kw)
+    c = generate_rollouts(model, prompts, settings, step=5, **kw)
+    assert a == b and a != c
+    assert [r.prompt for r in a] == [[5, 6, 7], [5, 6, 7], [8], [8], [1], [1]]  # prompt-major, BOS for an empty one
+    assert not model.training  # it was in eval mode before, and is again
+
+
+def test_off_policy_steps_refuse_prompt_only_rows_and_mix_with_completions(tmp_path, tokenizer):
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    with pytest.raises(ValueError, match="kd_lmbda=0.5"):
+        KDTrainer(
+            model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher, processing_class=tokenizer,
+            args=_args(tmp_path, kd_lmbda=0.5, max_steps=6), train_dataset=PROMPTS,
+        ).train()  # fmt: skip
+    rows = [{**p, "completion": " sat on the mat."} for p in PROMPTS]
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    counter = CountingGenerate(student)
+    trainer = KDTrainer(
+        model=student, teacher_model=teacher, processing_class=tokenizer,
+        args=_args(tmp_path, kd_lmbda=0.5, max_steps=6), train_dataset=rows,
+    )  # fmt: skip
+    trainer.train()
+    assert 0 < len(counter.calls) < 6  # some steps generated, some trained on the dataset's completions
+
+
+def test_prompt_rows_tokenize_as_trl_does(tokenizer):
+    prompt, completion = tokenize_prompt_row(tokenizer, {"prompt": "the cat", "completion": " sat"})
+    assert prompt == tokenizer("the cat")["input_ids"] and completion[-1] == tokenizer.eos_token_id
+    chat = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}]}
+    prompt, completion = tokenize_prompt_row(tokenizer, chat)
+    text = tokenizer.decode(prompt + completion)
+    assert text.endswith("<|assistant|>sat</s>") and tokenizer.decode(prompt).endswith("<|assistant|>")
+    batch = PromptCollator(tokenizer)([{"prompt": "the cat"}, chat])
+    assert batch["kd_has_completion"].tolist() == [False, True]
+    assert (batch["labels"][0] == -100).all() and prompts_of(batch)[0] == tokenizer("the cat")["input_ids"]
+    with pytest.raises(ValueError, match="assistant"):
+        tokenize_prompt_row(tokenizer, {"messages": [{"role": "user", "content": "x"}]})
+
+
+@pytest.mark.parametrize("loss", ["pg", "k1", "k3", "divergence"])
+def test_onpolicy_losses_fused_equal_materialised_on_the_same_rollouts(tmp_path, tokenizer, loss):
+    student = tiny_model("qwen3", seed=1)  # float64
+    teacher = tiny_model("qwen3", seed=2)
+    batch = PromptCollator(tokenizer)(PROMPTS[:4])
+    # transformers' sampling is not float64-safe (NaN probabilities): the rollouts come from a float32 copy
+    steps = OnPolicySteps(_args(tmp_path, kd_num_generations=2))
+    sampler = copy.deepcopy(student).float()
+    (generated,) = steps.replace(sampler, [batch], tokenizer=tokenizer, step=0, device=torch.device("cpu"))
+    assert generated["input_ids"].shape[0] == 8  # two completions per prompt
+    scored = int((generated["labels"][:, 1:] != -100).sum())
+    results = []
+    for use_kd_patch in (True, False):
+        model = copy.deepcopy(student)
+        trainer = KDTrainer(
+            model=model, teacher_model=teacher, processing_class=tokenizer, train_dataset=PROMPTS,
+            args=_args(tmp_path, use_kd_patch=use_kd_patch, kd_onpolicy_loss=loss),
+        )  # fmt: skip
+        loss_value = trainer.compute_loss(model, dict(generated), num_items_in_batch=torch.tensor(scored))
+        loss_value.backward()
+        results.append((loss_value.detach(), [p.grad.clone() for p in model.parameters()]))
+        M.revert_kd_patch(model=model)
+    (loss_f, grads_f), (loss_m, grads_m) = results
+    assert loss_f != 0
+    # float64 models; fused and materialised sum in other orders: ~1e-13 relative through the decoder
+    torch.testing.assert_close(loss_f, loss_m, rtol=1e-9, atol=1e-12)
+    for a, b in zip(grads_f, grads_m):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+def test_onpolicy_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="kd_generation_temperature=1"):
+        _args(tmp_path, kd_onpolicy_loss="pg", kd_generation_temperature=0.7)
+    with pytest.raises(ValueError, match="kd_onpolicy_loss"):
+        _args(tmp_path, kd_onpolicy_loss="reverse")
+    with pytest.raises(ValueError, match="kd_num_generations"):
+        _args(tmp_path, kd_num_generations=0)
+    with pytest.raises(ValueError, match="kd_generation_cache"):
+        _args(tmp_path, kd_generation_cache="paged")
+    with pytest.raises(ValueError, match="no offline store"):
+        KDTrainer(model=tiny_model("llama"), args=_args(tmp_path), train_dataset=[{"input_ids": [1, 2, 3]}])
+    with pytest.raises(ValueError, match="processing_class"):
+        KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama"), args=_args(tmp_path), train_dataset=PROMPTS)
