@@ -388,8 +388,8 @@ def test_server_down_at_start_is_a_clear_error_within_the_timeout(tmp_path):
 def test_served_teacher_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="kd_teacher_protocol"):
         _args(tmp_path, kd_teacher_url="http://x", kd_teacher_protocol="grpc")
-    with pytest.raises(ValueError, match="on-policy"):
-        _args(tmp_path, kd_teacher_url="http://x", kd_lmbda=0.5)
+    with pytest.raises(ValueError, match="kd_seq_kd"):
+        _args(tmp_path, kd_teacher_url="http://x", kd_seq_kd=True)
     with pytest.raises(ValueError, match="not both"):
         KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama"),
                   args=_args(tmp_path, kd_teacher_url="http://x"))  # fmt: skip

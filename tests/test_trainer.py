@@ -210,7 +210,9 @@ def test_empty_prompts_and_immediate_eos_are_handled(tmp_path):
     )
     rows = _dataset(2, prompt=0)  # every token scored: no prompt at all
     rows[1]["labels"][:4] = -100
-    batch = trainer.generate_completions(_ImmediateEOS(), TD.TeacherDataCollator()(rows))
+    (batch,) = trainer.onpolicy.replace(
+        _ImmediateEOS(), [TD.TeacherDataCollator()(rows)], tokenizer=None, step=0, device=torch.device("cpu")
+    )
     assert batch["input_ids"][0, :2].tolist() == [1, 2]  # BOS as prompt, then EOS
     assert batch["labels"][0, :2].tolist() == [-100, 2]
     assert batch["labels"][1, 4].item() == 2 and (batch["labels"][1, :4] == -100).all()
