@@ -94,22 +94,32 @@ def test_reply_count_must_match_the_prompts():
                              vocab_size=10, request="r")  # fmt: skip
 
 
+def _valid_topk(n, k=4, vocab=50, g=None):
+    """(n, k) top-k of a real distribution, row-aligned: distinct ids, log-probs summing below 1, last row padding."""
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+    values = torch.log_softmax(torch.randn(n, vocab, generator=g), -1).topk(k, -1).values
+    ids[-1], values[-1] = -1, -INF
+    return ids, values
+
+
 def test_binary_round_trip_and_checks():
     g = torch.Generator().manual_seed(0)
-    topks = [(torch.randint(0, 50, (n, 4), generator=g, dtype=torch.int32), torch.randn(n, 4, generator=g))
-             for n in (5, 1, 3)]  # fmt: skip
+    topks = [_valid_topk(n, g=g) for n in (5, 1, 3)]
     seqs = [[1] * 5, [2], [3] * 3]
-    blob = P.encode_binary(topks)
-    for (i, v), (j, w) in zip(topks, P.decode_binary(blob, seqs, top_k=4, vocab_size=50, request="r")):
-        assert torch.equal(i, j) and torch.equal(v, w)
-    with pytest.raises(P.TeacherReplyError, match="lengths"):
-        P.decode_binary(blob, [[1] * 4, [2], [3] * 4], top_k=4, vocab_size=50, request="r")
-    with pytest.raises(P.TeacherReplyError, match="outside vocab_size 40"):
-        P.decode_binary(blob, seqs, top_k=4, vocab_size=40, request="r")
-    with pytest.raises(P.TeacherReplyError, match="bytes"):
-        P.decode_binary(blob[:-4], seqs, top_k=4, vocab_size=50, request="r")
-    with pytest.raises(P.TeacherReplyError, match="not a liger binary reply"):
-        P.decode_binary(b'{"choices": []}', seqs, top_k=4, vocab_size=50, request="r")
+    for blob in (P.encode_binary(topks), P.encode_binary(topks, seqs)):  # LKD1, and LKD2 with the own tokens
+        for (i, v), (j, w) in zip(topks, P.decode_binary(blob, seqs, top_k=4, vocab_size=50, request="r")):
+            assert torch.equal(i, j) and torch.equal(v, w)
+        with pytest.raises(P.TeacherReplyError, match="lengths"):
+            P.decode_binary(blob, [[1] * 4, [2], [3] * 4], top_k=4, vocab_size=50, request="r")
+        with pytest.raises(P.TeacherReplyError, match="outside vocab_size 40"):
+            P.decode_binary(blob, seqs, top_k=4, vocab_size=40, request="r")
+        with pytest.raises(P.TeacherReplyError, match="bytes"):
+            P.decode_binary(blob[:-4], seqs, top_k=4, vocab_size=50, request="r")
+        with pytest.raises(P.TeacherReplyError, match="not a liger binary reply"):
+            P.decode_binary(b'{"choices": []}', seqs, top_k=4, vocab_size=50, request="r")
+    with pytest.raises(P.TeacherReplyError, match="row 1 scores token 1, the prompt has 7 there: .* not aligned"):
+        P.decode_binary(P.encode_binary(topks, seqs), [[1, 1, 7, 1, 1], [2], [3] * 3], top_k=4, vocab_size=50,
+                        request="r")  # fmt: skip
 
 
 def test_sglang_import_matches_the_vllm_import(tmp_path):
