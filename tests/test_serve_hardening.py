@@ -1,238 +1,188 @@
-"""The served teacher's parsers and request checks under malformed input, by hand and by hypothesis: a reply either
-parses into top-k that can be a distribution's or raises TeacherReplyError; a request either validates into prompts
-the server can score or is a RequestError (400 / 413). Never another exception type."""
+"""The real `liger-kd serve` (a subprocess, as test_teacher_server starts it) under bad requests, with its hardening
+options (--api-key, --max-request-tokens, --batch-invariant), and spoken to by the `openai` package's client and
+parsed by TRL's own vLLM reply formatter."""
 
 import json
-import math
-import struct
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from liger_patch_kd.teacher.serve import protocols as P
-from liger_patch_kd.teacher.serve.server import vllm_prompt_logprobs
-from liger_patch_kd.teacher.serve.validation import Limits, RequestError, parse_body, validated_completion
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 
-INF = math.inf
-VOCAB, K = 12, 3
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from liger_patch_kd import teacher as TD  # noqa: E402
+from liger_patch_kd.teacher.serve import protocols as P  # noqa: E402
 
-json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=6),
-)  # fmt: skip
-json_values = st.recursive(
-    json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-    max_leaves=12,
-)  # fmt: skip
-token_keys = st.one_of(st.integers(-2, VOCAB + 2).map(str), st.text(max_size=4), st.just("1" * 40))
-logprobs = st.one_of(st.floats(-20, 0.5), st.floats(allow_nan=True, allow_infinity=True), st.just(-9999.0), json_scalars)
-vllm_slot = st.one_of(logprobs, st.fixed_dictionaries({"logprob": logprobs, "rank": st.one_of(st.integers(0, 9),
-                                                                                             json_scalars)}))
-vllm_position = st.one_of(st.dictionaries(token_keys, vllm_slot, max_size=K + 2), json_values)
-sglang_position = st.one_of(
-    st.lists(st.tuples(logprobs, st.one_of(st.integers(-2, VOCAB + 2), json_scalars), json_scalars).map(list),
-             max_size=K + 2),  # fmt: skip
-    json_values,
-)
-prompts = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5), min_size=1, max_size=3)
+from .test_teacher_server import ROOT, TOP_K, VOCAB, Server, _rows, server, teacher_dir  # noqa: E402, F401
+
+pytestmark = [pytest.mark.usefixtures("clean_patches"), pytest.mark.multiprocess]  # `liger-kd serve` subprocesses
+KEY = "test-key-123"
+CONTEXT = 128  # tests/tiny_models: max_position_embeddings
 
 
-def assert_distribution(topks, sequences, top_k=K, vocab=VOCAB):
-    """What every parsed reply must be: (T, K) int32 / float32, ids in [-1, vocab), no NaN, the last row padding,
-    every other row a real slot, no token twice, probabilities summing to at most 1 (+ the tolerance)."""
-    assert len(topks) == len(sequences)
-    for (ids, values), seq in zip(topks, sequences):
-        assert ids.shape == values.shape == (len(seq), top_k)
-        assert ids.dtype == torch.int32 and values.dtype == torch.float32
-        assert ((ids >= -1) & (ids < vocab)).all() and not values.isnan().any()
-        real = (ids >= 0) & values.isfinite() & (values > -1e3)
-        assert not real[-1].any() and real[:-1].any(-1).all()
-        for row, keep in zip(ids.tolist(), real.tolist()):
-            kept = [i for i, k in zip(row, keep) if k]
-            assert len(set(kept)) == len(kept)
-        mass = torch.where(real, values.double(), -INF).logsumexp(-1)
-        assert (mass[:-1] <= P.MASS_TOLERANCE_NATS).all()
+@pytest.fixture(scope="module")
+def strict(teacher_dir):  # noqa: F811
+    """A server with a key, a small request limit, small batches and batch-invariant replies."""
+    srv = Server(teacher_dir, api_key=KEY, extra=("--api-key", KEY, "--max-request-tokens", "200",
+                                                  "--max-batch-tokens", "64", "--batch-invariant")).start()  # fmt: skip
+    yield srv
+    srv.stop()
 
 
-def _parses_or_refuses(parse, *args, **kwargs):
+def _post(url, body=None, raw=None, headers=(), path="/v1/completions"):
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data, method="POST" if data is not None else "GET",
+                                     headers={"Content-Type": "application/json", **dict(headers)})  # fmt: skip
     try:
-        return parse(*args, **kwargs)
-    except P.TeacherReplyError:
-        return None
+        with urllib.request.urlopen(request) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
-@FUZZ
-@given(prompts, st.data())
-def test_vllm_replies_parse_into_distributions_or_raise_reply_errors(sequences, data):
-    def choice(n, seq):
-        positions = data.draw(st.lists(vllm_position, min_size=len(seq) - 1, max_size=len(seq)))
-        first = data.draw(st.one_of(st.none(), json_values))
-        entry = {"index": data.draw(st.one_of(st.just(n), json_scalars)), "prompt_logprobs": [first, *positions]}
-        return data.draw(st.one_of(st.just(entry), json_values))
-
-    reply = {"choices": [choice(n, s) for n, s in enumerate(sequences)]}
-    reply = data.draw(st.one_of(st.just(reply), json_values))
-    got = _parses_or_refuses(P.parse_vllm_reply, reply, sequences, top_k=K, vocab_size=VOCAB, request="r")
-    if got is not None:
-        assert_distribution(got, sequences)
+def _health(url):
+    return json.loads(urllib.request.urlopen(url + "/health").read())
 
 
-@FUZZ
-@given(prompts, st.data())
-def test_sglang_replies_parse_into_distributions_or_raise_reply_errors(sequences, data):
-    def item(seq):
-        top = [None, *data.draw(st.lists(sglang_position, min_size=len(seq) - 1, max_size=len(seq)))]
-        own = data.draw(st.one_of(st.none(), st.just([[None, seq[0], None]] + [[-1.0, t, None] for t in seq[1:]]),
-                                  json_values))  # fmt: skip
-        return data.draw(st.one_of(st.just({"meta_info": {"input_top_logprobs": top, "input_token_logprobs": own}}),
-                                   json_values))  # fmt: skip
-
-    reply = [item(s) for s in sequences]
-    got = _parses_or_refuses(P.parse_sglang_reply, reply, sequences, top_k=K, vocab_size=VOCAB, request="r")
-    if got is not None:
-        assert_distribution(got, sequences)
-
-
-def _valid_reply_topks(sequences, g):
-    out = []
-    for seq in sequences:
-        ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K] for _ in seq]).to(torch.int32)
-        values = torch.log_softmax(torch.randn(len(seq), VOCAB, generator=g), -1).topk(K, -1).values
-        ids[-1], values[-1] = -1, -INF
-        out.append((ids, values))
-    return out
-
-
-@FUZZ
-@given(prompts, st.data())
-def test_binary_replies_decode_into_distributions_or_raise_reply_errors(sequences, data):
-    blob = P.encode_binary(_valid_reply_topks(sequences, torch.Generator().manual_seed(0)), sequences)
-    mutation = data.draw(st.sampled_from(["cut", "flip", "append", "random"]))
-    if mutation == "cut":
-        blob = blob[: data.draw(st.integers(0, len(blob)))]
-    elif mutation == "flip":
-        at = data.draw(st.integers(0, len(blob) - 1))
-        blob = blob[:at] + bytes([data.draw(st.integers(0, 255))]) + blob[at + 1 :]
-    elif mutation == "append":
-        blob += data.draw(st.binary(max_size=16))
-    else:
-        blob = data.draw(st.binary(max_size=64)) if data.draw(st.booleans()) else b"LKD2" + data.draw(st.binary())
-    got = _parses_or_refuses(P.decode_binary, blob, sequences, top_k=K, vocab_size=VOCAB, request="r")
-    if got is not None:
-        assert_distribution(got, sequences)
+def test_bad_requests_are_400s_naming_the_field(server):  # noqa: F811
+    ok = {"model": "m", "prompt": [1, 2, 3], "prompt_logprobs": TOP_K, "max_tokens": 1}
+    cases = {
+        b"{not json": "not valid JSON",
+        json.dumps([1, 2]).encode(): "not an object",
+        json.dumps({**ok, "temperature": "hot"}).encode(): "temperature must be a number >= 0",
+        json.dumps({**ok, "temperature": [1]}).encode(): "temperature must be",
+        json.dumps({**ok, "temperature": None}).encode(): "temperature must be",
+        json.dumps({**ok, "temperature": -1}).encode(): "temperature must be",
+        json.dumps({**ok, "top_p": "x"}).encode(): "top_p must be a number in",
+        json.dumps({**ok, "prompt": [True, False]}).encode(): "prompt 0 holds true: token ids must be ints",
+        json.dumps({**ok, "prompt": [[1, 2], [3, VOCAB]]}).encode(): f"prompt 1 holds {VOCAB}",
+        json.dumps({**ok, "prompt": "some text"}).encode(): "prompt must be token ids",
+        json.dumps({**ok, "prompt_logprobs": True}).encode(): "prompt_logprobs must be an int in",
+        json.dumps({**ok, "prompt_logprobs": TOP_K + 1}).encode(): f"\\[1, {TOP_K}\\]",
+        json.dumps({**ok, "prompt": [1] * (CONTEXT + 1)}).encode(): f"129 tokens, more than the model's context "
+                                                                    f"\\(max_position_embeddings {CONTEXT}\\)",
+        json.dumps({**ok, "stream": True}).encode(): "stream must be false",
+    }  # fmt: skip
+    before = _health(server.url)["batches_run"]
+    for raw, message in cases.items():
+        status, reply = _post(server.url, raw=raw)
+        assert status == 400, (raw, reply)
+        assert set(reply) == {"error"} and "\n" not in reply["error"]
+        assert re.search(message, reply["error"]), (message, reply)
+    assert _health(server.url)["batches_run"] == before  # refused before any teacher work
+    status, _ = _post(server.url, {**ok, "prompt": [1] * CONTEXT})
+    assert status == 200
 
 
-@FUZZ
-@given(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), st.floats(0.1, 300), st.integers(0, 2**31))
-def test_true_distributions_always_pass(sequence, scale, seed):
-    """No false alarm: the float32 top-k of any softmax (logits up to ~1e3 in size), as our server writes it."""
-    g = torch.Generator().manual_seed(seed)
-    logprobs = torch.log_softmax(torch.randn(len(sequence), VOCAB, generator=g) * scale, -1)
-    values, ids = logprobs.topk(K, -1)
-    own = logprobs.gather(-1, torch.tensor([*sequence[1:], 0])[:, None])[:, 0]
-    ids, values = ids.to(torch.int32), values.clone()
-    ids[-1], values[-1] = -1, -INF
-    choice = {"index": 0, "prompt_logprobs": vllm_prompt_logprobs(sequence, (ids, values), own, torch.ones(len(own), dtype=torch.long))}
-    reply = json.loads(json.dumps({"choices": [choice]}))
-    assert_distribution(P.parse_vllm_reply(reply, [sequence], top_k=K, vocab_size=VOCAB, request="r"), [sequence])
-    blob = P.encode_binary([(ids, values)], [sequence])
-    assert_distribution(P.decode_binary(blob, [sequence], top_k=K, vocab_size=VOCAB, request="r"), [sequence])
+def test_temperature_shapes_only_the_completion_token(server):  # noqa: F811
+    """vLLM's meaning: any temperature >= 0 is accepted (ms-swift sends 0.0) and prompt_logprobs stay at T = 1."""
+    seq = _rows(1, seed=4)[0].tolist()
+    replies = []
+    for temperature in (0.0, 0.7, 1.0, 2):
+        status, reply = _post(server.url, {"prompt": seq, "prompt_logprobs": TOP_K, "max_tokens": 1,
+                                           "temperature": temperature, "top_p": 1.0})  # fmt: skip
+        assert status == 200, reply
+        replies.append(P.parse_vllm_reply(reply, [seq], top_k=TOP_K, vocab_size=VOCAB, request="r")[0])
+    for ids, values in replies[1:]:  # one request at a time: the same forward shapes, the same bits
+        assert torch.equal(ids, replies[0][0]) and torch.equal(values, replies[0][1])
 
 
-LIMITS = Limits(max_top_k=K, vocab_size=VOCAB, max_context=6, max_request_tokens=10)
-request_fields = st.fixed_dictionaries({}, optional={
-    "prompt": st.one_of(prompts, st.lists(st.integers(-1, VOCAB + 1), max_size=8), json_values),
-    "prompt_logprobs": st.one_of(st.integers(-1, K + 1), json_scalars),
-    "temperature": json_scalars, "top_p": json_scalars, "max_tokens": json_scalars, "n": json_scalars,
-    "stream": json_scalars, "model": json_scalars, "extra": json_values,
-})  # fmt: skip
+def test_too_large_a_top_k_is_refused_at_start(teacher_dir):  # noqa: F811
+    cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(teacher_dir), "--top-k", "300",
+           "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"liger-kd serve: error: --top-k 300 must be in [1, {VOCAB}] (the teacher's vocabulary size); lower it"
+    ]
 
 
-@FUZZ
-@given(st.one_of(request_fields, json_values))
-def test_requests_validate_or_are_refused_with_400_or_413(body):
-    try:
-        sequences, k = validated_completion(body, LIMITS)
-    except RequestError as e:
-        assert e.status in (400, 413) and "\n" not in e.message
-        return
-    assert 1 <= k <= K and type(k) is int
-    assert sum(map(len, sequences)) <= 10
-    assert all(0 < len(s) <= 6 and all(type(t) is int and 0 <= t < VOCAB for t in s) for s in sequences)
-    temperature = body.get("temperature", 0.0)
-    assert type(temperature) in (int, float) and temperature >= 0
+def test_api_key(strict, monkeypatch):
+    seq = _rows(1)[0].tolist()
+    body = {"prompt": seq, "prompt_logprobs": TOP_K}
+    assert urllib.request.urlopen(strict.url + "/health").status == 200  # /health needs no key
+    for headers in ((), (("Authorization", "Bearer wrong"),), (("Authorization", KEY),)):
+        assert _post(strict.url, body, headers=headers)[0] == 401
+        assert _post(strict.url, None, headers=headers, path="/v1/models")[0] == 401
+    status, reply = _post(strict.url, body, headers=(("Authorization", f"Bearer {KEY}"),))
+    assert status == 200 and len(reply["choices"]) == 1
+    client = TD.TeacherClient(strict.url, "vllm", top_k=TOP_K, vocab_size=VOCAB, retries=3, backoff=0.01)
+    with pytest.raises(TD.TeacherServerError, match="HTTP 401: .*set kd_teacher_api_key, or LIGER_KD_API_KEY"):
+        client.fetch([seq])
+    assert client.retried == 0  # a 4xx is never retried
+    with_key = TD.TeacherClient(strict.url, "liger", top_k=TOP_K, vocab_size=VOCAB, api_key=KEY).fetch([seq])
+    monkeypatch.setenv("LIGER_KD_API_KEY", KEY)
+    from_env = TD.TeacherClient(strict.url, "vllm", top_k=TOP_K, vocab_size=VOCAB).fetch([seq])
+    assert torch.equal(with_key[0][0], from_env[0][0]) and torch.equal(with_key[0][1], from_env[0][1])
 
 
-@FUZZ
-@given(st.one_of(st.binary(max_size=40), json_values.map(lambda v: json.dumps(v).encode())))
-def test_request_bodies_are_json_or_400(raw):
-    try:
-        parse_body(raw)
-    except RequestError as e:
-        assert e.status == 400
+def test_binding_beyond_loopback_warns_without_a_key(teacher_dir):  # noqa: F811
+    for env, warned in (({}, True), ({"LIGER_KD_API_KEY": KEY}, False)):
+        srv = Server(teacher_dir, extra=("--host", "0.0.0.0"), env=env, api_key=env.get("LIGER_KD_API_KEY"))
+        try:
+            srv.start()
+            status = _post(srv.url, {"prompt": [1, 2], "prompt_logprobs": 1})[0]
+        finally:
+            srv.stop()
+        stderr = srv.proc.stderr.read().decode()
+        assert ("WARNING: listening on 0.0.0.0 without --api-key" in stderr) is warned, stderr
+        assert status == (401 if env else 200)  # the key from LIGER_KD_API_KEY is required
 
 
-# ------------------------------------------------------------------------- the adversarial replies, by hand
-SEQ = [5, 9, 2, 4]
+def test_large_requests_are_split_across_batches_or_refused(strict):
+    auth = (("Authorization", f"Bearer {KEY}"),)
+    status, reply = _post(strict.url, {"prompt": [[1] * 40] * 5 + [[2]], "prompt_logprobs": 1}, headers=auth)
+    assert status == 413 and "201 prompt tokens, over the server's --max-request-tokens 200" in reply["error"]
+    before = _health(strict.url)["batches_run"]
+    seqs = [r.tolist() for r in _rows(6, seed=5)]  # 6 sequences of 5-12 tokens over --max-batch-tokens 64
+    seqs = [(s * 3)[:30] for s in seqs]
+    client = TD.TeacherClient(strict.url, "liger", top_k=TOP_K, vocab_size=VOCAB, api_key=KEY,
+                              sequences_per_request=6)  # fmt: skip
+    together = client.fetch(seqs)
+    assert _health(strict.url)["batches_run"] - before >= 3  # 180 tokens: at most 2 sequences of 30 per batch
+    for seq, (i, v) in zip(seqs, together):
+        j, w = client.fetch([seq])[0]
+        assert torch.equal(i, j) and torch.equal(v, w)
 
 
-def _reply(positions):
-    return {"choices": [{"index": 0, "text": "", "prompt_logprobs": [None, *positions]}]}
+def test_batch_invariant_replies_are_bit_identical_to_solo_ones(strict):
+    seqs = [r.tolist() for r in _rows(12, seed=6)]
+    solo = [TD.TeacherClient(strict.url, "liger", top_k=TOP_K, vocab_size=VOCAB, api_key=KEY).fetch([s])[0]
+            for s in seqs]  # fmt: skip
+    for protocol, per_request in (("liger", 1), ("vllm", 3)):
+        client = TD.TeacherClient(strict.url, protocol, top_k=TOP_K, vocab_size=VOCAB, api_key=KEY,
+                                  sequences_per_request=per_request, max_in_flight=8)  # fmt: skip
+        for (i, v), (j, w) in zip(client.fetch(seqs), solo):
+            assert torch.equal(i, j) and torch.equal(v, w)
 
 
-def _position(own, values, ids=(7, 8, 3)):
-    entry = {str(i): {"logprob": v, "rank": r} for r, (i, v) in enumerate(zip(ids, values), 1)}
-    entry.setdefault(str(own), {"logprob": -12.0, "rank": 99})
-    return entry
+def test_the_openai_client_and_trls_reply_formatter(strict):
+    openai = pytest.importorskip("openai")  # the `test` extra installs it
+    from trl.generation.vllm_client import VLLMClient
 
-
-GOOD = [_position(t, (-0.5, -1.5, -2.5)) for t in SEQ[1:]]
-
-
-def _parse(reply, seqs=(SEQ,)):
-    return P.parse_vllm_reply(reply, list(seqs), top_k=K, vocab_size=VOCAB, request="request 3 to URL")
-
-
-def test_replies_that_cannot_be_distributions_are_refused():
-    assert_distribution(_parse(_reply(GOOD)), [SEQ])
-    heavy = [_position(t, (-0.01, -0.01, -0.01)) for t in SEQ[1:]]  # mass ~3
-    with pytest.raises(P.TeacherReplyError, match=r"request 3 to URL prompt 0: row 0's top-k .* sum to 2.97 > 1"):
-        _parse(_reply(heavy))
-    with pytest.raises(P.TeacherReplyError, match=r"prompt_logprobs\[1\] has no entry for the prompt token 9 .*"
-                                                  r"not aligned with the prompt"):  # fmt: skip
-        _parse(_reply(GOOD[::-1]))  # positions in reverse order
-    padding = [{"7": -9999.0, "8": -9999.0, "3": -9999.0, str(t): -9999.0} for t in SEQ[1:]]
-    with pytest.raises(P.TeacherReplyError, match=r"row 0 \(scoring token 1\) is all padding: the KD loss would"):
-        _parse(_reply(padding))
-    rounding = [_position(t, (math.log(0.5) + 5e-4, math.log(0.3), math.log(0.2))) for t in SEQ[1:]]
-    assert_distribution(_parse(_reply(rounding)), [SEQ])  # mass 1.0005: within MASS_TOLERANCE_NATS
-
-
-def test_sglang_positions_must_be_the_prompts():
-    top = [None, *([[-0.5, 7, None], [-1.5, 8, None], [-2.5, 3, None]] for _ in SEQ[1:])]
-    own = [[None, SEQ[0], None], *([-1.0, t, None] for t in SEQ[1:])]
-    meta = {"input_top_logprobs": top, "input_token_logprobs": own}
-    assert_distribution(P.parse_sglang_reply({"meta_info": meta}, [SEQ], top_k=K, vocab_size=VOCAB, request="r"),
-                        [SEQ])  # fmt: skip
-    meta["input_token_logprobs"] = own[:1] + own[1:][::-1]
-    with pytest.raises(P.TeacherReplyError, match=r"input_token_logprobs\[1\] .* not the prompt token 9"):
-        P.parse_sglang_reply({"meta_info": meta}, [SEQ], top_k=K, vocab_size=VOCAB, request="r")
-
-
-def test_malformed_choices_and_short_binary_replies_name_what_is_wrong():
-    with pytest.raises(P.TeacherReplyError, match=r"choices\[0\] is str, not an object with prompt_logprobs"):
-        _parse({"choices": ["text"]})
-    with pytest.raises(P.TeacherReplyError, match=r"indices \[0, 0\] are not 0 .. 1"):
-        _parse({"choices": [_reply(GOOD)["choices"][0]] * 2}, [SEQ, SEQ])
-    with pytest.raises(P.TeacherReplyError, match=r"prompt_logprobs\[1\] is malformed at '7'"):
-        _parse(_reply([{"7": {"logprob": True, "rank": 1}}, *GOOD[1:]]))  # a JSON bool is not a log-prob
-    blob = P.encode_binary(_valid_reply_topks([SEQ] * 3, torch.Generator().manual_seed(1)), [SEQ] * 3)
-    for cut in range(len(blob)):  # struct.error before: lengths read past the end
-        with pytest.raises(P.TeacherReplyError, match=r"request 3|not a liger binary reply|cut short"):
-            P.decode_binary(blob[:cut], [SEQ] * 3, top_k=K, vocab_size=VOCAB, request="request 3")
-    header = struct.pack("<4sII", b"LKD2", 3, K)
-    with pytest.raises(P.TeacherReplyError, match="cut short: 12 bytes, too few for 3 lengths"):
-        P.decode_binary(header, [SEQ] * 3, top_k=K, vocab_size=VOCAB, request="r")
+    seq = _rows(1, seed=7)[0].tolist()
+    api = openai.OpenAI(base_url=strict.url + "/v1", api_key=KEY)
+    completion = api.completions.create(model=str(strict.teacher_dir), prompt=seq, max_tokens=1, temperature=0.0,
+                                        extra_body={"prompt_logprobs": TOP_K})  # fmt: skip
+    choice = completion.choices[0].model_dump()
+    ids, values = P.parse_vllm_prompt_logprobs(choice["prompt_logprobs"], len(seq), top_k=TOP_K, vocab_size=VOCAB,
+                                               request="openai", sequence=seq)  # fmt: skip
+    want = TD.TeacherClient(strict.url, "liger", top_k=TOP_K, vocab_size=VOCAB, api_key=KEY).fetch([seq])[0]
+    assert torch.equal(ids, want[0]) and torch.equal(values, want[1])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict.url + "/v1", api_key="wrong").completions.create(
+            model="m", prompt=seq, max_tokens=1, extra_body={"prompt_logprobs": TOP_K})
+    # TRL 1.16's own parser of vLLM prompt_logprobs (its VLLMClient's), from position 1 on: sorted by rank, top K
+    trl = VLLMClient._format_sequence_logprobs(choice, seq, 1, TOP_K)
+    assert trl["logprob_token_ids"] == ids[:-1].tolist()
+    torch.testing.assert_close(torch.tensor(trl["logprobs"], dtype=torch.float32), values[:-1], rtol=0, atol=0)
+    assert trl["actual_token_ids"] == [[t] for t in seq[1:]]
+    for t, ((own,), row_ids, row_values) in enumerate(zip(trl["actual_logprobs"], ids.tolist(), values.tolist())):
+        if seq[t + 1] in row_ids:
+            assert own == pytest.approx(row_values[row_ids.index(seq[t + 1])], abs=1e-6)
