@@ -157,7 +157,9 @@ json_values = st.recursive(
     max_leaves=12,
 )  # fmt: skip
 token_keys = st.one_of(st.integers(-2, VOCAB + 2).map(str), st.text(max_size=4), st.just("1" * 40))
-logprobs = st.one_of(st.floats(-20, 0.5), st.floats(allow_nan=True, allow_infinity=True), st.just(-9999.0), json_scalars)
+logprobs = st.one_of(
+    st.floats(-20, 0.5), st.floats(allow_nan=True, allow_infinity=True), st.just(-9999.0), json_scalars
+)
 vllm_slot = st.one_of(logprobs, st.fixed_dictionaries({"logprob": logprobs, "rank": st.one_of(st.integers(0, 9),
                                                                                              json_scalars)}))
 vllm_position = st.one_of(st.dictionaries(token_keys, vllm_slot, max_size=K + 2), json_values)
@@ -264,7 +266,8 @@ def test_true_distributions_always_pass(sequence, scale, seed):
     own = logprobs.gather(-1, torch.tensor([*sequence[1:], 0])[:, None])[:, 0]
     ids, values = ids.to(torch.int32), values.clone()
     ids[-1], values[-1] = -1, -INF
-    choice = {"index": 0, "prompt_logprobs": vllm_prompt_logprobs(sequence, (ids, values), own, torch.ones(len(own), dtype=torch.long))}
+    ranks = torch.ones(len(own), dtype=torch.long)
+    choice = {"index": 0, "prompt_logprobs": vllm_prompt_logprobs(sequence, (ids, values), own, ranks)}
     reply = json.loads(json.dumps({"choices": [choice]}))
     assert_distribution(P.parse_vllm_reply(reply, [sequence], top_k=K, vocab_size=VOCAB, request="r"), [sequence])
     blob = P.encode_binary([(ids, values)], [sequence])

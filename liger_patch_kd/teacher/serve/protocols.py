@@ -95,7 +95,8 @@ def parse_vllm_reply(
         raise TeacherReplyError(f"{request}: the reply has {got} choices for {len(sequences)} prompts")
     for n, c in enumerate(choices):
         if not isinstance(c, dict):
-            raise TeacherReplyError(f"{request}: choices[{n}] is {type(c).__name__}, not an object with prompt_logprobs")
+            what = type(c).__name__
+            raise TeacherReplyError(f"{request}: choices[{n}] is {what}, not an object with prompt_logprobs")
     indices = [c.get("index", n) for n, c in enumerate(choices)]
     if sorted(i if _is_int(i) else -1 for i in indices) != list(range(len(choices))):
         raise TeacherReplyError(f"{request}: the choices' indices {indices[:8]} are not 0 .. {len(choices) - 1}")

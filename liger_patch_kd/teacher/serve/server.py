@@ -301,8 +301,10 @@ def serve(
 
         summary = quantize_teacher_fp8(model)
         print(f"liger-kd serve: FP8 teacher, {len(summary.quantized)} products quantised, lm_head in bf16", flush=True)
-    app = build_app(model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
-                    max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant)  # fmt: skip
+    app = build_app(
+        model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
+        max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
+    )  # fmt: skip
     print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
           f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
