@@ -227,7 +227,8 @@ def _serve(args) -> None:
     serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
           attn_implementation=args.attn_implementation, random_weights=args.random_weights,
-          precision=args.precision)  # fmt: skip
+          precision=args.precision, max_request_tokens=args.max_request_tokens, api_key=args.api_key,
+          batch_invariant=args.batch_invariant)  # fmt: skip
 
 
 def _bench(args) -> None:
@@ -349,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     srv.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32, ...")
     srv.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per teacher forward")
+    srv.add_argument("--max-request-tokens", type=int, default=262144,
+                     help="prompt tokens one request may hold (more: HTTP 413)")  # fmt: skip
+    srv.add_argument("--batch-invariant", action="store_true",
+                     help="run every prompt in a forward of its own: replies bit-identical however requests meet")
+    srv.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
+                          "$LIGER_KD_API_KEY")  # fmt: skip
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
     srv.add_argument(

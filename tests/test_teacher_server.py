@@ -44,8 +44,12 @@ def _free_port() -> int:
 class Server:
     """`liger-kd serve` in a subprocess on 127.0.0.1; stop() kills it by its PID."""
 
-    def __init__(self, teacher_dir: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, teacher_dir: Path, port: int | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.teacher_dir, self.port, self.extra = teacher_dir, port or _free_port(), list(extra)
+        self.env, self.api_key = env or {}, api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
@@ -55,13 +59,15 @@ class Server:
             **os.environ,
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "OMP_NUM_THREADS": "1",
+            **self.env,
         }
         cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
                str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--attn-implementation", "eager", *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if wait:
-            TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90).wait_until_ready()
+            client = TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, api_key=self.api_key)
+            client.wait_until_ready()
         return self
 
     def stop(self) -> None:
@@ -327,8 +333,9 @@ class _Stub(http.server.BaseHTTPRequestHandler):
         elif b.get("bad_request"):
             self._reply(400, b"prompt_logprobs too large", "text/plain")
         else:
-            topk = (torch.zeros(2, TOP_K, dtype=torch.int32), torch.full((2, TOP_K), -2.0))
-            self._reply(200, TD.protocols.encode_binary([topk]), TD.protocols.BINARY_MEDIA_TYPE)
+            ids = torch.stack([torch.arange(TOP_K, dtype=torch.int32), torch.full((TOP_K,), -1, dtype=torch.int32)])
+            topk = (ids, torch.tensor([[-3.0] * TOP_K, [-math.inf] * TOP_K]))  # a distribution's top-k, row-aligned
+            self._reply(200, TD.protocols.encode_binary([topk], [[1, 2]]), TD.protocols.BINARY_MEDIA_TYPE)
 
     def _reply(self, code, payload, content_type):
         self.send_response(code)
@@ -362,8 +369,10 @@ def test_5xx_is_retried_and_4xx_is_not(stub):
     with pytest.raises(TD.TeacherServerError, match=rf"{url}/v1/completions failed 3 times .*HTTP 503"):
         client.fetch([[1, 2]])
     behaviour.update(posts=0, fail=0, bad_request=True)
+    retried = client.retried
     with pytest.raises(TD.TeacherServerError, match="refused the request: HTTP 400: prompt_logprobs too large"):
         client.fetch([[1, 2]])
+    assert client.retried == retried and behaviour["posts"] == 1  # a 4xx is not sent again
 
 
 def test_a_server_that_never_answers_stops_training_with_the_timeout_error(tmp_path, stub):

@@ -90,6 +90,11 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
+    kd_teacher_api_key: str | None = field(
+        default=None,
+        metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key). None: the "
+                  "LIGER_KD_API_KEY environment variable, if set."},
+    )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",
         metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
@@ -144,6 +149,19 @@ class KDTrainingArguments(TrainingArguments):
             num_generations=self.kd_num_generations, batch_size=self.kd_rollout_batch_size,
             cache=self.kd_generation_cache, seed=self.seed,
         )  # fmt: skip
+
+    def to_dict(self):  # kd_teacher_api_key is a secret: hidden as TrainingArguments hides its *_token fields
+        d = super().to_dict()
+        if d.get("kd_teacher_api_key"):
+            d["kd_teacher_api_key"] = "<KD_TEACHER_API_KEY>"
+        return d
+
+    def __str__(self):
+        text = super().__str__()
+        key = self.kd_teacher_api_key
+        return text.replace(f"kd_teacher_api_key={key},", "kd_teacher_api_key=<KD_TEACHER_API_KEY>,") if key else text
+
+    __repr__ = __str__
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(

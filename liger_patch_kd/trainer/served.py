@@ -25,7 +25,7 @@ def served_teacher_dataloader(
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     client = TeacherClient(
         args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
-        timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
+        timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key,
     )  # fmt: skip
     return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
 

@@ -3,8 +3,9 @@ log-probs of token sequences, many requests in flight, with retries. Standard li
 
 Faults are never silent: a connection error or a 5xx is retried with exponential backoff up to `retries` times,
 then TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
-TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a reply that does not
-fit the request raises protocols.TeacherReplyError naming the request.
+TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a 4xx (the request is
+wrong: retrying cannot help) raises TeacherServerError at once with the server's message; a reply that does not
+fit the request, or cannot be a distribution, raises protocols.TeacherReplyError naming the request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -21,6 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import protocols as P
 from .protocols import PROTOCOLS
+
+API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
+_HINTS = {
+    401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
+    413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
+}
 
 
 class TeacherServerError(RuntimeError):
@@ -51,12 +59,13 @@ class TeacherClient:
     start vLLM with --max-logprobs >= top_k), "sglang" (/generate with input_top_logprobs) or "liger"
     (`liger-kd serve`, binary replies). `sequences_per_request` sequences go in one request and up to
     `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the server may return.
+    `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization: Bearer <api_key>`.
     """
 
     def __init__(
         self, url: str, protocol: str = "vllm", *, top_k: int, vocab_size: int, timeout: float = 120.0,
         retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int = 4,
-        backoff: float = 0.5,
+        backoff: float = 0.5, api_key: str | None = None,
     ) -> None:  # fmt: skip
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}; got {protocol!r}")
@@ -72,6 +81,7 @@ class TeacherClient:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.sequences_per_request = sequences_per_request
         self._model = model
+        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._model_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="teacher-client")
         self._counter = itertools.count(1)
@@ -85,7 +95,8 @@ class TeacherClient:
         deadline, last = time.monotonic() + limit, None
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=max(0.1, min(5.0, limit))) as reply:
+                health = urllib.request.Request(self.url + "/health", headers=self._headers("application/json"))
+                with urllib.request.urlopen(health, timeout=max(0.1, min(5.0, limit))) as reply:
                     if reply.status == 200:
                         return
             except (OSError, http.client.HTTPException) as e:
@@ -126,9 +137,15 @@ class TeacherClient:
             return P.decode_binary(raw, sequences, **common)
         try:
             reply = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise P.TeacherReplyError(f"{name}: the reply is not JSON ({raw[:80]!r}...)") from e
         return wire.parse_reply(reply, sequences, **common)
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": accept}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        return headers
 
     def _model_name(self) -> str:
         """vLLM wants the served model's name: asked once from /v1/models unless given."""
@@ -152,16 +169,15 @@ class TeacherClient:
             if attempt:
                 self.retried += 1
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                url, data=data, method=method, headers={"Content-Type": "application/json", "Accept": accept}
-            )
+            request = urllib.request.Request(url, data=data, method=method, headers=self._headers(accept))
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                     return reply.read(), reply.headers.get("Content-Type", "")
             except urllib.error.HTTPError as e:
                 detail = e.read()[:500].decode(errors="replace")
-                if e.code < 500:
-                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}") from e
+                if e.code < 500:  # the request is wrong (or unauthorised): sending it again cannot help
+                    hint = _HINTS.get(e.code, "")
+                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}{hint}") from e
                 last = TeacherServerError(f"HTTP {e.code}: {detail}")
             except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 if _is_timeout(e):

@@ -9,14 +9,26 @@ Replies as vLLM does: choices[i].prompt_logprobs is a list over prompt positions
 With `Accept: application/octet-stream` the reply is protocols.encode_binary's arrays instead (already row-aligned
 top K), far cheaper to decode. Prompts must be token ids; the server scores them and generates nothing.
 
-Concurrent requests are batched: a batcher takes the waiting prompts (up to --max-batch-tokens padded tokens),
-runs the teacher once over them (teacher_topk_and_next: chunked, the logits never held whole) in a worker thread,
-and answers each request. FastAPI and uvicorn are the optional extra `serve`.
+Concurrent requests are batched: a batcher takes the waiting prompts (up to --max-batch-tokens padded tokens; a
+large request is split across batches), runs the teacher once over them (teacher_topk_and_next: chunked, the logits
+never held whole) in a worker thread, and answers each request. Which prompts share a forward depends on timing,
+so a reply equals the prompt's reply alone only to float32 rounding (~1e-6 for log-probs of magnitude < ~50);
+--batch-invariant runs every prompt alone (no padding) and its reply is then bit-identical whatever else was asked.
+
+A request is checked whole before any teacher work (validation.py): a bad one gets a 400 (413 over
+--max-request-tokens) with {"error": "..."} naming the field. With --api-key (or LIGER_KD_API_KEY) every endpoint
+but /health wants `Authorization: Bearer <key>` (401 otherwise), as vLLM's --api-key. FastAPI and uvicorn are the
+optional extra `serve`.
 """
 
 import asyncio  # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
+import hmac
+import ipaddress
 import json
+import logging
 import math
+import os
+import sys
 import time
 from collections import deque
 from contextlib import asynccontextmanager
@@ -26,66 +38,82 @@ from typing import Any
 import torch
 
 from ..precompute import teacher_topk_and_next
+from .client import API_KEY_ENV
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from .validation import Limits, RequestError, parse_body, validated_completion
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
+DEFAULT_MAX_REQUEST_TOKENS = 262144  # prompt tokens in one request (413 above): 64 sequences of 4096
+log = logging.getLogger("liger_patch_kd.serve")
 
 
 @dataclass
 class _Pending:
-    sequences: list[list[int]]
-    top_k: int
+    sequence: list[int]
     future: asyncio.Future
 
 
 class TeacherBatcher:
-    """Collects concurrent requests and runs the teacher on them together, one batch at a time: while a batch
-    runs (in a worker thread), new requests wait and then go together into the next."""
+    """Collects the sequences of concurrent requests and runs the teacher on them together, one batch at a time:
+    while a batch runs (in a worker thread), new sequences wait and then go together into the next. A batch holds
+    up to max_batch_tokens padded tokens (a longer sequence runs alone), so a large request is split across
+    batches. `batch_invariant`: every sequence runs in a forward of its own (no padding, batch size 1), so its
+    reply is bit-identical whatever else was asked at the same time; slower."""
 
-    def __init__(self, model: torch.nn.Module, max_top_k: int, max_batch_tokens: int = 16384) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_top_k: int, max_batch_tokens: int = 16384, batch_invariant: bool = False
+    ) -> None:
         self.model, self.max_top_k, self.max_batch_tokens = model, max_top_k, max_batch_tokens
+        self.batch_invariant = batch_invariant
         self.device = next(model.parameters()).device
         self.waiting: deque[_Pending] = deque()
         self.wakeup = asyncio.Event()
         self.batches_run = 0
+        self.forwards_run = 0
 
     async def score(self, sequences: list[list[int]], top_k: int) -> list[tuple[TopK, torch.Tensor, torch.Tensor]]:
         """Per sequence: (ids, log-probs) (T, top_k) row-aligned, next-token log-probs (T,) and their ranks (T,)."""
-        pending = _Pending(sequences, top_k, asyncio.get_running_loop().create_future())
-        self.waiting.append(pending)
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(s, loop.create_future()) for s in sequences]
+        self.waiting.extend(pending)
         self.wakeup.set()
-        return await pending.future
+        results = await asyncio.gather(*(p.future for p in pending))
+        return [((i[:, :top_k], v[:, :top_k]), lp, r) for (i, v), lp, r in results]
 
     async def run(self) -> None:
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
             while self.waiting:
-                batch = [self.waiting.popleft()]  # at least one request, however long
-                while (
-                    self.waiting
-                    and _padded_tokens([s for p in (*batch, self.waiting[0]) for s in p.sequences])
-                    <= self.max_batch_tokens
+                batch = [self.waiting.popleft()]  # at least one sequence, however long
+                while self.waiting and _padded_tokens([p.sequence for p in (*batch, self.waiting[0])]) <= (
+                    self.max_batch_tokens
                 ):
                     batch.append(self.waiting.popleft())
-                await self._run_batch(batch)
+                batch = [p for p in batch if not p.future.done()]  # a client that hung up cancelled its futures
+                if batch:
+                    await self._run_batch(batch)
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         try:
-            results = await asyncio.to_thread(self._forward, [s for p in batch for s in p.sequences])
+            results = await asyncio.to_thread(self._forward, [p.sequence for p in batch])
         except Exception as e:  # these requests get a 500 naming the error; the server keeps serving
             for p in batch:
-                p.future.set_exception(e)
+                if not p.future.done():
+                    p.future.set_exception(e)
             return
         self.batches_run += 1
-        start = 0
-        for p in batch:
-            mine = results[start : start + len(p.sequences)]
-            start += len(p.sequences)
-            if not p.future.done():  # a client that hung up has a cancelled future
-                p.future.set_result([((i[:, : p.top_k], v[:, : p.top_k]), lp, r) for (i, v), lp, r in mine])
+        for p, result in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(result)
 
     def _forward(self, sequences: list[list[int]]):
+        if self.batch_invariant:
+            return [out for s in sequences for out in self._forward_padded([s])]
+        return self._forward_padded(sequences)
+
+    def _forward_padded(self, sequences: list[list[int]]):
+        self.forwards_run += 1
         lengths = [len(s) for s in sequences]
         width = max(lengths)
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -128,13 +156,24 @@ def vllm_prompt_logprobs(sequence: list[int], topk: TopK, next_lp: torch.Tensor,
     return out
 
 
-def build_app(model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_tokens: int = 16384):
-    """The FastAPI app serving `model` (eval mode, on its device)."""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import Response
+def build_app(
+    model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_tokens: int = 16384,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
+    max_context: int | None = None,
+):  # fmt: skip
+    """The FastAPI app serving `model` (eval mode, on its device). `max_context` defaults to the model config's
+    max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    batcher = TeacherBatcher(model, top_k, max_batch_tokens)
     vocab = model.get_output_embeddings().weight.shape[0]
+    check_serve_options(top_k, vocab, max_batch_tokens, max_request_tokens)
+    if max_context is None:
+        max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens)
+    batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant)
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -142,27 +181,49 @@ def build_app(model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_
         yield
         task.cancel()
 
-    app = FastAPI(title="liger-kd teacher server", lifespan=lifespan)
+    app = FastAPI(title="liger-kd teacher server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.batcher = batcher
+
+    def error(status: int, message: str) -> Response:
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:  # 404, 405: {"error": ...} too
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if expected is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error(401, "missing or wrong API key: send the header `Authorization: Bearer <the server's "
+                                  "--api-key>` (the client's kd_teacher_api_key or LIGER_KD_API_KEY)")  # fmt: skip
+        return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "batches_run": batcher.batches_run}
+        return {"status": "ok", "batches_run": batcher.batches_run, "forwards_run": batcher.forwards_run}
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "liger-kd", "max_logprobs": top_k,
-             "vocab_size": vocab}
+             "vocab_size": vocab, "max_model_len": max_context}
         ]}  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await request.json()
-        sequences, k = _validated(body, top_k, vocab, HTTPException)
-        scored = await batcher.score(sequences, k)
+        try:  # the whole request is checked before any teacher work
+            sequences, k = validated_completion(parse_body(await request.body()), limits)
+        except RequestError as e:
+            return error(e.status, e.message)
+        try:
+            scored = await batcher.score(sequences, k)
+        except Exception as e:  # a fault of the server (out of memory, ...): 500, which clients retry
+            log.exception("the teacher forward failed")
+            return error(500, f"the teacher forward failed: {type(e).__name__}: {e}")
         if BINARY_MEDIA_TYPE in request.headers.get("accept", ""):
-            return Response(encode_binary([topk for topk, _, _ in scored]), media_type=BINARY_MEDIA_TYPE)
+            return Response(encode_binary([topk for topk, _, _ in scored], sequences), media_type=BINARY_MEDIA_TYPE)
         choices = [
             {"index": n, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
              "prompt_logprobs": vllm_prompt_logprobs(seq, topk, lp, r)}
@@ -179,43 +240,52 @@ def build_app(model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_
     return app
 
 
-def _validated(body: Any, max_top_k: int, vocab: int, http_error) -> tuple[list[list[int]], int]:
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    if not (isinstance(prompt, list) and prompt and all(isinstance(s, list) and s for s in prompt)):
-        raise http_error(400, "prompt must be token ids: a non-empty list of ints, or a list of them (no text)")
-    if not all(isinstance(t, int) and 0 <= t < vocab for s in prompt for t in s):
-        raise http_error(400, f"prompt token ids must be ints in [0, {vocab})")
-    k = body.get("prompt_logprobs")
-    if not isinstance(k, int) or not 1 <= k <= max_top_k:
-        raise http_error(400, f"prompt_logprobs must be an int in [1, {max_top_k}] (the server's --top-k); got {k!r}")
-    if float(body.get("temperature", 1.0)) != 1.0:
-        raise http_error(400, "this server reports log-probs at temperature 1 only (temper them in the loss)")
-    return prompt, k
+def check_serve_options(top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int) -> None:
+    """ValueError naming the option when `liger-kd serve`'s options cannot work with this teacher."""
+    if vocab is not None and not 1 <= top_k <= vocab:
+        raise ValueError(f"--top-k {top_k} must be in [1, {vocab}] (the teacher's vocabulary size); lower it")
+    if max_batch_tokens < 1 or max_request_tokens < 1:
+        raise ValueError(
+            f"--max-batch-tokens ({max_batch_tokens}) and --max-request-tokens ({max_request_tokens}) must be >= 1"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def serve(
     teacher: str, *, top_k: int, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
     attn_implementation: str | None = None, random_weights: bool = False, precision: str = "bf16",
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
     `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
-    `precision="fp8"` runs its decoder products in FP8 (models/fp8_teacher.py)."""
+    `precision="fp8"` runs its decoder products in FP8 (models/fp8_teacher.py). `api_key` defaults to the
+    LIGER_KD_API_KEY environment variable. Options that cannot work raise ValueError before the weights load."""
     try:
         import uvicorn
     except ImportError as e:
         raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]'") from e
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    config = AutoConfig.from_pretrained(teacher, **extra)
+    check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
+                        max_request_tokens)  # fmt: skip
+    if not api_key and not _is_loopback(host):
+        print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who reaches "
+              f"port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if random_weights:
-        from transformers import AutoConfig
-
         torch.manual_seed(0)
-        config = AutoConfig.from_pretrained(teacher, **extra)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=None if dtype == "auto" else getattr(torch, dtype))
         print("liger-kd serve: RANDOM WEIGHTS (--random-weights), for benchmarks only", flush=True)
@@ -231,6 +301,10 @@ def serve(
 
         summary = quantize_teacher_fp8(model)
         print(f"liger-kd serve: FP8 teacher, {len(summary.quantized)} products quantised, lm_head in bf16", flush=True)
-    app = build_app(model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens)
-    print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}", flush=True)
+    app = build_app(
+        model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
+        max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
+    )  # fmt: skip
+    print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
+          f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,122 @@
+"""What `liger-kd serve` accepts: a /v1/completions body checked whole before any teacher work. Pure functions.
+
+Every refusal is a RequestError(status, one line naming the field and the fix), answered as HTTP `status` with a
+JSON body {"error": message}: 400 for a malformed request (vLLM's status for a prompt past max_model_len too), 413
+for one over --max-request-tokens. JSON booleans are refused wherever a number is wanted (Python's True is an int).
+
+Sampling fields are checked for type and range as vLLM's are, and otherwise ignored: the server generates nothing,
+and `temperature` (any number >= 0, as vLLM takes it) would shape only the completion token, so prompt_logprobs are
+always reported at temperature 1, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A request the server refuses: `status` (400, 413) and a one-line message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """max_top_k: the server's --top-k; vocab_size: the teacher's lm_head rows; max_context: the model's
+    max_position_embeddings (None: no limit known); max_request_tokens: the server's --max-request-tokens."""
+
+    max_top_k: int
+    vocab_size: int
+    max_context: int | None
+    max_request_tokens: int
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request's bytes as JSON, or RequestError(400)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise RequestError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+
+
+def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], int]:
+    """A /v1/completions body -> (prompts as lists of token ids, prompt_logprobs K), or RequestError."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body is a JSON {type(body).__name__}, not an object")
+    prompts = _prompts(body.get("prompt"))
+    total = sum(map(len, prompts))
+    if total > limits.max_request_tokens:
+        raise RequestError(
+            413, f"the request holds {total} prompt tokens, over the server's --max-request-tokens "
+                 f"{limits.max_request_tokens}; send fewer sequences per request"
+        )  # fmt: skip
+    for n, p in enumerate(prompts):
+        if limits.max_context is not None and len(p) > limits.max_context:
+            raise RequestError(
+                400, f"prompt {n} has {len(p)} tokens, more than the model's context (max_position_embeddings "
+                     f"{limits.max_context}); truncate it to {limits.max_context} tokens"
+            )  # fmt: skip
+        bad = next((t for t in p if not (_is_int(t) and 0 <= t < limits.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(
+                400, f"prompt {n} holds {json.dumps(bad)[:40]}: token ids must be ints in [0, {limits.vocab_size})"
+            )
+    k = body.get("prompt_logprobs")
+    if not _is_int(k) or not 1 <= k <= limits.max_top_k:
+        raise RequestError(
+            400, f"prompt_logprobs must be an int in [1, {limits.max_top_k}] (the server's --top-k); got "
+                 f"{json.dumps(k)[:40]}"
+        )  # fmt: skip
+    _check_sampling(body)
+    return prompts, k
+
+
+def _prompts(prompt: Any) -> list[list[int]]:
+    """The prompt field: a list of token ids, or a non-empty list of them (ints are checked by the caller)."""
+    if isinstance(prompt, list) and prompt and not any(isinstance(p, list) for p in prompt):
+        prompt = [prompt]
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)):
+        raise RequestError(
+            400, "prompt must be token ids: a non-empty list of ints, or a list of such lists (text is not accepted: "
+                 "tokenize it first)"
+        )  # fmt: skip
+    return prompt
+
+
+# field -> (check, what it must be); absent fields are fine, null only where OpenAI's API allows it
+_SAMPLING: dict[str, tuple[Any, str]] = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an int >= -1 (-1 or 0: all)"),
+    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an int >= 0"),
+    "n": (lambda v: v is None or v == 1 and _is_int(v), "1 (one choice per prompt)"),
+    "logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an int >= 0"),
+    "echo": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "stream": (lambda v: v is None or v is False, "false (this server does not stream)"),
+    "seed": (lambda v: v is None or _is_int(v), "null or an int"),
+    "model": (lambda v: v is None or isinstance(v, str), "a string"),
+    **{f: (lambda v: v is None or _is_number(v), "a number") for f in (
+        "presence_penalty", "frequency_penalty", "repetition_penalty")},
+}  # fmt: skip
+
+
+def _check_sampling(body: dict) -> None:
+    for field, (ok, want) in _SAMPLING.items():
+        if field in body and not ok(body[field]):
+            raise RequestError(400, f"{field} must be {want}; got {json.dumps(body[field])[:40]}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return isinstance(x, int) or math.isfinite(x)  # an int of any size is finite (and may not fit a float)
