@@ -1,158 +1,23 @@
 """`liger-kd`: demo, precompute, convert, serve, bench.
 
 Every mistake is one line, `liger-kd <command>: error: <the option, what is wrong, the fix>`, exit status 2 and no
-traceback (`--debug` or LIGER_KD_DEBUG=1 shows it). Each command's options are checked (`_check_<command>`) before
-any work, and nothing is imported here at module level beyond the standard library: `liger-kd --help` and argument
+traceback (`--debug` or LIGER_KD_DEBUG=1 shows it). Each command's options are checked
+(`cli_checks.check_<command>`) before any work, and nothing is imported here at module level beyond the standard library: `liger-kd --help` and argument
 errors answer without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 
-# the keys of teacher.formats.CONVERTERS, spelt out so that --help needs no torch (tests/test_cli.py keeps them equal)
-FORMATS = ("store", "axolotl", "hf", "distillkit")
-PACKED_BITS = range(4, 17)  # the log-prob bits teacher.store.compact.PackedCodec accepts (tests/test_cli.py checks)
-ENCODINGS = f"plain, packed{PACKED_BITS[0]} .. packed{PACKED_BITS[-1]} (e.g. packed10)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is the CLI's one line (no usage block)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _option(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _at_least(args, dest: str, low: int, high: int | None = None) -> None:
-    value = getattr(args, dest, None)
-    if value is None:
-        return
-    if value < low or (high is not None and value > high):
-        bound = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{_option(dest)} {value}: must be {bound}")
-
-
-def _check_temperature(value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"--temperature {value:g}: must be a finite number > 0 (1 keeps the teacher's distribution)")
-
-
-def _check_encoding(spec: str) -> None:
-    if spec == "plain":
-        return
-    bits = spec[len("packed") :] if spec.startswith("packed") else ""
-    if not (bits.isdigit() and int(bits) in PACKED_BITS):
-        raise ValueError(f"--encoding {spec}: not an encoding; valid: {ENCODINGS}")
-
-
-def _looks_like_path(name: str) -> bool:
-    """A local path rather than a hub name (org/name has at most one slash)."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-
-
-def _check_model(args, dest: str) -> None:
-    """A model (or tokenizer) given as a path must exist: say so instead of the hub's 'Repo id must be ...'."""
-    name = getattr(args, dest, None)
-    if name is None or not _looks_like_path(name):
-        return
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise ValueError(f"{_option(dest)} {name}: no such file or directory (a local model folder, or a hub name "
-                         "such as org/model)")  # fmt: skip
-    setattr(args, dest, str(path))  # "~/models/x" quoted past the shell
-
-
-def _check_exists(args, dest: str, what: str = "file or folder") -> None:
-    name = getattr(args, dest, None)
-    if name is not None and not Path(name).exists():
-        raise ValueError(f"{_option(dest)} {name}: no such {what}")
-
-
-def _check_device(device: str | None) -> None:
-    """`device` names a torch device this build can use (imports torch: call it after the cheap checks)."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device}: not a torch device; use cpu, cuda, cuda:1, mps, ... or leave "
-                         "--device out (cuda when available, else cpu)") from None  # fmt: skip
-    if dev.type == "cpu":
-        return
-    backend = getattr(torch, dev.type, None)
-    if dev.type == "mps":
-        available, count = torch.backends.mps.is_available(), 1
-    else:
-        available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
-        count = backend.device_count() if available and hasattr(backend, "device_count") else 0
-    if not available:
-        raise ValueError(f"--device {device}: this torch build ({torch.__version__}) sees no {dev.type} device; use "
-                         "--device cpu or leave --device out")  # fmt: skip
-    if dev.index is not None and count and dev.index >= count:
-        raise ValueError(f"--device {device}: there are {count} {dev.type} device(s), {dev.type}:0 .. "
-                         f"{dev.type}:{count - 1}")  # fmt: skip
-
-
-def _check_demo(args) -> None:
-    _check_device(args.device)
-
-
-def _check_precompute(args) -> None:
-    _check_exists(args, "data", "file")
-    _at_least(args, "top_k", 1)
-    _check_temperature(args.temperature)
-    if args.max_length is not None and args.max_length < 1:  # 0 is not "no limit"
-        raise ValueError(f"--max-length {args.max_length}: must be >= 1 (leave --max-length out to keep whole sequences)")
-    _at_least(args, "batch_size", 1)
-    _at_least(args, "shard_size", 1)
-    _check_encoding(args.encoding)
-    _check_model(args, "teacher")
-    _check_model(args, "tokenizer")
-    _check_device(args.device)
-
-
-def _check_convert(args) -> None:
-    _check_exists(args, "input")
-    _check_exists(args, "compressor", "file")
-    _at_least(args, "vocab_size", 1)
-    _at_least(args, "top_k", 1)
-    _at_least(args, "shard_size", 1)
-    _check_temperature(args.temperature)
-    _check_encoding(args.encoding)
-    if args.from_format == "hf":
-        from .teacher.formats.hf_datasets import COLUMNS, load_table
-
-        try:
-            names = load_table(args.input).column_names
-        except ValueError as e:
-            raise ValueError(f"--input {e}") from e
-        names = names if isinstance(names, list) else sorted({c for cols in names.values() for c in cols})
-        missing = [c for c in COLUMNS if c not in names]
-        if missing:
-            raise ValueError(f"--input {args.input}: no column {', '.join(missing)} (--from hf reads "
-                             f"{', '.join(COLUMNS)}; found {', '.join(names) or 'none'})")  # fmt: skip
-
-
-def _check_serve(args) -> None:
-    _at_least(args, "port", 1, 65535)
-    _at_least(args, "top_k", 1)
-    _at_least(args, "max_batch_tokens", 1)
-    _check_model(args, "teacher")
-    _check_device(args.device)
-
-
-def _check_bench(args) -> None:
-    _check_device(args.device)
+from .cli_checks import (
+    ENCODINGS,
+    FORMATS,
+    Parser,
+)
 
 
 def _demo(args) -> None:
@@ -245,7 +110,7 @@ def _is_user_error(e: BaseException) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
+    parser = Parser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 

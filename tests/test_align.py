@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, VocabMap, align_tokens, byte_level_to_text, canonical_ends
-from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.align.offsets import encode_with_offsets
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 
 
 def spans(text: str, pieces: list[str], trim: bool = False) -> list[tuple[int, int]]:

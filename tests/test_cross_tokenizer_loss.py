@@ -11,9 +11,9 @@ import torch
 from liger_patch_kd.align import CrossTokenizerConfig, VocabMap, align_tokens, fused_linear_cross_tokenizer_kd
 from liger_patch_kd.align import reference as xref
 from liger_patch_kd.align.chain import TokenTrie
-from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.align.offsets import encode_with_offsets
 from liger_patch_kd.demo import load_corpus
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 
 
 def random_case(seed=0, dtype=torch.float64, bias=False, leading_s=(2, 9), leading_t=(2, 11), v_s=53, v_t=41):

@@ -8,12 +8,12 @@ import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from liger_patch_kd.align import reference as xref
-from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
-from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
 from liger_patch_kd.demo import BOS, load_corpus
 from liger_patch_kd.demo import build_model as _model
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.teacher import TeacherLogprobsDataset
 from liger_patch_kd.teacher.precompute import precompute, teacher_topk
+from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
 
 EXAMPLES = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
             {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."}]  # fmt: skip

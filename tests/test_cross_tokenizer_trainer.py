@@ -10,6 +10,8 @@ import torch
 
 from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from liger_patch_kd.align import reference as xref
+from liger_patch_kd.demo import BOS, load_corpus
+from liger_patch_kd.demo import build_model as _model
 from liger_patch_kd.demo.cross_tokenizer import (
     CharTokenizerWithOffsets,
     CrossTokenizerDemoSizes,
@@ -26,8 +28,6 @@ from liger_patch_kd.trainer.cross_tokenizer import (
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
 )
-from liger_patch_kd.demo import BOS, load_corpus
-from liger_patch_kd.demo import build_model as _model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_patch_kd import FusedLinearJSDLoss, FusedLinearTopKKDLoss, KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
+from liger_patch_kd import (
+    FusedLinearJSDLoss,
+    FusedLinearTopKKDLoss,
+    KDLossConfig,
+    fused_linear_jsd,
+    fused_linear_topk_kd,
+)
 from liger_patch_kd import reference as R
 from liger_patch_kd.align import CrossTokenizerConfig, fused_linear_cross_tokenizer_kd
 

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("teacher",),
     ("trainer",),
     ("demo",),
+    ("cli_checks",),
     ("cli", "__init__", "teacher_data"),
 ]
 

@@ -26,6 +26,7 @@ from ..models import revert_kd_patch
 from ..utils.memory import PeakMemory
 from .toys import PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args, windows
 
+
 @torch.no_grad()
 def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float, float]:
     """Held-out next-token CE of the student and KL(teacher || student) per token."""

@@ -17,7 +17,15 @@ from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
 from ..ops.backend import eager, logits_fp32, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
-from .checks import check_linear, check_topk_shapes, flatten_labels, label_check, run_device_checks, topk_checks, zero_rows
+from .checks import (
+    check_linear,
+    check_topk_shapes,
+    flatten_labels,
+    label_check,
+    run_device_checks,
+    topk_checks,
+    zero_rows,
+)
 from .docs import LOSS_OPTIONS, args_section, returns_loss_section, shared_docs
 from .sampled import sampled_token_kd
 

@@ -20,7 +20,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import tanh, acc_type
+    from .triton_utils import acc_type, tanh
 
     @triton.jit
     def act_and_grad(g, GELU: tl.constexpr):

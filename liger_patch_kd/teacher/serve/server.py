@@ -33,7 +33,6 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

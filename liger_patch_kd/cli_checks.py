@@ -1,0 +1,151 @@
+"""The options of `liger-kd`, checked before any work (one line naming the option and the fix each), and the
+tables --help shows. Standard library only: --help and argument errors import no torch."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+# the keys of teacher.formats.CONVERTERS, spelt out so that --help needs no torch (tests/test_cli.py keeps them equal)
+FORMATS = ("store", "axolotl", "hf", "distillkit")
+PACKED_BITS = range(4, 17)  # the log-prob bits teacher.store.compact.PackedCodec accepts (tests/test_cli.py checks)
+ENCODINGS = f"plain, packed{PACKED_BITS[0]} .. packed{PACKED_BITS[-1]} (e.g. packed10)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is the CLI's one line (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def at_least(args, dest: str, low: int, high: int | None = None) -> None:
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    if value < low or (high is not None and value > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{option(dest)} {value}: must be {bound}")
+
+
+def check_temperature(value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--temperature {value:g}: must be a finite number > 0 (1 keeps the teacher's distribution)")
+
+
+def check_encoding(spec: str) -> None:
+    if spec == "plain":
+        return
+    bits = spec[len("packed") :] if spec.startswith("packed") else ""
+    if not (bits.isdigit() and int(bits) in PACKED_BITS):
+        raise ValueError(f"--encoding {spec}: not an encoding; valid: {ENCODINGS}")
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub name (org/name has at most one slash)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def check_model(args, dest: str) -> None:
+    """A model (or tokenizer) given as a path must exist: say so instead of the hub's 'Repo id must be ...'."""
+    name = getattr(args, dest, None)
+    if name is None or not looks_like_path(name):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ValueError(f"{option(dest)} {name}: no such file or directory (a local model folder, or a hub name "
+                         "such as org/model)")  # fmt: skip
+    setattr(args, dest, str(path))  # "~/models/x" quoted past the shell
+
+
+def check_exists(args, dest: str, what: str = "file or folder") -> None:
+    name = getattr(args, dest, None)
+    if name is not None and not Path(name).exists():
+        raise ValueError(f"{option(dest)} {name}: no such {what}")
+
+
+def check_device(device: str | None) -> None:
+    """`device` names a torch device this build can use (imports torch: call it after the cheap checks)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device}: not a torch device; use cpu, cuda, cuda:1, mps, ... or leave "
+                         "--device out (cuda when available, else cpu)") from None  # fmt: skip
+    if dev.type == "cpu":
+        return
+    backend = getattr(torch, dev.type, None)
+    if dev.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+        count = backend.device_count() if available and hasattr(backend, "device_count") else 0
+    if not available:
+        raise ValueError(f"--device {device}: this torch build ({torch.__version__}) sees no {dev.type} device; use "
+                         "--device cpu or leave --device out")  # fmt: skip
+    if dev.index is not None and count and dev.index >= count:
+        raise ValueError(f"--device {device}: there are {count} {dev.type} device(s), {dev.type}:0 .. "
+                         f"{dev.type}:{count - 1}")  # fmt: skip
+
+
+def check_demo(args) -> None:
+    check_device(args.device)
+
+
+def check_precompute(args) -> None:
+    check_exists(args, "data", "file")
+    at_least(args, "top_k", 1)
+    check_temperature(args.temperature)
+    if args.max_length is not None and args.max_length < 1:  # 0 is not "no limit"
+        raise ValueError(
+            f"--max-length {args.max_length}: must be >= 1 (leave --max-length out to keep whole sequences)"
+        )
+    at_least(args, "batch_size", 1)
+    at_least(args, "shard_size", 1)
+    check_encoding(args.encoding)
+    check_model(args, "teacher")
+    check_model(args, "tokenizer")
+    check_device(args.device)
+
+
+def check_convert(args) -> None:
+    check_exists(args, "input")
+    check_exists(args, "compressor", "file")
+    at_least(args, "vocab_size", 1)
+    at_least(args, "top_k", 1)
+    at_least(args, "shard_size", 1)
+    check_temperature(args.temperature)
+    check_encoding(args.encoding)
+    if args.from_format == "hf":
+        from .teacher.formats.hf_datasets import COLUMNS, load_table
+
+        try:
+            names = load_table(args.input).column_names
+        except ValueError as e:
+            raise ValueError(f"--input {e}") from e
+        names = names if isinstance(names, list) else sorted({c for cols in names.values() for c in cols})
+        missing = [c for c in COLUMNS if c not in names]
+        if missing:
+            raise ValueError(f"--input {args.input}: no column {', '.join(missing)} (--from hf reads "
+                             f"{', '.join(COLUMNS)}; found {', '.join(names) or 'none'})")  # fmt: skip
+
+
+def check_serve(args) -> None:
+    at_least(args, "port", 1, 65535)
+    at_least(args, "top_k", 1)
+    at_least(args, "max_batch_tokens", 1)
+    check_model(args, "teacher")
+    check_device(args.device)
+
+
+def check_bench(args) -> None:
+    check_device(args.device)
