@@ -99,3 +99,94 @@ def test_no_groups_fused_equals_reference_equals_zero(kind, hard_weight):
         c["h_s"] @ c["w_s"].T, c["h_t"] @ c["w_t"].T, c["s_labels"], c["t_labels"], c["s_groups"], c["t_groups"],
         c["vocab_map"], c["exact_ok"], cfg.replace(reduction="none"))  # fmt: skip
     assert none.shape == c["s_labels"].shape
+
+
+# ------------------------------------------------------------------ the models' own logit transforms (item 1)
+from liger_patch_kd.align import CrossTokenizerCollator, VocabMap, byte_level_to_text  # noqa: E402
+from liger_patch_kd.demo import BOS, load_corpus  # noqa: E402
+from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer  # noqa: E402
+from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss, model_head_inputs  # noqa: E402
+
+from .tiny_models import tiny_model  # noqa: E402
+
+EXAMPLES = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
+            {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."}]  # fmt: skip
+_shift = lambda t: torch.cat([t[:, 1:], torch.full_like(t[:, :1], -100)], 1)  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def toks():
+    char = CharTokenizerWithOffsets(load_corpus())
+    bpe = train_bpe_tokenizer(load_corpus()[:8000], 300)
+    collator = CrossTokenizerCollator(bpe, char, student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))
+    return dict(char=char, bpe=bpe, collator=collator, batch=collator(EXAMPLES),
+                vocab_map=VocabMap.build(bpe, char, normalize=byte_level_to_text, teacher_vocab_size=len(char)))
+
+
+def _tiny(arch, vocab, seed):
+    return tiny_model(arch, hidden=32, layers=1, vocab=vocab, seed=seed)  # float64
+
+
+@pytest.mark.parametrize("student_arch, teacher_arch", [("cohere", "granite"), ("llama", "granite"),
+                                                        ("cohere", "llama"), ("cohere2", "gemma2")])
+@pytest.mark.parametrize("kind", ["hybrid", "chain"])
+def test_loss_is_the_references_on_the_models_own_logits(toks, student_arch, teacher_arch, kind):
+    """A Granite teacher divides its logits by logits_scaling, a Cohere student multiplies by logit_scale, a
+    Gemma-2 teacher soft-caps: the loss and gradients are the reference's on model(...).logits, float64."""
+    t = toks
+    student = _tiny(student_arch, t["bpe"].get_vocab_size(), seed=1).train()
+    teacher = _tiny(teacher_arch, len(t["char"]), seed=2)
+    batch = t["batch"]
+    cfg = CrossTokenizerConfig(kind=kind, hard_weight=0.5, uld_top_k=32, temperature=1.3)
+    out = compute_cross_tokenizer_loss(student, teacher, batch, cfg, t["vocab_map"])
+    fused_grads = torch.autograd.grad(out.loss, [p for p in student.parameters()], allow_unused=True)
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch["teacher_input_ids"], attention_mask=batch["teacher_attention_mask"]).logits
+    s_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref_cfg = cfg.replace(softcap=None, teacher_softcap=None)  # the logits below are already capped
+    ref = xref.cross_tokenizer_kd_loss(s_logits, t_logits, _shift(batch["labels"]), _shift(batch["teacher_labels"]),
+                                       batch["student_align_groups"], batch["teacher_align_groups"], t["vocab_map"],
+                                       batch["align_exact_ok"], ref_cfg)  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, [p for p in student.parameters()], allow_unused=True)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-9, atol=1e-11)
+    for a, b in zip(fused_grads, ref_grads):
+        if a is None or b is None:
+            assert a is None and b is None or float((a if b is None else b).abs().sum()) == 0
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+    assert out.soft > 0
+
+
+def test_offline_topk_student_scale_is_applied(toks):
+    """Offline teacher data (top-k of the Granite teacher's own, scaled logits) and a Cohere student."""
+    t = toks
+    student = _tiny("cohere", t["bpe"].get_vocab_size(), seed=1)
+    teacher = _tiny("granite", len(t["char"]), seed=2)
+    rows = []
+    for example in EXAMPLES:
+        ids = torch.tensor([t["collator"].teacher_sequence(example)])
+        with torch.no_grad():
+            lp = torch.log_softmax(teacher(input_ids=ids).logits, -1)
+        values, top = lp.topk(7, dim=-1)
+        rows.append(dict(example, teacher_input_ids=ids[0].tolist(), teacher_token_ids=top[0], teacher_logprobs=values[0]))
+    batch = t["collator"](rows)
+    cfg = CrossTokenizerConfig(kind="hybrid", hard_weight=0.5)
+    out = compute_cross_tokenizer_loss(student, None, batch, cfg, t["vocab_map"])
+    s_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref = xref.cross_tokenizer_topk_kd_loss(
+        s_logits, batch["teacher_token_ids"], batch["teacher_logprobs"], len(t["char"]), _shift(batch["labels"]),
+        _shift(batch["teacher_labels"]), batch["student_align_groups"], batch["teacher_align_groups"],
+        t["vocab_map"], batch["align_exact_ok"], cfg,
+    )  # fmt: skip
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-6, atol=1e-8)  # the batch's log-probs: float32
+
+
+def test_unregistered_model_with_a_logit_scale_is_refused():
+    class Odd(torch.nn.Module):
+        config = type("C", (), {"model_type": "falcon_h1", "lm_head_multiplier": 0.5})()
+
+    h = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="logit scale"):
+        model_head_inputs(Odd(), h, None)
+    Odd.config.lm_head_multiplier = 1.0
+    assert model_head_inputs(Odd(), h, None)[0] is h

@@ -20,9 +20,9 @@ from ..align import (
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
-from ..models import unwrap_model
+from ..models import scaled_head_inputs, unwrap_model
 from ..models.kd_forward import output_head
-from ..models.registry import softcap_of
+from ..models.registry import FAMILIES, REGISTRY, softcap_of
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
@@ -99,6 +99,31 @@ def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[t
     return hidden.last_hidden_state, output_head(inner, "model")
 
 
+# config fields by which a forward the registry does not know might scale its logits after lm_head
+_UNAUDITED_SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+
+
+def model_head_inputs(model: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None):
+    """(hidden, bias) with the model's own logit transform folded in, so that hidden @ W^T + bias are the
+    logits its forward returns (before soft-capping, which the loss applies from softcap_of): Granite divides
+    by config.logits_scaling, Cohere multiplies by logit_scale (models.scaled_head_inputs, the registry's
+    audited entry, as the same-tokenizer path). A model_type the registry does not know is taken as lm_head(h)
+    unless its config declares a logit scale, which is refused (no audit says how its forward applies it)."""
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in REGISTRY or model_type in FAMILIES:
+        return scaled_head_inputs(inner, hidden, bias)
+    declared = {k: getattr(config, k) for k in _UNAUDITED_SCALES if getattr(config, k, None) not in (None, 1, 1.0)}
+    if declared:
+        raise ValueError(
+            f"{type(inner).__name__} (model_type {model_type!r}) declares a logit scale {declared} that "
+            f"liger_patch_kd has no registry entry for, so the cross-tokenizer loss cannot reproduce its logits; "
+            f"supported: {sorted(REGISTRY)}"
+        )
+    return hidden, bias
+
+
 def _shift(t: torch.Tensor, fill) -> torch.Tensor:
     """Row r gets what concerns token r + 1 (labels HF style)."""
     return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
@@ -113,8 +138,9 @@ def compute_cross_tokenizer_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> CrossTokenizerLossOutput:
     """One batch from CrossTokenizerCollator -> (loss, soft, hard). Runs the student's decoder (with grad) and
-    the teacher's (without), then the fused loss on their hidden states and lm_heads. Soft-capping is read from
-    each model's config. Under FSDP the lm_heads must be whole here (as for the patched forward: keep lm_head in
+    the teacher's (without), then the fused loss on their hidden states and lm_heads. Each model's logit scale
+    is folded into its hidden states and bias (model_head_inputs) and its soft-capping read from its config,
+    so the loss is the reference's on the models' own logits. Under FSDP the lm_heads must be whole here (as for the patched forward: keep lm_head in
     the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today.
     A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
     fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
@@ -125,6 +151,7 @@ def compute_cross_tokenizer_loss(
             "(teacher_token_ids / teacher_logprobs on its rows; see CrossTokenizerCollator)"
         )
     h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
+    h_s, b_s = model_head_inputs(model, h_s, head_s.bias)  # the model's logit scale (Granite, Cohere)
     if offline:  # as in the same-tokenizer trainer, the batch's teacher data win over a teacher_model
         cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
         s_labels = _shift(inputs["labels"], cfg.ignore_index)
@@ -132,12 +159,13 @@ def compute_cross_tokenizer_loss(
         return fused_linear_cross_tokenizer_topk_kd(
             h_s, head_s.weight, inputs["teacher_token_ids"], inputs["teacher_logprobs"], s_labels, t_labels,
             inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, return_components=True,
+            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, return_components=True,
         )  # fmt: skip
     with torch.no_grad():
         h_t, head_t = last_hidden_and_head(
             teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
         )
+        h_t, b_t = model_head_inputs(teacher_model, h_t, head_t.bias)
     cfg = config.replace(
         softcap=softcap_of(model.config if hasattr(model, "config") else None),
         teacher_softcap=softcap_of(teacher_model.config if hasattr(teacher_model, "config") else None),
@@ -147,6 +175,6 @@ def compute_cross_tokenizer_loss(
     return fused_linear_cross_tokenizer_kd(
         h_s, head_s.weight, h_t, head_t.weight, s_labels, t_labels,
         inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, teacher_bias=head_t.bias,
+        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, teacher_bias=b_t,
         return_components=True,
     )  # fmt: skip
