@@ -190,3 +190,108 @@ def test_unregistered_model_with_a_logit_scale_is_refused():
         model_head_inputs(Odd(), h, None)
     Odd.config.lm_head_multiplier = 1.0
     assert model_head_inputs(Odd(), h, None)[0] is h
+
+
+# ----------------------------------------------------------------- KDTrainer: options and tokenizers
+from liger_patch_kd import KDTrainer, KDTrainingArguments  # noqa: E402
+from liger_patch_kd.demo import build_model  # noqa: E402
+
+ROWS = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
+        {"prompt": "The mill ", "completion": "stands by the river."},
+        {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."},
+        {"prompt": "Night: ", "completion": "owls call twice."}]  # fmt: skip
+
+
+def _args(tmp_path, **kw):
+    return KDTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+        remove_unused_columns=False, **kw,
+    )  # fmt: skip
+
+
+def test_teacher_tokenizer_object_enables_cross_tokenizer_training(toks, tmp_path):
+    """KDTrainer(teacher_tokenizer=tok) without kd_teacher_tokenizer: the alignment collator and loss run."""
+    student = build_model(toks["bpe"].get_vocab_size(), 32, 1, seed=3, device="cpu")
+    teacher = build_model(len(toks["char"]), 32, 1, seed=1, device="cpu")
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path, kd_hard_weight=0.5),
+                        train_dataset=ROWS * 2, processing_class=toks["bpe"], teacher_tokenizer=toks["char"])
+    assert trainer.xtok is not None
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 and h["kd_hard_loss"] > 0 for h in logged), logged
+
+
+@pytest.mark.parametrize("option", [{"kd_lmbda": 0.5}, {"kd_seq_kd": True}])
+@pytest.mark.parametrize("by_name", [True, False])
+def test_cross_tokenizer_on_policy_is_refused(toks, tmp_path, option, by_name):
+    student = build_model(toks["bpe"].get_vocab_size(), 32, 1, seed=3, device="cpu")
+    teacher = build_model(len(toks["char"]), 32, 1, seed=1, device="cpu")
+    args = _args(tmp_path, **option, **({"kd_teacher_tokenizer": "given below"} if by_name else {}))
+    with pytest.raises(ValueError, match=r"cross-tokenizer on-policy .*not supported yet.*kd_lmbda.*kd_seq_kd"
+                                         r".*kd_teacher_tokenizer"):  # fmt: skip
+        KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=ROWS,
+                  processing_class=toks["bpe"], teacher_tokenizer=toks["char"])  # fmt: skip
+
+
+# heads of different sizes without a cross-tokenizer option
+@pytest.fixture(scope="module")
+def hf_toks():
+    from transformers import PreTrainedTokenizerFast
+
+    text = load_corpus()[:8000]
+    wrap = lambda t: PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>")  # noqa: E731
+    return wrap(train_bpe_tokenizer(text, 300)), wrap(train_bpe_tokenizer(text, 464))
+
+
+def _pair(student_rows, teacher_rows, teacher_dir=None, teacher_tok=None):
+    student = build_model(student_rows, 32, 1, seed=3, device="cpu")
+    teacher = build_model(teacher_rows, 32, 1, seed=1, device="cpu")
+    if teacher_dir is not None:
+        if teacher_tok is not None:
+            teacher_tok.save_pretrained(teacher_dir)
+        teacher.config.save_pretrained(teacher_dir)
+        teacher.config._name_or_path = str(teacher_dir)
+    return student, teacher
+
+
+def test_teacher_with_its_own_saved_tokenizer_is_refused(hf_toks, tmp_path):
+    """300 vs 464 rows, the teacher's directory holds another tokenizer: no silent padded vocabulary."""
+    s_tok, t_tok = hf_toks
+    student, teacher = _pair(len(s_tok), len(t_tok), tmp_path / "teacher", t_tok)
+    with pytest.raises(ValueError, match=r"tokenizer .*differs.*kd_teacher_tokenizer.*kd_vocab_size"):
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=ROWS,
+                  processing_class=s_tok)  # fmt: skip
+
+
+def test_unpadded_student_head_next_to_a_longer_unknown_teacher_is_refused(hf_toks, tmp_path):
+    s_tok, t_tok = hf_toks
+    student, teacher = _pair(len(s_tok), len(t_tok), tmp_path / "weights_only")  # no tokenizer saved there
+    with pytest.raises(ValueError, match=r"no tokenizer was found.*kd_teacher_tokenizer.*kd_vocab_size"):
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=ROWS,
+                  processing_class=s_tok)  # fmt: skip
+
+
+def test_padding_is_taken_when_the_relation_is_known(hf_toks, tmp_path):
+    s_tok, _ = hf_toks
+    n = len(s_tok)
+    # the teacher's saved tokenizer is the student's: its longer head is padding
+    student, teacher = _pair(n, n + 16, tmp_path / "same", s_tok)
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=ROWS,
+                        processing_class=s_tok)  # fmt: skip
+    assert trainer.kd_config.vocab_size == n
+    # kd_vocab_size given: the user says so, nothing is looked up
+    student, teacher = _pair(n, n + 164)
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path, kd_vocab_size=n),
+                        train_dataset=ROWS, processing_class=s_tok)  # fmt: skip
+    assert trainer.kd_config.vocab_size == n
+    # no tokenizer to be found, both heads padded past len(tokenizer) (Qwen2.5 style): as before
+    student, teacher = _pair(n + 8, n + 24)
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=ROWS,
+                        processing_class=s_tok)  # fmt: skip
+    assert trainer.kd_config.vocab_size == n
+    # a head shorter than the tokenizer is no padded form of it
+    student, teacher = _pair(n, n - 10)
+    with pytest.raises(ValueError, match="shorter than the tokenizer"):
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=ROWS,
+                  processing_class=s_tok)  # fmt: skip

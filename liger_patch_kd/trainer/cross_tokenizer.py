@@ -1,4 +1,4 @@
-"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set): the vocabulary map and collator built
+"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the vocabulary map and collator built
 once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight, kd_uld_weight, kd_uld_top_k,
 kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight; the loss of one batch from
 CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..align import (
     CrossTokenizerCollator,
@@ -24,6 +25,8 @@ from ..models import scaled_head_inputs, unwrap_model
 from ..models.kd_forward import output_head
 from ..models.registry import FAMILIES, REGISTRY, softcap_of
 
+logger = logging.get_logger(__name__)
+
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
 
@@ -33,8 +36,19 @@ CROSS_TOKENIZER_COLUMNS = (
 )  # fmt: skip
 
 
-def cross_tokenizer_enabled(args: KDTrainingArguments) -> bool:
-    return args.kd_teacher_tokenizer is not None
+def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
+    """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...)."""
+    return args.kd_teacher_tokenizer is not None or teacher_tokenizer is not None
+
+
+def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
+    """Options the cross-tokenizer path does not support yet, refused before training starts."""
+    if args.kd_seq_kd or args.kd_lmbda > 0:
+        raise ValueError(
+            f"cross-tokenizer on-policy distillation is not supported yet: kd_lmbda={args.kd_lmbda} / "
+            f"kd_seq_kd={args.kd_seq_kd} with kd_teacher_tokenizer (or teacher_tokenizer=) would score generated "
+            f"ids of one tokenizer with the other model; set kd_lmbda=0 and kd_seq_kd=False"
+        )
 
 
 def is_cross_tokenizer_batch(inputs: dict) -> bool:
@@ -71,9 +85,12 @@ class CrossTokenizerSetup:
         vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
         ids the two lm_heads have. Without a teacher_model (offline top-k data) the teacher's vocabulary is
         `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over."""
+        check_cross_tokenizer_args(args)
         if student_tokenizer is None:
             raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
         if teacher_tokenizer is None:
+            if args.kd_teacher_tokenizer is None:
+                raise ValueError("cross-tokenizer distillation needs kd_teacher_tokenizer or teacher_tokenizer=")
             from transformers import AutoTokenizer
 
             teacher_tokenizer = AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer)
@@ -178,3 +195,58 @@ def compute_cross_tokenizer_loss(
         config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, teacher_bias=b_t,
         return_components=True,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------- heads of different sizes, one tokenizer?
+def _tokenizer_of(model: nn.Module) -> Any:
+    """The tokenizer saved with a model (config._name_or_path / name_or_path: a local directory, or a hub id
+    already in the local cache; never downloaded), or None when there is none to be found."""
+    inner = unwrap_model(model)
+    names = (getattr(getattr(inner, "config", None), "_name_or_path", None), getattr(inner, "name_or_path", None))
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and n):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except Exception:  # no tokenizer there (weights only, not cached, not a path): unknown
+            continue
+    return None
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    if len(a) != len(b):
+        return False
+    get_a, get_b = getattr(a, "get_vocab", None), getattr(b, "get_vocab", None)
+    return get_a is not None and get_b is not None and get_a() == get_b()
+
+
+def padded_vocab_size(rows: tuple[int, int], tokenizer: Any, teacher: nn.Module) -> int:
+    """The vocabulary for a student and teacher whose lm_heads differ in size (rows: student's, teacher's),
+    kd_vocab_size unset: len(tokenizer) when the extra rows are padding of one shared tokenizer, else ValueError.
+
+    Padding is taken when the teacher's own tokenizer (_tokenizer_of) is found equal to the student's, or, when
+    none is found, when both heads are longer than len(tokenizer) (both padded, as Qwen2.5's 151936 / 152064
+    rows for 151665 tokens). A teacher tokenizer found different, a head shorter than len(tokenizer), or a head
+    of exactly len(tokenizer) rows next to a longer one with no tokenizer to say why (a teacher with its own,
+    larger vocabulary looks like that) is refused: kd_teacher_tokenizer or kd_vocab_size says which it is."""
+    n = len(tokenizer)
+    teacher_tok = _tokenizer_of(teacher)
+    how = f"the student's lm_head has {rows[0]} rows and the teacher's {rows[1]} (student tokenizer: {n} tokens)"
+    fix = (
+        "if the teacher has its own tokenizer, set kd_teacher_tokenizer (or pass teacher_tokenizer=) for "
+        "cross-tokenizer distillation; if both share the student's tokenizer and the extra rows are padding, set "
+        f"kd_vocab_size={n}"
+    )
+    if teacher_tok is not None and not _same_tokenizer(tokenizer, teacher_tok):
+        raise ValueError(f"{how}, and the teacher's saved tokenizer ({len(teacher_tok)} tokens) differs: {fix}")
+    if min(rows) < n:
+        raise ValueError(f"{how}: a head shorter than the tokenizer cannot be its padded form; {fix}")
+    if teacher_tok is None and min(rows) == n:
+        raise ValueError(f"{how}, and no tokenizer was found with the teacher to tell padding from another "
+                         f"vocabulary: {fix}")  # fmt: skip
+    logger.warning_once(
+        f"{how}: distilling over the shared tokenizer's {n} tokens (kd_vocab_size={n}; the teacher's tokenizer "
+        f"{'is the same' if teacher_tok is not None else 'was not found, both heads are padded'}); set "
+        f"kd_vocab_size to choose otherwise"
+    )
+    return n
