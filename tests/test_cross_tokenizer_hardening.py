@@ -168,7 +168,8 @@ def test_offline_topk_student_scale_is_applied(toks):
         with torch.no_grad():
             lp = torch.log_softmax(teacher(input_ids=ids).logits, -1)
         values, top = lp.topk(7, dim=-1)
-        rows.append(dict(example, teacher_input_ids=ids[0].tolist(), teacher_token_ids=top[0], teacher_logprobs=values[0]))
+        rows.append(dict(example, teacher_input_ids=ids[0].tolist(), teacher_token_ids=top[0],
+                         teacher_logprobs=values[0]))  # fmt: skip
     batch = t["collator"](rows)
     cfg = CrossTokenizerConfig(kind="hybrid", hard_weight=0.5)
     out = compute_cross_tokenizer_loss(student, None, batch, cfg, t["vocab_map"])
