@@ -1,7 +1,7 @@
 """Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the
 vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
-kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight; the loss of one batch from
-CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
+kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
+the loss of one batch from CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def compute_cross_tokenizer_loss(
     the teacher's (without), then the fused loss on their hidden states and lm_heads. Each model's logit scale
     is folded into its hidden states and bias (model_head_inputs) and its soft-capping read from its config,
     so the loss is the reference's on the models' own logits. Under FSDP the lm_heads must be whole here (as
-    for the patched forward: keep lm_head in the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today.
+    for the patched forward: keep lm_head in the root unit); this path calls the decoders directly, so it
+    suits DDP / single-device runs today.
     A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
     fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
     offline = inputs.get("teacher_token_ids") is not None
