@@ -1,7 +1,8 @@
 """Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the
 vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
 kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
-the loss of one batch from CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
+the loss of one batch from CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds
+the alignment and the loss)."""
 
 from __future__ import annotations
 
