@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..config import check_shared_options, check_weight, merge_options
 
 KINDS = ("hybrid", "uld", "exact", "next_byte", "chain")
@@ -76,3 +78,14 @@ class CrossTokenizerConfig:
         """`config` and / or keyword options merged by KDLossConfig.build's rule: None is "not given", a keyword
         that conflicts with `config` is a ValueError naming both values, no config means the defaults."""
         return merge_options(cls, config, given)
+
+
+def check_num_items(num_items_in_batch) -> None:
+    """num_items_in_batch is a count: None, or >= 0 (0, a micro-batch without items, gives loss 0 and zero
+    gradients, as fused_linear_jsd). A negative count is a ValueError (a tensor too: the cross-tokenizer loss
+    reads its layout on the host anyway)."""
+    if num_items_in_batch is None:
+        return
+    bad = bool((num_items_in_batch < 0).any()) if torch.is_tensor(num_items_in_batch) else not num_items_in_batch >= 0
+    if bad:
+        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")

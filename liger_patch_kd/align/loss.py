@@ -17,7 +17,7 @@ from ..ops.backend import eager, logits_fp32
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.divergence import softmax_grad, terms_and_a
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
-from .config import CrossTokenizerConfig
+from .config import CrossTokenizerConfig, check_num_items
 from .fused_math import group_loss_and_a
 from .layout import ChunkMeta, plan_layout, to_meta
 from .vocab import NO_BYTE, VocabMap, project_to_bytes
@@ -316,6 +316,7 @@ def _fused_loss(
     return_components,
 ):  # fmt: skip
     """The chunk loop shared by both teacher sources (`teacher_log_probs(rows)`, see _teacher_source)."""
+    check_num_items(num_items_in_batch)
     if vocab_map is not None:
         vocab_map.check(student_weight.shape[0], teacher_vocab)
         vocab_map = vocab_map.to(student_input.device)
@@ -340,7 +341,8 @@ def _fused_loss(
     valid_layout = (labels_layout != cfg.ignore_index).to(acc)
     if cfg.reduction == "batchmean":
         denom = num_items_in_batch if num_items_in_batch is not None else s_valid.sum().clamp(min=1)
-        row_weight = valid_layout / (denom.to(device=device, dtype=acc) if torch.is_tensor(denom) else denom)
+        count = torch.as_tensor(denom, dtype=acc, device=device)
+        row_weight = valid_layout * torch.where(count > 0, 1 / count, 0)  # no items: weight 0, loss 0, no NaN
     else:
         row_weight = valid_layout
     metas = {i * chunk_size: to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)

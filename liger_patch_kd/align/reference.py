@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..conventions import dense_topk_teacher
 from ..reference import TAIL_FLOOR, apply_softcap, cross_entropy_per_row, divergence_terms
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
-from .config import CrossTokenizerConfig
+from .config import CrossTokenizerConfig, check_num_items
 from .offsets import group_ids_consistent
 from .vocab import VocabMap, project_to_bytes
 
@@ -32,7 +32,8 @@ def merged_log_probs(
     rows = torch.arange(groups.numel(), device=groups.device)
     in_group = groups >= 0
     last = last_rows(groups, n_groups)
-    earlier = in_group & (rows != last[groups.clamp(min=0)])
+    earlier = in_group.clone()  # no groups at all (an empty completion): nothing to index
+    earlier[in_group] = rows[in_group] != last[groups[in_group]]
     label_lp = log_s[rows[earlier], labels[earlier]]
     log_scale = torch.zeros(n_groups, dtype=log_s.dtype, device=log_s.device).index_add(0, groups[earlier], label_lp)
     return log_s[last] + log_scale[:, None]
@@ -171,6 +172,7 @@ def cross_tokenizer_kd_loss(
     student_logits (..., V_s) with student_labels / student_groups of the leading shape; the teacher likewise
     with its own shape. exact_ok: per student row, True on the rows of exact-eligible groups (None: all)."""
     cfg = config or CrossTokenizerConfig()
+    check_num_items(num_items_in_batch)
     s_logits = student_logits.reshape(-1, student_logits.shape[-1])
     t_logits = teacher_logits.reshape(-1, teacher_logits.shape[-1])
     s_labels, t_labels = student_labels.reshape(-1), teacher_labels.reshape(-1)
@@ -197,13 +199,17 @@ def cross_tokenizer_kd_loss(
     per_row = per_row.index_add(0, last, per_group) * cfg.soft_weight
     if cfg.hard_weight:
         per_row = per_row + cfg.hard_weight * cross_entropy_per_row(s_capped, s_labels, cfg.ignore_index)
+    # always in the student's graph (zero gradients where nothing is scored), never touching its values
+    per_row = per_row + torch.where(torch.zeros_like(s_capped, dtype=torch.bool), s_capped, 0).sum(-1)
     valid = s_labels != cfg.ignore_index
     if cfg.reduction == "none":
         return per_row.reshape(student_labels.shape)
     total = per_row.sum()
     if cfg.reduction == "sum":
         return total
-    return total / (num_items_in_batch if num_items_in_batch is not None else valid.sum().clamp(min=1))
+    count = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    count = torch.as_tensor(count, dtype=total.dtype, device=total.device)
+    return torch.where(count > 0, total / torch.where(count > 0, count, 1), 0)  # no items: 0, never x / 0
 
 
 def cross_tokenizer_topk_kd_loss(

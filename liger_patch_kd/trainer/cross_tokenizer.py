@@ -1,7 +1,8 @@
-"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set): the vocabulary map and collator built
-once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight, kd_uld_weight, kd_uld_top_k,
-kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight; the loss of one batch from
-CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds the alignment and the loss)."""
+"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the
+vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
+kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
+the loss of one batch from CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds
+the alignment and the loss)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..align import (
     CrossTokenizerCollator,
@@ -20,9 +22,11 @@ from ..align import (
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
-from ..models import unwrap_model
+from ..models import scaled_head_inputs, unwrap_model
 from ..models.kd_forward import output_head
-from ..models.registry import softcap_of
+from ..models.registry import FAMILIES, REGISTRY, softcap_of
+
+logger = logging.get_logger(__name__)
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
@@ -33,8 +37,19 @@ CROSS_TOKENIZER_COLUMNS = (
 )  # fmt: skip
 
 
-def cross_tokenizer_enabled(args: KDTrainingArguments) -> bool:
-    return args.kd_teacher_tokenizer is not None
+def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
+    """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...)."""
+    return args.kd_teacher_tokenizer is not None or teacher_tokenizer is not None
+
+
+def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
+    """Options the cross-tokenizer path does not support yet, refused before training starts."""
+    if args.kd_seq_kd or args.kd_lmbda > 0:
+        raise ValueError(
+            f"cross-tokenizer on-policy distillation is not supported yet: kd_lmbda={args.kd_lmbda} / "
+            f"kd_seq_kd={args.kd_seq_kd} with kd_teacher_tokenizer (or teacher_tokenizer=) would score generated "
+            f"ids of one tokenizer with the other model; set kd_lmbda=0 and kd_seq_kd=False"
+        )
 
 
 def is_cross_tokenizer_batch(inputs: dict) -> bool:
@@ -71,9 +86,12 @@ class CrossTokenizerSetup:
         vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
         ids the two lm_heads have. Without a teacher_model (offline top-k data) the teacher's vocabulary is
         `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over."""
+        check_cross_tokenizer_args(args)
         if student_tokenizer is None:
             raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
         if teacher_tokenizer is None:
+            if args.kd_teacher_tokenizer is None:
+                raise ValueError("cross-tokenizer distillation needs kd_teacher_tokenizer or teacher_tokenizer=")
             from transformers import AutoTokenizer
 
             teacher_tokenizer = AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer)
@@ -99,6 +117,31 @@ def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[t
     return hidden.last_hidden_state, output_head(inner, "model")
 
 
+# config fields by which a forward the registry does not know might scale its logits after lm_head
+_UNAUDITED_SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+
+
+def model_head_inputs(model: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None):
+    """(hidden, bias) with the model's own logit transform folded in, so that hidden @ W^T + bias are the
+    logits its forward returns (before soft-capping, which the loss applies from softcap_of): Granite divides
+    by config.logits_scaling, Cohere multiplies by logit_scale (models.scaled_head_inputs, the registry's
+    audited entry, as the same-tokenizer path). A model_type the registry does not know is taken as lm_head(h)
+    unless its config declares a logit scale, which is refused (no audit says how its forward applies it)."""
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in REGISTRY or model_type in FAMILIES:
+        return scaled_head_inputs(inner, hidden, bias)
+    declared = {k: getattr(config, k) for k in _UNAUDITED_SCALES if getattr(config, k, None) not in (None, 1, 1.0)}
+    if declared:
+        raise ValueError(
+            f"{type(inner).__name__} (model_type {model_type!r}) declares a logit scale {declared} that "
+            f"liger_patch_kd has no registry entry for, so the cross-tokenizer loss cannot reproduce its logits; "
+            f"supported: {sorted(REGISTRY)}"
+        )
+    return hidden, bias
+
+
 def _shift(t: torch.Tensor, fill) -> torch.Tensor:
     """Row r gets what concerns token r + 1 (labels HF style)."""
     return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
@@ -113,9 +156,11 @@ def compute_cross_tokenizer_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> CrossTokenizerLossOutput:
     """One batch from CrossTokenizerCollator -> (loss, soft, hard). Runs the student's decoder (with grad) and
-    the teacher's (without), then the fused loss on their hidden states and lm_heads. Soft-capping is read from
-    each model's config. Under FSDP the lm_heads must be whole here (as for the patched forward: keep lm_head in
-    the root unit); this path calls the decoders directly, so it suits DDP / single-device runs today.
+    the teacher's (without), then the fused loss on their hidden states and lm_heads. Each model's logit scale
+    is folded into its hidden states and bias (model_head_inputs) and its soft-capping read from its config,
+    so the loss is the reference's on the models' own logits. Under FSDP the lm_heads must be whole here (as
+    for the patched forward: keep lm_head in the root unit); this path calls the decoders directly, so it
+    suits DDP / single-device runs today.
     A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
     fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
     offline = inputs.get("teacher_token_ids") is not None
@@ -125,6 +170,7 @@ def compute_cross_tokenizer_loss(
             "(teacher_token_ids / teacher_logprobs on its rows; see CrossTokenizerCollator)"
         )
     h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
+    h_s, b_s = model_head_inputs(model, h_s, head_s.bias)  # the model's logit scale (Granite, Cohere)
     if offline:  # as in the same-tokenizer trainer, the batch's teacher data win over a teacher_model
         cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
         s_labels = _shift(inputs["labels"], cfg.ignore_index)
@@ -132,12 +178,13 @@ def compute_cross_tokenizer_loss(
         return fused_linear_cross_tokenizer_topk_kd(
             h_s, head_s.weight, inputs["teacher_token_ids"], inputs["teacher_logprobs"], s_labels, t_labels,
             inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, return_components=True,
+            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, return_components=True,
         )  # fmt: skip
     with torch.no_grad():
         h_t, head_t = last_hidden_and_head(
             teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
         )
+        h_t, b_t = model_head_inputs(teacher_model, h_t, head_t.bias)
     cfg = config.replace(
         softcap=softcap_of(model.config if hasattr(model, "config") else None),
         teacher_softcap=softcap_of(teacher_model.config if hasattr(teacher_model, "config") else None),
@@ -147,6 +194,61 @@ def compute_cross_tokenizer_loss(
     return fused_linear_cross_tokenizer_kd(
         h_s, head_s.weight, h_t, head_t.weight, s_labels, t_labels,
         inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=head_s.bias, teacher_bias=head_t.bias,
+        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, teacher_bias=b_t,
         return_components=True,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------- heads of different sizes, one tokenizer?
+def _tokenizer_of(model: nn.Module) -> Any:
+    """The tokenizer saved with a model (config._name_or_path / name_or_path: a local directory, or a hub id
+    already in the local cache; never downloaded), or None when there is none to be found."""
+    inner = unwrap_model(model)
+    names = (getattr(getattr(inner, "config", None), "_name_or_path", None), getattr(inner, "name_or_path", None))
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and n):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except Exception:  # no tokenizer there (weights only, not cached, not a path): unknown
+            continue
+    return None
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    if len(a) != len(b):
+        return False
+    get_a, get_b = getattr(a, "get_vocab", None), getattr(b, "get_vocab", None)
+    return get_a is not None and get_b is not None and get_a() == get_b()
+
+
+def padded_vocab_size(rows: tuple[int, int], tokenizer: Any, teacher: nn.Module) -> int:
+    """The vocabulary for a student and teacher whose lm_heads differ in size (rows: student's, teacher's),
+    kd_vocab_size unset: len(tokenizer) when the extra rows are padding of one shared tokenizer, else ValueError.
+
+    Padding is taken when the teacher's own tokenizer (_tokenizer_of) is found equal to the student's, or, when
+    none is found, when both heads are longer than len(tokenizer) (both padded, as Qwen2.5's 151936 / 152064
+    rows for 151665 tokens). A teacher tokenizer found different, a head shorter than len(tokenizer), or a head
+    of exactly len(tokenizer) rows next to a longer one with no tokenizer to say why (a teacher with its own,
+    larger vocabulary looks like that) is refused: kd_teacher_tokenizer or kd_vocab_size says which it is."""
+    n = len(tokenizer)
+    teacher_tok = _tokenizer_of(teacher)
+    how = f"the student's lm_head has {rows[0]} rows and the teacher's {rows[1]} (student tokenizer: {n} tokens)"
+    fix = (
+        "if the teacher has its own tokenizer, set kd_teacher_tokenizer (or pass teacher_tokenizer=) for "
+        "cross-tokenizer distillation; if both share the student's tokenizer and the extra rows are padding, set "
+        f"kd_vocab_size={n}"
+    )
+    if teacher_tok is not None and not _same_tokenizer(tokenizer, teacher_tok):
+        raise ValueError(f"{how}, and the teacher's saved tokenizer ({len(teacher_tok)} tokens) differs: {fix}")
+    if min(rows) < n:
+        raise ValueError(f"{how}: a head shorter than the tokenizer cannot be its padded form; {fix}")
+    if teacher_tok is None and min(rows) == n:
+        raise ValueError(f"{how}, and no tokenizer was found with the teacher to tell padding from another "
+                         f"vocabulary: {fix}")  # fmt: skip
+    logger.warning_once(
+        f"{how}: distilling over the shared tokenizer's {n} tokens (kd_vocab_size={n}; the teacher's tokenizer "
+        f"{'is the same' if teacher_tok is not None else 'was not found, both heads are padded'}); set "
+        f"kd_vocab_size to choose otherwise"
+    )
+    return n

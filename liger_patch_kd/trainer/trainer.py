@@ -24,6 +24,7 @@ from .cross_tokenizer import (
     compute_cross_tokenizer_loss,
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
+    padded_vocab_size,
 )
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
@@ -79,7 +80,7 @@ class KDTrainer(Trainer):
             )
             args._n_gpu = 1
         self.xtok = None
-        if cross_tokenizer_enabled(args):  # a teacher with another tokenizer: liger_patch_kd/align/
+        if cross_tokenizer_enabled(args, teacher_tokenizer):  # another tokenizer: liger_patch_kd/align/
             self.xtok = CrossTokenizerSetup.build(
                 args, kwargs.get("processing_class"), model, teacher_model, teacher_tokenizer=teacher_tokenizer
             )
@@ -335,8 +336,4 @@ def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module |
             f"distributions over one vocabulary. Set kd_vocab_size to the number of real tokens (len(tokenizer)), "
             f"or pass processing_class=tokenizer so KDTrainer takes len(tokenizer)"
         )
-    logger.warning_once(
-        f"student lm_head has {rows[0]} rows and teacher's {rows[1]}: distilling over the tokenizer's "
-        f"{len(tokenizer)} tokens (kd_vocab_size={len(tokenizer)}); set kd_vocab_size to choose otherwise"
-    )
-    return cfg.replace(vocab_size=len(tokenizer))
+    return cfg.replace(vocab_size=padded_vocab_size(tuple(rows), tokenizer, teacher))  # or a ValueError
