@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import cli_checks
 from .cli_checks import (
     ENCODINGS,
     FORMATS,
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     for name, command in sub.choices.items():
-        command.set_defaults(check=globals()[f"_check_{name}"], parser=command)
+        command.set_defaults(check=getattr(cli_checks, f"check_{name}"), parser=command)
         command.add_argument("--debug", action="store_true",
                              help="a failure shows its traceback (also LIGER_KD_DEBUG=1)")  # fmt: skip
     return parser

@@ -140,7 +140,7 @@ def test_example_student_without_teacher_is_one_line(tmp_path):
 
 def test_the_cli_tables_match_the_library():
     """cli.py spells out the formats and packed encodings (so --help needs no torch): they are the library's."""
-    from liger_patch_kd import cli
+    from liger_patch_kd import cli_checks as cli
     from liger_patch_kd.teacher.formats import CONVERTERS
     from liger_patch_kd.teacher.store.compact import codec_from_spec
 
@@ -159,6 +159,6 @@ def test_the_cli_tables_match_the_library():
     [("org/model", False), ("gpt2", False), ("/abs/model", True), ("./model", True), ("~/m", True), ("a/b/c", True)],
 )
 def test_what_counts_as_a_path(name, is_path):
-    from liger_patch_kd import cli
+    from liger_patch_kd import cli_checks
 
-    assert cli._looks_like_path(name) is is_path
+    assert cli_checks.looks_like_path(name) is is_path

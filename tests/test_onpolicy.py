@@ -203,4 +203,6 @@ def test_onpolicy_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="no offline store"):
         KDTrainer(model=tiny_model("llama"), args=_args(tmp_path), train_dataset=[{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match="processing_class"):
-        KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama"), args=_args(tmp_path), train_dataset=PROMPTS)
+        KDTrainer(
+            model=tiny_model("llama"), teacher_model=tiny_model("llama"), args=_args(tmp_path), train_dataset=PROMPTS
+        )

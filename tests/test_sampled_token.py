@@ -12,7 +12,9 @@ from .helpers import grads, make_pair
 
 @pytest.mark.parametrize("estimator", ["pg", "k1", "k2", "k3"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("extra", [{}, {"softcap": 2.0, "teacher_softcap": 3.0}, {"hard_weight": 0.3}, {"vocab_size": 1200}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"softcap": 2.0, "teacher_softcap": 3.0}, {"hard_weight": 0.3}, {"vocab_size": 1200}]
+)
 def test_fused_equals_the_reference_on_materialised_logits(estimator, bias, extra):
     torch.manual_seed(0)
     pair = make_pair(bias=bias)
@@ -102,6 +104,8 @@ def test_policy_gradient_with_behaviour_logprobs_is_importance_weighted():
 def test_estimator_without_labels_is_refused():
     pair = make_pair()
     with pytest.raises(ValueError, match="pass labels"):
-        fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, estimator="pg")
+        fused_linear_jsd(
+            pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, estimator="pg"
+        )
     with pytest.raises(ValueError, match="pass labels"):
         R.kd_loss(pair.student_logits(), pair.teacher_logits(), None, estimator="pg")

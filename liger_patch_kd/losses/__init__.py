@@ -2,8 +2,9 @@
 and the losses on log-probs (logprob.py). Nothing here knows about models. The checks are public in
 `losses.checks` (align's fused loss runs them too); `__all__` is what a user imports."""
 
-from .fused import FusedLinearJSDLoss, FusedLinearTopKKDLoss, KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
+from .fused import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .logprob import kl_estimator, topk_kd_from_logprobs
+from .modules import FusedLinearJSDLoss, FusedLinearTopKKDLoss
 
 __all__ = [
     "FusedLinearJSDLoss",

@@ -112,7 +112,8 @@ def linear_token_logprobs(
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
-            f"hidden (N, H) and weight (V, H) must share H; got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+            f"hidden (N, H) and weight (V, H) must share H; got hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
         )
     if ids.shape != hidden.shape[:1]:
         raise ValueError(f"ids must have shape ({hidden.shape[0]},) like hidden's rows; got {tuple(ids.shape)}")

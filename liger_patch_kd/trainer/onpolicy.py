@@ -31,7 +31,8 @@ def special_ids(generator: nn.Module, tokenizer: Any) -> tuple[int, set[int], in
     gen = unwrap_model(generator).generation_config
     eos = gen.eos_token_id if gen.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    pad = next((x for x in (gen.pad_token_id, getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids)) if x is not None), 0)
+    pads = (gen.pad_token_id, getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids))
+    pad = next((x for x in pads if x is not None), 0)
     start = next((x for x in (gen.bos_token_id, getattr(tokenizer, "bos_token_id", None)) if x is not None), pad)
     return pad, eos_ids, start
 

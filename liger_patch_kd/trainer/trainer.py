@@ -94,7 +94,9 @@ class KDTrainer(Trainer):
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
                 raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
-            kwargs["data_collator"] = PromptCollator(kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length)
+            kwargs["data_collator"] = PromptCollator(
+                kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length
+            )
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
