@@ -112,7 +112,7 @@ def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypat
 def test_the_readmes_compressor_yaml_is_accepted():
     """The `--compressor cfg.yaml` example (```yaml block) is a valid DistillKit compressor configuration."""
     yaml = pytest.importorskip("yaml")
-    from liger_patch_kd.teacher.distillkit import CompressorConfig
+    from liger_patch_kd.teacher.formats.distillkit_codec import CompressorConfig
 
     found = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
     assert found

@@ -31,6 +31,14 @@ def _is_conversation(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
+def encode(tokenizer, text: str, *, special_tokens: bool) -> list[int]:
+    """Token ids of `text`: a Hugging Face tokenizer's own call (with or without its special tokens, e.g. BOS), or
+    a plain tokenizer's `encode(text)` (such as the demo's character tokenizer, which has none)."""
+    if callable(tokenizer):
+        return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+    return list(tokenizer.encode(text))
+
+
 def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
@@ -38,7 +46,7 @@ def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: boo
             "set one, or give text prompts"
         )
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, text, special_tokens=False)
 
 
 def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int] | None]:
@@ -67,13 +75,13 @@ def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list
         return prompt_ids, full[len(prompt_ids) :]
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
-    prompt_ids = tokenizer(prompt)["input_ids"]
+    prompt_ids = encode(tokenizer, prompt, special_tokens=True)
     if completion is None:
         return prompt_ids, None
     if not isinstance(completion, str):
         raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
+    completion_ids = encode(tokenizer, completion, special_tokens=False)
+    eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None and (not completion_ids or completion_ids[-1] != eos):
         completion_ids = completion_ids + [eos]
     return prompt_ids, completion_ids
@@ -95,8 +103,8 @@ class PromptCollator:
     ignore_index: int = -100
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        pad = self.tokenizer.pad_token_id
-        pad = self.tokenizer.eos_token_id if pad is None else pad
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
         seqs, labels, has_completion = [], [], []
         for row in rows:
             prompt, completion = tokenize_prompt_row(self.tokenizer, row)
