@@ -100,7 +100,7 @@ class CompressorConfig:
                 raise ValueError(f"compressor setting {key} = {cfg[key]!r} must be true or false (a YAML bool)")
         d, k, exact_k = (_int(cfg[key], key) for key in ("d", "k", "exact_k"))
         if cfg["residual_bins"] is not None and not isinstance(cfg["residual_bins"], list):
-            raise ValueError(f"compressor setting residual_bins = {str(cfg['residual_bins'])[:60]!r} must be a list "
+            raise ValueError(f"compressor setting residual_bins = {repr(cfg['residual_bins'])[:60]} must be a list "
                              f"of {{scale_dtype, element_bits, num_elements}}")  # fmt: skip
         bins = []
         for n, b in enumerate(cfg["residual_bins"] or []):
@@ -114,7 +114,7 @@ class CompressorConfig:
                 raise ValueError(f"residual_bins[{n}]: element_bits must be in [1, 64] and num_elements >= 1; got {b}")
             bins.append(ResidualBin(b["scale_dtype"], bits, count))
         if cfg["polynomial_terms"] is not None and not isinstance(cfg["polynomial_terms"], list):
-            raise ValueError(f"compressor setting polynomial_terms = {str(cfg['polynomial_terms'])[:60]!r} must be a "
+            raise ValueError(f"compressor setting polynomial_terms = {repr(cfg['polynomial_terms'])[:60]} must be a "
                              f"list (of powers and 'sqrt' / 'exp') or null")  # fmt: skip
         terms = []
         for term in cfg["polynomial_terms"] or []:
