@@ -158,7 +158,7 @@ def check_precompute_args(
     if max_length is not None and (not is_int(max_length) or max_length < 1):
         raise ValueError(f"max_length (--max-length) must be an integer >= 1, or None for no limit; got "
                          f"{max_length!r}")  # fmt: skip
-    if logprob_dtype not in LOGPROB_DTYPES:
+    if not isinstance(logprob_dtype, str) or logprob_dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {logprob_dtype!r}")
     codec_from_spec(encoding, vocab, top_k)
 

@@ -284,7 +284,9 @@ def check_decoded(cfg: CompressorConfig, values: np.ndarray, where: str) -> None
     was written with (e.g. delta_encoding false for delta-encoded data) decode to rows that break this."""
     finite = np.where(np.isfinite(values), values, -np.inf)
     reason = None
-    if (finite > _SLACK).any():
+    if np.isnan(values).any() or np.isposinf(values).any():
+        reason = "NaN or +inf (the writer fitted a row holding -inf, or the bytes are damaged)"
+    elif (finite > _SLACK).any():
         reason = f"log-prob {finite[finite > _SLACK][0]:.4g} > 0"
     elif (np.logaddexp.reduce(finite, axis=-1) > np.log1p(0.05)).any():
         reason = "top-k probabilities summing to more than 1"

@@ -87,7 +87,7 @@ def _manifest_problem(meta: dict) -> str | None:
         return f"top_k {meta['top_k']!r} is not a slot count >= 1: {edited}"
     if meta.get("num_sequences") is not None and not _is_int(meta["num_sequences"]):
         return f"num_sequences {meta['num_sequences']!r} is not a count: {edited}"
-    if "logprob_dtype" in meta and meta["logprob_dtype"] not in LOGPROB_DTYPES:
+    if "logprob_dtype" in meta and (not isinstance(meta["logprob_dtype"], str) or meta["logprob_dtype"] not in LOGPROB_DTYPES):
         return f"logprob_dtype {meta['logprob_dtype']!r} is not one of {sorted(LOGPROB_DTYPES)}: {edited}"
     t = meta.get("temperature", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
@@ -104,6 +104,8 @@ def _manifest_problem(meta: dict) -> str | None:
         problem = _entry_problem(entry)
         if problem:
             return f"shards[{n}] {problem}: {edited}"
+        if entry.get("max_id", -1) >= meta["vocab_size"]:
+            return f"shards[{n}] holds teacher id {entry['max_id']} >= vocab_size {meta['vocab_size']}: {edited}"
     return None
 
 

@@ -60,6 +60,13 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
                 f"the store holds {sum(counts)} of {expected} sequences: the precompute was interrupted; rerun it "
                 f"with the same arguments to resume"
             )
+        listed = {s["file"] for s in self.meta["shards"]}
+        unlisted = sorted(p.name for p in self.dir.glob("shard-*.safetensors") if p.name not in listed)
+        if unlisted:
+            raise TeacherStoreError(
+                f"{self.dir} holds {unlisted[0]}, which its manifest does not list ({len(listed)} shards listed): "
+                f"the manifest is stale or was edited; restore it, or recompute the store"
+            )
         self._starts = [0]
         for c in counts:
             self._starts.append(self._starts[-1] + c)

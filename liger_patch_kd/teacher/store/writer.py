@@ -40,7 +40,7 @@ def _check_store_options(meta: dict) -> None:
     if not _is_int(k) or k < 1:
         raise ValueError(f"top_k must be an integer >= 1 (slots kept per position, --top-k); got {k!r}")
     dtype = meta.get("logprob_dtype", "float32")
-    if dtype not in LOGPROB_DTYPES:
+    if not isinstance(dtype, str) or dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {dtype!r}")
     shard_size = meta.get("shard_size", 1)
     if not _is_int(shard_size) or shard_size < 1:
