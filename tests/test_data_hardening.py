@@ -33,7 +33,8 @@ def _store(path, rows=None, **kw):
 
 # ------------------------------------------------------------------------------------------ item 4: ids
 @pytest.mark.parametrize("bad, message", [
-    (2**32 + 7, "token id 4294967303 .* outside"), (-3, "token id -3 .* outside"), (2.7, "token id 2.7 .* not an integer"),
+    (2**32 + 7, "token id 4294967303 .* outside"), (-3, "token id -3 .* outside"),
+    (2.7, "token id 2.7 .* not an integer"),
     (50, "token id 50 .* outside \\[0, 50\\)"),
 ])  # fmt: skip
 def test_input_ids_are_checked_before_any_cast(tmp_path, bad, message):
@@ -41,7 +42,8 @@ def test_input_ids_are_checked_before_any_cast(tmp_path, bad, message):
         _store(tmp_path / "s", [_row([1, 2]), _row([3, bad, 4])])
     assert not (tmp_path / "s").exists()  # the failed conversion removed what it made, manifest included
     writer = TD.StoreWriter.open(tmp_path / "w", teacher="t", vocab_size=50, top_k=1, tokenizer_fingerprint=None,
-                                 logprob_dtype="float32", temperature=1.0, shard_size=4, num_sequences=None)  # fmt: skip
+                                 logprob_dtype="float32", temperature=1.0, shard_size=4,
+                                 num_sequences=None)  # fmt: skip
     with pytest.raises(ValueError, match="sequence 0: input_ids"):  # the writer itself: every converter's path
         writer.write_shard([np.array([1, bad], dtype=object)], torch.zeros(2, 1, dtype=torch.int32),
                            torch.zeros(2, 1))  # fmt: skip
@@ -51,7 +53,8 @@ def test_input_ids_are_checked_before_any_cast(tmp_path, bad, message):
 
 
 def test_teacher_ids_negative_or_fractional_are_refused_not_dropped(tmp_path):
-    for bad, message in ((-5, "token id -5"), (3.5, "token id 3.5 .* not an integer"), (2**40, "token id 1099511627776")):
+    cases = ((-5, "token id -5"), (3.5, "token id 3.5 .* not an integer"), (2**40, "token id 1099511627776"))
+    for bad, message in cases:
         row = _row([1, 2, 3])
         row["teacher_token_ids"][1][0] = bad
         with pytest.raises(TD.TeacherStoreError, match=f"row 0, position 1: ids: {message}"):
@@ -127,7 +130,6 @@ def test_damaged_shard_headers_and_manifests_name_the_file(tmp_path):
     store = _store(tmp_path / "s")
     blob = _shard(store).read_bytes()
     (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + length])
     cases = {
         "length prefix": (struct.pack("<Q", 2**62) + blob[8:], "header length 4611686018427387904 exceeds the file"),
         "prefix past the end": (struct.pack("<Q", len(blob)) + blob[8:], "exceeds the file"),
@@ -145,9 +147,11 @@ def test_damaged_shard_headers_and_manifests_name_the_file(tmp_path):
                             ({"top_k": "2"}, "top_k '2' is not a slot count"),
                             ({"format_version": "2"}, "format_version '2' is not a store format"),
                             ({"format_version": 0}, "format_version 0"),
-                            ({"encoding": {"name": "packed", "id_bits": 6, "logprob_bits": 99}}, "encoding .* not valid"),
+                            ({"encoding": {"name": "packed", "id_bits": 6, "logprob_bits": 99}},
+                             "encoding .* not valid"),
                             ({"shards": [{**meta["shards"][0], "file": "../x.safetensors"}]}, "not a shard file"),
-                            ({"shards": [{**meta["shards"][0], "num_sequences": -1}]}, "num_sequences -1")):  # fmt: skip
+                            ({"shards": [{**meta["shards"][0], "num_sequences": -1}]},
+                             "num_sequences -1")):  # fmt: skip
         (store / TD.MANIFEST).write_text(json.dumps({**meta, **change}))
         with pytest.raises(TD.TeacherStoreError, match=message):
             TD.TeacherLogprobsDataset(store)[0]
@@ -163,7 +167,8 @@ def test_verify_store_result_explains_itself(tmp_path):
     store = _store(tmp_path / "s", shard_size=1)
     result = TD.verify_store(store)
     assert result == 2 and int(result) == 2 and result.shards == 2 and result.sequences == 2 and result.bytes > 0
-    assert "shards=2" in repr(result) and "Returns the number of shards checked" in " ".join(TD.verify_store.__doc__.split())
+    assert "shards=2" in repr(result)
+    assert "Returns the number of shards checked" in " ".join(TD.verify_store.__doc__.split())
 
 
 # ------------------------------------------------------------------------------------------ item 11 + precompute

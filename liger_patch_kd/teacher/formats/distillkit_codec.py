@@ -79,7 +79,8 @@ class CompressorConfig:
         or `delta_encoding: "no"` is a ValueError naming the key, never read as 64 or True)."""
         if not isinstance(raw, dict):
             raise ValueError(f"compressor settings must be a mapping of keys ({list(_REQUIRED)}, ...); got "
-                             f"{type(raw).__name__} {str(raw)[:60]!r}: is this the compression_config.yaml?")  # fmt: skip
+                             f"{type(raw).__name__} {str(raw)[:60]!r}: is this the compression_config.yaml?"
+                             )  # fmt: skip
         if _LEGACY_KEYS & set(raw):
             raise ValueError(
                 f"compressor settings {sorted(_LEGACY_KEYS & set(raw))} are DistillKit's legacy_logit_compression; "
@@ -282,6 +283,17 @@ def check_decoded(cfg: CompressorConfig, values: np.ndarray, where: str) -> None
     """Refuse a decode that cannot be the data: rows hold log-probs (each <= 0, top-k probabilities summing to at
     most 1) sorted most likely first, as every DistillKit writer stores them. Settings other than the ones the data
     was written with (e.g. delta_encoding false for delta-encoded data) decode to rows that break this."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        reason = _impossible(cfg, values)
+    if reason:
+        raise TeacherStoreError(
+            f"{where}: the rows decode to {reason}: these compressor settings (d={cfg.d}, k={cfg.k}, exact_k="
+            f"{cfg.exact_k}, delta_encoding={cfg.delta_encoding}, ...) are not the ones the data was written with; "
+            f"pass its compression_config.yaml"
+        )
+
+
+def _impossible(cfg: CompressorConfig, values: np.ndarray) -> str | None:
     finite = np.where(np.isfinite(values), values, -np.inf)
     reason = None
     if np.isnan(values).any() or np.isposinf(values).any():
@@ -298,12 +310,7 @@ def check_decoded(cfg: CompressorConfig, values: np.ndarray, where: str) -> None
         tail_rises = np.diff(tail, axis=-1) > 0.05 * span + 1e-3 if tail.shape[1] > 1 else rises[:, :0]
         if rises.any() or tail_rises.any():
             reason = "log-probs not in the stored, descending order"
-    if reason:
-        raise TeacherStoreError(
-            f"{where}: the rows decode to {reason}: these compressor settings (d={cfg.d}, k={cfg.k}, exact_k="
-            f"{cfg.exact_k}, delta_encoding={cfg.delta_encoding}, ...) are not the ones the data was written with; "
-            f"pass its compression_config.yaml"
-        )
+    return reason
 
 
 _SLACK = 1e-3  # rounding may leave a top log-prob a hair above 0

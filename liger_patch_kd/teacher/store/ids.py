@@ -30,12 +30,14 @@ def token_ids(values: Any, where: str, *, vocab_size: int | None = None, padding
     if arr.dtype.kind == "O":  # Python ints beyond int64, or mixed objects
         arr = _object_ids(arr, where)
     if arr.dtype.kind not in "iuf":
-        raise ValueError(f"{where}: token ids must be integers; got {arr.dtype} values (e.g. {_example(arr)!r}); fix the column's type")
+        raise ValueError(f"{where}: token ids must be integers; got {arr.dtype} values (e.g. {_example(arr)!r}); "
+                         f"fix the column's type")  # fmt: skip
     if arr.dtype.kind == "f":
         bad = ~np.isfinite(arr) | (arr != np.floor(arr))
         if bad.any():
             at = np.argwhere(bad)[0]
-            raise ValueError(f"{where}: token id {arr[tuple(at)].item()!r} at {_pos(at)} is not an integer; ids must be "
+            value = arr[tuple(at)].item()
+            raise ValueError(f"{where}: token id {value!r} at {_pos(at)} is not an integer; ids must be "
                              f"whole numbers (is this a log-prob column?)")  # fmt: skip
     if arr.size:
         out_of_range = (arr < low) | (arr >= limit)

@@ -87,8 +87,9 @@ def _manifest_problem(meta: dict) -> str | None:
         return f"top_k {meta['top_k']!r} is not a slot count >= 1: {edited}"
     if meta.get("num_sequences") is not None and not _is_int(meta["num_sequences"]):
         return f"num_sequences {meta['num_sequences']!r} is not a count: {edited}"
-    if "logprob_dtype" in meta and (not isinstance(meta["logprob_dtype"], str) or meta["logprob_dtype"] not in LOGPROB_DTYPES):
-        return f"logprob_dtype {meta['logprob_dtype']!r} is not one of {sorted(LOGPROB_DTYPES)}: {edited}"
+    dtype = meta.get("logprob_dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in LOGPROB_DTYPES:
+        return f"logprob_dtype {dtype!r} is not one of {sorted(LOGPROB_DTYPES)}: {edited}"
     t = meta.get("temperature", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
         return f"temperature {t!r} is not a number > 0: {edited}"

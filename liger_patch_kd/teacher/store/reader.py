@@ -114,7 +114,8 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         except ShardDamaged as e:
             raise TeacherStoreError(f"shard {entry['file']} in {self.dir} is damaged: {e}; recompute it") from None
         except OSError as e:
-            raise TeacherStoreError(f"shard {entry['file']} in {self.dir} cannot be opened ({e.strerror or e})") from None
+            why = e.strerror or e
+            raise TeacherStoreError(f"shard {entry['file']} in {self.dir} cannot be opened ({why})") from None
         self._readers[index] = reader
         if len(self._readers) > self._max_open:
             self._readers.popitem(last=False)[1].close()

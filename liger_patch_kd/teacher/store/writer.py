@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from .compact import codec_from_manifest, codec_from_spec
-from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
 from .ids import ID_LIMIT, token_ids
+from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
 from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 
 # Manifest keys that describe a store but do not shape its contents: a resume may differ in them.
