@@ -212,7 +212,7 @@ def teacher_fingerprint(teacher: torch.nn.Module) -> str:
     on every device and for any chunking), and the rows' sums are hashed. Every element of every row counts:
     changing any one value always changes the fingerprint (its bit difference times an odd weight is never
     0 mod 2**32), and other changes to a row go unnoticed only by a ~2**-32 coincidence. It reads each weight once,
-    on the weights' own device (about 1 s per 100M parameters on one busy CPU core; a GPU is far faster), and is
+    on the weights' own device (measured: 2.1 s bf16 / 2.7 s fp32 for 134M parameters on a busy 2-core CPU), and is
     independent of where the weights were loaded from, so `teacher` and `/abs/path/teacher` agree while another
     checkpoint of the same architecture does not.
     """
