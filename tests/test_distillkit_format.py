@@ -230,8 +230,11 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     # settings that are not the data's: another index width (d 300: 9 bits) or ids beyond d / vocab_size
     with pytest.raises(TD.TeacherStoreError, match="bytepacked_indices rows are 20 bytes.*write 18"):
         TD.distillkit_to_store(rows, tmp_path / "e", compressor={**RECOMMENDED, "d": 300})
-    with pytest.raises(TD.TeacherStoreError, match=">= d 520"):
+    with pytest.raises(TD.TeacherStoreError, match=r"input_ids: token id \d+ at index \d+ is outside \[0, 520\)"):
         TD.distillkit_to_store(rows, tmp_path / "f", compressor={**RECOMMENDED, "d": 520})
+    small = [{**rows[0], "input_ids": [int(i) % 500 for i in rows[0]["input_ids"]]}]  # only the top-k ids reach d
+    with pytest.raises(TD.TeacherStoreError, match=">= d 520"):
+        TD.distillkit_to_store(small, tmp_path / "f2", compressor={**RECOMMENDED, "d": 520})
     with pytest.raises(TD.TeacherStoreError, match="vocab_size 10"):
         TD.distillkit_to_store(rows, tmp_path / "g", compressor=RECOMMENDED, vocab_size=10)
     for count in (2, 5):  # one row per token or per token but the last; anything else is refused

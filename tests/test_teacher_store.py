@@ -62,8 +62,9 @@ def test_packed_codec_round_trip(vocab, k, bits):
 
 def test_codec_specs_are_validated():
     assert codec_from_spec("plain", 10, 2) is None
-    with pytest.raises(ValueError, match="packed<bits>"):
-        codec_from_spec("zip", 10, 2)
+    for bad in ("zip", "packed99", "packed3", "packed"):  # the message names the valid encodings
+        with pytest.raises(ValueError, match=r"--encoding.*'plain' or 'packed4' .. 'packed16'"):
+            codec_from_spec(bad, 10, 2)
     with pytest.raises(ValueError, match="logprob_bits"):
         PackedCodec(10, 2, 20)
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .store import LOGPROB_DTYPES, StoreWriter
+from .store.compact import codec_from_spec
+from .store.ids import token_ids
 
 
 def topk_of_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,13 +109,12 @@ def precompute(
     shard size, or an entry of `inputs` (the CLI adds the data file's hash and --max-length).
     encoding: "plain" or "packed<bits>" (compact ids and log-probs quantised to <bits> bits; see compact.py).
     """
-    from tqdm.auto import tqdm
-
-    if logprob_dtype not in LOGPROB_DTYPES:
-        raise ValueError(f"logprob_dtype must be one of {sorted(LOGPROB_DTYPES)}; got {logprob_dtype!r}")
     vocab = teacher.get_output_embeddings().weight.shape[0]
-    if not 1 <= top_k <= vocab:
-        raise ValueError(f"top_k must be in [1, vocab_size={vocab}]; got {top_k}")
+    check_precompute_args(vocab, top_k=top_k, temperature=temperature, batch_size=batch_size, shard_size=shard_size,
+                          logprob_dtype=logprob_dtype, encoding=encoding)  # fmt: skip
+    for n, seq in enumerate(sequences):  # before any teacher work: a bad id fails here, not after hours
+        if len(token_ids(seq, f"sequence {n}", vocab_size=vocab)) == 0:
+            raise ValueError(f"sequence {n} is empty: every sequence needs at least one token; drop it")
     fingerprint = {
         "sequences": sequences_fingerprint(sequences),
         "teacher": teacher_fingerprint(teacher),
@@ -124,9 +125,49 @@ def precompute(
         logprob_dtype=logprob_dtype, temperature=temperature, shard_size=shard_size, num_sequences=len(sequences),
         encoding=encoding, inputs=fingerprint,
     )  # fmt: skip
+    was_training = teacher.training
+    try:
+        _run(teacher, sequences, writer, top_k, batch_size, shard_size, temperature, progress)
+    except BaseException:
+        if writer.created_manifest and writer.done_shards() == 0:
+            writer.abort()  # nothing was finished: leave no store behind that a corrected rerun would trip on
+        raise
+    finally:
+        teacher.train(was_training)
+    return writer.finish()
+
+
+def check_precompute_args(
+    vocab: int, *, top_k: int, temperature: float = 1.0, batch_size: int = 1, shard_size: int = 1,
+    logprob_dtype: str = "bfloat16", encoding: str = "plain", max_length: int | None = None,
+) -> None:  # fmt: skip
+    """Every precompute option checked before any work: a ValueError naming the option and the fix."""
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(top_k) or not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k (--top-k) must be an integer in [1, vocab_size={vocab}]; got {top_k!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (1 is the usual); got "
+                         f"{temperature!r}")  # fmt: skip
+    for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1; got {value!r}")
+    if max_length is not None and (not is_int(max_length) or max_length < 1):
+        raise ValueError(f"max_length (--max-length) must be an integer >= 1, or None for no limit; got "
+                         f"{max_length!r}")  # fmt: skip
+    if not isinstance(logprob_dtype, str) or logprob_dtype not in LOGPROB_DTYPES:
+        raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {logprob_dtype!r}")
+    codec_from_spec(encoding, vocab, top_k)
+
+
+def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size, temperature, progress) -> None:
+    from tqdm.auto import tqdm
+
     device = next(teacher.parameters()).device
     n_shards = math.ceil(len(sequences) / shard_size)
-    was_training = teacher.training
     teacher.eval()
     with tqdm(total=len(sequences), initial=min(len(sequences), writer.done_shards() * shard_size),
               desc="teacher top-k", unit="seq", disable=not progress) as bar:  # fmt: skip
@@ -150,8 +191,6 @@ def precompute(
                     values.append(v)
                 bar.update(len(batch))
             writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values))
-    teacher.train(was_training)
-    return writer.out_dir
 
 
 def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
@@ -165,11 +204,17 @@ def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
 
 
 @torch.no_grad()
-def teacher_fingerprint(teacher: torch.nn.Module, samples_per_tensor: int = 4096) -> str:
-    """sha256 of the teacher's config and a strided sample of every parameter (names, shapes, dtypes, values).
+def teacher_fingerprint(teacher: torch.nn.Module) -> str:
+    """sha256 of the teacher's config and of every parameter: names, shapes, dtypes and an exact sum per row.
 
-    Cheap on any model size (a few thousand values per tensor) and independent of where the weights were loaded
-    from, so `teacher` and `/abs/path/teacher` agree while another checkpoint of the same architecture does not.
+    Each tensor is seen as rows (its first dimension) of raw bit patterns; per row, the sum of those patterns
+    weighted by fixed odd pseudo-random column weights is taken in wrapping int32 arithmetic (exact, so the same
+    on every device and for any chunking), and the rows' sums are hashed. Every element of every row counts:
+    changing any one value always changes the fingerprint (its bit difference times an odd weight is never
+    0 mod 2**32), and other changes to a row go unnoticed only by a ~2**-32 coincidence. It reads each weight once,
+    on the weights' own device (measured: 2.1 s bf16 / 2.7 s fp32 for 134M parameters on a busy 2-core CPU), and is
+    independent of where the weights were loaded from, so `teacher` and `/abs/path/teacher` agree while another
+    checkpoint of the same architecture does not.
     """
     config = getattr(teacher, "config", None)
     fields = json.loads(config.to_json_string(use_diff=False)) if config is not None else {}
@@ -177,11 +222,37 @@ def teacher_fingerprint(teacher: torch.nn.Module, samples_per_tensor: int = 4096
     fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "transformers_version"}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
     for name, param in teacher.named_parameters():
-        flat = param.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // samples_per_tensor)][:samples_per_tensor]
         digest.update(json.dumps([name, list(param.shape), str(param.dtype)]).encode())
-        digest.update(sample.float().cpu().numpy().tobytes())
+        digest.update(tensor_row_sums(param).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+_MIX = (-1640531535, -1028477379)  # 0x9E3779B1, 0xC2B2AE3D as int32: a multiplicative hash of the column index
+
+
+def tensor_row_sums(t: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """(rows,) int32: per row of `t` (its first dimension; a scalar is one row), the wrapping sum of its elements'
+    bit patterns (as int32: 1- and 2-byte values widened, 8-byte ones as two halves) times odd pseudo-random
+    column weights. Integer arithmetic, so exact and the same on any device and for any chunking."""
+    t = t.detach()
+    rows = t.reshape(t.shape[0] if t.dim() else 1, -1)
+    if t.is_complex():
+        rows = torch.view_as_real(rows).reshape(rows.shape[0], -1)
+    rows = rows.contiguous()
+    size = rows.element_size()
+    if rows.dtype == torch.bool:
+        bits = rows.view(torch.uint8)
+    else:
+        bits = rows.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}[size])
+    cols = bits.shape[1]
+    j = torch.arange(cols, dtype=torch.int32, device=t.device)
+    weights = (j * _MIX[0] + _MIX[1]) * _MIX[0]
+    weights = (weights ^ (weights >> 15)) | 1  # odd: a change of any one element always changes its row's sum
+    out = torch.empty(bits.shape[0], dtype=torch.int32, device=t.device)
+    step = max(1, chunk_elements // max(cols, 1))
+    for r in range(0, bits.shape[0], step):
+        out[r : r + step] = (bits[r : r + step].to(torch.int32) * weights).sum(1, dtype=torch.int32)
+    return out
 
 
 class BadLine(ValueError):
@@ -202,6 +273,9 @@ def read_jsonl_sequences(
     BadLine naming file:line and the fix; with skip_bad_lines it is skipped instead and counted in the returned
     {reason: count}.
     """
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length (--max-length) must be an integer >= 1, or None for no limit; got "
+                         f"{max_length!r}")  # fmt: skip
     sequences, skipped = [], {}
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -232,7 +306,7 @@ def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | 
         raise ValueError(f"{where}: a 'text' line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
     else:
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
-    ids = ids[:max_length] if max_length else ids
+    ids = ids[:max_length] if max_length is not None else ids
     if not ids:
         raise BadLine(f"{where}: the line holds no tokens; remove it{skip}", "no tokens")
     bad = [t for t in ids if not 0 <= t < (vocab_size if vocab_size is not None else math.inf)]

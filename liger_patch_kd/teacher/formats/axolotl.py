@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..store import TeacherStoreError, iter_store, read_manifest
-from .common import flush_rows, import_datasets, open_conversion, rows_to_arrays
+from .common import converting, field, flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 _TOKEN = re.compile(r"^token_id:(\d+)$")
 
@@ -52,42 +52,59 @@ def axolotl_to_store(
         out_dir, "axolotl", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype,
         temperature=stored_t, shard_size=shard_size, encoding=encoding,
     )  # fmt: skip
-    pending = []
-    for n, row in enumerate(rows):
-        where = f"row {n}"
-        if "target_token_ids" in row:
-            seq, ids, lp = rows_to_arrays(row["input_ids"], row["target_token_ids"], row["target_logprobs"], top_k,
-                                          vocab_size, where, mask=row.get("target_mask"))  # fmt: skip
-        elif logprobs_field in row:
-            ids_rows, lp_rows = _parse_token_entries(row[logprobs_field], where)
-            seq, ids, lp = rows_to_arrays(row["input_ids"], ids_rows, lp_rows, top_k, vocab_size, where)
-        else:
-            raise TeacherStoreError(
-                f"{where} has neither target_token_ids nor {logprobs_field!r}; columns: {sorted(row)}; pass "
-                f"logprobs_field= (--logprobs-field) for the older layout"
-            )
-        if temperature != 1.0 and not keep_temperature:  # full rows: exact
-            filled = (ids >= 0).any(-1)  # positions without a target (the last) stay padding
-            if not bool((ids[filled] >= 0).all()):
-                raise TeacherStoreError(f"{where}: a row is not the full distribution; cannot undo temperature")
-            lp[filled] = torch.log_softmax(lp[filled].double() * temperature, dim=-1).float()
-        pending.append((seq, ids, lp))
-        if len(pending) == shard_size:
-            flush_rows(writer, pending)
-    flush_rows(writer, pending)
+    with converting(writer):
+        pending = []
+        for n, row in enumerate(rows):
+            where = f"row {n}"
+            seq = field(row, "input_ids", where)
+            if "target_token_ids" in row:
+                seq, ids, lp = rows_to_arrays(
+                    seq, row["target_token_ids"], field(row, "target_logprobs", where), top_k, vocab_size, where,
+                    mask=row.get("target_mask"),
+                )  # fmt: skip
+            elif logprobs_field in row:
+                ids_rows, lp_rows = _parse_token_entries(row[logprobs_field], where)
+                seq, ids, lp = rows_to_arrays(seq, ids_rows, lp_rows, top_k, vocab_size, where)
+            else:
+                raise TeacherStoreError(
+                    f"{where} has neither target_token_ids nor {logprobs_field!r}; columns: {sorted(row)}; pass "
+                    f"logprobs_field= (--logprobs-field) for the older layout"
+                )
+            if temperature != 1.0 and not keep_temperature:  # full rows: exact
+                filled = (ids >= 0).any(-1)  # positions without a target (the last) stay padding
+                if not bool((ids[filled] >= 0).all()):
+                    raise TeacherStoreError(f"{where}: a row is not the full distribution; cannot undo temperature")
+                lp[filled] = torch.log_softmax(lp[filled].double() * temperature, dim=-1).float()
+            pending.append((seq, ids, lp))
+            if len(pending) == shard_size:
+                flush_rows(writer, pending)
+        flush_rows(writer, pending)
     return writer.out_dir
 
 
-def _parse_token_entries(positions: list, where: str) -> tuple[list[list[int]], list[list[float]]]:
+def _parse_token_entries(positions: Any, where: str) -> tuple[list[list[int]], list[list[float]]]:
+    """vLLM-style [{"token": "token_id:N", "logprob": x}, ...] per position -> ids and log-probs per position."""
+    if not isinstance(positions, (list, tuple, np.ndarray)):
+        raise TeacherStoreError(f"{where}: the log-prob column must be a list of positions; got "
+                                f"{type(positions).__name__}")  # fmt: skip
     ids_rows, lp_rows = [], []
     for t, entries in enumerate(positions):
         ids, lps = [], []
-        for entry in entries or []:
+        if entries is not None and not isinstance(entries, (list, tuple, np.ndarray)):
+            raise TeacherStoreError(f"{where}, position {t}: expected a list of entries; got {type(entries).__name__}")
+        for e, entry in enumerate(entries if entries is not None else []):
+            at = f"{where}, position {t}, entry {e}"
+            if not isinstance(entry, dict) or "token" not in entry or "logprob" not in entry:
+                raise TeacherStoreError(f"{at}: expected {{'token': 'token_id:N', 'logprob': x}}; got "
+                                        f"{str(entry)[:80]}")  # fmt: skip
             match = _TOKEN.match(str(entry["token"]))
             if not match:
-                raise TeacherStoreError(f"{where}, position {t}: token {entry['token']!r} is not 'token_id:N'")
+                raise TeacherStoreError(f"{at}: token {entry['token']!r} is not 'token_id:N'")
+            value = entry["logprob"]
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TeacherStoreError(f"{at}: logprob {value!r} is not a number")
             ids.append(int(match.group(1)))
-            lps.append(float(entry["logprob"]))
+            lps.append(float(value))
         ids_rows.append(ids)
         lp_rows.append(lps)
     return ids_rows, lp_rows

@@ -21,8 +21,17 @@ import numpy as np
 import torch
 
 from ..store import TeacherStoreError, iter_store, read_manifest
-from .common import flush_rows, open_conversion
-from .distillkit_codec import CONFIG_FILE, CompressorConfig, decode_rows, encode_rows, read_config_file
+from ..store.ids import token_ids
+from .common import converting, flush_rows, open_conversion
+from .distillkit_codec import (
+    CONFIG_FILE,
+    CompressorConfig,
+    check_decoded,
+    check_widths,
+    decode_rows,
+    encode_rows,
+    read_config_file,
+)
 
 COLUMNS = ("input_ids", "compressed_logprobs", "bytepacked_indices")
 _LEGACY_COLUMNS = {"packed_indices", "exact_values", "coeffs"}
@@ -102,22 +111,38 @@ def _byte_matrix(column, where: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _dict_records(rows: Iterable[dict]) -> Iterator[dict]:
     for n, row in enumerate(rows):
-        if n == 0:
-            _check_columns(row.keys(), "row 0")
-        record = {"input_ids": np.asarray(row["input_ids"])}
+        where = f"row {n}"
+        if not isinstance(row, dict):
+            raise TeacherStoreError(f"{where} is a {type(row).__name__}, not a record with {list(COLUMNS)}")
+        _check_columns(row.keys(), where)
+        record = {"input_ids": row["input_ids"]}
         for name in COLUMNS[1:]:
-            try:
-                record[name] = np.asarray(row[name], dtype=np.uint8)
-            except ValueError:  # ragged: sized by the check in decode_rows
-                record[name] = np.zeros(0, dtype=np.uint8)
+            record[name] = _byte_rows(row[name], f"{where}: {name}")
         if row.get("attention_mask") is not None:
-            record["attention_mask"] = np.asarray(row["attention_mask"])
+            record["attention_mask"] = row["attention_mask"]
         yield record
 
 
-def _segments(record: dict, where: str) -> Iterator[tuple[np.ndarray, slice]]:
+def _byte_rows(value: Any, where: str) -> np.ndarray:
+    """A list of equal-length byte rows as (P, bytes) uint8; anything else is a TeacherStoreError."""
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # ragged: sized by the check in decode_rows
+        return np.zeros(0, dtype=np.uint8)
+    if raw.size == 0:
+        return np.zeros((0, 0) if raw.ndim < 2 else raw.shape, dtype=np.uint8)
+    if raw.dtype.kind not in "iu" or raw.ndim != 2 or raw.min() < 0 or raw.max() > 255:
+        raise TeacherStoreError(f"{where} must be rows of bytes (integers 0-255, one row per position); got "
+                                f"{raw.dtype} of shape {raw.shape}")  # fmt: skip
+    return raw.astype(np.uint8)
+
+
+def _segments(record: dict, where: str, vocab_size: int) -> Iterator[tuple[np.ndarray, slice]]:
     """(tokens, row slice) per sequence: a packed row is split where its attention_mask segment id changes."""
-    tokens = np.asarray(record["input_ids"], dtype=np.int64)
+    try:  # uint64 ids are range-checked before any cast: 2**40 + 3 is an error, not 3
+        tokens = token_ids(record["input_ids"], f"{where}: input_ids", vocab_size=vocab_size).reshape(-1)
+    except ValueError as e:
+        raise TeacherStoreError(str(e)) from None
     rows = len(record["compressed_logprobs"])
     if rows != len(record["bytepacked_indices"]) or rows not in (len(tokens), len(tokens) - 1):
         raise TeacherStoreError(
@@ -129,7 +154,9 @@ def _segments(record: dict, where: str) -> Iterator[tuple[np.ndarray, slice]]:
     if mask is None or len(tokens) == 0:
         yield tokens, slice(0, rows)
         return
-    mask = np.asarray(mask, dtype=np.int64)
+    mask = np.asarray(mask)
+    if mask.dtype.kind not in "iu" or mask.ndim != 1:
+        raise TeacherStoreError(f"{where}: attention_mask must be a list of integer segment ids")
     if len(mask) != len(tokens):
         raise TeacherStoreError(f"{where}: attention_mask has {len(mask)} entries for {len(tokens)} input_ids")
     cuts = np.concatenate([[0], np.flatnonzero(np.diff(mask)) + 1, [len(tokens)]])
@@ -170,16 +197,19 @@ def distillkit_to_store(
         out_dir, "distillkit", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype, temperature=1.0,
         shard_size=shard_size, encoding=encoding, distillkit_compressor=cfg.to_dict(),
     )  # fmt: skip
-    pending = []
-    for n, record in enumerate(records):
-        where = f"row {n}"
-        lp_rows, idx_rows = record["compressed_logprobs"], record["bytepacked_indices"]
-        for tokens, rows in _segments(record, where):
-            ids, values = decode_rows(cfg, lp_rows[rows], idx_rows[rows], where)
-            pending.append(_rows_to_store_arrays(cfg, tokens, ids, values, top_k, vocab_size, where))
-            if len(pending) == shard_size:
-                flush_rows(writer, pending)
-    flush_rows(writer, pending)
+    with converting(writer):
+        pending = []
+        for n, record in enumerate(records):
+            where = f"row {n}"
+            lp_rows, idx_rows = record["compressed_logprobs"], record["bytepacked_indices"]
+            check_widths(cfg, lp_rows, idx_rows, where)  # the settings' fault first: it explains the rest
+            for tokens, rows in _segments(record, where, vocab_size):
+                ids, values = decode_rows(cfg, lp_rows[rows], idx_rows[rows], where)
+                check_decoded(cfg, values, where)
+                pending.append(_rows_to_store_arrays(cfg, tokens, ids, values, top_k, vocab_size, where))
+                if len(pending) == shard_size:
+                    flush_rows(writer, pending)
+        flush_rows(writer, pending)
     return writer.out_dir
 
 

@@ -75,6 +75,12 @@ class CompressorConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> CompressorConfig:
+        """Settings from a parsed config; every value's type is checked (ints are ints, bools are bools: `d: 64.9`
+        or `delta_encoding: "no"` is a ValueError naming the key, never read as 64 or True)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"compressor settings must be a mapping of keys ({list(_REQUIRED)}, ...); got "
+                             f"{type(raw).__name__} {str(raw)[:60]!r}: is this the compression_config.yaml?"
+                             )  # fmt: skip
         if _LEGACY_KEYS & set(raw):
             raise ValueError(
                 f"compressor settings {sorted(_LEGACY_KEYS & set(raw))} are DistillKit's legacy_logit_compression; "
@@ -84,21 +90,33 @@ class CompressorConfig:
         missing = [key for key in _REQUIRED if key not in raw]
         if unknown or missing:
             raise ValueError(
-                f"compressor settings: unknown keys {sorted(unknown)}, missing keys {missing}; expected "
+                f"compressor settings: unknown keys {sorted(map(str, unknown))}, missing keys {missing}; expected "
                 f"{list(_REQUIRED)} and optionally {sorted(_DEFAULTS)} (the compression_config.yaml of the capture)"
             )
         cfg = {**_DEFAULTS, **raw}
         for key in ("exact_dtype", "term_dtype"):
             _check_dtype(cfg[key], key)
+        for key in ("delta_encoding", "error_diffusion", "normalize_t"):
+            if not isinstance(cfg[key], bool):
+                raise ValueError(f"compressor setting {key} = {cfg[key]!r} must be true or false (a YAML bool)")
+        d, k, exact_k = (_int(cfg[key], key) for key in ("d", "k", "exact_k"))
+        if cfg["residual_bins"] is not None and not isinstance(cfg["residual_bins"], list):
+            raise ValueError(f"compressor setting residual_bins = {repr(cfg['residual_bins'])[:60]} must be a list "
+                             f"of {{scale_dtype, element_bits, num_elements}}")  # fmt: skip
         bins = []
         for n, b in enumerate(cfg["residual_bins"] or []):
-            if set(b) != {"scale_dtype", "element_bits", "num_elements"}:
-                raise ValueError(f"residual_bins[{n}] has keys {sorted(b)}; expected scale_dtype, element_bits, "
+            if not isinstance(b, dict) or set(b) != {"scale_dtype", "element_bits", "num_elements"}:
+                raise ValueError(f"residual_bins[{n}] = {str(b)[:60]}; expected keys scale_dtype, element_bits, "
                                  f"num_elements")  # fmt: skip
             _check_dtype(b["scale_dtype"], f"residual_bins[{n}].scale_dtype")
-            if not (1 <= int(b["element_bits"]) <= 64 and int(b["num_elements"]) >= 1):
+            bits = _int(b["element_bits"], f"residual_bins[{n}].element_bits")
+            count = _int(b["num_elements"], f"residual_bins[{n}].num_elements")
+            if not (1 <= bits <= 64 and count >= 1):
                 raise ValueError(f"residual_bins[{n}]: element_bits must be in [1, 64] and num_elements >= 1; got {b}")
-            bins.append(ResidualBin(b["scale_dtype"], int(b["element_bits"]), int(b["num_elements"])))
+            bins.append(ResidualBin(b["scale_dtype"], bits, count))
+        if cfg["polynomial_terms"] is not None and not isinstance(cfg["polynomial_terms"], list):
+            raise ValueError(f"compressor setting polynomial_terms = {repr(cfg['polynomial_terms'])[:60]} must be a "
+                             f"list (of powers and 'sqrt' / 'exp') or null")  # fmt: skip
         terms = []
         for term in cfg["polynomial_terms"] or []:
             if isinstance(term, str) and term in _SPECIAL_TERMS:
@@ -107,20 +125,19 @@ class CompressorConfig:
                 terms.append(term)
             else:
                 raise ValueError(f"polynomial term {term!r} is not a power >= 0 nor one of {sorted(_SPECIAL_TERMS)}")
-        d, k, exact_k = int(cfg["d"]), int(cfg["k"]), int(cfg["exact_k"])
         tail = k - exact_k
-        if d < 2 or k < 1 or not 0 <= exact_k <= k or sum(b.num_elements for b in bins) > tail:
+        if not 2 <= d < 2**31 or k < 1 or not 0 <= exact_k <= k or sum(b.num_elements for b in bins) > tail:
             raise ValueError(
-                f"compressor settings need d >= 2, 1 <= k, 0 <= exact_k <= k and residual bins holding at most "
-                f"k - exact_k elements; got d={d}, k={k}, exact_k={exact_k}, bins={bins}"
+                f"compressor settings need 2 <= d < 2**31, 1 <= k, 0 <= exact_k <= k and residual bins holding at "
+                f"most k - exact_k elements; got d={d}, k={k}, exact_k={exact_k}, bins={bins}"
             )
         if tail and not terms and not bins:
             raise ValueError(f"exact_k {exact_k} < k {k} with no polynomial_terms and no residual_bins: the tail "
                              f"would carry no information (DistillKit refuses this config too)")  # fmt: skip
         return cls(d=d, k=k, exact_k=exact_k, residual_bins=tuple(bins), exact_dtype=cfg["exact_dtype"],
                    polynomial_terms=tuple(terms), term_dtype=cfg["term_dtype"],
-                   delta_encoding=bool(cfg["delta_encoding"]), error_diffusion=bool(cfg["error_diffusion"]),
-                   normalize_t=bool(cfg["normalize_t"]))  # fmt: skip
+                   delta_encoding=cfg["delta_encoding"], error_diffusion=cfg["error_diffusion"],
+                   normalize_t=cfg["normalize_t"])  # fmt: skip
 
     def to_dict(self) -> dict:
         """Every key, as DistillKit's capture writes compression_config.yaml."""
@@ -152,8 +169,14 @@ class CompressorConfig:
         return torch.stack(cols, dim=-1)
 
 
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"compressor setting {what} = {value!r} must be an integer (got {type(value).__name__})")
+    return value
+
+
 def _check_dtype(name: Any, what: str) -> None:
-    if name not in _FLOAT_WIDTH:
+    if not isinstance(name, str) or name not in _FLOAT_WIDTH:
         raise ValueError(f"compressor setting {what} = {name!r}; expected one of {sorted(_FLOAT_WIDTH)}")
 
 
@@ -166,10 +189,18 @@ def read_config_file(path: Path) -> dict:
                          f"written with (--compressor)")  # fmt: skip
     text = path.read_text()
     if path.suffix == ".json":
-        return json.loads(text)
-    import yaml
+        errors: tuple[type[BaseException], ...] = (ValueError,)
+        parse = json.loads
+    else:
+        import yaml
 
-    return yaml.safe_load(text)
+        errors, parse = (yaml.YAMLError, ValueError), yaml.safe_load
+    try:
+        return parse(text)
+    except errors as e:  # one line naming the file, not the parser's traceback
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: the compressor settings do not parse ({first}); pass the compression_config.yaml "
+                         f"the data was written with") from None
 
 
 # ------------------------------------------------------------------------------------------------- bit fields
@@ -211,8 +242,8 @@ def _tail_fit(cfg: CompressorConfig, coeffs: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------- decoding
-def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.ndarray, where: str = "rows"):
-    """(P, logprob_bytes), (P, index_bytes) uint8 -> ids (P, k) int64 and log-probs (P, k) float64."""
+def check_widths(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.ndarray, where: str) -> None:
+    """Byte rows as wide as these settings write, or a TeacherStoreError saying the settings are not the data's."""
     for name, rows, want in (("compressed_logprobs", logprob_rows, cfg.logprob_bytes),
                              ("bytepacked_indices", index_rows, cfg.index_bytes)):  # fmt: skip
         if rows.ndim != 2 or rows.shape[1] != want:
@@ -221,6 +252,11 @@ def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.
                 f"settings (d={cfg.d}, k={cfg.k}, exact_k={cfg.exact_k}, ...) write {want}: the settings are not the "
                 f"ones the data was written with"
             )
+
+
+def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.ndarray, where: str = "rows"):
+    """(P, logprob_bytes), (P, index_bytes) uint8 -> ids (P, k) int64 and log-probs (P, k) float64."""
+    check_widths(cfg, logprob_rows, index_rows, where)
     ids = unpack_fields(index_rows, cfg.index_bits, cfg.k).astype(np.int64)
     values = np.zeros((len(logprob_rows), cfg.k))
     at = cfg.exact_k * _FLOAT_WIDTH[cfg.exact_dtype]
@@ -241,6 +277,43 @@ def decode_rows(cfg: CompressorConfig, logprob_rows: np.ndarray, index_rows: np.
     if cfg.delta_encoding:
         values = np.cumsum(values, axis=-1)
     return ids, values
+
+
+def check_decoded(cfg: CompressorConfig, values: np.ndarray, where: str) -> None:
+    """Refuse a decode that cannot be the data: rows hold log-probs (each <= 0, top-k probabilities summing to at
+    most 1) sorted most likely first, as every DistillKit writer stores them. Settings other than the ones the data
+    was written with (e.g. delta_encoding false for delta-encoded data) decode to rows that break this."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        reason = _impossible(cfg, values)
+    if reason:
+        raise TeacherStoreError(
+            f"{where}: the rows decode to {reason}: these compressor settings (d={cfg.d}, k={cfg.k}, exact_k="
+            f"{cfg.exact_k}, delta_encoding={cfg.delta_encoding}, ...) are not the ones the data was written with; "
+            f"pass its compression_config.yaml"
+        )
+
+
+def _impossible(cfg: CompressorConfig, values: np.ndarray) -> str | None:
+    finite = np.where(np.isfinite(values), values, -np.inf)
+    reason = None
+    if np.isnan(values).any() or np.isposinf(values).any():
+        reason = "NaN or +inf (the writer fitted a row holding -inf, or the bytes are damaged)"
+    elif (finite > _SLACK).any():
+        reason = f"log-prob {finite[finite > _SLACK][0]:.4g} > 0"
+    elif (np.logaddexp.reduce(finite, axis=-1) > np.log1p(0.05)).any():
+        reason = "top-k probabilities summing to more than 1"
+    else:
+        exact = finite[:, : cfg.exact_k]
+        rises = np.diff(exact, axis=-1) > 1e-6 if exact.shape[1] > 1 else np.zeros((len(finite), 0), bool)
+        tail = finite[:, max(cfg.exact_k - 1, 0) :]
+        span = np.ptp(np.where(np.isfinite(tail), tail, 0.0), axis=-1, keepdims=True) if tail.size else 0.0
+        tail_rises = np.diff(tail, axis=-1) > 0.05 * span + 1e-3 if tail.shape[1] > 1 else rises[:, :0]
+        if rises.any() or tail_rises.any():
+            reason = "log-probs not in the stored, descending order"
+    return reason
+
+
+_SLACK = 1e-3  # rounding may leave a top log-prob a hair above 0
 
 
 # ------------------------------------------------------------------------------------------------- encoding

@@ -7,10 +7,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..serve.protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
 from ..store import StoreWriter, TeacherStoreError
+from ..store.ids import token_ids
+from .common import converting
 
 
 def import_vllm_logprobs(
@@ -57,10 +60,12 @@ def _import(
 ) -> Path:  # fmt: skip
     """records -> (tokens, per-position entries scoring tokens 1..) -> a store, shard by shard."""
     writer = StoreWriter.open(
-        out_dir, teacher=meta.get("teacher", source), vocab_size=vocab_size, top_k=top_k,
+        out_dir, teacher=meta.get("teacher", source), vocab_size=vocab_size, top_k=top_k, manifest_last=True,
         tokenizer_fingerprint=meta.get("tokenizer_fingerprint"), logprob_dtype=meta.get("logprob_dtype", "float32"),
         temperature=1.0, shard_size=meta.get("shard_size", 1024), num_sequences=None,
     )  # fmt: skip
+    if writer.done_shards():
+        raise TeacherStoreError(f"{out_dir} already holds shards: import into a new folder")
     sequences, ids, values = [], [], []
 
     def flush():
@@ -68,20 +73,29 @@ def _import(
             writer.write_shard(sequences, torch.cat(ids), torch.cat(values))
             sequences.clear(), ids.clear(), values.clear()
 
-    for n, record in enumerate(records):
-        tokens, per_position = split(record)
-        try:
-            entries = [parse_entry(e, t, f"record {n}") if e else None for t, e in enumerate(per_position, 1)]
-            rows_i, rows_v = rows_from_entries(
-                entries[: max(len(tokens) - 1, 0)], len(tokens), top_k=top_k, vocab_size=vocab_size,
-                request=f"record {n}", pad_short_rows=True,
-            )  # fmt: skip
-        except TeacherReplyError as e:
-            raise TeacherStoreError(str(e)) from e
-        sequences.append(torch.tensor(tokens, dtype=torch.int32))
-        ids.append(rows_i)
-        values.append(rows_v)
-        if len(sequences) == writer.meta["shard_size"]:
-            flush()
-    flush()
+    with converting(writer):
+        for n, record in enumerate(records):
+            try:
+                tokens, per_position = split(record)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise TeacherStoreError(f"record {n} is not a {source} record (missing or malformed field: "
+                                        f"{str(e)[:80]}); see import_{source}_logprobs for the layout") from None
+            try:
+                checked = token_ids(tokens, f"record {n}: token ids", vocab_size=vocab_size).reshape(-1)
+            except ValueError as e:
+                raise TeacherStoreError(str(e)) from None
+            try:
+                entries = [parse_entry(e, t, f"record {n}") if e else None for t, e in enumerate(per_position, 1)]
+                rows_i, rows_v = rows_from_entries(
+                    entries[: max(len(tokens) - 1, 0)], len(tokens), top_k=top_k, vocab_size=vocab_size,
+                    request=f"record {n}", pad_short_rows=True,
+                )  # fmt: skip
+            except TeacherReplyError as e:
+                raise TeacherStoreError(str(e)) from e
+            sequences.append(torch.from_numpy(checked.astype(np.int32)))
+            ids.append(rows_i)
+            values.append(rows_v)
+            if len(sequences) == writer.meta["shard_size"]:
+                flush()
+        flush()
     return writer.out_dir

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..store import iter_store
-from .common import flush_rows, import_datasets, open_conversion, rows_to_arrays
+from .common import converting, field, flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 COLUMNS = ("input_ids", "teacher_token_ids", "teacher_logprobs")
 
@@ -70,19 +70,13 @@ def dataset_to_store(
         out_dir, "datasets", meta, vocab_size=vocab_size, top_k=top_k, logprob_dtype=logprob_dtype,
         temperature=meta.pop("temperature", 1.0), shard_size=shard_size, encoding=encoding,
     )  # fmt: skip
-    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for n, row in enumerate(rows):
-        pending.append(
-            rows_to_arrays(
-                row[names["input_ids"]],
-                row[names["teacher_token_ids"]],
-                row[names["teacher_logprobs"]],
-                top_k,
-                vocab_size,
-                where=f"row {n}",
-            )  # fmt: skip
-        )
-        if len(pending) == shard_size:
-            flush_rows(writer, pending)
-    flush_rows(writer, pending)
+    with converting(writer):
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for n, row in enumerate(rows):
+            where = f"row {n}"
+            got = [field(row, names[c], where) for c in COLUMNS]
+            pending.append(rows_to_arrays(*got, top_k, vocab_size, where=where))
+            if len(pending) == shard_size:
+                flush_rows(writer, pending)
+        flush_rows(writer, pending)
     return writer.out_dir

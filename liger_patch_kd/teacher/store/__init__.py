@@ -12,7 +12,7 @@ from .manifest import (
     tokenizer_fingerprint,
     write_manifest,
 )
-from .reader import TeacherLogprobsDataset, iter_store, verify_store
+from .reader import TeacherLogprobsDataset, VerifiedStore, iter_store, verify_store
 from .writer import StoreWriter
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "TeacherDataCollator",
     "TeacherLogprobsDataset",
     "TeacherStoreError",
+    "VerifiedStore",
     "codec_from_manifest",
     "codec_from_spec",
     "iter_store",

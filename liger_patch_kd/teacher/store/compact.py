@@ -42,7 +42,9 @@ class PackedCodec:
         if not 4 <= self.logprob_bits <= 16:
             raise ValueError(f"logprob_bits must be in [4, 16] (8-12 are sensible); got {self.logprob_bits}")
         if self.field_bits > 56:  # one unaligned 8-byte load must hold a field
-            raise ValueError(f"id_bits + logprob_bits = {self.field_bits} > 56; use fewer logprob_bits")
+            raise ValueError(f"encoding packed{self.logprob_bits}: id_bits {self.id_bits} (vocab_size "
+                             f"{self.vocab_size}) + logprob_bits {self.logprob_bits} = {self.field_bits} > 56; "
+                             f"use fewer bits (e.g. --encoding packed10) or 'plain'")  # fmt: skip
 
     @property
     def id_bits(self) -> int:
@@ -123,21 +125,33 @@ class PackedCodec:
         return ids, lp
 
 
+VALID_ENCODINGS = "'plain' or 'packed4' .. 'packed16' (packed10 or packed12 are the usual choices)"
+
+
 def codec_from_spec(spec: str, vocab_size: int, top_k: int) -> PackedCodec | None:
-    """'plain' -> None (int32 ids, float log-probs as given); 'packed10' etc. -> a PackedCodec."""
+    """'plain' -> None (int32 ids, float log-probs as given); 'packed10' etc. -> a PackedCodec. Anything else is a
+    ValueError naming the valid encodings (--encoding)."""
     if spec == "plain":
         return None
-    match = _SPEC.match(spec)
-    if not match:
-        raise ValueError(f"encoding must be 'plain' or 'packed<bits>' (e.g. 'packed10'); got {spec!r}")
-    return PackedCodec(vocab_size, top_k, int(match.group(1)))
+    match = _SPEC.match(spec) if isinstance(spec, str) else None
+    if not match or not 4 <= int(match.group(1)) <= 16:
+        raise ValueError(f"encoding (--encoding) must be {VALID_ENCODINGS}; got {spec!r}")
+    codec = PackedCodec(vocab_size, top_k, int(match.group(1)))  # bits in range: only the field width can fail
+    return codec
 
 
 def codec_from_manifest(meta: dict) -> PackedCodec | None:
+    """The codec a manifest's `encoding` names (None: plain); ValueError when it is malformed or does not fit the
+    manifest's vocab_size (read_manifest turns that into a TeacherStoreError naming the file)."""
     enc = meta.get("encoding", {"name": "plain"})
+    if not isinstance(enc, dict) or enc.get("name") not in ("plain", "packed"):
+        raise ValueError(f"encoding {enc!r} is neither plain nor packed")
     if enc["name"] == "plain":
         return None
-    codec = PackedCodec(meta["vocab_size"], meta["top_k"], enc["logprob_bits"])
-    if codec.id_bits != enc["id_bits"]:
+    bits, id_bits = enc.get("logprob_bits"), enc.get("id_bits")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (bits, id_bits)):
+        raise ValueError(f"packed encoding needs integer logprob_bits and id_bits; got {enc!r}")
+    codec = PackedCodec(meta["vocab_size"], meta["top_k"], bits)
+    if codec.id_bits != id_bits:
         raise ValueError(f"manifest encoding {enc} does not match vocab_size {meta['vocab_size']}")
     return codec

@@ -60,6 +60,13 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
                 f"the store holds {sum(counts)} of {expected} sequences: the precompute was interrupted; rerun it "
                 f"with the same arguments to resume"
             )
+        listed = {s["file"] for s in self.meta["shards"]}
+        unlisted = sorted(p.name for p in self.dir.glob("shard-*.safetensors") if p.name not in listed)
+        if unlisted:
+            raise TeacherStoreError(
+                f"{self.dir} holds {unlisted[0]}, which its manifest does not list ({len(listed)} shards listed): "
+                f"the manifest is stale or was edited; restore it, or recompute the store"
+            )
         self._starts = [0]
         for c in counts:
             self._starts.append(self._starts[-1] + c)
@@ -101,10 +108,14 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         path = self.dir / entry["file"]
         if not path.exists():
             raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
+        layout = {"top_k": self.top_k, "row_bytes": None if self._codec is None else self._codec.row_bytes}
         try:
-            reader = ShardReader(path, entry)
+            reader = ShardReader(path, entry, layout)
         except ShardDamaged as e:
             raise TeacherStoreError(f"shard {entry['file']} in {self.dir} is damaged: {e}; recompute it") from None
+        except OSError as e:
+            why = e.strerror or e
+            raise TeacherStoreError(f"shard {entry['file']} in {self.dir} cannot be opened ({why})") from None
         self._readers[index] = reader
         if len(self._readers) > self._max_open:
             self._readers.popitem(last=False)[1].close()
@@ -145,13 +156,37 @@ def iter_store(store_dir: str | Path) -> Any:
         yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]
 
 
-def verify_store(store_dir: str | Path) -> int:
-    """Check every shard's whole-file sha256 against the manifest (a full pass: run it after copying a store)."""
+class VerifiedStore(int):
+    """What `verify_store` returns: an int, the number of shards checked (as it always was), with the details as
+    attributes: `shards`, `sequences` (their total) and `bytes` (the shard bytes hashed)."""
+
+    shards: int
+    sequences: int
+    bytes: int
+
+    def __new__(cls, shards: int, sequences: int, nbytes: int) -> VerifiedStore:
+        self = super().__new__(cls, shards)
+        self.shards, self.sequences, self.bytes = shards, sequences, nbytes
+        return self
+
+    def __repr__(self) -> str:
+        return f"VerifiedStore(shards={self.shards}, sequences={self.sequences}, bytes={self.bytes})"
+
+
+def verify_store(store_dir: str | Path) -> VerifiedStore:
+    """Check every shard's whole-file sha256 against the manifest (a full pass: run it after copying a store).
+
+    Returns the number of shards checked, as a `VerifiedStore`: an int (so `verify_store(d) == 3` and `int(...)`
+    work as before) that also carries `.shards`, `.sequences` and `.bytes`. A missing or damaged shard, or a
+    damaged manifest, is a TeacherStoreError naming it; nothing is returned then.
+    """
     meta = read_manifest(store_dir)
+    total = 0
     for entry in meta["shards"]:
         path = Path(store_dir) / entry["file"]
-        if not path.exists():
+        if not path.is_file():
             raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {store_dir}")
         if sha256_file(path) != entry["sha256"]:
             raise TeacherStoreError(f"shard {entry['file']} fails its checksum: the file is corrupted; recompute it")
-    return len(meta["shards"])
+        total += path.stat().st_size
+    return VerifiedStore(len(meta["shards"]), sum(e["num_sequences"] for e in meta["shards"]), total)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import zlib
@@ -59,26 +60,69 @@ def index_checksum(header: bytes, offsets: np.ndarray, checksums: np.ndarray | N
 
 
 def read_header(fd: int) -> tuple[bytes, dict]:
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    """The safetensors header (raw bytes, parsed), every field checked: ShardDamaged on anything else. The length
+    prefix is compared with the file's size before anything is read or allocated."""
+    size = os.fstat(fd).st_size
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) != 8:
+        raise ShardDamaged(f"it is cut short ({size} bytes, less than the 8-byte header length)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > size - 8:
+        raise ShardDamaged(f"its header length {length} exceeds the file ({size} bytes): the length prefix is damaged "
+                           f"or the file cut short")  # fmt: skip
     raw = os.pread(fd, length, 8)
     if len(raw) != length:
         raise ShardDamaged("its safetensors header is cut short")
     try:
         header = json.loads(raw)
-    except ValueError as e:
-        raise ShardDamaged(f"its safetensors header is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ShardDamaged(f"its safetensors header is not JSON ({str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise ShardDamaged(f"its safetensors header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    body = size - 8 - length
+    for name, info in header.items():
+        _check_entry(name, info, body)
     return raw, header
 
 
-class ShardReader:
-    """Positioned reads of one shard's sequences; verified as described in the module docstring."""
+def _check_entry(name: str, info: object, body: int) -> None:
+    """One tensor entry of a header: dtype, shape and data_offsets that agree with each other and the file."""
+    what = f"its header entry {name[:40]!r}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise ShardDamaged(f"{what} is not {{dtype, shape, data_offsets}}")
+    dtype, shape, span = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _NUMPY:
+        raise ShardDamaged(f"{what} has dtype {str(dtype)[:20]!r}; a shard holds {sorted(_NUMPY)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ShardDamaged(f"{what} has shape {str(shape)[:40]}, not a list of sizes")
+    if not isinstance(span, list) or len(span) != 2 or not all(_is_count(x) for x in span) or span[0] > span[1]:
+        raise ShardDamaged(f"{what} has data_offsets {str(span)[:40]}, not [start, end]")
+    nbytes = math.prod(shape) * np.dtype(_NUMPY[dtype]).itemsize
+    if span[1] - span[0] != nbytes:
+        raise ShardDamaged(f"{what}: shape {shape} of {dtype} is {nbytes} bytes but data_offsets span "
+                           f"{span[1] - span[0]}")  # fmt: skip
+    if span[1] > body:
+        raise ShardDamaged(f"it is cut short ({what} ends at byte {span[1]} of a {body}-byte body)")
 
-    def __init__(self, path: Path, entry: dict) -> None:
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+class ShardReader:
+    """Positioned reads of one shard's sequences; verified as described in the module docstring.
+
+    layout: what the manifest says the shard holds, {"top_k": k, "row_bytes": packed row bytes or None}; the
+    arrays' presence, dtypes and shapes are checked against it when the shard is opened."""
+
+    def __init__(self, path: Path, entry: dict, layout: dict | None = None) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self._open(entry)
+            if layout is not None:
+                self._check_layout(layout)
         except BaseException:
             os.close(self.fd)
             raise
@@ -87,23 +131,47 @@ class ShardReader:
         if "index_crc32" not in entry:  # format 1: only a whole-file hash exists
             if sha256_file(self.path) != entry["sha256"]:
                 raise ShardDamaged("it fails its checksum")
-        size = os.fstat(self.fd).st_size
-        if size < 8:
-            raise ShardDamaged("it is cut short")
         raw, header = read_header(self.fd)
         base = 8 + len(raw)
         self.arrays = {}
         for name, info in header.items():
-            start, end = info["data_offsets"]
-            self.arrays[name] = (_NUMPY[info["dtype"]], info["dtype"], tuple(info["shape"]), base + start)
-            if base + end > size:
-                raise ShardDamaged("it is cut short")
+            start = base + info["data_offsets"][0]
+            self.arrays[name] = (_NUMPY[info["dtype"]], info["dtype"], tuple(info["shape"]), start)
+        for name, dtype, ndim in (("offsets", "I64", 1), ("input_ids", "I32", 1)):
+            if name not in self.arrays or self.arrays[name][1] != dtype or len(self.arrays[name][2]) != ndim:
+                raise ShardDamaged(f"it has no {ndim}-d {dtype} array {name!r}: not a teacher store shard")
         self.offsets = self._whole("offsets")
         self.checksums = self._whole("checksums") if "checksums" in self.arrays else None
         if "index_crc32" in entry and index_checksum(raw, self.offsets, self.checksums) != entry["index_crc32"]:
             raise ShardDamaged("its index (header, offsets, checksums) fails its checksum")
         if len(self.offsets) != entry["num_sequences"] + 1:
             raise ShardDamaged("it holds another number of sequences than the manifest lists")
+        positions = self.arrays["input_ids"][2][0]
+        if self.offsets[0] != 0 or self.offsets[-1] != positions or (np.diff(self.offsets) < 0).any():
+            raise ShardDamaged(f"its offsets do not split its {positions} tokens into sequences")
+        if self.checksums is not None and self.arrays["checksums"][2] != (len(self.offsets) - 1,):
+            raise ShardDamaged("it holds another number of checksums than sequences")
+
+    def _check_layout(self, layout: dict) -> None:
+        """The arrays the manifest's encoding and top_k imply, with their dtypes and shapes."""
+        n, k, row_bytes = self.arrays["input_ids"][2][0], layout["top_k"], layout.get("row_bytes")
+        if row_bytes is None:
+            want = {"topk_ids": (("I32",), (n, k)), "topk_logprobs": (("BF16", "F16", "F32"), (n, k))}
+            other = "topk_packed"
+        else:
+            want, other = {"topk_packed": (("U8",), (n, row_bytes))}, "topk_ids"
+        if other in self.arrays:
+            kind = "packed" if other == "topk_packed" else "plain"
+            raise ShardDamaged(f"it is a {kind} shard but the manifest's encoding is "
+                               f"{'plain' if row_bytes is None else 'packed'}: it belongs to another store")
+        for name, (dtypes, shape) in want.items():
+            if name not in self.arrays:
+                raise ShardDamaged(f"it has no {name!r} array (the manifest's encoding needs one)")
+            _, dtype, got, _ = self.arrays[name]
+            if dtype not in dtypes or got != shape:
+                raise ShardDamaged(f"its {name} is {dtype} {list(got)}; the manifest (top_k {k}, encoding) implies "
+                                   f"{'/'.join(dtypes)} {list(shape)}: the manifest was edited or belongs to another "
+                                   f"store")  # fmt: skip
 
     def _whole(self, name: str) -> np.ndarray:
         dtype, _, shape, start = self.arrays[name]

@@ -4,9 +4,11 @@ layout is manifest.py's docstring)."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,37 @@ import torch
 from safetensors.torch import save_file
 
 from .compact import codec_from_manifest, codec_from_spec
+from .ids import ID_LIMIT, token_ids
 from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
 from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 
 # Manifest keys that describe a store but do not shape its contents: a resume may differ in them.
 _DESCRIPTIVE = {"teacher", "shards", "max_id", "max_input_id"}
+# The only files a writer removes on its own: the temporaries it names itself.
+_OWN_TEMPORARY = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)\.tmp$")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_store_options(meta: dict) -> None:
+    """The options that shape a store, checked before anything is written (ValueError naming the option)."""
+    vocab, k = meta.get("vocab_size"), meta.get("top_k")
+    if not _is_int(vocab) or not 1 <= vocab < ID_LIMIT:
+        raise ValueError(f"vocab_size must be an integer in [1, 2**31) (the teacher's vocabulary, --vocab-size); "
+                         f"got {vocab!r}")  # fmt: skip
+    if not _is_int(k) or k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (slots kept per position, --top-k); got {k!r}")
+    dtype = meta.get("logprob_dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in LOGPROB_DTYPES:
+        raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {dtype!r}")
+    shard_size = meta.get("shard_size", 1)
+    if not _is_int(shard_size) or shard_size < 1:
+        raise ValueError(f"shard_size (--shard-size) must be an integer >= 1; got {shard_size!r}")
+    t = meta.get("temperature", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature (--temperature) must be a finite number > 0; got {t!r}")
 
 
 def _mismatch_message(out_dir: Path, changed: dict) -> str:
@@ -36,18 +64,32 @@ class StoreWriter:
 
     out_dir: Path
     meta: dict
+    manifest_last: bool = False
+    created_dir: bool = False
+    created_manifest: bool = False
+    created_files: list[Path] = field(default_factory=list)
 
     @classmethod
-    def open(cls, out_dir: str | Path, *, encoding: str = "plain", **meta: Any) -> StoreWriter:
+    def open(cls, out_dir: str | Path, *, encoding: str = "plain", manifest_last: bool = False, **meta: Any
+             ) -> StoreWriter:  # fmt: skip
         """Start a store, or reopen an interrupted one after checking that every input that shapes it is the same.
 
         encoding: "plain" (int32 ids, log-probs in `logprob_dtype`) or "packed<bits>" (compact.py, e.g. packed10).
+        The manifest of a new store is first written with its first shard (or by `finish()`), so a run that fails
+        before any shard leaves no manifest behind; manifest_last=True (converters) writes it only in `finish()`,
+        so an interrupted conversion never looks like a finished store. Only the writer's own temporaries
+        (shard-NNNNN.safetensors.tmp, manifest.json.tmp) are ever removed.
         """
         out_dir = Path(out_dir)
+        _check_store_options(meta)
         codec = codec_from_spec(encoding, meta["vocab_size"], meta["top_k"])
         meta = {"format_version": FORMAT_VERSION, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
+        created_dir = not out_dir.exists()
+        if out_dir.exists() and not out_dir.is_dir():
+            raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
         out_dir.mkdir(parents=True, exist_ok=True)
-        if (out_dir / MANIFEST).exists():
+        resumed = (out_dir / MANIFEST).exists()
+        if resumed:
             existing = read_manifest(out_dir)
             keys = (set(meta) | set(existing)) - _DESCRIPTIVE
             changed = {k: (existing.get(k), meta.get(k)) for k in sorted(keys) if existing.get(k) != meta.get(k)}
@@ -60,12 +102,34 @@ class StoreWriter:
             if changed:
                 raise TeacherStoreError(_mismatch_message(out_dir, changed))
             meta = existing
+            for stale in out_dir.iterdir():  # this writer's own temporaries, interrupted mid-write
+                if _OWN_TEMPORARY.match(stale.name) and stale.is_file():
+                    stale.unlink()
         else:
             meta["shards"] = []
-            write_manifest(out_dir, meta)
-        for stale in out_dir.glob("*.tmp"):  # a shard or manifest interrupted mid-write
-            stale.unlink()
-        return cls(out_dir, meta)
+        writer = cls(out_dir, meta)
+        writer.manifest_last = manifest_last
+        writer.created_dir, writer.created_manifest = created_dir, not resumed
+        return writer
+
+    def finish(self) -> Path:
+        """Write the manifest (a store with no shard yet, or a `manifest_last` one, gets it only here)."""
+        write_manifest(self.out_dir, self.meta)
+        return self.out_dir
+
+    def abort(self) -> None:
+        """Remove what this writer created and nothing else: the shards it wrote, its temporaries, the manifest
+        when it started the store, and the folder when it made it and it is left empty."""
+        for shard in self.created_files:
+            shard.unlink(missing_ok=True)
+            shard.with_name(shard.name + ".tmp").unlink(missing_ok=True)
+        (self.out_dir / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+        if self.created_manifest:
+            (self.out_dir / MANIFEST).unlink(missing_ok=True)
+            self.meta["shards"] = []
+        self.created_files.clear()
+        if self.created_dir and self.out_dir.is_dir() and not any(self.out_dir.iterdir()):
+            self.out_dir.rmdir()
 
     def done_shards(self) -> int:
         return len(self.meta["shards"])
@@ -80,34 +144,42 @@ class StoreWriter:
         packed store); they replace encoding `topk_logprobs`, and `topk_ids` is still checked against the vocab.
         """
         index = self.done_shards()
-        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-        offsets = np.concatenate([np.zeros(1, dtype=np.int64), lengths.cumsum()])
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
-        if tuple(topk_ids.shape) != (int(offsets[-1]), k) or topk_logprobs.shape != topk_ids.shape:
+        where = f"shard {index}"
+        seqs = [token_ids(s, f"{where}, sequence {j}: input_ids", vocab_size=vocab) for j, s in enumerate(sequences)]
+        if any(s.ndim != 1 for s in seqs):
+            raise ValueError(f"{where}: every sequence must be a flat list of token ids")
+        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+        offsets = np.concatenate([np.zeros(1, dtype=np.int64), lengths.cumsum()])
+        if tuple(topk_ids.shape) != (int(offsets[-1]), k) or tuple(topk_logprobs.shape) != tuple(topk_ids.shape):
             raise ValueError(
-                f"shard arrays {tuple(topk_ids.shape)} / {tuple(topk_logprobs.shape)} != ({int(offsets[-1])}, {k})"
+                f"{where}: top-k arrays {tuple(topk_ids.shape)} / {tuple(topk_logprobs.shape)} != (positions "
+                f"{int(offsets[-1])}, top_k {k}): pass one row of top_k slots per token"
             )
-        max_id = int(topk_ids.max()) if topk_ids.numel() else -1
-        if max_id >= vocab or (topk_ids.numel() and int(topk_ids.min()) < -1):
-            raise ValueError(f"teacher ids outside [-1, vocab_size {vocab}): wrong vocab_size for this teacher")
-        if torch.isnan(topk_logprobs.float()).any():
-            raise ValueError("teacher log-probs contain NaN; check the teacher's dtype and inputs")
-        input_ids = (
-            torch.cat([torch.as_tensor(s).to(torch.int32) for s in sequences])
-            if len(sequences)
-            else torch.zeros(0, dtype=torch.int32)
-        )
+        try:
+            checked = token_ids(topk_ids, f"{where}: teacher ids", vocab_size=vocab, padding=True)
+        except ValueError as e:
+            raise ValueError(f"{e} (wrong vocab_size for this teacher?)") from None
+        topk_ids = torch.from_numpy(checked.astype(np.int32))
+        max_id = int(checked.max()) if checked.size else -1
+        if not torch.is_tensor(topk_logprobs) or not topk_logprobs.is_floating_point():
+            raise ValueError(f"{where}: teacher log-probs must be a float tensor; got {type(topk_logprobs).__name__}")
+        lp = topk_logprobs.float()
+        if torch.isnan(lp).any():
+            raise ValueError(f"{where}: teacher log-probs contain NaN; check the teacher's dtype and inputs")
+        if torch.isposinf(lp).any():
+            raise ValueError(f"{where}: teacher log-probs contain +inf; a log-prob is at most 0")
+        input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int32) if seqs else np.zeros(0, np.int32))
         tensors = {"input_ids": input_ids, "offsets": torch.from_numpy(offsets)}
         codec = codec_from_manifest(self.meta)
         if codec is None:
             tensors["topk_ids"] = topk_ids.to(torch.int32).contiguous()
             tensors["topk_logprobs"] = topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous()
         else:
-            rows = (
-                packed_rows
-                if packed_rows is not None
-                else codec.encode(topk_ids.numpy(), topk_logprobs.float().numpy())
-            )
+            rows = codec.encode(topk_ids.numpy(), lp.numpy()) if packed_rows is None else np.asarray(packed_rows)
+            if rows.shape != (int(offsets[-1]), codec.row_bytes):
+                raise ValueError(f"{where}: packed_rows {rows.shape} != (positions {int(offsets[-1])}, row bytes "
+                                 f"{codec.row_bytes} of this store's encoding): encode them with this store's codec")
             tensors["topk_packed"] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.uint8))
         as_bytes = {name: _byte_rows(t) for name, t in tensors.items() if name != "offsets"}
         tensors["checksums"] = torch.from_numpy(sequence_checksums(offsets, as_bytes))
@@ -128,8 +200,10 @@ class StoreWriter:
             "max_input_id": int(input_ids.max()) if input_ids.numel() else -1,
         }
         os.replace(tmp, self.out_dir / name)
+        self.created_files.append(self.out_dir / name)
         self.meta["shards"].append(entry)
-        write_manifest(self.out_dir, self.meta)
+        if not self.manifest_last:
+            write_manifest(self.out_dir, self.meta)
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
