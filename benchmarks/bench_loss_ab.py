@@ -39,7 +39,8 @@ def child(root: str) -> None:
         w = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden**0.5).bfloat16().requires_grad_()
         labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
         if name.startswith("topk"):
-            ids = torch.randint(0, vocab, (n, 64), device="cuda", generator=g).int()
+            start = torch.randint(0, vocab, (n, 1), device="cuda", generator=g)
+            ids = ((start + 2003 * torch.arange(64, device="cuda")) % vocab).int()  # distinct within a row
             lp = torch.log_softmax(torch.randn(n, 64, device="cuda", generator=g), -1) - 1.0
 
             def step():
