@@ -206,3 +206,20 @@ def test_onpolicy_arguments_are_checked(tmp_path):
         KDTrainer(
             model=tiny_model("llama"), teacher_model=tiny_model("llama"), args=_args(tmp_path), train_dataset=PROMPTS
         )
+
+
+def test_a_patched_student_generates_with_its_own_forward():
+    """generate() on a patched model sees the model's own forward (logits_to_keep: last-position logits only at
+    prefill), and samples exactly what the unpatched model samples."""
+    import inspect
+
+    plain = tiny_model("llama", dtype=torch.float32, seed=1)
+    patched = copy.deepcopy(plain)
+    M.apply_kd_patch(model=patched)
+    with M.original_forward(patched) as model:
+        assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    assert patched.forward.func is M.kd_causal_lm_forward  # put back: the instance's KD forward again
+    settings = RolloutSettings(max_new_tokens=5, seed=1)
+    kw = dict(pad_id=0, eos_ids={2}, start_id=1)
+    prompts = [[5, 6], [7]]
+    assert generate_rollouts(patched, prompts, settings, **kw) == generate_rollouts(plain, prompts, settings, **kw)

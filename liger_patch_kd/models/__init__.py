@@ -33,7 +33,7 @@ from .patch import (
 from .recompute import limit_recompute
 from .registry import FAMILIES, REGISTRY, ArchSpec, softcap_of
 from .spec import spec_for_model
-from .state import unwrap_model
+from .state import original_forward, unwrap_model
 from .transforms import scaled_head_inputs
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "kd_causal_lm_forward",
     "revert_kd_patch",
     "unwrap_model",
+    "original_forward",
     "output_head",
     "materialised_kd",
     "TeacherInputs",

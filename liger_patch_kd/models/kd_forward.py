@@ -72,6 +72,7 @@ def kd_causal_lm_forward(
     return_logits: bool = False,
     kd_teacher_callback: TeacherCallback | None = None,
     kd_log_agreement: bool = False,
+    logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ):
     """The patched *ForCausalLM.forward.
@@ -94,7 +95,12 @@ def kd_causal_lm_forward(
         teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs
     )
     if labels is None or not teacher.given:
-        return state.original_forward(self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
+        # position's logits only at prefill, as it does of the unpatched model
+        return state.original_forward(
+            self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=logits_to_keep,
+            **kwargs,
+        )  # fmt: skip
 
     cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
@@ -110,7 +116,6 @@ def kd_causal_lm_forward(
             self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
         )
 
-    kwargs.pop("logits_to_keep", None)
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):

@@ -7,7 +7,10 @@ with no arguments can undo them all. Nothing here imports another module of `mod
 
 from __future__ import annotations
 
+import contextlib
+import types
 import weakref
+from collections.abc import Iterator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +18,9 @@ from torch import nn
 
 from ..config import KDLossConfig
 
-__all__ = ["CLASS_STATE", "INSTANCE_ATTR", "PATCHED_INSTANCES", "PatchState", "patch_state", "unwrap_model"]
+__all__ = [
+    "CLASS_STATE", "INSTANCE_ATTR", "PATCHED_INSTANCES", "PatchState", "original_forward", "patch_state", "unwrap_model"
+]  # fmt: skip
 
 
 @dataclass
@@ -66,3 +71,26 @@ def unwrap_model(model: nn.Module) -> nn.Module:
                 continue
             return model
     return model
+
+
+@contextlib.contextmanager
+def original_forward(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, a patched *ForCausalLM runs its own, unpatched forward; any other model (not patched, or
+    whose instance forward is a wrapper such as accelerate's autocast) is left as it is. For generate(): the static
+    cache then compiles the model's own code, not the KD forward's dispatch (the KD forward also names
+    `logits_to_keep`, so generate() asks for the last position's logits at prefill either way)."""
+    state = model.__dict__.get(INSTANCE_ATTR) or class_state(type(model))
+    own = model.__dict__.get("forward")  # apply_kd_patch(model=...) installs the KD forward on the instance
+    # a bound method's function, a partial's (functools.partial(kd_causal_lm_forward, model)), or the class's
+    current = type(model).forward if own is None else getattr(own, "__func__", getattr(own, "func", own))
+    if state is None or not getattr(current, "__liger_kd__", False):
+        yield model
+        return
+    model.forward = types.MethodType(state.original_forward, model)
+    try:
+        yield model
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.forward = own

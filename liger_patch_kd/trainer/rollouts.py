@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import original_forward
+
 CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
@@ -135,7 +137,8 @@ def generate_rollouts(
         one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
 
     Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
-    back in the mode it was in. Prompts are sorted by length before batching (less padding) and the output put back
+    back in the mode it was in; a patched model generates with its own, unpatched forward (models.original_forward).
+    Prompts are sorted by length before batching (less padding) and the output put back
     in order; each call is seeded from (seed, step, call), so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
@@ -146,33 +149,34 @@ def generate_rollouts(
     was_training = generator.training
     generator.eval()
     try:
-        for call, first in enumerate(range(0, len(order), per_call)):
-            chunk = order[first : first + per_call]
-            batch = [rows[i] for i in chunk]
-            cache = cache_for(len(batch), device, settings.cache)
-            width = max(len(p) for p in batch)
-            if cache == "static":
-                width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
-            ids, mask = _left_padded(batch, pad_id, width, device)
-            devices = [device] if device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(call_seed(settings.seed, step, call))
-                generated = generator.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=settings.max_new_tokens,
-                    do_sample=True,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,
-                    pad_token_id=pad_id,
-                    eos_token_id=sorted(eos_ids) or None,
-                    cache_implementation=cache,
-                )
-            for row, index in enumerate(chunk):
-                completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
-                out[index] = Rollout(rows[index], completion, finished)
-            del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
+        with original_forward(generator):  # the model's own forward: last-position logits, compilable
+            for call, first in enumerate(range(0, len(order), per_call)):
+                chunk = order[first : first + per_call]
+                batch = [rows[i] for i in chunk]
+                cache = cache_for(len(batch), device, settings.cache)
+                width = max(len(p) for p in batch)
+                if cache == "static":
+                    width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
+                ids, mask = _left_padded(batch, pad_id, width, device)
+                devices = [device] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(call_seed(settings.seed, step, call))
+                    generated = generator.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=settings.max_new_tokens,
+                        do_sample=True,
+                        temperature=settings.temperature,
+                        top_p=settings.top_p,
+                        top_k=settings.top_k,
+                        pad_token_id=pad_id,
+                        eos_token_id=sorted(eos_ids) or None,
+                        cache_implementation=cache,
+                    )
+                for row, index in enumerate(chunk):
+                    completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
+                    out[index] = Rollout(rows[index], completion, finished)
+                del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
     finally:
         generator.train(was_training)
     return out  # type: ignore[return-value]
