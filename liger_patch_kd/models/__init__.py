@@ -1,4 +1,18 @@
-"""Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures."""
+"""Patching Hugging Face causal LMs: one generic KD forward, a registry of architectures.
+
+Modules, lowest first (imports point down only):
+  state          the patch registries (PatchState, CLASS_STATE, INSTANCE_ATTR, PATCHED_INSTANCES) and unwrap_model
+  registry       ArchSpec declarations (REGISTRY, FAMILIES), softcap_of; no logic that needs a model
+  forward_audit  what a forward does to its logits and loss, checked against an entry
+  spec           spec_for_model: picks an instance's entry and audits its forward (above registry and audit)
+  transforms     logit scales folded into the head inputs (scaled_head_inputs)
+  moe, backbone  the router loss; running the backbone (text and VLM)
+  heads, kd_io   lm_head weights (PEFT-aware); teacher inputs, label shifting, the output type
+  materialised   the objective on materialised logits (reference.py)
+  kd_forward     the one KD forward, and a teacher's
+  patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
+  fp8_teacher, recompute
+"""
 
 from .backbone import run_backbone
 from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
