@@ -21,6 +21,7 @@ CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
+STATIC_BELOW_ROWS = 32  # "auto" takes the static cache below this many rows on CUDA (see RolloutSettings.cache)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,10 @@ class RolloutSettings:
         generator's own distribution, which on-policy KD assumes.
     num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
-    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 128 rows
-        (measured on an H200: 4.3x the dynamic cache at 8 rows, 2.3x at 32, equal at 128), dynamic elsewhere
-        (compiling for a CPU costs more than it saves on the short runs a CPU does).
+    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 32 rows,
+        dynamic elsewhere. Measured on an H200: with the unpatched model transformers' static cache gives 4.3x the
+        dynamic one at 8 rows and 2.3x at 32 (MEASUREMENTS.md); through KDTrainer at 64 rows it gave 0.5-0.6x
+        (benchmarks/bench_onpolicy.py, README), and compiling for a CPU costs more than it saves.
     seed: with the step number, seeds each call, so the same seed gives the same completions.
     """
 
@@ -77,7 +79,7 @@ def call_seed(seed: int, step: int, call: int) -> int:
 def cache_for(rows: int, device: torch.device, choice: str) -> str:
     if choice != "auto":
         return choice
-    return "static" if device.type == "cuda" and rows < 128 else "dynamic"
+    return "static" if device.type == "cuda" and rows < STATIC_BELOW_ROWS else "dynamic"
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
