@@ -117,7 +117,8 @@ def run_demo(
     """The rows of step 4, then (with `cross_tokenizer`) step 5's: {"recipe": "BPE student: ...",
     "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
 
-    Each student recipe is trained from `seeds` (student init and data order; default 1, 2, 3, or 1 under `quick`)
+    Each student recipe is trained from `seeds` (seed s: student init s, data order s - 1; default 1, 2, 3, or 1
+    under `quick`)
     against the one teacher; a step-4 row holds the means (held_out_ce, kl_to_teacher, kl_own_samples, tokens_per_s,
     peak_mib) and every seed's CE and KL (`<name>_by_seed`). The table prints mean ± standard deviation over the
     seeds: float32 results differ between CPUs (BLAS kernels, thread counts), and such differences move the figures
@@ -174,7 +175,8 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
         runs = []
         for seed in seeds:
             student = build_model(vocab, 64, 2, seed=seed, device=dev)
-            args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, seed=seed,
+            # seed s: student init s, data order (and on-policy sampling) s - 1, so seed 1 is 0.2's one configuration
+            args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, seed=seed - 1,
                                  **(recipe or {}).get("kd", {}))  # fmt: skip
             if recipe is None:
                 trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
