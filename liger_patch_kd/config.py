@@ -41,6 +41,16 @@ def check_shared_options(cfg: Any) -> None:
         raise ValueError(f"ignore_index must be an int; got ignore_index={cfg.ignore_index!r}")
 
 
+def require_full_teacher(cfg: Any) -> None:
+    """Top-k teacher data cannot serve a sampled-token estimator: the sampled token may be outside the top-k, and
+    its teacher log-prob is then unknown (guessing it would change the objective)."""
+    if getattr(cfg, "estimator", None) is not None:
+        raise ValueError(
+            f"estimator={cfg.estimator!r} needs the teacher's log-prob of every sampled token, which top-k teacher "
+            f"data do not hold; use a teacher model (or estimator=None, the full divergence on the top-k)"
+        )
+
+
 def check_weight(cfg: Any, name: str) -> None:
     value = getattr(cfg, name)
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import KDLossConfig
+from .config import KDLossConfig, require_full_teacher
 from .conventions import (  # noqa: F401 (re-exported: the oracle's public names)
     LOGPROB_PLACEHOLDER,
     TAIL_FLOOR,
@@ -236,6 +236,7 @@ def topk_kd_loss(
     """soft_weight * top-k KD(cap(student) / T, teacher) + hard_weight * CE(cap(student), labels); with
     `config.vocab_size` the student is restricted to ids [0, vocab_size) first. `options` as in `kd_loss`."""
     cfg = KDLossConfig.build(config, **options)
+    require_full_teacher(cfg)
     vocab = resolve_vocab(student_logits.shape[-1], None, cfg.vocab_size)
     if cfg.vocab_size is not None:
         present = topk_valid_slots(teacher_token_ids, teacher_logprobs)

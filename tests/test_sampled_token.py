@@ -109,3 +109,23 @@ def test_estimator_without_labels_is_refused():
         )
     with pytest.raises(ValueError, match="pass labels"):
         R.kd_loss(pair.student_logits(), pair.teacher_logits(), None, estimator="pg")
+
+
+def test_a_top_k_teacher_cannot_serve_an_estimator():
+    """The sampled token may lie outside the teacher's top-k: its log-prob is unknown, so this is refused, not
+    guessed (fused, reference, and a served teacher's arguments)."""
+    from liger_patch_kd import fused_linear_topk_kd
+    from liger_patch_kd.trainer import KDTrainingArguments
+
+    pair = make_pair()
+    ids = torch.arange(4).expand(pair.labels.shape[0], 4).contiguous()
+    lp = torch.log_softmax(torch.randn(pair.labels.shape[0], 4, dtype=torch.float64), -1) - 1
+    with pytest.raises(ValueError, match="top-k teacher data"):
+        fused_linear_topk_kd(
+            pair.student_input, pair.student_weight, ids, lp, pair.labels, config=KDLossConfig(estimator="pg")
+        )
+    with pytest.raises(ValueError, match="top-k teacher data"):
+        R.topk_kd_loss(pair.student_logits(), ids, lp, pair.labels, config=KDLossConfig(estimator="k3"))
+    with pytest.raises(ValueError, match="served"):
+        KDTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", kd_teacher_url="http://x",
+                            kd_lmbda=1.0, kd_onpolicy_loss="pg")  # fmt: skip

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import KDLossConfig
+from ..config import KDLossConfig, require_full_teacher
 from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
@@ -262,6 +262,7 @@ def fused_linear_topk_kd(
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
         fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
     )  # fmt: skip
+    require_full_teacher(cfg)
     check_linear("student", student_input, student_weight, student_bias)
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
     # tempering top-k log-probs (T != 1) spreads the teacher's rest over the V - k tokens outside its top-k: V

@@ -41,6 +41,12 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
             f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
             f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
         )
+    if args.kd_onpolicy_loss != "divergence":
+        raise ValueError(
+            f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} needs the teacher's log-prob of every sampled token; a served "
+            f"teacher sends its top-{args.kd_teacher_top_k}, which may not hold it: use kd_onpolicy_loss='divergence' "
+            f"or an in-process teacher_model"
+        )
     if args.kd_seq_kd or args.kd_self_distill:
         raise ValueError(
             "kd_teacher_url serves teacher log-probs; sequence-level KD (kd_seq_kd, the teacher generates) and "
