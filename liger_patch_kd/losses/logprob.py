@@ -32,8 +32,9 @@ def kl_estimator(
     k1 = log q - log p, k2 = (log q - log p)^2 / 2, k3 = exp(log p - log q) - (log p - log q) - 1 (see
     reference.kl_estimator_terms), each differentiated as a loss (verl's use); "pg" is the policy gradient of
     the reverse KL, -rho * sg(log p - log q) with rho = exp(log q - sg(log b)) (reference.policy_gradient_terms):
-    its value is k1's, its gradient's expectation over the samples is exactly grad KL(q || p) per position. `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can
-    explode on tokens the teacher finds unlikely). A teacher log-prob of -inf (a token the teacher rules out)
+    its value is k1's, its gradient's expectation over the samples is exactly grad KL(q || p) per position.
+    `clamp` bounds the log-ratio to [-clamp, clamp] first (the k3 exponent can explode on tokens the teacher finds
+    unlikely). A teacher log-prob of -inf (a token the teacher rules out)
     makes the estimate +inf without `clamp` and counts as log-ratio -clamp with it (no gradient there, as
     clamp's own). `mask` (same shape, bool or 0/1) selects the tokens that count: the completion, not the
     prompt or padding, whose values are never read. reduction: "mean" over masked tokens (0 when none), "sum",
