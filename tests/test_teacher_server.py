@@ -402,3 +402,36 @@ def test_served_teacher_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         KDTrainer(model=tiny_model("llama"), teacher_model=tiny_model("llama"),
                   args=_args(tmp_path, kd_teacher_url="http://x"))  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_on_policy_rollouts_are_scored_by_the_served_teacher(tmp_path, server):
+    """kd_lmbda=1 with kd_teacher_url: every generated micro-batch is sent to the real server before it trains, and
+    each completion position carries the teacher's own top-k of that generated text."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(3, VOCAB, (5,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100)})  # prompts only
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    args = _args(tmp_path, kd_teacher_url=server.url, kd_teacher_protocol="liger", kd_teacher_top_k=TOP_K,
+                 kd_lmbda=1.0, kd_max_new_tokens=4, max_steps=2, per_device_train_batch_size=2,
+                 gradient_accumulation_steps=2)  # fmt: skip
+    trainer = KDTrainer(model=student, args=args, train_dataset=rows, data_collator=TD.TeacherDataCollator())
+    trainer.get_train_dataloader()  # connects the served teacher
+    (batch,) = trainer.onpolicy.replace(
+        student, [TD.TeacherDataCollator()(rows[:2])], tokenizer=None, step=0, device=torch.device("cpu"),
+        attach_teacher=trainer._served.with_teacher,
+    )  # fmt: skip
+    teacher = _teacher()
+    for row in range(2):
+        keep = batch["attention_mask"][row].bool()
+        seq = batch["input_ids"][row][keep]
+        with torch.no_grad():
+            ref = torch.log_softmax(teacher(seq[None]).logits[0].double(), -1)
+        ids, values = batch["teacher_token_ids"][row][keep], batch["teacher_logprobs"][row][keep]
+        assert_same_topk(ids[:-1], values[:-1], ref[:-1])  # the last position has no next token to score
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # one generation pass per optimizer step, after the one made by hand above
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))) and len(trainer.kd_rollout_seconds) == 3
