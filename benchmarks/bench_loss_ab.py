@@ -1,7 +1,8 @@
 """The fused losses of two checkouts, timed in alternation on one GPU: a refactor's gate (is the loss unchanged in
 speed within run-to-run noise?).
 
-    python -m benchmarks.bench_loss_ab --before path/to/old/checkout --out runs/bench_loss_ab.json
+    mkdir _before && git archive e19d489 liger_patch_kd benchmarks | tar -x -C _before   # the tree before a change
+    python -m benchmarks.bench_loss_ab --before _before --out runs/bench_loss_ab.json
 
 Each checkout's `liger_patch_kd` runs in its own process (`--package-root`), `--rounds` times, alternating
 (before, after, before, after, ...), so drift of the GPU's clocks falls on both alike. Cases: fused_linear_jsd
