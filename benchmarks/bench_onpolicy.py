@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from .bench_train_step import build as build_llama
 from .common import environment, print_table, write_json
 
 ROWS = {  # name -> KDTrainingArguments overrides
@@ -59,15 +60,9 @@ SHAPES = {
 
 
 def build(kwargs: dict, vocab: int, device, dtype, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, attn_implementation="sdpa", **kwargs,
-    )  # fmt: skip
-    with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype)
+    """bench_train_step's Llama builder, with this vocabulary and the special ids generation needs."""
+    special = dict(vocab_size=vocab, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return build_llama({**kwargs, **special}, device, dtype, seed)
 
 
 def run_row(name: str, a: argparse.Namespace) -> dict:

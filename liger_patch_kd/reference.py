@@ -130,18 +130,19 @@ def kd_loss(
 
 
 def sampled_token_per_row(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor | None, kind: str, ignore_index: int
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    kind: str,
+    ignore_index: int,
 ) -> torch.Tensor:
     """Per row, the `kind` estimator of KL(student || teacher) at the row's label (a token sampled from the
-    student): log q and log p are the two log-softmaxes gathered there; 0 on ignored rows."""
+    student): log q and log p are minus the two cross-entropies there; 0 on ignored rows."""
     if labels is None:
         raise ValueError(f"estimator={kind!r} scores each row's label (the sampled token): pass labels")
-    valid = labels != ignore_index
-    index = torch.where(valid, labels, 0)[..., None]
-    log_q = torch.log_softmax(upcast_logits(student_logits), dim=-1).gather(-1, index).squeeze(-1)
-    log_p = torch.log_softmax(upcast_logits(teacher_logits), dim=-1).gather(-1, index).squeeze(-1)
-    zero = torch.zeros_like(log_q)
-    return kl_estimator_terms(torch.where(valid, log_q, zero), torch.where(valid, log_p, zero), kind)
+    log_q = -cross_entropy_per_row(upcast_logits(student_logits), labels, ignore_index)
+    log_p = -cross_entropy_per_row(upcast_logits(teacher_logits), labels, ignore_index)
+    return kl_estimator_terms(log_q, log_p, kind)
 
 
 def require_real_ids(name: str, ids: torch.Tensor, vocab: int) -> None:

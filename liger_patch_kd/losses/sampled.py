@@ -66,4 +66,5 @@ def sampled_token_kd(
         return out.view(leading) if cfg.reduction == "none" else out
 
     total = cfg.soft_weight * soft + (cfg.hard_weight * hard if cfg.hard_weight else 0.0)
-    return reduce(total), reduce(soft.detach()), reduce(hard.detach()) if cfg.hard_weight else reduce(hard.detach() * 0)
+    hard_out = reduce(hard.detach()) if cfg.hard_weight else reduce(torch.zeros_like(soft.detach()))
+    return reduce(total), reduce(soft.detach()), hard_out

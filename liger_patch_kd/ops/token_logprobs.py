@@ -16,16 +16,7 @@ import torch
 
 from ..conventions import apply_softcap
 from .backend import logits_fp32
-
-# Rows per chunk: about this many bytes of fp32 logits (and as many for their gradient) at a time.
-CHUNK_BYTES = 256 * 2**20
-
-
-def chunk_rows(rows: int, vocab: int, chunk_size: int | None) -> int:
-    """`chunk_size` if given, else as many rows as fit CHUNK_BYTES of fp32 logits (at least one)."""
-    if chunk_size is not None:
-        return max(1, min(rows, chunk_size))
-    return max(1, min(rows, CHUNK_BYTES // (4 * vocab)))
+from .chunked import choose_chunk_size
 
 
 def _chunk_logits(h, weight, bias, temperature, softcap):
@@ -105,7 +96,8 @@ def linear_token_logprobs(
         bias: (V,) or None.
         temperature: softmax temperature (> 0).
         softcap: final-logit soft-capping c (tanh(x / c) c), or None.
-        chunk_size: rows per chunk; None: about CHUNK_BYTES of fp32 logits.
+        chunk_size: rows per chunk; None: ops.chunked.choose_chunk_size's (a chunk's fp32 logits and their
+            gradient).
 
     Returns:
         (N,) float32 log-probabilities (float64 for float64 inputs), differentiable in hidden, weight and bias.
@@ -117,5 +109,8 @@ def linear_token_logprobs(
         )
     if ids.shape != hidden.shape[:1]:
         raise ValueError(f"ids must have shape ({hidden.shape[0]},) like hidden's rows; got {tuple(ids.shape)}")
-    chunk = chunk_rows(max(1, int(hidden.shape[0])), weight.shape[0], chunk_size)
+    rows = max(1, int(hidden.shape[0]))
+    # a chunk holds its fp32 logits and, in the backward, their gradient: 8 bytes per logit
+    chunk = chunk_size or choose_chunk_size(rows, weight.shape[0], hidden.device, bytes_per_logit=8)
+    chunk = max(1, min(rows, chunk))
     return LinearTokenLogprobsFunction.apply(hidden, weight, bias, ids.long(), float(temperature), softcap, chunk)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..teacher import TeacherDataCollator
+
 PROMPT_COLUMNS = ("prompt", "completion", "messages")
 
 
@@ -102,11 +104,11 @@ class PromptCollator:
     max_length: int | None = None
     ignore_index: int = -100
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
-        seqs, labels, has_completion = [], [], []
-        for row in rows:
+        features, has_completion = [], []
+        for row in examples:
             prompt, completion = tokenize_prompt_row(self.tokenizer, row)
             if self.max_prompt_length is not None:
                 prompt = prompt[-self.max_prompt_length :]
@@ -114,20 +116,7 @@ class PromptCollator:
             label = [self.ignore_index] * len(prompt) + (completion or [])
             if self.max_length is not None:
                 tokens, label = tokens[: self.max_length], label[: self.max_length]
-            seqs.append(tokens)
-            labels.append(label)
+            features.append({"input_ids": tokens, "labels": label})
             has_completion.append(completion is not None)
-        width = max(1, max(len(s) for s in seqs))
-        input_ids = torch.full((len(rows), width), 0 if pad is None else pad, dtype=torch.long)
-        label_ids = torch.full_like(input_ids, self.ignore_index)
-        mask = torch.zeros_like(input_ids)
-        for row, (s, lab) in enumerate(zip(seqs, labels)):
-            input_ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-            label_ids[row, : len(s)] = torch.tensor(lab, dtype=torch.long)
-            mask[row, : len(s)] = 1
-        return {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "labels": label_ids,
-            "kd_has_completion": torch.tensor(has_completion),
-        }
+        batch = TeacherDataCollator(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
+        return {**batch, "kd_has_completion": torch.tensor(has_completion)}

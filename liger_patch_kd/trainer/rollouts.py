@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..models import original_forward
+from ..teacher import TeacherDataCollator
 
 CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
@@ -187,14 +188,6 @@ def generate_rollouts(
 def rollout_batch(rollouts: list[Rollout], pad_id: int, ignore_index: int = -100) -> dict[str, torch.Tensor]:
     """Right-padded training rows: input_ids = prompt + completion, labels = the completion (prompt and padding
     ignore_index), attention_mask."""
-    length = max(len(r.prompt) + len(r.completion) for r in rollouts)
-    input_ids = torch.full((len(rollouts), length), pad_id, dtype=torch.long)
-    labels = torch.full_like(input_ids, ignore_index)
-    mask = torch.zeros_like(input_ids)
-    for row, r in enumerate(rollouts):
-        p, c = len(r.prompt), len(r.completion)
-        input_ids[row, : p + c] = torch.tensor(r.prompt + r.completion)
-        if c:
-            labels[row, p : p + c] = torch.tensor(r.completion)
-        mask[row, : p + c] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    rows = [{"input_ids": r.prompt + r.completion, "labels": [ignore_index] * len(r.prompt) + r.completion}
+            for r in rollouts]  # fmt: skip
+    return TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
