@@ -23,7 +23,7 @@ from .forward_audit import check_forward
 from .kd_forward import kd_causal_lm_forward
 from .registry import REGISTRY, ArchSpec, specs_for
 from .spec import spec_for_model
-from .state import CLASS_STATE, INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, unwrap_model
+from .state import CLASS_STATE, INSTANCE_ATTR, ORIGINAL_BOUND_ATTR, PATCHED_INSTANCES, PatchState, unwrap_model
 
 # (owner, attribute) -> original value, for everything patched at class / module level
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -226,6 +226,7 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                 if _is_ours(wrapped):
                     del sub.__dict__["_original_forward"]
             sub.__dict__.pop(INSTANCE_ATTR, None)
+            sub.__dict__.pop(ORIGINAL_BOUND_ATTR, None)
         PATCHED_INSTANCES.discard(inner)
         return
     if model_type is None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -19,7 +18,8 @@ from torch import nn
 from ..config import KDLossConfig
 
 __all__ = [
-    "CLASS_STATE", "INSTANCE_ATTR", "PATCHED_INSTANCES", "PatchState", "original_forward", "patch_state", "unwrap_model"
+    "CLASS_STATE", "INSTANCE_ATTR", "ORIGINAL_BOUND_ATTR", "PATCHED_INSTANCES", "PatchState", "original_forward",
+    "patch_state", "unwrap_model",
 ]  # fmt: skip
 
 
@@ -34,6 +34,7 @@ class PatchState:
 
 CLASS_STATE: dict[type, PatchState] = {}
 INSTANCE_ATTR = "_liger_kd_state"
+ORIGINAL_BOUND_ATTR = "_liger_kd_original_bound"  # original_forward's cached bound method
 # every instance given the KD forward (apply_kd_patch(model=...), or a teacher via install_teacher_forward)
 PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -86,7 +87,13 @@ def original_forward(model: nn.Module) -> Iterator[nn.Module]:
     if state is None or not getattr(current, "__liger_kd__", False):
         yield model
         return
-    model.forward = types.MethodType(state.original_forward, model)
+    # The same bound method every time: torch.compile (the static cache's compiled decode step) guards on the
+    # identity of `model.forward`, and a fresh MethodType per call would recompile every generation call.
+    bound = model.__dict__.get(ORIGINAL_BOUND_ATTR)
+    if bound is None or bound.__func__ is not state.original_forward:
+        bound = types.MethodType(state.original_forward, model)
+        model.__dict__[ORIGINAL_BOUND_ATTR] = bound
+    model.forward = bound
     try:
         yield model
     finally:

@@ -1,0 +1,84 @@
+"""Rollout generation alone: tokens/s of trainer.rollouts.generate_rollouts by batch size and KV cache.
+
+    python -m benchmarks.bench_rollouts --out runs/bench_rollouts.json
+    python -m benchmarks.bench_rollouts --tiny                      # CPU smoke test, no figures
+
+The student of bench_onpolicy (Llama-3.2-1B-shaped, random weights, bf16, sdpa), patched as KDTrainer patches it
+(every kernel, gradient checkpointing on, train mode between calls, as between training steps), generating
+`--completion` new tokens after `--prompt`-token prompts. Each (rows, cache) cell calls generate_rollouts
+`--calls` times with a parameter update between calls (what an optimizer step does to a compiled graph) and
+reports the last call's tokens/s, the first call's seconds (compilation) and how many frames torch.compile
+compiled over all calls: a count that grows with the calls means recompilation per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .bench_onpolicy import SHAPES, build
+from .common import environment, print_table, write_json
+
+
+def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
+    from torch._dynamo.utils import counters
+
+    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+    settings = RolloutSettings(max_new_tokens=a.completion, cache=cache, seed=0)
+    g = torch.Generator().manual_seed(rows)
+    prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(rows)]
+    frames_before = counters["frames"]["ok"]
+    seconds = []
+    for call in range(a.calls):
+        with torch.no_grad():  # an optimizer step between calls changes the weights in place
+            for p in student.parameters():
+                p.mul_(1.0)
+        student.train()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        out = generate_rollouts(student, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=call)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - began)
+    tokens = sum(len(r.completion) for r in out)
+    return {
+        "rows": rows,
+        "cache": cache,
+        "first_call_s": seconds[0],
+        "last_call_s": seconds[-1],
+        "tokens_per_s": tokens / seconds[-1],
+        "frames_compiled": counters["frames"]["ok"] - frames_before,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_rollouts.json")
+    parser.add_argument("--rows", type=int, nargs="*", default=[8, 32, 64, 128])
+    parser.add_argument("--caches", nargs="*", default=["dynamic", "static"])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true")
+    a = parser.parse_args()
+    if a.tiny:
+        a.rows, a.prompt, a.completion, a.calls = [2, 4], 8, 8, 2
+    from liger_patch_kd import apply_kd_patch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    s_kw, _, vocab = SHAPES["tiny" if a.tiny else "llama"]
+    student = build(s_kw, vocab, device, dtype, seed=0)
+    apply_kd_patch(model=student)
+    student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
+    print_table(results, ["rows", "cache", "tokens_per_s", "first_call_s", "last_call_s", "frames_compiled"])
+    write_json(a.out, {"environment": environment(), "args": vars(a), "rows": results})
+
+
+if __name__ == "__main__":
+    main()
