@@ -2,8 +2,8 @@
 
 Every mistake is one line, `liger-kd <command>: error: <the option, what is wrong, the fix>`, exit status 2 and no
 traceback (`--debug` or LIGER_KD_DEBUG=1 shows it). Each command's options are checked
-(`cli_checks.check_<command>`) before any work, and nothing is imported here at module level beyond the standard library: `liger-kd --help` and argument
-errors answer without importing torch.
+(`cli_checks.check_<command>`) before any work, and nothing is imported here at module level beyond the standard
+library: `liger-kd --help` and argument errors answer without importing torch.
 """
 
 from __future__ import annotations

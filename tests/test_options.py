@@ -55,7 +55,9 @@ def _entry_points():
             s_logits, t_logits, labels, config=config, **kw
         ),
         "reference.kd_loss": lambda config=None, **kw: R.kd_loss(s_logits, t_logits, labels, config, **kw),
-        "reference.topk_kd_loss": lambda config=None, **kw: R.topk_kd_loss(s_logits, ids, logprobs, labels, config, **kw),
+        "reference.topk_kd_loss": lambda config=None, **kw: R.topk_kd_loss(
+            s_logits, ids, logprobs, labels, config, **kw
+        ),
         "align.fused_linear_cross_tokenizer_kd": _align_call,
     }
 

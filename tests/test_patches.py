@@ -217,6 +217,36 @@ def test_class_patch_before_loading_and_revert():
     torch.testing.assert_close(loss, expected)
 
 
+@pytest.mark.parametrize("how", ["instance", "class"])
+def test_transformers_code_runs_the_originals_inside_and_restores_the_patch_after(how):
+    """generate() runs inside transformers_code: every kernel and the forward are transformers' own there (one
+    compilable graph), and the patch is back, object for object, when the block ends, also after an error."""
+    import transformers.models.llama.modeling_llama as llama
+
+    rope, norm_forward = llama.apply_rotary_pos_emb, llama.LlamaRMSNorm.forward
+    model = tiny_model("llama")
+    if how == "instance":
+        M.apply_kd_patch_to_llama(model=model)
+    else:
+        M.apply_kd_patch_to_llama()
+    patched = (llama.apply_rotary_pos_emb, llama.LlamaRMSNorm.forward, model.model.norm.__dict__.get("forward"))
+    try:
+        with M.transformers_code(model):
+            assert llama.apply_rotary_pos_emb is rope and llama.LlamaRMSNorm.forward is norm_forward
+            assert "forward" not in model.model.norm.__dict__ and "forward" not in model.model.layers[0].mlp.__dict__
+            assert not getattr(model.forward, "__liger_kd__", False)
+            first = model.forward
+        with M.transformers_code(model):
+            assert model.forward is first  # the same bound method: a compiled decode step is not recompiled
+        with pytest.raises(RuntimeError), M.transformers_code(model):
+            raise RuntimeError("an error inside generate()")
+        now = (llama.apply_rotary_pos_emb, llama.LlamaRMSNorm.forward, model.model.norm.__dict__.get("forward"))
+        assert all(a is b for a, b in zip(now, patched))
+        assert getattr(llama.apply_rotary_pos_emb, "__liger_kd__", False)
+    finally:
+        M.revert_kd_patch(model=model) if how == "instance" else M.revert_kd_patch(model_type="llama")
+
+
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_generate_is_unchanged_by_the_patch(arch):
     ids = torch.randint(0, TEXT_VOCAB, (1, 8))

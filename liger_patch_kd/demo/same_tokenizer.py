@@ -206,8 +206,9 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
     w = 16 if len(seeds) > 1 else 9
     print(f"{'recipe':28}{'CE':>{w}}{'KL text':>{w}}{'KL own':>{w}}{'tokens/s':>10}{'peak MiB':>10}")
     for r in results:
-        print(f"{r['recipe']:28}{_figure(r['held_out_ce_by_seed'], 3, w)}{_figure(r['kl_to_teacher_by_seed'], 4, w)}"
-              f"{_figure(r['kl_own_samples_by_seed'], 4, w)}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")  # fmt: skip
+        ce, kl = _figure(r["held_out_ce_by_seed"], 3, w), _figure(r["kl_to_teacher_by_seed"], 4, w)
+        own = _figure(r["kl_own_samples_by_seed"], 4, w)
+        print(f"{r['recipe']:28}{ce}{kl}{own}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
     if cross_tokenizer:
         results += _cross_tokenizer_rows(teacher, quick, dev)

@@ -43,6 +43,7 @@ from .patch import (
     apply_kd_patch_to_smollm3,
     patch_teacher_kernels,
     revert_kd_patch,
+    transformers_code,
 )
 from .recompute import limit_recompute
 from .registry import FAMILIES, REGISTRY, ArchSpec, softcap_of
@@ -82,6 +83,7 @@ __all__ = [
     "revert_kd_patch",
     "unwrap_model",
     "original_forward",
+    "transformers_code",
     "output_head",
     "materialised_kd",
     "TeacherInputs",

@@ -8,9 +8,11 @@ Every replaced attribute is recorded once, so patching twice is harmless and rev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -23,7 +25,15 @@ from .forward_audit import check_forward
 from .kd_forward import kd_causal_lm_forward
 from .registry import REGISTRY, ArchSpec, specs_for
 from .spec import spec_for_model
-from .state import CLASS_STATE, INSTANCE_ATTR, ORIGINAL_BOUND_ATTR, PATCHED_INSTANCES, PatchState, unwrap_model
+from .state import (
+    CLASS_STATE,
+    INSTANCE_ATTR,
+    ORIGINAL_BOUND_ATTR,
+    PATCHED_INSTANCES,
+    PatchState,
+    original_forward,
+    unwrap_model,
+)
 
 # (owner, attribute) -> original value, for everything patched at class / module level
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -251,6 +261,44 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
 
 def _is_ours(forward) -> bool:
     return getattr(getattr(forward, "__func__", None), "__liger_kd__", False)
+
+
+@contextlib.contextmanager
+def transformers_code(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model runs transformers' own code end to end, for generate(): its own forward
+    (original_forward) and its own RMSNorm / RoPE / MLP, at class, module and instance level alike.
+
+    Why: the kernels are built for the training step's long rows, while a decode step is a few rows and bound by
+    launches, and torch.compile (the static cache's compiled decode step) traces transformers' code in one graph;
+    on an H200 the patched RoPE broke every attention layer's graph, so dynamo recompiled per layer up to its
+    limit (benchmarks/bench_rollouts.py). Not thread-safe: nothing else may run a patched model of the same
+    architecture inside the block (the trainer generates between steps, alone).
+    """
+    inner = unwrap_model(model)
+    # the kernels bound on submodules; the model's own KD forward is original_forward's to swap (its cached bound
+    # method keeps a compiled decode step valid)
+    subs = [m for m in inner.modules() if m is not inner]
+    own = [(m, m.__dict__["forward"]) for m in subs if _is_ours(m.__dict__.get("forward"))]
+    shared = []  # (owner, name, patched value): module-level RoPE and class-level kernels, not the LM classes'
+    for (owner, name), original in _ORIGINALS.items():
+        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if getattr(current, "__liger_kd__", False) and owner not in CLASS_STATE:
+            shared.append((owner, name, current, original))
+    try:
+        for sub, _ in own:
+            del sub.__dict__["forward"]
+        for owner, name, _, original in shared:
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        with original_forward(inner):
+            yield model
+    finally:
+        for sub, forward in own:
+            sub.forward = forward
+        for owner, name, current, _ in shared:
+            setattr(owner, name, current)
 
 
 def _make_apply(model_type: str):

@@ -10,7 +10,8 @@ convention:
     otherwise:                     term_j = beta P_j (log P_j - log M_j) + (1 - beta) S_j (log S_j - log M_j),
                                    M = beta P + (1 - beta) S
 and a_j = S_j dL/dS_j, the only thing a gradient needs:
-    forward KL: a_j = -P_j;  reverse KL: a_j = S_j (log S_j - log P_j + 1);  JSD: a_j = (1 - beta) S_j (log S_j - log M_j)
+    forward KL: a_j = -P_j;  reverse KL: a_j = S_j (log S_j - log P_j + 1);
+    JSD: a_j = (1 - beta) S_j (log S_j - log M_j)
 For S = softmax(u) the gradient with respect to the (tempered, capped) logits u is then
     dL/du_v = a_v - S_v * sum_j a_j                                                  (`softmax_grad`)
 which covers the three at once. Forward KL has sum_j a_j = -1, hence its simpler form S - P (`dense_divergence`

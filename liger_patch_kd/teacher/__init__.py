@@ -22,7 +22,7 @@ from .serve import (
     TeacherReplyError,
     TeacherServerError,
     TeacherTimeoutError,
-    protocols,  # the wire formats, as teacher.protocols (the module's old path)
+    protocols,  # noqa: F401  the wire formats, as teacher.protocols (the module's old path)
 )
 from .store import (
     MANIFEST,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import original_forward
+from ..models import transformers_code
 from ..teacher import TeacherDataCollator
 
 CACHES = ("auto", "dynamic", "static")
@@ -140,8 +140,8 @@ def generate_rollouts(
         one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
 
     Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
-    back in the mode it was in; a patched model generates with its own, unpatched forward (models.original_forward).
-    Prompts are sorted by length before batching (less padding) and the output put back
+    back in the mode it was in; a patched model generates with transformers' own code (models.transformers_code:
+    its forward and kernels). Prompts are sorted by length before batching (less padding) and the output put back
     in order; each call is seeded from (seed, step, call), so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
@@ -152,7 +152,7 @@ def generate_rollouts(
     was_training = generator.training
     generator.eval()
     try:
-        with original_forward(generator):  # the model's own forward: last-position logits, compilable
+        with transformers_code(generator):  # the model's own forward and kernels: last-position logits, compilable
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
