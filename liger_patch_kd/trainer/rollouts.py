@@ -22,7 +22,7 @@ CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
-STATIC_BELOW_ROWS = 32  # "auto" takes the static cache below this many rows on CUDA (see RolloutSettings.cache)
+STATIC_BELOW_ROWS = 128  # "auto" takes the static cache below this many rows on CUDA (see RolloutSettings.cache)
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,11 @@ class RolloutSettings:
         generator's own distribution, which on-policy KD assumes.
     num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
-    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 32 rows,
-        dynamic elsewhere. Measured on an H200: with the unpatched model transformers' static cache gives 4.3x the
-        dynamic one at 8 rows and 2.3x at 32 (MEASUREMENTS.md); through KDTrainer at 64 rows it gave 0.5-0.6x
-        (benchmarks/bench_onpolicy.py, README), and compiling for a CPU costs more than it saves.
+    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 128 rows,
+        dynamic elsewhere. Measured on an H200 with the 1B student generating 512 tokens after 512
+        (benchmarks/bench_rollouts.py, bench_onpolicy.py): static 5,161 / 6,951 / 8,389 tokens/s at 32 / 64 / 128
+        rows, dynamic 4,180 at 64 and 9,393 at 128 (MEASUREMENTS.md); compiling costs ~30 s per new shape, once,
+        and on a CPU more than it saves.
     seed: with the step number, seeds each call, so the same seed gives the same completions.
     """
 
