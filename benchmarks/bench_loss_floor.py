@@ -12,7 +12,8 @@ Rows per N (default 8192 and 2048; H 4096, V 128256, bf16, beta 0.5):
   ... cuda graph          cuda_graph=True: the chunk loop replayed from a CUDA graph
   ... cuda graph, fp8 teacher
   liger chunked / triton  Liger-Kernel's LigerFusedLinearJSDLoss (compiled) and LigerFusedLinearJSD, if importable
-Columns: ms (median), x_floor, extra_GiB (peak beyond inputs and returned gradients), grad_err (max over d/dinput,
+Columns: ms (median), x_floor, extra_GiB (peak beyond inputs and returned gradients), held_GiB (memory kept between
+calls: a CUDA graph's pool and static buffers, the frozen teacher head's cached FP8 copy), grad_err (max over d/dinput,
 d/dweight of ||g - g_ref|| / ||g_ref||, g_ref from fp32 products), loss_rel_err (against the same fp32 reference),
 and for the FP8 rows the teacher distribution's KL(P_bf16 || P_fp8) per row (mean, p99) on the first 1024 rows.
 Random weights: the KL figures say what the rounding does to flat-ish random-logit distributions, not to a
@@ -33,7 +34,8 @@ from liger_patch_kd import KDLossConfig, fused_linear_jsd
 from liger_patch_kd import reference as R
 from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows
-from liger_patch_kd.ops.fp8_logits import fp8_logits, quantize_head
+from liger_patch_kd.ops.fp8_logits import forget_quantized_head, fp8_logits, quantize_head
+from liger_patch_kd.ops.graphed import GRAPHS
 
 from .bench_fused_linear_jsd import LLAMA_V, liger_methods, rel_err
 from .common import environment, print_table, write_json
@@ -160,6 +162,9 @@ def run_case(n: int, hidden: int, vocab: int, device: str, methods: dict[str, Ca
             losses.append(loss.detach())
 
         try:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                reserved = torch.cuda.memory_reserved()
             step()  # compile / capture / autotune outside the measurement
             row["ms"] = time_ms(step, device)
             row["x_floor"] = row["ms"] / floor
@@ -171,6 +176,10 @@ def run_case(n: int, hidden: int, vocab: int, device: str, methods: dict[str, Ca
                 step()
                 torch.cuda.synchronize()
                 row["extra_GiB"] = (torch.cuda.max_memory_allocated() - before - grad_bytes) / 2**30
+                for p in params:
+                    p.grad = None
+                torch.cuda.empty_cache()  # what stays between calls: a graph's pool, a cached FP8 teacher head
+                row["held_GiB"] = (torch.cuda.memory_reserved() - reserved) / 2**30
             else:
                 step()
             row["grad_err"] = max(rel_err(p.grad, r) for p, r in zip(params, ref_grads))
@@ -183,6 +192,9 @@ def run_case(n: int, hidden: int, vocab: int, device: str, methods: dict[str, Ca
             row["ms"] = f"error: {type(e).__name__}: {str(e)[:100]}"
         for p in params:
             p.grad = None
+        GRAPHS.clear()
+        for w in (x["w_s"], x["w_t"]):
+            forget_quantized_head(w)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -232,7 +244,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         rows += run_case(n, hidden, vocab, device, methods, fp8_ok)
     print(f"\nH={hidden}, V={vocab}, bf16, beta 0.5, forward+backward" + "".join(f"; {n}" for n in notes))
-    columns = ["N", "method", "ms", "x_floor", "extra_GiB", "grad_err", "loss_rel_err", "teacher_kl_mean",
+    columns = ["N", "method", "ms", "x_floor", "extra_GiB", "held_GiB", "grad_err", "loss_rel_err", "teacher_kl_mean",
                "teacher_kl_p99"]  # fmt: skip
     table = print_table(rows, columns)
     write_json(out, dict(environment=environment(), hidden=hidden, vocab=vocab, notes=notes, rows=rows,
