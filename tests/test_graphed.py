@@ -127,3 +127,46 @@ def test_second_call_before_backward_is_refused():
         fused_linear_jsd(h_s, w_s, h_t, w_t, labels, config=cfg)
     fused_linear_jsd(h_s, w_s, h_t, w_t, labels, config=cfg.replace(reduction="none")).sum().backward()
     assert len(GRAPHS.graphs) == 1
+
+
+def test_replay_plumbing_on_cpu(monkeypatch):
+    """The cache, the gradient slots and the stale-gradient check, with torch.cuda's graph calls replaced by no-ops
+    (a replay then returns what the capture computed, so the call repeats the captured inputs)."""
+    import contextlib
+    import types
+
+    import liger_patch_kd.ops.graphed as G
+
+    fake_stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: fake_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))
+    cache = G.GraphedLosses(max_graphs=1)
+    h_s, h_t, labels = _inputs(29, 32, 97, "cpu", torch.float32, 0)
+    w_s = torch.randn(97, 32, requires_grad=True)
+    b_s = torch.randn(97, requires_grad=True)
+    w_t = torch.randn(97, 32)
+
+    def loss_fn(h, t, lab):
+        out = fused_linear_jsd(h, w_s, t, w_t, lab, student_bias=b_s, return_components=True)
+        return out.loss, out.soft, out.hard
+
+    h = h_s.clone().requires_grad_()
+    eager = loss_fn(h, h_t, labels)
+    want = torch.autograd.grad(eager[0], [h, w_s, b_s])
+    results = []
+    for _ in range(2):
+        h = h_s.clone().requires_grad_()
+        loss, soft, hard = cache(("k",), (h, h_t, labels), (w_s, b_s), loss_fn)
+        results.append((loss, h))
+    torch.testing.assert_close(results[1][0], eager[0])
+    torch.testing.assert_close(soft, eager[1])
+    (2 * results[1][0]).backward()  # grad_output 2 scales the static gradients
+    for got, expected in zip((results[1][1].grad, w_s.grad, b_s.grad), want):
+        torch.testing.assert_close(got, 2 * expected)
+    with pytest.raises(RuntimeError, match="called again with the same shapes before the backward"):
+        results[0][0].backward()
+    with pytest.warns(UserWarning, match="input signatures are captured already"):
+        assert cache(("another",), (h, h_t, labels), (w_s, b_s), loss_fn) is None  # full: the caller runs eagerly
