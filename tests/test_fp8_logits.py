@@ -239,3 +239,28 @@ def test_trainer_with_fp8_logits(tmp_path):
         losses[fp8] = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
     assert torch.isfinite(losses[True]).all() and not torch.equal(losses[True], losses[False])
     torch.testing.assert_close(losses[True], losses[False], rtol=5e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_jsd_kernels_read_bf16_teacher_logits(beta, grad_dtype):
+    """On CUDA the rowwise FP8 product may only write bf16, and the Triton loss kernel then reads those bf16 teacher
+    logits as they are (a bf16 gradient overwrites them in place): both kernels equal float64 math on the same
+    values. (CPU: the Triton interpreter, which truncates fp32 to bf16 where the GPU rounds: one bf16 step.)"""
+    from liger_patch_kd.ops.backend import triton_available
+    from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_torch, jsd_chunk_triton
+
+    g = torch.Generator().manual_seed(4)
+    zs = torch.randn(7, 301, generator=g) * 2
+    zt = (torch.randn(7, 301, generator=g) * 2.5).bfloat16()
+    labels = torch.randint(0, 301, (7,), generator=g)
+    w = torch.full((7,), 0.25)
+    cfg = KDLossConfig(beta=beta, temperature=1.5, hard_weight=0.3)
+    want = jsd_chunk_torch(zs.double(), zt.double(), labels, w, w, torch.float64, cfg)
+    kernels = [jsd_chunk_torch] + ([jsd_chunk_triton] if triton_available() else [])
+    for kernel in kernels:
+        soft, hard, grad = kernel(zs, zt.clone(), labels, w, w, grad_dtype, cfg)
+        torch.testing.assert_close(soft.double(), want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hard.double(), want[1], rtol=1e-5, atol=1e-6)
+        step = 2.0**-7 if grad_dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(grad.double(), want[2], rtol=step, atol=step * want[2].abs().max().item())

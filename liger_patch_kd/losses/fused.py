@@ -215,9 +215,10 @@ def fused_linear_jsd(
     b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
     if cfg.teacher_logits_fp8:  # quantised once, and kept while a frozen head is unchanged (ops/fp8_logits.py)
         head = quantize_head(teacher_weight, columns, keep=not teacher_weight.requires_grad)
+        keep_bf16 = select_backend(h_t.device, backend) == "triton"  # the Triton kernel reads bf16 teacher logits
 
         def product(hidden: torch.Tensor) -> torch.Tensor:
-            return fp8_logits(hidden, head, b_t)
+            return fp8_logits(hidden, head, b_t, keep_bf16=keep_bf16)
     else:
         w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
 
@@ -226,7 +227,8 @@ def fused_linear_jsd(
 
     def teacher_chunk(logits_dtype: torch.dtype):
         def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
-            return product(zero_rows(h_t[start:end], active)).to(logits_dtype)
+            z = product(zero_rows(h_t[start:end], active))
+            return z if z.dtype == torch.bfloat16 else z.to(logits_dtype)  # bf16 only from an FP8 product kept so
 
         return logits
 

@@ -88,7 +88,7 @@ def forget_quantized_head(weight: torch.Tensor) -> None:
         delattr(weight, _CACHE_ATTR)
 
 
-def _scaled_product(x8, x_scale, head: QuantizedHead) -> torch.Tensor:
+def _scaled_product(x8, x_scale, head: QuantizedHead, keep_bf16: bool) -> torch.Tensor:
     """(x₈ W₈ᵀ) · s_x s_Wᵀ in fp32 where the device's rowwise product writes fp32, else in bf16 then fp32."""
     device_type = x8.device.type
 
@@ -105,7 +105,7 @@ def _scaled_product(x8, x_scale, head: QuantizedHead) -> torch.Tensor:
         except RuntimeError:  # e.g. "only bf16 high precision output types are supported for row-wise scaling"
             _OUT_DTYPE[device_type] = torch.bfloat16
     out = product(_OUT_DTYPE[device_type])
-    return out if out.dtype == torch.float32 else out.float()
+    return out if out.dtype == torch.float32 or keep_bf16 else out.float()
 
 
 def fp8_output_dtype(device: torch.device) -> torch.dtype | None:
@@ -113,14 +113,17 @@ def fp8_output_dtype(device: torch.device) -> torch.dtype | None:
     return _OUT_DTYPE.get(device.type)
 
 
-def fp8_logits(hidden: torch.Tensor, head: QuantizedHead, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_logits(
+    hidden: torch.Tensor, head: QuantizedHead, bias: torch.Tensor | None, *, keep_bf16: bool = False
+) -> torch.Tensor:
     """hidden Wᵀ (+ bias), (rows, columns) fp32 (fp64 for fp64 hidden states), from `head` and the hidden rows
-    quantised here, one scale per row."""
+    quantised here, one scale per row. `keep_bf16`: where the device's product writes bf16, return that (the
+    Triton loss kernel reads bf16 teacher logits): no fp32 copy of the chunk, a third less memory traffic."""
     rows = hidden.shape[0]
     padded = -(-rows // _ALIGN) * _ALIGN
     x = hidden if padded == rows else torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
     x8, x_scale = quantize_rows(x.contiguous())
-    out = _scaled_product(x8, x_scale, head)
+    out = _scaled_product(x8, x_scale, head, keep_bf16)
     if padded != rows or out.shape[1] != head.columns:
         out = out[:rows, : head.columns]  # row slices stay contiguous; a column slice keeps its row stride
     if hidden.dtype == torch.float64:
