@@ -264,3 +264,33 @@ def test_jsd_kernels_read_bf16_teacher_logits(beta, grad_dtype):
         torch.testing.assert_close(hard.double(), want[1], rtol=1e-5, atol=1e-6)
         step = 2.0**-7 if grad_dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(grad.double(), want[2], rtol=step, atol=step * want[2].abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA FP8 product is checked on a GPU")
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_cuda_fp8_loss_against_the_dequantised_operands(beta, temperature):
+    """On the GPU (Triton quantisation, cuBLAS / CUTLASS FP8 products, bf16 inputs): the loss against float64 math on
+    the dequantised operands, within what the product's accumulation and output rounding allow (through
+    `_row_bound`), and the gradients within bf16 accuracy of that reference."""
+    ok, why = fp8_available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    x = {k: (None if v is None else v.cuda()) for k, v in _inputs(n=300, hidden=256, vocab=4099, seed=5).items()}
+    x.update({k: x[k].bfloat16().double() for k in ("h_s", "w_s", "h_t", "w_t")})  # the values the GPU sees
+    cfg = KDLossConfig(beta=beta, temperature=temperature, reduction="none", teacher_logits_fp8=True)
+    h_s, w_s = x["h_s"].bfloat16().requires_grad_(), x["w_s"].bfloat16().requires_grad_()
+    loss = fused_linear_jsd(h_s, w_s, x["h_t"].bfloat16(), x["w_t"].bfloat16(), x["labels"], config=cfg)
+    grads = torch.autograd.grad(loss.sum(), [h_s, w_s])
+    want, want_grads, z_t = _reference(x, cfg, teacher_fp8=True)
+    counted = x["labels"] != cfg.ignore_index
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32: a step (2^-8) of the terms' magnitudes, and
+    # one of the logit for a bf16 output (as test_fp8_teacher bounds the decoder's products)
+    terms = _dequantised(x["h_t"]).abs() @ _dequantised(x["w_t"]).abs().T
+    eps = (2.0**-8 * (terms + z_t.abs())).amax(-1) / temperature
+    log_p = torch.log_softmax(z_t / temperature, -1)
+    log_s = torch.log_softmax(x["h_s"] @ x["w_s"].T / temperature, -1)
+    bound = _row_bound(eps, log_p, log_s, beta)
+    assert ((loss.double() - want).abs()[counted] <= bound[counted] + 1e-4).all()
+    for got, ref in zip(grads, want_grads):
+        assert float((got.double() - ref).norm() / ref.norm()) < 2e-2
