@@ -9,6 +9,10 @@ and hide rounding), so one is trained here: a Llama-shaped model of ~190M parame
   KL(P_fp32 ‖ P_bf16) (what bf16 rounding alone does, the scale to read them against);
   a small student distilled for --student-steps from the bf16 teacher and, from the same start and data, from the
   FP8 teacher, for --student-seeds seeds: its held-out KD loss (against the bf16 teacher, for both) and CE.
+The FP8 logit product inside the loss (KDLossConfig.teacher_logits_fp8), on the same held-out text: KL of the
+teacher distribution from fp32-output bf16 logits to FP8 logits (the bf16 decoder, and the FP8 decoder too), and
+the fused loss's relative gradient error (d/d student hidden states, d/d lm_head weight) with teacher_logits_fp8 and
+with both FP8 options, against the bf16 loss, for an untrained student.
 Speed: the 8B-shaped teacher's forward (random weights, patched kernels, 4 x 4096 tokens) in bf16 and in FP8,
 and its weight memory. `--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
 """
@@ -22,8 +26,11 @@ import time
 
 import torch
 
+from liger_patch_kd import fused_linear_jsd
 from liger_patch_kd.demo import CharTokenizer, load_corpus
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
+from liger_patch_kd.ops.backend import logits_fp32
+from liger_patch_kd.ops.fp8_logits import fp8_logits, quantize_head
 
 from .bench_train_step import SHAPES, build
 from .common import environment, print_table, write_json
@@ -123,6 +130,44 @@ def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, st
                 held_out_kd_loss=sum(kd) / len(kd), held_out_ce_nats_per_char=sum(ce) / len(ce))  # fmt: skip
 
 
+def fp8_logits_fidelity(teacher_bf16, teacher_fp8, held: torch.Tensor, vocab: int, device) -> tuple[list, list]:
+    """(fidelity rows, gradient rows) of the FP8 logit product in the loss; see the module docstring."""
+    w_t = teacher_bf16.lm_head.weight
+    head = quantize_head(w_t, vocab, keep=False)
+    with torch.no_grad():
+        h_bf16 = torch.cat([teacher_bf16.model(input_ids=w[None]).last_hidden_state[0] for w in held])
+        h_fp8 = torch.cat([teacher_fp8.model(input_ids=w[None]).last_hidden_state[0] for w in held])
+        base = logits_fp32(h_bf16, w_t, None).log_softmax(-1)
+        fidelity = [
+            dict(pair="P_bf16 (fp32-output logits) vs FP8 logits (teacher_logits_fp8)",
+                 **divergence(base, fp8_logits(h_bf16, head, None).log_softmax(-1))),
+            dict(pair="P_bf16 (fp32-output logits) vs FP8 decoder + FP8 logits",
+                 **divergence(base, fp8_logits(h_fp8, head, None).log_softmax(-1))),
+        ]  # fmt: skip
+    student = llama(STUDENT if device.type == "cuda" else TINY, vocab, device, torch.bfloat16, seed=7)
+    with torch.no_grad():
+        h_s = torch.cat([student.model(input_ids=w[None]).last_hidden_state[0] for w in held])
+    labels = held.reshape(-1)
+    w_s = student.lm_head.weight.detach()
+    grads = {}
+    for name, opts in (
+        ("bf16", {}),
+        ("fp8 teacher logits", dict(teacher_logits_fp8=True)),
+        ("fp8 teacher + student logits", dict(teacher_logits_fp8=True, student_logits_fp8=True)),
+    ):
+        h, w = h_s.clone().requires_grad_(), w_s.clone().requires_grad_()
+        loss = fused_linear_jsd(h, w, h_bf16, w_t, labels, beta=0.5, **opts)
+        grads[name] = (float(loss.detach()), *torch.autograd.grad(loss, [h, w]))
+    ref = grads.pop("bf16")
+    gradient = [
+        dict(option=name, loss_rel_err=abs(g[0] - ref[0]) / abs(ref[0]),
+             grad_input_rel_err=float((g[1].float() - ref[1].float()).norm() / ref[1].float().norm()),
+             grad_weight_rel_err=float((g[2].float() - ref[2].float()).norm() / ref[2].float().norm()))
+        for name, g in grads.items()
+    ]  # fmt: skip
+    return fidelity, gradient
+
+
 @torch.no_grad()
 def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) -> list[dict]:
     """The 8B-shaped teacher's forward to its last hidden states (what the fused loss consumes), bf16 then FP8."""
@@ -197,7 +242,10 @@ def main() -> None:
     print(f"\ntrained teacher: {params / 1e6:.0f}M parameters, {training['steps']} steps in "
           f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/char "
           f"({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
+    logit_rows, rows_gradient = fp8_logits_fidelity(teacher_bf16, teacher_fp8, held, vocab, device)
+    rows_fidelity += logit_rows
     table_fidelity = print_table(rows_fidelity, ["pair", "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement"])
+    table_gradient = print_table(rows_gradient, ["option", "loss_rel_err", "grad_input_rel_err", "grad_weight_rel_err"])
 
     rows_student = []  # seed by seed: a short run's spread between seeds is the scale to read the gap against
     for seed in range(args.student_seeds):
@@ -213,8 +261,9 @@ def main() -> None:
     write_json(args.out, dict(
         environment=environment(), args=vars(args), teacher_parameters=params, teacher_training=training,
         teacher_held_out_ce=teacher_ce, quantised=len(summary.quantized), kept=summary.kept,
-        fidelity=rows_fidelity, student=rows_student, speed=rows_speed,
-        tables=dict(fidelity=table_fidelity, student=table_student, speed=table_speed),
+        fidelity=rows_fidelity, student=rows_student, speed=rows_speed, fp8_logits_gradient=rows_gradient,
+        tables=dict(fidelity=table_fidelity, student=table_student, speed=table_speed,
+                    fp8_logits_gradient=table_gradient),
     ))  # fmt: skip
 
 

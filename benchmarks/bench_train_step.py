@@ -15,9 +15,15 @@ row says otherwise. For each micro-batch, in one run:
   ... fp8 teacher     the same with the teacher quantised by quantize_teacher_fp8 (a second copy of it)
   ... recompute 10/16 the FP8 row with only the first 10 student layers recomputed: the memory the FP8 teacher
                       frees goes to keeping activations
+  ... fp8 logits      the FP8 teacher with its logit product in the loss in FP8 too (teacher_logits_fp8)
+  ... cuda graph      ... and the loss's chunk loop replayed from a CUDA graph (cuda_graph); also on the bf16 teacher
+  trl/liger+kernels both, torchao fp8 teacher   Liger's kernels on both models and the teacher's decoder quantised
+                      by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
   offline ... (store) the same read from a store on disk through a shuffling 2-worker DataLoader
-`--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures).
+`--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures). Long contexts: `--seq 16384 32768
+--micro-batches 1`. Every row starts from freshly reset peak-memory statistics. Liger-Kernel and torchao are
+imported only by their rows, which are skipped with the reason printed when they are absent.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from liger_patch_kd import reference as R
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.models.recompute import limit_recompute
+from liger_patch_kd.ops.graphed import GRAPHS
 
 from .common import environment, print_table, write_json
 
@@ -60,11 +67,11 @@ SHAPES = {
 TOP_K = 64
 
 
-def build(kwargs: dict, device, dtype, seed: int):
+def build(kwargs: dict, device, dtype, seed: int, max_positions: int = 8192):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=8192, attn_implementation="sdpa", **kwargs)
+    config = LlamaConfig(max_position_embeddings=max(8192, max_positions), attn_implementation="sdpa", **kwargs)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model
@@ -74,11 +81,43 @@ FP8_ROW = "liger_patch_kd fp8 teacher"
 STORE_ROW = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
 SELECTIVE, SELECTIVE_LAYERS = "recompute 10/16", 10
 FP8_SELECTIVE_ROW = f"{FP8_ROW}, {SELECTIVE}"
+FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
+FP8_GRAPH_ROW = f"{FP8_LOGITS_ROW}, cuda graph"
+GRAPH_ROW = "liger_patch_kd, cuda graph"
+TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
 
 
-def fp8_copy(shape: dict, device, dtype):
+def loss_options(name: str) -> dict:
+    """The KDLossConfig options a row's name asks for (only those it turns on)."""
+    return {k: True for k, tag in (("teacher_logits_fp8", "fp8 logits"), ("cuda_graph", "cuda graph")) if tag in name}
+
+
+def torchao_missing() -> str | None:
+    try:
+        import liger_kernel  # noqa: F401
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_  # noqa: F401
+    except ImportError as e:
+        return f"{TORCHAO_ROW!r} skipped: Liger-Kernel and torchao are both needed ({e})"
+    return None
+
+
+def torchao_copy(shape: dict, device, dtype, seq: int):
+    """The teacher again (same seed), Liger's kernels on it, its decoder's linears quantised by torchao (per-row FP8,
+    dynamic activations); lm_head stays bf16, as Liger's loss reads its weight."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    teacher = build(shape, device, dtype, seed=2, max_positions=seq).eval().requires_grad_(False)
+    teacher.config.use_cache = False
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False, model=teacher)  # fmt: skip
+    quantize_(teacher.model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return teacher
+
+
+def fp8_copy(shape: dict, device, dtype, seq: int = 8192):
     """The teacher again (same seed, same weights), quantised to FP8 for its row."""
-    teacher = build(shape, device, dtype, seed=2).eval().requires_grad_(False)
+    teacher = build(shape, device, dtype, seed=2, max_positions=seq).eval().requires_grad_(False)
     teacher.config.use_cache = False
     summary = quantize_teacher_fp8(teacher)
     print(f"fp8 teacher: {summary.bytes_before / 2**30:.1f} -> {summary.bytes_after / 2**30:.1f} GiB", flush=True)
@@ -139,7 +178,9 @@ def prepare_student(name: str, student):
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False, model=student)  # fmt: skip
     elif name.startswith("liger_patch_kd") or name.startswith("offline"):
-        apply_kd_patch_to_llama(model=student, beta=0.5 if not name.startswith("offline") else 0.0)
+        apply_kd_patch_to_llama(
+            model=student, beta=0.5 if not name.startswith("offline") else 0.0, **loss_options(name)
+        )
     if "no recompute" not in name:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if SELECTIVE in name:  # the first layers recompute, the rest keep their activations (as KDTrainer does)
@@ -150,7 +191,7 @@ def prepare_student(name: str, student):
 
 def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps) -> dict:
     row = dict(method=name, micro_batch=micro_batch, seq=seq)
-    student = build(shapes[0], device, dtype, seed=1)
+    student = build(shapes[0], device, dtype, seed=1, max_positions=seq)
     try:
         prepare_student(name, student)
         if name.startswith("liger_patch_kd"):  # the product patches the teacher's kernels too (KDTrainer does)
@@ -209,6 +250,7 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         del student, opt, step, batch
         revert_kd_patch(model=teacher)
         revert_kd_patch()
+        GRAPHS.clear()  # a graphed row's captured buffers must not count against the next row
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,7 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_train_step.json")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096], help="one or more sequence lengths")
     parser.add_argument("--shapes", nargs="+", default=["llama", "qwen-vocab"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
@@ -231,61 +273,84 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shape_names = ["tiny"] if args.tiny else args.shapes
-    seq = 32 if args.tiny else args.seq
+    seqs = [32] if args.tiny else args.seq
+    notes = []
     try:
         import liger_kernel  # noqa: F401
 
         liger = ["trl/liger", "trl/liger+kernels", "trl/liger+kernels both"]
-        note = None
-    except ImportError:
-        liger, note = [], "Liger-Kernel not importable: its rows are skipped"
+    except ImportError as e:
+        liger = []
+        notes.append(f"Liger-Kernel not importable ({e}): its rows are skipped")
+    torchao = [] if args.tiny or torchao_missing() else [TORCHAO_ROW]
+    if not args.tiny and torchao_missing():
+        notes.append(torchao_missing())
     if args.tiny:
         liger = []
+    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, FP8_GRAPH_ROW]
     methods = [
         "plain HF",
         *liger[:1],
         "liger_patch_kd",
+        GRAPH_ROW,
         "liger_patch_kd no recompute",
-        *([] if args.no_fp8 else [FP8_ROW, FP8_SELECTIVE_ROW]),
+        *([] if args.no_fp8 else fp8_rows),
         f"offline top-{TOP_K}",
         STORE_ROW,
         *liger[1:],  # last: Liger's patch of the teacher cannot be undone
+        *([] if args.no_fp8 else torchao),  # its own teacher copy, patched by Liger as well
     ]
     if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            notes.append(f"--methods not run (unknown here, or skipped above): {unknown}")
         methods = [m for m in methods if m in args.methods]
+    for note in notes:
+        print(f"note: {note}", flush=True)
     rows = []
     for shape in shape_names:
-        teacher = build(SHAPES[shape][1], device, dtype, seed=2).eval().requires_grad_(False)
+        teacher = build(SHAPES[shape][1], device, dtype, seed=2, max_positions=max(seqs)).eval().requires_grad_(False)
         teacher.config.use_cache = False
         micro_batches = args.micro_batches if shape in ("llama", "tiny") else [4]
         for name in methods:
-            failed = False
-            row_teacher = fp8_copy(SHAPES[shape][1], device, dtype) if name.startswith(FP8_ROW) else teacher
-            for mb in micro_batches:
-                if failed:  # a larger micro-batch than one that ran out of memory will too
-                    rows.append(dict(shape=shape, method=name, micro_batch=mb, seq=seq, tokens_per_s="OOM"))
-                    continue
-                if name == STORE_ROW:
-                    from .bench_served_teacher import store_row  # it imports this module
+            if name == TORCHAO_ROW:
+                row_teacher = torchao_copy(SHAPES[shape][1], device, dtype, max(seqs))
+            elif name.startswith(FP8_ROW):
+                row_teacher = fp8_copy(SHAPES[shape][1], device, dtype, max(seqs))
+            else:
+                row_teacher = teacher
+            for seq in seqs:
+                failed = False
+                for mb in micro_batches:
+                    if failed:  # a larger micro-batch than one that ran out of memory will too
+                        rows.append(dict(shape=shape, method=name, micro_batch=mb, seq=seq, tokens_per_s="OOM"))
+                        continue
+                    if device.type == "cuda":  # every row's peak is its own
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    if name == STORE_ROW:
+                        from .bench_served_teacher import store_row  # it imports this module
 
-                    with tempfile.TemporaryDirectory() as workdir:
-                        row = store_row(SHAPES[shape], mb, seq, device, dtype, args.warmup, args.reps, Path(workdir))
-                else:
-                    row = run_one(name, SHAPES[shape], mb, seq, device, dtype, row_teacher, args.warmup, args.reps)
-                row["shape"] = shape
-                rows.append(row)
-                failed = row["tokens_per_s"] == "OOM" or str(row["tokens_per_s"]).startswith("error")
+                        with tempfile.TemporaryDirectory() as workdir:
+                            row = store_row(SHAPES[shape], mb, seq, device, dtype, args.warmup, args.reps,
+                                            Path(workdir))  # fmt: skip
+                    else:
+                        row = run_one(name, SHAPES[shape], mb, seq, device, dtype, row_teacher, args.warmup, args.reps)
+                    row["shape"] = shape
+                    rows.append(row)
+                    failed = row["tokens_per_s"] == "OOM" or str(row["tokens_per_s"]).startswith("error")
             del row_teacher
         del teacher
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(
-        f"\nsequence {seq}, bf16, AdamW; student gradient checkpointing unless 'no recompute'"
-        + (f"; {note}" if note else "")
+        f"\nsequence {', '.join(map(str, seqs))}, bf16, AdamW; student gradient checkpointing unless 'no recompute'"
+        + "".join(f"; {n}" for n in notes)
     )
-    table = print_table(rows, ["shape", "method", "micro_batch", "tokens_per_s", "peak_GiB", "loss"])
-    write_json(args.out, dict(environment=environment(), note=note, rows=rows, table=table))
+    table = print_table(rows, ["shape", "method", "seq", "micro_batch", "tokens_per_s", "peak_GiB", "loss"])
+    write_json(args.out, dict(environment=environment(), notes=notes, rows=rows, table=table))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,19 @@ def require_full_teacher(cfg: Any) -> None:
         )
 
 
+def check_fp8_options(cfg: Any) -> None:
+    """teacher_logits_fp8 / student_logits_fp8 are bools and apply to the full-vocabulary chunk loop only."""
+    for name in ("teacher_logits_fp8", "student_logits_fp8", "cuda_graph"):
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {name}={value!r}")
+        if value and cfg.estimator is not None and name != "cuda_graph":
+            raise ValueError(
+                f"{name}=True puts the fused loss's logit products in FP8, but estimator={cfg.estimator!r} scores one "
+                f"sampled token per row without them; set {name}=False or estimator=None"
+            )
+
+
 def check_weight(cfg: Any, name: str) -> None:
     value = getattr(cfg, name)
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -88,6 +101,16 @@ class KDLossConfig:
         rollouts): the sampled-token estimators of KL(student || teacher) of `reference.kl_estimator_terms`
         ("pg": the policy gradient of the per-token reverse KL). They take the models' own distributions
         (temperature 1); beta and tail do not apply.
+    teacher_logits_fp8: the teacher's logit product of the fused loss in FP8 (e4m3, one scale per hidden row and
+        per vocabulary row, fp32 accumulation; ops/fp8_logits.py says what the rounding does); the teacher's
+        distribution moves by the rounding, nothing else changes. Needs FP8 products (Ada / Hopper GPUs, or the
+        CPU on torch >= 2.13) and a teacher model (top-k teacher data have no product).
+    student_logits_fp8: the student's forward logit product in FP8 likewise; the backward products stay in the
+        input dtype, so the gradient is dLoss/dlogits at the FP8 logits chained through the unquantised head (a
+        straight-through estimator of the rounding).
+    cuda_graph: capture the fused loss's chunk loop (forward and gradients) in a CUDA graph per input signature and
+        replay it while the shapes repeat (training steps do); other calls, and any call off CUDA, run eagerly.
+        Costs about one weight gradient of memory more at peak (ops/graphed.py says what and why).
     """
 
     beta: float = 0.5
@@ -103,9 +126,13 @@ class KDLossConfig:
     fp32_weight_grad: bool = False
     vocab_size: int | None = None
     estimator: str | None = None
+    teacher_logits_fp8: bool = False
+    student_logits_fp8: bool = False
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         check_shared_options(self)
+        check_fp8_options(self)
         if self.estimator is not None:
             if self.estimator not in ESTIMATORS:
                 raise ValueError(f"estimator must be None or one of {ESTIMATORS}; got estimator={self.estimator!r}")

@@ -50,6 +50,12 @@ PARAMS: dict[str, str] = {
     "estimator": 'estimator (str | None): None (default) scores the full-vocabulary divergence; "pg", "k1", "k2" '
     "or \"k3\" scores each row's label, a token sampled from the student, with that sampled-token estimator of "
     "KL(student || teacher) (see KDLossConfig.estimator).",
+    "teacher_logits_fp8": "teacher_logits_fp8 (bool | None): the teacher's logit product in FP8 (e4m3, rowwise "
+    "scales, fp32 accumulation); default False (KDLossConfig.teacher_logits_fp8).",
+    "student_logits_fp8": "student_logits_fp8 (bool | None): the student's forward logit product in FP8; the "
+    "backward products stay in the input dtype; default False (KDLossConfig.student_logits_fp8).",
+    "cuda_graph": "cuda_graph (bool | None): replay the chunk loop from a CUDA graph while the shapes repeat "
+    "(KDLossConfig.cuda_graph); default False.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',

@@ -17,6 +17,8 @@ from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
 from ..ops.backend import eager, logits_fp32, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
+from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
+from ..ops.graphed import GRAPHS, graphs_usable, tensor_signature
 from .checks import (
     check_linear,
     check_topk_shapes,
@@ -64,6 +66,17 @@ def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dty
     return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
 
 
+def check_fp8_request(cfg: KDLossConfig, student_input: torch.Tensor, teacher_input: torch.Tensor | None) -> None:
+    """The FP8 options refused up front, with the reason, where the device or the shapes cannot run them."""
+    for option, on, x in (
+        ("student_logits_fp8", cfg.student_logits_fp8, student_input),
+        ("teacher_logits_fp8", cfg.teacher_logits_fp8, teacher_input),
+    ):
+        if on and x is not None:
+            require_fp8(x.device, option)
+            check_fp8_hidden(x.shape[-1], option)
+
+
 def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
 
@@ -81,6 +94,9 @@ def _run_fused(
     w_s = student_weight.to(dtype)
     kernel = kernels[select_backend(device, backend)]
     rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=bytes_per_logit)
+    student_product = None
+    if cfg.student_logits_fp8:  # the head quantised once per call: the student's weight changes every step
+        student_product = Fp8Product(w_s, vocab if columns is None else columns)
     plan = ChunkPlan(
         teacher_chunk=teacher_chunk(torch.float64 if dtype == torch.float64 else torch.float32),
         kernel=lambda *args: kernel(*args, cfg),
@@ -92,6 +108,7 @@ def _run_fused(
         soft_weight=cfg.soft_weight,
         hard_weight=cfg.hard_weight,
         fp32_weight_grad=cfg.fp32_weight_grad,
+        student_product=student_product,
     )
     with _no_autocast(device):
         loss, soft, hard = FusedLinearKDFunction.apply(
@@ -107,7 +124,8 @@ def _run_fused(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
         "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "estimator", "return_components", "check_inputs", "backend",
+        "estimator", "teacher_logits_fp8", "student_logits_fp8", "cuda_graph", "return_components", "check_inputs",
+        "backend",
     )
 )  # fmt: skip
 def fused_linear_jsd(
@@ -133,6 +151,9 @@ def fused_linear_jsd(
     fp32_weight_grad: bool | None = None,
     vocab_size: int | None = None,
     estimator: str | None = None,
+    teacher_logits_fp8: bool | None = None,
+    student_logits_fp8: bool | None = None,
+    cuda_graph: bool | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
@@ -157,9 +178,11 @@ def fused_linear_jsd(
         config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
         chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, estimator=estimator,
+        teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8, cuda_graph=cuda_graph,
     )  # fmt: skip
     check_linear("student", student_input, student_weight, student_bias)
     check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
+    check_fp8_request(cfg, student_input, teacher_input)
     vocab = resolve_vocab(student_weight.shape[0], teacher_weight.shape[0], cfg.vocab_size)
     columns = computed_columns(
         vocab, [student_weight.shape[0], teacher_weight.shape[0]], [cfg.softcap, cfg.teacher_softcap], cfg.temperature
@@ -179,15 +202,33 @@ def fused_linear_jsd(
         return KDLossOutput(loss, soft, hard) if return_components else loss
     if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
         run_device_checks([label_check(flat_labels, vocab, cfg)])
+    if cfg.cuda_graph and graphs_usable(student_input, cfg.reduction):
+        out = _graphed_jsd(
+            student_input, student_weight, teacher_input, teacher_weight, labels, num_items_in_batch, student_bias,
+            teacher_bias, cfg, vocab, backend,
+        )  # fmt: skip
+        if out is not None:
+            return KDLossOutput(*out) if return_components else out[0]
     # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
     teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
     h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
-    w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
     b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
+    if cfg.teacher_logits_fp8:  # quantised once, and kept while a frozen head is unchanged (ops/fp8_logits.py)
+        head = quantize_head(teacher_weight, columns, keep=not teacher_weight.requires_grad)
+        keep_bf16 = select_backend(h_t.device, backend) == "triton"  # the Triton kernel reads bf16 teacher logits
+
+        def product(hidden: torch.Tensor) -> torch.Tensor:
+            return fp8_logits(hidden, head, b_t, keep_bf16=keep_bf16)
+    else:
+        w_t = teacher_weight.detach()[:columns].to(teacher_dtype)
+
+        def product(hidden: torch.Tensor) -> torch.Tensor:
+            return logits_fp32(hidden, w_t, b_t)
 
     def teacher_chunk(logits_dtype: torch.dtype):
         def logits(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
-            return logits_fp32(zero_rows(h_t[start:end], active), w_t, b_t).to(logits_dtype)
+            z = product(zero_rows(h_t[start:end], active))
+            return z if z.dtype == torch.bfloat16 else z.to(logits_dtype)  # bf16 only from an FP8 product kept so
 
         return logits
 
@@ -208,11 +249,37 @@ def fused_linear_jsd(
     )
 
 
+def _graphed_jsd(h_s, w_s, h_t, w_t, labels, num_items_in_batch, b_s, b_t, cfg, vocab, backend):
+    """fused_linear_jsd replayed from a CUDA graph (ops/graphed.py); None where this signature cannot be captured.
+    Hidden states, labels and the item count are copied into the graph's buffers; weights and biases are read in
+    place, so their addresses are part of the signature (and the teacher weight's version: its FP8 copy)."""
+    labels = None if labels is None else labels.to(h_s.device)  # the graph's copy lives on the device
+    count = None
+    if num_items_in_batch is not None:
+        count = torch.as_tensor(num_items_in_batch, dtype=torch.float32).to(h_s.device, non_blocking=True)
+    key = (
+        "jsd", *(tensor_signature(t) for t in (h_s, h_t, labels, count)),
+        *(tensor_signature(t, address=True) for t in (w_s, w_t, b_s, b_t)), w_t._version, cfg, backend,
+        torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+    )  # fmt: skip
+    rows = cfg.chunk_size or choose_chunk_size(h_s.reshape(-1, h_s.shape[-1]).shape[0], vocab, h_s.device, 8)
+    inner = cfg.replace(cuda_graph=False, chunk_size=rows)
+
+    def loss(h_s_, h_t_, labels_, count_):
+        out = fused_linear_jsd(h_s_, w_s, h_t_, w_t, labels_, num_items_in_batch=count_, student_bias=b_s,
+                               teacher_bias=b_t, config=inner, return_components=True, check_inputs=False,
+                               backend=backend)  # fmt: skip
+        return out.loss, out.soft, out.hard
+
+    return GRAPHS(key, (h_s, h_t, labels, count), (w_s, b_s), loss)
+
+
 @eager
 @shared_docs(
     args=args_section(
         "student_input", "student_weight", "teacher_token_ids", "teacher_logprobs", "labels", "num_items_in_batch",
-        "student_bias", *LOSS_OPTIONS[:3], "tail", *LOSS_OPTIONS[3:], "return_components", "check_inputs", "backend",
+        "student_bias", *LOSS_OPTIONS[:3], "tail", *LOSS_OPTIONS[3:], "student_logits_fp8", "return_components",
+        "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_topk_kd(
@@ -236,6 +303,7 @@ def fused_linear_topk_kd(
     chunk_size: int | None = None,
     fp32_weight_grad: bool | None = None,
     vocab_size: int | None = None,
+    student_logits_fp8: bool | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
@@ -260,10 +328,16 @@ def fused_linear_topk_kd(
     cfg = KDLossConfig.build(
         config, beta=beta, temperature=temperature, tail=tail, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
-        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
+        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, student_logits_fp8=student_logits_fp8,
     )  # fmt: skip
     require_full_teacher(cfg)
     check_linear("student", student_input, student_weight, student_bias)
+    if cfg.teacher_logits_fp8:
+        raise ValueError(
+            "teacher_logits_fp8=True puts a teacher model's logit product in FP8; top-k teacher log-probs have no "
+            "product: set teacher_logits_fp8=False (student_logits_fp8 applies here)"
+        )
+    check_fp8_request(cfg, student_input, None)
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
     # tempering top-k log-probs (T != 1) spreads the teacher's rest over the V - k tokens outside its top-k: V
     # must stay the real vocabulary there, so the columns are padded for alignment only at T = 1

@@ -80,6 +80,7 @@ def run_chunked(
     columns: int | None = None,
     temperature: float = 1.0,
     fp32_weight_grad: bool = False,
+    student_product: Callable | None = None,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
@@ -89,6 +90,8 @@ def run_chunked(
     gradient, and the products stay aligned. Rows whose weights are both 0 (ignored labels, or no items in
     the batch) are replaced by zeros before any product, so NaN or inf in them (padding garbage) reaches
     neither the loss nor a gradient: a zero row weight alone would not do, as 0 * NaN is NaN.
+    `student_product(hidden, weight, bias)`: the forward logit product (default `logits_fp32`; an FP8 one with
+    student_logits_fp8); the gradient products always use `weight` and the hidden rows as they are.
     """
     n_rows, full_vocab = student_input.shape[0], student_weight.shape[0]
     vocab = full_vocab if vocab is None else vocab
@@ -119,7 +122,7 @@ def run_chunked(
         end = min(n_rows, start + chunk_size)
         chunk_active = active[start:end]
         hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
-        logits = logits_fp32(hidden, weight, bias)
+        logits = (student_product or logits_fp32)(hidden, weight, bias)
         soft, hard, grad_logits = kernel(
             logits,
             teacher_chunk(start, end, chunk_active),
@@ -181,6 +184,7 @@ class ChunkPlan:
     fp32_weight_grad: bool = False
     columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
     temperature: float = 1.0  # scales the padding columns' bias
+    student_product: Callable | None = None  # the student's forward product (run_chunked's default: logits_fp32)
 
 
 class FusedLinearKDFunction(torch.autograd.Function):
@@ -257,6 +261,7 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         columns=plan.columns,
         temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
+        student_product=plan.student_product,
     )
 
 

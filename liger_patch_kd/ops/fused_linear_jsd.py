@@ -43,6 +43,7 @@ def jsd_chunk_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
     inv_t = 1.0 / cfg.temperature
+    teacher_logits = teacher_logits.to(student_logits.dtype)  # bf16 teacher logits (FP8 products) in fp32 math
     capped = apply_softcap(student_logits, cfg.softcap)
     log_s = F.log_softmax(capped * inv_t, dim=-1)
     log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.teacher_softcap) * inv_t, dim=-1)
@@ -70,7 +71,7 @@ if triton_available():
     def _jsd_chunk_kernel(
         # pointers
         zs_ptr,  # (rows, V) student logits, fp32 (fp64 in tests)
-        zt_ptr,  # (rows, V) teacher logits; the gradient overwrites them when grad_ptr views their storage
+        zt_ptr,  # (rows, V) teacher logits, fp32 or bf16 (FP8 products on CUDA); the gradient may overwrite them
         grad_ptr,  # (rows, V) dLoss/dlogits out, in the input dtype (unused without COMPUTE_GRAD)
         labels_ptr,  # (rows,) int64
         w_soft_ptr,  # (rows,) each row's weight of the KD term
@@ -113,7 +114,7 @@ if triton_available():
         for off in range(0, V, BLOCK):
             mask = off + cols < V
             xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
-            xt = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T)
+            xt = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty), cap_t, CAP_T)
             m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
             m_t, d_t = online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
@@ -138,7 +139,8 @@ if triton_available():
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
                 log_s = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S) * inv_temp - lse_s
-                log_p = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
+                log_p = softcap(zt, cap_t, CAP_T) * inv_temp - lse_t
                 s = tl.exp(log_s)
                 if MODE == 1:
                     term = s * (log_s - log_p)
@@ -161,7 +163,8 @@ if triton_available():
                 mask = off + cols < V
                 xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
                 log_s = xs * inv_temp - lse_s
-                log_p = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0), cap_t, CAP_T) * inv_temp - lse_t
+                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
+                log_p = softcap(zt, cap_t, CAP_T) * inv_temp - lse_t
                 s = tl.exp(log_s)
                 if MODE == 0:
                     p = tl.exp(log_p)

@@ -99,6 +99,14 @@ class KDTrainingArguments(TrainingArguments):
         default="bf16",
         metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
     )
+    kd_teacher_logits_fp8: bool = field(
+        default=False,
+        metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs)."},
+    )
+    kd_student_logits_fp8: bool = field(
+        default=False,
+        metadata={"help": "The fused loss's student forward logit product in FP8 (the backward stays bf16)."},
+    )
     kd_recompute_layers: int | None = field(
         default=None,
         metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
@@ -167,4 +175,5 @@ class KDTrainingArguments(TrainingArguments):
         return KDLossConfig(
             beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
             hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail, vocab_size=self.kd_vocab_size,
+            teacher_logits_fp8=self.kd_teacher_logits_fp8, student_logits_fp8=self.kd_student_logits_fp8,
         )  # fmt: skip
