@@ -16,7 +16,6 @@ row says otherwise. For each micro-batch, in one run:
   ... recompute 10/16 the FP8 row with only the first 10 student layers recomputed: the memory the FP8 teacher
                       frees goes to keeping activations
   ... fp8 logits      the FP8 teacher with its logit product in the loss in FP8 too (teacher_logits_fp8)
-  ... cuda graph      ... and the loss's chunk loop replayed from a CUDA graph (cuda_graph); also on the bf16 teacher
   trl/liger+kernels both, torchao fp8 teacher   Liger's kernels on both models and the teacher's decoder quantised
                       by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
@@ -39,7 +38,6 @@ import torch
 from liger_patch_kd import reference as R
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.models.recompute import limit_recompute
-from liger_patch_kd.ops.graphed import GRAPHS
 
 from .common import environment, print_table, write_json
 
@@ -82,14 +80,12 @@ STORE_ROW = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
 SELECTIVE, SELECTIVE_LAYERS = "recompute 10/16", 10
 FP8_SELECTIVE_ROW = f"{FP8_ROW}, {SELECTIVE}"
 FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
-FP8_GRAPH_ROW = f"{FP8_LOGITS_ROW}, cuda graph"
-GRAPH_ROW = "liger_patch_kd, cuda graph"
 TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
 
 
 def loss_options(name: str) -> dict:
     """The KDLossConfig options a row's name asks for (only those it turns on)."""
-    return {k: True for k, tag in (("teacher_logits_fp8", "fp8 logits"), ("cuda_graph", "cuda graph")) if tag in name}
+    return {"teacher_logits_fp8": True} if "fp8 logits" in name else {}
 
 
 def torchao_missing() -> str | None:
@@ -250,7 +246,6 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         del student, opt, step, batch
         revert_kd_patch(model=teacher)
         revert_kd_patch()
-        GRAPHS.clear()  # a graphed row's captured buffers must not count against the next row
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -287,12 +282,11 @@ def main() -> None:
         notes.append(torchao_missing())
     if args.tiny:
         liger = []
-    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, FP8_GRAPH_ROW]
+    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW]
     methods = [
         "plain HF",
         *liger[:1],
         "liger_patch_kd",
-        GRAPH_ROW,
         "liger_patch_kd no recompute",
         *([] if args.no_fp8 else fp8_rows),
         f"offline top-{TOP_K}",

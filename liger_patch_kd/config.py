@@ -53,11 +53,11 @@ def require_full_teacher(cfg: Any) -> None:
 
 def check_fp8_options(cfg: Any) -> None:
     """teacher_logits_fp8 / student_logits_fp8 are bools and apply to the full-vocabulary chunk loop only."""
-    for name in ("teacher_logits_fp8", "student_logits_fp8", "cuda_graph"):
+    for name in ("teacher_logits_fp8", "student_logits_fp8"):
         value = getattr(cfg, name)
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; got {name}={value!r}")
-        if value and cfg.estimator is not None and name != "cuda_graph":
+        if value and cfg.estimator is not None:
             raise ValueError(
                 f"{name}=True puts the fused loss's logit products in FP8, but estimator={cfg.estimator!r} scores one "
                 f"sampled token per row without them; set {name}=False or estimator=None"
@@ -108,9 +108,6 @@ class KDLossConfig:
     student_logits_fp8: the student's forward logit product in FP8 likewise; the backward products stay in the
         input dtype, so the gradient is dLoss/dlogits at the FP8 logits chained through the unquantised head (a
         straight-through estimator of the rounding).
-    cuda_graph: capture the fused loss's chunk loop (forward and gradients) in a CUDA graph per input signature and
-        replay it while the shapes repeat (training steps do); other calls, and any call off CUDA, run eagerly.
-        Costs about one weight gradient of memory more at peak (ops/graphed.py says what and why).
     """
 
     beta: float = 0.5
@@ -128,7 +125,6 @@ class KDLossConfig:
     estimator: str | None = None
     teacher_logits_fp8: bool = False
     student_logits_fp8: bool = False
-    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         check_shared_options(self)

@@ -15,6 +15,7 @@ from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows_torch
 
+from .helpers import DEVICE
 from .test_trainer import _args, _dataset
 from .tiny_models import tiny_model
 
@@ -258,8 +259,9 @@ def test_jsd_kernels_read_bf16_teacher_logits(beta, grad_dtype):
     cfg = KDLossConfig(beta=beta, temperature=1.5, hard_weight=0.3)
     want = jsd_chunk_torch(zs.double(), zt.double(), labels, w, w, torch.float64, cfg)
     kernels = [jsd_chunk_torch] + ([jsd_chunk_triton] if triton_available() else [])
-    for kernel in kernels:
-        soft, hard, grad = kernel(zs, zt.clone(), labels, w, w, grad_dtype, cfg)
+    for kernel in kernels:  # on the device the Triton kernel runs on (interpreted on a CPU)
+        args = (t.to(DEVICE) for t in (zs, zt.clone(), labels, w, w))
+        soft, hard, grad = (t.cpu() for t in kernel(*args, grad_dtype, cfg))
         torch.testing.assert_close(soft.double(), want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(hard.double(), want[1], rtol=1e-5, atol=1e-6)
         step = 2.0**-7 if grad_dtype == torch.bfloat16 else 1e-5

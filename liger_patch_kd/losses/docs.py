@@ -54,8 +54,6 @@ PARAMS: dict[str, str] = {
     "scales, fp32 accumulation); default False (KDLossConfig.teacher_logits_fp8).",
     "student_logits_fp8": "student_logits_fp8 (bool | None): the student's forward logit product in FP8; the "
     "backward products stay in the input dtype; default False (KDLossConfig.student_logits_fp8).",
-    "cuda_graph": "cuda_graph (bool | None): replay the chunk loop from a CUDA graph while the shapes repeat "
-    "(KDLossConfig.cuda_graph); default False.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',

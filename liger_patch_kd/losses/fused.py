@@ -18,7 +18,6 @@ from ..ops import fused_linear_topk_kd as topk_op
 from ..ops.backend import eager, logits_fp32, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
-from ..ops.graphed import GRAPHS, graphs_usable, tensor_signature
 from .checks import (
     check_linear,
     check_topk_shapes,
@@ -124,7 +123,7 @@ def _run_fused(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
         "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "estimator", "teacher_logits_fp8", "student_logits_fp8", "cuda_graph", "return_components", "check_inputs",
+        "estimator", "teacher_logits_fp8", "student_logits_fp8", "return_components", "check_inputs",
         "backend",
     )
 )  # fmt: skip
@@ -153,7 +152,6 @@ def fused_linear_jsd(
     estimator: str | None = None,
     teacher_logits_fp8: bool | None = None,
     student_logits_fp8: bool | None = None,
-    cuda_graph: bool | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
@@ -178,7 +176,7 @@ def fused_linear_jsd(
         config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
         chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, estimator=estimator,
-        teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8, cuda_graph=cuda_graph,
+        teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8,
     )  # fmt: skip
     check_linear("student", student_input, student_weight, student_bias)
     check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
@@ -202,13 +200,6 @@ def fused_linear_jsd(
         return KDLossOutput(loss, soft, hard) if return_components else loss
     if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
         run_device_checks([label_check(flat_labels, vocab, cfg)])
-    if cfg.cuda_graph and graphs_usable(student_input, cfg.reduction):
-        out = _graphed_jsd(
-            student_input, student_weight, teacher_input, teacher_weight, labels, num_items_in_batch, student_bias,
-            teacher_bias, cfg, vocab, backend,
-        )  # fmt: skip
-        if out is not None:
-            return KDLossOutput(*out) if return_components else out[0]
     # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
     teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
     h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
@@ -247,31 +238,6 @@ def fused_linear_jsd(
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
     )
-
-
-def _graphed_jsd(h_s, w_s, h_t, w_t, labels, num_items_in_batch, b_s, b_t, cfg, vocab, backend):
-    """fused_linear_jsd replayed from a CUDA graph (ops/graphed.py); None where this signature cannot be captured.
-    Hidden states, labels and the item count are copied into the graph's buffers; weights and biases are read in
-    place, so their addresses are part of the signature (and the teacher weight's version: its FP8 copy)."""
-    labels = None if labels is None else labels.to(h_s.device)  # the graph's copy lives on the device
-    count = None
-    if num_items_in_batch is not None:
-        count = torch.as_tensor(num_items_in_batch, dtype=torch.float32).to(h_s.device, non_blocking=True)
-    key = (
-        "jsd", *(tensor_signature(t) for t in (h_s, h_t, labels, count)),
-        *(tensor_signature(t, address=True) for t in (w_s, w_t, b_s, b_t)), w_t._version, cfg, backend,
-        torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-    )  # fmt: skip
-    rows = cfg.chunk_size or choose_chunk_size(h_s.reshape(-1, h_s.shape[-1]).shape[0], vocab, h_s.device, 8)
-    inner = cfg.replace(cuda_graph=False, chunk_size=rows)
-
-    def loss(h_s_, h_t_, labels_, count_):
-        out = fused_linear_jsd(h_s_, w_s, h_t_, w_t, labels_, num_items_in_batch=count_, student_bias=b_s,
-                               teacher_bias=b_t, config=inner, return_components=True, check_inputs=False,
-                               backend=backend)  # fmt: skip
-        return out.loss, out.soft, out.hard
-
-    return GRAPHS(key, (h_s, h_t, labels, count), (w_s, b_s), loss)
 
 
 @eager
