@@ -168,3 +168,22 @@ def test_a_teacher_without_an_eos_is_refused_before_training(toks):
     collator = CrossTokenizerCollator(toks["bpe"], teacher_tok)
     with pytest.raises(ValueError, match="teacher EOS id None"):
         generated_rows(collator, _model(300, 32, 1, 0, "cpu"), toks["bpe"], None, _vocab_map(toks))
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "exact", "uld", "next_byte", "chain"])
+def test_the_eos_group_is_scored_by_the_kd_term_except_by_the_byte_chain(toks, kind):
+    """A completion that stopped has one more group (EOS <-> EOS) than the same text cut at max_new_tokens; every
+    kind but "chain" scores it (chain compares bytes of text, which EOS has none of: CE scores stopping there)."""
+    bpe, char, collator = toks["bpe"], toks["char"], toks["collator"]
+    student = _model(bpe.get_vocab_size(), 32, 1, seed=0, device="cpu").double()
+    teacher = _model(len(char), 32, 1, seed=1, device="cpu").double()
+    rows, vocab_map = generated_rows(collator, student, bpe, teacher, _vocab_map(toks))
+    prompt = collator([{"prompt": "At dawn, "}])
+    s_prompt, t_prompt = prompt["input_ids"][0].tolist(), prompt["teacher_input_ids"][0].tolist()
+    text = bpe.encode("the fox").ids
+    cfg = CrossTokenizerConfig(kind=kind, reduction="sum")
+    stopped = compute_cross_tokenizer_loss(student, teacher, rows([s_prompt], [text + [EOS]], [t_prompt]), cfg,
+                                           vocab_map)  # fmt: skip
+    cut = compute_cross_tokenizer_loss(student, teacher, rows([s_prompt], [text], [t_prompt]), cfg, vocab_map)
+    eos_term = float(stopped.soft - cut.soft)  # causal: the text's groups score the same in both rows
+    assert eos_term == 0.0 if kind == "chain" else eos_term > 0.01, eos_term

@@ -8,7 +8,10 @@ student tokens' text concatenated (each id's UTF-8 bytes as its vocabulary spell
 special tokens stand for no text), so both sides' offsets refer to one string and `align_tokens` groups them as
 the collator does for a dataset's completion. A completion that ended at EOS gets one more group, the student's
 EOS with the teacher's EOS (appended to the teacher's sequence), one to one: stopping is scored by the KD term as
-well as by CE. Only completion tokens carry labels; padding never does.
+well as by CE (by every kind but "chain", which compares bytes of text and EOS has none: there CE scores it).
+Only completion tokens carry labels; padding never does. The completion's text is tokenized for the teacher on
+its own, after its prompt tokens: a tokenizer that adds a prefix space to a text's start (SentencePiece's dummy
+prefix) gives the teacher one there, as it would for any text it tokenizes alone.
 """
 
 from __future__ import annotations
