@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = DemoSizes() if args.full else DemoSizes.quick()
     if args.tiny:
-        sizes = DemoSizes(seq=24, teacher_steps=2, student_steps=6, batch=4)
+        sizes = DemoSizes(seq=16, teacher_steps=1, student_steps=4, batch=2)
     load_before = os.getloadavg()
     print(f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}), "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")  # fmt: skip

@@ -187,3 +187,28 @@ def test_the_eos_group_is_scored_by_the_kd_term_except_by_the_byte_chain(toks, k
     cut = compute_cross_tokenizer_loss(student, teacher, rows([s_prompt], [text], [t_prompt]), cfg, vocab_map)
     eos_term = float(stopped.soft - cut.soft)  # causal: the text's groups score the same in both rows
     assert eos_term == 0.0 if kind == "chain" else eos_term > 0.01, eos_term
+
+
+def test_conversational_prompts_keep_each_models_own_chat_template():
+    """{"prompt": [messages]} rows: each side's prompt is its own template's rendering (generation prompt added);
+    the sampled completion (multi-byte characters included) reaches the teacher as the same text in its tokens."""
+    from .test_align import BRACKETS, CHATML, _chat_tokenizer
+
+    corpus = "the user asks: what is a cat? the cat is an animal. café 🙂 " * 30
+    student = _chat_tokenizer(train_bpe_tokenizer(corpus, 300), CHATML)
+    teacher = _chat_tokenizer(train_bpe_tokenizer(corpus.upper() + corpus, 330), BRACKETS)
+    collator = CrossTokenizerCollator(student, teacher)
+    prompt = [{"role": "user", "content": "what is a cat?"}]
+    batch = collator([{"prompt": prompt}])
+    assert "kd_has_completion" in batch and not batch["kd_has_completion"].any() and batch["labels"].eq(-100).all()
+    t_prompt = batch["teacher_input_ids"][0, : int(batch["teacher_prompt_length"][0])].tolist()
+    assert teacher.decode(t_prompt) == teacher.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    rows = GeneratedRows.build(collator, len(student), {student.eos_token_id}, teacher.eos_token_id)
+    sampled = student.encode("a café 🙂", add_special_tokens=False) + [student.eos_token_id]
+    out = rows([batch["input_ids"][0].tolist()], [sampled], [t_prompt])
+    t_ids = out["teacher_input_ids"][0].tolist()
+    assert t_ids[: len(t_prompt)] == t_prompt and t_ids[-1] == teacher.eos_token_id
+    assert teacher.decode(t_ids[len(t_prompt) : -1]) == "a café 🙂"
+    s_groups, t_groups = out["student_align_groups"][0], out["teacher_align_groups"][0]
+    assert torch.equal(s_groups[s_groups >= 0].unique(), t_groups[t_groups >= 0].unique())
+    assert s_groups[-2] >= 0 and s_groups[: len(batch["input_ids"][0]) - 1].eq(-1).all()  # the prompt: no group
