@@ -15,6 +15,24 @@ demo's on-policy options (demo.same_tokenizer.ONPOLICY_KD: kd_lmbda 0.5, 24 samp
 Rows alternate over `--repeats` rounds (a busy machine slows every row alike) and report the fastest round:
 train_s (trainer.train()), generate_s (inside generate()), the rest (train_s - generate_s), tokens/s as the demo
 counts them. The load average is printed before and after: figures from a loaded machine are not comparable.
+
+Measured 2026-12-01, one thread, CPU (train_s, fastest round; generate_s in brackets):
+
+    machine                                  sizes   0.2's way       batched (default)   online (floor)
+    16-core host, load < 1 (torch 2.11)      quick    6.89 (3.06)     7.68 (3.38)         4.18
+                                             full    15.35 (5.48)    14.86 (5.31)        12.27
+    2-core dev machine, load 7.5-11          quick   29.9 (14.3)     27.9 (13.9)         18.6
+    (torch 2.13; benchmarks/results/bench_demo_onpolicy_cpu.json)
+
+The two on-policy rows are the same run: the demo trains without gradient accumulation (one micro-batch of 8 or
+16 rows per optimizer step), so 0.2's per-micro-batch generate() and the batched default both make one call per
+generated step (64 of the quick demo's 150 steps, 119 of the full one's 250), with the dynamic cache either way
+on a CPU; the differences above are run-to-run noise. Batching across micro-batches, the lever on a GPU (5x in
+bench_onpolicy), has nothing to batch here. Generation is 40-45 % of the quick row and 35 % of the full one, a
+decode step's cost being the tiny model's per-op overhead in its forward (a hand-written sampling loop took the
+same time as generate(): 104 against 106 ms a call of 16 rows x 24 tokens). Even free generation would leave the
+online floor, 1.65x (quick) and 1.25x (full) below 0.2's time: the issue's 3x for this row cannot come from the
+rollouts without changing what the demo measures.
 """
 
 from __future__ import annotations
