@@ -18,6 +18,8 @@ from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
 from liger_patch_kd.trainer.cross_tokenizer_rollouts import generated_rows, rows_maker
 from liger_patch_kd.trainer.onpolicy import GENERATED, OnPolicySteps
 
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
 PROMPTS = [{"prompt": "At dawn, "}, {"prompt": "The mill "}, {"prompt": ""}, {"prompt": "Night: owls"}]
 
 
@@ -127,14 +129,19 @@ def _args(tmp_path, **kw):
     return KDTrainingArguments(**{**base, **kw})
 
 
-@pytest.mark.parametrize("rows", [PROMPTS, [{"prompt": p["prompt"], "completion": "the fox."} for p in PROMPTS]],
-                         ids=["prompt-only", "prompt+completion"])  # fmt: skip
-def test_kd_trainer_trains_on_policy_across_tokenizers_bf16_accumulation_one_generate_per_step(toks, tmp_path, rows):
+@pytest.mark.parametrize(
+    "rows, patched",
+    [(PROMPTS, False), ([{"prompt": p["prompt"], "completion": "the fox."} for p in PROMPTS], True)],
+    ids=["prompt-only", "prompt+completion, patched student"],
+)  # fmt: skip
+def test_kd_trainer_trains_on_policy_across_tokenizers_bf16_accumulation_one_generate_per_step(
+    toks, tmp_path, rows, patched
+):
     student = _model(toks["bpe"].get_vocab_size(), 32, 1, seed=3, device="cpu")
     stop = ForcedStop(student)
     trainer = KDTrainer(model=student, teacher_model=_model(len(toks["char"]), 32, 1, 1, "cpu"),
-                        args=_args(tmp_path, bf16=True), train_dataset=rows * 2, processing_class=toks["bpe"],
-                        teacher_tokenizer=toks["char"])  # fmt: skip
+                        args=_args(tmp_path, bf16=True, use_kd_patch=patched), train_dataset=rows * 2,
+                        processing_class=toks["bpe"], teacher_tokenizer=toks["char"])  # fmt: skip
     trainer.train()
     assert stop.calls == [4, 4]  # one generate() per optimizer step, both micro-batches' prompts together
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
