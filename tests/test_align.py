@@ -188,7 +188,7 @@ def test_collator_with_two_chat_templates_scores_the_completion_only():
 def test_collator_rejects_unusable_examples():
     char = CharTokenizerWithOffsets("abc")
     collate = CrossTokenizerCollator(char, char)
-    with pytest.raises(ValueError, match="'messages' or 'prompt' \\+ 'completion'"):
+    with pytest.raises(ValueError, match="'messages' or 'prompt' \\(\\+ 'completion'\\)"):
         collate([{"text": "abc"}])
     with pytest.raises(ValueError, match="end with the assistant"):
         collate([{"messages": [{"role": "user", "content": "a"}]}])

@@ -149,3 +149,47 @@ def test_kd_trainer_trains_against_a_served_teacher_with_another_tokenizer(setup
     trainer.train()
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged
+
+
+def test_on_policy_rows_are_scored_by_the_served_teacher_on_its_own_tokens(setup, served, tmp_path):
+    """kd_lmbda=1 against `liger-kd serve` with another tokenizer: the generated rows' teacher tokens are sent to
+    the server, and its top-k gives the loss the same top-k computed in process gives; then train()."""
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+    from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
+    from liger_patch_kd.trainer.cross_tokenizer_rollouts import generated_rows, rows_maker
+    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.served import CROSS_TOKENIZER_KEYS
+
+    from .test_teacher_server import TOP_K
+
+    s, cfg = setup, CrossTokenizerConfig(kind="hybrid", hard_weight=0.5, uld_top_k=16)
+    bpe = s["collator"].student_tokenizer
+    prompts = [{"prompt": "At dawn, "}, {"prompt": ""}]
+    args = KDTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, kd_teacher_tokenizer="given below",
+        kd_cross_tokenizer_loss="hybrid", kd_uld_top_k=16, kd_hard_weight=0.5, remove_unused_columns=False,
+        kd_teacher_url=served.url, kd_teacher_protocol="liger", kd_teacher_top_k=TOP_K, kd_lmbda=1.0,
+        kd_max_new_tokens=6,
+    )  # fmt: skip
+    student = _model(len(bpe.get_vocab()), 32, 1, seed=3, device="cpu")
+    rows, vocab_map = generated_rows(s["collator"], student, bpe, None, s["vocab_map"])
+    client = TeacherClient(served.url, "liger", top_k=TOP_K, vocab_size=len(s["char"]))
+    prefetcher = TeacherPrefetcher([], client, keys=CROSS_TOKENIZER_KEYS)
+    (batch,) = OnPolicySteps(args).replace(student, [s["collator"](prompts)], tokenizer=bpe, step=0,
+                                           device=torch.device("cpu"), attach_teacher=prefetcher.with_teacher,
+                                           make_rows=rows_maker(rows, s["collator"]))  # fmt: skip
+    local = dict(batch)
+    local["teacher_token_ids"], local["teacher_logprobs"] = teacher_topk(
+        s["teacher"], batch["teacher_input_ids"], batch["teacher_attention_mask"], TOP_K
+    )
+    served_loss = compute_cross_tokenizer_loss(student, None, batch, cfg, vocab_map)
+    local_loss = compute_cross_tokenizer_loss(student, None, local, cfg, vocab_map)
+    torch.testing.assert_close(served_loss.loss, local_loss.loss, rtol=1e-5, atol=1e-6)
+    assert served_loss.soft > 0
+    trainer = KDTrainer(model=student, args=args, train_dataset=prompts * 2, data_collator=s["collator"],
+                        processing_class=bpe, teacher_tokenizer=s["char"])  # fmt: skip
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged
+    assert len(trainer.kd_rollout_seconds) == 2

@@ -2,7 +2,8 @@
 
 Each example is a conversation ({"messages": [..., {"role": "assistant", "content": ...}]}, each tokenizer
 rendering it through its own chat template) or a plain pair ({"prompt": str, "completion": str}, the text
-prompt + completion for both). Both texts are tokenized once with character offsets; the completion's content
+prompt + completion for both), or, for on-policy steps, a prompt alone ({"prompt": str} or {"prompt": [messages]}:
+the student generates the completion). Both texts are tokenized once with character offsets; the completion's content
 (the last message's text) is located in each rendered string, and the tokens covering it are aligned by
 `align_tokens`. The loss covers the completion only: student labels on every token after the prompt
 (including the student template's end-of-turn tokens, for the CE term), groups on the aligned content.
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .offsets import align_tokens, encode_with_offsets, first_token_at_or_after
+from .offsets import Group, align_tokens, encode_with_offsets, first_token_at_or_after
 
 
 def render(tokenizer, example: dict[str, Any]) -> tuple[str, int, int]:
@@ -38,10 +39,63 @@ def render(tokenizer, example: dict[str, Any]) -> tuple[str, int, int]:
                 f"cross-tokenizer alignment needs the content verbatim in both renderings"
             )
         return text, start, start + len(content)
-    if "prompt" in example and "completion" in example:
-        text = example["prompt"] + example["completion"]
-        return text, len(example["prompt"]), len(text)
-    raise ValueError(f"an example needs 'messages' or 'prompt' + 'completion'; got keys {sorted(example)}")
+    prompt = example.get("prompt")
+    if isinstance(prompt, list) and "completion" not in example:  # a conversational prompt alone (on-policy)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return text, len(text), len(text)
+    if isinstance(prompt, list):
+        return render(tokenizer, {"messages": prompt + list(example["completion"])})
+    if isinstance(prompt, str):  # a text prompt, with its completion or alone (on-policy steps generate one)
+        text = prompt + example.get("completion", "")
+        return text, len(prompt), len(text)
+    raise ValueError(f"an example needs 'messages' or 'prompt' (+ 'completion'); got keys {sorted(example)}")
+
+
+def has_completion(example: dict[str, Any]) -> bool:
+    return "messages" in example or "completion" in example
+
+
+Row = tuple[list[int], list[int], list[int], list[bool], list[int], list[int], list[int], int]
+
+
+def aligned_row(
+    s_ids: list[int], s_labels: list[int], t_ids: list[int], t_prompt: int, groups: list[Group], first_group: int,
+    ignore_index: int = -100,
+) -> Row:  # fmt: skip
+    """One row's columns from its aligned groups (numbered from `first_group`, global in the batch): student ids,
+    labels, groups and exact flags per shifted row (row r concerns token r + 1), teacher ids, labels (on grouped
+    tokens only) and groups, and the teacher's prompt length (its tokens before the completion's content)."""
+    t_labels = [ignore_index] * len(t_ids)
+    s_group, t_group, exact = [-1] * len(s_ids), [-1] * len(t_ids), [False] * len(s_ids)
+    for g, group in enumerate(groups, start=first_group):
+        for j in range(group.s_first, group.s_last + 1):
+            s_group[j - 1], exact[j - 1] = g, group.one_to_one
+        for j in range(group.t_first, group.t_last + 1):
+            t_group[j - 1] = g
+            t_labels[j] = t_ids[j]
+    return s_ids, s_labels, s_group, exact, t_ids, t_labels, t_group, t_prompt
+
+
+def pad_rows(rows: list[Row], student_pad_id: int, teacher_pad_id: int, ignore_index: int = -100) -> dict:
+    """The batch of `aligned_row`s, right-padded: padding is never labelled, attended or in a group."""
+    s_len = max(len(r[0]) for r in rows)
+    t_len = max(len(r[4]) for r in rows)
+
+    def pad(values, length, fill, dtype=torch.long):
+        return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
+
+    return {
+        "input_ids": pad([r[0] for r in rows], s_len, student_pad_id),
+        "attention_mask": pad([[1] * len(r[0]) for r in rows], s_len, 0),
+        "labels": pad([r[1] for r in rows], s_len, ignore_index),
+        "student_align_groups": pad([r[2] for r in rows], s_len, -1),
+        "align_exact_ok": pad([r[3] for r in rows], s_len, False, torch.bool),
+        "teacher_input_ids": pad([r[4] for r in rows], t_len, teacher_pad_id),
+        "teacher_attention_mask": pad([[1] * len(r[4]) for r in rows], t_len, 0),
+        "teacher_labels": pad([r[5] for r in rows], t_len, ignore_index),
+        "teacher_align_groups": pad([r[6] for r in rows], t_len, -1),
+        "teacher_prompt_length": torch.tensor([r[7] for r in rows], dtype=torch.long),
+    }
 
 
 @dataclass
@@ -50,7 +104,9 @@ class CrossTokenizerCollator:
     style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per
     shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
     in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,
-    where the exact-token term applies).
+    where the exact-token term applies); teacher_prompt_length (B,), the teacher's tokens before the completion's
+    content (what an on-policy step keeps of the teacher's row, align.generated). A prompt without a completion
+    ({"prompt": str} or a conversational prompt alone) has no label; such a batch carries `kd_has_completion`.
     Offline teacher data (a store or a server, no teacher model in process): an example that also carries
     `teacher_token_ids` / `teacher_logprobs` (L_t, K), row t the teacher's top-k after its token t, and
     `teacher_input_ids` (L_t,), the ids they were computed on (the store's key), gets them padded into the
@@ -110,33 +166,13 @@ class CrossTokenizerCollator:
             s_labels = [self.ignore_index] * len(s_ids)
             for j in range(max(1, first_token_at_or_after(s_rel, 0)), len(s_ids)):
                 s_labels[j] = s_ids[j]
-            t_labels = [self.ignore_index] * len(t_ids)
-            s_group, t_group, exact = [-1] * len(s_ids), [-1] * len(t_ids), [False] * len(s_ids)
-            for g in groups:
-                for j in range(g.s_first, g.s_last + 1):
-                    s_group[j - 1], exact[j - 1] = n_groups, g.one_to_one
-                for j in range(g.t_first, g.t_last + 1):
-                    t_group[j - 1] = n_groups
-                    t_labels[j] = t_ids[j]
-                n_groups += 1
-            rows.append((s_ids, s_labels, s_group, exact, t_ids, t_labels, t_group))
-        s_len = max(len(r[0]) for r in rows)
-        t_len = max(len(r[4]) for r in rows)
-
-        def pad(values, length, fill, dtype=torch.long):
-            return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
-
-        batch = {
-            "input_ids": pad([r[0] for r in rows], s_len, self.student_pad_id),
-            "attention_mask": pad([[1] * len(r[0]) for r in rows], s_len, 0),
-            "labels": pad([r[1] for r in rows], s_len, self.ignore_index),
-            "student_align_groups": pad([r[2] for r in rows], s_len, -1),
-            "align_exact_ok": pad([r[3] for r in rows], s_len, False, torch.bool),
-            "teacher_input_ids": pad([r[4] for r in rows], t_len, self.teacher_pad_id),
-            "teacher_attention_mask": pad([[1] * len(r[4]) for r in rows], t_len, 0),
-            "teacher_labels": pad([r[5] for r in rows], t_len, self.ignore_index),
-            "teacher_align_groups": pad([r[6] for r in rows], t_len, -1),
-        }
+            t_prompt = first_token_at_or_after(t_rel, 0)
+            rows.append(aligned_row(s_ids, s_labels, t_ids, t_prompt, groups, n_groups, self.ignore_index))
+            n_groups += len(groups)
+        batch = pad_rows(rows, self.student_pad_id, self.teacher_pad_id, self.ignore_index)
+        t_len = batch["teacher_input_ids"].shape[1]
+        if not all(has_completion(example) for example in examples):  # prompt-only rows: generated steps only
+            batch["kd_has_completion"] = torch.tensor([has_completion(example) for example in examples])
         if topk:
             if len(topk) != len(rows):
                 raise ValueError("either every example of a batch carries teacher_token_ids or none does")

@@ -9,6 +9,7 @@ compared by ULD (sorted, so no token correspondence is needed).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -80,6 +81,22 @@ class VocabMap:
 
     def __len__(self) -> int:
         return int(self.student_ids.numel())
+
+    def with_pairs(self, pairs: list[tuple[int, int]]) -> VocabMap:
+        """This map plus (student id, teacher id) pairs whose ids it maps to nothing yet (special tokens whose
+        strings differ but whose meaning is the same, such as the two EOS tokens), still sorted by student id."""
+        s_have, t_have = set(self.student_ids.tolist()), set(self.teacher_ids.tolist())
+        bad = [(s, t) for s, t in pairs if not (0 <= s < self.student_vocab_size and 0 <= t < self.teacher_vocab_size)]
+        if bad:
+            raise ValueError(f"pairs {bad} lie outside the vocabularies ({self.student_vocab_size} student / "
+                             f"{self.teacher_vocab_size} teacher ids)")  # fmt: skip
+        new = [(s, t) for s, t in pairs if s not in s_have and t not in t_have]
+        if not new:
+            return self
+        both = sorted([*zip(self.student_ids.tolist(), self.teacher_ids.tolist()), *new])
+        s_ids = torch.tensor([p[0] for p in both], dtype=torch.long, device=self.student_ids.device)
+        t_ids = torch.tensor([p[1] for p in both], dtype=torch.long, device=self.teacher_ids.device)
+        return dataclasses.replace(self, student_ids=s_ids, teacher_ids=t_ids)
 
     def to(self, device: torch.device | str) -> VocabMap:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731

@@ -26,6 +26,10 @@ from ..models import revert_kd_patch
 from ..utils.memory import PeakMemory
 from .toys import PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args, windows
 
+ONPOLICY_RECIPE = "on-policy (GKD, lmbda 0.5)"
+# its options (benchmarks/bench_demo_onpolicy.py times this row): half the steps on 24 sampled characters
+ONPOLICY_KD = dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)
+
 
 @torch.no_grad()
 def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float, float]:
@@ -127,6 +131,29 @@ def run_demo(
         return _run_demo(Path(work), quick, device, cross_tokenizer, seeds)
 
 
+def demo_data(sizes: DemoSizes):
+    """(tokenizer, training windows, 64 held-out windows, the training dataset, its collator) of the corpus."""
+    from ..teacher import TeacherDataCollator
+
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    split = int(len(text) * 0.9)
+    train = windows(tok.encode(text[:split]), sizes.seq)
+    held_out = windows(tok.encode(text[split:]), sizes.seq)[:64]
+    dataset = [{"input_ids": torch.tensor(w)} for w in train]
+    return tok, train, held_out, dataset, TeacherDataCollator(pad_token_id=PAD)
+
+
+def train_teacher(dataset, collator, vocab: int, sizes: DemoSizes, out: Path, device):
+    """Step 2: the demo's teacher, Llama 4 x 128, trained on `dataset` with CE for sizes.teacher_steps."""
+    from transformers import Trainer
+
+    teacher = build_model(vocab, 128, 4, seed=0, device=device)
+    Trainer(model=teacher, args=training_args(out, sizes.teacher_steps, sizes.batch, device),
+            train_dataset=dataset, data_collator=collator).train()  # fmt: skip
+    return teacher.eval()
+
+
 def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool, seeds) -> list[dict]:
     from transformers import Trainer
 
@@ -138,20 +165,11 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
     seeds = tuple(seeds or ((1,) if quick else (1, 2, 3)))
     loss_memory_demo(dev)
 
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    split = int(len(text) * 0.9)
-    train = windows(tok.encode(text[:split]), sizes.seq)
-    held_out = windows(tok.encode(text[split:]), sizes.seq)[:64]
-    dataset = [{"input_ids": torch.tensor(w)} for w in train]
-    collator = TD.TeacherDataCollator(pad_token_id=PAD)
+    tok, train, held_out, dataset, collator = demo_data(sizes)
     vocab = len(tok)
 
     print(f"\n[2/5] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
-    teacher = build_model(vocab, 128, 4, seed=0, device=dev)
-    Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, dev),
-            train_dataset=dataset, data_collator=collator).train()  # fmt: skip
-    teacher.eval()
+    teacher = train_teacher(dataset, collator, vocab, sizes, work / "teacher", dev)
     ce, _ = evaluate(teacher, teacher, held_out, dev)
     print(f"teacher held-out CE {ce:.3f} nats/char")
 
@@ -166,9 +184,7 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
         f"offline top-{sizes.top_k} (store)": dict(
             teacher=None, data=offline_data, kd=dict(use_kd_patch=True, kd_beta=0.0)
         ),
-        "on-policy (GKD, lmbda 0.5)": dict(
-            teacher=teacher, data=dataset, kd=dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)
-        ),
+        ONPOLICY_RECIPE: dict(teacher=teacher, data=dataset, kd=dict(ONPOLICY_KD)),
     }
     results = []
     for name, recipe in recipes.items():

@@ -22,9 +22,11 @@ from ..align import (
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
+from ..align.generated import GeneratedRows
 from ..models import scaled_head_inputs, unwrap_model
 from ..models.kd_forward import output_head
 from ..models.registry import FAMILIES, REGISTRY, softcap_of
+from .cross_tokenizer_rollouts import generated_rows
 
 logger = logging.get_logger(__name__)
 
@@ -43,12 +45,21 @@ def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = 
 
 
 def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
-    """Options the cross-tokenizer path does not support yet, refused before training starts."""
-    if args.kd_seq_kd or args.kd_lmbda > 0:
+    """Options the cross-tokenizer path does not support, refused before training starts. On-policy steps
+    (kd_lmbda) are supported (cross_tokenizer_rollouts.py); the teacher's own generations (kd_seq_kd) would need
+    the student to re-tokenize the teacher's text, and the sampled-token losses need the teacher's log-prob of the
+    student's token, which another vocabulary does not have."""
+    if args.kd_seq_kd:
         raise ValueError(
-            f"cross-tokenizer on-policy distillation is not supported yet: kd_lmbda={args.kd_lmbda} / "
-            f"kd_seq_kd={args.kd_seq_kd} with kd_teacher_tokenizer (or teacher_tokenizer=) would score generated "
-            f"ids of one tokenizer with the other model; set kd_lmbda=0 and kd_seq_kd=False"
+            "cross-tokenizer sequence-level KD is not supported: kd_seq_kd=True with kd_teacher_tokenizer (or "
+            "teacher_tokenizer=) would train the student on the teacher's ids; set kd_seq_kd=False (student-"
+            "generated completions, kd_lmbda > 0, are supported across tokenizers)"
+        )
+    if args.kd_lmbda > 0 and args.kd_onpolicy_loss != "divergence":
+        raise ValueError(
+            f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} scores the teacher's log-prob of each token the student "
+            f"sampled, which a teacher with another tokenizer has no id for; across tokenizers on-policy steps use "
+            f"the cross-tokenizer loss (kd_cross_tokenizer_loss): set kd_onpolicy_loss='divergence'"
         )
 
 
@@ -77,6 +88,7 @@ class CrossTokenizerSetup:
     config: CrossTokenizerConfig
     vocab_map: VocabMap
     collator: CrossTokenizerCollator
+    generated: GeneratedRows | None = None  # on-policy runs (kd_lmbda > 0): batches of the student's rollouts
 
     @classmethod
     def build(cls, args: KDTrainingArguments, student_tokenizer, student_model: nn.Module,
@@ -85,7 +97,8 @@ class CrossTokenizerSetup:
         """`teacher_tokenizer` defaults to AutoTokenizer.from_pretrained(args.kd_teacher_tokenizer). The
         vocabulary map matches token strings after `byte_level_to_text` (so "Ġthe" matches "▁the"), over the
         ids the two lm_heads have. Without a teacher_model (offline top-k data) the teacher's vocabulary is
-        `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over."""
+        `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over. With
+        kd_lmbda > 0 it also pairs the student's EOS ids with the teacher's in the map and builds `generated`."""
         check_cross_tokenizer_args(args)
         if student_tokenizer is None:
             raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
@@ -107,7 +120,10 @@ class CrossTokenizerSetup:
             student_tokenizer, teacher_tokenizer, student_pad_id=_pad_id(student_tokenizer),
             teacher_pad_id=_pad_id(teacher_tokenizer), max_length=max_length,
         )  # fmt: skip
-        return cls(cross_tokenizer_config(args), vocab_map, collator)
+        generated = None
+        if args.kd_lmbda > 0:
+            generated, vocab_map = generated_rows(collator, student_model, student_tokenizer, teacher_model, vocab_map)
+        return cls(cross_tokenizer_config(args), vocab_map, collator, generated)
 
 
 def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Tensor, nn.Linear]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..models import unwrap_model
-from .rollouts import generate_rollouts, prompts_of, rollout_batch
+from .rollouts import Rollout, generate_rollouts, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
@@ -65,9 +65,12 @@ class OnPolicySteps:
         step: int,
         device: torch.device,
         attach_teacher: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        make_rows: Callable[[list[Rollout], dict[str, Any]], dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """The step's micro-batches with each row's completion sampled by `generator` (num_generations rows per
-        prompt, adjacent); `attach_teacher` adds a served teacher's top-k to each (on the CPU)."""
+        prompt, adjacent); `attach_teacher` adds a served teacher's top-k to each (on the CPU). `make_rows`
+        (rollouts, the micro-batch they replace) -> batch builds them (default rollout_batch; across tokenizers
+        cross_tokenizer_rollouts.rows_maker)."""
         model = unwrap_model(generator)
         pad, eos_ids, start = special_ids(model, tokenizer)
         prompts = [prompts_of(batch) for batch in batches]
@@ -81,8 +84,9 @@ class OnPolicySteps:
         self.seconds.append(time.perf_counter() - began)
         out, first = [], 0
         per_batch = [len(group) * self.settings.num_generations for group in prompts]
-        for count in per_batch:
-            batch = rollout_batch(rollouts[first : first + count], pad)
+        for count, source in zip(per_batch, batches):
+            chunk = rollouts[first : first + count]
+            batch = rollout_batch(chunk, pad) if make_rows is None else make_rows(chunk, source)
             first += count
             if attach_teacher is not None:
                 batch = attach_teacher(batch)

@@ -26,6 +26,7 @@ from .cross_tokenizer import (
     is_cross_tokenizer_batch,
     padded_vocab_size,
 )
+from .cross_tokenizer_rollouts import rows_maker
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
@@ -175,9 +176,11 @@ class KDTrainer(Trainer):
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
         if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
-            dataloader = served_teacher_dataloader(
+            served = served_teacher_dataloader(
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
             )
+            self._served = served  # and about the teacher's tokens of generated rows
+            dataloader = dataloader if self.args.kd_lmbda >= 1 else served
         elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
             served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
@@ -279,9 +282,10 @@ class KDTrainer(Trainer):
         attach = None
         if self._served is not None:
             attach = self._served.with_teacher
+        rows = None if self.xtok is None else rows_maker(self.xtok.generated, self.data_collator)
         batches = self.onpolicy.replace(
             generator, batches, tokenizer=self.processing_class, step=self.state.global_step,
-            device=self.args.device, attach_teacher=attach,
+            device=self.args.device, attach_teacher=attach, make_rows=rows,
         )  # fmt: skip
         return batches, self._get_num_items_in_batch(batches, device)
 
