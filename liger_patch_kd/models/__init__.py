@@ -14,6 +14,7 @@ Modules, lowest first (imports point down only):
   fp8_teacher, recompute
 """
 
+from .attention import ATTENTION_BACKENDS, attention_backend
 from .backbone import run_backbone
 from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
 from .heads import output_head
@@ -52,6 +53,8 @@ from .state import original_forward, unwrap_model
 from .transforms import scaled_head_inputs
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "attention_backend",
     "Fp8Linear",
     "quantize_teacher_fp8",
     "patch_teacher_kernels",
