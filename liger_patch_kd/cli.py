@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     srv = sub.add_parser(
-        "serve", help="serve a teacher's prompt log-probs (vLLM's /v1/completions protocol)", formatter_class=fmt
+        "serve", help="serve a model's prompt log-probs and completions (vLLM's /v1/completions protocol)",
+        formatter_class=fmt,
     )
     srv.add_argument("--teacher", required=True, help="HF model path or name (required)")
     srv.add_argument("--top-k", type=int, default=64, help="the most log-probs per position a request may ask")
