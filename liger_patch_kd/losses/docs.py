@@ -50,6 +50,10 @@ PARAMS: dict[str, str] = {
     "estimator": 'estimator (str | None): None (default) scores the full-vocabulary divergence; "pg", "k1", "k2" '
     "or \"k3\" scores each row's label, a token sampled from the student, with that sampled-token estimator of "
     "KL(student || teacher) (see KDLossConfig.estimator).",
+    "behaviour_logprobs": 'behaviour_logprobs (Tensor | None): estimator "pg" only, shaped like labels: the '
+    "log-prob of each row's label under the policy that sampled it (an engine's weights some steps old), for the "
+    "importance ratio exp(log q - log b); None: the student itself (fresh rollouts, ratio 1). Ignored rows are "
+    "never read.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',
