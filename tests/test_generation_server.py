@@ -67,10 +67,11 @@ def post(url, path, body=None, raw=None, key=None):
 
 
 def model_logprobs(model, prompt, completion):
-    """log q(completion token t | prefix) of `model` in one float32 forward."""
+    """log q(completion token t | prefix) of `model` in one float32 forward (its class's forward: accelerate wraps a
+    bf16 run's instance forward in autocast)."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logp = model(input_ids=ids).logits.float().log_softmax(-1)[0]
+        logp = type(model).forward(model, input_ids=ids).logits.float().log_softmax(-1)[0]
     start = len(prompt)
     return logp[start - 1 : start - 1 + len(completion)].gather(-1, ids[0, start:, None]).squeeze(-1)
 
