@@ -21,9 +21,9 @@ Weights: vLLM's own full-weight transfer moves tensors by NCCL or CUDA IPC betwe
 what TRL's vLLM sync uses); an HF model on a CPU cannot take part in that, so the full-weight route here is SGLang's
 disk-based one: safetensors files in a directory the server can read. Every tensor must name a parameter or buffer
 of the model with its shape (400 otherwise, before any weight changes); each update bumps `weight_version` (in
-/health and the reply). An adapter is used by a request whose `model` is its lora_name; any other name uses the base
-model. The model is used by one request at a time (a lock shared with the teacher scoring, which always runs on the
-base model with adapters off).
+/health and the reply). An adapter is used by a request whose `model` is its lora_name, the base model by one with
+the served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a
+lock shared with the teacher scoring, which always runs on the base model with adapters off).
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -165,6 +165,9 @@ class GenerationEngine:
     # ------------------------------------------------------------------------------------------- sampling
     def complete(self, req: GenerationRequest) -> dict[str, Any]:
         """The /v1/completions reply for `req` (runs in a worker thread)."""
+        if req.model not in (None, self.model_name, *self.adapters):  # vLLM's answer too: never another model
+            raise RequestError(404, f"the model {req.model!r} does not exist here; this server serves "
+                                    f"{[self.model_name, *self.adapters]}")  # fmt: skip
         adapter = req.model if req.model in self.adapters else None
         with self.lock, torch.no_grad():
             self._select(adapter)

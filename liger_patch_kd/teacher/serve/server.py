@@ -221,6 +221,8 @@ def build_app(
     async def generate(req) -> Response:
         try:
             reply = await asyncio.to_thread(engine.complete, req)
+        except RequestError as e:  # checked under the engine's lock: a model (adapter) that is not loaded
+            return error(e.status, e.message)
         except Exception as e:  # a fault of the server: 500, which clients retry
             log.exception("generation failed")
             return error(500, f"generation failed: {type(e).__name__}: {e}")
