@@ -241,3 +241,29 @@ def test_the_engines_api_key_is_sent_and_a_wrong_one_is_a_clear_error(tmp_path):
         rollouts = source(student, [[1, 2], []], settings, pad_id=0, eos_ids={2}, start_id=1)
         source.close()
     assert [r.prompt for r in rollouts] == [[1, 2], [1, 2], [1], [1]]  # n per prompt; an empty one starts at BOS
+
+
+def test_engine_rollouts_are_seeded_and_split_by_kd_rollout_batch_size(tmp_path):
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    prompts = [[1, 5, 9], [1, 7], [3, 3, 3, 3]]
+    with running(tiny_model("llama", dtype=torch.float32, seed=1)) as (url, app):
+        source = EngineRollouts(_args(tmp_path, kd_generation_url=url, kd_sync_steps=100))
+        sent = []
+        post_json = source.http.post_json
+        source.http.post_json = lambda path, body: sent.append((path, body)) or post_json(path, body)
+        run = dict(pad_id=0, eos_ids={2}, start_id=1)
+        one_call = RolloutSettings(max_new_tokens=6, num_generations=2, seed=4)
+        first = source(student, prompts, one_call, step=3, **run)
+        again = source(student, prompts, one_call, step=3, **run)
+        split = source(student, prompts, RolloutSettings(max_new_tokens=6, num_generations=2, seed=4, batch_size=2),
+                       step=3, **run)  # fmt: skip
+        source.close()
+        assert app.state.engine.weight_version == 1  # pushed once: kd_sync_steps=100
+    completions = [[r.completion for r in rs] for rs in (first, again, split)]
+    assert completions[0] == completions[1]  # the same seed and step: the same completions
+    assert [r.prompt for r in split] == [p for p in prompts for _ in range(2)]  # prompt-major, n adjacent
+    calls = [body for path, body in sent if path == "/v1/completions"]
+    assert [len(b["prompt"]) for b in calls] == [3, 3, 2, 1]  # kd_rollout_batch_size prompts per request
+    assert calls[2]["seed"] != calls[3]["seed"] and calls[0]["seed"] == calls[1]["seed"] == calls[2]["seed"]
+    assert all(b["n"] == 2 and b["max_tokens"] == 6 and b["stop_token_ids"] == [2] for b in calls)
+    assert all(len(r.logprobs) == len(r.completion) for rs in (first, split) for r in rs)
