@@ -16,10 +16,12 @@ import torch
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd.teacher.serve.server import build_app  # noqa: E402
 
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("clean_patches")
 TOP_K = 8
 NAME = "tiny-student"
 KEY = "engine-key-42"
@@ -260,3 +262,17 @@ def test_api_key_is_enforced_on_every_route_but_health():
         status, reply = post(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}, key=KEY)
         assert status == 200 and len(reply["choices"]) == 1
         assert urllib.request.urlopen(url + "/health").status == 200
+
+
+def test_a_patched_model_generates_what_the_plain_model_would(tmp_path):
+    """`liger-kd serve` patches its model's kernels on a GPU: generation still goes through the KV cache (the
+    patched forward's signature hides the cache argument's name) and gives the plain model's log-probs."""
+    plain = tiny_model("llama", dtype=torch.float32, seed=1)
+    patched = tiny_model("llama", dtype=torch.float32, seed=1)
+    M.apply_kd_patch(model=patched)
+    with running(patched) as (url, _):
+        _, reply = post(url, "/v1/completions", {"prompt": PROMPTS, "max_tokens": 6, "seed": 1, "logprobs": 0,
+                                                 "return_token_ids": True})  # fmt: skip
+    for c in reply["choices"]:
+        want = model_logprobs(plain, c["prompt_token_ids"], c["token_ids"])
+        torch.testing.assert_close(torch.tensor(c["logprobs"]["token_logprobs"]), want, rtol=0, atol=LOGPROB_ATOL)

@@ -28,7 +28,6 @@ lock shared with the teacher scoring, which always runs on the base model with a
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
 
-import inspect
 import json
 import math
 import threading
@@ -142,8 +141,6 @@ class GenerationEngine:
         self.eos_ids = {t for e in eos for t in (e if isinstance(e, list) else [e]) if t is not None}
         pad = getattr(gen, "pad_token_id", None)
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-        # transformers 5.2x renames the forward's past_key_values to cache (the old name warns, then goes)
-        self.cache_key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @contextmanager
     def base_model(self):
@@ -215,8 +212,13 @@ class GenerationEngine:
         past, step_ids = None, ids
         for _ in range(req.max_tokens):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1, **({} if past is None else {self.cache_key: past}))  # fmt: skip
-            past, logits = out.get(self.cache_key), out.logits[:, -1].float()
+                             logits_to_keep=1, **({} if past is None else {past[0]: past[1]}))  # fmt: skip
+            # transformers 5.2x renames past_key_values to cache (the old name warns, then goes): the output says
+            # which this version speaks (a patched model's forward signature would not)
+            key = next((k for k in ("cache", "past_key_values") if out.get(k) is not None), None)
+            if key is None:
+                raise RuntimeError(f"{type(self.model).__name__} returned no KV cache (use_cache=True)")
+            past, logits = (key, out[key]), out.logits[:, -1].float()
             raw = logits.log_softmax(-1)
             nxt = sample_next(logits, req, generator)
             own = raw.gather(-1, nxt[:, None]).squeeze(-1).tolist()
