@@ -26,9 +26,14 @@ from ..teacher.serve.transport import HttpEndpoint
 
 
 def peft_of(model: nn.Module) -> nn.Module | None:
-    """The PeftModel inside DDP / torch.compile wrappers, or None for a full-weight model."""
+    """The PeftModel inside DDP / torch.compile wrappers, or None for a full-weight model (peft imported only when
+    installed: a model cannot be a PeftModel without it)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
     for _ in range(8):
-        if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):
+        if isinstance(model, PeftModel):
             return model
         wrapped = (getattr(model, a, None) for a in ("module", "_orig_mod"))
         inner = next((m for m in wrapped if isinstance(m, nn.Module)), None)
