@@ -267,3 +267,32 @@ def test_engine_rollouts_are_seeded_and_split_by_kd_rollout_batch_size(tmp_path)
     assert calls[2]["seed"] != calls[3]["seed"] and calls[0]["seed"] == calls[1]["seed"] == calls[2]["seed"]
     assert all(b["n"] == 2 and b["max_tokens"] == 6 and b["stop_token_ids"] == [2] for b in calls)
     assert all(len(r.logprobs) == len(r.completion) for rs in (first, split) for r in rs)
+
+
+def test_a_full_weight_student_against_vllm_gets_a_clear_error(tmp_path):
+    """vLLM has no disk-based full-weight route (its transfer is NCCL): the 404 is named, with what to do."""
+    import http.server
+    import threading
+
+    class NoDiskRoute(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail": "Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoDiskRoute)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        source = EngineRollouts(_args(tmp_path, kd_generation_url=f"http://127.0.0.1:{stub.server_port}"))
+        with pytest.raises(TeacherServerError, match="update_weights_from_disk refused the request: HTTP 404.*LoRA"):
+            source(tiny_model("llama", dtype=torch.float32), [[1, 2]], RolloutSettings(), pad_id=0, eos_ids={2},
+                   start_id=1)  # fmt: skip
+        root = source.sync._root
+        source.close()
+        assert root is not None and not root.exists()  # the refused push left nothing behind
+    finally:
+        stub.shutdown()
