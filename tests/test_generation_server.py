@@ -171,6 +171,7 @@ def test_bad_requests_are_400s_with_one_line_messages(served, tmp_path):
             ({**ok, "prompt": "text"}, "prompt must be token ids"),
             ({**ok, "prompt": [1, VOCAB]}, f"prompt 0 holds {VOCAB}"),
             ({**ok, "return_token_ids": "yes"}, "return_token_ids must be a boolean"),
+            ({**ok, "seed": 2**64}, "seed must fit in 64 bits"),
         ],
         "/v1/load_lora_adapter": [
             ({"lora_name": "a"}, "lora_path must be a non-empty string"),

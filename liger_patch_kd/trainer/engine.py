@@ -139,11 +139,12 @@ class EngineRollouts:
 def completion_request(
     prompts: list[list[int]], settings: RolloutSettings, model: str, seed: int, eos_ids: set[int]
 ) -> dict[str, Any]:
-    """vLLM's /v1/completions body for `prompts`: n completions each, the sampled tokens' ids and log-probs."""
+    """vLLM's /v1/completions body for `prompts`: n completions each, the sampled tokens' ids and log-probs (the
+    seed folded into 63 bits, what a torch generator takes)."""
     return {
         "model": model, "prompt": prompts, "n": settings.num_generations, "max_tokens": settings.max_new_tokens,
-        "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1, "seed": seed,
-        "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids),
+        "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1,
+        "seed": seed % 2**63, "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids),
     }  # fmt: skip
 
 

@@ -101,11 +101,14 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool) and return_ids is not None:
         raise RequestError(400, f"return_token_ids must be a boolean; got {json.dumps(return_ids)[:40]}")
+    seed = body.get("seed")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise RequestError(400, f"seed must fit in 64 bits (|seed| < 2**63); got {seed}")
     check_prompts(prompts, limits, new_tokens=max_tokens, copies=n)
     top_k = body.get("top_k", -1)
     return GenerationRequest(
         prompts=prompts, n=n, temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-        top_k=max(top_k, 0), max_tokens=max_tokens, seed=body.get("seed"), logprobs=logprobs,
+        top_k=max(top_k, 0), max_tokens=max_tokens, seed=seed, logprobs=logprobs,
         stop_ids=tuple(stop_ids), return_token_ids=bool(return_ids), model=body.get("model"),
     )  # fmt: skip
 
