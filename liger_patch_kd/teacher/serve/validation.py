@@ -4,9 +4,10 @@ Every refusal is a RequestError(status, one line naming the field and the fix), 
 JSON body {"error": message}: 400 for a malformed request (vLLM's status for a prompt past max_model_len too), 413
 for one over --max-request-tokens. JSON booleans are refused wherever a number is wanted (Python's True is an int).
 
-Sampling fields are checked for type and range as vLLM's are, and otherwise ignored: the server generates nothing,
-and `temperature` (any number >= 0, as vLLM takes it) would shape only the completion token, so prompt_logprobs are
-always reported at temperature 1, as vLLM reports them by default.
+Sampling fields are checked for type and range as vLLM's are. A scoring request (with prompt_logprobs) generates
+nothing, so there they are otherwise ignored: `temperature` (any number >= 0, as vLLM takes it) would shape only the
+completion token, and prompt_logprobs are always reported at temperature 1, as vLLM reports them by default. A
+generation request (without prompt_logprobs) is checked further by generation.validated_generation.
 """
 
 from __future__ import annotations
