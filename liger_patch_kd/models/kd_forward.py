@@ -85,6 +85,8 @@ def kd_causal_lm_forward(
     KDLossConfig or a dict of its fields) overrides the options given at patch time for this call.
     `kd_log_agreement` adds `.kd_top1_agreement`: how often the student's most likely token is the teacher's,
     on up to 256 scored rows (one host sync; the trainer asks on logging steps only).
+    `kd_behaviour_logprobs` (B, T), aligned with the labels: for the "pg" estimator, each label's log-prob under the
+    policy that sampled it (an engine's weights some steps old), the importance ratio's denominator.
     `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
     last hidden states inside this model's own forward, where FSDP has its parameters gathered.
     """
