@@ -105,7 +105,8 @@ class WeightSync:
 
     def _directory(self) -> Path:
         if self._root is None:
-            self._root = Path(tempfile.mkdtemp(prefix="liger-kd-sync-", dir=self.sync_dir))
+            # absolute: the engine resolves the paths it is sent against its own working directory
+            self._root = Path(tempfile.mkdtemp(prefix="liger-kd-sync-", dir=self.sync_dir)).resolve()
             self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
         return self._root
 
