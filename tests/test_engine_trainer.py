@@ -223,6 +223,8 @@ def test_generation_arguments_are_checked_and_the_key_kept_secret(tmp_path):
         _args(tmp_path, kd_generation_url="127.0.0.1:8000")
     with pytest.raises(ValueError, match="kd_lmbda=0.0 makes none"):
         _args(tmp_path, kd_generation_url=url, kd_lmbda=0.0)
+    with pytest.raises(ValueError, match="kd_sync_dir .* is not a directory"):
+        _args(tmp_path, kd_generation_url=url, kd_sync_dir=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="sequence-level"):
         _args(tmp_path, kd_generation_url=url, kd_seq_kd=True)
     args = _args(tmp_path, kd_generation_url=url, kd_generation_api_key="s3cret")

@@ -59,6 +59,9 @@ def check_generation_args(args: Any) -> None:
         return
     if not str(args.kd_generation_url).startswith(("http://", "https://")):
         raise ValueError(f"kd_generation_url must be an http(s) URL; got {args.kd_generation_url!r}")
+    if args.kd_sync_dir is not None and not os.path.isdir(args.kd_sync_dir):
+        raise ValueError(f"kd_sync_dir {args.kd_sync_dir!r} is not a directory: create it (on a filesystem the engine "
+                         f"reads too), or leave it None for the system's temporary directory")  # fmt: skip
     if args.kd_teacher_tokenizer:
         raise ValueError("kd_generation_url with a teacher of another tokenizer (kd_teacher_tokenizer) is not "
                          "supported yet: generate in process (leave kd_generation_url unset)")  # fmt: skip
