@@ -207,9 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_convert)
 
     srv = sub.add_parser(
-        "serve", help="serve a teacher's prompt log-probs (vLLM's /v1/completions protocol)", formatter_class=fmt
+        "serve", help="serve a model's prompt log-probs and completions (vLLM's /v1/completions protocol)",
+        formatter_class=fmt,
     )
-    srv.add_argument("--teacher", required=True, help="HF model path or name (required)")
+    srv.add_argument("--teacher", required=True,
+                     help="HF model path or name (required): the teacher, or the student's base for a rollout engine")
     srv.add_argument("--top-k", type=int, default=64, help="the most log-probs per position a request may ask")
     srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")

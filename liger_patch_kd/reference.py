@@ -112,19 +112,26 @@ def kd_loss(
     labels: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
     **options,
 ) -> torch.Tensor:
     """soft_weight * JSD(cap(student) / T, cap(teacher) / T) + hard_weight * CE(cap(student), labels): the full
     objective that `losses.fused_linear_jsd` computes without materialising the logits. With `config.vocab_size`
     both logits are restricted to ids [0, vocab_size) first (heads padded to different sizes). `options` are
-    KDLossConfig fields as keywords, merged with `config` by `KDLossConfig.build` (a conflict is a ValueError)."""
+    KDLossConfig fields as keywords, merged with `config` by `KDLossConfig.build` (a conflict is a ValueError).
+    `behaviour_logprobs` (shaped like labels; estimator "pg" only): the log-prob of each label under the policy
+    that sampled it, for the importance ratio (policy_gradient_terms)."""
     cfg = KDLossConfig.build(config, **options)
     vocab = resolve_vocab(student_logits.shape[-1], teacher_logits.shape[-1], cfg.vocab_size)
     student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
     teacher = apply_softcap(teacher_logits[..., :vocab], cfg.teacher_softcap)
     if cfg.estimator is not None:
-        soft = sampled_token_per_row(student, teacher, labels, cfg.estimator, cfg.ignore_index)
+        soft = sampled_token_per_row(student, teacher, labels, cfg.estimator, cfg.ignore_index, behaviour_logprobs)
     else:
+        if behaviour_logprobs is not None:
+            raise ValueError(
+                "behaviour_logprobs importance-correct the sampled-token policy gradient: set estimator='pg'"
+            )
         soft = generalized_jsd_per_row(student, teacher, beta=cfg.beta, temperature=cfg.temperature)
     return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
 
@@ -135,14 +142,25 @@ def sampled_token_per_row(
     labels: torch.Tensor | None,
     kind: str,
     ignore_index: int,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row, the `kind` estimator of KL(student || teacher) at the row's label (a token sampled from the
-    student): log q and log p are minus the two cross-entropies there; 0 on ignored rows."""
+    student, or from the behaviour policy whose log-probs `behaviour_logprobs` gives, "pg" only): log q and log p
+    are minus the two cross-entropies there; 0 on ignored rows."""
     if labels is None:
         raise ValueError(f"estimator={kind!r} scores each row's label (the sampled token): pass labels")
     log_q = -cross_entropy_per_row(upcast_logits(student_logits), labels, ignore_index)
     log_p = -cross_entropy_per_row(upcast_logits(teacher_logits), labels, ignore_index)
-    return kl_estimator_terms(log_q, log_p, kind)
+    if behaviour_logprobs is None:
+        return kl_estimator_terms(log_q, log_p, kind)
+    if kind != "pg":
+        raise ValueError(f"behaviour_logprobs importance-correct the policy gradient: estimator 'pg', not {kind!r}")
+    if behaviour_logprobs.shape != labels.shape:
+        raise ValueError(
+            f"behaviour_logprobs {tuple(behaviour_logprobs.shape)} must have the labels' shape {tuple(labels.shape)}"
+        )
+    behaviour = torch.where(labels == ignore_index, log_q.detach(), behaviour_logprobs.to(log_q.dtype))
+    return policy_gradient_terms(log_q, log_p, behaviour)
 
 
 def require_real_ids(name: str, ids: torch.Tensor, vocab: int) -> None:

@@ -54,6 +54,10 @@ PARAMS: dict[str, str] = {
     "scales, fp32 accumulation); default False (KDLossConfig.teacher_logits_fp8).",
     "student_logits_fp8": "student_logits_fp8 (bool | None): the student's forward logit product in FP8; the "
     "backward products stay in the input dtype; default False (KDLossConfig.student_logits_fp8).",
+    "behaviour_logprobs": 'behaviour_logprobs (Tensor | None): estimator "pg" only, shaped like labels: the '
+    "log-prob of each row's label under the policy that sampled it (an engine's weights some steps old), for the "
+    "importance ratio exp(log q - log b); None: the student itself (fresh rollouts, ratio 1). Ignored rows are "
+    "never read.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',

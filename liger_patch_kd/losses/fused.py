@@ -123,8 +123,8 @@ def _run_fused(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
         "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "estimator", "teacher_logits_fp8", "student_logits_fp8", "return_components", "check_inputs",
-        "backend",
+        "estimator", "behaviour_logprobs", "teacher_logits_fp8", "student_logits_fp8", "return_components",
+        "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_jsd(
@@ -150,6 +150,7 @@ def fused_linear_jsd(
     fp32_weight_grad: bool | None = None,
     vocab_size: int | None = None,
     estimator: str | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
     teacher_logits_fp8: bool | None = None,
     student_logits_fp8: bool | None = None,
     return_components: bool = False,
@@ -192,10 +193,15 @@ def fused_linear_jsd(
             f"row i of the student is scored against row i of the teacher"
         )
     flat_labels = flatten_labels(labels, leading, student_input.device, cfg)
+    if behaviour_logprobs is not None and cfg.estimator != "pg":
+        raise ValueError(
+            f"behaviour_logprobs importance-correct the sampled-token policy gradient: set estimator='pg' (got "
+            f"{cfg.estimator!r})"
+        )
     if cfg.estimator is not None:  # the sampled-token estimators: one label per row, not the whole vocabulary
         loss, soft, hard = sampled_token_kd(
             student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, flat_labels,
-            cfg, num_items_in_batch, vocab,
+            cfg, num_items_in_batch, vocab, behaviour_logprobs=behaviour_logprobs,
         )  # fmt: skip
         return KDLossOutput(loss, soft, hard) if return_components else loss
     if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):

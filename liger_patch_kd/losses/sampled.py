@@ -27,6 +27,7 @@ def sampled_token_kd(
     cfg: KDLossConfig,
     num_items_in_batch: int | torch.Tensor | None,
     vocab: int,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, soft, hard) with cfg.reduction, shaped like the labels for "none".
 
@@ -38,6 +39,8 @@ def sampled_token_kd(
         cfg: the loss options, `cfg.estimator` set.
         num_items_in_batch: divisor of "batchmean" (the whole accumulated batch's scored tokens), or None.
         vocab: the real tokens, ids [0, vocab) of both heads.
+        behaviour_logprobs: (...) like the labels, "pg" only: log b of each label under the policy that sampled it
+            (importance ratio exp(log q - log b), reference.policy_gradient_terms); None: b = q (ratio 1).
 
     Returns:
         the total soft_weight * estimator + hard_weight * CE (the CE of a sampled token is -log q), and the two
@@ -55,7 +58,16 @@ def sampled_token_kd(
     log_q = logprobs(student_input, student_weight, student_bias, cfg.softcap)
     with torch.no_grad():
         log_p = logprobs(teacher_input.detach(), teacher_weight.detach(), teacher_bias, cfg.teacher_softcap)
-    soft = reference.kl_estimator_terms(log_q, log_p.to(log_q.dtype), cfg.estimator)
+    if behaviour_logprobs is None:
+        soft = reference.kl_estimator_terms(log_q, log_p.to(log_q.dtype), cfg.estimator)
+    else:
+        flat_b = behaviour_logprobs.reshape(-1).to(device=log_q.device, dtype=log_q.dtype)
+        if flat_b.shape != flat_labels.shape:
+            raise ValueError(
+                f"behaviour_logprobs has {flat_b.numel()} values for {flat_labels.numel()} rows: give one per label"
+            )
+        flat_b = torch.where(ids < 0, log_q.detach(), flat_b)  # ignored rows: never read (ratio 1, term 0)
+        soft = reference.policy_gradient_terms(log_q, log_p.to(log_q.dtype), flat_b)
     hard = -log_q
 
     def reduce(per_row):

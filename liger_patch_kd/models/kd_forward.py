@@ -20,7 +20,7 @@ from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from ..ops.backend import eager
 from .backbone import run_backbone, teacher_vision_inputs
 from .heads import HeadWeights, output_head
-from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output, shift_labels, targets_of
+from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .moe import router_aux_loss, with_router_aux_loss
 from .registry import softcap_of
@@ -85,6 +85,8 @@ def kd_causal_lm_forward(
     KDLossConfig or a dict of its fields) overrides the options given at patch time for this call.
     `kd_log_agreement` adds `.kd_top1_agreement`: how often the student's most likely token is the teacher's,
     on up to 256 scored rows (one host sync; the trainer asks on logging steps only).
+    `kd_behaviour_logprobs` (B, T), aligned with the labels: for the "pg" estimator, each label's log-prob under the
+    policy that sampled it (an engine's weights some steps old), the importance ratio's denominator.
     `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
     last hidden states inside this model's own forward, where FSDP has its parameters gathered.
     """
@@ -94,6 +96,7 @@ def kd_causal_lm_forward(
     teacher = TeacherInputs(
         teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs
     )
+    behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
     if labels is None or not teacher.given:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
@@ -109,12 +112,14 @@ def kd_causal_lm_forward(
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
+    behaviour = behaviour_targets(behaviour, given_shift, teacher)
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(
-            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
-        )
+            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement,
+            behaviour_logprobs=behaviour,
+        )  # fmt: skip
 
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
@@ -133,7 +138,7 @@ def kd_causal_lm_forward(
         elif teacher.hidden_states is not None:
             out = fused_linear_jsd(
                 hidden, head.weight, teacher.hidden_states, teacher.weight, targets, teacher_bias=teacher.bias,
-                config=cfg, **common,
+                config=cfg, behaviour_logprobs=behaviour, **common,
             )  # fmt: skip
             if kd_log_agreement:
                 top1 = _linear_top1(teacher.hidden_states, teacher.weight, teacher.bias, cfg.vocab_size)
@@ -150,7 +155,7 @@ def kd_causal_lm_forward(
                 with torch.set_grad_enabled(grad_enabled):
                     return fused_linear_jsd(
                         hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
-                        config=cfg.replace(teacher_softcap=cap_t), **common,
+                        config=cfg.replace(teacher_softcap=cap_t), behaviour_logprobs=behaviour, **common,
                     )  # fmt: skip
 
             out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)

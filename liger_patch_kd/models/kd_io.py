@@ -79,3 +79,20 @@ def targets_of(labels: torch.Tensor, given_shift: torch.Tensor | None, ignore_in
     """The row-aligned targets: transformers' pre-shifted `shift_labels` when it passes them (packed
     sequences, context parallelism), else `labels` shifted here."""
     return given_shift if given_shift is not None else shift_labels(labels, ignore_index)
+
+
+def behaviour_targets(
+    behaviour: torch.Tensor | None, given_shift: torch.Tensor | None, teacher: TeacherInputs
+) -> torch.Tensor | None:
+    """Label-aligned behaviour log-probs (B, T) (an engine's log b of each label) shifted to the rows the targets
+    score; refused where they cannot be paired: pre-shifted packed labels, or a top-k teacher (no sampled-token
+    estimator runs on one)."""
+    if behaviour is None:
+        return None
+    if given_shift is not None:
+        raise ValueError("kd_behaviour_logprobs are label-aligned: they cannot be paired with pre-shifted shift_labels "
+                         "(packed sequences); generated rollouts are not packed")  # fmt: skip
+    if teacher.token_ids is not None:
+        raise ValueError("kd_behaviour_logprobs weigh the sampled-token policy gradient, which needs a full teacher "
+                         "(teacher_model or hidden states), not top-k teacher_token_ids")  # fmt: skip
+    return F.pad(behaviour[..., 1:], (0, 1), value=0.0)

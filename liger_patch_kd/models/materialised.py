@@ -31,6 +31,7 @@ def materialised_kd(
     num_items_in_batch: int | torch.Tensor | None,
     model_inputs: dict[str, Any],
     log_agreement: bool = False,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> KDCausalLMOutput:
     """Run the student (and a live teacher) for their logits and score them with reference.py.
 
@@ -38,7 +39,8 @@ def materialised_kd(
     (its forward, or a wrapper's) must return the model's output with `.logits` (soft-capped by the model
     itself, as every HF forward does). `targets` are row-aligned (already shifted). Both models run without a
     KV cache: besides saving memory, transformers only keeps packed sequences (position_ids restarting, no
-    attention mask) apart when no cache is in use.
+    attention mask) apart when no cache is in use. `behaviour_logprobs` (row-aligned like `targets`): the "pg"
+    estimator's behaviour policy (reference.kd_loss).
     """
     model_inputs = {**model_inputs, "use_cache": False}
     out = student_forward(**model_inputs)
@@ -60,7 +62,10 @@ def materialised_kd(
         else:
             teacher_logits = F.linear(teacher.hidden_states, teacher.weight, teacher.bias)
         teacher_logits = reference.upcast_logits(teacher_logits)
-        soft = reference.kd_loss(student_logits, teacher_logits, targets, soft_only, num_items_in_batch)
+        soft = reference.kd_loss(
+            student_logits, teacher_logits, targets, soft_only, num_items_in_batch,
+            behaviour_logprobs=behaviour_logprobs,
+        )  # fmt: skip
         teacher_top1 = _real_vocab(teacher_logits, cfg).argmax(-1)
     hard = torch.zeros_like(soft)
     if cfg.hard_weight:

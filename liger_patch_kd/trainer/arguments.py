@@ -8,11 +8,13 @@ from transformers import TrainingArguments
 
 from ..config import KDLossConfig
 from ..models import ATTENTION_BACKENDS
+from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .served import check_served_teacher_args
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
+SECRETS = ("kd_teacher_api_key", "kd_generation_api_key")
 
 
 @dataclass
@@ -53,6 +55,26 @@ class KDTrainingArguments(TrainingArguments):
         default="divergence",
         metadata={"help": "Loss on generated completions: divergence (the kd_beta generalized JSD over the full "
                   "vocabulary, GKD), pg (policy gradient of the per-token reverse KL), k1 or k3 (estimators)."},
+    )  # fmt: skip
+    kd_generation_url: str | None = field(
+        default=None,
+        metadata={"help": "An inference engine speaking vLLM's /v1/completions (vLLM, or `liger-kd serve`) that "
+                  "samples the on-policy rollouts; None: the student generates in this process."},
+    )  # fmt: skip
+    kd_generation_api_key: str | None = field(
+        default=None,
+        metadata={"help": "Sent to the engine as `Authorization: Bearer KEY`. None: kd_teacher_api_key, then the "
+                  "LIGER_KD_API_KEY environment variable."},
+    )  # fmt: skip
+    kd_sync_steps: int = field(
+        default=1,
+        metadata={"help": "Push the student's weights (a PEFT student: its adapter) to kd_generation_url every N "
+                  "optimizer steps; rollouts are then up to N - 1 steps stale."},
+    )  # fmt: skip
+    kd_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where the pushed weights are written for the engine to read (a temporary directory made "
+                  "and deleted inside it); None: the system's temporary directory."},
     )  # fmt: skip
     kd_max_prompt_length: int | None = field(
         default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}
@@ -159,6 +181,7 @@ class KDTrainingArguments(TrainingArguments):
                 )
         self.kd_loss_config()  # validates the loss options now, not at the first step
         check_served_teacher_args(self)
+        check_generation_args(self)
 
     def rollout_settings(self) -> RolloutSettings:
         """How generated steps sample their completions (trainer/rollouts.py)."""
@@ -168,16 +191,19 @@ class KDTrainingArguments(TrainingArguments):
             cache=self.kd_generation_cache, seed=self.seed,
         )  # fmt: skip
 
-    def to_dict(self):  # kd_teacher_api_key is a secret: hidden as TrainingArguments hides its *_token fields
+    def to_dict(self):  # the API keys are secrets: hidden as TrainingArguments hides its *_token fields
         d = super().to_dict()
-        if d.get("kd_teacher_api_key"):
-            d["kd_teacher_api_key"] = "<KD_TEACHER_API_KEY>"
+        for name in SECRETS:
+            if d.get(name):
+                d[name] = f"<{name.upper()}>"
         return d
 
     def __str__(self):
         text = super().__str__()
-        key = self.kd_teacher_api_key
-        return text.replace(f"kd_teacher_api_key={key},", "kd_teacher_api_key=<KD_TEACHER_API_KEY>,") if key else text
+        for name in SECRETS:
+            key = getattr(self, name)
+            text = text.replace(f"{name}={key},", f"{name}=<{name.upper()}>,") if key else text
+        return text
 
     __repr__ = __str__
 

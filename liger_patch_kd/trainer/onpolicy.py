@@ -5,8 +5,9 @@ KDTrainer.get_batch_samples (the Trainer's hook that fetches an optimizer step's
 `OnPolicySteps.replace`: the prompts of all the step's micro-batches go to `generate_rollouts` at once
 (`kd_rollout_batch_size` prompts per call), and micro-batch i is replaced by the rollouts of its own prompts, so
 the step keeps its gradient-accumulation structure and the Trainer counts the scored completion tokens of the
-whole step for an exact num_items_in_batch. All of a step's rollouts come from the weights the step starts with:
-they are exactly on-policy.
+whole step for an exact num_items_in_batch. In process, all of a step's rollouts come from the weights the step
+starts with: they are exactly on-policy. From an engine (kd_generation_url, engine.py) they come from the weights
+last pushed to it, up to kd_sync_steps - 1 steps old.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from ..models import unwrap_model
-from .rollouts import Rollout, generate_rollouts, prompts_of, rollout_batch
+from .engine import rollout_source
+from .rollouts import Rollout, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
@@ -46,10 +48,22 @@ class OnPolicySteps:
         self.settings = args.rollout_settings()
         self.rng = random.Random(args.seed)
         self.seconds: list[float] = []  # time inside generate() per generated step
+        self.source = rollout_source(args)  # in this process, or an engine at kd_generation_url (engine.py)
+        # the pg loss importance-corrects with the behaviour log-probs an engine returns
+        self.behaviour = bool(args.kd_generation_url) and args.kd_onpolicy_loss == "pg"
 
     @property
     def enabled(self) -> bool:
         return bool(self.args.kd_seq_kd or self.args.kd_lmbda > 0)
+
+    @property
+    def staleness(self) -> list[int]:
+        """Per generated step, how many optimizer steps old the weights that sampled it were (0 in process)."""
+        return getattr(self.source, "staleness", [])
+
+    def close(self) -> None:
+        if hasattr(self.source, "close"):
+            self.source.close()
 
     def step_generates(self) -> bool:
         if self.args.kd_seq_kd or self.args.kd_lmbda >= 1:
@@ -75,8 +89,8 @@ class OnPolicySteps:
         pad, eos_ids, start = special_ids(model, tokenizer)
         prompts = [prompts_of(batch) for batch in batches]
         began = time.perf_counter()
-        rollouts = generate_rollouts(
-            model, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
+        rollouts = self.source(
+            generator, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
             start_id=start, step=step,
         )  # fmt: skip
         if device.type == "cuda":
@@ -86,7 +100,10 @@ class OnPolicySteps:
         per_batch = [len(group) * self.settings.num_generations for group in prompts]
         for count, source in zip(per_batch, batches):
             chunk = rollouts[first : first + count]
-            batch = rollout_batch(chunk, pad) if make_rows is None else make_rows(chunk, source)
+            if make_rows is None:
+                batch = rollout_batch(chunk, pad, behaviour=self.behaviour)
+            else:
+                batch = make_rows(chunk, source)
             first += count
             if attach_teacher is not None:
                 batch = attach_teacher(batch)

@@ -71,6 +71,7 @@ class Rollout:
     prompt: list[int]
     completion: list[int]  # up to and including the first EOS, or max_new_tokens long
     finished: bool  # ended at EOS
+    logprobs: tuple[float, ...] | None = None  # an engine's log-prob of each completion token (the behaviour policy)
 
 
 def call_seed(seed: int, step: int, call: int) -> int:
@@ -186,9 +187,23 @@ def generate_rollouts(
     return out  # type: ignore[return-value]
 
 
-def rollout_batch(rollouts: list[Rollout], pad_id: int, ignore_index: int = -100) -> dict[str, torch.Tensor]:
+BEHAVIOUR = "kd_behaviour_logprobs"  # a rollout batch's label-aligned behaviour log-probs (compute_loss pops it)
+
+
+def rollout_batch(
+    rollouts: list[Rollout], pad_id: int, ignore_index: int = -100, behaviour: bool = False
+) -> dict[str, torch.Tensor]:
     """Right-padded training rows: input_ids = prompt + completion, labels = the completion (prompt and padding
-    ignore_index), attention_mask."""
+    ignore_index), attention_mask; with `behaviour`, BEHAVIOUR (B, T) float32: each completion token's log-prob
+    under the policy that sampled it, at the token's own position like its label (0 elsewhere)."""
     rows = [{"input_ids": r.prompt + r.completion, "labels": [ignore_index] * len(r.prompt) + r.completion}
             for r in rollouts]  # fmt: skip
-    return TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
+    batch = TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
+    if behaviour:
+        values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for row, r in enumerate(rollouts):
+            if r.logprobs is None or len(r.logprobs) != len(r.completion):
+                raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
+            values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
+        batch[BEHAVIOUR] = values
+    return batch

@@ -13,7 +13,7 @@ from transformers.utils import logging
 from .. import distributed
 from ..config import KDLossConfig
 from ..models import apply_kd_patch, attention_backend, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
-from ..models.kd_io import TeacherInputs, targets_of
+from ..models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ..models.materialised import materialised_kd
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
@@ -29,6 +29,7 @@ from .cross_tokenizer import (
 from .cross_tokenizer_rollouts import rows_maker
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
+from .rollouts import BEHAVIOUR
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
@@ -200,6 +201,7 @@ class KDTrainer(Trainer):
         inputs = dict(inputs)
         generated = inputs.pop(GENERATED, False)
         inputs.pop(HAS_COMPLETION, None)
+        behaviour = inputs.pop(BEHAVIOUR, None)  # an engine's log-probs of the sampled tokens (pg only)
         if inputs.get("labels") is None:
             raise ValueError(
                 f"the batch has no 'labels' (keys: {sorted(inputs)}); KDTrainer scores the positions that have a "
@@ -224,26 +226,31 @@ class KDTrainer(Trainer):
             )
             loss, soft, hard, agreement = outputs.loss, outputs.soft, outputs.hard, None
         elif self.args.use_kd_patch:
+            extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}
             outputs = model(
                 **inputs, teacher_model=None if offline else self.teacher_model,
-                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg,
+                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg, **extra,
             )  # fmt: skip
             loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
             agreement = getattr(outputs, "kd_top1_agreement", None)
         else:
-            loss, soft, hard, agreement, outputs = self._materialised_loss(model, inputs, num_items_in_batch, cfg)
+            loss, soft, hard, agreement, outputs = self._materialised_loss(
+                model, inputs, num_items_in_batch, cfg, behaviour
+            )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
 
-    def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig):
+    def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig, behaviour=None):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
         teacher = TeacherInputs(
             model=self.teacher_model if inputs.get("teacher_token_ids") is None else None,
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
         )  # fmt: skip
-        targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
+        given_shift = inputs.pop("shift_labels", None)
+        targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
+        behaviour = behaviour_targets(behaviour, given_shift, teacher)
         outputs = materialised_kd(
             unwrap_model(model),
             model,
@@ -253,12 +260,16 @@ class KDTrainer(Trainer):
             num_items_in_batch,
             inputs,
             log_agreement=self._kd_should_log(),
+            behaviour_logprobs=behaviour,
         )
         return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 
     def train(self, *args, **kwargs):
         self._kd_recompute_limited = False  # every train() turns checkpointing back on for every layer
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.onpolicy.close()  # an engine's pushed weights: the directory this run made goes
 
     # ------------------------------------------------------------------------------------------ on-policy
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -317,6 +328,8 @@ class KDTrainer(Trainer):
                 logs[key] = round(float(total) / (steps if steps > 0 else self._kd_count), 6)
             if getattr(self, "_kd_agreement", None) is not None:
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
+            if self.onpolicy.staleness:  # steps between the engine's weights and the student's, latest rollout
+                logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
             self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
         super().log(logs, *args, **kwargs)
 

@@ -16,27 +16,21 @@ import json
 import os
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import protocols as P
 from .protocols import PROTOCOLS
+from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError
+
+__all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
 
 API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
 _HINTS = {
     401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
     413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
 }
-
-
-class TeacherServerError(RuntimeError):
-    """The teacher server could not be reached or refused the request; the message names the URL."""
-
-
-class TeacherTimeoutError(TeacherServerError, TimeoutError):
-    """The teacher server sent nothing for `timeout` seconds."""
 
 
 class PendingTopK:
@@ -81,11 +75,18 @@ class TeacherClient:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.sequences_per_request = sequences_per_request
         self._model = model
-        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        self._http = HttpEndpoint(
+            self.url, timeout=timeout, retries=retries, backoff=backoff,
+            api_key=api_key or os.environ.get(API_KEY_ENV) or None, hints=_HINTS,
+        )  # fmt: skip
         self._model_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="teacher-client")
         self._counter = itertools.count(1)
-        self.retried = 0  # requests sent again after a connection error or a 5xx, for logs and tests
+
+    @property
+    def retried(self) -> int:
+        """Requests sent again after a connection error or a 5xx, for logs and tests."""
+        return self._http.retried
 
     # ------------------------------------------------------------------------------------------------ public
     def wait_until_ready(self, timeout: float | None = None) -> None:
@@ -95,7 +96,7 @@ class TeacherClient:
         deadline, last = time.monotonic() + limit, None
         while True:
             try:
-                health = urllib.request.Request(self.url + "/health", headers=self._headers("application/json"))
+                health = urllib.request.Request(self.url + "/health", headers=self._http.headers("application/json"))
                 with urllib.request.urlopen(health, timeout=max(0.1, min(5.0, limit))) as reply:
                     if reply.status == 200:
                         return
@@ -141,12 +142,6 @@ class TeacherClient:
             raise P.TeacherReplyError(f"{name}: the reply is not JSON ({raw[:80]!r}...)") from e
         return wire.parse_reply(reply, sequences, **common)
 
-    def _headers(self, accept: str) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": accept}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        return headers
-
     def _model_name(self) -> str:
         """vLLM wants the served model's name: asked once from /v1/models unless given."""
         with self._model_lock:
@@ -162,36 +157,4 @@ class TeacherClient:
         return self._send("POST", path, json.dumps(body).encode(), accept)
 
     def _send(self, method: str, path: str, data: bytes | None, accept: str) -> tuple[bytes, str]:
-        """One HTTP exchange with retries on connection errors and 5xx; the reply's bytes and content type."""
-        url = self.url + path
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self.retried += 1
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=data, method=method, headers=self._headers(accept))
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    return reply.read(), reply.headers.get("Content-Type", "")
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:500].decode(errors="replace")
-                if e.code < 500:  # the request is wrong (or unauthorised): sending it again cannot help
-                    hint = _HINTS.get(e.code, "")
-                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}{hint}") from e
-                last = TeacherServerError(f"HTTP {e.code}: {detail}")
-            except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                if _is_timeout(e):
-                    raise TeacherTimeoutError(
-                        f"the teacher server at {url} sent nothing for {self.timeout:g} s (kd_teacher_timeout); it is "
-                        f"overloaded or stuck"
-                    ) from e
-                last = e
-        raise TeacherServerError(
-            f"the teacher server at {url} failed {self.retries + 1} times (retries={self.retries}, last error: "
-            f"{last!r}); training stops rather than train without teacher data"
-        ) from last
-
-
-def _is_timeout(error: BaseException) -> bool:
-    reason = getattr(error, "reason", None)
-    return isinstance(error, TimeoutError) or isinstance(reason, TimeoutError)
+        return self._http.send(method, path, data, accept)

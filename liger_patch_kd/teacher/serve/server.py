@@ -7,7 +7,9 @@
 Replies as vLLM does: choices[i].prompt_logprobs is a list over prompt positions, the first null, each position
 {"<id>": {"logprob", "rank", "decoded_token"}} with the top K and, when it is outside them, the prompt token itself.
 With `Accept: application/octet-stream` the reply is protocols.encode_binary's arrays instead (already row-aligned
-top K), far cheaper to decode. Prompts must be token ids; the server scores them and generates nothing.
+top K), far cheaper to decode. Prompts must be token ids. A /v1/completions body without prompt_logprobs asks
+for sampled completions instead, and the server also takes vLLM's LoRA adapter and a full-weight update routes: the
+model as a rollout engine (generation.py).
 
 Concurrent requests are batched: a batcher takes the waiting prompts (up to --max-batch-tokens padded tokens; a
 large request is split across batches), runs the teacher once over them (teacher_topk_and_next: chunked, the logits
@@ -31,13 +33,14 @@ import os
 import sys
 import time
 from collections import deque
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..precompute import teacher_topk_and_next
 from .client import API_KEY_ENV
+from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .validation import Limits, RequestError, parse_body, validated_completion
 
@@ -60,10 +63,12 @@ class TeacherBatcher:
     reply is bit-identical whatever else was asked at the same time; slower."""
 
     def __init__(
-        self, model: torch.nn.Module, max_top_k: int, max_batch_tokens: int = 16384, batch_invariant: bool = False
-    ) -> None:
+        self, model: torch.nn.Module, max_top_k: int, max_batch_tokens: int = 16384, batch_invariant: bool = False,
+        guard=nullcontext,
+    ) -> None:  # fmt: skip
         self.model, self.max_top_k, self.max_batch_tokens = model, max_top_k, max_batch_tokens
         self.batch_invariant = batch_invariant
+        self.guard = guard  # held around each forward: the model is shared with the generation engine
         self.device = next(model.parameters()).device
         self.waiting: deque[_Pending] = deque()
         self.wakeup = asyncio.Event()
@@ -107,9 +112,10 @@ class TeacherBatcher:
                 p.future.set_result(result)
 
     def _forward(self, sequences: list[list[int]]):
-        if self.batch_invariant:
-            return [out for s in sequences for out in self._forward_padded([s])]
-        return self._forward_padded(sequences)
+        with self.guard():
+            if self.batch_invariant:
+                return [out for s in sequences for out in self._forward_padded([s])]
+            return self._forward_padded(sequences)
 
     def _forward_padded(self, sequences: list[list[int]]):
         self.forwards_run += 1
@@ -171,7 +177,8 @@ def build_app(
     if max_context is None:
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens)
-    batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant)
+    engine = GenerationEngine(model, model_name)
+    batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.base_model)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @asynccontextmanager
@@ -181,7 +188,7 @@ def build_app(
         task.cancel()
 
     app = FastAPI(title="liger-kd teacher server", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.batcher = batcher
+    app.state.batcher, app.state.engine = batcher, engine
 
     def error(status: int, message: str) -> Response:
         return JSONResponse({"error": message}, status_code=status)
@@ -201,7 +208,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "batches_run": batcher.batches_run, "forwards_run": batcher.forwards_run}
+        return {"status": "ok", "batches_run": batcher.batches_run, "forwards_run": batcher.forwards_run,
+                "weight_version": engine.weight_version}  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -210,10 +218,23 @@ def build_app(
              "vocab_size": vocab, "max_model_len": max_context}
         ]}  # fmt: skip
 
+    async def generate(req) -> Response:
+        try:
+            reply = await asyncio.to_thread(engine.complete, req)
+        except RequestError as e:  # checked under the engine's lock: a model (adapter) that is not loaded
+            return error(e.status, e.message)
+        except Exception as e:  # a fault of the server: 500, which clients retry
+            log.exception("generation failed")
+            return error(500, f"generation failed: {type(e).__name__}: {e}")
+        return Response(json.dumps(reply), media_type="application/json")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:  # the whole request is checked before any teacher work
-            sequences, k = validated_completion(parse_body(await request.body()), limits)
+            body = parse_body(await request.body())
+            if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
+                return await generate(validated_generation(body, limits))
+            sequences, k = validated_completion(body, limits)
         except RequestError as e:
             return error(e.status, e.message)
         try:
@@ -236,6 +257,7 @@ def build_app(
         }  # fmt: skip
         return Response(json.dumps(reply), media_type="application/json")
 
+    add_generation_routes(app, engine, error)
     return app
 
 
@@ -304,6 +326,9 @@ def serve(
         model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
         max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
     )  # fmt: skip
-    print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
-          f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}", flush=True)
+    print(
+        f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
+        f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}",
+        flush=True,
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -4,9 +4,10 @@ Every refusal is a RequestError(status, one line naming the field and the fix), 
 JSON body {"error": message}: 400 for a malformed request (vLLM's status for a prompt past max_model_len too), 413
 for one over --max-request-tokens. JSON booleans are refused wherever a number is wanted (Python's True is an int).
 
-Sampling fields are checked for type and range as vLLM's are, and otherwise ignored: the server generates nothing,
-and `temperature` (any number >= 0, as vLLM takes it) would shape only the completion token, so prompt_logprobs are
-always reported at temperature 1, as vLLM reports them by default.
+Sampling fields are checked for type and range as vLLM's are. A scoring request (with prompt_logprobs) generates
+nothing, so there they are otherwise ignored: `temperature` (any number >= 0, as vLLM takes it) would shape only the
+completion token, and prompt_logprobs are always reported at temperature 1, as vLLM reports them by default. A
+generation request (without prompt_logprobs) is checked further by generation.validated_generation.
 """
 
 from __future__ import annotations
@@ -48,35 +49,43 @@ def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], in
     """A /v1/completions body -> (prompts as lists of token ids, prompt_logprobs K), or RequestError."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body is a JSON {type(body).__name__}, not an object")
-    prompts = _prompts(body.get("prompt"))
-    total = sum(map(len, prompts))
-    if total > limits.max_request_tokens:
-        raise RequestError(
-            413, f"the request holds {total} prompt tokens, over the server's --max-request-tokens "
-                 f"{limits.max_request_tokens}; send fewer sequences per request"
-        )  # fmt: skip
-    for n, p in enumerate(prompts):
-        if limits.max_context is not None and len(p) > limits.max_context:
-            raise RequestError(
-                400, f"prompt {n} has {len(p)} tokens, more than the model's context (max_position_embeddings "
-                     f"{limits.max_context}); truncate it to {limits.max_context} tokens"
-            )  # fmt: skip
-        bad = next((t for t in p if not (_is_int(t) and 0 <= t < limits.vocab_size)), None)
-        if bad is not None:
-            raise RequestError(
-                400, f"prompt {n} holds {json.dumps(bad)[:40]}: token ids must be ints in [0, {limits.vocab_size})"
-            )
+    prompts = token_prompts(body.get("prompt"))
+    check_prompts(prompts, limits)
     k = body.get("prompt_logprobs")
-    if not _is_int(k) or not 1 <= k <= limits.max_top_k:
+    if not is_int(k) or not 1 <= k <= limits.max_top_k:
         raise RequestError(
             400, f"prompt_logprobs must be an int in [1, {limits.max_top_k}] (the server's --top-k); got "
                  f"{json.dumps(k)[:40]}"
         )  # fmt: skip
-    _check_sampling(body)
+    check_sampling(body)
     return prompts, k
 
 
-def _prompts(prompt: Any) -> list[list[int]]:
+def check_prompts(prompts: list[list[int]], limits: Limits, new_tokens: int = 0, copies: int = 1) -> None:
+    """RequestError unless every prompt is ids in [0, vocab) and, with `new_tokens` more, fits the model's context;
+    413 when the request (each prompt `copies` times, `new_tokens` generated each) is over --max-request-tokens."""
+    total = sum(len(p) + new_tokens for p in prompts) * copies
+    if total > limits.max_request_tokens:
+        what = "tokens (prompts + max_tokens, times n)" if new_tokens else "prompt tokens"
+        raise RequestError(
+            413, f"the request holds {total} {what}, over the server's --max-request-tokens "
+                 f"{limits.max_request_tokens}; send fewer sequences per request"
+        )  # fmt: skip
+    for n, p in enumerate(prompts):
+        if limits.max_context is not None and len(p) + new_tokens > limits.max_context:
+            more = f" + max_tokens {new_tokens}" if new_tokens else ""
+            raise RequestError(
+                400, f"prompt {n} has {len(p)} tokens{more}, more than the model's context (max_position_embeddings "
+                     f"{limits.max_context}); truncate it to {limits.max_context - new_tokens} tokens"
+            )  # fmt: skip
+        bad = next((t for t in p if not (is_int(t) and 0 <= t < limits.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(
+                400, f"prompt {n} holds {json.dumps(bad)[:40]}: token ids must be ints in [0, {limits.vocab_size})"
+            )
+
+
+def token_prompts(prompt: Any) -> list[list[int]]:
     """The prompt field: a list of token ids, or a non-empty list of them (ints are checked by the caller)."""
     if isinstance(prompt, list) and prompt and not any(isinstance(p, list) for p in prompt):
         prompt = [prompt]
@@ -90,33 +99,34 @@ def _prompts(prompt: Any) -> list[list[int]]:
 
 # field -> (check, what it must be); absent fields are fine, null only where OpenAI's API allows it
 _SAMPLING: dict[str, tuple[Any, str]] = {
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _is_int(v) and v >= -1, "an int >= -1 (-1 or 0: all)"),
-    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an int >= 0"),
-    "n": (lambda v: v is None or v == 1 and _is_int(v), "1 (one choice per prompt)"),
-    "logprobs": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an int >= 0"),
+    "temperature": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: is_int(v) and v >= -1, "an int >= -1 (-1 or 0: all)"),
+    "min_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "max_tokens": (lambda v: v is None or (is_int(v) and v >= 0), "null or an int >= 0"),
+    "n": (lambda v: v is None or v == 1 and is_int(v), "1 (one choice per prompt)"),
+    "logprobs": (lambda v: v is None or (is_int(v) and v >= 0), "null or an int >= 0"),
     "echo": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "stream": (lambda v: v is None or v is False, "false (this server does not stream)"),
-    "seed": (lambda v: v is None or _is_int(v), "null or an int"),
+    "seed": (lambda v: v is None or is_int(v), "null or an int"),
     "model": (lambda v: v is None or isinstance(v, str), "a string"),
-    **{f: (lambda v: v is None or _is_number(v), "a number") for f in (
+    **{f: (lambda v: v is None or is_number(v), "a number") for f in (
         "presence_penalty", "frequency_penalty", "repetition_penalty")},
 }  # fmt: skip
 
 
-def _check_sampling(body: dict) -> None:
+def check_sampling(body: dict, skip: tuple[str, ...] = ()) -> None:
+    """RequestError naming the first sampling field (but `skip`) of a wrong type or range."""
     for field, (ok, want) in _SAMPLING.items():
-        if field in body and not ok(body[field]):
+        if field in body and field not in skip and not ok(body[field]):
             raise RequestError(400, f"{field} must be {want}; got {json.dumps(body[field])[:40]}")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
     return isinstance(x, int) or math.isfinite(x)  # an int of any size is finite (and may not fit a float)

@@ -1,0 +1,179 @@
+"""On-policy rollouts in process against rollouts from an engine (`liger-kd serve` at kd_generation_url), through
+KDTrainer: step time, time in rollouts (pushes included), push time, and the engine's agreement with the student.
+
+    python -m benchmarks.bench_engine --out runs/bench_engine.json      # GPU: the engine on cuda:1 when there is one
+    python -m benchmarks.bench_engine --tiny                             # CPU smoke test, no figures
+
+bench_onpolicy's shapes (a Llama-3.2-1B-shaped student, a Llama-3.1-8B-shaped teacher, random weights, bf16) and
+data. The engine row starts `liger-kd serve --random-weights` from the student's config (on --engine-device) and
+lets the first push give it the student's weights; full weights travel as a safetensors file
+(/update_weights_from_disk) every kd_sync_steps. Rows (each in its own process):
+
+  in process         kd_generation_url unset: the student generates (kd_generation_cache auto)
+  engine, sync 1     liger-kd serve samples, the student pushed before every step
+  engine, sync 4     pushed every 4th step: staleness 0-3, pg importance-corrected
+
+Each row: step_s (mean over the timed steps after one warm-up), rollout_s (time in the rollout source per step,
+pushes included), push_s (mean per push), scored_tokens_per_s, max_logprob_gap (the largest |engine log-prob -
+the student's own| of a sampled token right after a push, bf16 on both sides: rounding, not a bug, below ~0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .bench_onpolicy import SHAPES, build
+from .common import environment, print_table, write_json
+
+ROWS = {  # name -> KDTrainingArguments overrides (None url: in process)
+    "in process": dict(),
+    "engine, sync 1": dict(kd_sync_steps=1, engine=True),
+    "engine, sync 4": dict(kd_sync_steps=4, kd_onpolicy_loss="pg", engine=True),
+}
+
+
+def start_engine(config_dir: str, device: str, dtype: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", config_dir, "--random-weights",
+           "--device", device, "--dtype", dtype, "--port", str(port), "--top-k", "8"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    from liger_patch_kd.teacher.serve import TeacherClient
+
+    TeacherClient(url, top_k=8, vocab_size=8, timeout=600).wait_until_ready()
+    return proc, url
+
+
+def run_row(name: str, a: argparse.Namespace) -> dict:
+    from transformers import TrainerCallback
+
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    s_kw, t_kw, vocab = SHAPES["tiny" if a.tiny else "llama"]
+    student = build(s_kw, vocab, device, dtype, seed=0)
+    teacher = build(t_kw, vocab, device, dtype, seed=1).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    steps = a.steps + 1
+    rows = []
+    for _ in range(a.micro_batch * a.accumulation * steps):
+        ids = torch.randint(3, vocab, (a.prompt,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100)})  # prompts only
+    overrides = dict(ROWS[name])
+    proc = None
+    if overrides.pop("engine", False):
+        config_dir = tempfile.mkdtemp()
+        student.config.save_pretrained(config_dir)
+        engine_device = a.engine_device or (
+            "cpu" if device == "cpu" else f"cuda:{min(1, torch.cuda.device_count() - 1)}"
+        )
+        proc, url = start_engine(config_dir, engine_device, "bfloat16" if device == "cuda" else "float32")
+        overrides["kd_generation_url"] = url
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    try:
+        args = KDTrainingArguments(
+            output_dir=tempfile.mkdtemp(), use_kd_patch=True, bf16=device == "cuda", use_cpu=device == "cpu",
+            kd_lmbda=1.0, kd_max_new_tokens=a.completion, per_device_train_batch_size=a.micro_batch,
+            gradient_accumulation_steps=a.accumulation, max_steps=steps, report_to=[], save_strategy="no",
+            logging_steps=1, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+            learning_rate=1e-5, dataloader_num_workers=0, remove_unused_columns=False, **overrides,
+        )  # fmt: skip
+        trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, callbacks=[Clock()])
+        source, pushes, gaps = trainer.onpolicy.source, [], []
+        if "kd_generation_url" in overrides:
+            push = source.sync.push
+
+            def timed_push(model, step):
+                began = time.perf_counter()
+                push(model, step)
+                pushes.append(time.perf_counter() - began)
+
+            source.sync.push = timed_push
+
+            def measured(generator, prompts, settings, **kw):
+                out = source(generator, prompts, settings, **kw)
+                if source.staleness[-1] == 0:
+                    r = out[0]
+                    ids = torch.tensor([r.prompt + r.completion], device=device)
+                    with torch.no_grad():
+                        logp = type(student).forward(student, input_ids=ids).logits.float().log_softmax(-1)[0]
+                    own = logp[len(r.prompt) - 1 : -1].gather(-1, ids[0, len(r.prompt) :, None]).squeeze(-1)
+                    gaps.append(float((own.cpu() - torch.tensor(r.logprobs)).abs().max()))
+                return out
+
+            trainer.onpolicy.source = measured
+        trainer.train()
+    finally:
+        if proc is not None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    timed = trainer.kd_rollout_seconds[1:]
+    return {
+        "name": name,
+        "step_s": step_s,
+        "rollout_s": sum(timed) / len(timed) if timed else 0.0,
+        "push_s": sum(pushes) / len(pushes) if pushes else None,
+        "scored_tokens_per_s": a.micro_batch * a.accumulation * a.completion / step_s,
+        "max_logprob_gap": max(gaps) if gaps else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_engine.json")
+    parser.add_argument("--row", choices=sorted(ROWS), help="run one row in this process (the driver's child)")
+    parser.add_argument("--engine-device", default=None, help="the engine's device; default cuda:1 when there is one")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--completion", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps (after one warm-up step)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    a = parser.parse_args()
+    if a.tiny:
+        a.prompt, a.completion, a.micro_batch, a.accumulation, a.steps = 8, 8, 2, 2, 1
+    if a.row:
+        print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
+        return
+    results = []
+    for name in ROWS:
+        cmd = [sys.executable, "-m", "benchmarks.bench_engine", "--row", name] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+            if k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "engine_device") and v is not None
+        ] + (["--tiny"] if a.tiny else [])  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+        if line is None:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+            results.append({"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
+            continue
+        results.append(json.loads(line[4:]))
+        print(f"{name}: {results[-1]}", flush=True)
+    print_table(results, ["name", "step_s", "rollout_s", "push_s", "scored_tokens_per_s", "max_logprob_gap", "error"])
+    shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny")}
+    write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""`liger-kd serve` as a rollout engine: vLLM's generation and weight-update endpoints answered with the HF model,
+so the on-policy trainer's engine path (trainer/engine.py) runs, and is tested, without vLLM.
+
+    POST /v1/completions (no prompt_logprobs)  sample completions of token-id prompts, vLLM / OpenAI's reply
+    POST /v1/load_lora_adapter                  vLLM's runtime LoRA loading: {"lora_name", "lora_path"}
+    POST /v1/unload_lora_adapter                {"lora_name"}
+    POST /update_weights_from_disk              full weights from safetensors files: {"model_path"} (SGLang's route)
+
+Sampling: `n` completions per prompt (choice index = prompt * n + j, as vLLM numbers them), `temperature` (0:
+greedy), `top_p`, `top_k` (-1 or 0: off), `max_tokens` (default 16, as OpenAI's), `seed` (the same request with the
+same seed and weights gives the same completions: one request samples alone, from a generator seeded with it),
+`stop_token_ids`; a completion ends at the model's EOS (generation_config / config eos_token_id) or a stop id, which
+it keeps (finish_reason "stop"), or after max_tokens ("length"). `logprobs` (an int K >= 0, at most --top-k) returns,
+per sampled token, its log-prob and the top K, in OpenAI's completion layout; tokens are named "token_id:<id>" (vLLM's
+--return-tokens-as-token-ids convention: the server has no tokenizer, and `text` is ""). The log-probs are those of
+the model's own distribution (float32 log_softmax of its logits: temperature 1, before top-k / top-p), which is what
+vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
+at temperature 1 needs. `return_token_ids: true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
+
+Weights: vLLM's own full-weight transfer moves tensors by NCCL or CUDA IPC between GPUs (its weight-transfer engine,
+what TRL's vLLM sync uses); an HF model on a CPU cannot take part in that, so the full-weight route here is SGLang's
+disk-based one: safetensors files in a directory the server can read. Every tensor must name a parameter or buffer
+of the model with its shape (400 otherwise, before any weight changes); each update bumps `weight_version` (in
+/health and the reply). An adapter is used by a request whose `model` is its lora_name, the base model by one with
+the served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a
+lock shared with the teacher scoring, which always runs on the base model with adapters off).
+"""
+
+# no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
+
+import json
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this samples greedily
+_UNSUPPORTED = {  # field -> the only value served (anything else is a 400, not silently ignored)
+    "stream": (None, False), "echo": (None, False), "ignore_eos": (None, False), "min_p": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "best_of": (None, 1), "suffix": (None,), "stop": (None, [], ""),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompts: list[list[int]]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int  # 0: off
+    max_tokens: int
+    seed: int | None
+    logprobs: int | None
+    stop_ids: tuple[int, ...]
+    return_token_ids: bool
+    model: str | None
+
+
+def wants_generation(body: Any) -> bool:
+    """A /v1/completions body without prompt_logprobs asks for completions (with them: the teacher's scores)."""
+    return isinstance(body, dict) and body.get("prompt_logprobs") is None
+
+
+def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
+    """A generation body -> GenerationRequest, or RequestError(400 / 413) naming the field."""
+    prompts = token_prompts(body.get("prompt"))
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not is_int(n) or n < 1:
+        raise RequestError(400, f"n must be an int >= 1 (completions per prompt); got {json.dumps(n)[:40]}")
+    max_tokens = body.get("max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise RequestError(400, f"max_tokens must be an int >= 1 to generate; got {json.dumps(max_tokens)[:40]}")
+    check_sampling(body, skip=("n", "max_tokens", "logprobs"))
+    for field, allowed in _UNSUPPORTED.items():
+        if field in body and not any(body[field] == a and type(body[field]) is type(a) for a in allowed):
+            raise RequestError(
+                400, f"{field}={json.dumps(body[field])[:40]} is not served by liger-kd serve (it takes only "
+                     f"{json.dumps([a for a in allowed if a is not None])}); leave it out"
+            )  # fmt: skip
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= limits.max_top_k):
+        raise RequestError(
+            400, f"logprobs must be null or an int in [0, {limits.max_top_k}] (the server's --top-k); got "
+                 f"{json.dumps(logprobs)[:40]}"
+        )  # fmt: skip
+    stop_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(is_int(t) and 0 <= t < limits.vocab_size for t in stop_ids)):
+        raise RequestError(400, f"stop_token_ids must be a list of token ids in [0, {limits.vocab_size})")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool) and return_ids is not None:
+        raise RequestError(400, f"return_token_ids must be a boolean; got {json.dumps(return_ids)[:40]}")
+    seed = body.get("seed")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise RequestError(400, f"seed must fit in 64 bits (|seed| < 2**63); got {seed}")
+    check_prompts(prompts, limits, new_tokens=max_tokens, copies=n)
+    top_k = body.get("top_k", -1)
+    return GenerationRequest(
+        prompts=prompts, n=n, temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+        top_k=max(top_k, 0), max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+        stop_ids=tuple(stop_ids), return_token_ids=bool(return_ids), model=body.get("model"),
+    )  # fmt: skip
+
+
+def sample_next(logits: torch.Tensor, req: GenerationRequest, generator: torch.Generator | None) -> torch.Tensor:
+    """(rows,) next tokens from (rows, V) float32 logits: greedy, or tempered, top-k and top-p filtered, sampled."""
+    if req.temperature < GREEDY_BELOW:
+        return logits.argmax(-1)
+    scores = logits / req.temperature
+    if 0 < req.top_k < scores.shape[-1]:
+        kth = scores.topk(req.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if req.top_p < 1.0:
+        ordered, order = scores.sort(-1, descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
+        ordered = ordered.masked_fill(before >= req.top_p, -math.inf)  # the most likely token always stays
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, ordered)
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+class GenerationEngine:
+    """The served model as a sampler, plus its adapters and weight updates (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, model_name: str, lock: "threading.Lock | None" = None) -> None:
+        self.model, self.model_name = model, model_name
+        self.lock = lock or threading.Lock()
+        self.device = next(model.parameters()).device
+        self.adapters: dict[str, str] = {}  # lora_name -> lora_path
+        self.peft = None  # the PeftModel around `model` while adapters are loaded (its layers sit in `model`)
+        self.weight_version = 0
+        gen = getattr(model, "generation_config", None)
+        eos = [getattr(gen, "eos_token_id", None), getattr(model.config.get_text_config(), "eos_token_id", None)]
+        self.eos_ids = {t for e in eos for t in (e if isinstance(e, list) else [e]) if t is not None}
+        pad = getattr(gen, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    @contextmanager
+    def base_model(self):
+        """The model to itself, adapters off: the teacher scoring path's guard."""
+        with self.lock:
+            self._select(None)
+            yield
+
+    def _select(self, adapter: str | None) -> None:
+        """Turn the LoRA layers PEFT injected into the model on (with `adapter` active) or off."""
+        if self.peft is None:
+            return
+        if adapter is None:
+            self.peft.base_model.disable_adapter_layers()
+        else:
+            self.peft.base_model.enable_adapter_layers()
+            self.peft.set_adapter(adapter)
+
+    # ------------------------------------------------------------------------------------------- sampling
+    def complete(self, req: GenerationRequest) -> dict[str, Any]:
+        """The /v1/completions reply for `req` (runs in a worker thread)."""
+        if req.model not in (None, self.model_name, *self.adapters):  # vLLM's answer too: never another model
+            raise RequestError(404, f"the model {req.model!r} does not exist here; this server serves "
+                                    f"{[self.model_name, *self.adapters]}")  # fmt: skip
+        adapter = req.model if req.model in self.adapters else None
+        with self.lock, torch.no_grad():
+            self._select(adapter)
+            rows = [p for p in req.prompts for _ in range(req.n)]
+            generator = None
+            if req.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(req.seed)
+            tokens, logprobs, tops = self._sample(rows, req, generator)
+        choices = []
+        for index, (prompt, toks, lps, top) in enumerate(zip(rows, tokens, logprobs, tops)):
+            stopped = bool(toks) and (toks[-1] in self.eos_ids or toks[-1] in req.stop_ids)
+            choice = {
+                "index": index, "text": "", "logprobs": None, "finish_reason": "stop" if stopped else "length",
+                "stop_reason": toks[-1] if stopped and toks[-1] not in self.eos_ids else None,
+            }  # fmt: skip
+            if req.logprobs is not None:
+                choice["logprobs"] = {
+                    "text_offset": [0] * len(toks), "token_logprobs": lps, "tokens": [f"token_id:{t}" for t in toks],
+                    "top_logprobs": top,
+                }  # fmt: skip
+            if req.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = prompt, toks
+            choices.append(choice)
+        prompt_tokens, completion_tokens = sum(map(len, rows)), sum(map(len, tokens))
+        return {
+            "id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
+            "model": adapter or self.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }  # fmt: skip
+
+    def _sample(self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None):
+        """Left-padded rows decoded together with the model's KV cache; per row the sampled tokens (up to and with
+        the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(rows):
+            ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(sorted(self.eos_ids | set(req.stop_ids)), dtype=torch.long, device=self.device)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        tokens, logprobs, tops = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
+        past, step_ids = None, ids
+        for _ in range(req.max_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **({} if past is None else {past[0]: past[1]}))  # fmt: skip
+            # transformers 5.2x renames past_key_values to cache (the old name warns, then goes): the output says
+            # which this version speaks (a patched model's forward signature would not)
+            key = next((k for k in ("cache", "past_key_values") if out.get(k) is not None), None)
+            if key is None:
+                raise RuntimeError(f"{type(self.model).__name__} returned no KV cache (use_cache=True)")
+            past, logits = (key, out[key]), out.logits[:, -1].float()
+            raw = logits.log_softmax(-1)
+            nxt = sample_next(logits, req, generator)
+            own = raw.gather(-1, nxt[:, None]).squeeze(-1).tolist()
+            top = raw.topk(req.logprobs, dim=-1) if req.logprobs else None
+            for r in (~done).nonzero().flatten().tolist():
+                t = int(nxt[r])
+                tokens[r].append(t)
+                logprobs[r].append(own[r])
+                if req.logprobs is not None:
+                    entry = {f"token_id:{t}": own[r]}
+                    if top is not None:
+                        pairs = zip(top.indices[r].tolist(), top.values[r].tolist())
+                        entry.update({f"token_id:{i}": v for i, v in pairs})
+                    tops[r].append(entry)
+            done |= torch.isin(nxt, stop)
+            if bool(done.all()):
+                break
+            step_ids = torch.where(done, self.pad_id, nxt)[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            positions = positions[:, -1:] + 1
+        return tokens, logprobs, tops
+
+    # -------------------------------------------------------------------------------------------- updates
+    def load_adapter(self, body: Any) -> str:
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        if name == self.model_name:
+            raise RequestError(400, f"lora_name {name!r} is the base model's name; choose another")
+        if name in self.adapters:
+            raise RequestError(400, f"the LoRA adapter {name!r} has already been loaded; unload it first, or load it "
+                                    f"under a new lora_name")  # fmt: skip
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise RequestError(400, f"lora_path {path!r} holds no adapter_config.json: save the adapter with PEFT's "
+                                    f"save_pretrained into a directory this server can read")  # fmt: skip
+        with self.lock:
+            try:
+                from peft import PeftModel
+
+                if self.peft is None:
+                    self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                else:
+                    self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+            except ImportError as e:
+                raise RequestError(400, f"loading a LoRA adapter needs peft on the server: pip install peft ({e})")
+            except (ValueError, OSError, RuntimeError, KeyError) as e:
+                raise RequestError(400, f"the LoRA adapter at {path!r} does not load on this model: {e}") from None
+            self.adapters[name] = path
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_adapter(self, body: Any) -> str:
+        name = _field(body, "lora_name")
+        if name not in self.adapters:
+            raise RequestError(400, f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self.adapters)})")
+        with self.lock:
+            del self.adapters[name]
+            if self.adapters:
+                self.peft.delete_adapter(name)
+            else:  # the last one: the LoRA layers go, the model's own modules (and tensor names) come back
+                self.peft.unload()
+                self.peft = None
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        path = Path(_field(body, "model_path"))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+            raise RequestError(400, f"model_path {str(path)!r} is neither a .safetensors file nor a directory of them")
+        if self.adapters:
+            raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
+                                    f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        own = self.model.state_dict()
+        for name, tensor in state.items():
+            if name not in own:
+                raise RequestError(400, f"tensor {name!r} is not a parameter or buffer of the served model "
+                                        f"({type(self.model).__name__}); is it another architecture?")  # fmt: skip
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise RequestError(400, f"tensor {name!r} has shape {tuple(tensor.shape)}, the served model's "
+                                        f"{tuple(own[name].shape)}")  # fmt: skip
+        with self.lock, torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
+            self.weight_version += 1
+        return {"success": True, "message": f"updated {len(state)} tensors from {path}", "num_tensors": len(state),
+                "weight_version": self.weight_version}  # fmt: skip
+
+
+def _field(body: Any, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise RequestError(400, f"{name} must be a non-empty string; got {json.dumps(value)[:60]}")
+    return value
+
+
+def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> None:
+    """The adapter and weight-update routes on the FastAPI `app` (`error(status, message)` builds the refusal)."""
+    import asyncio
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    from .validation import parse_body
+
+    def route(path: str, method, reply):
+        async def endpoint(request: Request):
+            try:
+                result = await asyncio.to_thread(method, parse_body(await request.body()))
+            except RequestError as e:
+                return error(e.status, e.message)
+            return reply(result)
+
+        app.post(path)(endpoint)
+
+    route("/v1/load_lora_adapter", engine.load_adapter, PlainTextResponse)
+    route("/v1/unload_lora_adapter", engine.unload_adapter, PlainTextResponse)
+    route("/update_weights_from_disk", engine.update_weights_from_disk, JSONResponse)

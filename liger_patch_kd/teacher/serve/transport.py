@@ -1,0 +1,85 @@
+"""One HTTP endpoint spoken to with retries (standard library only): what the teacher client and the rollout
+engine's client share.
+
+Faults are never silent: a connection error or a 5xx is retried with exponential backoff up to `retries` times,
+then TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
+TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a 4xx (the request is
+wrong: retrying cannot help) raises TeacherServerError at once with the server's message and a hint by status.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class TeacherServerError(RuntimeError):
+    """The server could not be reached or refused the request; the message names the URL."""
+
+
+class TeacherTimeoutError(TeacherServerError, TimeoutError):
+    """The server sent nothing for `timeout` seconds."""
+
+
+class HttpEndpoint:
+    """`url` (no trailing slash) with its timeout, retries, backoff and API key (`Authorization: Bearer <key>`).
+    `what` names the server in errors ("the teacher server"), `timeout_option` the argument that sets the timeout,
+    `needed` what training cannot go on without, `hints` maps a 4xx status to advice appended to the error."""
+
+    def __init__(
+        self, url: str, *, timeout: float, retries: int, backoff: float = 0.5, api_key: str | None = None,
+        what: str = "the teacher server", timeout_option: str = "kd_teacher_timeout", needed: str = "teacher data",
+        hints: dict[int, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.url = url.rstrip("/")
+        self.timeout, self.retries, self.backoff, self.api_key = timeout, retries, backoff, api_key
+        self.what, self.timeout_option, self.needed, self.hints = what, timeout_option, needed, hints or {}
+        self.retried = 0  # requests sent again after a connection error or a 5xx, for logs and tests
+
+    def headers(self, accept: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": accept}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def post_json(self, path: str, body: Any) -> tuple[bytes, str]:
+        return self.send("POST", path, json.dumps(body).encode(), "application/json")
+
+    def send(self, method: str, path: str, data: bytes | None, accept: str) -> tuple[bytes, str]:
+        """One HTTP exchange with retries on connection errors and 5xx; the reply's bytes and content type."""
+        url = self.url + path
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.retried += 1
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, method=method, headers=self.headers(accept))
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return reply.read(), reply.headers.get("Content-Type", "")
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:500].decode(errors="replace")
+                if e.code < 500:  # the request is wrong (or unauthorised): sending it again cannot help
+                    hint = self.hints.get(e.code, "")
+                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}{hint}") from e
+                last = TeacherServerError(f"HTTP {e.code}: {detail}")
+            except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                if _is_timeout(e):
+                    raise TeacherTimeoutError(
+                        f"{self.what} at {url} sent nothing for {self.timeout:g} s ({self.timeout_option}); it is "
+                        f"overloaded or stuck"
+                    ) from e
+                last = e
+        raise TeacherServerError(
+            f"{self.what} at {url} failed {self.retries + 1} times (retries={self.retries}, last error: "
+            f"{last!r}); training stops rather than train without {self.needed}"
+        ) from last
+
+
+def _is_timeout(error: BaseException) -> bool:
+    reason = getattr(error, "reason", None)
+    return isinstance(error, TimeoutError) or isinstance(reason, TimeoutError)

@@ -1,0 +1,115 @@
+"""The student's weights to the rollout engine every `kd_sync_steps` optimizer steps.
+
+A PEFT student sends its adapter: saved (PEFT's save_pretrained) into a directory the trainer owns, then loaded by
+vLLM's runtime adapter route POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM needs --enable-lora,
+--max-lora-rank >= the adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; `liger-kd serve` takes it as is);
+later requests name that adapter as their `model`, and the previous adapter is unloaded and its directory deleted.
+A full-weight student sends its state dict as one safetensors file, loaded by POST /update_weights_from_disk
+{"model_path"} (SGLang's route, which `liger-kd serve` speaks; vLLM moves full weights by NCCL / CUDA IPC with its
+weight-transfer engine instead, which is not wired here). The engine must read the directory: the same machine, or
+a shared filesystem through kd_sync_dir. Every directory made is deleted after its load or at close; nothing else
+is touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..teacher.serve.transport import HttpEndpoint
+
+
+def peft_of(model: nn.Module) -> nn.Module | None:
+    """The PeftModel inside DDP / torch.compile wrappers, or None for a full-weight model (peft imported only when
+    installed: a model cannot be a PeftModel without it)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
+    for _ in range(8):
+        if isinstance(model, PeftModel):
+            return model
+        wrapped = (getattr(model, a, None) for a in ("module", "_orig_mod"))
+        inner = next((m for m in wrapped if isinstance(m, nn.Module)), None)
+        if inner is None:
+            return None
+        model = inner
+    return None
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with each storage once (tied embeddings share one; safetensors refuses shared tensors), as
+    contiguous CPU tensors."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+class WeightSync:
+    """Pushes the student to the engine at `http` when `due(step)`: every `every` optimizer steps, and before the
+    first rollout. `synced_step` is the step whose starting weights the engine holds; `model_name` the name the
+    completions must ask for (the adapter's for a PEFT student, None: the engine's own model)."""
+
+    def __init__(self, http: HttpEndpoint, every: int, sync_dir: str | None = None) -> None:
+        self.http, self.every, self.sync_dir = http, every, sync_dir
+        self.synced_step: int | None = None
+        self.model_name: str | None = None
+        self.pushes = 0
+        self._root: Path | None = None
+        self._kept: Path | None = None  # the loaded adapter's directory (vLLM may read it again)
+        self._run = uuid.uuid4().hex[:8]  # adapter names unique to this run
+
+    def due(self, step: int) -> bool:
+        return self.synced_step is None or step - self.synced_step >= self.every
+
+    def push(self, model: nn.Module, step: int) -> None:
+        root = self._directory()
+        peft = peft_of(model)
+        target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=root))
+        if peft is not None:
+            adapter = peft.active_adapter
+            peft.save_pretrained(str(target), selected_adapters=[adapter])
+            path = target if adapter == "default" else target / adapter  # PEFT nests adapters not named default
+            name = f"liger-kd-{self._run}-step{step}"
+            self.http.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            previous, self.model_name = self.model_name, name
+            if previous is not None:
+                self.http.post_json("/v1/unload_lora_adapter", {"lora_name": previous})
+            self._remove(self._kept)
+            self._kept = target
+        else:
+            from safetensors.torch import save_file
+
+            save_file(unique_tensors(model.state_dict()), str(target / "model.safetensors"))
+            try:
+                self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
+            finally:
+                self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
+        self.synced_step = step
+        self.pushes += 1
+
+    def close(self) -> None:
+        if self._root is not None:
+            self._finalizer()
+            self._root = self._kept = None
+
+    def _directory(self) -> Path:
+        if self._root is None:
+            # absolute: the engine resolves the paths it is sent against its own working directory
+            self._root = Path(tempfile.mkdtemp(prefix="liger-kd-sync-", dir=self.sync_dir)).resolve()
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self._root), True)
+        return self._root
+
+    def _remove(self, path: Path | None) -> None:
+        if path is not None and self._root is not None and path.parent == self._root:  # only what we made
+            shutil.rmtree(path, ignore_errors=True)
