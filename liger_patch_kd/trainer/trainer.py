@@ -32,7 +32,8 @@ from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
-KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
+KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
 
 
 class AdapterDisabledTeacher(nn.Module):
@@ -204,7 +205,7 @@ class KDTrainer(Trainer):
                 f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; "
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
-        offline = inputs.get("teacher_token_ids") is not None
+        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
         if not offline and self.teacher_model is None:
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
@@ -236,9 +237,11 @@ class KDTrainer(Trainer):
 
     def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
+        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
         teacher = TeacherInputs(
-            model=self.teacher_model if inputs.get("teacher_token_ids") is None else None,
+            model=None if offline else self.teacher_model,
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
+            **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
         )  # fmt: skip
         targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
         outputs = materialised_kd(
