@@ -138,6 +138,16 @@ def test_trainer_trains_from_sampled_data_bf16_accumulated(tmp_path):
     torch.testing.assert_close(runs[True], runs[False], atol=2e-2, rtol=0)
 
 
+def test_trainer_refuses_a_sampled_store_it_cannot_train_without_bias(tmp_path):
+    out = _store(tmp_path, "t", temperature=2.0)[0]
+    data = TD.TeacherLogprobsDataset(out)
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match="kd_beta: the training store holds sampled teacher tokens; beta=0.5"):
+        KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.5, kd_temperature=2.0), train_dataset=data)
+    with pytest.raises(ValueError, match="kd_temperature=1.0 but the store's teacher tokens were drawn at .* 2.0"):
+        KDTrainer(model=model, args=_args(tmp_path), train_dataset=data)
+
+
 def test_trainer_refuses_beta_above_zero_on_sampled_batches(tmp_path):
     out = _store(tmp_path, "s")[0]
     batch = TD.TeacherDataCollator()([TD.TeacherLogprobsDataset(out)[0]])
@@ -145,3 +155,29 @@ def test_trainer_refuses_beta_above_zero_on_sampled_batches(tmp_path):
     trainer = KDTrainer(model=model, args=_args(tmp_path, use_kd_patch=True, kd_beta=0.5))
     with pytest.raises(ValueError, match="beta=0.5: sampled teacher tokens"):
         trainer.compute_loss(model, dict(batch))
+
+
+def test_interrupted_sampled_precompute_resumes_to_identical_shards(tmp_path, monkeypatch):
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    seqs = random_sequences(VOCAB, 7, seed=1)
+    opts = dict(top_k=2, samples=5, seed=9, shard_size=2, batch_size=1, progress=False)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    TD.precompute(teacher, seqs, full, **opts)
+    original = TD.StoreWriter.write_shard
+    calls = {"n": 0}
+
+    def crash_on_third(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TD.StoreWriter, "write_shard", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        TD.precompute(teacher, seqs, resumed, **opts)
+    monkeypatch.setattr(TD.StoreWriter, "write_shard", original)
+    TD.precompute(teacher, seqs, resumed, **opts)  # the resumed shards draw what the complete run drew
+    for shard in sorted(full.glob("shard-*")):
+        assert shard.read_bytes() == (resumed / shard.name).read_bytes()
+    with pytest.raises(TD.TeacherStoreError, match=r"sample_seed \(store: 9, now: 10\)"):
+        TD.precompute(teacher, seqs, resumed, **{**opts, "seed": 10})

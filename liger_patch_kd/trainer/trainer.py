@@ -28,6 +28,7 @@ from .cross_tokenizer import (
 )
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
+from .sampled_data import check_sampled_dataset
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
@@ -91,6 +92,7 @@ class KDTrainer(Trainer):
             self.kd_config = _with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
+        check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
         self.prompt_rows = _first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
