@@ -136,3 +136,14 @@ def test_hybrid_with_nothing_left_to_draw_is_the_exact_top_k():
     loss = _fused(h, w, None, data, labels)
     full = R.kd_loss(h @ w.T, teacher, labels, beta=0.0)
     torch.testing.assert_close(loss, full, rtol=1e-9, atol=1e-9)
+
+
+def test_mixed_dtypes_bf16_logprobs_and_uint8_counts():
+    # counts as the store reads them (int32 from uint8), log-probs in bf16 (the store's default), an fp32 student
+    h, w, _, data, labels = _data(m=8, top_k=4, dtype=torch.float32)
+    data = data._replace(counts=data.counts.to(torch.uint8).int(), logprobs=data.logprobs.bfloat16(),
+                         topk_logprobs=data.topk_logprobs.bfloat16())  # fmt: skip
+    loss = _fused(h, w, None, data, labels)
+    expected = _expected((h @ w.T).double(), data, labels)  # the same rounded data, float64 math
+    # fp32 logits and softmax against float64: relative rounding ~1e-6 of terms of size ~1
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
