@@ -2,7 +2,7 @@
 forward-KL gradient, and bytes per token, at (near) equal bytes.
 
     python -m benchmarks.bench_sampled_kd --out runs/bench_sampled_kd.json                 # CPU, the demo teacher
-    python -m benchmarks.bench_sampled_kd --teacher fp8bench --out $OUT/bench_sampled_kd.json   # GPU, 189M teacher
+    python -m benchmarks.bench_sampled_kd --teacher fp8bench --speed --out $OUT/bench_sampled_kd.json  # GPU
 
 The teacher is trained here on the packaged corpus: the demo's (Llama 4 x 128, liger_patch_kd.demo) or
 bench_fp8_teacher's ~190M Llama (--teacher fp8bench, for --train-seconds, on a GPU). A fresh demo-sized student
@@ -12,7 +12,7 @@ gradient g comes from the same fused losses a training run uses: top-k (fused_li
 sampled tokens (fused_linear_sampled_kd; --repeats independent draws) and the hybrid (exact top-k + draws from
 the rest). Reported, relative to |g*|:
   bias  = |mean g - g*|   (for draws: with its Monte-Carlo floor `bias_floor` = sqrt(tr Cov / repeats))
-  sd    = sqrt(E |g - mean g|^2)   (one batch's noise; 0 for top-k)
+  sd    = sqrt(E |g - mean g|^2)   (one batch's noise; 0 for top-k; E and Cov over the draws, divisor repeats)
   rmse  = sqrt(E |g - g*|^2)   (what one training step sees: bias and noise together)
 and the bytes per position the store spends (plain: int32 id + bf16 log-prob per slot, + a uint8 count per
 sampled slot; packed12: the store's compact encoding, store/compact.py). `--demo-students` adds the demo row:
@@ -34,7 +34,7 @@ from liger_patch_kd import reference as R
 from liger_patch_kd.teacher.sampling import sample_teacher_tokens
 from liger_patch_kd.teacher.store.compact import PackedCodec
 
-from .common import environment, print_table, write_json
+from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
 
 # (name, top_k, samples): top-k K = 8, 16, 32, 64; draws at m = 8, 16, 32 and at top-k's plain bytes (m = 7 ~ top-8,
 # 14 ~ top-16, 27 ~ top-32, 55 ~ top-64); the hybrid (K exact + m drawn) at those bytes. Rows that do not fit the
@@ -134,14 +134,14 @@ def measure(hidden, weight, lp1, temperature: float, repeats: int, seed: int) ->
             draws = []
             for _ in range(repeats):
                 d = sample_teacher_tokens(lp_t, m, top_k=k, generator=gen)
-                draws.append(
-                    gradient(
-                        lambda h, w: fused_linear_sampled_kd(
-                            h, w, d.ids, d.counts, d.logprobs, teacher_token_ids=d.topk_ids,
-                            teacher_logprobs=d.topk_logprobs, temperature=temperature,
-                        ), hidden, weight,
+
+                def loss(h, w, d=d):
+                    return fused_linear_sampled_kd(
+                        h, w, d.ids, d.counts, d.logprobs, teacher_token_ids=d.topk_ids,
+                        teacher_logprobs=d.topk_logprobs, temperature=temperature,
                     )  # fmt: skip
-                )
+
+                draws.append(gradient(loss, hidden, weight))
             tail = float((1 - lp_t.topk(k, -1).values.exp().sum(-1)).mean()) if k else 1.0
         g = torch.stack(draws)
         mean = g.mean(0)
@@ -198,6 +198,39 @@ def demo_students(teacher, vocab, train, held, collator, device, work: Path, ste
     return rows
 
 
+def loss_speed(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[dict]:
+    """GPU forward + backward of the fused losses alone (bf16, Llama-8B-sized head): top-64 (Triton kernel) against
+    64 draws and the hybrid 32 + 32 (PyTorch chunk path), median ms and the peak memory beyond the gradients."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device).manual_seed(0)
+    h = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, generator=gen) / hidden**0.5).to(torch.bfloat16).requires_grad_()
+    with torch.no_grad():
+        lp = torch.cat([F.log_softmax((h[i : i + 1024] @ w.T).float() * 2, -1) for i in range(0, n, 1024)])
+    top_lp, top_ids = lp.topk(64, -1)
+    drawn = sample_teacher_tokens(lp, 64, generator=gen)
+    hybrid = sample_teacher_tokens(lp, 32, top_k=32, generator=gen)
+    del lp
+    calls = {
+        "top-64 (Triton)": lambda: fused_linear_topk_kd(h, w, top_ids, top_lp, beta=0.0),
+        "sampled m=64 (torch chunk)": lambda: fused_linear_sampled_kd(h, w, drawn.ids, drawn.counts, drawn.logprobs),
+        "hybrid 32+32 (torch chunk)": lambda: fused_linear_sampled_kd(
+            h, w, hybrid.ids, hybrid.counts, hybrid.logprobs, teacher_token_ids=hybrid.topk_ids,
+            teacher_logprobs=hybrid.topk_logprobs,
+        ),
+    }  # fmt: skip
+    grads = (h.numel() + w.numel()) * 2
+    rows = []
+    for name, call in calls.items():
+
+        def step(call=call):
+            call().backward()
+            h.grad = w.grad = None
+
+        rows.append(dict(loss=name, ms=cuda_time_ms(step), peak_extra_GiB=peak_extra_gib(step, grads)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_sampled_kd.json")
@@ -208,6 +241,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=64, help="independent draws per sampled method")
     parser.add_argument("--demo-students", action="store_true", help="also train the offline students (demo only)")
     parser.add_argument("--student-steps", type=int, default=150)
+    parser.add_argument("--speed", action="store_true", help="also time the fused losses alone (GPU)")
     args = parser.parse_args()
     device = torch.device("cuda" if args.teacher == "fp8bench" else "cpu")
     dtype = torch.float64 if device.type == "cpu" else torch.float32
@@ -236,8 +270,13 @@ def main() -> None:
                                      (1, 2, 3))  # fmt: skip
             tables["students"] = print_table(students, ["data", "bytes_plain", "held_out_ce", "ce_sd", "held_out_kl",
                                                         "kl_sd"])  # fmt: skip
+    speed = []
+    if args.speed and device.type == "cuda":
+        print("\nthe fused losses alone: N = 8192, H = 4096, V = 128256, bf16, forward + backward")
+        speed = loss_speed()
+        tables["speed"] = print_table(speed, ["loss", "ms", "peak_extra_GiB"])
     write_json(args.out, dict(environment=environment(), args=vars(args), vocab=vocab, positions=hidden.shape[0],
-                              gradients=rows, students=students, tables=tables))  # fmt: skip
+                              gradients=rows, students=students, speed=speed, tables=tables))  # fmt: skip
 
 
 if __name__ == "__main__":

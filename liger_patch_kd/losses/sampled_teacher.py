@@ -183,5 +183,6 @@ def fused_linear_sampled_kd(
     return run_fused(
         student_input, student_weight, student_bias, flat_labels, cfg, num_items_in_batch, backend,
         return_components, vocab=vocab, columns=columns, teacher_chunk=teacher_chunk,
-        kernels=sampled_op.CHUNK_KERNELS, bytes_per_logit=8,  # fp32 log-softmax and gradient
+        # fp32 logits, their log-softmax, its exp turned into the gradient, and the gradient in the input dtype
+        kernels=sampled_op.CHUNK_KERNELS, bytes_per_logit=16,
     )  # fmt: skip

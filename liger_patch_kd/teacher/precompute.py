@@ -176,7 +176,8 @@ def check_precompute_args(
         raise ValueError(f"samples (--samples) must be an integer in [0, 255] (0: top-k only); got {samples!r}")
     low, high = (0, vocab - 1) if samples else (1, vocab)  # with samples, 0 is draws alone; something is left to draw
     if not is_int(top_k) or not low <= top_k <= high:
-        raise ValueError(f"top_k (--top-k) must be an integer in [{low}, {high}]; got {top_k!r}")
+        bound = f"vocab_size={vocab}" + (" - 1 (something is left to draw)" if samples else "")
+        raise ValueError(f"top_k (--top-k) must be an integer in [{low}, {bound}]; got {top_k!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
         math.isfinite(temperature) and temperature > 0
     ):
