@@ -139,7 +139,7 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("sample_logprobs")] if self._codec is None else None
             item.update(sample_item(self.meta, self._codec, raw, dtype, n))
         if k == 0:
-            pass
+            pass  # sampled tokens alone: no top-k columns
         elif self._codec is None:
             item["teacher_token_ids"] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("topk_logprobs")]

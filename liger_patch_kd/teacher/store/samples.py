@@ -22,7 +22,6 @@ from .ids import token_ids
 
 SAMPLED_FORMAT_VERSION = 3
 MAX_SAMPLES = 255  # counts are one byte
-SAMPLE_ARRAYS = ("sample_ids", "sample_logprobs", "sample_packed", "sample_counts")
 
 
 def samples_of(meta: dict) -> int:
