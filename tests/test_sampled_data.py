@@ -11,6 +11,7 @@ import torch
 import liger_patch_kd.models as M
 from liger_patch_kd import teacher as TD
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+from liger_patch_kd.trainer.trainer import SAMPLE_COLUMNS
 
 from .helpers import random_sequences
 from .tiny_models import VOCAB, tiny_model
@@ -181,3 +182,30 @@ def test_interrupted_sampled_precompute_resumes_to_identical_shards(tmp_path, mo
         assert shard.read_bytes() == (resumed / shard.name).read_bytes()
     with pytest.raises(TD.TeacherStoreError, match=r"sample_seed \(store: 9, now: 10\)"):
         TD.precompute(teacher, seqs, resumed, **{**opts, "seed": 10})
+
+
+def test_packed_sequences_equal_padded_on_sampled_data(tmp_path):
+    # two store items packed into one row as DataCollatorWithFlattening packs them (position ids restart, the
+    # first label of each sequence ignored), their sample columns concatenated the same way: the loss and the
+    # gradient equal the padded batch's (float64 student)
+    from transformers import DataCollatorWithFlattening
+
+    out = _store(tmp_path, "s", top_k=2)[0]
+    items = [TD.TeacherLogprobsDataset(out)[i] for i in (0, 1)]
+    flatten = DataCollatorWithFlattening(return_position_ids=True)
+    packed = flatten([{"input_ids": it["input_ids"].tolist()} for it in items])
+    packed = {k: torch.as_tensor(v) for k, v in packed.items()}
+    for name in ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS):
+        packed[name] = torch.cat([it[name] for it in items])[None]
+    padded = TD.TeacherDataCollator()(items)
+    student = tiny_model("llama", seed=1)
+    M.apply_kd_patch(model=student, beta=0.0)
+    results = []
+    for batch in (packed, padded):
+        student.zero_grad()
+        loss = student(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), student.lm_head.weight.grad.clone()))
+    (lp, gp), (ld, gd) = results
+    torch.testing.assert_close(lp, ld, rtol=1e-9, atol=0)  # float64 end to end; only the summation order differs
+    torch.testing.assert_close(gp, gd, rtol=1e-7, atol=1e-12)
