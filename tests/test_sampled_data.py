@@ -209,3 +209,20 @@ def test_packed_sequences_equal_padded_on_sampled_data(tmp_path):
     (lp, gp), (ld, gd) = results
     torch.testing.assert_close(lp, ld, rtol=1e-9, atol=0)  # float64 end to end; only the summation order differs
     torch.testing.assert_close(gp, gd, rtol=1e-7, atol=1e-12)
+
+
+def test_peft_student_trains_on_sampled_data(tmp_path):
+    peft = pytest.importorskip("peft")
+    out = _store(tmp_path, "s", n=8)[0]
+    base = tiny_model("llama", dtype=torch.float32, seed=1)
+    student = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    frozen = {k: v.clone() for k, v in student.named_parameters() if not v.requires_grad}
+    lora = {k: v.clone() for k, v in student.named_parameters() if v.requires_grad}
+    trainer = KDTrainer(
+        model=student, args=_args(tmp_path, use_kd_patch=True, bf16=True, gradient_accumulation_steps=2),
+        train_dataset=TD.TeacherLogprobsDataset(out), data_collator=TD.TeacherDataCollator(),
+    )  # fmt: skip
+    trainer.train()
+    params = dict(student.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in frozen.items())  # the base model is untouched
+    assert any(not torch.equal(params[k], v) for k, v in lora.items())  # the adapter learned
