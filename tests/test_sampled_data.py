@@ -226,3 +226,9 @@ def test_peft_student_trains_on_sampled_data(tmp_path):
     params = dict(student.named_parameters())
     assert all(torch.equal(params[k], v) for k, v in frozen.items())  # the base model is untouched
     assert any(not torch.equal(params[k], v) for k, v in lora.items())  # the adapter learned
+
+
+def test_converters_refuse_a_sampled_store_rather_than_drop_its_draws(tmp_path):
+    out = _store(tmp_path, "s", top_k=2)[0]
+    with pytest.raises(TD.TeacherStoreError, match="holds sampled teacher tokens .* no converter carries"):
+        next(TD.iter_store(out))

@@ -156,8 +156,15 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
 
 
 def iter_store(store_dir: str | Path) -> Any:
-    """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters."""
+    """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters.
+    A store of sampled teacher tokens is refused: no converter carries them yet, and dropping them (or the
+    hybrid's draws) would change the objective silently."""
     data = TeacherLogprobsDataset(store_dir)
+    if samples_of(data.meta):
+        raise TeacherStoreError(
+            f"{store_dir} holds sampled teacher tokens (samples={samples_of(data.meta)}), which no converter carries "
+            f"yet: train on the store itself (TeacherLogprobsDataset), or precompute a top-k store to convert"
+        )
     for i in range(len(data)):
         item = data[i]
         yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]
