@@ -51,6 +51,7 @@ def _precompute(args) -> None:
     out = precompute(
         teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,
         logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher, encoding=args.encoding,
+        samples=args.samples, seed=args.seed,
         tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
         inputs={"data file": file_fingerprint(args.data), "max_length": args.max_length,
                 "skip_bad_lines": args.skip_bad_lines},
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain (int32 ids + --dtype log-probs) or packed<bits>, e.g. packed10: ids in the fewest "
         "bits, log-probs quantised to <bits> bits per row (about 3.6 bytes per slot at 152k vocab)",
     )
+    pre.add_argument("--samples", type=int, default=0,
+                     help="m > 0: also m tokens per position drawn from the teacher at --temperature (with counts and "
+                     "log-probs; --top-k 0: the draws alone), for the unbiased sampled loss")  # fmt: skip
+    pre.add_argument("--seed", type=int, default=0, help="seed of the --samples draws (reproducible)")
     pre.add_argument("--tokenizer", default=None, help="tokenizer path; None: the teacher's")
     pre.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     pre.add_argument("--skip-bad-lines", action="store_true",

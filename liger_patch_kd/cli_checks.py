@@ -103,7 +103,9 @@ def check_demo(args) -> None:
 
 def check_precompute(args) -> None:
     check_exists(args, "data", "file")
-    at_least(args, "top_k", 1)
+    at_least(args, "samples", 0, 255)
+    at_least(args, "top_k", 0 if args.samples else 1)  # with --samples, --top-k 0 is the draws alone
+    at_least(args, "seed", 0)
     check_temperature(args.temperature)
     if args.max_length is not None and args.max_length < 1:  # 0 is not "no limit"
         raise ValueError(

@@ -128,3 +128,20 @@ def dense_topk_teacher(
     dense = (log_tail - n_tail.log())[:, None].expand(-1, vocab).clone()
     rows = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
     return dense.index_put_((rows[valid], teacher_token_ids[valid].long()), log_p[valid])
+
+
+def require_sampled_objective(cfg) -> None:
+    """Sampled teacher tokens give an unbiased estimate of forward KL(P || S) only (beta = 0; see
+    reference.sampled_kd_per_row): refuse the rest before any work."""
+    if cfg.beta != 0:
+        raise ValueError(
+            f"beta={cfg.beta!r}: sampled teacher tokens estimate forward KL(P || S) (beta=0) without bias at a usable "
+            f"variance; the reverse-KL / JSD terms on tokens the student likes are reached from teacher draws only "
+            f"through the weights S(v) / P(v), whose variance grows without bound as P(v) -> 0. Set beta=0, or use "
+            f"top-k or a live teacher for beta > 0"
+        )
+    if getattr(cfg, "estimator", None) is not None:
+        raise ValueError(
+            f"estimator={cfg.estimator!r} scores tokens sampled from the student; sampled teacher data are tokens "
+            f"sampled from the teacher: leave estimator=None"
+        )

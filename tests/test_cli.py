@@ -66,6 +66,8 @@ def test_usage_errors_are_one_line_naming_the_command():
         (["serve", "--teacher", "x", "--port", "0"], ["--port 0"]),
         (["precompute", "--temperature", "0"], ["--temperature 0", "> 0"]),
         (["precompute", "--top-k", "0"], ["--top-k 0", ">= 1"]),
+        (["precompute", "--samples", "256"], ["--samples 256", "in 0..255"]),
+        (["precompute", "--samples", "4", "--top-k", "-1"], ["--top-k -1", ">= 0"]),
         (["precompute", "--max-length", "0"], ["--max-length 0", ">= 1", "leave --max-length out"]),
         (["precompute", "--encoding", "packed99"], ["--encoding packed99", "plain", "packed4", "packed16"]),
         (["precompute", "--encoding", "zip"], ["--encoding zip", "plain", "packed10"]),

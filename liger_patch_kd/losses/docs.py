@@ -24,6 +24,14 @@ PARAMS: dict[str, str] = {
     "(K may equal V); padding slots have a negative id.",
     "teacher_logprobs": "teacher_logprobs (Tensor): the teacher's log-probs on those ids, same shape, taken at "
     "temperature 1 over its full vocabulary (as vLLM / SGLang return them); padding slots are -inf or <= -1000.",
+    "teacher_sample_ids": "teacher_sample_ids (Tensor): (N, J) or (B, T, J) distinct ids drawn from the teacher at "
+    "the loss's temperature (in the hybrid: from its distribution outside the top-k); padding slots have id -1.",
+    "teacher_sample_counts": "teacher_sample_counts (Tensor): same shape, how many of the row's m draws gave each "
+    "id (0 on padding); m = the row's sum.",
+    "teacher_sample_logprobs": "teacher_sample_logprobs (Tensor): same shape, the teacher's log-prob of each id at "
+    "the temperature the draws were made at (normalised over its full vocabulary there; not re-tempered).",
+    "hybrid_topk": "teacher_token_ids / teacher_logprobs (Tensor | None): (N, K) the hybrid's exact top-k, its "
+    "log-probs at that same temperature; None for draws alone.",
     "labels": "labels (Tensor | None): (N,) or (B, T) targets of the rows; rows whose label is ignore_index count "
     "for nothing and are never read. Needed for hard_weight > 0; None scores every row.",
     "num_items_in_batch": "num_items_in_batch (int | Tensor | None): the batchmean denominator across gradient "
@@ -34,6 +42,8 @@ PARAMS: dict[str, str] = {
     "beside it only where they agree with it (`KDLossConfig.build`: a conflict is a ValueError).",
     "beta": "beta (float | None): generalized-JSD interpolation: 0 forward KL(P||S), 1 reverse KL(S||P); "
     "default 0.5.",
+    "sampled_beta": "beta (float | None): must be 0 (forward KL), the default here: the only divergence whose "
+    "sampled estimate is unbiased at a bounded variance (reference.sampled_kd_per_row says why).",
     "temperature": "temperature (float | None): both distributions are softmax(logits / T); default 1.",
     "ignore_index": "ignore_index (int | None): the label of rows that count for nothing; default -100.",
     "reduction": 'reduction (str | None): "batchmean" (default), "sum" or "none" (one value per row).',

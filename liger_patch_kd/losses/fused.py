@@ -80,7 +80,7 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
 
 
-def _run_fused(
+def run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
     return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None,
 ):  # fmt: skip
@@ -229,7 +229,7 @@ def fused_linear_jsd(
 
         return logits
 
-    return _run_fused(
+    return run_fused(
         student_input,
         student_weight,
         student_bias,
@@ -338,7 +338,7 @@ def fused_linear_topk_kd(
 
         return slots
 
-    return _run_fused(
+    return run_fused(
         student_input,
         student_weight,
         student_bias,

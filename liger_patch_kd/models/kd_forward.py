@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import KDLossConfig, override_options
 from ..distributed import gathered_weights, release_root_parameters
-from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
+from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_sampled_kd, fused_linear_topk_kd
 from ..ops.backend import eager
 from .backbone import run_backbone, teacher_vision_inputs
 from .heads import HeadWeights, output_head
@@ -68,6 +68,9 @@ def kd_causal_lm_forward(
     teacher_bias: torch.Tensor | None = None,
     teacher_token_ids: torch.Tensor | None = None,
     teacher_logprobs: torch.Tensor | None = None,
+    teacher_sample_ids: torch.Tensor | None = None,
+    teacher_sample_counts: torch.Tensor | None = None,
+    teacher_sample_logprobs: torch.Tensor | None = None,
     kd_config: KDLossConfig | dict | None = None,
     return_logits: bool = False,
     kd_teacher_callback: TeacherCallback | None = None,
@@ -78,7 +81,8 @@ def kd_causal_lm_forward(
     """The patched *ForCausalLM.forward.
 
     With labels and a teacher (`teacher_model`, or `teacher_hidden_states` + `teacher_weight`, or
-    `teacher_token_ids` + `teacher_logprobs` of shape (B, T, K) aligned with the positions like logits are)
+    `teacher_token_ids` + `teacher_logprobs` of shape (B, T, K) aligned with the positions like logits are, or
+    sampled teacher tokens `teacher_sample_ids` + `_counts` + `_logprobs` (B, T, m), alone or with the top-k)
     it returns the model's output with `.loss` the distillation loss and `.logits` None (fused) or the logits
     (patched with fused_linear_jsd=False, or return_logits=True). Without labels or a teacher it is the
     original forward, so generation and plain CE training behave exactly as before. `kd_config` (a
@@ -94,8 +98,9 @@ def kd_causal_lm_forward(
     if kd_teacher_callback is not None:
         return _serve_as_teacher(self, input_ids, attention_mask, kd_teacher_callback, kwargs)
     teacher = TeacherInputs(
-        teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs
-    )
+        teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs,
+        teacher_sample_ids, teacher_sample_counts, teacher_sample_logprobs,
+    )  # fmt: skip
     behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
     if labels is None or not teacher.given:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
@@ -128,7 +133,12 @@ def kd_causal_lm_forward(
         hidden, student_bias = scaled_head_inputs(self, hidden, head.bias)
         common = dict(student_bias=student_bias, num_items_in_batch=num_items_in_batch, return_components=True)
         agreement = None
-        if teacher.token_ids is not None:
+        if teacher.sample_ids is not None:  # sampled teacher tokens (+ the hybrid's top-k); no agreement logged
+            out = fused_linear_sampled_kd(
+                hidden, head.weight, teacher.sample_ids, teacher.sample_counts, teacher.sample_logprobs, targets,
+                teacher_token_ids=teacher.token_ids, teacher_logprobs=teacher.logprobs, config=cfg, **common,
+            )  # fmt: skip
+        elif teacher.token_ids is not None:
             out = fused_linear_topk_kd(
                 hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common
             )

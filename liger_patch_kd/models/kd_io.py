@@ -37,7 +37,9 @@ def kd_output(source, **fields) -> KDCausalLMOutput:
 
 @dataclass
 class TeacherInputs:
-    """The teacher of one call: a live model, its hidden states and lm_head, or its log-probs (exactly one)."""
+    """The teacher of one call: a live model, its hidden states and lm_head, or its log-probs (exactly one).
+    Log-probs are top-k (token_ids / logprobs), sampled tokens (sample_ids / _counts / _logprobs), or both (the
+    hybrid of losses.fused_linear_sampled_kd)."""
 
     model: nn.Module | None = None
     hidden_states: torch.Tensor | None = None
@@ -45,12 +47,16 @@ class TeacherInputs:
     bias: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    sample_ids: torch.Tensor | None = None
+    sample_counts: torch.Tensor | None = None
+    sample_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         sources = {
             "teacher_model": self.model,
             "teacher_hidden_states": self.hidden_states,
-            "teacher_token_ids": self.token_ids,
+            "teacher_token_ids": self.token_ids if self.sample_ids is None else None,
+            "teacher_sample_ids": self.sample_ids,
         }
         given = [name for name, value in sources.items() if value is not None]
         if len(given) > 1:
@@ -64,10 +70,12 @@ class TeacherInputs:
             )
         if self.token_ids is not None and self.logprobs is None:
             raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
+        if self.sample_ids is not None and (self.sample_counts is None or self.sample_logprobs is None):
+            raise ValueError("teacher_sample_ids needs teacher_sample_counts and teacher_sample_logprobs (B, T, m)")
 
     @property
     def given(self) -> bool:
-        return any(t is not None for t in (self.model, self.hidden_states, self.token_ids))
+        return any(t is not None for t in (self.model, self.hidden_states, self.token_ids, self.sample_ids))
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

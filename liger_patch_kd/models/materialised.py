@@ -47,7 +47,13 @@ def materialised_kd(
     student_logits = reference.upcast_logits(out.logits)
     cfg = cfg.replace(softcap=None)  # the model's forward has applied its own soft-capping already
     soft_only = cfg.replace(soft_weight=1.0, hard_weight=0.0)
-    if teacher.token_ids is not None:
+    teacher_top1 = None
+    if teacher.sample_ids is not None:
+        soft = reference.sampled_kd_loss(
+            student_logits, teacher.sample_ids, teacher.sample_counts, teacher.sample_logprobs, targets, soft_only,
+            num_items_in_batch, topk_ids=teacher.token_ids, topk_logprobs=teacher.logprobs,
+        )  # fmt: skip
+    elif teacher.token_ids is not None:
         soft = reference.topk_kd_loss(
             student_logits, teacher.token_ids, teacher.logprobs, targets, soft_only, num_items_in_batch
         )
@@ -77,7 +83,7 @@ def materialised_kd(
     aux_loss = out.get("aux_loss")  # a mixture of experts' router loss, added as its own forward adds it to CE
     loss = with_router_aux_loss(student, loss, aux_loss)
     agreement = None
-    if log_agreement:
+    if log_agreement and teacher_top1 is not None:
         valid = targets != cfg.ignore_index
         same = (_real_vocab(student_logits, cfg).argmax(-1) == teacher_top1.to(student_logits.device)) & valid
         agreement = (same.sum() / valid.sum().clamp(min=1)).detach().float()

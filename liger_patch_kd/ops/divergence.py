@@ -26,7 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["class_a", "dense_divergence", "divergence_terms", "log_mixture", "softmax_grad", "terms_and_a"]
+__all__ = [
+    "class_a",
+    "dense_divergence",
+    "divergence_terms",
+    "estimated_forward_kl",
+    "log_mixture",
+    "softmax_grad",
+    "terms_and_a",
+]
 
 
 def log_mixture(log_s: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
@@ -102,3 +110,14 @@ def dense_divergence(
     log_m = log_mixture(log_s, log_p, beta)
     soft = _terms(log_s, log_p, s, p, beta, log_m).sum(-1)
     return soft, lambda: softmax_grad(class_a(log_s, log_p, beta, log_m), s)
+
+
+def estimated_forward_kl(
+    log_s: torch.Tensor, log_p: torch.Tensor, mass: torch.Tensor, present: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward KL against an estimated teacher: per slot j with estimated mass P^_j (`mass`, e.g. R c_j / m for a
+    sampled token) and the teacher's log P_j, (term P^_j (log P_j - log S_j), a_j = -P^_j); 0 where not present.
+    With P^ = P it is the forward-KL row of `terms_and_a`; the sampled-token loss (fused_linear_sampled_kd) uses it."""
+    zero = torch.zeros_like(log_s)
+    terms = torch.where(present, mass * (log_p - log_s), zero)
+    return terms, torch.where(present, -mass, zero)

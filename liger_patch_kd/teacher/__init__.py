@@ -16,6 +16,7 @@ from .formats import (
     store_to_distillkit,
 )
 from .precompute import precompute, teacher_topk
+from .sampling import SampledTokens, sample_teacher_tokens
 from .serve import (
     TeacherClient,
     TeacherPrefetcher,
@@ -60,6 +61,8 @@ __all__ = [
     # precompute
     "precompute",
     "teacher_topk",
+    "SampledTokens",
+    "sample_teacher_tokens",
     # a served teacher
     "TeacherClient",
     "TeacherPrefetcher",

@@ -1,4 +1,5 @@
-"""Run a teacher over token sequences once and write its top-k log-probs to a store (resumable)."""
+"""Run a teacher over token sequences once and write its top-k log-probs, or sampled tokens, to a store
+(resumable)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .sampling import sample_teacher_tokens
 from .store import LOGPROB_DTYPES, StoreWriter
 from .store.compact import codec_from_spec
 from .store.ids import token_ids
@@ -62,6 +64,24 @@ def teacher_topk_and_next(
     return torch.cat(ids).reshape(shape), torch.cat(values).reshape(shape), next_lp, ranks
 
 
+@torch.no_grad()
+def teacher_samples(
+    teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: int, top_k: int,
+    temperature: float, generator: torch.Generator, rows_per_chunk: int = 1024,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`samples` draws per position from the teacher at `temperature` (after its exact top_k when top_k > 0), as
+    sampling.sample_teacher_tokens makes them: (B, T, m) ids, counts, log-probs, then (B, T, k) top-k ids and
+    log-probs, every log-prob at `temperature`. Chunked like teacher_topk."""
+    parts = []
+    for _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
+        parts.append(sample_teacher_tokens(logprobs, samples, top_k=top_k, generator=generator))
+    b, t = input_ids.shape
+    empty = torch.zeros(b * t, 0)
+    out = [torch.cat([getattr(p, name) for p in parts]) for name in ("ids", "counts", "logprobs")]
+    out += [torch.cat([getattr(p, name) for p in parts]) if top_k else empty for name in ("topk_ids", "topk_logprobs")]
+    return tuple(x.reshape(b, t, -1) for x in out)
+
+
 def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
     """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
     from ..conventions import apply_softcap
@@ -99,6 +119,8 @@ def precompute(
     progress: bool = True,
     encoding: str = "plain",
     inputs: dict | None = None,
+    samples: int = 0,
+    seed: int = 0,
 ) -> Path:
     """Run `teacher` over `sequences` (lists of token ids) and write a store; resumes an interrupted one.
 
@@ -108,10 +130,15 @@ def precompute(
     weights fingerprint; `teacher_name` is only recorded), top_k, temperature, tokenizer, dtype, encoding,
     shard size, or an entry of `inputs` (the CLI adds the data file's hash and --max-length).
     encoding: "plain" or "packed<bits>" (compact ids and log-probs quantised to <bits> bits; see compact.py).
+    samples: m > 0 writes m tokens per position sampled from the teacher at `temperature` (distinct ids, counts,
+        log-probs at that temperature; store/samples.py), after its exact top_k (the hybrid) or alone (top_k=0);
+        `seed` makes the draws reproducible (batch j's generator is seeded from seed and its first sequence, so a
+        resumed run draws what a complete one would, on the same device type). Train on them with
+        losses.fused_linear_sampled_kd (KDTrainer does, from the batch columns) at that same temperature.
     """
     vocab = teacher.get_output_embeddings().weight.shape[0]
     check_precompute_args(vocab, top_k=top_k, temperature=temperature, batch_size=batch_size, shard_size=shard_size,
-                          logprob_dtype=logprob_dtype, encoding=encoding)  # fmt: skip
+                          logprob_dtype=logprob_dtype, encoding=encoding, samples=samples)  # fmt: skip
     for n, seq in enumerate(sequences):  # before any teacher work: a bad id fails here, not after hours
         if len(token_ids(seq, f"sequence {n}", vocab_size=vocab)) == 0:
             raise ValueError(f"sequence {n} is empty: every sequence needs at least one token; drop it")
@@ -123,11 +150,11 @@ def precompute(
     writer = StoreWriter.open(
         out_dir, teacher=teacher_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp, top_k=top_k,
         logprob_dtype=logprob_dtype, temperature=temperature, shard_size=shard_size, num_sequences=len(sequences),
-        encoding=encoding, inputs=fingerprint,
+        encoding=encoding, inputs=fingerprint, **({"samples": samples, "sample_seed": seed} if samples else {}),
     )  # fmt: skip
     was_training = teacher.training
     try:
-        _run(teacher, sequences, writer, top_k, batch_size, shard_size, temperature, progress)
+        _run(teacher, sequences, writer, top_k, batch_size, shard_size, temperature, progress, samples, seed)
     except BaseException:
         if writer.created_manifest and writer.done_shards() == 0:
             writer.abort()  # nothing was finished: leave no store behind that a corrected rerun would trip on
@@ -139,14 +166,18 @@ def precompute(
 
 def check_precompute_args(
     vocab: int, *, top_k: int, temperature: float = 1.0, batch_size: int = 1, shard_size: int = 1,
-    logprob_dtype: str = "bfloat16", encoding: str = "plain", max_length: int | None = None,
+    logprob_dtype: str = "bfloat16", encoding: str = "plain", max_length: int | None = None, samples: int = 0,
 ) -> None:  # fmt: skip
     """Every precompute option checked before any work: a ValueError naming the option and the fix."""
     def is_int(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if not is_int(top_k) or not 1 <= top_k <= vocab:
-        raise ValueError(f"top_k (--top-k) must be an integer in [1, vocab_size={vocab}]; got {top_k!r}")
+    if not is_int(samples) or not 0 <= samples <= 255:
+        raise ValueError(f"samples (--samples) must be an integer in [0, 255] (0: top-k only); got {samples!r}")
+    low, high = (0, vocab - 1) if samples else (1, vocab)  # with samples, 0 is draws alone; something is left to draw
+    if not is_int(top_k) or not low <= top_k <= high:
+        bound = f"vocab_size={vocab}" + (" - 1 (something is left to draw)" if samples else "")
+        raise ValueError(f"top_k (--top-k) must be an integer in [{low}, {bound}]; got {top_k!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
         math.isfinite(temperature) and temperature > 0
     ):
@@ -163,7 +194,8 @@ def check_precompute_args(
     codec_from_spec(encoding, vocab, top_k)
 
 
-def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size, temperature, progress) -> None:
+def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size, temperature, progress, samples=0,
+         seed=0) -> None:  # fmt: skip
     from tqdm.auto import tqdm
 
     device = next(teacher.parameters()).device
@@ -175,7 +207,7 @@ def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size,
             shard_seqs = [
                 torch.as_tensor(s, dtype=torch.long) for s in sequences[shard * shard_size : (shard + 1) * shard_size]
             ]
-            ids, values = [], []
+            ids, values, drawn = [], [], []
             for start in range(0, len(shard_seqs), batch_size):
                 batch = shard_seqs[start : start + batch_size]
                 padded = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True).to(device)
@@ -183,14 +215,29 @@ def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size,
                     torch.arange(padded.shape[1], device=device)[None]
                     < torch.tensor([len(s) for s in batch], device=device)[:, None]
                 ).long()
-                b_ids, b_values = teacher_topk(teacher, padded, mask, top_k, temperature)
+                if samples:
+                    # 32 bits of sha256(seed, first sequence): CPU generators keep only 32 bits of a seed
+                    key = hashlib.sha256(f"{seed}:{shard * shard_size + start}".encode()).hexdigest()[:8]
+                    generator = torch.Generator(device).manual_seed(int(key, 16))
+                    *b_draws, b_ids, b_values = teacher_samples(teacher, padded, mask, samples, top_k, temperature,
+                                                                generator)  # fmt: skip
+                else:
+                    b_ids, b_values = teacher_topk(teacher, padded, mask, top_k, temperature)
                 for row, seq in enumerate(batch):
                     i, v = b_ids[row, : len(seq)].cpu(), b_values[row, : len(seq)].cpu()
                     i[-1], v[-1] = -1, -math.inf  # the last position predicts nothing in this sequence
                     ids.append(i)
                     values.append(v)
+                    if samples:
+                        d_ids, d_counts, d_lp = (d[row, : len(seq)].cpu() for d in b_draws)
+                        d_ids[-1], d_counts[-1], d_lp[-1] = -1, 0, -math.inf
+                        drawn.append((d_ids, d_counts, d_lp))
                 bar.update(len(batch))
-            writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values))
+            if samples:
+                draws = tuple(torch.cat(part) for part in zip(*drawn))
+                writer.write_shard(shard_seqs, torch.cat(ids).long(), torch.cat(values).float(), samples=draws)
+            else:
+                writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values))
 
 
 def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:

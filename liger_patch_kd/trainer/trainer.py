@@ -30,11 +30,13 @@ from .cross_tokenizer_rollouts import rows_maker
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .rollouts import BEHAVIOUR
+from .sampled_data import check_sampled_dataset
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
-KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
+KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
 
 
 class AdapterDisabledTeacher(nn.Module):
@@ -92,6 +94,7 @@ class KDTrainer(Trainer):
             self.kd_config = _with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
+        check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
         self.prompt_rows = _first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
@@ -209,7 +212,7 @@ class KDTrainer(Trainer):
                 f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; "
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
-        offline = inputs.get("teacher_token_ids") is not None
+        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
         if not offline and self.teacher_model is None:
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
@@ -244,9 +247,11 @@ class KDTrainer(Trainer):
 
     def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig, behaviour=None):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
+        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
         teacher = TeacherInputs(
-            model=self.teacher_model if inputs.get("teacher_token_ids") is None else None,
+            model=None if offline else self.teacher_model,
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
+            **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
         )  # fmt: skip
         given_shift = inputs.pop("shift_labels", None)
         targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)

@@ -17,7 +17,8 @@ _BITS_OF = {torch.bfloat16: np.uint16}
 class TeacherDataCollator:
     """Right-pads a batch: input_ids (pad_token_id), attention_mask, labels (given labels, else input_ids;
     ignore_index on padding) and, when the features carry them, the teacher's top-k (id -1, log-prob -inf on
-    padding), row-aligned with the positions. Works for plain {"input_ids", "labels"} features too.
+    padding) and its sampled tokens (teacher_sample_ids / _counts / _logprobs: id -1, count 0, log-prob -inf),
+    row-aligned with the positions. Works for plain {"input_ids", "labels"} features too.
 
     The teacher arrays are filled with numpy copies: a few large memcpys per batch, on one thread. (torch's
     element-wise copies on CPU use every intra-op thread and, on a busy 2-core host, made this collator the
@@ -43,6 +44,13 @@ class TeacherDataCollator:
             out["teacher_token_ids"] = _pad_rows([f["teacher_token_ids"] for f in features], length, -1, torch.int32)
             dtype = torch.as_tensor(features[0]["teacher_logprobs"]).dtype
             out["teacher_logprobs"] = _pad_rows([f["teacher_logprobs"] for f in features], length, -math.inf, dtype)
+        if "teacher_sample_ids" in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
+            for name, fill, dtype in (
+                ("teacher_sample_ids", -1, torch.int32),
+                ("teacher_sample_counts", 0, torch.int32),
+                ("teacher_sample_logprobs", -math.inf, torch.as_tensor(features[0]["teacher_sample_logprobs"]).dtype),
+            ):
+                out[name] = _pad_rows([f[name] for f in features], length, fill, dtype)
         return out
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .compact import codec_from_manifest
+from .samples import SAMPLED_FORMAT_VERSION, min_top_k, sample_option_problem
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -78,13 +79,15 @@ def _manifest_problem(meta: dict) -> str | None:
     version = meta["format_version"]
     if not _is_int(version, 1):
         return f"format_version {version!r} is not a store format (1 .. {FORMAT_VERSION}): the manifest is damaged"
-    if version > FORMAT_VERSION:
-        return f"store format {version}; this version reads up to {FORMAT_VERSION}: upgrade liger-patch-kd"
+    if version > SAMPLED_FORMAT_VERSION:
+        return f"store format {version}; this version reads up to {SAMPLED_FORMAT_VERSION}: upgrade liger-patch-kd"
     edited = "the manifest was edited or is damaged; restore it or recompute the store"
     if not _is_int(meta["vocab_size"], 1) or meta["vocab_size"] >= 2**31:
         return f"vocab_size {meta['vocab_size']!r} is not a vocabulary size: {edited}"
-    if not _is_int(meta["top_k"], 1):
-        return f"top_k {meta['top_k']!r} is not a slot count >= 1: {edited}"
+    if not _is_int(meta["top_k"], min_top_k(meta)):
+        return f"top_k {meta['top_k']!r} is not a slot count >= {min_top_k(meta)}: {edited}"
+    if sample_option_problem(meta):
+        return f"{sample_option_problem(meta)}: {edited}"
     if meta.get("num_sequences") is not None and not _is_int(meta["num_sequences"]):
         return f"num_sequences {meta['num_sequences']!r} is not a count: {edited}"
     dtype = meta.get("logprob_dtype", "float32")

@@ -13,6 +13,7 @@ import torch
 
 from .compact import codec_from_manifest
 from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
+from .samples import sample_item, sample_layout, samples_of
 from .shard import ShardDamaged, ShardReader, sha256_file
 
 _TORCH_OF_SAFETENSORS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -108,7 +109,8 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         path = self.dir / entry["file"]
         if not path.exists():
             raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
-        layout = {"top_k": self.top_k, "row_bytes": None if self._codec is None else self._codec.row_bytes}
+        layout = {"top_k": self.top_k, "row_bytes": None if self._codec is None else self._codec.row_bytes,
+                  "samples": lambda n: sample_layout(self.meta, self._codec, n)}  # fmt: skip
         try:
             reader = ShardReader(path, entry, layout)
         except ShardDamaged as e:
@@ -133,14 +135,19 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             raise TeacherStoreError(f"shard {name} in {self.dir} is damaged: {e}; recompute it") from None
         n, k = raw["input_ids"].shape[0], self.top_k
         item = {"input_ids": torch.from_numpy(raw["input_ids"].view(np.int32).reshape(n)).long()}
-        if self._codec is None:
+        if samples_of(self.meta):
+            dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("sample_logprobs")] if self._codec is None else None
+            item.update(sample_item(self.meta, self._codec, raw, dtype, n))
+        if k == 0:
+            pass  # sampled tokens alone: no top-k columns
+        elif self._codec is None:
             item["teacher_token_ids"] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("topk_logprobs")]
             item["teacher_logprobs"] = torch.from_numpy(raw["topk_logprobs"]).view(dtype).reshape(n, k)
         else:
             ids, lp = self._codec.decode(raw["topk_packed"])
             item["teacher_token_ids"], item["teacher_logprobs"] = torch.from_numpy(ids), torch.from_numpy(lp)
-        if self._check_ids_per_item and n and int(item["teacher_token_ids"].max()) >= self.vocab_size:
+        if self._check_ids_per_item and n and k and int(item["teacher_token_ids"].max()) >= self.vocab_size:
             raise TeacherStoreError(
                 f"item {i} holds teacher id {int(item['teacher_token_ids'].max())} >= vocab_size {self.vocab_size}: "
                 f"the teacher's top-k reaches ids the student does not have"
@@ -149,8 +156,15 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
 
 
 def iter_store(store_dir: str | Path) -> Any:
-    """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters."""
+    """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters.
+    A store of sampled teacher tokens is refused: no converter carries them yet, and dropping them (or the
+    hybrid's draws) would change the objective silently."""
     data = TeacherLogprobsDataset(store_dir)
+    if samples_of(data.meta):
+        raise TeacherStoreError(
+            f"{store_dir} holds sampled teacher tokens (samples={samples_of(data.meta)}), which no converter carries "
+            f"yet: train on the store itself (TeacherLogprobsDataset), or precompute a top-k store to convert"
+        )
     for i in range(len(data)):
         item = data[i]
         yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from .compact import codec_from_manifest, codec_from_spec
 from .ids import ID_LIMIT, token_ids
 from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
+from .samples import SAMPLED_FORMAT_VERSION, min_top_k, sample_option_problem, sample_tensors, samples_of
 from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 
 # Manifest keys that describe a store but do not shape its contents: a resume may differ in them.
@@ -37,8 +38,10 @@ def _check_store_options(meta: dict) -> None:
     if not _is_int(vocab) or not 1 <= vocab < ID_LIMIT:
         raise ValueError(f"vocab_size must be an integer in [1, 2**31) (the teacher's vocabulary, --vocab-size); "
                          f"got {vocab!r}")  # fmt: skip
-    if not _is_int(k) or k < 1:
-        raise ValueError(f"top_k must be an integer >= 1 (slots kept per position, --top-k); got {k!r}")
+    if not _is_int(k) or k < min_top_k(meta):
+        raise ValueError(f"top_k must be an integer >= {min_top_k(meta)} (slots kept per position, --top-k); got {k!r}")
+    if sample_option_problem(meta):
+        raise ValueError(sample_option_problem(meta))
     dtype = meta.get("logprob_dtype", "float32")
     if not isinstance(dtype, str) or dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {dtype!r}")
@@ -83,7 +86,8 @@ class StoreWriter:
         out_dir = Path(out_dir)
         _check_store_options(meta)
         codec = codec_from_spec(encoding, meta["vocab_size"], meta["top_k"])
-        meta = {"format_version": FORMAT_VERSION, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
+        version = SAMPLED_FORMAT_VERSION if samples_of(meta) else FORMAT_VERSION
+        meta = {"format_version": version, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
         created_dir = not out_dir.exists()
         if out_dir.exists() and not out_dir.is_dir():
             raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
@@ -136,12 +140,14 @@ class StoreWriter:
 
     def write_shard(
         self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-        packed_rows: np.ndarray | None = None,
+        packed_rows: np.ndarray | None = None, samples: tuple | None = None,
     ) -> None:  # fmt: skip
         """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order.
 
         packed_rows: for a packed store, rows already encoded with this store's codec (e.g. copied from another
         packed store); they replace encoding `topk_logprobs`, and `topk_ids` is still checked against the vocab.
+        samples: (ids, counts, logprobs), each (positions, m), for a store of sampled teacher tokens (samples.py);
+        with top_k 0 the top-k arrays are (positions, 0) and not written.
         """
         index = self.done_shards()
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
@@ -172,7 +178,16 @@ class StoreWriter:
         input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int32) if seqs else np.zeros(0, np.int32))
         tensors = {"input_ids": input_ids, "offsets": torch.from_numpy(offsets)}
         codec = codec_from_manifest(self.meta)
-        if codec is None:
+        if samples_of(self.meta):
+            dtype = LOGPROB_DTYPES[self.meta["logprob_dtype"]]
+            tensors.update(sample_tensors(self.meta, codec, int(offsets[-1]), samples, dtype, where))
+            sampled = torch.as_tensor(samples[0])
+            max_id = max(max_id, int(sampled.max()) if sampled.numel() else -1)
+        elif samples is not None:
+            raise ValueError(f"{where}: samples given, but this store holds none: open it with samples=m")
+        if k == 0:
+            pass  # sampled tokens alone: no top-k arrays
+        elif codec is None:
             tensors["topk_ids"] = topk_ids.to(torch.int32).contiguous()
             tensors["topk_logprobs"] = topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous()
         else:
