@@ -38,6 +38,11 @@ def generalized_jsd_per_row(
     """
     log_s = F.log_softmax(student_logits / temperature, dim=-1)
     log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    return generalized_jsd_of_logprobs(log_s, log_p, beta)
+
+
+def generalized_jsd_of_logprobs(log_s: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
+    """`generalized_jsd_per_row` on normalised log-probabilities (..., V): S = exp(log_s), P = exp(log_p)."""
     if beta == 0:
         per_vocab = F.kl_div(log_s, log_p, reduction="none", log_target=True)  # P (log P - log S)
     elif beta == 1:
@@ -298,3 +303,74 @@ def policy_gradient_terms(
     behaviour = student_logprobs if behaviour_logprobs is None else behaviour_logprobs
     ratio = torch.exp(student_logprobs - behaviour.detach())
     return -ratio * log_ratio
+
+
+# ------------------------------------------------------------------------------------------ several teachers
+MIXTURES = ("distribution", "loss")
+
+
+def tempered_logprobs(logits: torch.Tensor, softcap: float | None, temperature: float) -> torch.Tensor:
+    """log softmax(cap(z) / T) over the last dim, in fp32 at least."""
+    return F.log_softmax(apply_softcap(upcast_logits(logits), softcap) / temperature, dim=-1)
+
+
+def log_teacher_mixture(
+    teacher_logits: list[torch.Tensor],
+    weights: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    softcaps: list[float | None] | None = None,
+) -> torch.Tensor:
+    """log P with P = sum_j w_j softmax(cap_j(z_j) / T): each teacher is tempered (and soft-capped) on its own,
+    then the distributions are mixed. teacher_logits: J tensors (..., V); weights (..., J) per row (or (J,)),
+    >= 0 and summing to 1; a one-hot row is routing (P = that teacher's distribution)."""
+    softcaps = softcaps or [None] * len(teacher_logits)
+    weights = weights.expand(*teacher_logits[0].shape[:-1], len(teacher_logits))
+    log_p = [tempered_logprobs(z, c, temperature) for z, c in zip(teacher_logits, softcaps)]
+    stacked = torch.stack(log_p, dim=-2) + weights.to(log_p[0].dtype).log()[..., None]  # (..., J, V)
+    return torch.logsumexp(stacked, dim=-2)
+
+
+def multi_teacher_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: list[torch.Tensor],
+    weights: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    config: KDLossConfig | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    *,
+    teacher_softcaps: list[float | None] | None = None,
+    mixture: str = "distribution",
+    **options,
+) -> torch.Tensor:
+    """soft_weight * KD(student, teachers) + hard_weight * CE(student, labels) against several teachers.
+
+    mixture="distribution" (the default): D(S, P) against the mixture P = sum_j w_j P_j (`log_teacher_mixture`).
+    mixture="loss": sum_j w_j D(S, P_j), the mixture of the losses. The two agree on routed (one-hot) rows. For
+    forward KL they differ by a constant only (sum_j w_j KL(P_j||S) = KL(P||S) + the teachers' JSD), so same
+    gradient. For reverse KL, sum_j w_j KL(S||P_j) = KL(S||G) + const with G the normalised geometric mean
+    prod_j P_j^w_j: a product of experts that is small wherever any one teacher is, so the student is pushed off
+    every token only one teacher knows. The mixture of distributions is the default because it is the
+    distribution of the ensemble the user describes ("30 % math, 70 % code"), whatever beta is.
+    `config.vocab_size` restricts every head to ids [0, vocab_size) first (heads padded to different sizes); the
+    student's soft-cap is `config.softcap`, each
+    teacher's `teacher_softcaps[j]`."""
+    cfg = KDLossConfig.build(config, **options)
+    if mixture not in MIXTURES:
+        raise ValueError(f"mixture must be one of {MIXTURES}; got mixture={mixture!r}")
+    vocab = min(resolve_vocab(student_logits.shape[-1], z.shape[-1], cfg.vocab_size) for z in teacher_logits)
+    student = apply_softcap(upcast_logits(student_logits[..., :vocab]), cfg.softcap)
+    teachers = [z[..., :vocab] for z in teacher_logits]
+    caps = teacher_softcaps or [cfg.teacher_softcap] * len(teachers)
+    log_s = F.log_softmax(student / cfg.temperature, dim=-1)
+    if mixture == "distribution":
+        log_p = log_teacher_mixture(teachers, weights, temperature=cfg.temperature, softcaps=caps)
+        soft = generalized_jsd_of_logprobs(log_s, log_p, cfg.beta)
+    else:
+        w = weights.expand(*student.shape[:-1], len(teachers)).to(log_s.dtype)
+        per_teacher = [
+            generalized_jsd_of_logprobs(log_s, tempered_logprobs(z, c, cfg.temperature), cfg.beta)
+            for z, c in zip(teachers, caps)
+        ]
+        soft = sum(w[..., j] * d for j, d in enumerate(per_teacher))
+    return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)

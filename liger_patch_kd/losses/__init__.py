@@ -5,12 +5,14 @@ and the losses on log-probs (logprob.py). Nothing here knows about models. The c
 from .fused import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .logprob import kl_estimator, topk_kd_from_logprobs
 from .modules import FusedLinearJSDLoss, FusedLinearTopKKDLoss
+from .multi_teacher import fused_linear_multi_teacher_jsd
 
 __all__ = [
     "FusedLinearJSDLoss",
     "FusedLinearTopKKDLoss",
     "KDLossOutput",
     "fused_linear_jsd",
+    "fused_linear_multi_teacher_jsd",
     "fused_linear_topk_kd",
     "kl_estimator",
     "topk_kd_from_logprobs",
