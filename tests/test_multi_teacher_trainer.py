@@ -158,3 +158,22 @@ def test_bad_routing_and_arguments_are_clear_errors(tmp_path):
         _args(tmp_path, kd_teacher_url={"math": "http://127.0.0.1:1"})
     with pytest.raises(ValueError, match="not supported with"):
         KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path, kd_lmbda=0.5))
+
+
+def test_packed_rows_take_their_own_examples_weights(tmp_path):
+    """DataCollatorWithFlattening lays the four examples end to end in one row: each token keeps its example's
+    teacher, and the loss is the padded batch's (float64; positions restart, so nothing attends across)."""
+    from transformers import DataCollatorWithFlattening
+
+    student, teachers = _models(torch.float64)
+    rows = _rows()
+    losses = []
+    for collator in (TD.TeacherDataCollator(), DataCollatorWithFlattening()):
+        trainer = KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path, use_kd_patch=True),
+                            data_collator=collator)  # fmt: skip
+        batch = trainer.data_collator([dict(r) for r in rows])
+        if isinstance(collator, DataCollatorWithFlattening):
+            assert batch["input_ids"].shape[0] == 1 and batch["teacher_mixture"].shape[:2] == batch["input_ids"].shape
+        losses.append(trainer.compute_loss(student, batch).detach())
+        M.revert_kd_patch(model=student)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=0)

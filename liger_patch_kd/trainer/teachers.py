@@ -131,7 +131,7 @@ class TeacherSetSetup:
         def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
             mixture = torch.tensor([self.row_weights(f) for f in features], dtype=torch.float32)
             batch = dict(inner([{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]))
-            batch[MIXTURE_KEY] = mixture
+            batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
             return batch
 
         return collate
@@ -159,3 +159,18 @@ class TeacherSetSetup:
         return materialised_teacher_set(
             unwrap_model(model), model, teachers, targets, cfg, num_items_in_batch, inputs, log
         )
+
+
+def _per_token_if_packed(mixture: torch.Tensor, features: list[dict[str, Any]], input_ids: torch.Tensor):
+    """(B, J) when the collator keeps one example per row; packed (DataCollatorWithFlattening: the examples laid
+    end to end in fewer rows), every token takes its own example's weights, (rows, T, J)."""
+    if input_ids.shape[0] == len(features):
+        return mixture
+    lengths = torch.tensor([len(f["input_ids"]) for f in features])
+    if int(lengths.sum()) != input_ids.numel():
+        raise ValueError(
+            f"the collator put {len(features)} examples of {int(lengths.sum())} tokens into a batch of shape "
+            f"{tuple(input_ids.shape)}; routing to several teachers needs one example per row, or the examples "
+            f"packed end to end (DataCollatorWithFlattening)"
+        )
+    return mixture.repeat_interleave(lengths, dim=0).reshape(*input_ids.shape, mixture.shape[-1])

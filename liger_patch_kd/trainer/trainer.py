@@ -72,7 +72,7 @@ class KDTrainer(Trainer):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
         self.teacher_set = None
-        if isinstance(teacher_model, Mapping):
+        if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
             self.teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer)
         teachers = self.teacher_set.models.values() if self.teacher_set else ()
         teacher_model = None if self.teacher_set else teacher_model
