@@ -154,8 +154,11 @@ def test_bad_routing_and_arguments_are_clear_errors(tmp_path):
         KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path, kd_teacher_weights={"art": 1.0}))
     with pytest.raises(ValueError, match="kd_teacher_weights must be finite weights"):
         _args(tmp_path, kd_teacher_weights={"math": 0.5, "code": 0.6})
-    with pytest.raises(ValueError, match="kd_teacher_url as a dict"):
-        _args(tmp_path, kd_teacher_url={"math": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="kd_teacher_url as a dict names"):
+        _args(tmp_path, kd_teacher_url={"math": 3})
+    served = _args(tmp_path, kd_teacher_url={"math": "http://127.0.0.1:1", "code": "http://127.0.0.1:2"})
+    with pytest.raises(ValueError, match="mixes served teachers"):
+        KDTrainer(model=student, args=served)
     with pytest.raises(ValueError, match="not supported with"):
         KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path, kd_lmbda=0.5))
 

@@ -94,9 +94,11 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Several teachers: distribution (the student against sum_j w_j P_j) or loss "
                   "(sum_j w_j D(S, P_j))."},
     )  # fmt: skip
-    kd_teacher_url: str | None = field(
-        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
-    )
+    kd_teacher_url: str | dict | None = field(
+        default=None,
+        metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch; or {name: url} for "
+                  "several served teachers, each row routed to one by its 'teacher' column."},
+    )  # fmt: skip
     kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})

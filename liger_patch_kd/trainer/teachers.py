@@ -32,11 +32,10 @@ def check_teacher_set_args(args: Any) -> None:
     """The several-teacher options of KDTrainingArguments, checked when the arguments are made."""
     if args.kd_teacher_mixture not in MIXTURES:
         raise ValueError(f"kd_teacher_mixture must be one of {MIXTURES}; got {args.kd_teacher_mixture!r}")
-    if isinstance(args.kd_teacher_url, Mapping):
-        raise ValueError(
-            "kd_teacher_url as a dict of several served teachers is not supported yet; pass the teachers as "
-            "teacher_model={'name': model, ...}, or one server URL (a string)"
-        )
+    urls = args.kd_teacher_url
+    if isinstance(urls, Mapping) and not (urls and all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                       for k, v in urls.items())):  # fmt: skip
+        raise ValueError(f"kd_teacher_url as a dict names each served teacher's URL: {{'name': url}}; got {urls!r}")
     weights = args.kd_teacher_weights
     if weights is None:
         return
@@ -53,13 +52,16 @@ def _check_mixture(what: str, weights: list[float]) -> None:
 class TeacherSetSetup:
     """The named teachers of a KDTrainer run, their default mixture and the routing of rows to them."""
 
-    def __init__(self, teachers: Mapping[str, nn.Module], args: Any, teacher_tokenizer: Any = None) -> None:
+    def __init__(
+        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None, served: bool = False
+    ) -> None:
+        """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models)."""
         names = list(teachers)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"teacher_model as a dict needs non-empty str names for its teachers; got {names}")
         refused = {
             "kd_self_distill": args.kd_self_distill, "kd_seq_kd": args.kd_seq_kd, "kd_lmbda > 0": args.kd_lmbda > 0,
-            "kd_teacher_url": bool(args.kd_teacher_url),
+            "kd_teacher_url beside in-process teachers": bool(args.kd_teacher_url) and not served,
             "kd_teacher_precision='fp8'": args.kd_teacher_precision != "bf16",
             "a teacher tokenizer (cross-tokenizer)": bool(args.kd_teacher_tokenizer) or teacher_tokenizer is not None,
         }  # fmt: skip
@@ -67,14 +69,21 @@ class TeacherSetSetup:
         if used:
             raise ValueError(
                 f"several teachers (teacher_model={{{', '.join(map(repr, names))}: ...}}) are not supported with "
-                f"{used} yet; several teachers must share the student's tokenizer and run in process"
+                f"{used} yet; several teachers share the student's tokenizer and run in process (or behind "
+                f"kd_teacher_url={{name: url}}, rows routed)"
             )
-        self.models = dict(teachers)
+        self.served = served  # served: each row's top-k comes from its server, and trains as offline data
+        self.models = None if served else dict(teachers)
         self.names = tuple(names)
         self.mixture = args.kd_teacher_mixture
         self.default = None
         if args.kd_teacher_weights is not None:
             self.default = self.weights_from("kd_teacher_weights", args.kd_teacher_weights)
+        if served and self.default is not None and sum(w > 0 for w in self.default) != 1:
+            raise ValueError(
+                f"kd_teacher_weights={args.kd_teacher_weights} mixes served teachers; served teachers route rows (one "
+                f"teacher per row): a mixture needs every teacher's full distribution, which top-k replies do not hold"
+            )
 
     def index_of(self, teacher: Any) -> int:
         """A row's `teacher` value (a name, or an index in the dict's order) -> its index; anything else raises."""

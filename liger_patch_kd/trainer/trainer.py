@@ -30,6 +30,7 @@ from .cross_tokenizer import (
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
+from .served_teachers import routed_served_dataloader
 from .teachers import ROUTING_COLUMNS, TeacherSetSetup
 
 logger = logging.get_logger(__name__)
@@ -74,8 +75,10 @@ class KDTrainer(Trainer):
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
             self.teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer)
-        teachers = self.teacher_set.models.values() if self.teacher_set else ()
-        teacher_model = None if self.teacher_set else teacher_model
+            teacher_model = None
+        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
+            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+        teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
         if args.n_gpu > 1:
@@ -125,7 +128,7 @@ class KDTrainer(Trainer):
             teacher_model = AdapterDisabledTeacher(self.model)
         elif teacher_model is not None:
             teacher_model = self._frozen_teacher(teacher_model)
-        if self.teacher_set is not None:
+        if teachers:
             self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
         if args.kd_teacher_precision == "fp8":
             if teacher_model is None or args.kd_self_distill:
@@ -192,6 +195,9 @@ class KDTrainer(Trainer):
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
+        if isinstance(self.args.kd_teacher_url, Mapping):  # each row asks its own server (served_teachers.py)
+            vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
+            return routed_served_dataloader(dataloader, self.args, vocab_size=vocab_size)
         if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
             dataloader = served_teacher_dataloader(
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
@@ -224,7 +230,8 @@ class KDTrainer(Trainer):
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None
-        if not offline and self.teacher_model is None and self.teacher_set is None:
+        several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
+        if not offline and self.teacher_model is None and not several:
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
@@ -233,7 +240,7 @@ class KDTrainer(Trainer):
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
-        if self.teacher_set is not None:  # several teachers: trainer/teachers.py
+        if several:  # several in-process teachers: trainer/teachers.py
             outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
             loss, soft, hard, agreement = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None
             self._kd_teacher_metrics = outputs.kd_teacher_metrics or self._kd_teacher_metrics
