@@ -218,7 +218,7 @@ def _mixture_source(teacher_logits, weights: torch.Tensor, caps, temperature: fl
             mix = None
             for j in range(n_teachers):
                 z = apply_softcap(teacher_logits(j, start, end, active, logits_dtype), caps[j]).mul_(1.0 / temperature)
-                z.sub_(torch.logsumexp(z, -1, keepdim=True)).add_(log_w[start:end, j : j + 1])
+                z.sub_(torch.logsumexp(z, -1, keepdim=True) - log_w[start:end, j : j + 1])  # log w_j + log P_j
                 mix = z if mix is None else torch.logaddexp(mix, z, out=mix)
                 del z
             return mix.mul_(temperature)
