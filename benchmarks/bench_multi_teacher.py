@@ -48,9 +48,10 @@ def reference_grads(x: dict, cfg: KDLossConfig, mixture: str, rows: int = 512) -
     h = x["h_s"].detach().float().requires_grad_()
     w = x["w_s"].detach().float().requires_grad_()
     valid = (x["labels"] != cfg.ignore_index).sum()
+    w_t32 = [w_t.float() for w_t in x["w_t"]]
     for start in range(0, h.shape[0], rows):
         sl = slice(start, start + rows)
-        teachers = [h_t[sl].float() @ w_t.float().T for h_t, w_t in zip(x["h_t"], x["w_t"])]
+        teachers = [h_t[sl].float() @ w_t.T for h_t, w_t in zip(x["h_t"], w_t32)]
         loss = R.multi_teacher_kd_loss(
             h[sl] @ w.T, teachers, x["mix"][sl], x["labels"][sl], cfg.replace(reduction="sum"), mixture=mixture
         )
