@@ -180,3 +180,23 @@ def test_packed_rows_take_their_own_examples_weights(tmp_path):
         losses.append(trainer.compute_loss(student, batch).detach())
         M.revert_kd_patch(model=student)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=0)
+
+
+def test_a_peft_student_with_lora_on_the_head_matches_the_materialised_loss(tmp_path):
+    """LoRA on q/v and on lm_head: the fused loss reads W + scaling B A; fused and materialised agree in float64."""
+    peft = pytest.importorskip("peft")
+    _, teachers = _models(torch.float64)
+    rows, losses = _rows(), []
+    for use_kd_patch in (True, False):
+        base = tiny_model("llama", seed=1)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+        student = peft.get_peft_model(base, config)
+        trainer = KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path, use_kd_patch=use_kd_patch))
+        loss = trainer.compute_loss(student, trainer.data_collator(rows))
+        loss.backward()
+        grads = [p.grad.clone() for p in student.parameters() if p.requires_grad]
+        losses.append((loss.detach(), grads))
+        M.revert_kd_patch()
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-10, atol=0)
+    for a, b in zip(losses[0][1], losses[1][1]):
+        assert (a - b).norm() <= 1e-8 * b.norm()
