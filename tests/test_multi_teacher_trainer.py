@@ -200,3 +200,24 @@ def test_a_peft_student_with_lora_on_the_head_matches_the_materialised_loss(tmp_
     torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-10, atol=0)
     for a, b in zip(losses[0][1], losses[1][1]):
         assert (a - b).norm() <= 1e-8 * b.norm()
+
+
+def test_one_store_per_teacher_trains_as_routed_offline_data(tmp_path):
+    """RoutedTeacherData({"math": store1, "code": store2}): each row keeps its own store's top-k and names it."""
+    _, teachers = _models(torch.float32)
+    rows = [r["input_ids"].tolist() for r in _rows()]
+    stores = {}
+    for j, (name, teacher) in enumerate(teachers.items()):
+        TD.precompute(teacher, rows[j::2], tmp_path / name, top_k=8, progress=False)
+        stores[name] = TD.TeacherLogprobsDataset(tmp_path / name, vocab_size=VOCAB)
+    data = TD.RoutedTeacherData(stores)
+    assert len(data) == len(rows) and [data[i]["teacher"] for i in range(len(data))] == ["math", "math", "code", "code"]
+    assert torch.equal(data[2]["teacher_logprobs"], stores["code"][0]["teacher_logprobs"])
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    args = _args(tmp_path, use_kd_patch=True, max_steps=2, per_device_train_batch_size=2, kd_teacher_weights=None)
+    trainer = KDTrainer(model=student, args=args, train_dataset=data, data_collator=TD.TeacherDataCollator())
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])))
+    TD.precompute(teachers["math"], rows[:2], tmp_path / "k4", top_k=4, progress=False)
+    with pytest.raises(ValueError, match="different top-k sizes"):
+        TD.RoutedTeacherData({"math": stores["math"], "other": TD.TeacherLogprobsDataset(tmp_path / "k4")})
