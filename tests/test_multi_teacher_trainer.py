@@ -146,6 +146,12 @@ def test_bad_routing_and_arguments_are_clear_errors(tmp_path):
         trainer.data_collator([{**_rows()[0], "teacher": 2}])
     with pytest.raises(ValueError, match="sum to 1"):
         trainer.data_collator([{**_rows()[3], "teacher_weights": [0.5, 0.7]}])
+    import numpy as np
+
+    assert trainer.data_collator([{**_rows()[0], "teacher": np.int64(1)}])["teacher_mixture"].tolist() == [[0, 1]]
+    batch = trainer.data_collator([_rows()[0]])
+    with pytest.raises(ValueError, match="teacher_input_ids"):
+        trainer.compute_loss(student, {**batch, "teacher_input_ids": batch["input_ids"]})
     with pytest.raises(ValueError, match="neither a 'teacher' nor a 'teacher_weights'"):
         trainer.data_collator([_rows()[3]])
     with pytest.raises(ValueError, match="give one"):

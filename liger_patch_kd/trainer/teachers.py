@@ -11,6 +11,7 @@ Logged per teacher: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>` (see mo
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,8 +94,8 @@ class TeacherSetSetup:
             return self.names.index(teacher)
         if isinstance(teacher, torch.Tensor) and teacher.numel() == 1 and not teacher.is_floating_point():
             teacher = int(teacher)
-        if isinstance(teacher, int) and not isinstance(teacher, bool) and 0 <= teacher < len(self.names):
-            return teacher
+        if isinstance(teacher, numbers.Integral) and not isinstance(teacher, bool) and 0 <= teacher < len(self.names):
+            return int(teacher)  # numpy ints too (a datasets column read with format="numpy")
         raise ValueError(
             f"a row's teacher={teacher!r} must be a teacher's name {list(self.names)} or its index in [0, "
             f"{len(self.names)})"
@@ -152,6 +153,11 @@ class TeacherSetSetup:
             raise ValueError(
                 f"the batch has no '{MIXTURE_KEY}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
                 f"the data collator to add it from each row's 'teacher' / 'teacher_weights' column"
+            )
+        if inputs.get("teacher_input_ids") is not None:  # a teacher's own tokens (other prompt or tokenizer)
+            raise ValueError(
+                "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
+                "in-process teachers do not read yet: every teacher here scores the student's input_ids"
             )
         if inputs.get("teacher_token_ids") is not None:
             raise ValueError(
