@@ -153,3 +153,21 @@ def test_bad_weights_and_shapes_are_clear_errors():
         fused_linear_multi_teacher_jsd(student[0], student[1], hs, [ws[0], ws[0], ws[2]], weights, labels)
     with pytest.raises(ValueError, match="mixture must be one of"):
         fused_linear_multi_teacher_jsd(student[0], student[1], hs, ws, weights, labels, mixture="mean")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_the_fold_kernel_builds_the_reference_log_mixture(backend):
+    """ops.mixture folds teachers one at a time (a zero weight, a soft-cap, the last one scaled by T) into the
+    reference's log P, in float64, odd V (tiles with a masked tail)."""
+    from liger_patch_kd.ops.mixture import FOLD_KERNELS
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(7, 1271, generator=g, dtype=torch.float64) * 3 for _ in range(3)]
+    weights = torch.tensor([[0.2, 0.0, 0.8]] * 4 + [[0.0, 1.0, 0.0]] * 3, dtype=torch.float64)
+    caps, temperature = [None, 2.5, None], 1.7
+    mix = None
+    for j, z in enumerate(logits):
+        scale = temperature if j == 2 else 1.0
+        mix = FOLD_KERNELS[backend](mix, z.clone(), weights[:, j].log(), 1 / temperature, caps[j], scale)
+    expected = reference.log_teacher_mixture(logits, weights, temperature=temperature, softcaps=caps)
+    torch.testing.assert_close(mix / temperature, expected, rtol=1e-12, atol=1e-12)

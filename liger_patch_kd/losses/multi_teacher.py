@@ -17,9 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from ..config import KDLossConfig
-from ..conventions import apply_softcap, column_bias, computed_columns, resolve_vocab
+from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
-from ..ops.backend import eager, logits_fp32
+from ..ops import mixture as mixture_op
+from ..ops.backend import eager, logits_fp32, select_backend
 from ..reference import MIXTURES
 from .checks import check_linear, flatten_labels, label_check, run_device_checks, zero_rows
 from .docs import LOSS_OPTIONS, args_section, shared_docs
@@ -188,9 +189,10 @@ def fused_linear_multi_teacher_jsd(
 
     base = jsd_op.CHUNK_KERNELS
     if mixture == "distribution":
-        teacher_chunk = _mixture_source(teacher_logits, weights, caps, cfg.temperature)
+        fold = mixture_op.FOLD_KERNELS[select_backend(device, backend)]
+        teacher_chunk = _mixture_source(teacher_logits, weights, caps, cfg.temperature, fold)
         kernels = {name: _as_teacher(kernel) for name, kernel in base.items()}
-        bytes_per_logit = 16  # student logits, the running mixture, one teacher's logits and a softmax temporary
+        bytes_per_logit = 16  # student logits, the running mixture, one teacher's logits, a temporary (PyTorch fold)
     else:
         teacher_chunk = _per_teacher_source(teacher_logits, weights, n_teachers)
         kernels = {name: _loss_mixture(kernel, caps) for name, kernel in base.items()}
@@ -206,9 +208,9 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def _mixture_source(teacher_logits, weights: torch.Tensor, caps, temperature: float):
-    """A chunk source giving T * log P of the mixture: the chunk kernel tempers its teacher by 1 / T and
-    normalises it, which gives back log P exactly (up to rounding)."""
+def _mixture_source(teacher_logits, weights: torch.Tensor, caps, temperature: float, fold):
+    """A chunk source giving T * log P of the mixture, folded one teacher at a time (ops.mixture): the chunk kernel
+    tempers its teacher by 1 / T and normalises it, which gives back log P exactly (up to rounding)."""
     n_teachers = weights.shape[1]
 
     def factory(logits_dtype: torch.dtype):
@@ -217,11 +219,11 @@ def _mixture_source(teacher_logits, weights: torch.Tensor, caps, temperature: fl
         def chunk(start: int, end: int, active: torch.Tensor) -> torch.Tensor:
             mix = None
             for j in range(n_teachers):
-                z = apply_softcap(teacher_logits(j, start, end, active, logits_dtype), caps[j]).mul_(1.0 / temperature)
-                z.sub_(torch.logsumexp(z, -1, keepdim=True) - log_w[start:end, j : j + 1])  # log w_j + log P_j
-                mix = z if mix is None else torch.logaddexp(mix, z, out=mix)
+                z = teacher_logits(j, start, end, active, logits_dtype)
+                scale = temperature if j == n_teachers - 1 else 1.0
+                mix = fold(mix, z, log_w[start:end, j], 1.0 / temperature, caps[j], scale)
                 del z
-            return mix.mul_(temperature)
+            return mix
 
         return chunk
 
