@@ -135,16 +135,9 @@ class TeacherSetSetup:
             )
         return self.default
 
-    def collator(self, inner):
+    def collator(self, inner) -> RoutingCollator:
         """The run's collator, with the routing columns turned into the (B, J) `teacher_mixture` tensor."""
-
-        def collate(features: list[dict[str, Any]]) -> dict[str, Any]:
-            mixture = torch.tensor([self.row_weights(f) for f in features], dtype=torch.float32)
-            batch = dict(inner([{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]))
-            batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
-            return batch
-
-        return collate
+        return RoutingCollator(self, inner)
 
     def loss(self, model: nn.Module, inputs: dict, num_items_in_batch, cfg: KDLossConfig, fused: bool, log: bool):
         """The KD forward against the teacher set (fused through the patched model, else on materialised logits)."""
@@ -174,6 +167,20 @@ class TeacherSetSetup:
         return materialised_teacher_set(
             unwrap_model(model), model, teachers, targets, cfg, num_items_in_batch, inputs, log
         )
+
+
+class RoutingCollator:
+    """`inner` on the rows without their routing columns, plus `teacher_mixture` from them (a class, not a closure:
+    DataLoader workers started by spawn pickle it)."""
+
+    def __init__(self, setup: TeacherSetSetup, inner) -> None:
+        self.setup, self.inner = setup, inner
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        mixture = torch.tensor([self.setup.row_weights(f) for f in features], dtype=torch.float32)
+        batch = dict(self.inner([{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]))
+        batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
+        return batch
 
 
 def _per_token_if_packed(mixture: torch.Tensor, features: list[dict[str, Any]], input_ids: torch.Tensor):
