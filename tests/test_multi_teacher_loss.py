@@ -171,3 +171,25 @@ def test_the_fold_kernel_builds_the_reference_log_mixture(backend):
         mix = FOLD_KERNELS[backend](mix, z.clone(), weights[:, j].log(), 1 / temperature, caps[j], scale)
     expected = reference.log_teacher_mixture(logits, weights, temperature=temperature, softcaps=caps)
     torch.testing.assert_close(mix / temperature, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_non_contiguous_leading_dims_and_teachers_in_another_dtype():
+    """(B, T, H) student rows from a transposed buffer, per-position (B, T, J) weights, bf16 teachers beside a
+    float64 student: each teacher's product runs in its own dtype (bf16 operands, fp32 accumulation), so the loss
+    follows the reference on the same bf16 values to fp32 rounding of those products (~1e-7 relative)."""
+    student, teachers, labels, weights = _setup(n_teachers=2, ignore_every=4)
+    b, t = 1, N
+    h_s = student[0].detach().T.contiguous().T.reshape(b, t, H_S).requires_grad_()  # strides (.., 1, N)
+    assert not h_s.is_contiguous()
+    low = [(h.bfloat16().reshape(b, t, -1), w.bfloat16()) for h, w, _ in teachers]
+    fused = fused_linear_multi_teacher_jsd(
+        h_s, student[1], [h for h, _ in low], [w for _, w in low], weights.reshape(b, t, 2), labels.reshape(b, t),
+        temperature=1.3, beta=0.7,
+    )  # fmt: skip
+    ref = reference.multi_teacher_kd_loss(
+        h_s @ student[1].T, [h.double() @ w.double().T for h, w in low], weights.reshape(b, t, 2),
+        labels.reshape(b, t), temperature=1.3, beta=0.7,
+    )  # fmt: skip
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=0)
+    for a, r in zip(grads(fused, [h_s, student[1]]), grads(ref, [h_s, student[1]])):
+        assert rel_err(a, r) < 1e-5
