@@ -87,6 +87,8 @@ def _check_teachers(teacher_inputs, teacher_weights, teacher_biases, teacher_sof
     return n
 
 
+# the docstring's {args} lines sit at column 0, where shared_docs fills them in (as in losses/fused.py)
+# fmt: off
 @eager
 @shared_docs(
     args=args_section(
@@ -124,28 +126,28 @@ def fused_linear_multi_teacher_jsd(
 ) -> torch.Tensor | KDLossOutput:
     """Generalized-JSD distillation of the student against several teachers, from hidden states and lm_heads.
 
-        Equals `reference.multi_teacher_kd_loss(student logits, [teacher logits], mixture_weights, labels, config,
-        teacher_softcaps=..., mixture=...)`. mixture="distribution" (the default) scores the student against
-        P = sum_j w_j softmax(cap_j(z_j) / T): the temperature applies to each teacher's logits before mixing (not to
-        the mixture). mixture="loss" scores sum_j w_j D(S, P_j); reference.multi_teacher_kd_loss says why the first is
-        the default. Peak memory is one chunk of the student's logits, the running mixture and one teacher's logits
-        (mixture="loss": a gradient accumulator instead of the mixture), flat in N and in the number of teachers.
-        Teachers may have different hidden sizes and heads padded to different sizes (`vocab_size`: the real ids
-        every head holds). Gradients flow to the student only.
+    Equals `reference.multi_teacher_kd_loss(student logits, [teacher logits], mixture_weights, labels, config,
+    teacher_softcaps=..., mixture=...)`. mixture="distribution" (the default) scores the student against
+    P = sum_j w_j softmax(cap_j(z_j) / T): the temperature applies to each teacher's logits before mixing (not to
+    the mixture). mixture="loss" scores sum_j w_j D(S, P_j); reference.multi_teacher_kd_loss says why the first is
+    the default. Peak memory is one chunk of the student's logits, the running mixture and one teacher's logits
+    (mixture="loss": a gradient accumulator instead of the mixture), flat in N and in the number of teachers.
+    Teachers may have different hidden sizes and heads padded to different sizes (`vocab_size`: the real ids
+    every head holds). Gradients flow to the student only.
 
-        Args:
-            teacher_inputs (Sequence[Tensor]): J tensors (N, H_j) or (B, T, H_j): each teacher's last hidden states,
-                row-aligned with the student's. Detached.
-            teacher_weights (Sequence[Tensor]): J lm_head weights (V_j, H_j). Detached.
-            mixture_weights (Tensor): (J,) one mixture for every row, or (N, J) / (B, T, J) per row: >= 0, each
-                scored row summing to 1; a one-hot row is routed to that teacher alone.
-            teacher_biases (Sequence[Tensor | None] | None): each teacher's lm_head bias (V_j,), or None.
-            teacher_softcaps (Sequence[float | None] | None): each teacher's final-logit soft-cap; default none.
-            mixture (str): "distribution" (default) or "loss", as above.
-    {args}
+    Args:
+        teacher_inputs (Sequence[Tensor]): J tensors (N, H_j) or (B, T, H_j): each teacher's last hidden states,
+            row-aligned with the student's. Detached.
+        teacher_weights (Sequence[Tensor]): J lm_head weights (V_j, H_j). Detached.
+        mixture_weights (Tensor): (J,) one mixture for every row, or (N, J) / (B, T, J) per row: >= 0, each
+            scored row summing to 1; a one-hot row is routed to that teacher alone.
+        teacher_biases (Sequence[Tensor | None] | None): each teacher's lm_head bias (V_j,), or None.
+        teacher_softcaps (Sequence[float | None] | None): each teacher's final-logit soft-cap; default none.
+        mixture (str): "distribution" (default) or "loss", as above.
+{args}
 
-        Returns:
-    {returns_loss}
+    Returns:
+{returns_loss}
     """
     cfg = KDLossConfig.build(
         config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
@@ -201,7 +203,8 @@ def fused_linear_multi_teacher_jsd(
         student_input, student_weight, student_bias, flat_labels, cfg, num_items_in_batch, backend,
         return_components, vocab=vocab, columns=columns, teacher_chunk=teacher_chunk, kernels=kernels,
         bytes_per_logit=bytes_per_logit,
-    )  # fmt: skip
+    )
+# fmt: on
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
