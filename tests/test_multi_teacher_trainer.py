@@ -227,3 +227,26 @@ def test_one_store_per_teacher_trains_as_routed_offline_data(tmp_path):
     TD.precompute(teachers["math"], rows[:2], tmp_path / "k4", top_k=4, progress=False)
     with pytest.raises(ValueError, match="different top-k sizes"):
         TD.RoutedTeacherData({"math": stores["math"], "other": TD.TeacherLogprobsDataset(tmp_path / "k4")})
+
+
+def test_served_rows_log_each_teachers_figures_from_its_own_rows(tmp_path):
+    """kd_teacher_url={name: url}: batches arrive as offline top-k plus the one-hot teacher_mixture; a logging
+    step's kd_soft_loss/<name> is the KD term of that teacher's rows alone (here: against a batch of only them).
+    No server is contacted: the batch is made by hand, as the routed prefetcher would make it."""
+    student = tiny_model("llama", seed=1)
+    served = {"a": tiny_model("llama", seed=2, hidden=96), "b": tiny_model("qwen2", seed=3)}
+    rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in _rows()]
+    for r, name in zip(rows, ("a", "b", "a", "b")):
+        ids = r["input_ids"][None]
+        top_ids, top_lp = TD.teacher_topk(served[name], ids, torch.ones_like(ids), k=8)
+        r.update(teacher_token_ids=top_ids[0], teacher_logprobs=top_lp[0], teacher=name)
+    urls = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
+    args = _args(tmp_path, use_kd_patch=True, kd_teacher_url=urls, kd_teacher_weights=None, kd_teacher_top_k=8)
+    trainer = KDTrainer(model=student.train(), args=args, data_collator=TD.TeacherDataCollator())
+    trainer.compute_loss(student, trainer.data_collator(rows))
+    figures = trainer._kd_teacher_metrics
+    for name in ("a", "b"):
+        own = [{k: v for k, v in r.items() if k != "teacher"} for r in rows if r["teacher"] == name]
+        alone = student(**TD.TeacherDataCollator()(own), kd_config=trainer.kd_config).kd_soft_loss
+        torch.testing.assert_close(figures[f"kd_soft_loss/{name}"], alone.float(), rtol=1e-6, atol=0)
+    M.revert_kd_patch(model=student)

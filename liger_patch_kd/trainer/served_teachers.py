@@ -3,8 +3,9 @@
 Each sequence of a batch is asked of its own row's teacher (the `teacher` column, collated into the one-hot
 `teacher_mixture`), all servers in flight at once, `depth` batches ahead like one served teacher
 (teacher/serve/prefetch.py); the batch then carries each row's own teacher's top-k, and trains as offline data
-does. A row weighted over several served teachers is refused: a mixture needs every teacher's full distribution,
-and the top-k of each (with unknown tails) does not give it.
+does (its `teacher_mixture` kept for the per-teacher figures of logging steps). A row weighted over several
+served teachers is refused: a mixture needs every teacher's full distribution, and the top-k of each (with
+unknown tails) does not give it.
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
             if order:
                 parts.append((order, client.submit([tokens[i] for i in order])))
         return _Merged(parts, len(segments))
-
-    def attach(self, batch, segments, topks):
-        batch = {k: v for k, v in batch.items() if k != MIXTURE_KEY}  # routed: each row's top-k is its teacher's
-        return super().attach(batch, segments, topks)
 
 
 def routed_served_dataloader(dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4) -> TeacherPrefetcher:

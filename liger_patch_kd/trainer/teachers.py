@@ -139,6 +139,20 @@ class TeacherSetSetup:
         """The run's collator, with the routing columns turned into the (B, J) `teacher_mixture` tensor."""
         return RoutingCollator(self, inner)
 
+    def routed_metrics(self, inputs: dict, routes: torch.Tensor, score, ignore_index: int) -> dict[str, torch.Tensor]:
+        """Served teachers' figures: `score(batch) -> (soft, agreement)` on the batch with the labels of every row
+        (token, when packed) routed elsewhere ignored, one no-grad call per teacher (on logging steps only).
+        kd_soft_loss/<name> is that batch's mean over its own rows' tokens."""
+        labels = inputs["labels"]
+        owner = routes.argmax(-1).to(labels.device)  # one-hot rows: the teacher each row (token) was asked of
+        owner = owner[:, None].expand_as(labels) if owner.dim() == 1 else owner
+        figures = {}
+        for j, name in enumerate(self.names):
+            soft, agreement = score({**inputs, "labels": torch.where(owner == j, labels, ignore_index)})
+            figures[f"kd_soft_loss/{name}"] = soft.detach().float()
+            figures[f"kd_top1_agreement/{name}"] = torch.zeros(()) if agreement is None else agreement.detach().float()
+        return figures
+
     def loss(self, model: nn.Module, inputs: dict, num_items_in_batch, cfg: KDLossConfig, fused: bool, log: bool):
         """The KD forward against the teacher set (fused through the patched model, else on materialised logits)."""
         weights = inputs.pop(MIXTURE_KEY, None)

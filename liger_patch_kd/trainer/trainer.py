@@ -31,7 +31,7 @@ from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completi
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
-from .teachers import ROUTING_COLUMNS, TeacherSetSetup
+from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup
 
 logger = logging.get_logger(__name__)
 
@@ -240,6 +240,8 @@ class KDTrainer(Trainer):
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
+        routes = None if several else inputs.pop(MIXTURE_KEY, None)  # several served teachers: whom each row asked
+        scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
         if several:  # several in-process teachers: trainer/teachers.py
             outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
             loss, soft, hard, agreement = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None
@@ -259,10 +261,23 @@ class KDTrainer(Trainer):
             agreement = getattr(outputs, "kd_top1_agreement", None)
         else:
             loss, soft, hard, agreement, outputs = self._materialised_loss(model, inputs, num_items_in_batch, cfg)
+        if scored is not None:  # each served teacher's figures, from its own rows (trainer/teachers.py)
+            self._kd_teacher_metrics = self.teacher_set.routed_metrics(
+                scored, routes, lambda batch: self._kd_score(model, batch, cfg), cfg.ignore_index
+            )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
+
+    def _kd_score(self, model, inputs, cfg: KDLossConfig):
+        """(KD term, top-1 agreement) of one offline batch under no_grad: a logging step's per-teacher figures."""
+        with torch.no_grad():
+            if self.args.use_kd_patch:
+                out = model(**inputs, kd_log_agreement=True, kd_config=cfg)
+                return out.kd_soft_loss, out.kd_top1_agreement
+            _, soft, _, agreement, _ = self._materialised_loss(model, dict(inputs), None, cfg)
+            return soft, agreement
 
     def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
