@@ -8,7 +8,7 @@ import torch
 from liger_patch_kd import reference
 from liger_patch_kd.losses import fused_linear_jsd, fused_linear_multi_teacher_jsd
 
-from .helpers import backends, grads, rel_err
+from .helpers import DEVICE, backends, grads, rel_err
 
 N, H_S, VOCAB = 29, 19, 203
 HIDDEN = (13, 23, 17)  # the teachers' hidden sizes differ from each other and from the student's
@@ -18,8 +18,8 @@ def _setup(n_teachers=3, bias=False, ignore_every=3, heads=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     heads = heads or [VOCAB] * (n_teachers + 1)
 
-    def rand(*size, s=1.0):
-        return torch.randn(*size, generator=g, dtype=torch.float64) * s
+    def rand(*size, s=1.0):  # drawn on the CPU (one stream whatever the device), then moved: leaves on DEVICE
+        return (torch.randn(*size, generator=g, dtype=torch.float64) * s).to(DEVICE)
 
     student = [rand(N, H_S).requires_grad_(), rand(heads[0], H_S, s=1.5 / H_S**0.5).requires_grad_()]
     student.append(rand(heads[0], s=0.5).requires_grad_() if bias else None)
@@ -31,7 +31,7 @@ def _setup(n_teachers=3, bias=False, ignore_every=3, heads=None, seed=0):
     if ignore_every:
         labels[::ignore_every] = -100
     weights = torch.rand(N, n_teachers, generator=g, dtype=torch.float64) + 0.05
-    return student, teachers, labels, weights / weights.sum(-1, keepdim=True)
+    return student, teachers, labels.to(DEVICE), (weights / weights.sum(-1, keepdim=True)).to(DEVICE)
 
 
 def _logits(h, w, b):
@@ -75,7 +75,7 @@ def test_mixture_matches_the_reference(backend, beta, mixture):
 def test_softcaps_padded_heads_and_one_mixture_for_every_row(backend):
     heads = [VOCAB + 5, VOCAB, VOCAB + 64, VOCAB + 1]  # padded to different sizes: vocab_size names the real ids
     student, teachers, labels, _ = _setup(heads=heads)
-    weights = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    weights = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64, device=DEVICE)
     fused, ref = _both(
         student, teachers, labels, weights, backend=backend, caps=[3.0, None, 5.0], softcap=4.0, vocab_size=VOCAB,
         beta=0.1, temperature=0.8, num_items=torch.tensor(23),
@@ -95,7 +95,7 @@ def test_the_temperature_applies_to_each_teacher_before_mixing():
 @pytest.mark.parametrize("mixture", ["distribution", "loss"])
 def test_a_row_routed_to_one_teacher_is_the_single_teacher_loss(backend, mixture):
     student, teachers, labels, _ = _setup()
-    route = torch.arange(N) % 3
+    route = torch.arange(N, device=DEVICE) % 3
     weights = torch.nn.functional.one_hot(route, 3).double()
     h_s, w_s, _ = student
     fused = fused_linear_multi_teacher_jsd(
@@ -162,8 +162,8 @@ def test_the_fold_kernel_builds_the_reference_log_mixture(backend):
     from liger_patch_kd.ops.mixture import FOLD_KERNELS
 
     g = torch.Generator().manual_seed(3)
-    logits = [torch.randn(7, 1271, generator=g, dtype=torch.float64) * 3 for _ in range(3)]
-    weights = torch.tensor([[0.2, 0.0, 0.8]] * 4 + [[0.0, 1.0, 0.0]] * 3, dtype=torch.float64)
+    logits = [(torch.randn(7, 1271, generator=g, dtype=torch.float64) * 3).to(DEVICE) for _ in range(3)]
+    weights = torch.tensor([[0.2, 0.0, 0.8]] * 4 + [[0.0, 1.0, 0.0]] * 3, dtype=torch.float64, device=DEVICE)
     caps, temperature = [None, 2.5, None], 1.7
     mix = None
     for j, z in enumerate(logits):
