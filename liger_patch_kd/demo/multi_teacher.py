@@ -6,8 +6,9 @@ size and one budget are trained: one on each half, one on everything. One studen
 steps, on the training text of both halves: CE only, distilled from either specialist alone, from the teacher of
 everything, and routed (each window scored against its own half's specialist, `KDTrainer(teacher_model={...})` with
 a `teacher` column). Reported per half: held-out CE and KL(specialist || student) per token on that half's held-out
-text, mean ± standard deviation over the student seeds. Settings (beta 0, T 1, the main demo's learning rate and
-schedule) are the main demo's, fixed in advance, not tuned on the held-out text.
+text, mean ± standard deviation over the student seeds. Each KD recipe's temperature (1 or 2) is chosen on a
+validation split (24 windows per half, never trained on) by its seed-1 student's mean CE; beta 0 and the learning
+rate and schedule are the main demo's, fixed in advance. Nothing is tuned on the held-out text.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .same_tokenizer import evaluate
 from .toys import PAD, CharTokenizer, build_model, load_corpus, training_args, windows
 
 HALVES = ("clauses", "plain")
+TEMPERATURES = (1.0, 2.0)  # the KD temperatures each KD recipe chooses from on the validation split
+VALIDATION = 24  # windows per half kept out of training to choose the temperature
 CLAUSE_OPENERS = ("When", "At", "After", "In", "Before", "Under")  # "At dawn, ...", "When the fox sleeps, ..."
 
 
@@ -55,10 +58,11 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
     seeds = tuple(seeds or ((1,) if quick else (1, 2, 3)))
     text = load_corpus()
     tok = CharTokenizer(text)
-    train, held_out = {}, {}
+    train, validation, held_out = {}, {}, {}
     for half, stream in split_corpus(text).items():
         cut = int(len(stream) * 0.9)
-        train[half] = windows(tok.encode(stream[:cut]), seq)
+        seen = windows(tok.encode(stream[:cut]), seq)
+        train[half], validation[half] = seen[:-VALIDATION], seen[-VALIDATION:]  # validation chooses T, untrained on
         held_out[half] = windows(tok.encode(stream[cut:]), seq)[:48]
     rows = {half: [{"input_ids": torch.tensor(w), "teacher": half} for w in train[half]] for half in HALVES}
     everything = rows["clauses"] + rows["plain"]
@@ -66,7 +70,7 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
     collator = TD.TeacherDataCollator(pad_token_id=PAD)
     vocab = len(tok)
     sizes = {half: len(train[half]) for half in HALVES}
-    print(f"halves of the corpus (windows of {seq} characters): {sizes}; held-out windows: 48 per half")
+    print(f"halves of the corpus (windows of {seq} characters): {sizes}; validation {VALIDATION}, held-out 48 per half")
 
     teachers = {}
     for name, data in (("clauses", rows["clauses"]), ("plain", rows["plain"]), ("everything", everything)):
@@ -86,27 +90,39 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
         "one teacher of everything": (teachers["everything"], plain_rows),
         "routed to its half's teacher": (specialists, everything),
     }
+
+    def run(recipe, seed: int, temperature: float) -> dict[str, float]:
+        """One student: trained by `recipe`, scored per half on validation (val_*) and held-out text."""
+        student = build_model(vocab, 64, 2, seed=seed, device=dev)
+        kd = {} if recipe is None else dict(use_kd_patch=True, kd_beta=0.0, kd_temperature=temperature)
+        args = training_args(work / "student", student_steps, batch, dev, seed=seed - 1, **kd)
+        if recipe is None:
+            trainer = Trainer(model=student, args=args, train_dataset=plain_rows, data_collator=collator)
+        else:
+            trainer = KDTrainer(model=student, teacher_model=recipe[0], args=args, train_dataset=recipe[1],
+                                data_collator=collator)  # fmt: skip
+        trainer.train()
+        revert_kd_patch(model=student)
+        scores = {}
+        for half in HALVES:
+            scores[f"ce_{half}"], scores[f"kl_{half}"] = evaluate(student, specialists[half], held_out[half], dev)
+            scores[f"val_ce_{half}"] = evaluate(student, specialists[half], validation[half], dev)[0]
+        return scores
+
     results = []
     for name, recipe in recipes.items():
-        runs = []
-        for seed in seeds:
-            student = build_model(vocab, 64, 2, seed=seed, device=dev)
-            kd = {} if recipe is None else dict(use_kd_patch=True, kd_beta=0.0)
-            args = training_args(work / "student", student_steps, batch, dev, seed=seed - 1, **kd)
-            if recipe is None:
-                trainer = Trainer(model=student, args=args, train_dataset=plain_rows, data_collator=collator)
-            else:
-                trainer = KDTrainer(model=student, teacher_model=recipe[0], args=args, train_dataset=recipe[1],
-                                    data_collator=collator)  # fmt: skip
-            trainer.train()
-            revert_kd_patch(model=student)
-            run = {}
-            for half in HALVES:
-                run[f"ce_{half}"], run[f"kl_{half}"] = evaluate(student, specialists[half], held_out[half], dev)
-            runs.append(run)
-            print(f"  {name}, seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in run.items()))
-        row = dict(recipe=name, seeds=list(seeds))
-        for key in runs[0]:
+        # the KD temperature of each KD recipe: the one of TEMPERATURES whose seed-1 student has the lowest mean
+        # validation CE over the two halves (that run is kept as seed 1's)
+        tried = {t: run(recipe, seeds[0], t) for t in (TEMPERATURES if recipe is not None else (1.0,))}
+        chosen = min(tried, key=lambda t: sum(tried[t][f"val_ce_{h}"] for h in HALVES))
+        if len(tried) > 1:
+            by_t = ", ".join(f"T={t:g} {sum(r[f'val_ce_{h}'] for h in HALVES) / 2:.4f}" for t, r in tried.items())
+            print(f"  {name}: mean validation CE {by_t}; chosen T={chosen:g}")
+        runs = [tried[chosen]] + [run(recipe, seed, chosen) for seed in seeds[1:]]
+        for seed, r in zip(seeds, runs):
+            print(f"  {name}, seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items() if "val" not in k))
+        row = dict(recipe=name, seeds=list(seeds), temperature=chosen)
+        for key in (k for k in runs[0] if not k.startswith("val_")):
             row[f"{key}_by_seed"] = [r[key] for r in runs]
             row[key] = sum(row[f"{key}_by_seed"]) / len(runs)
         results.append(row)
@@ -115,11 +131,12 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
     print(f"\nheld-out CE (nats/char) and KL(that half's teacher || student) per token, by half; {spread}")
     w = 17 if len(seeds) > 1 else 9
     header = "".join(f"{label:>{w}}" for label in ("CE clauses", "CE plain", "KL clauses", "KL plain"))
-    print(f"{'recipe':30}{header}")
+    print(f"{'recipe':36}{header}")
     for r in results:
         cells = [_mean_sd(r[f"{k}_by_seed"], d, w) for k, d in (("ce_clauses", 3), ("ce_plain", 3),
                                                                       ("kl_clauses", 4), ("kl_plain", 4))]  # fmt: skip
-        print(f"{r['recipe']:30}{''.join(cells)}")
+        label = r["recipe"] if r["recipe"] == "CE only" else f"{r['recipe']} (T={r['temperature']:g})"
+        print(f"{label:36}{''.join(cells)}")
     return results
 
 
