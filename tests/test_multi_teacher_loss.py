@@ -193,3 +193,16 @@ def test_non_contiguous_leading_dims_and_teachers_in_another_dtype():
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=0)
     for a, r in zip(grads(fused, [h_s, student[1]]), grads(ref, [h_s, student[1]])):
         assert rel_err(a, r) < 1e-5
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_reduction_none_recomputes_every_teacher_in_its_backward(backend):
+    """reduction="none": the backward recomputes the chunks with the per-row upstream gradient, every teacher's
+    logits included; it equals the reference's gradient of the same weighted sum."""
+    student, teachers, labels, weights = _setup(bias=True)
+    fused, ref = _both(student, teachers, labels, weights, backend=backend, reduction="none", temperature=1.5)
+    upstream = torch.rand(N, dtype=torch.float64, device=DEVICE)
+    torch.testing.assert_close(fused, ref, rtol=1e-9, atol=1e-12)
+    params = [p for p in student if p is not None]
+    for a, b in zip(grads((fused * upstream).sum(), params), grads((ref * upstream).sum(), params)):
+        assert rel_err(a, b) < 1e-9
