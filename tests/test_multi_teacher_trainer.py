@@ -250,3 +250,12 @@ def test_served_rows_log_each_teachers_figures_from_its_own_rows(tmp_path):
         alone = student(**TD.TeacherDataCollator()(own), kd_config=trainer.kd_config).kd_soft_loss
         torch.testing.assert_close(figures[f"kd_soft_loss/{name}"], alone.float(), rtol=1e-6, atol=0)
     M.revert_kd_patch(model=student)
+
+
+def test_the_command_line_still_parses_one_teacher_url():
+    """kd_teacher_url takes a dict in Python, but its annotation stays `str | None`: HfArgumentParser reads a URL."""
+    from transformers import HfArgumentParser
+
+    argv = ["--output_dir", "unused", "--use_cpu", "True", "--kd_teacher_url", "http://127.0.0.1:8000"]
+    (args,) = HfArgumentParser(KDTrainingArguments).parse_args_into_dataclasses(argv)
+    assert args.kd_teacher_url == "http://127.0.0.1:8000" and args.kd_teacher_mixture == "distribution"

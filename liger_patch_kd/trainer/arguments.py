@@ -94,7 +94,7 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Several teachers: distribution (the student against sum_j w_j P_j) or loss "
                   "(sum_j w_j D(S, P_j))."},
     )  # fmt: skip
-    kd_teacher_url: str | dict | None = field(
+    kd_teacher_url: str | None = field(  # a dict too, in Python (the command line parses a str)
         default=None,
         metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch; or {name: url} for "
                   "several served teachers, each row routed to one by its 'teacher' column."},
