@@ -2,7 +2,7 @@
 # Everything this project runs on the GPU, in one call of the device tool:
 #   the whole test suite with Triton compiled for real, then the benchmarks, results under $OUT (or runs/).
 # Wheels the GPU image lacks (liger-kernel for the side-by-side rows) travel in .whl/ and install to /tmp/site.
-# Usage: bash benchmarks/run_gpu_suite.sh [tests|properties|bench-kernel|bench-step|all]...
+# Usage: bash benchmarks/run_gpu_suite.sh [tests|properties|bench-kernel|bench-step|bench-multi|all]...
 #   issue30-loss / issue30-step / issue30-long: FP8 logits (tests + bench_loss_floor), the step
 #   table beside Liger and torchao at seq 4096, and at seq 16384 / 32768 (each one device call, < 10 minutes)
 #   properties: the hypothesis suite's larger "gpu" profile (several vocabulary and top-k tiles, Triton compiled)
@@ -29,6 +29,13 @@ for what in "${@:-all}"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     demo|all)
       python3 -m liger_patch_kd.cli demo 2>&1 | tee "$OUT/demo_gpu.log" | tail -12 ;;&
+    bench-multi|all)
+      # several teachers: the mixture loss with 1, 2, 4 teachers (N 4096-16384: memory flat in N), and its tests
+      python3 -m pytest -q -p no:cacheprovider tests/test_multi_teacher_loss.py tests/test_multi_teacher_trainer.py \
+        2>&1 | tee "$OUT/tests_multi_teacher_gpu.log" | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 -m benchmarks.bench_multi_teacher --ns 4096 8192 16384 --out "$OUT/bench_multi_teacher.json" 2>&1 \
+        | tee "$OUT/bench_multi_teacher.log" | grep -v "^{" ;;&
     bench-padded)
       python3 -m benchmarks.bench_fused_linear_jsd --only padded --out "$OUT/bench_padded_vocab.json" 2>&1 \
         | tee "$OUT/bench_padded.log" | grep -v "^{" ;;

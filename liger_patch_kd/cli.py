@@ -22,6 +22,11 @@ from .cli_checks import (
 
 
 def _demo(args) -> None:
+    if args.several_teachers:  # one student routed between two specialist teachers (demo/multi_teacher.py)
+        from .demo.multi_teacher import run_multi_teacher_demo
+
+        run_multi_teacher_demo(quick=args.quick, device=args.device)
+        return
     from .demo import run_demo
 
     run_demo(quick=args.quick, device=args.device)
@@ -121,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quick", action="store_true", help="fewer steps (CI)")
     demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
+    demo.add_argument("--several-teachers", action="store_true",
+                      help="instead: two specialist teachers, one student routed between them")  # fmt: skip
     demo.set_defaults(func=_demo)
 
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",

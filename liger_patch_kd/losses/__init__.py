@@ -5,6 +5,7 @@ and the losses on log-probs (logprob.py). Nothing here knows about models. The c
 from .fused import KDLossOutput, fused_linear_jsd, fused_linear_topk_kd
 from .logprob import kl_estimator, topk_kd_from_logprobs
 from .modules import FusedLinearJSDLoss, FusedLinearTopKKDLoss
+from .multi_teacher import fused_linear_multi_teacher_jsd
 from .sampled_teacher import fused_linear_sampled_kd
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "KDLossOutput",
     "fused_linear_jsd",
     "fused_linear_sampled_kd",
+    "fused_linear_multi_teacher_jsd",
     "fused_linear_topk_kd",
     "kl_estimator",
     "topk_kd_from_logprobs",

@@ -41,7 +41,7 @@ class KDLossOutput(NamedTuple):
     hard: torch.Tensor  # the CE term alone (detached; zeros when hard_weight == 0)
 
 
-def _compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
+def compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
     """Under autocast the products run in the autocast dtype, as nn.Linear's would; otherwise in the dtype of
     the hidden states (a weight of another dtype, e.g. fp32 master weights, is cast to it)."""
     if torch.is_autocast_enabled(device.type):
@@ -88,7 +88,7 @@ def run_fused(
     and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
     leading = student_input.shape[:-1]
     device = student_input.device
-    dtype = _compute_dtype(device, student_input)
+    dtype = compute_dtype(device, student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
     w_s = student_weight.to(dtype)
     kernel = kernels[select_backend(device, backend)]
@@ -207,7 +207,7 @@ def fused_linear_jsd(
     if check_inputs and labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
         run_device_checks([label_check(flat_labels, vocab, cfg)])
     # the teacher's product in its own dtype: casting a bf16 teacher to an fp16 student's dtype overflows at 65504
-    teacher_dtype = _compute_dtype(teacher_input.device, teacher_input)
+    teacher_dtype = compute_dtype(teacher_input.device, teacher_input)
     h_t = teacher_input.detach().reshape(-1, teacher_input.shape[-1]).to(teacher_dtype)
     b_t = column_bias(None if teacher_bias is None else teacher_bias.detach(), vocab, columns, cfg.temperature, h_t)
     if cfg.teacher_logits_fp8:  # quantised once, and kept while a frozen head is unchanged (ops/fp8_logits.py)

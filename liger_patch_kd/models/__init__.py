@@ -9,6 +9,7 @@ Modules, lowest first (imports point down only):
   moe, backbone  the router loss; running the backbone (text and VLM)
   heads, kd_io   lm_head weights (PEFT-aware); teacher inputs, label shifting, the output type
   materialised   the objective on materialised logits (reference.py)
+  teachers       several teachers in one KD forward (routing, mixtures)
   kd_forward     the one KD forward, and a teacher's
   patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
   fp8_teacher, recompute
@@ -50,6 +51,7 @@ from .recompute import limit_recompute
 from .registry import FAMILIES, REGISTRY, ArchSpec, softcap_of
 from .spec import spec_for_model
 from .state import original_forward, unwrap_model
+from .teachers import TeacherSet
 from .transforms import scaled_head_inputs
 
 __all__ = [
@@ -89,6 +91,7 @@ __all__ = [
     "transformers_code",
     "output_head",
     "materialised_kd",
+    "TeacherSet",
     "TeacherInputs",
     "targets_of",
     "limit_recompute",

@@ -26,6 +26,7 @@ from .moe import router_aux_loss, with_router_aux_loss
 from .registry import softcap_of
 from .spec import spec_for_model
 from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, patch_state, unwrap_model
+from .teachers import TeacherSet, materialised_teacher_set, teacher_set_forward
 from .transforms import scaled_head_inputs
 
 # unwrap_model, output_head, TeacherInputs, shift_labels live in state / heads / kd_io; re-exported from here,
@@ -75,6 +76,7 @@ def kd_causal_lm_forward(
     return_logits: bool = False,
     kd_teacher_callback: TeacherCallback | None = None,
     kd_log_agreement: bool = False,
+    kd_teacher_set: TeacherSet | None = None,
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ):
@@ -91,6 +93,8 @@ def kd_causal_lm_forward(
     on up to 256 scored rows (one host sync; the trainer asks on logging steps only).
     `kd_behaviour_logprobs` (B, T), aligned with the labels: for the "pg" estimator, each label's log-prob under the
     policy that sampled it (an engine's weights some steps old), the importance ratio's denominator.
+    `kd_teacher_set` (models.teachers.TeacherSet): several teachers instead of one, each row scored against its
+    own or a mixture of them (`kd_log_agreement` then measures each teacher's divergence and agreement).
     `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
     last hidden states inside this model's own forward, where FSDP has its parameters gathered.
     """
@@ -102,7 +106,7 @@ def kd_causal_lm_forward(
         teacher_sample_ids, teacher_sample_counts, teacher_sample_logprobs,
     )  # fmt: skip
     behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
-    if labels is None or not teacher.given:
+    if labels is None or not (teacher.given or kd_teacher_set is not None):
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
         return state.original_forward(
@@ -118,6 +122,11 @@ def kd_causal_lm_forward(
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
     behaviour = behaviour_targets(behaviour, given_shift, teacher)
+    if kd_teacher_set is not None:
+        if teacher.given:
+            raise ValueError("pass one teacher (teacher_model, ...) or a kd_teacher_set of several, not both")
+        return _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch,
+                                 kwargs, kd_teacher_set, kd_log_agreement, return_logits)  # fmt: skip
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
@@ -172,6 +181,21 @@ def kd_causal_lm_forward(
             agreement = measured.get("agreement")
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
     return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
+
+
+def _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch, kwargs,
+                      teachers: TeacherSet, log_metrics: bool, return_logits: bool):  # fmt: skip
+    """Several teachers (models/teachers.py): fused, or on materialised logits like the single-teacher path."""
+    if not state.fused or return_logits:
+        student_forward = functools.partial(state.original_forward, self)
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
+        return materialised_teacher_set(
+            self, student_forward, teachers, targets, cfg, num_items_in_batch, model_inputs, log_metrics
+        )
+    return teacher_set_forward(
+        self, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch, kwargs, teachers, log_metrics,
+        call_teacher,
+    )  # fmt: skip
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):

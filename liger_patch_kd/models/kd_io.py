@@ -18,12 +18,15 @@ class KDCausalLMOutput(CausalLMOutputWithPast):
     `convert_outputs_to_fp32`, used with `bf16=True`) rebuild the output from its keys and drop the rest.
     kd_soft_loss / kd_hard_loss: the KD and CE terms alone (detached, same reduction as `loss`);
     kd_top1_agreement: how often the student's most likely token is the teacher's (asked for on logging steps).
+    kd_teacher_metrics: with several teachers, {"kd_soft_loss/<name>": ..., "kd_top1_agreement/<name>": ...}
+    (models/teachers.py; asked for on logging steps).
     aux_loss / router_logits: a mixture-of-experts model's router outputs, passed through.
     """
 
     kd_soft_loss: torch.FloatTensor | None = None
     kd_hard_loss: torch.FloatTensor | None = None
     kd_top1_agreement: torch.FloatTensor | None = None
+    kd_teacher_metrics: dict[str, torch.Tensor] | None = None
     aux_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
 

@@ -16,6 +16,7 @@ from .formats import (
     store_to_distillkit,
 )
 from .precompute import precompute, teacher_topk
+from .routed import RoutedTeacherData
 from .sampling import SampledTokens, sample_teacher_tokens
 from .serve import (
     TeacherClient,
@@ -43,6 +44,7 @@ __all__ = [
     "StoreWriter",
     "TeacherDataCollator",
     "TeacherLogprobsDataset",
+    "RoutedTeacherData",
     "iter_store",
     "read_manifest",
     "tokenizer_fingerprint",

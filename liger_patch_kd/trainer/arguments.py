@@ -11,6 +11,7 @@ from ..models import ATTENTION_BACKENDS
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .served import check_served_teacher_args
+from .teachers import check_teacher_set_args
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
@@ -106,9 +107,21 @@ class KDTrainingArguments(TrainingArguments):
             "sizes be distilled. Default: len(processing_class) when the two heads differ in size."
         },
     )
-    kd_teacher_url: str | None = field(
-        default=None, metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch."}
-    )
+    kd_teacher_weights: dict | None = field(
+        default=None,
+        metadata={"help": "Several teachers (teacher_model={name: model}): {name: weight} summing to 1, the mixture "
+                  "of the teachers' distributions for rows without a 'teacher' / 'teacher_weights' column."},
+    )  # fmt: skip
+    kd_teacher_mixture: str = field(
+        default="distribution",
+        metadata={"help": "Several teachers: distribution (the student against sum_j w_j P_j) or loss "
+                  "(sum_j w_j D(S, P_j))."},
+    )  # fmt: skip
+    kd_teacher_url: str | None = field(  # a dict too, in Python (the command line parses a str)
+        default=None,
+        metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch; or {name: url} for "
+                  "several served teachers, each row routed to one by its 'teacher' column."},
+    )  # fmt: skip
     kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
@@ -180,6 +193,7 @@ class KDTrainingArguments(TrainingArguments):
                     f"in newer transformers), or leave kd_recompute_layers=None"
                 )
         self.kd_loss_config()  # validates the loss options now, not at the first step
+        check_teacher_set_args(self)  # before the served checks: kd_teacher_url as a dict is refused there
         check_served_teacher_args(self)
         check_generation_args(self)
 

@@ -3,6 +3,7 @@ Face Trainer."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
 from .rollouts import BEHAVIOUR
 from .sampled_data import check_sampled_dataset
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
+from .served_teachers import routed_served_dataloader
+from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup
 
 logger = logging.get_logger(__name__)
 
@@ -72,6 +75,14 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
+        self.teacher_set = None
+        if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
+            self.teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer)
+            teacher_model = None
+        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
+            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+        teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
         if args.n_gpu > 1:
@@ -94,6 +105,8 @@ class KDTrainer(Trainer):
             self.kd_config = _with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
+            for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
+                self.kd_config = _with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
         self.prompt_rows = _first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
@@ -106,6 +119,8 @@ class KDTrainer(Trainer):
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
             kwargs["data_collator"] = TeacherDataCollator(pad_token_id=0 if pad is None else pad)
+        if self.teacher_set is not None:  # each row's 'teacher' / 'teacher_weights' become the batch's mixture
+            kwargs["data_collator"] = self.teacher_set.collator(kwargs["data_collator"])
         if args.use_kd_patch:
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
@@ -117,10 +132,9 @@ class KDTrainer(Trainer):
                 raise ValueError("kd_self_distill uses the student's base model as teacher; do not pass teacher_model")
             teacher_model = AdapterDisabledTeacher(self.model)
         elif teacher_model is not None:
-            teacher_model.eval().requires_grad_(False)
-            if args.use_kd_patch:
-                patch_teacher_kernels(teacher_model, args.kd_patch_config)
-            teacher_model = self._prepare_teacher(teacher_model)
+            teacher_model = self._frozen_teacher(teacher_model)
+        if teachers:
+            self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
         if args.kd_teacher_precision == "fp8":
             if teacher_model is None or args.kd_self_distill:
                 raise ValueError(
@@ -138,6 +152,7 @@ class KDTrainer(Trainer):
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
+        self._kd_teacher_metrics: dict[str, torch.Tensor] | None = None  # several teachers: per-teacher figures
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
         self._served = None  # the served teacher's prefetcher: asked about generated rows too
@@ -156,6 +171,12 @@ class KDTrainer(Trainer):
 
     def _fsdp_version(self) -> int | None:
         return getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
+
+    def _frozen_teacher(self, teacher: nn.Module) -> nn.Module:
+        teacher.eval().requires_grad_(False)
+        if self.args.use_kd_patch:
+            patch_teacher_kernels(teacher, self.args.kd_patch_config)
+        return self._prepare_teacher(teacher)
 
     def _prepare_teacher(self, teacher: nn.Module) -> nn.Module:
         """Shard the frozen teacher like the student (accelerate's prepare_model(evaluation_mode=True) would leave
@@ -179,6 +200,9 @@ class KDTrainer(Trainer):
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
+        if isinstance(self.args.kd_teacher_url, Mapping):  # each row asks its own server (served_teachers.py)
+            vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
+            return routed_served_dataloader(dataloader, self.args, vocab_size=vocab_size)
         if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
             served = served_teacher_dataloader(
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
@@ -197,6 +221,7 @@ class KDTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
         extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
+        extra += list(ROUTING_COLUMNS) if self.teacher_set is not None else []
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
@@ -213,7 +238,8 @@ class KDTrainer(Trainer):
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
-        if not offline and self.teacher_model is None:
+        several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
+        if not offline and self.teacher_model is None and not several:
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
@@ -222,7 +248,13 @@ class KDTrainer(Trainer):
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
-        if is_cross_tokenizer_batch(inputs):
+        routes = None if several else inputs.pop(MIXTURE_KEY, None)  # several served teachers: whom each row asked
+        scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
+        if several:  # several in-process teachers: trainer/teachers.py
+            outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
+            loss, soft, hard, agreement = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None
+            self._kd_teacher_metrics = outputs.kd_teacher_metrics or self._kd_teacher_metrics
+        elif is_cross_tokenizer_batch(inputs):
             xtok = self.xtok
             outputs = compute_cross_tokenizer_loss(
                 model, self.teacher_model, inputs, xtok.config, xtok.vocab_map, num_items_in_batch
@@ -240,10 +272,23 @@ class KDTrainer(Trainer):
             loss, soft, hard, agreement, outputs = self._materialised_loss(
                 model, inputs, num_items_in_batch, cfg, behaviour
             )
+        if scored is not None:  # each served teacher's figures, from its own rows (trainer/teachers.py)
+            self._kd_teacher_metrics = self.teacher_set.routed_metrics(
+                scored, routes, lambda batch: self._kd_score(model, batch, cfg), cfg.ignore_index
+            )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
+
+    def _kd_score(self, model, inputs, cfg: KDLossConfig):
+        """(KD term, top-1 agreement) of one offline batch under no_grad: a logging step's per-teacher figures."""
+        with torch.no_grad():
+            if self.args.use_kd_patch:
+                out = model(**inputs, kd_log_agreement=True, kd_config=cfg)
+                return out.kd_soft_loss, out.kd_top1_agreement
+            _, soft, _, agreement, _ = self._materialised_loss(model, dict(inputs), None, cfg)
+            return soft, agreement
 
     def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig, behaviour=None):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
@@ -335,7 +380,9 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             if self.onpolicy.staleness:  # steps between the engine's weights and the student's, latest rollout
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
-            self._kd_sums, self._kd_count, self._kd_agreement = {}, 0, None
+            for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
+                logs[key] = round(float(value), 6)
+            self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         super().log(logs, *args, **kwargs)
 
 

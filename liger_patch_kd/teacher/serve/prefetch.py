@@ -68,7 +68,7 @@ def attach_teacher(
     return {**batch, "teacher_token_ids": ids, "teacher_logprobs": logprobs}
 
 
-def _tokens(batch: Mapping[str, torch.Tensor], segments: Segments, keys: tuple[str, str]) -> list[list[int]]:
+def sequence_tokens(batch: Mapping[str, torch.Tensor], segments: Segments, keys: tuple[str, str]) -> list[list[int]]:
     ids = batch[keys[0]].cpu()
     return [ids[row, positions].tolist() for row, positions in segments]
 
@@ -119,7 +119,13 @@ class TeacherPrefetcher:
     def with_teacher(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One batch with its teacher data, fetched now."""
         segments = split_sequences(batch, self.keys)
-        topks = self.client.fetch(_tokens(batch, segments, self.keys))
+        return self.attach(batch, segments, self.submit(batch, segments).result())
+
+    def submit(self, batch: Mapping[str, Any], segments: Segments):
+        """The requests for one batch's sequences, in flight (`.result()`: their top-k, in order)."""
+        return self.client.submit(sequence_tokens(batch, segments, self.keys))
+
+    def attach(self, batch: Mapping[str, Any], segments: Segments, topks: list[TopK]) -> dict[str, Any]:
         return attach_teacher(batch, segments, topks, self.client.top_k, self.keys)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -142,7 +148,7 @@ class TeacherPrefetcher:
             try:
                 for batch in self.dataloader:
                     segments = split_sequences(batch, self.keys)
-                    if not put((batch, segments, self.client.submit(_tokens(batch, segments, self.keys)))):
+                    if not put((batch, segments, self.submit(batch, segments))):
                         return
                 put(_END)
             except BaseException as e:  # raised again in the training loop
@@ -162,7 +168,7 @@ class TeacherPrefetcher:
                 topks = replies.result()
                 self.wait_seconds += time.perf_counter() - start
                 self.batches += 1
-                yield attach_teacher(batch, segments, topks, self.client.top_k, self.keys)
+                yield self.attach(batch, segments, topks)
         finally:
             stop.set()
             thread.join(timeout=5)

@@ -1,4 +1,4 @@
-"""The distillation math, plainly, on materialised logits: the oracle every fused path is tested against.
+"""The core of the oracle: the generalized JSD and KL on full logits, the hard term, reductions, the top-k teacher.
 
 Shapes: logits (..., V), labels (...). Rows are aligned: row i of the student is scored against row i of the
 teacher and label i. Nothing here is optimised; it should read like the formulas in the README.
@@ -11,8 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import KDLossConfig, require_full_teacher
-from .conventions import (  # noqa: F401 (re-exported: the oracle's public names)
+from ..config import KDLossConfig, require_full_teacher
+from ..conventions import (  # noqa: F401 (re-exported: the oracle's public names)
     LOGPROB_PLACEHOLDER,
     TAIL_FLOOR,
     apply_softcap,
@@ -21,6 +21,7 @@ from .conventions import (  # noqa: F401 (re-exported: the oracle's public names
     tempered_topk_teacher,
     topk_valid_slots,
 )
+from .estimators import kl_estimator_terms, policy_gradient_terms
 
 
 def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,11 @@ def generalized_jsd_per_row(
     """
     log_s = F.log_softmax(student_logits / temperature, dim=-1)
     log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    return generalized_jsd_of_logprobs(log_s, log_p, beta)
+
+
+def generalized_jsd_of_logprobs(log_s: torch.Tensor, log_p: torch.Tensor, beta: float) -> torch.Tensor:
+    """`generalized_jsd_per_row` on normalised log-probabilities (..., V): S = exp(log_s), P = exp(log_p)."""
     if beta == 0:
         per_vocab = F.kl_div(log_s, log_p, reduction="none", log_target=True)  # P (log P - log S)
     elif beta == 1:
@@ -266,128 +272,3 @@ def topk_kd_loss(
         student, teacher_token_ids, teacher_logprobs, beta=cfg.beta, temperature=cfg.temperature, tail=cfg.tail
     )
     return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
-
-
-# ------------------------------------------------------------------------------- sampled teacher tokens
-def sampled_kd_per_row(
-    student_logits: torch.Tensor,
-    sample_ids: torch.Tensor,
-    sample_counts: torch.Tensor,
-    sample_logprobs: torch.Tensor,
-    topk_ids: torch.Tensor | None = None,
-    topk_logprobs: torch.Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Importance-weighted estimate of forward KL(P_T || S_T) per row from tokens sampled from the teacher.
-
-    The data of a row: m = sum(counts) draws from P_T (the teacher at temperature T; from P_T restricted to the
-    ids outside the top-k in the hybrid), as distinct ids with counts (id -1 or count 0: a padding slot), and
-    log P_T of each id. Its log-probs are at the temperature the draws were made at (normalised over the full
-    vocabulary there, as `precompute(temperature=T)` writes them): tempering log-probs taken at T = 1 would need
-    the teacher's normaliser at T, which sparse data do not hold, so the loss never re-tempers them, and `T`
-    must be the temperature the tokens were drawn at. Hybrid: the top-k is exact and the draws stand for the rest
-    mass R = 1 - sum_k P_T(k). The estimate of P_T is P^(v) = P_T(v) on the top-k, R c_v / m elsewhere, and
-        loss = sum_v P^(v) (log P_T(v) - log S_T(v)),    S_T = softmax(student_logits / T) over the full vocab.
-    E[P^] = P_T, and the loss is linear in P^, so the loss and its gradient (S_T - P^) / T (sum P^ = 1) are
-    unbiased for KL(P_T || S_T) and its gradient, with no other approximation: the student's normaliser is exact.
-
-    Only forward KL has this form. Reverse KL and the generalized JSD (beta > 0) hold terms S(v) h(v) on every
-    id the student likes; from teacher draws they are reached only as E_P[S(x) h(x) / P(x)], unbiased where
-    P > 0 but with a variance of order sum_v S(v)^2 / P(v), unbounded as P(v) -> 0, so they are refused.
-    """
-    log_s = F.log_softmax(student_logits / temperature, dim=-1)
-    acc = log_s.dtype
-    present = (sample_ids >= 0) & (sample_counts > 0)
-    counts = torch.where(present, sample_counts, 0).to(acc)
-    draws = counts.sum(-1, keepdim=True)
-    ids = torch.where(present, sample_ids, 0).long()
-    per_draw = torch.where(present, sample_logprobs.to(acc) - log_s.gather(-1, ids), 0.0)
-    rest = torch.ones_like(draws)
-    loss = torch.zeros_like(draws[..., 0])
-    if topk_ids is not None:
-        valid = topk_valid_slots(topk_ids, topk_logprobs)
-        lp = torch.where(valid, topk_logprobs.to(acc), -math.inf)
-        top = log_s.gather(-1, torch.where(valid, topk_ids, 0).long())
-        loss = torch.where(valid, lp.exp() * (lp - top), 0.0).sum(-1)
-        rest = (1 - lp.exp().sum(-1, keepdim=True)).clamp(min=0)
-    share = torch.where(draws > 0, rest / draws.clamp(min=1), 0.0)  # R / m: what one draw stands for
-    return loss + (share * counts * per_draw).sum(-1)
-
-
-def sampled_kd_loss(
-    student_logits: torch.Tensor,
-    sample_ids: torch.Tensor,
-    sample_counts: torch.Tensor,
-    sample_logprobs: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    config: KDLossConfig | None = None,
-    num_items_in_batch: int | torch.Tensor | None = None,
-    *,
-    topk_ids: torch.Tensor | None = None,
-    topk_logprobs: torch.Tensor | None = None,
-    **options,
-) -> torch.Tensor:
-    """soft_weight * sampled forward-KL estimate (`sampled_kd_per_row`) + hard_weight * CE(cap(student), labels).
-    beta defaults to 0 here (the only divergence with an unbiased sampled form); any other beta is refused."""
-    if config is None and options.get("beta") is None:
-        options["beta"] = 0.0
-    cfg = KDLossConfig.build(config, **options)
-    require_sampled_objective(cfg)
-    vocab = resolve_vocab(student_logits.shape[-1], None, cfg.vocab_size)
-    student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
-    soft = sampled_kd_per_row(
-        student, sample_ids, sample_counts, sample_logprobs, topk_ids, topk_logprobs, temperature=cfg.temperature
-    )
-    return weigh_and_reduce(soft, student, labels, cfg, num_items_in_batch)
-
-
-# ----------------------------------------------------------------------------------------- on-policy
-KL_ESTIMATORS = ("k1", "k2", "k3", "pg")
-
-
-def kl_estimator_terms(
-    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, kind: str, clamp: float | None = None
-) -> torch.Tensor:
-    """Per-token estimates of KL(student || teacher) from the log-probs of a token sampled from the student.
-
-    With log r = log p_teacher - log q_student: k1 = -log r (unbiased, high variance, can be negative),
-    k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased and never negative).
-    `clamp` bounds log r to [-clamp, clamp] (a token the teacher rules out, log p = -inf, counts as -clamp).
-    """
-    log_ratio = teacher_logprobs - student_logprobs
-    if clamp is not None:
-        log_ratio = log_ratio.clamp(-clamp, clamp)
-    if kind == "k1":
-        return -log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        return torch.expm1(log_ratio) - log_ratio
-    if kind == "pg":
-        return policy_gradient_terms(student_logprobs, teacher_logprobs, clamp=clamp)
-    raise ValueError(f"kind must be one of {KL_ESTIMATORS}; got kind={kind!r}")
-
-
-def policy_gradient_terms(
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor | None = None,
-    clamp: float | None = None,
-) -> torch.Tensor:
-    """Per-token surrogate of the policy gradient of KL(student || teacher) on tokens sampled from the student.
-
-    The per-token reverse KL is the negative advantage, A = sg(log p - log q) (discount 0: Thinking Machines'
-    on-policy distillation, TRL's DistillationTrainer), and the term is -rho * A with the importance ratio
-    rho = exp(log q - sg(log b)) to the behaviour policy b that sampled the token (b = q, the default: rho = 1 with
-    gradient grad log q). Its gradient sg(log q - log p) * rho * grad log q has, over tokens drawn from b, the
-    expectation sum_y q(y) (log q(y) - log p(y)) grad log q(y) = grad KL(q || p) at each position, exactly (the
-    sum_y grad q(y) term is 0); its value is the (importance-weighted) k1 estimate. `clamp` bounds the log-ratio
-    inside the advantage.
-    """
-    log_ratio = (teacher_logprobs - student_logprobs).detach()
-    if clamp is not None:
-        log_ratio = log_ratio.clamp(-clamp, clamp)
-    behaviour = student_logprobs if behaviour_logprobs is None else behaviour_logprobs
-    ratio = torch.exp(student_logprobs - behaviour.detach())
-    return -ratio * log_ratio

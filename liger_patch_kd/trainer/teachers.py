@@ -1,0 +1,212 @@
+"""Several teachers in KDTrainer: `KDTrainer(teacher_model={"math": m1, "code": m2})`.
+
+Each row says whom it learns from: a `teacher` column (the teacher's name, or its index in the dict's order) routes
+it to that teacher; a `teacher_weights` column ({"math": 0.3, "code": 0.7}, or one weight per teacher in order)
+scores it against that mixture; a row with neither gets `kd_teacher_weights` (one mixture for every row), and
+without that is an error. The collator turns these columns into a (B, J) `teacher_mixture` tensor; the loss is
+models.teachers (the mixture of distributions by default, `kd_teacher_mixture="loss"` for the mixture of losses).
+Logged per teacher: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>` (see models/teachers.py).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import KDLossConfig
+from ..models import TeacherSet, unwrap_model
+from ..models.kd_io import targets_of
+from ..models.teachers import materialised_teacher_set
+from ..reference import MIXTURES
+
+ROUTING_COLUMNS = ("teacher", "teacher_weights")
+MIXTURE_KEY = "teacher_mixture"  # the collated (B, J) weights
+WEIGHT_SUM_TOLERANCE = 1e-3  # a row's weights must sum to 1, up to the rounding of weights written as decimals
+
+
+def check_teacher_set_args(args: Any) -> None:
+    """The several-teacher options of KDTrainingArguments, checked when the arguments are made."""
+    if args.kd_teacher_mixture not in MIXTURES:
+        raise ValueError(f"kd_teacher_mixture must be one of {MIXTURES}; got {args.kd_teacher_mixture!r}")
+    urls = args.kd_teacher_url
+    if isinstance(urls, Mapping) and not (urls and all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                       for k, v in urls.items())):  # fmt: skip
+        raise ValueError(f"kd_teacher_url as a dict names each served teacher's URL: {{'name': url}}; got {urls!r}")
+    weights = args.kd_teacher_weights
+    if weights is None:
+        return
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError(f"kd_teacher_weights must be a dict {{teacher name: weight}}; got {weights!r}")
+    _check_mixture("kd_teacher_weights", [float(w) for w in weights.values()])
+
+
+def _check_mixture(what: str, weights: list[float]) -> None:
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or abs(sum(weights) - 1) > WEIGHT_SUM_TOLERANCE:
+        raise ValueError(f"{what} must be finite weights >= 0 that sum to 1 (a mixture of the teachers); got {weights}")
+
+
+class TeacherSetSetup:
+    """The named teachers of a KDTrainer run, their default mixture and the routing of rows to them."""
+
+    def __init__(
+        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None, served: bool = False
+    ) -> None:
+        """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models)."""
+        names = list(teachers)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"teacher_model as a dict needs non-empty str names for its teachers; got {names}")
+        refused = {
+            "kd_self_distill": args.kd_self_distill, "kd_seq_kd": args.kd_seq_kd, "kd_lmbda > 0": args.kd_lmbda > 0,
+            "kd_teacher_url beside in-process teachers": bool(args.kd_teacher_url) and not served,
+            "kd_teacher_precision='fp8'": args.kd_teacher_precision != "bf16",
+            "a teacher tokenizer (cross-tokenizer)": bool(args.kd_teacher_tokenizer) or teacher_tokenizer is not None,
+        }  # fmt: skip
+        used = [name for name, on in refused.items() if on]
+        if used:
+            raise ValueError(
+                f"several teachers (teacher_model={{{', '.join(map(repr, names))}: ...}}) are not supported with "
+                f"{used} yet; several teachers share the student's tokenizer and run in process (or behind "
+                f"kd_teacher_url={{name: url}}, rows routed)"
+            )
+        self.served = served  # served: each row's top-k comes from its server, and trains as offline data
+        self.models = None if served else dict(teachers)
+        self.names = tuple(names)
+        self.mixture = args.kd_teacher_mixture
+        self.default = None
+        if args.kd_teacher_weights is not None:
+            self.default = self.weights_from("kd_teacher_weights", args.kd_teacher_weights)
+        if served and self.default is not None and sum(w > 0 for w in self.default) != 1:
+            raise ValueError(
+                f"kd_teacher_weights={args.kd_teacher_weights} mixes served teachers; served teachers route rows (one "
+                f"teacher per row): a mixture needs every teacher's full distribution, which top-k replies do not hold"
+            )
+
+    def index_of(self, teacher: Any) -> int:
+        """A row's `teacher` value (a name, or an index in the dict's order) -> its index; anything else raises."""
+        if isinstance(teacher, str):
+            if teacher not in self.names:
+                raise ValueError(f"a row's teacher={teacher!r} is not one of the teachers {list(self.names)}")
+            return self.names.index(teacher)
+        if isinstance(teacher, torch.Tensor) and teacher.numel() == 1 and not teacher.is_floating_point():
+            teacher = int(teacher)
+        if isinstance(teacher, numbers.Integral) and not isinstance(teacher, bool) and 0 <= teacher < len(self.names):
+            return int(teacher)  # numpy ints too (a datasets column read with format="numpy")
+        raise ValueError(
+            f"a row's teacher={teacher!r} must be a teacher's name {list(self.names)} or its index in [0, "
+            f"{len(self.names)})"
+        )
+
+    def weights_from(self, what: str, given: Any) -> list[float]:
+        """{name: weight} (missing names weigh 0) or one weight per teacher, in order -> J weights summing to 1."""
+        if isinstance(given, Mapping):
+            unknown = sorted(set(given) - set(self.names))
+            if unknown:
+                raise ValueError(f"{what} names unknown teacher(s) {unknown}; the teachers are {list(self.names)}")
+            weights = [float(given.get(name, 0.0)) for name in self.names]
+        else:
+            weights = [float(w) for w in given]
+            if len(weights) != len(self.names):
+                raise ValueError(
+                    f"{what} has {len(weights)} weights for {len(self.names)} teachers {list(self.names)}; give one "
+                    f"per teacher in that order, or a dict {{name: weight}}"
+                )
+        _check_mixture(what, weights)
+        return weights
+
+    def row_weights(self, row: Mapping[str, Any]) -> list[float]:
+        teacher, weights = row.get("teacher"), row.get("teacher_weights")
+        if teacher is not None and weights is not None:
+            raise ValueError("a row gives both 'teacher' (routing) and 'teacher_weights' (a mixture); give one")
+        if teacher is not None:
+            one_hot = [0.0] * len(self.names)
+            one_hot[self.index_of(teacher)] = 1.0
+            return one_hot
+        if weights is not None:
+            return self.weights_from("a row's teacher_weights", weights)
+        if self.default is None:
+            raise ValueError(
+                f"a row has neither a 'teacher' nor a 'teacher_weights' column and kd_teacher_weights is not set: "
+                f"say which of the teachers {list(self.names)} each row learns from, or set kd_teacher_weights"
+            )
+        return self.default
+
+    def collator(self, inner) -> RoutingCollator:
+        """The run's collator, with the routing columns turned into the (B, J) `teacher_mixture` tensor."""
+        return RoutingCollator(self, inner)
+
+    def routed_metrics(self, inputs: dict, routes: torch.Tensor, score, ignore_index: int) -> dict[str, torch.Tensor]:
+        """Served teachers' figures: `score(batch) -> (soft, agreement)` on the batch with the labels of every row
+        (token, when packed) routed elsewhere ignored, one no-grad call per teacher (on logging steps only).
+        kd_soft_loss/<name> is that batch's mean over its own rows' tokens."""
+        labels = inputs["labels"]
+        owner = routes.argmax(-1).to(labels.device)  # one-hot rows: the teacher each row (token) was asked of
+        owner = owner[:, None].expand_as(labels) if owner.dim() == 1 else owner
+        figures = {}
+        for j, name in enumerate(self.names):
+            soft, agreement = score({**inputs, "labels": torch.where(owner == j, labels, ignore_index)})
+            figures[f"kd_soft_loss/{name}"] = soft.detach().float()
+            figures[f"kd_top1_agreement/{name}"] = torch.zeros(()) if agreement is None else agreement.detach().float()
+        return figures
+
+    def loss(self, model: nn.Module, inputs: dict, num_items_in_batch, cfg: KDLossConfig, fused: bool, log: bool):
+        """The KD forward against the teacher set (fused through the patched model, else on materialised logits)."""
+        weights = inputs.pop(MIXTURE_KEY, None)
+        if weights is None:
+            raise ValueError(
+                f"the batch has no '{MIXTURE_KEY}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
+                f"the data collator to add it from each row's 'teacher' / 'teacher_weights' column"
+            )
+        if inputs.get("teacher_input_ids") is not None:  # a teacher's own tokens (other prompt or tokenizer)
+            raise ValueError(
+                "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
+                "in-process teachers do not read yet: every teacher here scores the student's input_ids"
+            )
+        if inputs.get("teacher_token_ids") is not None:
+            raise ValueError(
+                "batches with teacher_token_ids (offline top-k) and several live teachers: pass one or the other. "
+                "Offline rows routed to several teachers are one store whose rows hold each its own teacher's top-k"
+            )
+        teachers = TeacherSet(self.models, weights, self.mixture)
+        if fused:
+            return model(
+                **inputs, kd_teacher_set=teachers, num_items_in_batch=num_items_in_batch, kd_log_agreement=log,
+                kd_config=cfg,
+            )  # fmt: skip
+        targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
+        return materialised_teacher_set(
+            unwrap_model(model), model, teachers, targets, cfg, num_items_in_batch, inputs, log
+        )
+
+
+class RoutingCollator:
+    """`inner` on the rows without their routing columns, plus `teacher_mixture` from them (a class, not a closure:
+    DataLoader workers started by spawn pickle it)."""
+
+    def __init__(self, setup: TeacherSetSetup, inner) -> None:
+        self.setup, self.inner = setup, inner
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        mixture = torch.tensor([self.setup.row_weights(f) for f in features], dtype=torch.float32)
+        batch = dict(self.inner([{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]))
+        batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
+        return batch
+
+
+def _per_token_if_packed(mixture: torch.Tensor, features: list[dict[str, Any]], input_ids: torch.Tensor):
+    """(B, J) when the collator keeps one example per row; packed (DataCollatorWithFlattening: the examples laid
+    end to end in fewer rows), every token takes its own example's weights, (rows, T, J)."""
+    if input_ids.shape[0] == len(features):
+        return mixture
+    lengths = torch.tensor([len(f["input_ids"]) for f in features])
+    if int(lengths.sum()) != input_ids.numel():
+        raise ValueError(
+            f"the collator put {len(features)} examples of {int(lengths.sum())} tokens into a batch of shape "
+            f"{tuple(input_ids.shape)}; routing to several teachers needs one example per row, or the examples "
+            f"packed end to end (DataCollatorWithFlattening)"
+        )
+    return mixture.repeat_interleave(lengths, dim=0).reshape(*input_ids.shape, mixture.shape[-1])
