@@ -23,6 +23,7 @@ from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .moe import router_aux_loss, with_router_aux_loss
+from .privileged import PrivilegedInputs
 from .registry import softcap_of
 from .spec import spec_for_model
 from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, patch_state, unwrap_model
@@ -94,6 +95,7 @@ def kd_causal_lm_forward(
     teacher = TeacherInputs(
         teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs
     )
+    privileged = PrivilegedInputs.pop(kwargs)  # the teacher's own prompt, when it has one (models/privileged.py)
     if labels is None or not teacher.given:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
@@ -109,13 +111,17 @@ def kd_causal_lm_forward(
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
+    if privileged is not None:
+        privileged.check_teacher(teacher)
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(
-            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement
-        )
+            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement,
+            privileged=privileged,
+        )  # fmt: skip
 
+    align = None if privileged is None else privileged.aligner(targets, cfg.ignore_index)  # checked before any run
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
@@ -153,10 +159,19 @@ def kd_causal_lm_forward(
                         config=cfg.replace(teacher_softcap=cap_t), **common,
                     )  # fmt: skip
 
-            out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+            if privileged is None:
+                out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+            else:
+                out = _call_privileged_teacher(teacher.model, privileged, align, loss_on)
             agreement = measured.get("agreement")
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
     return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
+
+
+def _call_privileged_teacher(teacher, privileged: PrivilegedInputs, align, loss_on):
+    """The teacher reads its own rows; its hidden states come back in the student's position order (`align`)."""
+    ids, mask, layout = privileged.input_ids, privileged.attention_mask, privileged.teacher_kwargs()
+    return call_teacher(teacher, ids, mask, layout, lambda h_t, w_t, b_t, cap_t: loss_on(align(h_t), w_t, b_t, cap_t))
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):

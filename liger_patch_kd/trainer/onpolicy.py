@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..models import unwrap_model
+from .privileged import privileged_rollout_batch
 from .rollouts import generate_rollouts, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
@@ -71,6 +72,7 @@ class OnPolicySteps:
         model = unwrap_model(generator)
         pad, eos_ids, start = special_ids(model, tokenizer)
         prompts = [prompts_of(batch) for batch in batches]
+        teacher_prompts = [teacher_prompts_of(batch) for batch in batches]  # None: the teacher reads the student's
         began = time.perf_counter()
         rollouts = generate_rollouts(
             model, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
@@ -81,13 +83,27 @@ class OnPolicySteps:
         self.seconds.append(time.perf_counter() - began)
         out, first = [], 0
         per_batch = [len(group) * self.settings.num_generations for group in prompts]
-        for count in per_batch:
-            batch = rollout_batch(rollouts[first : first + count], pad)
+        for count, own in zip(per_batch, teacher_prompts):
+            if own is None:
+                batch = rollout_batch(rollouts[first : first + count], pad)
+            else:  # the teacher scores each completion after its own prompt (self-distillation: OPSD / SDFT)
+                repeated = [p for p in own for _ in range(self.settings.num_generations)]
+                batch = privileged_rollout_batch(rollouts[first : first + count], repeated, pad)
             first += count
             if attach_teacher is not None:
                 batch = attach_teacher(batch)
             out.append({**{k: v.to(device) for k, v in batch.items()}, GENERATED: True})
         return out
+
+
+def teacher_prompts_of(batch: dict[str, Any]) -> list[list[int]] | None:
+    """Each row's teacher prompt (PromptCollator's teacher rows: the teacher's tokens before its completion), or
+    None when the batch has no teacher rows of its own."""
+    if batch.get("teacher_input_ids") is None:
+        return None
+    teacher_rows = {"input_ids": batch["teacher_input_ids"], "labels": batch["teacher_labels"],
+                    "attention_mask": batch.get("teacher_attention_mask")}  # fmt: skip
+    return prompts_of(teacher_rows)
 
 
 def require_completions(batches: list[dict[str, Any]], args: Any) -> None:

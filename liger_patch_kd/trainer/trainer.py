@@ -15,6 +15,7 @@ from ..config import KDLossConfig
 from ..models import apply_kd_patch, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
 from ..models.kd_io import TeacherInputs, targets_of
 from ..models.materialised import materialised_kd
+from ..models.privileged import PrivilegedInputs
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
 from .arguments import KDTrainingArguments
@@ -27,26 +28,14 @@ from .cross_tokenizer import (
     padded_vocab_size,
 )
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
+from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
+from .self_distill import is_self_teacher, require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
 
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
-
-
-class AdapterDisabledTeacher(nn.Module):
-    """Self-distillation: the PEFT student with its adapter disabled is the teacher (no second copy)."""
-
-    def __init__(self, peft_model: nn.Module) -> None:
-        super().__init__()
-        if not hasattr(peft_model, "disable_adapter"):
-            raise ValueError("kd_self_distill needs a PEFT model (with disable_adapter()) as the student")
-        object.__setattr__(self, "module", peft_model)  # not a submodule: its parameters stay the student's
-
-    def forward(self, *args, **kwargs):
-        with self.module.disable_adapter():
-            return self.module(*args, **kwargs)
 
 
 class KDTrainer(Trainer):
@@ -97,6 +86,9 @@ class KDTrainer(Trainer):
             kwargs["data_collator"] = PromptCollator(
                 kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length
             )
+        if kwargs.get("data_collator") is None and _first_row(kwargs.get("train_dataset"), is_privileged_row):
+            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)  # the teacher's own token rows
+            kwargs["data_collator"] = PrivilegedCollator(pad_token_id=0 if pad is None else pad)
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
@@ -109,8 +101,8 @@ class KDTrainer(Trainer):
             self.model = self.model_wrapped = distributed.fsdp2_prepare(self.model, self.accelerator, trainable=True)
         if args.kd_self_distill:
             if teacher_model is not None:
-                raise ValueError("kd_self_distill uses the student's base model as teacher; do not pass teacher_model")
-            teacher_model = AdapterDisabledTeacher(self.model)
+                raise ValueError("kd_self_distill makes the student its own teacher; do not pass teacher_model")
+            teacher_model = self_distill_teacher(args.kd_self_distill, self.model)  # self_distill.py
         elif teacher_model is not None:
             teacher_model.eval().requires_grad_(False)
             if args.use_kd_patch:
@@ -190,6 +182,7 @@ class KDTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
         extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
+        extra += list(PRIVILEGED_COLUMNS)
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
@@ -210,6 +203,7 @@ class KDTrainer(Trainer):
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
             )
+        require_teacher_prompt(self.teacher_model, inputs)
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
@@ -241,6 +235,7 @@ class KDTrainer(Trainer):
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
         )  # fmt: skip
         targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
+        privileged = PrivilegedInputs.pop(inputs)  # the teacher's own prompt (models/privileged.py)
         outputs = materialised_kd(
             unwrap_model(model),
             model,
@@ -250,6 +245,7 @@ class KDTrainer(Trainer):
             num_items_in_batch,
             inputs,
             log_agreement=self._kd_should_log(),
+            privileged=privileged,
         )
         return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 
@@ -316,18 +312,22 @@ class KDTrainer(Trainer):
 
 def _first_row_is_prompt(dataset: Any) -> bool:
     """Whether the training rows are TRL-style prompt rows (prompt / completion / messages), judged by the first."""
+    return _first_row(dataset, lambda row: isinstance(row, dict) and is_prompt_row(row))
+
+
+def _first_row(dataset: Any, test) -> bool:
     try:
         row = dataset[0]
     except Exception:  # an iterable dataset, or none: the collator given decides
         return False
-    return isinstance(row, dict) and is_prompt_row(row)
+    return bool(test(row))
 
 
 def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:
     """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
     tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
 
-    if cfg.vocab_size is not None or teacher is None or isinstance(teacher, AdapterDisabledTeacher):
+    if cfg.vocab_size is not None or teacher is None or is_self_teacher(teacher):
         return cfg
     rows = [getattr(unwrap_model(m).get_output_embeddings(), "out_features", None) for m in (student, teacher)]
     if None in rows or rows[0] == rows[1]:
