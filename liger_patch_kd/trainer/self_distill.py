@@ -11,14 +11,32 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 SELF_DISTILL_MODES = (False, True, "adapter", "frozen")
 
 
+@contextlib.contextmanager
+def _as_teacher(module: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout: a teacher's distribution, not a sample of it) and no grad; every submodule's train /
+    eval mode put back afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 class AdapterDisabledTeacher(nn.Module):
-    """Self-distillation: the PEFT student with its adapter disabled is the teacher (no second copy)."""
+    """Self-distillation: the PEFT student with its adapter disabled is the teacher (no second copy), run in eval
+    mode under no_grad."""
 
     def __init__(self, peft_model: nn.Module) -> None:
         super().__init__()
@@ -30,27 +48,21 @@ class AdapterDisabledTeacher(nn.Module):
         object.__setattr__(self, "module", peft_model)  # not a submodule: its parameters stay the student's
 
     def forward(self, *args, **kwargs):
-        with self.module.disable_adapter():
+        with self.module.disable_adapter(), _as_teacher(self.module):
             return self.module(*args, **kwargs)
 
 
 class FrozenStudentTeacher(nn.Module):
     """Self-distillation: the student's current weights are the teacher, the same module (no copy) run under
-    no_grad in eval mode; every submodule's train / eval mode is put back as it was afterwards."""
+    no_grad in eval mode."""
 
     def __init__(self, student: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "module", student)  # not a submodule: its parameters stay the student's
 
     def forward(self, *args, **kwargs):
-        modes = [(m, m.training) for m in self.module.modules()]
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                return self.module(*args, **kwargs)
-        finally:
-            for module, training in modes:
-                module.training = training
+        with _as_teacher(self.module):
+            return self.module(*args, **kwargs)
 
 
 def self_distill_teacher(mode: bool | str, student: nn.Module) -> nn.Module:
