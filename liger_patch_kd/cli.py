@@ -22,6 +22,11 @@ from .cli_checks import (
 
 
 def _demo(args) -> None:
+    if args.context:  # context distillation alone (demo/context_distill.py)
+        from .demo.context_distill import ContextDemoSizes, run_context_demo
+
+        run_context_demo(args.device, ContextDemoSizes.quick() if args.quick else None)
+        return
     from .demo import run_demo
 
     run_demo(quick=args.quick, device=args.device)
@@ -120,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quick", action="store_true", help="fewer steps (CI)")
     demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
+    demo.add_argument("--context", action="store_true",
+                      help="only context distillation: a teacher that reads the previous sentence")  # fmt: skip
     demo.set_defaults(func=_demo)
 
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",
