@@ -148,3 +148,27 @@ def test_on_policy_self_distillation_fused_equals_materialised(tmp_path, tokeniz
     torch.testing.assert_close(loss_f, loss_m, rtol=1e-8, atol=1e-12)
     for a, b in zip(grads_f, grads_m):
         assert rel_err(a, b) < 1e-6
+
+
+def test_sequence_level_kd_writes_after_the_teacher_prompt_and_trains_after_the_students(tmp_path, tokenizer):  # noqa: F811
+    batch = PromptCollator(tokenizer)(ROWS[:4])
+    steps = OnPolicySteps(_args(tmp_path, kd_seq_kd=True, kd_max_new_tokens=4))
+    writer = tiny_model("llama", dtype=torch.float32, seed=2)
+    asked = []
+    inner = writer.generate
+
+    def generate(**kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        asked.extend(ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0]))
+        return inner(**kwargs)
+
+    writer.generate = generate
+    (out,) = steps.replace(writer, [batch], tokenizer=tokenizer, step=0, device=torch.device("cpu"))
+    teacher_prompts = [tokenize_prompt_row(tokenizer, {"prompt": r["teacher_prompt"]})[0] for r in ROWS[:4]]
+    assert sorted(asked) == sorted(teacher_prompts)  # the teacher wrote after its own prompt
+    for r, row in enumerate(ROWS[:4]):
+        prompt = tokenize_prompt_row(tokenizer, row)[0]
+        completion = out["labels"][r][out["labels"][r] != -100].tolist()
+        assert out["input_ids"][r, : len(prompt) + len(completion)].tolist() == prompt + completion
+        t_len = len(teacher_prompts[r]) + len(completion)
+        assert out["teacher_input_ids"][r, :t_len].tolist() == teacher_prompts[r] + completion

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -73,9 +74,12 @@ class OnPolicySteps:
         pad, eos_ids, start = special_ids(model, tokenizer)
         prompts = [prompts_of(batch) for batch in batches]
         teacher_prompts = [teacher_prompts_of(batch) for batch in batches]  # None: the teacher reads the student's
+        # sequence-level KD: the teacher writes the completions after its own prompt, where the rows give it one
+        sources = [own if self.args.kd_seq_kd and own is not None else mine
+                   for own, mine in zip(teacher_prompts, prompts)]  # fmt: skip
         began = time.perf_counter()
         rollouts = generate_rollouts(
-            model, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
+            model, [p for group in sources for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
             start_id=start, step=step,
         )  # fmt: skip
         if device.type == "cuda":
@@ -83,13 +87,17 @@ class OnPolicySteps:
         self.seconds.append(time.perf_counter() - began)
         out, first = [], 0
         per_batch = [len(group) * self.settings.num_generations for group in prompts]
-        for count, own in zip(per_batch, teacher_prompts):
-            if own is None:
-                batch = rollout_batch(rollouts[first : first + count], pad)
-            else:  # the teacher scores each completion after its own prompt (self-distillation: OPSD / SDFT)
-                repeated = [p for p in own for _ in range(self.settings.num_generations)]
-                batch = privileged_rollout_batch(rollouts[first : first + count], repeated, pad)
+        n = self.settings.num_generations
+        for count, own, mine in zip(per_batch, teacher_prompts, prompts):
+            chunk = rollouts[first : first + count]
             first += count
+            if own is None:
+                batch = rollout_batch(chunk, pad)
+            else:  # the teacher scores each completion after its own prompt (self-distillation: OPSD / SDFT)
+                if self.args.kd_seq_kd:  # written after the teacher's prompt: the student's row has its own
+                    students = [p or [start] for p in mine for _ in range(n)]
+                    chunk = [replace(r, prompt=p) for p, r in zip(students, chunk)]
+                batch = privileged_rollout_batch(chunk, [p for p in own for _ in range(n)], pad)
             if attach_teacher is not None:
                 batch = attach_teacher(batch)
             out.append({**{k: v.to(device) for k, v in batch.items()}, GENERATED: True})
