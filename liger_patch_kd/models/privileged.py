@@ -104,10 +104,11 @@ def completion_index(student_targets: torch.Tensor, teacher_targets: torch.Tenso
     batch, t_len = teacher_targets.shape
     scored_s, scored_t = student_targets != ignore_index, teacher_targets != ignore_index
     rank_s, rank_t = scored_s.cumsum(1) - 1, scored_t.cumsum(1) - 1
-    # by_rank[b, k]: the position of row b's k-th scored teacher position; slot t_len collects the unscored ones
-    by_rank = torch.zeros(batch, t_len + 1, dtype=torch.long, device=teacher_targets.device)
+    # by_rank[b, k]: the position of row b's k-th scored teacher position. Unscored positions go to slots t_len + t,
+    # so that no two positions share a slot (scatter_ with duplicate indices is nondeterministic on CUDA)
+    by_rank = torch.zeros(batch, 2 * t_len, dtype=torch.long, device=teacher_targets.device)
     positions = torch.arange(t_len, device=teacher_targets.device).expand(batch, t_len)
-    by_rank.scatter_(1, torch.where(scored_t, rank_t, t_len), positions)
+    by_rank.scatter_(1, torch.where(scored_t, rank_t, t_len + positions), positions)
     local = by_rank.gather(1, torch.where(scored_s, rank_s.clamp(max=t_len), t_len))
     index = local + torch.arange(batch, device=local.device)[:, None] * t_len
     paired = teacher_targets.reshape(-1)[index]
