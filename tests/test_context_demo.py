@@ -8,7 +8,15 @@ import torch
 import liger_patch_kd.models as M
 from liger_patch_kd.cli import build_parser
 from liger_patch_kd.demo import CharTokenizer, build_model, load_corpus
-from liger_patch_kd.demo.context_distill import GRID, ContextDemoSizes, evaluate, rows_of, run_context_demo, sentences
+from liger_patch_kd.demo.context_distill import (
+    GRID,
+    ContextDemoSizes,
+    evaluate,
+    rows_of,
+    run_context_demo,
+    sentences,
+    teacher_side,
+)  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
@@ -29,6 +37,9 @@ def test_rows_give_the_teacher_the_previous_sentence_and_evaluate_pairs_them():
     assert evaluate(model, model, rows, "cpu")[1] > 1e-6  # the hint changes the teacher's predictions
     ce, kl = evaluate(model, other, rows, "cpu")
     assert 0 < ce < 10 and kl > 0
+    own = teacher_side(rows)  # the teacher's rows scored: the same completion tokens, after the hint
+    assert [[t for t in r["labels"] if t != -100] for r in own] == [r["labels"][1:] for r in rows]
+    assert evaluate(model, model, own, "cpu")[0] != ce
 
 
 @pytest.mark.slow  # trains a teacher and seven students, if for a few steps each

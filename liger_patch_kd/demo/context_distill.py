@@ -67,6 +67,16 @@ def rows_of(tok: CharTokenizer, sents: list[str], hint: bool = True) -> list[dic
     return rows
 
 
+def teacher_side(rows: list[dict]) -> list[dict]:
+    """The rows with the teacher's as the scored side (to measure a model reading the hint)."""
+    out = []
+    for r in rows:
+        hint = len(r["teacher_input_ids"]) - len(r["input_ids"])
+        labels = [-100] * (hint + 1) + r["labels"][1:]
+        out.append({"input_ids": r["teacher_input_ids"], "labels": labels, "teacher_input_ids": r["teacher_input_ids"]})
+    return out
+
+
 @torch.no_grad()
 def evaluate(student, teacher, rows: list[dict], device) -> tuple[float, float]:
     """Held-out CE (nats per scored token) of the student on its rows, and KL(teacher reading the hint || student)
@@ -137,7 +147,7 @@ def _run(work: Path, device, sizes: ContextDemoSizes) -> dict:
     Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, device),
             train_dataset=teacher_rows, data_collator=TeacherDataCollator()).train()  # fmt: skip
     teacher.eval()
-    with_hint = evaluate(teacher, teacher, test_rows, device)[0]
+    with_hint = evaluate(teacher, teacher, teacher_side(test_rows), device)[0]
     without = evaluate(teacher, teacher, rows_of(tok, test, hint=False), device)[0]
     print(f"teacher test CE: {with_hint:.3f} nats/token reading the previous sentence, {without:.3f} without")
 
