@@ -194,18 +194,51 @@ def test_text_rows_give_the_teacher_its_prompt_before_the_same_tokens(tokenizer)
     )
 
 
-def test_train_with_bf16_and_accumulation_scores_each_step_as_the_reference(tmp_path, tokenizer):  # noqa: F811
-    """KDTrainer.train() on text rows (bf16 autocast, 2 micro-batches): every micro-batch's loss, computed from the
-    step's starting weights, against the float64 hand reference on the same tokens with the step's item count."""
-    text = [("the cat", " sat on the mat.", "the sun is warm today. the cat"),
-            ("a dog ran", " to the park.", "the cat sat. a dog ran"),
-            ("the sun", " is warm.", "the"), ("on the", " mat.", "the cat sat on the")]  # fmt: skip
-    data = [{"prompt": p, "completion": c, "teacher_prompt": t} for p, c, t in text]
+def _sequences(ids, labels, mask=None, positions=None):
+    """(prompt, completion) of each sequence of a batch: padded rows (mask) or packed ones (position ids)."""
+    out = []
+    for r in range(ids.shape[0]):
+        keep = mask[r].bool() if mask is not None else torch.ones_like(ids[r], dtype=torch.bool)
+        row_ids, row_labels = ids[r][keep], labels[r][keep]
+        starts = [0] if positions is None else (positions[r][keep] == 0).nonzero().squeeze(-1).tolist()
+        for a, b in zip(starts, [*starts[1:], len(row_ids)]):
+            seq, lab = row_ids[a:b], row_labels[a:b]
+            scored = (lab != -100).nonzero()
+            first = int(scored[0]) if len(scored) else len(seq)
+            out.append((seq[:first].tolist(), lab[lab != -100].tolist()))
+    return out
+
+
+def _rows_of_batch(inputs):
+    student = _sequences(inputs["input_ids"], inputs["labels"], inputs.get("attention_mask"),
+                         inputs.get("position_ids"))  # fmt: skip
+    teacher = _sequences(inputs["teacher_input_ids"], inputs["teacher_labels"], inputs.get("teacher_attention_mask"),
+                         inputs.get("teacher_position_ids"))  # fmt: skip
+    assert [c for _, c in student] == [c for _, c in teacher]
+    return [(s, t, c) for (s, c), (t, _) in zip(student, teacher)]
+
+
+TEXT = [("the cat", " sat on the mat.", "the sun is warm today. the cat"),
+        ("a dog ran", " to the park.", "the cat sat. a dog ran"),
+        ("the sun", " is warm.", "the"), ("on the", " mat.", "the cat sat on the")]  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", ["text", "packed"])
+def test_train_with_bf16_and_accumulation_scores_each_step_as_the_reference(tmp_path, tokenizer, rows):  # noqa: F811
+    """KDTrainer.train() (bf16 autocast, 2 micro-batches) on text rows, or token-level rows packed: every
+    micro-batch's loss, computed from the step's starting weights, against the float64 hand reference on the same
+    tokens with the step's item count."""
+    data, collator = [{"prompt": p, "completion": c, "teacher_prompt": t} for p, c, t in TEXT], None
+    if rows == "packed":  # the same rows as token ids, packed
+        data = _features([(*(tokenize_prompt_row(tokenizer, {"prompt": r[k]})[0] for k in ("prompt", "teacher_prompt")),
+                           tokenize_prompt_row(tokenizer, r)[1]) for r in data])  # fmt: skip
+        collator = PrivilegedCollator(packing=True)
     for use_kd_patch in (True, False):
         student, teacher = tiny_model("llama", dtype=torch.float32, seed=1), _context_teacher(torch.float32)
         start = copy.deepcopy(student).double()
         trainer = KDTrainer(
             model=student, teacher_model=teacher, processing_class=tokenizer, train_dataset=data,
+            data_collator=collator,
             args=_args(tmp_path, bf16=True, gradient_accumulation_steps=2, max_steps=1, use_kd_patch=use_kd_patch,
                        kd_hard_weight=0.0),  # the KD term alone: what the teacher's prompt changes
         )  # fmt: skip
@@ -221,19 +254,14 @@ def test_train_with_bf16_and_accumulation_scores_each_step_as_the_reference(tmp_
         trainer.train()
         assert len(seen) == 2 and int(seen[0][1]) == sum(int((b["labels"] != -100).sum()) for b, _, _ in seen)
         for inputs, num_items, loss in seen:
-            rows = []
-            for r in range(inputs["input_ids"].shape[0]):
-                labels, t_labels = inputs["labels"][r], inputs["teacher_labels"][r]
-                first, t_first = int((labels != -100).nonzero()[0]), int((t_labels != -100).nonzero()[0])
-                completion = labels[labels != -100].tolist()
-                rows.append((inputs["input_ids"][r, :first].tolist(),
-                             inputs["teacher_input_ids"][r, :t_first].tolist(), completion))  # fmt: skip
+            batch_rows = _rows_of_batch(inputs)
+            assert len(batch_rows) == 2 and ("position_ids" in inputs) == (rows == "packed")
             cfg, reference_teacher = trainer.kd_config, copy.deepcopy(teacher).double()
-            expected = _hand_reference(start, reference_teacher, rows, cfg, num_items).detach()
+            expected = _hand_reference(start, reference_teacher, batch_rows, cfg, num_items).detach()
             # bf16 products (8-bit mantissa, relative error 2^-9 each) through two decoder layers and two heads,
             # errors that average out over the terms (measured: 3e-4 fused, 1e-6 materialised)
             torch.testing.assert_close(loss.double(), expected, rtol=1e-2, atol=1e-5)
-            same_prompt = [(s, s, c) for s, _, c in rows]
+            same_prompt = [(s, s, c) for s, _, c in batch_rows]
             wrong = _hand_reference(start, reference_teacher, same_prompt, cfg, num_items).detach()
             assert (wrong - expected).abs() > 2 * (1e-2 * expected.abs() + 1e-5), (wrong, expected)  # can fail
 
