@@ -271,3 +271,14 @@ def test_kd_self_distill_options_are_checked(tmp_path):
         _args(tmp_path, kd_self_distill="copy")
     with pytest.raises(ValueError, match="needs a PEFT model"):
         KDTrainer(model=tiny_model("llama"), args=_args(tmp_path, kd_self_distill="adapter"))
+
+
+def test_a_datasets_dataset_keeps_the_teacher_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_list(_features(_rows()))
+    student, teacher = tiny_model("llama", dtype=torch.float32, seed=1), _context_teacher(torch.float32)
+    trainer = KDTrainer(model=student, teacher_model=teacher, train_dataset=data,
+                        args=_args(tmp_path, remove_unused_columns=True, max_steps=1))  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert {"teacher_input_ids", "teacher_labels", "teacher_attention_mask"} <= set(batch)
+    trainer.train()
