@@ -59,9 +59,10 @@ def materialised_kd(
         teacher_top1 = teacher.token_ids.gather(-1, teacher.logprobs.float().argmax(-1, keepdim=True)).squeeze(-1)
     else:
         if teacher.model is not None:
-            teacher_inputs = {k: model_inputs[k] for k in TEACHER_INPUT_KEYS if model_inputs.get(k) is not None}
-            teacher_inputs.update(teacher_vision_inputs(teacher.model, model_inputs))  # a VLM teacher's image
-            if privileged is not None:  # the teacher's own prompt: its own rows, nothing of the student's
+            if privileged is None:
+                teacher_inputs = {k: model_inputs[k] for k in TEACHER_INPUT_KEYS if model_inputs.get(k) is not None}
+                teacher_inputs.update(teacher_vision_inputs(teacher.model, model_inputs))  # a VLM teacher's image
+            else:  # the teacher's own prompt: its own rows, nothing of the student's
                 teacher_inputs = {"input_ids": privileged.input_ids, "attention_mask": privileged.attention_mask,
                                   **privileged.teacher_kwargs()}  # fmt: skip
             with torch.no_grad():
