@@ -282,3 +282,16 @@ def test_a_datasets_dataset_keeps_the_teacher_columns(tmp_path):
     batch = next(iter(trainer.get_train_dataloader()))
     assert {"teacher_input_ids", "teacher_labels", "teacher_attention_mask"} <= set(batch)
     trainer.train()
+
+
+def test_a_cut_completion_is_cut_alike_for_the_teacher(tokenizer):  # noqa: F811
+    row = {"prompt": "the cat", "completion": " sat on the mat.", "teacher_prompt": "a dog ran to the park. the cat"}
+    prompt, completion = tokenize_prompt_row(tokenizer, row)
+    teacher_prompt = tokenize_prompt_row(tokenizer, {"prompt": row["teacher_prompt"]})[0]
+    kept = completion[: len(completion) - 2]
+    batch = PromptCollator(tokenizer, max_length=len(prompt) + len(kept))(
+        [row, {"prompt": "a", "teacher_prompt": "the sun"}]
+    )
+    assert batch["teacher_input_ids"][0, : len(teacher_prompt) + len(kept)].tolist() == teacher_prompt + kept
+    assert batch["teacher_labels"][0][batch["teacher_labels"][0] != -100].tolist() == kept
+    assert (batch["teacher_labels"][1] == -100).all() and batch["kd_has_completion"].tolist() == [True, False]
