@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import liger_patch_kd.models as M
 from liger_patch_kd import reference
@@ -295,3 +297,29 @@ def test_a_cut_completion_is_cut_alike_for_the_teacher(tokenizer):  # noqa: F811
     assert batch["teacher_input_ids"][0, : len(teacher_prompt) + len(kept)].tolist() == teacher_prompt + kept
     assert batch["teacher_labels"][0][batch["teacher_labels"][0] != -100].tolist() == kept
     assert (batch["teacher_labels"][1] == -100).all() and batch["kd_has_completion"].tolist() == [True, False]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_completion_index_pairs_the_kth_scored_positions_of_any_layout(data):
+    """Against a plain loop: random prompt and completion lengths, padding on either side."""
+    batch = data.draw(st.integers(1, 4))
+    rows = [(data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5)), data.draw(st.integers(0, 5)))
+            for _ in range(batch)]  # fmt: skip
+
+    def side(lengths, left):
+        width = max(p + c for p, c in lengths) + data.draw(st.integers(0, 2))
+        targets = torch.full((batch, width), -100)
+        for r, (p, c) in enumerate(lengths):
+            offset = width - p - c if left else 0
+            targets[r, offset + p - 1 : offset + p + c - 1] = torch.arange(c) + 10 * r  # row-aligned (shifted)
+        return targets
+
+    student = side([(s, c) for s, _, c in rows], data.draw(st.booleans()))
+    teacher = side([(t, c) for _, t, c in rows], data.draw(st.booleans()))
+    index = completion_index(student, teacher, -100)
+    for r in range(batch):
+        s_pos = (student[r] != -100).nonzero().squeeze(-1).tolist()
+        t_pos = (teacher[r] != -100).nonzero().squeeze(-1).tolist()
+        assert [int(index[r, p]) for p in s_pos] == [r * teacher.shape[1] + p for p in t_pos]
+    assert int(index.min()) >= 0 and int(index.max()) < teacher.numel()
