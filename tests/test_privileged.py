@@ -169,7 +169,7 @@ def test_the_forward_checks_the_pairing_and_the_teacher_source(tmp_path):
         trainer.compute_loss(student, {k: v for k, v in batch.items() if k != "teacher_labels"})
     ids = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)
     offline = dict(batch, teacher_token_ids=ids, teacher_logprobs=torch.zeros(ids.shape))
-    with pytest.raises(ValueError, match="live teacher_model"):
+    with pytest.raises(ValueError, match="must be the teacher's on its own rows"):  # the student's positions
         trainer.compute_loss(student, offline)
     with pytest.raises(ValueError, match="batch size"):
         completion_index(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 3, dtype=torch.long), -100)
@@ -323,3 +323,52 @@ def test_completion_index_pairs_the_kth_scored_positions_of_any_layout(data):
         t_pos = (teacher[r] != -100).nonzero().squeeze(-1).tolist()
         assert [int(index[r, p]) for p in s_pos] == [r * teacher.shape[1] + p for p in t_pos]
     assert int(index.min()) >= 0 and int(index.max()) < teacher.numel()
+
+
+@pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
+@pytest.mark.parametrize("layout", ["right", "packed"])
+def test_offline_top_k_of_the_teachers_rows_is_paired_alike(tmp_path, layout, use_kd_patch):
+    """A store's top-k computed on teacher_input_ids (here by hand, K = 16 of the teacher's log-softmax): gathered
+    into the student's positions, against the hand reference (reference.topk_kd_loss on each row alone)."""
+    student, teacher = tiny_model("llama", seed=1), _context_teacher()
+    rows, k = _rows(), 16
+    features = _features(rows)
+    ids_rows, lp_rows, s_rows, targets = [], [], [], []
+    reference_student = copy.deepcopy(student)
+    for f, (s, t, c) in zip(features, rows):
+        with torch.no_grad():
+            logprobs = teacher(input_ids=torch.tensor([t + c])).logits[0].log_softmax(-1)
+        top = logprobs.topk(k, dim=-1)
+        f["teacher_token_ids"], f["teacher_logprobs"] = top.indices, top.values
+        if c:
+            ids_rows.append(top.indices[len(t) - 1 : len(t) + len(c) - 1])
+            lp_rows.append(top.values[len(t) - 1 : len(t) + len(c) - 1])
+            s_rows.append(
+                reference_student(input_ids=torch.tensor([s + c])).logits[0, len(s) - 1 : len(s) + len(c) - 1]
+            )
+            targets += c
+    num_items = torch.tensor(len(targets))
+    args = _args(
+        tmp_path, use_kd_patch=use_kd_patch, kd_patch_config={"rope": False, "swiglu": False, "rms_norm": False}
+    )
+    trainer = KDTrainer(model=student, args=args)  # no teacher model: the top-k in the batch
+    batch = PrivilegedCollator(packing=layout == "packed")(features)
+    assert batch["teacher_token_ids"].shape[:2] == batch["teacher_input_ids"].shape
+    loss = trainer.compute_loss(student, batch, num_items_in_batch=num_items)
+    loss.backward()
+    cfg = trainer.kd_config
+    expected = reference.topk_kd_loss(torch.cat(s_rows), torch.cat(ids_rows), torch.cat(lp_rows),
+                                      torch.tensor(targets), cfg, num_items)  # fmt: skip
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-8, atol=1e-12)  # as above
+    for (name, p), q in zip(student.named_parameters(), reference_student.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-6, name
+
+
+def test_a_served_teacher_is_refused_for_rows_with_their_own_teacher_prompt(tmp_path):
+    trainer = KDTrainer(model=tiny_model("llama", seed=1), args=_args(tmp_path, kd_teacher_url="http://127.0.0.1:1"))
+    batch = _batch(_rows(), "right")
+    ids = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)
+    served = dict(batch, teacher_token_ids=ids, teacher_logprobs=torch.zeros(ids.shape))
+    with pytest.raises(ValueError, match="served teacher"):
+        trainer.compute_loss(trainer.model, served)

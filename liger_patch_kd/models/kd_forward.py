@@ -111,8 +111,6 @@ def kd_causal_lm_forward(
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
-    if privileged is not None:
-        privileged.check_teacher(teacher)
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
@@ -121,7 +119,9 @@ def kd_causal_lm_forward(
             privileged=privileged,
         )  # fmt: skip
 
-    align = None if privileged is None else privileged.aligner(targets, cfg.ignore_index)  # checked before any run
+    align = None
+    if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
+        teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):

@@ -44,9 +44,8 @@ def materialised_kd(
     logits are gathered into the student's positions (models/privileged.py).
     """
     align = None
-    if privileged is not None:
-        privileged.check_teacher(teacher)
-        align = privileged.aligner(targets, cfg.ignore_index)  # the pairing checked before either model runs
+    if privileged is not None:  # the pairing checked before either model runs
+        teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
     model_inputs = {**model_inputs, "use_cache": False}
     out = student_forward(**model_inputs)
     student_logits = reference.upcast_logits(out.logits)
@@ -67,7 +66,7 @@ def materialised_kd(
                                   **privileged.teacher_kwargs()}  # fmt: skip
             with torch.no_grad():
                 teacher_logits = teacher.model(**{"use_cache": False, **teacher_inputs}).logits
-                teacher_logits = teacher_logits if align is None else align(teacher_logits)
+                teacher_logits = teacher_logits if align is None else align(teacher_logits)  # a live teacher's own rows
             soft_only = soft_only.replace(teacher_softcap=None)  # likewise already in the teacher's logits
         else:
             teacher_logits = F.linear(teacher.hidden_states, teacher.weight, teacher.bias)

@@ -14,7 +14,7 @@ divergence code of its own, no (tokens x vocab) logits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,16 +50,27 @@ class PrivilegedInputs:
             )
         return cls(*(fields[key] for key in PRIVILEGED_KEYS))
 
-    def check_teacher(self, teacher: TeacherInputs) -> None:
-        """Only a live teacher reads its own prompt: top-k or hidden states were computed on some other rows."""
-        if teacher.model is None:
-            offline = teacher.token_ids is not None
-            source = "teacher_token_ids (offline or served)" if offline else "teacher_hidden_states"
+    def prepare(self, teacher: TeacherInputs, student_targets: torch.Tensor, ignore_index: int):
+        """(the teacher at the student's positions, `align`): a live teacher as it is (it reads the teacher's rows
+        itself, its outputs go through `align`); a stored signal of the teacher's rows (top-k from a store
+        precomputed on teacher_input_ids, or hidden states: (B, T_t, ...)) gathered into the student's positions.
+        The pairing is checked here, before either model runs."""
+        align = self.aligner(student_targets, ignore_index)
+        if teacher.model is not None:
+            return teacher, align
+        name, value = (
+            ("teacher_token_ids", teacher.token_ids) if teacher.token_ids is not None
+            else ("teacher_hidden_states", teacher.hidden_states)
+        )  # fmt: skip
+        if tuple(value.shape[:2]) != tuple(self.input_ids.shape):
             raise ValueError(
-                f"the batch has teacher_input_ids (the teacher's own prompt) but the teacher is {source}, which was "
-                f"scored on other positions; run a live teacher_model (or kd_self_distill) on these rows, or drop "
-                f"the teacher columns"
+                f"{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, teacher "
+                f"length) = {tuple(self.input_ids.shape)} leading: precompute a store on teacher_input_ids (a served "
+                f"teacher is asked about the student's rows, which this teacher does not read)"
             )
+        if teacher.token_ids is not None:
+            return replace(teacher, token_ids=align(teacher.token_ids), logprobs=align(teacher.logprobs)), align
+        return replace(teacher, hidden_states=align(teacher.hidden_states)), align
 
     def teacher_kwargs(self) -> dict:
         """The teacher's layout beyond ids and mask: its own position ids (packed rows), no KV cache."""
@@ -69,8 +80,8 @@ class PrivilegedInputs:
         return out
 
     def aligner(self, student_targets: torch.Tensor, ignore_index: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function taking the teacher's per-position tensor (B, T_t, D) (hidden states or logits) to the student's
-        positions (B, T_s, D); rows the student does not score get some teacher position's values (finite, never
+        """A function taking the teacher's per-position tensor (B, T_t, D) (hidden states, logits, top-k) to the
+        student's positions (B, T_s, D); rows the student does not score get some teacher position's values (never
         scored). Checks the pairing first (ValueError naming the row)."""
         teacher_targets = shift_labels(self.labels, ignore_index)
         index = completion_index(student_targets, teacher_targets, ignore_index)

@@ -6,8 +6,9 @@ completion). Without teacher_labels the teacher's completion is the last n token
 number of the student's labelled tokens. Text rows (`{"prompt", "completion", "teacher_prompt"}`) are tokenized by
 PromptCollator (prompts.py) into these. PrivilegedCollator batches them: the student's side as always (input_ids,
 attention_mask, labels), the teacher's as teacher_input_ids, teacher_attention_mask, teacher_labels, both
-right-padded; or, with `packing=True`, every row of the batch in one packed row per side (position_ids /
-teacher_position_ids restarting at each sequence, no attention masks). The KD forward pairs completion token t
+right-padded (with the teacher's top-k when the rows carry one computed on teacher_input_ids: offline); or, with
+`packing=True`, every row of the batch in one packed row per side (position_ids / teacher_position_ids restarting
+at each sequence, no attention masks). The KD forward pairs completion token t
 of the student with completion token t of the teacher (models/privileged.py).
 """
 
@@ -83,32 +84,40 @@ class PrivilegedCollator:
         for row, f in enumerate(features):
             if "teacher_input_ids" not in f:
                 raise ValueError(f"row {row} has no teacher_input_ids; a batch of privileged rows needs them in each")
-            if "teacher_token_ids" in f:
+            if "teacher_token_ids" in f and len(f["teacher_token_ids"]) != len(f["teacher_input_ids"]):
                 raise ValueError(
-                    f"row {row} has teacher_token_ids as well as teacher_input_ids: top-k scored on other positions "
-                    f"cannot pair with the teacher's own prompt; drop one"
+                    f"row {row}: teacher_token_ids has {len(f['teacher_token_ids'])} positions, teacher_input_ids "
+                    f"{len(f['teacher_input_ids'])}; the top-k must be the teacher's on its own row (a store "
+                    f"precomputed on teacher_input_ids)"
                 )
         teacher_labels = [teacher_labels_for(f, row, self.ignore_index) for row, f in enumerate(features)]
         student = [{"input_ids": list(f["input_ids"]), "labels": list(f["labels"])} for f in features]
-        teacher = [{"input_ids": list(f["teacher_input_ids"]), "labels": t} for f, t in zip(features, teacher_labels)]
+        topk = ("teacher_token_ids", "teacher_logprobs")
+        teacher = [{"input_ids": list(f["teacher_input_ids"]), "labels": t, **{k: f[k] for k in topk if k in f}}
+                   for f, t in zip(features, teacher_labels)]  # fmt: skip
         if self.packing:
             s, t = _packed(student), _packed(teacher)
-            return {**s, "teacher_input_ids": t["input_ids"], "teacher_labels": t["labels"],
-                    "teacher_position_ids": t["position_ids"]}  # fmt: skip
+            return {**s, "teacher_input_ids": t.pop("input_ids"), "teacher_labels": t.pop("labels"),
+                    "teacher_position_ids": t.pop("position_ids"), **t}  # fmt: skip
         pad = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)
-        s, t = pad(student), pad(teacher)
-        return {**s, "teacher_input_ids": t["input_ids"], "teacher_attention_mask": t["attention_mask"],
-                "teacher_labels": t["labels"]}  # fmt: skip
+        s, t = pad(student), pad(teacher)  # the teacher's top-k, when given, padded along the teacher's row
+        return {**s, "teacher_input_ids": t.pop("input_ids"), "teacher_attention_mask": t.pop("attention_mask"),
+                "teacher_labels": t.pop("labels"), **t}  # fmt: skip
 
 
-def _packed(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+def _packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """One row of every sequence, position ids restarting at each (transformers keeps them apart then); each
-    sequence's first label is its prompt's, ignored, so no sequence is scored on the one before it."""
+    sequence's first label is its prompt's, ignored, so no sequence is scored on the one before it. Top-k columns,
+    when given, are concatenated alike: (1, total, K)."""
     ids = [t for r in rows for t in r["input_ids"]]
     labels = [t for r in rows for t in r["labels"]]
     positions = [p for r in rows for p in range(len(r["input_ids"]))]
     columns = (("input_ids", ids), ("labels", labels), ("position_ids", positions))
-    return {name: torch.tensor([values]) for name, values in columns}
+    out = {name: torch.tensor([values]) for name, values in columns}
+    for key in ("teacher_token_ids", "teacher_logprobs"):
+        if key in rows[0]:
+            out[key] = torch.cat([torch.as_tensor(r[key]) for r in rows])[None]
+    return out
 
 
 def privileged_rollout_batch(rollouts: list[Any], teacher_prompts: list[list[int]], pad_id: int, ignore_index=-100):
