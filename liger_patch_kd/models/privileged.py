@@ -6,9 +6,9 @@ The batch carries the teacher's own rows beside the student's: `teacher_input_id
 `teacher_position_ids` when packed). Row b of the student and row b of the teacher hold the same completions in
 the same order; the k-th scored position of student row b (the k-th position whose shifted label is not
 ignore_index) is paired with the k-th scored position of teacher row b, whatever the prompts' lengths and either
-side's padding or packing. The teacher's last hidden states (or, materialised, its logits) at the paired
-positions are gathered into the student's position order, and the loss is the same fused loss as always: no
-divergence code of its own, no (tokens x vocab) logits.
+side's padding or packing. The teacher's last hidden states (materialised, its logits; offline, its top-k
+computed on teacher_input_ids) at the paired positions are gathered into the student's position order, and the
+loss is the same fused loss as always: no divergence code of its own, no (tokens x vocab) logits.
 """
 
 from __future__ import annotations
