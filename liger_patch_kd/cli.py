@@ -27,6 +27,11 @@ def _demo(args) -> None:
 
         run_multi_teacher_demo(quick=args.quick, device=args.device)
         return
+    if args.context:  # context distillation alone (demo/context_distill.py)
+        from .demo.context_distill import ContextDemoSizes, run_context_demo
+
+        run_context_demo(args.device, ContextDemoSizes.quick() if args.quick else None)
+        return
     from .demo import run_demo
 
     run_demo(quick=args.quick, device=args.device)
@@ -128,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     demo.add_argument("--several-teachers", action="store_true",
                       help="instead: two specialist teachers, one student routed between them")  # fmt: skip
+    demo.add_argument("--context", action="store_true",
+                      help="instead: context distillation, a teacher that reads the previous sentence")  # fmt: skip
     demo.set_defaults(func=_demo)
 
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",

@@ -23,6 +23,7 @@ from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .moe import router_aux_loss, with_router_aux_loss
+from .privileged import PrivilegedInputs
 from .registry import softcap_of
 from .spec import spec_for_model
 from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, patch_state, unwrap_model
@@ -106,6 +107,7 @@ def kd_causal_lm_forward(
         teacher_sample_ids, teacher_sample_counts, teacher_sample_logprobs,
     )  # fmt: skip
     behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
+    privileged = PrivilegedInputs.pop(kwargs)  # the teacher's own prompt, when it has one (models/privileged.py)
     if labels is None or not (teacher.given or kd_teacher_set is not None):
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
@@ -125,6 +127,11 @@ def kd_causal_lm_forward(
     if kd_teacher_set is not None:
         if teacher.given:
             raise ValueError("pass one teacher (teacher_model, ...) or a kd_teacher_set of several, not both")
+        if privileged is not None:
+            raise ValueError(
+                "teacher_input_ids (a teacher prompt of its own) with several teachers is not supported: give the "
+                "rows one teacher, or drop the teacher_prompt / teacher_input_ids column"
+            )
         return _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch,
                                  kwargs, kd_teacher_set, kd_log_agreement, return_logits)  # fmt: skip
     if not state.fused or return_logits:
@@ -132,9 +139,12 @@ def kd_causal_lm_forward(
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(
             self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement,
-            behaviour_logprobs=behaviour,
+            behaviour_logprobs=behaviour, privileged=privileged,
         )  # fmt: skip
 
+    align = None
+    if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
+        teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
     decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
@@ -177,7 +187,10 @@ def kd_causal_lm_forward(
                         config=cfg.replace(teacher_softcap=cap_t), behaviour_logprobs=behaviour, **common,
                     )  # fmt: skip
 
-            out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+            if privileged is None:
+                out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+            else:
+                out = _call_privileged_teacher(teacher.model, privileged, align, loss_on)
             agreement = measured.get("agreement")
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
     return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
@@ -196,6 +209,12 @@ def _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, c
         self, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch, kwargs, teachers, log_metrics,
         call_teacher,
     )  # fmt: skip
+
+
+def _call_privileged_teacher(teacher, privileged: PrivilegedInputs, align, loss_on):
+    """The teacher reads its own rows; its hidden states come back in the student's position order (`align`)."""
+    ids, mask, layout = privileged.input_ids, privileged.attention_mask, privileged.teacher_kwargs()
+    return call_teacher(teacher, ids, mask, layout, lambda h_t, w_t, b_t, cap_t: loss_on(align(h_t), w_t, b_t, cap_t))
 
 
 def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):

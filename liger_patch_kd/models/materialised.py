@@ -16,6 +16,7 @@ from ..config import KDLossConfig
 from .backbone import teacher_vision_inputs
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output
 from .moe import with_router_aux_loss
+from .privileged import PrivilegedInputs
 
 # What a live teacher gets of the student's inputs: the tokens and how they are laid out (padding, packing).
 # Anything else (pixel_values of a VLM student, labels) is the student's own.
@@ -32,6 +33,7 @@ def materialised_kd(
     model_inputs: dict[str, Any],
     log_agreement: bool = False,
     behaviour_logprobs: torch.Tensor | None = None,
+    privileged: PrivilegedInputs | None = None,
 ) -> KDCausalLMOutput:
     """Run the student (and a live teacher) for their logits and score them with reference.py.
 
@@ -40,8 +42,12 @@ def materialised_kd(
     itself, as every HF forward does). `targets` are row-aligned (already shifted). Both models run without a
     KV cache: besides saving memory, transformers only keeps packed sequences (position_ids restarting, no
     attention mask) apart when no cache is in use. `behaviour_logprobs` (row-aligned like `targets`): the "pg"
-    estimator's behaviour policy (reference.kd_loss).
+    estimator's behaviour policy (reference.kd_loss). With `privileged` the live teacher reads its own rows and its
+    logits are gathered into the student's positions (models/privileged.py).
     """
+    align = None
+    if privileged is not None:  # the pairing checked before either model runs
+        teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
     model_inputs = {**model_inputs, "use_cache": False}
     out = student_forward(**model_inputs)
     student_logits = reference.upcast_logits(out.logits)
@@ -60,10 +66,15 @@ def materialised_kd(
         teacher_top1 = teacher.token_ids.gather(-1, teacher.logprobs.float().argmax(-1, keepdim=True)).squeeze(-1)
     else:
         if teacher.model is not None:
-            teacher_inputs = {k: model_inputs[k] for k in TEACHER_INPUT_KEYS if model_inputs.get(k) is not None}
-            teacher_inputs.update(teacher_vision_inputs(teacher.model, model_inputs))  # a VLM teacher's image
+            if privileged is None:
+                teacher_inputs = {k: model_inputs[k] for k in TEACHER_INPUT_KEYS if model_inputs.get(k) is not None}
+                teacher_inputs.update(teacher_vision_inputs(teacher.model, model_inputs))  # a VLM teacher's image
+            else:  # the teacher's own prompt: its own rows, nothing of the student's
+                teacher_inputs = {"input_ids": privileged.input_ids, "attention_mask": privileged.attention_mask,
+                                  **privileged.teacher_kwargs()}  # fmt: skip
             with torch.no_grad():
-                teacher_logits = teacher.model(**teacher_inputs, use_cache=False).logits
+                teacher_logits = teacher.model(**{"use_cache": False, **teacher_inputs}).logits
+                teacher_logits = teacher_logits if align is None else align(teacher_logits)  # a live teacher's own rows
             soft_only = soft_only.replace(teacher_softcap=None)  # likewise already in the teacher's logits
         else:
             teacher_logits = F.linear(teacher.hidden_states, teacher.weight, teacher.bias)

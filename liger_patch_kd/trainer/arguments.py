@@ -10,6 +10,7 @@ from ..config import KDLossConfig
 from ..models import ATTENTION_BACKENDS
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
+from .self_distill import SELF_DISTILL_MODES
 from .served import check_served_teacher_args
 from .teachers import check_teacher_set_args
 
@@ -80,9 +81,12 @@ class KDTrainingArguments(TrainingArguments):
     kd_max_prompt_length: int | None = field(
         default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}
     )
-    kd_self_distill: bool = field(
-        default=False, metadata={"help": "PEFT student: the teacher is its base model (adapter off)."}
-    )
+    kd_self_distill: str = field(  # or a bool; typed str so that `--kd_self_distill frozen` parses
+        default=False,
+        metadata={"help": "The student is its own teacher: 'adapter' (a PEFT student's base model, adapter off), "
+                  "'frozen' (its current weights under no_grad, eval; rows need a teacher_prompt), True (adapter "
+                  "for a PEFT student, else frozen). See trainer/self_distill.py."},
+    )  # fmt: skip
     kd_teacher_tokenizer: str | None = field(
         default=None,
         metadata={"help": "The teacher's tokenizer (name or path) when it differs from the student's: "
@@ -168,6 +172,10 @@ class KDTrainingArguments(TrainingArguments):
                 f"distribution: set kd_generation_temperature=1 (got {self.kd_generation_temperature}), or use "
                 f"kd_onpolicy_loss='divergence'"
             )
+        if isinstance(self.kd_self_distill, str) and self.kd_self_distill.lower() in ("true", "false"):
+            self.kd_self_distill = self.kd_self_distill.lower() == "true"  # from a command line
+        if self.kd_self_distill not in SELF_DISTILL_MODES:
+            raise ValueError(f"kd_self_distill must be one of {SELF_DISTILL_MODES}; got {self.kd_self_distill!r}")
         if self.kd_max_prompt_length is not None and not self.kd_max_prompt_length >= 1:
             raise ValueError(f"kd_max_prompt_length must be None or >= 1; got {self.kd_max_prompt_length!r}")
         unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))

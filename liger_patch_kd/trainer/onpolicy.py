@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from ..models import unwrap_model
 from .engine import rollout_source
+from .privileged import privileged_rollout_batch
 from .rollouts import Rollout, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
@@ -88,9 +90,13 @@ class OnPolicySteps:
         model = unwrap_model(generator)
         pad, eos_ids, start = special_ids(model, tokenizer)
         prompts = [prompts_of(batch) for batch in batches]
+        teacher_prompts = [teacher_prompts_of(batch) for batch in batches]  # None: the teacher reads the student's
+        # sequence-level KD: the teacher writes the completions after its own prompt, where the rows give it one
+        sources = [own if self.args.kd_seq_kd and own is not None else mine
+                   for own, mine in zip(teacher_prompts, prompts)]  # fmt: skip
         began = time.perf_counter()
         rollouts = self.source(
-            generator, [p for group in prompts for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
+            generator, [p for group in sources for p in group], self.settings, pad_id=pad, eos_ids=eos_ids,
             start_id=start, step=step,
         )  # fmt: skip
         if device.type == "cuda":
@@ -98,17 +104,33 @@ class OnPolicySteps:
         self.seconds.append(time.perf_counter() - began)
         out, first = [], 0
         per_batch = [len(group) * self.settings.num_generations for group in prompts]
-        for count, source in zip(per_batch, batches):
+        n = self.settings.num_generations
+        for count, source, own, mine in zip(per_batch, batches, teacher_prompts, prompts):
             chunk = rollouts[first : first + count]
-            if make_rows is None:
-                batch = rollout_batch(chunk, pad, behaviour=self.behaviour)
-            else:
-                batch = make_rows(chunk, source)
             first += count
+            if make_rows is not None:  # across tokenizers (cross_tokenizer_rollouts.rows_maker)
+                batch = make_rows(chunk, source)
+            elif own is None:
+                batch = rollout_batch(chunk, pad, behaviour=self.behaviour)
+            else:  # the teacher scores each completion after its own prompt (self-distillation: OPSD / SDFT)
+                if self.args.kd_seq_kd:  # written after the teacher's prompt: the student's row has its own
+                    students = [p or [start] for p in mine for _ in range(n)]
+                    chunk = [replace(r, prompt=p) for p, r in zip(students, chunk)]
+                batch = privileged_rollout_batch(chunk, [p for p in own for _ in range(n)], pad)
             if attach_teacher is not None:
                 batch = attach_teacher(batch)
             out.append({**{k: v.to(device) for k, v in batch.items()}, GENERATED: True})
         return out
+
+
+def teacher_prompts_of(batch: dict[str, Any]) -> list[list[int]] | None:
+    """Each row's teacher prompt (PromptCollator's teacher rows: the teacher's tokens before its completion), or
+    None when the batch has no teacher rows of its own."""
+    if batch.get("teacher_input_ids") is None:
+        return None
+    teacher_rows = {"input_ids": batch["teacher_input_ids"], "labels": batch["teacher_labels"],
+                    "attention_mask": batch.get("teacher_attention_mask")}  # fmt: skip
+    return prompts_of(teacher_rows)
 
 
 def require_completions(batches: list[dict[str, Any]], args: Any) -> None:

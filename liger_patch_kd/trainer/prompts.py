@@ -5,7 +5,9 @@ Rows are one of:
   completion is generated (on-policy steps, `kd_lmbda=1`, or teacher generations, `kd_seq_kd`);
 - the same with a `completion` (str, or a list of messages after a conversational prompt): a fixed completion,
   which off-policy steps of a `kd_lmbda` mix train on;
-- `{"messages": [...]}` ending with the assistant's turn: prompt = the turns before it, completion = it.
+- `{"messages": [...]}` ending with the assistant's turn: prompt = the turns before it, completion = it;
+- any of these with a `teacher_prompt` (of the prompt's kind: text, or a list of messages): what the teacher sees
+  instead of the prompt (a hint, a document, the reference answer) before the same completion (privileged.py).
 
 A text prompt is tokenized as the tokenizer encodes text (its special tokens included, e.g. BOS); a conversational
 prompt is rendered with the tokenizer's chat template with the generation prompt added. A text completion is
@@ -21,8 +23,9 @@ from typing import Any
 import torch
 
 from ..teacher import TeacherDataCollator
+from .privileged import PrivilegedCollator
 
-PROMPT_COLUMNS = ("prompt", "completion", "messages")
+PROMPT_COLUMNS = ("prompt", "completion", "messages", "teacher_prompt")
 
 
 def is_prompt_row(row: dict[str, Any]) -> bool:
@@ -93,10 +96,13 @@ def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list
 class PromptCollator:
     """Batches of prompt rows: input_ids = prompt + completion (right-padded), labels on the completion only,
     attention_mask, and `kd_has_completion` (B,) saying which rows came with one (a prompt-only row has no
-    labelled token; only generated steps may train on it).
+    labelled token; only generated steps may train on it). Rows with a `teacher_prompt` also give the teacher's
+    rows (teacher_input_ids = teacher prompt + the same completion tokens, teacher_attention_mask, teacher_labels:
+    PrivilegedCollator); in such a batch a row without one shows the teacher the student's prompt.
 
     max_prompt_length keeps a prompt's last tokens (its end is what the completion continues); max_length cuts
-    prompt + completion on the right.
+    prompt + completion on the right. Neither cuts a teacher prompt; the teacher's completion is the student's kept
+    one.
     """
 
     tokenizer: Any
@@ -108,7 +114,8 @@ class PromptCollator:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
         features, has_completion = [], []
-        for row in examples:
+        privileged = any("teacher_prompt" in row for row in examples)
+        for index, row in enumerate(examples):
             prompt, completion = tokenize_prompt_row(self.tokenizer, row)
             if self.max_prompt_length is not None:
                 prompt = prompt[-self.max_prompt_length :]
@@ -117,6 +124,30 @@ class PromptCollator:
             if self.max_length is not None:
                 tokens, label = tokens[: self.max_length], label[: self.max_length]
             features.append({"input_ids": tokens, "labels": label})
+            if privileged:
+                kept = [t for t in label if t != self.ignore_index]
+                teacher_prompt = self._teacher_prompt(row, index, completion, prompt)
+                features[-1].update(teacher_input_ids=teacher_prompt + kept,
+                                    teacher_labels=[self.ignore_index] * len(teacher_prompt) + kept)  # fmt: skip
             has_completion.append(completion is not None)
-        batch = TeacherDataCollator(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
+        collate = PrivilegedCollator if privileged else TeacherDataCollator
+        batch = collate(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
         return {**batch, "kd_has_completion": torch.tensor(has_completion)}
+
+    def _teacher_prompt(self, row: dict[str, Any], index: int, completion: list[int] | None, prompt: list[int]):
+        """The teacher prompt's ids, checked to be followed by the very completion tokens the student scores."""
+        if "teacher_prompt" not in row:
+            return prompt
+        completion_part = row["messages"][-1:] if "messages" in row else row.get("completion")
+        teacher_row = {"prompt": row["teacher_prompt"]}
+        if completion_part is not None:
+            teacher_row["completion"] = completion_part
+        teacher_prompt, teacher_completion = tokenize_prompt_row(self.tokenizer, teacher_row)
+        if teacher_completion != completion:
+            raise ValueError(
+                f"row {index}: the completion tokenizes to {len(completion or [])} tokens after the prompt and "
+                f"{len(teacher_completion or [])} after the teacher_prompt (the chat template renders it "
+                f"differently); give both prompts the same kind and template, or token-level rows "
+                f"(teacher_input_ids)"
+            )
+        return teacher_prompt

@@ -16,6 +16,7 @@ from ..config import KDLossConfig
 from ..models import apply_kd_patch, attention_backend, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
 from ..models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ..models.materialised import materialised_kd
+from ..models.privileged import PrivilegedInputs
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
 from .arguments import KDTrainingArguments
@@ -25,13 +26,15 @@ from .cross_tokenizer import (
     compute_cross_tokenizer_loss,
     cross_tokenizer_enabled,
     is_cross_tokenizer_batch,
-    padded_vocab_size,
 )
 from .cross_tokenizer_rollouts import rows_maker
+from .dataset_setup import first_row_is, first_row_is_prompt, with_vocab_size
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
-from .prompts import PROMPT_COLUMNS, PromptCollator, is_prompt_row
+from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
+from .prompts import PROMPT_COLUMNS, PromptCollator
 from .rollouts import BEHAVIOUR
 from .sampled_data import check_sampled_dataset
+from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup
@@ -40,20 +43,6 @@ logger = logging.get_logger(__name__)
 
 SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
-
-
-class AdapterDisabledTeacher(nn.Module):
-    """Self-distillation: the PEFT student with its adapter disabled is the teacher (no second copy)."""
-
-    def __init__(self, peft_model: nn.Module) -> None:
-        super().__init__()
-        if not hasattr(peft_model, "disable_adapter"):
-            raise ValueError("kd_self_distill needs a PEFT model (with disable_adapter()) as the student")
-        object.__setattr__(self, "module", peft_model)  # not a submodule: its parameters stay the student's
-
-    def forward(self, *args, **kwargs):
-        with self.module.disable_adapter():
-            return self.module(*args, **kwargs)
 
 
 class KDTrainer(Trainer):
@@ -102,19 +91,22 @@ class KDTrainer(Trainer):
             kwargs["data_collator"] = kwargs.get("data_collator") or self.xtok.collator
             self.kd_config = args.kd_loss_config()
         else:
-            self.kd_config = _with_vocab_size(
+            self.kd_config = with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
             for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
-                self.kd_config = _with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
+                self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
-        self.prompt_rows = _first_row_is_prompt(kwargs.get("train_dataset"))
+        self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
                 raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
             kwargs["data_collator"] = PromptCollator(
                 kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length
             )
+        if kwargs.get("data_collator") is None and first_row_is(kwargs.get("train_dataset"), is_privileged_row):
+            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)  # the teacher's own token rows
+            kwargs["data_collator"] = PrivilegedCollator(pad_token_id=0 if pad is None else pad)
         if kwargs.get("data_collator") is None:
             # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
@@ -129,8 +121,8 @@ class KDTrainer(Trainer):
             self.model = self.model_wrapped = distributed.fsdp2_prepare(self.model, self.accelerator, trainable=True)
         if args.kd_self_distill:
             if teacher_model is not None:
-                raise ValueError("kd_self_distill uses the student's base model as teacher; do not pass teacher_model")
-            teacher_model = AdapterDisabledTeacher(self.model)
+                raise ValueError("kd_self_distill makes the student its own teacher; do not pass teacher_model")
+            teacher_model = self_distill_teacher(args.kd_self_distill, self.model)  # self_distill.py
         elif teacher_model is not None:
             teacher_model = self._frozen_teacher(teacher_model)
         if teachers:
@@ -222,6 +214,7 @@ class KDTrainer(Trainer):
         extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
         extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
         extra += list(ROUTING_COLUMNS) if self.teacher_set is not None else []
+        extra += list(PRIVILEGED_COLUMNS)
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
@@ -243,6 +236,13 @@ class KDTrainer(Trainer):
             raise ValueError(
                 "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
+            )
+        require_teacher_prompt(self.teacher_model, inputs)
+        if self.args.kd_teacher_url and inputs.get("teacher_input_ids") is not None:
+            raise ValueError(
+                "these rows give the teacher its own prompt (teacher_input_ids), but a served teacher (kd_teacher_url) "
+                "is asked about the student's rows; run the teacher in process (teacher_model) or precompute a store "
+                "on teacher_input_ids"
             )
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
@@ -301,6 +301,7 @@ class KDTrainer(Trainer):
         given_shift = inputs.pop("shift_labels", None)
         targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
         behaviour = behaviour_targets(behaviour, given_shift, teacher)
+        privileged = PrivilegedInputs.pop(inputs)  # the teacher's own prompt (models/privileged.py)
         outputs = materialised_kd(
             unwrap_model(model),
             model,
@@ -311,6 +312,7 @@ class KDTrainer(Trainer):
             inputs,
             log_agreement=self._kd_should_log(),
             behaviour_logprobs=behaviour,
+            privileged=privileged,
         )
         return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
 
@@ -384,30 +386,3 @@ class KDTrainer(Trainer):
                 logs[key] = round(float(value), 6)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         super().log(logs, *args, **kwargs)
-
-
-def _first_row_is_prompt(dataset: Any) -> bool:
-    """Whether the training rows are TRL-style prompt rows (prompt / completion / messages), judged by the first."""
-    try:
-        row = dataset[0]
-    except Exception:  # an iterable dataset, or none: the collator given decides
-        return False
-    return isinstance(row, dict) and is_prompt_row(row)
-
-
-def _with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:
-    """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
-    tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
-
-    if cfg.vocab_size is not None or teacher is None or isinstance(teacher, AdapterDisabledTeacher):
-        return cfg
-    rows = [getattr(unwrap_model(m).get_output_embeddings(), "out_features", None) for m in (student, teacher)]
-    if None in rows or rows[0] == rows[1]:
-        return cfg
-    if tokenizer is None or not hasattr(tokenizer, "__len__"):
-        raise ValueError(
-            f"the student's lm_head has {rows[0]} rows and the teacher's {rows[1]}; distillation compares "
-            f"distributions over one vocabulary. Set kd_vocab_size to the number of real tokens (len(tokenizer)), "
-            f"or pass processing_class=tokenizer so KDTrainer takes len(tokenizer)"
-        )
-    return cfg.replace(vocab_size=padded_vocab_size(tuple(rows), tokenizer, teacher))  # or a ValueError

@@ -1,0 +1,141 @@
+"""A teacher that reads its own prompt (privileged context: a system prompt, a hint, a document, the reference
+answer) and scores the same completion as the student: context distillation, on-policy self-distillation.
+
+The batch carries the teacher's own rows beside the student's: `teacher_input_ids` (teacher prompt + completion),
+`teacher_labels` (the completion, ignore_index elsewhere) and their layout (`teacher_attention_mask` when padded,
+`teacher_position_ids` when packed). Row b of the student and row b of the teacher hold the same completions in
+the same order; the k-th scored position of student row b (the k-th position whose shifted label is not
+ignore_index) is paired with the k-th scored position of teacher row b, whatever the prompts' lengths and either
+side's padding or packing. The teacher's last hidden states (materialised, its logits; offline, its top-k
+computed on teacher_input_ids) at the paired positions are gathered into the student's position order, and the
+loss is the same fused loss as always: no divergence code of its own, no (tokens x vocab) logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from .kd_io import TeacherInputs, shift_labels
+
+PRIVILEGED_KEYS = ("teacher_input_ids", "teacher_labels", "teacher_attention_mask", "teacher_position_ids")
+
+
+@dataclass
+class PrivilegedInputs:
+    """The teacher's own rows of one call (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    @classmethod
+    def pop(cls, kwargs: dict) -> PrivilegedInputs | None:
+        """Take the teacher's rows out of a forward's keyword arguments (the student's backbone must not see them);
+        None when the batch has none."""
+        fields = {key: kwargs.pop(key, None) for key in PRIVILEGED_KEYS}
+        if fields["teacher_input_ids"] is None:
+            given = sorted(k for k, v in fields.items() if v is not None)
+            if given:
+                raise ValueError(f"{given} came without teacher_input_ids: pass the teacher's own rows whole")
+            return None
+        if fields["teacher_labels"] is None:
+            raise ValueError(
+                "teacher_input_ids needs teacher_labels (the completion tokens of the teacher's rows, ignore_index "
+                "on the teacher's prompt and padding) to pair its completion tokens with the student's; "
+                "liger_patch_kd.trainer.PrivilegedCollator makes them"
+            )
+        return cls(*(fields[key] for key in PRIVILEGED_KEYS))
+
+    def prepare(self, teacher: TeacherInputs, student_targets: torch.Tensor, ignore_index: int):
+        """(the teacher at the student's positions, `align`): a live teacher as it is (it reads the teacher's rows
+        itself, its outputs go through `align`); a stored signal of the teacher's rows (top-k from a store
+        precomputed on teacher_input_ids, or hidden states: (B, T_t, ...)) gathered into the student's positions.
+        The pairing is checked here, before either model runs."""
+        align = self.aligner(student_targets, ignore_index)
+        if teacher.model is not None:
+            return teacher, align
+        if teacher.sample_ids is not None:
+            raise ValueError(
+                "sampled teacher tokens (teacher_sample_ids) with a teacher prompt of its own are not supported: "
+                "use top-k data precomputed on teacher_input_ids, or a live teacher_model"
+            )
+        name, value = (
+            ("teacher_token_ids", teacher.token_ids) if teacher.token_ids is not None
+            else ("teacher_hidden_states", teacher.hidden_states)
+        )  # fmt: skip
+        if tuple(value.shape[:2]) != tuple(self.input_ids.shape):
+            raise ValueError(
+                f"{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, teacher "
+                f"length) = {tuple(self.input_ids.shape)} leading: precompute a store on teacher_input_ids (a served "
+                f"teacher is asked about the student's rows, which this teacher does not read)"
+            )
+        if teacher.token_ids is not None:
+            return replace(teacher, token_ids=align(teacher.token_ids), logprobs=align(teacher.logprobs)), align
+        return replace(teacher, hidden_states=align(teacher.hidden_states)), align
+
+    def teacher_kwargs(self) -> dict:
+        """The teacher's layout beyond ids and mask: its own position ids (packed rows), no KV cache."""
+        out = {"use_cache": False}
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids
+        return out
+
+    def aligner(self, student_targets: torch.Tensor, ignore_index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function taking the teacher's per-position tensor (B, T_t, D) (hidden states, logits, top-k) to the
+        student's positions (B, T_s, D); rows the student does not score get some teacher position's values (never
+        scored). Checks the pairing first (ValueError naming the row)."""
+        teacher_targets = shift_labels(self.labels, ignore_index)
+        index = completion_index(student_targets, teacher_targets, ignore_index)
+        batch, length = student_targets.shape
+
+        def align(per_position: torch.Tensor) -> torch.Tensor:
+            flat = per_position.reshape(-1, per_position.shape[-1])
+            return flat[index.to(flat.device).reshape(-1)].reshape(batch, length, -1)
+
+        return align
+
+
+def completion_index(student_targets: torch.Tensor, teacher_targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """(B, T_s) indices into the teacher's flattened (B * T_t) positions: the teacher position that predicts the same
+    completion token as each student position (the k-th scored of its row to the k-th scored of the teacher's).
+
+    Shapes stay static (no nonzero()); checking the pairing costs one host sync. Rows the student does not score
+    point at some valid teacher position.
+
+    Raises:
+        ValueError: the batch sizes differ, or a row scores a different number of tokens, or other tokens, on the
+            two sides (naming the first such row).
+    """
+    if student_targets.dim() != 2 or teacher_targets.dim() != 2 or student_targets.shape[0] != teacher_targets.shape[0]:
+        raise ValueError(
+            f"teacher_input_ids / teacher_labels must be (batch, teacher_length) with the student's batch size: got "
+            f"student labels {tuple(student_targets.shape)} and teacher labels {tuple(teacher_targets.shape)}; "
+            f"row b of the teacher's rows holds row b's completions"
+        )
+    teacher_targets = teacher_targets.to(student_targets.device)
+    batch, t_len = teacher_targets.shape
+    scored_s, scored_t = student_targets != ignore_index, teacher_targets != ignore_index
+    rank_s, rank_t = scored_s.cumsum(1) - 1, scored_t.cumsum(1) - 1
+    # by_rank[b, k]: the position of row b's k-th scored teacher position. Unscored positions go to slots t_len + t,
+    # so that no two positions share a slot (scatter_ with duplicate indices is nondeterministic on CUDA)
+    by_rank = torch.zeros(batch, 2 * t_len, dtype=torch.long, device=teacher_targets.device)
+    positions = torch.arange(t_len, device=teacher_targets.device).expand(batch, t_len)
+    by_rank.scatter_(1, torch.where(scored_t, rank_t, t_len + positions), positions)
+    local = by_rank.gather(1, torch.where(scored_s, rank_s.clamp(max=t_len), t_len))
+    index = local + torch.arange(batch, device=local.device)[:, None] * t_len
+    paired = teacher_targets.reshape(-1)[index]
+    counts_s, counts_t = scored_s.sum(1), scored_t.sum(1)
+    bad_rows = (counts_s != counts_t) | ((paired != student_targets) & scored_s).any(1)
+    if bool(bad_rows.any()):  # the one host sync
+        row = int(bad_rows.nonzero()[0])
+        raise ValueError(
+            f"row {row}: the student scores {int(counts_s[row])} completion tokens and the teacher "
+            f"{int(counts_t[row])}, or other tokens (student {student_targets[row][scored_s[row]][:8].tolist()}..., "
+            f"teacher {teacher_targets[row][scored_t[row]][:8].tolist()}...); the teacher's rows must hold the same "
+            f"completion tokens as the student's, in the same order, each after a non-empty prompt"
+        )
+    return index

@@ -1,0 +1,46 @@
+"""What KDTrainer reads off its inputs when it is built: the kind of rows a dataset holds, the vocabulary two heads
+share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..config import KDLossConfig
+from ..models import unwrap_model
+from .cross_tokenizer import padded_vocab_size
+from .prompts import is_prompt_row
+from .self_distill import is_self_teacher
+
+
+def first_row_is_prompt(dataset: Any) -> bool:
+    """Whether the training rows are TRL-style prompt rows (prompt / completion / messages), judged by the first."""
+    return first_row_is(dataset, lambda row: isinstance(row, dict) and is_prompt_row(row))
+
+
+def first_row_is(dataset: Any, test) -> bool:
+    """Whether `test` holds for the dataset's first row (False for an iterable dataset: its collator decides)."""
+    try:
+        row = dataset[0]
+    except Exception:  # an iterable dataset, or none: the collator given decides
+        return False
+    return bool(test(row))
+
+
+def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:
+    """Heads padded to different sizes (Qwen2.5 151936 / 152064 rows, Gemma-3 262144 / 262208) share a
+    tokenizer: take both distributions over its real tokens, len(tokenizer), unless kd_vocab_size says otherwise."""
+
+    if cfg.vocab_size is not None or teacher is None or is_self_teacher(teacher):
+        return cfg
+    rows = [getattr(unwrap_model(m).get_output_embeddings(), "out_features", None) for m in (student, teacher)]
+    if None in rows or rows[0] == rows[1]:
+        return cfg
+    if tokenizer is None or not hasattr(tokenizer, "__len__"):
+        raise ValueError(
+            f"the student's lm_head has {rows[0]} rows and the teacher's {rows[1]}; distillation compares "
+            f"distributions over one vocabulary. Set kd_vocab_size to the number of real tokens (len(tokenizer)), "
+            f"or pass processing_class=tokenizer so KDTrainer takes len(tokenizer)"
+        )
+    return cfg.replace(vocab_size=padded_vocab_size(tuple(rows), tokenizer, teacher))  # or a ValueError
