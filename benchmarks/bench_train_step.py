@@ -16,7 +16,6 @@ row says otherwise. For each micro-batch, in one run:
   ... recompute 10/16 the FP8 row with only the first 10 student layers recomputed: the memory the FP8 teacher
                       frees goes to keeping activations
   ... fp8 logits      the FP8 teacher with its logit product in the loss in FP8 too (teacher_logits_fp8)
-  ..., cudnn attention  ours or the FP8 teacher row with both models' SDPA trying cuDNN first (kd_attention_backend)
   trl/liger+kernels both, torchao fp8 teacher   Liger's kernels on both models and the teacher's decoder quantised
                       by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from liger_patch_kd import reference as R
-from liger_patch_kd.models import apply_kd_patch_to_llama, attention_backend, quantize_teacher_fp8, revert_kd_patch
+from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.models.recompute import limit_recompute
 
 from .common import environment, print_table, write_json
@@ -82,8 +81,6 @@ SELECTIVE, SELECTIVE_LAYERS = "recompute 10/16", 10
 FP8_SELECTIVE_ROW = f"{FP8_ROW}, {SELECTIVE}"
 FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
 TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
-CUDNN = "cudnn attention"  # a row name ending so runs both models' SDPA with cuDNN first (models.attention_backend)
-CUDNN_ROWS = [f"liger_patch_kd, {CUDNN}", f"{FP8_ROW}, {CUDNN}"]
 
 
 def loss_options(name: str) -> dict:
@@ -162,12 +159,9 @@ def method_step(name: str, student, teacher, batch: dict):
         def step():
             return student(input_ids=ids, labels=labels, teacher_model=teacher).loss
 
-    backend = "cudnn" if CUDNN in name else "default"
-
     def full_step():
-        with attention_backend(backend):  # the backward too: checkpointing recomputes the forward there
-            loss = step()
-            loss.backward()
+        loss = step()
+        loss.backward()
         return loss
 
     return full_step
@@ -295,7 +289,6 @@ def main() -> None:
         "liger_patch_kd",
         "liger_patch_kd no recompute",
         *([] if args.no_fp8 else fp8_rows),
-        *(CUDNN_ROWS if not args.no_fp8 else CUDNN_ROWS[:1]),
         f"offline top-{TOP_K}",
         STORE_ROW,
         *liger[1:],  # last: Liger's patch of the teacher cannot be undone

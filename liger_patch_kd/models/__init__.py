@@ -15,7 +15,6 @@ Modules, lowest first (imports point down only):
   fp8_teacher, recompute
 """
 
-from .attention import ATTENTION_BACKENDS, attention_backend
 from .backbone import run_backbone
 from .fp8_teacher import Fp8Linear, quantize_teacher_fp8
 from .heads import output_head
@@ -55,8 +54,6 @@ from .teachers import TeacherSet
 from .transforms import scaled_head_inputs
 
 __all__ = [
-    "ATTENTION_BACKENDS",
-    "attention_backend",
     "Fp8Linear",
     "quantize_teacher_fp8",
     "patch_teacher_kernels",

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig
-from ..models import ATTENTION_BACKENDS
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .self_distill import SELF_DISTILL_MODES
@@ -147,11 +146,6 @@ class KDTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "The fused loss's student forward logit product in FP8 (the backward stays bf16)."},
     )
-    kd_attention_backend: str = field(
-        default="default",
-        metadata={"help": "SDPA backend both models' attention tries first in a training step: default (PyTorch's "
-                  "order), cudnn (1.7-1.9x flash for the teacher's forward at 16-32k tokens on an H200) or flash."},
-    )  # fmt: skip
     kd_recompute_layers: int | None = field(
         default=None,
         metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
@@ -183,10 +177,6 @@ class KDTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
                 f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
-            )
-        if self.kd_attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"kd_attention_backend must be one of {ATTENTION_BACKENDS}; got {self.kd_attention_backend!r}"
             )
         if self.kd_teacher_precision not in ("bf16", "fp8"):
             raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")

@@ -13,7 +13,7 @@ from transformers.utils import logging
 
 from .. import distributed
 from ..config import KDLossConfig
-from ..models import apply_kd_patch, attention_backend, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
+from ..models import apply_kd_patch, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
 from ..models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ..models.materialised import materialised_kd
 from ..models.privileged import PrivilegedInputs
@@ -330,10 +330,7 @@ class KDTrainer(Trainer):
             recompute, keep = limit_recompute(model, self.args.kd_recompute_layers)
             logger.info("checkpointing: %d decoder layers recompute, %d keep their activations", recompute, keep)
             self._kd_recompute_limited = True
-        # forward, teacher and backward (with checkpointing's recomputed forward) all inside: the backend choice
-        # must hold for the recompute too, which runs in the backward, outside compute_loss
-        with attention_backend(self.args.kd_attention_backend):
-            return super().training_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """An optimizer step's micro-batches; on a generated step (kd_lmbda, kd_seq_kd) their completions are
