@@ -14,11 +14,12 @@ forward, recomputed forward and backward under gradient checkpointing), to set a
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
 
-from .common import environment, print_table, write_json
+from .common import cuda_time_ms, environment, print_table, write_json
 
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 MODELS = {  # name: (query heads, key/value heads, head dim, layers, passes timed)
@@ -28,27 +29,13 @@ MODELS = {  # name: (query heads, key/value heads, head dim, layers, passes time
 
 
 def timed(fn, reps: int, device) -> float:
-    """Median milliseconds of `fn` over `reps` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(reps):
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-        return sorted(times)[len(times) // 2]
-    times = []
+    """Median milliseconds of `fn`: CUDA events on a GPU (benchmarks.common), the wall clock on a CPU."""
+    if device.type == "cuda":
+        return cuda_time_ms(fn, warmup=2, reps=reps)
+    began = time.perf_counter()
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return (time.perf_counter() - began) * 1e3 / reps
 
 
 def run(model: str, seq: int, backend: str, reps: int, device, dtype) -> dict:

@@ -21,6 +21,7 @@ from ..conventions import apply_softcap, topk_valid_slots
 from .backend import triton_available
 from .chunked import finish_chunk
 from .divergence import estimated_forward_kl
+from .fused_linear_topk_kd import slots_launch_config
 
 
 def sampled_slots(
@@ -176,10 +177,6 @@ if triton_available():
                     grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
                 tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)
 
-    def _sampled_launch_config(vocab: int, slots: int) -> tuple[int, int, int]:
-        """(BLOCK_V, BLOCK_S, num_warps): vocabulary tiles as in the top-k kernel; the slots in one tile up to 1024."""
-        return min(4096, triton.next_power_of_2(vocab)), min(1024, triton.next_power_of_2(max(slots, 16))), 8
-
 
 def sampled_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
     """Launch `_sampled_chunk_kernel`; same contract as `sampled_chunk_torch`."""
@@ -188,7 +185,7 @@ def sampled_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_d
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
     grad = torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device) if grad_dtype else soft
-    block_v, block_s, num_warps = _sampled_launch_config(vocab, ids.shape[1])
+    block_v, block_s, num_warps = slots_launch_config(vocab, ids.shape[1])
     _sampled_chunk_kernel[(rows,)](
         # pointers
         student_logits, ids, mass, log_p, grad, labels, w_soft, w_hard, soft, hard,

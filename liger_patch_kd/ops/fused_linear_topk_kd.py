@@ -282,9 +282,11 @@ if triton_available():
                     grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
                 tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)
 
-    def _topk_launch_config(vocab: int, k: int) -> tuple[int, int, int]:
-        """(BLOCK_V, BLOCK_K, num_warps): vocab tiles as in the JSD kernel; K slots in one tile up to 1024."""
-        return min(4096, triton.next_power_of_2(vocab)), min(1024, triton.next_power_of_2(max(k, 16))), 8
+
+def slots_launch_config(vocab: int, slots: int) -> tuple[int, int, int]:
+    """(BLOCK_V, BLOCK_S, num_warps) of the kernels that score a few slots per row (top-k ids, sampled ids): vocab
+    tiles as in the JSD kernel; every slot in one tile, up to 1024 (a power of two, at least 16)."""
+    return min(4096, 1 << (vocab - 1).bit_length()), min(1024, 1 << (max(slots, 16) - 1).bit_length()), 8
 
 
 def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
@@ -294,7 +296,7 @@ def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtyp
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
     grad = torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device) if grad_dtype else soft
-    block_v, block_k, num_warps = _topk_launch_config(vocab, ids.shape[1])
+    block_v, block_k, num_warps = slots_launch_config(vocab, ids.shape[1])
     _topk_chunk_kernel[(rows,)](
         # pointers
         student_logits, ids, logprobs, grad, labels, w_soft, w_hard, soft, hard,
