@@ -15,8 +15,8 @@ from .helpers import backends, grads
 
 N, H, V = 23, 17, 301
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64 on both sides, the same sums in another order
-# the Triton kernel: float64 logits, but the interpreter (and a GPU) take exp / log at float32 precision
-KERNEL_TOL = {"torch": TOL, "triton": dict(rtol=1e-6, atol=1e-8)}
+# both backends run the PyTorch chunk (ops.fused_linear_sampled_kd.CHUNK_KERNELS says why)
+KERNEL_TOL = {"torch": TOL, "triton": TOL}
 
 
 def _data(m=8, top_k=0, temperature=1.0, bias=False, dtype=torch.float64, seed=0):
