@@ -52,9 +52,10 @@ def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], in
     prompts = token_prompts(body.get("prompt"))
     check_prompts(prompts, limits)
     k = body.get("prompt_logprobs")
-    if not is_int(k) or not 1 <= k <= limits.max_top_k:
+    low = 0 if body.get("samples") is not None else 1  # with sampled tokens, 0 asks for the draws alone
+    if not is_int(k) or not low <= k <= limits.max_top_k:
         raise RequestError(
-            400, f"prompt_logprobs must be an int in [1, {limits.max_top_k}] (the server's --top-k); got "
+            400, f"prompt_logprobs must be an int in [{low}, {limits.max_top_k}] (the server's --top-k); got "
                  f"{json.dumps(k)[:40]}"
         )  # fmt: skip
     check_sampling(body)
