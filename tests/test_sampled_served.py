@@ -216,3 +216,38 @@ def test_served_sample_arguments_are_checked(tmp_path):
         _args(tmp_path, **url, kd_teacher_protocol="liger", kd_lmbda=0.5)
     args = _args(tmp_path, **url, kd_teacher_protocol="liger", kd_teacher_top_k=0)  # draws alone
     assert args.kd_teacher_samples == 4
+
+
+def test_a_batch_of_requests_draws_each_sequence_as_alone(tmp_path):
+    """The batcher without --batch-invariant: top-k requests and draws of two seeds, queued before it runs, share
+    one padded batch (one forward for the top-k, one for the draws); each sequence still gets its own draws, those
+    precompute writes for it alone (the float64 teacher's padded forward rounds to the same float32 log-probs)."""
+    import asyncio
+
+    from liger_patch_kd.teacher.serve.server import TeacherBatcher
+
+    seqs = random_sequences(VOCAB, 4, seed=4)
+    teacher = _teacher().eval()
+    batcher = TeacherBatcher(teacher, max_top_k=4)
+    asks = [SampleAsk(M_DRAWS, 0, SEED, T), SampleAsk(M_DRAWS, 0, SEED + 1, T)]
+
+    async def run():
+        replies = asyncio.gather(batcher.draw(seqs[:2], asks[0]), batcher.score(seqs[2:3], 4),
+                                 batcher.draw(seqs[3:], asks[1]))  # fmt: skip
+        await asyncio.sleep(0)  # every request is waiting before the batcher starts: one batch
+        task = asyncio.create_task(batcher.run())
+        try:
+            return await replies
+        finally:
+            task.cancel()
+
+    first, _, second = asyncio.run(run())
+    assert batcher.batches_run == 1 and batcher.forwards_run == 2
+    for ask, part, drawn in ((asks[0], seqs[:2], first), (asks[1], seqs[3:], second)):
+        out = TD.precompute(teacher, part, tmp_path / f"s{ask.seed}", top_k=0, samples=M_DRAWS, seed=ask.seed,
+                            temperature=T, batch_size=1, logprob_dtype="float32", progress=False)  # fmt: skip
+        store = TD.TeacherLogprobsDataset(out)
+        for n, d in enumerate(drawn):
+            assert torch.equal(d.ids, store[n]["teacher_sample_ids"])
+            assert torch.equal(d.counts, store[n]["teacher_sample_counts"])
+            torch.testing.assert_close(d.logprobs, store[n]["teacher_sample_logprobs"], rtol=0, atol=SERVED_ATOL)
