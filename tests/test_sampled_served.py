@@ -49,7 +49,8 @@ def teacher_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(teacher_dir):
-    srv = Server(teacher_dir, extra=("--batch-invariant",)).start()  # every sequence in a forward of its own
+    # every sequence in a forward of its own; draws at T unless a request names another temperature
+    srv = Server(teacher_dir, extra=("--batch-invariant", "--sample-temperature", str(T))).start()
     yield srv
     srv.stop()
 
@@ -97,6 +98,43 @@ def test_served_draws_follow_the_teacher_at_the_asked_temperature(server):
         torch.testing.assert_close(d.topk_logprobs[:-1].double(), ref.topk(2, -1).values, rtol=0, atol=SERVED_ATOL)
         assert (d.counts[:-1].sum(-1) == M_DRAWS).all() and (d.counts[-1] == 0).all()
         assert not (ids[:, :, None] == d.topk_ids[:-1, None, :].long()).logical_and(present[:, :, None]).any()
+
+
+def test_a_request_naming_no_temperature_draws_at_the_servers(server):
+    seqs = random_sequences(VOCAB, 2, seed=5)
+    status, blob = _post(server, {"model": "m", "prompt": seqs, "prompt_logprobs": 0, "samples": M_DRAWS,
+                                  "sample_seed": SEED, "max_tokens": 1})  # fmt: skip
+    assert status == 200
+    drawn = decode_sampled(blob, seqs, SampleAsk(M_DRAWS, 0, SEED, T), vocab_size=VOCAB, request="r")
+    for d, want in zip(drawn, _client(server).fetch(seqs)):
+        assert torch.equal(d.ids, want.ids) and torch.equal(d.counts, want.counts)
+    listed = json.loads(urllib.request.urlopen(server.url + "/v1/models").read())["data"][0]
+    assert listed["sample_temperature"] == T
+    from liger_patch_kd.teacher.serve.server import check_serve_options
+
+    with pytest.raises(ValueError, match="--sample-temperature must be a finite number > 0; got 0"):
+        check_serve_options(8, VOCAB, 16, 16, 0)
+
+
+def test_packed_batches_get_each_sequences_draws(server):
+    from transformers import DataCollatorWithFlattening
+
+    from liger_patch_kd.teacher.serve import TeacherPrefetcher
+
+    seqs = random_sequences(VOCAB, 3, seed=6)
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s} for s in seqs])
+    client = _client(server, top_k=2)
+    out = TeacherPrefetcher([batch], client).with_teacher(batch)
+    alone = client.fetch(seqs)
+    start = 0
+    for s, d in zip(seqs, alone):
+        rows = slice(start, start + len(s))
+        assert torch.equal(out["teacher_sample_ids"][0, rows], d.ids)
+        assert torch.equal(out["teacher_sample_counts"][0, rows], d.counts)
+        assert torch.equal(out["teacher_token_ids"][0, rows], d.topk_ids)
+        torch.testing.assert_close(out["teacher_sample_logprobs"][0, rows], d.logprobs, rtol=0, atol=0)
+        start += len(s)
+    assert out["teacher_sample_ids"].shape == (1, start, M_DRAWS)
 
 
 def _post(server, body, accept="application/octet-stream"):

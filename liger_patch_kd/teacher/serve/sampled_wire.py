@@ -3,7 +3,7 @@ their checks on the server, and the binary reply both ends read. Pure functions,
 
 A /v1/completions scoring body (protocols.vllm_request) asks for draws with
     "samples": m (1 .. 255 draws per position), "sample_seed": s (int >= 0, default 0),
-    "sample_temperature": T (number > 0, default 1): the temperature the draws come from,
+    "sample_temperature": T (number > 0; default the server's --sample-temperature): the draws' temperature,
 and then prompt_logprobs K is the hybrid's exact top-K at T (0: draws alone; K + m <= the vocabulary). Each
 prompt draws from a generator seeded from (s, its token ids) (sampling.sequence_generator), so its draws do not
 depend on what else the request or the server's batch holds, and are what `precompute(samples=m, seed=s,
@@ -65,7 +65,8 @@ def validated_samples(body: dict, limits: Limits, top_k: int, binary: bool) -> S
         if extra:
             raise RequestError(400, f"{extra[0]} is given without samples; add samples (draws per position)")
         return None
-    m, seed, t = body["samples"], body.get("sample_seed", 0), body.get("sample_temperature", 1.0)
+    m, seed = body["samples"], body.get("sample_seed", 0)
+    t = body.get("sample_temperature", limits.sample_temperature)
     checks = (
         ("samples", m, is_int(m) and 1 <= m <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}] (draws per position)"),
         ("sample_seed", seed, is_int(seed) and seed >= 0, "an int >= 0"),

@@ -198,19 +198,21 @@ def vllm_prompt_logprobs(sequence: list[int], topk: TopK, next_lp: torch.Tensor,
 def build_app(
     model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_tokens: int = 16384,
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
-    max_context: int | None = None,
+    max_context: int | None = None, sample_temperature: float = 1.0,
 ):  # fmt: skip
     """The FastAPI app serving `model` (eval mode, on its device). `max_context` defaults to the model config's
-    max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`."""
+    max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`;
+    `sample_temperature`: the draws' temperature of a request for sampled tokens that names none."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     vocab = model.get_output_embeddings().weight.shape[0]
-    check_serve_options(top_k, vocab, max_batch_tokens, max_request_tokens)
+    check_serve_options(top_k, vocab, max_batch_tokens, max_request_tokens, sample_temperature)
     if max_context is None:
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens)
+    limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens,
+                    sample_temperature=float(sample_temperature))  # fmt: skip
     engine = GenerationEngine(model, model_name)
     batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.base_model)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -249,7 +251,7 @@ def build_app(
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "liger-kd", "max_logprobs": top_k,
-             "vocab_size": vocab, "max_model_len": max_context}
+             "vocab_size": vocab, "max_model_len": max_context, "sample_temperature": limits.sample_temperature}
         ]}  # fmt: skip
 
     async def generate(req) -> Response:
@@ -300,8 +302,14 @@ def build_app(
     return app
 
 
-def check_serve_options(top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int) -> None:
+def check_serve_options(
+    top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int, sample_temperature: float = 1.0
+) -> None:
     """ValueError naming the option when `liger-kd serve`'s options cannot work with this teacher."""
+    if isinstance(sample_temperature, bool) or not (
+        isinstance(sample_temperature, (int, float)) and math.isfinite(sample_temperature) and sample_temperature > 0
+    ):
+        raise ValueError(f"--sample-temperature must be a finite number > 0; got {sample_temperature!r}")
     if vocab is not None and not 1 <= top_k <= vocab:
         raise ValueError(f"--top-k {top_k} must be in [1, {vocab}] (the teacher's vocabulary size); lower it")
     if max_batch_tokens < 1 or max_request_tokens < 1:
@@ -324,6 +332,7 @@ def serve(
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
     attn_implementation: str | None = None, random_weights: bool = False, precision: str = "bf16",
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
+    sample_temperature: float = 1.0,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
     `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
@@ -339,7 +348,7 @@ def serve(
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     config = AutoConfig.from_pretrained(teacher, **extra)
     check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
-                        max_request_tokens)  # fmt: skip
+                        max_request_tokens, sample_temperature)  # fmt: skip
     if not api_key and not _is_loopback(host):
         print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who reaches "
               f"port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
@@ -364,6 +373,7 @@ def serve(
     app = build_app(
         model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
         max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
+        sample_temperature=sample_temperature,
     )  # fmt: skip
     print(
         f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"

@@ -29,12 +29,14 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class Limits:
     """max_top_k: the server's --top-k; vocab_size: the teacher's lm_head rows; max_context: the model's
-    max_position_embeddings (None: no limit known); max_request_tokens: the server's --max-request-tokens."""
+    max_position_embeddings (None: no limit known); max_request_tokens: the server's --max-request-tokens;
+    sample_temperature: the server's --sample-temperature, for sampled tokens asked without one."""
 
     max_top_k: int
     vocab_size: int
     max_context: int | None
     max_request_tokens: int
+    sample_temperature: float = 1.0
 
 
 def parse_body(raw: bytes) -> Any:
