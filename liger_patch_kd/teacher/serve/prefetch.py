@@ -151,7 +151,7 @@ class TeacherPrefetcher:
         return self.client.submit(sequence_tokens(batch, segments, self.keys))
 
     def attach(self, batch: Mapping[str, Any], segments: Segments, replies: list) -> dict[str, Any]:
-        ask = self.client.ask
+        ask = getattr(self.client, "ask", None)  # a TeacherClient asking for samples; other clients send top-k
         if ask is not None:  # sampled teacher tokens (the client's samples)
             return attach_samples(batch, segments, replies, ask.samples, ask.top_k, self.keys)
         return attach_teacher(batch, segments, replies, self.client.top_k, self.keys)
