@@ -7,7 +7,9 @@ for one over --max-request-tokens. JSON booleans are refused wherever a number i
 Sampling fields are checked for type and range as vLLM's are. A scoring request (with prompt_logprobs) generates
 nothing, so there they are otherwise ignored: `temperature` (any number >= 0, as vLLM takes it) would shape only the
 completion token, and prompt_logprobs are always reported at temperature 1, as vLLM reports them by default. A
-generation request (without prompt_logprobs) is checked further by generation.validated_generation.
+generation request (without prompt_logprobs) is checked further by generation.validated_generation. A scoring
+request may ask for sampled teacher tokens instead (samples, sample_seed, sample_temperature; prompt_logprobs 0
+allowed then): checked by sampled_wire.validated_samples.
 """
 
 from __future__ import annotations
