@@ -105,7 +105,7 @@ def _serve(args) -> None:
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
           attn_implementation=args.attn_implementation, random_weights=args.random_weights,
           precision=args.precision, max_request_tokens=args.max_request_tokens, api_key=args.api_key,
-          batch_invariant=args.batch_invariant)  # fmt: skip
+          batch_invariant=args.batch_invariant, sample_temperature=args.sample_temperature)  # fmt: skip
 
 
 def _bench(args) -> None:
@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens one request may hold (more: HTTP 413)")  # fmt: skip
     srv.add_argument("--batch-invariant", action="store_true",
                      help="run every prompt in a forward of its own: replies bit-identical however requests meet")
+    srv.add_argument("--sample-temperature", type=float, default=1.0,
+                     help="temperature of sampled teacher tokens for requests that name none (liger protocol)")
     srv.add_argument("--api-key", default=None,
                      help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
                           "$LIGER_KD_API_KEY")  # fmt: skip

@@ -230,5 +230,5 @@ def test_peft_student_trains_on_sampled_data(tmp_path):
 
 def test_converters_refuse_a_sampled_store_rather_than_drop_its_draws(tmp_path):
     out = _store(tmp_path, "s", top_k=2)[0]
-    with pytest.raises(TD.TeacherStoreError, match="holds sampled teacher tokens .* no converter carries"):
+    with pytest.raises(TD.TeacherStoreError, match="holds sampled teacher tokens .* which this format cannot hold"):
         next(TD.iter_store(out))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .sampling import sample_teacher_tokens
+from .sampling import sample_teacher_tokens, sequence_generator
 from .store import LOGPROB_DTYPES, StoreWriter
 from .store.compact import codec_from_spec
 from .store.ids import token_ids
@@ -33,7 +33,7 @@ def teacher_topk(
     """Top-k of a teacher batch (B, T) -> (B, T, k) ids and log-probs, from last hidden states a chunk of rows
     at a time, so the (B x T x V) logits are never held at once. Soft-capping is applied as the model does."""
     ids, values = [], []
-    for _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
+    for _, _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
         v, i = logprobs.topk(k, dim=-1)
         ids.append(i)
         values.append(v)
@@ -51,7 +51,7 @@ def teacher_topk_and_next(
     log-probs and (B, T) ranks (the last position, with no next token, gets -inf and 0)."""
     following = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
     ids, values, next_lp, ranks = [], [], [], []
-    for rows, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, 1.0, rows_per_chunk):
+    for _, rows, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, 1.0, rows_per_chunk):
         v, i = logprobs.topk(k, dim=-1)
         own = logprobs.gather(-1, following[rows, None]).squeeze(-1)
         ids.append(i)
@@ -67,23 +67,34 @@ def teacher_topk_and_next(
 @torch.no_grad()
 def teacher_samples(
     teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: int, top_k: int,
-    temperature: float, generator: torch.Generator, rows_per_chunk: int = 1024,
+    temperature: float, generators: Sequence[torch.Generator], rows_per_chunk: int = 1024,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """`samples` draws per position from the teacher at `temperature` (after its exact top_k when top_k > 0), as
     sampling.sample_teacher_tokens makes them: (B, T, m) ids, counts, log-probs, then (B, T, k) top-k ids and
-    log-probs, every log-prob at `temperature`. Chunked like teacher_topk."""
-    parts = []
-    for _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
-        parts.append(sample_teacher_tokens(logprobs, samples, top_k=top_k, generator=generator))
+    log-probs, every log-prob at `temperature`. Row b (right-padded: its first attention_mask[b].sum() positions)
+    draws with generators[b] alone, chunk by chunk from its own start, so its draws do not depend on the rows
+    batched with it; padding positions are padding (id -1, count 0, log-prob -inf)."""
     b, t = input_ids.shape
-    empty = torch.zeros(b * t, 0)
-    out = [torch.cat([getattr(p, name) for p in parts]) for name in ("ids", "counts", "logprobs")]
-    out += [torch.cat([getattr(p, name) for p in parts]) if top_k else empty for name in ("topk_ids", "topk_logprobs")]
-    return tuple(x.reshape(b, t, -1) for x in out)
+    lengths = attention_mask.sum(-1).tolist()
+    spans = [(row * t, row * t + n) for row, n in enumerate(lengths)]
+    parts: list = [[] for _ in range(b)]
+    for span, _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk, spans):
+        parts[span].append(sample_teacher_tokens(logprobs, samples, top_k=top_k, generator=generators[span]))
+    widths = (samples, samples, samples, top_k, top_k)
+    fills = (-1, 0, -math.inf, -1, -math.inf)
+    dtypes = (torch.int32, torch.int32, torch.float32, torch.int64, torch.float32)
+    device = input_ids.device
+    out = [torch.full((b, t, w), f, dtype=d, device=device) for w, f, d in zip(widths, fills, dtypes)]
+    for row, drawn in enumerate(parts):
+        for n, name in enumerate(("ids", "counts", "logprobs", "topk_ids", "topk_logprobs")):
+            if drawn and widths[n]:
+                out[n][row, : lengths[row]] = torch.cat([getattr(p, name) for p in drawn]).to(dtypes[n])
+    return tuple(out)
 
 
-def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int):
-    """(rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk by chunk."""
+def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int, spans=None):
+    """(span index, rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk
+    by chunk from the start of each span (start, stop) of them (default: one span, all of them)."""
     from ..conventions import apply_softcap
     from ..models import unwrap_model
     from ..models.backbone import run_backbone
@@ -96,12 +107,13 @@ def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows
     head = output_head(model, "teacher")
     hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    for start in range(0, flat.shape[0], rows_per_chunk):
-        rows = slice(start, start + rows_per_chunk)
-        logits = apply_softcap(
-            F.linear(flat[rows].to(head.weight.dtype), head.weight, bias).float(), softcap_of(model.config)
-        )
-        yield rows, torch.log_softmax(logits / temperature, dim=-1)
+    for span, (first, stop) in enumerate(spans if spans is not None else [(0, flat.shape[0])]):
+        for start in range(first, stop, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, stop))
+            logits = apply_softcap(
+                F.linear(flat[rows].to(head.weight.dtype), head.weight, bias).float(), softcap_of(model.config)
+            )
+            yield span, rows, torch.log_softmax(logits / temperature, dim=-1)
 
 
 def precompute(
@@ -132,9 +144,10 @@ def precompute(
     encoding: "plain" or "packed<bits>" (compact ids and log-probs quantised to <bits> bits; see compact.py).
     samples: m > 0 writes m tokens per position sampled from the teacher at `temperature` (distinct ids, counts,
         log-probs at that temperature; store/samples.py), after its exact top_k (the hybrid) or alone (top_k=0);
-        `seed` makes the draws reproducible (batch j's generator is seeded from seed and its first sequence, so a
-        resumed run draws what a complete one would, on the same device type). Train on them with
-        losses.fused_linear_sampled_kd (KDTrainer does, from the batch columns) at that same temperature.
+        `seed` makes the draws reproducible (each sequence draws from a generator seeded from seed and its token ids:
+        sampling.sequence_generator; so a resumed run, another batch_size or `liger-kd serve` with sample_seed=seed
+        draws the same, on the same device type, up to the rounding of the teacher's batched forward). Train on them
+        with losses.fused_linear_sampled_kd (KDTrainer does, from the batch columns) at that same temperature.
     """
     vocab = teacher.get_output_embeddings().weight.shape[0]
     check_precompute_args(vocab, top_k=top_k, temperature=temperature, batch_size=batch_size, shard_size=shard_size,
@@ -169,6 +182,7 @@ def check_precompute_args(
     logprob_dtype: str = "bfloat16", encoding: str = "plain", max_length: int | None = None, samples: int = 0,
 ) -> None:  # fmt: skip
     """Every precompute option checked before any work: a ValueError naming the option and the fix."""
+
     def is_int(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
@@ -178,8 +192,10 @@ def check_precompute_args(
     if not is_int(top_k) or not low <= top_k <= high:
         bound = f"vocab_size={vocab}" + (" - 1 (something is left to draw)" if samples else "")
         raise ValueError(f"top_k (--top-k) must be an integer in [{low}, {bound}]; got {top_k!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature (--temperature) must be a finite number > 0 (1 is the usual); got "
                          f"{temperature!r}")  # fmt: skip
@@ -215,12 +231,10 @@ def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size,
                     torch.arange(padded.shape[1], device=device)[None]
                     < torch.tensor([len(s) for s in batch], device=device)[:, None]
                 ).long()
-                if samples:
-                    # 32 bits of sha256(seed, first sequence): CPU generators keep only 32 bits of a seed
-                    key = hashlib.sha256(f"{seed}:{shard * shard_size + start}".encode()).hexdigest()[:8]
-                    generator = torch.Generator(device).manual_seed(int(key, 16))
+                if samples:  # each sequence's own generator: its draws are the server's for the same seed
+                    generators = [sequence_generator(seed, s, device) for s in batch]
                     *b_draws, b_ids, b_values = teacher_samples(teacher, padded, mask, samples, top_k, temperature,
-                                                                generator)  # fmt: skip
+                                                                generators)  # fmt: skip
                 else:
                     b_ids, b_values = teacher_topk(teacher, padded, mask, top_k, temperature)
                 for row, seq in enumerate(batch):

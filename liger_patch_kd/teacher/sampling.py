@@ -5,7 +5,9 @@ reads them is `losses.fused_linear_sampled_kd`."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -53,3 +55,14 @@ def sample_teacher_tokens(
     ids = torch.where(present, ids, -1)
     sample_lp = torch.where(present, lp.gather(-1, torch.where(present, ids, 0)), -math.inf)
     return SampledTokens(ids.to(torch.int32), counts, sample_lp, top_ids, top_lp)
+
+
+def sequence_generator(
+    seed: int, tokens: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """The generator of one sequence's draws, seeded from sha256(seed, its token ids): a sequence's draws depend on
+    the seed, its tokens and the teacher only, not on its batch, request, position in the data or order, so
+    `precompute(seed=s)` and `liger-kd serve` (a request's sample_seed s) draw the same tokens for it."""
+    ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1).cpu()
+    digest = hashlib.sha256(f"{int(seed)}:".encode() + ids.numpy().tobytes()).hexdigest()
+    return torch.Generator(device).manual_seed(int(digest[:8], 16))  # CPU generators keep only 32 bits of a seed

@@ -127,6 +127,14 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
+    kd_teacher_samples: int | None = field(
+        default=None,
+        metadata={"help": "Sampled teacher tokens from `liger-kd serve` (protocol liger): m draws per position at "
+                  "kd_temperature, after the exact kd_teacher_top_k (0: draws alone). None: the top-k only."},
+    )  # fmt: skip
+    kd_teacher_sample_seed: int = field(
+        default=0, metadata={"help": "Seed of the served draws (with each sequence's ids: precompute --seed's draws)."}
+    )
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
     kd_teacher_api_key: str | None = field(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..conventions import require_sampled_objective
 from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ..teacher.serve.prefetch import STUDENT_KEYS
+from ..teacher.store.samples import MAX_SAMPLES
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
@@ -26,6 +28,8 @@ def served_teacher_dataloader(
     client = TeacherClient(
         args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
         timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key,
+        samples=args.kd_teacher_samples, sample_seed=args.kd_teacher_sample_seed,
+        sample_temperature=args.kd_temperature,  # drawn at the training temperature: the estimate is then exact
     )  # fmt: skip
     return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
 
@@ -36,7 +40,9 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
         return
     if args.kd_teacher_protocol not in PROTOCOLS:
         raise ValueError(f"kd_teacher_protocol must be one of {tuple(PROTOCOLS)}; got {args.kd_teacher_protocol!r}")
-    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+    if args.kd_teacher_samples is not None:
+        check_served_samples_args(args)
+    elif args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
         raise ValueError(
             f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
             f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
@@ -51,4 +57,34 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
         raise ValueError(
             "kd_teacher_url serves teacher log-probs; sequence-level KD (kd_seq_kd, the teacher generates) and "
             "self-distillation need a teacher_model in the process"
+        )
+
+
+def check_served_samples_args(args: KDTrainingArguments) -> None:
+    """kd_teacher_samples (sampled teacher tokens from `liger-kd serve`), validated with the arguments: the liger
+    protocol, one server, the sampled loss's objective (forward KL), offline-style batches."""
+    m, k, seed = args.kd_teacher_samples, args.kd_teacher_top_k, args.kd_teacher_sample_seed
+    if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= MAX_SAMPLES:
+        raise ValueError(f"kd_teacher_samples must be None or an int in [1, {MAX_SAMPLES}] (draws per position); "
+                         f"got {m!r}")  # fmt: skip
+    if k < 0 or not isinstance(seed, int) or seed < 0 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(
+            f"with kd_teacher_samples need kd_teacher_top_k >= 0 (the hybrid's exact top-k; 0: draws alone), "
+            f"kd_teacher_sample_seed >= 0, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got {k}, {seed!r}, "
+            f"{args.kd_teacher_timeout}, {args.kd_teacher_retries}"
+        )
+    if args.kd_teacher_protocol != "liger" or isinstance(args.kd_teacher_url, dict):
+        raise ValueError(
+            f"kd_teacher_samples: sampled teacher tokens are served by one `liger-kd serve` (kd_teacher_protocol="
+            f"'liger', kd_teacher_url a str); got kd_teacher_protocol={args.kd_teacher_protocol!r}"
+        )
+    try:
+        require_sampled_objective(args.kd_loss_config())
+    except ValueError as e:
+        raise ValueError(f"kd_beta: kd_teacher_samples asks for sampled teacher tokens; {e}") from None
+    if args.kd_lmbda > 0 or args.kd_teacher_tokenizer or args.kd_seq_kd or args.kd_self_distill:
+        raise ValueError(
+            "kd_teacher_samples trains on the dataset's sequences with one tokenizer: leave kd_lmbda=0, "
+            "kd_teacher_tokenizer=None, kd_seq_kd and kd_self_distill off (or ask for the top-k: "
+            "kd_teacher_samples=None)"
         )

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import TeacherStoreError, iter_store, read_manifest
+from ..store import TeacherStoreError, iter_store, read_manifest, refuse_samples
 from .common import converting, field, flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 _TOKEN = re.compile(r"^token_id:(\d+)$")
@@ -115,6 +115,7 @@ def store_to_axolotl(store_dir: str | Path):
     target_logprobs, target_mask; padding slots: id 0, log-prob 0, mask 0). Refuses a store whose manifest
     records temperature != 1 being passed off as temperature 1: the temperature is kept in the dataset's info."""
     datasets = import_datasets()
+    refuse_samples(store_dir, "axolotl's layout")  # now, not inside the dataset's generator
     meta = read_manifest(store_dir)
     if meta.get("temperature", 1.0) != 1.0:
         warnings.warn(f"{store_dir} holds log-probs at temperature {meta['temperature']}; axolotl must be told so",

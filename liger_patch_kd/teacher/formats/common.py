@@ -130,11 +130,14 @@ def converting(writer: StoreWriter):
 
 
 def flush_rows(writer: StoreWriter, pending: list) -> None:
-    """Write the pending (input_ids, ids, log-probs) sequences as one shard, then empty the list."""
+    """Write the pending (input_ids, ids, log-probs[, (sample ids, counts, log-probs)]) sequences as one shard,
+    then empty the list."""
     if pending:
+        samples = tuple(torch.cat(part) for part in zip(*(p[3] for p in pending))) if len(pending[0]) > 3 else None
         writer.write_shard(
-            [p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending])
-        )
+            [p[0] for p in pending], torch.cat([p[1] for p in pending]), torch.cat([p[2] for p in pending]),
+            samples=samples,
+        )  # fmt: skip
         pending.clear()
 
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store import iter_store, read_manifest
+from ..store import read_manifest
 from .axolotl import axolotl_to_store, store_to_axolotl
 from .distillkit import distillkit_to_store, store_to_distillkit
-from .hf_datasets import dataset_to_store, load_table, store_to_dataset
+from .hf_datasets import dataset_to_store, load_table, store_items, store_to_dataset
 
 
 @dataclass(frozen=True)
@@ -61,19 +61,20 @@ def save_table(table, out: str) -> Path:
 
 
 def store_rows(store: str):
-    """A store's sequences as rows of the `datasets` layout (input_ids, teacher_token_ids, teacher_logprobs)."""
-    for ids, top_ids, top_lp in iter_store(store):
-        yield {"input_ids": ids, "teacher_token_ids": top_ids, "teacher_logprobs": top_lp.float()}
+    """A store's sequences as rows of the `datasets` layout (input_ids, teacher_token_ids, teacher_logprobs, and the
+    sampled tokens' columns of a store of them)."""
+    return store_items(store)
 
 
 def _restore(source: str, out: str, options: ConvertOptions) -> Path:
     """store -> store: the same sequences in a new store (e.g. another --encoding or --dtype)."""
     meta = read_manifest(source)
+    seed = {"sample_seed": meta["sample_seed"]} if "sample_seed" in meta else {}
     return dataset_to_store(
         store_rows(source), out, vocab_size=meta["vocab_size"], top_k=meta["top_k"],
         logprob_dtype=options.dtype or meta.get("logprob_dtype", "float32"), encoding=options.encoding,
         shard_size=options.shard_size, teacher=meta.get("teacher", ""), temperature=meta.get("temperature", 1.0),
-        tokenizer_fingerprint=meta.get("tokenizer_fingerprint"),
+        tokenizer_fingerprint=meta.get("tokenizer_fingerprint"), **seed,
     )  # fmt: skip
 
 

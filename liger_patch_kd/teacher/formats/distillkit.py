@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import TeacherStoreError, iter_store, read_manifest
+from ..store import TeacherStoreError, iter_store, read_manifest, refuse_samples
 from ..store.ids import token_ids
 from .common import converting, flush_rows, open_conversion
 from .distillkit_codec import (
@@ -221,6 +221,7 @@ def store_to_distillkit(
     Every position but a sequence's final padding row needs at least k finite slots (the format has no
     padding); a store with more than k slots keeps its k most likely. Lossless only with exact_k = k and an
     exact_dtype holding the store's values (float32 for a float32 store)."""
+    refuse_samples(store_dir, "DistillKit's compressed format")
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq

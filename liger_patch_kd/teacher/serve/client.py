@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import protocols as P
 from .protocols import PROTOCOLS
+from .sampled_wire import checked_ask, decode_sampled
 from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError
 
 __all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
@@ -54,17 +55,26 @@ class TeacherClient:
     (`liger-kd serve`, binary replies). `sequences_per_request` sequences go in one request and up to
     `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the server may return.
     `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization: Bearer <api_key>`.
+
+    `samples` = m asks `liger-kd serve` (protocol "liger") for m sampled teacher tokens per position at
+    `sample_temperature`, seeded by `sample_seed` (sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
+    draws alone), and each sequence's reply is a sampling.SampledTokens (T rows) instead of a TopK.
     """
 
     def __init__(
         self, url: str, protocol: str = "vllm", *, top_k: int, vocab_size: int, timeout: float = 120.0,
         retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int = 4,
-        backoff: float = 0.5, api_key: str | None = None,
+        backoff: float = 0.5, api_key: str | None = None, samples: int | None = None, sample_seed: int = 0,
+        sample_temperature: float = 1.0,
     ) -> None:  # fmt: skip
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}; got {protocol!r}")
-        if top_k < 1 or vocab_size < 1:
-            raise ValueError(f"top_k and vocab_size must be >= 1; got top_k={top_k}, vocab_size={vocab_size}")
+        if samples is not None and protocol != "liger":
+            raise ValueError(f"samples (sampled teacher tokens) are served by `liger-kd serve` only: use protocol "
+                             f"'liger', not {protocol!r}")  # fmt: skip
+        if top_k < (0 if samples is not None else 1) or vocab_size < 1:
+            raise ValueError(f"top_k and vocab_size must be >= 1 (top_k >= 0 with samples); got top_k={top_k}, "
+                             f"vocab_size={vocab_size}")  # fmt: skip
         if timeout <= 0 or retries < 0 or max_in_flight < 1 or sequences_per_request < 1:
             raise ValueError(
                 f"need timeout > 0, retries >= 0, max_in_flight >= 1, sequences_per_request >= 1; got {timeout}, "
@@ -75,6 +85,7 @@ class TeacherClient:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.sequences_per_request = sequences_per_request
         self._model = model
+        self.ask = None if samples is None else checked_ask(samples, top_k, sample_seed, sample_temperature)
         self._http = HttpEndpoint(
             self.url, timeout=timeout, retries=retries, backoff=backoff,
             api_key=api_key or os.environ.get(API_KEY_ENV) or None, hints=_HINTS,
@@ -132,7 +143,9 @@ class TeacherClient:
         name = f"request {next(self._counter)} ({size}) to {self.url}"
         wire = PROTOCOLS[self.protocol]
         body = wire.request(sequences, self.top_k, self._model_name)
-        raw, content_type = self._post(wire.path, body, wire.accept)
+        raw, content_type = self._post(wire.path, body | (self.ask.fields() if self.ask else {}), wire.accept)
+        if self.ask is not None:
+            return decode_sampled(raw, sequences, self.ask, vocab_size=self.vocab_size, request=name)
         common = dict(top_k=self.top_k, vocab_size=self.vocab_size, request=name)
         if content_type.startswith(P.BINARY_MEDIA_TYPE):
             return P.decode_binary(raw, sequences, **common)

@@ -1,13 +1,14 @@
-"""Teacher data from a server, fetched ahead: while step i trains, the requests for batches i + 1 ... i + depth are
-in flight, so the student waits only when the server is slower than the student.
+"""Teacher data from a server, fetched ahead: while step i trains, the requests for batches i + 1 ... i + depth are in
+flight, so the student waits only when the server is slower than the student.
 
 TeacherPrefetcher wraps the training DataLoader: a background thread draws batches, splits each into its sequences
 (rows by attention_mask; packed rows, where position_ids restart, into the sequences packed in them) and submits
-them to a TeacherClient; the training loop gets each batch, in order, with teacher_token_ids / teacher_logprobs
-(B, T, K) aligned with its positions (padding positions: id -1, log-prob -inf), i.e. exactly what an offline store's
-collator gives. Every batch waits for its own replies: none trains without its teacher data, and an error (server
-gone after the retries, timeout, malformed reply, or the DataLoader's own) is raised in the training loop. Each
-process wraps its own DataLoader shard, so each rank asks for its own batches.
+them to a TeacherClient; the training loop gets each batch, in order, with teacher_token_ids / teacher_logprobs (B,
+T, K) aligned with its positions (padding positions: id -1, log-prob -inf), i.e. exactly what an offline store's
+collator gives (with a client asking for samples: the sampled teacher tokens' columns, attach_samples). Every batch
+waits for its own replies: none trains without its teacher data, and an error (server gone after the retries,
+timeout, malformed reply, or the DataLoader's own) is raised in the training loop. Each process wraps its own
+DataLoader shard, so each rank asks for its own batches.
 
 A teacher with another tokenizer (align/) is asked about the batch's `teacher_input_ids` under its
 `teacher_attention_mask` (the `keys`), and its replies are aligned with those positions, as offline data is.
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..sampling import SampledTokens
 from .client import TeacherClient
 from .protocols import TopK
 
@@ -66,6 +68,29 @@ def attach_teacher(
         ids[row, positions] = i
         logprobs[row, positions] = v
     return {**batch, "teacher_token_ids": ids, "teacher_logprobs": logprobs}
+
+
+def attach_samples(
+    batch: Mapping[str, Any], segments: Segments, draws: list[SampledTokens], samples: int, top_k: int,
+    keys: tuple[str, str] = STUDENT_KEYS,
+) -> dict[str, Any]:  # fmt: skip
+    """A copy of `batch` with the sampled teacher tokens a store's collator gives: teacher_sample_ids (B, T, m)
+    int32, teacher_sample_counts int32, teacher_sample_logprobs float32 (padding -1, 0, -inf) and, for the hybrid
+    (top_k > 0), its top-k as teacher_token_ids / teacher_logprobs; draws alone carry no top-k columns."""
+    if "teacher_sample_ids" in batch:
+        raise ValueError("the batch already holds teacher_sample_ids: use an offline store or a server, not both")
+    out = dict(batch)
+    if top_k:
+        out = attach_teacher(batch, segments, [(d.topk_ids, d.topk_logprobs) for d in draws], top_k, keys)
+    rows, length = batch[keys[0]].shape
+    columns = {"teacher_sample_ids": (-1, torch.int32), "teacher_sample_counts": (0, torch.int32),
+               "teacher_sample_logprobs": (-math.inf, torch.float32)}  # fmt: skip
+    for (name, (fill, dtype)), part in zip(columns.items(), ("ids", "counts", "logprobs")):
+        column = torch.full((rows, length, samples), fill, dtype=dtype)
+        for (row, positions), d in zip(segments, draws):
+            column[row, positions] = getattr(d, part).to(dtype)
+        out[name] = column
+    return out
 
 
 def sequence_tokens(batch: Mapping[str, torch.Tensor], segments: Segments, keys: tuple[str, str]) -> list[list[int]]:
@@ -125,8 +150,11 @@ class TeacherPrefetcher:
         """The requests for one batch's sequences, in flight (`.result()`: their top-k, in order)."""
         return self.client.submit(sequence_tokens(batch, segments, self.keys))
 
-    def attach(self, batch: Mapping[str, Any], segments: Segments, topks: list[TopK]) -> dict[str, Any]:
-        return attach_teacher(batch, segments, topks, self.client.top_k, self.keys)
+    def attach(self, batch: Mapping[str, Any], segments: Segments, replies: list) -> dict[str, Any]:
+        ask = getattr(self.client, "ask", None)  # a TeacherClient asking for samples; other clients send top-k
+        if ask is not None:  # sampled teacher tokens (the client's samples)
+            return attach_samples(batch, segments, replies, ask.samples, ask.top_k, self.keys)
+        return attach_teacher(batch, segments, replies, self.client.top_k, self.keys)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self._ready:  # a server down at start fails here, within the client's timeout

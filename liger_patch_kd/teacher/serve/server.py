@@ -7,7 +7,9 @@
 Replies as vLLM does: choices[i].prompt_logprobs is a list over prompt positions, the first null, each position
 {"<id>": {"logprob", "rank", "decoded_token"}} with the top K and, when it is outside them, the prompt token itself.
 With `Accept: application/octet-stream` the reply is protocols.encode_binary's arrays instead (already row-aligned
-top K), far cheaper to decode. Prompts must be token ids. A /v1/completions body without prompt_logprobs asks
+top K), far cheaper to decode; a binary request with `samples` gets sampled teacher tokens instead (m draws per
+position at sample_temperature, seeded by sample_seed and each prompt's ids, optionally after the exact top-K: the
+hybrid; sampled_wire.py). Prompts must be token ids. A /v1/completions body without prompt_logprobs asks
 for sampled completions instead, and the server also takes vLLM's LoRA adapter and a full-weight update routes: the
 model as a rollout engine (generation.py).
 
@@ -38,10 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..precompute import teacher_topk_and_next
+from ..precompute import teacher_samples, teacher_topk_and_next
+from ..sampling import SampledTokens, sequence_generator
 from .client import API_KEY_ENV
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from .sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .validation import Limits, RequestError, parse_body, validated_completion
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
@@ -53,6 +57,7 @@ log = logging.getLogger("liger_patch_kd.serve")
 class _Pending:
     sequence: list[int]
     future: asyncio.Future
+    ask: SampleAsk | None = None  # sampled teacher tokens instead of the top-k (sampled_wire.py)
 
 
 class TeacherBatcher:
@@ -77,12 +82,19 @@ class TeacherBatcher:
 
     async def score(self, sequences: list[list[int]], top_k: int) -> list[tuple[TopK, torch.Tensor, torch.Tensor]]:
         """Per sequence: (ids, log-probs) (T, top_k) row-aligned, next-token log-probs (T,) and their ranks (T,)."""
+        results = await self._wait(sequences, None)
+        return [((i[:, :top_k], v[:, :top_k]), lp, r) for (i, v), lp, r in results]
+
+    async def draw(self, sequences: list[list[int]], ask: SampleAsk) -> list[SampledTokens]:
+        """Per sequence: its sampled teacher tokens (T rows, the last padding), drawn with its own generator."""
+        return await self._wait(sequences, ask)
+
+    async def _wait(self, sequences: list[list[int]], ask: SampleAsk | None) -> list:
         loop = asyncio.get_running_loop()
-        pending = [_Pending(s, loop.create_future()) for s in sequences]
+        pending = [_Pending(s, loop.create_future(), ask) for s in sequences]
         self.waiting.extend(pending)
         self.wakeup.set()
-        results = await asyncio.gather(*(p.future for p in pending))
-        return [((i[:, :top_k], v[:, :top_k]), lp, r) for (i, v), lp, r in results]
+        return await asyncio.gather(*(p.future for p in pending))
 
     async def run(self) -> None:
         while True:
@@ -100,7 +112,7 @@ class TeacherBatcher:
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         try:
-            results = await asyncio.to_thread(self._forward, [p.sequence for p in batch])
+            results = await asyncio.to_thread(self._forward, batch)
         except Exception as e:  # these requests get a 500 naming the error; the server keeps serving
             for p in batch:
                 if not p.future.done():
@@ -111,24 +123,46 @@ class TeacherBatcher:
             if not p.future.done():
                 p.future.set_result(result)
 
-    def _forward(self, sequences: list[list[int]]):
+    def _forward(self, batch: list[_Pending]) -> list:
+        """One result per pending sequence; a forward per kind of request (top-k, or one draw setting) in it."""
+        groups: dict = {}
+        for n, p in enumerate(batch):  # sequences alike share a forward; a draw's seed is its sequence's own
+            key = None if p.ask is None else (p.ask.samples, p.ask.top_k, p.ask.temperature)
+            groups.setdefault(n if self.batch_invariant else key, []).append(n)
+        out: list = [None] * len(batch)
         with self.guard():
-            if self.batch_invariant:
-                return [out for s in sequences for out in self._forward_padded([s])]
-            return self._forward_padded(sequences)
+            for members in groups.values():
+                items = [batch[n] for n in members]
+                run = self._forward_padded if items[0].ask is None else self._draw_padded
+                for n, result in zip(members, run(items)):
+                    out[n] = result
+        return out
 
-    def _forward_padded(self, sequences: list[list[int]]):
+    def _padded(self, items: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         self.forwards_run += 1
-        lengths = [len(s) for s in sequences]
-        width = max(lengths)
-        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        lengths = [len(p.sequence) for p in items]
+        ids = torch.zeros((len(items), max(lengths)), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for row, seq in enumerate(sequences):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-        top_ids, top_lp, next_lp, ranks = teacher_topk_and_next(
-            self.model, ids.to(self.device), mask.to(self.device), self.max_top_k
-        )
+        for row, p in enumerate(items):
+            ids[row, : lengths[row]] = torch.tensor(p.sequence)
+            mask[row, : lengths[row]] = 1
+        return ids.to(self.device), mask.to(self.device), lengths
+
+    def _draw_padded(self, items: list[_Pending]) -> list[SampledTokens]:
+        ask = items[0].ask
+        ids, mask, lengths = self._padded(items)
+        generators = [sequence_generator(p.ask.seed, p.sequence, self.device) for p in items]
+        drawn = teacher_samples(self.model, ids, mask, ask.samples, ask.top_k, ask.temperature, generators)
+        out = []
+        for row, n in enumerate(lengths):
+            s_ids, counts, s_lp, t_ids, t_lp = (d[row, :n].cpu().clone() for d in drawn)
+            s_ids[-1], counts[-1], s_lp[-1], t_ids[-1], t_lp[-1] = -1, 0, -math.inf, -1, -math.inf  # predicts nothing
+            out.append(SampledTokens(s_ids, counts, s_lp, t_ids.to(torch.int32), t_lp))
+        return out
+
+    def _forward_padded(self, items: list[_Pending]):
+        ids, mask, lengths = self._padded(items)
+        top_ids, top_lp, next_lp, ranks = teacher_topk_and_next(self.model, ids, mask, self.max_top_k)
         top_ids, top_lp, next_lp, ranks = (t.cpu() for t in (top_ids, top_lp, next_lp, ranks))
         out = []
         for row, n in enumerate(lengths):
@@ -164,19 +198,21 @@ def vllm_prompt_logprobs(sequence: list[int], topk: TopK, next_lp: torch.Tensor,
 def build_app(
     model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_tokens: int = 16384,
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
-    max_context: int | None = None,
+    max_context: int | None = None, sample_temperature: float = 1.0,
 ):  # fmt: skip
     """The FastAPI app serving `model` (eval mode, on its device). `max_context` defaults to the model config's
-    max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`."""
+    max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`;
+    `sample_temperature`: the draws' temperature of a request for sampled tokens that names none."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     vocab = model.get_output_embeddings().weight.shape[0]
-    check_serve_options(top_k, vocab, max_batch_tokens, max_request_tokens)
+    check_serve_options(top_k, vocab, max_batch_tokens, max_request_tokens, sample_temperature)
     if max_context is None:
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens)
+    limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens,
+                    sample_temperature=float(sample_temperature))  # fmt: skip
     engine = GenerationEngine(model, model_name)
     batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.base_model)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -215,7 +251,7 @@ def build_app(
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "liger-kd", "max_logprobs": top_k,
-             "vocab_size": vocab, "max_model_len": max_context}
+             "vocab_size": vocab, "max_model_len": max_context, "sample_temperature": limits.sample_temperature}
         ]}  # fmt: skip
 
     async def generate(req) -> Response:
@@ -235,14 +271,19 @@ def build_app(
             if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
                 return await generate(validated_generation(body, limits))
             sequences, k = validated_completion(body, limits)
+            binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
+            ask = validated_samples(body, limits, k, binary)
         except RequestError as e:
             return error(e.status, e.message)
         try:
+            if ask is not None:  # sampled teacher tokens (sampled_wire.py), binary only
+                drawn = await batcher.draw(sequences, ask)
+                return Response(encode_sampled(drawn, sequences, ask), media_type=BINARY_MEDIA_TYPE)
             scored = await batcher.score(sequences, k)
         except Exception as e:  # a fault of the server (out of memory, ...): 500, which clients retry
             log.exception("the teacher forward failed")
             return error(500, f"the teacher forward failed: {type(e).__name__}: {e}")
-        if BINARY_MEDIA_TYPE in request.headers.get("accept", ""):
+        if binary:
             return Response(encode_binary([topk for topk, _, _ in scored], sequences), media_type=BINARY_MEDIA_TYPE)
         choices = [
             {"index": n, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
@@ -261,8 +302,14 @@ def build_app(
     return app
 
 
-def check_serve_options(top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int) -> None:
+def check_serve_options(
+    top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int, sample_temperature: float = 1.0
+) -> None:
     """ValueError naming the option when `liger-kd serve`'s options cannot work with this teacher."""
+    if isinstance(sample_temperature, bool) or not (
+        isinstance(sample_temperature, (int, float)) and math.isfinite(sample_temperature) and sample_temperature > 0
+    ):
+        raise ValueError(f"--sample-temperature must be a finite number > 0; got {sample_temperature!r}")
     if vocab is not None and not 1 <= top_k <= vocab:
         raise ValueError(f"--top-k {top_k} must be in [1, {vocab}] (the teacher's vocabulary size); lower it")
     if max_batch_tokens < 1 or max_request_tokens < 1:
@@ -285,6 +332,7 @@ def serve(
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
     attn_implementation: str | None = None, random_weights: bool = False, precision: str = "bf16",
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
+    sample_temperature: float = 1.0,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
     `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
@@ -300,7 +348,7 @@ def serve(
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     config = AutoConfig.from_pretrained(teacher, **extra)
     check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
-                        max_request_tokens)  # fmt: skip
+                        max_request_tokens, sample_temperature)  # fmt: skip
     if not api_key and not _is_loopback(host):
         print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who reaches "
               f"port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
@@ -325,6 +373,7 @@ def serve(
     app = build_app(
         model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
         max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
+        sample_temperature=sample_temperature,
     )  # fmt: skip
     print(
         f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"

@@ -7,7 +7,9 @@ for one over --max-request-tokens. JSON booleans are refused wherever a number i
 Sampling fields are checked for type and range as vLLM's are. A scoring request (with prompt_logprobs) generates
 nothing, so there they are otherwise ignored: `temperature` (any number >= 0, as vLLM takes it) would shape only the
 completion token, and prompt_logprobs are always reported at temperature 1, as vLLM reports them by default. A
-generation request (without prompt_logprobs) is checked further by generation.validated_generation.
+generation request (without prompt_logprobs) is checked further by generation.validated_generation. A scoring
+request may ask for sampled teacher tokens instead (samples, sample_seed, sample_temperature; prompt_logprobs 0
+allowed then): checked by sampled_wire.validated_samples.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class Limits:
     """max_top_k: the server's --top-k; vocab_size: the teacher's lm_head rows; max_context: the model's
-    max_position_embeddings (None: no limit known); max_request_tokens: the server's --max-request-tokens."""
+    max_position_embeddings (None: no limit known); max_request_tokens: the server's --max-request-tokens;
+    sample_temperature: the server's --sample-temperature, for sampled tokens asked without one."""
 
     max_top_k: int
     vocab_size: int
     max_context: int | None
     max_request_tokens: int
+    sample_temperature: float = 1.0
 
 
 def parse_body(raw: bytes) -> Any:
@@ -52,9 +56,10 @@ def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], in
     prompts = token_prompts(body.get("prompt"))
     check_prompts(prompts, limits)
     k = body.get("prompt_logprobs")
-    if not is_int(k) or not 1 <= k <= limits.max_top_k:
+    low = 0 if body.get("samples") is not None else 1  # with sampled tokens, 0 asks for the draws alone
+    if not is_int(k) or not low <= k <= limits.max_top_k:
         raise RequestError(
-            400, f"prompt_logprobs must be an int in [1, {limits.max_top_k}] (the server's --top-k); got "
+            400, f"prompt_logprobs must be an int in [{low}, {limits.max_top_k}] (the server's --top-k); got "
                  f"{json.dumps(k)[:40]}"
         )  # fmt: skip
     check_sampling(body)

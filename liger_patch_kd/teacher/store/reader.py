@@ -155,19 +155,26 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         return item
 
 
-def iter_store(store_dir: str | Path) -> Any:
+def iter_store(store_dir: str | Path, target: str = "this format") -> Any:
     """(input_ids, teacher_token_ids, teacher_logprobs) of every sequence in order, as tensors; for converters.
-    A store of sampled teacher tokens is refused: no converter carries them yet, and dropping them (or the
-    hybrid's draws) would change the objective silently."""
+    A store of sampled teacher tokens is refused (refuse_samples): dropping its draws (or the hybrid's) would
+    change the objective silently; formats/hf_datasets.py carries them."""
+    refuse_samples(store_dir, target)
     data = TeacherLogprobsDataset(store_dir)
-    if samples_of(data.meta):
-        raise TeacherStoreError(
-            f"{store_dir} holds sampled teacher tokens (samples={samples_of(data.meta)}), which no converter carries "
-            f"yet: train on the store itself (TeacherLogprobsDataset), or precompute a top-k store to convert"
-        )
     for i in range(len(data)):
         item = data[i]
         yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]
+
+
+def refuse_samples(store_dir: str | Path, target: str) -> None:
+    """TeacherStoreError when the store holds sampled teacher tokens, which `target` (a format) cannot hold."""
+    m = samples_of(read_manifest(store_dir))
+    if m:
+        raise TeacherStoreError(
+            f"{store_dir} holds sampled teacher tokens (samples={m}), which {target} cannot hold (it has top-k "
+            f"columns only, and dropping the draws would change the objective): convert it with --to hf (datasets) "
+            f"or --to store, or train on the store itself"
+        )
 
 
 class VerifiedStore(int):
