@@ -21,11 +21,16 @@ def first_row_is_prompt(dataset: Any) -> bool:
 
 def first_row_is(dataset: Any, test) -> bool:
     """Whether `test` holds for the dataset's first row (False for an iterable dataset: its collator decides)."""
+    row = first_row_of(dataset)
+    return row is not None and bool(test(row))
+
+
+def first_row_of(dataset: Any) -> Any:
+    """The dataset's first row, or None for an iterable dataset (or none)."""
     try:
-        row = dataset[0]
+        return dataset[0]
     except Exception:  # an iterable dataset, or none: the collator given decides
-        return False
-    return bool(test(row))
+        return None
 
 
 def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:

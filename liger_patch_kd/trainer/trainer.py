@@ -28,7 +28,7 @@ from .cross_tokenizer import (
     is_cross_tokenizer_batch,
 )
 from .cross_tokenizer_rollouts import rows_maker
-from .dataset_setup import first_row_is, first_row_is_prompt, with_vocab_size
+from .dataset_setup import first_row_is, first_row_is_prompt, first_row_of, with_vocab_size
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
@@ -37,7 +37,7 @@ from .sampled_data import check_sampled_dataset
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
-from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup
+from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
 
 logger = logging.get_logger(__name__)
 
@@ -71,6 +71,8 @@ class KDTrainer(Trainer):
             teacher_model = None
         elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+        else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
+            check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
         teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")

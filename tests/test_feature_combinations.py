@@ -1,0 +1,104 @@
+"""Combinations of the features (several teachers, privileged rows, sampled teacher tokens, FP8 logits) that must
+either train the objective asked or be refused with a ValueError naming the option: none may be silently ignored."""
+
+import pytest
+import torch
+
+from liger_patch_kd import teacher as TD
+from liger_patch_kd.config import KDLossConfig
+from liger_patch_kd.losses import multi_teacher, sampled_teacher
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+from .tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+
+def _args(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1, learning_rate=1e-3,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, kd_beta=0.0, kd_vocab_size=VOCAB,
+    )  # fmt: skip
+    return KDTrainingArguments(**{**base, **overrides})
+
+
+def _rows(extra=lambda ids: {}, n=2):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(1, VOCAB, (8,), generator=g)
+        labels = ids.clone()
+        labels[:3] = -100
+        rows.append({"input_ids": ids, "labels": labels, **extra(ids)})
+    return rows
+
+
+def _samples(ids, k=4):
+    g = torch.Generator().manual_seed(1)
+    return {
+        "teacher_sample_ids": torch.randint(0, VOCAB, (len(ids), k), generator=g),
+        "teacher_sample_counts": torch.ones(len(ids), k, dtype=torch.int32),
+        "teacher_sample_logprobs": -3 * torch.rand(len(ids), k, generator=g),
+    }
+
+
+def _models(several):
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    if not several:
+        return student, tiny_model("llama", dtype=torch.float32, seed=2)
+    return student, {"a": tiny_model("llama", dtype=torch.float32, seed=2), "b": tiny_model("llama", seed=3)}
+
+
+def _trainer(tmp_path, teacher, rows, student=None, **overrides):
+    return KDTrainer(
+        model=student or tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
+        args=_args(tmp_path, **overrides), train_dataset=rows, data_collator=TD.TeacherDataCollator(),
+    )  # fmt: skip
+
+
+def test_several_live_teachers_refuse_sampled_teacher_columns(tmp_path):
+    """The sampled draws would be dropped and the live teachers scored instead."""
+    student, teachers = _models(several=True)
+    trainer = _trainer(tmp_path, teachers, _rows(_samples), student, kd_teacher_weights={"a": 0.5, "b": 0.5})
+    with pytest.raises(ValueError, match="teacher_sample_ids"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "overrides,rows",
+    [
+        (dict(kd_teacher_weights={"a": 1.0}), None),  # a mixture of one teacher, silently unused
+        ({}, _rows(lambda ids: {"teacher": "zzz"})),  # a route to an unknown teacher, silently dropped
+        ({}, _rows(lambda ids: {"teacher_weights": [0.5, 0.5]})),
+    ],
+)
+def test_several_teacher_options_with_one_teacher_are_refused(tmp_path, overrides, rows):
+    student, teacher = _models(several=False)
+    with pytest.raises(ValueError, match="kd_teacher_weights|teacher"):
+        _trainer(tmp_path, teacher, rows or _rows(), student, **overrides)
+
+
+def test_teacher_logits_fp8_with_several_teachers_is_refused(tmp_path):
+    student, teachers = _models(several=True)
+    with pytest.raises(ValueError, match="kd_teacher_logits_fp8"):
+        _trainer(tmp_path, teachers, _rows(), student, kd_teacher_weights={"a": 0.5, "b": 0.5},
+                 kd_teacher_logits_fp8=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("option", ["kd_teacher_logits_fp8", "kd_student_logits_fp8"])
+def test_fp8_logits_without_the_fused_loss_are_refused(tmp_path, option):
+    with pytest.raises(ValueError, match=option):
+        _args(tmp_path, use_kd_patch=False, **{option: True})
+
+
+def test_teacher_logits_fp8_is_refused_by_the_losses_without_a_teacher_product():
+    """Sampled teacher tokens have no teacher product, and the several-teacher loss quantises none."""
+    n, h, v, k = 6, 8, 32, 3
+    x, w = torch.randn(n, h), torch.randn(v, h)
+    cfg = KDLossConfig(beta=0.0, teacher_logits_fp8=True)
+    ids, counts = torch.randint(0, v, (n, k)), torch.ones(n, k, dtype=torch.int32)
+    with pytest.raises(ValueError, match="teacher_logits_fp8"):
+        sampled_teacher.fused_linear_sampled_kd(x, w, ids, counts, -torch.rand(n, k), config=cfg)
+    with pytest.raises(ValueError, match="teacher_logits_fp8"):
+        multi_teacher.fused_linear_multi_teacher_jsd(x, w, [x], [w], torch.ones(1), config=cfg)
