@@ -102,3 +102,32 @@ def test_teacher_logits_fp8_is_refused_by_the_losses_without_a_teacher_product()
         sampled_teacher.fused_linear_sampled_kd(x, w, ids, counts, -torch.rand(n, k), config=cfg)
     with pytest.raises(ValueError, match="teacher_logits_fp8"):
         multi_teacher.fused_linear_multi_teacher_jsd(x, w, [x], [w], torch.ones(1), config=cfg)
+
+
+def test_engine_rollouts_of_privileged_rows_keep_the_behaviour_logprobs(tmp_path):
+    """kd_onpolicy_loss='pg' importance-corrects with the engine's log-probs; rows with a teacher prompt of their own
+    took another batch builder, which dropped them (the stale rollouts then weighed as on-policy)."""
+    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.privileged import PrivilegedCollator
+    from liger_patch_kd.trainer.rollouts import BEHAVIOUR, Rollout
+
+    steps = OnPolicySteps(_args(tmp_path, kd_lmbda=1.0, kd_onpolicy_loss="pg", kd_num_generations=1))
+    steps.behaviour = True  # what kd_generation_url + kd_onpolicy_loss='pg' set (no engine runs here)
+    made = []
+
+    def source(generator, prompts, settings, **kw):
+        made.extend(Rollout(p, [7, 8, 9][: 1 + i], True, tuple(-0.5 * (j + 1) for j in range(1 + i)))
+                    for i, p in enumerate(prompts))  # fmt: skip
+        return made
+
+    steps.source = source
+    rows = [{"input_ids": [3, 4, 5], "labels": [-100, -100, 5], "teacher_input_ids": [1, 2, 3, 4, 5]},
+            {"input_ids": [6, 4], "labels": [-100, 4], "teacher_input_ids": [2, 6, 4]}]  # fmt: skip
+    batch = PrivilegedCollator()(rows)
+    model = tiny_model("llama", dtype=torch.float32)
+    (out,) = steps.replace(model, [batch], tokenizer=None, step=0, device=torch.device("cpu"))
+    assert out["teacher_input_ids"] is not None and BEHAVIOUR in out
+    for row, r in enumerate(made):
+        start = len(r.prompt)
+        torch.testing.assert_close(out[BEHAVIOUR][row, start : start + len(r.completion)], torch.tensor(r.logprobs))
+        assert (out["labels"][row, start : start + len(r.completion)] == torch.tensor(r.completion)).all()

@@ -200,10 +200,16 @@ def rollout_batch(
             for r in rollouts]  # fmt: skip
     batch = TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
     if behaviour:
-        values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for row, r in enumerate(rollouts):
-            if r.logprobs is None or len(r.logprobs) != len(r.completion):
-                raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
-            values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
-        batch[BEHAVIOUR] = values
+        batch[BEHAVIOUR] = behaviour_logprobs(rollouts, batch["input_ids"].shape)
     return batch
+
+
+def behaviour_logprobs(rollouts: list[Rollout], shape: torch.Size) -> torch.Tensor:
+    """(B, T) float32 for right-padded rows prompt + completion: each completion token's log-prob under the policy
+    that sampled it, at the token's own position like its label (0 elsewhere)."""
+    values = torch.zeros(shape, dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        if r.logprobs is None or len(r.logprobs) != len(r.completion):
+            raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
+        values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
+    return values
