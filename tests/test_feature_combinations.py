@@ -131,3 +131,17 @@ def test_engine_rollouts_of_privileged_rows_keep_the_behaviour_logprobs(tmp_path
         start = len(r.prompt)
         torch.testing.assert_close(out[BEHAVIOUR][row, start : start + len(r.completion)], torch.tensor(r.logprobs))
         assert (out["labels"][row, start : start + len(r.completion)] == torch.tensor(r.completion)).all()
+
+
+def test_cross_tokenizer_rows_with_a_teacher_prompt_are_refused():
+    """Both tokenizers read the row's one text: the teacher_prompt column was silently dropped."""
+    from liger_patch_kd.align import CrossTokenizerCollator
+    from liger_patch_kd.demo import load_corpus
+    from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
+
+    text = load_corpus()[:2000]
+    collator = CrossTokenizerCollator(train_bpe_tokenizer(text, 120), CharTokenizerWithOffsets(text))
+    row = {"prompt": "At dawn, ", "completion": "the fox sees a cat."}
+    assert collator([row])["teacher_input_ids"].shape[0] == 1  # the same row without it is fine
+    with pytest.raises(ValueError, match="teacher_prompt"):
+        collator([row, {**row, "teacher_prompt": "Hint: a fox. At dawn, "}])
