@@ -145,3 +145,26 @@ def test_cross_tokenizer_rows_with_a_teacher_prompt_are_refused():
     assert collator([row])["teacher_input_ids"].shape[0] == 1  # the same row without it is fine
     with pytest.raises(ValueError, match="teacher_prompt"):
         collator([row, {**row, "teacher_prompt": "Hint: a fox. At dawn, "}])
+
+
+@pytest.mark.parametrize("mixture", ["distribution", "loss"])
+def test_mixture_weights_within_the_tolerance_are_normalised(mixture):
+    """Weights summing to 0.9995 are accepted (rounded decimals); mixture='loss' scaled the loss by their sum."""
+    from liger_patch_kd import reference
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 5, 8, 16
+    x, w = torch.randn(n, h, dtype=torch.float64, generator=g), torch.randn(v, h, dtype=torch.float64, generator=g)
+    hs = [torch.randn(n, h, dtype=torch.float64, generator=g) for _ in range(2)]
+    ws = [torch.randn(v, h, dtype=torch.float64, generator=g) for _ in range(2)]
+    labels = torch.randint(0, v, (n,), generator=g)
+    rounded = torch.tensor([0.5, 0.4995], dtype=torch.float64)
+    exact = rounded / rounded.sum()
+    fused = [multi_teacher.fused_linear_multi_teacher_jsd(x, w, hs, ws, m, labels, beta=0.5, mixture=mixture)
+             for m in (rounded, exact)]  # fmt: skip
+    cfg = KDLossConfig(beta=0.5)
+    ref = [reference.multi_teacher_kd_loss(x @ w.T, [t @ u.T for t, u in zip(hs, ws)], m, labels, cfg, None,
+                                           mixture=mixture) for m in (rounded, exact)]  # fmt: skip
+    torch.testing.assert_close(fused[0], fused[1], rtol=1e-12, atol=0)  # 5e-4 apart when the sum scales the loss
+    torch.testing.assert_close(ref[0], ref[1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(fused[0], ref[1], rtol=1e-10, atol=0)

@@ -181,8 +181,10 @@ def fused_linear_multi_teacher_jsd(
         if labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
             checks.append(label_check(flat_labels, vocab, cfg))
         run_device_checks(checks)
-    # rows that do not count get a harmless uniform mixture: their weights are never read as data
-    weights = torch.where(counted[:, None], weights.detach(), 1.0 / n_teachers)
+    # rows that do not count get a harmless uniform mixture: their weights are never read as data. The rows that
+    # count are normalised (sums within WEIGHT_SUM_TOLERANCE of 1): mixture="loss" would otherwise scale by the sum
+    weights = weights.detach()
+    weights = torch.where(counted[:, None], weights / weights.sum(-1, keepdim=True), 1.0 / n_teachers)
     teachers = []
     for h, w, b in zip(teacher_inputs, teacher_weights, biases):
         dtype = compute_dtype(h.device, h)
