@@ -83,7 +83,7 @@ def test_teacher_logits_fp8_with_several_teachers_is_refused(tmp_path):
     student, teachers = _models(several=True)
     with pytest.raises(ValueError, match="kd_teacher_logits_fp8"):
         _trainer(tmp_path, teachers, _rows(), student, kd_teacher_weights={"a": 0.5, "b": 0.5},
-                 kd_teacher_logits_fp8=True)  # fmt: skip
+                 kd_teacher_logits_fp8=True, use_kd_patch=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("option", ["kd_teacher_logits_fp8", "kd_student_logits_fp8"])
@@ -168,3 +168,12 @@ def test_mixture_weights_within_the_tolerance_are_normalised(mixture):
     torch.testing.assert_close(fused[0], fused[1], rtol=1e-12, atol=0)  # 5e-4 apart when the sum scales the loss
     torch.testing.assert_close(ref[0], ref[1], rtol=1e-12, atol=0)
     torch.testing.assert_close(fused[0], ref[1], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("option", ["kd_teacher_logits_fp8", "kd_student_logits_fp8"])
+def test_fp8_logits_across_tokenizers_are_refused(tmp_path, option):
+    """The cross-tokenizer loss takes both models' logits as they are: the flag was silently unused."""
+    from liger_patch_kd.trainer.cross_tokenizer import check_cross_tokenizer_args
+
+    with pytest.raises(ValueError, match=option):
+        check_cross_tokenizer_args(_args(tmp_path, use_kd_patch=True, **{option: True}))
