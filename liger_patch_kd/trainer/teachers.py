@@ -52,7 +52,11 @@ def check_single_teacher(args: Any, first_row: Any) -> None:
             f"kd_teacher_weights={args.kd_teacher_weights} mixes several teachers, but this run has one (or none): "
             f"pass teacher_model={{name: model, ...}} (or kd_teacher_url={{name: url}}), or unset kd_teacher_weights"
         )
-    given = [c for c in ROUTING_COLUMNS if isinstance(first_row, Mapping) and first_row.get(c) is not None]
+    row = first_row if isinstance(first_row, Mapping) else {}
+    given = [c for c in ROUTING_COLUMNS if row.get(c) is not None]
+    offline = row.get("teacher_token_ids") is not None or row.get("teacher_sample_ids") is not None
+    if offline and given == ["teacher"]:  # teacher.RoutedTeacherData: the row's top-k is its own teacher's already
+        return
     if given:
         raise ValueError(
             f"the rows carry {given} (routing rows to several teachers), but this run has one teacher (or none): "
