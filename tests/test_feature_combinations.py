@@ -8,6 +8,7 @@ from liger_patch_kd import teacher as TD
 from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.losses import multi_teacher, sampled_teacher
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+from liger_patch_kd.trainer.privileged import PrivilegedCollator
 
 from .tiny_models import VOCAB, tiny_model
 
@@ -184,3 +185,27 @@ def test_fp8_logits_across_tokenizers_are_refused(tmp_path, option):
 
     with pytest.raises(ValueError, match=option):
         check_cross_tokenizer_args(_args(tmp_path, use_kd_patch=True, **{option: True}))
+
+
+def _own_prompt(ids):
+    return {"teacher_input_ids": torch.cat([torch.tensor([5, 6]), ids])}
+
+
+@pytest.mark.parametrize(
+    "columns,keeps,drops",
+    [(_own_prompt, PrivilegedCollator, "flattening"), (_own_prompt, PrivilegedCollator, "padding"),
+     (_samples, TD.TeacherDataCollator, "flattening")],
+)  # fmt: skip
+def test_a_collator_that_drops_the_teacher_columns_is_refused(tmp_path, columns, keeps, drops):
+    """DataCollatorWithFlattening keeps input_ids / labels only, TeacherDataCollator no teacher_input_ids: the
+    teacher then scored the student's own prompt (privileged rows), or the live teacher replaced the sampled data,
+    with no word."""
+    from transformers import DataCollatorWithFlattening
+
+    dropping = DataCollatorWithFlattening() if drops == "flattening" else TD.TeacherDataCollator()
+    student, teacher = _models(several=False)
+    with pytest.raises(ValueError, match="drops the rows'"):
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(columns),
+                  data_collator=dropping)  # fmt: skip
+    KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(columns),
+              data_collator=keeps())  # a collator that keeps them is fine  # fmt: skip

@@ -28,7 +28,13 @@ from .cross_tokenizer import (
     is_cross_tokenizer_batch,
 )
 from .cross_tokenizer_rollouts import rows_maker
-from .dataset_setup import first_row_is, first_row_is_prompt, first_row_of, with_vocab_size
+from .dataset_setup import (
+    check_collator_keeps_teacher_columns,
+    first_row_is,
+    first_row_is_prompt,
+    first_row_of,
+    with_vocab_size,
+)
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
@@ -98,6 +104,7 @@ class KDTrainer(Trainer):
             )
             for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
+        check_collator_keeps_teacher_columns(kwargs.get("train_dataset"), kwargs.get("data_collator"))
         check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
