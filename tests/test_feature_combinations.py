@@ -209,3 +209,26 @@ def test_a_collator_that_drops_the_teacher_columns_is_refused(tmp_path, columns,
                   data_collator=dropping)  # fmt: skip
     KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(columns),
               data_collator=keeps())  # a collator that keeps them is fine  # fmt: skip
+
+
+def test_rollouts_never_sample_a_padded_heads_extra_rows():
+    """A head padded past kd_vocab_size: generate() sampled its extra rows, ids no teacher embedding holds (an
+    IndexError in the teacher, or ids scored outside the loss's vocabulary)."""
+    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+    student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
+    with torch.no_grad():  # the padding rows dominate every position's logits
+        student.lm_head.weight[VOCAB:] = 50 * student.model.norm.weight
+    run = dict(pad_id=0, eos_ids=set(), start_id=1)
+    free = generate_rollouts(student, [[3, 4], [5]], RolloutSettings(max_new_tokens=4, cache="dynamic"), **run)
+    assert any(t >= VOCAB for r in free for t in r.completion)  # without vocab_size they are what it samples
+    kept = generate_rollouts(student, [[3, 4], [5]], RolloutSettings(max_new_tokens=4, cache="dynamic",
+                                                                      vocab_size=VOCAB), **run)  # fmt: skip
+    assert all(t < VOCAB for r in kept for t in r.completion) and all(len(r.completion) == 4 for r in kept)
+
+
+def test_kdtrainer_rollouts_take_the_losses_vocabulary(tmp_path):
+    student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    trainer = _trainer(tmp_path, teacher, _rows(), student, kd_lmbda=1.0)
+    assert trainer.onpolicy.settings.vocab_size == VOCAB == trainer.kd_config.vocab_size

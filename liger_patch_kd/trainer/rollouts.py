@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import transformers_code
+from ..models import transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
 
 CACHES = ("auto", "dynamic", "static")
@@ -50,6 +50,7 @@ class RolloutSettings:
     batch_size: int | None = None
     cache: str = "auto"
     seed: int = 0
+    vocab_size: int | None = None  # the real ids (kd_vocab_size): a head's padding rows are never sampled
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -151,6 +152,10 @@ def generate_rollouts(
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
     out: list[Rollout | None] = [None] * len(rows)
+    padding = []  # a head padded past the real ids (kd_vocab_size): its extra rows are no tokens the loss knows
+    if settings.vocab_size:
+        head = unwrap_model(generator).get_output_embeddings()
+        padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
     was_training = generator.training
     generator.eval()
     try:
@@ -177,6 +182,7 @@ def generate_rollouts(
                         pad_token_id=pad_id,
                         eos_token_id=sorted(eos_ids) or None,
                         cache_implementation=cache,
+                        **({"suppress_tokens": padding} if padding else {}),
                     )
                 for row, index in enumerate(chunk):
                     completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)

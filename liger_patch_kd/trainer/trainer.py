@@ -4,6 +4,7 @@ Face Trainer."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -156,6 +157,7 @@ class KDTrainer(Trainer):
         self._kd_teacher_metrics: dict[str, torch.Tensor] | None = None  # several teachers: per-teacher figures
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
+        self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
         self._served = None  # the served teacher's prefetcher: asked about generated rows too
         if args.kd_seq_kd and teacher_model is None:
             raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
