@@ -232,3 +232,13 @@ def test_kdtrainer_rollouts_take_the_losses_vocabulary(tmp_path):
     teacher = tiny_model("llama", dtype=torch.float32, seed=2)
     trainer = _trainer(tmp_path, teacher, _rows(), student, kd_lmbda=1.0)
     assert trainer.onpolicy.settings.vocab_size == VOCAB == trainer.kd_config.vocab_size
+
+
+def test_a_struct_columns_missing_teacher_weighs_zero(tmp_path):
+    """datasets stores {"a": 1.0} beside {"a": 0.3, "b": 0.7} as {"a": 1.0, "b": None}: a TypeError before."""
+    from liger_patch_kd.trainer.teachers import TeacherSetSetup
+
+    setup = TeacherSetSetup({"a": None, "b": None}, _args(tmp_path))
+    assert setup.weights_from("a row's teacher_weights", {"a": 1.0, "b": None}) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="sum to 1"):
+        setup.weights_from("a row's teacher_weights", {"a": 0.3, "b": None})

@@ -127,7 +127,8 @@ class TeacherSetSetup:
             unknown = sorted(set(given) - set(self.names))
             if unknown:
                 raise ValueError(f"{what} names unknown teacher(s) {unknown}; the teachers are {list(self.names)}")
-            weights = [float(given.get(name, 0.0)) for name in self.names]
+            # a datasets struct column fills a teacher a row leaves out with None: that teacher weighs 0 there
+            weights = [float(0.0 if given.get(name) is None else given[name]) for name in self.names]
         else:
             weights = [float(w) for w in given]
             if len(weights) != len(self.names):
