@@ -210,7 +210,7 @@ def test_refusals(monkeypatch):
 
 
 def test_training_arguments_carry_the_options(tmp_path):
-    cfg = _args(tmp_path, kd_teacher_logits_fp8=True, kd_student_logits_fp8=True).kd_loss_config()
+    cfg = _args(tmp_path, use_kd_patch=True, kd_teacher_logits_fp8=True, kd_student_logits_fp8=True).kd_loss_config()
     assert cfg.teacher_logits_fp8 and cfg.student_logits_fp8
     assert not _args(tmp_path).kd_loss_config().teacher_logits_fp8
 

@@ -104,8 +104,10 @@ def test_rows_routed_to_one_teacher_equal_the_single_teacher_loss(tmp_path):
     losses = []
     for teacher in (teachers, teachers["math"]):
         model = copy.deepcopy(student)
-        trainer = KDTrainer(model=model, teacher_model=teacher, args=_args(tmp_path, use_kd_patch=True))
-        rows = [{**r, "teacher": "math"} for r in plain] if teacher is teachers else plain
+        several = teacher is teachers  # one teacher takes no kd_teacher_weights (refused: it would be unused)
+        args = _args(tmp_path, use_kd_patch=True, **({} if several else {"kd_teacher_weights": None}))
+        trainer = KDTrainer(model=model, teacher_model=teacher, args=args)
+        rows = [{**r, "teacher": "math"} for r in plain] if several else plain
         losses.append(trainer.compute_loss(model, trainer.data_collator(rows)).detach())
         M.revert_kd_patch(model=model)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-10, atol=0)

@@ -154,7 +154,13 @@ class CrossTokenizerCollator:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows, topk = [], []
         n_groups = 0
-        for example in examples:
+        for index, example in enumerate(examples):
+            if "teacher_prompt" in example:  # both sides here tokenize the one text: the teacher's prompt would be lost
+                raise ValueError(
+                    f"example {index} has a teacher_prompt (a prompt only the teacher sees), which cross-tokenizer "
+                    f"distillation does not support yet: both tokenizers read the same prompt and completion; drop "
+                    f"the teacher_prompt column, or distil from a teacher of the student's tokenizer"
+                )
             s_ids, s_off, s_start, s_end = self.encode(self.student_tokenizer, self.student_prefix_ids, example)
             t_ids, t_off, t_start, t_end = self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)
             if "teacher_token_ids" in example:

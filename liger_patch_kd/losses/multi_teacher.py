@@ -24,7 +24,7 @@ from ..ops.backend import eager, logits_fp32, select_backend
 from ..reference import MIXTURES
 from .checks import check_linear, flatten_labels, label_check, run_device_checks, zero_rows
 from .docs import LOSS_OPTIONS, args_section, shared_docs
-from .fused import KDLossOutput, compute_dtype, run_fused
+from .fused import KDLossOutput, check_fp8_request, compute_dtype, run_fused
 
 __all__ = ["fused_linear_multi_teacher_jsd", "mixture_weight_checks"]
 
@@ -158,7 +158,13 @@ def fused_linear_multi_teacher_jsd(
         raise ValueError(f"mixture must be one of {MIXTURES}; got mixture={mixture!r}")
     if cfg.estimator is not None:
         raise ValueError(f"estimator={cfg.estimator!r} is not offered against several teachers; use estimator=None")
+    if cfg.teacher_logits_fp8:  # the teachers' products below are not quantised: the flag would do nothing
+        raise ValueError(
+            "teacher_logits_fp8=True is not offered against several teachers (each teacher's logit product stays "
+            "in its own dtype): set teacher_logits_fp8=False (kd_teacher_logits_fp8 in KDTrainingArguments)"
+        )
     check_linear("student", student_input, student_weight, student_bias)
+    check_fp8_request(cfg, student_input, None)
     leading = student_input.shape[:-1]
     n_teachers = _check_teachers(teacher_inputs, teacher_weights, teacher_biases, teacher_softcaps, leading)
     biases = list(teacher_biases or [None] * n_teachers)
@@ -175,8 +181,10 @@ def fused_linear_multi_teacher_jsd(
         if labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
             checks.append(label_check(flat_labels, vocab, cfg))
         run_device_checks(checks)
-    # rows that do not count get a harmless uniform mixture: their weights are never read as data
-    weights = torch.where(counted[:, None], weights.detach(), 1.0 / n_teachers)
+    # rows that do not count get a harmless uniform mixture: their weights are never read as data. The rows that
+    # count are normalised (sums within WEIGHT_SUM_TOLERANCE of 1): mixture="loss" would otherwise scale by the sum
+    weights = weights.detach()
+    weights = torch.where(counted[:, None], weights / weights.sum(-1, keepdim=True), 1.0 / n_teachers)
     teachers = []
     for h, w, b in zip(teacher_inputs, teacher_weights, biases):
         dtype = compute_dtype(h.device, h)

@@ -23,7 +23,7 @@ from .checks import (
     zero_rows,
 )
 from .docs import LOSS_OPTIONS, args_section, shared_docs
-from .fused import KDLossOutput, run_fused
+from .fused import KDLossOutput, check_fp8_request, run_fused
 
 __all__ = ["fused_linear_sampled_kd"]
 
@@ -134,6 +134,12 @@ def fused_linear_sampled_kd(
     )  # fmt: skip
     require_sampled_objective(cfg)
     check_linear("student", student_input, student_weight, student_bias)
+    if cfg.teacher_logits_fp8:  # no teacher product here to put in FP8: the flag would do nothing, silently
+        raise ValueError(
+            "teacher_logits_fp8=True puts a teacher model's logit product in FP8; sampled teacher tokens have no "
+            "product: set teacher_logits_fp8=False (student_logits_fp8 applies here)"
+        )
+    check_fp8_request(cfg, student_input, None)
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
     columns = computed_columns(vocab, [student_weight.shape[0]], [cfg.softcap], cfg.temperature)
     leading = student_input.shape[:-1]

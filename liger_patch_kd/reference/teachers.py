@@ -145,6 +145,8 @@ def multi_teacher_kd_loss(
     teachers = [z[..., :vocab] for z in teacher_logits]
     caps = teacher_softcaps or [cfg.teacher_softcap] * len(teachers)
     log_s = F.log_softmax(student / cfg.temperature, dim=-1)
+    weights = weights.to(log_s.dtype)  # a mixture: weights within the fused loss's tolerance of 1 are normalised
+    weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
     if mixture == "distribution":
         log_p = log_teacher_mixture(teachers, weights, temperature=cfg.temperature, softcaps=caps)
         soft = generalized_jsd_of_logprobs(log_s, log_p, cfg.beta)

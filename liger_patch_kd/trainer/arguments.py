@@ -198,6 +198,12 @@ class KDTrainingArguments(TrainingArguments):
                     f"checkpointing, which is off: set gradient_checkpointing=True (activation_checkpointing=True "
                     f"in newer transformers), or leave kd_recompute_layers=None"
                 )
+        fp8 = [name for name in ("kd_teacher_logits_fp8", "kd_student_logits_fp8") if getattr(self, name)]
+        if fp8 and not self.use_kd_patch:  # the materialised path computes full logits in their own dtype
+            raise ValueError(
+                f"{fp8[0]}=True puts the fused loss's logit product in FP8, and use_kd_patch=False runs no fused "
+                f"loss (it would train on unquantised logits): set use_kd_patch=True, or {fp8[0]}=False"
+            )
         self.kd_loss_config()  # validates the loss options now, not at the first step
         check_teacher_set_args(self)  # before the served checks: kd_teacher_url as a dict is refused there
         check_served_teacher_args(self)

@@ -55,6 +55,12 @@ def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
             "teacher_tokenizer=) would train the student on the teacher's ids; set kd_seq_kd=False (student-"
             "generated completions, kd_lmbda > 0, are supported across tokenizers)"
         )
+    fp8 = [name for name in ("kd_teacher_logits_fp8", "kd_student_logits_fp8") if getattr(args, name)]
+    if fp8:  # the cross-tokenizer loss computes both models' logits itself, in their own dtype
+        raise ValueError(
+            f"{fp8[0]}=True is not supported across tokenizers (the cross-tokenizer loss takes both models' logits "
+            f"unquantised): set {fp8[0]}=False, or distil from a teacher of the student's tokenizer"
+        )
     if args.kd_lmbda > 0 and args.kd_onpolicy_loss != "divergence":
         raise ValueError(
             f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} scores the teacher's log-prob of each token the student "

@@ -3,6 +3,7 @@ share."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -21,11 +22,45 @@ def first_row_is_prompt(dataset: Any) -> bool:
 
 def first_row_is(dataset: Any, test) -> bool:
     """Whether `test` holds for the dataset's first row (False for an iterable dataset: its collator decides)."""
+    row = first_row_of(dataset)
+    return row is not None and bool(test(row))
+
+
+def first_row_of(dataset: Any) -> Any:
+    """The dataset's first row, or None for an iterable dataset (or none)."""
     try:
-        row = dataset[0]
+        return dataset[0]
     except Exception:  # an iterable dataset, or none: the collator given decides
-        return False
-    return bool(test(row))
+        return None
+
+
+# teacher columns a row may carry that a collator must pass on (a generic one drops what it does not know)
+TEACHER_ROW_COLUMNS = ("teacher_input_ids", "teacher_token_ids", "teacher_logprobs", "teacher_sample_ids",
+                       "teacher_sample_counts", "teacher_sample_logprobs")  # fmt: skip
+_PROBE_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "teacher_labels", *TEACHER_ROW_COLUMNS)
+
+
+def check_collator_keeps_teacher_columns(dataset: Any, collator: Any) -> None:
+    """A user's data_collator run on the first row: teacher columns it drops would leave the run on another
+    objective (the teacher on the student's prompt, a live teacher instead of the data), so they are refused."""
+    row = first_row_of(dataset)
+    if collator is None or not isinstance(row, Mapping):
+        return
+    given = [c for c in TEACHER_ROW_COLUMNS if row.get(c) is not None]
+    if not given:
+        return
+    try:
+        batch = collator([{k: v for k, v in row.items() if k in _PROBE_COLUMNS}])
+    except Exception:  # a collator that needs more of the row than this probe gives: the run decides
+        return
+    lost = [c for c in given if not isinstance(batch, Mapping) or batch.get(c) is None]
+    if lost:
+        raise ValueError(
+            f"data_collator={type(collator).__name__} drops the rows' {lost}, so training would ignore them: use "
+            f"liger_patch_kd.teacher.TeacherDataCollator for offline teacher data, trainer.privileged."
+            f"PrivilegedCollator for rows with teacher_input_ids (packing=True packs them), or leave data_collator "
+            f"unset (KDTrainer then picks one that keeps them)"
+        )
 
 
 def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | None, tokenizer: Any) -> KDLossConfig:

@@ -24,7 +24,7 @@ from torch import nn
 from ..models import unwrap_model
 from .engine import rollout_source
 from .privileged import privileged_rollout_batch
-from .rollouts import Rollout, prompts_of, rollout_batch
+from .rollouts import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
@@ -117,6 +117,8 @@ class OnPolicySteps:
                     students = [p or [start] for p in mine for _ in range(n)]
                     chunk = [replace(r, prompt=p) for p, r in zip(students, chunk)]
                 batch = privileged_rollout_batch(chunk, [p for p in own for _ in range(n)], pad)
+                if self.behaviour:  # the student's side is rollout_batch's layout: the engine's log b pairs alike
+                    batch[BEHAVIOUR] = behaviour_logprobs(chunk, batch["input_ids"].shape)
             if attach_teacher is not None:
                 batch = attach_teacher(batch)
             out.append({**{k: v.to(device) for k, v in batch.items()}, GENERATED: True})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import transformers_code
+from ..models import transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
 
 CACHES = ("auto", "dynamic", "static")
@@ -50,6 +50,7 @@ class RolloutSettings:
     batch_size: int | None = None
     cache: str = "auto"
     seed: int = 0
+    vocab_size: int | None = None  # the real ids (kd_vocab_size): a head's padding rows are never sampled
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -151,6 +152,10 @@ def generate_rollouts(
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
     out: list[Rollout | None] = [None] * len(rows)
+    padding = []  # a head padded past the real ids (kd_vocab_size): its extra rows are no tokens the loss knows
+    if settings.vocab_size:
+        head = unwrap_model(generator).get_output_embeddings()
+        padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
     was_training = generator.training
     generator.eval()
     try:
@@ -177,6 +182,7 @@ def generate_rollouts(
                         pad_token_id=pad_id,
                         eos_token_id=sorted(eos_ids) or None,
                         cache_implementation=cache,
+                        **({"suppress_tokens": padding} if padding else {}),
                     )
                 for row, index in enumerate(chunk):
                     completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
@@ -200,10 +206,16 @@ def rollout_batch(
             for r in rollouts]  # fmt: skip
     batch = TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
     if behaviour:
-        values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for row, r in enumerate(rollouts):
-            if r.logprobs is None or len(r.logprobs) != len(r.completion):
-                raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
-            values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
-        batch[BEHAVIOUR] = values
+        batch[BEHAVIOUR] = behaviour_logprobs(rollouts, batch["input_ids"].shape)
     return batch
+
+
+def behaviour_logprobs(rollouts: list[Rollout], shape: torch.Size) -> torch.Tensor:
+    """(B, T) float32 for right-padded rows prompt + completion: each completion token's log-prob under the policy
+    that sampled it, at the token's own position like its label (0 elsewhere)."""
+    values = torch.zeros(shape, dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        if r.logprobs is None or len(r.logprobs) != len(r.completion):
+            raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
+        values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
+    return values

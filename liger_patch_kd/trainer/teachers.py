@@ -45,6 +45,25 @@ def check_teacher_set_args(args: Any) -> None:
     _check_mixture("kd_teacher_weights", [float(w) for w in weights.values()])
 
 
+def check_single_teacher(args: Any, first_row: Any) -> None:
+    """A run of one teacher (or none) given the several-teacher options: refused, as they would be ignored."""
+    if args.kd_teacher_weights is not None:
+        raise ValueError(
+            f"kd_teacher_weights={args.kd_teacher_weights} mixes several teachers, but this run has one (or none): "
+            f"pass teacher_model={{name: model, ...}} (or kd_teacher_url={{name: url}}), or unset kd_teacher_weights"
+        )
+    row = first_row if isinstance(first_row, Mapping) else {}
+    given = [c for c in ROUTING_COLUMNS if row.get(c) is not None]
+    offline = row.get("teacher_token_ids") is not None or row.get("teacher_sample_ids") is not None
+    if offline and given == ["teacher"]:  # teacher.RoutedTeacherData: the row's top-k is its own teacher's already
+        return
+    if given:
+        raise ValueError(
+            f"the rows carry {given} (routing rows to several teachers), but this run has one teacher (or none): "
+            f"pass teacher_model={{name: model, ...}}, or drop the column(s)"
+        )
+
+
 def _check_mixture(what: str, weights: list[float]) -> None:
     if not all(math.isfinite(w) and w >= 0 for w in weights) or abs(sum(weights) - 1) > WEIGHT_SUM_TOLERANCE:
         raise ValueError(f"{what} must be finite weights >= 0 that sum to 1 (a mixture of the teachers); got {weights}")
@@ -64,6 +83,7 @@ class TeacherSetSetup:
             "kd_self_distill": args.kd_self_distill, "kd_seq_kd": args.kd_seq_kd, "kd_lmbda > 0": args.kd_lmbda > 0,
             "kd_teacher_url beside in-process teachers": bool(args.kd_teacher_url) and not served,
             "kd_teacher_precision='fp8'": args.kd_teacher_precision != "bf16",
+            "kd_teacher_logits_fp8": args.kd_teacher_logits_fp8 and not served,
             "a teacher tokenizer (cross-tokenizer)": bool(args.kd_teacher_tokenizer) or teacher_tokenizer is not None,
         }  # fmt: skip
         used = [name for name, on in refused.items() if on]
@@ -107,7 +127,8 @@ class TeacherSetSetup:
             unknown = sorted(set(given) - set(self.names))
             if unknown:
                 raise ValueError(f"{what} names unknown teacher(s) {unknown}; the teachers are {list(self.names)}")
-            weights = [float(given.get(name, 0.0)) for name in self.names]
+            # a datasets struct column fills a teacher a row leaves out with None: that teacher weighs 0 there
+            weights = [float(0.0 if given.get(name) is None else given[name]) for name in self.names]
         else:
             weights = [float(w) for w in given]
             if len(weights) != len(self.names):
@@ -166,9 +187,10 @@ class TeacherSetSetup:
                 "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
                 "in-process teachers do not read yet: every teacher here scores the student's input_ids"
             )
-        if inputs.get("teacher_token_ids") is not None:
+        if inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None:
             raise ValueError(
-                "batches with teacher_token_ids (offline top-k) and several live teachers: pass one or the other. "
+                "batches with teacher_token_ids / teacher_sample_ids (offline data) and several live teachers: pass "
+                "one or the other. "
                 "Offline rows routed to several teachers are one store whose rows hold each its own teacher's top-k"
             )
         teachers = TeacherSet(self.models, weights, self.mixture)

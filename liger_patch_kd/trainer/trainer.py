@@ -4,6 +4,7 @@ Face Trainer."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,7 +29,13 @@ from .cross_tokenizer import (
     is_cross_tokenizer_batch,
 )
 from .cross_tokenizer_rollouts import rows_maker
-from .dataset_setup import first_row_is, first_row_is_prompt, with_vocab_size
+from .dataset_setup import (
+    check_collator_keeps_teacher_columns,
+    first_row_is,
+    first_row_is_prompt,
+    first_row_of,
+    with_vocab_size,
+)
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
@@ -37,7 +44,7 @@ from .sampled_data import check_sampled_dataset
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
-from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup
+from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
 
 logger = logging.get_logger(__name__)
 
@@ -71,6 +78,8 @@ class KDTrainer(Trainer):
             teacher_model = None
         elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+        else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
+            check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
         teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
@@ -96,6 +105,7 @@ class KDTrainer(Trainer):
             )
             for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
+        check_collator_keeps_teacher_columns(kwargs.get("train_dataset"), kwargs.get("data_collator"))
         check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
@@ -147,6 +157,7 @@ class KDTrainer(Trainer):
         self._kd_teacher_metrics: dict[str, torch.Tensor] | None = None  # several teachers: per-teacher figures
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
+        self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
         self._served = None  # the served teacher's prefetcher: asked about generated rows too
         if args.kd_seq_kd and teacher_model is None:
             raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
