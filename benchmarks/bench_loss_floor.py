@@ -35,7 +35,7 @@ from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows
 from liger_patch_kd.ops.fp8_logits import forget_quantized_head, fp8_logits, quantize_head
 
 from .bench_fused_linear_jsd import LLAMA_V, liger_methods, rel_err
-from .common import environment, print_table, write_json
+from .common import cuda_time_ms, environment, print_table, write_json
 
 OURS = "liger_patch_kd"
 VARIANTS = {
@@ -62,22 +62,16 @@ def make_inputs(n: int, hidden: int, vocab: int, device: str, seed: int = 0) -> 
 
 
 def time_ms(fn: Callable[[], object], device: str, warmup: int = 2, reps: int = 8) -> float:
-    """Median time of fn(): CUDA events on the GPU, the wall clock on the CPU."""
+    """Median time of fn(): CUDA events on the GPU (benchmarks.common), the wall clock on the CPU."""
+    if device == "cuda":
+        return cuda_time_ms(fn, warmup=warmup, reps=reps)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

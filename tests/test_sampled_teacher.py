@@ -89,6 +89,18 @@ def test_all_ignored_num_items_zero_and_nan_in_ignored_rows(backend):
     assert gh.abs().max() == 0 and gw.abs().max() == 0
 
 
+def test_the_reference_reads_no_teacher_data_of_ignored_rows():
+    """Garbage ids in an ignored row (out of the vocabulary, as a padded batch may hold): the oracle, like the fused
+    loss, never indexes them, and both agree on the rows that count."""
+    h, w, _, data, labels = _data(top_k=3)
+    labels[::3] = -100
+    ids, top = data.ids.clone(), data.topk_ids.clone()
+    ids[0], top[3] = 10**6, 10**6
+    data = data._replace(ids=ids, topk_ids=top)
+    expected = _expected(h @ w.T, data, labels)
+    torch.testing.assert_close(_fused(h, w, None, data, labels), expected, **TOL)
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_bf16_close_to_float64(backend):
     h, w, _, data, labels = _data(m=16)

@@ -81,6 +81,10 @@ def sampled_kd_loss(
     require_sampled_objective(cfg)
     vocab = resolve_vocab(student_logits.shape[-1], None, cfg.vocab_size)
     student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
+    if labels is not None:  # an ignored row's teacher data are never read (as in the fused loss): padding slots
+        ignored = (labels == cfg.ignore_index).unsqueeze(-1)
+        sample_ids = torch.where(ignored, -1, sample_ids)
+        topk_ids = None if topk_ids is None else torch.where(ignored, -1, topk_ids)
     soft = sampled_kd_per_row(
         student, sample_ids, sample_counts, sample_logprobs, topk_ids, topk_logprobs, temperature=cfg.temperature
     )
