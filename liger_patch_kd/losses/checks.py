@@ -63,6 +63,13 @@ def flatten_labels(labels: torch.Tensor | None, leading: torch.Size, device: tor
     return labels.reshape(-1).to(device).contiguous()
 
 
+def counted_rows(flat_labels: torch.Tensor, labels: torch.Tensor | None, cfg: KDLossConfig) -> torch.Tensor:
+    """(N,) True for the rows that count: a label that is not ignore_index, every row when there are no labels."""
+    if labels is None:
+        return torch.ones_like(flat_labels, dtype=torch.bool)
+    return flat_labels != cfg.ignore_index
+
+
 def label_check(flat_labels: torch.Tensor, vocab: int, cfg: KDLossConfig) -> tuple[torch.Tensor, Callable[[], str]]:
     """(device flag, message) for labels that are neither ignore_index nor a real id in [0, vocab)."""
     bad = (flat_labels != cfg.ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))

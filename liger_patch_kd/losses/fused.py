@@ -21,6 +21,7 @@ from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_
 from .checks import (
     check_linear,
     check_topk_shapes,
+    counted_rows,
     flatten_labels,
     label_check,
     run_device_checks,
@@ -327,7 +328,7 @@ def fused_linear_topk_kd(
     ids = teacher_token_ids.reshape(-1, k).to(student_input.device).contiguous()
     logprobs = teacher_logprobs.reshape(-1, k).to(student_input.device).detach().contiguous()
     if check_inputs:
-        counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
+        counted = counted_rows(flat_labels, labels, cfg)
         label_checks = [label_check(flat_labels, vocab, cfg)] if labels is not None else []
         run_device_checks(topk_checks(ids, logprobs, counted, vocab) + label_checks)
 

@@ -22,7 +22,7 @@ from ..ops import fused_linear_jsd as jsd_op
 from ..ops import mixture as mixture_op
 from ..ops.backend import eager, logits_fp32, select_backend
 from ..reference import MIXTURES
-from .checks import check_linear, flatten_labels, label_check, run_device_checks, zero_rows
+from .checks import check_linear, counted_rows, flatten_labels, label_check, run_device_checks, zero_rows
 from .docs import LOSS_OPTIONS, args_section, shared_docs
 from .fused import KDLossOutput, check_fp8_request, compute_dtype, run_fused
 
@@ -175,7 +175,7 @@ def fused_linear_multi_teacher_jsd(
     device = student_input.device
     flat_labels = flatten_labels(labels, leading, device, cfg)
     weights = _flat_weights(mixture_weights, leading, n_teachers, device)
-    counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
+    counted = counted_rows(flat_labels, labels, cfg)
     if check_inputs:
         checks = mixture_weight_checks(weights, counted)
         if labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):

@@ -14,6 +14,7 @@ from ..ops.backend import eager
 from .checks import (
     check_linear,
     check_topk_shapes,
+    counted_rows,
     flatten_labels,
     has_duplicate_ids,
     label_check,
@@ -159,7 +160,7 @@ def fused_linear_sampled_kd(
         k = teacher_token_ids.shape[-1]
         top_ids = teacher_token_ids.reshape(-1, k).to(device)
         top_lp = teacher_logprobs.reshape(-1, k).to(device).detach()
-    counted = flat_labels != cfg.ignore_index if labels is not None else torch.ones_like(flat_labels, dtype=bool)
+    counted = counted_rows(flat_labels, labels, cfg)
     acc = torch.float64 if student_input.dtype == torch.float64 else torch.float32
     # rows that do not count hold no slots: never read, whatever they hold (NaN included)
     slots = sampled_op.sampled_slots(

@@ -190,12 +190,6 @@ if triton_available():
                 row_loss = tl.sum(loss, axis=0)
         tl.store(soft_ptr + row, row_loss)
 
-    def _jsd_launch_config(vocab: int) -> tuple[int, int]:
-        """(BLOCK, num_warps): 4096-wide tiles keep 16 fp32 values per thread at 8 warps, enough loads in flight
-        to stream a row at full bandwidth without spilling; small vocabularies (tests) get one tile."""
-        block = min(4096, triton.next_power_of_2(vocab))
-        return block, 8 if block >= 2048 else 4
-
 
 def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
     """A (rows, V) gradient buffer inside the teacher logits' own storage, row i inside row i's bytes.
@@ -213,6 +207,14 @@ def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torc
     return teacher_logits.view(grad_dtype)[:, : teacher_logits.shape[1]]
 
 
+def row_launch_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the kernels that stream one row of logits per program (the JSD chunk, the teacher
+    fold): 4096-wide tiles keep 16 fp32 values per thread at 8 warps, enough loads in flight to stream a row at
+    full bandwidth without spilling; small vocabularies (tests) get one tile."""
+    block = min(4096, 1 << (vocab - 1).bit_length())
+    return block, 8 if block >= 2048 else 4
+
+
 def jsd_chunk_triton(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -227,7 +229,7 @@ def jsd_chunk_triton(
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
     grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
-    block, num_warps = _jsd_launch_config(vocab)
+    block, num_warps = row_launch_config(vocab)
     teacher_cap = cfg.teacher_softcap
     _jsd_chunk_kernel[(rows,)](
         # pointers

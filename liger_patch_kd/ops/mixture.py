@@ -14,6 +14,7 @@ import torch
 
 from ..conventions import apply_softcap
 from .backend import triton_available
+from .fused_linear_jsd import row_launch_config
 
 
 def fold_teacher_torch(
@@ -84,11 +85,6 @@ if triton_available():
                 out = tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - safe_hi)))
             tl.store(m_row + off + cols, out * out_scale, mask=mask)
 
-    def _fold_launch_config(vocab: int) -> tuple[int, int]:
-        """(BLOCK, num_warps): as the JSD chunk kernel's, 4096-wide tiles at 8 warps stream a row at full bandwidth."""
-        block = min(4096, triton.next_power_of_2(vocab))
-        return block, 8 if block >= 2048 else 4
-
 
 def fold_teacher_triton(
     mix: torch.Tensor | None,
@@ -103,7 +99,7 @@ def fold_teacher_triton(
     first = mix is None
     out = logits if first else mix
     log_w = log_w.to(logits.dtype).contiguous()
-    block, num_warps = _fold_launch_config(vocab)
+    block, num_warps = row_launch_config(vocab)
     _fold_teacher_kernel[(rows,)](
         # pointers
         logits, out, log_w,
