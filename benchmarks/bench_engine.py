@@ -33,7 +33,7 @@ import time
 import torch
 
 from .bench_onpolicy import SHAPES, build
-from .common import environment, print_table, write_json
+from .common import environment, print_table, run_row_in_child, write_json
 
 ROWS = {  # name -> KDTrainingArguments overrides (None url: in process)
     "in process": dict(),
@@ -156,20 +156,8 @@ def main() -> None:
     if a.row:
         print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
         return
-    results = []
-    for name in ROWS:
-        cmd = [sys.executable, "-m", "benchmarks.bench_engine", "--row", name] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "engine_device") and v is not None
-        ] + (["--tiny"] if a.tiny else [])  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
-        if line is None:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-            results.append({"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
-            continue
-        results.append(json.loads(line[4:]))
-        print(f"{name}: {results[-1]}", flush=True)
+    keys = ("prompt", "completion", "micro_batch", "accumulation", "steps", "engine_device")
+    results = [run_row_in_child("benchmarks.bench_engine", name, a, keys) for name in ROWS]
     print_table(results, ["name", "step_s", "rollout_s", "push_s", "scored_tokens_per_s", "max_logprob_gap", "error"])
     shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny")}
     write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 from .bench_train_step import build as build_llama
-from .common import environment, print_table, write_json
+from .common import environment, print_table, run_row_in_child, write_json
 
 ROWS = {  # name -> KDTrainingArguments overrides
     "off-policy": dict(kd_lmbda=0.0),
@@ -135,20 +133,8 @@ def main() -> None:
     if a.row:
         print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
         return
-    results = []
-    for name in a.only or list(ROWS):
-        cmd = [sys.executable, "-m", "benchmarks.bench_onpolicy", "--row", name] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k in ("prompt", "completion", "micro_batch", "accumulation", "steps")
-        ] + (["--tiny"] if a.tiny else [])  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
-        if line is None:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
-            results.append({"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]})
-            continue
-        results.append(json.loads(line[4:]))
-        print(f"{name}: {results[-1]}", flush=True)
+    keys = ("prompt", "completion", "micro_batch", "accumulation", "steps")
+    results = [run_row_in_child("benchmarks.bench_onpolicy", name, a, keys) for name in a.only or list(ROWS)]
     off = next((r for r in results if r["name"] == "off-policy" and "error" not in r), None)
     for r in results:
         if off and "scored_tokens_per_s" in r:

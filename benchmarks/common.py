@@ -91,3 +91,21 @@ def write_json(path: str | Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+
+
+def run_row_in_child(module: str, name: str, args, keys: tuple[str, ...]) -> dict:
+    """Run `python -m <module> --row <name>` with the options `keys` of `args` (and --tiny) in its own process, so
+    one row's compiled graphs and allocator state cannot help another; the child prints `ROW <json>`. A row that
+    fails comes back as {"name", "error"} with the child's output on stderr, and the other rows still run."""
+    import subprocess
+
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in keys and v is not None]
+    cmd = [sys.executable, "-m", module, "--row", name, *options, *(["--tiny"] if args.tiny else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+    if line is None:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+        return {"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    row = json.loads(line[4:])
+    print(f"{name}: {row}", flush=True)
+    return row
