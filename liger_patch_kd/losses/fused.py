@@ -66,8 +66,16 @@ def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dty
     return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
 
 
-def check_fp8_request(cfg: KDLossConfig, student_input: torch.Tensor, teacher_input: torch.Tensor | None) -> None:
-    """The FP8 options refused up front, with the reason, where the device or the shapes cannot run them."""
+def check_fp8_request(
+    cfg: KDLossConfig, student_input: torch.Tensor, teacher_input: torch.Tensor | None, *, no_teacher_product: str = ""
+) -> None:
+    """The FP8 options refused up front, with the reason, where the device or the shapes cannot run them, or where
+    the loss has no teacher product to quantise (`no_teacher_product` says why): the flag would do nothing."""
+    if cfg.teacher_logits_fp8 and no_teacher_product:
+        raise ValueError(
+            f"teacher_logits_fp8=True puts a teacher model's logit product in FP8; {no_teacher_product}: set "
+            f"teacher_logits_fp8=False (kd_teacher_logits_fp8 in KDTrainingArguments; student_logits_fp8 applies)"
+        )
     for option, on, x in (
         ("student_logits_fp8", cfg.student_logits_fp8, student_input),
         ("teacher_logits_fp8", cfg.teacher_logits_fp8, teacher_input),
@@ -305,12 +313,7 @@ def fused_linear_topk_kd(
     )  # fmt: skip
     require_full_teacher(cfg)
     check_linear("student", student_input, student_weight, student_bias)
-    if cfg.teacher_logits_fp8:
-        raise ValueError(
-            "teacher_logits_fp8=True puts a teacher model's logit product in FP8; top-k teacher log-probs have no "
-            "product: set teacher_logits_fp8=False (student_logits_fp8 applies here)"
-        )
-    check_fp8_request(cfg, student_input, None)
+    check_fp8_request(cfg, student_input, None, no_teacher_product="top-k teacher log-probs have no product")
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
     # tempering top-k log-probs (T != 1) spreads the teacher's rest over the V - k tokens outside its top-k: V
     # must stay the real vocabulary there, so the columns are padded for alignment only at T = 1

@@ -158,13 +158,9 @@ def fused_linear_multi_teacher_jsd(
         raise ValueError(f"mixture must be one of {MIXTURES}; got mixture={mixture!r}")
     if cfg.estimator is not None:
         raise ValueError(f"estimator={cfg.estimator!r} is not offered against several teachers; use estimator=None")
-    if cfg.teacher_logits_fp8:  # the teachers' products below are not quantised: the flag would do nothing
-        raise ValueError(
-            "teacher_logits_fp8=True is not offered against several teachers (each teacher's logit product stays "
-            "in its own dtype): set teacher_logits_fp8=False (kd_teacher_logits_fp8 in KDTrainingArguments)"
-        )
     check_linear("student", student_input, student_weight, student_bias)
-    check_fp8_request(cfg, student_input, None)
+    unquantised = "the several-teachers loss keeps each teacher's logit product in its own dtype"
+    check_fp8_request(cfg, student_input, None, no_teacher_product=unquantised)
     leading = student_input.shape[:-1]
     n_teachers = _check_teachers(teacher_inputs, teacher_weights, teacher_biases, teacher_softcaps, leading)
     biases = list(teacher_biases or [None] * n_teachers)

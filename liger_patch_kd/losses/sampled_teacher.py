@@ -135,12 +135,7 @@ def fused_linear_sampled_kd(
     )  # fmt: skip
     require_sampled_objective(cfg)
     check_linear("student", student_input, student_weight, student_bias)
-    if cfg.teacher_logits_fp8:  # no teacher product here to put in FP8: the flag would do nothing, silently
-        raise ValueError(
-            "teacher_logits_fp8=True puts a teacher model's logit product in FP8; sampled teacher tokens have no "
-            "product: set teacher_logits_fp8=False (student_logits_fp8 applies here)"
-        )
-    check_fp8_request(cfg, student_input, None)
+    check_fp8_request(cfg, student_input, None, no_teacher_product="sampled teacher tokens have no product")
     vocab = resolve_vocab(student_weight.shape[0], None, cfg.vocab_size)
     columns = computed_columns(vocab, [student_weight.shape[0]], [cfg.softcap], cfg.temperature)
     leading = student_input.shape[:-1]
