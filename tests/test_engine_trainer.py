@@ -290,7 +290,8 @@ def test_a_full_weight_student_against_vllm_gets_a_clear_error(tmp_path):
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
         source = EngineRollouts(_args(tmp_path, kd_generation_url=f"http://127.0.0.1:{stub.server_port}"))
-        with pytest.raises(TeacherServerError, match="update_weights_from_disk refused the request: HTTP 404.*LoRA"):
+        refused = "update_weights_from_disk refused the request: HTTP 404.*vllm-nccl"
+        with pytest.raises(TeacherServerError, match=refused):
             source(tiny_model("llama", dtype=torch.float32), [[1, 2]], RolloutSettings(), pad_id=0, eos_ids={2},
                    start_id=1)  # fmt: skip
         root = source.sync._root

@@ -72,6 +72,14 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Push the student's weights (a PEFT student: its adapter) to kd_generation_url every N "
                   "optimizer steps; rollouts are then up to N - 1 steps stale."},
     )  # fmt: skip
+    kd_sync_transport: str = field(
+        default="disk",
+        metadata={"help": "How a full-weight student reaches kd_generation_url: disk (a safetensors file loaded by "
+                  "/update_weights_from_disk: SGLang, liger-kd serve), broadcast (vLLM's weight-transfer routes, "
+                  "a torch.distributed group: liger-kd serve) or vllm-nccl (the same routes, vLLM's NCCL "
+                  "communicator: vllm serve --weight-transfer-config '{\"backend\": \"nccl\"}', vllm installed "
+                  "here). A PEFT student always sends its adapter (/v1/load_lora_adapter)."},
+    )  # fmt: skip
     kd_sync_dir: str | None = field(
         default=None,
         metadata={"help": "Where the pushed weights are written for the engine to read (a temporary directory made "

@@ -27,15 +27,17 @@ from ..teacher.serve.protocols import TeacherReplyError
 from ..teacher.serve.transport import HttpEndpoint
 from .rollouts import Rollout, RolloutSettings, call_seed, generate_rollouts
 from .weight_sync import WeightSync
+from .weight_transfer import TRANSPORTS, BroadcastSender
 
 logger = logging.get_logger(__name__)
 
 RolloutSource = Callable[..., list[Rollout]]  # (generator, prompts, settings, *, pad_id, eos_ids, start_id, step)
 _HINTS = {
     401: " (set kd_generation_api_key, or LIGER_KD_API_KEY, to the engine's --api-key)",
-    404: " (the engine lacks this route: vLLM takes a student's weights here only as a LoRA adapter (a PEFT "
-    "student; start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); full weights need `liger-kd "
-    "serve` or SGLang's /update_weights_from_disk)",
+    404: " (the engine lacks this route. vLLM takes a PEFT student's adapter with --enable-lora and "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and full weights over its weight-transfer routes: "
+    "kd_sync_transport='vllm-nccl', vLLM started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+    "'{\"backend\": \"nccl\"}'; /update_weights_from_disk is SGLang's and `liger-kd serve`'s)",
 }
 
 
@@ -55,6 +57,8 @@ def check_generation_args(args: Any) -> None:
         raise ValueError(
             f"kd_sync_steps must be an int >= 1 (optimizer steps between pushes); got {args.kd_sync_steps!r}"
         )
+    if args.kd_sync_transport not in TRANSPORTS:
+        raise ValueError(f"kd_sync_transport must be one of {TRANSPORTS}; got {args.kd_sync_transport!r}")
     if not args.kd_generation_url:
         return
     if not str(args.kd_generation_url).startswith(("http://", "https://")):
@@ -89,7 +93,8 @@ class EngineRollouts:
             args.kd_generation_url, timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=api_key,
             what="the generation engine", needed="rollouts", hints=_HINTS,
         )  # fmt: skip
-        self.sync = WeightSync(self.http, args.kd_sync_steps, args.kd_sync_dir)
+        sender = None if args.kd_sync_transport == "disk" else BroadcastSender(self.http, args.kd_sync_transport)
+        self.sync = WeightSync(self.http, args.kd_sync_steps, args.kd_sync_dir, sender)
         self.vocab_size: int | None = None
         self.staleness: list[int] = []  # per generated step: steps since the engine's weights were the student's
         self._served_name: str | None = None

@@ -4,10 +4,11 @@ A PEFT student sends its adapter: saved (PEFT's save_pretrained) into a director
 vLLM's runtime adapter route POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM needs --enable-lora,
 --max-lora-rank >= the adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; `liger-kd serve` takes it as is);
 later requests name that adapter as their `model`, and the previous adapter is unloaded and its directory deleted.
-A full-weight student sends its state dict as one safetensors file, loaded by POST /update_weights_from_disk
-{"model_path"} (SGLang's route, which `liger-kd serve` speaks; vLLM moves full weights by NCCL / CUDA IPC with its
-weight-transfer engine instead, which is not wired here). The engine must read the directory: the same machine, or
-a shared filesystem through kd_sync_dir. Every directory made is deleted after its load or at close; nothing else
+A full-weight student goes by `transport` (kd_sync_transport): "disk" writes its state dict as one safetensors file,
+loaded by POST /update_weights_from_disk {"model_path"} (SGLang's route, which `liger-kd serve` speaks; the engine
+must read the directory: the same machine, or a shared filesystem through kd_sync_dir); "broadcast" / "vllm-nccl"
+send it over vLLM's weight-transfer routes, by torch.distributed or by vLLM's NCCL communicator
+(weight_transfer.py). Every directory made is deleted after its load or at close; nothing else
 is touched.
 """
 
@@ -18,6 +19,7 @@ import tempfile
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,15 +45,15 @@ def peft_of(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unique_tensors(state: dict[str, torch.Tensor], device: torch.device | None = torch.device("cpu")) -> dict:
     """The state dict with each storage once (tied embeddings share one; safetensors refuses shared tensors), as
-    contiguous CPU tensors."""
+    contiguous tensors on `device` (None: where they are)."""
     seen, out = set(), {}
     for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            out[name] = tensor.detach().to("cpu").contiguous()
+            out[name] = (tensor.detach() if device is None else tensor.detach().to(device)).contiguous()
     return out
 
 
@@ -60,8 +62,9 @@ class WeightSync:
     first rollout. `synced_step` is the step whose starting weights the engine holds; `model_name` the name the
     completions must ask for (the adapter's for a PEFT student, None: the engine's own model)."""
 
-    def __init__(self, http: HttpEndpoint, every: int, sync_dir: str | None = None) -> None:
+    def __init__(self, http: HttpEndpoint, every: int, sync_dir: str | None = None, sender: Any = None) -> None:
         self.http, self.every, self.sync_dir = http, every, sync_dir
+        self.sender = sender  # a weight_transfer.BroadcastSender for full weights (kd_sync_transport), or None: disk
         self.synced_step: int | None = None
         self.model_name: str | None = None
         self.pushes = 0
@@ -73,8 +76,13 @@ class WeightSync:
         return self.synced_step is None or step - self.synced_step >= self.every
 
     def push(self, model: nn.Module, step: int) -> None:
-        root = self._directory()
         peft = peft_of(model)
+        if peft is None and self.sender is not None:
+            self.sender.push(model, step)
+            self.synced_step = step
+            self.pushes += 1
+            return
+        root = self._directory()
         target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=root))
         if peft is not None:
             adapter = peft.active_adapter
@@ -99,6 +107,8 @@ class WeightSync:
         self.pushes += 1
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         if self._root is not None:
             self._finalizer()
             self._root = self._kept = None

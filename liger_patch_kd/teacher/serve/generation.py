@@ -5,6 +5,8 @@ so the on-policy trainer's engine path (trainer/engine.py) runs, and is tested, 
     POST /v1/load_lora_adapter                  vLLM's runtime LoRA loading: {"lora_name", "lora_path"}
     POST /v1/unload_lora_adapter                {"lora_name"}
     POST /update_weights_from_disk              full weights from safetensors files: {"model_path"} (SGLang's route)
+    POST /init_weight_transfer_engine ...       full weights broadcast by the trainer: vLLM's weight-transfer routes
+                                                (weight_transfer.py)
 
 Sampling: `n` completions per prompt (choice index = prompt * n + j, as vLLM numbers them), `temperature` (0:
 greedy), `top_p`, `top_k` (-1 or 0: off), `max_tokens` (default 16, as OpenAI's), `seed` (the same request with the
@@ -17,9 +19,9 @@ the model's own distribution (float32 log_softmax of its logits: temperature 1, 
 vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
 at temperature 1 needs. `return_token_ids: true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
 
-Weights: vLLM's own full-weight transfer moves tensors by NCCL or CUDA IPC between GPUs (its weight-transfer engine,
-what TRL's vLLM sync uses); an HF model on a CPU cannot take part in that, so the full-weight route here is SGLang's
-disk-based one: safetensors files in a directory the server can read. Every tensor must name a parameter or buffer
+Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
+by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
+torch.distributed group as the data plane). Every tensor must name a parameter or buffer
 of the model with its shape (400 otherwise, before any weight changes); each update bumps `weight_version` (in
 /health and the reply). An adapter is used by a request whose `model` is its lora_name, the base model by one with
 the served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a
@@ -290,26 +292,37 @@ class GenerationEngine:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
             raise RequestError(400, f"model_path {str(path)!r} is neither a .safetensors file nor a directory of them")
-        if self.adapters:
-            raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
-                                    f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
         state = {}
         for f in files:
             state.update(load_file(str(f)))
+        count = self.apply_state(state)
+        return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
+                "weight_version": self.weight_version}  # fmt: skip
+
+    def check_state(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Refuse (400) an update naming a tensor the model lacks or with another shape, or one arriving while LoRA
+        adapters are loaded, before any weight changes."""
+        if self.adapters:
+            raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
+                                    f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
         own = self.model.state_dict()
-        for name, tensor in state.items():
+        for name, shape in shapes.items():
             if name not in own:
                 raise RequestError(400, f"tensor {name!r} is not a parameter or buffer of the served model "
                                         f"({type(self.model).__name__}); is it another architecture?")  # fmt: skip
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise RequestError(400, f"tensor {name!r} has shape {tuple(tensor.shape)}, the served model's "
+            if tuple(shape) != tuple(own[name].shape):
+                raise RequestError(400, f"tensor {name!r} has shape {tuple(shape)}, the served model's "
                                         f"{tuple(own[name].shape)}")  # fmt: skip
+
+    def apply_state(self, state: dict[str, torch.Tensor]) -> int:
+        """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
+        self.check_state({name: tuple(t.shape) for name, t in state.items()})
+        own = self.model.state_dict()
         with self.lock, torch.no_grad():
             for name, tensor in state.items():
                 own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
             self.weight_version += 1
-        return {"success": True, "message": f"updated {len(state)} tensors from {path}", "num_tensors": len(state),
-                "weight_version": self.weight_version}  # fmt: skip
+        return len(state)
 
 
 def _field(body: Any, name: str) -> str:
@@ -327,11 +340,13 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     from .validation import parse_body
+    from .weight_transfer import WeightReceiver, add_weight_transfer_routes
 
     def route(path: str, method, reply):
         async def endpoint(request: Request):
             try:
-                result = await asyncio.to_thread(method, parse_body(await request.body()))
+                raw = await request.body()
+                result = await asyncio.to_thread(method, parse_body(raw) if raw.strip() else None)
             except RequestError as e:
                 return error(e.status, e.message)
             return reply(result)
@@ -341,3 +356,4 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     route("/v1/load_lora_adapter", engine.load_adapter, PlainTextResponse)
     route("/v1/unload_lora_adapter", engine.unload_adapter, PlainTextResponse)
     route("/update_weights_from_disk", engine.update_weights_from_disk, JSONResponse)
+    add_weight_transfer_routes(route, WeightReceiver(engine), JSONResponse)

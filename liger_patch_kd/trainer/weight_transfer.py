@@ -1,0 +1,143 @@
+"""Full weights to the rollout engine by broadcast: the trainer's side of vLLM's weight-transfer protocol.
+
+Control plane (vLLM's RLHF HTTP routes, which `liger-kd serve` answers too; teacher/serve/weight_transfer.py):
+once, POST /init_weight_transfer_engine with the rendezvous (this trainer is rank 0 and hosts the TCPStore); per
+sync, /start_weight_update, /update_weights with every tensor's name, dtype and shape (sent while this side
+broadcasts them, in that order: the server's call returns when it has them all), /finish_weight_update with the
+step as weight_version; at close, /shutdown_weight_transfer_engine. Data plane, by `transport`:
+
+  "broadcast"  a torch.distributed group from that TCPStore: gloo for a student on the CPU, NCCL on a GPU; what
+               `liger-kd serve` joins (tested in CI)
+  "vllm-nccl"  vLLM's own communicator (vllm's stateless_init_process_group + PyNcclCommunicator), which a vLLM
+               server started with --weight-transfer-config '{"backend": "nccl"}' joins; needs vllm importable
+               here and the student on a GPU. It cannot run in CI (no vLLM, no GPU), so it is kept to vLLM's
+               documented one-tensor-at-a-time broadcast.
+
+Each tensor goes once (tied embeddings share one storage, `unique_tensors`), in the model's dtype. A broadcast the
+server refuses (a name it lacks, another shape) is still received whole there and applied nowhere; the refusal
+comes back as the update's HTTP error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..teacher.serve.transport import HttpEndpoint
+from .weight_sync import unique_tensors
+
+TRANSPORTS = ("disk", "broadcast", "vllm-nccl")
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+class BroadcastSender:
+    """Rank 0 of a two-member group with the engine at `http` (one worker: world size 2)."""
+
+    def __init__(self, http: HttpEndpoint, transport: str, address: str = "127.0.0.1") -> None:
+        if transport not in TRANSPORTS[1:]:
+            raise ValueError(f"kd_sync_transport={transport!r}: a broadcast transport is one of {TRANSPORTS[1:]}")
+        # the collective calls block on the other side: a retried init or update would join a second broadcast
+        self.http = HttpEndpoint(http.url, timeout=http.timeout, retries=0, api_key=http.api_key, what=http.what,
+                                 needed="the student's weights")  # fmt: skip
+        self.transport, self.address = transport, address
+        self.group: Any = None
+        self.device: torch.device | None = None
+
+    def push(self, model: nn.Module, step: int) -> None:
+        state = {name: t.detach() for name, t in model.state_dict().items()}
+        device = next(iter(state.values())).device
+        if self.group is None:
+            self._connect(device)
+        elif device != self.device:
+            raise RuntimeError(f"the student moved from {self.device} to {device} after the weight-transfer group "
+                               f"was made; the group's transport is fixed by the first push")  # fmt: skip
+        tensors = unique_tensors(state, device=None if self.device.type == "cuda" else torch.device("cpu"))
+        info = {
+            "names": list(tensors),
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()],
+        }
+        self.http.post_json("/start_weight_update", {})
+        self._while_posting("/update_weights", {"update_info": info}, lambda: self._broadcast(tensors.values()))
+        self.http.post_json("/finish_weight_update", {"weight_version": str(step)})
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        try:
+            self.http.post_json("/shutdown_weight_transfer_engine", {})
+        finally:
+            if self.transport == "broadcast" and hasattr(group, "shutdown"):
+                group.shutdown()
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _connect(self, device: torch.device) -> None:
+        if self.transport == "vllm-nccl" and device.type != "cuda":
+            raise ValueError(f"kd_sync_transport='vllm-nccl' broadcasts over NCCL from a GPU; the student is on "
+                             f"{device}. Use kd_sync_transport='broadcast' with liger-kd serve, or 'disk'")  # fmt: skip
+        port = free_port(self.address)
+        info = {"master_address": self.address, "master_port": port, "rank_offset": 1, "world_size": 2}
+        self.device = device
+        self._while_posting("/init_weight_transfer_engine", {"init_info": info}, lambda: self._make_group(port))
+
+    def _make_group(self, port: int) -> None:
+        if self.transport == "vllm-nccl":
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            self.group = stateless_init_process_group(self.address, port, 0, 2, self.device)
+            return
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.address, port, 2, is_master=True, timeout=GROUP_TIMEOUT)
+        store = dist.PrefixStore("liger-kd-weight-transfer", store)
+        if self.device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(store, 0, 2)
+        else:
+            self.group = dist.ProcessGroupGloo(store, 0, 2, GROUP_TIMEOUT)
+
+    def _broadcast(self, tensors) -> None:
+        for tensor in tensors:
+            if self.transport == "vllm-nccl":
+                self.group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+            else:
+                self.group.broadcast(tensor, 0).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _while_posting(self, path: str, body: dict, work) -> None:
+        """POST `path` while `work` (this side of the collective) runs: the server's side is inside that request.
+        Both run in threads watched from here, so a refusal (the server never joins) raises at once instead of
+        waiting out the group's timeout; after one the group is dropped (the next push makes a new one)."""
+        outcome: dict[str, BaseException | None] = {}
+
+        def run(key: str, fn) -> None:
+            try:
+                fn()
+                outcome[key] = None
+            except BaseException as e:  # re-raised below, in the trainer's thread
+                outcome[key] = e
+
+        post = threading.Thread(target=run, args=("post", lambda: self.http.post_json(path, body)), daemon=True)
+        worker = threading.Thread(target=run, args=("work", work), daemon=True, name=f"liger-kd {path}")
+        post.start()
+        worker.start()
+        while "post" not in outcome and outcome.get("work") is None:
+            post.join(0.02)
+        if outcome.get("post") is None and "post" in outcome:
+            worker.join()
+        error = outcome.get("post") or outcome.get("work")
+        if error is not None:
+            self.group = None  # its members disagree now: never reused
+            raise error

@@ -1,0 +1,118 @@
+"""Full weights to the rollout engine by broadcast (kd_sync_transport="broadcast"): vLLM's weight-transfer routes
+against the real `liger-kd serve` app, the tensors over a gloo group; trained through KDTrainer.train() with the
+engine's log-probs equal to the student's after each push, and every refusal prompt (no one waits out a timeout)."""
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.serve.transport import HttpEndpoint  # noqa: E402
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
+from liger_patch_kd.trainer.weight_transfer import BroadcastSender  # noqa: E402
+
+from .test_engine_trainer import Recorder, _engine_args  # noqa: E402
+from .test_generation_server import LOGPROB_ATOL, post, running  # noqa: E402
+from .test_onpolicy import PROMPTS, tokenizer  # noqa: E402, F401
+from .tiny_models import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+
+def _sender(url: str) -> BroadcastSender:
+    return BroadcastSender(HttpEndpoint(url, timeout=30, retries=0, what="the generation engine"), "broadcast")
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_full_weight_student_trains_with_its_weights_broadcast_every_step(tmp_path, tokenizer):  # noqa: F811
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    with running(tiny_model("llama", dtype=torch.float32, seed=7)) as (url, app):
+        args = _engine_args(tmp_path, url, bf16=True, kd_onpolicy_loss="pg", max_steps=3, kd_sync_transport="broadcast")
+        trainer = KDTrainer(model=student, teacher_model=tiny_model("llama", dtype=torch.float32, seed=2),
+                            processing_class=tokenizer, args=args, train_dataset=PROMPTS)  # fmt: skip
+        recorder = Recorder(trainer, student)
+        trainer.train()
+        assert app.state.engine.weight_version == 3  # one broadcast before each step's rollouts
+        assert recorder.inner.sync.sender.group is None  # closed at the end of train(): the group is shut down
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["kd_rollout_staleness"] for h in logs] == [0, 0, 0]
+    # after every push the engine samples with the student's own weights (float32; LOGPROB_ATOL's note)
+    assert len(recorder.gaps) == 3 and max(recorder.gaps) <= LOGPROB_ATOL, recorder.gaps
+    assert recorder.root is None  # nothing was written to disk
+
+
+def test_the_broadcast_copies_every_tensor_and_a_tied_head_once():
+    served = tiny_model("llama", dtype=torch.float32, seed=7, tie_word_embeddings=True)
+    student = tiny_model("llama", dtype=torch.float32, seed=1, tie_word_embeddings=True)
+    with running(served) as (url, app):
+        sender = _sender(url)
+        calls = []
+        http_post = sender.http.post_json
+        sender.http.post_json = lambda path, body: calls.append((path, body)) or http_post(path, body)
+        sender.push(student, step=4)
+        names = next(body["update_info"]["names"] for path, body in calls if path == "/update_weights")
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # one storage, sent once
+        assert [p for p, _ in calls] == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                                         "/finish_weight_update"]  # fmt: skip
+        assert calls[-1][1] == {"weight_version": "4"}
+        assert _same_weights(served, student) and app.state.engine.weight_version == 1
+        with torch.no_grad():
+            next(student.parameters()).add_(1.0)
+        sender.push(student, step=5)  # the same group again
+        assert _same_weights(served, student) and app.state.engine.weight_version == 2
+        sender.close()
+        assert sender.group is None
+
+
+def test_a_refused_broadcast_changes_nothing_and_fails_at_once():
+    served = tiny_model("llama", dtype=torch.float32, seed=7)
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    other = tiny_model("llama", dtype=torch.float32, seed=1, hidden=32)  # another shape everywhere
+    with running(served) as (url, app):
+        sender = _sender(url)
+        start = time.monotonic()
+        with pytest.raises(TeacherServerError, match="update_weights refused the request: HTTP 400.*shape"):
+            sender.push(other, step=0)
+        assert time.monotonic() - start < 20  # the server drained the broadcast and answered; nobody timed out
+        assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+        assert app.state.engine.weight_version == 0 and sender.group is None
+        student = tiny_model("llama", dtype=torch.float32, seed=1)
+        sender.push(student, step=1)  # a fresh group after the refusal
+        assert _same_weights(served, student)
+        sender.close()
+
+
+def test_the_weight_transfer_routes_check_their_bodies():
+    with running(tiny_model("llama", dtype=torch.float32)) as (url, _):
+        status, reply = post(url, "/update_weights", {"update_info": {"names": []}})
+        assert status == 400 and "init_weight_transfer_engine first" in str(reply)
+        status, reply = post(url, "/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}})
+        assert status == 400 and "master_port" in str(reply)
+        body = {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 3}}
+        status, reply = post(url, "/init_weight_transfer_engine", body)
+        assert status == 400 and "world_size" in str(reply)
+
+
+def test_an_init_the_server_refuses_fails_at_once(tmp_path):
+    with running(tiny_model("llama", dtype=torch.float32)) as (url, _):
+        sender = BroadcastSender(HttpEndpoint(url + "/missing", timeout=30, retries=0), "broadcast")
+        start = time.monotonic()
+        with pytest.raises(TeacherServerError, match="HTTP 404"):
+            sender.push(tiny_model("llama", dtype=torch.float32), step=0)
+        assert time.monotonic() - start < 20 and sender.group is None
+
+
+def test_sync_transport_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="kd_sync_transport must be one of"):
+        KDTrainingArguments(output_dir=str(tmp_path), kd_sync_transport="nccl", report_to=[])
+    sender = _sender("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="vllm-nccl.*GPU"):
+        BroadcastSender(sender.http, "vllm-nccl").push(tiny_model("llama", dtype=torch.float32), step=0)
