@@ -204,6 +204,7 @@ def test_a_collator_that_drops_the_teacher_columns_is_refused(tmp_path, columns,
 
     dropping = DataCollatorWithFlattening() if drops == "flattening" else TD.TeacherDataCollator()
     student, teacher = _models(several=False)
+    teacher = None if columns is _samples else teacher  # sampled rows are the teacher (a live one is refused)
     with pytest.raises(ValueError, match="drops the rows'"):
         KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(columns),
                   data_collator=dropping)  # fmt: skip
@@ -242,3 +243,27 @@ def test_a_struct_columns_missing_teacher_weighs_zero(tmp_path):
     assert setup.weights_from("a row's teacher_weights", {"a": 1.0, "b": None}) == [1.0, 0.0]
     with pytest.raises(ValueError, match="sum to 1"):
         setup.weights_from("a row's teacher_weights", {"a": 0.3, "b": None})
+
+
+def _topk(ids, k=4):
+    g = torch.Generator().manual_seed(2)
+    return {"teacher_token_ids": torch.randint(0, VOCAB, (len(ids), k), generator=g),
+            "teacher_logprobs": -3 * torch.rand(len(ids), k, generator=g)}  # fmt: skip
+
+
+@pytest.mark.parametrize("columns", [_topk, _samples], ids=["top-k", "sampled"])
+def test_a_live_teacher_beside_offline_rows_it_would_never_score_is_refused(tmp_path, columns):
+    with pytest.raises(ValueError, match="teacher_model would never be used.*kd_lmbda=0"):
+        _trainer(tmp_path, tiny_model("llama", dtype=torch.float32, seed=2), _rows(columns))
+    _trainer(tmp_path, None, _rows(columns))  # the rows' data alone is the teacher: fine
+
+
+def test_sampled_rows_without_a_store_train_only_at_their_declared_temperature(tmp_path):
+    rows = _rows(_samples)
+    with pytest.raises(ValueError, match="kd_temperature=2.0 on rows of sampled teacher tokens without a store"):
+        _trainer(tmp_path, None, rows, kd_temperature=2.0)
+    with pytest.raises(ValueError, match="kd_temperature=2.0 but the rows' teacher tokens were drawn at temp.* 1.5"):
+        _trainer(tmp_path, None, rows, kd_temperature=2.0, kd_teacher_sample_temperature=1.5)
+    with pytest.raises(ValueError, match="kd_temperature=1.0 but the rows' teacher tokens were drawn at temp.* 2.0"):
+        _trainer(tmp_path, None, rows, kd_teacher_sample_temperature=2.0)
+    _trainer(tmp_path, None, rows, kd_temperature=2.0, kd_teacher_sample_temperature=2.0).train()

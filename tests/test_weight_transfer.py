@@ -116,3 +116,28 @@ def test_sync_transport_is_checked(tmp_path):
     sender = _sender("http://127.0.0.1:9")
     with pytest.raises(ValueError, match="vllm-nccl.*GPU"):
         BroadcastSender(sender.http, "vllm-nccl").push(tiny_model("llama", dtype=torch.float32), step=0)
+
+
+def test_an_engine_never_samples_a_padded_heads_extra_rows(tmp_path):
+    """A head padded past kd_vocab_size: the engine is asked for allowed_token_ids 0 .. V-1 (vLLM's field) and
+    `liger-kd serve` masks the rest, so no id outside the loss's vocabulary reaches the teacher."""
+    from liger_patch_kd.trainer.engine import EngineRollouts
+    from liger_patch_kd.trainer.rollouts import RolloutSettings
+
+    from .test_onpolicy import _args
+    from .tiny_models import VOCAB
+
+    padded = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
+    with torch.no_grad():  # the padding rows dominate every position's logits
+        padded.lm_head.weight[VOCAB:] = 50 * padded.model.norm.weight
+    run = dict(pad_id=0, eos_ids=set(), start_id=1)
+    with running(padded) as (url, _):
+        for vocab, inside in ((None, False), (VOCAB, True)):
+            source = EngineRollouts(_args(tmp_path, kd_generation_url=url, kd_sync_transport="broadcast"))
+            settings = RolloutSettings(max_new_tokens=4, vocab_size=vocab)
+            rollouts = source(padded, [[3, 4], [5]], settings, **run)
+            assert all(t < VOCAB for r in rollouts for t in r.completion) is inside
+            assert all(len(r.completion) == 4 and len(r.logprobs) == 4 for r in rollouts)
+            source.close()
+        status, reply = post(url, "/v1/completions", {"prompt": [[3]], "allowed_token_ids": [5, 6]})
+        assert status == 400 and "allowed_token_ids" in str(reply)

@@ -143,6 +143,12 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_sample_seed: int = field(
         default=0, metadata={"help": "Seed of the served draws (with each sequence's ids: precompute --seed's draws)."}
     )
+    kd_teacher_sample_temperature: float | None = field(
+        default=None,
+        metadata={"help": "The temperature a dataset's sampled teacher tokens were drawn at, for rows without a "
+                  "store's metadata (a plain list or datasets.Dataset); it must equal kd_temperature. None: such "
+                  "rows train only at kd_temperature=1."},
+    )  # fmt: skip
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
     kd_teacher_api_key: str | None = field(

@@ -79,3 +79,21 @@ def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | 
             f"or pass processing_class=tokenizer so KDTrainer takes len(tokenizer)"
         )
     return cfg.replace(vocab_size=padded_vocab_size(tuple(rows), tokenizer, teacher))  # or a ValueError
+
+
+OFFLINE_TEACHER_COLUMNS = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids")
+
+
+def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None:
+    """A live teacher_model beside rows that carry their own teacher data, with no step it would score: refused, as
+    the run would train on the rows' data while the teacher sits on the device unused (kd_lmbda > 0 uses both: the
+    teacher scores the generated steps; kd_seq_kd samples from it)."""
+    if teacher_model is None or not isinstance(first_row, dict) or args.kd_lmbda > 0 or args.kd_seq_kd:
+        return
+    carried = [c for c in OFFLINE_TEACHER_COLUMNS if first_row.get(c) is not None]
+    if carried:
+        raise ValueError(
+            f"teacher_model would never be used: the rows carry offline teacher data ({', '.join(carried)}) and "
+            f"kd_lmbda=0 trains on it alone. Drop teacher_model (the rows' data is the teacher), drop those columns "
+            f"to distil from teacher_model, or set kd_lmbda > 0 for on-policy steps it scores"
+        )

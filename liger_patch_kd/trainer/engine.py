@@ -96,6 +96,7 @@ class EngineRollouts:
         sender = None if args.kd_sync_transport == "disk" else BroadcastSender(self.http, args.kd_sync_transport)
         self.sync = WeightSync(self.http, args.kd_sync_steps, args.kd_sync_dir, sender)
         self.vocab_size: int | None = None
+        self._allowed: int | None = None
         self.staleness: list[int] = []  # per generated step: steps since the engine's weights were the student's
         self._served_name: str | None = None
         self._warned = args.kd_onpolicy_loss == "pg" or args.kd_sync_steps == 1
@@ -115,15 +116,18 @@ class EngineRollouts:
                 f"log-probs)"
             )
             self._warned = True
-        if self.vocab_size is None:
-            self.vocab_size = unwrap_model(generator).get_output_embeddings().weight.shape[0]
+        if self.vocab_size is None:  # the real ids: a head padded past them (kd_vocab_size) never samples its extras
+            rows = unwrap_model(generator).get_output_embeddings().weight.shape[0]
+            self.vocab_size = min(rows, settings.vocab_size or rows)
+            self._allowed = self.vocab_size if self.vocab_size < rows else None
         model = self.sync.model_name or self._base_name()
         rows = [p if p else [start_id] for p in prompts]
         per_call = settings.batch_size or len(rows)
         out: list[Rollout] = []
         for call, first in enumerate(range(0, len(rows), per_call)):
             chunk = rows[first : first + per_call]
-            body = completion_request(chunk, settings, model, call_seed(settings.seed, step, call), eos_ids)
+            body = completion_request(chunk, settings, model, call_seed(settings.seed, step, call), eos_ids,
+                                      self._allowed)  # fmt: skip
             raw, _ = self.http.post_json("/v1/completions", body)
             name = f"step {step} call {call} to {self.http.url}/v1/completions"
             out += rollouts_from_reply(
@@ -145,11 +149,14 @@ class EngineRollouts:
 
 
 def completion_request(
-    prompts: list[list[int]], settings: RolloutSettings, model: str, seed: int, eos_ids: set[int]
+    prompts: list[list[int]], settings: RolloutSettings, model: str, seed: int, eos_ids: set[int],
+    allowed: int | None = None,
 ) -> dict[str, Any]:
     """vLLM's /v1/completions body for `prompts`: n completions each, the sampled tokens' ids and log-probs (the
-    seed folded into 63 bits, what a torch generator takes)."""
-    return {
+    seed folded into 63 bits, what a torch generator takes); `allowed` k: only ids below k are sampled (vLLM's
+    allowed_token_ids, for a head padded past the real vocabulary)."""
+    extra = {} if allowed is None else {"allowed_token_ids": list(range(allowed))}
+    return {**extra,
         "model": model, "prompt": prompts, "n": settings.num_generations, "max_tokens": settings.max_new_tokens,
         "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1,
         "seed": seed % 2**63, "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids),

@@ -31,6 +31,7 @@ from .cross_tokenizer import (
 from .cross_tokenizer_rollouts import rows_maker
 from .dataset_setup import (
     check_collator_keeps_teacher_columns,
+    check_teacher_is_used,
     first_row_is,
     first_row_is_prompt,
     first_row_of,
@@ -106,7 +107,9 @@ class KDTrainer(Trainer):
             for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         check_collator_keeps_teacher_columns(kwargs.get("train_dataset"), kwargs.get("data_collator"))
-        check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
+        first_row, sample_t = first_row_of(kwargs.get("train_dataset")), args.kd_teacher_sample_temperature
+        check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config, first_row, sample_t)  # beta 0, their T
+        check_teacher_is_used(args, teacher_model, first_row)
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:

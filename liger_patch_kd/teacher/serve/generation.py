@@ -11,7 +11,8 @@ so the on-policy trainer's engine path (trainer/engine.py) runs, and is tested, 
 Sampling: `n` completions per prompt (choice index = prompt * n + j, as vLLM numbers them), `temperature` (0:
 greedy), `top_p`, `top_k` (-1 or 0: off), `max_tokens` (default 16, as OpenAI's), `seed` (the same request with the
 same seed and weights gives the same completions: one request samples alone, from a generator seeded with it),
-`stop_token_ids`; a completion ends at the model's EOS (generation_config / config eos_token_id) or a stop id, which
+`stop_token_ids`, `allowed_token_ids` (only 0 .. k-1: what a padded head's trainer sends); a completion ends at the
+model's EOS (generation_config / config eos_token_id) or a stop id, which
 it keeps (finish_reason "stop"), or after max_tokens ("length"). `logprobs` (an int K >= 0, at most --top-k) returns,
 per sampled token, its log-prob and the top K, in OpenAI's completion layout; tokens are named "token_id:<id>" (vLLM's
 --return-tokens-as-token-ids convention: the server has no tokenizer, and `text` is ""). The log-probs are those of
@@ -65,6 +66,7 @@ class GenerationRequest:
     stop_ids: tuple[int, ...]
     return_token_ids: bool
     model: str | None
+    allowed: int | None = None  # allowed_token_ids as range(allowed) (a padded head's real ids); None: every id
 
 
 def wants_generation(body: Any) -> bool:
@@ -107,16 +109,24 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise RequestError(400, f"seed must fit in 64 bits (|seed| < 2**63); got {seed}")
     check_prompts(prompts, limits, new_tokens=max_tokens, copies=n)
+    allowed = body.get("allowed_token_ids")
+    prefix = isinstance(allowed, list) and allowed and allowed == list(range(len(allowed)))
+    if allowed is not None and not (prefix and len(allowed) <= limits.vocab_size):
+        raise RequestError(400, f"allowed_token_ids: liger-kd serve takes only the ids 0 .. k-1 (a padded head's real "
+                                f"vocabulary), k <= {limits.vocab_size}; got {json.dumps(allowed)[:60]}")  # fmt: skip
     top_k = body.get("top_k", -1)
     return GenerationRequest(
         prompts=prompts, n=n, temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
         top_k=max(top_k, 0), max_tokens=max_tokens, seed=seed, logprobs=logprobs,
         stop_ids=tuple(stop_ids), return_token_ids=bool(return_ids), model=body.get("model"),
+        allowed=None if allowed is None else len(allowed),
     )  # fmt: skip
 
 
 def sample_next(logits: torch.Tensor, req: GenerationRequest, generator: torch.Generator | None) -> torch.Tensor:
     """(rows,) next tokens from (rows, V) float32 logits: greedy, or tempered, top-k and top-p filtered, sampled."""
+    if req.allowed is not None:  # vLLM's allowed_token_ids: a mask before sampling; the log-probs stay raw
+        logits = logits[..., : req.allowed]  # the ids kept are 0 .. allowed - 1: sampled positions are ids
     if req.temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     scores = logits / req.temperature
