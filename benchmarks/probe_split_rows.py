@@ -182,7 +182,8 @@ def main() -> None:
                 error = f"{type(e).__name__}: {e}"[:200]
                 results.append(dict(name=f"split {split}, {per_sm}/SM", ms=None, error=error))
             print(results[-1], flush=True)
-    print_table(results)
+    for r in results:
+        print(r)
     write_json(args.out, {"environment": environment(), "rows": rows, "vocab": vocab, "results": results})
 
 
