@@ -74,7 +74,9 @@ class KDTrainer(Trainer):
         # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
-            self.teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer)
+            self.teacher_set = TeacherSetSetup(
+                teacher_model, args, teacher_tokenizer, student=(model, kwargs.get("processing_class"))
+            )
             teacher_model = None
         elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
@@ -93,7 +95,7 @@ class KDTrainer(Trainer):
             )
             args._n_gpu = 1
         self.xtok = None
-        if cross_tokenizer_enabled(args, teacher_tokenizer):  # another tokenizer: liger_patch_kd/align/
+        if self.teacher_set is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
             self.xtok = CrossTokenizerSetup.build(
                 args, kwargs.get("processing_class"), model, teacher_model, teacher_tokenizer=teacher_tokenizer
             )
@@ -103,7 +105,7 @@ class KDTrainer(Trainer):
             self.kd_config = with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
-            for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
+            for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         check_collator_keeps_teacher_columns(kwargs.get("train_dataset"), kwargs.get("data_collator"))
         check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config)  # sampled teacher tokens: beta 0, their T
