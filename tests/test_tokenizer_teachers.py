@@ -198,3 +198,84 @@ def test_train_bf16_accumulated_logs_the_reference_and_each_teacher(tmp_path):
     for name in ("same", "char"):
         assert logged[0][f"kd_soft_loss/{name}"] >= 0 and 0 <= logged[0][f"kd_top1_agreement/{name}"] <= 1
     assert logged[0]["kd_soft_loss"] > 0 and logged[0]["kd_hard_loss"] > 0
+
+
+def test_refusals_are_clear_one_line_errors(tmp_path):
+    student, teachers = _models(torch.float32)
+    mixed = {"prompt": "A", "completion": "b c.", "teacher_weights": {"same": 0.5, "char": 0.5}}
+    trainer = _trainer(tmp_path, student, teachers, kd_teacher_mixture="distribution")
+    with pytest.raises(ValueError, match="not defined across vocabularies; set kd_teacher_mixture='loss'"):
+        trainer.data_collator([mixed])
+    trainer.data_collator([{**mixed, "teacher_weights": {"same": 0.5, "same2": 0.5}}])  # one tokenizer: a mixture
+    with pytest.raises(ValueError, match="kd_teacher_weights .* mixes teachers of different tokenizers"):
+        _trainer(tmp_path, student, teachers, kd_teacher_mixture="distribution",
+                 kd_teacher_weights={"same": 0.5, "bpe2": 0.5})  # fmt: skip
+    for given in (CHAR, {"char": CHAR, "physics": CHAR}):
+        with pytest.raises(ValueError, match="give a dict|unknown teacher"):
+            _trainer(tmp_path, student, teachers, tokenizers=given)
+    with pytest.raises(ValueError, match="kd_teacher_tokenizer=.*give a dict"):
+        _trainer(tmp_path, student, teachers, tokenizers=None, kd_teacher_tokenizer="a/path")
+    with pytest.raises(ValueError, match="this run has one teacher"):
+        _trainer(tmp_path, student, teachers["char"], tokenizers={"char": CHAR})
+    with pytest.raises(ValueError, match="processing_class=student_tokenizer"):
+        KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path), teacher_tokenizer=TOKENIZERS)
+    token_rows = [{"input_ids": [1, 5, 6, 7], "labels": [1, 5, 6, 7], "teacher": "char"}]
+    with pytest.raises(ValueError, match="read each row's text"):
+        _trainer(tmp_path, student, teachers, token_rows)
+    with pytest.raises(ValueError, match="read each row's text"):
+        KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path), train_dataset=LOSS_ROWS,
+                  processing_class=BPE, teacher_tokenizer=TOKENIZERS, data_collator=lambda rows: rows)  # fmt: skip
+    trainer = _trainer(tmp_path, student, teachers)
+    for extra in ({"teacher_prompt": "Hint: "}, {"teacher_token_ids": [[1]], "teacher_logprobs": [[0.0]]}):
+        with pytest.raises(ValueError, match="do not read yet"):
+            trainer.data_collator([{**LOSS_ROWS[0], **extra}])
+    served = _args(tmp_path, kd_teacher_url={"same": "http://127.0.0.1:9", "char": "http://127.0.0.1:10"})
+    with pytest.raises(ValueError, match="served teachers of another tokenizer"):
+        KDTrainer(model=student, args=served, processing_class=BPE, teacher_tokenizer={"char": CHAR})
+
+
+@pytest.mark.parametrize("kind", ["loss", "align"])
+def test_row_scale_weighs_each_rows_terms_and_is_checked(kind):
+    """Both losses with row_scale equal the sum over rows of each row's own loss times its share (float64)."""
+    from liger_patch_kd.align import CrossTokenizerConfig, VocabMap, fused_linear_cross_tokenizer_kd
+    from liger_patch_kd.losses import fused_linear_multi_teacher_jsd
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 12, 30
+    h_s = torch.randn(n, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w_s = torch.randn(vocab, 8, generator=g, dtype=torch.float64)
+    h_t, w_t = (
+        torch.randn(n, 6, generator=g, dtype=torch.float64),
+        torch.randn(vocab, 6, generator=g, dtype=torch.float64),
+    )
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[[2, 7]] = -100
+    scale = torch.rand(n, generator=g, dtype=torch.float64)
+    scale[4] = 0.0
+    opts = dict(beta=0.3, temperature=2.0, hard_weight=0.4)
+    if kind == "loss":
+        mix = torch.softmax(torch.randn(n, 2, generator=g, dtype=torch.float64), -1)
+
+        def run(row_scale, reduction="batchmean"):
+            return fused_linear_multi_teacher_jsd(h_s, w_s, [h_t, h_t * 0.5], [w_t, w_t], mix, labels,
+                                                  row_scale=row_scale, mixture="loss", reduction=reduction,
+                                                  **opts)  # fmt: skip
+    else:
+        groups = torch.where(labels >= 0, torch.cumsum(labels >= 0, 0) - 1, -1)  # one-to-one groups
+        vocab_map = VocabMap.build({str(i): i for i in range(vocab)}, {str(i): i for i in range(vocab)})
+        cfg = CrossTokenizerConfig(kind="hybrid", **opts)
+
+        def run(row_scale, reduction="batchmean"):
+            return fused_linear_cross_tokenizer_kd(h_s, w_s, h_t, w_t, labels, labels, groups, groups, vocab_map,
+                                                   labels >= 0, config=cfg.replace(reduction=reduction),
+                                                   row_scale=row_scale)  # fmt: skip
+
+    expected = (run(None, "none") * scale).sum() / (labels >= 0).sum()
+    (grad_expected,) = torch.autograd.grad(expected, h_s)
+    loss = run(scale)
+    (grad,) = torch.autograd.grad(loss, h_s)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, grad_expected, rtol=1e-10, atol=1e-14)
+    for bad, match in ((torch.full((n,), -1.0, dtype=torch.float64), "finite and >= 0"), (scale[:5], "row_scale")):
+        with pytest.raises(ValueError, match=match):
+            run(bad)
