@@ -116,11 +116,14 @@ def _reference(trainer, student, teachers, rows, *, soft_only_of=None):
     return total / (own_tokens if soft_only_of is not None else count)
 
 
-@pytest.mark.parametrize("mixture,rows", [("loss", LOSS_ROWS), ("distribution", DISTRIBUTION_ROWS)])
-def test_compute_loss_and_gradients_equal_the_composed_reference_in_float64(tmp_path, mixture, rows):
+@pytest.mark.parametrize(
+    "mixture,rows,kind", [("loss", LOSS_ROWS, "hybrid"), ("distribution", DISTRIBUTION_ROWS, "hybrid"),
+                          ("loss", LOSS_ROWS, "chain")]
+)  # fmt: skip
+def test_compute_loss_and_gradients_equal_the_composed_reference_in_float64(tmp_path, mixture, rows, kind):
     student, teachers = _models()
     reference_student = copy.deepcopy(student)
-    trainer = _trainer(tmp_path, student, teachers, rows, kd_teacher_mixture=mixture)
+    trainer = _trainer(tmp_path, student, teachers, rows, kd_teacher_mixture=mixture, kd_cross_tokenizer_loss=kind)
     batch = trainer.data_collator(rows)
     assert set(batch[TEACHERS_KEY]) == ({"char", "bpe2"} if mixture == "loss" else {"char"})  # bpe2: no rows
     expected = _reference(trainer, reference_student, teachers, rows)
