@@ -16,7 +16,7 @@ never agrees). A teacher no row of the batch uses logs 0 for both.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,26 +24,20 @@ from torch import nn
 from ..config import KDLossConfig
 from ..losses import fused_linear_multi_teacher_jsd
 from ..models import unwrap_model
-from ..models.kd_io import shift_labels
+from ..models.kd_io import KDCausalLMOutput, shift_labels
 from ..models.registry import softcap_of
 from ..models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
 from .cross_tokenizer import last_hidden_and_head, live_teacher_loss, model_head_inputs
 from .tokenizer_teachers import TEACHERS_KEY, TokenizerTeachers
 
 
-class TeachersLossOutput(NamedTuple):
-    loss: torch.Tensor
-    kd_soft_loss: torch.Tensor  # detached, the batch's KD term (all teachers)
-    kd_hard_loss: torch.Tensor  # detached, its CE term
-    kd_teacher_metrics: dict[str, torch.Tensor] | None
-
-
 def tokenizer_teachers_loss(
     model: nn.Module, teachers: dict[str, nn.Module], setup: TokenizerTeachers, inputs: dict, weights: torch.Tensor,
     num_items_in_batch, cfg: KDLossConfig, log: bool,
-) -> TeachersLossOutput:  # fmt: skip
+) -> KDCausalLMOutput:  # fmt: skip
     """soft_weight * KD + hard_weight * CE of the batch, each row against its own teachers (the module docstring
-    of tokenizer_teachers.py); `weights` (B, J) in the order of `setup.names`."""
+    of tokenizer_teachers.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
+    terms (detached) and, on logging steps, the per-teacher figures, as the patched forward's."""
     parts = inputs.pop(TEACHERS_KEY)
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     h_s, head_s = last_hidden_and_head(model, ids, mask)
@@ -88,7 +82,8 @@ def tokenizer_teachers_loss(
         for name in setup.names:  # a teacher no row of this batch uses
             figures.setdefault(f"kd_soft_loss/{name}", torch.zeros((), device=h_s.device))
             figures.setdefault(f"kd_top1_agreement/{name}", torch.zeros((), device=h_s.device))
-    return TeachersLossOutput(loss, soft, hard, figures or None)
+    return KDCausalLMOutput(loss=loss, kd_soft_loss=soft.detach(), kd_hard_loss=hard.detach(),
+                            kd_teacher_metrics=figures or None)  # fmt: skip
 
 
 def _same_tokenizer_part(student, teachers, ids, mask, targets, weights, share, count, cfg, mixture, figures):
