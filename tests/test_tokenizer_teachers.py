@@ -118,14 +118,16 @@ def _reference(trainer, student, teachers, rows, *, soft_only_of=None):
 
 @pytest.mark.parametrize(
     "mixture,rows,kind", [("loss", LOSS_ROWS, "hybrid"), ("distribution", DISTRIBUTION_ROWS, "hybrid"),
-                          ("loss", LOSS_ROWS, "chain")]
+                          ("loss", LOSS_ROWS, "chain"), ("distribution", LOSS_ROWS[1:3], "hybrid")]
 )  # fmt: skip
 def test_compute_loss_and_gradients_equal_the_composed_reference_in_float64(tmp_path, mixture, rows, kind):
+    """Rows of both kinds and a mixture; DISTRIBUTION_ROWS route none to bpe2, LOSS_ROWS none to same2, and
+    LOSS_ROWS[1:3] none to either student-tokenizer teacher."""
     student, teachers = _models()
     reference_student = copy.deepcopy(student)
     trainer = _trainer(tmp_path, student, teachers, rows, kd_teacher_mixture=mixture, kd_cross_tokenizer_loss=kind)
     batch = trainer.data_collator(rows)
-    assert set(batch[TEACHERS_KEY]) == ({"char", "bpe2"} if mixture == "loss" else {"char"})  # bpe2: no rows
+    assert set(batch[TEACHERS_KEY]) == ({"char"} if rows is DISTRIBUTION_ROWS else {"char", "bpe2"})
     expected = _reference(trainer, reference_student, teachers, rows)
     expected.backward()
     num_items = (shift_labels(batch["labels"], -100) != -100).sum()
