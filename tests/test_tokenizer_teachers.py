@@ -16,6 +16,7 @@ from liger_patch_kd.demo import build_model, load_corpus
 from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.models.kd_io import shift_labels
 from liger_patch_kd.trainer.cross_tokenizer import cross_tokenizer_config
+from liger_patch_kd.trainer.onpolicy import require_completions
 from liger_patch_kd.trainer.tokenizer_teachers import TEACHERS_KEY
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -231,6 +232,8 @@ def test_refusals_are_clear_one_line_errors(tmp_path):
         KDTrainer(model=student, teacher_model=teachers, args=_args(tmp_path), train_dataset=LOSS_ROWS,
                   processing_class=BPE, teacher_tokenizer=TOKENIZERS, data_collator=lambda rows: rows)  # fmt: skip
     trainer = _trainer(tmp_path, student, teachers)
+    with pytest.raises(ValueError, match="prompts without a completion"):  # nothing would be scored on them
+        require_completions([trainer.data_collator([{"prompt": "At dawn, ", "teacher": "char"}])], trainer.args)
     for extra in ({"teacher_prompt": "Hint: "}, {"teacher_token_ids": [[1]], "teacher_logprobs": [[0.0]]}):
         with pytest.raises(ValueError, match="do not read yet"):
             trainer.data_collator([{**LOSS_ROWS[0], **extra}])
