@@ -77,8 +77,8 @@ class TeacherSetSetup:
     """The named teachers of a KDTrainer run, their default mixture and the routing of rows to them."""
 
     def __init__(
-        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None, served: bool = False,
-        student: tuple[nn.Module | None, Any] = (None, None),
+        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None,
+        student: tuple[nn.Module | None, Any] = (None, None), served: bool = False,
     ) -> None:  # fmt: skip
         """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models).
         `teacher_tokenizer` / kd_teacher_tokenizer: {name: tokenizer} for teachers with their own (aligned with

@@ -79,7 +79,7 @@ class KDTrainer(Trainer):
             )
             teacher_model = None
         elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
-            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
         else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
             check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
         teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
