@@ -29,7 +29,7 @@ import triton.language as tl
 from liger_patch_kd import KDLossConfig
 from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_triton
 
-from .common import cuda_time_ms, environment, print_table, write_json
+from .common import cuda_time_ms, environment, write_json
 
 
 @triton.jit

@@ -135,6 +135,16 @@ class CrossTokenizerCollator:
         """The teacher ids of one example, as batches hold them: what to precompute the teacher's top-k on."""
         return self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)[0]
 
+    def student_tokens(self, example: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]], list[int], int]:
+        """One example's student ids, their content-relative offsets, labels (every token after the prompt) and
+        the content's length in characters: what every row of a batch takes from the student's tokenizer."""
+        s_ids, s_off, s_start, s_end = self.encode(self.student_tokenizer, self.student_prefix_ids, example)
+        s_rel = [(a - s_start, b - s_start) for a, b in s_off]  # content-relative: one coordinate system for both
+        s_labels = [self.ignore_index] * len(s_ids)
+        for j in range(max(1, first_token_at_or_after(s_rel, 0)), len(s_ids)):
+            s_labels[j] = s_ids[j]
+        return s_ids, s_rel, s_labels, s_end - s_start
+
     def _offline_topk(self, example: dict[str, Any], t_ids: list[int], index: int):
         stored = [int(i) for i in example.get("teacher_input_ids", t_ids)]
         if stored[: len(t_ids)] != t_ids:
@@ -161,17 +171,12 @@ class CrossTokenizerCollator:
                     f"distillation does not support yet: both tokenizers read the same prompt and completion; drop "
                     f"the teacher_prompt column, or distil from a teacher of the student's tokenizer"
                 )
-            s_ids, s_off, s_start, s_end = self.encode(self.student_tokenizer, self.student_prefix_ids, example)
+            s_ids, s_rel, s_labels, s_content = self.student_tokens(example)
             t_ids, t_off, t_start, t_end = self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)
             if "teacher_token_ids" in example:
                 topk.append(self._offline_topk(example, t_ids, len(rows)))
-            # content-relative offsets, so both sides share one coordinate system
-            s_rel = [(a - s_start, b - s_start) for a, b in s_off]
             t_rel = [(a - t_start, b - t_start) for a, b in t_off]
-            groups = align_tokens(s_rel, t_rel, 0, min(s_end - s_start, t_end - t_start))
-            s_labels = [self.ignore_index] * len(s_ids)
-            for j in range(max(1, first_token_at_or_after(s_rel, 0)), len(s_ids)):
-                s_labels[j] = s_ids[j]
+            groups = align_tokens(s_rel, t_rel, 0, min(s_content, t_end - t_start))
             t_prompt = first_token_at_or_after(t_rel, 0)
             rows.append(aligned_row(s_ids, s_labels, t_ids, t_prompt, groups, n_groups, self.ignore_index))
             n_groups += len(groups)

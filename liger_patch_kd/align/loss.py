@@ -223,6 +223,7 @@ def fused_linear_cross_tokenizer_kd(
     student_bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
     return_components: bool = False,
+    row_scale: torch.Tensor | None = None,
     **options,
 ) -> torch.Tensor | CrossTokenizerLossOutput:
     """Equals `align.reference.cross_tokenizer_kd_loss(h_s W_s^T + b_s, h_t W_t^T + b_t, ...)`.
@@ -231,7 +232,10 @@ def fused_linear_cross_tokenizer_kd(
     HF style (row r: label = token r + 1, group of token r + 1); teacher_input (..., H_t) with teacher_labels /
     teacher_groups of its own leading shape (the teacher's sequence length differs). `config` and / or its
     fields as keywords, merged by CrossTokenizerConfig.build (a keyword that conflicts with `config` is a
-    ValueError). Gradients flow to the student input, weight and bias.
+    ValueError). Gradients flow to the student input, weight and bias. `row_scale` (student_labels' shape, >= 0,
+    default 1): each student row's share of the loss, its groups' and CE terms alike (a row's group takes the
+    share of the row predicting its last token): the part of the row's objective this teacher holds when other
+    losses score the rest (several teachers, trainer/tokenizer_teachers.py).
     """
     cfg = CrossTokenizerConfig.build(config, **options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
@@ -244,7 +248,7 @@ def fused_linear_cross_tokenizer_kd(
     teacher = _model_teacher(h_t, teacher_weight.detach().to(dtype), b_t, cfg)
     return _fused_loss(
         student_input, student_weight, student_bias, student_labels, student_groups, teacher, teacher_weight.shape[0],
-        teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch, return_components,
+        teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch, return_components, row_scale,
     )  # fmt: skip
 
 
@@ -313,7 +317,7 @@ def _compute_dtype(student_input: torch.Tensor) -> torch.dtype:
 def _fused_loss(
     student_input, student_weight, student_bias, student_labels, student_groups, teacher_log_probs,
     teacher_vocab: int, teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch,
-    return_components,
+    return_components, row_scale=None,
 ):  # fmt: skip
     """The chunk loop shared by both teacher sources (`teacher_log_probs(rows)`, see _teacher_source)."""
     check_num_items(num_items_in_batch)
@@ -345,6 +349,13 @@ def _fused_loss(
         row_weight = valid_layout * torch.where(count > 0, 1 / count, 0)  # no items: weight 0, loss 0, no NaN
     else:
         row_weight = valid_layout
+    if row_scale is not None:
+        _check("row_scale", row_scale, student_input.shape[:-1])
+        scale = row_scale.detach().reshape(-1).to(device=device, dtype=acc)
+        if not bool(torch.isfinite(scale).all() and (scale >= 0).all()):  # the layout is read on the host anyway
+            raise ValueError("row_scale (each row's share of the loss) must be finite and >= 0; got a NaN, inf or "
+                             "negative share")  # fmt: skip
+        row_weight = row_weight * scale.index_select(0, safe)
     metas = {i * chunk_size: to_meta(raw, min(chunk_size, layout.numel() - i * chunk_size), device)
              for i, raw in enumerate(raw_metas)}  # fmt: skip
     t_labels = teacher_labels.reshape(-1).to(device)

@@ -10,6 +10,7 @@ compared by ULD (sorted, so no token correspondence is needed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -128,8 +129,9 @@ def byte_level_to_text(token: str) -> str:
     return token.replace("▁", " ")
 
 
+@functools.cache  # read once per token string when a VocabMap is built: build the table once
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's reversible bytes <-> printable characters table, inverted."""
+    """GPT-2's reversible bytes <-> printable characters table, inverted (shared: callers only read it)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
     codes, extra = list(printable), 0

@@ -91,10 +91,11 @@ def _no_autocast(device: torch.device):
 
 def run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
-    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None, row_scale=None,
 ):  # fmt: skip
     """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
-    and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab]."""
+    and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab].
+    `row_scale` (N,): each row's share of the loss, multiplied into its row weight (KD and CE terms alike)."""
     leading = student_input.shape[:-1]
     device = student_input.device
     dtype = compute_dtype(device, student_input)
@@ -118,10 +119,11 @@ def run_fused(
         fp32_weight_grad=cfg.fp32_weight_grad,
         student_product=student_product,
     )
+    row_weight = _row_weight(flat_labels, cfg, num_items_in_batch, dtype)
+    if row_scale is not None:
+        row_weight = row_weight * row_scale.reshape(-1).to(row_weight.dtype)
     with _no_autocast(device):
-        loss, soft, hard = FusedLinearKDFunction.apply(
-            h_s, w_s, student_bias, flat_labels, _row_weight(flat_labels, cfg, num_items_in_batch, dtype), plan
-        )
+        loss, soft, hard = FusedLinearKDFunction.apply(h_s, w_s, student_bias, flat_labels, row_weight, plan)
     if cfg.reduction == "none":
         loss, soft, hard = (t.reshape(leading) for t in (loss, soft, hard))
     return KDLossOutput(loss, soft, hard) if return_components else loss

@@ -109,6 +109,7 @@ def fused_linear_multi_teacher_jsd(
     teacher_biases: Sequence[torch.Tensor | None] | None = None,
     teacher_softcaps: Sequence[float | None] | None = None,
     mixture: str = "distribution",
+    row_scale: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
     beta: float | None = None,
     temperature: float | None = None,
@@ -144,6 +145,9 @@ def fused_linear_multi_teacher_jsd(
         teacher_biases (Sequence[Tensor | None] | None): each teacher's lm_head bias (V_j,), or None.
         teacher_softcaps (Sequence[float | None] | None): each teacher's final-logit soft-cap; default none.
         mixture (str): "distribution" (default) or "loss", as above.
+        row_scale (Tensor | None): (N,) / (B, T), each row's share of this loss (>= 0; its KD and CE terms
+            alike; default 1): the part of a row's objective these teachers hold when other losses score the
+            rest of it (teachers of other tokenizers, trainer/tokenizer_teachers.py).
 {args}
 
     Returns:
@@ -172,8 +176,11 @@ def fused_linear_multi_teacher_jsd(
     flat_labels = flatten_labels(labels, leading, device, cfg)
     weights = _flat_weights(mixture_weights, leading, n_teachers, device)
     counted = counted_rows(flat_labels, labels, cfg)
+    scale = None if row_scale is None else _flat_scale(row_scale, leading, device)
     if check_inputs:
         checks = mixture_weight_checks(weights, counted)
+        if scale is not None:
+            checks.append(((~torch.isfinite(scale) | (scale < 0)).any(), lambda: _SCALE_ERROR))
         if labels is not None and (cfg.vocab_size is not None or cfg.hard_weight):
             checks.append(label_check(flat_labels, vocab, cfg))
         run_device_checks(checks)
@@ -206,9 +213,22 @@ def fused_linear_multi_teacher_jsd(
     return run_fused(
         student_input, student_weight, student_bias, flat_labels, cfg, num_items_in_batch, backend,
         return_components, vocab=vocab, columns=columns, teacher_chunk=teacher_chunk, kernels=kernels,
-        bytes_per_logit=bytes_per_logit,
+        bytes_per_logit=bytes_per_logit, row_scale=scale,
     )
 # fmt: on
+
+
+_SCALE_ERROR = "row_scale (each row's share of the loss) must be finite and >= 0; got a NaN, inf or negative share"
+
+
+def _flat_scale(row_scale: torch.Tensor, leading: torch.Size, device) -> torch.Tensor:
+    scale = torch.as_tensor(row_scale, device=device)
+    if scale.shape != leading and scale.shape != (leading.numel(),):
+        raise ValueError(
+            f"row_scale must have the student's leading shape {tuple(leading)} (one share per row); got "
+            f"{tuple(scale.shape)}"
+        )
+    return scale.detach().reshape(-1)
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

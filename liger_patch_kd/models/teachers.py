@@ -97,10 +97,10 @@ def teacher_set_forward(
 
         def loss_on(gathered: list[tuple]):
             if log_metrics:
-                student_rows = lambda rows: _head_logits(hidden, head.weight, student_bias, rows)  # noqa: E731
-                teacher_rows = [lambda rows, t=t: _head_logits(t[0], t[1], t[2], rows) for t in gathered]
+                student_rows = lambda rows: head_logits(hidden, head.weight, student_bias, rows)  # noqa: E731
+                teacher_rows = [lambda rows, t=t: head_logits(t[0], t[1], t[2], rows) for t in gathered]
                 caps = [t[3] for t in gathered]
-                measured.update(_metrics(teachers, student_rows, teacher_rows, caps, weights, targets, cfg))
+                measured.update(per_teacher_metrics(teachers, student_rows, teacher_rows, caps, weights, targets, cfg))
             with torch.set_grad_enabled(grad_enabled):
                 return fused_linear_multi_teacher_jsd(
                     hidden, head.weight, [t[0] for t in gathered], [t[1] for t in gathered], weights, targets,
@@ -170,20 +170,22 @@ def materialised_teacher_set(
         flat_t = [z.reshape(-1, z.shape[-1]) for z in teacher_logits]
         student_rows = lambda rows: flat_s[rows]  # noqa: E731
         teacher_rows = [lambda rows, z=z: z[rows] for z in flat_t]
-        measured = _metrics(teachers, student_rows, teacher_rows, [None] * len(flat_t), weights, targets, cfg)
+        measured = per_teacher_metrics(
+            teachers, student_rows, teacher_rows, [None] * len(flat_t), weights, targets, cfg
+        )
     return kd_output(
         out, loss=loss, logits=out.logits, kd_soft_loss=soft.detach(), kd_hard_loss=hard.detach(),
         aux_loss=aux_loss, kd_teacher_metrics=measured,
     )  # fmt: skip
 
 
-def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor) -> torch.Tensor:
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor) -> torch.Tensor:
     flat = hidden.reshape(-1, hidden.shape[-1])[rows]
     return F.linear(flat.to(weight.dtype), weight, bias).float()
 
 
 @torch.no_grad()
-def _metrics(teachers: TeacherSet, student_rows, teacher_rows, caps, weights, targets, cfg: KDLossConfig):
+def per_teacher_metrics(teachers: TeacherSet, student_rows, teacher_rows, caps, weights, targets, cfg: KDLossConfig):
     """{"kd_soft_loss/<name>": D(S, P_j), "kd_top1_agreement/<name>": top-1 agreement} on up to METRIC_ROWS scored
     rows whose weight for teacher j is > 0 (0 for a teacher no row of this batch uses)."""
     scored = targets.reshape(-1) != cfg.ignore_index

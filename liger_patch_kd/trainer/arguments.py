@@ -94,10 +94,11 @@ class KDTrainingArguments(TrainingArguments):
                   "'frozen' (its current weights under no_grad, eval; rows need a teacher_prompt), True (adapter "
                   "for a PEFT student, else frozen). See trainer/self_distill.py."},
     )  # fmt: skip
-    kd_teacher_tokenizer: str | None = field(
+    kd_teacher_tokenizer: str | None = field(  # a dict too, in Python (the command line parses a str)
         default=None,
         metadata={"help": "The teacher's tokenizer (name or path) when it differs from the student's: "
-                  "cross-tokenizer distillation (liger_patch_kd.align)."},
+                  "cross-tokenizer distillation (liger_patch_kd.align). In Python also {teacher name: name or path} "
+                  "for several teachers (teacher_model={name: model}); a teacher left out shares the student's."},
     )  # fmt: skip
     kd_cross_tokenizer_loss: str = field(
         default="hybrid", metadata={"help": "Cross-tokenizer loss: hybrid, uld, exact, next_byte or chain."}

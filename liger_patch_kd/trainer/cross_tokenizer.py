@@ -6,6 +6,7 @@ the alignment and the loss)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,14 @@ CROSS_TOKENIZER_COLUMNS = (
 
 
 def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
-    """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...)."""
+    """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...), for a run
+    of one teacher (several teachers take a dict of tokenizers: trainer/tokenizer_teachers.py)."""
+    for what, value in (("kd_teacher_tokenizer", args.kd_teacher_tokenizer), ("teacher_tokenizer", teacher_tokenizer)):
+        if isinstance(value, Mapping):
+            raise ValueError(
+                f"{what} as a dict names the tokenizers of several teachers (teacher_model={{name: model}}), but this "
+                f"run has one teacher (or none): pass that teacher's tokenizer itself"
+            )
     return args.kd_teacher_tokenizer is not None or teacher_tokenizer is not None
 
 
@@ -202,22 +210,34 @@ def compute_cross_tokenizer_loss(
             inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
             config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, return_components=True,
         )  # fmt: skip
+    cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
+    student = (h_s, head_s.weight, b_s, _shift(inputs["labels"], cfg.ignore_index))
+    return live_teacher_loss(student, teacher_model, inputs, cfg, vocab_map, num_items_in_batch)
+
+
+def live_teacher_loss(
+    student: tuple, teacher_model: nn.Module, inputs: dict, config: CrossTokenizerConfig, vocab_map: VocabMap,
+    num_items_in_batch=None, row_scale: torch.Tensor | None = None, keep: dict | None = None,
+) -> CrossTokenizerLossOutput:  # fmt: skip
+    """The fused loss of the student's head inputs `student` = (hidden, weight, bias, shifted labels) against a
+    teacher in process, run (no grad) on its own tokens: `inputs`' teacher_input_ids / teacher_attention_mask /
+    teacher_labels and the groups of CrossTokenizerCollator. `config` carries the student's soft-cap; the
+    teacher's comes from its config. `row_scale`: each student row's share of this loss (several teachers).
+    `keep`, when given, receives the teacher's head inputs (hidden, weight, bias) for logging."""
+    h_s, w_s, b_s, s_labels = student
     with torch.no_grad():
         h_t, head_t = last_hidden_and_head(
             teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
         )
         h_t, b_t = model_head_inputs(teacher_model, h_t, head_t.bias)
-    cfg = config.replace(
-        softcap=softcap_of(model.config if hasattr(model, "config") else None),
-        teacher_softcap=softcap_of(teacher_model.config if hasattr(teacher_model, "config") else None),
-        ignore_index=config.ignore_index,
-    )
-    s_labels, t_labels = _shift(inputs["labels"], cfg.ignore_index), _shift(inputs["teacher_labels"], cfg.ignore_index)
+    if keep is not None:
+        keep.update(hidden=h_t, weight=head_t.weight, bias=b_t)
+    cfg = config.replace(teacher_softcap=softcap_of(getattr(teacher_model, "config", None)))
     return fused_linear_cross_tokenizer_kd(
-        h_s, head_s.weight, h_t, head_t.weight, s_labels, t_labels,
+        h_s, w_s, h_t, head_t.weight, s_labels, _shift(inputs["teacher_labels"], cfg.ignore_index),
         inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
         config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, teacher_bias=b_t,
-        return_components=True,
+        return_components=True, row_scale=row_scale,
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from ..config import KDLossConfig
 from ..models import unwrap_model
 from .cross_tokenizer import padded_vocab_size
 from .prompts import is_prompt_row
+from .sampled_data import check_sampled_dataset
 from .self_distill import is_self_teacher
 
 
@@ -97,3 +98,12 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None
             f"kd_lmbda=0 trains on it alone. Drop teacher_model (the rows' data is the teacher), drop those columns "
             f"to distil from teacher_model, or set kd_lmbda > 0 for on-policy steps it scores"
         )
+
+
+def check_training_rows(args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any) -> None:
+    """The first row's checks before any training: the collator keeps its teacher columns, sampled teacher tokens
+    can train the objective (beta 0, their draw temperature), and a live teacher has steps to score."""
+    check_collator_keeps_teacher_columns(dataset, collator)
+    first_row = first_row_of(dataset)
+    check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
+    check_teacher_is_used(args, teacher_model, first_row)

@@ -5,7 +5,8 @@ it to that teacher; a `teacher_weights` column ({"math": 0.3, "code": 0.7}, or o
 scores it against that mixture; a row with neither gets `kd_teacher_weights` (one mixture for every row), and
 without that is an error. The collator turns these columns into a (B, J) `teacher_mixture` tensor; the loss is
 models.teachers (the mixture of distributions by default, `kd_teacher_mixture="loss"` for the mixture of losses).
-Logged per teacher: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>` (see models/teachers.py).
+Logged per teacher: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>` (see models/teachers.py). Teachers with
+tokenizers of their own (teacher_tokenizer={name: tokenizer}): trainer/tokenizer_teachers.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from ..models import TeacherSet, unwrap_model
 from ..models.kd_io import targets_of
 from ..models.teachers import materialised_teacher_set
 from ..reference import MIXTURES
+from .prompts import PromptCollator
+from .tokenizer_teachers import TokenizerTeachers
+from .tokenizer_teachers_loss import tokenizer_teachers_loss
 
 ROUTING_COLUMNS = ("teacher", "teacher_weights")
 MIXTURE_KEY = "teacher_mixture"  # the collated (B, J) weights
@@ -73,9 +77,12 @@ class TeacherSetSetup:
     """The named teachers of a KDTrainer run, their default mixture and the routing of rows to them."""
 
     def __init__(
-        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None, served: bool = False
-    ) -> None:
-        """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models)."""
+        self, teachers: Mapping[str, nn.Module | None], args: Any, teacher_tokenizer: Any = None,
+        student: tuple[nn.Module | None, Any] = (None, None), served: bool = False,
+    ) -> None:  # fmt: skip
+        """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models).
+        `teacher_tokenizer` / kd_teacher_tokenizer: {name: tokenizer} for teachers with their own (aligned with
+        `student` = (model, tokenizer): trainer/tokenizer_teachers.py)."""
         names = list(teachers)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"teacher_model as a dict needs non-empty str names for its teachers; got {names}")
@@ -84,22 +91,28 @@ class TeacherSetSetup:
             "kd_teacher_url beside in-process teachers": bool(args.kd_teacher_url) and not served,
             "kd_teacher_precision='fp8'": args.kd_teacher_precision != "bf16",
             "kd_teacher_logits_fp8": args.kd_teacher_logits_fp8 and not served,
-            "a teacher tokenizer (cross-tokenizer)": bool(args.kd_teacher_tokenizer) or teacher_tokenizer is not None,
+            "served teachers of another tokenizer": served and (bool(args.kd_teacher_tokenizer) or
+                                                                 teacher_tokenizer is not None),
         }  # fmt: skip
         used = [name for name, on in refused.items() if on]
         if used:
             raise ValueError(
                 f"several teachers (teacher_model={{{', '.join(map(repr, names))}: ...}}) are not supported with "
-                f"{used} yet; several teachers share the student's tokenizer and run in process (or behind "
-                f"kd_teacher_url={{name: url}}, rows routed)"
+                f"{used} yet; several teachers run in process (teachers of other tokenizers too: teacher_tokenizer="
+                f"{{name: tokenizer}}), or behind kd_teacher_url={{name: url}} sharing the student's tokenizer"
             )
         self.served = served  # served: each row's top-k comes from its server, and trains as offline data
         self.models = None if served else dict(teachers)
         self.names = tuple(names)
         self.mixture = args.kd_teacher_mixture
+        self.tokenizers = (
+            None if served else TokenizerTeachers.build(names, teachers, args, teacher_tokenizer, *student)
+        )
         self.default = None
         if args.kd_teacher_weights is not None:
             self.default = self.weights_from("kd_teacher_weights", args.kd_teacher_weights)
+            if self.tokenizers is not None:  # a mixture of distributions across tokenizers: refused now, not later
+                self.tokenizers.check_mixture(torch.tensor(self.default), "kd_teacher_weights")
         if served and self.default is not None and sum(w > 0 for w in self.default) != 1:
             raise ValueError(
                 f"kd_teacher_weights={args.kd_teacher_weights} mixes served teachers; served teachers route rows (one "
@@ -156,8 +169,21 @@ class TeacherSetSetup:
             )
         return self.default
 
+    def student_vocab_teachers(self) -> list[nn.Module]:
+        """The in-process teachers sharing the student's tokenizer (their heads must hold its real ids)."""
+        cross = self.tokenizers.cross if self.tokenizers is not None else {}
+        return [model for name, model in (self.models or {}).items() if name not in cross]
+
     def collator(self, inner) -> RoutingCollator:
-        """The run's collator, with the routing columns turned into the (B, J) `teacher_mixture` tensor."""
+        """The run's collator, with the routing columns turned into the (B, J) `teacher_mixture` tensor. With
+        teachers of other tokenizers the rows are text, collated by TokenizerTeachers (not `inner`): KDTrainer's
+        default PromptCollator for such rows is replaced, anything else refused."""
+        if self.tokenizers is not None and not isinstance(inner, PromptCollator):
+            raise ValueError(
+                f"teachers of other tokenizers ({sorted(self.tokenizers.cross)}) read each row's text: give rows of "
+                f"text ('prompt' + 'completion', or 'messages') and no data_collator (KDTrainer tokenizes each row "
+                f"for the student and for each teacher); got data_collator={type(inner).__name__}"
+            )
         return RoutingCollator(self, inner)
 
     def routed_metrics(self, inputs: dict, routes: torch.Tensor, score, ignore_index: int) -> dict[str, torch.Tensor]:
@@ -182,6 +208,9 @@ class TeacherSetSetup:
                 f"the batch has no '{MIXTURE_KEY}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
                 f"the data collator to add it from each row's 'teacher' / 'teacher_weights' column"
             )
+        if self.tokenizers is not None:  # some teachers have their own tokenizers: tokenizer_teachers_loss.py
+            return tokenizer_teachers_loss(model, self.models, self.tokenizers, inputs, weights, num_items_in_batch,
+                                           cfg, log)  # fmt: skip
         if inputs.get("teacher_input_ids") is not None:  # a teacher's own tokens (other prompt or tokenizer)
             raise ValueError(
                 "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
@@ -214,7 +243,10 @@ class RoutingCollator:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         mixture = torch.tensor([self.setup.row_weights(f) for f in features], dtype=torch.float32)
-        batch = dict(self.inner([{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]))
+        rows = [{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]
+        if self.setup.tokenizers is not None:  # rows of text, tokenized for the student and each other tokenizer
+            return {**self.setup.tokenizers.collate(rows, mixture), MIXTURE_KEY: mixture}
+        batch = dict(self.inner(rows))
         batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
         return batch
 

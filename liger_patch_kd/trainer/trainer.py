@@ -30,8 +30,7 @@ from .cross_tokenizer import (
 )
 from .cross_tokenizer_rollouts import rows_maker
 from .dataset_setup import (
-    check_collator_keeps_teacher_columns,
-    check_teacher_is_used,
+    check_training_rows,
     first_row_is,
     first_row_is_prompt,
     first_row_of,
@@ -41,7 +40,6 @@ from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completi
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
 from .rollouts import BEHAVIOUR
-from .sampled_data import check_sampled_dataset
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
@@ -75,10 +73,12 @@ class KDTrainer(Trainer):
         # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
-            self.teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer)
+            self.teacher_set = TeacherSetSetup(
+                teacher_model, args, teacher_tokenizer, student=(model, kwargs.get("processing_class"))
+            )
             teacher_model = None
         elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
-            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, True)
+            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
         else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
             check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
         teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
@@ -94,7 +94,7 @@ class KDTrainer(Trainer):
             )
             args._n_gpu = 1
         self.xtok = None
-        if cross_tokenizer_enabled(args, teacher_tokenizer):  # another tokenizer: liger_patch_kd/align/
+        if self.teacher_set is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
             self.xtok = CrossTokenizerSetup.build(
                 args, kwargs.get("processing_class"), model, teacher_model, teacher_tokenizer=teacher_tokenizer
             )
@@ -104,12 +104,10 @@ class KDTrainer(Trainer):
             self.kd_config = with_vocab_size(
                 args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
             )
-            for member in teachers:  # every head must hold the real ids: one vocab_size for all of them
+            for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
-        check_collator_keeps_teacher_columns(kwargs.get("train_dataset"), kwargs.get("data_collator"))
-        first_row, sample_t = first_row_of(kwargs.get("train_dataset")), args.kd_teacher_sample_temperature
-        check_sampled_dataset(kwargs.get("train_dataset"), self.kd_config, first_row, sample_t)  # beta 0, their T
-        check_teacher_is_used(args, teacher_model, first_row)
+        rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
+        check_training_rows(args, self.kd_config, rows, collator, teacher_model)  # before any long work
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
