@@ -10,6 +10,20 @@ def acc_type(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def fp32_pair(value: float) -> tuple[float, float]:
+    """(hi, lo), both exact float32 values, with hi + lo = value to ~2^-48 relative: a Python float reaches a
+    compiled kernel as a float32 argument (the interpreter keeps it float64), so a float64 kernel given 1/T alone
+    would scale by 1/T rounded to 2^-24, and agree with a float64 reference to ~1e-7 only on the GPU."""
+    hi = float(torch.tensor(value, dtype=torch.float32))
+    return hi, float(torch.tensor(value - hi, dtype=torch.float32))
+
+
+@triton.jit
+def scale_by_pair(x, hi, lo):
+    """x * (hi + lo) in x's precision (float64 stays float64; float32 pays one multiply-add)."""
+    return x * hi + x * lo
+
+
 @triton.jit
 def tanh(x):
     """tanh without a tanh intrinsic: (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, sign restored. The exponent is
