@@ -76,7 +76,7 @@ if triton_available():
     import triton.language as tl
 
     from .fused_linear_topk_kd import slots_launch_config
-    from .triton_utils import fp32_pair, lse_finish, online_lse_update, scale_by_pair, softcap
+    from .triton_utils import finish_grad, fp32_pair, row_label_and_ce, row_lse, scale_by_pair, softcap
 
     @triton.jit
     def _load_slot_tile(zs_row, ids_row, mass_row, lp_row, off, cs, S, V, cap_s, CAP_S: tl.constexpr):
@@ -134,19 +134,8 @@ if triton_available():
         acc_ty = zs_ptr.dtype.element_ty
         cv = tl.arange(0, BLOCK_V)
         cs = tl.arange(0, BLOCK_S)
-
         # pass V1: the student's log-sum-exp at T (and at 1 for the CE term)
-        m_s = tl.full([BLOCK_V], float("-inf"), acc_ty)
-        d_s = tl.zeros([BLOCK_V], acc_ty)
-        m_1, d_1 = m_s, d_s
-        for off in range(0, V, BLOCK_V):
-            mask = off + cv < V
-            x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
-            u = scale_by_pair(x, inv_temp_hi, inv_temp_lo)
-            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, u, float("-inf")))
-            if HAS_HARD and not UNIT_TEMP:
-                m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
-        lse_s = lse_finish(m_s, d_s)
+        lse_s, lse_1 = row_lse(zs_row, V, inv_temp_hi, inv_temp_lo, cap_s, CAP_S, HAS_HARD, UNIT_TEMP, BLOCK_V)
 
         # pass S1: the loss and the row's total estimated mass
         loss_vec = tl.zeros([BLOCK_S], acc_ty)
@@ -159,15 +148,8 @@ if triton_available():
         tl.store(soft_ptr + row, tl.sum(loss_vec, axis=0))
         mass_sum = tl.sum(mass_vec, axis=0)
 
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
-        valid_row = (label != ignore_index) & (label >= 0) & (label < V)
-        lse_1 = lse_s
-        if HAS_HARD:
-            if not UNIT_TEMP:
-                lse_1 = lse_finish(m_1, d_1)
-            x_label = softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
-            tl.store(hard_ptr + row, tl.where(valid_row, lse_1 - x_label, 0.0))
+        label, valid_row = row_label_and_ce(zs_row, labels_ptr, hard_ptr, row, lse_1, ignore_index, V, cap_s, CAP_S,
+                                            HAS_HARD)  # fmt: skip
 
         if COMPUTE_GRAD:
             w_soft = scale_by_pair(tl.load(w_soft_ptr + row).to(acc_ty), inv_temp_hi, inv_temp_lo)  # du/dx = 1/T
@@ -178,10 +160,7 @@ if triton_available():
                 mask = off + cv < V
                 x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
                 grad = mass_sum * tl.exp(scale_by_pair(x, inv_temp_hi, inv_temp_lo) - lse_s) * w_soft
-                if HAS_HARD:
-                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((off + cv == label) & valid_row, 1.0, 0.0))
-                if CAP_S:
-                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                grad = finish_grad(grad, x, off + cv, label, valid_row, w_hard, lse_1, cap_s, HAS_HARD, CAP_S)
                 tl.store(g_row + off + cv, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             tl.debug_barrier()  # the slot pass overwrites values other warps wrote above
             # pass S2: the complete gradient at the slots' ids (unique within a row: one store each)
@@ -190,11 +169,8 @@ if triton_available():
                     zs_row, ids_row, mass_row, lp_row, off, cs, S, V, cap_s, CAP_S
                 )
                 s_v = tl.exp(scale_by_pair(x, inv_temp_hi, inv_temp_lo) - lse_s)
-                grad = (mass_sum * s_v - mass) * w_soft
-                if HAS_HARD:
-                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((ids == label) & valid_row, 1.0, 0.0))
-                if CAP_S:
-                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                grad = finish_grad((mass_sum * s_v - mass) * w_soft, x, ids, label, valid_row, w_hard, lse_1, cap_s,
+                                   HAS_HARD, CAP_S)  # fmt: skip
                 tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)
 
 
