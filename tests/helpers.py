@@ -113,14 +113,16 @@ def fp32_lse_bound(vocab: int, tiles: int = 1) -> float:
 
 
 def fp32_loss_bound(vocab: int, max_abs: float, tiles: int = 1) -> float:
-    """One row's loss sum_j P^_j (lp_j - log S_j), sum_j P^_j <= 1, in fp32: the log-sum-exp's error (above), and
-    each term's rounding, u |lp_j - x_j / T + lse| <= 3 u max_abs, with as much again for their weighted sum
-    (`max_abs` bounds |x / T|, |lp_j| and the log-sum-exp)."""
-    return fp32_lse_bound(vocab, tiles) + 6 * U32 * max_abs
+    """One row's loss sum_j P^_j (lp_j - log S_j), sum_j P^_j <= 1, in fp32: the log-sum-exp's error (above); the
+    rounding of the exponents' inputs themselves (x / T: u |x / T| on each, so <= u max_abs on the normaliser, and
+    as much on log S_j); each term's rounding, u |lp_j - x_j / T + lse| <= 3 u max_abs, with as much again for their
+    weighted sum (`max_abs` bounds |x / T|, |lp_j| and the log-sum-exp)."""
+    return fp32_lse_bound(vocab, tiles) + 8 * U32 * max_abs
 
 
-def fp32_grad_l1_bound(vocab: int, tiles: int = 1) -> float:
-    """One row's sum_v |error| of dL/du = S sum_j P^_j - P^ (weight 1) in fp32: S_v = exp(fl(u_v - lse)) is off by
-    S_v (EXP32 + 2 |log S_v| u) plus the log-sum-exp's error; summed, S_v |log S_v| adds up to the entropy
-    <= log V; then a few roundings of each product (8 u, the gradient's l1 norm being <= 2)."""
-    return EXP32 + fp32_lse_bound(vocab, tiles) + U32 * (2 * math.log(vocab) + 8)
+def fp32_grad_l1_bound(vocab: int, max_abs: float, tiles: int = 1) -> float:
+    """One row's sum_v |error| of dL/du = S sum_j P^_j - P^ (weight 1) in fp32: S_v = exp(fl(fl(x_v / T) - lse)) is
+    off by S_v (EXP32 + 2 |log S_v| u + 2 u max_abs) plus the log-sum-exp's error; summed (sum_v S_v = 1), S_v
+    |log S_v| adds up to the entropy <= log V; then a few roundings of each product (8 u, the gradient's l1 norm
+    being <= 2). `max_abs` as in `fp32_loss_bound`."""
+    return EXP32 + fp32_lse_bound(vocab, tiles) + U32 * (2 * math.log(vocab) + 2 * max_abs + 8)

@@ -83,7 +83,7 @@ def test_fp32_within_the_derived_bound(temperature):
         assert float(loss_err.max()) <= fp32_loss_bound(vocab, max_abs, tiles), kernel.__name__
         l1 = (grad.double() - want_grad).abs().sum(-1)
         # dL/dlogits = w_soft / T * dL/du, rounded once more by each multiplication
-        bound = w32.double() / temperature * (fp32_grad_l1_bound(vocab, tiles) + 4 * U32 * 2)
+        bound = w32.double() / temperature * (fp32_grad_l1_bound(vocab, max_abs, tiles) + 4 * U32 * 2)
         assert bool((l1 <= bound).all()), (kernel.__name__, (l1 / bound).max())
 
 
