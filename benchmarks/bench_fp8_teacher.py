@@ -1,10 +1,13 @@
 """How faithful and how fast an FP8 teacher is (quantize_teacher_fp8), in one run on one GPU.
 
     python -m benchmarks.bench_fp8_teacher --out $OUT/bench_fp8_teacher.json
+    python -m benchmarks.bench_fp8_teacher --tokenizer bpe --parts fidelity --out $OUT/bench_fp8_teacher_bpe.json
 
 Fidelity needs a teacher whose distributions are peaked like a trained model's (a random one's are nearly flat
 and hide rounding), so one is trained here: a Llama-shaped model of ~190M parameters on the packaged corpus
-(character level, 90 % for training, 10 % held out), for --train-seconds. On the held-out text:
+(90 % for training, 10 % held out), for --train-seconds; `--tokenizer char` (default, V = 48) or `bpe` (a
+byte-level BPE trained on the corpus here, benchmarks.common.corpus_token_ids: V = 464, the most this corpus's
+100 words give). On the held-out text:
   KL(P_bf16 ‖ P_fp8) per token (mean, median, p99, max) and top-1 agreement, beside the same figures for
   KL(P_fp32 ‖ P_bf16) (what bf16 rounding alone does, the scale to read them against);
   a small student distilled for --student-steps from the bf16 teacher and, from the same start and data, from the
@@ -14,7 +17,8 @@ teacher distribution from fp32-output bf16 logits to FP8 logits (the bf16 decode
 the fused loss's relative gradient error (d/d student hidden states, d/d lm_head weight) with teacher_logits_fp8 and
 with both FP8 options, against the bf16 loss, for an untrained student.
 Speed: the 8B-shaped teacher's forward (random weights, patched kernels, 4 x 4096 tokens) in bf16 and in FP8,
-and its weight memory. `--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
+and its weight memory. `--parts` picks the sections (fidelity always runs: it trains the teacher the others use).
+`--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
 """
 
 from __future__ import annotations
@@ -27,13 +31,12 @@ import time
 import torch
 
 from liger_patch_kd import fused_linear_jsd
-from liger_patch_kd.demo import CharTokenizer, load_corpus
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8_logits import fp8_logits, quantize_head
 
 from .bench_train_step import SHAPES, build
-from .common import environment, print_table, write_json
+from .common import TOKENIZERS, corpus_token_ids, environment, print_table, write_json
 
 TEACHER = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                num_key_value_heads=8)  # fmt: skip
@@ -127,7 +130,7 @@ def distil_student(teacher, data: Windows, held_out: torch.Tensor, reference, st
             ce.append(float(student(input_ids=w[None], labels=w[None]).loss))
     revert_kd_patch(model=teacher)
     return dict(seed=seed, train_kd_loss_last10=sum(losses[-10:]) / len(losses[-10:]),
-                held_out_kd_loss=sum(kd) / len(kd), held_out_ce_nats_per_char=sum(ce) / len(ce))  # fmt: skip
+                held_out_kd_loss=sum(kd) / len(kd), held_out_ce=sum(ce) / len(ce))  # fmt: skip
 
 
 def fp8_logits_fidelity(teacher_bf16, teacher_fp8, held: torch.Tensor, vocab: int, device) -> tuple[list, list]:
@@ -210,17 +213,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--student-steps", type=int, default=150)
     parser.add_argument("--student-seeds", type=int, default=2)
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="char", help="the corpus's tokenizer")
+    parser.add_argument("--vocab", type=int, default=2048, help="BPE: the most tokens (the corpus gives 464)")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["fidelity", "student", "speed"],
+        default=["fidelity", "student", "speed"],
+        help="sections to run (fidelity always runs)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.train_seconds, args.seq, args.batch, args.student_steps, args.student_seeds = 3.0, 32, 4, 5, 1
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    ids = torch.tensor(tok.encode(text))
+    token_ids, vocab, chars_per_token = corpus_token_ids(args.tokenizer, args.vocab)
+    ids = torch.tensor(token_ids)
     cut = int(0.9 * len(ids))
     train, held = Windows(ids[:cut], args.seq, device), Windows(ids[cut:], args.seq, device).consecutive()
-    vocab = len(tok)
+    print(f"{args.tokenizer} tokenizer: vocabulary {vocab}, {chars_per_token:.2f} characters per token, "
+          f"{len(held)} held-out windows of {args.seq}")  # fmt: skip
 
     teacher = llama(TINY if args.tiny else TEACHER, vocab, device, torch.float32, seed=0)
     params = sum(p.numel() for p in teacher.parameters())
@@ -240,27 +252,35 @@ def main() -> None:
     per_window = bf16.reshape(len(held), args.seq, -1)[:, :-1].reshape(-1, vocab)
     teacher_ce = -per_window.gather(-1, targets[:, None].long()).mean().item()
     print(f"\ntrained teacher: {params / 1e6:.0f}M parameters, {training['steps']} steps in "
-          f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/char "
-          f"({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
+          f"{training['seconds']:.0f} s, held-out CE {teacher_ce:.3f} nats/token, {teacher_ce / chars_per_token:.3f} "
+          f"nats/char ({math.exp(teacher_ce):.2f} ppl)")  # fmt: skip
     logit_rows, rows_gradient = fp8_logits_fidelity(teacher_bf16, teacher_fp8, held, vocab, device)
     rows_fidelity += logit_rows
     table_fidelity = print_table(rows_fidelity, ["pair", "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agreement"])
     table_gradient = print_table(rows_gradient, ["option", "loss_rel_err", "grad_input_rel_err", "grad_weight_rel_err"])
 
     rows_student = []  # seed by seed: a short run's spread between seeds is the scale to read the gap against
-    for seed in range(args.student_seeds):
+    for seed in range(args.student_seeds if "student" in args.parts else 0):
         for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8)):
             rows_student.append(dict(teacher=name, **distil_student(t, train, held, teacher_bf16, args.student_steps,
                                                                     args.batch, vocab, device, seed)))  # fmt: skip
-    table_student = print_table(rows_student, ["teacher", "seed", "train_kd_loss_last10", "held_out_kd_loss",
-                                               "held_out_ce_nats_per_char"])  # fmt: skip
+    for row in rows_student:  # the loss's CE is per token; per character too, to compare tokenizers
+        row["held_out_ce_nats_per_token"] = row.pop("held_out_ce")
+        row["held_out_ce_nats_per_char"] = row["held_out_ce_nats_per_token"] / chars_per_token
+    columns = ["teacher", "seed", "train_kd_loss_last10", "held_out_kd_loss", "held_out_ce_nats_per_char"]
+    table_student = print_table(rows_student, columns) if rows_student else ""
     del teacher, teacher_bf16, teacher_fp8
-    shape = SHAPES["tiny" if args.tiny else "llama"][1]
-    rows_speed = teacher_speed(shape, device, 1 if args.tiny else 4, 32 if args.tiny else 4096, 3 if args.tiny else 10)
-    table_speed = print_table(rows_speed, ["precision", "forward_ms", "tokens_per_s", "weights_GiB", "speedup"])
+    rows_speed, table_speed = [], ""
+    if "speed" in args.parts:
+        shape = SHAPES["tiny" if args.tiny else "llama"][1]
+        rows_speed = teacher_speed(shape, device, 1 if args.tiny else 4, 32 if args.tiny else 4096,
+                                   3 if args.tiny else 10)  # fmt: skip
+        table_speed = print_table(rows_speed, ["precision", "forward_ms", "tokens_per_s", "weights_GiB", "speedup"])
     write_json(args.out, dict(
-        environment=environment(), args=vars(args), teacher_parameters=params, teacher_training=training,
-        teacher_held_out_ce=teacher_ce, quantised=len(summary.quantized), kept=summary.kept,
+        environment=environment(), args=vars(args), tokenizer=args.tokenizer, vocab=vocab,
+        chars_per_token=chars_per_token, teacher_parameters=params, teacher_training=training,
+        teacher_held_out_ce=teacher_ce, teacher_held_out_ce_per_char=teacher_ce / chars_per_token,
+        quantised=len(summary.quantized), kept=summary.kept,
         fidelity=rows_fidelity, student=rows_student, speed=rows_speed, fp8_logits_gradient=rows_gradient,
         tables=dict(fidelity=table_fidelity, student=table_student, speed=table_speed,
                     fp8_logits_gradient=table_gradient),

@@ -3,9 +3,12 @@ forward-KL gradient, and bytes per token, at (near) equal bytes.
 
     python -m benchmarks.bench_sampled_kd --out runs/bench_sampled_kd.json                 # CPU, the demo teacher
     python -m benchmarks.bench_sampled_kd --teacher fp8bench --speed --out $OUT/bench_sampled_kd.json  # GPU
+    python -m benchmarks.bench_sampled_kd --tiny --out runs/bench_sampled_kd_tiny.json     # CPU smoke test
 
 The teacher is trained here on the packaged corpus: the demo's (Llama 4 x 128, liger_patch_kd.demo) or
-bench_fp8_teacher's ~190M Llama (--teacher fp8bench, for --train-seconds, on a GPU). A fresh demo-sized student
+bench_fp8_teacher's ~190M Llama (--teacher fp8bench, for --train-seconds, on a GPU; --tiny: a tiny one on CPU).
+`--tokenizer`: "char" (V = 48, the demo's default) or "bpe" (fp8bench's default: a byte-level BPE trained on the
+corpus here, benchmarks.common.corpus_token_ids, V = 464), where every row of METHODS fits. A fresh demo-sized student
 (Llama 2 x 64) is scored on held-out windows: g* is the gradient of the full-vocabulary forward KL(P_T || S_T)
 (batchmean) with respect to the student's last hidden states and lm_head weight, in float64. Each method's
 gradient g comes from the same fused losses a training run uses: top-k (fused_linear_topk_kd, tail "bucket"),
@@ -34,11 +37,11 @@ from liger_patch_kd import reference as R
 from liger_patch_kd.teacher.sampling import sample_teacher_tokens
 from liger_patch_kd.teacher.store.compact import PackedCodec
 
-from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from .common import TOKENIZERS, corpus_token_ids, cuda_time_ms, environment, peak_extra_gib, print_table, write_json
 
 # (name, top_k, samples): top-k K = 8, 16, 32, 64; draws at m = 8, 16, 32 and at top-k's plain bytes (m = 7 ~ top-8,
 # 14 ~ top-16, 27 ~ top-32, 55 ~ top-64); the hybrid (K exact + m drawn) at those bytes. Rows that do not fit the
-# vocabulary (K + m > V; the character-level teachers have V = 48) are left out.
+# vocabulary (K + m > V: top-64 and m = 55 with the character tokenizer's V = 48) are left out.
 METHODS = [
     ("top-8", 8, 0), ("top-16", 16, 0), ("top-32", 32, 0), ("top-64", 64, 0),
     ("sampled m=7", 0, 7), ("sampled m=8", 0, 8), ("sampled m=14", 0, 14), ("sampled m=16", 0, 16),
@@ -56,42 +59,38 @@ def bytes_per_position(vocab: int, top_k: int, samples: int) -> tuple[int, int]:
     return plain, packed
 
 
-def demo_teacher(device, steps: int, work: Path):
+def demo_teacher(device, steps: int, work: Path, tokenizer: str, vocab: int):
     """The demo's teacher (liger_patch_kd.demo): (teacher, vocab, train windows, held-out windows, collator)."""
     from transformers import Trainer
 
     from liger_patch_kd import teacher as TD
-    from liger_patch_kd.demo.toys import PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args
+    from liger_patch_kd.demo.toys import PAD, DemoSizes, build_model, training_args
     from liger_patch_kd.demo.toys import windows as cut_windows
 
     sizes = DemoSizes.quick()
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    split = int(len(text) * 0.9)
-    train = cut_windows(tok.encode(text[:split]), sizes.seq)
-    held = cut_windows(tok.encode(text[split:]), sizes.seq)[:32]
+    ids, vocab, _ = corpus_token_ids(tokenizer, vocab)
+    split = int(len(ids) * 0.9)
+    train = cut_windows(ids[:split], sizes.seq)
+    held = cut_windows(ids[split:], sizes.seq)[:32]
     collator = TD.TeacherDataCollator(pad_token_id=PAD)
-    teacher = build_model(len(tok), 128, 4, seed=0, device=device)
+    teacher = build_model(vocab, 128, 4, seed=0, device=device)
     data = [{"input_ids": torch.tensor(w)} for w in train]
     Trainer(model=teacher, args=training_args(work / "teacher", steps, sizes.batch, device),
             train_dataset=data, data_collator=collator).train()  # fmt: skip
-    return teacher.eval(), len(tok), train, held, collator
+    return teacher.eval(), vocab, train, held, collator
 
 
-def fp8bench_teacher(device, seconds: float):
-    """bench_fp8_teacher's ~190M teacher, trained for `seconds` on the GPU."""
-    from liger_patch_kd.demo import CharTokenizer, load_corpus
+def fp8bench_teacher(device, seconds: float, tokenizer: str, vocab: int, tiny: bool = False):
+    """bench_fp8_teacher's ~190M teacher, trained for `seconds` on the GPU (`tiny`: its tiny shape, on CPU)."""
+    from .bench_fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
 
-    from .bench_fp8_teacher import TEACHER, Windows, llama, train_teacher
-
-    text = load_corpus()
-    tok = CharTokenizer(text)
-    ids = torch.tensor(tok.encode(text))
+    token_ids, vocab, _ = corpus_token_ids(tokenizer, vocab)
+    ids = torch.tensor(token_ids)
     cut = int(0.9 * len(ids))
-    teacher = llama(TEACHER, len(tok), device, torch.float32, seed=0)
-    train_teacher(teacher, Windows(ids[:cut], 256, device), seconds, 32, device)
+    teacher = llama(TINY if tiny else TEACHER, vocab, device, torch.float32, seed=0)
+    train_teacher(teacher, Windows(ids[:cut], 32 if tiny else 256, device), seconds, 4 if tiny else 32, device)
     held = Windows(ids[cut:], 64, device).consecutive()[:32].tolist()
-    return teacher.eval(), len(tok), None, held, None
+    return teacher.eval(), vocab, None, held, None
 
 
 @torch.no_grad()
@@ -200,8 +199,8 @@ def demo_students(teacher, vocab, train, held, collator, device, work: Path, ste
 
 def loss_speed(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[dict]:
     """GPU forward + backward of the fused losses alone (bf16, Llama-8B-sized head): top-64 against 64 draws and the
-    hybrid 32 + 32 (the sampled loss runs its PyTorch chunk on every backend); median ms and the peak memory beyond
-    the gradients."""
+    hybrid 32 + 32, the sampled ones through their Triton kernel and their PyTorch chunk; median ms and the peak
+    memory beyond the gradients."""
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
     h = torch.randn(n, hidden, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -213,11 +212,14 @@ def loss_speed(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[d
     hybrid = sample_teacher_tokens(lp, 32, top_k=32, generator=gen)
     del lp
     calls = {"top-64 (triton)": lambda: fused_linear_topk_kd(h, w, top_ids, top_lp, beta=0.0)}
-    calls["sampled m=64"] = lambda: fused_linear_sampled_kd(h, w, drawn.ids, drawn.counts, drawn.logprobs)
-    calls["hybrid 32+32"] = lambda: fused_linear_sampled_kd(
-        h, w, hybrid.ids, hybrid.counts, hybrid.logprobs, teacher_token_ids=hybrid.topk_ids,
-        teacher_logprobs=hybrid.topk_logprobs,
-    )  # fmt: skip
+    for backend in ("triton", "torch"):
+        calls[f"sampled m=64 ({backend})"] = lambda b=backend: fused_linear_sampled_kd(
+            h, w, drawn.ids, drawn.counts, drawn.logprobs, backend=b
+        )
+        calls[f"hybrid 32+32 ({backend})"] = lambda b=backend: fused_linear_sampled_kd(
+            h, w, hybrid.ids, hybrid.counts, hybrid.logprobs, teacher_token_ids=hybrid.topk_ids,
+            teacher_logprobs=hybrid.topk_logprobs, backend=b,
+        )  # fmt: skip
     grads = (h.numel() + w.numel()) * 2
     rows = []
     for name, call in calls.items():
@@ -241,20 +243,38 @@ def main() -> None:
     parser.add_argument("--demo-students", action="store_true", help="also train the offline students (demo only)")
     parser.add_argument("--student-steps", type=int, default=150)
     parser.add_argument("--speed", action="store_true", help="also time the fused losses alone (GPU)")
+    parser.add_argument(
+        "--tokenizer",
+        choices=TOKENIZERS,
+        default=None,
+        help="the corpus's tokenizer; default bpe with --teacher fp8bench, char with the demo's",
+    )
+    parser.add_argument("--vocab", type=int, default=2048, help="BPE: the most tokens (the corpus gives 464)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU smoke test: fp8bench's tiny shape for 3 s, 3 repeats, T = 1 (no figures)",
+    )
     args = parser.parse_args()
-    device = torch.device("cuda" if args.teacher == "fp8bench" else "cpu")
+    if args.tiny:
+        args.teacher, args.train_seconds, args.repeats, args.temperatures = "fp8bench", 3.0, 3, [1.0]
+    args.tokenizer = args.tokenizer or ("bpe" if args.teacher == "fp8bench" else "char")
+    device = torch.device("cuda" if args.teacher == "fp8bench" and not args.tiny else "cpu")
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     from liger_patch_kd.demo.toys import build_model
 
     with tempfile.TemporaryDirectory(prefix="bench_sampled_kd_") as work:
         work = Path(work)
         if args.teacher == "demo":
-            teacher, vocab, train, held, collator = demo_teacher(device, args.teacher_steps, work)
+            teacher, vocab, train, held, collator = demo_teacher(device, args.teacher_steps, work, args.tokenizer,
+                                                                 args.vocab)  # fmt: skip
         else:
-            teacher, vocab, train, held, collator = fp8bench_teacher(device, args.train_seconds)
+            teacher, vocab, train, held, collator = fp8bench_teacher(device, args.train_seconds, args.tokenizer,
+                                                                     args.vocab, args.tiny)  # fmt: skip
         student = build_model(vocab, 64, 2, seed=1, device=device).eval()
         hidden, weight, lp1 = head_inputs(student, teacher, held, device, dtype)
-        print(f"\n{hidden.shape[0]} held-out positions, vocabulary {vocab}, student H={hidden.shape[1]}")
+        print(f"\n{hidden.shape[0]} held-out positions, {args.tokenizer} vocabulary {vocab}, "
+              f"student H={hidden.shape[1]}")  # fmt: skip
         rows, tables = [], {}
         for t in args.temperatures:
             part = [dict(temperature=t, **r) for r in measure(hidden, weight, lp1, t, args.repeats, seed=0)]
@@ -274,7 +294,8 @@ def main() -> None:
         print("\nthe fused losses alone: N = 8192, H = 4096, V = 128256, bf16, forward + backward")
         speed = loss_speed()
         tables["speed"] = print_table(speed, ["loss", "ms", "peak_extra_GiB"])
-    write_json(args.out, dict(environment=environment(), args=vars(args), vocab=vocab, positions=hidden.shape[0],
+    write_json(args.out, dict(environment=environment(), args=vars(args), tokenizer=args.tokenizer, vocab=vocab,
+                              positions=hidden.shape[0],
                               gradients=rows, students=students, speed=speed, tables=tables))  # fmt: skip
 
 

@@ -109,3 +109,28 @@ def run_row_in_child(module: str, name: str, args, keys: tuple[str, ...]) -> dic
     row = json.loads(line[4:])
     print(f"{name}: {row}", flush=True)
     return row
+
+
+TOKENIZERS = ("char", "bpe")
+
+
+def corpus_token_ids(tokenizer: str, vocab: int = 2048) -> tuple[list[int], int, float]:
+    """(the packaged corpus as token ids, the vocabulary size, characters per token) for the benchmarks that train
+    a teacher on it. "char": the demo's character tokenizer (V = 48). "bpe": a byte-level BPE (GPT-2 style, the
+    demo's `train_bpe_tokenizer`) trained here on the corpus's first 90 % (the benchmarks' training
+    split) with the tokenizers library, for up to `vocab` tokens: offline, and deterministic (the same text and
+    size give the same merges; checked across processes). <pad> <s> </s> are ids 0 1 2 in both. The corpus holds
+    100 distinct words and BPE merges within words, so it stops at 464 tokens whatever `vocab` asks (merging
+    across words reaches ~1000 only by making whole sentences tokens); the size reached is returned."""
+    from liger_patch_kd.demo.toys import CharTokenizer, load_corpus, train_bpe_tokenizer
+
+    text = load_corpus()
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}; got tokenizer={tokenizer!r}")
+    if tokenizer == "char":
+        tok = CharTokenizer(text)
+        ids, size = tok.encode(text), len(tok)
+    else:
+        tok = train_bpe_tokenizer(text[: int(0.9 * len(text))], vocab_size=vocab)
+        ids, size = tok.encode(text).ids, tok.get_vocab_size()
+    return ids, size, len(text) / len(ids)

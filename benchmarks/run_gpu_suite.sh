@@ -6,6 +6,9 @@
 #   issue30-loss / issue30-step / issue30-long: FP8 logits (tests + bench_loss_floor), the step
 #   table beside Liger and torchao at seq 4096, and at seq 16384 / 32768 (each one device call, < 10 minutes)
 #   properties: the hypothesis suite's larger "gpu" profile (several vocabulary and top-k tiles, Triton compiled)
+#   issue29-sampled: the sampled loss's tests with its Triton kernel compiled (failures with their reason), then
+#   bench_sampled_kd's 189M-teacher tables and bench_fp8_teacher's fidelity on the BPE vocabulary (~4 minutes;
+#   TRAIN_SECONDS, default 30, trains each teacher)
 set -uo pipefail
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -65,6 +68,16 @@ for what in "${@:-all}"; do
         "liger_patch_kd" "liger_patch_kd fp8 teacher" "liger_patch_kd fp8 teacher, fp8 logits" "trl/liger+kernels both" \
         "trl/liger+kernels both, torchao fp8 teacher" --out "$OUT/bench_train_step_$what.json" 2>&1 \
         | tee "$OUT/bench_step_$what.log" | grep -v "^{" ;;
+    issue29-sampled)
+      # the top-k kernel's tests too: it shares the sampled kernel's row helpers (ops/triton_utils.py)
+      python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_sampled_teacher.py \
+        tests/test_sampled_kernel.py tests/test_topk.py tests/test_vocab_size.py tests/test_layout.py 2>&1 \
+        | tee "$OUT/sampled_gpu_tests.log" | tail -60
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 -m benchmarks.bench_sampled_kd --teacher fp8bench --train-seconds "${TRAIN_SECONDS:-30}" --speed \
+        --out "$OUT/bench_sampled_kd_bpe.json" 2>&1 | tee "$OUT/bench_sampled_kd_bpe.log" | grep -v "^teacher step\|Warning\|^  warn"
+      python3 -m benchmarks.bench_fp8_teacher --tokenizer bpe --parts fidelity --train-seconds "${TRAIN_SECONDS:-30}" \
+        --out "$OUT/bench_fp8_teacher_bpe.json" 2>&1 | tee "$OUT/bench_fp8_teacher_bpe.log" | grep -v "^teacher step\|Warning\|^  warn\|^{" ;;
     bench-kernel|all)
       python3 -m benchmarks.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
     bench-step|all)

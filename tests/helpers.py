@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +89,40 @@ def random_sequences(vocab: int, n: int = 7, seed: int = 0, lengths: tuple[int, 
         torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n)
     ]
+
+
+U32 = 2.0**-24  # fp32 unit round-off
+EXP32 = 2.0**-21  # a GPU's approximate fp32 exp (ex2.approx) relative error: 4 ulp, more than PTX's bound
+
+
+def fp32_lse_bound(vocab: int, tiles: int = 1) -> float:
+    """An upper bound on the absolute error of an fp32 log-sum-exp over `vocab` logits folded over `tiles`
+    vocabulary tiles (ceil(V / BLOCK_V)), with a GPU's approximate exp and log, against exact arithmetic on the
+    same logits. With u = 2^-24, m the max and S the softmax:
+
+    - exp(a), a = x - m' <= 0 (m' a lane's running max), is ex2.approx(fl(a log2e)) compiled: relative error
+      <= EXP32 + |a| u. Weighted by e^a / d, the |a| u parts add up to u E_S[m - x] <= u H(S) <= u log V (since
+      m <= lse); the lanes' rescales by exp(m' - m) and the running rescales cost as much again each (|m' - m|
+      <= |x - m| for every x of the lane), and EXP32 once per tile;
+    - the fp32 sum of d: each lane adds `tiles` terms, then a tree over <= 2^12 lanes: (tiles + 12) u;
+    - log d (d >= 1) carries d's relative error, plus its own (lg2.approx-like: EXP32 relative on log2 d <= log V
+      / log 2, i.e. <= EXP32 (1 + log V) absolute).
+    The CPU's exp and log (<= 1 ulp, exact arguments) are inside it."""
+    log_v = math.log(vocab)
+    return EXP32 * (2 + tiles) + 3 * U32 * log_v + (tiles + 12) * U32 + EXP32 * (1 + log_v)
+
+
+def fp32_loss_bound(vocab: int, max_abs: float, tiles: int = 1) -> float:
+    """One row's loss sum_j P^_j (lp_j - log S_j), sum_j P^_j <= 1, in fp32: the log-sum-exp's error (above); the
+    rounding of the exponents' inputs themselves (x / T: u |x / T| on each, so <= u max_abs on the normaliser, and
+    as much on log S_j); each term's rounding, u |lp_j - x_j / T + lse| <= 3 u max_abs, with as much again for their
+    weighted sum (`max_abs` bounds |x / T|, |lp_j| and the log-sum-exp)."""
+    return fp32_lse_bound(vocab, tiles) + 8 * U32 * max_abs
+
+
+def fp32_grad_l1_bound(vocab: int, max_abs: float, tiles: int = 1) -> float:
+    """One row's sum_v |error| of dL/du = S sum_j P^_j - P^ (weight 1) in fp32: S_v = exp(fl(fl(x_v / T) - lse)) is
+    off by S_v (EXP32 + 2 |log S_v| u + 2 u max_abs) plus the log-sum-exp's error; summed (sum_v S_v = 1), S_v
+    |log S_v| adds up to the entropy <= log V; then a few roundings of each product (8 u, the gradient's l1 norm
+    being <= 2). `max_abs` as in `fp32_loss_bound`."""
+    return EXP32 + fp32_lse_bound(vocab, tiles) + U32 * (2 * math.log(vocab) + 2 * max_abs + 8)

@@ -44,7 +44,7 @@ import torch
 
 from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text, encode_with_offsets
 from ..trainer.cross_tokenizer import compute_cross_tokenizer_loss
-from .toys import BOS, EOS, PAD, CharTokenizer, DemoSizes, build_model, load_corpus
+from .toys import BOS, EOS, PAD, CharTokenizer, DemoSizes, build_model, load_corpus, train_bpe_tokenizer
 
 
 class CharTokenizerWithOffsets(CharTokenizer):
@@ -53,16 +53,6 @@ class CharTokenizerWithOffsets(CharTokenizer):
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         kept = [(i, self.index[c]) for i, c in enumerate(text) if c in self.index]
         return [t for _, t in kept], [(i, i + 1) for i, _ in kept]
-
-
-def train_bpe_tokenizer(text: str, vocab_size: int = 384):
-    """A byte-level BPE (GPT-2 / Llama-3 / Qwen style) trained on `text`, with <pad> <s> </s> as ids 0 1 2."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    tok = ByteLevelBPETokenizer(add_prefix_space=False)
-    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, special_tokens=["<pad>", "<s>", "</s>"],
-                            show_progress=False)  # fmt: skip
-    return tok._tokenizer
 
 
 @dataclass

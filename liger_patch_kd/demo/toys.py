@@ -1,5 +1,5 @@
-"""The demo's toys: a character tokenizer and its special ids, the packaged corpus, the demo's sizes, its small
-Llama models and training arguments. Everything here runs offline (no downloads)."""
+"""The demo's toys: a character tokenizer and its special ids, a byte-level BPE trainer, the packaged corpus, the
+demo's sizes, its small Llama models and training arguments. Everything here runs offline (no downloads)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ class CharTokenizer:
 
 def load_corpus() -> str:
     return resources.files("liger_patch_kd").joinpath("data/corpus.txt").read_text()
+
+
+def train_bpe_tokenizer(text: str, vocab_size: int = 384):
+    """A byte-level BPE (GPT-2 / Llama-3 / Qwen style) trained on `text`, with <pad> <s> </s> as ids 0 1 2."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer(add_prefix_space=False)
+    tok.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, special_tokens=["<pad>", "<s>", "</s>"],
+                            show_progress=False)  # fmt: skip
+    return tok._tokenizer
 
 
 @dataclass

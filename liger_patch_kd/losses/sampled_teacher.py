@@ -10,7 +10,7 @@ import torch
 from ..config import KDLossConfig
 from ..conventions import computed_columns, require_sampled_objective, resolve_vocab
 from ..ops import fused_linear_sampled_kd as sampled_op
-from ..ops.backend import eager
+from ..ops.backend import eager, select_backend
 from .checks import (
     check_linear,
     check_topk_shapes,
@@ -29,8 +29,10 @@ from .fused import KDLossOutput, check_fp8_request, run_fused
 __all__ = ["fused_linear_sampled_kd"]
 
 
-# what a chunk holds per logit: fp32 logits, their log-softmax and exp (fp32), the gradient before its cast
-BYTES_PER_LOGIT = 16
+def bytes_per_logit(backend: str) -> int:
+    """What a chunk holds per logit: the Triton kernel fp32 logits and a 16-bit gradient (6); the PyTorch chunk
+    also a log-softmax and its exp, both fp32, and the gradient before its cast (16)."""
+    return 6 if backend == "triton" else 16
 
 
 def check_sample_shapes(ids, counts, logprobs, leading: torch.Size) -> None:
@@ -189,5 +191,5 @@ def fused_linear_sampled_kd(
     return run_fused(
         student_input, student_weight, student_bias, flat_labels, cfg, num_items_in_batch, backend,
         return_components, vocab=vocab, columns=columns, teacher_chunk=teacher_chunk,
-        kernels=sampled_op.CHUNK_KERNELS, bytes_per_logit=BYTES_PER_LOGIT,
+        kernels=sampled_op.CHUNK_KERNELS, bytes_per_logit=bytes_per_logit(select_backend(device, backend)),
     )  # fmt: skip

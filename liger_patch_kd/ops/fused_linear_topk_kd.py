@@ -79,7 +79,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import lse_finish, online_lse_update, softcap
+    from .triton_utils import finish_grad, lse_finish, online_lse_update, row_label_and_ce, row_lse, softcap
 
     @triton.jit
     def _load_slots(zs_row, ids_row, lp_row, off, ck, K, placeholder, cap_s, CAP_S: tl.constexpr):
@@ -161,18 +161,9 @@ if triton_available():
         acc_ty = zs_ptr.dtype.element_ty
         cv = tl.arange(0, BLOCK_V)
         ck = tl.arange(0, BLOCK_K)
-        neg_v = tl.full([BLOCK_V], float("-inf"), acc_ty)
-        zero_v = tl.zeros([BLOCK_V], acc_ty)
 
-        # pass V1: student log-sum-exp at T (and at 1 for the CE term)
-        m_s, d_s, m_1, d_1 = neg_v, zero_v, neg_v, zero_v
-        for off in range(0, V, BLOCK_V):
-            mask = off + cv < V
-            x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
-            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, x * inv_temp, float("-inf")))
-            if HAS_HARD and not UNIT_TEMP:
-                m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
-        lse_s = lse_finish(m_s, d_s)
+        # pass V1: student log-sum-exp at T (and at 1 for the CE term); 1/T is one fp32 scalar here (no low half)
+        lse_s, lse_1 = row_lse(zs_row, V, inv_temp, 0.0, cap_s, CAP_S, HAS_HARD, UNIT_TEMP, BLOCK_V)
 
         # pass K1: teacher normalisers, student mass on the ids (and its own normaliser for "renormalize")
         neg_k = tl.full([BLOCK_K], float("-inf"), acc_ty)
@@ -238,15 +229,8 @@ if triton_available():
             dense_c = a_sum - r * s_sum
         tl.store(soft_ptr + row, row_loss)
 
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        # a label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of row
-        valid_row = (label != ignore_index) & (label >= 0) & (label < V)
-        lse_1 = lse_s
-        if HAS_HARD:
-            if not UNIT_TEMP:
-                lse_1 = lse_finish(m_1, d_1)
-            x_label = softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
-            tl.store(hard_ptr + row, tl.where(valid_row, lse_1 - x_label, 0.0))
+        label, valid_row = row_label_and_ce(zs_row, labels_ptr, hard_ptr, row, lse_1, ignore_index, V, cap_s, CAP_S,
+                                            HAS_HARD)  # fmt: skip
 
         if COMPUTE_GRAD:
             w_soft = tl.load(w_soft_ptr + row) * inv_temp
@@ -257,10 +241,7 @@ if triton_available():
                 mask = off + cv < V
                 x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
                 grad = -dense_c * tl.exp(x * inv_temp - lse_s) * w_soft
-                if HAS_HARD:
-                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((off + cv == label) & valid_row, 1.0, 0.0))
-                if CAP_S:
-                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                grad = finish_grad(grad, x, off + cv, label, valid_row, w_hard, lse_1, cap_s, HAS_HARD, CAP_S)
                 tl.store(g_row + off + cv, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             tl.debug_barrier()  # the sparse pass overwrites values other warps wrote above
             # pass K3: the complete gradient at the teacher's ids
@@ -275,11 +256,7 @@ if triton_available():
                     sparse = a - tl.exp(log_s) * a_sum
                 else:
                     sparse = a - r * s_full - dense_c * s_full
-                grad = sparse * w_soft
-                if HAS_HARD:
-                    grad += w_hard * (tl.exp(x - lse_1) - tl.where((ids == label) & valid_row, 1.0, 0.0))
-                if CAP_S:
-                    grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+                grad = finish_grad(sparse * w_soft, x, ids, label, valid_row, w_hard, lse_1, cap_s, HAS_HARD, CAP_S)
                 tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)
 
 

@@ -10,6 +10,20 @@ def acc_type(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def fp32_pair(value: float) -> tuple[float, float]:
+    """(hi, lo), both exact float32 values, with hi + lo = value to ~2^-48 relative: a Python float reaches a
+    compiled kernel as a float32 argument (the interpreter keeps it float64), so a float64 kernel given 1/T alone
+    would scale by 1/T rounded to 2^-24, and agree with a float64 reference to ~1e-7 only on the GPU."""
+    hi = float(torch.tensor(value, dtype=torch.float32))
+    return hi, float(torch.tensor(value - hi, dtype=torch.float32))
+
+
+@triton.jit
+def scale_by_pair(x, hi, lo):
+    """x * (hi + lo) in x's precision (float64 stays float64; float32 pays one multiply-add)."""
+    return x * hi + x * lo
+
+
 @triton.jit
 def tanh(x):
     """tanh without a tanh intrinsic: (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, sign restored. The exponent is
@@ -44,3 +58,51 @@ def lse_finish(m_vec, d_vec):
     total = tl.sum(d_vec * tl.exp(m_vec - m_safe), axis=0)  # >= 1 unless empty
     # log(1) on an empty set, then -inf: no log(0) evaluated (the interpreter warns on it)
     return tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+
+
+# ------------------------------------------------------------------- what the slot kernels (top-k, sampled) share
+@triton.jit
+def row_lse(zs_row, V, inv_hi, inv_lo, cap_s, CAP_S: tl.constexpr, HAS_HARD: tl.constexpr,
+            UNIT_TEMP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Pass V1 of a row: (log-sum-exp of the capped logits at T, scaled by 1/T = inv_hi + inv_lo; the same at
+    T = 1 for the CE term, which is the first when T = 1 or there is no CE term)."""
+    acc_ty = zs_row.dtype.element_ty
+    cv = tl.arange(0, BLOCK_V)
+    m_s = tl.full([BLOCK_V], float("-inf"), acc_ty)
+    d_s = tl.zeros([BLOCK_V], acc_ty)
+    m_1, d_1 = m_s, d_s
+    for off in range(0, V, BLOCK_V):
+        mask = off + cv < V
+        x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
+        m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, scale_by_pair(x, inv_hi, inv_lo), float("-inf")))
+        if HAS_HARD and not UNIT_TEMP:
+            m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
+    lse_s = lse_finish(m_s, d_s)
+    lse_1 = lse_s
+    if HAS_HARD and not UNIT_TEMP:
+        lse_1 = lse_finish(m_1, d_1)
+    return lse_s, lse_1
+
+
+@triton.jit
+def row_label_and_ce(zs_row, labels_ptr, hard_ptr, row, lse_1, ignore_index, V, cap_s, CAP_S: tl.constexpr,
+                     HAS_HARD: tl.constexpr):  # fmt: skip
+    """(the row's label, whether it counts), and with HAS_HARD its CE term lse_1 - x_label stored at hard_ptr[row].
+    A label outside [0, V) (only reachable with check_inputs=False) counts as ignored: never read out of the row."""
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid_row = (label != ignore_index) & (label >= 0) & (label < V)
+    if HAS_HARD:
+        x_label = softcap(tl.load(zs_row + tl.where(valid_row, label, 0)), cap_s, CAP_S)
+        tl.store(hard_ptr + row, tl.where(valid_row, lse_1 - x_label, 0.0))
+    return label, valid_row
+
+
+@triton.jit
+def finish_grad(grad, x, cols, label, valid_row, w_hard, lse_1, cap_s, HAS_HARD: tl.constexpr, CAP_S: tl.constexpr):
+    """A tile of dLoss/dlogits from its weighted KD part: plus the CE gradient w_hard (softmax_1 - onehot(label))
+    at columns `cols`, then through the soft-cap (d c tanh(z / c) / dz = 1 - (x / c)^2 with x the capped logit)."""
+    if HAS_HARD:
+        grad += w_hard * (tl.exp(x - lse_1) - tl.where((cols == label) & valid_row, 1.0, 0.0))
+    if CAP_S:
+        grad = grad * (1.0 - (x / cap_s) * (x / cap_s))
+    return grad
