@@ -365,10 +365,12 @@ def test_offline_top_k_of_the_teachers_rows_is_paired_alike(tmp_path, layout, us
         assert rel_err(p.grad, q.grad) < 1e-6, name
 
 
-def test_a_served_teacher_is_refused_for_rows_with_their_own_teacher_prompt(tmp_path):
+def test_teacher_data_laid_along_the_students_rows_is_refused(tmp_path):
+    """Top-k of the student's rows (what a server asked about input_ids would send) is not the teacher's on its own
+    rows: refused naming the shapes (a served teacher is asked about teacher_input_ids: test_privileged_served)."""
     trainer = KDTrainer(model=tiny_model("llama", seed=1), args=_args(tmp_path, kd_teacher_url="http://127.0.0.1:1"))
     batch = _batch(_rows(), "right")
     ids = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)
     served = dict(batch, teacher_token_ids=ids, teacher_logprobs=torch.zeros(ids.shape))
-    with pytest.raises(ValueError, match="served teacher"):
+    with pytest.raises(ValueError, match=r"teacher_token_ids of shape \(4, 10, 2\) must be the teacher's"):
         trainer.compute_loss(trainer.model, served)

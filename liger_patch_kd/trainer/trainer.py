@@ -249,13 +249,7 @@ class KDTrainer(Trainer):
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
             )
         if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
-            require_teacher_prompt(self.teacher_model, inputs)
-            if self.args.kd_teacher_url and inputs.get("teacher_input_ids") is not None:
-                raise ValueError(
-                    "these rows give the teacher its own prompt (teacher_input_ids), but a served teacher "
-                    "(kd_teacher_url) is asked about the student's rows; run the teacher in process (teacher_model) "
-                    "or precompute a store on teacher_input_ids"
-                )
+            require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
