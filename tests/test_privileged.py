@@ -98,6 +98,28 @@ def _hand_reference(student, teacher, rows, cfg: KDLossConfig, num_items):
     return reference.kd_loss(torch.cat(s_rows), torch.cat(t_rows), torch.tensor(targets), cfg, num_items)
 
 
+def _topk_reference(student, teacher, rows, cfg, num_items, k, atol):
+    """(loss, teacher log-probs leaf): each row alone, unpadded; the teacher's top-k of its own row (float64, in
+    process) at the positions predicting the completion, the student's logits at its own, reference.topk_kd_loss.
+    Also checks that no scored position has a near-tie at the top-k's edge: a store or a server whose log-probs are
+    each within `atol` of these could swap ids across a gap <= 2 * atol."""
+    s_rows, ids, values, targets = [], [], [], []
+    for s, t, c in rows:
+        if not c:
+            continue
+        s_rows.append(student(input_ids=torch.tensor([s + c])).logits[0, len(s) - 1 : len(s) + len(c) - 1])
+        with torch.no_grad():
+            lp = teacher(input_ids=torch.tensor([t + c])).logits[0, len(t) - 1 : len(t) + len(c) - 1].log_softmax(-1)
+        top = lp.topk(k + 1, dim=-1)
+        assert (top.values[:, -2] - top.values[:, -1]).min() > 2 * atol  # the test is well posed
+        ids.append(top.indices[:, :k])
+        values.append(top.values[:, :k])
+        targets += c
+    leaf = torch.cat(values).requires_grad_(True)
+    loss = reference.topk_kd_loss(torch.cat(s_rows), torch.cat(ids), leaf, torch.tensor(targets), cfg, num_items)
+    return loss, leaf
+
+
 @pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_the_loss_is_the_hand_reference_whatever_the_layout(tmp_path, layout, use_kd_patch):

@@ -20,7 +20,16 @@ from liger_patch_kd.trainer.prompts import tokenize_prompt_row  # noqa: E402
 
 from .helpers import rel_err  # noqa: E402
 from .test_onpolicy import tokenizer  # noqa: E402, F401  (the BPE tokenizer fixture)
-from .test_privileged import TEXT, _args, _batch, _context_teacher, _features, _rows, _rows_of_batch  # noqa: E402
+from .test_privileged import (  # noqa: E402
+    TEXT,
+    _args,
+    _batch,
+    _context_teacher,
+    _features,
+    _rows,
+    _rows_of_batch,
+    _topk_reference,
+)
 from .test_teacher_server import SERVED_ATOL, TOP_K, Server  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
@@ -44,28 +53,6 @@ def _served_args(tmp_path, srv, **overrides):
     return _args(tmp_path, **{**served, **overrides})
 
 
-def _topk_reference(student, teacher, rows, cfg, num_items):
-    """(loss, teacher log-probs leaf): each row alone, unpadded; the teacher's top-k of its own row (float64, in
-    process) at the positions predicting the completion, the student's logits at its own, reference.topk_kd_loss.
-    Also checks that no scored position has a near-tie at the top-k's edge (a tie could swap ids on the wire)."""
-    s_rows, ids, values, targets = [], [], [], []
-    for s, t, c in rows:
-        if not c:
-            continue
-        s_rows.append(student(input_ids=torch.tensor([s + c])).logits[0, len(s) - 1 : len(s) + len(c) - 1])
-        with torch.no_grad():
-            lp = teacher(input_ids=torch.tensor([t + c])).logits[0, len(t) - 1 : len(t) + len(c) - 1].log_softmax(-1)
-        top = lp.topk(TOP_K + 1, dim=-1)
-        # each served value is within SERVED_ATOL of its float64 one: ids can swap only across a gap <= 2 * that
-        assert (top.values[:, -2] - top.values[:, -1]).min() > 2 * SERVED_ATOL  # the test is well posed
-        ids.append(top.indices[:, :TOP_K])
-        values.append(top.values[:, :TOP_K])
-        targets += c
-    leaf = torch.cat(values).requires_grad_(True)
-    loss = reference.topk_kd_loss(torch.cat(s_rows), torch.cat(ids), leaf, torch.tensor(targets), cfg, num_items)
-    return loss, leaf
-
-
 @pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_served_topk_of_the_teachers_rows_is_the_hand_reference(tmp_path, served, layout, use_kd_patch):
@@ -84,7 +71,7 @@ def test_served_topk_of_the_teachers_rows_is_the_hand_reference(tmp_path, served
     loss = trainer.compute_loss(student, batch, num_items_in_batch=num_items)
     loss.backward()
     M.revert_kd_patch(model=student)
-    expected, leaf = _topk_reference(reference_student, teacher, rows, trainer.kd_config, num_items)
+    expected, leaf = _topk_reference(reference_student, teacher, rows, trainer.kd_config, num_items, TOP_K, SERVED_ATOL)
     expected.backward()
     # the server sends float32 log-probs, each within SERVED_ATOL of the float64 ones (test_teacher_server): to first
     # order the loss moves by at most sum |dL/dlog p| * SERVED_ATOL, the student's gradient by a relative ~1e-5
@@ -94,8 +81,8 @@ def test_served_topk_of_the_teachers_rows_is_the_hand_reference(tmp_path, served
     for (name, p), q in zip(student.named_parameters(), reference_student.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-4, name
     # the teacher read at the student's prompt instead: another loss, by far more than the bound
-    wrong, _ = _topk_reference(reference_student, teacher, [(s, s, c) for s, _, c in rows], trainer.kd_config,
-                               num_items)  # fmt: skip
+    same_prompt = [(s, s, c) for s, _, c in rows]
+    wrong, _ = _topk_reference(reference_student, teacher, same_prompt, trainer.kd_config, num_items, TOP_K, 0)
     assert abs(float(wrong.detach()) - float(expected)) > 100 * bound
 
 
@@ -140,11 +127,11 @@ def test_train_with_bf16_and_accumulation_against_the_server(tmp_path, served, t
     for inputs, num_items, loss in seen:
         assert inputs["teacher_token_ids"].shape[:2] == inputs["teacher_input_ids"].shape  # the teacher's rows
         batch_rows = _rows_of_batch(inputs)
-        expected, _ = _topk_reference(start, teacher, batch_rows, trainer.kd_config, num_items)
+        expected, _ = _topk_reference(start, teacher, batch_rows, trainer.kd_config, num_items, TOP_K, SERVED_ATOL)
         # bf16 products through two layers and two heads (as test_privileged's train test: measured 3e-4)
         torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-2, atol=1e-5)
-        wrong, _ = _topk_reference(start, teacher, [(s, s, c) for s, _, c in batch_rows], trainer.kd_config,
-                                   num_items)  # fmt: skip
+        same_prompt = [(s, s, c) for s, _, c in batch_rows]
+        wrong, _ = _topk_reference(start, teacher, same_prompt, trainer.kd_config, num_items, TOP_K, 0)
         assert (wrong - expected).abs() > 2 * (1e-2 * expected.abs() + 1e-5), (wrong, expected)
 
 
