@@ -30,7 +30,7 @@ from .test_privileged import (  # noqa: E402
     _rows_of_batch,
     _topk_reference,
 )
-from .test_teacher_server import SERVED_ATOL, TOP_K, Server  # noqa: E402
+from .test_teacher_server import SERVED_ATOL, TOP_K, Server, assert_same_topk  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("clean_patches"), pytest.mark.multiprocess]
@@ -181,3 +181,30 @@ def test_sampled_teacher_tokens_of_the_teachers_rows_are_paired_alike(tmp_path, 
     # the same draws and float32 log-probs (the server's batching may move a log-prob by an ulp: SERVED_ATOL)
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-4, atol=1e-6)
     M.revert_kd_patch(model=student)
+
+
+def test_on_policy_rollouts_with_a_teacher_prompt_are_scored_on_the_teachers_rows(tmp_path, served, tokenizer):  # noqa: F811
+    """kd_lmbda=1, prompt rows with a teacher_prompt: the student samples after its own prompt, the server scores
+    the same completion after the teacher prompt (each teacher row's top-k is the teacher's own on that row)."""
+    teacher, srv = served
+    prompts = [{"prompt": p, "teacher_prompt": t} for p, _, t in TEXT]
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    args = _served_args(tmp_path, srv, kd_lmbda=1.0, kd_max_new_tokens=4, max_steps=1, gradient_accumulation_steps=2)
+    trainer = KDTrainer(model=student, processing_class=tokenizer, train_dataset=prompts, args=args)
+    trainer.get_train_dataloader()  # connects the served teacher
+    (batch,) = trainer.onpolicy.replace(
+        student, [trainer.data_collator(prompts[:2])], tokenizer=tokenizer, step=0, device=torch.device("cpu"),
+        attach_teacher=trainer._served.with_teacher,
+    )  # fmt: skip
+    for row in range(2):
+        keep = batch["teacher_attention_mask"][row].bool()
+        seq, labels = batch["teacher_input_ids"][row][keep], batch["teacher_labels"][row][keep]
+        assert (labels != -100).any() and not torch.equal(
+            seq, batch["input_ids"][row][batch["attention_mask"][row].bool()]
+        )
+        with torch.no_grad():
+            ref = torch.log_softmax(teacher(seq[None]).logits[0].double(), -1)
+        ids, values = batch["teacher_token_ids"][row][keep], batch["teacher_logprobs"][row][keep]
+        assert_same_topk(ids[:-1], values[:-1], ref[:-1])  # the last position predicts nothing
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])))
