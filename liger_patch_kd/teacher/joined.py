@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["JoinedTeacherData"]
+from .store.collator import TEACHER_DATA_COLUMNS
 
-TEACHER_DATA = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids", "teacher_sample_counts",
-                "teacher_sample_logprobs")  # fmt: skip
+__all__ = ["JoinedTeacherData"]
 
 
 class JoinedTeacherData:
@@ -48,4 +47,4 @@ class JoinedTeacherData:
                 f"{self.ids_column} ({want.numel()} tokens, {want[:8].tolist()}...); precompute the store on the "
                 f"rows' {self.ids_column}, in the rows' order"
             )
-        return {**row, **{k: item[k] for k in TEACHER_DATA if k in item}}
+        return {**row, **{k: item[k] for k in TEACHER_DATA_COLUMNS if k in item}}

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from ..teacher import TeacherDataCollator
+from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 
 # dataset columns the Trainer must keep for these rows (text rows' teacher_prompt is a prompt column)
 PRIVILEGED_COLUMNS = ("teacher_input_ids", "teacher_labels")
-# the teacher's data computed on teacher_input_ids (offline: a store's top-k, sampled tokens), batched along its row
-STORED = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids", "teacher_sample_counts",
-          "teacher_sample_logprobs")  # fmt: skip
+# the teacher's data computed on teacher_input_ids (a store's top-k or sampled tokens), batched along its row
+STORED = TEACHER_DATA_COLUMNS
 
 
 def is_privileged_row(row: Any) -> bool:

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..conventions import require_sampled_objective
 from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ..teacher.serve.prefetch import TEACHER_KEYS
 from ..teacher.store.samples import MAX_SAMPLES
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
 
-CROSS_TOKENIZER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own tokenization
+CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 
 
 def served_teacher_dataloader(
