@@ -119,3 +119,16 @@ def test_the_names_come_from_the_dataset_or_are_not_logged(routed):
     assert teacher_names_of(datasets.Dataset.from_list([{"teacher": "b"}, {"teacher": "a"}])) == ["a", "b"]
     assert teacher_names_of([{"teacher": 0}]) is None  # indices name no teacher: no figures, a warning
     assert teacher_names_of(iter([{"teacher": "a"}])) is None
+
+
+def test_rows_naming_no_teacher_collate_as_without_the_names(tmp_path, routed):
+    """An evaluation store without the column trains / evaluates as before (no figures); a batch mixing named and
+    unnamed rows is refused naming the column."""
+    rows = [_with_labels(routed[i]) for i in range(len(routed))]
+    trainer = KDTrainer(model=tiny_model("llama", seed=1), args=_args(tmp_path), train_dataset=rows,
+                        data_collator=TD.TeacherDataCollator())  # fmt: skip
+    plain = [{k: v for k, v in r.items() if k != "teacher"} for r in rows]
+    batch = trainer.data_collator(plain)
+    assert "teacher_mixture" not in batch and batch["teacher_token_ids"].shape[0] == len(rows)
+    with pytest.raises(ValueError, match="neither a 'teacher'"):
+        trainer.data_collator([rows[0], plain[1]])

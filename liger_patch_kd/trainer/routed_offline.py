@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .teachers import TeacherSetSetup
+from .teachers import ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
 
 logger = logging.get_logger(__name__)
 
@@ -56,4 +56,21 @@ def offline_routed_setup(args: Any, dataset: Any, first_row: Any, teacher_model:
         )
         return None
     # no models: each row's data comes with it, as a served teacher set's (TeacherSetSetup's served=True)
-    return TeacherSetSetup(dict.fromkeys(names), args, served=True)
+    return OfflineRoutedSetup(dict.fromkeys(names), args, served=True)
+
+
+class OfflineRoutedSetup(TeacherSetSetup):
+    """TeacherSetSetup for logging only: batches whose rows name no teacher (an evaluation store, say) are
+    collated as they would be without it (no per-teacher figures then), not refused."""
+
+    def collator(self, inner) -> NamesIfGivenCollator:
+        return NamesIfGivenCollator(self, inner)
+
+
+class NamesIfGivenCollator(RoutingCollator):
+    """RoutingCollator when any row of the batch names its teacher (then every row must), else `inner` alone."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if any(f.get(c) is not None for f in features for c in ROUTING_COLUMNS):
+            return super().__call__(features)
+        return self.inner(features)
