@@ -11,9 +11,11 @@ import torch
 import liger_patch_kd.models as M
 from liger_patch_kd import teacher as TD
 from liger_patch_kd.trainer import KDTrainer, PrivilegedCollator
+from liger_patch_kd.trainer.prompts import PromptCollator, privileged_token_rows
 
 from .helpers import rel_err
-from .test_privileged import _args, _context_teacher, _features, _rows, _rows_of_batch, _topk_reference
+from .test_onpolicy import tokenizer  # noqa: F401  (the BPE tokenizer fixture)
+from .test_privileged import TEXT, _args, _context_teacher, _features, _rows, _rows_of_batch, _topk_reference
 from .tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -93,3 +95,22 @@ def test_a_store_of_other_sequences_is_refused_naming_the_row(store):
     swapped = [features[1], features[0], *features[2:]]
     with pytest.raises(ValueError, match="row 0: the store's sequence 0"):
         TD.JoinedTeacherData(swapped, data)[0]
+
+
+def test_text_rows_become_the_token_rows_training_collates(tmp_path, tokenizer):  # noqa: F811
+    """privileged_token_rows tokenizes as PromptCollator does: collating its rows gives the very batch the text
+    rows give (so a store precomputed on their teacher_input_ids is the teacher's on what training reads); a text
+    store trains through JoinedTeacherData."""
+    text = [{"prompt": p, "completion": c, "teacher_prompt": t} for p, c, t in TEXT]
+    rows = privileged_token_rows(tokenizer, text)
+    from_text = PromptCollator(tokenizer)(text)
+    from_rows = PrivilegedCollator(pad_token_id=tokenizer.pad_token_id)(rows)
+    for key, value in from_rows.items():
+        assert torch.equal(value, from_text[key]), key
+    teacher = _context_teacher(torch.float32)
+    TD.precompute(teacher, [r["teacher_input_ids"] for r in rows], tmp_path / "s", top_k=K, progress=False)
+    data = TD.JoinedTeacherData(rows, TD.TeacherLogprobsDataset(tmp_path / "s"))
+    KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), args=_args(tmp_path, max_steps=1),
+              train_dataset=data).train()  # fmt: skip
+    with pytest.raises(ValueError, match="row 0 needs a 'teacher_prompt'"):
+        privileged_token_rows(tokenizer, [{"prompt": "the", "completion": " cat"}])
