@@ -98,6 +98,28 @@ def _hand_reference(student, teacher, rows, cfg: KDLossConfig, num_items):
     return reference.kd_loss(torch.cat(s_rows), torch.cat(t_rows), torch.tensor(targets), cfg, num_items)
 
 
+def _topk_reference(student, teacher, rows, cfg, num_items, k, atol):
+    """(loss, teacher log-probs leaf): each row alone, unpadded; the teacher's top-k of its own row (float64, in
+    process) at the positions predicting the completion, the student's logits at its own, reference.topk_kd_loss.
+    Also checks that no scored position has a near-tie at the top-k's edge: a store or a server whose log-probs are
+    each within `atol` of these could swap ids across a gap <= 2 * atol."""
+    s_rows, ids, values, targets = [], [], [], []
+    for s, t, c in rows:
+        if not c:
+            continue
+        s_rows.append(student(input_ids=torch.tensor([s + c])).logits[0, len(s) - 1 : len(s) + len(c) - 1])
+        with torch.no_grad():
+            lp = teacher(input_ids=torch.tensor([t + c])).logits[0, len(t) - 1 : len(t) + len(c) - 1].log_softmax(-1)
+        top = lp.topk(k + 1, dim=-1)
+        assert (top.values[:, -2] - top.values[:, -1]).min() > 2 * atol  # the test is well posed
+        ids.append(top.indices[:, :k])
+        values.append(top.values[:, :k])
+        targets += c
+    leaf = torch.cat(values).requires_grad_(True)
+    loss = reference.topk_kd_loss(torch.cat(s_rows), torch.cat(ids), leaf, torch.tensor(targets), cfg, num_items)
+    return loss, leaf
+
+
 @pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_the_loss_is_the_hand_reference_whatever_the_layout(tmp_path, layout, use_kd_patch):
@@ -365,10 +387,12 @@ def test_offline_top_k_of_the_teachers_rows_is_paired_alike(tmp_path, layout, us
         assert rel_err(p.grad, q.grad) < 1e-6, name
 
 
-def test_a_served_teacher_is_refused_for_rows_with_their_own_teacher_prompt(tmp_path):
+def test_teacher_data_laid_along_the_students_rows_is_refused(tmp_path):
+    """Top-k of the student's rows (what a server asked about input_ids would send) is not the teacher's on its own
+    rows: refused naming the shapes (a served teacher is asked about teacher_input_ids: test_privileged_served)."""
     trainer = KDTrainer(model=tiny_model("llama", seed=1), args=_args(tmp_path, kd_teacher_url="http://127.0.0.1:1"))
     batch = _batch(_rows(), "right")
     ids = torch.zeros(*batch["input_ids"].shape, 2, dtype=torch.long)
     served = dict(batch, teacher_token_ids=ids, teacher_logprobs=torch.zeros(ids.shape))
-    with pytest.raises(ValueError, match="served teacher"):
+    with pytest.raises(ValueError, match=r"teacher_token_ids of shape \(4, 10, 2\) must be the teacher's"):
         trainer.compute_loss(trainer.model, served)

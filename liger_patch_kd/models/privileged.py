@@ -21,6 +21,9 @@ import torch
 from .kd_io import TeacherInputs, shift_labels
 
 PRIVILEGED_KEYS = ("teacher_input_ids", "teacher_labels", "teacher_attention_mask", "teacher_position_ids")
+# a stored teacher signal's per-position fields (TeacherInputs'), each group led by the one that says it is given:
+# sampled tokens (with the hybrid's top-k beside them), top-k, hidden states
+_STORED_FIELDS = (("sample_ids", "sample_counts", "sample_logprobs"), ("token_ids", "logprobs"), ("hidden_states",))
 
 
 @dataclass
@@ -52,30 +55,23 @@ class PrivilegedInputs:
 
     def prepare(self, teacher: TeacherInputs, student_targets: torch.Tensor, ignore_index: int):
         """(the teacher at the student's positions, `align`): a live teacher as it is (it reads the teacher's rows
-        itself, its outputs go through `align`); a stored signal of the teacher's rows (top-k from a store
-        precomputed on teacher_input_ids, or hidden states: (B, T_t, ...)) gathered into the student's positions.
+        itself, its outputs go through `align`); a stored signal of the teacher's rows (top-k or sampled tokens from a
+        store precomputed on, or a server asked about, teacher_input_ids, or hidden states: (B, T_t, ...)) gathered
+        into the student's positions.
         The pairing is checked here, before either model runs."""
         align = self.aligner(student_targets, ignore_index)
         if teacher.model is not None:
             return teacher, align
-        if teacher.sample_ids is not None:
-            raise ValueError(
-                "sampled teacher tokens (teacher_sample_ids) with a teacher prompt of its own are not supported: "
-                "use top-k data precomputed on teacher_input_ids, or a live teacher_model"
-            )
-        name, value = (
-            ("teacher_token_ids", teacher.token_ids) if teacher.token_ids is not None
-            else ("teacher_hidden_states", teacher.hidden_states)
-        )  # fmt: skip
-        if tuple(value.shape[:2]) != tuple(self.input_ids.shape):
-            raise ValueError(
-                f"{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, teacher "
-                f"length) = {tuple(self.input_ids.shape)} leading: precompute a store on teacher_input_ids (a served "
-                f"teacher is asked about the student's rows, which this teacher does not read)"
-            )
-        if teacher.token_ids is not None:
-            return replace(teacher, token_ids=align(teacher.token_ids), logprobs=align(teacher.logprobs)), align
-        return replace(teacher, hidden_states=align(teacher.hidden_states)), align
+        given = [f for group in _STORED_FIELDS if getattr(teacher, group[0]) is not None for f in group]
+        for name in given:
+            value = getattr(teacher, name)
+            if tuple(value.shape[:2]) != tuple(self.input_ids.shape):
+                raise ValueError(
+                    f"teacher_{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, "
+                    f"teacher length) = {tuple(self.input_ids.shape)} leading: precompute a store on "
+                    f"teacher_input_ids, or ask a served teacher about them (KDTrainer's kd_teacher_url does)"
+                )
+        return replace(teacher, **{name: align(getattr(teacher, name)) for name in given}), align
 
     def teacher_kwargs(self) -> dict:
         """The teacher's layout beyond ids and mask: its own position ids (packed rows), no KV cache."""

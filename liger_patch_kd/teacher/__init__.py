@@ -15,6 +15,7 @@ from .formats import (
     store_to_dataset,
     store_to_distillkit,
 )
+from .joined import JoinedTeacherData
 from .precompute import precompute, teacher_topk
 from .routed import RoutedTeacherData
 from .sampling import SampledTokens, sample_teacher_tokens
@@ -45,6 +46,7 @@ __all__ = [
     "TeacherDataCollator",
     "TeacherLogprobsDataset",
     "RoutedTeacherData",
+    "JoinedTeacherData",
     "iter_store",
     "read_manifest",
     "tokenizer_fingerprint",

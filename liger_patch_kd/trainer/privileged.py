@@ -6,10 +6,11 @@ completion). Without teacher_labels the teacher's completion is the last n token
 number of the student's labelled tokens. Text rows (`{"prompt", "completion", "teacher_prompt"}`) are tokenized by
 PromptCollator (prompts.py) into these. PrivilegedCollator batches them: the student's side as always (input_ids,
 attention_mask, labels), the teacher's as teacher_input_ids, teacher_attention_mask, teacher_labels, both
-right-padded (with the teacher's top-k when the rows carry one computed on teacher_input_ids: offline); or, with
-`packing=True`, every row of the batch in one packed row per side (position_ids / teacher_position_ids restarting
-at each sequence, no attention masks). The KD forward pairs completion token t
-of the student with completion token t of the teacher (models/privileged.py).
+right-padded (with the teacher's top-k or sampled tokens when the rows carry them computed on teacher_input_ids:
+offline); or, with `packing=True`, every row of the batch in one packed row per side (position_ids /
+teacher_position_ids restarting at each sequence, no attention masks). The KD forward pairs completion token t of
+the student with completion token t of the teacher (models/privileged.py). A served teacher is asked about the
+batch's teacher_input_ids (teacher/serve/prefetch.py), its replies laid along them as a store's would be.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from typing import Any
 import torch
 
 from ..teacher import TeacherDataCollator
+from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 
 # dataset columns the Trainer must keep for these rows (text rows' teacher_prompt is a prompt column)
 PRIVILEGED_COLUMNS = ("teacher_input_ids", "teacher_labels")
+# the teacher's data computed on teacher_input_ids (a store's top-k or sampled tokens), batched along its row
+STORED = TEACHER_DATA_COLUMNS
 
 
 def is_privileged_row(row: Any) -> bool:
@@ -84,16 +88,15 @@ class PrivilegedCollator:
         for row, f in enumerate(features):
             if "teacher_input_ids" not in f:
                 raise ValueError(f"row {row} has no teacher_input_ids; a batch of privileged rows needs them in each")
-            if "teacher_token_ids" in f and len(f["teacher_token_ids"]) != len(f["teacher_input_ids"]):
+            for key in (k for k in STORED if k in f and len(f[k]) != len(f["teacher_input_ids"])):
                 raise ValueError(
-                    f"row {row}: teacher_token_ids has {len(f['teacher_token_ids'])} positions, teacher_input_ids "
-                    f"{len(f['teacher_input_ids'])}; the top-k must be the teacher's on its own row (a store "
-                    f"precomputed on teacher_input_ids)"
+                    f"row {row}: {key} has {len(f[key])} positions, teacher_input_ids {len(f['teacher_input_ids'])}; "
+                    f"the teacher's data must be the teacher's on its own row (a store precomputed on "
+                    f"teacher_input_ids)"
                 )
         teacher_labels = [teacher_labels_for(f, row, self.ignore_index) for row, f in enumerate(features)]
         student = [{"input_ids": list(f["input_ids"]), "labels": list(f["labels"])} for f in features]
-        topk = ("teacher_token_ids", "teacher_logprobs")
-        teacher = [{"input_ids": list(f["teacher_input_ids"]), "labels": t, **{k: f[k] for k in topk if k in f}}
+        teacher = [{"input_ids": list(f["teacher_input_ids"]), "labels": t, **{k: f[k] for k in STORED if k in f}}
                    for f, t in zip(features, teacher_labels)]  # fmt: skip
         if self.packing:
             s, t = _packed(student), _packed(teacher)
@@ -107,14 +110,14 @@ class PrivilegedCollator:
 
 def _packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """One row of every sequence, position ids restarting at each (transformers keeps them apart then); each
-    sequence's first label is its prompt's, ignored, so no sequence is scored on the one before it. Top-k columns,
-    when given, are concatenated alike: (1, total, K)."""
+    sequence's first label is its prompt's, ignored, so no sequence is scored on the one before it. Top-k / sampled
+    columns, when given, are concatenated alike: (1, total, K)."""
     ids = [t for r in rows for t in r["input_ids"]]
     labels = [t for r in rows for t in r["labels"]]
     positions = [p for r in rows for p in range(len(r["input_ids"]))]
     columns = (("input_ids", ids), ("labels", labels), ("position_ids", positions))
     out = {name: torch.tensor([values]) for name, values in columns}
-    for key in ("teacher_token_ids", "teacher_logprobs"):
+    for key in STORED:
         if key in rows[0]:
             out[key] = torch.cat([torch.as_tensor(r[key]) for r in rows])[None]
     return out

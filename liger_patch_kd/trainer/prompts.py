@@ -151,3 +151,24 @@ class PromptCollator:
                 f"(teacher_input_ids)"
             )
         return teacher_prompt
+
+
+def privileged_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> list[dict[str, list[int]]]:
+    """Text rows with a `teacher_prompt` as token-level rows ({"input_ids", "labels", "teacher_input_ids",
+    "teacher_labels"}), tokenized exactly as PromptCollator(tokenizer, **options) tokenizes them in training: for a
+    store precomputed on the teacher's sequences, `precompute(teacher, [r["teacher_input_ids"] for r in out], dir)`,
+    joined back with teacher.JoinedTeacherData.
+
+    Raises:
+        ValueError: naming the row, when it has no teacher_prompt or no completion (nothing to score offline).
+    """
+    collate, out = PromptCollator(tokenizer, **options), []
+    for index, row in enumerate(rows):
+        if "teacher_prompt" not in row or not ("completion" in row or "messages" in row):
+            raise ValueError(
+                f"row {index} needs a 'teacher_prompt' and a completion ('completion', or 'messages' ending with the "
+                f"assistant's turn) to give the teacher its own sequence; got the keys {sorted(row)}"
+            )
+        batch = collate([row])  # one row: no padding
+        out.append({k: batch[k][0].tolist() for k in ("input_ids", "labels", "teacher_input_ids", "teacher_labels")})
+    return out

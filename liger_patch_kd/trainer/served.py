@@ -7,22 +7,23 @@ from typing import TYPE_CHECKING, Any
 
 from ..conventions import require_sampled_objective
 from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
-from ..teacher.serve.prefetch import STUDENT_KEYS
+from ..teacher.serve.prefetch import TEACHER_KEYS
 from ..teacher.store.samples import MAX_SAMPLES
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
 
-CROSS_TOKENIZER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own tokenization
+CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 
 
 def served_teacher_dataloader(
     dataloader: Any, args: KDTrainingArguments, *, vocab_size: int, depth: int = 4,
-    keys: tuple[str, str] = STUDENT_KEYS,
+    keys: tuple[str, str] | None = None,
 ) -> TeacherPrefetcher:  # fmt: skip
     """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
-    kd_teacher_* fields) about batch[keys[0]]. Batches stay on the CPU until the Trainer moves them (with their
-    teacher data) to the device, so the background thread never waits on the GPU."""
+    kd_teacher_* fields) about batch[keys[0]] (keys=None: the batch's teacher_input_ids when it has them, the rows'
+    own teacher prompt + completion; else its input_ids). Batches stay on the CPU until the Trainer moves them (with
+    their teacher data) to the device, so the background thread never waits on the GPU."""
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     client = TeacherClient(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..teacher.serve import TeacherClient, TeacherPrefetcher
-from ..teacher.serve.prefetch import sequence_tokens
+from ..teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
 from .teachers import MIXTURE_KEY
 
 
@@ -59,6 +59,12 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
     """TeacherPrefetcher asking each sequence's own teacher (routed by the batch's one-hot `teacher_mixture`)."""
 
     def submit(self, batch, segments):
+        if self.keys is None and keys_of(batch, None) != STUDENT_KEYS:  # privileged rows (their own teacher prompt)
+            raise ValueError(
+                "rows with the teacher's own prompt (teacher_input_ids) and several served teachers (kd_teacher_url="
+                "{name: url}) are not supported yet: serve one teacher (kd_teacher_url=url), or run the teachers in "
+                "process"
+            )
         weights = batch[MIXTURE_KEY]
         routes = []
         for row, positions in segments:
@@ -70,7 +76,7 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
                     f"distribution, which top-k replies do not hold"
                 )
             routes.append(int(w.argmax()))
-        tokens = sequence_tokens(batch, segments, self.keys)
+        tokens = sequence_tokens(batch, segments, self.keys or STUDENT_KEYS)
         parts = []
         for j, client in enumerate(self.client.clients):
             order = [i for i, r in enumerate(routes) if r == j]

@@ -40,6 +40,7 @@ from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completi
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
 from .rollouts import BEHAVIOUR
+from .routed_offline import offline_routed_setup
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
@@ -81,6 +82,10 @@ class KDTrainer(Trainer):
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
         else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
             check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
+            # offline rows naming their teachers (teacher.RoutedTeacherData): the names kept for per-teacher logs
+            self.teacher_set = offline_routed_setup(
+                args, kwargs.get("train_dataset"), first_row_of(kwargs.get("train_dataset")), teacher_model
+            )
         teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
         if args.kd_teacher_url and teacher_model is not None:
             raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
@@ -250,18 +255,12 @@ class KDTrainer(Trainer):
                 "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
             )
         if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
-            require_teacher_prompt(self.teacher_model, inputs)
-            if self.args.kd_teacher_url and inputs.get("teacher_input_ids") is not None:
-                raise ValueError(
-                    "these rows give the teacher its own prompt (teacher_input_ids), but a served teacher "
-                    "(kd_teacher_url) is asked about the student's rows; run the teacher in process (teacher_model) "
-                    "or precompute a store on teacher_input_ids"
-                )
+            require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
-        routes = None if several else inputs.pop(MIXTURE_KEY, None)  # several served teachers: whom each row asked
+        routes = None if several else inputs.pop(MIXTURE_KEY, None)  # served or offline routed rows: each one's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
         if several:  # several in-process teachers: trainer/teachers.py
             outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
@@ -285,7 +284,7 @@ class KDTrainer(Trainer):
             loss, soft, hard, agreement, outputs = self._materialised_loss(
                 model, inputs, num_items_in_batch, cfg, behaviour
             )
-        if scored is not None:  # each served teacher's figures, from its own rows (trainer/teachers.py)
+        if scored is not None:  # each served / stored teacher's figures, from its own rows (trainer/teachers.py)
             self._kd_teacher_metrics = self.teacher_set.routed_metrics(
                 scored, routes, lambda batch: self._kd_score(model, batch, cfg), cfg.ignore_index
             )

@@ -10,8 +10,11 @@ waits for its own replies: none trains without its teacher data, and an error (s
 timeout, malformed reply, or the DataLoader's own) is raised in the training loop. Each process wraps its own
 DataLoader shard, so each rank asks for its own batches.
 
-A teacher with another tokenizer (align/) is asked about the batch's `teacher_input_ids` under its
-`teacher_attention_mask` (the `keys`), and its replies are aligned with those positions, as offline data is.
+A teacher that reads its own sequences is asked about the batch's `teacher_input_ids` under its
+`teacher_attention_mask` (packed: cut where `teacher_position_ids` restart), and its replies are aligned with
+those positions, as offline data computed on them is: a teacher with another tokenizer (align/), or one with its
+own prompt before the student's completion (privileged rows, models/privileged.py, which pairs the completion
+positions). By default (`keys=None`) a batch holding teacher_input_ids asks about them, any other the student's.
 """
 
 from __future__ import annotations
@@ -31,14 +34,25 @@ from .protocols import TopK
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
 STUDENT_KEYS = ("input_ids", "attention_mask")  # the ids the teacher is asked about, and their mask
+TEACHER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own sequences
+POSITION_KEYS = {STUDENT_KEYS: "position_ids", TEACHER_KEYS: "teacher_position_ids"}  # where packed rows restart
+
+
+def keys_of(batch: Mapping[str, Any], keys: tuple[str, str] | None) -> tuple[str, str]:
+    """The (ids, mask) keys the teacher is asked about: `keys` when given, else the teacher's own sequences when the
+    batch holds them (teacher_input_ids), else the student's."""
+    if keys is not None:
+        return keys
+    return TEACHER_KEYS if batch.get(TEACHER_KEYS[0]) is not None else STUDENT_KEYS
 
 
 def split_sequences(batch: Mapping[str, torch.Tensor], keys: tuple[str, str] = STUDENT_KEYS) -> Segments:
-    """The sequences of a batch: per row the positions the mask keeps (all without a mask), cut where
-    position_ids restart at 0 (DataCollatorWithFlattening packs several sequences in one row; the student's)."""
+    """The sequences of a batch: per row the positions the mask keeps (all without a mask), cut where the keys'
+    position ids (position_ids, teacher_position_ids) restart at 0 (several sequences packed in one row)."""
     ids = batch[keys[0]]
     mask = batch.get(keys[1])
-    position_ids = batch.get("position_ids") if keys == STUDENT_KEYS else None
+    position_key = POSITION_KEYS.get(tuple(keys))
+    position_ids = batch.get(position_key) if position_key else None
     segments: Segments = []
     for row in range(ids.shape[0]):
         keep = mask[row].bool().nonzero().squeeze(-1) if mask is not None else torch.arange(ids.shape[1])
@@ -116,7 +130,7 @@ class TeacherPrefetcher:
     """
 
     def __init__(
-        self, dataloader: Any, client: TeacherClient, *, depth: int = 4, keys: tuple[str, str] = STUDENT_KEYS
+        self, dataloader: Any, client: TeacherClient, *, depth: int = 4, keys: tuple[str, str] | None = None
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1 (batches fetched ahead); got {depth}")
@@ -143,18 +157,19 @@ class TeacherPrefetcher:
 
     def with_teacher(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One batch with its teacher data, fetched now."""
-        segments = split_sequences(batch, self.keys)
+        segments = split_sequences(batch, keys_of(batch, self.keys))
         return self.attach(batch, segments, self.submit(batch, segments).result())
 
     def submit(self, batch: Mapping[str, Any], segments: Segments):
         """The requests for one batch's sequences, in flight (`.result()`: their top-k, in order)."""
-        return self.client.submit(sequence_tokens(batch, segments, self.keys))
+        return self.client.submit(sequence_tokens(batch, segments, keys_of(batch, self.keys)))
 
     def attach(self, batch: Mapping[str, Any], segments: Segments, replies: list) -> dict[str, Any]:
         ask = getattr(self.client, "ask", None)  # a TeacherClient asking for samples; other clients send top-k
+        keys = keys_of(batch, self.keys)
         if ask is not None:  # sampled teacher tokens (the client's samples)
-            return attach_samples(batch, segments, replies, ask.samples, ask.top_k, self.keys)
-        return attach_teacher(batch, segments, replies, self.client.top_k, self.keys)
+            return attach_samples(batch, segments, replies, ask.samples, ask.top_k, keys)
+        return attach_teacher(batch, segments, replies, self.client.top_k, keys)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self._ready:  # a server down at start fails here, within the client's timeout
@@ -175,7 +190,7 @@ class TeacherPrefetcher:
         def produce() -> None:
             try:
                 for batch in self.dataloader:
-                    segments = split_sequences(batch, self.keys)
+                    segments = split_sequences(batch, keys_of(batch, self.keys))
                     if not put((batch, segments, self.submit(batch, segments))):
                         return
                 put(_END)
