@@ -33,6 +33,18 @@ def _models(data):
     return student, teacher.requires_grad_(False)
 
 
+def _reference(student, teacher, batch, vocab_map):
+    """The reference loss on the models' own logits (their forwards apply their logit scales and caps)."""
+    s_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch["teacher_input_ids"], attention_mask=batch["teacher_attention_mask"])
+    return xref.cross_tokenizer_kd_loss(
+        s_logits, t_logits.logits, _shift(batch["labels"]), _shift(batch["teacher_labels"]),
+        batch["student_align_groups"], batch["teacher_align_groups"], vocab_map, batch["align_exact_ok"],
+        CFG.replace(softcap=None, teacher_softcap=None),
+    )  # fmt: skip
+
+
 def _gpt2(vocab: int):
     """A model type the registry has no entry for."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -63,14 +75,7 @@ def test_loss_through_a_wrapped_forward_is_the_references(data):
         grads = torch.autograd.grad(out.loss, list(student.parameters()))
         assert calls and "kd_student_callback" in calls[0]
         del student.forward  # the KD forward installed at set-up again
-        s_logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        with torch.no_grad():
-            t_logits = teacher(input_ids=batch["teacher_input_ids"], attention_mask=batch["teacher_attention_mask"])
-        ref = xref.cross_tokenizer_kd_loss(
-            s_logits, t_logits.logits, _shift(batch["labels"]), _shift(batch["teacher_labels"]),
-            batch["student_align_groups"], batch["teacher_align_groups"], vocab_map, batch["align_exact_ok"],
-            CFG.replace(softcap=None, teacher_softcap=None),
-        )  # fmt: skip
+        ref = _reference(student, teacher, batch, vocab_map)
         ref_grads = torch.autograd.grad(ref, list(student.parameters()))
         torch.testing.assert_close(out.loss, ref, rtol=1e-9, atol=1e-11)
         for a, b in zip(grads, ref_grads, strict=True):
@@ -138,3 +143,27 @@ def _xtok_args():
     from liger_patch_kd.trainer import KDTrainingArguments
 
     return KDTrainingArguments(output_dir="unused", report_to="none", kd_teacher_tokenizer="unused: passed")
+
+
+def test_peft_student_through_its_wrapper_is_the_references(data):
+    """A LoRA student (adapters on attention and on lm_head) is called through PeftModel's forward: the loss and
+    the adapters' gradients are the reference's on the PEFT model's own logits (float64)."""
+    peft = pytest.importorskip("peft")
+    student, teacher = _models(data)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
+    model = peft.get_peft_model(student, config)
+    for name, p in model.named_parameters():  # LoRA's B starts at zero: move it, so lm_head's update counts
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    batch, vocab_map = data["batches"]["online"][0], data["vocab_map"]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    try:
+        out = compute_cross_tokenizer_loss(model, teacher, batch, CFG, vocab_map)
+        grads = torch.autograd.grad(out.loss, trained)
+        ref = _reference(model, teacher, batch, vocab_map)
+        ref_grads = torch.autograd.grad(ref, trained)
+        torch.testing.assert_close(out.loss, ref, rtol=1e-9, atol=1e-11)
+        for a, b in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+    finally:
+        revert_kd_patch(model=student)
