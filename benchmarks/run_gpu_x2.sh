@@ -2,7 +2,10 @@
 # The 2-GPU runs (issue 18), one device call per line below, results under $OUT (or runs/):
 #   bash benchmarks/run_gpu_x2.sh scaling fsdp1 zero3    # FSDP2 1 vs 2 GPUs, FSDP1, ZeRO-3 (1B student, 8B teacher)
 #   bash benchmarks/run_gpu_x2.sh 70b parity             # 70B teacher over 2 GPUs; the 2-GPU parity tests
-# Modes: scaling | fsdp1 | zero3 | 70b | parity | tiny (all of it on CPU with tiny shapes, gloo; a smoke test).
+#   bash benchmarks/run_gpu_x2.sh xtok                   # across tokenizers under FSDP2 (issue 31): NCCL parity
+#                                                        # tests, then KDTrainer on 2 GPUs against 1
+# Modes: scaling | fsdp1 | zero3 | 70b | parity | xtok | tiny (all of it on CPU with tiny shapes, gloo; a smoke test;
+# `tiny xtok`: one mode so).
 # Each run writes its JSON as soon as it ends (multi_<label>.json), then multi_summary.json is rebuilt, so a run
 # cut short loses only itself. The whole call keeps to BUDGET_S seconds (default 510): every run gets what is
 # left (minus a margin) as its timeout, and a run that cannot get 40 s is skipped and said so.
@@ -19,7 +22,10 @@ SEQ=${SEQ:-4096} WARMUP=${WARMUP:-3} STEPS=${STEPS:-10}
 MP=() TINY=()
 if [[ " $* " == *" tiny "* ]]; then
   MP=(--mixed_precision no) TINY=(--tiny) WARMUP=1 STEPS=3
-  set -- scaling fsdp1 zero3 70b
+  modes=()
+  for m in "$@"; do [ "$m" = tiny ] || modes+=("$m"); done
+  [ ${#modes[@]} = 0 ] && modes=(scaling fsdp1 zero3 70b xtok)  # `tiny xtok`: that mode only
+  set -- "${modes[@]}"
   echo "tiny: CPU processes over gloo, tiny shapes (FSDP1 needs a GPU: accelerate refuses it on CPU)" | tee -a "$LOG"
 elif compgen -G ".whl/*.whl" >/dev/null; then  # deepspeed (and its pure-Python needs) travel as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -76,7 +82,27 @@ for mode in "$@"; do
       timeout -k 10 "$left" python3 -m pytest -q -p no:cacheprovider -rA tests/test_distributed.py 2>&1 \
         | tee "$OUT/parity_tests.log" | tail -15
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    *) echo "unknown mode $mode (scaling | fsdp1 | zero3 | 70b | parity | tiny)"; exit 2 ;;
+    xtok)  # across tokenizers: the NCCL parity tests (GPUs only), then KDTrainer under FSDP2, 2 processes against 1
+      left=$((END - SECONDS - 10))
+      if [ ${#TINY[@]} = 0 ]; then
+        echo "=== xtok parity (timeout ${left}s): pytest tests/test_distributed.py -k cross_tokenizer" | tee -a "$LOG"
+        timeout -k 10 "$left" python3 -m pytest -q -p no:cacheprovider -rA tests/test_distributed.py -k cross_tokenizer \
+          2>&1 | tee "$OUT/xtok_parity_tests.log" | tail -6
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      fi
+      XTOK=(-m benchmarks.bench_multi_gpu_xtok --steps "$STEPS")
+      [ ${#TINY[@]} = 0 ] && XTOK+=(--hidden 1024 --layers 8 --bf16)
+      port=$((port + 1)) left=$((END - SECONDS - 15))
+      echo "=== xtok 1 process, micro-batch 8 / 2 processes (FSDP2), micro-batch 4 (timeout ${left}s each)" | tee -a "$LOG"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$left" python3 "${XTOK[@]}" --micro-batch 8 --out "$OUT/xtok_1.json" \
+        >>"$LOG" 2>&1 || { echo "FAILED xtok_1" | tee -a "$LOG"; status=1; }
+      left=$((END - SECONDS - 15))
+      timeout -k 10 "$left" accelerate launch --config_file examples/accelerate_fsdp2.yaml --num_processes 2 \
+        --main_process_port "$port" "${MP[@]}" "${XTOK[@]}" --micro-batch 4 --out "$OUT/xtok_fsdp2.json" >>"$LOG" 2>&1 \
+        || { echo "FAILED xtok_fsdp2" | tee -a "$LOG"; status=1; }
+      python3 -m benchmarks.bench_multi_gpu_xtok --compare "$OUT/xtok_1.json" "$OUT/xtok_fsdp2.json" \
+        --out "$OUT/xtok_summary.json" 2>&1 | tee -a "$LOG" | tail -4 || status=1 ;;
+    *) echo "unknown mode $mode (scaling | fsdp1 | zero3 | 70b | parity | xtok | tiny)"; exit 2 ;;
   esac
 done
 [ -f "$OUT/multi_summary.json" ] && python3 -c "import json; print(json.load(open('$OUT/multi_summary.json'))['table'])"

@@ -6,7 +6,8 @@ whole. The patched forward arranges that:
 * FSDP2 (`fully_shard`) and FSDP1 (`FullyShardedDataParallel`, `use_orig_params` True or False): parameters
   of a unit are gathered for the duration of that unit's forward. The KD forward *is* the root unit's
   forward (and the teacher's hidden states and weight are handed over inside the teacher's own forward,
-  see `models.kd_forward.call_teacher`), so `lm_head.weight` is whole there and its gradient flows back to
+  see `models.kd_forward.call_teacher`; a loss computed outside the KD forward, across tokenizers, runs inside
+  the student's forward through `call_student`), so `lm_head.weight` is whole there and its gradient flows back to
   the sharded parameter through FSDP's own hooks. This holds as long as lm_head stays in the root unit —
   the default when you wrap the decoder layers and then the model. A separately wrapped lm_head is caught
   by `check_full_weight` with an explanation instead of a size mismatch or a silently wrong loss.
@@ -43,6 +44,23 @@ def check_full_weight(weight: torch.Tensor, expected_shape: tuple[int, int] | No
             f"it is sharded or flattened (FSDP1 with lm_head in its own unit?). Keep lm_head in the root FSDP unit, "
             f"e.g. an auto-wrap policy on the decoder layer class only"
         )
+
+
+def spread_as(model: nn.Module) -> str | None:
+    """How `model` is spread over processes: "DDP", "FSDP1", "FSDP2" or "ZeRO-3" (the wrapper itself, or a module
+    or parameter inside it, says so), else None."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "DDP"
+    modules = list(model.modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        return "FSDP1"
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "FSDP2"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return "ZeRO-3"
+    return None
 
 
 def release_root_parameters(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ def _batch():
     return ids, labels, tid, lp
 
 
-def _shard(model, device_type: str):
+def shard_fsdp2(model, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -63,7 +63,7 @@ def _gathered(model, wrapper: str, what: str) -> dict[str, torch.Tensor]:
         }
 
 
-def _error(got: torch.Tensor, want: torch.Tensor, exact: bool) -> float:
+def relative_error(got: torch.Tensor, want: torch.Tensor, exact: bool) -> float:
     """exact (float64): largest difference relative to the largest entry. bf16: relative norm of the difference
     (single entries carry bf16 rounding; a sharding bug moves the whole tensor, e.g. by half)."""
     got, want = got.double(), want.double()
@@ -104,7 +104,7 @@ def run(
         return model(input_ids=ids[rows], **kwargs).loss
 
     def wrap(model):
-        return _shard(model, device.type) if wrapper == "fsdp2" else _wrap_fsdp1(model, device)
+        return shard_fsdp2(model, device.type) if wrapper == "fsdp2" else _wrap_fsdp1(model, device)
 
     reference = M.apply_kd_patch_to_llama(model=copy.deepcopy(student), kd_config=cfg)
     ref_teacher = copy.deepcopy(teacher)
@@ -124,12 +124,13 @@ def run(
         scale = 1.0 if exact else abs(ref_loss.item())
         errors[f"step {step} loss"] = abs(total.item() - ref_loss.item()) / scale
         for name, grad in _gathered(sharded, wrapper, "grad").items():
-            errors[f"step {step} grad {name}"] = _error(grad, ref_named[name].grad, exact)
+            errors[f"step {step} grad {name}"] = relative_error(grad, ref_named[name].grad, exact)
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
     for name, param in _gathered(sharded, wrapper, "param").items():
         want = ref_named[name].detach()
-        errors[f"after 3 steps {name}"] = float((param - want).abs().max()) if exact else _error(param, want, exact)
+        difference = float((param - want).abs().max()) if exact else relative_error(param, want, exact)
+        errors[f"after 3 steps {name}"] = difference
     if rank == 0:
         torch.save(errors, result_path)
     dist.barrier()

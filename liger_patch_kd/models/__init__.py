@@ -11,6 +11,7 @@ Modules, lowest first (imports point down only):
   materialised   the objective on materialised logits (reference.py)
   teachers       several teachers in one KD forward (routing, mixtures)
   kd_forward     the one KD forward, and a teacher's
+  cross_tokenizer  the cross-tokenizer loss on two models, each one's head inputs taken inside its own forward
   patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
   fp8_teacher, recompute
 """

@@ -26,7 +26,7 @@ from .moe import router_aux_loss, with_router_aux_loss
 from .privileged import PrivilegedInputs
 from .registry import softcap_of
 from .spec import spec_for_model
-from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, patch_state, unwrap_model
+from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, class_state, patch_state, unwrap_model
 from .teachers import TeacherSet, materialised_teacher_set, teacher_set_forward
 from .transforms import scaled_head_inputs
 
@@ -36,8 +36,9 @@ __all__ = [
     "KDCausalLMOutput",
     "PatchState",
     "TeacherInputs",
+    "call_student",
     "call_teacher",
-    "install_teacher_forward",
+    "install_kd_forward",
     "kd_causal_lm_forward",
     "output_head",
     "patch_state",
@@ -76,6 +77,7 @@ def kd_causal_lm_forward(
     kd_config: KDLossConfig | dict | None = None,
     return_logits: bool = False,
     kd_teacher_callback: TeacherCallback | None = None,
+    kd_student_callback: TeacherCallback | None = None,
     kd_log_agreement: bool = False,
     kd_teacher_set: TeacherSet | None = None,
     logits_to_keep: int | torch.Tensor = 0,
@@ -98,10 +100,13 @@ def kd_causal_lm_forward(
     own or a mixture of them (`kd_log_agreement` then measures each teacher's divergence and agreement).
     `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
     last hidden states inside this model's own forward, where FSDP has its parameters gathered.
+    `kd_student_callback` is internal too: a loss computed outside the models (across tokenizers) gets this model's
+    last hidden states and lm_head the same way, with gradients, and the forward returns what the callback returns.
     """
     state = patch_state(self)
-    if kd_teacher_callback is not None:
-        return _serve_as_teacher(self, input_ids, attention_mask, kd_teacher_callback, kwargs)
+    if kd_teacher_callback is not None or kd_student_callback is not None:
+        callback, trainable = kd_student_callback or kd_teacher_callback, kd_student_callback is not None
+        return _serve_head(self, input_ids, attention_mask, callback, kwargs, trainable)
     teacher = TeacherInputs(
         teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs,
         teacher_sample_ids, teacher_sample_counts, teacher_sample_logprobs,
@@ -258,7 +263,7 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     Going through the teacher's top-level call (FSDP1/FSDP2/PEFT wrappers included) is what gathers its
     sharded parameters; the teacher's decoder runs under no_grad, and FSDP registers no backward hooks for it.
     """
-    install_teacher_forward(teacher)
+    install_kd_forward(teacher)
     keys = (*TEACHER_INPUT_KEYS[2:], "use_cache")  # input_ids and attention_mask are passed explicitly
     passthrough = {k: student_kwargs[k] for k in keys if student_kwargs.get(k) is not None}
     passthrough.update(teacher_vision_inputs(teacher, student_kwargs))
@@ -275,14 +280,34 @@ def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: 
     return result["loss"]
 
 
-@eager  # runs once per teacher; dynamo on torch 2.11 cannot trace building the PatchState
-def install_teacher_forward(teacher: nn.Module) -> None:
-    """Give an unpatched teacher the KD forward (fused path only, no kernels): its behaviour is unchanged
-    except when it is asked to serve as a teacher. `revert_kd_patch()` takes it off again."""
-    inner = unwrap_model(teacher)
+def call_student(model: nn.Module, input_ids, attention_mask, loss_on: TeacherCallback):
+    """Return `loss_on(hidden, lm_head weight, bias, softcap)` computed inside the student's own top-level forward,
+    with gradients: for a loss the KD forward does not compute itself (the cross-tokenizer one). Through the
+    top-level call the wrappers do what they do for the KD forward: FSDP gathers the root's parameters (lm_head
+    whole) and reduce-scatters their gradients, DDP all-reduces the gradients, accelerate's autocast applies.
+    The model must run the KD forward already (apply_kd_patch, or install_kd_forward before a wrapper replaces
+    the instance's forward); a model given none yet, whose forward nothing wraps, is given it here."""
+    inner = unwrap_model(model)
+    if not _has_kd_forward(inner):
+        if "forward" in inner.__dict__:  # a wrapper (accelerate's autocast) around a forward that is not the KD one
+            raise ValueError(
+                f"the student {type(inner).__name__} has a wrapped forward but not the KD forward: call "
+                f"liger_patch_kd.apply_kd_patch(model=...) (or models.kd_forward.install_kd_forward) before "
+                f"preparing it (KDTrainer does this itself)"
+            )
+        install_kd_forward(inner)
+    return model(input_ids=input_ids, attention_mask=attention_mask, kd_student_callback=loss_on, use_cache=False)
+
+
+@eager  # runs once per model; dynamo on torch 2.11 cannot trace building the PatchState
+def install_kd_forward(model: nn.Module) -> None:
+    """Give an unpatched model (a teacher, or the student of a loss computed outside the models) the KD forward
+    (fused path only, no kernels): its behaviour is unchanged except when it is asked for its hidden states and
+    lm_head (kd_teacher_callback / kd_student_callback). `revert_kd_patch()` takes it off again."""
+    inner = unwrap_model(model)
     if _is_kd_forward(inner):
         return
-    spec_for_model(inner)  # a teacher whose forward transforms its logits in a way the registry does not know: refused
+    spec_for_model(inner)  # a model whose forward transforms its logits in a way the registry does not know: refused
     inner.__dict__[INSTANCE_ATTR] = PatchState(original_forward=type(inner).forward)
     inner.forward = kd_causal_lm_forward.__get__(inner)
     PATCHED_INSTANCES.add(inner)
@@ -292,10 +317,20 @@ def _is_kd_forward(model: nn.Module) -> bool:
     return getattr(model.forward, "__func__", None) is kd_causal_lm_forward
 
 
-def _serve_as_teacher(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict):
-    with torch.no_grad():
+def _has_kd_forward(model: nn.Module) -> bool:
+    """Patched (class or instance), whatever wraps the forward since (accelerate's autocast calls the KD one)."""
+    return _is_kd_forward(model) or INSTANCE_ATTR in model.__dict__ or class_state(type(model)) is not None
+
+
+def _serve_head(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict, trainable: bool):
+    """callback(hidden, lm_head weight, bias, softcap) inside this forward, where FSDP has the root's parameters
+    gathered. A teacher's (not trainable) under no_grad and detached; a student's with gradients."""
+    with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
         hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
-        head = output_head(self, "teacher")
-        hidden, bias = scaled_head_inputs(self, hidden.detach(), None if head.bias is None else head.bias.detach())
-        return callback(hidden, head.weight.detach(), bias, softcap_of(self.config))
+        head = output_head(self, "student" if trainable else "teacher")
+        weight, bias = head.weight, head.bias
+        if not trainable:
+            hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+        hidden, bias = scaled_head_inputs(self, hidden, bias)
+        return callback(hidden, weight, bias, softcap_of(self.config))

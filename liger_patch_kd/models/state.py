@@ -35,7 +35,8 @@ class PatchState:
 CLASS_STATE: dict[type, PatchState] = {}
 INSTANCE_ATTR = "_liger_kd_state"
 ORIGINAL_BOUND_ATTR = "_liger_kd_original_bound"  # original_forward's cached bound method
-# every instance given the KD forward (apply_kd_patch(model=...), or a teacher via install_teacher_forward)
+# every instance given the KD forward (apply_kd_patch(model=...), or a teacher or a cross-tokenizer student via
+# install_kd_forward)
 PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 

@@ -1,8 +1,8 @@
 """Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the
 vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
 kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
-the loss of one batch from CrossTokenizerCollator, on the two models' hidden states and lm_heads (align/ holds
-the alignment and the loss)."""
+the refusals that depend on how accelerate spreads the models. The loss of one batch is
+models.cross_tokenizer.compute_cross_tokenizer_loss (align/ holds the alignment and the loss)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..align import (
-    CrossTokenizerCollator,
-    CrossTokenizerConfig,
-    CrossTokenizerLossOutput,
-    VocabMap,
-    byte_level_to_text,
-    fused_linear_cross_tokenizer_kd,
-    fused_linear_cross_tokenizer_topk_kd,
-)
+from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from ..align.generated import GeneratedRows
-from ..models import scaled_head_inputs, unwrap_model
-from ..models.kd_forward import output_head
-from ..models.registry import FAMILIES, REGISTRY, softcap_of
+from ..models import unwrap_model
+from ..models.cross_tokenizer import (
+    check_spread,
+    compute_cross_tokenizer_loss,  # noqa: F401  (defined here first: still imported from here)
+    is_registered,
+    model_head_inputs,  # noqa: F401
+)
+from ..models.kd_forward import install_kd_forward
 from .cross_tokenizer_rollouts import generated_rows
 
 logger = logging.get_logger(__name__)
@@ -114,6 +110,8 @@ class CrossTokenizerSetup:
         `teacher_vocab_size`, default len(teacher_tokenizer): the ids the top-k's tail is spread over. With
         kd_lmbda > 0 it also pairs the student's EOS ids with the teacher's in the map and builds `generated`."""
         check_cross_tokenizer_args(args)
+        if is_registered(student_model):  # before any wrapper (accelerate's autocast) replaces its forward
+            install_kd_forward(student_model)
         if student_tokenizer is None:
             raise ValueError("cross-tokenizer distillation needs the student's tokenizer (processing_class=...)")
         if teacher_tokenizer is None:
@@ -139,106 +137,18 @@ class CrossTokenizerSetup:
             generated, vocab_map = generated_rows(collator, student_model, student_tokenizer, teacher_model, vocab_map)
         return cls(cross_tokenizer_config(args), vocab_map, collator, generated)
 
-
-def last_hidden_and_head(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Tensor, nn.Linear]:
-    """The decoder's last hidden states and the lm_head, without computing logits (a patched model too)."""
-    inner = unwrap_model(model)
-    hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return hidden.last_hidden_state, output_head(inner, "model")
-
-
-# config fields by which a forward the registry does not know might scale its logits after lm_head
-_UNAUDITED_SCALES = ("logits_scaling", "logit_scale", "lm_head_multiplier")
-
-
-def model_head_inputs(model: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None):
-    """(hidden, bias) with the model's own logit transform folded in, so that hidden @ W^T + bias are the
-    logits its forward returns (before soft-capping, which the loss applies from softcap_of): Granite divides
-    by config.logits_scaling, Cohere multiplies by logit_scale (models.scaled_head_inputs, the registry's
-    audited entry, as the same-tokenizer path). A model_type the registry does not know is taken as lm_head(h)
-    unless its config declares a logit scale, which is refused (no audit says how its forward applies it)."""
-    inner = unwrap_model(model)
-    config = getattr(inner, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type in REGISTRY or model_type in FAMILIES:
-        return scaled_head_inputs(inner, hidden, bias)
-    declared = {k: getattr(config, k) for k in _UNAUDITED_SCALES if getattr(config, k, None) not in (None, 1, 1.0)}
-    if declared:
-        raise ValueError(
-            f"{type(inner).__name__} (model_type {model_type!r}) declares a logit scale {declared} that "
-            f"liger_patch_kd has no registry entry for, so the cross-tokenizer loss cannot reproduce its logits; "
-            f"supported: {sorted(REGISTRY)}"
-        )
-    return hidden, bias
-
-
-def _shift(t: torch.Tensor, fill) -> torch.Tensor:
-    """Row r gets what concerns token r + 1 (labels HF style)."""
-    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
-
-
-def compute_cross_tokenizer_loss(
-    model: nn.Module,
-    teacher_model: nn.Module | None,
-    inputs: dict[str, torch.Tensor],
-    config: CrossTokenizerConfig,
-    vocab_map: VocabMap,
-    num_items_in_batch: int | torch.Tensor | None = None,
-) -> CrossTokenizerLossOutput:
-    """One batch from CrossTokenizerCollator -> (loss, soft, hard). Runs the student's decoder (with grad) and
-    the teacher's (without), then the fused loss on their hidden states and lm_heads. Each model's logit scale
-    is folded into its hidden states and bias (model_head_inputs) and its soft-capping read from its config,
-    so the loss is the reference's on the models' own logits. Under FSDP the lm_heads must be whole here (as
-    for the patched forward: keep lm_head in the root unit); this path calls the decoders directly, so it
-    suits DDP / single-device runs today.
-    A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
-    fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
-    offline = inputs.get("teacher_token_ids") is not None
-    if teacher_model is None and not offline:
-        raise ValueError(
-            "cross-tokenizer distillation needs a live teacher_model or batches with the teacher's top-k "
-            "(teacher_token_ids / teacher_logprobs on its rows; see CrossTokenizerCollator)"
-        )
-    h_s, head_s = last_hidden_and_head(model, inputs["input_ids"], inputs.get("attention_mask"))
-    h_s, b_s = model_head_inputs(model, h_s, head_s.bias)  # the model's logit scale (Granite, Cohere)
-    if offline:  # as in the same-tokenizer trainer, the batch's teacher data win over a teacher_model
-        cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
-        s_labels = _shift(inputs["labels"], cfg.ignore_index)
-        t_labels = _shift(inputs["teacher_labels"], cfg.ignore_index)
-        return fused_linear_cross_tokenizer_topk_kd(
-            h_s, head_s.weight, inputs["teacher_token_ids"], inputs["teacher_logprobs"], s_labels, t_labels,
-            inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-            config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, return_components=True,
-        )  # fmt: skip
-    cfg = config.replace(softcap=softcap_of(model.config if hasattr(model, "config") else None))
-    student = (h_s, head_s.weight, b_s, _shift(inputs["labels"], cfg.ignore_index))
-    return live_teacher_loss(student, teacher_model, inputs, cfg, vocab_map, num_items_in_batch)
-
-
-def live_teacher_loss(
-    student: tuple, teacher_model: nn.Module, inputs: dict, config: CrossTokenizerConfig, vocab_map: VocabMap,
-    num_items_in_batch=None, row_scale: torch.Tensor | None = None, keep: dict | None = None,
-) -> CrossTokenizerLossOutput:  # fmt: skip
-    """The fused loss of the student's head inputs `student` = (hidden, weight, bias, shifted labels) against a
-    teacher in process, run (no grad) on its own tokens: `inputs`' teacher_input_ids / teacher_attention_mask /
-    teacher_labels and the groups of CrossTokenizerCollator. `config` carries the student's soft-cap; the
-    teacher's comes from its config. `row_scale`: each student row's share of this loss (several teachers).
-    `keep`, when given, receives the teacher's head inputs (hidden, weight, bias) for logging."""
-    h_s, w_s, b_s, s_labels = student
-    with torch.no_grad():
-        h_t, head_t = last_hidden_and_head(
-            teacher_model, inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
-        )
-        h_t, b_t = model_head_inputs(teacher_model, h_t, head_t.bias)
-    if keep is not None:
-        keep.update(hidden=h_t, weight=head_t.weight, bias=b_t)
-    cfg = config.replace(teacher_softcap=softcap_of(getattr(teacher_model, "config", None)))
-    return fused_linear_cross_tokenizer_kd(
-        h_s, w_s, h_t, head_t.weight, s_labels, _shift(inputs["teacher_labels"], cfg.ignore_index),
-        inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"),
-        config=cfg, num_items_in_batch=num_items_in_batch, student_bias=b_s, teacher_bias=b_t,
-        return_components=True, row_scale=row_scale,
-    )  # fmt: skip
+    @staticmethod
+    def check_spread(accelerator, models: tuple[nn.Module | None, ...]) -> None:
+        """At KDTrainer's start, before anything is sharded, from accelerate's settings (the student is wrapped
+        when training starts): check_spread on the (student, teacher) as they will be spread."""
+        state = accelerator.state
+        kind = accelerator.distributed_type  # a str enum: "FSDP", "DEEPSPEED", "MULTI_GPU", ...
+        zero = getattr(state.deepspeed_plugin, "zero_stage", None) if kind == "DEEPSPEED" else None
+        spread = f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', 1)}" if kind == "FSDP" else None
+        spread = spread or ("ZeRO-3" if zero == 3 else "DDP" if accelerator.num_processes > 1 else None)
+        for role, model in zip(("student", "teacher"), models):
+            if model is not None:
+                check_spread(model, role, spread)
 
 
 # ------------------------------------------------------------- heads of different sizes, one tokenizer?

@@ -85,6 +85,12 @@ class TokenizerTeachers:
                 f"teachers of other tokenizers ({sorted(tokenizers)}) need the student's tokenizer to align with: "
                 f"pass processing_class=student_tokenizer"
             )
+        if getattr(args, "world_size", 1) > 1:  # the student's decoder runs outside its forward: DDP would sync nothing
+            raise ValueError(
+                f"teachers of other tokenizers ({sorted(tokenizers)}) among several teachers run in one process "
+                f"(world_size is {args.world_size}): the student's decoder is called outside its forward, where "
+                f"DDP syncs no gradient and FSDP gathers no weight. Train in one process, or with one teacher"
+            )
         cross = {
             name: CrossTokenizerSetup.build(args, student_tokenizer, student_model, models[name], teacher_tokenizer=tok)
             for name, tok in tokenizers.items()

@@ -1,6 +1,6 @@
 """The loss of a batch from TokenizerTeachers.collate: the student once, each row against its own teachers, the
 student-tokenizer teachers' share through losses.fused_linear_multi_teacher_jsd and each other-tokenizer teacher's
-through the fused cross-tokenizer loss (trainer.cross_tokenizer.live_teacher_loss), one denominator for all.
+through the fused cross-tokenizer loss (models.cross_tokenizer.live_teacher_loss), one denominator for all.
 
 As with one teacher of another tokenizer, the models' decoders are called directly (not the patched forward), so
 the path suits DDP / single-device runs; use_kd_patch does not change it (both parts are fused, no logits).
@@ -24,10 +24,10 @@ from torch import nn
 from ..config import KDLossConfig
 from ..losses import fused_linear_multi_teacher_jsd
 from ..models import unwrap_model
+from ..models.cross_tokenizer import last_hidden_and_head, live_teacher_loss, model_head_inputs
 from ..models.kd_io import KDCausalLMOutput, shift_labels
 from ..models.registry import softcap_of
 from ..models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
-from .cross_tokenizer import last_hidden_and_head, live_teacher_loss, model_head_inputs
 from .tokenizer_teachers import TEACHERS_KEY, TokenizerTeachers
 
 

@@ -133,6 +133,8 @@ class KDTrainer(Trainer):
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
+        if self.xtok is not None:  # FSDP1 and ZeRO-3 refused across tokenizers, before anything is sharded
+            self.xtok.check_spread(self.accelerator, (model, teacher_model))
         if self._fsdp_version() == 2:  # lm_head must stay in the root unit: see distributed.py
             self.model = self.model_wrapped = distributed.fsdp2_prepare(self.model, self.accelerator, trainable=True)
         if args.kd_self_distill:
