@@ -287,3 +287,11 @@ def test_row_scale_weighs_each_rows_terms_and_is_checked(kind):
     for bad, match in ((torch.full((n,), -1.0, dtype=torch.float64), "finite and >= 0"), (scale[:5], "row_scale")):
         with pytest.raises(ValueError, match=match):
             run(bad)
+
+
+def test_teachers_of_other_tokenizers_are_refused_beyond_one_process(tmp_path, monkeypatch):
+    """The student's decoder runs outside its forward on this path: under DDP its gradients would not be synced."""
+    student, teachers = _models(torch.float32)
+    monkeypatch.setattr(KDTrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="run in one process \\(world_size is 2\\)"):
+        _trainer(tmp_path, student, teachers)
