@@ -72,6 +72,12 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Push the student's weights (a PEFT student: its adapter) to kd_generation_url every N "
                   "optimizer steps; rollouts are then up to N - 1 steps stale."},
     )  # fmt: skip
+    kd_async_rollouts: int = field(
+        default=0,
+        metadata={"help": "Request the rollouts of the next K optimizer steps from kd_generation_url while this one "
+                  "trains (a background thread; True is 1); rollouts are then K to K + kd_sync_steps - 1 steps "
+                  "stale, which kd_onpolicy_loss='pg' corrects. 0: the trainer waits for each step's rollouts."},
+    )  # fmt: skip
     kd_sync_dir: str | None = field(
         default=None,
         metadata={"help": "Where the pushed weights are written for the engine to read (a temporary directory made "
