@@ -46,13 +46,13 @@ def peft_of(model: nn.Module) -> nn.Module | None:
 
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with each storage once (tied embeddings share one; safetensors refuses shared tensors), as
-    contiguous CPU tensors."""
+    contiguous CPU copies (a CPU model's too: the file may be written after the optimizer has moved on)."""
     seen, out = set(), {}
     for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            out[name] = tensor.detach().to("cpu").contiguous()
+            out[name] = tensor.detach().to("cpu", copy=True).contiguous()
     return out
 
 
@@ -80,11 +80,12 @@ class WeightSync:
         self.stage(model, step)()
 
     def stage(self, model: nn.Module, step: int) -> Callable[[], None]:
-        """Write the weights `model` holds now (the weights step `step` starts with) into a directory of ours and
-        return the load: the requests that make the engine take them and drop the previous ones. push sends it at
-        once; asynchronous rollouts (async_rollouts.py) send it from their worker, after the generation requests
-        queued before it, so every request is answered by the weights it was counted against. From here on
-        `synced_step` is `step` and `model_name` names the new weights."""
+        """Take the weights `model` holds now (the weights step `step` starts with: a PEFT adapter saved into a directory
+        of ours, full weights copied to the CPU) and return the load: the file written (full weights) and the
+        requests that make the engine take them and drop the previous ones. push runs it at once; asynchronous
+        rollouts (async_rollouts.py) send it from their worker, after the generation requests queued before
+        it, so every request is answered by the weights it was counted against. From here on `synced_step` is
+        `step` and `model_name` names the new weights."""
         root = self._directory()
         peft = peft_of(model)
         target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=root))
@@ -105,10 +106,11 @@ class WeightSync:
         else:
             from safetensors.torch import save_file
 
-            save_file(unique_tensors(model.state_dict()), str(target / "model.safetensors"))
+            tensors = unique_tensors(model.state_dict())  # a CPU copy now; the file is written by the load
 
             def load() -> None:
                 try:
+                    save_file(tensors, str(target / "model.safetensors"))
                     self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
                 finally:
                     self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
