@@ -63,7 +63,8 @@ def train(tmp_path, tokenizer, *, fault=None, dataset=PROMPTS, **overrides):  # 
         compute_loss = trainer.compute_loss
 
         def spy(model, inputs, *a, **kw):
-            seen.setdefault(trainer.state.global_step, []).extend(rows_of(inputs))
+            rows = rows_of(inputs) if BEHAVIOUR in inputs else [None] * len(inputs["input_ids"])  # None: the dataset's
+            seen.setdefault(trainer.state.global_step, []).extend(rows)
             if fault is not None:
                 fault(trainer)
             return compute_loss(model, inputs, *a, **kw)
@@ -127,6 +128,20 @@ def test_depth_two_with_sync_every_second_step_is_reproducible(tmp_path, tokeniz
     assert completions[0] == completions[1]
     check_behaviour(runs[0][0], first, runs[0][2])
     assert no_worker_left()
+
+
+def test_a_kd_lmbda_mix_generates_the_same_steps_as_waiting(tmp_path, tokenizer):  # noqa: F811
+    """kd_lmbda=0.5: which steps generate is drawn in step order, so the asynchronous run generates the waited-for
+    run's steps (the others train on the rows' completions, held like the rest)."""
+    rows = [{**row, "completion": " the cat sat."} for row in PROMPTS]
+    runs = [train(tmp_path / str(k), tokenizer, dataset=rows, kd_lmbda=0.5, kd_async_rollouts=k) for k in (0, 1)]
+    generated = [[step for step, seen in sorted(run.items()) if seen[0] is not None] for _, run, _, _ in runs]
+    assert generated[0] == generated[1] and 0 < len(generated[0]) < 4, generated  # seed 0: a mix
+    prompts = [
+        {s: sorted(tuple(r[0]) for r in seen) for s, seen in run.items() if s in generated[0]} for _, run, _, _ in runs
+    ]
+    assert prompts[0] == prompts[1]
+    assert len(runs[1][0].onpolicy.staleness) == len(generated[1])  # one per generated step trained
 
 
 def test_a_dropped_engine_raises_and_no_step_trains_without_its_rollouts(tmp_path, tokenizer):  # noqa: F811
