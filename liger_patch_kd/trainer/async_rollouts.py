@@ -112,10 +112,10 @@ class AsyncRollouts:
         again before the next train()'s first rollouts when a staged load may not have run."""
         worker, self._worker = self._worker, None
         self._held.clear()
-        self._iterator, self._exhausted, self._failure = None, False, None
         if worker is not None:
             worker.shutdown(wait=True, cancel_futures=True)
             self.steps.source.sync.forget_staged()
+        self._iterator, self._exhausted, self._failure = None, False, None  # the job in flight has ended
 
     # ------------------------------------------------------------------------------------------- internals
     def _draw(self, count: int, step: int, generator: nn.Module, tokenizer: Any) -> HeldStep | None:

@@ -345,12 +345,11 @@ class KDTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """An optimizer step's micro-batches; on a generated step (kd_lmbda, kd_seq_kd) their completions are
-        sampled here in one pass, or were requested ahead (kd_async_rollouts; onpolicy.py), and num_items_in_batch
-        counts the sampled tokens."""
-        if not self.onpolicy.enabled:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        rows = None if self.xtok is None else rows_maker(self.xtok.generated, self.data_collator)
+        """An optimizer step's micro-batches (the dataset's rows checked to have completions); on a generated step
+        (kd_lmbda, kd_seq_kd) their completions are sampled here in one pass, or were requested ahead
+        (kd_async_rollouts; onpolicy.py), and num_items_in_batch counts the sampled tokens."""
+        generates_across = self.xtok is not None and self.onpolicy.enabled  # the generated rows' teacher side
+        rows = rows_maker(self.xtok.generated, self.data_collator) if generates_across else None
         batches = self.onpolicy.step_batches(
             epoch_iterator, num_batches, self.teacher_model if self.args.kd_seq_kd else self.model,
             tokenizer=self.processing_class, step=self.state.global_step, last_step=self.state.max_steps,
