@@ -50,7 +50,7 @@ def rows_of(batch):
     return out
 
 
-def train(tmp_path, tokenizer, *, fault=None, dataset=PROMPTS, **overrides):  # noqa: F811
+def train(tmp_path, tokenizer, *, fault=None, dataset=PROMPTS, resume=None, **overrides):  # noqa: F811
     """One run against a fresh engine: (trainer, {step: rows trained}, snapshots, the engine's weight_version)."""
     student = tiny_model("llama", dtype=torch.float32, seed=1)
     snapshots, seen = Snapshots(), {}
@@ -70,7 +70,7 @@ def train(tmp_path, tokenizer, *, fault=None, dataset=PROMPTS, **overrides):  # 
             return compute_loss(model, inputs, *a, **kw)
 
         trainer.compute_loss = spy
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
         return trainer, seen, snapshots.weights, app.state.engine.weight_version
 
 
@@ -142,6 +142,18 @@ def test_a_kd_lmbda_mix_generates_the_same_steps_as_waiting(tmp_path, tokenizer)
     ]
     assert prompts[0] == prompts[1]
     assert len(runs[1][0].onpolicy.staleness) == len(generated[1])  # one per generated step trained
+
+
+def test_a_resumed_run_trains_the_steps_it_had_drawn_ahead(tmp_path, tokenizer):  # noqa: F811
+    """Held steps were drawn from the iterator, not trained: a run resumed from step 2's checkpoint draws them again
+    (the Trainer skips the trained batches only), so steps 2 and 3 train on the uninterrupted run's prompts."""
+    saving = dict(kd_async_rollouts=1, save_strategy="steps", save_steps=2)
+    _, whole, _, _ = train(tmp_path, tokenizer, **saving)
+    resumed, again, _, _ = train(tmp_path, tokenizer, resume=str(tmp_path / "out" / "checkpoint-2"), **saving)
+    assert sorted(again) == [2, 3] and logged_staleness(resumed)[-2:] == [0, 0]  # each the first of its iterator
+    assert {s: sorted(tuple(r[0]) for r in whole[s]) for s in (2, 3)} == {
+        s: sorted(tuple(r[0]) for r in again[s]) for s in (2, 3)
+    }
 
 
 def test_a_dropped_engine_raises_and_no_step_trains_without_its_rollouts(tmp_path, tokenizer):  # noqa: F811
