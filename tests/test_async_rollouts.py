@@ -190,6 +190,27 @@ def test_an_error_in_the_step_closes_the_worker(tmp_path, tokenizer):  # noqa: F
     assert no_worker_left()
 
 
+def test_the_losses_that_take_stale_rollouts_as_they_come_are_warned_once(tmp_path, monkeypatch):
+    """The divergence (GKD / JSD) loss on asynchronous rollouts trains off-policy by the staleness: said once, with
+    the bound; pg corrects for it and is not warned."""
+    from liger_patch_kd.trainer import engine
+    from liger_patch_kd.trainer.rollouts import RolloutSettings
+
+    from .test_onpolicy import _args
+
+    warned = []
+    monkeypatch.setattr(engine.logger, "warning", lambda message, *a: warned.append(message))
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    for loss in ("divergence", "pg"):
+        source = engine.EngineRollouts(_args(tmp_path, kd_generation_url="http://127.0.0.1:1", kd_async_rollouts=2,
+                                             kd_sync_steps=2, kd_onpolicy_loss=loss))  # fmt: skip
+        source.sync.synced_step = 0  # as after the first push (nothing is sent: ask only prepares the request)
+        for step in (1, 2):
+            staleness, _ = source.ask(student, [[1, 5]], RolloutSettings(), eos_ids={2}, start_id=1, step=step)
+            assert staleness == step
+    assert len(warned) == 1 and "up to 3" in warned[0] and "divergence and k1 / k3 losses train off-policy" in warned[0]
+
+
 def test_async_arguments_are_checked(tmp_path):
     from .test_onpolicy import _args
 
