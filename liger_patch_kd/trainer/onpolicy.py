@@ -93,7 +93,7 @@ class OnPolicySteps:
         """Optimizer step `step`'s `count` micro-batches from the epoch's `iterator` (the Trainer's
         get_batch_samples), their completions sampled when the step generates: now (replace), or requested
         kd_async_rollouts steps ahead (async_rollouts.py; `last_step` bounds that look-ahead)."""
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # an engine: never across tokenizers (check_generation_args), no make_rows
             batches, generated = self.pipeline.step_batches(
                 iterator, count, generator, tokenizer=tokenizer, step=step, last_step=last_step,
                 attach_teacher=attach_teacher,
