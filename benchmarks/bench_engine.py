@@ -1,21 +1,33 @@
-"""On-policy rollouts in process against rollouts from an engine (`liger-kd serve` at kd_generation_url), through
-KDTrainer: step time, time in rollouts (pushes included), push time, and the engine's agreement with the student.
+"""On-policy rollouts in process against rollouts from an engine (`liger-kd serve` at kd_generation_url), waited
+for or asynchronous (kd_async_rollouts), through KDTrainer, against off-policy training on the same rows: step
+time, time the trainer spent on rollouts, push time, staleness, the engine's agreement with the student.
 
     python -m benchmarks.bench_engine --out runs/bench_engine.json      # GPU: the engine on cuda:1 when there is one
+    python -m benchmarks.bench_engine --engine-device cuda:0 --only off-policy "engine, sync 1" "engine, async 1"
+                                                                         # one GPU: engine and trainer share it
     python -m benchmarks.bench_engine --tiny                             # CPU smoke test, no figures
 
 bench_onpolicy's shapes (a Llama-3.2-1B-shaped student, a Llama-3.1-8B-shaped teacher, random weights, bf16) and
-data. The engine row starts `liger-kd serve --random-weights` from the student's config (on --engine-device) and
+data (prompt + completion rows: off-policy trains on the completions, on-policy generates from the prompts). An
+engine row starts `liger-kd serve --random-weights` from the student's config (on --engine-device) and
 lets the first push give it the student's weights; full weights travel as a safetensors file
 (/update_weights_from_disk) every kd_sync_steps. Rows (each in its own process):
 
-  in process         kd_generation_url unset: the student generates (kd_generation_cache auto)
-  engine, sync 1     liger-kd serve samples, the student pushed before every step
-  engine, sync 4     pushed every 4th step: staleness 0-3, pg importance-corrected
+  off-policy                 kd_lmbda=0: the rows' own completions, no generation (the target's reference)
+  in process                 kd_generation_url unset: the student generates (kd_generation_cache auto)
+  engine, sync 1             liger-kd serve samples, the student pushed before every step, the trainer waits
+  engine, sync 4             pushed every 4th step: staleness 0-3, pg importance-corrected
+  engine, async 1            kd_async_rollouts=1: step s + 1's rollouts generated while step s trains, pushed every
+                             step: staleness 1, pg importance-corrected
+  engine, async 2, sync 2    two steps ahead, pushed every 2nd step: staleness 2-3
 
-Each row: step_s (mean over the timed steps after one warm-up), rollout_s (time in the rollout source per step,
-pushes included), push_s (mean per push), scored_tokens_per_s, max_logprob_gap (the largest |engine log-prob -
-the student's own| of a sampled token right after a push, bf16 on both sides: rounding, not a bug, below ~0.1).
+Each row: step_s (mean over the timed steps after one warm-up), rollout_s (the trainer's time on rollouts per step:
+pushes and requests when it waits, the wait alone when asynchronous), push_s (mean per push in the trainer's
+thread: the whole push when it waits, the CPU copy of the weights when asynchronous), staleness (mean over the
+timed steps), scored_tokens_per_s (one student GPU), of_off_policy (its fraction of the off-policy row's; issue
+31's target for the asynchronous engine on its own GPU: >= 0.8), max_logprob_gap (the largest |engine log-prob -
+the student's own| of a sampled token right after a push, bf16 on both sides: rounding, not a bug, below ~0.1;
+waited-for rows only).
 """
 
 from __future__ import annotations
@@ -35,10 +47,13 @@ import torch
 from .bench_onpolicy import SHAPES, build
 from .common import environment, print_table, run_row_in_child, write_json
 
-ROWS = {  # name -> KDTrainingArguments overrides (None url: in process)
+ROWS = {  # name -> KDTrainingArguments overrides (engine: liger-kd serve at kd_generation_url)
+    "off-policy": dict(kd_lmbda=0.0),
     "in process": dict(),
     "engine, sync 1": dict(kd_sync_steps=1, engine=True),
     "engine, sync 4": dict(kd_sync_steps=4, kd_onpolicy_loss="pg", engine=True),
+    "engine, async 1": dict(kd_sync_steps=1, kd_async_rollouts=1, kd_onpolicy_loss="pg", engine=True),
+    "engine, async 2, sync 2": dict(kd_sync_steps=2, kd_async_rollouts=2, kd_onpolicy_loss="pg", engine=True),
 }
 
 
@@ -70,9 +85,11 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
     steps = a.steps + 1
     rows = []
     for _ in range(a.micro_batch * a.accumulation * steps):
-        ids = torch.randint(3, vocab, (a.prompt,), generator=g)
-        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100)})  # prompts only
-    overrides = dict(ROWS[name])
+        ids = torch.randint(3, vocab, (a.prompt + a.completion,), generator=g)
+        labels = ids.clone()
+        labels[: a.prompt] = -100  # generated steps keep the prompt and sample the rest
+        rows.append({"input_ids": ids, "labels": labels})
+    overrides = {"kd_lmbda": 1.0, **ROWS[name]}
     proc = None
     if overrides.pop("engine", False):
         config_dir = tempfile.mkdtemp()
@@ -93,7 +110,7 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
     try:
         args = KDTrainingArguments(
             output_dir=tempfile.mkdtemp(), use_kd_patch=True, bf16=device == "cuda", use_cpu=device == "cpu",
-            kd_lmbda=1.0, kd_max_new_tokens=a.completion, per_device_train_batch_size=a.micro_batch,
+            kd_max_new_tokens=a.completion, per_device_train_batch_size=a.micro_batch,
             gradient_accumulation_steps=a.accumulation, max_steps=steps, report_to=[], save_strategy="no",
             logging_steps=1, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
             learning_rate=1e-5, dataloader_num_workers=0, remove_unused_columns=False, **overrides,
@@ -101,14 +118,18 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
         trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, callbacks=[Clock()])
         source, pushes, gaps = trainer.onpolicy.source, [], []
         if "kd_generation_url" in overrides:
-            push = source.sync.push
+            # the trainer's thread's share of a push: all of it when it waits, the CPU copy when asynchronous
+            method = "stage" if overrides.get("kd_async_rollouts") else "push"
+            inner = getattr(source.sync, method)
 
             def timed_push(model, step):
                 began = time.perf_counter()
-                push(model, step)
+                out = inner(model, step)
                 pushes.append(time.perf_counter() - began)
+                return out
 
-            source.sync.push = timed_push
+            setattr(source.sync, method, timed_push)
+        if "kd_generation_url" in overrides and not overrides.get("kd_async_rollouts"):
 
             def measured(generator, prompts, settings, **kw):
                 out = source(generator, prompts, settings, **kw)
@@ -122,20 +143,27 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
                 return out
 
             trainer.onpolicy.source = measured
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         trainer.train()
     finally:
         if proc is not None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    # per generated step trained; a waited-for row's source was wrapped by `measured` above
+    stale = (trainer.onpolicy.staleness if trainer.onpolicy.pipeline else getattr(source, "staleness", []))[1:]
     timed = trainer.kd_rollout_seconds[1:]
     return {
         "name": name,
         "step_s": step_s,
         "rollout_s": sum(timed) / len(timed) if timed else 0.0,
         "push_s": sum(pushes) / len(pushes) if pushes else None,
+        "staleness": sum(stale) / len(stale) if stale else None,
         "scored_tokens_per_s": a.micro_batch * a.accumulation * a.completion / step_s,
         "max_logprob_gap": max(gaps) if gaps else None,
+        "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
     }
 
 
@@ -143,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_engine.json")
     parser.add_argument("--row", choices=sorted(ROWS), help="run one row in this process (the driver's child)")
+    parser.add_argument("--only", nargs="*", choices=sorted(ROWS), help="rows to run (default: all)")
     parser.add_argument("--engine-device", default=None, help="the engine's device; default cuda:1 when there is one")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=512)
@@ -157,9 +186,16 @@ def main() -> None:
         print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
         return
     keys = ("prompt", "completion", "micro_batch", "accumulation", "steps", "engine_device")
-    results = [run_row_in_child("benchmarks.bench_engine", name, a, keys) for name in ROWS]
-    print_table(results, ["name", "step_s", "rollout_s", "push_s", "scored_tokens_per_s", "max_logprob_gap", "error"])
-    shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny")}
+    results = [run_row_in_child("benchmarks.bench_engine", name, a, keys) for name in a.only or list(ROWS)]
+    off = next((r for r in results if r["name"] == "off-policy" and "error" not in r), None)
+    for r in results:
+        if off and "scored_tokens_per_s" in r:
+            r["of_off_policy"] = r["scored_tokens_per_s"] / off["scored_tokens_per_s"]
+    columns = ["name", "step_s", "rollout_s", "push_s", "staleness", "scored_tokens_per_s", "of_off_policy",
+               "max_logprob_gap", "peak_GiB", "error"]  # fmt: skip
+    print_table(results, columns)
+    shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny",
+                                        "engine_device")}  # fmt: skip
     write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})
 
 

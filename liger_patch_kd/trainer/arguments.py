@@ -80,6 +80,12 @@ class KDTrainingArguments(TrainingArguments):
                   "communicator: vllm serve --weight-transfer-config '{\"backend\": \"nccl\"}', vllm installed "
                   "here). A PEFT student always sends its adapter (/v1/load_lora_adapter)."},
     )  # fmt: skip
+    kd_async_rollouts: int = field(
+        default=0,
+        metadata={"help": "Request the rollouts of the next K optimizer steps from kd_generation_url while this one "
+                  "trains (a background thread; True is 1); rollouts are then K to K + kd_sync_steps - 1 steps "
+                  "stale, which kd_onpolicy_loss='pg' corrects. 0: the trainer waits for each step's rollouts."},
+    )  # fmt: skip
     kd_sync_dir: str | None = field(
         default=None,
         metadata={"help": "Where the pushed weights are written for the engine to read (a temporary directory made "

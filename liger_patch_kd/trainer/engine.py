@@ -6,9 +6,11 @@ call (rollouts.call_seed: the same seed gives the same completions), `logprobs: 
 and answers each completion's token ids and the log-prob of each sampled token under the weights it sampled with
 (the behaviour policy). Before a step's rollouts the student's weights reach the engine when `kd_sync_steps` steps
 have passed since the last push (weight_sync.py), so a rollout is generated with weights up to kd_sync_steps - 1
-steps old: its staleness, logged as kd_rollout_staleness. The pg loss weighs each token by exp(log q - log b)
-with the engine's log b (reference.policy_gradient_terms): exact for any staleness, ratio 1 with fresh weights;
-the other losses take stale rollouts as they come (a warning says so once).
+steps old: its staleness, logged as kd_rollout_staleness. With kd_async_rollouts = k the requests of the next k
+steps are sent while this one trains (async_rollouts.py): a rollout is then k to k + kd_sync_steps - 1 steps old
+(fewer at the start of an epoch, whose first step is asked for and waited on). The pg loss weighs each token by
+exp(log q - log b) with the engine's log b (reference.policy_gradient_terms): exact for any staleness, ratio 1 with
+fresh weights; the other losses take stale rollouts as they come (a warning says so once).
 """
 
 from __future__ import annotations
@@ -59,6 +61,17 @@ def check_generation_args(args: Any) -> None:
         )
     if args.kd_sync_transport not in TRANSPORTS:
         raise ValueError(f"kd_sync_transport must be one of {TRANSPORTS}; got {args.kd_sync_transport!r}")
+    ahead = args.kd_async_rollouts
+    if not isinstance(ahead, int) or ahead < 0:  # True is 1
+        raise ValueError(f"kd_async_rollouts must be an int >= 0 (optimizer steps whose rollouts are requested ahead; "
+                         f"0: the trainer waits for each step's); got {ahead!r}")  # fmt: skip
+    args.kd_async_rollouts = ahead = int(ahead)
+    if ahead and not args.kd_generation_url:
+        raise ValueError(
+            f"kd_async_rollouts={ahead} requests rollouts from an engine while the student trains, and no engine is "
+            f"set: give kd_generation_url (vLLM or `liger-kd serve`), or leave kd_async_rollouts=0 (in process the "
+            f"student generates with the weights it trains)"
+        )
     if not args.kd_generation_url:
         return
     if not str(args.kd_generation_url).startswith(("http://", "https://")):
@@ -99,41 +112,58 @@ class EngineRollouts:
         self._allowed: int | None = None
         self.staleness: list[int] = []  # per generated step: steps since the engine's weights were the student's
         self._served_name: str | None = None
-        self._warned = args.kd_onpolicy_loss == "pg" or args.kd_sync_steps == 1
+        self.ahead = args.kd_async_rollouts  # steps ahead the rollouts are requested (async_rollouts.py)
+        self._warned = args.kd_onpolicy_loss == "pg" or (args.kd_sync_steps == 1 and not self.ahead)
 
     def __call__(
         self, generator: nn.Module, prompts: list[list[int]], settings: RolloutSettings, *, pad_id: int,
         eos_ids: set[int], start_id: int, step: int = 0,
     ) -> list[Rollout]:  # fmt: skip
+        """Step `step`'s rollouts, now: the student pushed first when kd_sync_steps say so."""
         if self.sync.due(step):
             self.sync.push(generator, step)
-        staleness = step - self.sync.synced_step
+        staleness, request = self.ask(generator, prompts, settings, eos_ids=eos_ids, start_id=start_id, step=step)
         self.staleness.append(staleness)
+        return request()
+
+    def ask(
+        self, generator: nn.Module, prompts: list[list[int]], settings: RolloutSettings, *, eos_ids: set[int],
+        start_id: int, step: int,
+    ) -> tuple[int, Callable[[], list[Rollout]]]:  # fmt: skip
+        """(staleness, request) for step `step`'s rollouts: the steps between `step` and the weights the engine holds
+        once the pushes made or staged so far are loaded, and a callable sending the requests (now, or from the
+        asynchronous worker after those loads: async_rollouts.py) and returning the rollouts, prompt-major."""
+        staleness = step - self.sync.synced_step
         if staleness and not self._warned:
             logger.warning(
-                f"on-policy rollouts from the engine are up to {self.sync.every - 1} steps stale (kd_sync_steps="
-                f"{self.sync.every}); only kd_onpolicy_loss='pg' corrects for that (importance ratio to the engine's "
-                f"log-probs)"
+                f"on-policy rollouts from the engine are {staleness} steps stale here (kd_sync_steps="
+                f"{self.sync.every}, kd_async_rollouts={self.ahead}: up to {self.sync.every - 1 + self.ahead}); only "
+                f"kd_onpolicy_loss='pg' corrects for that (importance ratio to the engine's log-probs), the "
+                f"divergence and k1 / k3 losses train off-policy by that many steps"
             )
             self._warned = True
         if self.vocab_size is None:  # the real ids: a head padded past them (kd_vocab_size) never samples its extras
-            rows = unwrap_model(generator).get_output_embeddings().weight.shape[0]
-            self.vocab_size = min(rows, settings.vocab_size or rows)
-            self._allowed = self.vocab_size if self.vocab_size < rows else None
-        model = self.sync.model_name or self._base_name()
+            head_rows = unwrap_model(generator).get_output_embeddings().weight.shape[0]
+            self.vocab_size = min(head_rows, settings.vocab_size or head_rows)
+            self._allowed = self.vocab_size if self.vocab_size < head_rows else None
+        model, vocab_size, allowed = self.sync.model_name, self.vocab_size, self._allowed
         rows = [p if p else [start_id] for p in prompts]
         per_call = settings.batch_size or len(rows)
-        out: list[Rollout] = []
-        for call, first in enumerate(range(0, len(rows), per_call)):
-            chunk = rows[first : first + per_call]
-            body = completion_request(chunk, settings, model, call_seed(settings.seed, step, call), eos_ids,
-                                      self._allowed)  # fmt: skip
-            raw, _ = self.http.post_json("/v1/completions", body)
-            name = f"step {step} call {call} to {self.http.url}/v1/completions"
-            out += rollouts_from_reply(
-                _json(raw, name), chunk, settings.num_generations, eos_ids, self.vocab_size, name
-            )
-        return out
+
+        def request() -> list[Rollout]:
+            name_asked = model or self._base_name()
+            out: list[Rollout] = []
+            for call, first in enumerate(range(0, len(rows), per_call)):
+                chunk = rows[first : first + per_call]
+                seed = call_seed(settings.seed, step, call)
+                body = completion_request(chunk, settings, name_asked, seed, eos_ids, allowed)
+                raw, _ = self.http.post_json("/v1/completions", body)
+                name = f"step {step} call {call} to {self.http.url}/v1/completions"
+                reply = _json(raw, name)
+                out += rollouts_from_reply(reply, chunk, settings.num_generations, eos_ids, vocab_size, name)
+            return out
+
+        return staleness, request
 
     def close(self) -> None:
         self.sync.close()

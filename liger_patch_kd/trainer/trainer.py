@@ -36,7 +36,7 @@ from .dataset_setup import (
     first_row_of,
     with_vocab_size,
 )
-from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps, require_completions
+from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
 from .rollouts import BEHAVIOUR
@@ -347,22 +347,16 @@ class KDTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """An optimizer step's micro-batches; on a generated step (kd_lmbda, kd_seq_kd) their completions are
-        sampled here, all in one pass (onpolicy.py), and num_items_in_batch counts the sampled tokens."""
-        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if not batches:  # the Trainer's loop is the only caller: these are training micro-batches
-            return batches, num_items_in_batch
-        if not (self.onpolicy.enabled and self.onpolicy.step_generates()):
-            require_completions(batches, self.args)
-            return batches, num_items_in_batch
-        generator = self.teacher_model if self.args.kd_seq_kd else self.model
-        attach = None
-        if self._served is not None:
-            attach = self._served.with_teacher
-        rows = None if self.xtok is None else rows_maker(self.xtok.generated, self.data_collator)
-        batches = self.onpolicy.replace(
-            generator, batches, tokenizer=self.processing_class, step=self.state.global_step,
-            device=self.args.device, attach_teacher=attach, make_rows=rows,
+        """An optimizer step's micro-batches (the dataset's rows checked to have completions); on a generated step
+        (kd_lmbda, kd_seq_kd) their completions are sampled here in one pass, or were requested ahead
+        (kd_async_rollouts; onpolicy.py), and num_items_in_batch counts the sampled tokens."""
+        generates_across = self.xtok is not None and self.onpolicy.enabled  # the generated rows' teacher side
+        rows = rows_maker(self.xtok.generated, self.data_collator) if generates_across else None
+        batches = self.onpolicy.step_batches(
+            epoch_iterator, num_batches, self.teacher_model if self.args.kd_seq_kd else self.model,
+            tokenizer=self.processing_class, step=self.state.global_step, last_step=self.state.max_steps,
+            device=self.args.device, attach_teacher=None if self._served is None else self._served.with_teacher,
+            make_rows=rows,
         )  # fmt: skip
         return batches, self._get_num_items_in_batch(batches, device)
 

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +48,29 @@ def peft_of(model: nn.Module) -> nn.Module | None:
 
 def unique_tensors(state: dict[str, torch.Tensor], device: torch.device | None = torch.device("cpu")) -> dict:
     """The state dict with each storage once (tied embeddings share one; safetensors refuses shared tensors), as
-    contiguous tensors on `device` (None: where they are)."""
+    contiguous copies on `device` (None: where they are), a CPU model's too: the file may be written, or the
+    broadcast sent, after the optimizer has moved on."""
     seen, out = set(), {}
     for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            out[name] = (tensor.detach() if device is None else tensor.detach().to(device)).contiguous()
+            out[name] = tensor.detach().to(device or tensor.device, copy=True).contiguous()
     return out
 
 
 class WeightSync:
     """Pushes the student to the engine at `http` when `due(step)`: every `every` optimizer steps, and before the
-    first rollout. `synced_step` is the step whose starting weights the engine holds; `model_name` the name the
-    completions must ask for (the adapter's for a PEFT student, None: the engine's own model)."""
+    first rollout. `synced_step` is the step whose starting weights the engine holds (once the staged loads have
+    run); `model_name` the name the completions must ask for (the adapter's for a PEFT student, None: the engine's
+    own model)."""
 
     def __init__(self, http: HttpEndpoint, every: int, sync_dir: str | None = None, sender: Any = None) -> None:
         self.http, self.every, self.sync_dir = http, every, sync_dir
         self.sender = sender  # a weight_transfer.BroadcastSender for full weights (kd_sync_transport), or None: disk
         self.synced_step: int | None = None
         self.model_name: str | None = None
+        self.loaded_name: str | None = None  # the adapter the engine last loaded (model_name once loads have run)
         self.pushes = 0
         self._root: Path | None = None
         self._kept: Path | None = None  # the loaded adapter's directory (vLLM may read it again)
@@ -76,12 +80,22 @@ class WeightSync:
         return self.synced_step is None or step - self.synced_step >= self.every
 
     def push(self, model: nn.Module, step: int) -> None:
+        """The weights `model` holds now, written and loaded by the engine before this returns."""
+        self.stage(model, step)()
+
+    def stage(self, model: nn.Module, step: int) -> Callable[[], None]:
+        """Take the weights `model` holds now (the weights step `step` starts with: a PEFT adapter saved into a
+        directory of ours, full weights copied to the CPU) and return the load: the file written (full weights) and the
+        requests that make the engine take them and drop the previous ones. push runs it at once; asynchronous
+        rollouts (async_rollouts.py) send it from their worker, after the generation requests queued before
+        it, so every request is answered by the weights it was counted against. From here on `synced_step` is
+        `step` and `model_name` names the new weights."""
         peft = peft_of(model)
-        if peft is None and self.sender is not None:
-            self.sender.push(model, step)
+        if peft is None and self.sender is not None:  # broadcast: a copy where the weights are, sent by the load
+            tensors = self.sender.snapshot(model)
             self.synced_step = step
             self.pushes += 1
-            return
+            return lambda: self.sender.send(tensors, step)
         root = self._directory()
         target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=root))
         if peft is not None:
@@ -89,22 +103,35 @@ class WeightSync:
             peft.save_pretrained(str(target), selected_adapters=[adapter])
             path = target if adapter == "default" else target / adapter  # PEFT nests adapters not named default
             name = f"liger-kd-{self._run}-step{step}"
-            self.http.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-            previous, self.model_name = self.model_name, name
-            if previous is not None:
-                self.http.post_json("/v1/unload_lora_adapter", {"lora_name": previous})
-            self._remove(self._kept)
-            self._kept = target
+            previous, kept = self.model_name, self._kept
+            self.model_name, self._kept = name, target
+
+            def load() -> None:
+                self.http.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+                self.loaded_name = name
+                if previous is not None:
+                    self.http.post_json("/v1/unload_lora_adapter", {"lora_name": previous})
+                self._remove(kept)  # vLLM may read a loaded adapter's directory again: kept until the next one
         else:
             from safetensors.torch import save_file
 
-            save_file(unique_tensors(model.state_dict()), str(target / "model.safetensors"))
-            try:
-                self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
-            finally:
-                self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
+            tensors = unique_tensors(model.state_dict())  # a CPU copy now; the file is written by the load
+
+            def load() -> None:
+                try:
+                    save_file(tensors, str(target / "model.safetensors"))
+                    self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
+                finally:
+                    self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
+
         self.synced_step = step
         self.pushes += 1
+        return load
+
+    def forget_staged(self) -> None:
+        """After asynchronous loads were cancelled or failed: push again before the next rollouts, and name the
+        adapter the engine really holds."""
+        self.synced_step, self.model_name = None, self.loaded_name
 
     def close(self) -> None:
         if self.sender is not None:

@@ -54,15 +54,21 @@ class BroadcastSender:
         self.group: Any = None
         self.device: torch.device | None = None
 
+    def snapshot(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The weights `model` holds now, each storage once, copied where they are (a GPU copy on a GPU): what a
+        later `send` broadcasts, whatever the optimizer does in between (asynchronous rollouts)."""
+        return unique_tensors(model.state_dict(), device=None)
+
     def push(self, model: nn.Module, step: int) -> None:
-        state = {name: t.detach() for name, t in model.state_dict().items()}
-        device = next(iter(state.values())).device
+        self.send(self.snapshot(model), step)
+
+    def send(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        device = next(iter(tensors.values())).device
         if self.group is None:
             self._connect(device)
         elif device != self.device:
             raise RuntimeError(f"the student moved from {self.device} to {device} after the weight-transfer group "
                                f"was made; the group's transport is fixed by the first push")  # fmt: skip
-        tensors = unique_tensors(state, device=None if self.device.type == "cuda" else torch.device("cpu"))
         info = {
             "names": list(tensors),
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
