@@ -99,11 +99,14 @@ def check_behaviour(trainer, seen, weights):
                 assert min(gaps) > 1e-3, (step, gaps)
 
 
-def test_each_step_trains_on_the_rollouts_of_the_weights_its_staleness_names(tmp_path, tokenizer):  # noqa: F811
+@pytest.mark.parametrize("transport", ["disk", "broadcast"])
+def test_each_step_trains_on_the_rollouts_of_the_weights_its_staleness_names(tmp_path, tokenizer, transport):  # noqa: F811
     """Depth 1, pushed every step: step s >= 1 trains on completions the engine sampled with the weights step s - 1
     started with, and their behaviour log-probs are those weights' own; the first step of an epoch (12 prompts, 4
-    per step: steps 0-2, then 3) is requested and waited for. The prompts of each step are the synchronous run's."""
-    trainer, seen, weights, pushes = train(tmp_path / "async", tokenizer, kd_async_rollouts=1)
+    per step: steps 0-2, then 3) is requested and waited for. The prompts of each step are the synchronous run's.
+    Full weights from disk or broadcast (vLLM's weight-transfer routes), each staged as a copy when taken."""
+    trainer, seen, weights, pushes = train(tmp_path / "async", tokenizer, kd_async_rollouts=1,
+                                           kd_sync_transport=transport)  # fmt: skip
     assert logged_staleness(trainer) == [0, 1, 1, 0]
     assert pushes == 3  # before steps 0, 1 (step 2's request) and 3; step 2 sends nothing (the epoch ends)
     assert no_worker_left() and not trainer.onpolicy.source.sync._root
@@ -222,15 +225,19 @@ def test_async_arguments_are_checked(tmp_path):
     assert _args(tmp_path, kd_generation_url="http://127.0.0.1:1", kd_async_rollouts=True).kd_async_rollouts == 1
 
 
-def test_a_staged_push_loads_the_weights_of_its_step_not_later_ones(tmp_path):
-    """WeightSync.stage copies the weights when called; the load (file and request), sent later by the worker,
-    gives the engine those, whatever the optimizer did in between (a CPU model's tensors too)."""
+@pytest.mark.parametrize("transport", ["disk", "broadcast"])
+def test_a_staged_push_loads_the_weights_of_its_step_not_later_ones(tmp_path, transport):
+    """WeightSync.stage copies the weights when called; the load (file and request, or broadcast), sent later by
+    the worker, gives the engine those, whatever the optimizer did in between (a CPU model's tensors too)."""
     from liger_patch_kd.teacher.serve.transport import HttpEndpoint
     from liger_patch_kd.trainer.weight_sync import WeightSync
+    from liger_patch_kd.trainer.weight_transfer import BroadcastSender
 
     student = tiny_model("llama", dtype=torch.float32, seed=1)
     with running(tiny_model("llama", dtype=torch.float32, seed=7)) as (url, app):
-        sync = WeightSync(HttpEndpoint(url, timeout=30, retries=0), every=1)
+        http = HttpEndpoint(url, timeout=30, retries=0)
+        sender = BroadcastSender(http, "broadcast") if transport == "broadcast" else None
+        sync = WeightSync(http, every=1, sender=sender)
         want = copy.deepcopy(student.state_dict())
         load = sync.stage(student, 0)
         with torch.no_grad():
