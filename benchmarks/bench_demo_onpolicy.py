@@ -38,39 +38,54 @@ rollouts without changing what the demo measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from liger_patch_kd.demo import DemoSizes, build_model, training_args
 from liger_patch_kd.demo.same_tokenizer import ONPOLICY_KD, demo_data, train_teacher
-from liger_patch_kd.trainer import KDTrainer
+from liger_patch_kd.trainer import KDTrainer, rollouts
 
 from .common import environment, print_table, write_json
 
 
 def rows_for(batch: int) -> dict[str, dict]:
     return {
-        "0.2's way": dict(ONPOLICY_KD, kd_rollout_batch_size=batch, kd_generation_cache="dynamic"),
+        OLD_ROW: dict(ONPOLICY_KD, kd_rollout_batch_size=batch, kd_generation_cache="dynamic"),
         "batched (default)": dict(ONPOLICY_KD),
         "online (floor)": dict(use_kd_patch=True, kd_beta=0.0),
     }
 
 
-def time_row(kd: dict, teacher, dataset, collator, vocab: int, sizes: DemoSizes, work: Path) -> dict:
+OLD_ROW = "0.2's way"
+
+
+def sampler(name: str):
+    """0.2's way samples with transformers' generate() (0.2 had no other path); the others with what rollouts
+    choose (decode.sample_tokens on a CPU: the same tokens for a seed)."""
+    if name != OLD_ROW:
+        return contextlib.nullcontext()
+    return mock.patch.object(rollouts, "lean_decode_applies", lambda *args: False)
+
+
+def time_row(name: str, kd: dict, teacher, dataset, collator, vocab: int, sizes: DemoSizes, work: Path) -> dict:
     dev = torch.device("cpu")
     student = build_model(vocab, 64, 2, seed=1, device=dev)
     args = training_args(work, sizes.student_steps, sizes.batch, dev, seed=0, **kd)
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset, data_collator=collator)
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    with sampler(name):
+        start = time.perf_counter()
+        output = trainer.train()
+        seconds = time.perf_counter() - start
     generate = sum(trainer.kd_rollout_seconds)
     return dict(train_s=seconds, generate_s=generate, rest_s=seconds - generate, generate_calls=len(
-        trainer.kd_rollout_seconds), tokens_per_s=sizes.student_steps * sizes.batch * sizes.seq / seconds)  # fmt: skip
+        trainer.kd_rollout_seconds), tokens_per_s=sizes.student_steps * sizes.batch * sizes.seq / seconds,
+        train_loss=output.training_loss)  # fmt: skip
 
 
 def main() -> None:
@@ -92,13 +107,13 @@ def main() -> None:
         best: dict[str, dict] = {}
         for _ in range(1 if args.tiny else args.repeats):
             for name, kd in rows_for(sizes.batch).items():
-                row = time_row(kd, teacher, dataset, collator, len(tok), sizes, Path(work) / "student")
+                row = time_row(name, kd, teacher, dataset, collator, len(tok), sizes, Path(work) / "student")
                 if name not in best or row["train_s"] < best[name]["train_s"]:
                     best[name] = row
     load_after = os.getloadavg()
     rows = [dict(name=name, **row) for name, row in best.items()]
-    old, new = best["0.2's way"]["train_s"], best["batched (default)"]["train_s"]
-    print_table(rows, ["name", "train_s", "generate_s", "rest_s", "generate_calls", "tokens_per_s"])
+    old, new = best[OLD_ROW]["train_s"], best["batched (default)"]["train_s"]
+    print_table(rows, ["name", "train_s", "generate_s", "rest_s", "generate_calls", "tokens_per_s", "train_loss"])
     print(f"batched default vs 0.2's way: {old / new:.2f}x faster ({old:.2f} s -> {new:.2f} s); load average after "
           f"{load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")  # fmt: skip
     if args.out:

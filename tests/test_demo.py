@@ -50,3 +50,5 @@ def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch):
     assert rows["online (floor)"]["generate_calls"] == 0 and rows["0.2's way"]["generate_calls"] > 0
     assert rows["0.2's way"]["generate_calls"] == rows["batched (default)"]["generate_calls"]  # one micro-batch a step
     assert payload["speedup"] == rows["0.2's way"]["train_s"] / rows["batched (default)"]["train_s"]
+    # generate() (0.2's way) and the lean sampling loop (the default) sample the same tokens: the same training
+    assert rows["0.2's way"]["train_loss"] == rows["batched (default)"]["train_loss"]
