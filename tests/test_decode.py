@@ -13,6 +13,7 @@ from .tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
+CPU = torch.device("cpu")
 EOS = list(range(2, 40))  # many ending ids, so random tiny models end rows early, at different steps
 
 
@@ -36,7 +37,7 @@ def test_lean_loop_samples_what_generate_samples(arch, sampling, padded):
     if not padded:
         mask = torch.ones_like(mask)
     options = dict(max_new_tokens=7, pad_token_id=0, eos_token_id=EOS, suppress_tokens=[5, 9], **sampling)
-    assert lean_decode_applies(model, "dynamic")
+    assert lean_decode_applies(model, "dynamic", CPU)
     torch.manual_seed(3)
     expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation="dynamic",
                               **options)  # fmt: skip
@@ -62,12 +63,13 @@ def test_without_eos_every_row_runs_to_max_new_tokens():
 
 def test_the_loop_applies_only_where_it_equals_generate():
     model = tiny_model("llama", dtype=torch.float32, seed=1)
-    assert lean_decode_applies(model, "dynamic") and not lean_decode_applies(model, "static")
+    assert lean_decode_applies(model, "dynamic", CPU) and not lean_decode_applies(model, "static", CPU)
+    assert not lean_decode_applies(model, "dynamic", torch.device("cuda"))  # generate() and its deferred stop check
     model.generation_config.repetition_penalty = 1.2  # generate() would apply it: the loop does not
-    assert not lean_decode_applies(model, "dynamic")
+    assert not lean_decode_applies(model, "dynamic", CPU)
     model.generation_config.repetition_penalty = 1.0
     model.generate = lambda **kw: None  # a generate replaced on the instance is the caller's: it runs
-    assert not lean_decode_applies(model, "dynamic")
+    assert not lean_decode_applies(model, "dynamic", CPU)
 
 
 def test_rollouts_are_the_same_through_the_loop_and_through_generate(monkeypatch):

@@ -7,8 +7,8 @@ check). For what rollouts ask — plain sampling with temperature / top-k / top-
 does the same steps in the same order: the same forward inputs (position ids from the mask, the mask dropped
 when the prompts have no padding, last-position logits), transformers' own logits warpers, one
 torch.multinomial draw per step on the global generator, padding after EOS. So a seed gives the same tokens as
-generate() (tests/test_decode.py checks it), in less time. Anything else (a static cache, a generation config that
-asks for more, a model whose generate is not transformers' own) goes to generate().
+generate() (tests/test_decode.py checks it), in less time. Anything else (a GPU, a static cache, a generation config
+that asks for more, a model whose generate is not transformers' own) goes to generate().
 """
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ NEUTRAL_GENERATION_KEYS = frozenset({
 })  # fmt: skip
 
 
-def lean_decode_applies(model: nn.Module, cache: str) -> bool:
+def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> bool:
     """Whether the lean loop does exactly what generate() would: the dynamic cache, a decoder-only model whose
     generate() is transformers' own (not replaced on the class or the instance), taking `logits_to_keep`, and a
-    generation config that asks for nothing beyond sampling (no repetition penalty, bad words, min length, ...)."""
+    generation config that asks for nothing beyond sampling (no repetition penalty, bad words, min length, ...).
+    CPU only: that is where it was measured to win; on CUDA its stop check would sync every step, which
+    generate()'s deferred check avoids."""
     from transformers.generation.utils import GenerationMixin
 
     config = getattr(model, "config", None)
     gen = getattr(model, "generation_config", None)
-    if cache != "dynamic" or config is None or gen is None or getattr(config, "is_encoder_decoder", False):
+    if device.type != "cpu" or cache != "dynamic" or config is None or gen is None:
+        return False
+    if getattr(config, "is_encoder_decoder", False):
         return False
     if "generate" in vars(model) or getattr(type(model), "generate", None) is not GenerationMixin.generate:
         return False

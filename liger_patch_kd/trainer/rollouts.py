@@ -145,10 +145,10 @@ def generate_rollouts(
 
     Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
     back in the mode it was in; a patched model generates with transformers' own code (models.transformers_code:
-    its forward and kernels). With the dynamic cache and plain sampling, decode.sample_tokens makes the same tokens
-    as generate() with less work per step; otherwise generate() runs. Prompts are sorted by length before batching
-    (less padding) and the output put back in order; each call is seeded from (seed, step, call), so results do not
-    depend on the global RNG.
+    its forward and kernels). On a CPU, with the dynamic cache and plain sampling, decode.sample_tokens makes the
+    same tokens as generate() with less work per step; otherwise generate() runs. Prompts are sorted by length
+    before batching (less padding) and the output put back in order; each call is seeded from (seed, step, call),
+    so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
@@ -179,7 +179,7 @@ def generate_rollouts(
                 )  # fmt: skip
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
-                    if lean_decode_applies(generator, cache):  # the same tokens as generate(), less per-step work
+                    if lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
                         generated = generator.generate(
