@@ -22,12 +22,15 @@ Measured 2026-12-01, one thread, quick sizes (train_s, fastest of 3 rounds; gene
 
     machine                                  0.2's way       batched (default)   online (floor)
     2-core dev machine, load 2.7-3.0         10.69 (4.80)    10.63 (4.35)        6.36
-    (torch 2.13, transformers 5.24; benchmarks/results/bench_demo_onpolicy_cpu.json)
+    the same, a second run, load 2.2-2.4     11.61 (5.32)    10.24 (4.25)        6.62
+    (torch 2.13, transformers 5.24; benchmarks/results/bench_demo_onpolicy_cpu.json and _cpu_2.json)
 
-The default is 1.01x 0.2's way, not the 3x issue 27 asks for. The two on-policy rows make the same calls: the demo
-trains without gradient accumulation (one micro-batch of 8 rows per optimizer step), so per-micro-batch and
-per-step generation both make one call per generated step (64 of 150), and on a CPU both use the dynamic cache.
-The lean sampling loop takes 9 % off generation (4.80 -> 4.35 s); the rest is run-to-run noise.
+The default is 1.01x and 1.13x 0.2's way in the two runs, not the 3x issue 27 asks for. The two on-policy rows
+make the same calls: the demo trains without gradient accumulation (one micro-batch of 8 rows per optimizer
+step), so per-micro-batch and per-step generation both make one call per generated step (64 of 150), and on a
+CPU both use the dynamic cache.
+The lean sampling loop takes 9 % and 20 % off generation (4.80 -> 4.35 s, 5.32 -> 4.25 s); the rest of the
+difference is run-to-run noise on a shared machine.
 
 Where the time goes (0.2's way, quick sizes, the machine at load < 1: 10.4 s, of which 4.7 s generating; measured
 by wrapping the trainer's functions with timers, and with torch.profiler / cProfile):
@@ -35,8 +38,8 @@ by wrapping the trainer's functions with timers, and with torch.profiler / cProf
     14 matrix products are at most 8 x 64 x 192; its ATen ops (about 1.8 ms under the profiler, 5-20 us each) and
     the Python around them are per-op overhead. generate()'s own work per step (input preparation and clones,
     mask / position updates, processor and stopping lists, the deferred stop check) is what the lean loop (with
-    inference_mode) removes: 0.3 ms a step here (4.80 -> 4.35 s over 64 calls x 24 steps; a warm micro-benchmark
-    of one call at low load showed up to 1 ms);
+    inference_mode) removes: 0.3-0.7 ms a step here (4.80 -> 4.35 s and 5.32 -> 4.25 s over 64 calls x 24 steps; a warm
+    micro-benchmark of one call at low load showed up to 1 ms);
   - a training step is ~36 ms: the teacher's forward (Llama 4 x 128, no_grad) ~19 ms on 8 x 48 dataset rows and
     ~11 ms on 8 x 25 generated ones, 8 ms of the former in matrix products at ~78 GFLOP/s (the one-core peak is
     ~96: that part is compute), the student's forward ~6 ms and backward ~8 ms (per-op overhead again), the fused
