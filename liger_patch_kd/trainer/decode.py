@@ -28,10 +28,10 @@ NEUTRAL_GENERATION_KEYS = frozenset({
 
 def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> bool:
     """Whether the lean loop does exactly what generate() would: the dynamic cache, a decoder-only model whose
-    generate() is transformers' own (not replaced on the class or the instance), taking `logits_to_keep`, and a
-    generation config that asks for nothing beyond sampling (no repetition penalty, bad words, min length, ...).
-    CPU only: that is where it was measured to win; on CUDA its stop check would sync every step, which
-    generate()'s deferred check avoids."""
+    generate() is transformers' own (not replaced on the class or the instance), taking `logits_to_keep` and
+    `position_ids`, and a generation config that asks for nothing beyond sampling (no repetition penalty, bad
+    words, min length, ...). CPU only: that is where it was measured to win; on CUDA its stop check would sync
+    every step, which generate()'s deferred check avoids."""
     from transformers.generation.utils import GenerationMixin
 
     config = getattr(model, "config", None)
@@ -42,8 +42,8 @@ def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> b
         return False
     if "generate" in vars(model) or getattr(type(model), "generate", None) is not GenerationMixin.generate:
         return False
-    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
-        return False
+    if not {"logits_to_keep", "position_ids"} <= set(inspect.signature(type(model).forward).parameters):
+        return False  # generate() would not pass them: the loop's inputs would not be its inputs
     diff = gen.to_diff_dict()
     if diff.get("use_cache", True) is not True or diff.get("output_attentions") or diff.get("output_hidden_states"):
         return False
