@@ -33,7 +33,8 @@ def test_quick_demo_distilled_students_beat_ce_only(tmp_path, monkeypatch):
             assert r["kl_to_teacher"] < ce_only["kl_to_teacher"], (name, r, ce_only)
 
 
-def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch, accumulation):
     """benchmarks/bench_demo_onpolicy --tiny: every row trains, the on-policy rows generate once per generated step,
     the online floor never, and the JSON holds the speedup it prints."""
     import json
@@ -42,7 +43,8 @@ def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch):
     from benchmarks import bench_demo_onpolicy
 
     out = tmp_path / "bench.json"
-    monkeypatch.setattr(sys, "argv", ["bench", "--tiny", "--out", str(out)])
+    argv = ["bench", "--tiny", "--out", str(out), "--accumulation", str(accumulation)]
+    monkeypatch.setattr(sys, "argv", argv)
     bench_demo_onpolicy.main()
     payload = json.loads(out.read_text())
     rows = {r["name"]: r for r in payload["rows"]}
@@ -50,3 +52,6 @@ def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch):
     assert rows["online (floor)"]["generate_calls"] == 0 and rows["0.2's way"]["generate_calls"] > 0
     assert rows["0.2's way"]["generate_calls"] == rows["batched (default)"]["generate_calls"]  # one micro-batch a step
     assert payload["speedup"] == rows["0.2's way"]["train_s"] / rows["batched (default)"]["train_s"]
+    assert payload["accumulation"] == accumulation
+    if accumulation == 1:  # one call each, one seed: generate() (0.2's way) and the lean loop sample the same tokens
+        assert rows["0.2's way"]["train_loss"] == rows["batched (default)"]["train_loss"]

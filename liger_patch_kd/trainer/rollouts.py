@@ -17,6 +17,7 @@ from torch import nn
 
 from ..models import transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
+from .decode import lean_decode_applies, sample_tokens
 
 CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
@@ -144,8 +145,10 @@ def generate_rollouts(
 
     Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
     back in the mode it was in; a patched model generates with transformers' own code (models.transformers_code:
-    its forward and kernels). Prompts are sorted by length before batching (less padding) and the output put back
-    in order; each call is seeded from (seed, step, call), so results do not depend on the global RNG.
+    its forward and kernels). On a CPU, with the dynamic cache and plain sampling, decode.sample_tokens makes the
+    same tokens as generate() with less work per step; otherwise generate() runs. Prompts are sorted by length
+    before batching (less padding) and the output put back in order; each call is seeded from (seed, step, call),
+    so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
@@ -169,21 +172,19 @@ def generate_rollouts(
                     width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
                 ids, mask = _left_padded(batch, pad_id, width, device)
                 devices = [device] if device.type == "cuda" else []
+                options = dict(
+                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                    top_k=settings.top_k, pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None,
+                    **({"suppress_tokens": padding} if padding else {}),
+                )  # fmt: skip
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
-                    generated = generator.generate(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        max_new_tokens=settings.max_new_tokens,
-                        do_sample=True,
-                        temperature=settings.temperature,
-                        top_p=settings.top_p,
-                        top_k=settings.top_k,
-                        pad_token_id=pad_id,
-                        eos_token_id=sorted(eos_ids) or None,
-                        cache_implementation=cache,
-                        **({"suppress_tokens": padding} if padding else {}),
-                    )
+                    if lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
+                        generated = sample_tokens(generator, ids, mask, **options)
+                    else:
+                        generated = generator.generate(
+                            input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache, **options
+                        )
                 for row, index in enumerate(chunk):
                     completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
                     out[index] = Rollout(rows[index], completion, finished)

@@ -1,0 +1,126 @@
+"""A lean sampling loop for in-process rollouts: the model's own forward and KV cache, token by token, without
+generate()'s per-step bookkeeping.
+
+On a CPU, a small student's decode step is per-op overhead, and generate() adds its own per step (input
+preparation and clones, mask and position updates, processor and stopping-criteria lists, the deferred stop
+check). For what rollouts ask — plain sampling with temperature / top-k / top-p, the dynamic cache — this loop
+does the same steps in the same order: the same forward inputs (position ids from the mask, the mask dropped
+when the prompts have no padding, last-position logits), transformers' own logits warpers, one
+torch.multinomial draw per step on the global generator, padding after EOS. So a seed gives the same tokens as
+generate() (tests/test_decode.py checks it), in less time. Anything else (a GPU, a static cache, a generation config
+that asks for more, a model whose generate is not transformers' own) goes to generate().
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+# generation-config entries that change nothing here: special ids, bookkeeping, and what rollouts pass explicitly
+NEUTRAL_GENERATION_KEYS = frozenset({
+    "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "transformers_version",
+    "_from_model_config", "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens",
+    "cache_implementation", "output_attentions", "output_hidden_states", "use_cache",
+})  # fmt: skip
+
+
+def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> bool:
+    """Whether the lean loop does exactly what generate() would: the dynamic cache, a decoder-only model whose
+    generate() is transformers' own (not replaced on the class or the instance), taking `logits_to_keep` and
+    `position_ids`, and a generation config that asks for nothing beyond sampling (no repetition penalty, bad
+    words, min length, ...). CPU only: that is where it was measured to win; on CUDA its stop check would sync
+    every step, which generate()'s deferred check avoids."""
+    from transformers.generation.utils import GenerationMixin
+
+    config = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
+    if device.type != "cpu" or cache != "dynamic" or config is None or gen is None:
+        return False
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    if "generate" in vars(model) or getattr(type(model), "generate", None) is not GenerationMixin.generate:
+        return False
+    if not {"logits_to_keep", "position_ids"} <= set(inspect.signature(type(model).forward).parameters):
+        return False  # generate() would not pass them: the loop's inputs would not be its inputs
+    diff = gen.to_diff_dict()
+    if diff.get("use_cache", True) is not True or diff.get("output_attentions") or diff.get("output_hidden_states"):
+        return False
+    return set(diff) <= NEUTRAL_GENERATION_KEYS
+
+
+def _warpers(temperature: float, top_k: int, top_p: float, suppress: list[int], device):
+    """transformers' own processors, in generate()'s order (suppression, then temperature, top-k, top-p)."""
+    from transformers import SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    processors = [SuppressTokensLogitsProcessor(suppress, device=device)] if suppress else []
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def sample_tokens(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    pad_token_id: int,
+    eos_token_id: list[int] | None,
+    suppress_tokens: list[int] | None = None,
+) -> torch.Tensor:
+    """(B, W + n) prompt + sampled ids, as generate(do_sample=True, cache_implementation="dynamic") returns them.
+
+    Args:
+        model: a decoder-only causal LM for which lean_decode_applies holds (in eval mode, its own forward).
+        input_ids: (B, W) left-padded prompts; attention_mask: (B, W), 0 on the padding.
+        max_new_tokens, temperature, top_k (0 = off), top_p: as generate() takes them (same names, so one dict
+            of keywords serves both).
+        pad_token_id: what a row gets after its EOS; eos_token_id: the ids that end a row (None: none does).
+        suppress_tokens: ids never sampled (a head's padding rows).
+
+    Returns:
+        (B, W + n) int64, n <= max_new_tokens: the loop stops when every row has ended.
+    """
+    warpers = _warpers(temperature, top_k, top_p, list(suppress_tokens or ()), input_ids.device)
+    eos = torch.tensor(sorted(eos_token_id or ()), dtype=torch.long, device=input_ids.device)
+    with torch.inference_mode():  # less per-op work than no_grad; nothing made here is trained through
+        sequences = _sample_loop(model, input_ids, attention_mask, max_new_tokens, warpers, pad_token_id, eos)
+    return sequences.clone()  # outside inference mode: an ordinary tensor
+
+
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers, pad_token_id: int, eos):
+    """generate()'s sampling loop, step for step: the same forward inputs, draws and padding after EOS."""
+    batch, device = input_ids.shape[0], input_ids.device
+    cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    mask = None if bool((attention_mask == 1).all()) else attention_mask  # generate() drops an all-ones mask
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    sequences, step_ids, cache = input_ids, input_ids, None
+    for _ in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, return_dict=True, **{cache_key: cache})  # fmt: skip
+        cache = getattr(out, cache_key)
+        scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        for warp in warpers:
+            scores = warp(sequences, scores)
+        tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if len(eos):
+            tokens = tokens * unfinished + pad_token_id * (1 - unfinished)
+        sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if len(eos):
+            unfinished = unfinished & ~torch.isin(tokens, eos)
+            if not bool(unfinished.any()):
+                break
+        step_ids, positions = tokens[:, None], positions[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+    return sequences

@@ -1,0 +1,90 @@
+"""trainer.decode: the lean sampling loop makes, for a seed, exactly the tokens generate() makes (left padding,
+EOS ending rows at different steps, temperature / top-k / top-p, suppressed ids, sliding-window and soft-capped
+models), and rollouts fall back to generate() wherever the loop would not be generate()'s equal."""
+
+import pytest
+import torch
+
+import liger_patch_kd.trainer.rollouts as R
+from liger_patch_kd.trainer.decode import lean_decode_applies, sample_tokens
+from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+from .tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+CPU = torch.device("cpu")
+EOS = list(range(2, 40))  # many ending ids, so random tiny models end rows early, at different steps
+
+
+def _prompts():
+    ids = torch.randint(40, 200, (5, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = mask[3, :5] = 0  # left padding of different widths
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)],
+    ids=["plain", "warped"],
+)
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_lean_loop_samples_what_generate_samples(arch, sampling, padded):
+    model = tiny_model(arch, dtype=torch.float32, seed=1).eval()
+    ids, mask = _prompts()
+    if not padded:
+        mask = torch.ones_like(mask)
+    options = dict(max_new_tokens=7, pad_token_id=0, eos_token_id=EOS, suppress_tokens=[5, 9], **sampling)
+    assert lean_decode_applies(model, "dynamic", CPU)
+    torch.manual_seed(3)
+    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation="dynamic",
+                              **options)  # fmt: skip
+    torch.manual_seed(3)
+    got = sample_tokens(model, ids, mask, **options)
+    assert torch.equal(got, expected)
+    new = got[:, ids.shape[1] :]
+    assert not torch.isin(new, torch.tensor([5, 9])).any()  # suppressed ids never sampled
+    assert got.requires_grad is False and not got.is_inference()
+
+
+def test_without_eos_every_row_runs_to_max_new_tokens():
+    model = tiny_model("llama", dtype=torch.float32, seed=1).eval()
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(5)
+    expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation="dynamic",
+                              **options)  # fmt: skip
+    torch.manual_seed(5)
+    got = sample_tokens(model, ids, mask, **options)
+    assert got.shape == (5, 12) and torch.equal(got, expected)
+
+
+def test_the_loop_applies_only_where_it_equals_generate():
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    assert lean_decode_applies(model, "dynamic", CPU) and not lean_decode_applies(model, "static", CPU)
+    assert not lean_decode_applies(model, "dynamic", torch.device("cuda"))  # generate() and its deferred stop check
+    model.generation_config.repetition_penalty = 1.2  # generate() would apply it: the loop does not
+    assert not lean_decode_applies(model, "dynamic", CPU)
+    model.generation_config.repetition_penalty = 1.0
+    model.generate = lambda **kw: None  # a generate replaced on the instance is the caller's: it runs
+    assert not lean_decode_applies(model, "dynamic", CPU)
+
+
+def test_rollouts_are_the_same_through_the_loop_and_through_generate(monkeypatch):
+    """generate_rollouts with the lean loop and with generate() forced: the same rollouts for a seed (sorted and
+    padded prompts, two generations each, an empty prompt, a padded head's extra ids suppressed)."""
+    model = tiny_model("llama", dtype=torch.float32, seed=1).train()
+    prompts = [[50, 60, 70], [80], [], [90, 91, 92, 93, 94]]
+    settings = RolloutSettings(max_new_tokens=6, num_generations=2, seed=3, cache="dynamic", vocab_size=200)
+    kw = dict(pad_id=0, eos_ids=set(EOS), start_id=1, step=2)
+    calls = []
+    real = R.sample_tokens
+    monkeypatch.setattr(R, "sample_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lean = generate_rollouts(model, prompts, settings, **kw)
+    assert calls == [1]  # one call for every prompt's rows
+    monkeypatch.setattr(R, "lean_decode_applies", lambda *a: False)
+    assert generate_rollouts(model, prompts, settings, **kw) == lean
+    assert all(t < 200 for r in lean for t in r.completion)
+    assert any(r.finished for r in lean) and model.training  # EOS ended some rows; train mode is put back
