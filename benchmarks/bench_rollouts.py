@@ -8,7 +8,15 @@ The student of bench_onpolicy (Llama-3.2-1B-shaped, random weights, bf16, sdpa),
 `--completion` new tokens after `--prompt`-token prompts. Each (rows, cache) cell calls generate_rollouts
 `--calls` times with a parameter update between calls (what an optimizer step does to a compiled graph) and
 reports the last call's tokens/s, the first call's seconds (compilation) and how many frames torch.compile
-compiled over all calls: a count that grows with the calls means recompilation per call.
+compiled over all calls: a count that grows with the calls means recompilation per call. The cache "engine" times
+`liger-kd serve`'s own sampler instead (teacher/serve/generation.py: GenerationEngine.complete on the same model,
+in eval mode, as the server holds it; no HTTP), what the engine rows of bench_engine wait for.
+
+Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (benchmarks/results/bench_rollouts_engine.json,
+`--rows 64 --caches engine dynamic --calls 2`): the server's sampler 3,201 tokens/s, generate_rollouts with the
+dynamic cache 4,973 (and 6,951 with the static cache, bench_rollouts.json): for asynchronous rollouts to reach 80 %
+of off-policy (~9,100 generated tokens/s at bench_onpolicy's shapes) the engine must be vLLM, or sample as
+generate_rollouts does with a static, compiled cache.
 """
 
 from __future__ import annotations
@@ -27,9 +35,15 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
 
     from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
 
-    settings = RolloutSettings(max_new_tokens=a.completion, cache=cache, seed=0)
+    settings = RolloutSettings(max_new_tokens=a.completion, cache="auto" if cache == "engine" else cache, seed=0)
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(rows)]
+    if cache == "engine":
+        from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+
+        engine = GenerationEngine(student, "student")
+        request = GenerationRequest(prompts=prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=a.completion,
+                                    seed=0, logprobs=0, stop_ids=(), return_token_ids=True, model=None)  # fmt: skip
     frames_before = counters["frames"]["ok"]
     seconds = []
     for call in range(a.calls):
@@ -40,11 +54,16 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
-        out = generate_rollouts(student, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=call)
+        if cache == "engine":
+            student.eval()  # as the server holds it (train mode with checkpointing would turn the KV cache off)
+            choices = engine.complete(request)["choices"]
+            tokens = sum(len(c["token_ids"]) for c in choices)
+        else:
+            out = generate_rollouts(student, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=call)
+            tokens = sum(len(r.completion) for r in out)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
-    tokens = sum(len(r.completion) for r in out)
     return {
         "rows": rows,
         "cache": cache,
@@ -59,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_rollouts.json")
     parser.add_argument("--rows", type=int, nargs="*", default=[8, 32, 64, 128])
-    parser.add_argument("--caches", nargs="*", default=["dynamic", "static"])
+    parser.add_argument("--caches", nargs="*", default=["dynamic", "static"], help="dynamic, static, auto, engine")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--calls", type=int, default=3)
