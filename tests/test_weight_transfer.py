@@ -141,3 +141,20 @@ def test_an_engine_never_samples_a_padded_heads_extra_rows(tmp_path):
             source.close()
         status, reply = post(url, "/v1/completions", {"prompt": [[3]], "allowed_token_ids": [5, 6]})
         assert status == 400 and "allowed_token_ids" in str(reply)
+
+
+@pytest.mark.parametrize("student_tied", [True, False])
+def test_tied_embeddings_on_one_side_only_are_refused_not_half_applied(student_tied):
+    """A tied student sends the embedding once: an untied served model would keep its old lm_head (the engine would
+    sample with a head the student never had); an untied student sends both, and a tied served model would take
+    whichever came last as both. Either is refused whole, naming the tensors."""
+    served = tiny_model("llama", dtype=torch.float32, seed=7, tie_word_embeddings=not student_tied)
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    student = tiny_model("llama", dtype=torch.float32, seed=1, tie_word_embeddings=student_tied)
+    with running(served) as (url, app):
+        sender = _sender(url)
+        with pytest.raises(TeacherServerError, match="HTTP 400.*lm_head.weight.*tie_word_embeddings"):
+            sender.push(student, step=0)
+        assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+        assert app.state.engine.weight_version == 0
+        sender.close()

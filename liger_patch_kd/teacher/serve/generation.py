@@ -310,8 +310,8 @@ class GenerationEngine:
                 "weight_version": self.weight_version}  # fmt: skip
 
     def check_state(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Refuse (400) an update naming a tensor the model lacks or with another shape, or one arriving while LoRA
-        adapters are loaded, before any weight changes."""
+        """Refuse (400) an update naming a tensor the model lacks or with another shape, leaving one out or giving
+        two names of one tied storage, or arriving while LoRA adapters are loaded, before any weight changes."""
         if self.adapters:
             raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
                                     f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
@@ -323,6 +323,18 @@ class GenerationEngine:
             if tuple(shape) != tuple(own[name].shape):
                 raise RequestError(400, f"tensor {name!r} has shape {tuple(shape)}, the served model's "
                                         f"{tuple(own[name].shape)}")  # fmt: skip
+        # every storage of the served model exactly once: a tied student sends its embedding alone (an untied
+        # served lm_head would stay old), an untied one sends both (a tied served model would keep the last)
+        storages: dict[Any, list[str]] = {}
+        for name, tensor in own.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            storages.setdefault(key if tensor.numel() else name, []).append(name)  # empty tensors share no storage
+        for names in storages.values():
+            sent = [n for n in names if n in shapes]
+            if len(sent) != 1:
+                raise RequestError(400, f"the update gives {sent or 'none'} of the served model's {names} (one "
+                                        f"storage): serve a model with the student's tie_word_embeddings and send "
+                                        f"every tensor")  # fmt: skip
 
     def apply_state(self, state: dict[str, torch.Tensor]) -> int:
         """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
