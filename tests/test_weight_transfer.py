@@ -158,3 +158,21 @@ def test_tied_embeddings_on_one_side_only_are_refused_not_half_applied(student_t
         assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
         assert app.state.engine.weight_version == 0
         sender.close()
+
+
+def test_a_server_that_lost_its_group_between_pushes_is_joined_again():
+    """A restarted engine holds no weight-transfer group: the next full push makes a new one (it sends every tensor
+    anyway) instead of failing every push after it on the stale group."""
+    served = tiny_model("llama", dtype=torch.float32, seed=7)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    with running(served) as (url, app):
+        sender = _sender(url)
+        sender.push(student, step=0)
+        assert post(url, "/shutdown_weight_transfer_engine", {})[0] == 200  # what a restart leaves
+        with torch.no_grad():
+            next(student.parameters()).add_(1.0)
+        sender.push(student, step=1)
+        assert _same_weights(served, student) and app.state.engine.weight_version == 2
+        sender.close()
+        sender.close()  # twice: nothing left to shut down
+        assert sender.group is None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..teacher.serve.transport import HttpEndpoint
+from ..teacher.serve.transport import HttpEndpoint, TeacherServerError
 from .weight_sync import unique_tensors
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")
@@ -64,7 +64,8 @@ class BroadcastSender:
 
     def send(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         device = next(iter(tensors.values())).device
-        if self.group is None:
+        joined = self.group is not None
+        if not joined:
             self._connect(device)
         elif device != self.device:
             raise RuntimeError(f"the student moved from {self.device} to {device} after the weight-transfer group "
@@ -74,21 +75,32 @@ class BroadcastSender:
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
             "shapes": [list(t.shape) for t in tensors.values()],
         }
-        self.http.post_json("/start_weight_update", {})
+        try:
+            self.http.post_json("/start_weight_update", {})
+        except TeacherServerError:
+            if not joined:
+                raise
+            # the engine holds no group (restarted since the last push): every tensor goes anyway, so join afresh
+            self._shutdown_group()
+            self._connect(device)
+            self.http.post_json("/start_weight_update", {})
         self._while_posting("/update_weights", {"update_info": info}, lambda: self._broadcast(tensors.values()))
         self.http.post_json("/finish_weight_update", {"weight_version": str(step)})
 
     def close(self) -> None:
         if self.group is None:
             return
-        group, self.group = self.group, None
         try:
             self.http.post_json("/shutdown_weight_transfer_engine", {})
         finally:
-            if self.transport == "broadcast" and hasattr(group, "shutdown"):
-                group.shutdown()
+            self._shutdown_group()
 
     # ------------------------------------------------------------------------------------------- internals
+    def _shutdown_group(self) -> None:
+        group, self.group = self.group, None
+        if self.transport == "broadcast" and hasattr(group, "shutdown"):
+            group.shutdown()
+
     def _connect(self, device: torch.device) -> None:
         if self.transport == "vllm-nccl" and device.type != "cuda":
             raise ValueError(f"kd_sync_transport='vllm-nccl' broadcasts over NCCL from a GPU; the student is on "
