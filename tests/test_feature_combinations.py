@@ -259,6 +259,19 @@ def test_a_live_teacher_beside_offline_rows_it_would_never_score_is_refused(tmp_
     _trainer(tmp_path, None, _rows(columns))  # the rows' data alone is the teacher: fine
 
 
+def test_a_live_teacher_that_scores_the_evaluation_rows_is_not_refused(tmp_path):
+    """Offline training rows, and an eval_dataset of plain rows the live teacher scores: a legitimate run."""
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    for evaluation in (_rows(), {"held_out": _rows()}):
+        trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(_topk),
+                            eval_dataset=evaluation, data_collator=TD.TeacherDataCollator())  # fmt: skip
+        assert trainer.evaluate(_rows())["eval_loss"] > 0
+    with pytest.raises(ValueError, match="teacher_model would never be used"):  # evaluation rows with their own data
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(_topk),
+                  eval_dataset=_rows(_topk), data_collator=TD.TeacherDataCollator())  # fmt: skip
+
+
 def test_sampled_rows_without_a_store_train_only_at_their_declared_temperature(tmp_path):
     rows = _rows(_samples)
     with pytest.raises(ValueError, match="kd_temperature=2.0 on rows of sampled teacher tokens without a store"):

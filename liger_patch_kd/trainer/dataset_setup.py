@@ -85,12 +85,16 @@ def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | 
 OFFLINE_TEACHER_COLUMNS = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids")
 
 
-def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None:
+def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_dataset: Any = None) -> None:
     """A live teacher_model beside rows that carry their own teacher data, with no step it would score: refused, as
     the run would train on the rows' data while the teacher sits on the device unused (kd_lmbda > 0 uses both: the
-    teacher scores the generated steps; kd_seq_kd samples from it)."""
+    teacher scores the generated steps; kd_seq_kd samples from it; it scores evaluation rows without their own)."""
     if teacher_model is None or not isinstance(first_row, dict) or args.kd_lmbda > 0 or args.kd_seq_kd:
         return
+    evaluations = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset] if eval_dataset else []
+    for row in map(first_row_of, evaluations):
+        if not isinstance(row, dict) or not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+            return  # the teacher scores these (or may: an iterable dataset's rows are unknown here)
     carried = [c for c in OFFLINE_TEACHER_COLUMNS if first_row.get(c) is not None]
     if carried:
         raise ValueError(
@@ -100,10 +104,12 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None
         )
 
 
-def check_training_rows(args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any) -> None:
+def check_training_rows(
+    args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
+) -> None:
     """The first row's checks before any training: the collator keeps its teacher columns, sampled teacher tokens
     can train the objective (beta 0, their draw temperature), and a live teacher has steps to score."""
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
-    check_teacher_is_used(args, teacher_model, first_row)
+    check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
