@@ -32,6 +32,15 @@ class JoinedTeacherData:
         self.rows, self.store, self.ids_column = rows, store, ids_column
         self.top_k = getattr(store, "top_k", None)
 
+    @property
+    def meta(self) -> dict | None:
+        """The store's metadata (a torch Subset's store's too): the draw temperature of sampled teacher tokens, which
+        KDTrainer checks against kd_temperature."""
+        store = self.store
+        while not hasattr(store, "meta") and hasattr(store, "dataset"):
+            store = store.dataset
+        return getattr(store, "meta", None)
+
     def __len__(self) -> int:
         return len(self.rows)
 
