@@ -272,6 +272,16 @@ def test_a_live_teacher_that_scores_the_evaluation_rows_is_not_refused(tmp_path)
                   eval_dataset=_rows(_topk), data_collator=TD.TeacherDataCollator())  # fmt: skip
 
 
+def test_a_subset_of_a_sampled_store_is_checked_against_the_stores_draw_temperature(tmp_path):
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    TD.precompute(teacher, [[1, 5, 6, 7], [1, 8, 9]], tmp_path / "s", top_k=4, temperature=2.0, samples=4,
+                  progress=False)  # fmt: skip
+    subset = torch.utils.data.Subset(TD.TeacherLogprobsDataset(tmp_path / "s"), [1, 0])
+    with pytest.raises(ValueError, match="kd_temperature=1.0 but the store's teacher tokens were drawn at .*2.0"):
+        _trainer(tmp_path, None, subset, kd_beta=0.0, kd_temperature=1.0)
+    _trainer(tmp_path, None, subset, kd_beta=0.0, kd_temperature=2.0)
+
+
 def test_sampled_rows_without_a_store_train_only_at_their_declared_temperature(tmp_path):
     rows = _rows(_samples)
     with pytest.raises(ValueError, match="kd_temperature=2.0 on rows of sampled teacher tokens without a store"):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .store.collator import TEACHER_DATA_COLUMNS
+from .store.reader import store_meta
 
 __all__ = ["JoinedTeacherData"]
 
@@ -36,10 +37,7 @@ class JoinedTeacherData:
     def meta(self) -> dict | None:
         """The store's metadata (a torch Subset's store's too): the draw temperature of sampled teacher tokens, which
         KDTrainer checks against kd_temperature."""
-        store = self.store
-        while not hasattr(store, "meta") and hasattr(store, "dataset"):
-            store = store.dataset
-        return getattr(store, "meta", None)
+        return store_meta(self.store)
 
     def __len__(self) -> int:
         return len(self.rows)
