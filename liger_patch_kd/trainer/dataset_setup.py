@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from ..align.collator import has_completion
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from .cross_tokenizer import padded_vocab_size
@@ -104,12 +105,27 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
         )
 
 
+def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
+    """Prompt-only rows with steps that train on the dataset's completions (kd_lmbda < 1, no kd_seq_kd): refused
+    now, not at the first such step (onpolicy.require_completions, which a later row can still meet)."""
+    if args.kd_seq_kd or args.kd_lmbda >= 1 or not isinstance(first_row, dict) or not is_prompt_row(first_row):
+        return
+    if not has_completion(first_row):
+        raise ValueError(
+            f"kd_lmbda={args.kd_lmbda} trains some steps on the dataset's completions, but the rows are prompts "
+            f"without a completion; give every row a 'completion', or set kd_lmbda=1 (every step generated) or "
+            f"kd_seq_kd=True"
+        )
+
+
 def check_training_rows(
     args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
 ) -> None:
     """The first row's checks before any training: the collator keeps its teacher columns, sampled teacher tokens
-    can train the objective (beta 0, their draw temperature), and a live teacher has steps to score."""
+    can train the objective (beta 0, their draw temperature), a live teacher has steps to score, and off-policy
+    steps have completions to train on."""
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
+    check_completions_for_off_policy(args, first_row)
