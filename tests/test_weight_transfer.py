@@ -176,3 +176,26 @@ def test_a_server_that_lost_its_group_between_pushes_is_joined_again():
         sender.close()
         sender.close()  # twice: nothing left to shut down
         assert sender.group is None
+
+
+def test_an_engine_asked_for_allowed_ids_returns_their_distributions_log_probs():
+    """The behaviour log-probs of a padded head's rollouts are those of the distribution sampled (the real ids',
+    normalised over them), as the student's log q in the loss is: over the full head, the importance ratio of every
+    token was inflated by 1 / (1 - the padding rows' mass)."""
+    from .tiny_models import VOCAB
+
+    padded = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
+    with torch.no_grad():  # padding rows with real mass
+        padded.lm_head.weight[VOCAB:] = 3 * padded.model.norm.weight
+    with running(padded) as (url, _):
+        body = {"prompt": [[3, 4]], "max_tokens": 1, "logprobs": 2, "seed": 1, "allowed_token_ids": list(range(VOCAB))}
+        status, reply = post(url, "/v1/completions", body)
+    assert status == 200
+    entry = reply["choices"][0]["logprobs"]
+    token = int(entry["tokens"][0].removeprefix("token_id:"))
+    with torch.no_grad():
+        logits = padded(torch.tensor([[3, 4]])).logits[0, -1].float()
+    expected = logits[:VOCAB].log_softmax(-1)
+    assert abs(entry["token_logprobs"][0] - float(expected[token])) <= LOGPROB_ATOL
+    assert abs(float(logits.log_softmax(-1)[token]) - float(expected[token])) > 0.1  # the check can tell
+    assert all(int(k.removeprefix("token_id:")) < VOCAB for k in entry["top_logprobs"][0])

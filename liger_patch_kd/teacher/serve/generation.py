@@ -18,7 +18,9 @@ per sampled token, its log-prob and the top K, in OpenAI's completion layout; to
 --return-tokens-as-token-ids convention: the server has no tokenizer, and `text` is ""). The log-probs are those of
 the model's own distribution (float32 log_softmax of its logits: temperature 1, before top-k / top-p), which is what
 vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
-at temperature 1 needs. `return_token_ids: true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
+at temperature 1 needs; with `allowed_token_ids` they are normalised over those ids (the distribution sampled, as
+the student's log q over kd_vocab_size is), where vLLM's raw log-probs span the whole head. `return_token_ids:
+true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
 
 Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
 by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
@@ -234,7 +236,8 @@ class GenerationEngine:
             if key is None:
                 raise RuntimeError(f"{type(self.model).__name__} returned no KV cache (use_cache=True)")
             past, logits = (key, out[key]), out.logits[:, -1].float()
-            raw = logits.log_softmax(-1)
+            # over the ids that may be sampled: a padded head's extra rows are no part of the behaviour policy
+            raw = (logits if req.allowed is None else logits[..., : req.allowed]).log_softmax(-1)
             nxt = sample_next(logits, req, generator)
             own = raw.gather(-1, nxt[:, None]).squeeze(-1).tolist()
             top = raw.topk(req.logprobs, dim=-1) if req.logprobs else None
