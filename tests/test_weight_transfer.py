@@ -199,3 +199,17 @@ def test_an_engine_asked_for_allowed_ids_returns_their_distributions_log_probs()
     assert abs(entry["token_logprobs"][0] - float(expected[token])) <= LOGPROB_ATOL
     assert abs(float(logits.log_softmax(-1)[token]) - float(expected[token])) > 0.1  # the check can tell
     assert all(int(k.removeprefix("token_id:")) < VOCAB for k in entry["top_logprobs"][0])
+
+
+def test_a_refused_init_leaves_no_thread_waiting_for_the_engine():
+    import threading
+
+    with running(tiny_model("llama", dtype=torch.float32)) as (url, _):
+        sender = BroadcastSender(HttpEndpoint(url + "/missing", timeout=30, retries=0), "broadcast")
+        for _ in range(2):  # each refused init used to leave a thread (and its listening port) for 10 minutes
+            with pytest.raises(TeacherServerError, match="HTTP 404"):
+                sender.push(tiny_model("llama", dtype=torch.float32), step=0)
+        deadline = time.monotonic() + 5
+        while any(t.name.startswith("liger-kd /") for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("liger-kd /")]
