@@ -259,6 +259,49 @@ def test_a_live_teacher_beside_offline_rows_it_would_never_score_is_refused(tmp_
     _trainer(tmp_path, None, _rows(columns))  # the rows' data alone is the teacher: fine
 
 
+def test_a_live_teacher_that_scores_the_evaluation_rows_is_not_refused(tmp_path):
+    """Offline training rows, and an eval_dataset of plain rows the live teacher scores: a legitimate run."""
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    for evaluation in (_rows(), {"held_out": _rows()}):
+        trainer = KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(_topk),
+                            eval_dataset=evaluation, data_collator=TD.TeacherDataCollator())  # fmt: skip
+        assert trainer.evaluate(_rows())["eval_loss"] > 0
+    with pytest.raises(ValueError, match="teacher_model would never be used"):  # evaluation rows with their own data
+        KDTrainer(model=student, teacher_model=teacher, args=_args(tmp_path), train_dataset=_rows(_topk),
+                  eval_dataset=_rows(_topk), data_collator=TD.TeacherDataCollator())  # fmt: skip
+
+
+def test_a_subset_of_a_sampled_store_is_checked_against_the_stores_draw_temperature(tmp_path):
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    TD.precompute(teacher, [[1, 5, 6, 7], [1, 8, 9]], tmp_path / "s", top_k=4, temperature=2.0, samples=4,
+                  progress=False)  # fmt: skip
+    subset = torch.utils.data.Subset(TD.TeacherLogprobsDataset(tmp_path / "s"), [1, 0])
+    with pytest.raises(ValueError, match="kd_temperature=1.0 but the store's teacher tokens were drawn at .*2.0"):
+        _trainer(tmp_path, None, subset, kd_beta=0.0, kd_temperature=1.0)
+    _trainer(tmp_path, None, subset, kd_beta=0.0, kd_temperature=2.0)
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 0.9])
+def test_prompt_only_rows_with_off_policy_steps_are_refused_before_training(tmp_path, lmbda):
+    """kd_lmbda < 1 trains some steps on the dataset's completions: prompt-only rows have none. Refused when the
+    trainer is made, not at the first off-policy step (with kd_lmbda=0.9 that can come after many steps)."""
+    from .test_onpolicy import tokenizer as tokenizer_fixture
+
+    tokenizer = tokenizer_fixture.__wrapped__()
+    rows = [{"prompt": p} for p in ("the cat", "a dog ran")]
+
+    def make(**overrides):
+        return KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), processing_class=tokenizer,
+                         teacher_model=tiny_model("llama", dtype=torch.float32, seed=2), train_dataset=rows,
+                         args=_args(tmp_path, **overrides))  # fmt: skip
+
+    with pytest.raises(ValueError, match=f"kd_lmbda={lmbda}.*prompts without a completion"):
+        make(kd_lmbda=lmbda)
+    make(kd_lmbda=lmbda, kd_seq_kd=True)  # every step generated: from the teacher off-policy
+    make(kd_lmbda=1.0)
+
+
 def test_sampled_rows_without_a_store_train_only_at_their_declared_temperature(tmp_path):
     rows = _rows(_samples)
     with pytest.raises(ValueError, match="kd_temperature=2.0 on rows of sampled teacher tokens without a store"):

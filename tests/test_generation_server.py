@@ -211,7 +211,11 @@ def test_full_weight_updates_check_every_tensor_before_changing_any(tmp_path):
         assert status == 400 and "'extra.weight' is not a parameter or buffer" in reply["error"]
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
         (tmp_path / "full").mkdir()
-        state = {k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}
+        partial = {k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}
+        save_file(partial, str(tmp_path / "partial.safetensors"))  # the served model's own head would stay old
+        status, reply = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "partial.safetensors")})
+        assert status == 400 and "gives none of the served model's ['lm_head.weight']" in reply["error"]
+        state = {k: v.contiguous() for k, v in other.state_dict().items()}
         save_file(state, str(tmp_path / "full" / "model.safetensors"))
         status, reply = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "full")})
         assert status == 200 and reply["success"] and reply["num_tensors"] == len(state)

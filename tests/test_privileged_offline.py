@@ -114,3 +114,20 @@ def test_text_rows_become_the_token_rows_training_collates(tmp_path, tokenizer):
               train_dataset=data).train()  # fmt: skip
     with pytest.raises(ValueError, match="row 0 needs a 'teacher_prompt'"):
         privileged_token_rows(tokenizer, [{"prompt": "the", "completion": " cat"}])
+
+
+def test_a_joined_sampled_store_is_checked_against_its_own_draw_temperature(tmp_path):
+    """JoinedTeacherData passes the store's metadata on: tokens drawn at T=2 train at kd_temperature=2, and the
+    default T=1 is refused (before, the join hid the metadata: T=2 was refused as unknown and T=1 trained on draws
+    of another temperature)."""
+    teacher, rows = _context_teacher(torch.float32), _rows()
+    features = _features(rows)
+    TD.precompute(teacher, [f["teacher_input_ids"] for f in features], tmp_path / "s", top_k=4, temperature=2.0,
+                  samples=4, progress=False)  # fmt: skip
+    store = TD.TeacherLogprobsDataset(tmp_path / "s")
+    joined = TD.JoinedTeacherData(features, store)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    for data in (joined, TD.JoinedTeacherData(features, torch.utils.data.Subset(store, range(len(store))))):
+        with pytest.raises(ValueError, match="kd_temperature=1.0 but the store's teacher tokens were drawn at .*2.0"):
+            KDTrainer(model=student, args=_args(tmp_path, kd_beta=0.0, kd_temperature=1.0), train_dataset=data)
+    KDTrainer(model=student, args=_args(tmp_path, kd_beta=0.0, kd_temperature=2.0), train_dataset=joined)

@@ -141,3 +141,75 @@ def test_an_engine_never_samples_a_padded_heads_extra_rows(tmp_path):
             source.close()
         status, reply = post(url, "/v1/completions", {"prompt": [[3]], "allowed_token_ids": [5, 6]})
         assert status == 400 and "allowed_token_ids" in str(reply)
+
+
+@pytest.mark.parametrize("student_tied", [True, False])
+def test_tied_embeddings_on_one_side_only_are_refused_not_half_applied(student_tied):
+    """A tied student sends the embedding once: an untied served model would keep its old lm_head (the engine would
+    sample with a head the student never had); an untied student sends both, and a tied served model would take
+    whichever came last as both. Either is refused whole, naming the tensors."""
+    served = tiny_model("llama", dtype=torch.float32, seed=7, tie_word_embeddings=not student_tied)
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    student = tiny_model("llama", dtype=torch.float32, seed=1, tie_word_embeddings=student_tied)
+    with running(served) as (url, app):
+        sender = _sender(url)
+        with pytest.raises(TeacherServerError, match="HTTP 400.*lm_head.weight.*tie_word_embeddings"):
+            sender.push(student, step=0)
+        assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+        assert app.state.engine.weight_version == 0
+        sender.close()
+
+
+def test_a_server_that_lost_its_group_between_pushes_is_joined_again():
+    """A restarted engine holds no weight-transfer group: the next full push makes a new one (it sends every tensor
+    anyway) instead of failing every push after it on the stale group."""
+    served = tiny_model("llama", dtype=torch.float32, seed=7)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    with running(served) as (url, app):
+        sender = _sender(url)
+        sender.push(student, step=0)
+        assert post(url, "/shutdown_weight_transfer_engine", {})[0] == 200  # what a restart leaves
+        with torch.no_grad():
+            next(student.parameters()).add_(1.0)
+        sender.push(student, step=1)
+        assert _same_weights(served, student) and app.state.engine.weight_version == 2
+        sender.close()
+        sender.close()  # twice: nothing left to shut down
+        assert sender.group is None
+
+
+def test_an_engine_asked_for_allowed_ids_returns_their_distributions_log_probs():
+    """The behaviour log-probs of a padded head's rollouts are those of the distribution sampled (the real ids',
+    normalised over them), as the student's log q in the loss is: over the full head, the importance ratio of every
+    token was inflated by 1 / (1 - the padding rows' mass)."""
+    from .tiny_models import VOCAB
+
+    padded = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
+    with torch.no_grad():  # padding rows with real mass
+        padded.lm_head.weight[VOCAB:] = 3 * padded.model.norm.weight
+    with running(padded) as (url, _):
+        body = {"prompt": [[3, 4]], "max_tokens": 1, "logprobs": 2, "seed": 1, "allowed_token_ids": list(range(VOCAB))}
+        status, reply = post(url, "/v1/completions", body)
+    assert status == 200
+    entry = reply["choices"][0]["logprobs"]
+    token = int(entry["tokens"][0].removeprefix("token_id:"))
+    with torch.no_grad():
+        logits = padded(torch.tensor([[3, 4]])).logits[0, -1].float()
+    expected = logits[:VOCAB].log_softmax(-1)
+    assert abs(entry["token_logprobs"][0] - float(expected[token])) <= LOGPROB_ATOL
+    assert abs(float(logits.log_softmax(-1)[token]) - float(expected[token])) > 0.1  # the check can tell
+    assert all(int(k.removeprefix("token_id:")) < VOCAB for k in entry["top_logprobs"][0])
+
+
+def test_a_refused_init_leaves_no_thread_waiting_for_the_engine():
+    import threading
+
+    with running(tiny_model("llama", dtype=torch.float32)) as (url, _):
+        sender = BroadcastSender(HttpEndpoint(url + "/missing", timeout=30, retries=0), "broadcast")
+        for _ in range(2):  # each refused init used to leave a thread (and its listening port) for 10 minutes
+            with pytest.raises(TeacherServerError, match="HTTP 404"):
+                sender.push(tiny_model("llama", dtype=torch.float32), step=0)
+        deadline = time.monotonic() + 5
+        while any(t.name.startswith("liger-kd /") for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("liger-kd /")]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .store.collator import TEACHER_DATA_COLUMNS
+from .store.reader import store_meta
 
 __all__ = ["JoinedTeacherData"]
 
@@ -31,6 +32,12 @@ class JoinedTeacherData:
             )
         self.rows, self.store, self.ids_column = rows, store, ids_column
         self.top_k = getattr(store, "top_k", None)
+
+    @property
+    def meta(self) -> dict | None:
+        """The store's metadata (a torch Subset's store's too): the draw temperature of sampled teacher tokens, which
+        KDTrainer checks against kd_temperature."""
+        return store_meta(self.store)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from ..align.collator import has_completion
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from .cross_tokenizer import padded_vocab_size
@@ -85,12 +86,16 @@ def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | 
 OFFLINE_TEACHER_COLUMNS = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids")
 
 
-def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None:
+def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_dataset: Any = None) -> None:
     """A live teacher_model beside rows that carry their own teacher data, with no step it would score: refused, as
     the run would train on the rows' data while the teacher sits on the device unused (kd_lmbda > 0 uses both: the
-    teacher scores the generated steps; kd_seq_kd samples from it)."""
+    teacher scores the generated steps; kd_seq_kd samples from it; it scores evaluation rows without their own)."""
     if teacher_model is None or not isinstance(first_row, dict) or args.kd_lmbda > 0 or args.kd_seq_kd:
         return
+    evaluations = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset] if eval_dataset else []
+    for row in map(first_row_of, evaluations):
+        if not isinstance(row, dict) or not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+            return  # the teacher scores these (or may: an iterable dataset's rows are unknown here)
     carried = [c for c in OFFLINE_TEACHER_COLUMNS if first_row.get(c) is not None]
     if carried:
         raise ValueError(
@@ -100,10 +105,27 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any) -> None
         )
 
 
-def check_training_rows(args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any) -> None:
+def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
+    """Prompt-only rows with steps that train on the dataset's completions (kd_lmbda < 1, no kd_seq_kd): refused
+    now, not at the first such step (onpolicy.require_completions, which a later row can still meet)."""
+    if args.kd_seq_kd or args.kd_lmbda >= 1 or not isinstance(first_row, dict) or not is_prompt_row(first_row):
+        return
+    if not has_completion(first_row):
+        raise ValueError(
+            f"kd_lmbda={args.kd_lmbda} trains some steps on the dataset's completions, but the rows are prompts "
+            f"without a completion; give every row a 'completion', or set kd_lmbda=1 (every step generated) or "
+            f"kd_seq_kd=True"
+        )
+
+
+def check_training_rows(
+    args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
+) -> None:
     """The first row's checks before any training: the collator keeps its teacher columns, sampled teacher tokens
-    can train the objective (beta 0, their draw temperature), and a live teacher has steps to score."""
+    can train the objective (beta 0, their draw temperature), a live teacher has steps to score, and off-policy
+    steps have completions to train on."""
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
-    check_teacher_is_used(args, teacher_model, first_row)
+    check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
+    check_completions_for_off_policy(args, first_row)

@@ -7,14 +7,15 @@ from typing import Any
 
 from ..config import KDLossConfig
 from ..conventions import require_sampled_objective
+from ..teacher.store import store_meta
 
 
 def check_sampled_dataset(dataset: Any, cfg: KDLossConfig, first_row: Any = None, declared: float | None = None):
     """ValueError naming kd_beta / kd_temperature when sampled teacher tokens cannot train the objective asked: a
     store says its draw temperature in its metadata; rows without one (`first_row` carries teacher_sample_ids) take
     it from kd_teacher_sample_temperature (`declared`), or train only at T = 1, never at a guessed temperature."""
-    meta = getattr(dataset, "meta", None)
-    if isinstance(meta, dict) and meta.get("samples"):
+    meta = store_meta(dataset)
+    if meta is not None and meta.get("samples"):
         drawn_at, holder, where = meta.get("temperature", 1.0), "store holds", "the store's teacher tokens were"
     elif isinstance(first_row, dict) and first_row.get("teacher_sample_ids") is not None:
         if declared is None and cfg.temperature != 1.0:

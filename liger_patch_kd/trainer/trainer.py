@@ -112,7 +112,8 @@ class KDTrainer(Trainer):
             for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
-        check_training_rows(args, self.kd_config, rows, collator, teacher_model)  # before any long work
+        evaluation = kwargs.get("eval_dataset")
+        check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:

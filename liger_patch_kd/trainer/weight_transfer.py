@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..teacher.serve.transport import HttpEndpoint
+from ..teacher.serve.transport import HttpEndpoint, TeacherServerError
+from ..teacher.serve.weight_transfer import JOINED_KEY
 from .weight_sync import unique_tensors
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")
@@ -64,7 +65,8 @@ class BroadcastSender:
 
     def send(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         device = next(iter(tensors.values())).device
-        if self.group is None:
+        joined = self.group is not None
+        if not joined:
             self._connect(device)
         elif device != self.device:
             raise RuntimeError(f"the student moved from {self.device} to {device} after the weight-transfer group "
@@ -74,21 +76,32 @@ class BroadcastSender:
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
             "shapes": [list(t.shape) for t in tensors.values()],
         }
-        self.http.post_json("/start_weight_update", {})
+        try:
+            self.http.post_json("/start_weight_update", {})
+        except TeacherServerError:
+            if not joined:
+                raise
+            # the engine holds no group (restarted since the last push): every tensor goes anyway, so join afresh
+            self._shutdown_group()
+            self._connect(device)
+            self.http.post_json("/start_weight_update", {})
         self._while_posting("/update_weights", {"update_info": info}, lambda: self._broadcast(tensors.values()))
         self.http.post_json("/finish_weight_update", {"weight_version": str(step)})
 
     def close(self) -> None:
         if self.group is None:
             return
-        group, self.group = self.group, None
         try:
             self.http.post_json("/shutdown_weight_transfer_engine", {})
         finally:
-            if self.transport == "broadcast" and hasattr(group, "shutdown"):
-                group.shutdown()
+            self._shutdown_group()
 
     # ------------------------------------------------------------------------------------------- internals
+    def _shutdown_group(self) -> None:
+        group, self.group = self.group, None
+        if self.transport == "broadcast" and hasattr(group, "shutdown"):
+            group.shutdown()
+
     def _connect(self, device: torch.device) -> None:
         if self.transport == "vllm-nccl" and device.type != "cuda":
             raise ValueError(f"kd_sync_transport='vllm-nccl' broadcasts over NCCL from a GPU; the student is on "
@@ -96,9 +109,12 @@ class BroadcastSender:
         port = free_port(self.address)
         info = {"master_address": self.address, "master_port": port, "rank_offset": 1, "world_size": 2}
         self.device = device
-        self._while_posting("/init_weight_transfer_engine", {"init_info": info}, lambda: self._make_group(port))
+        abandoned = threading.Event()  # set when the init fails: the worker waiting for the engine gives up
+        self._while_posting(
+            "/init_weight_transfer_engine", {"init_info": info}, lambda: self._make_group(port, abandoned), abandoned
+        )
 
-    def _make_group(self, port: int) -> None:
+    def _make_group(self, port: int, abandoned: threading.Event) -> None:
         if self.transport == "vllm-nccl":
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
@@ -106,8 +122,16 @@ class BroadcastSender:
             return
         import torch.distributed as dist
 
-        store = dist.TCPStore(self.address, port, 2, is_master=True, timeout=GROUP_TIMEOUT)
+        store = dist.TCPStore(self.address, port, 2, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
         store = dist.PrefixStore("liger-kd-weight-transfer", store)
+        while True:  # until the engine reached the store; after a refused init this thread ends and the port closes
+            if abandoned.is_set():
+                return
+            try:
+                store.wait([JOINED_KEY], datetime.timedelta(milliseconds=100))
+                break
+            except RuntimeError:  # DistStoreError: not yet
+                continue
         if self.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, 0, 2)
         else:
@@ -122,7 +146,7 @@ class BroadcastSender:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _while_posting(self, path: str, body: dict, work) -> None:
+    def _while_posting(self, path: str, body: dict, work, abandoned: threading.Event | None = None) -> None:
         """POST `path` while `work` (this side of the collective) runs: the server's side is inside that request.
         Both run in threads watched from here, so a refusal (the server never joins) raises at once instead of
         waiting out the group's timeout; after one the group is dropped (the next push makes a new one)."""
@@ -145,5 +169,7 @@ class BroadcastSender:
             worker.join()
         error = outcome.get("post") or outcome.get("work")
         if error is not None:
+            if abandoned is not None:
+                abandoned.set()  # a worker still waiting for the engine to join gives up
             self.group = None  # its members disagree now: never reused
             raise error

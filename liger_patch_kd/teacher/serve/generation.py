@@ -18,7 +18,9 @@ per sampled token, its log-prob and the top K, in OpenAI's completion layout; to
 --return-tokens-as-token-ids convention: the server has no tokenizer, and `text` is ""). The log-probs are those of
 the model's own distribution (float32 log_softmax of its logits: temperature 1, before top-k / top-p), which is what
 vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
-at temperature 1 needs. `return_token_ids: true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
+at temperature 1 needs; with `allowed_token_ids` they are normalised over those ids (the distribution sampled, as
+the student's log q over kd_vocab_size is), where vLLM's raw log-probs span the whole head. `return_token_ids:
+true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
 
 Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
 by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
@@ -234,7 +236,8 @@ class GenerationEngine:
             if key is None:
                 raise RuntimeError(f"{type(self.model).__name__} returned no KV cache (use_cache=True)")
             past, logits = (key, out[key]), out.logits[:, -1].float()
-            raw = logits.log_softmax(-1)
+            # over the ids that may be sampled: a padded head's extra rows are no part of the behaviour policy
+            raw = (logits if req.allowed is None else logits[..., : req.allowed]).log_softmax(-1)
             nxt = sample_next(logits, req, generator)
             own = raw.gather(-1, nxt[:, None]).squeeze(-1).tolist()
             top = raw.topk(req.logprobs, dim=-1) if req.logprobs else None
@@ -310,8 +313,8 @@ class GenerationEngine:
                 "weight_version": self.weight_version}  # fmt: skip
 
     def check_state(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Refuse (400) an update naming a tensor the model lacks or with another shape, or one arriving while LoRA
-        adapters are loaded, before any weight changes."""
+        """Refuse (400) an update naming a tensor the model lacks or with another shape, leaving one out or giving
+        two names of one tied storage, or arriving while LoRA adapters are loaded, before any weight changes."""
         if self.adapters:
             raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
                                     f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
@@ -323,6 +326,18 @@ class GenerationEngine:
             if tuple(shape) != tuple(own[name].shape):
                 raise RequestError(400, f"tensor {name!r} has shape {tuple(shape)}, the served model's "
                                         f"{tuple(own[name].shape)}")  # fmt: skip
+        # every storage of the served model exactly once: a tied student sends its embedding alone (an untied
+        # served lm_head would stay old), an untied one sends both (a tied served model would keep the last)
+        storages: dict[Any, list[str]] = {}
+        for name, tensor in own.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            storages.setdefault(key if tensor.numel() else name, []).append(name)  # empty tensors share no storage
+        for names in storages.values():
+            sent = [n for n in names if n in shapes]
+            if len(sent) != 1:
+                raise RequestError(400, f"the update gives {sent or 'none'} of the served model's {names} (one "
+                                        f"storage): serve a model with the student's tie_word_embeddings and send "
+                                        f"every tensor")  # fmt: skip
 
     def apply_state(self, state: dict[str, torch.Tensor]) -> int:
         """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""

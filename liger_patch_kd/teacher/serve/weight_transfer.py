@@ -26,6 +26,7 @@ import torch
 from .validation import RequestError
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a trainer that dies mid-broadcast frees the server after this
+JOINED_KEY = "joined"  # set by the server once it reached the trainer's store: the trainer then makes its group
 
 
 def _int_field(info: dict, name: str, low: int) -> int:
@@ -68,6 +69,7 @@ class WeightReceiver:
         self.shutdown(None)
         store = dist.TCPStore(info["master_address"], port, world, is_master=False, timeout=GROUP_TIMEOUT)
         store = dist.PrefixStore("liger-kd-weight-transfer", store)
+        store.set(JOINED_KEY, "1")
         if self.engine.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, world)
         else:

@@ -12,7 +12,7 @@ from .manifest import (
     tokenizer_fingerprint,
     write_manifest,
 )
-from .reader import TeacherLogprobsDataset, VerifiedStore, iter_store, refuse_samples, verify_store
+from .reader import TeacherLogprobsDataset, VerifiedStore, iter_store, refuse_samples, store_meta, verify_store
 from .writer import StoreWriter
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "codec_from_manifest",
     "codec_from_spec",
     "iter_store",
+    "store_meta",
     "refuse_samples",
     "read_manifest",
     "tokenizer_fingerprint",

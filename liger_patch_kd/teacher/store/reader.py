@@ -211,3 +211,14 @@ def verify_store(store_dir: str | Path) -> VerifiedStore:
             raise TeacherStoreError(f"shard {entry['file']} fails its checksum: the file is corrupted; recompute it")
         total += path.stat().st_size
     return VerifiedStore(len(meta["shards"]), sum(e["num_sequences"] for e in meta["shards"]), total)
+
+
+def store_meta(dataset: Any) -> dict | None:
+    """The manifest of the store under `dataset` (a TeacherLogprobsDataset, or a torch Subset / a join of one:
+    their `dataset` / `meta`), or None: where KDTrainer reads the draw temperature of sampled teacher tokens."""
+    for _ in range(8):
+        meta = getattr(dataset, "meta", None)
+        if meta is not None or not hasattr(dataset, "dataset"):
+            return meta if isinstance(meta, dict) else None
+        dataset = dataset.dataset
+    return None
