@@ -33,7 +33,6 @@ waited-for rows only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -44,8 +43,7 @@ import time
 
 import torch
 
-from .bench_onpolicy import SHAPES, build
-from .common import environment, print_table, run_row_in_child, write_json
+from .bench_onpolicy import SHAPES, build, drive_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides (engine: liger-kd serve at kd_generation_url)
     "off-policy": dict(kd_lmbda=0.0),
@@ -168,35 +166,11 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/bench_engine.json")
-    parser.add_argument("--row", choices=sorted(ROWS), help="run one row in this process (the driver's child)")
-    parser.add_argument("--only", nargs="*", choices=sorted(ROWS), help="rows to run (default: all)")
+    parser = step_parser(__doc__, "runs/bench_engine.json", ROWS, steps=4)
     parser.add_argument("--engine-device", default=None, help="the engine's device; default cuda:1 when there is one")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--completion", type=int, default=512)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--accumulation", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps (after one warm-up step)")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
-    a = parser.parse_args()
-    if a.tiny:
-        a.prompt, a.completion, a.micro_batch, a.accumulation, a.steps = 8, 8, 2, 2, 1
-    if a.row:
-        print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
-        return
-    keys = ("prompt", "completion", "micro_batch", "accumulation", "steps", "engine_device")
-    results = [run_row_in_child("benchmarks.bench_engine", name, a, keys) for name in a.only or list(ROWS)]
-    off = next((r for r in results if r["name"] == "off-policy" and "error" not in r), None)
-    for r in results:
-        if off and "scored_tokens_per_s" in r:
-            r["of_off_policy"] = r["scored_tokens_per_s"] / off["scored_tokens_per_s"]
     columns = ["name", "step_s", "rollout_s", "push_s", "staleness", "scored_tokens_per_s", "of_off_policy",
                "max_logprob_gap", "peak_GiB", "error"]  # fmt: skip
-    print_table(results, columns)
-    shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny",
-                                        "engine_device")}  # fmt: skip
-    write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})
+    drive_rows("benchmarks.bench_engine", parser.parse_args(), ROWS, run_row, columns, extra=("engine_device",))
 
 
 if __name__ == "__main__":

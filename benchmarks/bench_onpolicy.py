@@ -116,32 +116,47 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/bench_onpolicy.json")
-    parser.add_argument("--row", choices=sorted(ROWS), help="run one row in this process (the driver's child)")
-    parser.add_argument("--only", nargs="*", choices=sorted(ROWS), help="rows to run (default: all)")
+SHAPE_KEYS = ("prompt", "completion", "micro_batch", "accumulation", "steps")
+
+
+def step_parser(doc: str, out: str, rows: dict, steps: int) -> argparse.ArgumentParser:
+    """The options bench_onpolicy and bench_engine share: the output, the rows, the step's shape."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--row", choices=sorted(rows), help="run one row in this process (the driver's child)")
+    parser.add_argument("--only", nargs="*", choices=sorted(rows), help="rows to run (default: all)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=steps, help="timed optimizer steps (after one warm-up step)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
-    a = parser.parse_args()
+    return parser
+
+
+def drive_rows(module: str, a: argparse.Namespace, rows: dict, run_row, columns: list[str], extra=()) -> None:
+    """Each row in its own process (or, with --row, the one row here), the fraction of the off-policy row's scored
+    tokens/s beside each, a printed table and the JSON; `extra`: options the children take beyond the shape's."""
     if a.tiny:
         a.prompt, a.completion, a.micro_batch, a.accumulation, a.steps = 8, 8, 2, 2, 1
     if a.row:
         print("ROW " + json.dumps(run_row(a.row, a)), flush=True)
         return
-    keys = ("prompt", "completion", "micro_batch", "accumulation", "steps")
-    results = [run_row_in_child("benchmarks.bench_onpolicy", name, a, keys) for name in a.only or list(ROWS)]
+    keys = (*SHAPE_KEYS, *extra)
+    results = [run_row_in_child(module, name, a, keys) for name in a.only or list(rows)]
     off = next((r for r in results if r["name"] == "off-policy" and "error" not in r), None)
     for r in results:
         if off and "scored_tokens_per_s" in r:
             r["of_off_policy"] = r["scored_tokens_per_s"] / off["scored_tokens_per_s"]
-    print_table(results, ["name", "step_s", "generate_s", "scored_tokens_per_s", "of_off_policy", "peak_GiB", "error"])
-    shape = {k: getattr(a, k) for k in ("prompt", "completion", "micro_batch", "accumulation", "steps", "tiny")}
+    print_table(results, columns)
+    shape = {k: getattr(a, k) for k in (*keys, "tiny")}
     write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})
+
+
+def main() -> None:
+    a = step_parser(__doc__, "runs/bench_onpolicy.json", ROWS, steps=2).parse_args()
+    columns = ["name", "step_s", "generate_s", "scored_tokens_per_s", "of_off_policy", "peak_GiB", "error"]
+    drive_rows("benchmarks.bench_onpolicy", a, ROWS, run_row, columns)
 
 
 if __name__ == "__main__":
