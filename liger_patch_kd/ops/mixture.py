@@ -37,7 +37,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import lse_finish, online_lse_update, softcap
+    from .triton_utils import fp32_pair, row_lse, scale_by_pair, softcap
 
     @triton.jit
     def _fold_teacher_kernel(
@@ -49,10 +49,13 @@ if triton_available():
         stride_z,
         stride_m,
         V,
-        # options
-        inv_temp,
+        # options: 1/T and the output scale each as two fp32 halves (triton_utils.fp32_pair: a compiled kernel
+        # takes a Python float as fp32, which would cap a float64 fold at ~1e-7)
+        inv_hi,
+        inv_lo,
         cap,
-        out_scale,
+        scale_hi,
+        scale_lo,
         # meta-parameters
         CAP: tl.constexpr,  # the teacher has a soft-cap
         FIRST: tl.constexpr,  # no mixture yet: mix_ptr is z_ptr, written over
@@ -63,18 +66,14 @@ if triton_available():
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_z
         m_row = mix_ptr + row * stride_m
-        acc_ty = z_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK)
-        m_vec = tl.full([BLOCK], float("-inf"), acc_ty)
-        d_vec = tl.zeros([BLOCK], acc_ty)
+        # pass 1 is the slot kernels' student pass (no CE term)
+        lse, _ = row_lse(z_row, V, inv_hi, inv_lo, cap, CAP, False, True, BLOCK)
+        shift = tl.load(log_w_ptr + row) - lse
         for off in range(0, V, BLOCK):
             mask = off + cols < V
-            x = softcap(tl.load(z_row + off + cols, mask=mask, other=0.0), cap, CAP) * inv_temp
-            m_vec, d_vec = online_lse_update(m_vec, d_vec, tl.where(mask, x, float("-inf")))
-        shift = tl.load(log_w_ptr + row) - lse_finish(m_vec, d_vec)
-        for off in range(0, V, BLOCK):
-            mask = off + cols < V
-            term = softcap(tl.load(z_row + off + cols, mask=mask, other=0.0), cap, CAP) * inv_temp + shift
+            term = scale_by_pair(softcap(tl.load(z_row + off + cols, mask=mask, other=0.0), cap, CAP), inv_hi, inv_lo)
+            term += shift
             if FIRST:
                 out = term
             else:
@@ -83,7 +82,8 @@ if triton_available():
                 lo = tl.minimum(prev, term)
                 safe_hi = tl.where(hi == float("-inf"), 0.0, hi)  # both -inf (weight 0 twice): stays -inf
                 out = tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - safe_hi)))
-            tl.store(m_row + off + cols, out * out_scale, mask=mask)
+            out = tl.where(out == float("-inf"), out, scale_by_pair(out, scale_hi, scale_lo))  # -inf * 0 is no -inf
+            tl.store(m_row + off + cols, out, mask=mask)
 
 
 def fold_teacher_triton(
@@ -106,7 +106,7 @@ def fold_teacher_triton(
         # strides and shapes
         logits.stride(0), out.stride(0), vocab,
         # options
-        float(inv_temp), float(softcap or 1.0), float(out_scale),
+        *fp32_pair(inv_temp), float(softcap or 1.0), *fp32_pair(out_scale),
         # meta-parameters
         CAP=softcap is not None, FIRST=first, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
