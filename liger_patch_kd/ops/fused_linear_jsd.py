@@ -56,16 +56,17 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import lse_finish, online_lse_update, softcap
+    from .triton_utils import fp32_pair, lse_finish, online_lse_update, scale_exact, softcap
 
     @triton.jit
-    def _log_mixture(s, p, beta):
+    def _log_mixture(s, p, b_hi, b_lo, omb_hi, omb_lo, PAIR: tl.constexpr):
         """log M = log(beta * P + (1 - beta) * S) from the two probabilities the passes already hold: one
         transcendental where a log-sum-exp of the two log-probabilities takes two. The JSD passes are not purely
         memory-bound (3.4 TB/s against a 4.1 TB/s copy on an H200); this took the kernel from 8.74 to 8.41 ms
         at N = 8192 (benchmarks/bench_loss_breakdown.py). With both probabilities under fp32's smallest normal
         (their terms < 1e-36) the floor keeps log M finite."""
-        return tl.log(tl.maximum(beta * p + (1.0 - beta) * s, 1.1754944e-38))
+        mix = scale_exact(p, b_hi, b_lo, PAIR) + scale_exact(s, omb_hi, omb_lo, PAIR)
+        return tl.log(tl.maximum(mix, 1.1754944e-38))
 
     @triton.jit
     def _jsd_chunk_kernel(
@@ -83,9 +84,14 @@ if triton_available():
         stride_zt,
         stride_g,
         V,
-        # loss options
-        inv_temp,
-        beta,
+        # loss options: 1/T, beta and 1 - beta as fp32 pairs (triton_utils.fp32_pair; only float64 rows read the
+        # low halves, PAIR), so a compiled float64 kernel matches a float64 reference
+        inv_hi,
+        inv_lo,
+        b_hi,
+        b_lo,
+        omb_hi,
+        omb_lo,
         cap_s,  # the student's soft-cap (read when CAP_S)
         cap_t,  # the teacher's soft-cap (read when CAP_T)
         ignore_index,
@@ -96,6 +102,7 @@ if triton_available():
         CAP_S: tl.constexpr,
         CAP_T: tl.constexpr,
         COMPUTE_GRAD: tl.constexpr,
+        PAIR: tl.constexpr,  # float64 rows: the options' low halves count
         BLOCK: tl.constexpr,  # vocabulary tile
     ):
         """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
@@ -115,8 +122,8 @@ if triton_available():
             mask = off + cols < V
             xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
             xt = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty), cap_t, CAP_T)
-            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, xs * inv_temp, float("-inf")))
-            m_t, d_t = online_lse_update(m_t, d_t, tl.where(mask, xt * inv_temp, float("-inf")))
+            m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, scale_exact(xs, inv_hi, inv_lo, PAIR), float("-inf")))
+            m_t, d_t = online_lse_update(m_t, d_t, tl.where(mask, scale_exact(xt, inv_hi, inv_lo, PAIR), float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
                 m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, xs, float("-inf")))
         lse_s = lse_finish(m_s, d_s)
@@ -138,9 +145,10 @@ if triton_available():
         if MODE != 0:
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
-                log_s = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S) * inv_temp - lse_s
+                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+                log_s = scale_exact(xs, inv_hi, inv_lo, PAIR) - lse_s
                 zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
-                log_p = softcap(zt, cap_t, CAP_T) * inv_temp - lse_t
+                log_p = scale_exact(softcap(zt, cap_t, CAP_T), inv_hi, inv_lo, PAIR) - lse_t
                 s = tl.exp(log_s)
                 if MODE == 1:
                     term = s * (log_s - log_p)
@@ -148,9 +156,9 @@ if triton_available():
                     loss += tl.where(mask, term, 0.0)
                 else:
                     p = tl.exp(log_p)
-                    log_m = _log_mixture(s, p, beta)
+                    log_m = _log_mixture(s, p, b_hi, b_lo, omb_hi, omb_lo, PAIR)
                     sg = s * (log_s - log_m)
-                    term = beta * p * (log_p - log_m) + (1.0 - beta) * sg
+                    term = scale_exact(p * (log_p - log_m), b_hi, b_lo, PAIR) + scale_exact(sg, omb_hi, omb_lo, PAIR)
                     sum_sg += tl.where(mask, sg, 0.0)
                     loss += tl.where(mask, term, 0.0)
         row_loss = tl.sum(loss, axis=0)
@@ -158,13 +166,13 @@ if triton_available():
 
         if COMPUTE_GRAD or MODE == 0:
             g_row = grad_ptr + row * stride_g
-            soft_scale = w_soft * inv_temp
+            soft_scale = scale_exact(w_soft, inv_hi, inv_lo, PAIR)
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
                 xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
-                log_s = xs * inv_temp - lse_s
+                log_s = scale_exact(xs, inv_hi, inv_lo, PAIR) - lse_s
                 zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
-                log_p = softcap(zt, cap_t, CAP_T) * inv_temp - lse_t
+                log_p = scale_exact(softcap(zt, cap_t, CAP_T), inv_hi, inv_lo, PAIR) - lse_t
                 s = tl.exp(log_s)
                 if MODE == 0:
                     p = tl.exp(log_p)
@@ -173,8 +181,8 @@ if triton_available():
                 elif MODE == 1:
                     grad = s * (log_s - log_p - row_loss)
                 else:
-                    log_m = _log_mixture(s, tl.exp(log_p), beta)
-                    grad = (1.0 - beta) * s * (log_s - log_m - row_sg)
+                    log_m = _log_mixture(s, tl.exp(log_p), b_hi, b_lo, omb_hi, omb_lo, PAIR)
+                    grad = scale_exact(s * (log_s - log_m - row_sg), omb_hi, omb_lo, PAIR)
                 if COMPUTE_GRAD:
                     grad = grad * soft_scale
                     if HAS_HARD:
@@ -237,11 +245,12 @@ def jsd_chunk_triton(
         # strides and shapes
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,
         # loss options
-        1.0 / cfg.temperature, float(cfg.beta), float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
+        *fp32_pair(1.0 / cfg.temperature), *fp32_pair(float(cfg.beta)), *fp32_pair(1.0 - float(cfg.beta)),
+        float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
         # meta-parameters
         MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        BLOCK=block, num_warps=num_warps,
+        PAIR=student_logits.dtype == torch.float64, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
 

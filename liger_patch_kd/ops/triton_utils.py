@@ -25,6 +25,16 @@ def scale_by_pair(x, hi, lo):
 
 
 @triton.jit
+def scale_exact(x, hi, lo, PAIR: tl.constexpr):
+    """x * (hi + lo) where PAIR (float64 rows: both halves of fp32_pair), x * hi otherwise (float32 rows, where lo
+    is below their precision): the hottest kernel pays no extra multiply-add for exact float64 tests."""
+    y = x * hi
+    if PAIR:
+        y = y + x * lo
+    return y
+
+
+@triton.jit
 def tanh(x):
     """tanh without a tanh intrinsic: (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, sign restored. The exponent is
     never positive, so nothing overflows (exp(2x) did, harmlessly on a GPU, with a warning when interpreted)."""
