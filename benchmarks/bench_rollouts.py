@@ -74,6 +74,39 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
     }
 
 
+def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: int) -> dict:
+    """One more generate_rollouts call of `--profile` new tokens under torch.profiler (after the timed cells: warm
+    and compiled): wall seconds per decode step, the GPU's busy share of it (kernel time summed) and the kernels
+    that took the most, which says whether a decode step waits for the GPU or for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+    settings = RolloutSettings(max_new_tokens=a.profile, cache=cache, seed=1)
+    g = torch.Generator().manual_seed(rows + 1)
+    prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(rows)]
+    generate_rollouts(student, prompts, settings, pad_id=0, eos_ids=set(), start_id=1, step=0)  # this shape, warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        generate_rollouts(student, prompts, settings, pad_id=0, eos_ids=set(), start_id=1, step=1)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    result = {
+        "rows": rows, "cache": cache, "new_tokens": a.profile, "wall_s": wall, "ms_per_step": wall / a.profile * 1e3,
+        "gpu_busy_s": busy_s, "gpu_busy_share": busy_s / wall,
+        "top_kernels": [{"name": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in top],
+    }  # fmt: skip
+    share = result["gpu_busy_share"]
+    print(f"profile {rows} rows, {cache}: {result['ms_per_step']:.2f} ms a step, GPU busy {share:.0%}")
+    for k in result["top_kernels"]:
+        print(f"  {k['ms']:9.2f} ms  {k['calls']:6d}  {k['name']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_rollouts.json")
@@ -82,8 +115,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled call (CUDA) after the cells")
+    parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend (CUDA)")
     parser.add_argument("--tiny", action="store_true")
     a = parser.parse_args()
+    if a.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if a.tiny:
         a.rows, a.prompt, a.completion, a.calls = [2, 4], 8, 8, 2
     from liger_patch_kd import apply_kd_patch
@@ -96,7 +133,10 @@ def main() -> None:
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
     print_table(results, ["rows", "cache", "tokens_per_s", "first_call_s", "last_call_s", "frames_compiled"])
-    write_json(a.out, {"environment": environment(), "args": vars(a), "rows": results})
+    profiled = []
+    if a.profile and device.type == "cuda":
+        profiled = [profile_call(r["rows"], r["cache"], a, student, vocab) for r in results if r["cache"] != "engine"]
+    write_json(a.out, {"environment": environment(), "args": vars(a), "rows": results, "profiles": profiled})
 
 
 if __name__ == "__main__":
