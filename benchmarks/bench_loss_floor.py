@@ -9,7 +9,6 @@ Rows per N (default 8192 and 2048; H 4096, V 128256, bf16, beta 0.5):
   liger_patch_kd          the default fused loss
   ... fp8 teacher         teacher_logits_fp8=True (the teacher's logit product in FP8)
   ... fp8 both            teacher_logits_fp8 and student_logits_fp8 (the backward stays bf16)
-  ... overlap             overlap_chunks=True (and the rows that separate its parts: see VARIANTS)
   liger chunked / triton  Liger-Kernel's LigerFusedLinearJSDLoss (compiled) and LigerFusedLinearJSD, if importable
 Columns: ms (median), x_floor, extra_GiB (peak beyond inputs and returned gradients), held_GiB (memory kept between
 calls: the frozen teacher head's cached FP8 copy), grad_err (max over d/dinput,
@@ -43,12 +42,6 @@ VARIANTS = {
     OURS: {},
     f"{OURS} fp8 teacher": dict(teacher_logits_fp8=True),
     f"{OURS} fp8 both": dict(teacher_logits_fp8=True, student_logits_fp8=True),
-    # overlap_chunks: each chunk's kernel beside the next chunk's products, chunks of half the rows (same memory);
-    # the two rows after it separate the chunk size's own effect from the overlap's
-    f"{OURS} overlap": dict(overlap_chunks=True),
-    f"{OURS} 512-row chunks": dict(chunk_size=512),
-    f"{OURS} overlap, 1024-row chunks (2 GiB)": dict(overlap_chunks=True, chunk_size=1024),
-    f"{OURS} fp8 teacher, overlap": dict(teacher_logits_fp8=True, overlap_chunks=True),
 }
 
 
@@ -206,35 +199,6 @@ def ours(options: dict) -> Callable:
     return method
 
 
-def carved(options: dict, sms: int) -> Callable:
-    """`ours(options)` with the matrix products on cuBLASLt told to leave `sms` SMs free (torch's experimental SM
-    carve-out), so an overlapped chunk kernel has SMs of its own beside them (probe rows)."""
-    inner = ours(options)
-
-    def method(x: dict, cfg: KDLossConfig) -> torch.Tensor:
-        library = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        torch._C._set_sm_carveout_experimental(sms or None)
-        try:
-            return inner(x, cfg)  # batchmean: the gradient products run in the forward
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library(library)
-
-    return method
-
-
-PROBE_CARVEOUT = {
-    f"{OURS} cublaslt": ({}, 0),
-    f"{OURS} overlap, carve-out 8": (dict(overlap_chunks=True), 8),
-    f"{OURS} overlap, carve-out 16": (dict(overlap_chunks=True), 16),
-    f"{OURS} overlap, carve-out 24": (dict(overlap_chunks=True), 24),
-    f"{OURS} overlap 1024 rows (2 GiB), carve-out 8": (dict(overlap_chunks=True, chunk_size=1024), 8),
-    f"{OURS} overlap 1024 rows (2 GiB), carve-out 16": (dict(overlap_chunks=True, chunk_size=1024), 16),
-    f"{OURS} fp8 teacher, overlap, carve-out 16": (dict(overlap_chunks=True, teacher_logits_fp8=True), 16),
-}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/ (runs/ with --tiny)")
@@ -252,7 +216,6 @@ def main() -> None:
     variants = {name: ours(opts) for name, opts in VARIANTS.items() if fp8_ok or "fp8" not in name}
     methods = dict(variants)
     if device == "cuda":
-        methods.update({name: carved(opts, sms) for name, (opts, sms) in PROBE_CARVEOUT.items()})
         liger, note = liger_methods(KDLossConfig(beta=0.5))
         methods.update(liger)
         notes += [note] if note else []

@@ -3,8 +3,6 @@
 #   the whole test suite with Triton compiled for real, then the benchmarks, results under $OUT (or runs/).
 # Wheels the GPU image lacks (liger-kernel for the side-by-side rows) travel in .whl/ and install to /tmp/site.
 # Usage: bash benchmarks/run_gpu_suite.sh [tests|properties|bench-kernel|bench-step|bench-multi|all]...
-#   wave3-probe: the float64 JSD/mixture tests and overlap_chunks' tests compiled, bench_loss_floor with the overlap
-#   rows, bench_rollouts' profiled decode step at 64 rows (static cache)
 #   issue30-loss / issue30-step / issue30-long: FP8 logits (tests + bench_loss_floor), the step
 #   table beside Liger and torchao at seq 4096, and at seq 16384 / 32768 (each one device call, < 10 minutes)
 #   properties: the hypothesis suite's larger "gpu" profile (several vocabulary and top-k tiles, Triton compiled)
@@ -57,19 +55,6 @@ for what in "${@:-all}"; do
         echo "properties: hypothesis is not installed; put its wheel (and sortedcontainers') in .whl/" | tee "$OUT/properties_gpu.log"
         status=1
       fi ;;&
-    wave3-probe)  # the JSD kernel's float64 tests compiled, overlap_chunks against the floor, a profiled decode step
-      python3 -m pytest -q -p no:cacheprovider -rs tests/test_multi_teacher_loss.py tests/test_fused_linear_jsd.py \
-        tests/test_overlap_chunks.py 2>&1 | tee "$OUT/tests_wave3_probe_gpu.log" | tail -8
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      python3 -m benchmarks.bench_loss_floor --out "$OUT/bench_loss_floor.json" 2>&1 | tee "$OUT/bench_loss_floor.log" \
-        | grep -v "^{"
-      python3 -m benchmarks.bench_rollouts --rows 64 --caches static --calls 2 --profile 32 \
-        --out "$OUT/bench_rollouts_profile.json" 2>&1 | tee "$OUT/bench_rollouts_profile.log" | tail -25 ;;
-    wave3-probe2)  # the SM carve-out rows of bench_loss_floor; the decode step without cuDNN's SDPA
-      python3 -m benchmarks.bench_loss_floor --methods "liger_patch_kd" --out "$OUT/bench_loss_floor_carveout.json" \
-        2>&1 | tee "$OUT/bench_loss_floor_carveout.log" | grep -v "^{"
-      python3 -m benchmarks.bench_rollouts --rows 64 --caches static dynamic --calls 2 --profile 32 --no-cudnn-sdpa \
-        --out "$OUT/bench_rollouts_profile_nocudnn.json" 2>&1 | tee "$OUT/bench_rollouts_profile_nocudnn.log" | tail -22 ;;
     issue30-loss)  # FP8 logits: their GPU tests, then the loss against its floor
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_logits.py 2>&1 \
         | tee "$OUT/tests_issue30_gpu.log" | tail -8

@@ -108,9 +108,6 @@ class KDLossConfig:
     student_logits_fp8: the student's forward logit product in FP8 likewise; the backward products stay in the
         input dtype, so the gradient is dLoss/dlogits at the FP8 logits chained through the unquantised head (a
         straight-through estimator of the rounding).
-    overlap_chunks: on CUDA, each chunk's divergence kernel (memory-bound) runs on a side stream beside the next
-        chunk's logit products (compute-bound); two chunks are alive at once, so chunks hold half the rows for the
-        same memory. Same values as without it, in another order of independent work.
     """
 
     beta: float = 0.5
@@ -128,7 +125,6 @@ class KDLossConfig:
     estimator: str | None = None
     teacher_logits_fp8: bool = False
     student_logits_fp8: bool = False
-    overlap_chunks: bool = False
 
     def __post_init__(self) -> None:
         check_shared_options(self)

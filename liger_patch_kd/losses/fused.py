@@ -16,7 +16,7 @@ from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
 from ..ops.backend import eager, logits_fp32, select_backend
-from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, overlap_possible
+from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
     check_linear,
@@ -102,8 +102,6 @@ def run_fused(
     h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
     w_s = student_weight.to(dtype)
     kernel = kernels[select_backend(device, backend)]
-    overlap = cfg.overlap_chunks and overlap_possible(device)  # two chunks alive at once: each gets half the rows
-    bytes_per_logit *= 2 if overlap else 1
     rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=bytes_per_logit)
     student_product = None
     if cfg.student_logits_fp8:  # the head quantised once per call: the student's weight changes every step
@@ -120,7 +118,6 @@ def run_fused(
         hard_weight=cfg.hard_weight,
         fp32_weight_grad=cfg.fp32_weight_grad,
         student_product=student_product,
-        overlap=overlap,
     )
     row_weight = _row_weight(flat_labels, cfg, num_items_in_batch, dtype)
     if row_scale is not None:

@@ -8,7 +8,6 @@ time, so peak memory does not grow with the number of rows.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +81,6 @@ def run_chunked(
     temperature: float = 1.0,
     fp32_weight_grad: bool = False,
     student_product: Callable | None = None,
-    overlap: bool = False,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
@@ -94,8 +92,6 @@ def run_chunked(
     neither the loss nor a gradient: a zero row weight alone would not do, as 0 * NaN is NaN.
     `student_product(hidden, weight, bias)`: the forward logit product (default `logits_fp32`; an FP8 one with
     student_logits_fp8); the gradient products always use `weight` and the hidden rows as they are.
-    `overlap` (CUDA): each chunk's kernel runs on a side stream beside the next chunk's logit products; two
-    chunks' buffers are alive at once, so the caller sizes chunks for twice the bytes (`overlap_possible`).
     """
     n_rows, full_vocab = student_input.shape[0], student_weight.shape[0]
     vocab = full_vocab if vocab is None else vocab
@@ -122,111 +118,35 @@ def run_chunked(
         grad_weight[columns:].zero_()
     grad_bias = torch.zeros(full_vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
 
-    side = side_stream(student_input.device) if overlap else None
-
-    def front(start: int, end: int) -> _Chunk:
-        """Chunk [start, end)'s products (current stream), then its kernel: on `side` when overlapping, where it
-        runs beside the next chunk's products (memory-bound beside compute-bound)."""
+    for start in range(0, n_rows, chunk_size):
+        end = min(n_rows, start + chunk_size)
         chunk_active = active[start:end]
         hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
         logits = (student_product or logits_fp32)(hidden, weight, bias)
-        teacher = teacher_chunk(start, end, chunk_active)
-        with _side_context(side):
-            soft, hard, grad_logits = kernel(
-                logits, teacher, labels[start:end], w_soft[start:end], w_hard[start:end],
-                student_input.dtype if any_grad else None,
-            )  # fmt: skip
-            soft_rows[start:end] = soft
-            hard_rows[start:end] = hard
-        return _Chunk(start, end, hidden, grad_logits, _leave_side(side, (logits, teacher), grad_logits))
-
-    def back(chunk: _Chunk) -> None:
-        """Chunk's gradient products, once its kernel is done."""
-        if chunk.grad_logits is None:
-            return
-        if chunk.done is not None:
-            torch.cuda.current_stream(chunk.grad_logits.device).wait_event(chunk.done)
-        start, end, grad_logits = chunk.start, chunk.end, chunk.grad_logits
+        soft, hard, grad_logits = kernel(
+            logits,
+            teacher_chunk(start, end, chunk_active),
+            labels[start:end],
+            w_soft[start:end],
+            w_hard[start:end],
+            student_input.dtype if any_grad else None,
+        )
+        soft_rows[start:end] = soft
+        hard_rows[start:end] = hard
+        del logits
+        if grad_logits is None:
+            continue
         if need_input:
             torch.mm(grad_logits, weight, out=grad_input[start:end])
         if need_weight:
-            _accumulate_weight_grad(grad_weight[:columns], grad_logits, chunk.hidden, first=start == 0)
+            _accumulate_weight_grad(grad_weight[:columns], grad_logits, hidden, first=start == 0)
         if need_bias:
             grad_bias[:vocab] += grad_logits[:, :vocab].sum(0, dtype=acc_dtype)
-
-    # sequential: each chunk's buffers are freed before the next allocates its own (peak memory is one chunk);
-    # overlapping: chunk i's gradient products wait behind chunk i + 1's logit products (peak: two chunks)
-    pending = None
-    for start in range(0, n_rows, chunk_size):
-        chunk = front(start, min(n_rows, start + chunk_size))
-        if side is not None:
-            chunk, pending = pending, chunk  # this chunk's backward waits for the next one's products
-        if chunk is not None:
-            back(chunk)
-        del chunk  # its buffers go before the next front allocates
-    if pending is not None:
-        back(pending)
-        del pending
-    if side is not None:
-        torch.cuda.current_stream(student_input.device).wait_stream(side)
+        # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk, not two
+        del grad_logits
     if grad_bias is not None and student_bias is not None:
         grad_bias = grad_bias.to(student_bias.dtype)
     return ChunkedResult(soft_rows, hard_rows, grad_input, grad_weight, grad_bias)
-
-
-@dataclass
-class _Chunk:
-    start: int
-    end: int
-    hidden: torch.Tensor  # the chunk's rows with inactive ones zeroed: the weight gradient's operand
-    grad_logits: torch.Tensor | None
-    done: torch.cuda.Event | None  # recorded on the side stream after the chunk's kernel (overlap only)
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the chunk kernels overlap on, one per device (streams are cheap to keep, costly to create)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
-def overlap_possible(device: torch.device) -> bool:
-    """Whether run_chunked(overlap=True) can run here: CUDA, outside torch.compile's tracing and graph capture
-    (a captured graph or a compiled region orders its own kernels)."""
-    return device.type == "cuda" and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
-
-
-def _side_context(side: torch.cuda.Stream | None):
-    """The block runs on `side` after everything queued so far on the current stream (nothing without `side`)."""
-    if side is None:
-        return contextlib.nullcontext()
-    side.wait_stream(torch.cuda.current_stream(side.device))
-    return torch.cuda.stream(side)
-
-
-def _leave_side(side: torch.cuda.Stream | None, used: tuple, made: torch.Tensor | None):
-    """After a block on `side`: the tensors it `used` (made on the current stream) stay allocated until `side` is
-    done with them, the one it `made` until the current stream is; returns the event that marks the block's end."""
-    if side is None:
-        return None
-    for t in _tensors(used):
-        t.record_stream(side)
-    if made is not None:
-        made.record_stream(torch.cuda.current_stream(side.device))
-    done = torch.cuda.Event()
-    done.record(side)
-    return done
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
 
 
 def _accumulate_weight_grad(
@@ -265,7 +185,6 @@ class ChunkPlan:
     columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
     temperature: float = 1.0  # scales the padding columns' bias
     student_product: Callable | None = None  # the student's forward product (run_chunked's default: logits_fp32)
-    overlap: bool = False  # run_chunked's overlap: chunks sized for two alive at once
 
 
 class FusedLinearKDFunction(torch.autograd.Function):
@@ -343,7 +262,6 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
         student_product=plan.student_product,
-        overlap=plan.overlap and overlap_possible(student_input.device),
     )
 
 
