@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import transformers_code, unwrap_model
+from ..models import packed_decode_attention, transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
 from .decode import lean_decode_applies, sample_tokens
 
@@ -162,7 +162,9 @@ def generate_rollouts(
     was_training = generator.training
     generator.eval()
     try:
-        with transformers_code(generator):  # the model's own forward and kernels: last-position logits, compilable
+        # the model's own forward and kernels (last-position logits, compilable), decode steps without the
+        # grouped-query cache copy (models/decode_attention.py)
+        with transformers_code(generator), packed_decode_attention():
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ...models import packed_decode_attention
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -183,7 +184,7 @@ class GenerationEngine:
             raise RequestError(404, f"the model {req.model!r} does not exist here; this server serves "
                                     f"{[self.model_name, *self.adapters]}")  # fmt: skip
         adapter = req.model if req.model in self.adapters else None
-        with self.lock, torch.no_grad():
+        with self.lock, torch.no_grad(), packed_decode_attention():  # no grouped-query cache copy per step
             self._select(adapter)
             rows = [p for p in req.prompts for _ in range(req.n)]
             generator = None

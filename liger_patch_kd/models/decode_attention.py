@@ -1,0 +1,88 @@
+"""SDPA for one-token decode steps with grouped-query heads packed, compiled or not.
+
+With grouped-query attention (H query heads sharing H_kv key/value heads) and a mask, transformers' SDPA path
+copies the key/value cache H / H_kv times (`repeat_kv`) before every attention call, except in eager decode steps
+where it packs the query heads instead; inside a compiled decode step (the static cache's) it always copies. On an
+H200, the 1B student (32 query heads, 8 key/value heads) generating 64 rows with the static cache spent 87 of the
+362 GPU-ms of a 32-token call in that copy and read the 4x larger cache again in attention
+(benchmarks/results/wave3/bench_rollouts_profile.json): per layer and step, 268 MB written and read where 67 MB
+is the cache.
+
+A decode step has one query per row, so the query heads of one key/value head can be that head's query *rows*:
+(batch, H, 1, d) -> (batch, H_kv, H / H_kv, d). Attention of those rows over the un-copied cache is the same
+attention (softmax per row; the mask, shared by every head and query of a row, broadcasts), with no copy.
+`packed_decode_attention` applies it inside its block; anything it does not cover (a prompt's prefill, a mask per
+head, position biases, soft-capping, attention sinks) goes to transformers' own SDPA function unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+# keyword arguments of an attention call that the packed path would have to honour and does not: defer on them
+_DEFERRED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions")
+
+
+def packed_gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (`ALL_ATTENTION_FUNCTIONS`).
+
+    Args:
+        module: the attention layer (its `num_key_value_groups` is H / H_kv).
+        query: (batch, H, q_len, d).
+        key, value: (batch, H_kv, kv_len, d), the cache as it is.
+        attention_mask: None, or (batch or 1, 1, q_len, kv_len), boolean (True attends) or additive.
+
+    Returns:
+        ((batch, q_len, H, d) attention output, None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, dim = query.shape
+    packable = (
+        groups > 1
+        and q_len == 1
+        and key.shape[1] * groups == heads
+        and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1))
+        and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _DEFERRED_KWARGS)
+    )
+    if not packable:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    rows = query.reshape(batch, heads // groups, groups, dim)  # query heads j*G .. j*G+G-1 read key/value head j
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(out.shape[0], heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def packed_decode_attention() -> Iterator[None]:
+    """Within the block, transformers' "sdpa" attention is `packed_gqa_sdpa` (its masks stay "sdpa"'s: the same
+    name). Not thread-safe, like models.transformers_code: the trainer generates between steps, alone, and the
+    server's engine holds its lock."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # the mapping the models look "sdpa" up in
+
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa  # an override on this mapping, not transformers' registry
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:  # someone had overridden it here before us
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
