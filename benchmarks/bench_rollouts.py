@@ -12,11 +12,15 @@ compiled over all calls: a count that grows with the calls means recompilation p
 `liger-kd serve`'s own sampler instead (teacher/serve/generation.py: GenerationEngine.complete on the same model,
 in eval mode, as the server holds it; no HTTP), what the engine rows of bench_engine wait for.
 
-Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (benchmarks/results/bench_rollouts_engine.json,
-`--rows 64 --caches engine dynamic --calls 2`): the server's sampler 3,201 tokens/s, generate_rollouts with the
-dynamic cache 4,973 (and 6,951 with the static cache, bench_rollouts.json): for asynchronous rollouts to reach 80 %
-of off-policy (~9,100 generated tokens/s at bench_onpolicy's shapes) the engine must be vLLM, or sample as
-generate_rollouts does with a static, compiled cache.
+`--profile N` adds, per cell, a call of N new tokens under torch.profiler: ms per decode step, the GPU's busy share
+and the kernels that took the most (what found the per-head KV-cache copy models/decode_attention.py removes).
+
+Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
+--calls 2 --profile 32`, benchmarks/results/wave3/bench_rollouts_packed.json): the static cache 11,961 tokens/s,
+the dynamic one 5,708, the server's sampler 4,560 (before the packed decode attention: 6,951-7,331 / 4,973 /
+3,201; bench_rollouts.json, bench_rollouts_engine.json, wave3/bench_rollouts_profile.json). For asynchronous
+rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's shapes) the engine must be
+vLLM, or sample as generate_rollouts does with the static, compiled cache.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ class RolloutSettings:
     cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 128 rows,
         dynamic elsewhere. Measured on an H200 with the 1B student generating 512 tokens after 512
         (benchmarks/bench_rollouts.py, bench_onpolicy.py): static 5,161 / 6,951 / 8,389 tokens/s at 32 / 64 / 128
-        rows, dynamic 4,180 at 64 and 9,393 at 128 (MEASUREMENTS.md); compiling costs ~30 s per new shape, once,
-        and on a CPU more than it saves.
+        rows, dynamic 4,180 at 64 and 9,393 at 128 (MEASUREMENTS.md); with decode steps' grouped-query heads packed
+        (models/decode_attention.py) static 11,961 and dynamic 5,708 at 64 (128 not measured again); compiling
+        costs ~30 s per new shape, once, and on a CPU more than it saves.
     seed: with the step number, seeds each call, so the same seed gives the same completions.
     """
 
