@@ -14,7 +14,7 @@ from transformers.utils import logging
 
 from .. import distributed
 from ..config import KDLossConfig
-from ..models import apply_kd_patch, patch_teacher_kernels, quantize_teacher_fp8, unwrap_model
+from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ..models.materialised import materialised_kd
 from ..models.privileged import PrivilegedInputs
@@ -44,6 +44,7 @@ from .routed_offline import offline_routed_setup
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
+from .teacher_compute import prepare_teacher_compute
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
 
 logger = logging.get_logger(__name__)
@@ -146,19 +147,7 @@ class KDTrainer(Trainer):
             teacher_model = self._frozen_teacher(teacher_model)
         if teachers:
             self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
-        if args.kd_teacher_precision == "fp8":
-            if teacher_model is None or args.kd_self_distill:
-                raise ValueError(
-                    "kd_teacher_precision='fp8' quantises an in-process teacher_model; this run has none "
-                    "(offline data, a teacher server or self-distillation): serve the teacher with "
-                    "`liger-kd serve --precision fp8` instead, or leave kd_teacher_precision='bf16'"
-                )
-            summary = quantize_teacher_fp8(teacher_model)
-            logger.info(
-                "FP8 teacher: %d products quantised, %d kept in bf16 (%s); %.2f -> %.2f GiB",
-                len(summary.quantized), len(summary.kept), ", ".join(sorted(set(summary.kept.values()))),
-                summary.bytes_before / 2**30, summary.bytes_after / 2**30,
-            )  # fmt: skip
+        prepare_teacher_compute(args, teacher_model, self.teacher_set.models if teachers else {})
         self.teacher_model = teacher_model
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
