@@ -6,12 +6,15 @@ shapes (32 query heads, 8 key/value heads, head dim 128, causal, forward), the l
 Rows: flash with enable_gqa on (batch, seq, heads, dim) views transposed to (batch, heads, seq, dim), as
 transformers calls it without a mask; cuDNN on the same query view with the key/value heads repeated (what
 models/teacher_attention.py did); cuDNN with every operand contiguous (batch, heads, seq, dim); cuDNN with
-every operand a transposed (batch, seq, heads, dim) view. ms per layer, median of CUDA events.
+every operand a transposed (batch, seq, heads, dim) view; and SDPA's own choice (no backend forced) on
+transformers' call, which is what the step runs. ms per layer, median of CUDA events. With the profiler, the
+default-dispatch row also names the kernel SDPA picked.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,8 @@ def main() -> None:
         q, k, v = views(batch, seq, 32, 8, 128)
         cases = {
             "flash, enable_gqa, transformers' views": (SDPBackend.FLASH_ATTENTION, lambda: (q, k, v), True),
+            "default dispatch, enable_gqa, transformers' views (the step)": (None, lambda: (q, k, v), True),
+            "cudnn, enable_gqa, transformers' views": (SDPBackend.CUDNN_ATTENTION, lambda: (q, k, v), True),
             "cudnn, query view, repeated kv (contiguous)": (
                 SDPBackend.CUDNN_ATTENTION, lambda: (q, repeat(k, 4), repeat(v, 4)), False),
             "cudnn, all contiguous (b, h, s, d)": (
@@ -56,7 +61,7 @@ def main() -> None:
         for name, (backend, operands, gqa) in cases.items():
 
             def run():
-                with sdpa_kernel([backend]):
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                     F.scaled_dot_product_attention(*operands(), is_causal=True, enable_gqa=gqa)
 
             try:
@@ -65,6 +70,12 @@ def main() -> None:
                 ms = f"error: {str(e)[:80]}"
             rows.append(dict(batch=batch, seq=seq, case=name, ms_per_layer=ms))
             print(rows[-1], flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.cuda.synchronize()
+        picked = [e.key[:80] for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        rows.append(dict(batch=batch, seq=seq, case="kernels of the default dispatch", ms_per_layer=" | ".join(picked)))
+        print(rows[-1], flush=True)
     table = print_table(rows, ["batch", "seq", "case", "ms_per_layer"])
     write_json(a.out, dict(environment=environment(), rows=rows, table=table))
 
