@@ -19,8 +19,6 @@ row says otherwise. For each micro-batch, in one run:
   ... fp8 logits      the FP8 teacher with its logit product in the loss in FP8 too (teacher_logits_fp8)
   ... fp8 logits (both), recompute k/16   both logit products in FP8 (student_logits_fp8 too) and k of the 16
                       student layers recomputed: the fastest configuration within Liger's best row's memory
-  ..., cudnn teacher attention   the row with kd_teacher_attention="cudnn": the teacher's causal attention on
-                      cuDNN's SDPA kernel over repeated key/value heads (models/teacher_attention.py)
   trl/liger+kernels both, torchao fp8 teacher   Liger's kernels on both models and the teacher's decoder quantised
                       by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
@@ -44,7 +42,6 @@ import torch
 from liger_patch_kd import reference as R
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.models.recompute import limit_recompute
-from liger_patch_kd.models.teacher_attention import set_teacher_attention
 
 from .common import environment, print_table, write_json
 
@@ -90,9 +87,6 @@ FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
 # products in FP8 as well, the fastest configuration within the memory of Liger's best row
 FP8_BEST_ROWS = [f"{FP8_ROW}, fp8 logits (both), recompute {k}/16" for k in (10, 6)]
 TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
-# kd_teacher_attention="cudnn" (models/teacher_attention.py): the teacher's causal attention on cuDNN's kernel
-CUDNN = ", cudnn teacher attention"
-CUDNN_ROWS = [f"liger_patch_kd{CUDNN}", f"{FP8_ROW}{CUDNN}", f"{FP8_BEST_ROWS[0]}{CUDNN}"]
 
 
 def loss_options(name: str) -> dict:
@@ -213,7 +207,6 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         prepare_student(name, student)
         if name.startswith("liger_patch_kd"):  # the product patches the teacher's kernels too (KDTrainer does)
             apply_kd_patch_to_llama(model=teacher)
-            set_teacher_attention(teacher, "cudnn" if name.endswith(CUDNN) else "sdpa")
         elif name == "trl/liger+kernels both":  # irreversible: main() runs this row last
             from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -268,7 +261,6 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         del student, opt, step, batch
         revert_kd_patch(model=teacher)
         revert_kd_patch()
-        set_teacher_attention(teacher, "sdpa")
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -305,13 +297,12 @@ def main() -> None:
         notes.append(torchao_missing())
     if args.tiny:
         liger = []
-    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, *FP8_BEST_ROWS, *CUDNN_ROWS[1:]]
+    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, *FP8_BEST_ROWS]
     methods = [
         "plain HF",
         *liger[:1],
         "liger_patch_kd",
         "liger_patch_kd no recompute",
-        CUDNN_ROWS[0],
         *([] if args.no_fp8 else fp8_rows),
         f"offline top-{TOP_K}",
         STORE_ROW,

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig
-from ..models.teacher_attention import TEACHER_ATTENTIONS
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .self_distill import SELF_DISTILL_MODES
@@ -168,11 +167,6 @@ class KDTrainingArguments(TrainingArguments):
         default="bf16",
         metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
     )
-    kd_teacher_attention: str = field(
-        default="sdpa",
-        metadata={"help": "sdpa: the teacher attends as loaded; cudnn: its causal attention over unpadded rows on "
-                  "cuDNN's SDPA kernel, key/value heads repeated (models/teacher_attention.py; faster on Hopper)."},
-    )  # fmt: skip
     kd_teacher_logits_fp8: bool = field(
         default=False,
         metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs)."},
@@ -215,10 +209,6 @@ class KDTrainingArguments(TrainingArguments):
             )
         if self.kd_teacher_precision not in ("bf16", "fp8"):
             raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
-        if self.kd_teacher_attention not in TEACHER_ATTENTIONS:
-            raise ValueError(
-                f"kd_teacher_attention must be one of {TEACHER_ATTENTIONS}; got {self.kd_teacher_attention!r}"
-            )
         if self.kd_recompute_layers is not None:
             if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
                 raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")

@@ -1,5 +1,5 @@
-"""How KDTrainer's in-process teachers compute: FP8 decoder products (`kd_teacher_precision`) and cuDNN attention
-(`kd_teacher_attention`), each refused with the reason where there is no in-process teacher to change."""
+"""How KDTrainer's in-process teacher computes: FP8 decoder products (`kd_teacher_precision`), refused with the
+reason where there is no in-process teacher to change."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ from torch import nn
 from transformers.utils import logging
 
 from ..models import quantize_teacher_fp8
-from ..models.teacher_attention import set_teacher_attention
 
 logger = logging.get_logger(__name__)
 
 
-def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None, several: dict[str, nn.Module]) -> None:
-    """Apply the teacher options of `args` to the frozen in-process teacher (`teacher_model`) and, for the
-    attention, to each of `several` teachers. A served teacher, offline data or self-distillation has no teacher
-    here to change: asking for FP8 or cuDNN then is an error, not a no-op."""
+def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None) -> None:
+    """Apply the teacher options of `args` to the frozen in-process teacher (`teacher_model`). A served teacher,
+    offline data or self-distillation has no teacher here to change: asking for FP8 then is an error, not a
+    no-op."""
     if args.kd_teacher_precision == "fp8":
         if teacher_model is None or args.kd_self_distill:
             raise ValueError(
@@ -31,13 +30,3 @@ def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None, several:
             len(summary.quantized), len(summary.kept), ", ".join(sorted(set(summary.kept.values()))),
             summary.bytes_before / 2**30, summary.bytes_after / 2**30,
         )  # fmt: skip
-    if args.kd_teacher_attention != "sdpa":
-        teachers = [teacher_model] if teacher_model is not None else list(several.values())
-        if not teachers or args.kd_self_distill:
-            raise ValueError(
-                f"kd_teacher_attention={args.kd_teacher_attention!r} changes how an in-process teacher model "
-                f"attends; this run has none (offline data, a teacher server, or self-distillation, whose teacher "
-                f"shares the student's configuration): leave kd_teacher_attention='sdpa'"
-            )
-        for teacher in teachers:
-            set_teacher_attention(teacher, args.kd_teacher_attention)

@@ -147,7 +147,7 @@ class KDTrainer(Trainer):
             teacher_model = self._frozen_teacher(teacher_model)
         if teachers:
             self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
-        prepare_teacher_compute(args, teacher_model, self.teacher_set.models if teachers else {})
+        prepare_teacher_compute(args, teacher_model)
         self.teacher_model = teacher_model
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
