@@ -49,7 +49,7 @@ class KDTrainingArguments(TrainingArguments):
     )
     kd_generation_cache: str = field(
         default="auto",
-        metadata={"help": "KV cache for generation: auto (static + compiled on CUDA below 128 rows, else dynamic), "
+        metadata={"help": "KV cache for generation: auto (static + compiled on CUDA up to 256 rows, else dynamic), "
                   "dynamic or static."},
     )  # fmt: skip
     kd_onpolicy_loss: str = field(

@@ -23,7 +23,7 @@ CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
-STATIC_BELOW_ROWS = 128  # "auto" takes the static cache below this many rows on CUDA (see RolloutSettings.cache)
+STATIC_UP_TO_ROWS = 256  # "auto" takes the static cache up to this many rows on CUDA (see RolloutSettings.cache)
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,13 @@ class RolloutSettings:
         generator's own distribution, which on-policy KD assumes.
     num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
-    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA below 128 rows,
-        dynamic elsewhere. Measured on an H200 with the 1B student generating 512 tokens after 512
-        (benchmarks/bench_rollouts.py, bench_onpolicy.py): static 5,161 / 6,951 / 8,389 tokens/s at 32 / 64 / 128
-        rows, dynamic 4,180 at 64 and 9,393 at 128 (MEASUREMENTS.md); with decode steps' grouped-query heads packed
-        (models/decode_attention.py) static 11,961 and dynamic 5,708 at 64 (128 not measured again); compiling
-        costs ~30 s per new shape, once, and on a CPU more than it saves.
+    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA up to 256 rows,
+        dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
+        with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
+        benchmarks/results/wave3/), decode steps' grouped-query heads packed (models/decode_attention.py): static
+        11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
+        packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.
+        Compiling costs ~25-30 s per new shape, once, and on a CPU more than it saves.
     seed: with the step number, seeds each call, so the same seed gives the same completions.
     """
 
@@ -85,7 +86,7 @@ def call_seed(seed: int, step: int, call: int) -> int:
 def cache_for(rows: int, device: torch.device, choice: str) -> str:
     if choice != "auto":
         return choice
-    return "static" if device.type == "cuda" and rows < STATIC_BELOW_ROWS else "dynamic"
+    return "static" if device.type == "cuda" and rows <= STATIC_UP_TO_ROWS else "dynamic"
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
