@@ -23,6 +23,9 @@ row says otherwise. For each micro-batch, in one run:
                       by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
   offline ... (store) the same read from a store on disk through a shuffling 2-worker DataLoader
+  KDTrainer off-/on-policy (bench_onpolicy)   the on-policy issue's rows at their own shape (8 rows of 512 + 512
+                      tokens per micro-batch, accumulation 8): tokens_per_s there counts scored (completion)
+                      tokens, generated ones included for on-policy
 `--tiny` runs the same code on CPU with tiny shapes (a smoke test, no figures). Long contexts: `--seq 16384 32768
 --micro-batches 1`. Every row starts from freshly reset peak-memory statistics. Liger-Kernel and torchao are
 imported only by their rows, which are skipped with the reason printed when they are absent.
@@ -87,6 +90,11 @@ FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
 # products in FP8 as well, the fastest configuration within the memory of Liger's best row
 FP8_BEST_ROWS = [f"{FP8_ROW}, fp8 logits (both), recompute {k}/16" for k in (10, 6)]
 TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
+# the on-policy issue's rows, through KDTrainer at bench_onpolicy's shapes (its child process, its defaults)
+ONPOLICY_ROWS = {
+    "KDTrainer off-policy (bench_onpolicy)": "off-policy",
+    "KDTrainer on-policy (bench_onpolicy)": "on-policy",
+}
 
 
 def loss_options(name: str) -> dict:
@@ -132,6 +140,24 @@ def fp8_copy(shape: dict, device, dtype, seq: int = 8192):
     summary = quantize_teacher_fp8(teacher)
     print(f"fp8 teacher: {summary.bytes_before / 2**30:.1f} -> {summary.bytes_after / 2**30:.1f} GiB", flush=True)
     return teacher
+
+
+def onpolicy_row(name: str, tiny: bool) -> dict:
+    """A bench_onpolicy row (KDTrainer, bf16, 8 rows of 512 prompt + 512 completion tokens per micro-batch,
+    accumulation 8, one warm-up and one timed step) in its own process; tokens_per_s is its scored (completion)
+    tokens per second, which for the on-policy row includes generating them."""
+    from .bench_onpolicy import SHAPE_KEYS
+    from .common import run_row_in_child
+
+    shape = argparse.Namespace(prompt=512, completion=512, micro_batch=8, accumulation=8, steps=1, tiny=tiny)
+    if tiny:
+        shape.prompt, shape.completion, shape.micro_batch, shape.accumulation = 8, 8, 2, 2
+    result = run_row_in_child("benchmarks.bench_onpolicy", ONPOLICY_ROWS[name], shape, SHAPE_KEYS)
+    row = dict(method=name, micro_batch=shape.micro_batch, seq=shape.prompt + shape.completion)
+    if "error" in result:
+        return {**row, "tokens_per_s": f"error: {result['error'][:80]}"}
+    return {**row, "tokens_per_s": result["scored_tokens_per_s"], "step_s": result["step_s"],
+            "generate_s": result["generate_s"], "peak_GiB": result["peak_GiB"]}  # fmt: skip
 
 
 def method_step(name: str, student, teacher, batch: dict):
@@ -306,6 +332,7 @@ def main() -> None:
         *([] if args.no_fp8 else fp8_rows),
         f"offline top-{TOP_K}",
         STORE_ROW,
+        *ONPOLICY_ROWS,
         *liger[1:],  # last: Liger's patch of the teacher cannot be undone
         *([] if args.no_fp8 else torchao),  # its own teacher copy, patched by Liger as well
     ]
@@ -341,7 +368,11 @@ def main() -> None:
                         gc.collect()
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
-                    if name == STORE_ROW:
+                    if name in ONPOLICY_ROWS:
+                        if mb != micro_batches[0] or seq != seqs[0]:
+                            continue  # one shape of its own
+                        row = onpolicy_row(name, args.tiny)
+                    elif name == STORE_ROW:
                         from .bench_served_teacher import store_row  # it imports this module
 
                         with tempfile.TemporaryDirectory() as workdir:
