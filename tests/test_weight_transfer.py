@@ -213,3 +213,35 @@ def test_a_refused_init_leaves_no_thread_waiting_for_the_engine():
         while any(t.name.startswith("liger-kd /") for t in threading.enumerate()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("liger-kd /")]
+
+
+def test_a_broadcast_that_breaks_midway_changes_no_weight_and_says_where():
+    """The trainer dies after the first tensor: one clean refusal naming the tensor, the group closed, the engine's
+    weights as they were (nothing half-applied), and a later update asks for a new init."""
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine
+    from liger_patch_kd.teacher.serve.validation import RequestError
+    from liger_patch_kd.teacher.serve.weight_transfer import WeightReceiver
+
+    model = tiny_model("llama", dtype=torch.float32, seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    receiver = WeightReceiver(GenerationEngine(model, "student"))
+
+    class DyingGroup:
+        calls = 0
+
+        def broadcast(self, tensor, src):
+            DyingGroup.calls += 1
+            if DyingGroup.calls == 2:
+                raise RuntimeError("Connection closed by peer [127.0.0.1]:29500\nmore detail")
+            return type("Work", (), {"wait": lambda self: None})()
+
+    receiver.group = DyingGroup()
+    names = list(before)[:3]
+    info = {"names": names, "dtype_names": ["float32"] * 3, "shapes": [list(before[n].shape) for n in names]}
+    with pytest.raises(RequestError, match=rf"broke at tensor 2 of 3 \({names[1]}\): Connection closed by peer") as e:
+        receiver.update({"update_info": info})
+    assert e.value.status == 500 and "\n" not in e.value.message
+    assert receiver.group is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(RequestError, match="POST /init_weight_transfer_engine first"):
+        receiver.update({"update_info": info})

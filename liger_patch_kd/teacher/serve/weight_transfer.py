@@ -13,7 +13,9 @@ trainer's address (gloo for a model on the CPU, NCCL on a GPU), not vLLM's own S
 syncing with `liger-kd serve` uses kd_sync_transport="broadcast"; with vLLM, "vllm-nccl" (vLLM's communicator,
 vllm installed in the trainer). An update is received whole before anything is applied, so a refused one (a name
 the model lacks, a shape that differs, adapters loaded) still drains the trainer's broadcast (no one hangs) and
-changes no weight; `names` empty reuses the previous update's metadata, as vLLM allows.
+changes no weight; `names` empty reuses the previous update's metadata, as vLLM allows. A broadcast that breaks
+midway (the trainer died, or the group timed out) changes no weight either: the reply is one 500 line that says
+where it broke, and the group is closed, so the next push must init again.
 """
 
 from __future__ import annotations
@@ -96,9 +98,18 @@ class WeightReceiver:
             raise RequestError(400, "update_info.names is empty and no earlier update gave the tensors' metadata")
         device = self.engine.device if self.engine.device.type == "cuda" else torch.device("cpu")
         state = {}
-        for name, dtype, shape in self.metadata:  # every tensor is received, even of an update refused below
+        for index, (name, dtype, shape) in enumerate(self.metadata):  # all received, even of an update refused below
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            self.group.broadcast(tensor, 0).wait()
+            try:
+                self.group.broadcast(tensor, 0).wait()
+            except RuntimeError as e:  # the trainer died or timed out mid-broadcast: this group is unusable now
+                total = len(self.metadata)
+                self.shutdown(None)
+                raise RequestError(
+                    500, f"the weight broadcast broke at tensor {index + 1} of {total} ({name}): "
+                         f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}. No weight changed; the "
+                         f"group is closed: POST /init_weight_transfer_engine again"
+                ) from e  # fmt: skip
             state[name] = tensor
         count = self.engine.apply_state(state)
         return {"success": True, "num_tensors": count, "weight_version": self.engine.weight_version}
