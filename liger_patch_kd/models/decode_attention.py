@@ -74,8 +74,10 @@ def packed_gqa_sdpa(
 @contextlib.contextmanager
 def packed_decode_attention() -> Iterator[None]:
     """Within the block, transformers' "sdpa" attention is `packed_gqa_sdpa` (its masks stay "sdpa"'s: the same
-    name). Not thread-safe, like models.transformers_code: the trainer generates between steps, alone, and the
-    server's engine holds its lock."""
+    name). The swap is process-wide, but the function gives SDPA's attention for every input, so another thread
+    attending meanwhile (the server scoring a teacher request) gets the same values; blocks must not overlap,
+    though (the later exit would restore the earlier one's function): the trainer generates between steps, alone,
+    and the server's engine generates under its lock."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # the mapping the models look "sdpa" up in
 
     previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
