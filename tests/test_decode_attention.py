@@ -114,6 +114,17 @@ def test_the_block_swaps_sdpa_and_puts_it_back_even_on_error():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
 
 
+def test_blocks_nest_and_overlap_and_the_last_one_restores():
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    outer = packed_decode_attention()
+    outer.__enter__()
+    with packed_decode_attention():
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_gqa_sdpa
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_gqa_sdpa  # the outer block is still open
+    outer.__exit__(None, None, None)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+
+
 def _sdpa_model():
     model = tiny_model("llama")  # 4 query heads over 2 key/value heads
     model.config._attn_implementation = "sdpa"

@@ -18,6 +18,7 @@ head, position biases, soft-capping, attention sinks) goes to transformers' own 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -71,20 +72,34 @@ def packed_gqa_sdpa(
     return out.reshape(out.shape[0], heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
+class _Swap:
+    """How many blocks are open (nested, or on several threads): the first installs, the last restores."""
+
+    lock = threading.Lock()
+    depth = 0
+    previous = None
+
+
 @contextlib.contextmanager
 def packed_decode_attention() -> Iterator[None]:
     """Within the block, transformers' "sdpa" attention is `packed_gqa_sdpa` (its masks stay "sdpa"'s: the same
-    name). The swap is process-wide, but the function gives SDPA's attention for every input, so another thread
-    attending meanwhile (the server scoring a teacher request) gets the same values; blocks must not overlap,
-    though (the later exit would restore the earlier one's function): the trainer generates between steps, alone,
-    and the server's engine generates under its lock."""
+    name). The swap is process-wide, and blocks may nest or overlap across threads (the first to open installs it,
+    the last to close restores what was there); the function gives SDPA's attention for every input, so another
+    thread attending meanwhile (the server scoring a teacher request) gets the same values."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # the mapping the models look "sdpa" up in
 
-    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa  # an override on this mapping, not transformers' registry
+    with _Swap.lock:
+        if _Swap.depth == 0:
+            _Swap.previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_gqa_sdpa  # an override on this mapping, not the registry
+        _Swap.depth += 1
     try:
         yield
     finally:
-        del ALL_ATTENTION_FUNCTIONS["sdpa"]
-        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:  # someone had overridden it here before us
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+        with _Swap.lock:
+            _Swap.depth -= 1
+            if _Swap.depth == 0:
+                del ALL_ATTENTION_FUNCTIONS["sdpa"]
+                if ALL_ATTENTION_FUNCTIONS["sdpa"] is not _Swap.previous:  # someone had overridden it here before
+                    ALL_ATTENTION_FUNCTIONS["sdpa"] = _Swap.previous
+                _Swap.previous = None
