@@ -157,7 +157,8 @@ def check(root: Path = ROOT) -> list[str]:
             if target != module and module not in parents(target):
                 graph.setdefault(module, set()).add(target)
             if layer_of(target) > layer_of(module):
-                problems.append(f"{rel}:{line}: imports {target} from a higher layer ({room(target)} above {room(module)})")
+                above = f"{room(target)} above {room(module)}"
+                problems.append(f"{rel}:{line}: imports {target} from a higher layer ({above})")
             elif layer_of(target) == layer_of(module) and room(target) != room(module):
                 problems.append(f"{rel}:{line}: imports {target} across rooms of one layer")
             for name in names:
