@@ -120,6 +120,24 @@ def _topk_reference(student, teacher, rows, cfg, num_items, k, atol):
     return loss, leaf
 
 
+def _assert_is_the_topk_reference(trainer, loss, student, reference_student, teacher, rows, num_items, k, atol):
+    """After `loss.backward()` on the trained `student`: its loss and every gradient are `_topk_reference`'s (on
+    `reference_student`, its copy from before the step) within what teacher data whose log-probs are each within
+    `atol` of the float64 ones move them: to first order the loss by at most sum |dL/dlog p| * atol, the gradients
+    by a relative ~1e-5. The teacher read at the student's prompt instead gives another loss, far outside that."""
+    M.revert_kd_patch(model=student)
+    expected, leaf = _topk_reference(reference_student, teacher, rows, trainer.kd_config, num_items, k, atol)
+    expected.backward()
+    bound = float(leaf.grad.abs().sum()) * atol + 1e-12
+    loss, expected = float(loss.detach()), float(expected.detach())
+    assert abs(loss - expected) <= bound, (loss, expected, bound)
+    for (name, p), q in zip(student.named_parameters(), reference_student.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-4, name
+    same_prompt = [(s, s, c) for s, _, c in rows]
+    wrong, _ = _topk_reference(reference_student, teacher, same_prompt, trainer.kd_config, num_items, k, 0)
+    assert abs(float(wrong.detach()) - expected) > 100 * bound
+
+
 @pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
 def test_the_loss_is_the_hand_reference_whatever_the_layout(tmp_path, layout, use_kd_patch):

@@ -8,14 +8,21 @@ import copy
 import pytest
 import torch
 
-import liger_patch_kd.models as M
 from liger_patch_kd import teacher as TD
 from liger_patch_kd.trainer import KDTrainer, PrivilegedCollator
 from liger_patch_kd.trainer.prompts import PromptCollator, privileged_token_rows
 
-from .helpers import rel_err
 from .test_onpolicy import tokenizer  # noqa: F401  (the BPE tokenizer fixture)
-from .test_privileged import TEXT, _args, _context_teacher, _features, _rows, _rows_of_batch, _topk_reference
+from .test_privileged import (
+    TEXT,
+    _args,
+    _assert_is_the_topk_reference,
+    _context_teacher,
+    _features,
+    _rows,
+    _rows_of_batch,
+    _topk_reference,
+)
 from .tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -50,17 +57,8 @@ def test_a_store_of_the_teachers_rows_trains_the_student_on_its_own(tmp_path, st
     batch = PrivilegedCollator(packing=layout == "packed")([joined[i] for i in range(len(joined))])
     loss = trainer.compute_loss(student, batch, num_items_in_batch=num_items)
     loss.backward()
-    M.revert_kd_patch(model=student)
-    expected, leaf = _topk_reference(reference_student, teacher, rows, trainer.kd_config, num_items, K, STORE_ATOL)
-    expected.backward()
-    # to first order the stored values' error moves the loss by at most sum |dL/dlog p| * STORE_ATOL
-    bound = float(leaf.grad.abs().sum()) * STORE_ATOL + 1e-12
-    assert abs(float(loss.detach()) - float(expected.detach())) <= bound
-    for (name, p), q in zip(student.named_parameters(), reference_student.parameters()):
-        assert rel_err(p.grad, q.grad) < 1e-4, name
-    same_prompt = [(s, s, c) for s, _, c in rows]  # the teacher at the student's prompt: far from it
-    wrong, _ = _topk_reference(reference_student, teacher, same_prompt, trainer.kd_config, num_items, K, 0)
-    assert abs(float(wrong.detach()) - float(expected.detach())) > 100 * bound
+    # the stored values are each within STORE_ATOL of the float64 log-probs
+    _assert_is_the_topk_reference(trainer, loss, student, reference_student, teacher, rows, num_items, K, STORE_ATOL)
 
 
 def test_train_with_bf16_and_accumulation_from_the_store(tmp_path, store):

@@ -18,11 +18,11 @@ from liger_patch_kd import teacher as TD  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, PrivilegedCollator  # noqa: E402
 from liger_patch_kd.trainer.prompts import tokenize_prompt_row  # noqa: E402
 
-from .helpers import rel_err  # noqa: E402
 from .test_onpolicy import tokenizer  # noqa: E402, F401  (the BPE tokenizer fixture)
 from .test_privileged import (  # noqa: E402
     TEXT,
     _args,
+    _assert_is_the_topk_reference,
     _batch,
     _context_teacher,
     _features,
@@ -70,20 +70,9 @@ def test_served_topk_of_the_teachers_rows_is_the_hand_reference(tmp_path, served
     assert batch["teacher_token_ids"].shape == (*batch["teacher_input_ids"].shape, TOP_K)
     loss = trainer.compute_loss(student, batch, num_items_in_batch=num_items)
     loss.backward()
-    M.revert_kd_patch(model=student)
-    expected, leaf = _topk_reference(reference_student, teacher, rows, trainer.kd_config, num_items, TOP_K, SERVED_ATOL)
-    expected.backward()
-    # the server sends float32 log-probs, each within SERVED_ATOL of the float64 ones (test_teacher_server): to first
-    # order the loss moves by at most sum |dL/dlog p| * SERVED_ATOL, the student's gradient by a relative ~1e-5
-    bound = float(leaf.grad.abs().sum()) * SERVED_ATOL + 1e-12
-    loss, expected = loss.detach(), expected.detach()
-    assert abs(float(loss) - float(expected)) <= bound, (float(loss), float(expected), bound)
-    for (name, p), q in zip(student.named_parameters(), reference_student.parameters()):
-        assert rel_err(p.grad, q.grad) < 1e-4, name
-    # the teacher read at the student's prompt instead: another loss, by far more than the bound
-    same_prompt = [(s, s, c) for s, _, c in rows]
-    wrong, _ = _topk_reference(reference_student, teacher, same_prompt, trainer.kd_config, num_items, TOP_K, 0)
-    assert abs(float(wrong.detach()) - float(expected)) > 100 * bound
+    # the server sends float32 log-probs, each within SERVED_ATOL of the float64 ones (test_teacher_server)
+    _assert_is_the_topk_reference(trainer, loss, student, reference_student, teacher, rows, num_items, TOP_K,
+                                  SERVED_ATOL)  # fmt: skip
 
 
 def test_all_empty_completions_give_zero_and_no_nan(tmp_path, served):
