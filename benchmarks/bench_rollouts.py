@@ -34,14 +34,19 @@ from .bench_onpolicy import SHAPES, build
 from .common import environment, print_table, write_json
 
 
+def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`rows` prompts of `length` random ids above the special ones (0 pad, 1 start, 2 EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(rows)]
+
+
 def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
     from torch._dynamo.utils import counters
 
     from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.completion, cache="auto" if cache == "engine" else cache, seed=0)
-    g = torch.Generator().manual_seed(rows)
-    prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(rows)]
+    prompts = random_prompts(rows, a.prompt, vocab, seed=rows)
     if cache == "engine":
         from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
 
@@ -87,8 +92,7 @@ def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: i
     from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.profile, cache=cache, seed=1)
-    g = torch.Generator().manual_seed(rows + 1)
-    prompts = [torch.randint(3, vocab, (a.prompt,), generator=g).tolist() for _ in range(rows)]
+    prompts = random_prompts(rows, a.prompt, vocab, seed=rows + 1)
     generate_rollouts(student, prompts, settings, pad_id=0, eos_ids=set(), start_id=1, step=0)  # this shape, warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
