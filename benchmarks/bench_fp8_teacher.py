@@ -16,8 +16,10 @@ The FP8 logit product inside the loss (KDLossConfig.teacher_logits_fp8), on the 
 teacher distribution from fp32-output bf16 logits to FP8 logits (the bf16 decoder, and the FP8 decoder too), and
 the fused loss's relative gradient error (d/d student hidden states, d/d lm_head weight) with teacher_logits_fp8 and
 with both FP8 options, against the bf16 loss, for an untrained student.
-Speed: the 8B-shaped teacher's forward (random weights, patched kernels, 4 x 4096 tokens) in bf16 and in FP8,
-and its weight memory. `--parts` picks the sections (fidelity always runs: it trains the teacher the others use).
+Each FP8 figure is given for the default accumulation and for fast accumulation (`fast_accum=True`,
+kd_teacher_precision="fp8_fast_accum"). Speed: the 8B-shaped teacher's forward (random weights, patched kernels,
+4 x 4096 tokens) in bf16, in FP8 and in FP8 with fast accumulation, and its weight memory. `--parts` picks the
+sections (fidelity always runs: it trains the teacher the others use).
 `--tiny` runs everything on CPU with tiny shapes (a smoke test, no figures).
 """
 
@@ -192,11 +194,20 @@ def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) ->
     summary = quantize_teacher_fp8(teacher)  # its byte counts: the weights before and after
     fp8_s = seconds_per_forward()
     revert_kd_patch(model=teacher)
+    del teacher
+    teacher = build(shape, device, torch.bfloat16, seed=2).eval().requires_grad_(False)  # a fresh copy
+    teacher.config.use_cache = False
+    apply_kd_patch_to_llama(model=teacher)
+    quantize_teacher_fp8(teacher, fast_accum=True)
+    fast_s = seconds_per_forward()
+    revert_kd_patch(model=teacher)
     rows = [
         dict(precision=name, forward_ms=1e3 * sec, tokens_per_s=micro_batch * seq / sec, weights_GiB=size / 2**30)
-        for name, sec, size in (("bf16", bf16_s, summary.bytes_before), ("fp8", fp8_s, summary.bytes_after))
-    ]
-    rows[1]["speedup"] = bf16_s / fp8_s
+        for name, sec, size in (("bf16", bf16_s, summary.bytes_before), ("fp8", fp8_s, summary.bytes_after),
+                                ("fp8_fast_accum", fast_s, summary.bytes_after))
+    ]  # fmt: skip
+    for row in rows[1:]:
+        row["speedup"] = bf16_s / (row["forward_ms"] / 1e3)
     return rows
 
 
@@ -244,10 +255,14 @@ def main() -> None:
     teacher_fp8 = copy.deepcopy(teacher_bf16)
     summary = quantize_teacher_fp8(teacher_fp8)
     fp8 = logprobs(teacher_fp8, held)
+    teacher_fast = copy.deepcopy(teacher_bf16)
+    quantize_teacher_fp8(teacher_fast, fast_accum=True)
+    fast = logprobs(teacher_fast, held)
     targets = held[:, 1:].reshape(-1)
     rows_fidelity = [
         dict(pair="P_fp32 vs P_bf16 (bf16 rounding alone)", **divergence(fp32, bf16)),
         dict(pair="P_bf16 vs P_fp8 (the FP8 teacher)", **divergence(bf16, fp8)),
+        dict(pair="P_bf16 vs P_fp8 fast accumulation", **divergence(bf16, fast)),
     ]
     per_window = bf16.reshape(len(held), args.seq, -1)[:, :-1].reshape(-1, vocab)
     teacher_ce = -per_window.gather(-1, targets[:, None].long()).mean().item()
@@ -261,7 +276,8 @@ def main() -> None:
 
     rows_student = []  # seed by seed: a short run's spread between seeds is the scale to read the gap against
     for seed in range(args.student_seeds if "student" in args.parts else 0):
-        for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8)):
+        for name, t in (("bf16 teacher", teacher_bf16), ("fp8 teacher", teacher_fp8),
+                        ("fp8 fast-accum teacher", teacher_fast)):  # fmt: skip
             rows_student.append(dict(teacher=name, **distil_student(t, train, held, teacher_bf16, args.student_steps,
                                                                     args.batch, vocab, device, seed)))  # fmt: skip
     for row in rows_student:  # the loss's CE is per token; per character too, to compare tokenizers
@@ -269,7 +285,7 @@ def main() -> None:
         row["held_out_ce_nats_per_char"] = row["held_out_ce_nats_per_token"] / chars_per_token
     columns = ["teacher", "seed", "train_kd_loss_last10", "held_out_kd_loss", "held_out_ce_nats_per_char"]
     table_student = print_table(rows_student, columns) if rows_student else ""
-    del teacher, teacher_bf16, teacher_fp8
+    del teacher, teacher_bf16, teacher_fp8, teacher_fast
     rows_speed, table_speed = [], ""
     if "speed" in args.parts:
         shape = SHAPES["tiny" if args.tiny else "llama"][1]

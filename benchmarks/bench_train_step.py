@@ -19,6 +19,7 @@ row says otherwise. For each micro-batch, in one run:
   ... fp8 logits      the FP8 teacher with its logit product in the loss in FP8 too (teacher_logits_fp8)
   ... fp8 logits (both), recompute k/16   both logit products in FP8 (student_logits_fp8 too) and k of the 16
                       student layers recomputed: the fastest configuration within Liger's best row's memory
+  ... fast accum, ... the same with the teacher's decoder products accumulated fast (fp8_fast_accum)
   trl/liger+kernels both, torchao fp8 teacher   Liger's kernels on both models and the teacher's decoder quantised
                       by torchao (Float8DynamicActivationFloat8WeightConfig, PerRow): what a Liger user would do
   offline top-64      the patched forward against top-64 teacher log-probs, no teacher in memory
@@ -89,6 +90,8 @@ FP8_LOGITS_ROW = f"{FP8_ROW}, fp8 logits"
 # the FP8 teacher frees ~8 GiB of weights: spent on activations (fewer layers recomputed) with both logit
 # products in FP8 as well, the fastest configuration within the memory of Liger's best row
 FP8_BEST_ROWS = [f"{FP8_ROW}, fp8 logits (both), recompute {k}/16" for k in (10, 6)]
+# ... and the teacher's decoder products with fast accumulation (kd_teacher_precision="fp8_fast_accum")
+FP8_FAST_ROWS = [f"{FP8_ROW} fast accum, fp8 logits (both), recompute {k}/16" for k in (10, 8)]
 TORCHAO_ROW = "trl/liger+kernels both, torchao fp8 teacher"
 # the on-policy issue's rows, through KDTrainer at bench_onpolicy's shapes (its child process, its defaults)
 ONPOLICY_ROWS = {
@@ -133,11 +136,11 @@ def torchao_copy(shape: dict, device, dtype, seq: int):
     return teacher
 
 
-def fp8_copy(shape: dict, device, dtype, seq: int = 8192):
+def fp8_copy(shape: dict, device, dtype, seq: int = 8192, fast_accum: bool = False):
     """The teacher again (same seed, same weights), quantised to FP8 for its row."""
     teacher = build(shape, device, dtype, seed=2, max_positions=seq).eval().requires_grad_(False)
     teacher.config.use_cache = False
-    summary = quantize_teacher_fp8(teacher)
+    summary = quantize_teacher_fp8(teacher, fast_accum=fast_accum)
     print(f"fp8 teacher: {summary.bytes_before / 2**30:.1f} -> {summary.bytes_after / 2**30:.1f} GiB", flush=True)
     return teacher
 
@@ -323,7 +326,7 @@ def main() -> None:
         notes.append(torchao_missing())
     if args.tiny:
         liger = []
-    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, *FP8_BEST_ROWS]
+    fp8_rows = [FP8_ROW, FP8_SELECTIVE_ROW, FP8_LOGITS_ROW, *FP8_BEST_ROWS, *FP8_FAST_ROWS]
     methods = [
         "plain HF",
         *liger[:1],
@@ -352,7 +355,7 @@ def main() -> None:
             if name == TORCHAO_ROW:
                 row_teacher = torchao_copy(SHAPES[shape][1], device, dtype, max(seqs))
             elif name.startswith(FP8_ROW):
-                row_teacher = fp8_copy(SHAPES[shape][1], device, dtype, max(seqs))
+                row_teacher = fp8_copy(SHAPES[shape][1], device, dtype, max(seqs), fast_accum="fast accum" in name)
             else:
                 row_teacher = teacher
             # a row with its own teacher copy is measured without the shared bf16 teacher on the GPU: its peak

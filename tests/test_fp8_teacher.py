@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import liger_patch_kd.ops.fp8 as F8
-from liger_patch_kd.models import apply_kd_patch, quantize_teacher_fp8, revert_kd_patch
+from liger_patch_kd.models import apply_kd_patch, apply_teacher_precision, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.models.fp8_teacher import Fp8GatedMLP, Fp8Linear
 
 from .test_trainer import _args, _dataset
@@ -68,10 +68,11 @@ def _pair(arch, hidden=64):
     return model, quantized
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gemma"])  # separate / biased / fused gate-up / GeGLU
-def test_quantized_teacher_follows_the_bf16_teacher(arch):
+def test_quantized_teacher_follows_the_bf16_teacher(arch, fast_accum):
     model, quantized = _pair(arch)
-    summary = quantize_teacher_fp8(quantized)
+    summary = quantize_teacher_fp8(quantized, fast_accum=fast_accum)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert summary.kept == {"lm_head": "lm_head: read by the fused loss in bf16"} or arch == "gemma"  # gemma ties it
     assert not [m for m in quantized.modules() if type(m) is torch.nn.Linear and m is not quantized.lm_head]
@@ -84,7 +85,7 @@ def test_quantized_teacher_follows_the_bf16_teacher(arch):
     kl = (ref.exp() * (ref - out)).sum(-1)
     assert kl.mean() < 2e-3 and kl.max() < 1e-2, kl  # bf16 rounding alone gives ~1e-5 on these random models
     assert (kl > 0).any()  # quantisation did happen
-    assert quantize_teacher_fp8(quantized) is summary  # a second call changes nothing
+    assert quantize_teacher_fp8(quantized, fast_accum=fast_accum) is summary  # a second call changes nothing
 
 
 def test_shared_inputs_are_quantised_once(monkeypatch):
@@ -98,6 +99,41 @@ def test_shared_inputs_are_quantised_once(monkeypatch):
     monkeypatch.setattr("liger_patch_kd.models.fp8_teacher.quantize_rows", counting)
     quantized(input_ids=torch.ones(1, 8, dtype=torch.long, device=DEVICE))
     assert len(calls) == 3 * quantized.config.num_hidden_layers
+
+
+def test_fast_accumulation_reaches_every_decoder_product_and_nothing_else(monkeypatch):
+    """fast_accum=True asks `torch._scaled_mm` for fast accumulation in each of the decoder's FP8 products (q, k,
+    v, o, gate/up, down per layer) and in no other product; fast_accum=False in none."""
+    flags = []
+    original = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        flags.append(kwargs.get("use_fast_accum", False))
+        return original(*args, **kwargs)
+
+    ids = torch.ones(1, 8, dtype=torch.long, device=DEVICE)
+    for fast in (False, True):
+        _, quantized = _pair("llama")
+        summary = apply_teacher_precision(quantized, "fp8_fast_accum" if fast else "fp8")
+        assert summary.fast_accum is fast
+        flags.clear()
+        monkeypatch.setattr(torch, "_scaled_mm", spy)
+        quantized(input_ids=ids)
+        monkeypatch.setattr(torch, "_scaled_mm", original)
+        assert flags == [fast] * 6 * quantized.config.num_hidden_layers
+        assert all(m.fast_accum is fast for m in quantized.modules() if isinstance(m, Fp8Linear))
+
+
+def test_teacher_precision_choices():
+    _, quantized = _pair("llama")
+    assert apply_teacher_precision(quantized, "bf16") is None
+    assert not [m for m in quantized.modules() if isinstance(m, Fp8Linear)]  # bf16 leaves it as loaded
+    with pytest.raises(ValueError, match=r"teacher precision must be one of .*got 'fp16'"):
+        apply_teacher_precision(quantized, "fp16")
+    summary = quantize_teacher_fp8(quantized)
+    assert apply_teacher_precision(quantized, "fp8") is summary  # once
+    with pytest.raises(ValueError, match="already quantised with fast_accum=False; quantise a fresh copy"):
+        quantize_teacher_fp8(quantized, fast_accum=True)
 
 
 def test_gated_mlp_matches_its_definition():
@@ -161,7 +197,7 @@ def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
     with pytest.raises(ValueError, match="kd_teacher_precision='fp8'.*liger-kd serve --precision fp8"):
         KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=_dataset(),
                   args=_args(tmp_path, use_kd_patch=True, kd_teacher_precision="fp8"))  # fmt: skip
-    with pytest.raises(ValueError, match="kd_teacher_precision must be 'bf16' or 'fp8'"):
+    with pytest.raises(ValueError, match=r"kd_teacher_precision must be one of \('bf16', 'fp8', 'fp8_fast_accum'\)"):
         _args(tmp_path, kd_teacher_precision="int8")
 
 

@@ -103,6 +103,16 @@ def test_too_large_a_top_k_is_refused_at_start(teacher_dir):  # noqa: F811
     ]
 
 
+def test_an_unknown_precision_is_refused_before_the_weights_load(tmp_path):
+    """serve() called directly (the CLI's --precision has its choices): a one-line error naming the choices,
+    before it reads the teacher (here a path that does not exist)."""
+    pytest.importorskip("uvicorn")
+    from liger_patch_kd.teacher.serve.server import serve
+
+    with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'fp8_fast_accum'\); got 'fp16'"):
+        serve(str(tmp_path / "no-such-teacher"), top_k=4, precision="fp16")
+
+
 def test_api_key(strict, monkeypatch):
     seq = _rows(1)[0].tolist()
     body = {"prompt": seq, "prompt_logprobs": TOP_K}

@@ -156,20 +156,21 @@ def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
 
 @pytest.mark.multiprocess  # a `liger-kd serve` subprocess
 @pytest.mark.skipif(not fp8_available(torch.device("cpu"))[0], reason=fp8_available(torch.device("cpu"))[1])
-def test_fp8_server_serves_the_quantised_teacher(teacher_dir):
-    """`liger-kd serve --precision fp8`: the replies are those of the teacher quantised in process, and not the
-    bf16 teacher's (the flag took effect)."""
-    from liger_patch_kd.models import quantize_teacher_fp8
+@pytest.mark.parametrize("precision", ["fp8", "fp8_fast_accum"])
+def test_fp8_server_serves_the_quantised_teacher(teacher_dir, precision):
+    """`liger-kd serve --precision fp8` (or fp8_fast_accum): the replies are those of the teacher quantised in
+    process, and not the bf16 teacher's (the flag took effect)."""
+    from liger_patch_kd.models import apply_teacher_precision
 
     seqs = [r.tolist() for r in _rows(3)]
-    srv = Server(teacher_dir, extra=("--precision", "fp8", "--dtype", "bfloat16")).start()
+    srv = Server(teacher_dir, extra=("--precision", precision, "--dtype", "bfloat16")).start()
     try:
         served = TD.TeacherClient(srv.url, "liger", top_k=TOP_K, vocab_size=VOCAB).fetch(seqs)
     finally:
         srv.stop()
     bf16 = _teacher().to(torch.bfloat16).eval().requires_grad_(False)
     fp8 = _teacher().to(torch.bfloat16).eval().requires_grad_(False)
-    quantize_teacher_fp8(fp8)
+    apply_teacher_precision(fp8, precision)
     for seq, (ids, values) in zip(seqs, served):
         with torch.no_grad():
             logp = {m: torch.log_softmax(m(torch.tensor([seq])).logits[0].float(), -1) for m in (bf16, fp8)}

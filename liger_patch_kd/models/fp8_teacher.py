@@ -14,6 +14,8 @@ What stays in bf16, and why:
     routers (a routing decision is discrete: a flipped expert is not a small error);
   - everything outside the language decoder (`get_decoder()`), e.g. a VLM's vision tower;
   - products whose sizes are not multiples of 16 (`_scaled_mm`'s requirement).
+`fast_accum=True` runs the decoder products without cuBLASLt's periodic fp32 promotion of the running sums
+(ops/fp8.py): faster, less exact; the lm_head's product is not affected (it is the loss's).
 The result is for inference only: the teacher must be frozen, and it cannot be sharded afterwards.
 """
 
@@ -62,22 +64,23 @@ _LAST = _LastQuantized()
 class Fp8Linear(nn.Module):
     """y = x Wᵀ + b with W in e4m3 (one scale per output channel) and x quantised per token on the fly."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.fast_accum = fast_accum
         weight_fp8, weight_scale = quantize_weight(weight)
         self.register_buffer("weight_fp8", weight_fp8)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_linears(cls, *linears: nn.Linear) -> Fp8Linear:
+    def from_linears(cls, *linears: nn.Linear, fast_accum: bool = False) -> Fp8Linear:
         """One product over several linears reading the same input (their outputs concatenated, in order)."""
         biases = [lin.bias for lin in linears]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)]
         )  # fmt: skip
-        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias)
+        return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, fast_accum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = _LAST.lookup(x)
@@ -89,11 +92,14 @@ class Fp8Linear(nn.Module):
     def forward_quantized(
         self, x8: torch.Tensor, x_scale: torch.Tensor, leading: torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
-        y = fp8_linear(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias)
+        y = fp8_linear(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, fast_accum=self.fast_accum)
         return y.to(dtype).reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"fast_accum={self.fast_accum}"
+        )
 
 
 class Fp8GatedMLP(nn.Module):
@@ -116,8 +122,10 @@ class Fp8GatedMLP(nn.Module):
 
 @dataclass
 class Fp8Summary:
-    """What `quantize_teacher_fp8` did: products quantised, kept in bf16 (with the reason), bytes before/after."""
+    """What `quantize_teacher_fp8` did: products quantised, kept in bf16 (with the reason), bytes before/after,
+    and whether the products accumulate fast."""
 
+    fast_accum: bool = False
     quantized: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     bytes_before: int = 0
@@ -154,14 +162,21 @@ def _check_teacher(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
+def quantize_teacher_fp8(model: nn.Module, *, fast_accum: bool = False) -> Fp8Summary:
     """Quantise the frozen teacher's decoder products to FP8, in place (see the module's docstring). Returns
-    what was done; a second call returns the first call's summary and changes nothing."""
+    what was done; a second call returns the first call's summary and changes nothing (asking it for another
+    `fast_accum` is an error: the products are already built)."""
     inner = unwrap_model(model)
     if hasattr(inner, _FP8_ATTR):
-        return getattr(inner, _FP8_ATTR)
+        done = getattr(inner, _FP8_ATTR)
+        if done.fast_accum != fast_accum:
+            raise ValueError(
+                f"quantize_teacher_fp8(fast_accum={fast_accum}): this teacher was already quantised with "
+                f"fast_accum={done.fast_accum}; quantise a fresh copy of the teacher to change it"
+            )
+        return done
     _check_teacher(inner)
-    summary = Fp8Summary(bytes_before=_nbytes(inner))
+    summary = Fp8Summary(fast_accum=fast_accum, bytes_before=_nbytes(inner))
     names = {id(m): n for n, m in inner.named_modules()}
     head = inner.get_output_embeddings()
     summary.kept[names[id(head)]] = "lm_head: read by the fused loss in bf16"
@@ -178,8 +193,8 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         parts = (module.gate_proj, module.up_proj) if separate else (module.gate_up_proj,)
         if not all(_fits(lin) for lin in (*parts, module.down_proj)):
             continue  # left to the loop below, which keeps them in bf16 and says why
-        down = Fp8Linear(module.down_proj.weight, module.down_proj.bias)
-        mlp = Fp8GatedMLP(Fp8Linear.from_linears(*parts), down, activation)
+        down = Fp8Linear(module.down_proj.weight, module.down_proj.bias, fast_accum)
+        mlp = Fp8GatedMLP(Fp8Linear.from_linears(*parts, fast_accum=fast_accum), down, activation)
         parent_name, _, child_name = name.rpartition(".")
         setattr(inner.get_submodule(parent_name), child_name, mlp)
         summary.quantized += [f"{name}.gate_up_proj", f"{name}.down_proj"]
@@ -194,7 +209,7 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
             elif not _fits(child):
                 summary.kept[full] = f"{child.in_features} x {child.out_features}: not multiples of 16"
             else:
-                setattr(module, child_name, Fp8Linear(child.weight, child.bias))
+                setattr(module, child_name, Fp8Linear(child.weight, child.bias, fast_accum))
                 summary.quantized.append(full)
     summary.bytes_after = _nbytes(inner)
     setattr(inner, _FP8_ATTR, summary)
@@ -202,3 +217,16 @@ def quantize_teacher_fp8(model: nn.Module) -> Fp8Summary:
         torch.cuda.empty_cache()
     return summary
 
+
+
+TEACHER_PRECISIONS = ("bf16", "fp8", "fp8_fast_accum")  # kd_teacher_precision / `liger-kd serve --precision`
+
+
+def apply_teacher_precision(model: nn.Module, precision: str) -> Fp8Summary | None:
+    """The frozen teacher at `precision`, one of TEACHER_PRECISIONS: bf16 leaves it as loaded (None); fp8 and
+    fp8_fast_accum quantise its decoder products (`quantize_teacher_fp8`, without and with fast accumulation)."""
+    if precision not in TEACHER_PRECISIONS:
+        raise ValueError(f"teacher precision must be one of {TEACHER_PRECISIONS}; got {precision!r}")
+    if precision == "bf16":
+        return None
+    return quantize_teacher_fp8(model, fast_accum=precision == "fp8_fast_accum")

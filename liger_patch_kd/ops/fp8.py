@@ -9,6 +9,11 @@ Quantising an activation is a separate pass over it; in eager PyTorch (abs, amax
 about what the FP8 product saves (MEASUREMENTS.md). Here it is one Triton pass (read the row, write a byte per
 element and one scale), and after the gated activation it is fused into that kernel, so the MLP's wide
 intermediate is never written in bf16.
+
+Accumulation: Hopper's FP8 tensor cores keep a product's running sums with fewer bits than fp32, so by default
+cuBLASLt moves them into fp32 registers every few K-steps. `fast_accum=True` skips that promotion
+(`use_fast_accum` of `torch._scaled_mm`): faster, with an accumulation error that grows with K
+(benchmarks/probe_fp8_accum.py measures both at the 8B teacher's shapes). The CPU product ignores the flag.
 """
 
 from __future__ import annotations
@@ -136,8 +141,13 @@ def fp8_linear(
     w8: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(x₈ W₈ᵀ) · sₓ sᵂᵀ (+ bias) in bf16, accumulated in fp32 by `torch._scaled_mm` (rowwise scales need a bf16
-    output on CUDA). The bias is added after the product: not every torch release takes one with rowwise scales."""
-    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16)
+    output on CUDA); `fast_accum`: without the periodic fp32 promotion (see the module's docstring). The bias is
+    added after the product: not every torch release takes one with rowwise scales."""
+    y = torch._scaled_mm(
+        x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
     return y if bias is None else y + bias

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig
+from ..models import TEACHER_PRECISIONS
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .self_distill import SELF_DISTILL_MODES
@@ -165,7 +166,8 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",
-        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs)."},
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs); "
+                  "fp8_fast_accum: the same without the periodic fp32 promotion of the products' sums (faster)."},
     )
     kd_teacher_logits_fp8: bool = field(
         default=False,
@@ -207,8 +209,10 @@ class KDTrainingArguments(TrainingArguments):
                 f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
                 f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
             )
-        if self.kd_teacher_precision not in ("bf16", "fp8"):
-            raise ValueError(f"kd_teacher_precision must be 'bf16' or 'fp8'; got {self.kd_teacher_precision!r}")
+        if self.kd_teacher_precision not in TEACHER_PRECISIONS:
+            raise ValueError(
+                f"kd_teacher_precision must be one of {TEACHER_PRECISIONS}; got {self.kd_teacher_precision!r}"
+            )
         if self.kd_recompute_layers is not None:
             if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
                 raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")

@@ -89,7 +89,7 @@ class TeacherSetSetup:
         refused = {
             "kd_self_distill": args.kd_self_distill, "kd_seq_kd": args.kd_seq_kd, "kd_lmbda > 0": args.kd_lmbda > 0,
             "kd_teacher_url beside in-process teachers": bool(args.kd_teacher_url) and not served,
-            "kd_teacher_precision='fp8'": args.kd_teacher_precision != "bf16",
+            f"kd_teacher_precision={args.kd_teacher_precision!r}": args.kd_teacher_precision != "bf16",
             "kd_teacher_logits_fp8": args.kd_teacher_logits_fp8 and not served,
             "served teachers of another tokenizer": served and (bool(args.kd_teacher_tokenizer) or
                                                                  teacher_tokenizer is not None),

@@ -336,14 +336,19 @@ def serve(
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
     `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
-    `precision="fp8"` runs its decoder products in FP8 (models/fp8_teacher.py). `api_key` defaults to the
-    LIGER_KD_API_KEY environment variable. Options that cannot work raise ValueError before the weights load."""
+    `precision="fp8"` (or "fp8_fast_accum") runs its decoder products in FP8 (models/fp8_teacher.py). `api_key`
+    defaults to the LIGER_KD_API_KEY environment variable. Options that cannot work raise ValueError before the
+    weights load."""
     try:
         import uvicorn
     except ImportError as e:
         raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]'") from e
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ...models import TEACHER_PRECISIONS
+
+    if precision not in TEACHER_PRECISIONS:
+        raise ValueError(f"serve: precision must be one of {TEACHER_PRECISIONS}; got {precision!r}")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     config = AutoConfig.from_pretrained(teacher, **extra)
@@ -365,11 +370,12 @@ def serve(
         from ...models import patch_teacher_kernels
 
         patch_teacher_kernels(model, None)
-    if precision == "fp8":
-        from ...models import quantize_teacher_fp8
+    if precision != "bf16":
+        from ...models import apply_teacher_precision
 
-        summary = quantize_teacher_fp8(model)
-        print(f"liger-kd serve: FP8 teacher, {len(summary.quantized)} products quantised, lm_head in bf16", flush=True)
+        summary = apply_teacher_precision(model, precision)
+        print(f"liger-kd serve: FP8 teacher ({precision}), {len(summary.quantized)} products quantised, lm_head in "
+              f"bf16", flush=True)  # fmt: skip
     app = build_app(
         model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
         max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
