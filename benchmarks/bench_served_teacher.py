@@ -38,7 +38,7 @@ from liger_patch_kd.teacher import (
     TeacherPrefetcher,
 )
 
-from .bench_train_step import SHAPES, TOP_K, build, prepare_student, run_one
+from .bench_train_step import SHAPES, TOP_K, build, make_optimizer, prepare_student, run_one
 from .common import environment, print_table, write_json
 
 
@@ -66,7 +66,7 @@ def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, r
         torch.cuda.reset_peak_memory_stats()
     try:
         prepare_student("offline", student)
-        opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+        opt = make_optimizer(student)
         for i, batch in enumerate(batches):
             if i == warmup:
                 if device.type == "cuda":

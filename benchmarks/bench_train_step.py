@@ -3,8 +3,8 @@
     python -m benchmarks.bench_train_step --out runs/bench_train_step.json
 
 Random-initialised models from configs (no downloads): a Llama-3.2-1B-shaped student (tied embeddings) and a
-Llama-3.1-8B-shaped teacher, bf16, sdpa, AdamW, sequence 4096, gradient checkpointing on the student unless a
-row says otherwise. For each micro-batch, in one run:
+Llama-3.1-8B-shaped teacher, bf16, sdpa, AdamW (fused on CUDA: HF Trainer's default), sequence 4096, gradient
+checkpointing on the student unless a row says otherwise. For each micro-batch, in one run:
   plain HF            both models produce logits, reference.generalized_jsd on them
   trl/liger           decoder hidden states into Liger's chunked fused JSD (compiled), TRL's way
   trl/liger+kernels   the same plus Liger's RoPE / RMSNorm / SwiGLU on the student
@@ -136,6 +136,11 @@ def torchao_copy(shape: dict, device, dtype, seq: int):
     return teacher
 
 
+def make_optimizer(student) -> torch.optim.Optimizer:
+    """Every row's optimizer: AdamW, fused on CUDA (HF Trainer's default, adamw_torch_fused)."""
+    return torch.optim.AdamW(student.parameters(), lr=1e-5, fused=next(student.parameters()).is_cuda)
+
+
 def fp8_copy(shape: dict, device, dtype, seq: int = 8192, fast_accum: bool = False):
     """The teacher again (same seed, same weights), quantised to FP8 for its row."""
     teacher = build(shape, device, dtype, seed=2, max_positions=seq).eval().requires_grad_(False)
@@ -246,7 +251,7 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
         row["tokens_per_s"] = f"error: {type(e).__name__}: {str(e)[:80]}"
         print(row, flush=True)
         return row
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    opt = make_optimizer(student)
     vocab = shapes[0]["vocab_size"]
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(device)

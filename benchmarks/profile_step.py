@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from liger_patch_kd.models import apply_kd_patch_to_llama
 
-from .bench_train_step import FP8_ROW, SHAPES, build, fp8_copy, method_step, prepare_student
+from .bench_train_step import FP8_ROW, SHAPES, build, fp8_copy, make_optimizer, method_step, prepare_student
 from .common import environment, write_json
 
 CATEGORIES = [  # first match wins
@@ -123,7 +123,7 @@ def main() -> None:
     apply_kd_patch_to_llama(model=teacher)
     student = build(student_cfg, device, dtype, seed=1, max_positions=args.seq)
     prepare_student(args.method, student)
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    opt = make_optimizer(student)
     ids = torch.randint(0, student_cfg["vocab_size"], (args.micro_batch, args.seq), device=device)
     step = method_step(args.method, student, teacher, {"input_ids": ids, "labels": ids})
     if args.teacher_only:

@@ -11,7 +11,7 @@ import torch
 
 import liger_patch_kd.ops.fp8 as F8
 from liger_patch_kd.models import apply_kd_patch, apply_teacher_precision, quantize_teacher_fp8, revert_kd_patch
-from liger_patch_kd.models.fp8_teacher import Fp8GatedMLP, Fp8Linear
+from liger_patch_kd.models.fp8_teacher import Fp8GatedMLP, Fp8Linear, Fp8Projection
 
 from .test_trainer import _args, _dataset
 from .tiny_models import VOCAB, tiny_model
@@ -102,8 +102,8 @@ def test_shared_inputs_are_quantised_once(monkeypatch):
 
 
 def test_fast_accumulation_reaches_every_decoder_product_and_nothing_else(monkeypatch):
-    """fast_accum=True asks `torch._scaled_mm` for fast accumulation in each of the decoder's FP8 products (q, k,
-    v, o, gate/up, down per layer) and in no other product; fast_accum=False in none."""
+    """fast_accum=True asks `torch._scaled_mm` for fast accumulation in each of the decoder's FP8 products (q, k
+    and v as one, o, gate/up, down: four per layer) and in no other product; fast_accum=False in none."""
     flags = []
     original = torch._scaled_mm
 
@@ -120,7 +120,7 @@ def test_fast_accumulation_reaches_every_decoder_product_and_nothing_else(monkey
         monkeypatch.setattr(torch, "_scaled_mm", spy)
         quantized(input_ids=ids)
         monkeypatch.setattr(torch, "_scaled_mm", original)
-        assert flags == [fast] * 6 * quantized.config.num_hidden_layers
+        assert flags == [fast] * 4 * quantized.config.num_hidden_layers
         assert all(m.fast_accum is fast for m in quantized.modules() if isinstance(m, Fp8Linear))
 
 
@@ -134,6 +134,25 @@ def test_teacher_precision_choices():
     assert apply_teacher_precision(quantized, "fp8") is summary  # once
     with pytest.raises(ValueError, match="already quantised with fast_accum=False; quantise a fresh copy"):
         quantize_teacher_fp8(quantized, fast_accum=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k and v have biases
+def test_shared_qkv_product_gives_each_projection_its_own_product(arch):
+    """q, k and v served from one product over their concatenated weights give what each projection's own FP8
+    product gives (the rowwise scales of x and of each weight row are the same either way), also when one of them
+    is called on an input of its own."""
+    model = tiny_model(arch, dtype=torch.bfloat16, seed=3, hidden=64).to(DEVICE).eval().requires_grad_(False)
+    attn = model.model.layers[0].self_attn
+    own = {n: Fp8Linear(getattr(attn, n).weight, getattr(attn, n).bias) for n in ("q_proj", "k_proj", "v_proj")}
+    quantize_teacher_fp8(model)
+    assert isinstance(attn.q_proj, Fp8Projection) and isinstance(attn.qkv_proj_fp8, Fp8Linear)
+    x = torch.randn(2, 7, attn.q_proj.in_features, device=DEVICE, dtype=torch.bfloat16)
+    other = torch.randn_like(x)
+    for name, inp in (("q_proj", x), ("k_proj", x), ("v_proj", other)):
+        got = getattr(attn, name)(inp)
+        assert got.shape == (2, 7, own[name].out_features)
+        # one bf16 rounding of the same fp32 sums, which a product of another width may add in another order
+        torch.testing.assert_close(got.float(), own[name](inp).float(), rtol=2**-8, atol=1e-6)
 
 
 def test_gated_mlp_matches_its_definition():
