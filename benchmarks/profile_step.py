@@ -94,6 +94,36 @@ def host_view(step, opt, trace: str | None) -> dict:
     )
 
 
+def memory_phases(student, teacher, step, opt) -> list[dict]:
+    """The peak memory within each phase of one step (the student's decoder, the teacher's, the loss, the
+    backward, the optimizer) and what stays allocated at its end, in GiB: which phase sets the step's peak."""
+    phases = []
+
+    def mark(name: str) -> None:
+        torch.cuda.synchronize()
+        phases.append(dict(phase=name, peak_GiB=torch.cuda.max_memory_allocated() / 2**30,
+                           end_GiB=torch.cuda.memory_allocated() / 2**30))  # fmt: skip
+        torch.cuda.reset_peak_memory_stats()
+
+    hooks = [
+        student.model.register_forward_hook(lambda *_: mark("student decoder")),
+        teacher.model.register_forward_hook(lambda *_: mark("teacher decoder")),
+        student.register_forward_hook(lambda *_: mark("loss (the rest of the forward)")),
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        step()
+        mark("backward")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mark("optimizer")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return phases
+
+
 def run_once(step, opt) -> None:
     step()
     if opt is not None:
@@ -116,7 +146,7 @@ def main() -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     student_cfg, teacher_cfg = SHAPES["llama"]
     if args.method.startswith(FP8_ROW):
-        teacher = fp8_copy(teacher_cfg, device, dtype, args.seq)
+        teacher = fp8_copy(teacher_cfg, device, dtype, args.seq, fast_accum="fast accum" in args.method)
     else:
         teacher = build(teacher_cfg, device, dtype, seed=2, max_positions=args.seq).eval().requires_grad_(False)
     teacher.config.use_cache = False
@@ -128,6 +158,8 @@ def main() -> None:
     step = method_step(args.method, student, teacher, {"input_ids": ids, "labels": ids})
     if args.teacher_only:
         step, opt = torch.no_grad()(lambda: teacher.model(input_ids=ids)), None
+    # the first step's phases too: bench_train_step's peak counts it (a first-step allocation is memory a user needs)
+    cold = [] if args.teacher_only else memory_phases(student, teacher, step, opt)
     for _ in range(2):
         run_once(step, opt)
     torch.cuda.synchronize()
@@ -145,6 +177,7 @@ def main() -> None:
     counts = ("num_device_alloc", "num_device_free", "num_alloc_retries")
     allocator = {k: after.get(k, 0) - before.get(k, 0) for k in counts}
     host = host_view(step, opt, args.trace)
+    phases = [] if args.teacher_only else memory_phases(student, teacher, step, opt)
     syncs = synchronizing_calls(step, opt)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -169,6 +202,10 @@ def main() -> None:
     print(f"GPU idle between kernels: {idle_ms:.1f} ms; largest gaps:")
     for g in gaps:
         print(f"  {g['ms']:7.2f} ms  {g['before']} -> {g['after']}")
+    for label, steps in (("first step", cold), ("a later step", phases)):
+        for phase in steps:
+            print(f"  memory, {label}: {phase['phase']:32} peak {phase['peak_GiB']:6.2f} GiB, "
+                  f"{phase['end_GiB']:6.2f} at its end")  # fmt: skip
     print(f"synchronising calls in one step: {sum(syncs.values())}")
     for where, count in sorted(syncs.items(), key=lambda kv: -kv[1]):
         print(f"  x{count:<4} {where[:150]}")
@@ -187,6 +224,7 @@ def main() -> None:
             wall_ms=wall_ms,
             rep_ms=rep_ms,
             allocator=allocator,
+            memory_phases=dict(first_step=cold, later_step=phases),
             host=host,
             idle_ms=idle_ms,
             largest_gaps=gaps,

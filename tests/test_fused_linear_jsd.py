@@ -245,6 +245,37 @@ def test_fp32_weight_grad_accumulation(backend):
     assert rel_err(fp32[1], want) < 1e-2
 
 
+def _chunk_loop_node(loss):
+    """The autograd node of the fused loss under `loss` (its ctx: the node holds `plan`)."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "plan"):
+            return node
+        stack.extend(fn for fn, _ in node.next_functions)
+    raise AssertionError("no fused-loss node under the loss")
+
+
+def test_the_teacher_side_is_freed_after_the_last_backward_while_the_loss_is_held():
+    """A loss tensor kept after its backward (a log of losses, say) does not keep the chunk loop's teacher side
+    (teacher hidden states, quantised heads) alive; a retained graph keeps it for the second backward."""
+    pair = make_pair(n=6, vocab=50)
+    args = (pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
+    loss = fused_linear_jsd(*args)
+    node = _chunk_loop_node(loss)
+    loss.backward(retain_graph=True)
+    assert node.plan is not None  # a second backward will need it
+    loss.backward()
+    assert node.plan is None and loss.grad_fn is not None  # released with the saved inputs, the loss still held
+    loss = fused_linear_jsd(*args)
+    node = _chunk_loop_node(loss)
+    torch.autograd.grad(loss, pair.params())
+    assert node.plan is None
+
+
 def test_second_backward_through_a_retained_graph_recomputes():
     pair = make_pair(n=6, vocab=50)
     loss = fused_linear_jsd(

@@ -8,6 +8,7 @@ time, so peak memory does not grow with the number of rows.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,23 @@ class ChunkPlan:
     student_product: Callable | None = None  # the student's forward product (run_chunked's default: logits_fp32)
 
 
+def _plan_release_token(ctx) -> torch.Tensor:
+    """An empty tensor saved beside the inputs, so that the plan (the teacher side of the chunk loop: the teacher's
+    hidden states, quantised heads) is freed with the saved inputs when autograd releases them after the graph's
+    last backward, rather than living, as an attribute of ctx, as long as anything holds the loss tensor. (Under
+    saved-tensor hooks that copy what is saved, the token dies at once, before any backward: nothing is freed
+    early, and the plan lives as long as the graph, as it would without the token.)"""
+    token = torch.empty(0)
+    weakref.finalize(token, _release_plan, weakref.ref(ctx))
+    return token
+
+
+def _release_plan(ctx_ref: weakref.ref) -> None:
+    ctx = ctx_ref()
+    if ctx is not None and getattr(ctx, "backward_ran", False):
+        ctx.plan = None
+
+
 class FusedLinearKDFunction(torch.autograd.Function):
     """Loss of student rows (h W^T + b) against a teacher chunk source, without materialising the logits.
 
@@ -217,7 +235,7 @@ class FusedLinearKDFunction(torch.autograd.Function):
         ctx.plan, ctx.needs_grad = plan, needs_grad
         # the inputs are kept (references, no copies) for backwards that must recompute: reduction "none", or a
         # second backward through a retained graph after the precomputed gradients were handed over
-        ctx.save_for_backward(student_input, student_weight, student_bias, labels, row_weight)
+        ctx.save_for_backward(student_input, student_weight, student_bias, labels, row_weight, _plan_release_token(ctx))
         if plan.reduction == "none":
             ctx.grads = None
             loss = plan.soft_weight * soft + plan.hard_weight * hard
@@ -230,13 +248,14 @@ class FusedLinearKDFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+        ctx.backward_ran = True  # from now on the plan may go with the saved inputs
         if ctx.grads is not None:
             # the usual case: gradients from the forward, scaled in place and handed over (a copy would double
             # the V x H weight gradient for a moment); a later backward through a retained graph recomputes
             grads, ctx.grads = ctx.grads, None
             grads = tuple(None if g is None else scale_(g, grad_loss) for g in grads)
         else:
-            student_input, student_weight, student_bias, labels, row_weight = ctx.saved_tensors
+            student_input, student_weight, student_bias, labels, row_weight, _ = ctx.saved_tensors
             result = _run(
                 ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss, ctx.needs_grad
             )
