@@ -20,9 +20,10 @@ from torch import nn
 from ..config import KDLossConfig
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
-from ..ops.swiglu import ACTIVATIONS, gated_act
+from ..ops.swiglu import ACTIVATIONS, gated_act, recomputed_gated_outputs
 from .forward_audit import check_forward
 from .kd_forward import kd_causal_lm_forward
+from .recompute import RECOMPUTE_ACT_ATTR
 from .registry import REGISTRY, ArchSpec, specs_for
 from .spec import spec_for_model
 from .state import (
@@ -64,11 +65,18 @@ def activation_name(mlp: nn.Module) -> str | None:
     return name if name in ACTIVATIONS else None
 
 
+def _act_scope(mlp: nn.Module):
+    """Where selective recompute keeps this MLP's layer (models/recompute.py), its activation output is recomputed
+    in the backward rather than kept."""
+    return recomputed_gated_outputs() if getattr(mlp, RECOMPUTE_ACT_ATTR, False) else contextlib.nullcontext()
+
+
 def _gated_mlp_forward(self, x):
     activation = activation_name(self)
     if activation is None:  # an activation the kernel does not know: the original computation
         return type(self).__liger_kd_original_forward__(self, x)
-    return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), activation))
+    with _act_scope(self):
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), activation))
 
 
 def _fused_gate_up_mlp_forward(self, x):
@@ -76,7 +84,8 @@ def _fused_gate_up_mlp_forward(self, x):
     if activation is None:
         return type(self).__liger_kd_original_forward__(self, x)
     gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-    return self.down_proj(gated_act(gate, up, activation))
+    with _act_scope(self):
+        return self.down_proj(gated_act(gate, up, activation))
 
 
 _gated_mlp_forward.__liger_kd__ = _fused_gate_up_mlp_forward.__liger_kd__ = True

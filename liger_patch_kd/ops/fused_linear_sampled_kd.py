@@ -76,7 +76,7 @@ if triton_available():
     import triton.language as tl
 
     from .fused_linear_topk_kd import slots_launch_config
-    from .triton_utils import finish_grad, fp32_pair, row_label_and_ce, row_lse, scale_by_pair, softcap
+    from .triton_utils import finish_grad, fp32_pair, row_label_and_ce, row_lse, scale_exact, softcap
 
     @triton.jit
     def _load_slot_tile(zs_row, ids_row, mass_row, lp_row, off, cs, S, V, cap_s, CAP_S: tl.constexpr):
@@ -142,7 +142,7 @@ if triton_available():
         mass_vec = tl.zeros([BLOCK_S], acc_ty)
         for off in range(0, S, BLOCK_S):
             ids, mass, lp, valid, x = _load_slot_tile(zs_row, ids_row, mass_row, lp_row, off, cs, S, V, cap_s, CAP_S)
-            log_s = scale_by_pair(x, inv_temp_hi, inv_temp_lo) - lse_s
+            log_s = scale_exact(x, inv_temp_hi, inv_temp_lo, True) - lse_s
             loss_vec += tl.where(valid, mass * (lp - log_s), 0.0)
             mass_vec += mass
         tl.store(soft_ptr + row, tl.sum(loss_vec, axis=0))
@@ -152,14 +152,14 @@ if triton_available():
                                             HAS_HARD)  # fmt: skip
 
         if COMPUTE_GRAD:
-            w_soft = scale_by_pair(tl.load(w_soft_ptr + row).to(acc_ty), inv_temp_hi, inv_temp_lo)  # du/dx = 1/T
+            w_soft = scale_exact(tl.load(w_soft_ptr + row).to(acc_ty), inv_temp_hi, inv_temp_lo, True)  # du/dx = 1/T
             w_hard = tl.load(w_hard_ptr + row)
             g_row = grad_ptr + row * stride_g
             # pass V2: the dense part, S sum(P^) (+ the CE gradient)
             for off in range(0, V, BLOCK_V):
                 mask = off + cv < V
                 x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
-                grad = mass_sum * tl.exp(scale_by_pair(x, inv_temp_hi, inv_temp_lo) - lse_s) * w_soft
+                grad = mass_sum * tl.exp(scale_exact(x, inv_temp_hi, inv_temp_lo, True) - lse_s) * w_soft
                 grad = finish_grad(grad, x, off + cv, label, valid_row, w_hard, lse_1, cap_s, HAS_HARD, CAP_S)
                 tl.store(g_row + off + cv, grad.to(grad_ptr.dtype.element_ty), mask=mask)
             tl.debug_barrier()  # the slot pass overwrites values other warps wrote above
@@ -168,7 +168,7 @@ if triton_available():
                 ids, mass, lp, valid, x = _load_slot_tile(
                     zs_row, ids_row, mass_row, lp_row, off, cs, S, V, cap_s, CAP_S
                 )
-                s_v = tl.exp(scale_by_pair(x, inv_temp_hi, inv_temp_lo) - lse_s)
+                s_v = tl.exp(scale_exact(x, inv_temp_hi, inv_temp_lo, True) - lse_s)
                 grad = finish_grad((mass_sum * s_v - mass) * w_soft, x, ids, label, valid_row, w_hard, lse_1, cap_s,
                                    HAS_HARD, CAP_S)  # fmt: skip
                 tl.store(g_row + ids, grad.to(grad_ptr.dtype.element_ty), mask=valid)

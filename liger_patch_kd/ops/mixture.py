@@ -37,7 +37,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .triton_utils import fp32_pair, row_lse, scale_by_pair, softcap
+    from .triton_utils import fp32_pair, row_lse, scale_exact, softcap
 
     @triton.jit
     def _fold_teacher_kernel(
@@ -72,7 +72,8 @@ if triton_available():
         shift = tl.load(log_w_ptr + row) - lse
         for off in range(0, V, BLOCK):
             mask = off + cols < V
-            term = scale_by_pair(softcap(tl.load(z_row + off + cols, mask=mask, other=0.0), cap, CAP), inv_hi, inv_lo)
+            z = softcap(tl.load(z_row + off + cols, mask=mask, other=0.0), cap, CAP)
+            term = scale_exact(z, inv_hi, inv_lo, True)
             term += shift
             if FIRST:
                 out = term
@@ -82,7 +83,7 @@ if triton_available():
                 lo = tl.minimum(prev, term)
                 safe_hi = tl.where(hi == float("-inf"), 0.0, hi)  # both -inf (weight 0 twice): stays -inf
                 out = tl.where(hi == float("-inf"), hi, hi + tl.log(1.0 + tl.exp(lo - safe_hi)))
-            out = tl.where(out == float("-inf"), out, scale_by_pair(out, scale_hi, scale_lo))  # -inf * 0 is no -inf
+            out = tl.where(out == float("-inf"), out, scale_exact(out, scale_hi, scale_lo, True))  # -inf * 0 is no -inf
             tl.store(m_row + off + cols, out, mask=mask)
 
 

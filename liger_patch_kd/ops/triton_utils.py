@@ -19,15 +19,10 @@ def fp32_pair(value: float) -> tuple[float, float]:
 
 
 @triton.jit
-def scale_by_pair(x, hi, lo):
-    """x * (hi + lo) in x's precision (float64 stays float64; float32 pays one multiply-add)."""
-    return x * hi + x * lo
-
-
-@triton.jit
 def scale_exact(x, hi, lo, PAIR: tl.constexpr):
     """x * (hi + lo) where PAIR (float64 rows: both halves of fp32_pair), x * hi otherwise (float32 rows, where lo
-    is below their precision): the hottest kernel pays no extra multiply-add for exact float64 tests."""
+    is below their precision): the hottest kernel (JSD) pays no extra multiply-add for exact float64 tests. The
+    slot (top-k, sampled) and mixture kernels pass PAIR=True whatever the dtype (one extra multiply-add)."""
     y = x * hi
     if PAIR:
         y = y + x * lo
@@ -84,7 +79,7 @@ def row_lse(zs_row, V, inv_hi, inv_lo, cap_s, CAP_S: tl.constexpr, HAS_HARD: tl.
     for off in range(0, V, BLOCK_V):
         mask = off + cv < V
         x = softcap(tl.load(zs_row + off + cv, mask=mask, other=0.0), cap_s, CAP_S)
-        m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, scale_by_pair(x, inv_hi, inv_lo), float("-inf")))
+        m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, scale_exact(x, inv_hi, inv_lo, True), float("-inf")))
         if HAS_HARD and not UNIT_TEMP:
             m_1, d_1 = online_lse_update(m_1, d_1, tl.where(mask, x, float("-inf")))
     lse_s = lse_finish(m_s, d_s)
