@@ -155,6 +155,32 @@ def test_shared_qkv_product_gives_each_projection_its_own_product(arch):
         torch.testing.assert_close(got.float(), own[name](inp).float(), rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma"])  # gemma: the (1 + w) casting mode
+def test_patched_norms_hand_their_output_over_quantised(monkeypatch, arch):
+    """With the teacher's kernels patched (as KDTrainer does), the norms before the attention and the MLP quantise
+    their own output in the same pass: only the o-projection's input is quantised on its own (one call per layer,
+    not three), and the logits are those of quantising each norm's output afterwards, bit for bit."""
+    from liger_patch_kd.models.state import FP8_OUTPUT_ATTR
+
+    _, quantized = _pair(arch)
+    apply_kd_patch(model=quantized)
+    quantize_teacher_fp8(quantized)
+    layer = quantized.model.layers[0]
+    assert getattr(layer.input_layernorm, FP8_OUTPUT_ATTR) and getattr(layer.post_attention_layernorm, FP8_OUTPUT_ATTR)
+    calls = []
+    original = F8.quantize_rows
+    monkeypatch.setattr("liger_patch_kd.models.fp8_teacher.quantize_rows", lambda x: calls.append(1) or original(x))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        handed_over = quantized(input_ids=ids).logits
+        assert len(calls) == quantized.config.num_hidden_layers
+        for module in quantized.modules():
+            module.__dict__.pop(FP8_OUTPUT_ATTR, None)
+        separate = quantized(input_ids=ids).logits
+    assert len(calls) == 4 * quantized.config.num_hidden_layers
+    assert torch.equal(handed_over, separate)
+
+
 def test_gated_mlp_matches_its_definition():
     mlp_source = tiny_model("llama", dtype=torch.bfloat16, seed=0).model.layers[0].mlp.to(DEVICE)
     gate_up = Fp8Linear.from_linears(mlp_source.gate_proj, mlp_source.up_proj)
@@ -218,6 +244,24 @@ def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
                   args=_args(tmp_path, use_kd_patch=True, kd_teacher_precision="fp8"))  # fmt: skip
     with pytest.raises(ValueError, match=r"kd_teacher_precision must be one of \('bf16', 'fp8', 'fp8_fast_accum'\)"):
         _args(tmp_path, kd_teacher_precision="int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels' e4m3 cast is checked on a GPU")
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("width", [2048, 4096, 5120])
+def test_norm_that_quantises_its_output_is_the_norm_then_the_quantisation(width, casting, offset):
+    from liger_patch_kd.ops.rms_norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, width, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    w = torch.randn(width, device="cuda", generator=g, dtype=torch.bfloat16)
+    x[7] = 0.0  # a zero row: the scale floor
+    y, (q, scale) = F8.rms_norm_quantized(x, w, 1e-6, offset, casting)
+    want = rms_norm(x, w, 1e-6, offset, casting)
+    want_q, want_scale = F8.quantize_rows(want)
+    assert torch.equal(y, want)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
 
 
 @pytest.mark.gpu

@@ -21,47 +21,30 @@ The result is for inference only: the teacher must be frozen, and it cannot be s
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..distributed import is_dtensor
-from ..ops.fp8 import fp8_available, fp8_linear, gated_act_quantized, quantize_rows, quantize_weight
+from ..ops.fp8 import (
+    QUANTIZED_INPUTS,
+    LastOnThisThread,
+    fp8_available,
+    fp8_linear,
+    gated_act_quantized,
+    quantize_rows,
+    quantize_weight,
+)
 from .patch import activation_name
-from .state import unwrap_model
+from .state import FP8_OUTPUT_ATTR, unwrap_model
 
 _FP8_ATTR = "__liger_kd_fp8__"
 _ROUTER_NAMES = ("router", "gate")  # MoE routers: a module named exactly so is kept in bf16
 
 
-class _LastOnThisThread(threading.local):
-    """The last value computed from an activation on this thread (for one `owner`), while the activation is alive
-    and unchanged: q, k and v (or gate and up when they are separate) are called on the same tensor one after
-    another, and quantise it, or run their shared product, once."""
-
-    ref: weakref.ref | None = None
-    version: int = -1
-    owner: object = None
-    value: object = None
-
-    def lookup(self, x: torch.Tensor, owner: object = None):
-        if self.ref is not None and self.ref() is x and self.version == x._version and self.owner is owner:
-            return self.value
-        return None
-
-    def remember(self, x: torch.Tensor, value: object, owner: object = None) -> None:
-        self.ref = weakref.ref(x, lambda _: self.forget())  # the bytes go when the activation goes
-        self.version, self.owner, self.value = x._version, owner, value
-
-    def forget(self) -> None:
-        self.ref, self.owner, self.value = None, None, None
-
-
-_QUANTIZED = _LastOnThisThread()  # an activation's (e4m3 rows, scales)
-_PRODUCT = _LastOnThisThread()  # an activation's product with a shared projection weight (owner: the Fp8Linear)
+_QUANTIZED = QUANTIZED_INPUTS  # an activation's (e4m3 rows, scales): quantised once, or left by its norm
+_PRODUCT = LastOnThisThread()  # an activation's product with a shared projection weight (owner: the Fp8Linear)
 
 
 class Fp8Linear(nn.Module):
@@ -149,6 +132,23 @@ def _share_projections(module: nn.Module, fast_accum: bool) -> bool:
         setattr(module, name, Fp8Projection(shared, start, start + lin.out_features))
         start += lin.out_features
     return True
+
+
+def _norms_feeding_fp8(layer: nn.Module) -> list[nn.Module]:
+    """A pre-norm decoder layer's norms whose output only FP8 products read: the attention's input norm when its
+    q, k and v share one product, and the MLP's input norm (Gemma 2/3's pre_feedforward_layernorm, else
+    post_attention_layernorm) when the MLP is an Fp8GatedMLP. A post-norm layer (OLMo-2: no input_layernorm) has
+    none: its norms feed the residual stream."""
+    norm_in = getattr(layer, "input_layernorm", None)
+    if not isinstance(norm_in, nn.Module):
+        return []
+    norms = []
+    if isinstance(getattr(getattr(layer, "self_attn", None), "q_proj", None), Fp8Projection):
+        norms.append(norm_in)
+    norm_mlp = getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "post_attention_layernorm", None)
+    if isinstance(getattr(layer, "mlp", None), Fp8GatedMLP) and isinstance(norm_mlp, nn.Module):
+        norms.append(norm_mlp)
+    return norms
 
 
 class Fp8GatedMLP(nn.Module):
@@ -251,6 +251,9 @@ def quantize_teacher_fp8(model: nn.Module, *, fast_accum: bool = False) -> Fp8Su
     for name, module in decoder_modules:
         if name and _share_projections(module, fast_accum):
             summary.quantized += [f"{name}.{n}" for n in _SHARED_PROJECTIONS]
+    for _, module in decoder_modules:
+        for norm in _norms_feeding_fp8(module):
+            setattr(norm, FP8_OUTPUT_ATTR, True)
     for module in list(decoder.modules()):
         name = names.get(id(module), "")
         for child_name, child in list(module.named_children()):

@@ -15,9 +15,11 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import KDLossConfig
+from ..ops.fp8 import QUANTIZED_INPUTS, rms_norm_quantized
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act, recomputed_gated_outputs
@@ -28,6 +30,7 @@ from .registry import REGISTRY, ArchSpec, specs_for
 from .spec import spec_for_model
 from .state import (
     CLASS_STATE,
+    FP8_OUTPUT_ATTR,
     INSTANCE_ATTR,
     ORIGINAL_BOUND_ATTR,
     PATCHED_INSTANCES,
@@ -52,6 +55,12 @@ def _set(owner: Any, name: str, value: Any) -> None:
 def _make_rms_norm_forward(spec: ArchSpec):
     def forward(self, hidden_states):
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        if self.__dict__.get(FP8_OUTPUT_ATTR) and not torch.is_grad_enabled():  # an FP8 teacher's: see state.py
+            out, quantized = rms_norm_quantized(
+                hidden_states, self.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting
+            )
+            QUANTIZED_INPUTS.remember(out, quantized)
+            return out
         return rms_norm_kernel(hidden_states, self.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting)
 
     forward.__liger_kd__ = True

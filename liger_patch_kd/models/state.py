@@ -18,8 +18,8 @@ from torch import nn
 from ..config import KDLossConfig
 
 __all__ = [
-    "CLASS_STATE", "INSTANCE_ATTR", "ORIGINAL_BOUND_ATTR", "PATCHED_INSTANCES", "PatchState", "original_forward",
-    "patch_state", "unwrap_model",
+    "CLASS_STATE", "FP8_OUTPUT_ATTR", "INSTANCE_ATTR", "ORIGINAL_BOUND_ATTR", "PATCHED_INSTANCES", "PatchState",
+    "original_forward", "patch_state", "unwrap_model",
 ]  # fmt: skip
 
 
@@ -35,6 +35,9 @@ class PatchState:
 CLASS_STATE: dict[type, PatchState] = {}
 INSTANCE_ATTR = "_liger_kd_state"
 ORIGINAL_BOUND_ATTR = "_liger_kd_original_bound"  # original_forward's cached bound method
+# on an FP8 teacher's norm whose output only FP8 products read (models/fp8_teacher.py): the patched norm forward
+# quantises its output in the same pass and leaves it for them (ops/fp8.QUANTIZED_INPUTS)
+FP8_OUTPUT_ATTR = "_liger_kd_fp8_output"
 # every instance given the KD forward (apply_kd_patch(model=...), or a teacher or a cross-tokenizer student via
 # install_kd_forward)
 PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()

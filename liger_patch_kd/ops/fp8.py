@@ -18,9 +18,13 @@ cuBLASLt moves them into fp32 registers every few K-steps. `fast_accum=True` ski
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from .backend import select_backend, triton_available
+from .rms_norm import CASTING_MODES, norm_warps, rms_norm_torch
 from .swiglu import ACTIVATIONS, gated_act_torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -62,10 +66,38 @@ def gated_act_quantized_torch(gate_up: torch.Tensor, activation: str) -> tuple[t
     return quantize_rows_torch(gated_act_torch(gate, up, activation))
 
 
+class LastOnThisThread(threading.local):
+    """The last value computed from an activation on this thread (for one `owner`), while the activation is alive
+    and unchanged: q, k and v (or gate and up when they are separate) are called on the same tensor one after
+    another, and quantise it, or run their shared product, once; a norm that quantised its own output leaves the
+    quantised rows here for the products that read it."""
+
+    ref: weakref.ref | None = None
+    version: int = -1
+    owner: object = None
+    value: object = None
+
+    def lookup(self, x: torch.Tensor, owner: object = None):
+        if self.ref is not None and self.ref() is x and self.version == x._version and self.owner is owner:
+            return self.value
+        return None
+
+    def remember(self, x: torch.Tensor, value: object, owner: object = None) -> None:
+        self.ref = weakref.ref(x, lambda _: self.forget())  # the bytes go when the activation goes
+        self.version, self.owner, self.value = x._version, owner, value
+
+    def forget(self) -> None:
+        self.ref, self.owner, self.value = None, None, None
+
+
+QUANTIZED_INPUTS = LastOnThisThread()  # an activation's (e4m3 rows, scales), for the FP8 products that read it
+
+
 if triton_available():
     import triton
     import triton.language as tl
 
+    from .rms_norm import rms_norm_row
     from .swiglu import act_and_grad
 
     @triton.jit
@@ -103,6 +135,20 @@ if triton_available():
         _store_quantized(y_ptr, scale_ptr, row, stride_y, act * u, cols, mask, FP8_MAX, FLOOR)
 
 
+    @triton.jit
+    def _rms_norm_quantized_kernel(
+        x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, stride_x, stride_y, stride_q, H, eps, offset,
+        CAST_LAST: tl.constexpr, FP8_MAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """RMSNorm of one row (ops/rms_norm.py's arithmetic) written in its dtype, and that written row quantised:
+        the FP8 products that read the norm's output find it quantised, with no pass of their own over it."""
+        row = tl.program_id(0).to(tl.int64)
+        y, _, cols, mask = rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST, BLOCK)
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+        _store_quantized(q_ptr, scale_ptr, row, stride_q, y.to(tl.float32), cols, mask, FP8_MAX, FLOOR)
+
+
 def _launch_rowwise(kernel, x: torch.Tensor, width: int, **meta) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.shape[0]
     out = torch.empty((rows, width), dtype=FP8_DTYPE, device=x.device)
@@ -128,6 +174,34 @@ def gated_act_quantized(
     if select_backend(gate_up.device, backend) == "torch":
         return gated_act_quantized_torch(gate_up, activation)
     return _launch_rowwise(_gated_quantized_kernel, gate_up, gate_up.shape[1] // 2, GELU=ACTIVATIONS[activation] == 1)
+
+
+def rms_norm_quantized(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama",
+    backend: str | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(y, (y₈, s)): `ops.rms_norm(x, ...)` for inference (no autograd) and its output quantised per row, exactly
+    as `quantize_rows(y.reshape(-1, H))` would give it, in one pass on the GPU."""
+    if casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
+    hidden = x.shape[-1]
+    if select_backend(x.device, backend) == "torch":
+        y = rms_norm_torch(x, weight, eps, offset, casting)
+        return y, quantize_rows_torch(y.reshape(-1, hidden))
+    x2 = x.reshape(-1, hidden)
+    rows = x2.shape[0]
+    out_dtype = x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    q = torch.empty((rows, hidden), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    if rows:
+        _rms_norm_quantized_kernel[(rows,)](
+            x2, weight, y, q, scale, x2.stride(0), y.stride(0), q.stride(0), hidden, float(eps), float(offset),
+            CAST_LAST=casting != "llama", FP8_MAX=FP8_MAX, FLOOR=SCALE_FLOOR, BLOCK=block,
+            num_warps=norm_warps(block),
+        )  # fmt: skip
+    return y.reshape(x.shape), (q, scale)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

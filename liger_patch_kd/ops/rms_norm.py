@@ -33,11 +33,9 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_fwd_kernel(
-        x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, H, eps, offset,
-        CAST_LAST: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
+    def rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST: tl.constexpr, BLOCK: tl.constexpr):
+        """(y in fp32 before its cast to the output dtype, rstd, the column mask) of one row, as the casting mode
+        computes it; shared with the FP8 teacher's norm that also quantises its output (ops/fp8.py)."""
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -49,6 +47,15 @@ if triton_available():
             y = normed * (offset + w.to(tl.float32))
         else:
             y = normed.to(x.dtype).to(tl.float32) * (offset + w.to(tl.float32))
+        return y, rstd, cols, mask
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, H, eps, offset,
+        CAST_LAST: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        y, rstd, cols, mask = rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST, BLOCK)
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd)
 
@@ -94,7 +101,7 @@ class RMSNormFunction(torch.autograd.Function):
         block = triton.next_power_of_2(hidden)
         _rms_norm_fwd_kernel[(n_rows,)](
             x2, weight, y, rstd, x2.stride(0), y.stride(0), hidden, eps, offset,
-            CAST_LAST=casting != "llama", BLOCK=block, num_warps=_warps(block),
+            CAST_LAST=casting != "llama", BLOCK=block, num_warps=norm_warps(block),
         )  # fmt: skip
         ctx.save_for_backward(x2, weight, rstd)
         ctx.meta = (shape, offset, casting)
@@ -114,12 +121,12 @@ class RMSNormFunction(torch.autograd.Function):
         block = triton.next_power_of_2(hidden)
         _rms_norm_bwd_kernel[(programs,)](
             dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, hidden, offset,
-            rows_per_program, CAST_LAST=casting != "llama", BLOCK=block, num_warps=_warps(block),
+            rows_per_program, CAST_LAST=casting != "llama", BLOCK=block, num_warps=norm_warps(block),
         )  # fmt: skip
         return dx.reshape(shape), dw_partial.sum(0).to(weight.dtype), None, None, None
 
 
-def _warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     """One warp per 256 columns, 1..16: a row stays in registers without spilling at hidden sizes up to 16k."""
     return max(1, min(16, block // 256))
 
