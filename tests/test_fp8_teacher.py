@@ -259,9 +259,15 @@ def test_norm_that_quantises_its_output_is_the_norm_then_the_quantisation(width,
     x[7] = 0.0  # a zero row: the scale floor
     y, (q, scale) = F8.rms_norm_quantized(x, w, 1e-6, offset, casting)
     want = rms_norm(x, w, 1e-6, offset, casting)
-    want_q, want_scale = F8.quantize_rows(want)
-    assert torch.equal(y, want)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    # the same arithmetic compiled into another kernel may contract or order an fp32 operation otherwise: an output
+    # may land one bf16 step away (a row's scale, from its largest output, with it), and a quantised value one
+    # e4m3 step away; most are equal
+    torch.testing.assert_close(y, want, rtol=2**-8, atol=0)
+    assert (y != want).float().mean() < 1e-3
+    want_q, want_scale = F8.quantize_rows(y)  # the kernel's own output, quantised apart
+    torch.testing.assert_close(scale, want_scale, rtol=2**-23, atol=0)
+    torch.testing.assert_close(q.float(), want_q.float(), rtol=2**-3, atol=2**-9)
+    assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 1e-3
 
 
 @pytest.mark.gpu

@@ -62,8 +62,10 @@ def test_limit_recompute_flags_the_kept_layers_mlps_and_training_is_unchanged(mo
     bit for bit."""
     import liger_patch_kd.ops.swiglu as S
 
-    calls, original = [0], S.gated_act_torch
-    monkeypatch.setattr(S, "gated_act_torch", lambda *a: calls.__setitem__(0, calls[0] + 1) or original(*a))
+    calls = [0]  # the activation's computations, on either backend (the PyTorch one on a CPU, Triton on a GPU)
+    for owner, name in ((S, "gated_act_torch"), (S.GatedActFunction, "apply")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, f=original: calls.__setitem__(0, calls[0] + 1) or f(*a))
     grads, counts = {}, {}
     for flag in (False, True):
         calls[0] = 0
