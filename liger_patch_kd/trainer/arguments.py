@@ -180,7 +180,8 @@ class KDTrainingArguments(TrainingArguments):
     kd_recompute_layers: int | None = field(
         default=None,
         metadata={"help": "With gradient_checkpointing: only the first N student decoder layers recompute their "
-                  "activations, the rest keep them (memory for speed, e.g. what an FP8 teacher frees). "
+                  "activations, the rest keep them (memory for speed, e.g. what an FP8 teacher frees) but for "
+                  "their gated MLP's activation output, recomputed from gate and up in one elementwise pass. "
                   "None: every layer recomputes."},
     )  # fmt: skip
 
