@@ -44,6 +44,24 @@ def test_the_output_is_dropped_and_the_gradients_are_the_same(backend, dtype, ac
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_second_derivatives_run_through_the_recomputed_output(backend):
+    """With create_graph=True the recomputed output carries its history again: a gradient of the weight gradient
+    equals the one computed with the output kept."""
+    results = []
+    for recompute in (False, True):
+        g = torch.Generator().manual_seed(1)
+        x, wg, wu = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+                     for s in ((5, 8), (6, 8), (6, 8)))  # fmt: skip
+        wd = torch.randn(8, 6, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+        with recomputed_gated_outputs() if recompute else contextlib.nullcontext():
+            y = gated_act(x @ wg.T, x @ wu.T, "silu", backend=backend) @ wd.T
+        (grad_wd,) = torch.autograd.grad((y * y).sum(), [wd], create_graph=True)
+        results.append(torch.autograd.grad(grad_wd.pow(2).sum(), [x, wg, wu]))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_only_gated_outputs_are_replaced_and_nesting_records_once():
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     with recomputed_gated_outputs(), recomputed_gated_outputs():

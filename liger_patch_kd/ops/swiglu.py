@@ -139,6 +139,8 @@ class _GatedRecipe:
         self.gate, self.up, self.activation, self.backend, self.view = gate, up, activation, backend, view
 
     def __call__(self) -> torch.Tensor:
+        # values only: autograd gives an unpacked tensor the saved one's place in the graph (grad_fn, output_nr),
+        # so a second derivative (create_graph=True) still runs back through gate and up (tested)
         with torch.no_grad():
             out = gated_act(self.gate.detach(), self.up.detach(), self.activation, self.backend)
         return out.as_strided(*self.view)
