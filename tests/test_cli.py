@@ -164,3 +164,14 @@ def test_what_counts_as_a_path(name, is_path):
     from liger_patch_kd import cli_checks
 
     assert cli_checks.looks_like_path(name) is is_path
+
+
+def test_serve_precision_choices_are_the_teacher_precisions():
+    """The CLI spells its --precision choices out (it imports no torch to parse arguments): they are the
+    package's TEACHER_PRECISIONS, the one list KDTrainingArguments checks too."""
+    from liger_patch_kd import cli
+    from liger_patch_kd.models import TEACHER_PRECISIONS
+
+    serve = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                 if "--precision" in a.option_strings)  # fmt: skip
+    assert tuple(serve.choices) == TEACHER_PRECISIONS

@@ -181,6 +181,36 @@ def test_patched_norms_hand_their_output_over_quantised(monkeypatch, arch):
     assert torch.equal(handed_over, separate)
 
 
+def test_a_model_wide_cast_keeps_the_fp8_operands():
+    """teacher.to(torch.bfloat16) / .half() move the e4m3 weights and fp32 scales, never cast them (a cast would
+    break every product); a cast to the dtype the teacher already has changes nothing."""
+    _, quantized = _pair("llama")
+    quantize_teacher_fp8(quantized)
+    ids = torch.randint(0, VOCAB, (1, 7)).to(DEVICE)
+    before = quantized(input_ids=ids).logits
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to(DEVICE, torch.float32)):
+        cast(quantized)
+        fp8 = [m for m in quantized.modules() if isinstance(m, Fp8Linear)]
+        assert {(m.weight_fp8.dtype, m.weight_scale.dtype) for m in fp8} == {(F8.FP8_DTYPE, torch.float32)}
+        assert torch.isfinite(quantized(input_ids=ids).logits).all()
+    quantized.to(torch.bfloat16)
+    torch.testing.assert_close(quantized(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
+def test_inference_mode_reuses_nothing_and_gives_the_no_grad_logits():
+    """Inference tensors have no version counter: under torch.inference_mode the products reuse no quantised
+    input or shared product (they could not tell an in-place change), and the logits are the same."""
+    _, quantized = _pair("llama")
+    apply_kd_patch(model=quantized)
+    quantize_teacher_fp8(quantized)
+    ids = torch.randint(0, VOCAB, (2, 6)).to(DEVICE)
+    with torch.no_grad():
+        want = quantized(input_ids=ids).logits
+    with torch.inference_mode():
+        got = quantized(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
 def test_gated_mlp_matches_its_definition():
     mlp_source = tiny_model("llama", dtype=torch.bfloat16, seed=0).model.layers[0].mlp.to(DEVICE)
     gate_up = Fp8Linear.from_linears(mlp_source.gate_proj, mlp_source.up_proj)

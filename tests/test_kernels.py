@@ -90,6 +90,21 @@ def test_gated_activation(dtype, activation):
     )
 
 
+def test_rope_with_fp32_tables_returns_q_dtype_as_olmo2_does():
+    """OLMo-2's rotary tables stay fp32 for bf16 q and k, and its apply_rotary_pos_emb casts the result back: so
+    do both paths here (the PyTorch one promoted, and the attention then met fp32 q against bf16 v)."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    q = torch.randn(2, 4, 6, 16, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 6, 16, device=DEVICE, dtype=torch.bfloat16)
+    angle = torch.randn(1, 6, 16, device=DEVICE)
+    cos, sin = angle.cos(), angle.sin()
+    want = olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    got = rope(q, k, cos, sin, backend="torch")
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert torch.equal(a, b)
+
+
 def test_kernel_argument_errors():
     with pytest.raises(ValueError, match="activation"):
         gated_act(torch.zeros(2), torch.zeros(2), "relu")

@@ -62,6 +62,33 @@ def test_second_derivatives_run_through_the_recomputed_output(backend):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_in_place_changes_are_seen_as_autograd_sees_them():
+    """Inside the block autograd's own in-place check is off (it skips tensors saved through hooks): the block
+    makes it. An output changed in place before it is saved is saved as changed (not recomputed from before)."""
+
+    def run(recompute: bool, change: str):
+        g = torch.Generator().manual_seed(2)
+        x, wg, wu = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+                     for s in ((5, 8), (6, 8), (6, 8)))  # fmt: skip
+        wd = torch.randn(8, 6, generator=g, dtype=torch.float64).requires_grad_()
+        with recomputed_gated_outputs() if recompute else contextlib.nullcontext():
+            gate, up = x @ wg.T, x @ wu.T
+            h = gated_act(gate, up, "silu")
+            if change == "output before it is saved":
+                h.mul_(2)
+            y = h @ wd.T
+        with torch.no_grad():
+            {"down weight": wd, "gate": gate, "output after it is saved": h}.get(change, torch.zeros(1)).mul_(2)
+        return torch.autograd.grad((y * y).sum(), [x, wg, wu, wd])
+
+    for change in ("down weight", "gate", "output after it is saved"):
+        for recompute in (False, True):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                run(recompute, change)
+    for a, b in zip(run(True, "output before it is saved"), run(False, "output before it is saved")):
+        assert torch.equal(a, b)
+
+
 def test_only_gated_outputs_are_replaced_and_nesting_records_once():
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     with recomputed_gated_outputs(), recomputed_gated_outputs():

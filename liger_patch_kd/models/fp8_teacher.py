@@ -59,6 +59,19 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    _FIXED_DTYPE = ("weight_fp8", "weight_scale")  # e4m3 and fp32 whatever the model is cast to
+
+    def _apply(self, fn, recurse=True):
+        """A model-wide cast (`teacher.half()`, `.to(torch.bfloat16)`) moves the quantised weight and its scales to
+        the new device but keeps their dtypes: cast, they would no longer be an FP8 product's operands."""
+        fixed = {name: self._buffers.pop(name) for name in self._FIXED_DTYPE}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in fixed.items():
+                self._buffers[name] = buffer.to(fn(buffer[:0]).device)  # fn on an empty view: where it goes
+        return self
+
     @classmethod
     def from_linears(cls, *linears: nn.Linear, fast_accum: bool = False) -> Fp8Linear:
         """One product over several linears reading the same input (their outputs concatenated, in order)."""

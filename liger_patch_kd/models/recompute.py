@@ -22,7 +22,10 @@ RECOMPUTE_ACT_ATTR = "__liger_kd_recompute_act__"  # on a kept layer's gated MLP
 
 def limit_recompute(model: nn.Module, n_layers: int) -> tuple[int, int]:
     """Leave checkpointing on for the first `n_layers` decoder layers of `model` (DDP / FSDP / PEFT wrappers
-    unwrapped) and turn it off for the rest. Returns (layers recomputing, layers keeping their activations)."""
+    unwrapped) and turn it off for the rest. Returns (layers recomputing, layers keeping their activations).
+    Call it after `gradient_checkpointing_enable()` (KDTrainer does, at each train()): enabling checkpointing
+    again turns it on for every layer, and a kept layer's MLP flag then only costs memory (its saved tensors
+    bypass the checkpoint's hooks) until limit_recompute runs again."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     hf = unwrap_model(model)

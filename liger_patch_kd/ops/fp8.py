@@ -70,7 +70,8 @@ class LastOnThisThread(threading.local):
     """The last value computed from an activation on this thread (for one `owner`), while the activation is alive
     and unchanged: q, k and v (or gate and up when they are separate) are called on the same tensor one after
     another, and quantise it, or run their shared product, once; a norm that quantised its own output leaves the
-    quantised rows here for the products that read it."""
+    quantised rows here for the products that read it. A change through `.data` bypasses the version counter and
+    is not seen; under torch.inference_mode (no version counters) nothing is reused, each product computes its own."""
 
     ref: weakref.ref | None = None
     version: int = -1
@@ -78,11 +79,15 @@ class LastOnThisThread(threading.local):
     value: object = None
 
     def lookup(self, x: torch.Tensor, owner: object = None):
+        if x.is_inference():  # no version counter to tell an in-place change: nothing is reused
+            return None
         if self.ref is not None and self.ref() is x and self.version == x._version and self.owner is owner:
             return self.value
         return None
 
     def remember(self, x: torch.Tensor, value: object, owner: object = None) -> None:
+        if x.is_inference():
+            return
         self.ref = weakref.ref(x, lambda _: self.forget())  # the bytes go when the activation goes
         self.version, self.owner, self.value = x._version, owner, value
 

@@ -17,8 +17,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_torch(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """The rotation in the promoted dtype, returned in q's and k's (as the Triton path, and as OLMo-2's own
+    apply_rotary_pos_emb does with its fp32 cos / sin; elsewhere cos and sin come in q's dtype already)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return (q * cos + rotate_half(q) * sin).to(q.dtype), (k * cos + rotate_half(k) * sin).to(k.dtype)
 
 
 if triton_available():

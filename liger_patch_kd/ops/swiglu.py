@@ -118,27 +118,45 @@ def gated_act(
         # by storage: what an op saves may be a view of the output (a linear reshapes its 3-D input to 2-D); the
         # entry goes when the output goes (a later tensor may reuse the storage)
         key = out.untyped_storage().data_ptr()
-        recipes[key] = (weakref.ref(out, lambda _, k=key: recipes.pop(k, None)), gate, up, activation, backend)
+        ref = weakref.ref(out, lambda _, k=key: recipes.pop(k, None))
+        recipes[key] = (ref, out._version, gate, up, activation, backend)
     return out
 
 
 class _Recording(threading.local):
-    recipes: dict | None = None  # output's storage -> (weakref to it, gate, up, activation, backend), recording
+    recipes: dict | None = None  # output's storage -> (weakref, version, gate, up, activation, backend)
 
 
 _RECORDING = _Recording()
 
 
+def _check_version(tensor: torch.Tensor, saved: int, what: str) -> None:
+    """Autograd's in-place check, which it skips for tensors saved through hooks: done here instead."""
+    if tensor._version != saved:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{what} {tuple(tensor.shape)} is at version {tensor._version}, saved at version {saved} (inside "
+            f"recomputed_gated_outputs(), which saves it through saved-tensor hooks)"
+        )
+
+
 class _GatedRecipe:
     """A saved gated output (or a view of it), as its inputs: called in the backward, it computes the output again
-    and takes the same view of it."""
+    and takes the same view of it, after the checks autograd would have made on the saved tensor."""
 
-    __slots__ = ("gate", "up", "activation", "backend", "view")
+    __slots__ = ("output", "version", "gate", "up", "versions", "activation", "backend", "view")
 
-    def __init__(self, gate, up, activation, backend, view):
-        self.gate, self.up, self.activation, self.backend, self.view = gate, up, activation, backend, view
+    def __init__(self, output, version, gate, up, activation, backend, view):
+        self.output, self.version, self.gate, self.up = output, version, gate, up
+        self.versions = (gate._version, up._version)
+        self.activation, self.backend, self.view = activation, backend, view
 
     def __call__(self) -> torch.Tensor:
+        output = self.output()  # gone: nobody could change it in place after it was saved
+        if output is not None:
+            _check_version(output, self.version, "the gated activation's output")
+        _check_version(self.gate, self.versions[0], "its gate input")
+        _check_version(self.up, self.versions[1], "its up input")
         # values only: autograd gives an unpacked tensor the saved one's place in the graph (grad_fn, output_nr),
         # so a second derivative (create_graph=True) still runs back through gate and up (tested)
         with torch.no_grad():
@@ -149,8 +167,11 @@ class _GatedRecipe:
 @contextmanager
 def recomputed_gated_outputs() -> Iterator[None]:
     """Inside: gated outputs (of `gated_act`) that autograd saves are recomputed in the backward instead of kept
-    (see the module's docstring). Other saved tensors are untouched; inside a checkpointed region the
-    checkpoint's own saving applies, as it is the innermost. Nested, the outer block records."""
+    (see the module's docstring). Other saved tensors are kept as they are, with autograd's in-place check done
+    here (autograd skips it for tensors saved through hooks). The hooks are the innermost while the block runs:
+    an outer saved-tensor hook (an offloader, a checkpoint entered outside) does not see what is saved inside,
+    so enter it only where nothing outside packs saved tensors (models/recompute.py: kept layers, not
+    checkpointed ones). Nested, the outer block records."""
     if _RECORDING.recipes is not None:
         yield
         return
@@ -159,12 +180,21 @@ def recomputed_gated_outputs() -> Iterator[None]:
     def pack(tensor: torch.Tensor):
         entry = recipes.get(tensor.untyped_storage().data_ptr())
         output = None if entry is None else entry[0]()
-        if output is None or tensor.dtype != output.dtype or tensor.device != output.device:
-            return tensor
-        return _GatedRecipe(*entry[1:], view=(tensor.size(), tensor.stride(), tensor.storage_offset()))
+        if (
+            output is None
+            or tensor.dtype != output.dtype
+            or tensor.device != output.device
+            or tensor._version != entry[1]
+        ):  # changed in place since: saved as it is now
+            return tensor, tensor._version
+        return _GatedRecipe(*entry[:2], *entry[2:], view=(tensor.size(), tensor.stride(), tensor.storage_offset()))
 
     def unpack(saved):
-        return saved() if isinstance(saved, _GatedRecipe) else saved
+        if isinstance(saved, _GatedRecipe):
+            return saved()
+        tensor, version = saved
+        _check_version(tensor, version, "a tensor saved for the backward")
+        return tensor
 
     _RECORDING.recipes = recipes
     try:
