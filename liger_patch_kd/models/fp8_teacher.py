@@ -43,12 +43,14 @@ _FP8_ATTR = "__liger_kd_fp8__"
 _ROUTER_NAMES = ("router", "gate")  # MoE routers: a module named exactly so is kept in bf16
 
 
-_QUANTIZED = QUANTIZED_INPUTS  # an activation's (e4m3 rows, scales): quantised once, or left by its norm
 _PRODUCT = LastOnThisThread()  # an activation's product with a shared projection weight (owner: the Fp8Linear)
 
 
 class Fp8Linear(nn.Module):
-    """y = x Wᵀ + b with W in e4m3 (one scale per output channel) and x quantised per token on the fly."""
+    """y = x Wᵀ + b with W in e4m3 (one scale per output channel) and x quantised per token on the fly (or found
+    quantised in QUANTIZED_INPUTS: by a sibling product, or by the norm that wrote x)."""
+
+    _FIXED_DTYPE = ("weight_fp8", "weight_scale")  # e4m3 and fp32 whatever the model is cast to
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = False):
         super().__init__()
@@ -58,8 +60,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_fp8", weight_fp8)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-
-    _FIXED_DTYPE = ("weight_fp8", "weight_scale")  # e4m3 and fp32 whatever the model is cast to
 
     def _apply(self, fn, recurse=True):
         """A model-wide cast (`teacher.half()`, `.to(torch.bfloat16)`) moves the quantised weight and its scales to
@@ -82,10 +82,10 @@ class Fp8Linear(nn.Module):
         return cls(torch.cat([lin.weight.detach() for lin in linears]), bias, fast_accum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = _QUANTIZED.lookup(x)
+        quantized = QUANTIZED_INPUTS.lookup(x)
         if quantized is None:
             quantized = quantize_rows(x.reshape(-1, self.in_features).contiguous())
-            _QUANTIZED.remember(x, quantized)
+            QUANTIZED_INPUTS.remember(x, quantized)
         return self.forward_quantized(*quantized, x.shape[:-1], x.dtype)
 
     def forward_quantized(
