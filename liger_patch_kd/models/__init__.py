@@ -19,7 +19,13 @@ Modules, lowest first (imports point down only):
 
 from .backbone import run_backbone
 from .decode_attention import packed_decode_attention
-from .fp8_teacher import TEACHER_PRECISIONS, Fp8Linear, apply_teacher_precision, quantize_teacher_fp8
+from .fp8_teacher import (
+    TEACHER_PRECISIONS,
+    Fp8Linear,
+    apply_teacher_precision,
+    check_teacher_precision,
+    quantize_teacher_fp8,
+)
 from .heads import output_head
 from .kd_forward import kd_causal_lm_forward
 from .kd_io import KDCausalLMOutput, TeacherInputs, targets_of
@@ -61,6 +67,7 @@ __all__ = [
     "Fp8Linear",
     "quantize_teacher_fp8",
     "apply_teacher_precision",
+    "check_teacher_precision",
     "TEACHER_PRECISIONS",
     "patch_teacher_kernels",
     "KDCausalLMOutput",

@@ -287,15 +287,19 @@ def quantize_teacher_fp8(model: nn.Module, *, fast_accum: bool = False) -> Fp8Su
     return summary
 
 
-
 TEACHER_PRECISIONS = ("bf16", "fp8", "fp8_fast_accum")  # kd_teacher_precision / `liger-kd serve --precision`
+
+
+def check_teacher_precision(precision: str, option: str = "teacher precision") -> None:
+    """A one-line ValueError naming `option` unless `precision` is one of TEACHER_PRECISIONS."""
+    if precision not in TEACHER_PRECISIONS:
+        raise ValueError(f"{option} must be one of {TEACHER_PRECISIONS}; got {precision!r}")
 
 
 def apply_teacher_precision(model: nn.Module, precision: str) -> Fp8Summary | None:
     """The frozen teacher at `precision`, one of TEACHER_PRECISIONS: bf16 leaves it as loaded (None); fp8 and
     fp8_fast_accum quantise its decoder products (`quantize_teacher_fp8`, without and with fast accumulation)."""
-    if precision not in TEACHER_PRECISIONS:
-        raise ValueError(f"teacher precision must be one of {TEACHER_PRECISIONS}; got {precision!r}")
+    check_teacher_precision(precision)
     if precision == "bf16":
         return None
     return quantize_teacher_fp8(model, fast_accum=precision == "fp8_fast_accum")

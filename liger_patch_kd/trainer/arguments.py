@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig
-from ..models import TEACHER_PRECISIONS
+from ..models import check_teacher_precision
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
 from .self_distill import SELF_DISTILL_MODES
@@ -210,10 +210,7 @@ class KDTrainingArguments(TrainingArguments):
                 f"kd_patch_config has unknown key(s) {unknown}; it takes the patch toggles {list(PATCH_TOGGLES)}. "
                 f"Loss options have their own arguments (kd_beta, kd_temperature, kd_vocab_size, ...)"
             )
-        if self.kd_teacher_precision not in TEACHER_PRECISIONS:
-            raise ValueError(
-                f"kd_teacher_precision must be one of {TEACHER_PRECISIONS}; got {self.kd_teacher_precision!r}"
-            )
+        check_teacher_precision(self.kd_teacher_precision, "kd_teacher_precision")
         if self.kd_recompute_layers is not None:
             if not isinstance(self.kd_recompute_layers, int) or self.kd_recompute_layers < 0:
                 raise ValueError(f"kd_recompute_layers must be an int >= 0 or None; got {self.kd_recompute_layers!r}")

@@ -345,10 +345,9 @@ def serve(
         raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]'") from e
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ...models import TEACHER_PRECISIONS
+    from ...models import check_teacher_precision
 
-    if precision not in TEACHER_PRECISIONS:
-        raise ValueError(f"serve: precision must be one of {TEACHER_PRECISIONS}; got {precision!r}")
+    check_teacher_precision(precision, "serve: precision")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     config = AutoConfig.from_pretrained(teacher, **extra)
