@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from .backend import select_backend, triton_available
-from .rms_norm import CASTING_MODES, norm_warps, rms_norm_torch
+from .rms_norm import check_casting, norm_output_dtype, norm_warps, rms_norm_torch
 from .swiglu import ACTIVATIONS, gated_act_torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -187,16 +187,14 @@ def rms_norm_quantized(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """(y, (y₈, s)): `ops.rms_norm(x, ...)` for inference (no autograd) and its output quantised per row, exactly
     as `quantize_rows(y.reshape(-1, H))` would give it, in one pass on the GPU."""
-    if casting not in CASTING_MODES:
-        raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
+    check_casting(casting)
     hidden = x.shape[-1]
     if select_backend(x.device, backend) == "torch":
         y = rms_norm_torch(x, weight, eps, offset, casting)
         return y, quantize_rows_torch(y.reshape(-1, hidden))
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
-    out_dtype = x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    y = torch.empty((rows, hidden), dtype=norm_output_dtype(x, weight, casting), device=x.device)
     q = torch.empty((rows, hidden), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(hidden)

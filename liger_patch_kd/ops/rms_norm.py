@@ -17,6 +17,17 @@ from .backend import select_backend, triton_available
 CASTING_MODES = ("llama", "gemma", "olmo")
 
 
+def check_casting(casting: str) -> None:
+    if casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
+
+
+def norm_output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
+    """The norm's output dtype: "llama" multiplies the input-dtype result by the weight (promoted), the others
+    cast at the end to the input's dtype."""
+    return x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama"):
     """The reference computation, op for op as transformers writes it."""
     x32 = x.float()
@@ -95,8 +106,7 @@ class RMSNormFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n_rows, hidden = x2.shape
-        out_dtype = x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
-        y = torch.empty((n_rows, hidden), dtype=out_dtype, device=x.device)
+        y = torch.empty((n_rows, hidden), dtype=norm_output_dtype(x, weight, casting), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(hidden)
         _rms_norm_fwd_kernel[(n_rows,)](
@@ -144,8 +154,7 @@ def rms_norm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """RMSNorm of the last dimension; Triton on CUDA, `rms_norm_torch` elsewhere."""
-    if casting not in CASTING_MODES:
-        raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
+    check_casting(casting)
     if select_backend(x.device, backend) == "torch":
         return rms_norm_torch(x, weight, eps, offset, casting)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)

@@ -187,7 +187,7 @@ def recomputed_gated_outputs() -> Iterator[None]:
             or tensor._version != entry[1]
         ):  # changed in place since: saved as it is now
             return tensor, tensor._version
-        return _GatedRecipe(*entry[:2], *entry[2:], view=(tensor.size(), tensor.stride(), tensor.storage_offset()))
+        return _GatedRecipe(*entry, view=(tensor.size(), tensor.stride(), tensor.storage_offset()))
 
     def unpack(saved):
         if isinstance(saved, _GatedRecipe):
