@@ -175,10 +175,16 @@ def fp8_logits_fidelity(teacher_bf16, teacher_fp8, held: torch.Tensor, vocab: in
 
 @torch.no_grad()
 def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) -> list[dict]:
-    """The 8B-shaped teacher's forward to its last hidden states (what the fused loss consumes), bf16 then FP8."""
-    teacher = build(shape, device, torch.bfloat16, seed=2).eval().requires_grad_(False)
-    teacher.config.use_cache = False
-    apply_kd_patch_to_llama(model=teacher)
+    """The 8B-shaped teacher's forward to its last hidden states (what the fused loss consumes), bf16 then FP8,
+    then FP8 with fast accumulation (a fresh copy: a quantised teacher is not quantised again)."""
+
+    def patched_teacher():
+        model = build(shape, device, torch.bfloat16, seed=2).eval().requires_grad_(False)
+        model.config.use_cache = False
+        apply_kd_patch_to_llama(model=model)
+        return model
+
+    teacher = patched_teacher()
     ids = torch.randint(0, shape["vocab_size"], (micro_batch, seq), device=device)
 
     def seconds_per_forward() -> float:
@@ -195,9 +201,7 @@ def teacher_speed(shape: dict, device, micro_batch: int, seq: int, reps: int) ->
     fp8_s = seconds_per_forward()
     revert_kd_patch(model=teacher)
     del teacher
-    teacher = build(shape, device, torch.bfloat16, seed=2).eval().requires_grad_(False)  # a fresh copy
-    teacher.config.use_cache = False
-    apply_kd_patch_to_llama(model=teacher)
+    teacher = patched_teacher()
     quantize_teacher_fp8(teacher, fast_accum=True)
     fast_s = seconds_per_forward()
     revert_kd_patch(model=teacher)
