@@ -250,7 +250,7 @@ def test_trainer_with_an_fp8_teacher(tmp_path):
     from liger_patch_kd.trainer import KDTrainer
 
     losses = {}
-    for precision in ("bf16", "fp8"):
+    for precision in ("bf16", "fp8", "fp8_fast_accum"):
         trainer = KDTrainer(
             model=tiny_model("llama", dtype=torch.float32, seed=1),
             teacher_model=tiny_model("llama", dtype=torch.bfloat16, seed=2, hidden=96),
@@ -259,11 +259,13 @@ def test_trainer_with_an_fp8_teacher(tmp_path):
         )
         trainer.train()
         losses[precision] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        if precision == "fp8":
+        if precision != "bf16":
             assert isinstance(trainer.teacher_model.model.layers[0].mlp, Fp8GatedMLP)
-    assert all(torch.isfinite(torch.tensor(losses["fp8"])))
-    torch.testing.assert_close(torch.tensor(losses["fp8"]), torch.tensor(losses["bf16"]), rtol=5e-2, atol=1e-3)
-    assert losses["fp8"] != losses["bf16"]
+            assert trainer.teacher_model.model.layers[0].mlp.down_proj.fast_accum is (precision == "fp8_fast_accum")
+    for precision in ("fp8", "fp8_fast_accum"):
+        assert all(torch.isfinite(torch.tensor(losses[precision])))
+        torch.testing.assert_close(torch.tensor(losses[precision]), torch.tensor(losses["bf16"]), rtol=5e-2, atol=1e-3)
+        assert losses[precision] != losses["bf16"]
 
 
 def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
