@@ -46,6 +46,7 @@ from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
 from .teacher_compute import prepare_teacher_compute
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
+from .text_rows import tokenize_text_datasets
 
 logger = logging.get_logger(__name__)
 
@@ -72,6 +73,8 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        # rows of {"text": ...} tokenized now, as TRL's trainers do (or refused in one line): text_rows.py
+        tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
@@ -209,13 +212,13 @@ class KDTrainer(Trainer):
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
             )
             self._served = served  # and about the teacher's tokens of generated rows
-            dataloader = dataloader if self.args.kd_lmbda >= 1 else served
+            dataloader = dataloader if self.args.generates_every_step else served
         elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
             served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
             self._served = served
             # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
-            dataloader = dataloader if self.args.kd_lmbda >= 1 or self.args.kd_seq_kd else served
+            dataloader = dataloader if self.args.generates_every_step else served
         return dataloader
 
     def _set_signature_columns_if_needed(self):
