@@ -92,8 +92,9 @@ def loss_memory_demo(device) -> None:
     print(f"\n[1/5] the loss alone: {shape}, forward+backward, fused against materialised logits", flush=True)
     rows = []
     for name in ("fused (liger_patch_kd)", "materialised logits"):
-        step(name)  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks its algorithms
-        h_s.grad = w_s.grad = None
+        if device.type != "cpu":  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks algorithms
+            step(name)
+            h_s.grad = w_s.grad = None
         with PeakMemory(device) as mem:
             start = time.perf_counter()
             loss = step(name)
@@ -123,10 +124,11 @@ def _figure(values: list[float], digits: int, width: int) -> str:
 
 
 def run_demo(
-    quick: bool = True, device: str | None = None, cross_tokenizer: bool = True, seeds: tuple[int, ...] | None = None
-) -> list[dict]:
-    """The rows of step 4, then (with `cross_tokenizer`) step 5's: {"recipe": "BPE student: ...",
-    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
+    quick: bool = True, device: str | None = None, cross_tokenizer: bool | None = None,
+    seeds: tuple[int, ...] | None = None,
+) -> list[dict]:  # fmt: skip
+    """The rows of step 4, then (with `cross_tokenizer`; None: in the full run only) step 5's: {"recipe": "BPE
+    student: ...", "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
 
     `quick` (the default, as `liger-kd demo`'s): DemoSizes.quick() and one seed; False: full sizes, three seeds.
     Each student recipe is trained from `seeds` (seed s: student init s, data order s - 1; default 1, 2, 3, or 1
@@ -137,7 +139,7 @@ def run_demo(
     (toys.demo_threads). Everything is written to a temporary folder, removed at the end."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with tempfile.TemporaryDirectory(prefix="liger_kd_demo_") as work, demo_threads(dev):
-        return _run_demo(Path(work), quick, dev, cross_tokenizer, seeds)
+        return _run_demo(Path(work), quick, dev, not quick if cross_tokenizer is None else cross_tokenizer, seeds)
 
 
 def demo_data(sizes: DemoSizes):
@@ -243,6 +245,9 @@ def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool,
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
     if cross_tokenizer:
         results += _cross_tokenizer_rows(teacher, quick, dev)
+    else:
+        print("\n[5/5] across tokenizers (a student with its own BPE tokenizer): `liger-kd demo --full` runs it, or "
+              "alone: python -m liger_patch_kd.demo.cross_tokenizer --quick")  # fmt: skip
     return results
 
 

@@ -206,7 +206,8 @@ class KDTrainer(Trainer):
         dataloader = super().get_train_dataloader()
         if isinstance(self.args.kd_teacher_url, Mapping):  # each row asks its own server (served_teachers.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
-            return routed_served_dataloader(dataloader, self.args, vocab_size=vocab_size)
+            return routed_served_dataloader(dataloader, self.args, vocab_size=vocab_size,
+                                            tokenizer=self.processing_class)  # fmt: skip
         if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
             served = served_teacher_dataloader(
                 dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
@@ -215,7 +216,8 @@ class KDTrainer(Trainer):
             dataloader = dataloader if self.args.generates_every_step else served
         elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
-            served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
+            served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size,
+                                               tokenizer=self.processing_class)  # fmt: skip
             self._served = served
             # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
             dataloader = dataloader if self.args.generates_every_step else served
