@@ -73,7 +73,6 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
-        # rows of {"text": ...} tokenized now, as TRL's trainers do (or refused in one line): text_rows.py
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
         self.teacher_set = None
@@ -278,6 +277,7 @@ class KDTrainer(Trainer):
             loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
             agreement = getattr(outputs, "kd_top1_agreement", None)
         else:
+            self._note_materialised(model, inputs, offline)
             loss, soft, hard, agreement, outputs = self._materialised_loss(
                 model, inputs, num_items_in_batch, cfg, behaviour
             )
@@ -289,6 +289,18 @@ class KDTrainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
+
+    def _note_materialised(self, model, inputs, offline: bool) -> None:
+        """use_kd_patch=False, said once (the first step): what the materialised logits cost, and the flag."""
+        if not getattr(self, "_kd_noted_materialised", False):
+            self._kd_noted_materialised = True
+            tokens, vocab = inputs["input_ids"].numel(), unwrap_model(model).get_output_embeddings().weight.shape[0]
+            logger.warning(
+                f"use_kd_patch=False: each step materialises the (tokens x vocabulary) logits of the student"
+                f"{'' if offline else ' and of the teacher'}, N x V x 4 bytes in float32 = {tokens} x {vocab} x 4 = "
+                f"{tokens * vocab * 4 / 2**20:.1f} MiB each (this first batch), which the fused loss never holds; "
+                f"set KDTrainingArguments(use_kd_patch=True) to train without them"
+            )
 
     def _kd_score(self, model, inputs, cfg: KDLossConfig):
         """(KD term, top-1 agreement) of one offline batch under no_grad: a logging step's per-teacher figures."""
