@@ -13,7 +13,7 @@ compiled over all calls: a count that grows with the calls means recompilation p
 in eval mode, as the server holds it; no HTTP), what the engine rows of bench_engine wait for.
 
 `--profile N` adds, per cell, a call of N new tokens under torch.profiler: ms per decode step, the GPU's busy share
-and the kernels that took the most (what found the per-head KV-cache copy models/decode_attention.py removes).
+and the kernels that took the most (what found the per-head KV-cache copy generation/decode_attention.py removes).
 
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
 --calls 2 --profile 32`, benchmarks/results/wave3/bench_rollouts_packed.json): the static cache 11,961 tokens/s,

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ...models import packed_decode_attention
+from ...generation import packed_decode_attention
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
