@@ -221,3 +221,50 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
     want, _ = reference(model, ids, mask, 12, greedy, 0, ())
     assert torch.equal(got, want)
     assert not math.isnan(float(got.sum()))
+
+
+def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():
+    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+    model = _model("llama", torch.float64, seed=8)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    settings = RolloutSettings(max_new_tokens=6, cache="graph", seed=4, num_generations=2, vocab_size=250)
+    eos = set(range(2, 120))  # many ending ids: rows end at different steps
+    first = generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1, step=3)
+    again = generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1, step=3)
+    assert [r.completion for r in first] == [r.completion for r in again]  # seeded per (seed, step, call)
+    assert any(r.finished for r in first) and all(r.completion[-1] in eos for r in first if r.finished)
+    assert all(max(r.completion) < 250 for r in first)  # the padded head's extra ids are never drawn
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="kd_generation_cache='graph' cannot decode this generator"):
+        generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1)
+
+
+def test_the_servers_sampler_through_the_engine():
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+
+    model = _model("llama", torch.float64, seed=9)
+    engine = GenerationEngine(model, "m")
+    engine.captured = True  # what a CUDA device sets; here the same step runs eagerly
+    request = GenerationRequest(
+        prompts=[[5, 6, 7], [8, 9]],
+        n=2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=5,
+        seed=3,
+        logprobs=0,
+        stop_ids=tuple(range(3, 90)),
+        return_token_ids=True,
+        model=None,
+    )
+    reply = engine.complete(request)
+    assert reply == {**engine.complete(request), "id": reply["id"], "created": reply["created"]}  # seeded
+    for choice in reply["choices"]:
+        toks, prompt = choice["token_ids"], choice["prompt_token_ids"]
+        assert (choice["finish_reason"] == "stop") == (toks[-1] in request.stop_ids) and 1 <= len(toks) <= 5
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
+        want = logits.float().log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), want, rtol=0, atol=1e-5)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..generation import packed_decode_attention
+from ..generation import Sampling, decode, decode_applies, packed_decode_attention
 from ..models import transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
-from .decode import lean_decode_applies, sample_tokens
+from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens
 
-CACHES = ("auto", "dynamic", "static")
+CACHES = ("auto", "dynamic", "static", "graph")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
@@ -36,7 +36,10 @@ class RolloutSettings:
         generator's own distribution, which on-policy KD assumes.
     num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
-    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA up to 256 rows,
+    cache: "dynamic", "static" (transformers compiles the decode step), "graph" (generation/engine.py: a slot
+        KV cache per (rows, length) bucket and the whole one-token step, sampling included, captured once as a CUDA
+        graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": static on CUDA up
+        to 256 rows,
         dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
         with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
         benchmarks/results/wave3/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
@@ -88,6 +91,26 @@ def cache_for(rows: int, device: torch.device, choice: str) -> str:
     if choice != "auto":
         return choice
     return "static" if device.type == "cuda" and rows <= STATIC_UP_TO_ROWS else "dynamic"
+
+
+def engine_refusal(generator: nn.Module) -> str | None:
+    """None if the decode engine samples what generate() would here, else why not: the model's own conditions
+    (generation.decode_applies) and a generation config that asks for nothing beyond sampling."""
+    gen = getattr(generator, "generation_config", None)
+    extra = sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS) if gen is not None else []
+    if extra:
+        return f"its generation_config asks for {extra}, which only generate() honours"
+    return decode_applies(generator)
+
+
+def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings, pad_id: int, eos_ids: set[int],
+                     padding: list[int]) -> torch.Tensor:  # fmt: skip
+    """(B, W + n) prompt + sampled ids through the decode engine (generate()'s layout: padding after EOS)."""
+    limit = settings.vocab_size if padding else None  # a padded head's extra rows are never drawn
+    sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, vocab_limit=limit)
+    tokens, _ = decode(generator, ids, mask, max_new_tokens=settings.max_new_tokens, sampling=sampling, pad_id=pad_id,
+                       eos_ids=sorted(eos_ids), capture="graph")  # fmt: skip
+    return torch.cat([ids, tokens], dim=1)
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
@@ -162,6 +185,9 @@ def generate_rollouts(
     if settings.vocab_size:
         head = unwrap_model(generator).get_output_embeddings()
         padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
+    if settings.cache == "graph" and (refusal := engine_refusal(generator)) is not None:
+        raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
+                         f"'dynamic'")  # fmt: skip
     was_training = generator.training
     generator.eval()
     try:
@@ -184,7 +210,9 @@ def generate_rollouts(
                 )  # fmt: skip
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
-                    if lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
+                    if cache == "graph":  # the captured decode step (generation/engine.py)
+                        generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
+                    elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
                         generated = generator.generate(
