@@ -5,9 +5,10 @@ replayed, the host asking whether every row has ended only every `check_every` s
     tokens = decode(model, input_ids, attention_mask, max_new_tokens=..., sampling=Sampling(...), pad_id=0,
                     eos_ids=(2,), capture="graph")
 
-Captures: "graph" (torch.cuda.CUDAGraph, explicit capture), "compile" (torch.compile mode="reduce-overhead", whose
-CUDA graphs are torch's own), "eager" (the same step run op by op: what a CPU runs, and the reference of the other
-two). Prefill runs eagerly through the model's own attention over the prompt (not captured: one call per width).
+Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kernels), "compile" (the step compiled
+by torch.compile, its fused kernels captured explicitly the same way), "reduce-overhead" (torch.compile's own CUDA
+graphs), "eager" (the same step run op by op: what a CPU runs, and the reference of the others). Prefill runs
+eagerly through the model's own attention over the prompt (not captured: one call per width).
 
 A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
 bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
@@ -29,7 +30,7 @@ from .decode_attention import packed_decode_attention
 from .kv_cache import SlotCache
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 
-CAPTURES = ("graph", "compile", "eager")
+CAPTURES = ("graph", "compile", "reduce-overhead", "eager")
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
 
@@ -144,30 +145,34 @@ class DecodeSession:
         self.cache.decoding = True
 
     def _capture(self) -> None:
-        """Warm the step up on a side stream (allocator, lazy kernels), put the state back, capture it."""
+        """Warm the step up on a side stream (allocator, lazy kernels, compilation), put the state back, capture."""
+        step = self._step
+        if self.key.capture == "compile":  # inductor's kernels, captured by us (graph breaks cost nothing here)
+            step = self.compiled = torch.compile(self._step, dynamic=False)
         state = [t.clone() for t in (self.token, self.slot, self.count, self.used, self.done)]
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step()  # writes cache columns the real steps overwrite before anything reads them
+            for _ in range(3):
+                step()  # writes cache columns the real steps overwrite before anything reads them
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._step()
+            step()
         for saved, live in zip(state, (self.token, self.slot, self.count, self.used, self.done)):
             live.copy_(saved)
         torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
 
     def _run_step(self) -> None:
-        if self.key.capture == "graph":
+        if self.key.capture in ("graph", "compile"):
             if self.graph is None:
                 self._capture()
             self.graph.replay()
-        elif self.key.capture == "compile":
-            if self.compiled is None:
-                for t in (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out):
+        elif self.key.capture == "reduce-overhead":
+            if self.compiled is None:  # every buffer the step mutates at a fixed address, or no CUDA graph is taken
+                buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
+                for t in (*buffers, *self.cache.keys, *self.cache.values):
                     torch._dynamo.mark_static_address(t)
                 self.compiled = torch.compile(self._step, mode="reduce-overhead")
             self.compiled()
@@ -226,7 +231,7 @@ def decode(
         input_ids: (rows, W) prompts, left-padded; attention_mask: (rows, W), 0 on the padding.
         sampling: temperature / top-k / top-p / vocab limit (Sampling).
         pad_id: what a row gets after its end; eos_ids: the ids that end a row (kept as its last token).
-        capture: "graph", "compile" or "eager" (CAPTURES; on a CPU every capture runs "eager": no graphs there).
+        capture: one of CAPTURES (on a CPU every capture runs "eager": no graphs there).
         logprobs: also return each sampled token's log-prob under the model's own distribution (temperature 1,
             unfiltered, over the first vocab_limit ids).
         check_every: decode steps between the host's checks that some row is still going.

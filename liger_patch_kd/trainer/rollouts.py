@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..generation import Sampling, decode, decode_applies, packed_decode_attention
-from ..models import transformers_code, unwrap_model
+from ..models import original_forward, transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
 from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens
 
@@ -192,8 +192,10 @@ def generate_rollouts(
     generator.eval()
     try:
         # the model's own forward and kernels (last-position logits, compilable), decode steps without the
-        # grouped-query cache copy (generation/decode_attention.py)
-        with transformers_code(generator), packed_decode_attention():
+        # grouped-query cache copy (generation/decode_attention.py); the captured step keeps the patched kernels
+        # (fewer launches per step: 2.04 against 2.84 ms at 8 rows on an H200, bench_rollouts)
+        code = original_forward(unwrap_model(generator)) if settings.cache == "graph" else transformers_code(generator)
+        with code, packed_decode_attention():
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
