@@ -269,3 +269,14 @@ def test_the_servers_sampler_through_the_engine():
             logits = model(input_ids=torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
         want = logits.float().log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), want, rtol=0, atol=1e-5)
+
+
+def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
+    from liger_patch_kd.trainer.rollouts import cache_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cache_for(64, cuda, "auto", engine_applies=True) == "graph"
+    assert cache_for(64, cuda, "auto", engine_applies=False) == "static"
+    assert cache_for(512, cuda, "auto", engine_applies=True) == "dynamic"  # not measured above 256 rows
+    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU the lean loop (trainer/decode)
+    assert cache_for(8, cpu, "graph") == "graph"

@@ -38,8 +38,9 @@ class RolloutSettings:
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
     cache: "dynamic", "static" (transformers compiles the decode step), "graph" (generation/engine.py: a slot
         KV cache per (rows, length) bucket and the whole one-token step, sampling included, captured once as a CUDA
-        graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": static on CUDA up
-        to 256 rows,
+        graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": graph on CUDA up
+        to 256 rows where the engine can decode the generator (cache_for), else what follows. Before graph: static
+        on CUDA up to 256 rows,
         dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
         with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
         benchmarks/results/wave3/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
@@ -87,10 +88,15 @@ def call_seed(seed: int, step: int, call: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + call
 
 
-def cache_for(rows: int, device: torch.device, choice: str) -> str:
+def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
+    """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
+    it can decode the generator (measured faster than the static cache: 1.96 / 3.34 ms a decode step at 8 / 64 rows
+    against 3.51 / 5.39 on an H200, benchmarks/results/wave4/), the static cache there otherwise, else dynamic."""
     if choice != "auto":
         return choice
-    return "static" if device.type == "cuda" and rows <= STATIC_UP_TO_ROWS else "dynamic"
+    if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
+        return "dynamic"
+    return "graph" if engine_applies else "static"
 
 
 def engine_refusal(generator: nn.Module) -> str | None:
@@ -185,21 +191,18 @@ def generate_rollouts(
     if settings.vocab_size:
         head = unwrap_model(generator).get_output_embeddings()
         padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
-    if settings.cache == "graph" and (refusal := engine_refusal(generator)) is not None:
+    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    if settings.cache == "graph" and refusal is not None:
         raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
                          f"'dynamic'")  # fmt: skip
     was_training = generator.training
     generator.eval()
     try:
-        # the model's own forward and kernels (last-position logits, compilable), decode steps without the
-        # grouped-query cache copy (generation/decode_attention.py); the captured step keeps the patched kernels
-        # (fewer launches per step: 2.04 against 2.84 ms at 8 rows on an H200, bench_rollouts)
-        code = original_forward(unwrap_model(generator)) if settings.cache == "graph" else transformers_code(generator)
-        with code, packed_decode_attention():
+        with packed_decode_attention():  # decode steps without the grouped-query cache copy
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
-                cache = cache_for(len(batch), device, settings.cache)
+                cache = cache_for(len(batch), device, settings.cache, engine_applies=refusal is None)
                 width = max(len(p) for p in batch)
                 if cache == "static":
                     width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
@@ -210,7 +213,11 @@ def generate_rollouts(
                     top_k=settings.top_k, pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None,
                     **({"suppress_tokens": padding} if padding else {}),
                 )  # fmt: skip
-                with torch.random.fork_rng(devices=devices):
+                # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
+                # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
+                # on an H200, benchmarks/results/wave4/)
+                code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
+                with code, torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
