@@ -45,3 +45,13 @@ def test_mkdocs_build_strict(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_readme_quick_start_is_what_ci_runs():
+    """.ci/run says it installs and tests as the README's quick start does: the two must not drift apart."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    install = next(line for line in ci.splitlines() if "pip install torch==" in line)
+    install = install.replace("python -m pip", "pip").strip()
+    test = next(line for line in ci.splitlines() if line.startswith("python -m pytest")).strip()
+    assert f"{install} && {test}" in readme, (install, test)
