@@ -1,6 +1,7 @@
 """The documentation site: its reference pages are what the code gives, and `mkdocs build --strict` passes (every
 page in the nav, every link and anchor resolves). The code blocks of the pages run in tests/test_readme.py."""
 
+import difflib
 import importlib.util
 import os
 import subprocess
@@ -18,8 +19,10 @@ def test_the_reference_pages_are_generated_from_the_code():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     for name, make in tool.PAGES.items():
-        committed = (ROOT / "docs" / "reference" / name).read_text()
-        assert committed == make(), f"docs/reference/{name} is out of date: run python tools/gen_reference.py"
+        committed, generated = (ROOT / "docs" / "reference" / name).read_text(), make()
+        diff = "".join(list(difflib.unified_diff(committed.splitlines(True), generated.splitlines(True)))[:20])
+        fix = "run python tools/gen_reference.py"
+        assert committed == generated, f"docs/reference/{name} is out of date: {fix}\n{diff}"
 
 
 def test_every_option_is_in_the_options_reference():

@@ -55,6 +55,13 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
+def _type_name(cls: type, f: dataclasses.Field) -> str:
+    """The field's annotation as written in the source (HfArgumentParser replaces `Field.type` with the resolved
+    class in place, so `f.type` depends on what ran before)."""
+    written = vars(cls).get("__annotations__", {}).get(f.name, f.type)
+    return written if isinstance(written, str) else getattr(written, "__name__", str(written))
+
+
 def options_page() -> str:
     from transformers import TrainingArguments
 
@@ -82,7 +89,8 @@ def options_page() -> str:
         for f in fields:
             listed.add(f.name)
             help_text = " ".join(f.metadata.get("help", "").split()) or "(no help text)"
-            lines.append(f"\n### `{f.name}`\n\n`{f.type}`, default `{_default(f)}`. {help_text}\n")
+            kind = _type_name(KDTrainingArguments, f)
+            lines.append(f"\n### `{f.name}`\n\n`{kind}`, default `{_default(f)}`. {help_text}\n")
     return "".join(lines)
 
 
