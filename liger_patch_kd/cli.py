@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt
     )
     demo.add_argument("--full", action="store_true",
-                      help="the three-seed table at full sizes (about 10 min on 2 CPU cores); default: the short run, "
-                           "one seed, about 2 min")  # fmt: skip
+                      help="the three-seed table at full sizes, then across tokenizers (several times the short run); "
+                           "default: the short run, one seed, about 2 min on 2 CPU cores")  # fmt: skip
     demo.add_argument("--quick", action="store_true",
                       help="--several-teachers / --context: fewer steps, one seed (CI); the plain demo is short "
                            "already (this flag changes nothing there)")  # fmt: skip

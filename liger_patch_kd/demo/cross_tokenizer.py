@@ -148,7 +148,7 @@ def _train_teacher(char_tok, train_texts, sizes: DemoSizes, device):
         opt.step()
         opt.zero_grad()
         if step + 1 in quarters:  # progress: the teacher is most of a run's time
-            print(f"    step {step + 1}/{sizes.teacher_steps}: loss {float(loss):.3f} "
+            print(f"    step {step + 1}/{sizes.teacher_steps}: loss {loss.item():.3f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     return teacher.eval().requires_grad_(False)
 
