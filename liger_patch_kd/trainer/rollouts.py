@@ -17,7 +17,7 @@ from torch import nn
 
 from ..models import packed_decode_attention, transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
-from .decode import lean_decode_applies, sample_tokens
+from .decode import lean_decode_applies, sample_tokens, weights_precision
 
 CACHES = ("auto", "dynamic", "static")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
@@ -90,17 +90,44 @@ def cache_for(rows: int, device: torch.device, choice: str) -> str:
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
-    """Each row's prompt: its attended tokens before the first scored label (all of them when none is scored)."""
+    """Each sequence's prompt: its attended tokens before its first scored label (all of them when none is scored).
+    A row is one sequence, or several packed end to end (DataCollatorWithFlattening, PrivilegedCollator(packing=
+    True)): its position_ids restart at 0 where each begins, and each gives its own prompt, in order."""
     input_ids, labels = batch["input_ids"], batch["labels"]
-    mask = batch.get("attention_mask")
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     prompts = []
     for row in range(input_ids.shape[0]):
         keep = mask[row].bool() if mask is not None else torch.ones_like(input_ids[row], dtype=torch.bool)
         ids, lab = input_ids[row][keep], labels[row][keep]
-        scored = (lab != ignore_index).nonzero()
-        cut = int(scored[0]) if len(scored) else len(ids)
-        prompts.append(ids[:cut].tolist())
+        starts = [0] if positions is None else (positions[row][keep] == 0).nonzero().flatten().tolist()
+        starts = starts if starts[:1] == [0] else [0, *starts]  # a row that does not start at position 0: one more
+        for begin, end in zip(starts, [*starts[1:], len(ids)]):
+            scored = (lab[begin:end] != ignore_index).nonzero()
+            cut = int(scored[0]) if len(scored) else end - begin
+            prompts.append(ids[begin : begin + cut].tolist())
     return prompts
+
+
+def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """ValueError unless every prompt plus max_new_tokens fits the generator's context (its config's
+    max_position_embeddings; no limit when it has none), as an engine refuses the same prompt (vLLM's
+    max_model_len). Checked before a step's rollouts are generated, in process or by an engine."""
+    config = getattr(unwrap_model(generator), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    if longest is None or len(prompts[longest]) + max_new_tokens <= context:
+        return
+    size = len(prompts[longest])
+    fix = (f"set kd_max_prompt_length <= {context - max_new_tokens} (it keeps each prompt's last tokens) or a "
+           f"smaller kd_max_new_tokens" if context > max_new_tokens
+           else f"set kd_max_new_tokens below {context}")  # fmt: skip
+    raise ValueError(
+        f"prompt {longest} of this step has {size} tokens + kd_max_new_tokens {max_new_tokens} = "
+        f"{size + max_new_tokens}, more than the generator's context (max_position_embeddings {context}); {fix}"
+    )
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +180,7 @@ def generate_rollouts(
     so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
+    check_context(generator, [p if p else [start_id] for p in prompts], settings.max_new_tokens)
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
@@ -164,9 +192,9 @@ def generate_rollouts(
     was_training = generator.training
     generator.eval()
     try:
-        # the model's own forward and kernels (last-position logits, compilable), decode steps without the
-        # grouped-query cache copy (models/decode_attention.py)
-        with transformers_code(generator), packed_decode_attention():
+        # in the weights' dtype (decode.weights_precision), the model's own forward and kernels (last-position
+        # logits, compilable), decode steps without the grouped-query cache copy (models/decode_attention.py)
+        with weights_precision(generator, device), transformers_code(generator), packed_decode_attention():
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
