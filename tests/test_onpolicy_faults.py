@@ -246,3 +246,22 @@ def test_a_negative_num_items_in_batch_is_refused_as_a_tensor_too(count):
     with pytest.raises(ValueError, match="num_items_in_batch must be a count >= 0"):
         align_check(count)
     fused_linear_jsd(h, w, h, w, labels, num_items_in_batch=torch.tensor(5))  # a count is fine
+
+
+def test_teacher_ids_past_the_vocabulary_across_tokenizers_are_refused_by_name():
+    """Across tokenizers the teacher reads its own tokenizer's ids: one past its embedding is named too."""
+    from liger_patch_kd.align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
+    from liger_patch_kd.demo import BOS, load_corpus
+    from liger_patch_kd.demo import build_model as build
+    from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
+    from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
+
+    char, bpe = CharTokenizerWithOffsets(load_corpus()), train_bpe_tokenizer(load_corpus()[:4000], 300)
+    student, teacher = build(bpe.get_vocab_size(), 32, 1, seed=0, device="cpu"), build(len(char), 32, 1, 1, "cpu")
+    collator = CrossTokenizerCollator(bpe, char, student_prefix_ids=(BOS,), teacher_prefix_ids=(BOS,))
+    batch = collator([{"prompt": "At dawn, ", "completion": "the fox sees a cat."}])
+    batch["teacher_input_ids"][0, 1] = len(char) + 2
+    vocab_map = VocabMap.build(bpe, char, normalize=byte_level_to_text)
+    match = rf"outside the teacher's vocabulary \[0, {len(char)}\) \(max id {len(char) + 2}"
+    with pytest.raises(ValueError, match=match):
+        compute_cross_tokenizer_loss(student, teacher, batch, CrossTokenizerConfig(), vocab_map)
