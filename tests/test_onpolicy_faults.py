@@ -265,3 +265,19 @@ def test_teacher_ids_past_the_vocabulary_across_tokenizers_are_refused_by_name()
     match = rf"outside the teacher's vocabulary \[0, {len(char)}\) \(max id {len(char) + 2}"
     with pytest.raises(ValueError, match=match):
         compute_cross_tokenizer_loss(student, teacher, batch, CrossTokenizerConfig(), vocab_map)
+
+
+def test_packed_privileged_rows_give_each_sequence_its_prompt_and_teacher_prompt(tmp_path):
+    """PrivilegedCollator(packing=True): the student's and the teacher's packed rows are each split at their own
+    position ids, so a generated step asks for every sequence, with its own teacher prompt."""
+    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.privileged import PrivilegedCollator
+
+    rows = [{"input_ids": [3, 4, 5], "labels": [-100, -100, 5], "teacher_input_ids": [1, 2, 3, 4, 5]},
+            {"input_ids": [6, 4], "labels": [-100, 4], "teacher_input_ids": [2, 6, 4]},
+            {"input_ids": [7, 8, 9, 10], "labels": [-100, -100, 9, 10], "teacher_input_ids": [11, 9, 10]}]  # fmt: skip
+    batch = PrivilegedCollator(packing=True)(rows)
+    assert batch["input_ids"].shape[0] == 1  # one packed row per side
+    plan = OnPolicySteps(_args(tmp_path)).plan(tiny_model("llama", dtype=torch.float32), [batch], None)
+    assert plan.prompts == [[[3, 4], [6], [7, 8]]]
+    assert plan.teacher_prompts == [[[1, 2, 3, 4], [2, 6], [11]]]
