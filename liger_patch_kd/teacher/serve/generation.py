@@ -45,7 +45,9 @@ from typing import Any
 import torch
 
 from ...models import packed_decode_attention
+from .adapters import attach_adapter, read_adapter
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
+from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this samples greedily
@@ -271,18 +273,9 @@ class GenerationEngine:
         if not (Path(path) / "adapter_config.json").is_file():
             raise RequestError(400, f"lora_path {path!r} holds no adapter_config.json: save the adapter with PEFT's "
                                     f"save_pretrained into a directory this server can read")  # fmt: skip
+        state = read_adapter(path)  # read and checked whole before anything is injected
         with self.lock:
-            try:
-                from peft import PeftModel
-
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
-                else:
-                    self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
-            except ImportError as e:
-                raise RequestError(400, f"loading a LoRA adapter needs peft on the server: pip install peft ({e})")
-            except (ValueError, OSError, RuntimeError, KeyError) as e:
-                raise RequestError(400, f"the LoRA adapter at {path!r} does not load on this model: {e}") from None
+            self.peft = attach_adapter(self.model, self.peft, name, path, state)
             self.adapters[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -300,49 +293,22 @@ class GenerationEngine:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        path = Path(_field(body, "model_path"))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
-            raise RequestError(400, f"model_path {str(path)!r} is neither a .safetensors file nor a directory of them")
-        state = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        count = self.apply_state(state)
+        path = _field(body, "model_path")
+        count = self.apply_state(read_safetensors(path, self.check_state))
         return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
                 "weight_version": self.weight_version}  # fmt: skip
 
-    def check_state(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Refuse (400) an update naming a tensor the model lacks or with another shape, leaving one out or giving
-        two names of one tied storage, or arriving while LoRA adapters are loaded, before any weight changes."""
+    def check_state(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse (400) an update of these (shape, dtype) tensors before any weight changes (weight_updates.py)."""
         if self.adapters:
             raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
                                     f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
-        own = self.model.state_dict()
-        for name, shape in shapes.items():
-            if name not in own:
-                raise RequestError(400, f"tensor {name!r} is not a parameter or buffer of the served model "
-                                        f"({type(self.model).__name__}); is it another architecture?")  # fmt: skip
-            if tuple(shape) != tuple(own[name].shape):
-                raise RequestError(400, f"tensor {name!r} has shape {tuple(shape)}, the served model's "
-                                        f"{tuple(own[name].shape)}")  # fmt: skip
-        # every storage of the served model exactly once: a tied student sends its embedding alone (an untied
-        # served lm_head would stay old), an untied one sends both (a tied served model would keep the last)
-        storages: dict[Any, list[str]] = {}
-        for name, tensor in own.items():
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            storages.setdefault(key if tensor.numel() else name, []).append(name)  # empty tensors share no storage
-        for names in storages.values():
-            sent = [n for n in names if n in shapes]
-            if len(sent) != 1:
-                raise RequestError(400, f"the update gives {sent or 'none'} of the served model's {names} (one "
-                                        f"storage): serve a model with the student's tie_word_embeddings and send "
-                                        f"every tensor")  # fmt: skip
+        check_update(self.model, tensors)
 
     def apply_state(self, state: dict[str, torch.Tensor]) -> int:
         """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
-        self.check_state({name: tuple(t.shape) for name, t in state.items()})
+        self.check_state({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+        check_finite(self.model, state)
         own = self.model.state_dict()
         with self.lock, torch.no_grad():
             for name, tensor in state.items():
@@ -368,11 +334,14 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     from .validation import parse_body
     from .weight_transfer import WeightReceiver, add_weight_transfer_routes
 
-    def route(path: str, method, reply):
+    def route(path: str, method, reply, run=None):
+        """POST `path`: `method(body)` in a worker thread, or through `run(path, method, body)` when given."""
+
         async def endpoint(request: Request):
             try:
                 raw = await request.body()
-                result = await asyncio.to_thread(method, parse_body(raw) if raw.strip() else None)
+                body = parse_body(raw) if raw.strip() else None
+                result = await (asyncio.to_thread(method, body) if run is None else run(path, method, body))
             except RequestError as e:
                 return error(e.status, e.message)
             return reply(result)
