@@ -46,16 +46,12 @@ import torch
 
 from ...models import packed_decode_attention
 from .adapters import attach_adapter, read_adapter
+from .request_fields import check_fields
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
 from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this samples greedily
-_UNSUPPORTED = {  # field -> the only value served (anything else is a 400, not silently ignored)
-    "stream": (None, False), "echo": (None, False), "ignore_eos": (None, False), "min_p": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "best_of": (None, 1), "suffix": (None,), "stop": (None, [], ""),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,12 +88,7 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
     if not is_int(max_tokens) or max_tokens < 1:
         raise RequestError(400, f"max_tokens must be an int >= 1 to generate; got {json.dumps(max_tokens)[:40]}")
     check_sampling(body, skip=("n", "max_tokens", "logprobs"))
-    for field, allowed in _UNSUPPORTED.items():
-        if field in body and not any(body[field] == a and type(body[field]) is type(a) for a in allowed):
-            raise RequestError(
-                400, f"{field}={json.dumps(body[field])[:40]} is not served by liger-kd serve (it takes only "
-                     f"{json.dumps([a for a in allowed if a is not None])}); leave it out"
-            )  # fmt: skip
+    check_fields(body, scoring=False)  # an allow-list: a field vLLM honours and this server does not is a 400
     logprobs = body.get("logprobs")
     if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= limits.max_top_k):
         raise RequestError(

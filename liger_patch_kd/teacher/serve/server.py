@@ -45,6 +45,7 @@ from ..sampling import SampledTokens, sequence_generator
 from .client import API_KEY_ENV
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from .request_fields import check_fields
 from .sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .validation import Limits, RequestError, parse_body, validated_completion
 
@@ -272,6 +273,7 @@ def build_app(
             if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
                 return await generate(validated_generation(body, limits))
             sequences, k = validated_completion(body, limits)
+            check_fields(body, scoring=True)  # request_fields.py: an allow-list
             binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
             ask = validated_samples(body, limits, k, binary)
         except RequestError as e:

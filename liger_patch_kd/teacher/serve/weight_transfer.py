@@ -118,20 +118,30 @@ class WeightReceiver:
         import torch.distributed as dist
 
         self.shutdown(None)
-        address = f"{info['master_address']}:{port}"
-        try:  # the store's timeout bounds the connect and the group's rendezvous; the collectives get GROUP_TIMEOUT
-            store = dist.TCPStore(info["master_address"], port, world, is_master=False, timeout=CONNECT_TIMEOUT)
-            store = dist.PrefixStore("liger-kd-weight-transfer", store)
-            store.set(JOINED_KEY, "1")
-            if self.engine.device.type == "cuda":
-                self.group = dist.ProcessGroupNCCL(store, rank, world)
-            else:
-                self.group = dist.ProcessGroupGloo(store, rank, world, GROUP_TIMEOUT)
-        except (RuntimeError, ValueError, OSError) as e:  # DistStoreError / DistNetworkError: no trainer there
-            text = " ".join(str(e).split())[:160] or type(e).__name__
+        address, made = f"{info['master_address']}:{port}", {}
+
+        def join() -> None:  # on a thread of its own: a peer that accepts and never answers holds TCPStore's
+            try:  # connect past its timeout, and this call must answer anyway
+                store = dist.TCPStore(info["master_address"], port, world, is_master=False, timeout=CONNECT_TIMEOUT)
+                store = dist.PrefixStore("liger-kd-weight-transfer", store)
+                store.set(JOINED_KEY, "1")
+                if self.engine.device.type == "cuda":
+                    made["group"] = dist.ProcessGroupNCCL(store, rank, world)
+                else:
+                    made["group"] = dist.ProcessGroupGloo(store, rank, world, GROUP_TIMEOUT)
+            except BaseException as e:  # DistStoreError / DistNetworkError: no trainer there
+                made["error"] = e
+
+        joining = threading.Thread(target=join, daemon=True, name="liger-kd serve store connect")
+        joining.start()
+        joining.join(CONNECT_TIMEOUT.total_seconds() + 2)
+        if "group" not in made:  # a thread still stuck in the connect is a daemon: it holds nothing of ours
+            e = made.get("error")
+            text = (" ".join(str(e).split())[:160] or type(e).__name__) if e is not None else "no answer"
             raise RequestError(504, f"init_info.master_address:master_port {address}: no trainer's store answered "
                                     f"within {CONNECT_TIMEOUT.seconds} s ({text}); give the trainer's address as "
-                                    f"this server reaches it, with the trainer listening") from None  # fmt: skip
+                                    f"this server reaches it, with the trainer listening")  # fmt: skip
+        self.group = made["group"]
         return {"success": True, "backend": "nccl" if self.engine.device.type == "cuda" else "gloo"}
 
     def start(self, body: Any) -> dict[str, Any]:
