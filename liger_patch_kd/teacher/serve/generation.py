@@ -20,15 +20,17 @@ the model's own distribution (float32 log_softmax of its logits: temperature 1, 
 vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
 at temperature 1 needs; with `allowed_token_ids` they are normalised over those ids (the distribution sampled, as
 the student's log q over kd_vocab_size is), where vLLM's raw log-probs span the whole head. `return_token_ids:
-true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
+true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does. Any other field is refused with a 400
+naming it unless it is taken at its "off" value or has no bearing on the reply (request_fields.py: an allow-list).
 
 Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
 by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
-torch.distributed group as the data plane). Every tensor must name a parameter or buffer
-of the model with its shape (400 otherwise, before any weight changes); each update bumps `weight_version` (in
-/health and the reply). An adapter is used by a request whose `model` is its lora_name, the base model by one with
-the served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a
-lock shared with the teacher scoring, which always runs on the base model with adapters off).
+torch.distributed group as the data plane). Every tensor must name a parameter or buffer of the model with its shape
+and a dtype of its kind, with finite values (400 otherwise, before any weight changes: weight_updates.py); each
+update bumps `weight_version` (in /health and the reply). A LoRA adapter that fails to load leaves the model as it
+was (adapters.py). An adapter is used by a request whose `model` is its lora_name, the base model by one with the
+served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a lock
+shared with the teacher scoring, which always runs on the base model with adapters off).
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -298,10 +300,10 @@ class GenerationEngine:
 
     def apply_state(self, state: dict[str, torch.Tensor]) -> int:
         """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
-        self.check_state({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
-        check_finite(self.model, state)
-        own = self.model.state_dict()
-        with self.lock, torch.no_grad():
+        with self.lock, torch.no_grad():  # checked under the lock: no adapter comes or goes in between
+            self.check_state({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+            check_finite(self.model, state)
+            own = self.model.state_dict()
             for name, tensor in state.items():
                 own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
             self.weight_version += 1
