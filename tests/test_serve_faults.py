@@ -139,8 +139,12 @@ def test_malformed_weight_updates_are_one_400_line_and_change_nothing(served, tm
     sender = BroadcastSender(HttpEndpoint(served.url, timeout=60, retries=0), "broadcast")
     model = _teacher()
     malformed = r"update_info.shapes\[0\] \(model.norm.weight\) must be a list of ints >= 0"
-    bad_shapes = [(["abc", 64], malformed), ([-1, 64], malformed), ([True], malformed),
-                  ([2**40], r"'model.norm.weight' has shape \(1099511627776,\), the served model's \(64,\)")]
+    bad_shapes = [
+        (["abc", 64], malformed),
+        ([-1, 64], malformed),
+        ([True], malformed),
+        ([2**40], r"'model.norm.weight' has shape \(1099511627776,\), the served model's \(64,\)"),
+    ]
     for shape, message in bad_shapes:
         sender.push(model, step=0)  # joins (again: each refusal retires the group)
         info = {"names": ["model.norm.weight"], "dtype_names": ["float64"], "shapes": [shape]}
@@ -194,6 +198,7 @@ def test_an_init_to_an_address_where_no_trainer_answers_cannot_hold_the_server(t
         (status, reply), waited = pending[0]
         _refused(reply, status, 504, r"127.0.0.1:\d+: no trainer's store answered within 20 s")
         assert waited < 45, waited
+
         def pending_init():
             try:
                 _post(srv.url, init, path="/init_weight_transfer_engine")
