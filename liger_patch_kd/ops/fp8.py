@@ -34,7 +34,8 @@ SCALE_FLOOR = 1e-12  # an all-zero row gets this scale (and zeros), not a divisi
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
     """(whether `device` runs FP8 products, why not). CUDA needs compute capability 8.9 (Ada) or 9.0+ (Hopper);
-    the CPU runs `_scaled_mm` too (slowly: for tests and small models)."""
+    the CPU runs `_scaled_mm` too (slowly: for tests and small models), or, where torch's CPU product refuses
+    rowwise scales (2.11), the same product of the dequantised operands (fp8_linear)."""
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda":
