@@ -133,6 +133,9 @@ def test_malformed_weight_updates_are_one_400_line_and_change_nothing(served, tm
     init = {"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2}
     status, reply = _post(served.url, {"init_info": init}, path="/init_weight_transfer_engine")
     _refused(reply, status, 400, r"init_info.master_port must be an integer in \[1, 65535\]; got 70000")
+    status, reply = _post(served.url, {"init_info": {**init, "master_port": 1234, "rank_offset": 2**70}},
+                          path="/init_weight_transfer_engine")  # fmt: skip
+    _refused(reply, status, 400, r"init_info.rank_offset must be an integer in \[1, 65535\]")
     assert _health(served.url)["weight_version"] == version and _scores(served.url, seq) == before
 
     # over a real weight-transfer group (this test is the trainer, rank 0)

@@ -43,6 +43,7 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a trainer that dies mid-broadc
 # the trainer's store listens before (or as) it posts the init: a reachable one answers in milliseconds, and an
 # address where nothing answers must not hold the call (and its client) for GROUP_TIMEOUT
 CONNECT_TIMEOUT = datetime.timedelta(seconds=20)
+MAX_RANK = 65535  # this server's rank in the trainer's group (the trainer's ranks before it): past any real job
 JOINED_KEY = "joined"  # set by the server once it reached the trainer's store: the trainer then makes its group
 
 
@@ -106,11 +107,11 @@ class WeightReceiver:
 
     def init(self, body: Any) -> dict[str, Any]:
         info = body.get("init_info") if isinstance(body, dict) else None
-        if not isinstance(info, dict) or not isinstance(info.get("master_address"), str):
+        if not isinstance(info, dict) or not isinstance(info.get("master_address"), str) or not info["master_address"]:
             raise RequestError(400, 'the body must be {"init_info": {"master_address": str, "master_port": int, '
                                     '"rank_offset": int, "world_size": int}}')  # fmt: skip
         port = _int_field(info, "master_port", 1, 65535)
-        rank = _int_field(info, "rank_offset", 1)  # rank 0 is the trainer
+        rank = _int_field(info, "rank_offset", 1, MAX_RANK)  # rank 0 is the trainer
         world = _int_field(info, "world_size", rank + 1)
         if world != rank + 1:
             raise RequestError(400, f"world_size {world} with rank_offset {rank}: this server is one worker, so "
