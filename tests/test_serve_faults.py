@@ -264,3 +264,40 @@ def test_max_tokens_past_the_context_names_a_fix_that_can_be_taken(served, lengt
     _refused(reply, status, 400, message)
     assert not re.search(r"-\d", reply["error"]), reply
     assert json.dumps(reply)
+
+
+def test_a_second_adapter_that_fails_to_load_leaves_the_first_as_it_was(tmp_path):
+    """With an adapter already loaded, a failing one is deleted from the PeftModel again: the first still answers
+    what it answered, and unloading it gives back the model's own modules."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
+
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine, validated_generation
+    from liger_patch_kd.teacher.serve.validation import Limits, RequestError
+
+    from .tiny_models import tiny_model
+
+    student = peft.get_peft_model(
+        tiny_model("llama", dtype=torch.float32, seed=1),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    student.save_pretrained(str(tmp_path / "good"))
+    weights = load_file(str(tmp_path / "good" / "adapter_model.safetensors"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text((tmp_path / "good" / "adapter_config.json").read_text())
+    save_file({k: torch.zeros(3, 3) if "lora_A" in k else v for k, v in weights.items()},
+              str(tmp_path / "bad" / "adapter_model.safetensors"))  # fmt: skip
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    own = list(model.state_dict())
+    engine = GenerationEngine(model, "base")
+    engine.load_adapter({"lora_name": "a", "lora_path": str(tmp_path / "good")})
+    limits = Limits(max_top_k=4, vocab_size=257, max_context=128, max_request_tokens=4096)
+    ask = validated_generation({"prompt": [1, 5, 9], "max_tokens": 5, "seed": 3, "logprobs": 2, "model": "a"}, limits)
+    loaded, first = list(model.state_dict()), engine.complete(ask)["choices"]
+    with pytest.raises(RequestError, match="does not load on this model .*size mismatch") as refused:
+        engine.load_adapter({"lora_name": "b", "lora_path": str(tmp_path / "bad")})
+    assert refused.value.status == 400 and "\n" not in refused.value.message
+    assert list(model.state_dict()) == loaded and "b" not in engine.peft.peft_config and "b" not in engine.adapters
+    assert engine.complete(ask)["choices"] == first
+    engine.unload_adapter({"lora_name": "a"})
+    assert list(model.state_dict()) == own
