@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from ...models import packed_decode_attention
+from ...generation import packed_decode_attention
 from .adapters import attach_adapter, read_adapter
+from .captured_sampling import captured_sample
 from .request_fields import check_fields
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
 from .weight_updates import check_finite, check_update, read_safetensors
@@ -212,6 +213,8 @@ class GenerationEngine:
     def _sample(self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None):
         """Left-padded rows decoded together with the model's KV cache; per row the sampled tokens (up to and with
         the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
+        if (captured := captured_sample(self, rows, req)) is not None:  # the captured decode step (on CUDA)
+            return captured
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
