@@ -301,3 +301,26 @@ def test_a_second_adapter_that_fails_to_load_leaves_the_first_as_it_was(tmp_path
     assert engine.complete(ask)["choices"] == first
     engine.unload_adapter({"lora_name": "a"})
     assert list(model.state_dict()) == own
+
+
+def test_inits_stuck_in_a_connect_are_capped():
+    """A store that accepts and never answers holds TCPStore's connect past its timeout: the init answers 504 and
+    leaves that thread behind. Past MAX_STUCK_JOINS of them a further init is refused (429) instead of adding one."""
+    from liger_patch_kd.teacher.serve import weight_transfer as WT
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine
+    from liger_patch_kd.teacher.serve.validation import RequestError
+
+    from .tiny_models import tiny_model
+
+    receiver = WT.WeightReceiver(GenerationEngine(tiny_model("llama", dtype=torch.float32), "m"))
+    release = threading.Event()
+    stuck = [threading.Thread(target=release.wait, name=WT.JOIN_THREAD, daemon=True) for _ in range(WT.MAX_STUCK_JOINS)]
+    for t in stuck:
+        t.start()
+    try:
+        init = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2}
+        with pytest.raises(RequestError, match=f"{WT.MAX_STUCK_JOINS} earlier inits are still stuck") as refused:
+            receiver.init({"init_info": init})
+        assert refused.value.status == 429
+    finally:
+        release.set()

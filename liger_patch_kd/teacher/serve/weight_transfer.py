@@ -23,7 +23,8 @@ broke, and the group is closed.
 
 The calls never hold the server: they run one at a time on a thread of their own (a second call while one runs is
 a 409), never on the workers that score and generate; an init reaches the trainer's store within CONNECT_TIMEOUT
-or answers 504 naming the address; SIGTERM stops the server while one is pending (the thread is a daemon).
+or answers 504 naming the address (a join still stuck in the connect is left to its daemon thread; past
+MAX_STUCK_JOINS of them an init is a 429); SIGTERM stops the server while one is pending (the thread is a daemon).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a trainer that dies mid-broadc
 # the trainer's store listens before (or as) it posts the init: a reachable one answers in milliseconds, and an
 # address where nothing answers must not hold the call (and its client) for GROUP_TIMEOUT
 CONNECT_TIMEOUT = datetime.timedelta(seconds=20)
+JOIN_THREAD = "liger-kd serve store connect"
+MAX_STUCK_JOINS = 4  # joins still blocked in a connect that outlived its init (a peer that accepts, never answers)
 MAX_RANK = 65535  # this server's rank in the trainer's group (the trainer's ranks before it): past any real job
 JOINED_KEY = "joined"  # set by the server once it reached the trainer's store: the trainer then makes its group
 
@@ -133,7 +136,11 @@ class WeightReceiver:
             except BaseException as e:  # DistStoreError / DistNetworkError: no trainer there
                 made["error"] = e
 
-        joining = threading.Thread(target=join, daemon=True, name="liger-kd serve store connect")
+        stuck = sum(t.name == JOIN_THREAD and t.is_alive() for t in threading.enumerate())
+        if stuck >= MAX_STUCK_JOINS:  # each holds a thread and a socket: not one more
+            raise RequestError(429, f"{stuck} earlier inits are still stuck connecting to stores that never answered; "
+                                    f"init again once they gave up, or restart the server")  # fmt: skip
+        joining = threading.Thread(target=join, daemon=True, name=JOIN_THREAD)
         joining.start()
         joining.join(CONNECT_TIMEOUT.total_seconds() + 2)
         if "group" not in made:  # a thread still stuck in the connect is a daemon: it holds nothing of ours
