@@ -20,6 +20,7 @@ from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
     check_linear,
+    check_num_items,
     check_topk_shapes,
     counted_rows,
     flatten_labels,
@@ -60,8 +61,7 @@ def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dty
         return valid
     if num_items_in_batch is None:
         return valid / valid.sum().clamp(min=1.0)
-    if not isinstance(num_items_in_batch, torch.Tensor) and not num_items_in_batch >= 0:
-        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")
+    check_num_items(num_items_in_batch)
     count = torch.as_tensor(num_items_in_batch, dtype=dtype, device=labels.device)
     return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
 
