@@ -183,9 +183,11 @@ def test_a_peft_student_syncs_its_lora_adapter(tmp_path, tokenizer):  # noqa: F8
             args=_engine_args(tmp_path, url, max_steps=2, kd_sync_dir=str(sync_dir)), train_dataset=PROMPTS,
         )  # fmt: skip
         recorder = Recorder(trainer, student)
+        engine, held, push = app.state.engine, [], recorder.inner.sync.push
+        recorder.inner.sync.push = lambda *a: (push(*a), held.append(sorted(engine.adapters)))
         trainer.train()
-        engine = app.state.engine
-        assert len(engine.adapters) == 1 and next(iter(engine.adapters)).endswith("-step1")  # the old one unloaded
+        assert [len(h) for h in held] == [1, 1] and held[1][0].endswith("-step1")  # the old one unloaded
+        assert engine.adapters == {}  # and the last one at the end of train()
         assert engine.weight_version == 0  # the base weights never moved
     assert max(recorder.gaps) <= LOGPROB_ATOL, recorder.gaps
     assert sorted(os.listdir(sync_dir)) == ["keep.txt"]  # only what the trainer made is gone

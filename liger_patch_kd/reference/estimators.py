@@ -63,6 +63,7 @@ def policy_gradient_terms(
         log_ratio = log_ratio.clamp(-clamp, clamp)
     behaviour = student_logprobs if behaviour_logprobs is None else behaviour_logprobs
     log_rho = student_logprobs - behaviour.detach()
-    if importance_cap is not None:  # exp(min(log rho, log C)) by a detached shift: value min(rho, C), no inf made
-        log_rho = log_rho - (log_rho.detach() - math.log(importance_cap)).clamp(min=0)
+    if importance_cap is not None:  # where log rho > log C: the value log C exactly, the gradient d log q; no inf made
+        log_cap = math.log(importance_cap)
+        log_rho = torch.where(log_rho.detach() > log_cap, (log_rho - log_rho.detach()) + log_cap, log_rho)
     return -torch.exp(log_rho) * log_ratio
