@@ -74,8 +74,9 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_generation_api_key: str | None = field(
         default=None,
-        metadata={"help": "Sent to the engine as `Authorization: Bearer KEY`. None: kd_teacher_api_key, then the "
-                  "LIGER_KD_API_KEY environment variable."},
+        metadata={"help": "Sent to the engine as `Authorization: Bearer KEY`, never written (a checkpoint's "
+                  "training_args.bin holds None; to_dict and the logs show <KD_GENERATION_API_KEY>). None: "
+                  "kd_teacher_api_key, then the LIGER_KD_API_KEY environment variable (off the command line)."},
     )  # fmt: skip
     kd_sync_steps: int = field(
         default=1,
@@ -170,8 +171,9 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
     kd_teacher_api_key: str | None = field(
         default=None,
-        metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key). None: the "
-                  "LIGER_KD_API_KEY environment variable, if set."},
+        metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key), never written "
+                  "(a checkpoint's training_args.bin holds None; to_dict and the logs show <KD_TEACHER_API_KEY>). "
+                  "None: the LIGER_KD_API_KEY environment variable, if set (keeps it off the command line)."},
     )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",

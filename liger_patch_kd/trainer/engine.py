@@ -9,8 +9,10 @@ have passed since the last push (weight_sync.py), so a rollout is generated with
 steps old: its staleness, logged as kd_rollout_staleness. With kd_async_rollouts = k the requests of the next k
 steps are sent while this one trains (async_rollouts.py): a rollout is then k to k + kd_sync_steps - 1 steps old
 (fewer at the start of an epoch, whose first step is asked for and waited on). The pg loss weighs each token by
-exp(log q - log b) with the engine's log b (reference.policy_gradient_terms): exact for any staleness, ratio 1 with
-fresh weights; the other losses take stale rollouts as they come (a warning says so once).
+min(exp(log q - log b), kd_pg_importance_cap) with the engine's log b (reference.policy_gradient_terms): unbiased
+while no ratio exceeds the cap (ratio 1 with fresh weights), bounded where one does; the other losses take stale
+rollouts as they come (a warning says so once). A reply that does not fit the request (rollouts_from_reply) is
+refused before anything trains on it.
 """
 
 from __future__ import annotations
