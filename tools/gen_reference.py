@@ -30,7 +30,7 @@ TOPICS: list[tuple[str, str, tuple[str, ...]]] = [
      ("kd_beta", "kd_temperature", "kd_soft_weight", "kd_hard_weight", "kd_top_k_tail", "kd_vocab_size")),
     ("On-policy and sequence-level KD", "guides/on-policy.md",
      ("kd_lmbda", "kd_onpolicy_warmup_steps", "kd_seq_kd", "kd_max_new_tokens", "kd_generation_temperature",
-      "kd_num_generations", "kd_rollout_batch_size", "kd_generation_cache", "kd_onpolicy_loss",
+      "kd_num_generations", "kd_rollout_batch_size", "kd_generation_cache", "kd_onpolicy_loss", "kd_pg_importance_cap",
       "kd_max_prompt_length")),
     ("Rollouts from an inference engine", "guides/on-policy.md",
      ("kd_generation_url", "kd_generation_api_key", "kd_sync_steps", "kd_sync_transport", "kd_async_rollouts",

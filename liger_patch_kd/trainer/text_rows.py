@@ -2,7 +2,8 @@
 tokenized for the user when KDTrainer is built, as TRL's trainers do: input_ids from processing_class (special
 tokens added, as precompute adds them; the first kd_max_length tokens when set), labels then copied from them by the
 collator. Without a tokenizer such rows, and rows with no column KDTrainer trains on, are refused in one line
-naming the columns found, before any work."""
+naming the columns found, before any work. And the note a run without the patch gets at its first step: what its
+materialised logits cost."""
 
 from __future__ import annotations
 
@@ -74,3 +75,13 @@ def _map(dataset: Any, make: Any) -> Any:
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
         return dataset.map(lambda row: make(row[TEXT]), remove_columns=[TEXT], desc="tokenizing text rows")
     return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT])} for row in dataset]
+
+
+def materialised_logits_note(tokens: int, vocab: int, offline: bool) -> str:
+    """use_kd_patch=False's note: the logits a step materialises, their size for this batch, the flag."""
+    return (
+        f"use_kd_patch=False: each step materialises the (tokens x vocabulary) logits of the student"
+        f"{'' if offline else ' and of the teacher'}, N x V x 4 bytes in float32 = {tokens} x {vocab} x 4 = "
+        f"{tokens * vocab * 4 / 2**20:.1f} MiB each (this first batch), which the fused loss never holds; set "
+        f"KDTrainingArguments(use_kd_patch=True) to train without them"
+    )

@@ -36,6 +36,7 @@ from .dataset_setup import (
     first_row_of,
     with_vocab_size,
 )
+from .nonfinite import check_logged, check_step_loss
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
@@ -46,7 +47,7 @@ from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 from .served_teachers import routed_served_dataloader
 from .teacher_compute import prepare_teacher_compute
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
-from .text_rows import tokenize_text_datasets
+from .text_rows import materialised_logits_note, tokenize_text_datasets
 
 logger = logging.get_logger(__name__)
 
@@ -254,7 +255,8 @@ class KDTrainer(Trainer):
             require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
-            cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
+            cap = self.args.kd_pg_importance_cap if self.args.kd_onpolicy_loss == "pg" else None
+            cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0, importance_cap=cap)
         log_now = self._kd_should_log()
         routes = None if several else inputs.pop(MIXTURE_KEY, None)  # served or offline routed rows: each one's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
@@ -277,7 +279,10 @@ class KDTrainer(Trainer):
             loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
             agreement = getattr(outputs, "kd_top1_agreement", None)
         else:
-            self._note_materialised(model, inputs, offline)
+            if not getattr(self, "_kd_noted_materialised", False):  # use_kd_patch=False: what it costs, once
+                self._kd_noted_materialised = True
+                vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
+                logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, offline))
             loss, soft, hard, agreement, outputs = self._materialised_loss(
                 model, inputs, num_items_in_batch, cfg, behaviour
             )
@@ -289,18 +294,6 @@ class KDTrainer(Trainer):
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
         self._kd_record(soft, hard, agreement)
         return (loss, outputs) if return_outputs else loss
-
-    def _note_materialised(self, model, inputs, offline: bool) -> None:
-        """use_kd_patch=False, said once (the first step): what the materialised logits cost, and the flag."""
-        if not getattr(self, "_kd_noted_materialised", False):
-            self._kd_noted_materialised = True
-            tokens, vocab = inputs["input_ids"].numel(), unwrap_model(model).get_output_embeddings().weight.shape[0]
-            logger.warning(
-                f"use_kd_patch=False: each step materialises the (tokens x vocabulary) logits of the student"
-                f"{'' if offline else ' and of the teacher'}, N x V x 4 bytes in float32 = {tokens} x {vocab} x 4 = "
-                f"{tokens * vocab * 4 / 2**20:.1f} MiB each (this first batch), which the fused loss never holds; "
-                f"set KDTrainingArguments(use_kd_patch=True) to train without them"
-            )
 
     def _kd_score(self, model, inputs, cfg: KDLossConfig):
         """(KD term, top-1 agreement) of one offline batch under no_grad: a logging step's per-teacher figures."""
@@ -351,7 +344,9 @@ class KDTrainer(Trainer):
             recompute, keep = limit_recompute(model, self.args.kd_recompute_layers)
             logger.info("checkpointing: %d decoder layers recompute, %d keep their activations", recompute, keep)
             self._kd_recompute_limited = True
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        check_step_loss(loss, self.args, self.state.global_step)  # never trained on: nonfinite.py
+        return loss
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """An optimizer step's micro-batches (the dataset's rows checked to have completions); on a generated step
@@ -397,4 +392,5 @@ class KDTrainer(Trainer):
             for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
                 logs[key] = round(float(value), 6)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
+        check_logged(logs, self.state.global_step)
         super().log(logs, *args, **kwargs)
