@@ -10,7 +10,7 @@ demo's on-policy options (demo.same_tokenizer.ONPOLICY_KD: kd_lmbda 0.5, 24 samp
   0.2's way          kd_rollout_batch_size = per_device_train_batch_size: one call per micro-batch, dynamic KV
                      cache, sampled by transformers' generate() (0.2 had no other sampler)
   batched (default)  one call per optimizer step for all its micro-batches, kd_generation_cache="auto", sampled
-                     where it applies (here: always) by trainer/decode.py's lean loop, the same tokens as generate()
+                     where it applies (here: always) by trainer/rollouts/decode.py's loop, the same tokens as generate()
   online (floor)     kd_lmbda=0, the online fused JSD row: the same steps with no generation at all
 
 Rows alternate over `--repeats` rounds (a busy machine slows every row alike) and report the fastest round:

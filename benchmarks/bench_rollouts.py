@@ -43,7 +43,7 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
 def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
     from torch._dynamo.utils import counters
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.completion, cache="auto" if cache == "engine" else cache, seed=0)
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows)
@@ -89,7 +89,7 @@ def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: i
     that took the most, which says whether a decode step waits for the GPU or for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.profile, cache=cache, seed=1)
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows + 1)

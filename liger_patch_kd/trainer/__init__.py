@@ -4,8 +4,8 @@ tokenizer (cross_tokenizer.py); a teacher that sees its own prompt (privileged.p
 teacher (self_distill.py)."""
 
 from .arguments import PATCH_TOGGLES, KDTrainingArguments
-from .privileged import PrivilegedCollator
-from .self_distill import AdapterDisabledTeacher, FrozenStudentTeacher
+from .teachers.privileged import PrivilegedCollator
+from .teachers.self_distill import AdapterDisabledTeacher, FrozenStudentTeacher
 from .trainer import KD_COLUMNS, KDTrainer
 
 __all__ = [

@@ -8,11 +8,11 @@ from transformers import TrainingArguments
 
 from ..config import KDLossConfig
 from ..models import check_teacher_precision
-from .engine import check_generation_args
-from .rollouts import RolloutSettings
-from .self_distill import SELF_DISTILL_MODES
-from .served import check_served_teacher_args
-from .teachers import check_teacher_set_args
+from .rollouts.engine import check_generation_args
+from .rollouts.generate import RolloutSettings
+from .teachers.self_distill import SELF_DISTILL_MODES
+from .teachers.served import check_served_teacher_args
+from .teachers.several import check_teacher_set_args
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
@@ -99,7 +99,7 @@ class KDTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "The student is its own teacher: 'adapter' (a PEFT student's base model, adapter off), "
                   "'frozen' (its current weights under no_grad, eval; rows need a teacher_prompt), True (adapter "
-                  "for a PEFT student, else frozen). See trainer/self_distill.py."},
+                  "for a PEFT student, else frozen). See trainer/teachers/self_distill.py."},
     )  # fmt: skip
     kd_teacher_tokenizer: str | None = field(  # a dict too, in Python (the command line parses a str)
         default=None,
@@ -233,7 +233,7 @@ class KDTrainingArguments(TrainingArguments):
         check_generation_args(self)
 
     def rollout_settings(self) -> RolloutSettings:
-        """How generated steps sample their completions (trainer/rollouts.py)."""
+        """How generated steps sample their completions (trainer/rollouts/generate.py)."""
         return RolloutSettings(
             max_new_tokens=self.kd_max_new_tokens, temperature=self.kd_generation_temperature,
             num_generations=self.kd_num_generations, batch_size=self.kd_rollout_batch_size,

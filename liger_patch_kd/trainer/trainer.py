@@ -21,14 +21,6 @@ from ..models.privileged import PrivilegedInputs
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
 from .arguments import KDTrainingArguments
-from .cross_tokenizer import (
-    CROSS_TOKENIZER_COLUMNS,
-    CrossTokenizerSetup,
-    compute_cross_tokenizer_loss,
-    cross_tokenizer_enabled,
-    is_cross_tokenizer_batch,
-)
-from .cross_tokenizer_rollouts import rows_maker
 from .dataset_setup import (
     check_training_rows,
     first_row_is,
@@ -36,16 +28,24 @@ from .dataset_setup import (
     first_row_of,
     with_vocab_size,
 )
-from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
-from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
-from .prompts import PROMPT_COLUMNS, PromptCollator
-from .rollouts import BEHAVIOUR
-from .routed_offline import offline_routed_setup
-from .self_distill import require_teacher_prompt, self_distill_teacher
-from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
-from .served_teachers import routed_served_dataloader
-from .teacher_compute import prepare_teacher_compute
-from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
+from .rollouts.generate import BEHAVIOUR
+from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
+from .rollouts.other_tokenizer import rows_maker
+from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
+from .teachers.compute import prepare_teacher_compute
+from .teachers.other_tokenizer import (
+    CROSS_TOKENIZER_COLUMNS,
+    CrossTokenizerSetup,
+    compute_cross_tokenizer_loss,
+    cross_tokenizer_enabled,
+    is_cross_tokenizer_batch,
+)
+from .teachers.privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
+from .teachers.routed_offline import offline_routed_setup
+from .teachers.self_distill import require_teacher_prompt, self_distill_teacher
+from .teachers.served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
+from .teachers.served_several import routed_served_dataloader
+from .teachers.several import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
 
 logger = logging.get_logger(__name__)
 
@@ -72,14 +72,14 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
-        # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
+        # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
             self.teacher_set = TeacherSetSetup(
                 teacher_model, args, teacher_tokenizer, student=(model, kwargs.get("processing_class"))
             )
             teacher_model = None
-        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
+        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/teachers/served_several.py
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
         else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
             check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
@@ -254,7 +254,7 @@ class KDTrainer(Trainer):
         log_now = self._kd_should_log()
         routes = None if several else inputs.pop(MIXTURE_KEY, None)  # served or offline routed rows: each one's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
-        if several:  # several in-process teachers: trainer/teachers.py
+        if several:  # several in-process teachers: trainer/teachers/several.py
             outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
             loss, soft, hard, agreement = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None
             self._kd_teacher_metrics = outputs.kd_teacher_metrics or self._kd_teacher_metrics
@@ -276,7 +276,7 @@ class KDTrainer(Trainer):
             loss, soft, hard, agreement, outputs = self._materialised_loss(
                 model, inputs, num_items_in_batch, cfg, behaviour
             )
-        if scored is not None:  # each served / stored teacher's figures, from its own rows (trainer/teachers.py)
+        if scored is not None:  # each served / stored teacher's figures, from its own rows (teachers/several.py)
             self._kd_teacher_metrics = self.teacher_set.routed_metrics(
                 scored, routes, lambda batch: self._kd_score(model, batch, cfg), cfg.ignore_index
             )

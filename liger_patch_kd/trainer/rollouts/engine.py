@@ -23,13 +23,13 @@ from typing import Any
 from torch import nn
 from transformers.utils import logging
 
-from ..models import unwrap_model
-from ..teacher.serve.client import API_KEY_ENV
-from ..teacher.serve.protocols import TeacherReplyError
-from ..teacher.serve.transport import HttpEndpoint
-from .rollouts import Rollout, RolloutSettings, call_seed, generate_rollouts
+from ...models import unwrap_model
+from ...teacher.serve.client import API_KEY_ENV
+from ...teacher.serve.protocols import TeacherReplyError
+from ...teacher.serve.transport import HttpEndpoint
+from .generate import Rollout, RolloutSettings, call_seed, generate_rollouts
+from .weight_sender import TRANSPORTS, BroadcastSender
 from .weight_sync import WeightSync
-from .weight_transfer import TRANSPORTS, BroadcastSender
 
 logger = logging.get_logger(__name__)
 

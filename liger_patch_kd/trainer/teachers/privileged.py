@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..teacher import TeacherDataCollator
-from ..teacher.store.collator import TEACHER_DATA_COLUMNS
+from ...teacher import TeacherDataCollator
+from ...teacher.store.collator import TEACHER_DATA_COLUMNS
 
 # dataset columns the Trainer must keep for these rows (text rows' teacher_prompt is a prompt column)
 PRIVILEGED_COLUMNS = ("teacher_input_ids", "teacher_labels")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..conventions import require_sampled_objective
-from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
-from ..teacher.serve.prefetch import TEACHER_KEYS
-from ..teacher.store.samples import MAX_SAMPLES
+from ...conventions import require_sampled_objective
+from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ...teacher.serve.prefetch import TEACHER_KEYS
+from ...teacher.store.samples import MAX_SAMPLES
 
 if TYPE_CHECKING:
-    from .arguments import KDTrainingArguments
+    from ..arguments import KDTrainingArguments
 
 CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 

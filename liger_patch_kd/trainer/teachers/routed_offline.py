@@ -1,7 +1,7 @@
 """Offline rows that name their teacher (teacher.RoutedTeacherData: one store per teacher, or any offline dataset
 with a `teacher` column): each row's top-k is already its own teacher's, so they train as any offline data; the
 names are kept only for the per-teacher figures of logging steps, as for several served teachers, whose batches
-are offline data by the time they train (trainer/served_teachers.py).
+are offline data by the time they train (trainer/teachers/served_several.py).
 
 Logged per teacher on logging steps (one no-grad forward per teacher over its own rows of the batch, the other
 rows' labels ignored): `kd_soft_loss/<name>`, the KD term the run trains on (the top-k loss of its tail policy:
@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .teachers import ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
+from .several import ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
 
 logger = logging.get_logger(__name__)
 

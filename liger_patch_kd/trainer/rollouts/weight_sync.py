@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..teacher.serve.transport import HttpEndpoint
+from ...teacher.serve.transport import HttpEndpoint
 
 
 def peft_of(model: nn.Module) -> nn.Module | None:

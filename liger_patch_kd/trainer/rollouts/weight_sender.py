@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..teacher.serve.transport import HttpEndpoint, TeacherServerError
-from ..teacher.serve.weight_transfer import JOINED_KEY
+from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
+from ...teacher.serve.weight_transfer import JOINED_KEY
 from .weight_sync import unique_tensors
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")

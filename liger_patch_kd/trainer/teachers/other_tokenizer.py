@@ -13,22 +13,22 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers.utils import logging
 
-from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
-from ..align.generated import GeneratedRows
-from ..models import unwrap_model
-from ..models.cross_tokenizer import (
+from ...align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
+from ...align.generated import GeneratedRows
+from ...models import unwrap_model
+from ...models.kd_forward import install_kd_forward
+from ..rollouts.other_tokenizer import generated_rows
+from .other_tokenizer_loss import (
     check_spread,
     compute_cross_tokenizer_loss,  # noqa: F401  (defined here first: still imported from here)
     is_registered,
     model_head_inputs,  # noqa: F401
 )
-from ..models.kd_forward import install_kd_forward
-from .cross_tokenizer_rollouts import generated_rows
 
 logger = logging.get_logger(__name__)
 
 if TYPE_CHECKING:
-    from .arguments import KDTrainingArguments
+    from ..arguments import KDTrainingArguments
 
 CROSS_TOKENIZER_COLUMNS = (
     "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
@@ -38,7 +38,7 @@ CROSS_TOKENIZER_COLUMNS = (
 
 def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
     """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...), for a run
-    of one teacher (several teachers take a dict of tokenizers: trainer/tokenizer_teachers.py)."""
+    of one teacher (several teachers take a dict of tokenizers: trainer/teachers/several_tokenizers.py)."""
     for what, value in (("kd_teacher_tokenizer", args.kd_teacher_tokenizer), ("teacher_tokenizer", teacher_tokenizer)):
         if isinstance(value, Mapping):
             raise ValueError(

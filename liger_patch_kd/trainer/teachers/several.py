@@ -6,7 +6,7 @@ scores it against that mixture; a row with neither gets `kd_teacher_weights` (on
 without that is an error. The collator turns these columns into a (B, J) `teacher_mixture` tensor; the loss is
 models.teachers (the mixture of distributions by default, `kd_teacher_mixture="loss"` for the mixture of losses).
 Logged per teacher: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>` (see models/teachers.py). Teachers with
-tokenizers of their own (teacher_tokenizer={name: tokenizer}): trainer/tokenizer_teachers.py.
+tokenizers of their own (teacher_tokenizer={name: tokenizer}): trainer/teachers/several_tokenizers.py.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import KDLossConfig
-from ..models import TeacherSet, unwrap_model
-from ..models.kd_io import targets_of
-from ..models.teachers import materialised_teacher_set
-from ..reference import MIXTURES
-from .prompts import PromptCollator
-from .tokenizer_teachers import TokenizerTeachers
-from .tokenizer_teachers_loss import tokenizer_teachers_loss
+from ...config import KDLossConfig
+from ...models import TeacherSet, unwrap_model
+from ...models.kd_io import targets_of
+from ...models.teachers import materialised_teacher_set
+from ...reference import MIXTURES
+from ..rollouts.prompts import PromptCollator
+from .several_tokenizers import TokenizerTeachers
+from .several_tokenizers_loss import tokenizer_teachers_loss
 
 ROUTING_COLUMNS = ("teacher", "teacher_weights")
 MIXTURE_KEY = "teacher_mixture"  # the collated (B, J) weights
@@ -82,7 +82,7 @@ class TeacherSetSetup:
     ) -> None:  # fmt: skip
         """`teachers`: name -> in-process model; `served`: the names of kd_teacher_url's servers (no models).
         `teacher_tokenizer` / kd_teacher_tokenizer: {name: tokenizer} for teachers with their own (aligned with
-        `student` = (model, tokenizer): trainer/tokenizer_teachers.py)."""
+        `student` = (model, tokenizer): trainer/teachers/several_tokenizers.py)."""
         names = list(teachers)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"teacher_model as a dict needs non-empty str names for its teachers; got {names}")

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from transformers.utils import logging
 
-from ..models import apply_teacher_precision
+from ...models import apply_teacher_precision
 
 logger = logging.get_logger(__name__)
 

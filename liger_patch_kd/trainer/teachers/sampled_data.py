@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import KDLossConfig
-from ..conventions import require_sampled_objective
-from ..teacher.store import store_meta
+from ...config import KDLossConfig
+from ...conventions import require_sampled_objective
+from ...teacher.store import store_meta
 
 
 def check_sampled_dataset(dataset: Any, cfg: KDLossConfig, first_row: Any = None, declared: float | None = None):

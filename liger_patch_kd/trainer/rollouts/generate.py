@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import packed_decode_attention, transformers_code, unwrap_model
-from ..teacher import TeacherDataCollator
+from ...models import packed_decode_attention, transformers_code, unwrap_model
+from ...teacher import TeacherDataCollator
 from .decode import lean_decode_applies, sample_tokens
 
 CACHES = ("auto", "dynamic", "static")

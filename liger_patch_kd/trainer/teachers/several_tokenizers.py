@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..align.collator import has_completion
-from .cross_tokenizer import CrossTokenizerSetup
-from .onpolicy import HAS_COMPLETION
+from ...align.collator import has_completion
+from ..rollouts.onpolicy import HAS_COMPLETION
+from .other_tokenizer import CrossTokenizerSetup
 
 TEACHERS_KEY = "kd_tokenizer_teachers"  # the batch's per-teacher columns, {name: {column: tensor}}
 # a teacher's own columns, from its CrossTokenizerCollator (on its rows only)

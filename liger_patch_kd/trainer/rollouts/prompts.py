@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..teacher import TeacherDataCollator
-from .privileged import PrivilegedCollator
+from ...teacher import TeacherDataCollator
+from ..teachers.privileged import PrivilegedCollator
 
 PROMPT_COLUMNS = ("prompt", "completion", "messages", "teacher_prompt")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..teacher.serve import TeacherClient, TeacherPrefetcher
-from ..teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
-from .teachers import MIXTURE_KEY
+from ...teacher.serve import TeacherClient, TeacherPrefetcher
+from ...teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
+from .several import MIXTURE_KEY
 
 
 class RoutedTeacherClients:

@@ -1,6 +1,6 @@
 """The cross-tokenizer loss of one batch on two live models (or the student and the teacher's top-k in the
 batch): each model's last hidden states and lm_head taken inside its own forward, as the KD forward takes
-them, then align's fused loss. What KDTrainer runs across tokenizers (trainer/cross_tokenizer.py sets it up
+them, then align's fused loss. What KDTrainer runs across tokenizers (trainer/teachers/other_tokenizer.py sets it up
 from the arguments); nothing here reads them."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import distributed
-from ..align import (
+from ... import distributed
+from ...align import (
     CrossTokenizerConfig,
     CrossTokenizerLossOutput,
     VocabMap,
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
-from .heads import output_head
-from .kd_forward import call_student, call_teacher
-from .registry import FAMILIES, REGISTRY, softcap_of
-from .state import unwrap_model
-from .transforms import scaled_head_inputs
+from ...models.heads import output_head
+from ...models.kd_forward import call_student, call_teacher
+from ...models.registry import FAMILIES, REGISTRY, softcap_of
+from ...models.state import unwrap_model
+from ...models.transforms import scaled_head_inputs
 
 __all__ = [
     "check_spread", "compute_cross_tokenizer_loss", "is_registered", "last_hidden_and_head", "live_teacher_loss",

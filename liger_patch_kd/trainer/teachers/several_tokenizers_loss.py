@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import KDLossConfig
-from ..losses import fused_linear_multi_teacher_jsd
-from ..models import unwrap_model
-from ..models.cross_tokenizer import last_hidden_and_head, live_teacher_loss, model_head_inputs
-from ..models.kd_io import KDCausalLMOutput, shift_labels
-from ..models.registry import softcap_of
-from ..models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
-from .tokenizer_teachers import TEACHERS_KEY, TokenizerTeachers
+from ...config import KDLossConfig
+from ...losses import fused_linear_multi_teacher_jsd
+from ...models import unwrap_model
+from ...models.kd_io import KDCausalLMOutput, shift_labels
+from ...models.registry import softcap_of
+from ...models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
+from .other_tokenizer_loss import last_hidden_and_head, live_teacher_loss, model_head_inputs
+from .several_tokenizers import TEACHERS_KEY, TokenizerTeachers
 
 
 def tokenizer_teachers_loss(

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..align import CrossTokenizerCollator, VocabMap
-from ..align.generated import GeneratedRows
-from ..models import unwrap_model
+from ...align import CrossTokenizerCollator, VocabMap
+from ...align.generated import GeneratedRows
+from ...models import unwrap_model
+from .generate import Rollout
 from .onpolicy import special_ids
-from .rollouts import Rollout
 
 
 def teacher_eos_id(teacher_tokenizer: Any, teacher_model: nn.Module | None) -> int | None:

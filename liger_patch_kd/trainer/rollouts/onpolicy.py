@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import unwrap_model
-from .async_rollouts import AsyncRollouts, take
+from ...models import unwrap_model
+from ..teachers.privileged import privileged_rollout_batch
+from .asynchronous import AsyncRollouts, take
 from .engine import rollout_source
-from .privileged import privileged_rollout_batch
-from .rollouts import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch
+from .generate import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
