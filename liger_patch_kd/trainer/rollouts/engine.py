@@ -27,6 +27,7 @@ from ...models import unwrap_model
 from ...teacher.serve.client import API_KEY_ENV
 from ...teacher.serve.protocols import TeacherReplyError
 from ...teacher.serve.transport import HttpEndpoint
+from ..arguments import checks_arguments
 from .generate import Rollout, RolloutSettings, call_seed, generate_rollouts
 from .weight_sender import TRANSPORTS, BroadcastSender
 from .weight_sync import WeightSync
@@ -53,6 +54,7 @@ def rollout_source(args: Any) -> RolloutSource:
     return EngineRollouts(args) if args.kd_generation_url else in_process_rollouts
 
 
+@checks_arguments(rank=3)
 def check_generation_args(args: Any) -> None:
     """KDTrainingArguments' kd_generation_url / kd_sync_steps, validated when the arguments are made."""
     if not isinstance(args.kd_sync_steps, int) or args.kd_sync_steps < 1:

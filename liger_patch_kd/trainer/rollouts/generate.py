@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...models import packed_decode_attention, transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
+from ..arguments import checks_arguments
 from .decode import lean_decode_applies, sample_tokens
 
 CACHES = ("auto", "dynamic", "static")
@@ -76,6 +78,21 @@ class Rollout:
     completion: list[int]  # up to and including the first EOS, or max_new_tokens long
     finished: bool  # ended at EOS
     logprobs: tuple[float, ...] | None = None  # an engine's log-prob of each completion token (the behaviour policy)
+
+
+def rollout_settings(args: Any) -> RolloutSettings:
+    """How generated steps sample their completions, from KDTrainingArguments' kd_* generation options."""
+    return RolloutSettings(
+        max_new_tokens=args.kd_max_new_tokens, temperature=args.kd_generation_temperature,
+        num_generations=args.kd_num_generations, batch_size=args.kd_rollout_batch_size,
+        cache=args.kd_generation_cache, seed=args.seed,
+    )  # fmt: skip
+
+
+@checks_arguments(rank=0)
+def check_rollout_args(args: Any) -> None:
+    """The generation options (kd_max_new_tokens, ...), validated when the arguments are made."""
+    rollout_settings(args)
 
 
 def call_seed(seed: int, step: int, call: int) -> int:

@@ -27,7 +27,7 @@ from ...models import unwrap_model
 from ..teachers.privileged import privileged_rollout_batch
 from .asynchronous import AsyncRollouts, take
 from .engine import rollout_source
-from .generate import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch
+from .generate import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch, rollout_settings
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
@@ -52,7 +52,7 @@ class OnPolicySteps:
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.settings = args.rollout_settings()
+        self.settings = rollout_settings(args)
         self.rng = random.Random(args.seed)
         self.seconds: list[float] = []  # time inside generate() per generated step
         self.source = rollout_source(args)  # in this process, or an engine at kd_generation_url (engine.py)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-SELF_DISTILL_MODES = (False, True, "adapter", "frozen")
+from ..arguments import SELF_DISTILL_MODES
 
 
 @contextlib.contextmanager

@@ -3,15 +3,13 @@ with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...conventions import require_sampled_objective
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ...teacher.serve.prefetch import TEACHER_KEYS
 from ...teacher.store.samples import MAX_SAMPLES
-
-if TYPE_CHECKING:
-    from ..arguments import KDTrainingArguments
+from ..arguments import KDTrainingArguments, checks_arguments
 
 CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 
@@ -35,6 +33,7 @@ def served_teacher_dataloader(
     return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
 
 
+@checks_arguments(rank=2)
 def check_served_teacher_args(args: KDTrainingArguments) -> None:
     """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
     if not args.kd_teacher_url:

@@ -24,6 +24,7 @@ from ...models import TeacherSet, unwrap_model
 from ...models.kd_io import targets_of
 from ...models.teachers import materialised_teacher_set
 from ...reference import MIXTURES
+from ..arguments import checks_arguments
 from ..rollouts.prompts import PromptCollator
 from .several_tokenizers import TokenizerTeachers
 from .several_tokenizers_loss import tokenizer_teachers_loss
@@ -33,6 +34,7 @@ MIXTURE_KEY = "teacher_mixture"  # the collated (B, J) weights
 WEIGHT_SUM_TOLERANCE = 1e-3  # a row's weights must sum to 1, up to the rounding of weights written as decimals
 
 
+@checks_arguments(rank=1)  # before the served checks: kd_teacher_url as a dict is refused there
 def check_teacher_set_args(args: Any) -> None:
     """The several-teacher options of KDTrainingArguments, checked when the arguments are made."""
     if args.kd_teacher_mixture not in MIXTURES:
