@@ -17,8 +17,8 @@ def test_layout_has_no_problem():
 def test_files_run_over_both_backends_build_their_data_on_the_device():
     """A test file parametrised over helpers.backends() must put its tensors on helpers.DEVICE. On a GPU machine
     the interpreter is off, so CPU tensors with backend="triton" are refused and the compiled kernel is never
-    tested: the sampled loss's first GPU run failed that way (benchmarks/results/sampled_gpu_tests.log), which
-    no CPU run can show, as DEVICE is the CPU there."""
+    tested: the sampled loss's first GPU run failed that way (benchmarks/results/sampled_gpu_tests.log, in git at
+    f966e27), which no CPU run can show, as DEVICE is the CPU there."""
     offenders = [
         path.name
         for path in sorted((ROOT / "tests").glob("test_*.py"))
@@ -73,10 +73,14 @@ def test_benchmarks_importing_each_other_and_a_crowded_folder_are_reported(tmp_p
         "benchmarks/common.py": "",
         "benchmarks/bench_a.py": "from .bench_b import run\nfrom .common import *\n",
         "benchmarks/bench_b.py": "def run():\n    from benchmarks import bench_a\n",
+        "benchmarks/bench_c.py": "from .common.steps import step\n",
+        "benchmarks/common/steps.py": "from . import cuda_time\n",
     })  # fmt: skip
     problems = check_layout.check(tmp_path)
     assert problems == [
         f"liger_patch_kd/ops/: {check_layout.MAX_MODULES + 1} modules (limit {check_layout.MAX_MODULES}): give its "
         f"jobs rooms",
+        "benchmarks/bench_a.py:1: imports the benchmark benchmarks.bench_b: move what they share to benchmarks/common",
+        "benchmarks/bench_b.py:2: imports the benchmark benchmarks.bench_a: move what they share to benchmarks/common",
         "import cycle between benchmarks: benchmarks.bench_a -> benchmarks.bench_b",
     ], problems

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "liger_patch_kd"
 BENCHMARKS = "benchmarks"
 MAX_LINES = 400
+BENCHMARK_PREFIXES = ("bench_", "probe_", "profile_")  # a runnable benchmark's file name
 MAX_MODULES = 16  # modules of one folder, its __init__ aside: beyond that a reader needs rooms
 
 # Layers, lowest first. A module may import from its own layer's room or any lower one, never a higher one.
@@ -224,7 +225,14 @@ def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BE
     for component in find_cycles(file_graph(files, modules, root, (package,))):
         problems.append("import cycle: " + " -> ".join(component))
     bench_files = sorted((root / benchmarks).glob("*.py")) if benchmarks and (root / benchmarks).is_dir() else []
+    bench_files += sorted((root / benchmarks / "common").glob("*.py")) if bench_files else []
     bench_modules = {module_name(f, root) for f in bench_files}
+    for path in bench_files:  # one benchmark never imports another: what they share is in benchmarks/common
+        for line, target, _, _ in imports(path, bench_modules, root, (benchmarks,)):
+            if target != module_name(path, root) and target.split(".")[-1].startswith(BENCHMARK_PREFIXES):
+                rel = path.relative_to(root)
+                share = f"move what they share to {benchmarks}/common"
+                problems.append(f"{rel}:{line}: imports the benchmark {target}: {share}")
     for component in find_cycles(file_graph(bench_files, bench_modules, root, (benchmarks,))):
         problems.append("import cycle between benchmarks: " + " -> ".join(component))
     return problems

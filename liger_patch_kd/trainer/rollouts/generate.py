@@ -40,7 +40,7 @@ class RolloutSettings:
     cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA up to 256 rows,
         dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
         with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
-        benchmarks/results/wave3/), decode steps' grouped-query heads packed (models/decode_attention.py): static
+        benchmarks/results/), decode steps' grouped-query heads packed (models/decode_attention.py): static
         11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
         packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.
         Compiling costs ~25-30 s per new shape, once, and on a CPU more than it saves.
