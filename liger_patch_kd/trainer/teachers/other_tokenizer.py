@@ -8,27 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 from transformers.utils import logging
 
 from ...align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from ...align.generated import GeneratedRows
+from ...config import KDLossConfig
 from ...models import unwrap_model
 from ...models.kd_forward import install_kd_forward
+from ..arguments import KDTrainingArguments
 from ..rollouts.other_tokenizer import generated_rows
+from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
 from .other_tokenizer_loss import (
     check_spread,
-    compute_cross_tokenizer_loss,  # noqa: F401  (defined here first: still imported from here)
+    compute_cross_tokenizer_loss,
     is_registered,
     model_head_inputs,  # noqa: F401
 )
+from .self_distill import require_teacher_prompt
+from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
 logger = logging.get_logger(__name__)
-
-if TYPE_CHECKING:
-    from ..arguments import KDTrainingArguments
 
 CROSS_TOKENIZER_COLUMNS = (
     "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
@@ -149,6 +151,41 @@ class CrossTokenizerSetup:
         for role, model in zip(("student", "teacher"), models):
             if model is not None:
                 check_spread(model, role, spread)
+
+
+class OtherTokenizerTeacher(TeacherSource):
+    """One teacher of another tokenizer, in process or served (asked about its own tokenization of each row), or
+    its top-k in the rows: each batch's student and teacher tokens aligned by CrossTokenizerCollator's groups, the
+    loss align's fused cross-tokenizer loss (compute_cross_tokenizer_loss). A batch without the groups (a
+    collator of the caller's) is scored as one tokenizer's."""
+
+    def __init__(self, setup: CrossTokenizerSetup, teacher_model: nn.Module | None, args: KDTrainingArguments,
+                 fused: bool) -> None:  # fmt: skip
+        super().__init__(fused)
+        self.setup, self.model, self.args = setup, teacher_model, args
+
+    def dataloader(self, dataloader, student_vocab_size):
+        if not self.args.kd_teacher_url:
+            return dataloader
+        self.prefetcher = served_teacher_dataloader(  # and about the teacher's tokens of generated rows
+            dataloader, self.args, vocab_size=self.setup.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
+        )
+        return dataloader if self.args.kd_lmbda >= 1 else self.prefetcher
+
+    def prepare(self, inputs: dict) -> dict:
+        require_teacher(inputs, has_model=self.model is not None)
+        if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
+            require_teacher_prompt(self.model, inputs)
+        return inputs
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour=None) -> KDStepOutput:  # fmt: skip
+        if not is_cross_tokenizer_batch(inputs):
+            return one_teacher_loss(model, self.model, inputs, num_items_in_batch, cfg, log_now, self.fused, behaviour)
+        outputs = compute_cross_tokenizer_loss(
+            model, self.model, inputs, self.setup.config, self.setup.vocab_map, num_items_in_batch
+        )
+        return KDStepOutput(outputs.loss, outputs.soft, outputs.hard, None, outputs)
 
 
 # ------------------------------------------------------------- heads of different sizes, one tokenizer?

@@ -17,7 +17,10 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .several import ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
+from ...config import KDLossConfig
+from .base import KDStepOutput, score_rows
+from .several import MIXTURE_KEY, ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
+from .stored import StoredTeacher
 
 logger = logging.get_logger(__name__)
 
@@ -74,3 +77,23 @@ class NamesIfGivenCollator(RoutingCollator):
         if any(f.get(c) is not None for f in features for c in ROUTING_COLUMNS):
             return super().__call__(features)
         return self.inner(features)
+
+
+class RoutedRowsTeacher(StoredTeacher):
+    """Stored rows routed to named teachers (each row's own teacher's data, its `teacher_mixture` one-hot): trained
+    as stored rows, and on logging steps scored again per teacher on its own rows (kd_soft_loss/<name>)."""
+
+    def __init__(self, teachers: TeacherSetSetup, fused: bool) -> None:
+        super().__init__(fused)
+        self.teachers = teachers
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour=None) -> KDStepOutput:  # fmt: skip
+        routes = inputs.pop(MIXTURE_KEY, None)  # each row's teacher
+        scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
+        step = super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
+        if scored is not None:
+            step.teacher_metrics = self.teachers.routed_metrics(
+                scored, routes, lambda batch: score_rows(model, batch, cfg, self.fused, log_now), cfg.ignore_index
+            )
+        return step

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..arguments import SELF_DISTILL_MODES
+from .in_process import InProcessTeacher
 
 
 @contextlib.contextmanager
@@ -86,3 +87,12 @@ def require_teacher_prompt(teacher: nn.Module | None, inputs: dict) -> None:
             "own rows gives loss 0: give the rows a 'teacher_prompt' (or teacher_input_ids + teacher_labels) that "
             "the teacher sees and the student does not, or use a PEFT student with kd_self_distill='adapter'"
         )
+
+
+class SelfDistillTeacher(InProcessTeacher):
+    """The student as its own teacher (kd_self_distill): an in-process teacher whose batches the frozen kind
+    checks for a teacher prompt first."""
+
+    def prepare(self, inputs: dict) -> dict:
+        require_teacher_prompt(self.model, inputs)
+        return inputs

@@ -10,6 +10,7 @@ from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ...teacher.serve.prefetch import TEACHER_KEYS
 from ...teacher.store.samples import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
+from .stored import StoredTeacher
 
 CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 
@@ -88,3 +89,17 @@ def check_served_samples_args(args: KDTrainingArguments) -> None:
             "kd_teacher_tokenizer=None, kd_seq_kd and kd_self_distill off (or ask for the top-k: "
             "kd_teacher_samples=None)"
         )
+
+
+class ServedTeacher(StoredTeacher):
+    """One teacher behind kd_teacher_url: each batch's top-k (and / or samples) asked of the server `depth` batches
+    ahead by a TeacherPrefetcher wrapping the DataLoader; the rows then train as stored rows do."""
+
+    def __init__(self, args: KDTrainingArguments, fused: bool) -> None:
+        super().__init__(fused)
+        self.args = args
+
+    def dataloader(self, dataloader, student_vocab_size):
+        self.prefetcher = served_teacher_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
+        # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
+        return dataloader if self.args.kd_lmbda >= 1 or self.args.kd_seq_kd else self.prefetcher

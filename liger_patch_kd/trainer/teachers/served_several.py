@@ -14,6 +14,7 @@ from typing import Any
 
 from ...teacher.serve import TeacherClient, TeacherPrefetcher
 from ...teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
+from .routed_offline import RoutedRowsTeacher
 from .several import MIXTURE_KEY
 
 
@@ -91,3 +92,15 @@ def routed_served_dataloader(dataloader: Any, args: Any, *, vocab_size: int, dep
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     clients = RoutedTeacherClients(dict(args.kd_teacher_url), args, vocab_size)
     return RoutedTeacherPrefetcher(dataloader, clients, depth=depth)
+
+
+class ServedTeachers(RoutedRowsTeacher):
+    """Several served teachers (kd_teacher_url={name: url}): each row's top-k asked of its own row's server ahead
+    of the step, then trained as routed rows."""
+
+    def __init__(self, teachers, args: Any, fused: bool) -> None:
+        super().__init__(teachers, fused)
+        self.args = args
+
+    def dataloader(self, dataloader, student_vocab_size):
+        return routed_served_dataloader(dataloader, self.args, vocab_size=student_vocab_size())

@@ -26,6 +26,7 @@ from ...models.teachers import materialised_teacher_set
 from ...reference import MIXTURES
 from ..arguments import checks_arguments
 from ..rollouts.prompts import PromptCollator
+from .base import KDStepOutput, TeacherSource
 from .several_tokenizers import TokenizerTeachers
 from .several_tokenizers_loss import tokenizer_teachers_loss
 
@@ -266,3 +267,18 @@ def _per_token_if_packed(mixture: torch.Tensor, features: list[dict[str, Any]], 
             f"packed end to end (DataCollatorWithFlattening)"
         )
     return mixture.repeat_interleave(lengths, dim=0).reshape(*input_ids.shape, mixture.shape[-1])
+
+
+class SeveralTeachers(TeacherSource):
+    """Several teachers in process (teacher_model={name: model}), each row routed to one or scored against a
+    mixture (`teacher_mixture`), some perhaps of tokenizers of their own: TeacherSetSetup.loss."""
+
+    def __init__(self, teachers: TeacherSetSetup, fused: bool) -> None:
+        super().__init__(fused)
+        self.teachers = teachers
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour=None) -> KDStepOutput:  # fmt: skip
+        outputs = self.teachers.loss(model, inputs, num_items_in_batch, cfg, self.fused, log_now)
+        return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None, outputs,
+                            outputs.kd_teacher_metrics)  # fmt: skip
