@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from ...models import packed_decode_attention
+from ...generation import packed_decode_attention
+from .captured_sampling import captured_sample
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -217,6 +218,8 @@ class GenerationEngine:
     def _sample(self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None):
         """Left-padded rows decoded together with the model's KV cache; per row the sampled tokens (up to and with
         the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
+        if (captured := captured_sample(self, rows, req)) is not None:  # the captured decode step (on CUDA)
+            return captured
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
