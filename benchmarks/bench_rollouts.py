@@ -16,10 +16,11 @@ in eval mode, as the server holds it; no HTTP), what the engine rows of bench_en
 and the kernels that took the most (what found the per-head KV-cache copy generation/decode_attention.py removes).
 
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
---calls 2 --profile 32`, benchmarks/results/wave3/bench_rollouts_packed.json): the static cache 11,961 tokens/s,
+--calls 2 --profile 32`, benchmarks/results/bench_rollouts.json): the static cache 11,961 tokens/s,
 the dynamic one 5,708, the server's sampler 4,560 (before the packed decode attention: 6,951-7,331 / 4,973 /
-3,201; bench_rollouts.json, bench_rollouts_engine.json, wave3/bench_rollouts_profile.json). For asynchronous
-rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's shapes) the engine must be
+3,201: the bench_rollouts.json, bench_rollouts_engine.json and wave3/bench_rollouts_profile.json of commit
+f966e27). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
+shapes) the engine must be
 vLLM, or sample as generate_rollouts does with the static, compiled cache.
 """
 
@@ -30,8 +31,8 @@ import time
 
 import torch
 
-from .bench_onpolicy import SHAPES, build
 from .common import environment, print_table, write_json
+from .common.onpolicy import SHAPES, build
 
 
 def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,7 +44,7 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
 def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
     from torch._dynamo.utils import counters
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     direct = cache.startswith("engine-")  # engine-graph / engine-compile / engine-eager: decode() with that capture
     settings = RolloutSettings(
@@ -119,7 +120,7 @@ def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: i
     that took the most, which says whether a decode step waits for the GPU or for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.profile, cache=cache, seed=1)
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows + 1)
