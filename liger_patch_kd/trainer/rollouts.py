@@ -115,7 +115,7 @@ def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings,
     limit = settings.vocab_size if padding else None  # a padded head's extra rows are never drawn
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, vocab_limit=limit)
     tokens, _ = decode(generator, ids, mask, max_new_tokens=settings.max_new_tokens, sampling=sampling, pad_id=pad_id,
-                       eos_ids=sorted(eos_ids), capture="graph")  # fmt: skip
+                       eos_ids=sorted(eos_ids), capture="graph", fuse_projections=True)  # fmt: skip
     return torch.cat([ids, tokens], dim=1)
 
 
