@@ -177,7 +177,7 @@ class DecodeSession:
         elif self.key.capture == "reduce-overhead":
             if self.compiled is None:  # every buffer the step mutates at a fixed address, or no CUDA graph is taken
                 buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
-                fused = [t for g in (self.fused.groups if self.fused else ()) for t in (g.weight, g.bias) if t is not None]
+                fused = self.fused.tensors() if self.fused is not None else []
                 for t in (*buffers, *self.cache.keys, *self.cache.values, *fused):
                     torch._dynamo.mark_static_address(t)
                 self.compiled = torch.compile(self._step, mode="reduce-overhead")
@@ -299,8 +299,8 @@ def decode(
     length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    key = SessionKey(rows, length, sampling, pad_id, tuple(sorted(set(eos_ids))), capture, logprobs, bool(fuse_projections),
-                     autocast, storage)  # fmt: skip
+    eos = tuple(sorted(set(eos_ids)))
+    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
     with torch.no_grad(), packed_decode_attention():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

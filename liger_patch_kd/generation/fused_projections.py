@@ -84,6 +84,10 @@ class FusedProjections:
                 if _fusable(linears):
                     self.groups.append(FusedGroup(linears))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The concatenated weights and biases (what a captured step reads)."""
+        return [t for g in self.groups for t in (g.weight, g.bias) if t is not None]
+
     def nbytes(self) -> int:
         return sum(g.weight.numel() * g.weight.element_size() for g in self.groups)
 
@@ -109,4 +113,3 @@ class FusedProjections:
                 for lin in group.linears:
                     lin.__dict__.pop("forward", None)
                 group.last = None  # no reference kept to the step's tensors
-
