@@ -108,8 +108,9 @@ def call_seed(seed: int, step: int, call: int) -> int:
 
 def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
     """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
-    it can decode the generator (measured faster than the static cache: 1.96 / 3.34 ms a decode step at 8 / 64 rows
-    against 3.51 / 5.39 on an H200, benchmarks/results/wave4/), the static cache there otherwise, else dynamic."""
+    it can decode the generator (measured faster than the static cache: 1.87 / 3.21 ms a decode step at 8 / 64 rows,
+    prefill included, with the projections fused, against 3.51 / 5.39 on an H200; benchmarks/results/), the static
+    cache there otherwise, else dynamic."""
     if choice != "auto":
         return choice
     if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
@@ -133,7 +134,7 @@ def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings,
     limit = settings.vocab_size if padding else None  # a padded head's extra rows are never drawn
     sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, vocab_limit=limit)
     tokens, _ = decode(generator, ids, mask, max_new_tokens=settings.max_new_tokens, sampling=sampling, pad_id=pad_id,
-                       eos_ids=sorted(eos_ids), capture="graph")  # fmt: skip
+                       eos_ids=sorted(eos_ids), capture="graph", fuse_projections=True)  # fmt: skip
     return torch.cat([ids, tokens], dim=1)
 
 
