@@ -12,7 +12,7 @@ as long as a window, demo.same_tokenizer.onpolicy_kd) under:
   0.2's way          kd_rollout_batch_size = per_device_train_batch_size: one call per micro-batch, dynamic KV
                      cache, sampled by transformers' generate() (0.2 had no other sampler)
   batched (default)  one call per optimizer step for all its micro-batches, kd_generation_cache="auto", sampled
-                     where it applies (here: always) by trainer/decode.py's lean loop, the same tokens as generate()
+                     where it applies (here: always) by trainer/rollouts/decode.py's loop, the same tokens as generate()
   online (floor)     kd_lmbda=0, the online fused JSD row: the same steps with no generation at all
 
 Rows alternate over `--repeats` rounds (a busy machine slows every row alike) and report the fastest round:
@@ -25,7 +25,7 @@ Measured 2026-12-01, one thread, quick sizes (train_s, fastest of 3 rounds; gene
     machine                                  0.2's way       batched (default)   online (floor)
     2-core dev machine, load 2.7-3.0         10.69 (4.80)    10.63 (4.35)        6.36
     the same, a second run, load 2.2-2.4     11.61 (5.32)    10.24 (4.25)        6.62
-    (torch 2.13, transformers 5.24; benchmarks/results/bench_demo_onpolicy_cpu.json and _cpu_2.json)
+    (torch 2.13, transformers 5.24; results bench_demo_onpolicy_cpu{,_2}.json in git at f966e27)
 
 The default is 1.01x and 1.13x 0.2's way in the two runs, not the 3x issue 27 asks for. The two on-policy rows
 make the same calls: the demo trains without gradient accumulation (one micro-batch of 8 rows per optimizer

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from .bench_onpolicy import SHAPES, build, drive_rows, step_parser
+from .common.onpolicy import SHAPES, build, drive_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides (engine: liger-kd serve at kd_generation_url)
     "off-policy": dict(kd_lmbda=0.0),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-from collections.abc import Callable
 
 import torch
 
@@ -20,27 +19,13 @@ from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 
 from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from .common.losses import GEMMA_V, LLAMA_V, QWEN_V, liger_methods, make_inputs, rel_err
 
-LLAMA_V, QWEN_V, GEMMA_V = 128256, 151936, 262144
 # Qwen2.5: 0.5B-3B heads have 151936 rows, 7B and up 152064; the tokenizer holds 151665 real tokens
 QWEN_SMALL_V, QWEN_LARGE_V, QWEN_TOKENS = 151936, 152064, 151665
 GROUPS = ("sweep", "vocab", "betas", "topk", "padded")
 
 
-def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0, teacher_vocab: int | None = None) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
-
-    # hidden states ~N(0,1), weights scaled so logits have std ~2: distributions neither flat nor one-hot
-    return dict(
-        h_s=rand(n, hidden).requires_grad_(),
-        w_s=rand(vocab, hidden, scale=2 / hidden**0.5).requires_grad_(),
-        h_t=rand(n, hidden),
-        w_t=rand(teacher_vocab or vocab, hidden, scale=2.5 / hidden**0.5),
-        labels=torch.randint(0, vocab, (n,), device="cuda", generator=g),
-    )
 
 
 def reference_grads(x: dict, cfg: KDLossConfig, rows: int = 1024) -> list[torch.Tensor]:
@@ -75,20 +60,6 @@ def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     return R.kd_loss(s.float(), t.float(), x["labels"], cfg)
 
 
-def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-        from liger_kernel.transformers import LigerFusedLinearJSD
-    except ImportError as e:
-        return {}, f"Liger-Kernel not importable ({e}); its rows are skipped"
-    chunked = LigerFusedLinearJSDLoss(
-        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=cfg.beta, temperature=cfg.temperature, compiled=True
-    )
-    fused = LigerFusedLinearJSD(jsd_beta=cfg.beta, temperature=cfg.temperature)
-    return {
-        "liger chunked (compiled)": lambda x, _: chunked(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
-        "liger triton": lambda x, _: fused(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
-    }, None
 
 
 def floor_ms(x: dict) -> float:
@@ -108,8 +79,6 @@ def floor_ms(x: dict) -> float:
     return cuda_time_ms(products)  # the buffers go with this frame
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b).norm() / b.norm())
 
 
 def run_padded_case(n: int, hidden: int) -> list[dict]:

@@ -13,7 +13,7 @@ and the last one's end and the time CUDA events measure around the call.
 A Triton product that reduced each row's log-sum-exp in its epilogue (so the JSD kernel could skip its first
 pass) was measured with this script at commit 1591d19 and removed: 582 TFLOP/s against cuBLAS's 679 at
 R = 896, costing 0.46 ms per chunk for the two products against the 0.27 ms the skipped pass saved
-(benchmarks/results/bench_loss_breakdown_lse_trial.json).
+(benchmarks/results/bench_loss_breakdown_lse_trial.json, in git at commit f966e27).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_triton
 from liger_patch_kd.ops.scale import scale_
 
-from .bench_fused_linear_jsd import LLAMA_V, make_inputs
 from .common import cuda_time_ms, environment, print_table, write_json
+from .common.losses import LLAMA_V, make_inputs
 
 
 def stage_rows(rows: int, hidden: int, vocab: int) -> list[dict]:

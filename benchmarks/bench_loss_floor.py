@@ -34,8 +34,8 @@ from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows
 from liger_patch_kd.ops.fp8_logits import forget_quantized_head, fp8_logits, quantize_head
 
-from .bench_fused_linear_jsd import LLAMA_V, liger_methods, rel_err
 from .common import cuda_time_ms, environment, print_table, write_json
+from .common.losses import LLAMA_V, liger_methods, rel_err
 
 OURS = "liger_patch_kd"
 VARIANTS = {

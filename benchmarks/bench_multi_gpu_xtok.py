@@ -24,8 +24,8 @@ import time
 import torch
 from torch.utils.data import SequentialSampler
 
-from .bench_multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
 from .common import environment, print_table, write_json
+from .common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
 
 
 def rows(count: int, length: int = 90) -> list[dict]:

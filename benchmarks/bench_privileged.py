@@ -22,8 +22,8 @@ import torch
 from liger_patch_kd.models import apply_kd_patch_to_llama
 from liger_patch_kd.models.privileged import PrivilegedInputs
 
-from .bench_train_step import SHAPES, build
 from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from .common.train_step import SHAPES, build
 
 
 def rows(batch: int, prompt: int, teacher_prompt: int, completion: int, vocab: int, device) -> dict:

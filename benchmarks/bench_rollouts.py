@@ -16,10 +16,11 @@ in eval mode, as the server holds it; no HTTP), what the engine rows of bench_en
 and the kernels that took the most (what found the per-head KV-cache copy generation/decode_attention.py removes).
 
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
---calls 2 --profile 32`, benchmarks/results/wave3/bench_rollouts_packed.json): the static cache 11,961 tokens/s,
+--calls 2 --profile 32`, benchmarks/results/bench_rollouts.json): the static cache 11,961 tokens/s,
 the dynamic one 5,708, the server's sampler 4,560 (before the packed decode attention: 6,951-7,331 / 4,973 /
-3,201; bench_rollouts.json, bench_rollouts_engine.json, wave3/bench_rollouts_profile.json). For asynchronous
-rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's shapes) the engine must be
+3,201: the bench_rollouts.json, bench_rollouts_engine.json and wave3/bench_rollouts_profile.json of commit
+f966e27). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
+shapes) the engine must be
 vLLM, or sample as generate_rollouts does with the static, compiled cache.
 """
 
@@ -30,8 +31,8 @@ import time
 
 import torch
 
-from .bench_onpolicy import SHAPES, build
 from .common import environment, print_table, write_json
+from .common.onpolicy import SHAPES, build
 
 
 def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,9 +44,9 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
 def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
     from torch._dynamo.utils import counters
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
-    direct = cache.startswith("engine-")  # engine-graph / engine-compile / engine-eager: decode() with that capture
+    direct = cache.startswith("engine-")  # engine-<capture>[-fused]: decode() with that capture
     settings = RolloutSettings(
         max_new_tokens=a.completion, cache="auto" if cache == "engine" or direct else cache, seed=0
     )
@@ -79,6 +80,8 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
     floor_s = weight_bytes(student) / HBM_BYTES_PER_S  # every weight read once per step
+    step_ms = replay_ms(student, prompts, cache, a, device) if direct or cache == "graph" else None
+    print(f"{rows} rows, {cache}: {seconds[-1] / a.completion * 1e3:.3f} ms a step with the prefill, {step_ms} alone")
     return {
         "rows": rows,
         "cache": cache,
@@ -86,6 +89,7 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         "last_call_s": seconds[-1],
         "tokens_per_s": tokens / seconds[-1],
         "ms_per_step": seconds[-1] / a.completion * 1e3,  # the prompt's prefill included, as the issue's table
+        "decode_step_ms": step_ms,  # the captured step alone (CUDA events around its replays)
         "floor_ms": floor_s * 1e3,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
         "frames_compiled": counters["frames"]["ok"] - frames_before,
@@ -99,6 +103,25 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def replay_ms(student, prompts: list[list[int]], cache: str, a: argparse.Namespace, device) -> float | None:
+    """ms per decode step alone: the session the last call left, prefilled again and stepped a.completion - 1
+    times between CUDA events (no prefill, no EOS checks), in the mode and code the call ran it."""
+    from liger_patch_kd.generation.engine import session_of
+    from liger_patch_kd.models import original_forward, transformers_code
+
+    session = session_of(student)
+    if device.type != "cuda" or session is None:
+        return None
+    ids = torch.tensor(prompts, device=device)
+    if session.key.rows != ids.shape[0]:
+        return None
+    student.eval()
+    with original_forward(student) if cache == "graph" else transformers_code(student):
+        ms = session.time_steps(ids, torch.ones_like(ids), min(a.completion, session.key.length - ids.shape[1]) - 1)
+    student.train()
+    return ms
+
+
 def engine_call(student, prompts: list[list[int]], capture: str, a: argparse.Namespace, device) -> int:
     """generation.decode directly (the capture named), in eval mode, as generate_rollouts calls it: tokens made."""
     from liger_patch_kd.generation import Sampling, decode
@@ -108,7 +131,8 @@ def engine_call(student, prompts: list[list[int]], capture: str, a: argparse.Nam
     student.eval()
     with transformers_code(student):
         tokens, _ = decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(),
-                           pad_id=0, eos_ids=(2,), capture=capture, check_every=a.check_every)  # fmt: skip
+                           pad_id=0, eos_ids=(2,), capture=capture.removesuffix("-fused"), check_every=a.check_every,
+                           fuse_projections=capture.endswith("-fused"))  # fmt: skip
     student.train()
     return tokens.numel()
 
@@ -119,7 +143,7 @@ def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: i
     that took the most, which says whether a decode step waits for the GPU or for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     settings = RolloutSettings(max_new_tokens=a.profile, cache=cache, seed=1)
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows + 1)
@@ -154,7 +178,8 @@ def main() -> None:
         nargs="*",
         default=["dynamic", "static"],
         help="dynamic, static, graph, auto (generate_rollouts); engine (liger-kd serve's sampler); "
-        "engine-graph, engine-compile, engine-eager (generation.decode with that capture)",
+        "engine-graph, engine-compile, engine-reduce-overhead, engine-eager (generation.decode with that capture; "
+        "a -fused suffix fuses q/k/v and gate/up)",
     )
     parser.add_argument("--check-every", type=int, default=16, help="engine-*: decode steps between EOS checks")
     parser.add_argument("--prompt", type=int, default=512)
@@ -177,8 +202,8 @@ def main() -> None:
     apply_kd_patch(model=student)
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
-    columns = ["rows", "cache", "tokens_per_s", "ms_per_step", "floor_ms", "first_call_s", "last_call_s"]
-    print_table(results, [*columns, "peak_gib", "frames_compiled"])
+    columns = ["rows", "cache", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms", "first_call_s"]
+    print_table(results, [*columns, "last_call_s", "peak_gib", "frames_compiled"])
     profiled = []
     if a.profile and device.type == "cuda":
         profiled = [profile_call(r["rows"], r["cache"], a, student, vocab) for r in results

@@ -82,7 +82,7 @@ def demo_teacher(device, steps: int, work: Path, tokenizer: str, vocab: int):
 
 def fp8bench_teacher(device, seconds: float, tokenizer: str, vocab: int, tiny: bool = False):
     """bench_fp8_teacher's ~190M teacher, trained for `seconds` on the GPU (`tiny`: its tiny shape, on CPU)."""
-    from .bench_fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
+    from .common.fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
 
     token_ids, vocab, _ = corpus_token_ids(tokenizer, vocab)
     ids = torch.tensor(token_ids)

@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from liger_patch_kd.models import apply_kd_patch_to_llama
 
-from .bench_train_step import FP8_ROW, SHAPES, build, fp8_copy, make_optimizer, method_step, prepare_student
 from .common import environment, write_json
+from .common.train_step import FP8_ROW, SHAPES, build, fp8_copy, make_optimizer, method_step, prepare_student
 
 CATEGORIES = [  # first match wins
     ("fused KD loss kernel", r"_jsd_chunk|_topk_chunk"),

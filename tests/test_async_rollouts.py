@@ -16,8 +16,8 @@ pytest.importorskip("uvicorn")
 
 from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer  # noqa: E402
-from liger_patch_kd.trainer.async_rollouts import WORKER_NAME  # noqa: E402
-from liger_patch_kd.trainer.rollouts import BEHAVIOUR  # noqa: E402
+from liger_patch_kd.trainer.rollouts.asynchronous import WORKER_NAME  # noqa: E402
+from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR  # noqa: E402
 
 from .test_engine_trainer import _engine_args  # noqa: E402
 from .test_generation_server import LOGPROB_ATOL, model_logprobs, running  # noqa: E402
@@ -196,8 +196,8 @@ def test_an_error_in_the_step_closes_the_worker(tmp_path, tokenizer):  # noqa: F
 def test_the_losses_that_take_stale_rollouts_as_they_come_are_warned_once(tmp_path, monkeypatch):
     """The divergence (GKD / JSD) loss on asynchronous rollouts trains off-policy by the staleness: said once, with
     the bound; pg corrects for it and is not warned."""
-    from liger_patch_kd.trainer import engine
-    from liger_patch_kd.trainer.rollouts import RolloutSettings
+    from liger_patch_kd.trainer.rollouts import engine
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings
 
     from .test_onpolicy import _args
 
@@ -230,8 +230,8 @@ def test_a_staged_push_loads_the_weights_of_its_step_not_later_ones(tmp_path, tr
     """WeightSync.stage copies the weights when called; the load (file and request, or broadcast), sent later by
     the worker, gives the engine those, whatever the optimizer did in between (a CPU model's tensors too)."""
     from liger_patch_kd.teacher.serve.transport import HttpEndpoint
-    from liger_patch_kd.trainer.weight_sync import WeightSync
-    from liger_patch_kd.trainer.weight_transfer import BroadcastSender
+    from liger_patch_kd.trainer.rollouts.weight_sender import BroadcastSender
+    from liger_patch_kd.trainer.rollouts.weight_sync import WeightSync
 
     student = tiny_model("llama", dtype=torch.float32, seed=1)
     with running(tiny_model("llama", dtype=torch.float32, seed=7)) as (url, app):

@@ -13,7 +13,7 @@ from liger_patch_kd.demo import build_model as _model
 from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.teacher import TeacherLogprobsDataset
 from liger_patch_kd.teacher.precompute import precompute, teacher_topk
-from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
+from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss
 
 EXAMPLES = [{"prompt": "At dawn, ", "completion": "the fox sees a cat."},
             {"prompt": "", "completion": "A heron watches the old mill; 8 or 9."}]  # fmt: skip
@@ -115,7 +115,7 @@ def test_served_teacher_is_asked_about_its_own_tokenization(setup, served):
     """The prefetcher asks the server about teacher_input_ids (not the student's ids) and aligns the replies with
     them: the loss equals the one from the same top-k computed in process (offline rows)."""
     from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
-    from liger_patch_kd.trainer.served import CROSS_TOKENIZER_KEYS
+    from liger_patch_kd.trainer.teachers.served import CROSS_TOKENIZER_KEYS
 
     from .test_teacher_server import TOP_K
 
@@ -156,9 +156,9 @@ def test_on_policy_rows_are_scored_by_the_served_teacher_on_its_own_tokens(setup
     the server, and its top-k gives the loss the same top-k computed in process gives; then train()."""
     from liger_patch_kd import KDTrainer, KDTrainingArguments
     from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
-    from liger_patch_kd.trainer.cross_tokenizer_rollouts import generated_rows, rows_maker
-    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.served import CROSS_TOKENIZER_KEYS
+    from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.rollouts.other_tokenizer import generated_rows, rows_maker
+    from liger_patch_kd.trainer.teachers.served import CROSS_TOKENIZER_KEYS
 
     from .test_teacher_server import TOP_K
 

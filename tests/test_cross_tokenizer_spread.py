@@ -13,8 +13,8 @@ import torch
 
 from liger_patch_kd.align import reference as xref
 from liger_patch_kd.models import revert_kd_patch
-from liger_patch_kd.models.cross_tokenizer import check_spread, compute_cross_tokenizer_loss
-from liger_patch_kd.trainer.cross_tokenizer import CrossTokenizerSetup
+from liger_patch_kd.trainer.teachers.other_tokenizer import CrossTokenizerSetup
+from liger_patch_kd.trainer.teachers.other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss
 
 from . import xtok_worker
 

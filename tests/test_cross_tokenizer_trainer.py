@@ -21,7 +21,7 @@ from liger_patch_kd.demo.cross_tokenizer import (
     train_bpe_tokenizer,
 )
 from liger_patch_kd.trainer import KDTrainingArguments
-from liger_patch_kd.trainer.cross_tokenizer import (
+from liger_patch_kd.trainer.teachers.other_tokenizer import (
     CrossTokenizerSetup,
     compute_cross_tokenizer_loss,
     cross_tokenizer_config,

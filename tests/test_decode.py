@@ -5,9 +5,9 @@ models), and rollouts fall back to generate() wherever the loop would not be gen
 import pytest
 import torch
 
-import liger_patch_kd.trainer.rollouts as R
-from liger_patch_kd.trainer.decode import lean_decode_applies, sample_tokens
-from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+import liger_patch_kd.trainer.rollouts.generate as R
+from liger_patch_kd.trainer.rollouts.decode import lean_decode_applies, sample_tokens
+from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
 from .tiny_models import tiny_model
 

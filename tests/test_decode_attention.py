@@ -8,10 +8,10 @@ import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import liger_patch_kd.trainer.rollouts as R
+import liger_patch_kd.trainer.rollouts.generate as R
 from liger_patch_kd.generation import packed_decode_attention
 from liger_patch_kd.generation.decode_attention import packed_gqa_sdpa
-from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
 from .tiny_models import tiny_model
 

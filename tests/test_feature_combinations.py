@@ -8,7 +8,7 @@ from liger_patch_kd import teacher as TD
 from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.losses import multi_teacher, sampled_teacher
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.privileged import PrivilegedCollator
+from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
 from .tiny_models import VOCAB, tiny_model
 
@@ -116,9 +116,9 @@ def test_teacher_logits_fp8_is_refused_by_the_losses_without_a_teacher_product()
 def test_engine_rollouts_of_privileged_rows_keep_the_behaviour_logprobs(tmp_path):
     """kd_onpolicy_loss='pg' importance-corrects with the engine's log-probs; rows with a teacher prompt of their own
     took another batch builder, which dropped them (the stale rollouts then weighed as on-policy)."""
-    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.privileged import PrivilegedCollator
-    from liger_patch_kd.trainer.rollouts import BEHAVIOUR, Rollout
+    from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR, Rollout
+    from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
     args = _args(tmp_path, kd_lmbda=1.0, kd_onpolicy_loss="pg", kd_num_generations=1, kd_max_new_tokens=8)
     steps = OnPolicySteps(args)  # 8 new tokens: prompt + 128 (the default) is past the tiny model's 128 positions
@@ -183,7 +183,7 @@ def test_mixture_weights_within_the_tolerance_are_normalised(mixture):
 @pytest.mark.parametrize("option", ["kd_teacher_logits_fp8", "kd_student_logits_fp8"])
 def test_fp8_logits_across_tokenizers_are_refused(tmp_path, option):
     """The cross-tokenizer loss takes both models' logits as they are: the flag was silently unused."""
-    from liger_patch_kd.trainer.cross_tokenizer import check_cross_tokenizer_args
+    from liger_patch_kd.trainer.teachers.other_tokenizer import check_cross_tokenizer_args
 
     with pytest.raises(ValueError, match=option):
         check_cross_tokenizer_args(_args(tmp_path, use_kd_patch=True, **{option: True}))
@@ -217,7 +217,7 @@ def test_a_collator_that_drops_the_teacher_columns_is_refused(tmp_path, columns,
 def test_rollouts_never_sample_a_padded_heads_extra_rows():
     """A head padded past kd_vocab_size: generate() sampled its extra rows, ids no teacher embedding holds (an
     IndexError in the teacher, or ids scored outside the loss's vocabulary)."""
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 7)
     with torch.no_grad():  # the padding rows dominate every position's logits
@@ -239,7 +239,7 @@ def test_kdtrainer_rollouts_take_the_losses_vocabulary(tmp_path):
 
 def test_a_struct_columns_missing_teacher_weighs_zero(tmp_path):
     """datasets stores {"a": 1.0} beside {"a": 0.3, "b": 0.7} as {"a": 1.0, "b": None}: a TypeError before."""
-    from liger_patch_kd.trainer.teachers import TeacherSetSetup
+    from liger_patch_kd.trainer.teachers.several import TeacherSetSetup
 
     setup = TeacherSetSetup({"a": None, "b": None}, _args(tmp_path))
     assert setup.weights_from("a row's teacher_weights", {"a": 1.0, "b": None}) == [1.0, 0.0]

@@ -225,7 +225,7 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
 
 
 def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():
-    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
     model = _model("llama", torch.float64, seed=8)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -272,7 +272,7 @@ def test_the_servers_sampler_through_the_engine():
 
 
 def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
-    from liger_patch_kd.trainer.rollouts import cache_for
+    from liger_patch_kd.trainer.rollouts.generate import cache_for
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert cache_for(64, cuda, "auto", engine_applies=True) == "graph"

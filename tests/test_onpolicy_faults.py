@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts, prompts_of
+from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts, prompts_of
 
 from .tiny_models import VOCAB, tiny_model
 
@@ -257,7 +257,7 @@ def test_teacher_ids_past_the_vocabulary_across_tokenizers_are_refused_by_name()
     from liger_patch_kd.demo import BOS, load_corpus
     from liger_patch_kd.demo import build_model as build
     from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
-    from liger_patch_kd.trainer.cross_tokenizer import compute_cross_tokenizer_loss
+    from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss
 
     char, bpe = CharTokenizerWithOffsets(load_corpus()), train_bpe_tokenizer(load_corpus()[:4000], 300)
     student, teacher = build(bpe.get_vocab_size(), 32, 1, seed=0, device="cpu"), build(len(char), 32, 1, 1, "cpu")
@@ -273,8 +273,8 @@ def test_teacher_ids_past_the_vocabulary_across_tokenizers_are_refused_by_name()
 def test_packed_privileged_rows_give_each_sequence_its_prompt_and_teacher_prompt(tmp_path):
     """PrivilegedCollator(packing=True): the student's and the teacher's packed rows are each split at their own
     position ids, so a generated step asks for every sequence, with its own teacher prompt."""
-    from liger_patch_kd.trainer.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.privileged import PrivilegedCollator
+    from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
+    from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
     rows = [{"input_ids": [3, 4, 5], "labels": [-100, -100, 5], "teacher_input_ids": [1, 2, 3, 4, 5]},
             {"input_ids": [6, 4], "labels": [-100, 4], "teacher_input_ids": [2, 6, 4]},

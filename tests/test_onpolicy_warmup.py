@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.onpolicy import GENERATED
+from liger_patch_kd.trainer.rollouts.onpolicy import GENERATED
 
 from .tiny_models import tiny_model
 

@@ -13,9 +13,9 @@ from liger_patch_kd import reference
 from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.losses import fused_linear_jsd, kl_estimator
 from liger_patch_kd.trainer import KDTrainer
-from liger_patch_kd.trainer.onpolicy import OnPolicySteps
-from liger_patch_kd.trainer.prompts import PromptCollator
-from liger_patch_kd.trainer.rollouts import BEHAVIOUR
+from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR
+from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
+from liger_patch_kd.trainer.rollouts.prompts import PromptCollator
 
 from .test_onpolicy import PROMPTS, _args, tokenizer  # noqa: F401
 from .tiny_models import tiny_model

@@ -10,8 +10,8 @@ import torch
 
 import liger_patch_kd.models as M
 from liger_patch_kd.trainer import FrozenStudentTeacher, KDTrainer
-from liger_patch_kd.trainer.onpolicy import GENERATED, OnPolicySteps
-from liger_patch_kd.trainer.prompts import PromptCollator, tokenize_prompt_row
+from liger_patch_kd.trainer.rollouts.onpolicy import GENERATED, OnPolicySteps
+from liger_patch_kd.trainer.rollouts.prompts import PromptCollator, tokenize_prompt_row
 
 from .helpers import rel_err
 from .test_onpolicy import (

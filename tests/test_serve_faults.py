@@ -104,7 +104,7 @@ def test_a_lora_adapter_that_fails_to_load_leaves_the_served_model_as_it_was(ser
 def test_malformed_weight_updates_are_one_400_line_and_change_nothing(served, tmp_path):
     from safetensors.torch import save_file
 
-    from liger_patch_kd.trainer.weight_transfer import BroadcastSender
+    from liger_patch_kd.trainer.rollouts.weight_sender import BroadcastSender
 
     seq = _rows(1, seed=6)[0].tolist()
     before, version = _scores(served.url, seq), _health(served.url)["weight_version"]

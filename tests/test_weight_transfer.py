@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn")
 from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
 from liger_patch_kd.teacher.serve.transport import HttpEndpoint  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
-from liger_patch_kd.trainer.weight_transfer import BroadcastSender  # noqa: E402
+from liger_patch_kd.trainer.rollouts.weight_sender import BroadcastSender  # noqa: E402
 
 from .test_engine_trainer import Recorder, _engine_args  # noqa: E402
 from .test_generation_server import LOGPROB_ATOL, post, running  # noqa: E402
@@ -121,8 +121,8 @@ def test_sync_transport_is_checked(tmp_path):
 def test_an_engine_never_samples_a_padded_heads_extra_rows(tmp_path):
     """A head padded past kd_vocab_size: the engine is asked for allowed_token_ids 0 .. V-1 (vLLM's field) and
     `liger-kd serve` masks the rest, so no id outside the loss's vocabulary reaches the teacher."""
-    from liger_patch_kd.trainer.engine import EngineRollouts
-    from liger_patch_kd.trainer.rollouts import RolloutSettings
+    from liger_patch_kd.trainer.rollouts.engine import EngineRollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings
 
     from .test_onpolicy import _args
     from .tiny_models import VOCAB

@@ -85,7 +85,7 @@ def prepare(path: str, world: int) -> None:
 
 
 def _loss(student, teacher, batch, vocab_map, n_items):
-    from liger_patch_kd.models.cross_tokenizer import compute_cross_tokenizer_loss
+    from liger_patch_kd.trainer.teachers.other_tokenizer_loss import compute_cross_tokenizer_loss
 
     return compute_cross_tokenizer_loss(student, teacher, batch, CONFIG, vocab_map, n_items).loss
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text, encode_with_offsets
-from ..trainer.cross_tokenizer import compute_cross_tokenizer_loss
+from ..trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss
 from .toys import (
     BOS,
     EOS,

@@ -4,6 +4,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   decode_attention  SDPA for one-token decode steps with grouped-query heads packed (rollouts, the server)
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
+  fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
   engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
 """
 

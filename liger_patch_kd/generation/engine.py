@@ -19,14 +19,17 @@ and `release_sessions` frees them all (before a memory-hungry step, if wanted).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .decode_attention import packed_decode_attention
+from .fused_projections import FusedProjections
 from .kv_cache import SlotCache
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 
@@ -44,6 +47,7 @@ class SessionKey:
     eos_ids: tuple[int, ...]
     capture: str
     logprobs: bool
+    fuse: bool  # q/k/v and gate/up as one product each (fused_projections.py)
     key_dtype: torch.dtype | None  # the autocast dtype in force (None: none), which sets the cache's dtype
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
 
@@ -95,6 +99,7 @@ class DecodeSession:
         self.cache_keyword = cache_keyword(model)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None
+        self.fused = FusedProjections(model) if key.fuse else None
 
     # ----------------------------------------------------------------------------------------- the step
     def _advance(self, logits: torch.Tensor) -> None:
@@ -172,21 +177,49 @@ class DecodeSession:
         elif self.key.capture == "reduce-overhead":
             if self.compiled is None:  # every buffer the step mutates at a fixed address, or no CUDA graph is taken
                 buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
-                for t in (*buffers, *self.cache.keys, *self.cache.values):
+                fused = self.fused.tensors() if self.fused is not None else []
+                for t in (*buffers, *self.cache.keys, *self.cache.values, *fused):
                     torch._dynamo.mark_static_address(t)
                 self.compiled = torch.compile(self._step, mode="reduce-overhead")
             self.compiled()
         else:
             self._step()
 
+    @contextlib.contextmanager
+    def projections(self) -> Iterator[None]:
+        """The fused projections, their weights refreshed (an in-place update since the last call included)."""
+        if self.fused is None:
+            yield
+            return
+        self.fused.sync()
+        with self.fused.installed():
+            yield
+
+    def time_steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> float:
+        """Milliseconds per decode step alone (CUDA events around `steps` steps after a prefill; no host sync, no
+        prefill, no EOS checks inside): what a benchmark reports beside the per-call figure."""
+        if steps >= self.key.length - input_ids.shape[1]:
+            raise ValueError(f"steps must be < the cache's free columns {self.key.length - input_ids.shape[1]}")
+        with torch.no_grad(), packed_decode_attention(), self.projections():
+            self._prefill(input_ids, attention_mask)
+            self._run_step()  # captured (or compiled) by now
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+            for _ in range(steps):
+                self._run_step()
+            ended.record()
+            ended.synchronize()
+        return began.elapsed_time(ended) / steps
+
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, check_every: int):
         """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None."""
-        self._prefill(input_ids, attention_mask)
-        checks = len(self.key.eos_ids) > 0
-        for step in range(1, max_new_tokens):
-            if checks and step % check_every == 0 and not bool((~self.done).any()):
-                break  # the only host sync of the loop
-            self._run_step()
+        with self.projections():
+            self._prefill(input_ids, attention_mask)
+            checks = len(self.key.eos_ids) > 0
+            for step in range(1, max_new_tokens):
+                if checks and step % check_every == 0 and not bool((~self.done).any()):
+                    break  # the only host sync of the loop
+                self._run_step()
         n = int(self.used)  # columns after the last row ended (up to check_every - 1 of them) are padding: cut
         logprobs = None if self.out_logprobs is None else self.out_logprobs[:, :n].clone()
         return self.out[:, :n].clone(), logprobs
@@ -201,6 +234,11 @@ def release_sessions(model: nn.Module | None = None) -> None:
         _SESSIONS.clear()
     else:
         _SESSIONS.pop(model, None)
+
+
+def session_of(model: nn.Module) -> DecodeSession | None:
+    """The session kept for `model` (its latest bucket), or None."""
+    return _SESSIONS.get(model)
 
 
 def session_for(model: nn.Module, key: SessionKey, device: torch.device) -> DecodeSession:
@@ -223,6 +261,7 @@ def decode(
     capture: str = "graph",
     logprobs: bool = False,
     check_every: int = CHECK_EVERY,
+    fuse_projections: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
@@ -235,6 +274,9 @@ def decode(
         logprobs: also return each sampled token's log-prob under the model's own distribution (temperature 1,
             unfiltered, over the first vocab_limit ids).
         check_every: decode steps between the host's checks that some row is still going.
+        fuse_projections: q/k/v and gate/up each as one product over a copy of their weights concatenated
+            (fused_projections.py: fewer, fuller kernels a step; the copy costs those weights' bytes in memory and is
+            refreshed at each call, so in-place updates are seen).
 
     Returns:
         ((rows, n) int64 sampled ids, (rows, n) float32 log-probs or None); n <= max_new_tokens, fewer when every
@@ -257,7 +299,8 @@ def decode(
     length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    key = SessionKey(rows, length, sampling, pad_id, tuple(sorted(set(eos_ids))), capture, logprobs, autocast, storage)
+    eos = tuple(sorted(set(eos_ids)))
+    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
     with torch.no_grad(), packed_decode_attention():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

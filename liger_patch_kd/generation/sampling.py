@@ -70,8 +70,10 @@ def draw(scores: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """(rows,) int64: argmax (greedy) or a Gumbel-max draw from softmax(scores) on the default generator."""
     if sampling.greedy:
         return scores.argmax(-1)
-    # float64 uniforms: float32's (steps of 2**-24) would cap the noise at ~16.6, so a token trailing the top score
-    # by more than ~21 could never be drawn; float64 moves that to ~37 (a mass below e**-37 per token)
-    uniform = torch.rand(scores.shape, dtype=torch.float64, device=scores.device)
-    noise = -(-uniform.clamp_(min=torch.finfo(torch.float64).tiny).log()).log()  # log(0) would make +inf noise
-    return (scores + noise).argmax(-1)
+    # argmax(scores - log E), E ~ Exp(1), is argmax(scores + Gumbel noise): -log E is Gumbel, and drawing E directly
+    # takes two passes over (rows, V) fewer than -log(-log U) (a captured step at 64 rows writes 66 MB a pass).
+    # float64: float32's E (from uniforms in steps of 2**-24) would cap the noise at ~16.6, so a token trailing the
+    # top score by more than ~21 could never be drawn; float64 moves that to ~37 (a mass below e**-37 per token).
+    # E = 0 (log -> -inf, the token drawn whatever its score) is clamped away.
+    exponential = torch.empty(scores.shape, dtype=torch.float64, device=scores.device).exponential_()
+    return (scores - exponential.clamp_(min=torch.finfo(torch.float64).tiny).log_()).argmax(-1)

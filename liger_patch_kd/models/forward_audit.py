@@ -47,7 +47,7 @@ _KNOWN: list[tuple[str, str | None]] = [
     (r"logits = logits \* self\.config\.final_logit_softcapping", "softcap"),
     (r"logits = logits / self\.config\.logits_scaling", "logits_scaling"),
     (r"logits = logits \* self\.logit_scale", "logit_scale"),
-    # the router's load-balancing loss (moe.py)
+    # the router's load-balancing loss (backbone.py)
     (
         r"aux_loss = load_balancing_loss_func\(outputs\.router_logits, self\.num_experts, self\.num_experts_per_tok, "
         r"attention_mask\)",

@@ -18,11 +18,10 @@ from ..config import KDLossConfig, override_options
 from ..distributed import gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_sampled_kd, fused_linear_topk_kd
 from ..ops.backend import eager
-from .backbone import run_backbone, teacher_vision_inputs
+from .backbone import router_aux_loss, run_backbone, teacher_vision_inputs, with_router_aux_loss
 from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
-from .moe import router_aux_loss, with_router_aux_loss
 from .privileged import PrivilegedInputs
 from .registry import softcap_of
 from .spec import spec_for_model

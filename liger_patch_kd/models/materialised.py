@@ -13,9 +13,8 @@ from torch import nn
 
 from .. import reference
 from ..config import KDLossConfig
-from .backbone import teacher_vision_inputs
+from .backbone import teacher_vision_inputs, with_router_aux_loss
 from .kd_io import KDCausalLMOutput, TeacherInputs, kd_output
-from .moe import with_router_aux_loss
 from .privileged import PrivilegedInputs
 
 # What a live teacher gets of the student's inputs: the tokens and how they are laid out (padding, packing).

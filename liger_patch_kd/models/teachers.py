@@ -24,11 +24,10 @@ from ..config import KDLossConfig
 from ..conventions import apply_softcap
 from ..distributed import gathered_weights
 from ..losses import fused_linear_multi_teacher_jsd
-from .backbone import run_backbone, teacher_vision_inputs
+from .backbone import router_aux_loss, run_backbone, teacher_vision_inputs, with_router_aux_loss
 from .heads import output_head
 from .kd_io import KDCausalLMOutput, kd_output
 from .materialised import TEACHER_INPUT_KEYS
-from .moe import router_aux_loss, with_router_aux_loss
 from .transforms import scaled_head_inputs
 
 __all__ = ["TeacherSet", "materialised_teacher_set", "teacher_set_forward"]

@@ -1,11 +1,17 @@
-"""Distillation through the Hugging Face Trainer: the arguments (arguments.py), the trainer (trainer.py), and
-what it calls for on-policy rollouts (rollouts.py), a served teacher (served.py) and a teacher with another
-tokenizer (cross_tokenizer.py); a teacher that sees its own prompt (privileged.py) and the student as its own
-teacher (self_distill.py)."""
+"""Distillation through the Hugging Face Trainer. Three rooms:
+
+- here: the arguments (arguments.py, plain data: each feature registers its own checks of them), the trainer
+  (trainer.py: KDTrainer, whose compute_loss is one journey, batch -> teacher signal -> loss -> figures) and the
+  dataset checks made before any long work (dataset_setup.py);
+- rollouts/: the completions generated steps train on (planning, prompts, in-process decoding, an engine client,
+  asynchronous rollouts, weight sync);
+- teachers/: the teacher-signal interface (teachers/base.py) and one file per kind of teacher (in process, the
+  student itself, stored rows, served, routed by name, several in process, of another tokenizer).
+"""
 
 from .arguments import PATCH_TOGGLES, KDTrainingArguments
-from .privileged import PrivilegedCollator
-from .self_distill import AdapterDisabledTeacher, FrozenStudentTeacher
+from .teachers.privileged import PrivilegedCollator
+from .teachers.self_distill import AdapterDisabledTeacher, FrozenStudentTeacher
 from .trainer import KD_COLUMNS, KDTrainer
 
 __all__ = [

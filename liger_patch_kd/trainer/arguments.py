@@ -1,24 +1,45 @@
-"""KDTrainingArguments: TrainingArguments plus the distillation options, validated when they are made."""
+"""KDTrainingArguments: TrainingArguments plus the distillation options, validated when they are made.
+
+The arguments are plain data: this module checks each option on its own (ranges, choices); a feature's checks of
+the options it reads (served teachers, several teachers, rollouts, an engine) live with the feature, which imports
+this module and registers them with `checks_arguments`, never the reverse. `__post_init__` runs them after the
+plain checks, in their rank order. Every feature module is imported by `liger_patch_kd.trainer` (its __init__
+imports trainer.py), and this module can only be imported through that package, so they are registered before
+any KDTrainingArguments is made.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
 from ..config import KDLossConfig, check_importance_cap
 from ..models import check_teacher_precision
-from .engine import check_generation_args
-from .rollouts import RolloutSettings
-from .self_distill import SELF_DISTILL_MODES
-from .served import check_served_teacher_args
-from .teachers import check_teacher_set_args
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
+SELF_DISTILL_MODES = (False, True, "adapter", "frozen")  # kd_self_distill (teachers/self_distill.py)
 SECRETS = ("kd_teacher_api_key", "kd_generation_api_key")
+
+# (rank, check(args)) of the features, run by __post_init__ in rank order: rollout settings 0, several teachers 1
+# (before the served checks: kd_teacher_url as a dict is refused there), a served teacher 2, the engine 3
+FEATURE_CHECKS: list[tuple[int, Callable[[Any], None]]] = []
+
+
+def checks_arguments(rank: int) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    """Decorator: `check(args)` validates a feature's KDTrainingArguments options when the arguments are made."""
+
+    def register(check: Callable[[Any], None]) -> Callable[[Any], None]:
+        FEATURE_CHECKS.append((rank, check))
+        FEATURE_CHECKS.sort(key=lambda entry: entry[0])
+        return check
+
+    return register
 
 
 @dataclass
@@ -130,7 +151,7 @@ class KDTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "The student is its own teacher: 'adapter' (a PEFT student's base model, adapter off), "
                   "'frozen' (its current weights under no_grad, eval; rows need a teacher_prompt), True (adapter "
-                  "for a PEFT student, else frozen). See trainer/self_distill.py."},
+                  "for a PEFT student, else frozen). See trainer/teachers/self_distill.py."},
     )  # fmt: skip
     kd_teacher_tokenizer: str | None = field(  # a dict too, in Python (the command line parses a str)
         default=None,
@@ -222,7 +243,6 @@ class KDTrainingArguments(TrainingArguments):
         if not 0.0 <= self.kd_lmbda <= 1.0:
             raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
         self.onpolicy_warmup(1)  # validates kd_onpolicy_warmup_steps now
-        self.rollout_settings()  # validates the generation options (kd_max_new_tokens, ...) now
         if self.kd_onpolicy_loss not in ONPOLICY_LOSSES:
             raise ValueError(f"kd_onpolicy_loss must be one of {ONPOLICY_LOSSES}; got {self.kd_onpolicy_loss!r}")
         check_importance_cap(self.kd_pg_importance_cap, name="kd_pg_importance_cap")
@@ -264,9 +284,8 @@ class KDTrainingArguments(TrainingArguments):
                 f"loss (it would train on unquantised logits): set use_kd_patch=True, or {fp8[0]}=False"
             )
         self.kd_loss_config()  # validates the loss options now, not at the first step
-        check_teacher_set_args(self)  # before the served checks: kd_teacher_url as a dict is refused there
-        check_served_teacher_args(self)
-        check_generation_args(self)
+        for _, check in FEATURE_CHECKS:  # the features' own checks (rollouts/, teachers/)
+            check(self)
 
     @property
     def generates_every_step(self) -> bool:
@@ -287,14 +306,6 @@ class KDTrainingArguments(TrainingArguments):
             raise ValueError(f"kd_onpolicy_warmup_steps={warmup} delays the generated steps, and kd_lmbda=0 without "
                              f"kd_seq_kd makes none: set kd_lmbda > 0, or kd_onpolicy_warmup_steps=0")  # fmt: skip
         return int(warmup) if warmup >= 1 else math.ceil(total_steps * warmup)
-
-    def rollout_settings(self) -> RolloutSettings:
-        """How generated steps sample their completions (trainer/rollouts.py)."""
-        return RolloutSettings(
-            max_new_tokens=self.kd_max_new_tokens, temperature=self.kd_generation_temperature,
-            num_generations=self.kd_num_generations, batch_size=self.kd_rollout_batch_size,
-            cache=self.kd_generation_cache, seed=self.seed,
-        )  # fmt: skip
 
     # The API keys are secrets: used in this process, never written. to_dict (to_json_string, the loggers' args,
     # the hub's model card) and str / repr show them as <KD_..._API_KEY>, as TrainingArguments shows its *_token

@@ -11,10 +11,10 @@ from torch import nn
 from ..align.collator import has_completion
 from ..config import KDLossConfig
 from ..models import unwrap_model
-from .cross_tokenizer import padded_vocab_size
-from .prompts import is_prompt_row
-from .sampled_data import check_sampled_dataset
-from .self_distill import is_self_teacher
+from .rollouts.prompts import is_prompt_row
+from .teachers.other_tokenizer import padded_vocab_size
+from .teachers.sampled_data import check_sampled_dataset
+from .teachers.self_distill import is_self_teacher
 
 
 def first_row_is_prompt(dataset: Any) -> bool:

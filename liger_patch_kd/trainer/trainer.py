@@ -1,5 +1,5 @@
 """KDTrainer: online, offline (teacher log-probs as data), served and on-policy distillation through the Hugging
-Face Trainer."""
+Face Trainer. The teacher side of each batch is its TeacherSource's (teachers/base.py), chosen once in __init__."""
 
 from __future__ import annotations
 
@@ -13,22 +13,10 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .. import distributed
-from ..config import KDLossConfig
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
-from ..models.kd_io import TeacherInputs, behaviour_targets, targets_of
-from ..models.materialised import materialised_kd
-from ..models.privileged import PrivilegedInputs
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
 from .arguments import KDTrainingArguments
-from .cross_tokenizer import (
-    CROSS_TOKENIZER_COLUMNS,
-    CrossTokenizerSetup,
-    compute_cross_tokenizer_loss,
-    cross_tokenizer_enabled,
-    is_cross_tokenizer_batch,
-)
-from .cross_tokenizer_rollouts import rows_maker
 from .dataset_setup import (
     check_training_rows,
     first_row_is,
@@ -37,21 +25,30 @@ from .dataset_setup import (
     with_vocab_size,
 )
 from .nonfinite import check_logged, check_step_loss
-from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
-from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
-from .prompts import PROMPT_COLUMNS, PromptCollator
-from .rollouts import BEHAVIOUR
-from .routed_offline import offline_routed_setup
-from .self_distill import require_teacher_prompt, self_distill_teacher
-from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
-from .served_teachers import routed_served_dataloader
-from .teacher_compute import prepare_teacher_compute
-from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
+from .rollouts.generate import BEHAVIOUR
+from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
+from .rollouts.other_tokenizer import rows_maker
+from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
+from .teachers.base import SAMPLE_COLUMNS, TeacherSource, has_teacher_rows
+from .teachers.compute import prepare_teacher_compute
+from .teachers.in_process import InProcessTeacher
+from .teachers.other_tokenizer import (
+    CROSS_TOKENIZER_COLUMNS,
+    CrossTokenizerSetup,
+    OtherTokenizerTeacher,
+    cross_tokenizer_enabled,
+)
+from .teachers.privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
+from .teachers.routed_offline import RoutedRowsTeacher, offline_routed_setup
+from .teachers.self_distill import SelfDistillTeacher, self_distill_teacher
+from .teachers.served import ServedTeacher
+from .teachers.served_several import ServedTeachers
+from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
+from .teachers.stored import StoredTeacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
 
 logger = logging.get_logger(__name__)
 
-SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
 KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
 
 
@@ -75,14 +72,14 @@ class KDTrainer(Trainer):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
-        # several teachers by name (trainer/teachers.py); the single-teacher paths below then see none
+        # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
             self.teacher_set = TeacherSetSetup(
                 teacher_model, args, teacher_tokenizer, student=(model, kwargs.get("processing_class"))
             )
             teacher_model = None
-        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/served_teachers.py
+        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/teachers/served_several.py
             self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
         else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
             check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
@@ -152,6 +149,7 @@ class KDTrainer(Trainer):
             self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
         prepare_teacher_compute(args, teacher_model)
         self.teacher_model = teacher_model
+        self.teacher_source = self._teacher_source()  # where each batch's teacher signal comes from (teachers/)
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
@@ -159,7 +157,6 @@ class KDTrainer(Trainer):
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
         self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
-        self._served = None  # the served teacher's prefetcher: asked about generated rows too
         if args.kd_seq_kd and teacher_model is None:
             raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
         if self.onpolicy.enabled and teacher_model is None and not args.kd_teacher_url:
@@ -167,6 +164,25 @@ class KDTrainer(Trainer):
                 f"kd_lmbda={args.kd_lmbda} trains on completions generated during training, which no offline store "
                 f"holds: pass teacher_model (or kd_self_distill=True) or kd_teacher_url, or set kd_lmbda=0"
             )
+
+    def _teacher_source(self) -> TeacherSource:
+        """The run's one kind of teacher (trainer/teachers/, a file each), chosen once."""
+        args, fused = self.args, self.args.use_kd_patch
+        if self.teacher_set is not None and not self.teacher_set.served:
+            return SeveralTeachers(self.teacher_set, fused)
+        if self.xtok is not None:
+            return OtherTokenizerTeacher(self.xtok, self.teacher_model, args, fused)
+        if self.teacher_set is not None:  # rows routed to named teachers: served by each, or stored
+            if isinstance(args.kd_teacher_url, Mapping):
+                return ServedTeachers(self.teacher_set, args, fused)
+            return RoutedRowsTeacher(self.teacher_set, fused)
+        if args.kd_teacher_url:
+            return ServedTeacher(args, fused)
+        if args.kd_self_distill:
+            return SelfDistillTeacher(self.teacher_model, fused)
+        if self.teacher_model is not None:
+            return InProcessTeacher(self.teacher_model, fused)
+        return StoredTeacher(fused)
 
     @property
     def kd_rollout_seconds(self) -> list[float]:
@@ -203,25 +219,16 @@ class KDTrainer(Trainer):
 
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
-        dataloader = super().get_train_dataloader()
-        if isinstance(self.args.kd_teacher_url, Mapping):  # each row asks its own server (served_teachers.py)
-            vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
-            return routed_served_dataloader(dataloader, self.args, vocab_size=vocab_size,
-                                            tokenizer=self.processing_class)  # fmt: skip
-        if self.args.kd_teacher_url and self.xtok is not None:  # asked about the teacher's own tokenization
-            served = served_teacher_dataloader(
-                dataloader, self.args, vocab_size=self.xtok.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
-            )
-            self._served = served  # and about the teacher's tokens of generated rows
-            dataloader = dataloader if self.args.generates_every_step else served
-        elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
-            vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
-            served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size,
-                                               tokenizer=self.processing_class)  # fmt: skip
-            self._served = served
-            # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
-            dataloader = dataloader if self.args.generates_every_step else served
-        return dataloader
+        # a served teacher asks its server about each batch ahead of the step (teachers/served*.py)
+        return self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+
+    def _student_vocab_size(self) -> int:
+        return self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
+
+    @property
+    def _served(self):
+        """The served teacher's prefetcher, asked about generated rows too (None: no server, or several)."""
+        return self.teacher_source.prefetcher
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -233,6 +240,8 @@ class KDTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """One journey: the batch prepared (the Trainer's markers, then the teacher side by the run's teacher
+        source) -> the source's teacher signal and the one loss call -> the logged figures."""
         inputs = dict(inputs)
         generated = inputs.pop(GENERATED, False)
         inputs.pop(HAS_COMPLETION, None)
@@ -244,91 +253,23 @@ class KDTrainer(Trainer):
                 f"liger_patch_kd.teacher.TeacherDataCollator copies input_ids; "
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
-        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
-        several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
-        if not offline and self.teacher_model is None and not several:
-            raise ValueError(
-                "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
-                "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
-            )
-        if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
-            require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
+        inputs = self.teacher_source.prepare(inputs)
         cfg = self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cap = self.args.kd_pg_importance_cap if self.args.kd_onpolicy_loss == "pg" else None
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0, importance_cap=cap)
-        log_now = self._kd_should_log()
-        routes = None if several else inputs.pop(MIXTURE_KEY, None)  # served or offline routed rows: each one's teacher
-        scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
-        if several:  # several in-process teachers: trainer/teachers.py
-            outputs = self.teacher_set.loss(model, inputs, num_items_in_batch, cfg, self.args.use_kd_patch, log_now)
-            loss, soft, hard, agreement = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, None
-            self._kd_teacher_metrics = outputs.kd_teacher_metrics or self._kd_teacher_metrics
-        elif is_cross_tokenizer_batch(inputs):
-            xtok = self.xtok
-            outputs = compute_cross_tokenizer_loss(
-                model, self.teacher_model, inputs, xtok.config, xtok.vocab_map, num_items_in_batch
-            )
-            loss, soft, hard, agreement = outputs.loss, outputs.soft, outputs.hard, None
-        elif self.args.use_kd_patch:
-            extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}
-            outputs = model(
-                **inputs, teacher_model=None if offline else self.teacher_model,
-                num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg, **extra,
-            )  # fmt: skip
-            loss, soft, hard = outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss
-            agreement = getattr(outputs, "kd_top1_agreement", None)
-        else:
-            if not getattr(self, "_kd_noted_materialised", False):  # use_kd_patch=False: what it costs, once
-                self._kd_noted_materialised = True
-                vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
-                logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, offline))
-            loss, soft, hard, agreement, outputs = self._materialised_loss(
-                model, inputs, num_items_in_batch, cfg, behaviour
-            )
-        if scored is not None:  # each served / stored teacher's figures, from its own rows (trainer/teachers.py)
-            self._kd_teacher_metrics = self.teacher_set.routed_metrics(
-                scored, routes, lambda batch: self._kd_score(model, batch, cfg), cfg.ignore_index
-            )
+        if not self.args.use_kd_patch and not getattr(self, "_kd_noted_materialised", False):  # its cost, once
+            self._kd_noted_materialised = True
+            vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
+            logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, has_teacher_rows(inputs)))
+        step = self.teacher_source.loss(model, inputs, num_items_in_batch, cfg, self._kd_should_log(), behaviour)
+        if step.teacher_metrics:  # several teachers' figures, kept until the next log
+            self._kd_teacher_metrics = step.teacher_metrics
+        loss = step.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-        self._kd_record(soft, hard, agreement)
-        return (loss, outputs) if return_outputs else loss
-
-    def _kd_score(self, model, inputs, cfg: KDLossConfig):
-        """(KD term, top-1 agreement) of one offline batch under no_grad: a logging step's per-teacher figures."""
-        with torch.no_grad():
-            if self.args.use_kd_patch:
-                out = model(**inputs, kd_log_agreement=True, kd_config=cfg)
-                return out.kd_soft_loss, out.kd_top1_agreement
-            _, soft, _, agreement, _ = self._materialised_loss(model, dict(inputs), None, cfg)
-            return soft, agreement
-
-    def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig, behaviour=None):
-        """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
-        offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
-        teacher = TeacherInputs(
-            model=None if offline else self.teacher_model,
-            token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
-            **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
-        )  # fmt: skip
-        given_shift = inputs.pop("shift_labels", None)
-        targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
-        behaviour = behaviour_targets(behaviour, given_shift, teacher)
-        privileged = PrivilegedInputs.pop(inputs)  # the teacher's own prompt (models/privileged.py)
-        outputs = materialised_kd(
-            unwrap_model(model),
-            model,
-            teacher,
-            targets,
-            cfg,
-            num_items_in_batch,
-            inputs,
-            log_agreement=self._kd_should_log(),
-            behaviour_logprobs=behaviour,
-            privileged=privileged,
-        )
-        return outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs
+        self._kd_record(step.soft, step.hard, step.agreement)
+        return (loss, step.outputs) if return_outputs else loss
 
     def train(self, *args, **kwargs):
         self._kd_recompute_limited = False  # every train() turns checkpointing back on for every layer

@@ -1,5 +1,5 @@
 """`liger-kd serve` as a rollout engine: vLLM's generation and weight-update endpoints answered with the HF model,
-so the on-policy trainer's engine path (trainer/engine.py) runs, and is tested, without vLLM.
+so the on-policy trainer's engine path (trainer/rollouts/engine.py) runs, and is tested, without vLLM.
 
     POST /v1/completions (no prompt_logprobs)  sample completions of token-id prompts, vLLM / OpenAI's reply
     POST /v1/load_lora_adapter                  vLLM's runtime LoRA loading: {"lora_name", "lora_path"}

@@ -1,0 +1,141 @@
+"""What every benchmark here shares: timing with CUDA events, peak memory, a printed table and a JSON file.
+
+What some of them share is beside it, one module per family: train_step.py (the one-GPU step), offline.py (rows
+of teacher top-k from a server or a store), onpolicy.py (KDTrainer's generated steps, a row per process),
+losses.py (the loss benchmarks' inputs), multi_gpu.py (the per-step probe), fp8_teacher.py (a teacher trained on
+a corpus). A benchmark imports these, never another benchmark (tools/check_layout.py)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8) -> float:
+    """Median wall time of fn() on the GPU, in ms, measured with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_gib(fn: Callable[[], object], exclude_bytes: int = 0) -> float:
+    """Peak memory fn() allocates beyond what existed before it, minus `exclude_bytes` (e.g. the gradients
+    any method must return), in GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before - exclude_bytes) / 2**30
+
+
+def environment() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": " ".join(["python"] + sys.argv),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["liger_kernel"] = version("liger-kernel")
+    except Exception:
+        info["liger_kernel"] = None
+    return info
+
+
+def print_table(rows: list[dict], columns: list[str]) -> str:
+    """A GitHub-markdown table of `rows` (missing cells print as '-'); printed and returned."""
+
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+
+
+def run_row_in_child(module: str, name: str, args, keys: tuple[str, ...]) -> dict:
+    """Run `python -m <module> --row <name>` with the options `keys` of `args` (and --tiny) in its own process, so
+    one row's compiled graphs and allocator state cannot help another; the child prints `ROW <json>`. A row that
+    fails comes back as {"name", "error"} with the child's output on stderr, and the other rows still run."""
+    import subprocess
+
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in keys and v is not None]
+    cmd = [sys.executable, "-m", module, "--row", name, *options, *(["--tiny"] if args.tiny else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+    if line is None:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n", file=sys.stderr)
+        return {"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    row = json.loads(line[4:])
+    print(f"{name}: {row}", flush=True)
+    return row
+
+
+TOKENIZERS = ("char", "bpe")
+
+
+def corpus_token_ids(tokenizer: str, vocab: int = 2048) -> tuple[list[int], int, float]:
+    """(the packaged corpus as token ids, the vocabulary size, characters per token) for the benchmarks that train
+    a teacher on it. "char": the demo's character tokenizer (V = 48). "bpe": a byte-level BPE (GPT-2 style, the
+    demo's `train_bpe_tokenizer`) trained here on the corpus's first 90 % (the benchmarks' training
+    split) with the tokenizers library, for up to `vocab` tokens: offline, and deterministic (the same text and
+    size give the same merges; checked across processes). <pad> <s> </s> are ids 0 1 2 in both. The corpus holds
+    100 distinct words and BPE merges within words, so it stops at 464 tokens whatever `vocab` asks (merging
+    across words reaches ~1000 only by making whole sentences tokens); the size reached is returned."""
+    from liger_patch_kd.demo.toys import CharTokenizer, load_corpus, train_bpe_tokenizer
+
+    text = load_corpus()
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}; got tokenizer={tokenizer!r}")
+    if tokenizer == "char":
+        tok = CharTokenizer(text)
+        ids, size = tok.encode(text), len(tok)
+    else:
+        tok = train_bpe_tokenizer(text[: int(0.9 * len(text))], vocab_size=vocab)
+        ids, size = tok.encode(text).ids, tok.get_vocab_size()
+    return ids, size, len(text) / len(ids)

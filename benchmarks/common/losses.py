@@ -1,0 +1,50 @@
+"""What the loss benchmarks share (bench_fused_linear_jsd, bench_loss_breakdown, bench_loss_floor): inputs of a Llama-
+shaped loss, Liger's methods, the relative error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from liger_patch_kd import KDLossConfig
+
+LLAMA_V, QWEN_V, GEMMA_V = 128256, 151936, 262144
+
+
+def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0, teacher_vocab: int | None = None) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    # hidden states ~N(0,1), weights scaled so logits have std ~2: distributions neither flat nor one-hot
+    return dict(
+        h_s=rand(n, hidden).requires_grad_(),
+        w_s=rand(vocab, hidden, scale=2 / hidden**0.5).requires_grad_(),
+        h_t=rand(n, hidden),
+        w_t=rand(teacher_vocab or vocab, hidden, scale=2.5 / hidden**0.5),
+        labels=torch.randint(0, vocab, (n,), device="cuda", generator=g),
+    )
+
+
+def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        from liger_kernel.transformers import LigerFusedLinearJSD
+    except ImportError as e:
+        return {}, f"Liger-Kernel not importable ({e}); its rows are skipped"
+    chunked = LigerFusedLinearJSDLoss(
+        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=cfg.beta, temperature=cfg.temperature, compiled=True
+    )
+    fused = LigerFusedLinearJSD(jsd_beta=cfg.beta, temperature=cfg.temperature)
+    return {
+        "liger chunked (compiled)": lambda x, _: chunked(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
+        "liger triton": lambda x, _: fused(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
+    }, None
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm())
+
+

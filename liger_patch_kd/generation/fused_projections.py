@@ -1,0 +1,115 @@
+"""One matrix product where a layer runs several on the same input: q/k/v, and a gated MLP's gate/up.
+
+A decode step multiplies a few rows by each weight: every projection is a short kernel bound by its launch and
+ramp-up, not by the bytes it reads (the k and v projections of a 1B model read 2 MB each). Multiplying by the
+concatenated weights once reads the same bytes in fewer, fuller kernels.
+
+The concatenated weights are a copy the session owns (at fixed addresses, which a captured graph reads), refreshed
+by `sync()` at the start of every decode call: an optimizer's in-place update of q_proj.weight is in the copy by
+the next call, and the model's parameters, their storage and the module tree stay as they were (optimizers,
+checkpoints and DDP see nothing). The copy costs the projections' bytes once more in memory (1.3 GB for a 1B
+Llama) and one read + write of them per call (~0.5 ms on an H200 for a 1B model, against a call's 256+ steps).
+
+While installed, the first projection of a group computes them all and keeps the others' outputs with the input
+they belong to; the others hand theirs back only for that very input, with gradients off, else they compute their
+own (so an architecture that feeds k_proj something else, or a concurrent forward with gradients, stays exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedGroup:
+    """Linears of one module sharing an input, their weights (and biases) concatenated into one buffer."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        first = linears[0].weight
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight = first.new_empty(sum(self.sizes), first.shape[1])
+        self.bias = first.new_empty(sum(self.sizes)) if linears[0].bias is not None else None
+        self.last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # (input, outputs) of the last call
+
+    def sync(self) -> None:
+        torch.cat([lin.weight for lin in self.linears], out=self.weight)
+        if self.bias is not None:
+            torch.cat([lin.bias for lin in self.linears], out=self.bias)
+
+    def head_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # the copy is no parameter: a forward with gradients takes the model's own
+            return F.linear(x, self.linears[0].weight, self.linears[0].bias)
+        outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        self.last = (x, outputs)
+        return outputs[0]
+
+    def tail_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        last = self.last  # one read: another thread may replace it meanwhile
+        if last is not None and last[0] is x and not torch.is_grad_enabled():
+            return last[1][index]
+        lin = self.linears[index]
+        return F.linear(x, lin.weight, lin.bias)
+
+
+def _fusable(linears: list) -> bool:
+    if not all(type(lin) is nn.Linear for lin in linears):  # a LoRA / quantized wrapper computes more than x @ W.T
+        return False
+    first = linears[0]
+    return all(
+        lin.in_features == first.in_features
+        and lin.weight.dtype == first.weight.dtype
+        and lin.weight.device == first.weight.device
+        and (lin.bias is None) == (first.bias is None)
+        and "forward" not in lin.__dict__  # someone else's instance-level forward: leave it
+        for lin in linears
+    )
+
+
+class FusedProjections:
+    """The fusable groups of `model` (every module with all of a GROUPS entry as plain nn.Linear children)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.groups: list[FusedGroup] = []
+        for module in model.modules():
+            for names in GROUPS:
+                linears = [getattr(module, name, None) for name in names]
+                if _fusable(linears):
+                    self.groups.append(FusedGroup(linears))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The concatenated weights and biases (what a captured step reads)."""
+        return [t for g in self.groups for t in (g.weight, g.bias) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(g.weight.numel() * g.weight.element_size() for g in self.groups)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the current weights in (an update made in place since the last call included)."""
+        for group in self.groups:
+            group.sync()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block the grouped linears compute through the concatenated weights (instance-level
+        forwards, removed at the end; parameters and modules untouched)."""
+        try:
+            for group in self.groups:
+                head, *tails = group.linears
+                head.forward = group.head_forward
+                for index, tail in enumerate(tails, start=1):
+                    tail.forward = functools.partial(group.tail_forward, index)
+            yield
+        finally:
+            for group in self.groups:
+                for lin in group.linears:
+                    lin.__dict__.pop("forward", None)
+                group.last = None  # no reference kept to the step's tensors

@@ -1,0 +1,314 @@
+"""On-policy rollouts as data: a step's prompts become (prompt, completion) rows in few, large generate() calls.
+
+The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every
+prompt of an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per
+call), which is where generation gets its speed: on one H200 a 1B student makes 564 tokens/s at 8 rows and 9,393 at
+128 (MEASUREMENTS.md). The rows then train in micro-batches like any other rows: labels on the completion only
+(EOS included, padding never), the prompt masked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...generation import Sampling, decode, decode_applies, packed_decode_attention
+from ...models import original_forward, transformers_code, unwrap_model
+from ...teacher import TeacherDataCollator
+from ..arguments import checks_arguments
+from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens, weights_precision
+
+CACHES = ("auto", "dynamic", "static", "graph")
+# A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
+# prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
+STATIC_WIDTH_MULTIPLE = 64
+STATIC_UP_TO_ROWS = 256  # "auto" takes the static cache up to this many rows on CUDA (see RolloutSettings.cache)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How completions are sampled.
+
+    max_new_tokens: completion length limit (a completion ends at EOS, which it keeps, or here).
+    temperature, top_p, top_k: sampling (top_k 0 = off); temperature 1 with top_p 1 and top_k 0 is the
+        generator's own distribution, which on-policy KD assumes.
+    num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
+    batch_size: prompts per generate() call; None: every prompt of the step in one call.
+    cache: "dynamic", "static" (transformers compiles the decode step), "graph" (generation/engine.py: a slot
+        KV cache per (rows, length) bucket and the whole one-token step, sampling included, captured once as a CUDA
+        graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": graph on CUDA up
+        to 256 rows where the engine can decode the generator (cache_for), else what follows. Before graph: static
+        on CUDA up to 256 rows,
+        dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
+        with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
+        benchmarks/results/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
+        11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
+        packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.
+        Compiling costs ~25-30 s per new shape, once, and on a CPU more than it saves.
+    seed: with the step number, seeds each call, so the same seed gives the same completions.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_generations: int = 1
+    batch_size: int | None = None
+    cache: str = "auto"
+    seed: int = 0
+    vocab_size: int | None = None  # the real ids (kd_vocab_size): a head's padding rows are never sampled
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens (kd_max_new_tokens) must be an int >= 1; got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature (kd_generation_temperature) must be > 0; got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if not (isinstance(self.num_generations, int) and self.num_generations >= 1):
+            raise ValueError(f"num_generations (kd_num_generations) must be an int >= 1; got {self.num_generations!r}")
+        if self.batch_size is not None and not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"batch_size (kd_rollout_batch_size) must be None or an int >= 1; got {self.batch_size!r}")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache (kd_generation_cache) must be one of {CACHES}; got {self.cache!r}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    prompt: list[int]
+    completion: list[int]  # up to and including the first EOS, or max_new_tokens long
+    finished: bool  # ended at EOS
+    logprobs: tuple[float, ...] | None = None  # an engine's log-prob of each completion token (the behaviour policy)
+
+
+def rollout_settings(args: Any) -> RolloutSettings:
+    """How generated steps sample their completions, from KDTrainingArguments' kd_* generation options."""
+    return RolloutSettings(
+        max_new_tokens=args.kd_max_new_tokens, temperature=args.kd_generation_temperature,
+        num_generations=args.kd_num_generations, batch_size=args.kd_rollout_batch_size,
+        cache=args.kd_generation_cache, seed=args.seed,
+    )  # fmt: skip
+
+
+@checks_arguments(rank=0)
+def check_rollout_args(args: Any) -> None:
+    """The generation options (kd_max_new_tokens, ...), validated when the arguments are made."""
+    rollout_settings(args)
+
+
+def call_seed(seed: int, step: int, call: int) -> int:
+    """One seed per generate() call: distinct across steps and calls, the same in every run with `seed`."""
+    return (seed * 1_000_003 + step) * 1_009 + call
+
+
+def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
+    """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
+    it can decode the generator (measured faster than the static cache: 1.87 / 3.21 ms a decode step at 8 / 64 rows,
+    prefill included, with the projections fused, against 3.51 / 5.39 on an H200; benchmarks/results/), the static
+    cache there otherwise, else dynamic."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
+        return "dynamic"
+    return "graph" if engine_applies else "static"
+
+
+def engine_refusal(generator: nn.Module) -> str | None:
+    """None if the decode engine samples what generate() would here, else why not: the model's own conditions
+    (generation.decode_applies) and a generation config that asks for nothing beyond sampling."""
+    gen = getattr(generator, "generation_config", None)
+    extra = sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS) if gen is not None else []
+    if extra:
+        return f"its generation_config asks for {extra}, which only generate() honours"
+    return decode_applies(generator)
+
+
+def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings, pad_id: int, eos_ids: set[int],
+                     padding: list[int]) -> torch.Tensor:  # fmt: skip
+    """(B, W + n) prompt + sampled ids through the decode engine (generate()'s layout: padding after EOS)."""
+    limit = settings.vocab_size if padding else None  # a padded head's extra rows are never drawn
+    sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, vocab_limit=limit)
+    tokens, _ = decode(generator, ids, mask, max_new_tokens=settings.max_new_tokens, sampling=sampling, pad_id=pad_id,
+                       eos_ids=sorted(eos_ids), capture="graph", fuse_projections=True)  # fmt: skip
+    return torch.cat([ids, tokens], dim=1)
+
+
+def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
+    """Each sequence's prompt: its attended tokens before its first scored label (all of them when none is scored).
+    A row is one sequence, or several packed end to end (DataCollatorWithFlattening, PrivilegedCollator(packing=
+    True)): its position_ids restart at 0 where each begins, and each gives its own prompt, in order."""
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    prompts = []
+    for row in range(input_ids.shape[0]):
+        keep = mask[row].bool() if mask is not None else torch.ones_like(input_ids[row], dtype=torch.bool)
+        ids, lab = input_ids[row][keep], labels[row][keep]
+        starts = [0] if positions is None else (positions[row][keep] == 0).nonzero().flatten().tolist()
+        starts = starts if starts[:1] == [0] else [0, *starts]  # a row that does not start at position 0: one more
+        for begin, end in zip(starts, [*starts[1:], len(ids)]):
+            scored = (lab[begin:end] != ignore_index).nonzero()
+            cut = int(scored[0]) if len(scored) else end - begin
+            prompts.append(ids[begin : begin + cut].tolist())
+    return prompts
+
+
+def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """ValueError unless every prompt plus max_new_tokens fits the generator's context (its config's
+    max_position_embeddings; no limit when it has none), as an engine refuses the same prompt (vLLM's
+    max_model_len). Checked before a step's rollouts are generated, in process or by an engine."""
+    config = getattr(unwrap_model(generator), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    if longest is None or len(prompts[longest]) + max_new_tokens <= context:
+        return
+    size = len(prompts[longest])
+    fix = (f"set kd_max_prompt_length <= {context - max_new_tokens} (it keeps each prompt's last tokens) or a "
+           f"smaller kd_max_new_tokens" if context > max_new_tokens
+           else f"set kd_max_new_tokens below {context}")  # fmt: skip
+    raise ValueError(
+        f"prompt {longest} of this step has {size} tokens + kd_max_new_tokens {max_new_tokens} = "
+        f"{size + max_new_tokens}, more than the generator's context (max_position_embeddings {context}); {fix}"
+    )
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.no_grad()
+def generate_rollouts(
+    generator: nn.Module,
+    prompts: list[list[int]],
+    settings: RolloutSettings,
+    *,
+    pad_id: int,
+    eos_ids: set[int],
+    start_id: int,
+    step: int = 0,
+) -> list[Rollout]:
+    """Completions for `prompts` (token lists), each repeated settings.num_generations times, in prompt order.
+
+    Args:
+        generator: a Hugging Face causal LM (already unwrapped from DDP / PEFT wrappers where generate lives).
+        prompts: token ids per prompt; an empty prompt starts from `start_id` (BOS), which is then its prompt.
+        settings: sampling and batching (RolloutSettings).
+        pad_id: the id used for left padding (never scored, masked out of attention).
+        eos_ids: ids that end a completion (kept as its last token, so the loss scores stopping).
+        start_id: the token an empty prompt begins with.
+        step: the optimizer step, mixed into the seed.
+
+    Returns:
+        one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
+
+    Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
+    back in the mode it was in; a patched model generates with transformers' own code (models.transformers_code:
+    its forward and kernels). On a CPU, with the dynamic cache and plain sampling, decode.sample_tokens makes the
+    same tokens as generate() with less work per step; otherwise generate() runs. Prompts are sorted by length
+    before batching (less padding) and the output put back in order; each call is seeded from (seed, step, call),
+    so results do not depend on the global RNG.
+    """
+    device = next(generator.parameters(), torch.empty(0)).device
+    check_context(generator, [p if p else [start_id] for p in prompts], settings.max_new_tokens)
+    rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
+    out: list[Rollout | None] = [None] * len(rows)
+    padding = []  # a head padded past the real ids (kd_vocab_size): its extra rows are no tokens the loss knows
+    if settings.vocab_size:
+        head = unwrap_model(generator).get_output_embeddings()
+        padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
+    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    if settings.cache == "graph" and refusal is not None:
+        raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
+                         f"'dynamic'")  # fmt: skip
+    was_training = generator.training
+    generator.eval()
+    try:
+        with packed_decode_attention():  # decode steps without the grouped-query cache copy
+            for call, first in enumerate(range(0, len(order), per_call)):
+                chunk = order[first : first + per_call]
+                batch = [rows[i] for i in chunk]
+                cache = cache_for(len(batch), device, settings.cache, engine_applies=refusal is None)
+                width = max(len(p) for p in batch)
+                if cache == "static":
+                    width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
+                ids, mask = _left_padded(batch, pad_id, width, device)
+                devices = [device] if device.type == "cuda" else []
+                options = dict(
+                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
+                    top_k=settings.top_k, pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None,
+                    **({"suppress_tokens": padding} if padding else {}),
+                )  # fmt: skip
+                # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
+                # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
+                # on an H200, benchmarks/results/wave4/)
+                code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
+                # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
+                # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)
+                precision = weights_precision(generator, device) if cache == "static" else contextlib.nullcontext()
+                with precision, code, torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(call_seed(settings.seed, step, call))
+                    if cache == "graph":  # the captured decode step (generation/engine.py)
+                        generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
+                    elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
+                        generated = sample_tokens(generator, ids, mask, **options)
+                    else:
+                        generated = generator.generate(
+                            input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache, **options
+                        )
+                for row, index in enumerate(chunk):
+                    completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
+                    out[index] = Rollout(rows[index], completion, finished)
+                del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
+    finally:
+        generator.train(was_training)
+    return out  # type: ignore[return-value]
+
+
+BEHAVIOUR = "kd_behaviour_logprobs"  # a rollout batch's label-aligned behaviour log-probs (compute_loss pops it)
+
+
+def rollout_batch(
+    rollouts: list[Rollout], pad_id: int, ignore_index: int = -100, behaviour: bool = False
+) -> dict[str, torch.Tensor]:
+    """Right-padded training rows: input_ids = prompt + completion, labels = the completion (prompt and padding
+    ignore_index), attention_mask; with `behaviour`, BEHAVIOUR (B, T) float32: each completion token's log-prob
+    under the policy that sampled it, at the token's own position like its label (0 elsewhere)."""
+    rows = [{"input_ids": r.prompt + r.completion, "labels": [ignore_index] * len(r.prompt) + r.completion}
+            for r in rollouts]  # fmt: skip
+    batch = TeacherDataCollator(pad_token_id=pad_id, ignore_index=ignore_index)(rows)
+    if behaviour:
+        batch[BEHAVIOUR] = behaviour_logprobs(rollouts, batch["input_ids"].shape)
+    return batch
+
+
+def behaviour_logprobs(rollouts: list[Rollout], shape: torch.Size) -> torch.Tensor:
+    """(B, T) float32 for right-padded rows prompt + completion: each completion token's log-prob under the policy
+    that sampled it, at the token's own position like its label (0 elsewhere)."""
+    values = torch.zeros(shape, dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        if r.logprobs is None or len(r.logprobs) != len(r.completion):
+            raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
+        values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
+    return values

@@ -1,0 +1,174 @@
+"""Prompt datasets in TRL's conventions, tokenized for distillation.
+
+Rows are one of:
+- `{"prompt": str}` or conversational `{"prompt": [{"role": ..., "content": ...}, ...]}`: a prompt only; the
+  completion is generated (on-policy steps, `kd_lmbda=1`, or teacher generations, `kd_seq_kd`);
+- the same with a `completion` (str, or a list of messages after a conversational prompt): a fixed completion,
+  which off-policy steps of a `kd_lmbda` mix train on;
+- `{"messages": [...]}` ending with the assistant's turn: prompt = the turns before it, completion = it;
+- any of these with a `teacher_prompt` (of the prompt's kind: text, or a list of messages): what the teacher sees
+  instead of the prompt (a hint, a document, the reference answer) before the same completion (privileged.py).
+
+A text prompt is tokenized as the tokenizer encodes text (its special tokens included, e.g. BOS); a conversational
+prompt is rendered with the tokenizer's chat template with the generation prompt added. A text completion is
+tokenized without special tokens and ends with EOS (as TRL's trainers do, so the student learns to stop); a
+conversational one is the template's rendering of prompt + completion past the prompt's rendering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...teacher import TeacherDataCollator
+from ..teachers.privileged import PrivilegedCollator
+
+PROMPT_COLUMNS = ("prompt", "completion", "messages", "teacher_prompt")
+
+
+def is_prompt_row(row: dict[str, Any]) -> bool:
+    return "prompt" in row or "messages" in row
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def encode(tokenizer, text: str, *, special_tokens: bool) -> list[int]:
+    """Token ids of `text`: a Hugging Face tokenizer's own call (with or without its special tokens, e.g. BOS), or
+    a plain tokenizer's `encode(text)` (such as the demo's character tokenizer, which has none)."""
+    if callable(tokenizer):
+        return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+    return list(tokenizer.encode(text))
+
+
+def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "a conversational prompt needs a tokenizer with a chat template (tokenizer.chat_template is None); "
+            "set one, or give text prompts"
+        )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return encode(tokenizer, text, special_tokens=False)
+
+
+def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int] | None]:
+    """(prompt ids, completion ids or None when the row has no completion) for one row."""
+    if "messages" in row:
+        messages = row["messages"]
+        if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
+            raise ValueError(
+                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's; got "
+                f"{str(messages)[:80]}"
+            )
+        row = {"prompt": messages[:-1], "completion": messages[-1:]}
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if _is_conversation(prompt):
+        prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+        if completion is None:
+            return prompt_ids, None
+        if not _is_conversation(completion):
+            raise ValueError("a conversational prompt takes a conversational completion (a list of messages)")
+        full = _template_ids(tokenizer, prompt + completion, add_generation_prompt=False)
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise ValueError(
+                "the chat template renders the prompt differently alone and followed by the completion, so the "
+                "completion's tokens cannot be told apart; use a template whose prompt is a prefix of the whole"
+            )
+        return prompt_ids, full[len(prompt_ids) :]
+    if not isinstance(prompt, str):
+        raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
+    prompt_ids = encode(tokenizer, prompt, special_tokens=True)
+    if completion is None:
+        return prompt_ids, None
+    if not isinstance(completion, str):
+        raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
+    completion_ids = encode(tokenizer, completion, special_tokens=False)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and (not completion_ids or completion_ids[-1] != eos):
+        completion_ids = completion_ids + [eos]
+    return prompt_ids, completion_ids
+
+
+@dataclass
+class PromptCollator:
+    """Batches of prompt rows: input_ids = prompt + completion (right-padded), labels on the completion only,
+    attention_mask, and `kd_has_completion` (B,) saying which rows came with one (a prompt-only row has no
+    labelled token; only generated steps may train on it). Rows with a `teacher_prompt` also give the teacher's
+    rows (teacher_input_ids = teacher prompt + the same completion tokens, teacher_attention_mask, teacher_labels:
+    PrivilegedCollator); in such a batch a row without one shows the teacher the student's prompt.
+
+    max_prompt_length keeps a prompt's last tokens (its end is what the completion continues); max_length cuts
+    prompt + completion on the right. Neither cuts a teacher prompt; the teacher's completion is the student's kept
+    one.
+    """
+
+    tokenizer: Any
+    max_prompt_length: int | None = None
+    max_length: int | None = None
+    ignore_index: int = -100
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
+        features, has_completion = [], []
+        privileged = any("teacher_prompt" in row for row in examples)
+        for index, row in enumerate(examples):
+            prompt, completion = tokenize_prompt_row(self.tokenizer, row)
+            if self.max_prompt_length is not None:
+                prompt = prompt[-self.max_prompt_length :]
+            tokens = prompt + (completion or [])
+            label = [self.ignore_index] * len(prompt) + (completion or [])
+            if self.max_length is not None:
+                tokens, label = tokens[: self.max_length], label[: self.max_length]
+            features.append({"input_ids": tokens, "labels": label})
+            if privileged:
+                kept = [t for t in label if t != self.ignore_index]
+                teacher_prompt = self._teacher_prompt(row, index, completion, prompt)
+                features[-1].update(teacher_input_ids=teacher_prompt + kept,
+                                    teacher_labels=[self.ignore_index] * len(teacher_prompt) + kept)  # fmt: skip
+            has_completion.append(completion is not None)
+        collate = PrivilegedCollator if privileged else TeacherDataCollator
+        batch = collate(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
+        return {**batch, "kd_has_completion": torch.tensor(has_completion)}
+
+    def _teacher_prompt(self, row: dict[str, Any], index: int, completion: list[int] | None, prompt: list[int]):
+        """The teacher prompt's ids, checked to be followed by the very completion tokens the student scores."""
+        if "teacher_prompt" not in row:
+            return prompt
+        completion_part = row["messages"][-1:] if "messages" in row else row.get("completion")
+        teacher_row = {"prompt": row["teacher_prompt"]}
+        if completion_part is not None:
+            teacher_row["completion"] = completion_part
+        teacher_prompt, teacher_completion = tokenize_prompt_row(self.tokenizer, teacher_row)
+        if teacher_completion != completion:
+            raise ValueError(
+                f"row {index}: the completion tokenizes to {len(completion or [])} tokens after the prompt and "
+                f"{len(teacher_completion or [])} after the teacher_prompt (the chat template renders it "
+                f"differently); give both prompts the same kind and template, or token-level rows "
+                f"(teacher_input_ids)"
+            )
+        return teacher_prompt
+
+
+def privileged_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> list[dict[str, list[int]]]:
+    """Text rows with a `teacher_prompt` as token-level rows ({"input_ids", "labels", "teacher_input_ids",
+    "teacher_labels"}), tokenized exactly as PromptCollator(tokenizer, **options) tokenizes them in training: for a
+    store precomputed on the teacher's sequences, `precompute(teacher, [r["teacher_input_ids"] for r in out], dir)`,
+    joined back with teacher.JoinedTeacherData.
+
+    Raises:
+        ValueError: naming the row, when it has no teacher_prompt or no completion (nothing to score offline).
+    """
+    collate, out = PromptCollator(tokenizer, **options), []
+    for index, row in enumerate(rows):
+        if "teacher_prompt" not in row or not ("completion" in row or "messages" in row):
+            raise ValueError(
+                f"row {index} needs a 'teacher_prompt' and a completion ('completion', or 'messages' ending with the "
+                f"assistant's turn) to give the teacher its own sequence; got the keys {sorted(row)}"
+            )
+        batch = collate([row])  # one row: no padding
+        out.append({k: batch[k][0].tolist() for k in ("input_ids", "labels", "teacher_input_ids", "teacher_labels")})
+    return out

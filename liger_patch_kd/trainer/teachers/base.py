@@ -1,0 +1,127 @@
+"""The teacher-signal interface: what KDTrainer.compute_loss asks of a batch's teacher, whatever kind it is.
+
+KDTrainer chooses one TeacherSource when it is built (KDTrainer.teacher_source) and every batch takes one journey:
+the Trainer prepares it (its own markers popped, labels checked), then
+
+    inputs = source.prepare(inputs)                        # the teacher side of the batch checked (or popped)
+    step = source.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)   # signal + the one loss call
+    -> KDStepOutput(loss, soft, hard, agreement, outputs, teacher_metrics)
+
+and a source that fetches its signal ahead (a served teacher) also wraps the training DataLoader:
+`source.dataloader(dataloader, student_vocab_size)` returns what the Trainer iterates, and `source.prefetcher`
+(a TeacherPrefetcher, or None) is asked about generated rows too (on-policy steps attach the teacher's reply to
+rows made during the step). Kinds, a file each: in process (in_process.py), the student itself (self_distill.py),
+rows that carry their teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed
+to named teachers: routed_offline.py, served_several.py), several teachers in process (several.py) and a teacher
+of another tokenizer (other_tokenizer.py). A new kind is a new file with a TeacherSource subclass, chosen in
+KDTrainer.teacher_source.
+
+A teacher that sees its own prompt (rows with teacher_input_ids: privileged.py's collator) needs no source of its
+own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens
+(models/privileged.py), for every single-teacher kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...config import KDLossConfig
+from ...models import unwrap_model
+from ...models.kd_io import TeacherInputs, behaviour_targets, targets_of
+from ...models.materialised import materialised_kd
+from ...models.privileged import PrivilegedInputs
+
+SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
+
+
+@dataclass
+class KDStepOutput:
+    """One batch's loss and the figures KDTrainer logs: the KD (soft) and CE (hard) terms, the top-1 agreement
+    (logging steps only, else None), the model's outputs (compute_loss(return_outputs=True)) and per-teacher
+    figures ({'kd_soft_loss/<name>': ...}; None when this step measured none)."""
+
+    loss: torch.Tensor
+    soft: torch.Tensor
+    hard: torch.Tensor
+    agreement: torch.Tensor | None
+    outputs: Any
+    teacher_metrics: dict[str, torch.Tensor] | None = None
+
+
+class TeacherSource:
+    """One kind of teacher: how a batch gets its teacher signal and its loss. Subclasses override `loss` and, when
+    they need it, `prepare` (checks before any forward) and `dataloader` (a signal fetched ahead of the batch)."""
+
+    prefetcher = None  # a served source's TeacherPrefetcher: generated rows ask it about themselves too
+
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused  # use_kd_patch: the patched forward's fused loss, else the loss on materialised logits
+
+    def dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int]) -> Any:
+        """The training DataLoader the Trainer iterates (a served source wraps it to ask its server ahead)."""
+        return dataloader
+
+    def prepare(self, inputs: dict) -> dict:
+        """The batch with its teacher side checked: a ValueError here, before any forward, names what is missing."""
+        return inputs
+
+    def loss(self, model: nn.Module, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour: torch.Tensor | None = None) -> KDStepOutput:  # fmt: skip
+        raise NotImplementedError
+
+
+def has_teacher_rows(inputs: dict) -> bool:
+    """The batch carries its teacher's data (top-k and / or sampled tokens: a store, a dataset, a server's reply)."""
+    return inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
+
+
+def require_teacher(inputs: dict, has_model: bool) -> None:
+    if not has_model and not has_teacher_rows(inputs):
+        raise ValueError(
+            "no teacher: pass teacher_model=..., set kd_self_distill=True with a PEFT student, or give batches "
+            "teacher_token_ids / teacher_logprobs (see liger_patch_kd.teacher)"
+        )
+
+
+def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: dict, num_items_in_batch,
+                     cfg: KDLossConfig, log_now: bool, fused: bool, behaviour=None) -> KDStepOutput:  # fmt: skip
+    """The loss against one teacher: the batch's teacher rows when it carries them (they win over a model), else
+    `teacher_model` run here; through the patched forward (fused) or on materialised logits (reference.py)."""
+    offline = has_teacher_rows(inputs)
+    if fused:
+        extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}
+        outputs = model(
+            **inputs, teacher_model=None if offline else teacher_model,
+            num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg, **extra,
+        )  # fmt: skip
+        agreement = getattr(outputs, "kd_top1_agreement", None)
+        return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, agreement, outputs)
+    teacher = TeacherInputs(
+        model=None if offline else teacher_model,
+        token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
+        **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
+    )  # fmt: skip
+    given_shift = inputs.pop("shift_labels", None)
+    targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
+    behaviour = behaviour_targets(behaviour, given_shift, teacher)
+    privileged = PrivilegedInputs.pop(inputs)  # the teacher's own prompt (models/privileged.py)
+    outputs = materialised_kd(
+        unwrap_model(model), model, teacher, targets, cfg, num_items_in_batch, inputs, log_agreement=log_now,
+        behaviour_logprobs=behaviour, privileged=privileged,
+    )  # fmt: skip
+    return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs)
+
+
+def score_rows(model: nn.Module, inputs: dict, cfg: KDLossConfig, fused: bool, log_now: bool):
+    """(KD term, top-1 agreement) of one batch of teacher rows under no_grad: a logging step's per-teacher figures."""
+    with torch.no_grad():
+        if fused:
+            out = model(**inputs, kd_log_agreement=True, kd_config=cfg)
+            return out.kd_soft_loss, out.kd_top1_agreement
+        step = one_teacher_loss(model, None, dict(inputs), None, cfg, log_now, fused=False)
+        return step.soft, step.agreement

@@ -1,0 +1,119 @@
+"""generation.fused_projections: q/k/v and gate/up as one product each over a session-owned copy of the weights.
+The decode engine with them samples what the plain reference loop samples, sees weights updated in place at its
+next call (the copy is refreshed), and leaves the model as it was (parameters, modules, gradients)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_patch_kd.generation import Sampling, decode, release_sessions
+from liger_patch_kd.generation.engine import session_of
+from liger_patch_kd.generation.fused_projections import FusedProjections
+
+from .test_generation import _model, _prompts, reference
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_decode_samples_what_the_uncached_reference_samples(arch):
+    model = _model(arch, torch.float64, seed=1)
+    ids, mask = _prompts()
+    sampling = Sampling(temperature=0.7, top_k=20, top_p=0.9, vocab_limit=250)
+    torch.manual_seed(3)
+    free, _ = reference(model, ids, mask, 9, sampling, 0, ())
+    eos = {int(free[0, 2]), int(free[2, 6])}
+    torch.manual_seed(3)
+    want, want_lp = reference(model, ids, mask, 9, sampling, 0, eos)
+    torch.manual_seed(3)
+    got, got_lp = decode(model, ids, mask, max_new_tokens=9, sampling=sampling, pad_id=0, eos_ids=eos,
+                         capture="eager", logprobs=True, fuse_projections=True)  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_lp, want_lp.float(), rtol=0, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert len(session_of(model).fused.groups) == 2 * layers  # q/k/v and gate/up of every layer
+    release_sessions(model)
+
+
+def test_fused_weights_follow_updates_made_in_place():
+    model = _model("llama", torch.float64, seed=3)
+    ids, mask = _prompts()
+    greedy = Sampling(temperature=0.0)
+    before, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0, fuse_projections=True)
+    with torch.no_grad():  # an optimizer step: the same storage, new values (the session's copy is now stale)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0, fuse_projections=True)
+    want, _ = reference(model, ids, mask, 5, greedy, 0, ())
+    assert torch.equal(after, want)
+    assert not torch.equal(after, before)
+    release_sessions(model)
+
+
+def test_installed_projections_leave_the_model_and_its_gradients_as_they_were():
+    model = _model("llama", torch.float64, seed=4)
+    ids, _ = _prompts()
+    params = {name: (p, p.data_ptr()) for name, p in model.named_parameters()}
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    model(input_ids=ids).logits.square().mean().backward()
+    plain_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused = FusedProjections(model)
+    fused.sync()
+    with fused.installed():
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=1e-12, atol=1e-12)
+        model(input_ids=ids).logits.square().mean().backward()  # with gradients: the model's own weights
+    for name, p in model.named_parameters():
+        assert p is params[name][0] and p.data_ptr() == params[name][1]
+        torch.testing.assert_close(p.grad, plain_grads[name], rtol=1e-12, atol=1e-12)
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    assert all(g.last is None for g in fused.groups)  # no step's tensors kept
+
+
+def test_a_projection_fed_another_input_computes_its_own_and_wrapped_linears_are_left_alone():
+    class Wrapped(nn.Linear):  # what a LoRA or quantized layer looks like to the grouping
+        pass
+
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+    block.gate_proj, block.up_proj = Wrapped(8, 16), nn.Linear(8, 16)
+    fused = FusedProjections(block)
+    assert [len(g.linears) for g in fused.groups] == [3]
+    fused.sync()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.no_grad(), fused.installed():
+        torch.testing.assert_close(block.q_proj(x), F.linear(x, block.q_proj.weight, block.q_proj.bias))
+        torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))
+        torch.testing.assert_close(block.v_proj(y), F.linear(y, block.v_proj.weight, block.v_proj.bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("capture", ["graph", "compile"])
+def test_the_captured_fused_step_replays_and_sees_in_place_updates(capture):
+    model = _model("llama", torch.float32, seed=7).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+    sampling = Sampling(temperature=0.9, top_k=50)
+    if capture == "graph":  # the same kernels eager and captured: the same draws
+        runs = []
+        for run_capture in ("eager", "graph", "graph"):
+            torch.manual_seed(11)
+            runs.append(decode(model, ids, mask, max_new_tokens=12, sampling=sampling, pad_id=0,
+                               capture=run_capture, fuse_projections=True)[0])  # fmt: skip
+        assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+    greedy = Sampling(temperature=0.0)
+    decode(model, ids, mask, max_new_tokens=12, sampling=greedy, pad_id=0, capture=capture, fuse_projections=True)
+    graph = session_of(model).graph
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0).add_(torch.randn_like(p) * 0.3)
+    got, _ = decode(model, ids, mask, max_new_tokens=12, sampling=greedy, pad_id=0, capture=capture,
+                    fuse_projections=True)  # fmt: skip
+    assert session_of(model).graph is graph  # replayed, not recaptured
+    want, _ = reference(model, ids, mask, 12, greedy, 0, ())
+    assert torch.equal(got, want)
+    release_sessions(model)
