@@ -78,7 +78,8 @@ import torch
 
 from liger_patch_kd.demo import DemoSizes, build_model, training_args
 from liger_patch_kd.demo.same_tokenizer import demo_data, train_teacher
-from liger_patch_kd.trainer import KDTrainer, rollouts
+from liger_patch_kd.trainer import KDTrainer
+from liger_patch_kd.trainer.rollouts import generate as rollouts_generate
 
 from .common import environment, print_table, write_json
 
@@ -101,7 +102,7 @@ def sampler(name: str):
     choose (decode.sample_tokens on a CPU: the same tokens for a seed)."""
     if name != OLD_ROW:
         return contextlib.nullcontext()
-    return mock.patch.object(rollouts, "lean_decode_applies", lambda *args: False)
+    return mock.patch.object(rollouts_generate, "lean_decode_applies", lambda *args: False)
 
 
 def time_row(
