@@ -9,6 +9,7 @@ from ..conventions import require_sampled_objective
 from ..teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ..teacher.serve.prefetch import TEACHER_KEYS
 from ..teacher.store.samples import MAX_SAMPLES
+from .served_hidden import HIDDEN_PROTOCOL, check_served_hidden_args
 
 if TYPE_CHECKING:
     from .arguments import KDTrainingArguments
@@ -39,8 +40,12 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
     """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
     if not args.kd_teacher_url:
         return
+    if args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # the exact teacher: served_hidden.py
+        check_served_hidden_args(args)
+        return
     if args.kd_teacher_protocol not in PROTOCOLS:
-        raise ValueError(f"kd_teacher_protocol must be one of {tuple(PROTOCOLS)}; got {args.kd_teacher_protocol!r}")
+        raise ValueError(f"kd_teacher_protocol must be one of {(*PROTOCOLS, HIDDEN_PROTOCOL)}; got "
+                         f"{args.kd_teacher_protocol!r}")  # fmt: skip
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
     elif args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:

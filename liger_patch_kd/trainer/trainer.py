@@ -43,6 +43,7 @@ from .rollouts import BEHAVIOUR
 from .routed_offline import offline_routed_setup
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
+from .served_hidden import ServedHiddenTeacher, carries_hidden
 from .served_teachers import routed_served_dataloader
 from .teacher_compute import prepare_teacher_compute
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
@@ -112,6 +113,8 @@ class KDTrainer(Trainer):
             )
             for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
+        # a teacher served as hidden states (served_hidden.py): its vocabulary is read from its head at train()
+        self.served_hidden = ServedHiddenTeacher.build(args, model, kwargs.get("processing_class"))
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
         evaluation = kwargs.get("eval_dataset")
         check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
@@ -210,6 +213,11 @@ class KDTrainer(Trainer):
             )
             self._served = served  # and about the teacher's tokens of generated rows
             dataloader = dataloader if self.args.kd_lmbda >= 1 else served
+        elif self.served_hidden is not None:  # the teacher's hidden states and head from a server (served_hidden.py)
+            served = self._served = self.served_hidden.dataloader(dataloader)
+            self.kd_config = self.served_hidden.prepare(self.kd_config)
+            self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
+            dataloader = dataloader if self.args.kd_lmbda >= 1 else served
         elif self.args.kd_teacher_url:  # teacher top-k from a server, fetched ahead (served.py)
             vocab_size = self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
             served = served_teacher_dataloader(dataloader, self.args, vocab_size=vocab_size)
@@ -240,6 +248,8 @@ class KDTrainer(Trainer):
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
+        hidden_cfg = self.served_hidden.signal(inputs, self.kd_config) if carries_hidden(inputs) else None
+        offline = offline or hidden_cfg is not None  # the teacher's hidden states and head are in the batch
         several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
         if not offline and self.teacher_model is None and not several:
             raise ValueError(
@@ -248,7 +258,7 @@ class KDTrainer(Trainer):
             )
         if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
             require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
-        cfg = self.kd_config
+        cfg = hidden_cfg or self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
         log_now = self._kd_should_log()
@@ -297,8 +307,10 @@ class KDTrainer(Trainer):
     def _materialised_loss(self, model, inputs, num_items_in_batch, cfg: KDLossConfig, behaviour=None):
         """use_kd_patch=False: both models' logits scored by reference.py (models/materialised.py)."""
         offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
+        offline = offline or carries_hidden(inputs)
         teacher = TeacherInputs(
-            model=None if offline else self.teacher_model,
+            model=None if offline else self.teacher_model, hidden_states=inputs.pop("teacher_hidden_states", None),
+            weight=inputs.pop("teacher_weight", None), bias=inputs.pop("teacher_bias", None),
             token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
             **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
         )  # fmt: skip
