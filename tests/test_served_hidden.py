@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from liger_patch_kd.ops.fp8 import FP8_MAX
-from liger_patch_kd.teacher.serve import TeacherReplyError
+from liger_patch_kd.teacher.serve import TeacherClient, TeacherReplyError
 from liger_patch_kd.teacher.serve.hidden_wire import (
     FP8_DTYPE,
     TeacherHead,
@@ -81,3 +81,113 @@ def test_head_round_trip(bias):
     assert torch.equal(back.weight, weight) and back.version == 5 and back.vocab_size == VOCAB
     assert back.softcap == head.softcap and back.logit_scale == 0.3
     assert back.bias is None if not bias else torch.equal(back.bias, head.bias.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------- against the real server
+def _teacher(arch="llama", vocab=VOCAB, seed=3):
+    """A float32 teacher whose distributions are far from uniform (its head x8), saved and served as float32."""
+    model = tiny_model(arch, dtype=torch.float32, seed=seed, vocab=vocab)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+TEACHERS = {"llama": {}, "gemma2": {}, "cohere": {}, "padded": {"vocab": VOCAB + 7}}  # soft-capped, scaled, padded
+
+
+@pytest.fixture(scope="module")
+def teacher_dirs(tmp_path_factory):
+    dirs = {}
+    for name, extra in TEACHERS.items():
+        dirs[name] = tmp_path_factory.mktemp(name)
+        _teacher("llama" if name == "padded" else name, **extra).save_pretrained(dirs[name])
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def servers(teacher_dirs):
+    from .test_teacher_server import Server
+
+    started = {}
+    try:
+        for name, path in teacher_dirs.items():
+            started[name] = Server(path).start(wait=False)
+        for srv in started.values():  # started together, waited for in turn: the CPU loads them side by side
+            TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+
+
+def _rows(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, VOCAB, (int(torch.randint(5, 13, (1,), generator=g)),), generator=g)}
+            for _ in range(n)]  # fmt: skip
+
+
+def _train(tmp_path, rows, teacher=None, callbacks=None, **overrides):
+    from liger_patch_kd import teacher as TD
+    from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4, learning_rate=5e-3,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        data_seed=0, dataloader_num_workers=0, use_kd_patch=True,
+        kd_patch_config={"rope": False, "swiglu": False, "rms_norm": False},  # the fused loss only: fast on CPU
+    )  # fmt: skip
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    args = KDTrainingArguments(**{**base, **overrides})
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
+                        data_collator=TD.TeacherDataCollator(), callbacks=callbacks)  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, [p.detach().clone() for p in student.parameters()], trainer
+
+
+def _in_process(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+
+def _assert_same_training(got, want):
+    """Both runs are float32 with the same teacher weights; the in-process teacher runs the Trainer's padded (B, T)
+    batch, the server each sequence in a batch of its own making (its arrival order), so the teacher's hidden states
+    differ by the rounding of float32 products of other shapes (~1e-7 relative), which moves the losses by ~1e-7 and
+    the weights after the Adam steps by ~1e-6 (as the served top-k test measures, test_teacher_server.py). Allowed:
+    1e-5 for both; a wrong or missing teacher row, another soft-cap, temperature or vocabulary moves each loss by
+    > 1e-3 and each step's weights by ~lr = 5e-3."""
+    (losses, params, _), (want_losses, want_params, _) = got, want
+    assert len(losses) == len(want_losses) and all(math.isfinite(x) for x in losses)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    for a, b in zip(params, want_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_hidden_protocol_trains_as_the_in_process_teacher(tmp_path, teacher_dirs, servers, beta):
+    """kd_beta 0 / 0.5 / 1 at temperature 2, a hard-loss term, gradient accumulation: the same losses and weights."""
+    rows = _rows()
+    common = dict(kd_beta=beta, kd_temperature=2.0, kd_hard_weight=0.25, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2)  # fmt: skip
+    want = _train(tmp_path / "in", rows, _in_process(teacher_dirs["llama"]), **common)
+    got = _train(tmp_path / "served", rows, kd_teacher_url=servers["llama"].url, kd_teacher_protocol="hidden", **common)
+    _assert_same_training(got, want)
+    assert got[2].served_hidden.client.head_fetches == 1  # the head is sent once
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+@pytest.mark.parametrize("name", ["gemma2", "cohere", "padded"])
+def test_soft_capped_scaled_and_padded_teachers(tmp_path, teacher_dirs, servers, name):
+    """A soft-capped teacher (Gemma-2's final_logit_softcapping), a scaled one (Cohere's logit_scale, folded into
+    the served hidden states and bias as in process) and a head padded beyond the tokenizer's vocabulary."""
+    rows = _rows(8)
+    common = dict(kd_beta=0.5, kd_temperature=1.5, kd_vocab_size=VOCAB if name == "padded" else None)
+    want = _train(tmp_path / "in", rows, _in_process(teacher_dirs[name]), **common)
+    got = _train(tmp_path / "served", rows, kd_teacher_url=servers[name].url, kd_teacher_protocol="hidden", **common)
+    _assert_same_training(got, want)
+    head = got[2].served_hidden.client.cached_head
+    assert head.weight.shape[0] == (VOCAB + 7 if name == "padded" else VOCAB)
+    assert (head.softcap == 5.0) == (name == "gemma2") and (head.logit_scale != 1.0) == (name == "cohere")

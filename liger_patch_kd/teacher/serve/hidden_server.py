@@ -26,7 +26,8 @@ import threading
 
 import torch
 
-from ...models import install_kd_forward, scaled_head_inputs, softcap_of
+from ...models import scaled_head_inputs
+from ...models.kd_forward import install_kd_forward
 from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
 from .protocols import BINARY_MEDIA_TYPE
 from .validation import Limits, RequestError, check_prompts, parse_body, token_prompts

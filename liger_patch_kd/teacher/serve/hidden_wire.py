@@ -86,9 +86,9 @@ def encode_hidden(
     per row, a float32 scale each)."""
     hidden = states[0].shape[-1]
     rows = torch.cat([s.reshape(-1, hidden) for s in states]).cpu()
-    own = [tok for s in sequences for tok in s]
+    own, lengths = [tok for s in sequences for tok in s], [len(s) for s in sequences]
     parts = [_HIDDEN.pack(_HIDDEN_MAGIC, len(states), hidden, _code(dtype), version),
-             struct.pack(f"<{len(states)}I", *(len(s) for s in sequences)), struct.pack(f"<{len(own)}i", *own)]  # fmt: skip
+             struct.pack(f"<{len(lengths)}I", *lengths), struct.pack(f"<{len(own)}i", *own)]  # fmt: skip
     if dtype == FP8_DTYPE:
         data, scale = quantize_rows_torch(rows)
         parts += [_raw(data), _raw(scale.to(torch.float32))]
