@@ -4,6 +4,7 @@ kd_teacher_protocol="hidden" training on exactly the in-process teacher's object
 import json
 import math
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -191,3 +192,125 @@ def test_soft_capped_scaled_and_padded_teachers(tmp_path, teacher_dirs, servers,
     head = got[2].served_hidden.client.cached_head
     assert head.weight.shape[0] == (VOCAB + 7 if name == "padded" else VOCAB)
     assert (head.softcap == 5.0) == (name == "gemma2") and (head.logit_scale != 1.0) == (name == "cohere")
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_on_policy_rows_are_scored_by_the_served_hidden_states(tmp_path, teacher_dirs, servers):
+    """kd_lmbda=1: every step trains on completions the student generates; the server is asked about each generated
+    micro-batch before it trains, and the result is the in-process teacher's."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(3, VOCAB, (5,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100)})  # prompts only
+    common = dict(kd_lmbda=1.0, kd_max_new_tokens=4, max_steps=2, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2, kd_beta=0.5)  # fmt: skip
+    want = _train(tmp_path / "in", rows, _in_process(teacher_dirs["llama"]), **common)
+    got = _train(tmp_path / "served", rows, kd_teacher_url=servers["llama"].url, kd_teacher_protocol="hidden",
+                 **common)  # fmt: skip
+    _assert_same_training(got, want)
+    assert got[2].served_hidden.client.tokens_received > 0
+
+
+@pytest.fixture(scope="module")
+def own_server(teacher_dirs):
+    """A server of the llama teacher for the tests that kill it or change its weights."""
+    from .test_teacher_server import Server
+
+    srv = Server(teacher_dirs["llama"]).start(wait=False)
+    TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_server_killed_mid_run_loses_nothing(tmp_path, teacher_dirs, servers, own_server):
+    """The server dies after step 1 (by its PID) and comes back a second later: the retries carry training on, every
+    batch trains with its teacher, to the result of a run that never lost it."""
+    from transformers import TrainerCallback
+
+    rows = _rows(8)
+    common = dict(kd_teacher_protocol="hidden", kd_teacher_retries=10, max_steps=4, kd_beta=0.5)
+
+    class KillAtStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                own_server.stop()
+                threading.Timer(1.0, lambda: own_server.start(wait=False)).start()
+
+    got = _train(tmp_path / "flaky", rows, callbacks=[KillAtStep1()], kd_teacher_url=own_server.url, **common)
+    assert got[2].served_hidden.client.retried > 0  # the lost server was noticed and waited for
+    steady = _train(tmp_path / "steady", rows, kd_teacher_url=servers["llama"].url, **common)
+    _assert_same_training(got, steady)
+
+
+def _update_weights(url: str, path) -> dict:
+    body = json.dumps({"model_path": str(path)}).encode()
+    request = urllib.request.Request(url + "/update_weights_from_disk", body, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_a_head_of_a_new_weight_version_is_fetched_again(tmp_path, own_server):
+    """Weights pushed to the server (its /update_weights_from_disk) bump its version: the next hidden-state reply
+    names it, and the client fetches the new head before using them; both are the new teacher's."""
+    from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
+
+    TeacherClient(own_server.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+    client = HiddenClient(own_server.url, timeout=120)
+    seqs = [r["input_ids"].tolist() for r in _rows(3, seed=4)]
+    before = client.fetch(seqs)
+    assert client.head_fetches == 1 and client.fetch(seqs)[0][1] is before[0][1]  # cached, not fetched again
+    new = _teacher(seed=5)
+    new.save_pretrained(tmp_path / "new")
+    version = _update_weights(own_server.url, tmp_path / "new")["weight_version"]
+    after = client.fetch(seqs)
+    head = after[0][1]
+    assert client.head_fetches == 2 and head.version == version != before[0][1].version
+    assert torch.equal(head.weight, new.lm_head.weight)
+    with torch.no_grad():
+        for seq, (hidden, _) in zip(seqs, after):
+            want = new(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+            torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-6)  # float32, other batch shapes
+
+
+def test_hidden_protocol_arguments_are_checked(tmp_path):
+    from liger_patch_kd.trainer import KDTrainingArguments
+
+    def args(**kw):
+        return KDTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                   kd_teacher_protocol="hidden", **kw)  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"several served teachers \(kd_teacher_url=\{name: url\}\) take the top-k"):
+        args(kd_teacher_url={"a": "http://x", "b": "http://y"})
+    with pytest.raises(ValueError, match="kd_teacher_hidden_dtype must be one of"):
+        args(kd_teacher_url="http://x", kd_teacher_hidden_dtype="fp4")
+    with pytest.raises(ValueError, match=r"does not take \['kd_teacher_samples'\]"):
+        args(kd_teacher_url="http://x", kd_teacher_samples=4)
+    with pytest.raises(ValueError, match="kd_teacher_protocol must be one of"):
+        KDTrainingArguments(output_dir=str(tmp_path), report_to="none", kd_teacher_url="http://x",
+                            kd_teacher_protocol="hiden")  # fmt: skip
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_bad_hidden_requests_get_a_4xx_naming_the_field(servers):
+    def post(body):
+        request = urllib.request.Request(servers["llama"].url + "/v1/hidden_states", json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            urllib.request.urlopen(request, timeout=60)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]
+        return 200, ""
+
+    code, message = post({"prompt": "some text"})
+    assert code == 400 and message.startswith("prompt must be token ids")
+    code, message = post({"prompt": [[1, 2]], "dtype": "fp4"})
+    assert code == 400 and message.startswith("dtype must be one of")
+    code, message = post({"prompt": [[1, VOCAB]]})
+    assert code == 400 and "token ids must be ints in [0, 257)" in message
+    code, message = post({"prompt": [[1, 2]], "top_k": 3})
+    assert code == 400 and message.startswith("top_k is not a field")
+    code, message = post({"prompt": [[1] * 300_000]})
+    assert code == 413

@@ -39,19 +39,27 @@ def carries_hidden(batch: Mapping[str, Any]) -> bool:
 def check_served_hidden_args(args: Any) -> None:
     """KDTrainingArguments with kd_teacher_protocol='hidden', validated when the arguments are made."""
     if isinstance(args.kd_teacher_url, Mapping):
-        raise ValueError("kd_teacher_protocol='hidden' serves one teacher (kd_teacher_url a str); several served "
-                         "teachers (kd_teacher_url={name: url}) take the top-k protocols vllm, sglang, liger for now")
+        raise ValueError(
+            "kd_teacher_protocol='hidden' serves one teacher (kd_teacher_url a str); several served "
+            "teachers (kd_teacher_url={name: url}) take the top-k protocols vllm, sglang, liger for now"
+        )
     if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
         raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
     if args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
         raise ValueError(f"need kd_teacher_timeout > 0 and kd_teacher_retries >= 0; got {args.kd_teacher_timeout}, "
                          f"{args.kd_teacher_retries}")  # fmt: skip
-    refused = {"kd_teacher_samples": args.kd_teacher_samples is not None, "kd_teacher_tokenizer":
-               bool(args.kd_teacher_tokenizer), "kd_seq_kd": args.kd_seq_kd, "kd_self_distill": args.kd_self_distill}
+    refused = {
+        "kd_teacher_samples": args.kd_teacher_samples is not None,
+        "kd_teacher_tokenizer": bool(args.kd_teacher_tokenizer),
+        "kd_seq_kd": args.kd_seq_kd,
+        "kd_self_distill": args.kd_self_distill,
+    }
     used = [name for name, on in refused.items() if on]
     if used:
-        raise ValueError(f"kd_teacher_protocol='hidden' (the served teacher's hidden states, scored over the "
-                         f"student's vocabulary) does not take {used}: unset them, or use a top-k protocol")
+        raise ValueError(
+            f"kd_teacher_protocol='hidden' (the served teacher's hidden states, scored over the "
+            f"student's vocabulary) does not take {used}: unset them, or use a top-k protocol"
+        )
 
 
 class HiddenPrefetcher(TeacherPrefetcher):
