@@ -301,8 +301,8 @@ def build_app(
         return Response(json.dumps(reply), media_type="application/json")
 
     add_generation_routes(app, engine, error)
-    add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher, max_batch_tokens=max_batch_tokens,
-                      batch_invariant=batch_invariant)  # the exact teacher: hidden states and head (issue 41)
+    add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher,  # the exact teacher (issue 41)
+                      max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)  # fmt: skip
     return app
 
 
