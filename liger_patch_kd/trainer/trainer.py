@@ -248,7 +248,8 @@ class KDTrainer(Trainer):
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
-        hidden_cfg = self.served_hidden.signal(inputs, self.kd_config) if carries_hidden(inputs) else None
+        hidden = self.served_hidden is not None and carries_hidden(inputs)
+        hidden_cfg = self.served_hidden.signal(inputs, self.kd_config) if hidden else None
         offline = offline or hidden_cfg is not None  # the teacher's hidden states and head are in the batch
         several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
         if not offline and self.teacher_model is None and not several:
@@ -391,5 +392,7 @@ class KDTrainer(Trainer):
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
             for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
                 logs[key] = round(float(value), 6)
+            for key, value in (self.served_hidden.metrics() if self.served_hidden else {}).items():
+                logs[key] = round(value, 6)  # the served hidden states' bytes per token, head fetches, waits
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         super().log(logs, *args, **kwargs)
