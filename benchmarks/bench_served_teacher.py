@@ -7,9 +7,10 @@ Shapes as benchmarks/bench_train_step.py builds them (random weights from config
 and a Llama-3.1-8B-shaped teacher, bf16, sequence 4096, top-64, gradient checkpointing. Rows:
   online (in process)   bench_train_step's liger_patch_kd row: the patched student with teacher_model=
   offline top-64        bench_train_step's offline row: top-64 log-probs from host memory, no teacher
-  served 8B teacher     `liger-kd serve --random-weights` (GPU 1 when there are two, else the student's GPU) asked
-                        through TeacherPrefetcher + TeacherClient (binary replies), batches fetched ahead
-  served 1B teacher     the same with a teacher faster than the student: the prefetch should hide it
+  served 8B top-64     `liger-kd serve` (GPU 1 when there are two, else the student's GPU) asked through
+    liger               TeacherPrefetcher + TeacherClient (binary replies), batches fetched ahead
+  served 1B teacher     the same with a 1B teacher (--random-weights) faster than the student: the prefetch should
+                        hide it
   served 8B hidden      the exact teacher (issue 41): `liger-kd serve` of the in-process teacher's own weights
                         (saved), its final hidden states (bf16, or fp8 with a scale per row) and head, through
                         HiddenClient and the fused loss on the full vocabulary; beside it top-64 from the same server
@@ -174,7 +175,8 @@ def wire_bytes_per_token(url: str, protocol: str, sequences: list[list[int]], mo
 
 
 def exact_rows(shapes, micro_batch, seq, device, dtype, warmup, reps, args, workdir: Path, saved: Path) -> list:
-    """The saved teacher behind one server: its hidden states (bf16 = the teacher's dtype, and fp8), and its
+    """The saved teacher behind one server: its hidden states (the teacher's dtype: bf16 on GPU, float32 in --tiny;
+    and fp8), and its
     top-64 as liger binary and vLLM JSON, each trained on; bytes per token on the wire beside each."""
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     server = start_server(shapes[1], "cpu" if device.type == "cpu" else "cuda", 1 if two_gpus else None,
@@ -183,10 +185,11 @@ def exact_rows(shapes, micro_batch, seq, device, dtype, warmup, reps, args, work
     vocab = shapes[0]["vocab_size"]
     data = random_sequences((warmup + reps) * micro_batch, seq, vocab)
     try:
-        for name, protocol, wire_dtype in (("served 8B hidden (bf16)", "hidden", "auto"),
-                                           ("served 8B hidden (fp8)", "hidden", "fp8"),
-                                           (f"served 8B top-{TOP_K} liger", "liger", None),
-                                           (f"served 8B top-{TOP_K} vllm JSON", "vllm", None)):  # fmt: skip
+        size = "tiny-large" if args.tiny else "8B"
+        for name, protocol, wire_dtype in ((f"served {size} hidden (teacher dtype)", "hidden", "auto"),
+                                           (f"served {size} hidden (fp8)", "hidden", "fp8"),
+                                           (f"served {size} top-{TOP_K} liger", "liger", None),
+                                           (f"served {size} top-{TOP_K} vllm JSON", "vllm", None)):  # fmt: skip
             loader = torch.utils.data.DataLoader(data, batch_size=micro_batch, collate_fn=TeacherDataCollator())
             options = dict(timeout=600, sequences_per_request=micro_batch)
             if protocol == "hidden":

@@ -127,7 +127,7 @@ def _rows(n=16, seed=0):
             for _ in range(n)]  # fmt: skip
 
 
-def _train(tmp_path, rows, teacher=None, callbacks=None, **overrides):
+def _train(tmp_path, rows, teacher=None, callbacks=None, collator="padding", **overrides):
     from liger_patch_kd import teacher as TD
     from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
@@ -140,7 +140,8 @@ def _train(tmp_path, rows, teacher=None, callbacks=None, **overrides):
     student = tiny_model("llama", dtype=torch.float32, seed=1)
     args = KDTrainingArguments(**{**base, **overrides})
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
-                        data_collator=TD.TeacherDataCollator(), callbacks=callbacks)  # fmt: skip
+                        data_collator=TD.TeacherDataCollator() if collator == "padding" else collator,
+                        callbacks=callbacks)  # fmt: skip
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, [p.detach().clone() for p in student.parameters()], trainer
@@ -210,6 +211,21 @@ def test_on_policy_rows_are_scored_by_the_served_hidden_states(tmp_path, teacher
                  **common)  # fmt: skip
     _assert_same_training(got, want)
     assert got[2].served_hidden.client.tokens_received > 0
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_privileged_teacher_prompts_are_asked_of_the_server(tmp_path, teacher_dirs, servers):
+    """Rows whose teacher reads its own prompt before the completion (teacher_input_ids): the server is asked about
+    the teacher's rows, and the completion positions' hidden states are paired with the student's as in process."""
+    from .test_privileged import _features
+    from .test_privileged import _rows as privileged_rows
+
+    rows = _features(privileged_rows()) + _features(privileged_rows(seed=1))
+    common = dict(max_steps=2, per_device_train_batch_size=2, remove_unused_columns=False, kd_beta=0.5)
+    want = _train(tmp_path / "in", rows, _in_process(teacher_dirs["llama"]), collator=None, **common)
+    got = _train(tmp_path / "served", rows, collator=None, kd_teacher_url=servers["llama"].url,
+                 kd_teacher_protocol="hidden", **common)  # fmt: skip
+    _assert_same_training(got, want)
 
 
 @pytest.fixture(scope="module")
