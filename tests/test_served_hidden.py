@@ -330,3 +330,21 @@ def test_bad_hidden_requests_get_a_4xx_naming_the_field(servers):
     assert code == 400 and message.startswith("top_k is not a field")
     code, message = post({"prompt": [[1] * 300_000]})
     assert code == 413
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_fp8_transport_is_the_teachers_states_to_e4m3_rounding(servers):
+    """kd_teacher_hidden_dtype='fp8': the server quantises each row with its own scale; the client gets the float32
+    teacher's states back within e4m3's rounding (as the wire's unit test bounds it), in H + 8 bytes a token."""
+    from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
+
+    seqs = [r["input_ids"].tolist() for r in _rows(4, seed=7)]
+    exact = HiddenClient(servers["llama"].url, dtype="fp32", sequences_per_request=4).fetch(seqs)
+    client = HiddenClient(servers["llama"].url, dtype="fp8", sequences_per_request=4)
+    fp8 = client.fetch(seqs)
+    hidden = exact[0][0].shape[-1]
+    assert client.bytes_received == 24 + 4 * len(seqs) + sum(map(len, seqs)) * (hidden + 8)
+    for (h8, _), (h, _) in zip(fp8, exact):
+        scale = h.abs().amax(-1, keepdim=True) / FP8_MAX
+        assert ((h8 - h).abs() <= torch.maximum(h.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)).all()
+        assert not torch.equal(h8, h)
