@@ -13,7 +13,7 @@ compiled over all calls: a count that grows with the calls means recompilation p
 in eval mode, as the server holds it; no HTTP), what the engine rows of bench_engine wait for.
 
 `--profile N` adds, per cell, a call of N new tokens under torch.profiler: ms per decode step, the GPU's busy share
-and the kernels that took the most (what found the per-head KV-cache copy models/decode_attention.py removes).
+and the kernels that took the most (what found the per-head KV-cache copy generation/decode_attention.py removes).
 
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
 --calls 2 --profile 32`, benchmarks/results/wave3/bench_rollouts_packed.json): the static cache 11,961 tokens/s,
@@ -45,7 +45,10 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
 
     from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
 
-    settings = RolloutSettings(max_new_tokens=a.completion, cache="auto" if cache == "engine" else cache, seed=0)
+    direct = cache.startswith("engine-")  # engine-graph / engine-compile / engine-eager: decode() with that capture
+    settings = RolloutSettings(
+        max_new_tokens=a.completion, cache="auto" if cache == "engine" or direct else cache, seed=0
+    )
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows)
     if cache == "engine":
         from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
@@ -63,7 +66,9 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
-        if cache == "engine":
+        if direct:
+            tokens = engine_call(student, prompts, cache.removeprefix("engine-"), a, device)
+        elif cache == "engine":
             student.eval()  # as the server holds it (train mode with checkpointing would turn the KV cache off)
             choices = engine.complete(request)["choices"]
             tokens = sum(len(c["token_ids"]) for c in choices)
@@ -73,14 +78,39 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
+    floor_s = weight_bytes(student) / HBM_BYTES_PER_S  # every weight read once per step
     return {
         "rows": rows,
         "cache": cache,
         "first_call_s": seconds[0],
         "last_call_s": seconds[-1],
         "tokens_per_s": tokens / seconds[-1],
+        "ms_per_step": seconds[-1] / a.completion * 1e3,  # the prompt's prefill included, as the issue's table
+        "floor_ms": floor_s * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
         "frames_compiled": counters["frames"]["ok"] - frames_before,
     }
+
+
+HBM_BYTES_PER_S = 4.8e12  # an H200's
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def engine_call(student, prompts: list[list[int]], capture: str, a: argparse.Namespace, device) -> int:
+    """generation.decode directly (the capture named), in eval mode, as generate_rollouts calls it: tokens made."""
+    from liger_patch_kd.generation import Sampling, decode
+    from liger_patch_kd.models import transformers_code
+
+    ids = torch.tensor(prompts, device=device)
+    student.eval()
+    with transformers_code(student):
+        tokens, _ = decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(),
+                           pad_id=0, eos_ids=(2,), capture=capture, check_every=a.check_every)  # fmt: skip
+    student.train()
+    return tokens.numel()
 
 
 def profile_call(rows: int, cache: str, a: argparse.Namespace, student, vocab: int) -> dict:
@@ -119,7 +149,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench_rollouts.json")
     parser.add_argument("--rows", type=int, nargs="*", default=[8, 32, 64, 128])
-    parser.add_argument("--caches", nargs="*", default=["dynamic", "static"], help="dynamic, static, auto, engine")
+    parser.add_argument(
+        "--caches",
+        nargs="*",
+        default=["dynamic", "static"],
+        help="dynamic, static, graph, auto (generate_rollouts); engine (liger-kd serve's sampler); "
+        "engine-graph, engine-compile, engine-eager (generation.decode with that capture)",
+    )
+    parser.add_argument("--check-every", type=int, default=16, help="engine-*: decode steps between EOS checks")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--calls", type=int, default=3)
@@ -140,10 +177,12 @@ def main() -> None:
     apply_kd_patch(model=student)
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
-    print_table(results, ["rows", "cache", "tokens_per_s", "first_call_s", "last_call_s", "frames_compiled"])
+    columns = ["rows", "cache", "tokens_per_s", "ms_per_step", "floor_ms", "first_call_s", "last_call_s"]
+    print_table(results, [*columns, "peak_gib", "frames_compiled"])
     profiled = []
     if a.profile and device.type == "cuda":
-        profiled = [profile_call(r["rows"], r["cache"], a, student, vocab) for r in results if r["cache"] != "engine"]
+        profiled = [profile_call(r["rows"], r["cache"], a, student, vocab) for r in results
+                    if not r["cache"].startswith("engine")]  # fmt: skip
     write_json(a.out, {"environment": environment(), "args": vars(a), "rows": results, "profiles": profiled})
 
 

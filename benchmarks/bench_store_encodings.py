@@ -8,7 +8,7 @@ float16, packed6/8/10/12), and the same student (same init, steps and data order
 Per encoding:
 
 - bytes per token: the store's shard files / its tokens here (K = demo top-k, a ~70-symbol vocabulary), and the
-  payload per token at K = 64, V = 151936 (a Qwen-sized vocabulary; the input id included, as in the README);
+  payload per token at K = 64, V = 151936 (a Qwen-sized vocabulary; the input id included, as in docs/teachers/stores.md);
 - the log-prob error against the float32 store over the kept slots (max and mean absolute); ids must be equal;
 - the KD loss change at a fixed student: the top-k KD loss (forward KL, bucket tail: the recipe's loss) of the
   float32-trained student on the stored training windows, with this store's targets minus the float32 targets:

@@ -104,7 +104,7 @@ class KDLossConfig:
     teacher_logits_fp8: the teacher's logit product of the fused loss in FP8 (e4m3, one scale per hidden row and
         per vocabulary row, fp32 accumulation; ops/fp8_logits.py says what the rounding does); the teacher's
         distribution moves by the rounding, nothing else changes. Needs FP8 products (Ada / Hopper GPUs, or the
-        CPU on torch >= 2.13) and a teacher model (top-k teacher data have no product).
+        CPU, slowly) and a teacher model (top-k teacher data have no product).
     student_logits_fp8: the student's forward logit product in FP8 likewise; the backward products stay in the
         input dtype, so the gradient is dLoss/dlogits at the FP8 logits chained through the unquantised head (a
         straight-through estimator of the rounding).

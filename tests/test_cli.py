@@ -107,6 +107,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_convert_from_hf_names_the_missing_columns_and_writes_nothing(tmp_path):
+    pytest.importorskip("datasets", reason="reading a .jsonl table for --from hf needs the datasets package")
     data = _jsonl(tmp_path / "rows.jsonl", [{"input_ids": [1, 2, 3], "ids": [[1], [2], [3]]}])
     out = run("convert", "--from", "hf", "--to", "store", "--input", str(data), "--out", str(tmp_path / "out"),
               "--vocab-size", "10", "--top-k", "1")  # fmt: skip
@@ -122,6 +123,29 @@ def test_a_failed_convert_removes_the_output_it_created(tmp_path):
               "--vocab-size", "10", "--top-k", "1")  # fmt: skip
     assert_one_line_error(out, "liger-kd convert")
     assert not (tmp_path / "out").exists(), sorted(p.name for p in (tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("to_format, name", [("hf", "table.parquet"), ("axolotl", "rows.jsonl"), ("hf", "folder")])
+def test_an_export_never_overwrites_what_is_there(tmp_path, to_format, name):
+    """`--to hf` wrote over an existing .parquet (the store writer refuses a file): one line naming the path, and
+    the file (or folder) left byte for byte as it was, not removed as a half-written output either."""
+    import numpy as np
+
+    from liger_patch_kd import teacher as TD
+
+    rows = [{"input_ids": [1, 2, 3], "teacher_token_ids": [[1], [2], [0]], "teacher_logprobs": np.log([[0.5]] * 3)}]
+    TD.dataset_to_store([{**r, "teacher_logprobs": r["teacher_logprobs"].tolist()} for r in rows], tmp_path / "s",
+                        vocab_size=10, top_k=1)  # fmt: skip
+    target = tmp_path / name
+    if name == "folder":
+        target.mkdir()
+        (target / "keep.txt").write_text("mine")
+    else:
+        target.write_bytes(b"someone else's data")
+    before = {p: p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()}
+    out = run("convert", "--from", "store", "--to", to_format, "--input", str(tmp_path / "s"), "--out", str(target))
+    assert_one_line_error(out, "liger-kd convert", f"--out {target} already exists", "another --out")
+    assert {p: p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()} == before
 
 
 def test_debug_shows_the_traceback():

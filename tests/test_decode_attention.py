@@ -1,4 +1,4 @@
-"""models.decode_attention: one-token decode steps attend with the query heads packed per key/value head, equal
+"""generation.decode_attention: one-token decode steps attend with the query heads packed per key/value head, equal
 (float64) to attention over the repeated cache, and everything else goes to transformers' SDPA function as is."""
 
 import re
@@ -9,8 +9,8 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import liger_patch_kd.trainer.rollouts as R
-from liger_patch_kd.models import packed_decode_attention
-from liger_patch_kd.models.decode_attention import packed_gqa_sdpa
+from liger_patch_kd.generation import packed_decode_attention
+from liger_patch_kd.generation.decode_attention import packed_gqa_sdpa
 from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
 
 from .tiny_models import tiny_model

@@ -16,6 +16,7 @@ from liger_patch_kd import reference as R
 from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows_torch
 
 from .helpers import DEVICE
+from .test_fp8_teacher import cpu_torch_2_11  # noqa: F401  (the fixture)
 from .test_trainer import _args, _dataset
 from .tiny_models import tiny_model
 
@@ -83,6 +84,12 @@ def test_fp8_loss_is_the_loss_of_the_dequantised_operands(beta, temperature, bia
     torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-5, atol=1e-6)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-6 * want.abs().max().item())
+
+
+def test_the_fp8_loss_on_a_cpu_torch_that_refuses_rowwise_scales(cpu_torch_2_11):  # noqa: F811
+    """torch 2.11's CPU product refuses rowwise scales: the logit products are then the dequantised operands' fp32
+    product, and the loss is still float64 math on those operands, as above."""
+    test_fp8_loss_is_the_loss_of_the_dequantised_operands(0.5, 2.0, True, True)
 
 
 def _row_bound(eps: torch.Tensor, log_p: torch.Tensor, log_s: torch.Tensor, beta: float) -> torch.Tensor:

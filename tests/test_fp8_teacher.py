@@ -2,9 +2,10 @@
 quantised model against the bf16 one, the shared-input reuse, its errors, and KDTrainer with an FP8 teacher.
 
 The models run on the GPU when there is one (Triton kernels), else on the CPU, where torch >= 2.13's
-`torch._scaled_mm` takes rowwise scales. The Triton kernels are compared with the PyTorch reference on the GPU
-only: the Triton interpreter's e4m3 cast is not round-to-nearest (measured: ~1.5 % of values a step or two
-off), so a CPU comparison of the kernels would test the interpreter."""
+`torch._scaled_mm` takes rowwise scales (an older torch's CPU takes the dequantised product: `cpu_torch_2_11`).
+The Triton kernels are compared with the PyTorch reference on the GPU only: the Triton interpreter's e4m3 cast is
+not round-to-nearest (measured: ~1.5 % of values a step or two off), so a CPU comparison of the kernels would test
+the interpreter."""
 
 import pytest
 import torch
@@ -242,6 +243,45 @@ def test_refusals(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     ok, why = F8.fp8_available(torch.device("cuda"))
     assert not ok and "A100" in why and "8.0" in why
+
+
+@pytest.fixture
+def cpu_torch_2_11(monkeypatch):
+    """torch 2.11's CPU `_scaled_mm`, which refuses rowwise scales (setup.cfg promises torch >= 2.11): the real
+    product stays reachable as the fixture's value."""
+    real = torch._scaled_mm
+
+    def scaled_mm(a, b, scale_a, scale_b, **kw):
+        if a.device.type == "cpu" and (scale_a.numel() > 1 or scale_b.numel() > 1):
+            raise RuntimeError("Invalid scaling configuration. For tensorwise scaling, both scales should be scalar.")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(F8, "_CPU_ROWWISE", [])  # probed again, under the refusing product
+    return real
+
+
+def test_a_cpu_torch_that_refuses_rowwise_scales_still_runs_the_fp8_teacher(cpu_torch_2_11):
+    """On torch 2.11's CPU the README's FP8 block failed ("CPU FP8 product refuses rowwise scales"): the product is
+    then taken from the dequantised operands, which torch 2.13's own CPU product matches to bf16 rounding (the fp32
+    sums of exact e4m3 products in another order: far below one bf16 step), and the FP8 teacher runs."""
+    assert F8.fp8_available(torch.device("cpu")) == (True, "") and not F8.cpu_takes_rowwise_scales()
+    x, w = _rows(m=24, k=64).cpu(), _rows(m=48, k=64, seed=1).cpu()
+    x8, sx = F8.quantize_rows_torch(x)
+    w8, sw = F8.quantize_weight(w)
+    bias = torch.randn(48).bfloat16()
+    y = F8.fp8_linear(x8, sx, w8, sw, bias)
+    own = cpu_torch_2_11(x8, w8.t(), scale_a=sx[:, None], scale_b=sw[None, :], out_dtype=torch.bfloat16) + bias
+    step = 2.0**-7 * own.float().abs()  # one bf16 step (8 significant bits) at each value, and of the bias sum
+    assert ((y.float() - own.float()).abs() <= step + 2.0**-7 * bias.float().abs()).all()
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=3).eval().requires_grad_(False)
+    quantized = tiny_model("llama", dtype=torch.bfloat16, seed=3).eval().requires_grad_(False)
+    quantize_teacher_fp8(quantized)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids).logits.float().log_softmax(-1)
+    out = quantized(input_ids=ids).logits.float().log_softmax(-1)
+    kl = (ref.exp() * (ref - out)).sum(-1)
+    assert kl.mean() < 2e-3 and (kl > 0).any(), kl  # the bound of test_quantized_teacher_follows_the_bf16_teacher
 
 
 @pytest.mark.skipif(not CPU_FP8, reason=CPU_WHY)  # the Trainer test runs on the CPU (use_cpu=True)

@@ -1,4 +1,6 @@
-"""Every ```python block of README.md runs as written, each in a fresh namespace in a fresh temporary directory.
+"""Every ```python block of README.md and of the documentation (docs/**/*.md) runs as written, each in a fresh
+namespace in a fresh temporary directory; every `liger-kd` command of a ```bash block parses with the CLI's own
+parser, and every `python -m MODULE` names a module that exists.
 
 A block may carry an HTML comment on the line(s) above it:
 - `<!-- readme-test: prelude=NAME -->`: the names listed in PRELUDES[NAME] are put in its namespace first (the
@@ -7,24 +9,28 @@ A block may carry an HTML comment on the line(s) above it:
 Without a comment a block must run from nothing.
 """
 
+import importlib.util
 import json
 import re
+import shlex
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 TIMEOUT_S = 300  # per block, on a loaded 2-core CPU
 _DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 
 
-def python_blocks(text: str) -> list[tuple[int, str, str]]:
-    """(line number, directive or "", code) of each fenced ```python block, in order."""
+def python_blocks(text: str, language: str = "python") -> list[tuple[int, str, str]]:
+    """(line number, directive or "", code) of each fenced ```<language> block, in order."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
-        if lines[i].strip() == "```python":
+        if lines[i].strip() == f"```{language}":
             start, j = i + 1, i + 1
             while lines[j].strip() != "```":
                 j += 1
@@ -77,18 +83,28 @@ def _store() -> dict:
 
 
 PRELUDES = {"tiny_pair": _tiny_pair, "store": _store}
-BLOCKS = python_blocks(README.read_text())
+
+
+def _collect(language: str) -> list[tuple[str, str, str]]:
+    """("page:line", directive, code) of every ```<language> block of README.md and docs/."""
+    return [(f"{page.relative_to(ROOT)}:{line}", directive, code)
+            for page in PAGES for line, directive, code in python_blocks(page.read_text(), language)]  # fmt: skip
+
+
+BLOCKS = _collect("python")
+SHELL_BLOCKS = _collect("bash")
 
 
 def test_the_readme_has_python_blocks_and_only_known_directives():
-    assert len(BLOCKS) >= 4
+    assert sum(where.startswith("README.md:") for where, _, _ in BLOCKS) >= 1
+    assert len(BLOCKS) >= 10  # the guides' examples
     for line, directive, _ in BLOCKS:
         assert directive == "" or directive.startswith("skip (") or directive.split("=", 1)[0] == "prelude", line
         if directive.startswith("prelude="):
             assert directive.split("=", 1)[1] in PRELUDES, (line, directive)
 
 
-@pytest.mark.parametrize("line,directive,code", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
+@pytest.mark.parametrize("line,directive,code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypatch, clean_patches):
     if directive.startswith("skip"):
         pytest.skip(directive[len("skip") :].strip(" ()"))
@@ -96,14 +112,14 @@ def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypat
     namespace = {"__name__": "__readme__"}
 
     def too_long(*_):
-        raise TimeoutError(f"README.md:{line}: the block ran past {TIMEOUT_S} s")
+        raise TimeoutError(f"{line}: the block ran past {TIMEOUT_S} s")
 
     previous = signal.signal(signal.SIGALRM, too_long)
     signal.alarm(TIMEOUT_S)
     try:
         if directive.startswith("prelude="):
             namespace.update(PRELUDES[directive.split("=", 1)[1]]())
-        exec(compile(code, f"README.md:{line}", "exec"), namespace)
+        exec(compile(code, line, "exec"), namespace)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -114,8 +130,47 @@ def test_the_readmes_compressor_yaml_is_accepted():
     yaml = pytest.importorskip("yaml")
     from liger_patch_kd.teacher.formats.distillkit_codec import CompressorConfig
 
-    found = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
+    found = [m for page in PAGES for m in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)]
     assert found
     for text in found:
         cfg = CompressorConfig.from_any(yaml.safe_load(text))
         assert cfg.exact_k == cfg.k  # the lossless example
+
+
+def shell_commands(code: str) -> list[list[str]]:
+    """The commands of a ```bash block: continuation lines joined, comments dropped, `&&` chains split."""
+    commands, current = [], []
+    for line in code.replace("\\\n", " ").splitlines():
+        for word in shlex.split(line, comments=True):
+            if word in ("&&", "||", ";"):
+                commands.append(current)
+                current = []
+            else:
+                current.append(word)
+        commands.append(current)
+        current = []
+    return [c for c in commands if c]
+
+
+@pytest.mark.parametrize("line,directive,code", SHELL_BLOCKS, ids=[b[0] for b in SHELL_BLOCKS])
+def test_shell_block_commands_exist(line, directive, code):
+    """`liger-kd ...` lines parse with the CLI's parser (options, choices, required ones); `python -m X` names a
+    module of this checkout (or an installed one); `python FILE` a file of the repository."""
+    from liger_patch_kd.cli import build_parser
+
+    for words in shell_commands(code):
+        while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
+            words = words[1:]
+        if words[:1] == ["liger-kd"]:
+            _, unknown = build_parser().parse_known_args(words[1:])
+            assert not unknown, f"{line}: liger-kd does not take {unknown}"
+        elif words[:2] == ["python", "-m"]:
+            module, top = words[2], words[2].split(".")[0]
+            path = ROOT / Path(*module.split("."))
+            ours = path.with_suffix(".py").exists() or (path / "__main__.py").exists()
+            assert ours or (not (ROOT / top).exists() and importlib.util.find_spec(top)), f"{line}: no module {module}"
+        elif words[:1] == ["python"] and words[1].endswith(".py"):
+            assert (ROOT / words[1]).exists(), f"{line}: no file {words[1]}"
+        elif words[:2] == ["accelerate", "launch"]:
+            files = [w for w in words if w.endswith((".py", ".yaml"))]
+            assert all((ROOT / f).exists() for f in files), f"{line}: {files}"

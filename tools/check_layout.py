@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("align",),
     ("distributed",),  # imports nothing above torch; models and the trainer read lm_head weights through it
     ("models",),
+    ("generation",),  # in-process decoding (the KV cache, the captured step): knows models, not the Trainer
     ("teacher",),
     ("trainer",),
     ("demo",),

@@ -14,11 +14,9 @@ Modules, lowest first (imports point down only):
   cross_tokenizer  the cross-tokenizer loss on two models, each one's head inputs taken inside its own forward
   patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
   fp8_teacher, recompute
-  decode_attention  SDPA for one-token decode steps with grouped-query heads packed (rollouts, the server)
 """
 
 from .backbone import run_backbone
-from .decode_attention import packed_decode_attention
 from .fp8_teacher import (
     TEACHER_PRECISIONS,
     Fp8Linear,
@@ -63,7 +61,6 @@ from .teachers import TeacherSet
 from .transforms import scaled_head_inputs
 
 __all__ = [
-    "packed_decode_attention",
     "Fp8Linear",
     "quantize_teacher_fp8",
     "apply_teacher_precision",

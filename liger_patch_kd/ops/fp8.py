@@ -34,7 +34,8 @@ SCALE_FLOOR = 1e-12  # an all-zero row gets this scale (and zeros), not a divisi
 
 def fp8_available(device: torch.device) -> tuple[bool, str]:
     """(whether `device` runs FP8 products, why not). CUDA needs compute capability 8.9 (Ada) or 9.0+ (Hopper);
-    the CPU runs `_scaled_mm` too (slowly: for tests and small models)."""
+    the CPU runs `_scaled_mm` too (slowly: for tests and small models), or, where torch's CPU product refuses
+    rowwise scales (2.11), the same product of the dequantised operands (fp8_linear)."""
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda":
@@ -44,13 +45,23 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
             return False, f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores; 8.9+ (Ada, Hopper)"
     elif device.type != "cpu":
         return False, f"FP8 products are not available on {device.type}"
-    else:
-        try:  # torch's CPU _scaled_mm takes rowwise scales from 2.13 on; earlier releases refuse them
-            a = torch.zeros(16, 16, dtype=FP8_DTYPE)
-            fp8_linear(a, torch.ones(16), a, torch.ones(16))
-        except RuntimeError as e:
-            return False, f"torch {torch.__version__}'s CPU FP8 product refuses rowwise scales ({str(e)[:80]})"
-    return True, ""
+    return True, ""  # the CPU: torch's own product where it takes rowwise scales, else the dequantised one
+
+
+_CPU_ROWWISE: list[bool] = []  # whether this torch's CPU _scaled_mm takes rowwise scales, probed once
+
+
+def cpu_takes_rowwise_scales() -> bool:
+    """Whether `torch._scaled_mm` on the CPU takes one scale per row (torch >= 2.13 does; 2.11 refuses with a
+    RuntimeError): asked of the product itself once, not read from the version string."""
+    if not _CPU_ROWWISE:
+        a = torch.zeros(16, 16, dtype=FP8_DTYPE)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+            _CPU_ROWWISE.append(True)
+        except RuntimeError:
+            _CPU_ROWWISE.append(False)
+    return _CPU_ROWWISE[0]
 
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,9 +233,14 @@ def fp8_linear(
 ) -> torch.Tensor:
     """(x₈ W₈ᵀ) · sₓ sᵂᵀ (+ bias) in bf16, accumulated in fp32 by `torch._scaled_mm` (rowwise scales need a bf16
     output on CUDA); `fast_accum`: without the periodic fp32 promotion (see the module's docstring). The bias is
-    added after the product: not every torch release takes one with rowwise scales."""
-    y = torch._scaled_mm(
-        x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16,
-        use_fast_accum=fast_accum,
-    )  # fmt: skip
+    added after the product: not every torch release takes one with rowwise scales. On a CPU whose torch refuses
+    rowwise scales (2.11) the same product is taken from the dequantised operands in fp32: e4m3 values and their
+    pairwise products are exact in fp32, so only the order of the fp32 sums differs."""
+    if x8.device.type == "cpu" and not cpu_takes_rowwise_scales():
+        y = ((x8.float() @ w8.float().t()) * x_scale[:, None] * w_scale[None, :]).to(torch.bfloat16)
+    else:
+        y = torch._scaled_mm(
+            x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )  # fmt: skip
     return y if bias is None else y + bias

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8_DTYPE, fp8_available, quantize_rows
+from .fp8 import FP8_DTYPE, cpu_takes_rowwise_scales, fp8_available, quantize_rows
 
 _CACHE_ATTR = "__liger_kd_fp8_head__"
 _ALIGN = 16  # torch._scaled_mm on CUDA wants every dimension of both operands a multiple of 16
@@ -91,6 +91,8 @@ def forget_quantized_head(weight: torch.Tensor) -> None:
 def _scaled_product(x8, x_scale, head: QuantizedHead, keep_bf16: bool) -> torch.Tensor:
     """(x₈ W₈ᵀ) · s_x s_Wᵀ in fp32 where the device's rowwise product writes fp32, else in bf16 then fp32."""
     device_type = x8.device.type
+    if device_type == "cpu" and not cpu_takes_rowwise_scales():  # torch 2.11: the dequantised product (ops/fp8.py)
+        return (x8.float() @ head.weight.float().t()) * x_scale[:, None] * head.scale[None, :]
 
     def product(out_dtype):
         return torch._scaled_mm(

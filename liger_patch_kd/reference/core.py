@@ -1,7 +1,7 @@
 """The core of the oracle: the generalized JSD and KL on full logits, the hard term, reductions, the top-k teacher.
 
 Shapes: logits (..., V), labels (...). Rows are aligned: row i of the student is scored against row i of the
-teacher and label i. Nothing here is optimised; it should read like the formulas in the README.
+teacher and label i. Nothing here is optimised; it should read like the formulas in docs/loss-contract.md.
 """
 
 from __future__ import annotations

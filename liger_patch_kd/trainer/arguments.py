@@ -50,8 +50,9 @@ class KDTrainingArguments(TrainingArguments):
     )
     kd_generation_cache: str = field(
         default="auto",
-        metadata={"help": "KV cache for generation: auto (static + compiled on CUDA up to 256 rows, else dynamic), "
-                  "dynamic or static."},
+        metadata={"help": "KV cache for generation: auto (graph on CUDA up to 256 rows where the model allows it, "
+                  "else static there, dynamic elsewhere), dynamic, static, or graph (a static cache and the whole "
+                  "decode step captured as one CUDA graph, reused across steps; eager on CPU)."},
     )  # fmt: skip
     kd_onpolicy_loss: str = field(
         default="divergence",

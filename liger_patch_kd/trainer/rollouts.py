@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import packed_decode_attention, transformers_code, unwrap_model
+from ..generation import Sampling, decode, decode_applies, packed_decode_attention
+from ..models import original_forward, transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
-from .decode import lean_decode_applies, sample_tokens
+from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens
 
-CACHES = ("auto", "dynamic", "static")
+CACHES = ("auto", "dynamic", "static", "graph")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
@@ -35,10 +36,14 @@ class RolloutSettings:
         generator's own distribution, which on-policy KD assumes.
     num_generations: completions per prompt (each prompt's row is repeated this many times, adjacent).
     batch_size: prompts per generate() call; None: every prompt of the step in one call.
-    cache: "dynamic", "static" (transformers compiles the decode step) or "auto": static on CUDA up to 256 rows,
+    cache: "dynamic", "static" (transformers compiles the decode step), "graph" (generation/engine.py: a slot
+        KV cache per (rows, length) bucket and the whole one-token step, sampling included, captured once as a CUDA
+        graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": graph on CUDA up
+        to 256 rows where the engine can decode the generator (cache_for), else what follows. Before graph: static
+        on CUDA up to 256 rows,
         dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
         with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
-        benchmarks/results/wave3/), decode steps' grouped-query heads packed (models/decode_attention.py): static
+        benchmarks/results/wave3/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
         11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
         packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.
         Compiling costs ~25-30 s per new shape, once, and on a CPU more than it saves.
@@ -83,10 +88,35 @@ def call_seed(seed: int, step: int, call: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + call
 
 
-def cache_for(rows: int, device: torch.device, choice: str) -> str:
+def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
+    """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
+    it can decode the generator (measured faster than the static cache: 1.96 / 3.34 ms a decode step at 8 / 64 rows
+    against 3.51 / 5.39 on an H200, benchmarks/results/wave4/), the static cache there otherwise, else dynamic."""
     if choice != "auto":
         return choice
-    return "static" if device.type == "cuda" and rows <= STATIC_UP_TO_ROWS else "dynamic"
+    if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
+        return "dynamic"
+    return "graph" if engine_applies else "static"
+
+
+def engine_refusal(generator: nn.Module) -> str | None:
+    """None if the decode engine samples what generate() would here, else why not: the model's own conditions
+    (generation.decode_applies) and a generation config that asks for nothing beyond sampling."""
+    gen = getattr(generator, "generation_config", None)
+    extra = sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS) if gen is not None else []
+    if extra:
+        return f"its generation_config asks for {extra}, which only generate() honours"
+    return decode_applies(generator)
+
+
+def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings, pad_id: int, eos_ids: set[int],
+                     padding: list[int]) -> torch.Tensor:  # fmt: skip
+    """(B, W + n) prompt + sampled ids through the decode engine (generate()'s layout: padding after EOS)."""
+    limit = settings.vocab_size if padding else None  # a padded head's extra rows are never drawn
+    sampling = Sampling(settings.temperature, settings.top_k, settings.top_p, vocab_limit=limit)
+    tokens, _ = decode(generator, ids, mask, max_new_tokens=settings.max_new_tokens, sampling=sampling, pad_id=pad_id,
+                       eos_ids=sorted(eos_ids), capture="graph")  # fmt: skip
+    return torch.cat([ids, tokens], dim=1)
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
@@ -161,16 +191,18 @@ def generate_rollouts(
     if settings.vocab_size:
         head = unwrap_model(generator).get_output_embeddings()
         padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
+    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    if settings.cache == "graph" and refusal is not None:
+        raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
+                         f"'dynamic'")  # fmt: skip
     was_training = generator.training
     generator.eval()
     try:
-        # the model's own forward and kernels (last-position logits, compilable), decode steps without the
-        # grouped-query cache copy (models/decode_attention.py)
-        with transformers_code(generator), packed_decode_attention():
+        with packed_decode_attention():  # decode steps without the grouped-query cache copy
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
-                cache = cache_for(len(batch), device, settings.cache)
+                cache = cache_for(len(batch), device, settings.cache, engine_applies=refusal is None)
                 width = max(len(p) for p in batch)
                 if cache == "static":
                     width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
@@ -181,9 +213,15 @@ def generate_rollouts(
                     top_k=settings.top_k, pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None,
                     **({"suppress_tokens": padding} if padding else {}),
                 )  # fmt: skip
-                with torch.random.fork_rng(devices=devices):
+                # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
+                # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
+                # on an H200, benchmarks/results/wave4/)
+                code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
+                with code, torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
-                    if lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
+                    if cache == "graph":  # the captured decode step (generation/engine.py)
+                        generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
+                    elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
                         generated = generator.generate(

@@ -122,6 +122,10 @@ def convert(from_format: str, to_format: str, source: str, out: str, options: Co
     if from_format == to_format and from_format != "store":
         raise ValueError(f"--from and --to are both {from_format}: nothing to convert")
     if from_format == "store":
+        if to_format != "store" and (Path(out).exists() or Path(out).is_symlink()):
+            # an export writes a new file or folder (as the store writer refuses a file for a store): never over one
+            raise FileExistsError(f"--out {out} already exists: --to {to_format} writes a new file or folder and "
+                                  f"does not overwrite; remove it or pass another --out")  # fmt: skip
         return CONVERTERS[to_format].from_store(source, out, options)
     if to_format != "store":
         raise ValueError(f"--from {from_format} converts to --to store only (then export the store)")

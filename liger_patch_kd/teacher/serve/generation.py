@@ -20,15 +20,17 @@ the model's own distribution (float32 log_softmax of its logits: temperature 1, 
 vLLM returns by default (--logprobs-mode raw_logprobs), and what an importance ratio against the trainer's student
 at temperature 1 needs; with `allowed_token_ids` they are normalised over those ids (the distribution sampled, as
 the student's log q over kd_vocab_size is), where vLLM's raw log-probs span the whole head. `return_token_ids:
-true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does.
+true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does. Any other field is refused with a 400
+naming it unless it is taken at its "off" value or has no bearing on the reply (request_fields.py: an allow-list).
 
 Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
 by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
-torch.distributed group as the data plane). Every tensor must name a parameter or buffer
-of the model with its shape (400 otherwise, before any weight changes); each update bumps `weight_version` (in
-/health and the reply). An adapter is used by a request whose `model` is its lora_name, the base model by one with
-the served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a
-lock shared with the teacher scoring, which always runs on the base model with adapters off).
+torch.distributed group as the data plane). Every tensor must name a parameter or buffer of the model with its shape
+and a dtype of its kind, with finite values (400 otherwise, before any weight changes: weight_updates.py); each
+update bumps `weight_version` (in /health and the reply). A LoRA adapter that fails to load leaves the model as it
+was (adapters.py). An adapter is used by a request whose `model` is its lora_name, the base model by one with the
+served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a lock
+shared with the teacher scoring, which always runs on the base model with adapters off).
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -44,16 +46,15 @@ from typing import Any
 
 import torch
 
-from ...models import packed_decode_attention
+from ...generation import packed_decode_attention
+from .adapters import attach_adapter, read_adapter
+from .captured_sampling import captured_sample
+from .request_fields import check_fields
 from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
+from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this samples greedily
-_UNSUPPORTED = {  # field -> the only value served (anything else is a 400, not silently ignored)
-    "stream": (None, False), "echo": (None, False), "ignore_eos": (None, False), "min_p": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "best_of": (None, 1), "suffix": (None,), "stop": (None, [], ""),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,7 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
     if not is_int(max_tokens) or max_tokens < 1:
         raise RequestError(400, f"max_tokens must be an int >= 1 to generate; got {json.dumps(max_tokens)[:40]}")
     check_sampling(body, skip=("n", "max_tokens", "logprobs"))
-    for field, allowed in _UNSUPPORTED.items():
-        if field in body and not any(body[field] == a and type(body[field]) is type(a) for a in allowed):
-            raise RequestError(
-                400, f"{field}={json.dumps(body[field])[:40]} is not served by liger-kd serve (it takes only "
-                     f"{json.dumps([a for a in allowed if a is not None])}); leave it out"
-            )  # fmt: skip
+    check_fields(body, scoring=False)  # an allow-list: a field vLLM honours and this server does not is a 400
     logprobs = body.get("logprobs")
     if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= limits.max_top_k):
         raise RequestError(
@@ -217,6 +213,8 @@ class GenerationEngine:
     def _sample(self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None):
         """Left-padded rows decoded together with the model's KV cache; per row the sampled tokens (up to and with
         the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
+        if (captured := captured_sample(self, rows, req)) is not None:  # the captured decode step (on CUDA)
+            return captured
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -271,18 +269,9 @@ class GenerationEngine:
         if not (Path(path) / "adapter_config.json").is_file():
             raise RequestError(400, f"lora_path {path!r} holds no adapter_config.json: save the adapter with PEFT's "
                                     f"save_pretrained into a directory this server can read")  # fmt: skip
+        state = read_adapter(path)  # read and checked whole before anything is injected
         with self.lock:
-            try:
-                from peft import PeftModel
-
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
-                else:
-                    self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
-            except ImportError as e:
-                raise RequestError(400, f"loading a LoRA adapter needs peft on the server: pip install peft ({e})")
-            except (ValueError, OSError, RuntimeError, KeyError) as e:
-                raise RequestError(400, f"the LoRA adapter at {path!r} does not load on this model: {e}") from None
+            self.peft = attach_adapter(self.model, self.peft, name, path, state)
             self.adapters[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -300,51 +289,24 @@ class GenerationEngine:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        path = Path(_field(body, "model_path"))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
-            raise RequestError(400, f"model_path {str(path)!r} is neither a .safetensors file nor a directory of them")
-        state = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        count = self.apply_state(state)
+        path = _field(body, "model_path")
+        count = self.apply_state(read_safetensors(path, self.check_state))
         return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
                 "weight_version": self.weight_version}  # fmt: skip
 
-    def check_state(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Refuse (400) an update naming a tensor the model lacks or with another shape, leaving one out or giving
-        two names of one tied storage, or arriving while LoRA adapters are loaded, before any weight changes."""
+    def check_state(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse (400) an update of these (shape, dtype) tensors before any weight changes (weight_updates.py)."""
         if self.adapters:
             raise RequestError(400, f"LoRA adapters {sorted(self.adapters)} are loaded: unload them before a "
                                     f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
-        own = self.model.state_dict()
-        for name, shape in shapes.items():
-            if name not in own:
-                raise RequestError(400, f"tensor {name!r} is not a parameter or buffer of the served model "
-                                        f"({type(self.model).__name__}); is it another architecture?")  # fmt: skip
-            if tuple(shape) != tuple(own[name].shape):
-                raise RequestError(400, f"tensor {name!r} has shape {tuple(shape)}, the served model's "
-                                        f"{tuple(own[name].shape)}")  # fmt: skip
-        # every storage of the served model exactly once: a tied student sends its embedding alone (an untied
-        # served lm_head would stay old), an untied one sends both (a tied served model would keep the last)
-        storages: dict[Any, list[str]] = {}
-        for name, tensor in own.items():
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            storages.setdefault(key if tensor.numel() else name, []).append(name)  # empty tensors share no storage
-        for names in storages.values():
-            sent = [n for n in names if n in shapes]
-            if len(sent) != 1:
-                raise RequestError(400, f"the update gives {sent or 'none'} of the served model's {names} (one "
-                                        f"storage): serve a model with the student's tie_word_embeddings and send "
-                                        f"every tensor")  # fmt: skip
+        check_update(self.model, tensors)
 
     def apply_state(self, state: dict[str, torch.Tensor]) -> int:
         """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
-        self.check_state({name: tuple(t.shape) for name, t in state.items()})
-        own = self.model.state_dict()
-        with self.lock, torch.no_grad():
+        with self.lock, torch.no_grad():  # checked under the lock: no adapter comes or goes in between
+            self.check_state({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+            check_finite(self.model, state)
+            own = self.model.state_dict()
             for name, tensor in state.items():
                 own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
             self.weight_version += 1
@@ -368,11 +330,14 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     from .validation import parse_body
     from .weight_transfer import WeightReceiver, add_weight_transfer_routes
 
-    def route(path: str, method, reply):
+    def route(path: str, method, reply, run=None):
+        """POST `path`: `method(body)` in a worker thread, or through `run(path, method, body)` when given."""
+
         async def endpoint(request: Request):
             try:
                 raw = await request.body()
-                result = await asyncio.to_thread(method, parse_body(raw) if raw.strip() else None)
+                body = parse_body(raw) if raw.strip() else None
+                result = await (asyncio.to_thread(method, body) if run is None else run(path, method, body))
             except RequestError as e:
                 return error(e.status, e.message)
             return reply(result)

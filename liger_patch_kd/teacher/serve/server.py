@@ -47,10 +47,12 @@ from .client import API_KEY_ENV
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .hidden_server import add_hidden_routes
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from .request_fields import check_fields
 from .sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .validation import Limits, RequestError, parse_body, validated_completion
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
+GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM, how long requests in flight may still finish
 DEFAULT_MAX_REQUEST_TOKENS = 262144  # prompt tokens in one request (413 above): 64 sequences of 4096
 log = logging.getLogger("liger_patch_kd.serve")
 
@@ -273,6 +275,7 @@ def build_app(
             if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
                 return await generate(validated_generation(body, limits))
             sequences, k = validated_completion(body, limits)
+            check_fields(body, scoring=True)  # request_fields.py: an allow-list
             binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
             ask = validated_samples(body, limits, k, binary)
         except RequestError as e:
@@ -389,4 +392,6 @@ def serve(
         f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # SIGTERM / SIGINT: requests still running after GRACEFUL_SHUTDOWN_S are dropped (a pending weight-transfer
+    # call would otherwise hold the process for its whole timeout)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -78,16 +78,25 @@ def check_prompts(prompts: list[list[int]], limits: Limits, new_tokens: int = 0,
         )  # fmt: skip
     for n, p in enumerate(prompts):
         if limits.max_context is not None and len(p) + new_tokens > limits.max_context:
-            more = f" + max_tokens {new_tokens}" if new_tokens else ""
-            raise RequestError(
-                400, f"prompt {n} has {len(p)} tokens{more}, more than the model's context (max_position_embeddings "
-                     f"{limits.max_context}); truncate it to {limits.max_context - new_tokens} tokens"
-            )  # fmt: skip
+            raise RequestError(400, _past_the_context(n, len(p), new_tokens, limits.max_context))
         bad = next((t for t in p if not (is_int(t) and 0 <= t < limits.vocab_size)), None)
         if bad is not None:
             raise RequestError(
                 400, f"prompt {n} holds {json.dumps(bad)[:40]}: token ids must be ints in [0, {limits.vocab_size})"
             )
+
+
+def _past_the_context(n: int, length: int, new_tokens: int, context: int) -> str:
+    """The refusal of prompt `n` (`length` tokens) that does not fit the context with `new_tokens` more; the fix it
+    names can always be taken (never a negative count)."""
+    where = f"the model's context (max_position_embeddings {context})"
+    if not new_tokens:
+        return f"prompt {n} has {length} tokens, more than {where}: shorten it to at most {context} tokens"
+    if length >= context:
+        return (f"prompt {n} has {length} tokens, which leaves no room in {where} for max_tokens {new_tokens}: "
+                f"shorten the prompt to at most {context - 1} tokens")  # fmt: skip
+    return (f"prompt {n} has {length} tokens + max_tokens {new_tokens} = {length + new_tokens}, more than {where}: "
+            f"ask for at most max_tokens={context - length}, or shorten the prompt")  # fmt: skip
 
 
 def token_prompts(prompt: Any) -> list[list[int]]:

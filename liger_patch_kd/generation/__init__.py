@@ -1,0 +1,14 @@
+"""In-process generation as an engine does it: the layer between `models` (patching) and `teacher` (serving).
+
+It knows transformers models, not the Trainer. Modules, lowest first:
+  decode_attention  SDPA for one-token decode steps with grouped-query heads packed (rollouts, the server)
+  sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
+  kv_cache          SlotCache: a static KV cache written at one device-side slot
+  engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
+"""
+
+from .decode_attention import packed_decode_attention
+from .engine import CAPTURES, decode, decode_applies, release_sessions
+from .sampling import Sampling
+
+__all__ = ["CAPTURES", "Sampling", "decode", "decode_applies", "packed_decode_attention", "release_sessions"]

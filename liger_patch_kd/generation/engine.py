@@ -1,0 +1,263 @@
+"""The decode loop as an engine runs it: one static KV cache per (rows, length) bucket, the whole one-token step
+(forward with packed grouped-query attention, sampling, finished-row bookkeeping) captured once as a CUDA graph and
+replayed, the host asking whether every row has ended only every `check_every` steps.
+
+    tokens = decode(model, input_ids, attention_mask, max_new_tokens=..., sampling=Sampling(...), pad_id=0,
+                    eos_ids=(2,), capture="graph")
+
+Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kernels), "compile" (the step compiled
+by torch.compile, its fused kernels captured explicitly the same way), "reduce-overhead" (torch.compile's own CUDA
+graphs), "eager" (the same step run op by op: what a CPU runs, and the reference of the others). Prefill runs
+eagerly through the model's own attention over the prompt (not captured: one call per width).
+
+A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
+bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
+optimizers do) is what the next call samples from. Parameters moved to new storage (a new model, a reload) change
+the session's key and a new one is built; a call of another bucket releases the one before (one session per model),
+and `release_sessions` frees them all (before a memory-hungry step, if wanted).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .decode_attention import packed_decode_attention
+from .kv_cache import SlotCache
+from .sampling import Sampling, allowed_logits, draw, filtered_scores
+
+CAPTURES = ("graph", "compile", "reduce-overhead", "eager")
+LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
+CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
+
+
+@dataclass(frozen=True)
+class SessionKey:
+    rows: int
+    length: int
+    sampling: Sampling
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    capture: str
+    logprobs: bool
+    key_dtype: torch.dtype | None  # the autocast dtype in force (None: none), which sets the cache's dtype
+    storage: tuple[int, ...]  # where the parameters live: the graph reads them there
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The name the model's forward takes its KV cache by (transformers 5.2x renamed past_key_values to cache)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def decode_applies(model: nn.Module) -> str | None:
+    """None if the engine can decode with `model`, else why not: a decoder-only transformers LM with SDPA attention
+    (the 4D boolean masks the engine builds are SDPA's), position ids and logits_to_keep, and full attention (a
+    sliding window would need its own mask)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return "not a decoder-only transformers model"
+    params = inspect.signature(type(model).forward).parameters
+    if not {"logits_to_keep", "position_ids"} <= set(params):
+        return "its forward takes no logits_to_keep / position_ids"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "_attn_implementation", None) != "sdpa":
+        return f"its attention is {getattr(text, '_attn_implementation', None)!r}, the engine builds SDPA's masks"
+    if any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or ())):
+        return "it has sliding-window layers"
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return "it has a sliding window"
+    return None
+
+
+class DecodeSession:
+    """The buffers, cache and captured step of one bucket: `rows` rows, `length` cache columns."""
+
+    def __init__(self, model: nn.Module, key: SessionKey, device: torch.device) -> None:
+        self.model, self.key, self.device = model, key, device
+        rows, length = key.rows, key.length
+        long = dict(dtype=torch.long, device=device)
+        self.token = torch.zeros(rows, 1, **long)  # the step's input ids
+        self.slot = torch.zeros(1, **long)  # the cache column the step writes
+        self.count = torch.zeros(1, **long)  # tokens sampled so far (the column of `out` written next)
+        self.used = torch.zeros(1, **long)  # columns up to the token that ended the last row still going
+        self.base = torch.zeros(rows, 1, **long)  # position id = base + slot (each row's prompt length - W)
+        self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)  # columns a row may attend to
+        self.columns = torch.arange(length, **long)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.out = torch.zeros(rows, length, **long)
+        self.out_logprobs = torch.zeros(rows, length, dtype=torch.float32, device=device) if key.logprobs else None
+        self.eos = torch.tensor(key.eos_ids, **long)
+        self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, rows, length, self.slot)
+        self.cache_keyword = cache_keyword(model)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled = None
+
+    # ----------------------------------------------------------------------------------------- the step
+    def _advance(self, logits: torch.Tensor) -> None:
+        """Sample from (rows, V) logits and book it: padding after a row's end, its end, the next input."""
+        sampling = self.key.sampling
+        tokens = draw(filtered_scores(logits, sampling), sampling)
+        if self.out_logprobs is not None:  # the model's own log-prob of the token (temperature 1, unfiltered)
+            own = allowed_logits(logits, sampling).log_softmax(-1).gather(-1, tokens[:, None])
+            self.out_logprobs.index_copy_(1, self.count, own)
+        if len(self.key.eos_ids):
+            tokens = torch.where(self.done, self.key.pad_id, tokens)
+            self.used.copy_(torch.where(self.done.all(), self.used, self.count + 1))  # some row was still going
+            self.done |= torch.isin(tokens, self.eos)
+        else:
+            self.used.copy_(self.count + 1)
+        self.out.index_copy_(1, self.count, tokens[:, None])
+        self.token.copy_(tokens[:, None])
+        self.count.add_(1)
+
+    def _step(self) -> None:
+        """One decode step, all on the device, no host sync: what the CUDA graph holds."""
+        mask = (self.valid & (self.columns <= self.slot))[:, None, None, :]  # prompt, and the columns written
+        out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.base + self.slot,
+                         use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache})  # fmt: skip
+        self._advance(out.logits[:, -1])
+        self.slot.add_(1)
+
+    # -------------------------------------------------------------------------------------------- a call
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        rows, width = input_ids.shape
+        attended = attention_mask.bool()
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        eye = torch.eye(width, dtype=torch.bool, device=self.device)
+        # a padding position attends to itself only: finite values in its (never attended) cache column, no NaN
+        mask = ((causal & attended[:, None, :]) | eye)[:, None]
+        self.cache.decoding = False
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self.cache_keyword: self.cache})  # fmt: skip
+        self.valid[:, :width].copy_(attended)
+        self.valid[:, width:].fill_(True)
+        self.base.copy_(attended.long().sum(-1, keepdim=True) - width)
+        self.slot.fill_(width)
+        self.count.zero_()
+        self.used.zero_()
+        self.done.zero_()
+        self._advance(out.logits[:, -1])
+        self.cache.decoding = True
+
+    def _capture(self) -> None:
+        """Warm the step up on a side stream (allocator, lazy kernels, compilation), put the state back, capture."""
+        step = self._step
+        if self.key.capture == "compile":  # inductor's kernels, captured by us (graph breaks cost nothing here)
+            step = self.compiled = torch.compile(self._step, dynamic=False)
+        state = [t.clone() for t in (self.token, self.slot, self.count, self.used, self.done)]
+        rng = torch.cuda.get_rng_state(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()  # writes cache columns the real steps overwrite before anything reads them
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step()
+        for saved, live in zip(state, (self.token, self.slot, self.count, self.used, self.done)):
+            live.copy_(saved)
+        torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
+
+    def _run_step(self) -> None:
+        if self.key.capture in ("graph", "compile"):
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        elif self.key.capture == "reduce-overhead":
+            if self.compiled is None:  # every buffer the step mutates at a fixed address, or no CUDA graph is taken
+                buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
+                for t in (*buffers, *self.cache.keys, *self.cache.values):
+                    torch._dynamo.mark_static_address(t)
+                self.compiled = torch.compile(self._step, mode="reduce-overhead")
+            self.compiled()
+        else:
+            self._step()
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, check_every: int):
+        """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None."""
+        self._prefill(input_ids, attention_mask)
+        checks = len(self.key.eos_ids) > 0
+        for step in range(1, max_new_tokens):
+            if checks and step % check_every == 0 and not bool((~self.done).any()):
+                break  # the only host sync of the loop
+            self._run_step()
+        n = int(self.used)  # columns after the last row ended (up to check_every - 1 of them) are padding: cut
+        logprobs = None if self.out_logprobs is None else self.out_logprobs[:, :n].clone()
+        return self.out[:, :n].clone(), logprobs
+
+
+_SESSIONS: weakref.WeakKeyDictionary[nn.Module, DecodeSession] = weakref.WeakKeyDictionary()
+
+
+def release_sessions(model: nn.Module | None = None) -> None:
+    """Free the KV cache and graph kept for `model` (every model's when None)."""
+    if model is None:
+        _SESSIONS.clear()
+    else:
+        _SESSIONS.pop(model, None)
+
+
+def session_for(model: nn.Module, key: SessionKey, device: torch.device) -> DecodeSession:
+    session = _SESSIONS.get(model)
+    if session is None or session.key != key:
+        _SESSIONS.pop(model, None)  # the former bucket's cache and graph go before the new ones are allocated
+        session = _SESSIONS[model] = DecodeSession(model, key, device)
+    return session
+
+
+def decode(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: Sampling,
+    pad_id: int,
+    eos_ids: tuple[int, ...] | list[int] = (),
+    capture: str = "graph",
+    logprobs: bool = False,
+    check_every: int = CHECK_EVERY,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample up to `max_new_tokens` after left-padded prompts.
+
+    Args:
+        model: a decoder-only transformers LM for which decode_applies is None, in eval mode.
+        input_ids: (rows, W) prompts, left-padded; attention_mask: (rows, W), 0 on the padding.
+        sampling: temperature / top-k / top-p / vocab limit (Sampling).
+        pad_id: what a row gets after its end; eos_ids: the ids that end a row (kept as its last token).
+        capture: one of CAPTURES (on a CPU every capture runs "eager": no graphs there).
+        logprobs: also return each sampled token's log-prob under the model's own distribution (temperature 1,
+            unfiltered, over the first vocab_limit ids).
+        check_every: decode steps between the host's checks that some row is still going.
+
+    Returns:
+        ((rows, n) int64 sampled ids, (rows, n) float32 log-probs or None); n <= max_new_tokens, fewer when every
+        row ended (at the step where the last one did, as generate() stops).
+    """
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {CAPTURES}; got {capture!r}")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be (rows, W); got {tuple(input_ids.shape)} and "
+                         f"{tuple(attention_mask.shape)}")  # fmt: skip
+    reason = decode_applies(model)
+    if reason is not None:
+        raise ValueError(f"the decode engine cannot run this model: {reason}; use generate() (cache 'dynamic')")
+    device = input_ids.device
+    if device.type != "cuda":
+        capture = "eager"
+    rows, width = input_ids.shape
+    length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    key = SessionKey(rows, length, sampling, pad_id, tuple(sorted(set(eos_ids))), capture, logprobs, autocast, storage)
+    with torch.no_grad(), packed_decode_attention():
+        session = session_for(model, key, device)
+        return session.run(input_ids, attention_mask, max_new_tokens, check_every)

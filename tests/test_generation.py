@@ -1,0 +1,282 @@
+"""generation.engine: the decode loop with a slot KV cache and one captured step samples what a plain reference loop
+samples (no cache: the whole sequence through the model's own forward each step, the same draws), EOS ends a row
+and is kept, weights updated in place are what the next call samples from, the cache takes autocast's dtype, and
+the Gumbel-max draw has the model's distribution (chi-square). The CUDA graph tests are marked gpu."""
+
+import math
+
+import pytest
+import torch
+
+from liger_patch_kd.generation import Sampling, decode, release_sessions
+from liger_patch_kd.generation.engine import CAPTURES, session_for
+from liger_patch_kd.generation.sampling import draw, filtered_scores
+
+from .tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model(arch="llama", dtype=torch.float64, seed=0, **config):
+    model = tiny_model(arch, dtype=dtype, seed=seed, **config)
+    model.set_attn_implementation("sdpa")  # the engine's masks are SDPA's (the tiny models default to eager)
+    return model.eval()
+
+
+def _prompts(device="cpu"):
+    ids = torch.randint(40, 200, (5, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = mask[3, :5] = 0  # left padding of different widths
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+
+
+def reference(model, ids, mask, max_new_tokens, sampling, pad_id, eos_ids):
+    """Sampling without a KV cache: every step runs the whole sequence (the model's own masks and positions from
+    the 2D mask) and draws as the engine does; padding after a row's end; stops when every row has ended."""
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=ids.device)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    tokens, logprobs = [], []
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        nxt = draw(filtered_scores(logits, sampling), sampling)
+        limit = sampling.vocab_limit or logits.shape[-1]
+        logprobs.append(logits[:, :limit].float().log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
+        if len(eos):
+            nxt = torch.where(done, pad_id, nxt)
+            done |= torch.isin(nxt, eos)
+        tokens.append(nxt)
+        ids, mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if len(eos) and bool(done.all()):
+            break
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
+SAMPLINGS = {
+    "plain": Sampling(),
+    "warped": Sampling(temperature=0.7, top_k=20, top_p=0.9, vocab_limit=250),
+    "greedy": Sampling(temperature=0.0),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_engine_samples_what_the_uncached_reference_samples(arch, name, check_every):
+    model = _model(arch, torch.float64, seed=1)
+    ids, mask = _prompts()
+    sampling = SAMPLINGS[name]
+    torch.manual_seed(3)
+    free, _ = reference(model, ids, mask, 9, sampling, 0, ())
+    eos = {int(free[0, 2]), int(free[2, 6])}  # the same draws: rows 0 and 2 end by columns 2 and 6
+    torch.manual_seed(3)
+    want, want_lp = reference(model, ids, mask, 9, sampling, 0, eos)
+    torch.manual_seed(3)
+    got, got_lp = decode(model, ids, mask, max_new_tokens=9, sampling=sampling, pad_id=0, eos_ids=eos,
+                         capture="eager", logprobs=True, check_every=check_every)  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_lp, want_lp.float(), rtol=0, atol=1e-5)
+    ended = [row for row in range(5) if bool(torch.isin(got[row], torch.tensor(sorted(eos))).any())]
+    assert ended  # some row ended: its EOS is kept and padding follows
+    for row in ended:
+        first = int(torch.isin(got[row], torch.tensor(sorted(eos))).nonzero()[0])
+        assert (got[row, first + 1 :] == 0).all()
+    release_sessions(model)
+
+
+def test_without_eos_every_row_runs_to_max_new_tokens_and_sessions_are_reused():
+    model = _model("llama", torch.float64, seed=2)
+    ids, mask = _prompts()
+    torch.manual_seed(0)
+    first, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
+    assert first.shape == (5, 6)
+    key_before = session_for.__globals__["_SESSIONS"][model].key
+    torch.manual_seed(0)
+    again, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
+    assert session_for.__globals__["_SESSIONS"][model].key == key_before  # the same bucket: the same session
+    assert torch.equal(first, again)  # a seed gives the same tokens, whatever the session held before
+    release_sessions(model)
+    assert model not in session_for.__globals__["_SESSIONS"]
+
+
+def test_weights_updated_in_place_are_what_the_next_call_samples_from():
+    model = _model("llama", torch.float64, seed=3)
+    ids, mask = _prompts()
+    greedy = Sampling(temperature=0.0)
+    before, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0)
+    with torch.no_grad():  # an optimizer step: the same storage, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0)
+    want, _ = reference(model, ids, mask, 5, greedy, 0, ())
+    assert torch.equal(after, want)
+    assert not torch.equal(after, before)
+
+
+def test_the_cache_takes_the_dtype_keys_have_under_autocast(monkeypatch):
+    """float32 weights under bfloat16 autocast: the cache is allocated in the dtype the keys arrive in (allocating
+    by the weights' dtype gave index_copy_'s Float / BFloat16 error), and a call without autocast gets its own."""
+    from liger_patch_kd.generation.kv_cache import SlotCache
+
+    seen = []
+    update = SlotCache.update
+    monkeypatch.setattr(
+        SlotCache, "update", lambda self, k, v, i, *a, **kw: seen.append(k.dtype) or update(self, k, v, i)
+    )
+    model = _model("llama", torch.float32, seed=4)
+    ids, mask = _prompts()
+    with torch.autocast("cpu", torch.bfloat16):
+        tokens, _ = decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)
+    session = session_for.__globals__["_SESSIONS"][model]
+    assert tokens.shape == (5, 4) and session.cache.keys[0].dtype == seen[0] and session.key.key_dtype is torch.bfloat16
+    decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)  # no autocast: a new session
+    assert session_for.__globals__["_SESSIONS"][model].key.key_dtype is None
+
+    cache = SlotCache(num_layers=1, rows=2, length=8, slot=torch.tensor([3]))
+    keys = torch.randn(2, 1, 3, 4, dtype=torch.bfloat16)
+    cache.update(keys, keys, 0)
+    assert cache.keys[0].dtype == torch.bfloat16 and cache.keys[0].shape == (2, 1, 8, 4)
+    cache.decoding = True
+    with pytest.raises(ValueError, match="arrive as torch.float32 but its cache holds torch.bfloat16"):
+        cache.update(keys[:, :, :1].float(), keys[:, :, :1].float(), 0)
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chi2
+
+    keep = probs > 0
+    assert counts[~keep].sum() == 0  # nothing drawn outside the support
+    expected = probs[keep] * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+@pytest.mark.parametrize("name", ["plain", "warped"])
+def test_the_gumbel_draw_has_the_filtered_distribution(name):
+    sampling = Sampling(temperature=0.7, top_k=6, top_p=0.8) if name == "warped" else Sampling()
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.2, 0.3]], dtype=torch.float64)
+    scores = filtered_scores(logits, sampling)
+    probs = scores.softmax(-1)[0]
+    torch.manual_seed(0)
+    tokens = draw(scores.expand(200_000, -1), sampling)
+    counts = torch.bincount(tokens, minlength=10).double()
+    # p < 1e-4 would fail a correct sampler once in 10,000 runs; a wrong one (a token's mass off by 1 %) fails
+    assert _chi_square_p(counts, probs) > 1e-4
+    if name == "warped":
+        assert (probs > 0).sum() < 10  # the filters cut something
+
+
+def test_engine_draws_the_models_first_token_distribution():
+    """End to end: many copies of one prompt, one new token each: frequencies against the model's softmax."""
+    model = _model("llama", torch.float64, seed=6, vocab=24)
+    ids = torch.tensor([[5, 9, 13, 4]]).expand(6_000, -1).contiguous()
+    with torch.no_grad():
+        probs = model(input_ids=ids[:1]).logits[0, -1].softmax(-1)
+    torch.manual_seed(1)
+    tokens, _ = decode(model, ids, torch.ones_like(ids), max_new_tokens=1, sampling=Sampling(), pad_id=0)
+    assert _chi_square_p(torch.bincount(tokens[:, 0], minlength=24).double(), probs) > 1e-4
+
+
+def test_bad_input_is_refused_before_any_work():
+    model = _model("llama", torch.float64)
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="capture must be one of"):
+        decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0, capture="paged")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decode(model, ids, mask, max_new_tokens=0, sampling=Sampling(), pad_id=0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=0.0)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attention is 'eager'"):
+        decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0)
+    assert CAPTURES == ("graph", "compile", "reduce-overhead", "eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_updates():
+    model = _model("llama", torch.float32, seed=7).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+    sampling = Sampling(temperature=0.9, top_k=50)
+    runs = {}
+    for capture in ("eager", "graph", "graph", "compile"):  # the second graph call replays the captured graph
+        torch.manual_seed(11)
+        runs.setdefault(capture, []).append(
+            decode(model, ids, mask, max_new_tokens=12, sampling=sampling, pad_id=0, capture=capture)[0]
+        )
+    assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][0])
+    assert runs["compile"][0].shape == runs["eager"][0].shape  # inductor's draws are its own random numbers
+    graph = session_for.__globals__["_SESSIONS"][model].graph
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    greedy = Sampling(temperature=0.0)
+    decode(model, ids, mask, max_new_tokens=12, sampling=greedy, pad_id=0, capture="graph")  # capture (greedy)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0).add_(torch.randn_like(p) * 0.3)
+    graph = session_for.__globals__["_SESSIONS"][model].graph
+    got, _ = decode(model, ids, mask, max_new_tokens=12, sampling=greedy, pad_id=0, capture="graph")
+    assert session_for.__globals__["_SESSIONS"][model].graph is graph  # replayed, not recaptured
+    want, _ = reference(model, ids, mask, 12, greedy, 0, ())
+    assert torch.equal(got, want)
+    assert not math.isnan(float(got.sum()))
+
+
+def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():
+    from liger_patch_kd.trainer.rollouts import RolloutSettings, generate_rollouts
+
+    model = _model("llama", torch.float64, seed=8)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    settings = RolloutSettings(max_new_tokens=6, cache="graph", seed=4, num_generations=2, vocab_size=250)
+    eos = set(range(2, 120))  # many ending ids: rows end at different steps
+    first = generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1, step=3)
+    again = generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1, step=3)
+    assert [r.completion for r in first] == [r.completion for r in again]  # seeded per (seed, step, call)
+    assert any(r.finished for r in first) and all(r.completion[-1] in eos for r in first if r.finished)
+    assert all(max(r.completion) < 250 for r in first)  # the padded head's extra ids are never drawn
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="kd_generation_cache='graph' cannot decode this generator"):
+        generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1)
+
+
+def test_the_servers_sampler_through_the_engine():
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+
+    model = _model("llama", torch.float64, seed=9)
+    engine = GenerationEngine(model, "m")
+    engine.captured = True  # what a CUDA device sets; here the same step runs eagerly
+    request = GenerationRequest(
+        prompts=[[5, 6, 7], [8, 9]],
+        n=2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=5,
+        seed=3,
+        logprobs=0,
+        stop_ids=tuple(range(3, 90)),
+        return_token_ids=True,
+        model=None,
+    )
+    reply = engine.complete(request)
+    assert reply == {**engine.complete(request), "id": reply["id"], "created": reply["created"]}  # seeded
+    for choice in reply["choices"]:
+        toks, prompt = choice["token_ids"], choice["prompt_token_ids"]
+        assert (choice["finish_reason"] == "stop") == (toks[-1] in request.stop_ids) and 1 <= len(toks) <= 5
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
+        want = logits.float().log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), want, rtol=0, atol=1e-5)
+
+
+def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
+    from liger_patch_kd.trainer.rollouts import cache_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cache_for(64, cuda, "auto", engine_applies=True) == "graph"
+    assert cache_for(64, cuda, "auto", engine_applies=False) == "static"
+    assert cache_for(512, cuda, "auto", engine_applies=True) == "dynamic"  # not measured above 256 rows
+    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU the lean loop (trainer/decode)
+    assert cache_for(8, cpu, "graph") == "graph"
