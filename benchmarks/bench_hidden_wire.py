@@ -45,7 +45,7 @@ def main() -> None:
     with torch.no_grad():
         ids = torch.tensor(held_out)
         hidden = teacher(input_ids=ids, output_hidden_states=True).hidden_states[-1].float()  # after the final norm
-        weight = teacher.get_output_embeddings().weight.float()
+        weight = teacher.get_output_embeddings().weight.detach().float()
     sequences, states = ids.tolist(), list(hidden)
     tokens = sum(map(len, sequences))
     exact = hidden.reshape(-1, hidden.shape[-1]) @ weight.T
