@@ -64,6 +64,21 @@ def check_fp8_options(cfg: Any) -> None:
             )
 
 
+def check_importance_cap(cap: Any, estimator: str | None = "pg", name: str = "importance_cap") -> None:
+    """`name` (importance_cap): None, or a finite number >= 1 (a cap below 1 would truncate fresh tokens, whose
+    ratio is 1), and only with the "pg" estimator (the only one weighed by an importance ratio)."""
+    if cap is None:
+        return
+    if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 1):
+        raise ValueError(f"{name} must be None or a finite number >= 1 (the largest importance ratio a token may "
+                         f"weigh; 1 is a fresh token's); got {name}={cap!r}")  # fmt: skip
+    if estimator != "pg":
+        raise ValueError(
+            f"{name}={cap!r} bounds the importance ratio of estimator 'pg', and estimator={estimator!r} has none: set "
+            f"estimator='pg' or {name}=None"
+        )
+
+
 def check_weight(cfg: Any, name: str) -> None:
     value = getattr(cfg, name)
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -101,6 +116,10 @@ class KDLossConfig:
         rollouts): the sampled-token estimators of KL(student || teacher) of `reference.kl_estimator_terms`
         ("pg": the policy gradient of the per-token reverse KL). They take the models' own distributions
         (temperature 1); beta and tail do not apply.
+    importance_cap: estimator "pg" with behaviour log-probs (rollouts from an engine whose weights may be stale):
+        truncate the importance ratio rho = q / b at C, min(rho, C) (truncated importance sampling), bounding each
+        token's weight. Unbiased while every ratio is <= C (fresh weights: rho = 1); biased where the cap binds
+        (reference.policy_gradient_terms). None: unbounded.
     teacher_logits_fp8: the teacher's logit product of the fused loss in FP8 (e4m3, one scale per hidden row and
         per vocabulary row, fp32 accumulation; ops/fp8_logits.py says what the rounding does); the teacher's
         distribution moves by the rounding, nothing else changes. Needs FP8 products (Ada / Hopper GPUs, or the
@@ -123,6 +142,7 @@ class KDLossConfig:
     fp32_weight_grad: bool = False
     vocab_size: int | None = None
     estimator: str | None = None
+    importance_cap: float | None = None
     teacher_logits_fp8: bool = False
     student_logits_fp8: bool = False
 
@@ -137,6 +157,7 @@ class KDLossConfig:
                     f"estimator={self.estimator!r} scores sampled tokens under the models' own distributions, so it "
                     f"takes temperature=1; got temperature={self.temperature!r}"
                 )
+        check_importance_cap(self.importance_cap, self.estimator)
         if self.tail not in TAIL_POLICIES:
             raise ValueError(f"tail must be one of {TAIL_POLICIES}; got tail={self.tail!r}")
         if self.vocab_size is not None and not (

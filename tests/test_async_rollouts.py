@@ -259,9 +259,14 @@ def test_a_peft_student_syncs_its_adapter_asynchronously(tmp_path, tokenizer):  
             args=_engine_args(tmp_path, url, bf16=True, kd_onpolicy_loss="pg", kd_async_rollouts=1, max_steps=3),
             train_dataset=PROMPTS,
         )  # fmt: skip
+        http, adapters = trainer.onpolicy.source.sync.http, []
+        post_json = http.post_json
+        http.post_json = lambda path, body: adapters.append((path, body.get("lora_name"))) or post_json(path, body)
         trainer.train()
         engine = app.state.engine
-        # pushed before steps 0 and 1 (step 2 asks for nothing: the epoch ends); the older adapter unloaded
-        assert list(engine.adapters) == [trainer.onpolicy.source.sync.model_name] and engine.weight_version == 0
-        assert trainer.onpolicy.source.sync.model_name.endswith("-step1")
+        # pushed before steps 0 and 1 (step 2 asks for nothing: the epoch ends); the older adapter unloaded, the
+        # last one at the end of train()
+        sent = [(path.split("_")[0].removeprefix("/v1/"), name.rsplit("-", 1)[1]) for path, name in adapters if name]
+        assert sent == [("load", "step0"), ("load", "step1"), ("unload", "step0"), ("unload", "step1")]
+        assert engine.adapters == {} and engine.weight_version == 0
     assert logged_staleness(trainer) == [0, 1, 1] and no_worker_left()

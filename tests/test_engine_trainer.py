@@ -183,36 +183,39 @@ def test_a_peft_student_syncs_its_lora_adapter(tmp_path, tokenizer):  # noqa: F8
             args=_engine_args(tmp_path, url, max_steps=2, kd_sync_dir=str(sync_dir)), train_dataset=PROMPTS,
         )  # fmt: skip
         recorder = Recorder(trainer, student)
+        engine, held, push = app.state.engine, [], recorder.inner.sync.push
+        recorder.inner.sync.push = lambda *a: (push(*a), held.append(sorted(engine.adapters)))
         trainer.train()
-        engine = app.state.engine
-        assert len(engine.adapters) == 1 and next(iter(engine.adapters)).endswith("-step1")  # the old one unloaded
+        assert [len(h) for h in held] == [1, 1] and held[1][0].endswith("-step1")  # the old one unloaded
+        assert engine.adapters == {}  # and the last one at the end of train()
         assert engine.weight_version == 0  # the base weights never moved
     assert max(recorder.gaps) <= LOGPROB_ATOL, recorder.gaps
     assert sorted(os.listdir(sync_dir)) == ["keep.txt"]  # only what the trainer made is gone
 
 
 def test_engine_replies_that_do_not_fit_the_request_are_refused():
-    prompts, eos = [[1, 2], [3]], {2}
+    prompts, eos, settings = [[1, 2], [3]], {2}, RolloutSettings(max_new_tokens=3, num_generations=1)
 
     def reply(**choice):
         base = {"index": 0, "token_ids": [5, 2, 7], "prompt_token_ids": [1, 2],
                 "logprobs": {"token_logprobs": [-1.0, -0.5, -2.0]}, "finish_reason": "stop"}  # fmt: skip
         return {"choices": [{**base, **choice}, {**base, "index": 1, "prompt_token_ids": [3]}]}
 
-    (a, b) = rollouts_from_reply(reply(), prompts, 1, eos, 10, "r")
+    (a, b) = rollouts_from_reply(reply(), prompts, settings, eos, 10, "r")
     assert a.completion == [5, 2] and a.finished and a.logprobs == (-1.0, -0.5)  # cut at EOS, which it keeps
-    named = reply(token_ids=None, logprobs={"tokens": ["token_id:4", "token_id:6"], "token_logprobs": [-1.0, -1.5]})
-    assert rollouts_from_reply(named, prompts, 1, eos, 10, "r")[0].completion == [4, 6]  # vLLM's token names
+    named = reply(token_ids=None, logprobs={"tokens": ["token_id:4", "token_id:6", "token_id:2"],
+                                            "token_logprobs": [-1.0, -1.5, -0.1]})  # fmt: skip
+    assert rollouts_from_reply(named, prompts, settings, eos, 10, "r")[0].completion == [4, 6, 2]  # vLLM's names
     for bad, message in [
         ({"choices": []}, "0 choices for 2 prompts x n=1"),
         (reply(prompt_token_ids=[9]), "prompt_token_ids differ"),
         (reply(token_ids=None, logprobs={"token_logprobs": [-1.0]}), "no token ids in the reply"),
-        (reply(logprobs={"token_logprobs": [-1.0, 0.5, -1.0]}), "log-prob <= 0 for each"),
+        (reply(logprobs={"token_logprobs": [-1.0, 0.5, -1.0]}), r"token_logprobs\[1\] = 0.5: a sampled token's"),
         (reply(logprobs=None), "log-prob <= 0 for each"),
         (reply(token_ids=[5, 12, 2]), "token id 12 outside the student's vocabulary"),
     ]:
         with pytest.raises(TeacherReplyError, match=message):
-            rollouts_from_reply(bad, prompts, 1, eos, 10, "r")
+            rollouts_from_reply(bad, prompts, settings, eos, 10, "r")
 
 
 def test_generation_arguments_are_checked_and_the_key_kept_secret(tmp_path):

@@ -120,7 +120,8 @@ def test_engine_rollouts_of_privileged_rows_keep_the_behaviour_logprobs(tmp_path
     from liger_patch_kd.trainer.privileged import PrivilegedCollator
     from liger_patch_kd.trainer.rollouts import BEHAVIOUR, Rollout
 
-    steps = OnPolicySteps(_args(tmp_path, kd_lmbda=1.0, kd_onpolicy_loss="pg", kd_num_generations=1))
+    args = _args(tmp_path, kd_lmbda=1.0, kd_onpolicy_loss="pg", kd_num_generations=1, kd_max_new_tokens=8)
+    steps = OnPolicySteps(args)  # 8 new tokens: prompt + 128 (the default) is past the tiny model's 128 positions
     steps.behaviour = True  # what kd_generation_url + kd_onpolicy_loss='pg' set (no engine runs here)
     made = []
 

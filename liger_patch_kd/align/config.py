@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from ..config import check_shared_options, check_weight, merge_options
+from ..losses.checks import check_num_items as losses_check_num_items
 
 KINDS = ("hybrid", "uld", "exact", "next_byte", "chain")
 UNMATCHED = ("bucket", "ignore")
@@ -82,10 +81,6 @@ class CrossTokenizerConfig:
 
 def check_num_items(num_items_in_batch) -> None:
     """num_items_in_batch is a count: None, or >= 0 (0, a micro-batch without items, gives loss 0 and zero
-    gradients, as fused_linear_jsd). A negative count is a ValueError (a tensor too: the cross-tokenizer loss
-    reads its layout on the host anyway)."""
-    if num_items_in_batch is None:
-        return
-    bad = bool((num_items_in_batch < 0).any()) if torch.is_tensor(num_items_in_batch) else not num_items_in_batch >= 0
-    if bad:
-        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")
+    gradients, as fused_linear_jsd). A negative count is a ValueError (a tensor on any device too: the
+    cross-tokenizer loss reads its layout on the host anyway)."""
+    losses_check_num_items(num_items_in_batch, read_device=True)

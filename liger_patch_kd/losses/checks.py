@@ -17,6 +17,7 @@ from ..conventions import topk_valid_slots
 __all__ = [
     "check_labels",
     "check_linear",
+    "check_num_items",
     "check_topk_shapes",
     "flatten_labels",
     "has_duplicate_ids",
@@ -93,6 +94,23 @@ def run_device_checks(checks: list[tuple[torch.Tensor, Callable[[], str]]]) -> N
     for bad, (_, message) in zip(failed, checks):
         if bad:
             raise ValueError(message())
+
+
+def check_num_items(num_items_in_batch, *, read_device: bool = False) -> None:
+    """ValueError unless num_items_in_batch is None or a count >= 0 (0: a micro-batch without items, loss 0 and
+    zero gradients). A number, or a tensor on the CPU (torch.tensor(n)), is read here; a tensor on an accelerator
+    only with `read_device` (a host sync, which the fused losses do not spend per call)."""
+    if num_items_in_batch is None:
+        return
+    if isinstance(num_items_in_batch, torch.Tensor):
+        readable = read_device or num_items_in_batch.device.type == "cpu"
+        bad = readable and bool((num_items_in_batch < 0).any())
+    else:
+        bad = not num_items_in_batch >= 0
+    if bad:
+        raise ValueError(
+            f"num_items_in_batch must be a count >= 0 (the whole batch's scored tokens); got {num_items_in_batch!r}"
+        )
 
 
 def zero_rows(values: torch.Tensor, keep: torch.Tensor, fill: float = 0.0) -> torch.Tensor:

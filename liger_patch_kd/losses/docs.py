@@ -68,6 +68,9 @@ PARAMS: dict[str, str] = {
     "log-prob of each row's label under the policy that sampled it (an engine's weights some steps old), for the "
     "importance ratio exp(log q - log b); None: the student itself (fresh rollouts, ratio 1). Ignored rows are "
     "never read.",
+    "importance_cap": 'importance_cap (float | None): estimator "pg" only: truncate the importance ratio at C '
+    "(min(rho, C), truncated importance sampling; KDLossConfig.importance_cap says when that is biased); default "
+    "None, unbounded.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',

@@ -20,6 +20,7 @@ from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
     check_linear,
+    check_num_items,
     check_topk_shapes,
     counted_rows,
     flatten_labels,
@@ -60,8 +61,7 @@ def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dty
         return valid
     if num_items_in_batch is None:
         return valid / valid.sum().clamp(min=1.0)
-    if not isinstance(num_items_in_batch, torch.Tensor) and not num_items_in_batch >= 0:
-        raise ValueError(f"num_items_in_batch must be a count >= 0; got {num_items_in_batch!r}")
+    check_num_items(num_items_in_batch)
     count = torch.as_tensor(num_items_in_batch, dtype=dtype, device=labels.device)
     return valid * torch.where(count > 0, 1 / count, 0)  # 1 / 0 = inf is never selected
 
@@ -134,8 +134,8 @@ def run_fused(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
         "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "estimator", "behaviour_logprobs", "teacher_logits_fp8", "student_logits_fp8", "return_components",
-        "check_inputs", "backend",
+        "estimator", "behaviour_logprobs", "importance_cap", "teacher_logits_fp8", "student_logits_fp8",
+        "return_components", "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_jsd(
@@ -162,6 +162,7 @@ def fused_linear_jsd(
     vocab_size: int | None = None,
     estimator: str | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    importance_cap: float | None = None,
     teacher_logits_fp8: bool | None = None,
     student_logits_fp8: bool | None = None,
     return_components: bool = False,
@@ -188,7 +189,7 @@ def fused_linear_jsd(
         config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
         soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
         chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, estimator=estimator,
-        teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8,
+        importance_cap=importance_cap, teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8,
     )  # fmt: skip
     check_linear("student", student_input, student_weight, student_bias)
     check_linear("teacher", teacher_input, teacher_weight, teacher_bias)

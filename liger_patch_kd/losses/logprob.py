@@ -8,7 +8,7 @@ import math
 import torch
 
 from .. import reference
-from ..config import KDLossConfig
+from ..config import ESTIMATORS, KDLossConfig
 from ..ops.divergence import divergence_terms
 from .checks import logprob_checks, run_device_checks, selected_tokens, zero_rows
 from .docs import args_section, shared_docs
@@ -26,6 +26,7 @@ def kl_estimator(
     reduction: str = "mean",
     check_inputs: bool = True,
     behaviour_logprobs: torch.Tensor | None = None,
+    importance_cap: float | None = None,
 ) -> torch.Tensor:
     """On-policy estimate of KL(student || teacher) from the log-probs of tokens sampled from the student.
 
@@ -39,7 +40,9 @@ def kl_estimator(
     clamp's own). `mask` (same shape, bool or 0/1) selects the tokens that count: the completion, not the
     prompt or padding, whose values are never read. reduction: "mean" over masked tokens (0 when none), "sum",
     or "none". `check_inputs` refuses, with one host sync, NaN, +inf or positive log-probs on selected tokens,
-    and a student log-prob of -inf (a token sampled from the student has probability > 0).
+    and a student or behaviour log-prob of -inf (a sampled token has probability > 0 under the policy that
+    sampled it). `importance_cap` C truncates pg's importance ratio, min(rho, C) (reference.policy_gradient_terms:
+    bounded variance, biased only where the cap binds).
     Gradients flow to whichever inputs require them (usually student_logprobs).
 
     Args:
@@ -52,6 +55,7 @@ def kl_estimator(
         check_inputs (bool): refuse bad log-probs on selected tokens (one host sync), see below.
         behaviour_logprobs (Tensor | None): (...) "pg" only: the log-probs of the policy that sampled the tokens
             (an engine's weights some steps old); None: the student itself (fresh rollouts).
+        importance_cap (float | None): "pg" only: the largest importance ratio a token weighs (>= 1); None: unbounded.
 
     Returns:
         Tensor: a scalar ("mean", "sum") or (...) per token ("none").
@@ -63,19 +67,17 @@ def kl_estimator(
         )
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be None or > 0; got clamp={clamp!r}")
+    KDLossConfig(estimator=kind if kind in ESTIMATORS else None, importance_cap=importance_cap)  # validates the cap
     selected = selected_tokens(mask, student_logprobs.shape, student_logprobs.device)
     if check_inputs:
         checks = logprob_checks("student_logprobs", student_logprobs, selected)
         checks += logprob_checks("teacher_logprobs", teacher_logprobs, selected)
-        checks.append(
-            (
-                (student_logprobs.isneginf() & selected).any(),
-                lambda: (
-                    "student_logprobs holds -inf on a selected token, which the student cannot have sampled; "
-                    "mask that token out"
-                ),
-            )
-        )
+        sampling = {"student_logprobs": student_logprobs, "behaviour_logprobs": behaviour_logprobs}
+        if behaviour_logprobs is not None and behaviour_logprobs.shape == student_logprobs.shape:
+            checks += logprob_checks("behaviour_logprobs", behaviour_logprobs, selected)
+        for name, values in sampling.items():
+            if values is not None and values.shape == student_logprobs.shape:
+                checks.append(((values.isneginf() & selected).any(), _sampled_neginf(name)))
         run_device_checks(checks)
     student_logprobs, teacher_logprobs = zero_rows(student_logprobs, selected), zero_rows(teacher_logprobs, selected)
     if behaviour_logprobs is not None:
@@ -87,7 +89,7 @@ def kl_estimator(
                 f"{tuple(student_logprobs.shape)}"
             )
         terms = reference.policy_gradient_terms(
-            student_logprobs, teacher_logprobs, zero_rows(behaviour_logprobs, selected), clamp
+            student_logprobs, teacher_logprobs, zero_rows(behaviour_logprobs, selected), clamp, importance_cap
         )
     else:
         terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind, clamp)
@@ -150,6 +152,11 @@ def topk_kd_from_logprobs(
         tails = [(1 - t.exp().sum(-1)).clamp(min=reference.TAIL_FLOOR).log() for t in (log_s, log_p)]
         terms = terms + divergence_terms(*tails, beta)
     return _masked_reduce(terms, mask, reduction)
+
+
+def _sampled_neginf(name: str):
+    return lambda: (f"{name} holds -inf on a selected token, which the policy that sampled it cannot have "
+                    f"sampled; mask that token out")  # fmt: skip
 
 
 def _masked_reduce(terms: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> torch.Tensor:

@@ -40,7 +40,8 @@ def sampled_token_kd(
         num_items_in_batch: divisor of "batchmean" (the whole accumulated batch's scored tokens), or None.
         vocab: the real tokens, ids [0, vocab) of both heads.
         behaviour_logprobs: (...) like the labels, "pg" only: log b of each label under the policy that sampled it
-            (importance ratio exp(log q - log b), reference.policy_gradient_terms); None: b = q (ratio 1).
+            (importance ratio exp(log q - log b), truncated at cfg.importance_cap, reference.policy_gradient_terms);
+            None: b = q (ratio 1).
 
     Returns:
         the total soft_weight * estimator + hard_weight * CE (the CE of a sampled token is -log q), and the two
@@ -67,7 +68,7 @@ def sampled_token_kd(
                 f"behaviour_logprobs has {flat_b.numel()} values for {flat_labels.numel()} rows: give one per label"
             )
         flat_b = torch.where(ids < 0, log_q.detach(), flat_b)  # ignored rows: never read (ratio 1, term 0)
-        soft = reference.policy_gradient_terms(log_q, log_p.to(log_q.dtype), flat_b)
+        soft = reference.policy_gradient_terms(log_q, log_p.to(log_q.dtype), flat_b, importance_cap=cfg.importance_cap)
     hard = -log_q
 
     def reduce(per_row):

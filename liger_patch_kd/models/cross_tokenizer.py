@@ -16,8 +16,10 @@ from ..align import (
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
+from ..losses.checks import run_device_checks
 from .heads import output_head
 from .kd_forward import call_student, call_teacher
+from .privileged import embedding_rows, teacher_id_check
 from .registry import FAMILIES, REGISTRY, softcap_of
 from .state import unwrap_model
 from .transforms import scaled_head_inputs
@@ -180,4 +182,7 @@ def live_teacher_loss(
             )  # fmt: skip
 
     ids, mask = inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
+    vocab = embedding_rows(teacher_model)
+    if vocab is not None:  # the teacher's own tokenizer's ids, checked before its embedding reads them
+        run_device_checks([teacher_id_check(ids, mask, vocab)])
     return run_with_head(teacher_model, ids, mask, on_teacher, trainable=False)

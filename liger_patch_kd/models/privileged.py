@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..losses.checks import run_device_checks
 from .kd_io import TeacherInputs, shift_labels
+from .state import unwrap_model
 
 PRIVILEGED_KEYS = ("teacher_input_ids", "teacher_labels", "teacher_attention_mask", "teacher_position_ids")
 # a stored teacher signal's per-position fields (TeacherInputs'), each group led by the one that says it is given:
@@ -59,7 +61,8 @@ class PrivilegedInputs:
         store precomputed on, or a server asked about, teacher_input_ids, or hidden states: (B, T_t, ...)) gathered
         into the student's positions.
         The pairing is checked here, before either model runs."""
-        align = self.aligner(student_targets, ignore_index)
+        vocab = None if teacher.model is None else embedding_rows(teacher.model)
+        align = self.aligner(student_targets, ignore_index, teacher_vocab=vocab)
         if teacher.model is not None:
             return teacher, align
         given = [f for group in _STORED_FIELDS if getattr(teacher, group[0]) is not None for f in group]
@@ -80,12 +83,16 @@ class PrivilegedInputs:
             out["position_ids"] = self.position_ids
         return out
 
-    def aligner(self, student_targets: torch.Tensor, ignore_index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def aligner(
+        self, student_targets: torch.Tensor, ignore_index: int, teacher_vocab: int | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A function taking the teacher's per-position tensor (B, T_t, D) (hidden states, logits, top-k) to the
         student's positions (B, T_s, D); rows the student does not score get some teacher position's values (never
-        scored). Checks the pairing first (ValueError naming the row)."""
+        scored). Checks the pairing first (ValueError naming the row) and, given `teacher_vocab` (a live teacher's
+        embedding rows), that every attended teacher id is one, in the same host sync."""
         teacher_targets = shift_labels(self.labels, ignore_index)
-        index = completion_index(student_targets, teacher_targets, ignore_index)
+        checks = [] if teacher_vocab is None else [teacher_id_check(self.input_ids, self.attention_mask, teacher_vocab)]
+        index = completion_index(student_targets, teacher_targets, ignore_index, checks)
         batch, length = student_targets.shape
 
         def align(per_position: torch.Tensor) -> torch.Tensor:
@@ -95,16 +102,44 @@ class PrivilegedInputs:
         return align
 
 
-def completion_index(student_targets: torch.Tensor, teacher_targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def embedding_rows(model) -> int | None:
+    """How many token ids the model's input embedding holds (None when it does not say)."""
+    embedding = unwrap_model(model).get_input_embeddings()
+    return getattr(embedding, "num_embeddings", None)
+
+
+def teacher_id_check(ids: torch.Tensor, mask: torch.Tensor | None, vocab: int):
+    """(device flag, message) for attended teacher_input_ids outside [0, vocab): the teacher's embedding would
+    raise an IndexError on a CPU (a device-side assert on a GPU, which ends the process) with no word of the fix."""
+    bad = (ids < 0) | (ids >= vocab)
+    if mask is not None:
+        bad = bad & mask.to(device=bad.device, dtype=torch.bool)
+
+    def message() -> str:
+        wrong = ids[bad]
+        return (
+            f"teacher_input_ids hold {wrong.numel()} id(s) outside the teacher's vocabulary [0, {vocab}) (max id "
+            f"{int(ids[bad].max())}, e.g. {wrong[:4].tolist()}); tokenize the teacher's rows with the teacher's own "
+            f"tokenizer (or give kd_teacher_tokenizer), or drop the rows that hold such ids"
+        )
+
+    return bad.any(), message
+
+
+def completion_index(
+    student_targets: torch.Tensor, teacher_targets: torch.Tensor, ignore_index: int, checks: list | None = None
+) -> torch.Tensor:
     """(B, T_s) indices into the teacher's flattened (B * T_t) positions: the teacher position that predicts the same
     completion token as each student position (the k-th scored of its row to the k-th scored of the teacher's).
 
     Shapes stay static (no nonzero()); checking the pairing costs one host sync. Rows the student does not score
     point at some valid teacher position.
 
+    `checks`: more (device flag, message) pairs (losses.checks.run_device_checks) read in the same sync.
+
     Raises:
         ValueError: the batch sizes differ, or a row scores a different number of tokens, or other tokens, on the
-            two sides (naming the first such row).
+            two sides (naming the first such row); or one of `checks` failed.
     """
     if student_targets.dim() != 2 or teacher_targets.dim() != 2 or student_targets.shape[0] != teacher_targets.shape[0]:
         raise ValueError(
@@ -126,12 +161,16 @@ def completion_index(student_targets: torch.Tensor, teacher_targets: torch.Tenso
     paired = teacher_targets.reshape(-1)[index]
     counts_s, counts_t = scored_s.sum(1), scored_t.sum(1)
     bad_rows = (counts_s != counts_t) | ((paired != student_targets) & scored_s).any(1)
-    if bool(bad_rows.any()):  # the one host sync
+
+    def mismatch() -> str:
         row = int(bad_rows.nonzero()[0])
-        raise ValueError(
+        return (
             f"row {row}: the student scores {int(counts_s[row])} completion tokens and the teacher "
             f"{int(counts_t[row])}, or other tokens (student {student_targets[row][scored_s[row]][:8].tolist()}..., "
             f"teacher {teacher_targets[row][scored_t[row]][:8].tolist()}...); the teacher's rows must hold the same "
             f"completion tokens as the student's, in the same order, each after a non-empty prompt"
         )
+
+    flags = [(flag.to(bad_rows.device), message) for flag, message in checks or []]
+    run_device_checks([*flags, (bad_rows.any(), mismatch)])  # the one host sync
     return index

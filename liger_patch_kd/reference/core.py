@@ -133,7 +133,9 @@ def kd_loss(
     student = apply_softcap(student_logits[..., :vocab], cfg.softcap)
     teacher = apply_softcap(teacher_logits[..., :vocab], cfg.teacher_softcap)
     if cfg.estimator is not None:
-        soft = sampled_token_per_row(student, teacher, labels, cfg.estimator, cfg.ignore_index, behaviour_logprobs)
+        soft = sampled_token_per_row(
+            student, teacher, labels, cfg.estimator, cfg.ignore_index, behaviour_logprobs, cfg.importance_cap
+        )
     else:
         if behaviour_logprobs is not None:
             raise ValueError(
@@ -150,10 +152,12 @@ def sampled_token_per_row(
     kind: str,
     ignore_index: int,
     behaviour_logprobs: torch.Tensor | None = None,
+    importance_cap: float | None = None,
 ) -> torch.Tensor:
     """Per row, the `kind` estimator of KL(student || teacher) at the row's label (a token sampled from the
-    student, or from the behaviour policy whose log-probs `behaviour_logprobs` gives, "pg" only): log q and log p
-    are minus the two cross-entropies there; 0 on ignored rows."""
+    student, or from the behaviour policy whose log-probs `behaviour_logprobs` gives, "pg" only, its importance
+    ratio truncated at `importance_cap`): log q and log p are minus the two cross-entropies there; 0 on ignored
+    rows."""
     if labels is None:
         raise ValueError(f"estimator={kind!r} scores each row's label (the sampled token): pass labels")
     log_q = -cross_entropy_per_row(upcast_logits(student_logits), labels, ignore_index)
@@ -167,7 +171,7 @@ def sampled_token_per_row(
             f"behaviour_logprobs {tuple(behaviour_logprobs.shape)} must have the labels' shape {tuple(labels.shape)}"
         )
     behaviour = torch.where(labels == ignore_index, log_q.detach(), behaviour_logprobs.to(log_q.dtype))
-    return policy_gradient_terms(log_q, log_p, behaviour)
+    return policy_gradient_terms(log_q, log_p, behaviour, importance_cap=importance_cap)
 
 
 def require_real_ids(name: str, ids: torch.Tensor, vocab: int) -> None:

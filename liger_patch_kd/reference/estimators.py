@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # ----------------------------------------------------------------------------------------- on-policy
@@ -36,6 +38,7 @@ def policy_gradient_terms(
     teacher_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor | None = None,
     clamp: float | None = None,
+    importance_cap: float | None = None,
 ) -> torch.Tensor:
     """Per-token surrogate of the policy gradient of KL(student || teacher) on tokens sampled from the student.
 
@@ -46,10 +49,21 @@ def policy_gradient_terms(
     expectation sum_y q(y) (log q(y) - log p(y)) grad log q(y) = grad KL(q || p) at each position, exactly (the
     sum_y grad q(y) term is 0); its value is the (importance-weighted) k1 estimate. `clamp` bounds the log-ratio
     inside the advantage.
+
+    `importance_cap` C truncates the ratio (truncated importance sampling, TRL's / verl's token-level "TIS"): the
+    weight is min(rho, C), its gradient min(rho, C) * grad log q (never 0: a capped token still trains). rho is
+    unbounded (a token the engine sampled at log b = -20 that the student now gives log q = -1 weighs e^19), so one
+    stale or faulty behaviour log-prob can dominate a step; the cap bounds each token's weight, hence the variance.
+    The price is bias where the cap binds: the expected gradient is sum_y min(q(y), C b(y)) (log q(y) - log p(y))
+    grad log q(y), which lacks the part of q above C b. Unbiased (equal to the uncapped estimator) whenever every
+    ratio is <= C, as with fresh weights (rho = 1 up to the engine's numerics).
     """
     log_ratio = (teacher_logprobs - student_logprobs).detach()
     if clamp is not None:
         log_ratio = log_ratio.clamp(-clamp, clamp)
     behaviour = student_logprobs if behaviour_logprobs is None else behaviour_logprobs
-    ratio = torch.exp(student_logprobs - behaviour.detach())
-    return -ratio * log_ratio
+    log_rho = student_logprobs - behaviour.detach()
+    if importance_cap is not None:  # where log rho > log C: the value log C exactly, the gradient d log q; no inf made
+        log_cap = math.log(importance_cap)
+        log_rho = torch.where(log_rho.detach() > log_cap, (log_rho - log_rho.detach()) + log_cap, log_rho)
+    return -torch.exp(log_rho) * log_ratio

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..config import KDLossConfig
+from ..config import KDLossConfig, check_importance_cap
 from ..models import check_teacher_precision
 from .engine import check_generation_args
 from .rollouts import RolloutSettings
@@ -59,6 +60,14 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Loss on generated completions: divergence (the kd_beta generalized JSD over the full "
                   "vocabulary, GKD), pg (policy gradient of the per-token reverse KL), k1 or k3 (estimators)."},
     )  # fmt: skip
+    kd_pg_importance_cap: float | None = field(
+        default=3.0,
+        metadata={"help": "kd_onpolicy_loss='pg' with an engine (kd_generation_url): truncate each token's importance "
+                  "ratio q / b (student now / engine's weights, stale by up to kd_sync_steps - 1 + kd_async_rollouts "
+                  "steps) at C, min(ratio, C) (truncated importance sampling, TRL's default 3). Bounds the variance; "
+                  "unbiased while every ratio is <= C (fresh weights: 1), biased where the cap binds. None: "
+                  "unbounded (exact, unbounded variance)."},
+    )  # fmt: skip
     kd_generation_url: str | None = field(
         default=None,
         metadata={"help": "An inference engine speaking vLLM's /v1/completions (vLLM, or `liger-kd serve`) that "
@@ -66,8 +75,9 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_generation_api_key: str | None = field(
         default=None,
-        metadata={"help": "Sent to the engine as `Authorization: Bearer KEY`. None: kd_teacher_api_key, then the "
-                  "LIGER_KD_API_KEY environment variable."},
+        metadata={"help": "Sent to the engine as `Authorization: Bearer KEY`, never written (a checkpoint's "
+                  "training_args.bin holds None; to_dict and the logs show <KD_GENERATION_API_KEY>). None: "
+                  "kd_teacher_api_key, then the LIGER_KD_API_KEY environment variable (off the command line)."},
     )  # fmt: skip
     kd_sync_steps: int = field(
         default=1,
@@ -171,8 +181,9 @@ class KDTrainingArguments(TrainingArguments):
     kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
     kd_teacher_api_key: str | None = field(
         default=None,
-        metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key). None: the "
-                  "LIGER_KD_API_KEY environment variable, if set."},
+        metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key), never written "
+                  "(a checkpoint's training_args.bin holds None; to_dict and the logs show <KD_TEACHER_API_KEY>). "
+                  "None: the LIGER_KD_API_KEY environment variable, if set (keeps it off the command line)."},
     )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",
@@ -202,6 +213,7 @@ class KDTrainingArguments(TrainingArguments):
         self.rollout_settings()  # validates the generation options (kd_max_new_tokens, ...) now
         if self.kd_onpolicy_loss not in ONPOLICY_LOSSES:
             raise ValueError(f"kd_onpolicy_loss must be one of {ONPOLICY_LOSSES}; got {self.kd_onpolicy_loss!r}")
+        check_importance_cap(self.kd_pg_importance_cap, name="kd_pg_importance_cap")
         if self.kd_onpolicy_loss != "divergence" and self.kd_generation_temperature != 1.0:
             raise ValueError(
                 f"kd_onpolicy_loss={self.kd_onpolicy_loss!r} estimates the KL on tokens sampled from the student's own "
@@ -250,14 +262,18 @@ class KDTrainingArguments(TrainingArguments):
             cache=self.kd_generation_cache, seed=self.seed,
         )  # fmt: skip
 
-    def to_dict(self):  # the API keys are secrets: hidden as TrainingArguments hides its *_token fields
+    # The API keys are secrets: used in this process, never written. to_dict (to_json_string, the loggers' args,
+    # the hub's model card) and str / repr show them as <KD_..._API_KEY>, as TrainingArguments shows its *_token
+    # fields; a pickle (the checkpoints' training_args.bin, which push_to_hub uploads) holds None instead, so an
+    # unpickled copy needs the key again (or LIGER_KD_API_KEY); copy.copy / deepcopy keep it (the same process).
+    def to_dict(self):
         d = super().to_dict()
         for name in SECRETS:
             if d.get(name):
                 d[name] = f"<{name.upper()}>"
         return d
 
-    def __str__(self):
+    def __str__(self):  # TrainingArguments' lines "name=value,"
         text = super().__str__()
         for name in SECRETS:
             key = getattr(self, name)
@@ -265,6 +281,20 @@ class KDTrainingArguments(TrainingArguments):
         return text
 
     __repr__ = __str__
+
+    def __getstate__(self):
+        return {**self.__dict__, **dict.fromkeys(SECRETS)}
+
+    def __copy__(self):
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo):
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def kd_loss_config(self) -> KDLossConfig:
         return KDLossConfig(

@@ -118,12 +118,26 @@ def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
         )
 
 
+def check_not_empty(dataset: Any) -> None:
+    """A train_dataset of 0 rows: refused by name (torch's sampler would say `num_samples=0` at train())."""
+    try:
+        rows = len(dataset)
+    except TypeError:  # an iterable dataset, or none: nothing to count
+        return
+    if rows == 0:
+        raise ValueError(
+            f"train_dataset has 0 rows ({type(dataset).__name__}); give it rows to train on (a filter, a split or "
+            f"max_length may have removed them all)"
+        )
+
+
 def check_training_rows(
     args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
 ) -> None:
-    """The first row's checks before any training: the collator keeps its teacher columns, sampled teacher tokens
-    can train the objective (beta 0, their draw temperature), a live teacher has steps to score, and off-policy
-    steps have completions to train on."""
+    """The first row's checks before any training: the dataset has rows, the collator keeps its teacher columns,
+    sampled teacher tokens can train the objective (beta 0, their draw temperature), a live teacher has steps to
+    score, and off-policy steps have completions to train on."""
+    check_not_empty(dataset)
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)

@@ -13,7 +13,9 @@ that asks for more, a model whose generate is not transformers' own) goes to gen
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -24,6 +26,33 @@ NEUTRAL_GENERATION_KEYS = frozenset({
     "_from_model_config", "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens",
     "cache_implementation", "output_attentions", "output_hidden_states", "use_cache",
 })  # fmt: skip
+
+
+@contextlib.contextmanager
+def weights_precision(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Within the block the model decodes in its weights' dtype: autocast off on `device`, and a mixed-precision
+    wrapper around its forward (accelerate's, for bf16=True / fp16=True: it re-enables autocast inside) set aside.
+    For transformers' static cache (generate_rollouts enters it for that cache only).
+
+    Why: under autocast, one layer's keys and values need not share a dtype (fp32 weights with bf16 autocast: the
+    projections give bf16, and Llama's RoPE multiplies the keys by fp32 cos / sin, so keys are fp32 and values
+    bf16), and transformers' static cache (5.17) allocates both in the first keys' dtype: the first decode step
+    then fails (`index_copy_(): ... Float and BFloat16`). With autocast off, every key, value and cache tensor has
+    the weights' dtype. A cache that allocates keys and values each in its own arriving dtype (the dynamic cache,
+    generation/kv_cache.SlotCache) needs none of this and decodes under the autocast in force."""
+    own = model.__dict__.get("forward")
+    unwrapped = model.__dict__.get("_original_forward")  # what accelerate's prepare_model wrapped
+    if own is not None and unwrapped is not None:
+        model.forward = unwrapped
+    try:
+        if torch.amp.is_autocast_available(device.type):
+            with torch.autocast(device.type, enabled=False):
+                yield
+        else:
+            yield
+    finally:
+        if own is not None and unwrapped is not None:
+            model.forward = own
 
 
 def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> bool:

@@ -9,13 +9,16 @@ have passed since the last push (weight_sync.py), so a rollout is generated with
 steps old: its staleness, logged as kd_rollout_staleness. With kd_async_rollouts = k the requests of the next k
 steps are sent while this one trains (async_rollouts.py): a rollout is then k to k + kd_sync_steps - 1 steps old
 (fewer at the start of an epoch, whose first step is asked for and waited on). The pg loss weighs each token by
-exp(log q - log b) with the engine's log b (reference.policy_gradient_terms): exact for any staleness, ratio 1 with
-fresh weights; the other losses take stale rollouts as they come (a warning says so once).
+min(exp(log q - log b), kd_pg_importance_cap) with the engine's log b (reference.policy_gradient_terms): unbiased
+while no ratio exceeds the cap (ratio 1 with fresh weights), bounded where one does; the other losses take stale
+rollouts as they come (a warning says so once). A reply that does not fit the request (rollouts_from_reply) is
+refused before anything trains on it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +36,7 @@ from .weight_transfer import TRANSPORTS, BroadcastSender
 
 logger = logging.get_logger(__name__)
 
+VLLM_NEG_INF = -9999.0  # how vLLM's OpenAI server writes a log-prob of -inf (JSON has no infinity)
 RolloutSource = Callable[..., list[Rollout]]  # (generator, prompts, settings, *, pad_id, eos_ids, start_id, step)
 _HINTS = {
     401: " (set kd_generation_api_key, or LIGER_KD_API_KEY, to the engine's --api-key)",
@@ -113,7 +117,8 @@ class EngineRollouts:
         self.staleness: list[int] = []  # per generated step: steps since the engine's weights were the student's
         self._served_name: str | None = None
         self.ahead = args.kd_async_rollouts  # steps ahead the rollouts are requested (async_rollouts.py)
-        self._warned = args.kd_onpolicy_loss == "pg" or (args.kd_sync_steps == 1 and not self.ahead)
+        self.pg = args.kd_onpolicy_loss == "pg"  # weighs each token by the engine's log-prob: every one needed
+        self._warned = self.pg or (args.kd_sync_steps == 1 and not self.ahead)
 
     def __call__(
         self, generator: nn.Module, prompts: list[list[int]], settings: RolloutSettings, *, pad_id: int,
@@ -146,7 +151,7 @@ class EngineRollouts:
             head_rows = unwrap_model(generator).get_output_embeddings().weight.shape[0]
             self.vocab_size = min(head_rows, settings.vocab_size or head_rows)
             self._allowed = self.vocab_size if self.vocab_size < head_rows else None
-        model, vocab_size, allowed = self.sync.model_name, self.vocab_size, self._allowed
+        model, vocab_size, allowed, pg = self.sync.model_name, self.vocab_size, self._allowed, self.pg
         rows = [p if p else [start_id] for p in prompts]
         per_call = settings.batch_size or len(rows)
 
@@ -160,7 +165,7 @@ class EngineRollouts:
                 raw, _ = self.http.post_json("/v1/completions", body)
                 name = f"step {step} call {call} to {self.http.url}/v1/completions"
                 reply = _json(raw, name)
-                out += rollouts_from_reply(reply, chunk, settings.num_generations, eos_ids, vocab_size, name)
+                out += rollouts_from_reply(reply, chunk, settings, eos_ids, vocab_size, name, need_logprobs=pg)
             return out
 
         return staleness, request
@@ -194,32 +199,107 @@ def completion_request(
 
 
 def rollouts_from_reply(
-    reply: Any, prompts: list[list[int]], n: int, eos_ids: set[int], vocab_size: int, request: str
-) -> list[Rollout]:
+    reply: Any, prompts: list[list[int]], settings: RolloutSettings, eos_ids: set[int], vocab_size: int, request: str,
+    *, need_logprobs: bool = False,
+) -> list[Rollout]:  # fmt: skip
     """The reply's completions as Rollouts, prompt-major (choice index i * n + j is prompt i's j-th), each cut at
     its first EOS (kept) and carrying the engine's log-prob of each of its tokens; TeacherReplyError naming the
-    request when the reply does not fit it."""
+    request, the choice and the fix when the reply does not fit it: a choice missing, extra or indexed twice, more
+    tokens than max_tokens, a finish_reason other than "stop" / "length", or a log-prob no sampled token can have.
+
+    A completion that ended at an EOS / stop id trains that id as its last scored token, as the in-process rollouts
+    do (they keep it): an engine that stopped without returning it (finish_reason "stop", no EOS in token_ids, e.g.
+    a first token that is EOS dropped from the reply) gets it appended, with no log-prob, which only the pg loss
+    (`need_logprobs`) needs: it refuses such a reply. An empty completion is never a silent row at loss 0."""
+    n = settings.num_generations
     choices = reply.get("choices") if isinstance(reply, dict) else None
     if not isinstance(choices, list) or len(choices) != len(prompts) * n:
         got = len(choices) if isinstance(choices, list) else type(choices).__name__
         raise TeacherReplyError(f"{request}: {got} choices for {len(prompts)} prompts x n={n}")
-    by_index = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+    indices = [c.get("index") if isinstance(c, dict) else None for c in choices]
+    if sorted(i for i in indices if isinstance(i, int) and not isinstance(i, bool)) != list(range(len(choices))):
+        raise TeacherReplyError(f"{request}: the choices' indices {str(indices)[:80]} are not 0 .. {len(choices) - 1} "
+                                f"once each: a completion is missing or repeated")  # fmt: skip
+    floor = logprob_floor(settings.temperature)
     out = []
-    for i, choice in enumerate(by_index):
-        prompt, where = prompts[i // n], f"{request} choice {i}"
+    for i, choice in enumerate(sorted(choices, key=lambda c: c["index"])):
+        prompt, where = prompts[i // n], f"{request} choice {i} (prompt {i // n}, completion {i % n})"
         tokens, logprobs = _tokens_and_logprobs(choice, where)
         if choice.get("prompt_token_ids") not in (None, prompt):
             raise TeacherReplyError(f"{where}: prompt_token_ids differ from the prompt sent: the reply is misaligned")
+        if len(tokens) > settings.max_new_tokens:
+            raise TeacherReplyError(f"{where}: {len(tokens)} tokens for max_tokens={settings.max_new_tokens}: the "
+                                    f"engine ignored the request's length (is it another server?)")  # fmt: skip
         bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise TeacherReplyError(f"{where}: token id {bad} outside the student's vocabulary [0, {vocab_size})")
         cut = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
-        finished = cut < len(tokens) or choice.get("finish_reason") == "stop"
-        out.append(Rollout(prompt, tokens[:cut], finished, tuple(logprobs[:cut])))
+        tokens, logprobs = tokens[:cut], logprobs[:cut]
+        for k, value in enumerate(logprobs):
+            _check_logprob(value, floor, settings.temperature, f"{where}: logprobs.token_logprobs[{k}]")
+        finished = bool(tokens) and tokens[-1] in eos_ids
+        if not finished:
+            stop = _stop_without_token(choice, len(tokens), settings.max_new_tokens, eos_ids, where)
+            if stop is not None:
+                if need_logprobs:
+                    raise TeacherReplyError(
+                        f"{where}: the engine stopped at EOS / stop id {stop} without returning it (token_ids "
+                        f"{tokens[:8]}), so its log-prob is unknown and kd_onpolicy_loss='pg' cannot weigh it: use an "
+                        f"engine that returns the stop token (vLLM does), or another kd_onpolicy_loss"
+                    )
+                tokens, logprobs, finished = tokens + [stop], None, True
+        out.append(Rollout(prompt, tokens, finished, None if logprobs is None else tuple(logprobs)))
     return out
 
 
-def _tokens_and_logprobs(choice: Any, where: str) -> tuple[list[int], list[float]]:
+def logprob_floor(temperature: float) -> float:
+    """The lowest log-prob (temperature 1, the engine's raw log-softmax) a token sampled at `temperature` can have.
+
+    The sampler (vLLM's, `liger-kd serve`'s) draws from float32 probabilities: a token it draws had probability at
+    least 2**-149 (the smallest float32 > 0) among the tokens top-k / top-p kept, whose mass is at least the top
+    token's, >= 1 / V; so its log-prob at the sampling temperature T is >= ln 2**-149 - ln V. At temperature 1 that
+    is >= T times it for T >= 1 (T * logsumexp(z / T) >= logsumexp(z)), and >= it for T < 1. With V < 2**32 ids:
+    log q >= -max(T, 1) * 125.5. A lower value (vLLM writes -inf as -9999.0; -1e30; a fault) is no sampled token's
+    log-prob, and one such value makes the pg loss's importance ratio exp(log q - log b) overflow."""
+    return -max(temperature, 1.0) * (149 + 32) * math.log(2)
+
+
+def _check_logprob(value: Any, floor: float, temperature: float, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TeacherReplyError(f"{where} is {str(value)[:40]!r}, not a number: the engine's reply is malformed")
+    if value == VLLM_NEG_INF:
+        raise TeacherReplyError(f"{where} = -9999.0, vLLM's encoding of -inf: a sampled token cannot have "
+                                f"probability 0, so the engine's log-probs are not the sampled tokens' (vLLM: "
+                                f"--logprobs-mode raw_logprobs, the default) or it is faulty")  # fmt: skip
+    if not (math.isfinite(value) and floor <= value <= 0):
+        raise TeacherReplyError(
+            f"{where} = {value!r}: a sampled token's log-prob is finite, <= 0 and >= {floor:.1f} (float32 sampling "
+            f"at temperature {temperature:g}, engine.logprob_floor): the engine's log-probs are not the sampled "
+            f"tokens' raw log-probs, or it is faulty; nothing was trained on this reply"
+        )
+
+
+def _stop_without_token(choice: dict, count: int, max_tokens: int, eos_ids: set[int], where: str) -> int | None:
+    """For a completion of `count` tokens with no EOS: None when it ran to max_tokens ("length"), else the EOS /
+    stop id the engine stopped at without returning it (its stop_reason, or the one EOS id)."""
+    reason = choice.get("finish_reason")
+    if reason == "length" and count == max_tokens:
+        return None
+    if reason != "stop":
+        raise TeacherReplyError(
+            f"{where}: {count} tokens with no EOS and finish_reason {reason!r} for max_tokens={max_tokens}; a "
+            f"completion ends at an EOS / stop id (\"stop\") or after max_tokens tokens (\"length\")"
+        )
+    said = choice.get("stop_reason")
+    if isinstance(said, int) and not isinstance(said, bool) and said in eos_ids:
+        return said
+    if len(eos_ids) == 1:
+        return next(iter(eos_ids))
+    raise TeacherReplyError(f"{where}: finish_reason 'stop' with no EOS in its {count} tokens and stop_reason "
+                            f"{said!r}, one of {sorted(eos_ids)}: which id ended it is unknown")  # fmt: skip
+
+
+def _tokens_and_logprobs(choice: Any, where: str) -> tuple[list[int], list[Any]]:
     if not isinstance(choice, dict):
         raise TeacherReplyError(f"{where}: a choice is {type(choice).__name__}, not an object")
     info = choice.get("logprobs") or {}
@@ -234,13 +314,13 @@ def _tokens_and_logprobs(choice: Any, where: str) -> tuple[list[int], list[float
             f"with --return-tokens-as-token-ids)"
         )
     logprobs = info.get("token_logprobs")
-    ok = isinstance(logprobs, list) and len(logprobs) == len(tokens)
-    if not ok or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in logprobs):
+    if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+        got = len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__
         raise TeacherReplyError(
             f"{where}: logprobs.token_logprobs must give a log-prob <= 0 for each of the {len(tokens)} sampled tokens; "
-            f"got {str(logprobs)[:80]}"
+            f"got {got} (the request asks logprobs=0)"
         )
-    return tokens, [float(v) for v in logprobs]
+    return tokens, logprobs
 
 
 def _json(raw: bytes, request: str) -> Any:

@@ -27,7 +27,7 @@ from ..models import unwrap_model
 from .async_rollouts import AsyncRollouts, take
 from .engine import rollout_source
 from .privileged import privileged_rollout_batch
-from .rollouts import BEHAVIOUR, Rollout, behaviour_logprobs, prompts_of, rollout_batch
+from .rollouts import BEHAVIOUR, Rollout, behaviour_logprobs, check_context, prompts_of, rollout_batch
 
 GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
 HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
@@ -48,12 +48,12 @@ def special_ids(generator: nn.Module, tokenizer: Any) -> tuple[int, set[int], in
 
 class OnPolicySteps:
     """Decides, per optimizer step, whether it trains on generated completions (every step with kd_seq_kd; a
-    kd_lmbda fraction otherwise, drawn from a generator seeded with args.seed), and makes them."""
+    kd_lmbda fraction otherwise, a draw that is a function of (args.seed, the step) alone: step_generates), and
+    makes them."""
 
     def __init__(self, args: Any) -> None:
         self.args = args
         self.settings = args.rollout_settings()
-        self.rng = random.Random(args.seed)
         self.seconds: list[float] = []  # time inside generate() per generated step
         self.source = rollout_source(args)  # in this process, or an engine at kd_generation_url (engine.py)
         # the pg loss importance-corrects with the behaviour log-probs an engine returns
@@ -81,10 +81,14 @@ class OnPolicySteps:
             if hasattr(self.source, "close"):
                 self.source.close()
 
-    def step_generates(self) -> bool:
+    def step_generates(self, step: int) -> bool:
+        """Whether optimizer step `step` trains on generated completions. A kd_lmbda mix draws from a generator
+        seeded with (seed, step) alone, not one stream consumed step by step: a run resumed from a checkpoint, or
+        steps drawn ahead (kd_async_rollouts), see the same schedule as one run from the start."""
         if self.args.kd_seq_kd or self.args.kd_lmbda >= 1:
             return True
-        return self.args.kd_lmbda > 0 and self.rng.random() < self.args.kd_lmbda
+        draw = random.Random(schedule_seed(self.args.seed, step)).random()
+        return self.args.kd_lmbda > 0 and draw < self.args.kd_lmbda
 
     def step_batches(
         self, iterator: Iterator, count: int, generator: nn.Module, *, tokenizer: Any, step: int, last_step: int,
@@ -105,7 +109,7 @@ class OnPolicySteps:
         batches = take(iterator, count)
         if not batches:  # the epoch is over: nothing to generate, no draw spent
             return batches
-        if not self.step_generates():
+        if not self.step_generates(step):
             require_completions(batches, self.args)
             return batches
         return self.replace(generator, batches, tokenizer=tokenizer, step=step, device=device,
@@ -145,6 +149,8 @@ class OnPolicySteps:
         # sequence-level KD: the teacher writes the completions after its own prompt, where the rows give it one
         sources = [own if self.args.kd_seq_kd and own is not None else mine
                    for own, mine in zip(teacher_prompts, prompts)]  # fmt: skip
+        # in process or from an engine alike: refused before any generation, not deep inside it
+        check_context(generator, [p or [start] for group in sources for p in group], self.settings.max_new_tokens)
         return RolloutPlan(batches, prompts, teacher_prompts, [p for group in sources for p in group], pad, eos_ids,
                            start)  # fmt: skip
 
@@ -188,6 +194,12 @@ class RolloutPlan:
     start: int
 
 
+def schedule_seed(seed: int, step: int) -> str:
+    """The kd_lmbda draw's seed for optimizer step `step`: a string, which random.Random hashes (SHA-512) whole,
+    so neighbouring steps draw independently; the same in every run and process with `seed`."""
+    return f"kd_lmbda {seed} {step}"
+
+
 def on_device(batches: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
     """Generated micro-batches moved to `device`, marked as generated for compute_loss."""
     return [{**{k: v.to(device) for k, v in batch.items()}, GENERATED: True} for batch in batches]
@@ -199,7 +211,8 @@ def teacher_prompts_of(batch: dict[str, Any]) -> list[list[int]] | None:
     if batch.get("teacher_input_ids") is None:
         return None
     teacher_rows = {"input_ids": batch["teacher_input_ids"], "labels": batch["teacher_labels"],
-                    "attention_mask": batch.get("teacher_attention_mask")}  # fmt: skip
+                    "attention_mask": batch.get("teacher_attention_mask"),
+                    "position_ids": batch.get("teacher_position_ids")}  # fmt: skip
     return prompts_of(teacher_rows)
 
 

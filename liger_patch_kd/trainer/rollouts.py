@@ -9,6 +9,7 @@ call), which is where generation gets its speed: on one H200 a 1B student makes 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from torch import nn
 from ..generation import Sampling, decode, decode_applies, packed_decode_attention
 from ..models import original_forward, transformers_code, unwrap_model
 from ..teacher import TeacherDataCollator
-from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens
+from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens, weights_precision
 
 CACHES = ("auto", "dynamic", "static", "graph")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
@@ -120,17 +121,44 @@ def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings,
 
 
 def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
-    """Each row's prompt: its attended tokens before the first scored label (all of them when none is scored)."""
+    """Each sequence's prompt: its attended tokens before its first scored label (all of them when none is scored).
+    A row is one sequence, or several packed end to end (DataCollatorWithFlattening, PrivilegedCollator(packing=
+    True)): its position_ids restart at 0 where each begins, and each gives its own prompt, in order."""
     input_ids, labels = batch["input_ids"], batch["labels"]
-    mask = batch.get("attention_mask")
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
     prompts = []
     for row in range(input_ids.shape[0]):
         keep = mask[row].bool() if mask is not None else torch.ones_like(input_ids[row], dtype=torch.bool)
         ids, lab = input_ids[row][keep], labels[row][keep]
-        scored = (lab != ignore_index).nonzero()
-        cut = int(scored[0]) if len(scored) else len(ids)
-        prompts.append(ids[:cut].tolist())
+        starts = [0] if positions is None else (positions[row][keep] == 0).nonzero().flatten().tolist()
+        starts = starts if starts[:1] == [0] else [0, *starts]  # a row that does not start at position 0: one more
+        for begin, end in zip(starts, [*starts[1:], len(ids)]):
+            scored = (lab[begin:end] != ignore_index).nonzero()
+            cut = int(scored[0]) if len(scored) else end - begin
+            prompts.append(ids[begin : begin + cut].tolist())
     return prompts
+
+
+def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """ValueError unless every prompt plus max_new_tokens fits the generator's context (its config's
+    max_position_embeddings; no limit when it has none), as an engine refuses the same prompt (vLLM's
+    max_model_len). Checked before a step's rollouts are generated, in process or by an engine."""
+    config = getattr(unwrap_model(generator), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    if longest is None or len(prompts[longest]) + max_new_tokens <= context:
+        return
+    size = len(prompts[longest])
+    fix = (f"set kd_max_prompt_length <= {context - max_new_tokens} (it keeps each prompt's last tokens) or a "
+           f"smaller kd_max_new_tokens" if context > max_new_tokens
+           else f"set kd_max_new_tokens below {context}")  # fmt: skip
+    raise ValueError(
+        f"prompt {longest} of this step has {size} tokens + kd_max_new_tokens {max_new_tokens} = "
+        f"{size + max_new_tokens}, more than the generator's context (max_position_embeddings {context}); {fix}"
+    )
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +211,7 @@ def generate_rollouts(
     so results do not depend on the global RNG.
     """
     device = next(generator.parameters(), torch.empty(0)).device
+    check_context(generator, [p if p else [start_id] for p in prompts], settings.max_new_tokens)
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
@@ -217,7 +246,10 @@ def generate_rollouts(
                 # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
                 # on an H200, benchmarks/results/wave4/)
                 code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
-                with code, torch.random.fork_rng(devices=devices):
+                # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
+                # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)
+                precision = weights_precision(generator, device) if cache == "static" else contextlib.nullcontext()
+                with precision, code, torch.random.fork_rng(devices=devices):
                     torch.manual_seed(call_seed(settings.seed, step, call))
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)

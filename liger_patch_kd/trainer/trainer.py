@@ -36,6 +36,7 @@ from .dataset_setup import (
     first_row_of,
     with_vocab_size,
 )
+from .nonfinite import check_logged, check_step_loss
 from .onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
 from .prompts import PROMPT_COLUMNS, PromptCollator
@@ -261,7 +262,8 @@ class KDTrainer(Trainer):
             require_teacher_prompt(self.teacher_model, inputs)  # (a served teacher was asked about them: served.py)
         cfg = hidden_cfg or self.kd_config
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
-            cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0)
+            cap = self.args.kd_pg_importance_cap if self.args.kd_onpolicy_loss == "pg" else None
+            cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0, importance_cap=cap)
         log_now = self._kd_should_log()
         routes = None if several else inputs.pop(MIXTURE_KEY, None)  # served or offline routed rows: each one's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
@@ -347,7 +349,9 @@ class KDTrainer(Trainer):
             recompute, keep = limit_recompute(model, self.args.kd_recompute_layers)
             logger.info("checkpointing: %d decoder layers recompute, %d keep their activations", recompute, keep)
             self._kd_recompute_limited = True
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        check_step_loss(loss, self.args, self.state.global_step)  # never trained on: nonfinite.py
+        return loss
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """An optimizer step's micro-batches (the dataset's rows checked to have completions); on a generated step
@@ -395,4 +399,5 @@ class KDTrainer(Trainer):
             for key, value in (self.served_hidden.metrics() if self.served_hidden else {}).items():
                 logs[key] = round(value, 6)  # the served hidden states' bytes per token, head fetches, waits
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
+        check_logged(logs, self.state.global_step)
         super().log(logs, *args, **kwargs)

@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
-from ..teacher.serve.transport import HttpEndpoint
+from ..teacher.serve.transport import HttpEndpoint, TeacherServerError
+
+logger = logging.get_logger(__name__)
 
 
 def peft_of(model: nn.Module) -> nn.Module | None:
@@ -71,6 +74,7 @@ class WeightSync:
         self.synced_step: int | None = None
         self.model_name: str | None = None
         self.loaded_name: str | None = None  # the adapter the engine last loaded (model_name once loads have run)
+        self._on_engine: list[str] = []  # the adapters this run loaded and has not unloaded: unloaded at close
         self.pushes = 0
         self._root: Path | None = None
         self._kept: Path | None = None  # the loaded adapter's directory (vLLM may read it again)
@@ -109,8 +113,9 @@ class WeightSync:
             def load() -> None:
                 self.http.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
                 self.loaded_name = name
+                self._on_engine.append(name)
                 if previous is not None:
-                    self.http.post_json("/v1/unload_lora_adapter", {"lora_name": previous})
+                    self._unload(previous)
                 self._remove(kept)  # vLLM may read a loaded adapter's directory again: kept until the next one
         else:
             from safetensors.torch import save_file
@@ -134,11 +139,32 @@ class WeightSync:
         self.synced_step, self.model_name = None, self.loaded_name
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-        if self._root is not None:
-            self._finalizer()
-            self._root = self._kept = None
+        """The end of a run (or its failure): the adapter this run loaded is unloaded from the engine (else it
+        stays there, and a full-weight run against that engine is refused: its layers rename the model's tensors),
+        the broadcast group shut down, every directory made deleted; the next rollouts push afresh."""
+        try:
+            while self._on_engine:
+                self._unload(self._on_engine[-1], at_close=True)
+            self.loaded_name = None
+            if self.sender is not None:
+                self.sender.close()
+        finally:
+            if self._root is not None:
+                self._finalizer()
+                self._root = self._kept = None
+            self.synced_step, self.model_name = None, None
+
+    def _unload(self, name: str, at_close: bool = False) -> None:
+        """Unload adapter `name` (one this run loaded) from the engine. A failure raises, the name kept for close to
+        try again; at close it is a warning (a failed run's cleanup must not hide the run's own error)."""
+        try:
+            self.http.post_json("/v1/unload_lora_adapter", {"lora_name": name})
+        except (TeacherServerError, OSError) as e:
+            if not at_close:
+                raise
+            logger.warning(f"could not unload the LoRA adapter {name!r} this run loaded on {self.http.url} ({e}); "
+                           f"unload it there (POST /v1/unload_lora_adapter) or restart the engine")  # fmt: skip
+        self._on_engine.remove(name)
 
     def _directory(self) -> Path:
         if self._root is None:

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from . import protocols as P
 from .protocols import PROTOCOLS
 from .sampled_wire import checked_ask, decode_sampled
-from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError
+from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError, open_url
 
 __all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
 
@@ -108,7 +108,7 @@ class TeacherClient:
         while True:
             try:
                 health = urllib.request.Request(self.url + "/health", headers=self._http.headers("application/json"))
-                with urllib.request.urlopen(health, timeout=max(0.1, min(5.0, limit))) as reply:
+                with open_url(health, timeout=max(0.1, min(5.0, limit))) as reply:
                     if reply.status == 200:
                         return
             except (OSError, http.client.HTTPException) as e:

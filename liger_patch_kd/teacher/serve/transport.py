@@ -13,6 +13,7 @@ import http.client
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -59,7 +60,7 @@ class HttpEndpoint:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             request = urllib.request.Request(url, data=data, method=method, headers=self.headers(accept))
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                with open_url(request, timeout=self.timeout) as reply:
                     return reply.read(), reply.headers.get("Content-Type", "")
             except urllib.error.HTTPError as e:
                 detail = e.read()[:500].decode(errors="replace")
@@ -78,6 +79,36 @@ class HttpEndpoint:
             f"{self.what} at {url} failed {self.retries + 1} times (retries={self.retries}, last error: "
             f"{last!r}); training stops rather than train without {self.needed}"
         ) from last
+
+
+class _KeyStaysHome(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, except that `Authorization` never follows one to another origin (scheme, host, port):
+    urllib copies every header to wherever a server redirects, so the API key would reach any host a server (or
+    whoever answers on its address) names. The same origin keeps it, as `requests` and browsers do."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(new.full_url) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # not a port: no origin of ours
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
+
+
+_OPENER = urllib.request.build_opener(_KeyStaysHome)
+
+
+def open_url(request: urllib.request.Request, timeout: float):
+    """urllib.request.urlopen for requests that may carry the API key: redirects drop it across origins."""
+    return _OPENER.open(request, timeout=timeout)
 
 
 def _is_timeout(error: BaseException) -> bool:
