@@ -62,6 +62,11 @@ def check_served_hidden_args(args: Any) -> None:
         )
 
 
+def served_hidden_signal(source: ServedHiddenTeacher | None, inputs: dict, cfg: KDLossConfig) -> KDLossConfig | None:
+    """`source.signal(inputs, cfg)` for a batch carrying served hidden states (the loss config to use), else None."""
+    return source.signal(inputs, cfg) if source is not None and carries_hidden(inputs) else None
+
+
 class HiddenPrefetcher(TeacherPrefetcher):
     """TeacherPrefetcher attaching `teacher_hidden_states` (B, T, H) (zeros at padding) and the `teacher_head`
     they were computed with."""
@@ -144,8 +149,9 @@ class ServedHiddenTeacher:
         client, prefetcher = self.client, self.prefetcher
         if client is None:
             return {}
-        return {
+        figures = {
             "kd_teacher_bytes_per_token": client.bytes_received / max(1, client.tokens_received),
             "kd_teacher_head_fetches": float(client.head_fetches),
             "kd_teacher_wait_seconds": prefetcher.wait_seconds if prefetcher is not None else 0.0,
         }
+        return {key: round(value, 6) for key, value in figures.items()}

@@ -44,7 +44,7 @@ from .rollouts import BEHAVIOUR
 from .routed_offline import offline_routed_setup
 from .self_distill import require_teacher_prompt, self_distill_teacher
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
-from .served_hidden import ServedHiddenTeacher, carries_hidden
+from .served_hidden import ServedHiddenTeacher, carries_hidden, served_hidden_signal
 from .served_teachers import routed_served_dataloader
 from .teacher_compute import prepare_teacher_compute
 from .teachers import MIXTURE_KEY, ROUTING_COLUMNS, TeacherSetSetup, check_single_teacher
@@ -114,7 +114,6 @@ class KDTrainer(Trainer):
             )
             for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
-        # a teacher served as hidden states (served_hidden.py): its vocabulary is read from its head at train()
         self.served_hidden = ServedHiddenTeacher.build(args, model, kwargs.get("processing_class"))
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
         evaluation = kwargs.get("eval_dataset")
@@ -249,8 +248,7 @@ class KDTrainer(Trainer):
                 f"DataCollatorForLanguageModeling(mlm=False) and DataCollatorWithFlattening do too)"
             )
         offline = inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
-        hidden = self.served_hidden is not None and carries_hidden(inputs)
-        hidden_cfg = self.served_hidden.signal(inputs, self.kd_config) if hidden else None
+        hidden_cfg = served_hidden_signal(self.served_hidden, inputs, self.kd_config)  # served_hidden.py
         offline = offline or hidden_cfg is not None  # the teacher's hidden states and head are in the batch
         several = self.teacher_set is not None and not self.teacher_set.served  # served: offline data by now
         if not offline and self.teacher_model is None and not several:
@@ -396,8 +394,7 @@ class KDTrainer(Trainer):
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
             for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
                 logs[key] = round(float(value), 6)
-            for key, value in (self.served_hidden.metrics() if self.served_hidden else {}).items():
-                logs[key] = round(value, 6)  # the served hidden states' bytes per token, head fetches, waits
+            logs.update(self.served_hidden.metrics() if self.served_hidden else {})  # wire figures (served_hidden.py)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         check_logged(logs, self.state.global_step)
         super().log(logs, *args, **kwargs)
