@@ -62,6 +62,11 @@ class TeacherHead:
     vocab_size: int | None
     logit_scale: float = 1.0
 
+    def to(self, *args, **kwargs) -> TeacherHead:
+        """Itself: code moving a batch's values with .to(device) leaves the head where it is (on the CPU); the
+        trainer moves it once per version (trainer/served_hidden.py)."""
+        return self
+
 
 def wire_dtype(name: str, teacher_dtype: torch.dtype) -> torch.dtype:
     """A request's dtype name -> the dtype on the wire ("auto": the teacher's; float64 stays float64)."""
