@@ -1,0 +1,62 @@
+"""The exact served teacher (issue 41), beyond test_served_hidden.py: the sampled-token estimators on generated rows
+(a served top-k teacher cannot give them: the sampled token may be outside its top-k) and the server's API key on
+the hidden-state routes. The server runs in a thread (teacher/serve/server.build_app under uvicorn)."""
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
+
+from .test_generation_server import running  # noqa: E402
+from .test_served_hidden import VOCAB, _assert_same_training, _train  # noqa: E402
+from .tiny_models import tiny_model  # noqa: E402
+
+KEY = "hidden-s3cret"
+
+
+def _teacher():
+    return tiny_model("llama", dtype=torch.float32, seed=3)
+
+
+def _prompts(n=8):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (5,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.full_like(ids, -100)})  # prompts only
+    return rows
+
+
+@pytest.mark.parametrize("estimator", ["k1", "pg"])
+def test_onpolicy_estimators_train_as_with_the_in_process_teacher(tmp_path, estimator):
+    """kd_lmbda=1 with kd_onpolicy_loss k1 / pg: each generated token scored by the teacher's full distribution from
+    its served hidden states and head, so the losses and weights are the in-process teacher's (float32; the server
+    runs each sequence in a batch of its own making: see test_served_hidden._assert_same_training's tolerance)."""
+    rows = _prompts()
+    common = dict(kd_lmbda=1.0, kd_max_new_tokens=4, max_steps=2, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2, kd_onpolicy_loss=estimator, learning_rate=1e-3)  # fmt: skip
+    want = _train(tmp_path / "in", rows, _teacher(), **common)
+    with running(_teacher()) as (url, _):
+        got = _train(tmp_path / "served", rows, kd_teacher_url=url, kd_teacher_protocol="hidden", **common)
+    _assert_same_training(got, want)
+    assert got[2].teacher_source.client.tokens_received > 0  # the generated rows were asked of the server
+
+
+def test_the_api_key_guards_the_hidden_routes():
+    """With an API key the server answers /v1/head and /v1/hidden_states only to a client that sends it."""
+    seqs, teacher = [[1, 2, 3], [4, 5]], _teacher()
+    with running(teacher, api_key=KEY) as (url, _):
+        for client in (HiddenClient(url, timeout=30, retries=0), HiddenClient(url, timeout=30, retries=0,
+                                                                                api_key="wrong")):  # fmt: skip
+            with pytest.raises(TeacherServerError, match="401"):
+                client.head()
+            with pytest.raises(TeacherServerError, match="401"):
+                client.fetch(seqs)
+        client = HiddenClient(url, timeout=30, retries=0, api_key=KEY)
+        replies = client.fetch(seqs)
+        hidden = teacher.config.hidden_size
+        assert [tuple(h.shape) for h, _ in replies] == [(3, hidden), (2, hidden)] and client.head_fetches == 1
