@@ -1,6 +1,7 @@
 """The exact served teacher (issue 41), beyond test_served_hidden.py: the sampled-token estimators on generated rows
-(a served top-k teacher cannot give them: the sampled token may be outside its top-k) and the server's API key on
-the hidden-state routes. The server runs in a thread (teacher/serve/server.build_app under uvicorn)."""
+(a served top-k teacher cannot give them: the sampled token may be outside its top-k), the loss on materialised
+logits (use_kd_patch=False) and the server's API key on the hidden-state routes. The server runs in a thread
+(teacher/serve/server.build_app under uvicorn)."""
 
 import pytest
 import torch
@@ -44,6 +45,17 @@ def test_onpolicy_estimators_train_as_with_the_in_process_teacher(tmp_path, esti
         got = _train(tmp_path / "served", rows, kd_teacher_url=url, kd_teacher_protocol="hidden", **common)
     _assert_same_training(got, want)
     assert got[2].teacher_source.client.tokens_received > 0  # the generated rows were asked of the server
+
+
+def test_materialised_loss_reads_the_served_hidden_states(tmp_path):
+    """use_kd_patch=False: the teacher's logits made from its served hidden states and head (models/materialised.py)
+    give the in-process teacher's losses and weights, with a temperature and a hard-loss term."""
+    rows = [{"input_ids": r["input_ids"]} for r in _prompts()]
+    common = dict(use_kd_patch=False, kd_beta=0.5, kd_temperature=2.0, kd_hard_weight=0.25, max_steps=2)
+    want = _train(tmp_path / "in", rows, _teacher(), **common)
+    with running(_teacher()) as (url, _):
+        got = _train(tmp_path / "served", rows, kd_teacher_url=url, kd_teacher_protocol="hidden", **common)
+    _assert_same_training(got, want)
 
 
 def test_the_api_key_guards_the_hidden_routes():
