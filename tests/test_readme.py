@@ -53,6 +53,10 @@ def _tiny_pair() -> dict:
         def save_pretrained(self, directory):
             Path(directory, "vocab.json").write_text(json.dumps(self.get_vocab()))
 
+        def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):  # as HF's: {"text"} rows
+            ids = [self.bos_token_id] * add_special_tokens + self.encode(text)
+            return {"input_ids": ids[:max_length] if truncation and max_length else ids}
+
     text = load_corpus()
     tokenizer = Tokenizer(text)
 
