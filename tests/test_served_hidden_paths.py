@@ -58,6 +58,44 @@ def test_materialised_loss_reads_the_served_hidden_states(tmp_path):
     _assert_same_training(got, want)
 
 
+class _Tokenizer:
+    """What KDTrainer reads of a tokenizer here: its length (the real ids) and its pad id."""
+
+    pad_token_id = 0
+
+    def __len__(self) -> int:
+        return VOCAB
+
+
+def test_heads_padded_past_the_tokenizer_take_its_vocabulary_from_the_served_head(tmp_path):
+    """Student and teacher heads padded to different sizes past one tokenizer, kd_vocab_size unset: the vocabulary
+    is read from the served head when training starts (len(tokenizer), as KDTrainer takes it for an in-process
+    teacher) and the run is the in-process one."""
+    from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+    rows = [{"input_ids": r["input_ids"]} for r in _prompts(4)]
+
+    def run(out, **teacher):
+        args = KDTrainingArguments(output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=2,
+                                   learning_rate=5e-3, logging_steps=1, report_to="none", use_cpu=True,
+                                   save_strategy="no", disable_tqdm=True, seed=0, data_seed=0, kd_beta=0.5,
+                                   kd_patch_config={"rope": False, "swiglu": False, "rms_norm": False},
+                                   **teacher.get("args", {}))  # fmt: skip
+        student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 3)
+        trainer = KDTrainer(model=student, teacher_model=teacher.get("model"), args=args, train_dataset=rows,
+                            processing_class=_Tokenizer())  # fmt: skip
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, [p.detach().clone() for p in student.parameters()], trainer
+
+    padded_teacher = lambda: tiny_model("llama", dtype=torch.float32, seed=3, vocab=VOCAB + 7)  # noqa: E731
+    want = run("in", model=padded_teacher())
+    with running(padded_teacher()) as (url, _):
+        got = run("served", args=dict(kd_teacher_url=url, kd_teacher_protocol="hidden"))
+    assert want[2].kd_config.vocab_size == got[2].kd_config.vocab_size == VOCAB
+    _assert_same_training(got, want)
+
+
 def test_the_api_key_guards_the_hidden_routes():
     """With an API key the server answers /v1/head and /v1/hidden_states only to a client that sends it."""
     seqs, teacher = [[1, 2, 3], [4, 5]], _teacher()
