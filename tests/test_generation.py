@@ -193,6 +193,55 @@ def test_bad_input_is_refused_before_any_work():
     assert CAPTURES == ("graph", "compile", "reduce-overhead", "eager")
 
 
+def _right_padded(ids, mask):
+    return ids.roll(-3, 1), mask.roll(-3, 1)  # row 1's 3 padding columns moved to its end
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda ids, mask: (ids, mask.flip(1)), "must be left-padded"),  # right padding: would continue past it
+        (_right_padded, "must be left-padded"),
+        (lambda ids, mask: (ids, mask.masked_fill(torch.arange(5)[:, None] == 2, 0)), "must be left-padded"),  # empty
+        (lambda ids, mask: (ids, mask * 2), "attention_mask must hold 0"),  # 2s would double the positions
+        (lambda ids, mask: (ids.masked_fill(mask == 0, -100), mask), r"input_ids must be in \[0, 257\)"),
+        (lambda ids, mask: (ids + 300, mask), r"got ids in \[300, "),
+        (lambda ids, mask: (ids.float(), mask), "integer token ids"),
+        (lambda ids, mask: (ids[:0], mask[:0]), "at least one row"),
+        (lambda ids, mask: (torch.randint(5, 200, (2, 120)), torch.ones(2, 120, dtype=torch.long)),
+         r"longest prompt \(120 tokens\) plus max_new_tokens \(9\) passes the model's context"),
+    ],
+)
+def test_prompts_the_engine_would_sample_wrongly_from_are_refused(change, match):
+    """Each of these used to decode without a word (a right-padded row continued from its padding, a mask of 2s
+    doubled the position ids, 120 + 9 tokens ran past a 128-token context) or failed deep in the model."""
+    model = _model("llama", torch.float64)
+    ids, mask = change(*_prompts())
+    with pytest.raises(ValueError, match=match) as raised:
+        decode(model, ids, mask, max_new_tokens=9, sampling=Sampling(), pad_id=0, eos_ids=(3,))
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "keywords, match",
+    [
+        (dict(check_every=0), "check_every must be an int >= 1"),  # was a ZeroDivisionError
+        (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1"),
+        (dict(pad_id=-1), r"pad_id must be an id in \[0, 257\)"),  # would be written into the rows as an id
+        (dict(eos_ids=(-5,)), "eos_ids must be ids >= 0"),
+    ],
+)
+def test_decode_options_out_of_range_are_refused(keywords, match):
+    model = _model("llama", torch.float64)
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=4, sampling=Sampling(), pad_id=0, eos_ids=(3,)) | keywords
+    with pytest.raises(ValueError, match=match):
+        decode(model, ids, mask, **options)
+    model.train()  # dropout would be sampled through
+    with pytest.raises(ValueError, match=r"training mode .* call model.eval\(\) first"):
+        decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_updates():
