@@ -324,3 +324,37 @@ def test_inits_stuck_in_a_connect_are_capped():
         assert refused.value.status == 429
     finally:
         release.set()
+
+
+# ------------------------------------------------------------------------------------- round 3's probe (h38)
+def test_an_update_that_overflows_the_served_dtype_is_refused(teacher_dir, tmp_path):  # noqa: F811
+    """float64 values past float32's range are finite where they are sent and infinities once cast into the served
+    float32 weights: answered 200 before, and every later score was NaN until a restart."""
+    from safetensors.torch import save_file
+
+    srv = Server(teacher_dir, extra=("--dtype", "float32")).start()
+    try:
+        seq = _rows(1, seed=6)[0].tolist()
+        before, version = _scores(srv.url, seq), _health(srv.url)["weight_version"]
+        state = {k: v.contiguous() for k, v in _teacher().state_dict().items()}  # float64, as a float64 student sends
+        save_file({**state, "model.norm.weight": torch.full((64,), 1e300, dtype=torch.float64)},
+                  str(tmp_path / "big.safetensors"))  # fmt: skip
+        status, reply = _post(srv.url, {"model_path": str(tmp_path / "big.safetensors")},
+                              path="/update_weights_from_disk")  # fmt: skip
+        _refused(reply, status, 400, r"'model.norm.weight' holds values up to 1e\+300, past the served model's "
+                                     r"float32 range .*no weight changed")  # fmt: skip
+        assert _health(srv.url)["weight_version"] == version and _scores(srv.url, seq) == before
+        save_file(state, str(tmp_path / "fits.safetensors"))  # float64 values within float32's range still load
+        status, reply = _post(srv.url, {"model_path": str(tmp_path / "fits.safetensors")},
+                              path="/update_weights_from_disk")  # fmt: skip
+        assert status == 200 and reply["weight_version"] == version + 1, reply
+    finally:
+        srv.stop()
+
+
+def test_json_nested_too_deep_is_a_400_not_a_500(served):
+    """Python's JSON parser recurses once per level: 100 000 nested arrays raised RecursionError, a bare 500."""
+    for path in ("/v1/completions", "/update_weights_from_disk"):
+        status, reply = _post(served.url, raw=b"[" * 100_000 + b"]" * 100_000, path=path)
+        _refused(reply, status, 400, "nests JSON arrays or objects too deep")
+    assert _health(served.url)["status"] == "ok"

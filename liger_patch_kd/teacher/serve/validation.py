@@ -47,6 +47,9 @@ def parse_body(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise RequestError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:  # arrays or objects nested thousands deep: Python's parser recurses per level
+        raise RequestError(400, "the request body nests JSON arrays or objects too deep to parse; send the flat "
+                                "JSON object the endpoint takes") from None  # fmt: skip
 
 
 def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], int]:
