@@ -187,6 +187,9 @@ def test_bad_input_is_refused_before_any_work():
         decode(model, ids, mask, max_new_tokens=0, sampling=Sampling(), pad_id=0)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0.0)
+    for flag in ("temperature", "top_k", "top_p", "vocab_limit"):  # True was top_k=1: greedy, silently
+        with pytest.raises(ValueError, match=f"{flag} must be a number, not a boolean"):
+            Sampling(**{flag: True})
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attention is 'eager'"):
         decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0)

@@ -29,6 +29,10 @@ class Sampling:
     vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
+        fields = ("temperature", "top_k", "top_p", "vocab_limit")
+        flags = [name for name in fields if isinstance(getattr(self, name), bool)]
+        if flags:  # True is an int to Python: top_k=True would keep one token, greedy, without a word
+            raise ValueError(f"{flags[0]} must be a number, not a boolean; got {getattr(self, flags[0])!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
