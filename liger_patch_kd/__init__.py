@@ -1,11 +1,11 @@
 """liger_patch_kd: knowledge distillation for Hugging Face causal LMs without materialised logits.
 
 Everything a user needs is importable from here: KDLossConfig (loaded at once: no torch); the names of
-`losses.__all__` (torch and triton), of `models.__all__` (every `apply_kd_patch_to_<family>` among them), the
-Trainer and the teacher-data classes load on first use, so `import liger_patch_kd` imports no torch (the
-`liger-kd` CLI answers --help and argument errors without it) and neither transformers' Trainer machinery nor
-torch._dynamo. The lazy names are read from the subpackage's `__all__` in its source, so
-the two lists cannot drift apart.
+`losses.__all__` (torch and triton), of `models.__all__` (every `apply_kd_patch_to_<family>` among them), of
+`trainer.__all__` (KDTrainer, KDTrainingArguments), `teacher.__all__` (stores, converters, served teachers) and
+`align.__all__` (cross-tokenizer) load on first use, so `import liger_patch_kd` imports no torch (the `liger-kd` CLI
+answers --help and argument errors without it) and neither transformers' Trainer machinery nor torch._dynamo. The
+lazy names are read from the subpackage's `__all__` in its source, so the two lists cannot drift apart.
 """
 
 import ast
@@ -27,23 +27,12 @@ def _declared_all(subpackage: str) -> list[str]:
     raise RuntimeError(f"liger_patch_kd.{subpackage} declares no __all__")
 
 
-# public name -> the submodule that defines it, imported when the name is first used
+# public name -> the submodule that defines it, imported when the name is first used: every name of these
+# subpackages' __all__ (the Trainer and its collators, teacher data and servers, cross-tokenizer alignment)
 _LAZY = {
-    **dict.fromkeys(_declared_all("losses"), ".losses"),
-    **dict.fromkeys(_declared_all("models"), ".models"),
-    "KDTrainer": ".trainer",
-    "KDTrainingArguments": ".trainer",
-    **dict.fromkeys(
-        (
-            "TeacherLogprobsDataset",
-            "TeacherDataCollator",
-            "TeacherStoreError",
-            "StoreWriter",
-            "precompute",
-            "import_vllm_logprobs",
-        ),
-        ".teacher",
-    ),
+    sub_name: f".{subpackage}"
+    for subpackage in ("losses", "models", "trainer", "teacher", "align")
+    for sub_name in _declared_all(subpackage)
 }
 
 

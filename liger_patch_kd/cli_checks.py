@@ -99,6 +99,9 @@ def check_device(device: str | None) -> None:
 
 def check_demo(args) -> None:
     check_device(args.device)
+    if args.quick and args.full:
+        raise ValueError("--quick and --full ask for the short and the long run: give one (the plain demo is short "
+                         "without either)")  # fmt: skip
 
 
 def check_precompute(args) -> None:

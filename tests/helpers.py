@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -126,3 +128,13 @@ def fp32_grad_l1_bound(vocab: int, max_abs: float, tiles: int = 1) -> float:
     |log S_v| adds up to the entropy <= log V; then a few roundings of each product (8 u, the gradient's l1 norm
     being <= 2). `max_abs` as in `fp32_loss_bound`."""
     return EXP32 + fp32_lse_bound(vocab, tiles) + U32 * (2 * math.log(vocab) + 2 * max_abs + 8)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that must import this checkout: ROOT first on PYTHONPATH, the caller's
+    own entries kept (packages installed with --target and PYTHONPATH, as on a machine without pip's site)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}

@@ -3,19 +3,20 @@ nothing left behind; --help and argument errors import no torch. Each case runs 
 examples/distill.py) in a subprocess, as a user would."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .helpers import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*argv: str, script: list[str] | None = None, env: dict | None = None, cwd=None):
     cmd = [sys.executable, *(script or ["-m", "liger_patch_kd.cli"]), *argv]
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), "LIGER_KD_DEBUG": "", **(env or {})}
+    environ = subprocess_env(LIGER_KD_DEBUG="", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, env=environ, cwd=cwd or ROOT, timeout=300)
 
 
@@ -48,7 +49,7 @@ for argv in (["--help"], ["demo", "--help"], ["precompute", "--help"], ["convert
 print("TORCH", "torch" in sys.modules)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+                         env=subprocess_env(), timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "TORCH False", out.stdout
 

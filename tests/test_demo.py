@@ -1,21 +1,25 @@
-"""The demo in its reduced mode: it runs, distillation beats CE alone on KL to the teacher, and it leaves no
-temporary folder behind."""
+"""The demo in its short mode: it runs, distillation beats CE alone on KL to the teacher, the Trainer's own printing
+stays quiet, and it leaves no temporary folder behind; `liger-kd demo` is the short run, `--full` the long one."""
 
 import tempfile
 
 import pytest
 
 import liger_patch_kd.models as M
+from liger_patch_kd import cli
 from liger_patch_kd.demo import run_demo
 
 
 @pytest.mark.slow  # trains a teacher and six students: the suite's longest test on a CPU
-def test_quick_demo_distilled_students_beat_ce_only(tmp_path, monkeypatch):
+def test_quick_demo_distilled_students_beat_ce_only(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo's temporary folder goes
     try:
-        rows = run_demo(quick=True, device="cpu")
+        rows = run_demo(quick=True, device="cpu", cross_tokenizer=True)
     finally:
         M.revert_kd_patch()
+    printed = capsys.readouterr().out
+    assert "{'loss'" not in printed and "train_runtime" not in printed and "it/s]" not in printed, printed
+    assert all(f"[{k}/5]" in printed for k in range(1, 6))
     # torch's own caches (torchinductor_<user>) may appear under the temporary directory too: not the demo's
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("liger_kd_demo_"))
     assert left == [], f"the demo removes the temporary folder it made: {left}"
@@ -24,13 +28,24 @@ def test_quick_demo_distilled_students_beat_ce_only(tmp_path, monkeypatch):
     across = {r["recipe"]: r for r in rows if r.get("cross_tokenizer")}
     assert set(across) == {"BPE student: CE only", "BPE student: CE + 2 x byte-chain KD"}
     assert all(0 < r["held_out_ce"] < 5 and len(r["held_out_ce_by_seed"]) == 1 for r in across.values())
+    assert all(0 < r["teacher_nll"] < 10 and r["kl_samples"] > 0 for r in results.values())
     ce_only = results.pop("CE only")
     on_policy = next(r for name, r in results.items() if name.startswith("on-policy"))
     for name, r in results.items():
-        if r is on_policy:  # trains on its own samples: judged there
-            assert r["kl_own_samples"] < ce_only["kl_own_samples"], (name, r, ce_only)
+        if r is on_policy:  # trains on sampled text: judged there (every student's samples, pooled)
+            assert r["kl_samples"] < ce_only["kl_samples"], (name, r, ce_only)
         else:
             assert r["kl_to_teacher"] < ce_only["kl_to_teacher"], (name, r, ce_only)
+
+
+def test_the_command_runs_the_short_demo_and_full_the_long_one(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("liger_patch_kd.demo.run_demo", lambda **kw: calls.append(kw))
+    assert cli.main(["demo", "--device", "cpu"]) == 0 and cli.main(["demo", "--full", "--device", "cpu"]) == 0
+    assert cli.main(["demo", "--quick", "--device", "cpu"]) == 0  # the short run too: scripts that pass it still run
+    assert [c["quick"] for c in calls] == [True, False, True]
+    assert cli.main(["demo", "--quick", "--full"]) == 2
+    assert "--quick and --full" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from . import fsdp_worker
+from .helpers import subprocess_env
 
 pytestmark = pytest.mark.multiprocess  # every test spawns worker processes (mp.spawn, torchrun, accelerate launch)
 
@@ -141,7 +142,7 @@ def _bench(tmp_path, name: str, launch: list[str], micro_batch: int, module: str
     out = tmp_path / f"{name}.json"
     options = ["--tiny", "--warmup", "0", "--micro-batches"] if module == "bench_multi_gpu" else ["--micro-batch"]
     command = [*launch, "-m", f"benchmarks.{module}", *options, str(micro_batch), "--steps", "3", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())["results"][0]
@@ -207,7 +208,6 @@ def test_kdtrainer_across_tokenizers_under_fsdp2_matches_one_process(tmp_path):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_fsdp1_one_process_matches_unwrapped(tmp_path, use_orig_params):
     import copy
-    import os
 
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -263,17 +263,19 @@ def cpu_torch_2_11(monkeypatch):
 
 def test_a_cpu_torch_that_refuses_rowwise_scales_still_runs_the_fp8_teacher(cpu_torch_2_11):
     """On torch 2.11's CPU the README's FP8 block failed ("CPU FP8 product refuses rowwise scales"): the product is
-    then taken from the dequantised operands, which torch 2.13's own CPU product matches to bf16 rounding (the fp32
-    sums of exact e4m3 products in another order: far below one bf16 step), and the FP8 teacher runs."""
+    then taken from the dequantised operands, which equals their float64 product to bf16 rounding (fp32 sums of
+    exact e4m3 products: far below one bf16 step), and the FP8 teacher runs."""
     assert F8.fp8_available(torch.device("cpu")) == (True, "") and not F8.cpu_takes_rowwise_scales()
     x, w = _rows(m=24, k=64).cpu(), _rows(m=48, k=64, seed=1).cpu()
     x8, sx = F8.quantize_rows_torch(x)
     w8, sw = F8.quantize_weight(w)
     bias = torch.randn(48).bfloat16()
     y = F8.fp8_linear(x8, sx, w8, sw, bias)
-    own = cpu_torch_2_11(x8, w8.t(), scale_a=sx[:, None], scale_b=sw[None, :], out_dtype=torch.bfloat16) + bias
-    step = 2.0**-7 * own.float().abs()  # one bf16 step (8 significant bits) at each value, and of the bias sum
-    assert ((y.float() - own.float()).abs() <= step + 2.0**-7 * bias.float().abs()).all()
+    # the product of the dequantised operands in float64, written here (torch 2.11's own CPU product refuses these
+    # scales, so it cannot be the reference on every torch this test runs on)
+    want = (x8.double() * sx.double()[:, None]) @ (w8.double() * sw.double()[:, None]).t() + bias.double()
+    step = 2.0**-7 * want.abs()  # one bf16 step (8 significant bits) at each value, and of the bias sum
+    assert ((y.double() - want).abs() <= step + 2.0**-7 * bias.double().abs()).all()
     model = tiny_model("llama", dtype=torch.bfloat16, seed=3).eval().requires_grad_(False)
     quantized = tiny_model("llama", dtype=torch.bfloat16, seed=3).eval().requires_grad_(False)
     quantize_teacher_fp8(quantized)

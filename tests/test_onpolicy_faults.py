@@ -196,6 +196,8 @@ def test_on_policy_training_on_a_gpu_with_bf16(tmp_path, cache, weights):
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
     student, teacher = (m.cuda() for m in _pair(weights, hidden=64))
+    if cache == "graph":  # the engine builds SDPA's masks (the tiny models default to eager; 'graph' refuses those)
+        student.set_attn_implementation("sdpa")
     rows = [{"input_ids": p, "labels": [-100] * len(p)} for p in PROMPTS] * 2
     args = _args(tmp_path, bf16=True, use_cpu=False, kd_generation_cache=cache, max_steps=2, kd_max_new_tokens=8)
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows)
@@ -284,3 +286,17 @@ def test_packed_privileged_rows_give_each_sequence_its_prompt_and_teacher_prompt
     plan = OnPolicySteps(_args(tmp_path)).plan(tiny_model("llama", dtype=torch.float32), [batch], None)
     assert plan.prompts == [[[3, 4], [6], [7, 8]]]
     assert plan.teacher_prompts == [[[1, 2, 3, 4], [2, 6], [11]]]
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_on_policy_training_with_the_captured_step_under_bf16_autocast_on_cpu(tmp_path, weights):
+    """The decode engine's path (kd_generation_cache='graph', eager on a CPU) through KDTrainer.train() with bf16=True:
+    fp32 weights under bf16 autocast and bf16 weights both train two generated steps to a finite loss."""
+    student, teacher = _pair(weights, hidden=64)
+    student.set_attn_implementation("sdpa")  # the engine builds SDPA's masks
+    rows = [{"input_ids": p, "labels": [-100] * len(p)} for p in PROMPTS] * 2
+    args = _args(tmp_path, bf16=True, use_cpu=True, kd_generation_cache="graph", max_steps=2, kd_max_new_tokens=8)
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows)
+    calls = _recording(trainer)
+    trainer.train()
+    assert len(calls) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history[:2])

@@ -11,7 +11,9 @@ import liger_patch_kd
 from liger_patch_kd.models.registry import family_names
 
 PACKAGES = ["liger_patch_kd", "liger_patch_kd.losses", "liger_patch_kd.models", "liger_patch_kd.ops.divergence",
-            "liger_patch_kd.models.state", "liger_patch_kd.losses.checks"]  # fmt: skip
+            "liger_patch_kd.models.state", "liger_patch_kd.losses.checks", "liger_patch_kd.trainer",
+            "liger_patch_kd.teacher", "liger_patch_kd.align"]  # fmt: skip
+ROOT_SUBPACKAGES = ("losses", "models", "trainer", "teacher", "align")  # every name of their __all__ at the root
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -37,6 +39,21 @@ def test_root_exports_what_models_and_losses_export():
 
     assert set(M.__all__) <= set(liger_patch_kd.__all__)
     assert set(losses.__all__) <= set(liger_patch_kd.__all__)
+
+
+def test_root_exports_every_public_name_of_the_trainer_teacher_and_align_once():
+    """The names the docs cite (verify_store, import_sglang_logprobs, KDTrainer, PrivilegedCollator, VocabMap ...)
+    import from the package root as the same objects, and no two subpackages declare one name."""
+    seen = {}
+    for sub in ROOT_SUBPACKAGES:
+        module = importlib.import_module(f"liger_patch_kd.{sub}")
+        for name in module.__all__:
+            assert name not in seen, f"{name} is declared by both {seen[name]} and {sub}"
+            seen[name] = sub
+            assert getattr(liger_patch_kd, name) is getattr(module, name), name
+    assert set(seen) | {"KDLossConfig", "__version__"} == set(liger_patch_kd.__all__)
+    for name in ("verify_store", "import_sglang_logprobs", "KDTrainer", "KDTrainingArguments", "TeacherClient"):
+        assert name in seen
 
 
 def test_import_does_not_load_the_trainer_transformers_or_dynamo():

@@ -3,7 +3,6 @@ options (--api-key, --max-request-tokens, --batch-invariant), and spoken to by t
 parsed by TRL's own vLLM reply formatter."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import urllib.request
 
 import pytest
 import torch
+
+from .helpers import subprocess_env
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -96,7 +97,7 @@ def test_temperature_shapes_only_the_completion_token(server):  # noqa: F811
 def test_too_large_a_top_k_is_refused_at_start(teacher_dir):  # noqa: F811
     cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(teacher_dir), "--top-k", "300",
            "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"liger-kd serve: error: --top-k 300 must be in [1, {VOCAB}] (the teacher's vocabulary size); lower it"

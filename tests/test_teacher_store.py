@@ -20,7 +20,7 @@ from liger_patch_kd import teacher as TD
 from liger_patch_kd.cli import main
 from liger_patch_kd.teacher.store.compact import PackedCodec, codec_from_spec
 
-from .helpers import random_sequences
+from .helpers import random_sequences, subprocess_env
 from .tiny_models import VOCAB, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_precompute_survives_sigkill_at_random_points(tmp_path, saved_teacher):
             "--batch-size", "2", "--device", "cpu"]  # fmt: skip
     main([*args, "--out", str(tmp_path / "full")])
     store, rng, kills = tmp_path / "killed", random.Random(0), 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "liger_patch_kd.cli", *args, "--out", str(store)], cwd=ROOT,
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip

@@ -1,10 +1,24 @@
 """`liger-kd demo`: distillation from nothing, on whatever machine this is. The toys (toys.py: a character
 tokenizer, the packaged corpus, small Llama models), the same-tokenizer demo (same_tokenizer.py: the loss alone,
-then online / offline / on-policy students against CE alone) and the cross-tokenizer one (cross_tokenizer.py;
-`python -m liger_patch_kd.demo.cross_tokenizer --quick` runs it alone)."""
+then online / offline / on-policy students against CE alone, scored on held-out and on sampled text: samples.py)
+and the cross-tokenizer one (cross_tokenizer.py; `python -m liger_patch_kd.demo.cross_tokenizer --quick` runs it
+alone)."""
 
-from .same_tokenizer import evaluate, evaluate_on_own_samples, loss_memory_demo, run_demo
-from .toys import BOS, EOS, PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args, windows
+from .same_tokenizer import evaluate, loss_memory_demo, run_demo
+from .samples import kl_on_samples, sample_continuations, score_on_samples, teacher_nll
+from .toys import (
+    BOS,
+    EOS,
+    PAD,
+    CharTokenizer,
+    DemoSizes,
+    build_model,
+    demo_threads,
+    load_corpus,
+    quiet,
+    training_args,
+    windows,
+)
 
 __all__ = [
     "BOS",
@@ -13,11 +27,16 @@ __all__ = [
     "CharTokenizer",
     "DemoSizes",
     "build_model",
+    "demo_threads",
     "evaluate",
-    "evaluate_on_own_samples",
+    "kl_on_samples",
     "load_corpus",
     "loss_memory_demo",
+    "quiet",
     "run_demo",
+    "sample_continuations",
+    "score_on_samples",
+    "teacher_nll",
     "training_args",
     "windows",
 ]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..models import revert_kd_patch
 from ..models.privileged import PrivilegedInputs
-from .toys import BOS, EOS, CharTokenizer, build_model, load_corpus, training_args
+from .toys import BOS, EOS, CharTokenizer, build_model, demo_threads, load_corpus, quiet, training_args
 
 # (kd_beta, kd_hard_weight) tried on the validation split
 GRID = ((0.0, 0.0), (0.0, 0.5), (0.5, 0.5))
@@ -103,9 +103,9 @@ def cell(values: list[float], width: int = 18) -> str:
 def run_context_demo(device: str | None = None, sizes: ContextDemoSizes | None = None) -> dict:
     """Train, choose, test; print the table. Returns {"chosen": (beta, hard_weight), "validation": {setting: CE},
     "teacher_ce": (with hint, without), "rows": {recipe: {"held_out_ce_by_seed", "kl_by_seed"}}}."""
-    with tempfile.TemporaryDirectory(prefix="liger_kd_context_") as work:
-        return _run(Path(work), torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
-                    sizes or ContextDemoSizes())  # fmt: skip
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="liger_kd_context_") as work, demo_threads(dev):
+        return _run(Path(work), dev, sizes or ContextDemoSizes())
 
 
 def _train_student(work: Path, teacher, rows, seed: int, sizes: ContextDemoSizes, device, setting=None):
@@ -118,12 +118,12 @@ def _train_student(work: Path, teacher, rows, seed: int, sizes: ContextDemoSizes
     if setting is None:  # CE only, on the student's own rows
         args = training_args(work / "student", sizes.student_steps, sizes.batch, device, seed=seed - 1)
         own = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
-        Trainer(model=student, args=args, train_dataset=own, data_collator=TeacherDataCollator()).train()
+        quiet(Trainer(model=student, args=args, train_dataset=own, data_collator=TeacherDataCollator())).train()
         return student
     beta, hard = setting
     args = training_args(work / "student", sizes.student_steps, sizes.batch, device, seed=seed - 1,
                          use_kd_patch=True, kd_beta=beta, kd_hard_weight=hard)  # fmt: skip
-    KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows).train()
+    quiet(KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows)).train()
     revert_kd_patch(model=student)
     return student
 
@@ -144,8 +144,8 @@ def _run(work: Path, device, sizes: ContextDemoSizes) -> dict:
     print(f"context distillation: {len(rows)} training sentences, {len(val_rows)} validation, {len(test_rows)} test")
     teacher = build_model(len(tok), 128, 2, seed=0, device=device)
     teacher_rows = [{"input_ids": r["teacher_input_ids"]} for r in rows]  # CE on the hint and the sentence
-    Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, device),
-            train_dataset=teacher_rows, data_collator=TeacherDataCollator()).train()  # fmt: skip
+    quiet(Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, device),
+                  train_dataset=teacher_rows, data_collator=TeacherDataCollator())).train()  # fmt: skip
     teacher.eval()
     with_hint = evaluate(teacher, teacher, teacher_side(test_rows), device)[0]
     without = evaluate(teacher, teacher, rows_of(tok, test, hint=False), device)[0]

@@ -44,7 +44,17 @@ import torch
 
 from ..align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text, encode_with_offsets
 from ..trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss
-from .toys import BOS, EOS, PAD, CharTokenizer, DemoSizes, build_model, load_corpus, train_bpe_tokenizer
+from .toys import (
+    BOS,
+    EOS,
+    PAD,
+    CharTokenizer,
+    DemoSizes,
+    build_model,
+    demo_threads,
+    load_corpus,
+    train_bpe_tokenizer,
+)
 
 
 class CharTokenizerWithOffsets(CharTokenizer):
@@ -126,14 +136,20 @@ def _train_teacher(char_tok, train_texts, sizes: DemoSizes, device):
     opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
     windows = [[BOS] + char_tok.encode(t) for t in train_texts]
     gen = torch.Generator().manual_seed(0)
+    print(f"  training the teacher (characters): {sizes.teacher_steps} steps x {sizes.batch} windows", flush=True)
+    start, quarters = time.perf_counter(), {sizes.teacher_steps * k // 4 for k in (1, 2, 3)}
     for step in range(sizes.teacher_steps):
         idx = torch.randint(len(windows), (sizes.batch,), generator=gen).tolist()
         ids = torch.tensor([windows[i] for i in idx], device=device)
         for g in opt.param_groups:
             g["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / sizes.teacher_steps))
-        teacher(input_ids=ids, labels=ids).loss.backward()
+        loss = teacher(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        if step + 1 in quarters:  # progress: the teacher is most of a run's time
+            print(f"    step {step + 1}/{sizes.teacher_steps}: loss {loss.item():.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     return teacher.eval().requires_grad_(False)
 
 
@@ -196,10 +212,16 @@ def run_cross_tokenizer_demo(
     cross-tokenizer KD recipe from the character teacher (trained on the whole training text); returns (and
     prints) held-out CE of each, CE on its own training windows, wall time and the vocabulary overlap.
     `validation`: hold out the validation split (demo_splits) instead of the test text, for choosing settings;
-    a given `teacher` must then have been trained without it."""
+    a given `teacher` must then have been trained without it. On a CPU it runs on one thread unless
+    OMP_NUM_THREADS is set (toys.demo_threads)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sizes = sizes or (CrossTokenizerDemoSizes.quick() if quick else CrossTokenizerDemoSizes())
     recipes = (QUICK_RECIPES if quick else DEFAULT_RECIPES) if recipes is None else recipes
+    with demo_threads(dev):
+        return _run(teacher, dev, sizes, recipes, validation)
+
+
+def _run(teacher, dev, sizes: CrossTokenizerDemoSizes, recipes: dict, validation: bool) -> dict:
     text = load_corpus()
     train_text, held_out_text = demo_splits(text, validation)
     char_tok = CharTokenizerWithOffsets(text)
@@ -237,7 +259,8 @@ def run_cross_tokenizer_demo(
         print(
             f"  {name:26} held-out {mean['per_char']:.4f} nats/char ({by_seed}), {mean['per_token']:.3f} nats/token; "
             f"by quarter {' '.join(f'{c:.3f}' for c in curve)}; own training text {mean['train_per_char']:.4f}; "
-            f"{mean['seconds']:.1f} s"
+            f"{mean['seconds']:.1f} s",
+            flush=True,
         )
     return results
 

@@ -22,7 +22,7 @@ import torch
 
 from ..models import revert_kd_patch
 from .same_tokenizer import evaluate
-from .toys import PAD, CharTokenizer, build_model, load_corpus, training_args, windows
+from .toys import PAD, CharTokenizer, build_model, demo_threads, load_corpus, quiet, training_args, windows
 
 HALVES = ("clauses", "plain")
 TEMPERATURES = (1.0, 2.0)  # the KD temperatures each KD recipe chooses from on the validation split
@@ -42,17 +42,17 @@ def split_corpus(text: str) -> dict[str, str]:
 
 def run_multi_teacher_demo(quick: bool = False, device: str | None = None, seeds: tuple[int, ...] | None = None):
     """The table's rows: {"recipe", "ce_<half>", "kl_<half>" (means), and "<key>_by_seed"}."""
-    with tempfile.TemporaryDirectory(prefix="liger_kd_multi_demo_") as work:
-        return _run(Path(work), quick, device, seeds)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="liger_kd_multi_demo_") as work, demo_threads(dev):
+        return _run(Path(work), quick, dev, seeds)
 
 
-def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
+def _run(work: Path, quick: bool, dev: torch.device, seeds) -> list[dict]:
     from transformers import Trainer
 
     from .. import teacher as TD
     from ..trainer import KDTrainer
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seq, batch = 48, 8
     teacher_steps, student_steps = (150, 100) if quick else (300, 200)
     seeds = tuple(seeds or ((1,) if quick else (1, 2, 3)))
@@ -76,8 +76,8 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
     for name, data in (("clauses", rows["clauses"]), ("plain", rows["plain"]), ("everything", everything)):
         teacher = build_model(vocab, 128, 3, seed=0, device=dev)
         args = training_args(work / f"teacher_{name}", teacher_steps, batch, dev)
-        Trainer(model=teacher, args=args, train_dataset=[{"input_ids": r["input_ids"]} for r in data],
-                data_collator=collator).train()  # fmt: skip
+        quiet(Trainer(model=teacher, args=args, train_dataset=[{"input_ids": r["input_ids"]} for r in data],
+                      data_collator=collator)).train()  # fmt: skip
         teachers[name] = teacher.eval()
         ces = {half: evaluate(teacher, teacher, held_out[half], dev)[0] for half in HALVES}
         print(f"teacher trained on {name}: held-out CE " + ", ".join(f"{h} {c:.3f}" for h, c in ces.items()))
@@ -101,7 +101,7 @@ def _run(work: Path, quick: bool, device: str | None, seeds) -> list[dict]:
         else:
             trainer = KDTrainer(model=student, teacher_model=recipe[0], args=args, train_dataset=recipe[1],
                                 data_collator=collator)  # fmt: skip
-        trainer.train()
+        quiet(trainer).train()
         revert_kd_patch(model=student)
         scores = {}
         for half in HALVES:

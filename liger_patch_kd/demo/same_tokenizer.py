@@ -3,10 +3,16 @@
 1. the fused loss against materialised logits on one toy batch: same value, a fraction of the memory;
 2. a small teacher trained on the packaged corpus (character tokenizer, no downloads);
 3. one smaller student per recipe, same init, same steps: CE only, online fused JSD, offline top-k from a
-   store precomputed here, on-policy (GKD) with student-generated completions;
-4. a table: held-out CE, KL(teacher || student) per token, tokens/s, peak memory;
+   store precomputed here, on-policy (GKD): student-generated completions as long as the data's windows, after a
+   warm-up of off-policy steps (kd_onpolicy_warmup_steps, the way GKD starts from a fine-tuned student);
+4. a table: held-out CE, KL(teacher || student) per token on held-out text and on sampled text (every student's
+   samples pooled: one set of contexts for all, demo/samples.py), the teacher's NLL of each student's own
+   samples, tokens/s, peak memory;
 5. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
-   text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char, 3 inits).
+   text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
+
+The default is the short run (`quick`: smaller sizes, one seed, about two minutes on 2 CPU cores); `--full` the
+three-seed table at full sizes.
 """
 
 from __future__ import annotations
@@ -24,11 +30,30 @@ from .. import reference
 from ..losses import fused_linear_jsd
 from ..models import revert_kd_patch
 from ..utils.memory import PeakMemory
-from .toys import PAD, CharTokenizer, DemoSizes, build_model, load_corpus, training_args, windows
+from .samples import sample_continuations, score_on_samples, teacher_nll
+from .toys import (
+    PAD,
+    CharTokenizer,
+    DemoSizes,
+    build_model,
+    demo_threads,
+    load_corpus,
+    quiet,
+    training_args,
+    windows,
+)
 
-ONPOLICY_RECIPE = "on-policy (GKD, lmbda 0.5)"
-# its options (benchmarks/bench_demo_onpolicy.py times this row): half the steps on 24 sampled characters
-ONPOLICY_KD = dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)
+ONPOLICY_RECIPE = "on-policy (GKD, warm-up)"
+
+
+def onpolicy_kd(sizes: DemoSizes) -> dict:
+    """The on-policy row's options. Off-policy (online KD) for the first half of the steps, then kd_lmbda 0.5:
+    from a random init the student's samples are noise, which teaches it nothing (GKD starts from a fine-tuned
+    student). Each completion is seq - 1 characters after BOS, as long as a data window: the row trains on as many
+    tokens, at as many positions, as the others (24 characters trained on 69 % of their tokens, never past
+    position 24)."""
+    return dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_onpolicy_warmup_steps=0.5,
+                kd_max_new_tokens=sizes.seq - 1)  # fmt: skip
 
 
 @torch.no_grad()
@@ -42,25 +67,6 @@ def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float,
     ce = reference.cross_entropy_per_row(s, labels)[labels != -100].mean()
     kl = reference.generalized_jsd(s, t, labels, beta=0.0)
     return float(ce), float(kl)
-
-
-@torch.no_grad()
-def evaluate_on_own_samples(
-    student, teacher, windows: list[list[int]], device, prompt: int = 16, new: int = 32
-) -> float:
-    """KL(teacher || student) per token on the student's own sampled continuations of held-out prompts: the
-    distribution on-policy distillation trains on (teacher forcing on real text is the other column)."""
-    student.eval()
-    prompts = torch.tensor([w[:prompt] for w in windows], device=device)
-    torch.manual_seed(0)
-    seqs = student.generate(
-        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, do_sample=True, top_k=0,
-        pad_token_id=PAD, eos_token_id=None,
-    )  # fmt: skip
-    labels = torch.full_like(seqs, -100)
-    labels[:, prompt - 1 : -1] = seqs[:, prompt:]  # score the generated tokens only
-    s, t = student(input_ids=seqs).logits.float(), teacher(input_ids=seqs).logits.float()
-    return float(reference.generalized_jsd(s, t, labels, beta=0.0))
 
 
 def loss_memory_demo(device) -> None:
@@ -82,10 +88,13 @@ def loss_memory_demo(device) -> None:
         loss.backward()
         return loss
 
+    shape = f"N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}"
+    print(f"\n[1/5] the loss alone: {shape}, forward+backward, fused against materialised logits", flush=True)
     rows = []
     for name in ("fused (liger_patch_kd)", "materialised logits"):
-        step(name)  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks its algorithms
-        h_s.grad = w_s.grad = None
+        if device.type != "cpu":  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks algorithms
+            step(name)
+            h_s.grad = w_s.grad = None
         with PeakMemory(device) as mem:
             start = time.perf_counter()
             loss = step(name)
@@ -94,7 +103,6 @@ def loss_memory_demo(device) -> None:
             seconds = time.perf_counter() - start
         rows.append((name, loss.item(), mem.peak_mib, seconds * 1000))
         h_s.grad = w_s.grad = None
-    print(f"\n[1/5] the loss alone: N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}, forward+backward")
     print(f"{'':24}{'loss':>12}{'peak MiB':>12}{'ms':>10}")
     for name, loss, mib, ms in rows:
         print(f"{name:24}{loss:12.6f}{mib:12.1f}{ms:10.1f}")
@@ -116,19 +124,22 @@ def _figure(values: list[float], digits: int, width: int) -> str:
 
 
 def run_demo(
-    quick: bool = False, device: str | None = None, cross_tokenizer: bool = True, seeds: tuple[int, ...] | None = None
-) -> list[dict]:
-    """The rows of step 4, then (with `cross_tokenizer`) step 5's: {"recipe": "BPE student: ...",
-    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
+    quick: bool = True, device: str | None = None, cross_tokenizer: bool | None = None,
+    seeds: tuple[int, ...] | None = None,
+) -> list[dict]:  # fmt: skip
+    """The rows of step 4, then (with `cross_tokenizer`; None: in the full run only) step 5's: {"recipe": "BPE
+    student: ...", "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
 
+    `quick` (the default, as `liger-kd demo`'s): DemoSizes.quick() and one seed; False: full sizes, three seeds.
     Each student recipe is trained from `seeds` (seed s: student init s, data order s - 1; default 1, 2, 3, or 1
-    under `quick`)
-    against the one teacher; a step-4 row holds the means (held_out_ce, kl_to_teacher, kl_own_samples, tokens_per_s,
-    peak_mib) and every seed's CE and KL (`<name>_by_seed`). The table prints mean ± standard deviation over the
-    seeds: float32 results differ between CPUs (BLAS kernels, thread counts), and such differences move the figures
-    by about that spread. Everything is written to a temporary folder, removed at the end."""
-    with tempfile.TemporaryDirectory(prefix="liger_kd_demo_") as work:
-        return _run_demo(Path(work), quick, device, cross_tokenizer, seeds)
+    under `quick`) against the one teacher; a step-4 row holds the means (held_out_ce, kl_to_teacher, kl_samples,
+    teacher_nll, tokens_per_s, peak_mib) and every seed's values (`<name>_by_seed`). The table prints mean ±
+    standard deviation over the seeds: float32 results differ between CPUs (BLAS kernels, thread counts), and such
+    differences move the figures by about that spread. On a CPU it runs on one thread unless OMP_NUM_THREADS is set
+    (toys.demo_threads). Everything is written to a temporary folder, removed at the end."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="liger_kd_demo_") as work, demo_threads(dev):
+        return _run_demo(Path(work), quick, dev, not quick if cross_tokenizer is None else cross_tokenizer, seeds)
 
 
 def demo_data(sizes: DemoSizes):
@@ -149,18 +160,38 @@ def train_teacher(dataset, collator, vocab: int, sizes: DemoSizes, out: Path, de
     from transformers import Trainer
 
     teacher = build_model(vocab, 128, 4, seed=0, device=device)
-    Trainer(model=teacher, args=training_args(out, sizes.teacher_steps, sizes.batch, device),
-            train_dataset=dataset, data_collator=collator).train()  # fmt: skip
+    quiet(Trainer(model=teacher, args=training_args(out, sizes.teacher_steps, sizes.batch, device),
+                  train_dataset=dataset, data_collator=collator)).train()  # fmt: skip
     return teacher.eval()
 
 
-def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool, seeds) -> list[dict]:
+def _train_student(recipe: dict | None, seed: int, vocab: int, sizes: DemoSizes, dataset, collator, out: Path, dev):
+    """One student of step 3: (the model, unpatched again, {"tokens_per_s", "peak_mib", "seconds"})."""
     from transformers import Trainer
 
-    from .. import teacher as TD
     from ..trainer import KDTrainer
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    student = build_model(vocab, 64, 2, seed=seed, device=dev)
+    # seed s: student init s, data order (and on-policy sampling) s - 1, so seed 1 is 0.2's one configuration
+    args = training_args(out, sizes.student_steps, sizes.batch, dev, seed=seed - 1, **(recipe or {}).get("kd", {}))
+    if recipe is None:
+        trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
+    else:
+        trainer = KDTrainer(model=student, teacher_model=recipe["teacher"], args=args, train_dataset=recipe["data"],
+                            data_collator=collator)  # fmt: skip
+    with PeakMemory(dev) as mem:
+        start = time.perf_counter()
+        quiet(trainer).train()
+        seconds = time.perf_counter() - start
+    revert_kd_patch(model=student)
+    tokens = sizes.student_steps * sizes.batch * sizes.seq
+    return student.eval(), dict(tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib, seconds=seconds)
+
+
+def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool, seeds) -> list[dict]:
+    from .. import teacher as TD
+
+    began = time.perf_counter()
     sizes = DemoSizes.quick() if quick else DemoSizes()
     seeds = tuple(seeds or ((1,) if quick else (1, 2, 3)))
     loss_memory_demo(dev)
@@ -168,14 +199,18 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
     tok, train, held_out, dataset, collator = demo_data(sizes)
     vocab = len(tok)
 
-    print(f"\n[2/5] teacher: Llama 4 x 128 on {len(train)} windows of {sizes.seq} characters ({vocab} symbols)")
+    print(f"\n[2/5] teacher: Llama 4 x 128, {sizes.teacher_steps} steps on {len(train)} windows of {sizes.seq} "
+          f"characters ({vocab} symbols) ...", flush=True)  # fmt: skip
+    start = time.perf_counter()
     teacher = train_teacher(dataset, collator, vocab, sizes, work / "teacher", dev)
     ce, _ = evaluate(teacher, teacher, held_out, dev)
-    print(f"teacher held-out CE {ce:.3f} nats/char")
+    print(f"  teacher held-out CE {ce:.3f} nats/char ({time.perf_counter() - start:.0f} s)")
 
-    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each, seeds {list(seeds)} (init, data order)")
+    recipes_named = "CE only, online KD, offline top-k, on-policy"
+    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each ({recipes_named}), seeds {list(seeds)} "
+          f"(init, data order)", flush=True)  # fmt: skip
     store = TD.precompute(teacher, train, work / "store", top_k=sizes.top_k, batch_size=32,
-                          tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=True)  # fmt: skip
+                          tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=False)  # fmt: skip
     offline_data = TD.TeacherLogprobsDataset(store, vocab_size=vocab, tokenizer=tok)
     recipes = {
         "CE only": None,
@@ -184,51 +219,52 @@ def _run_demo(work: Path, quick: bool, device: str | None, cross_tokenizer: bool
         f"offline top-{sizes.top_k} (store)": dict(
             teacher=None, data=offline_data, kd=dict(use_kd_patch=True, kd_beta=0.0)
         ),
-        ONPOLICY_RECIPE: dict(teacher=teacher, data=dataset, kd=dict(ONPOLICY_KD)),
+        ONPOLICY_RECIPE: dict(teacher=teacher, data=dataset, kd=onpolicy_kd(sizes)),
     }
+    runs: dict[str, list[dict]] = {name: [] for name in recipes}
+    for seed in seeds:
+        students = {}
+        for name, recipe in recipes.items():
+            students[name], run = _train_student(recipe, seed, vocab, sizes, dataset, collator, work / "student", dev)
+            run["held_out_ce"], run["kl_to_teacher"] = evaluate(students[name], teacher, held_out, dev)
+            runs[name].append(run)
+            print(f"  {name}, seed {seed}: held-out CE {run['held_out_ce']:.3f}, KL {run['kl_to_teacher']:.4f} "
+                  f"({run['seconds']:.0f} s)", flush=True)  # fmt: skip
+        # every student scored on every student's samples of the held-out prompts: one set of contexts for all
+        for name, scores in score_on_samples(students, teacher, held_out, dev, seed=seed - 1).items():
+            runs[name][-1].update(scores)
     results = []
-    for name, recipe in recipes.items():
-        runs = []
-        for seed in seeds:
-            student = build_model(vocab, 64, 2, seed=seed, device=dev)
-            # seed s: student init s, data order (and on-policy sampling) s - 1, so seed 1 is 0.2's one configuration
-            args = training_args(work / "student", sizes.student_steps, sizes.batch, dev, seed=seed - 1,
-                                 **(recipe or {}).get("kd", {}))  # fmt: skip
-            if recipe is None:
-                trainer = Trainer(model=student, args=args, train_dataset=dataset, data_collator=collator)
-            else:
-                trainer = KDTrainer(model=student, teacher_model=recipe["teacher"], args=args,
-                                    train_dataset=recipe["data"], data_collator=collator)  # fmt: skip
-            with PeakMemory(dev) as mem:
-                start = time.perf_counter()
-                trainer.train()
-                seconds = time.perf_counter() - start
-            revert_kd_patch(model=student)
-            ce, kl = evaluate(student, teacher, held_out, dev)
-            kl_own = evaluate_on_own_samples(student, teacher, held_out, dev)
-            tokens = sizes.student_steps * sizes.batch * sizes.seq
-            runs.append(dict(held_out_ce=ce, kl_to_teacher=kl, kl_own_samples=kl_own, tokens_per_s=tokens / seconds,
-                             peak_mib=mem.peak_mib))  # fmt: skip
-            print(f"  {name}, seed {seed}: CE {ce:.3f}, KL {kl:.4f}, KL on own samples {kl_own:.4f}")
+    for name, by_seed in runs.items():
         row = dict(recipe=name, seeds=list(seeds))
-        for key in runs[0]:
-            row[key] = _mean_spread([r[key] for r in runs])[0]
-            row[f"{key}_by_seed"] = [r[key] for r in runs]
+        for key in ("held_out_ce", "kl_to_teacher", "kl_samples", "teacher_nll", "tokens_per_s", "peak_mib"):
+            row[f"{key}_by_seed"] = [r[key] for r in by_seed]
+            row[key] = _mean_spread(row[f"{key}_by_seed"])[0]
         results.append(row)
-
-    spread = f"mean ± standard deviation over student seeds {list(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    print("\n[4/5] held-out CE (nats/char); KL(teacher || student) per token on held-out text and on the student's own")
-    print(f"samples; training tokens/s and peak training memory on {dev.type}; {spread}")
-    w = 16 if len(seeds) > 1 else 9
-    print(f"{'recipe':28}{'CE':>{w}}{'KL text':>{w}}{'KL own':>{w}}{'tokens/s':>10}{'peak MiB':>10}")
-    for r in results:
-        ce, kl = _figure(r["held_out_ce_by_seed"], 3, w), _figure(r["kl_to_teacher_by_seed"], 4, w)
-        own = _figure(r["kl_own_samples_by_seed"], 4, w)
-        print(f"{r['recipe']:28}{ce}{kl}{own}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")
+    teacher_own = teacher_nll(teacher, sample_continuations(teacher, held_out, dev))
+    _print_table(results, seeds, dev, teacher_own, time.perf_counter() - began)
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
     if cross_tokenizer:
         results += _cross_tokenizer_rows(teacher, quick, dev)
+    else:
+        print("\n[5/5] across tokenizers (a student with its own BPE tokenizer): `liger-kd demo --full` runs it, or "
+              "alone: python -m liger_patch_kd.demo.cross_tokenizer --quick")  # fmt: skip
     return results
+
+
+def _print_table(results: list[dict], seeds, dev, teacher_own: float, seconds: float) -> None:
+    spread = f"mean ± standard deviation over student seeds {list(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    print(f"\n[4/5] the students ({spread}; {seconds:.0f} s so far)")
+    print("  CE: held-out nats/char. KL text: KL(teacher || student) per token on held-out text. KL samples: the same "
+          "on\n  sampled text, every student's continuations of the held-out prompts pooled (one set of contexts for "
+          f"all).\n  teacher NLL: the teacher's nats per token of the student's own samples (of its own: "
+          f"{teacher_own:.3f}). Training tokens/s, peak MiB on {dev.type}.")  # fmt: skip
+    w = 16 if len(seeds) > 1 else 12
+    header = "".join(f"{label:>{w}}" for label in ("CE", "KL text", "KL samples", "teacher NLL"))
+    print(f"{'recipe':28}{header}{'tokens/s':>10}{'peak MiB':>10}")
+    for r in results:
+        cells = [_figure(r[f"{key}_by_seed"], digits, w) for key, digits in (
+            ("held_out_ce", 3), ("kl_to_teacher", 4), ("kl_samples", 4), ("teacher_nll", 3))]  # fmt: skip
+        print(f"{r['recipe']:28}{''.join(cells)}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")
 
 
 def _cross_tokenizer_rows(teacher, quick: bool, device) -> list[dict]:

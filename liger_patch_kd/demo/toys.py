@@ -3,6 +3,8 @@ demo's sizes, its small Llama models and training arguments. Everything here run
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -90,3 +92,30 @@ def training_args(out: Path, steps: int, batch: int, device, seed: int = 0, **kd
         report_to="none", save_strategy="no", disable_tqdm=True, seed=seed, use_cpu=device.type == "cpu",
         bf16=device.type == "cuda", dataloader_pin_memory=device.type == "cuda", **kd,
     )  # fmt: skip
+
+
+def quiet(trainer):
+    """`trainer` without the Trainer's own printing (its log dicts and progress bars): the demos print one line
+    per phase themselves. Its logs still reach trainer.state.log_history."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    return trainer
+
+
+@contextmanager
+def demo_threads(device):
+    """On a CPU, one intra-op thread while a demo runs, unless OMP_NUM_THREADS says how many: the demos' models
+    are tiny (a second thread buys little) and on a machine other work shares, threads that spin waiting for each
+    other cost ten times over (40 steps of the demo's teacher: 3.2 s of CPU on one thread, 47-56 s on two, at
+    load 11 on 2 cores)."""
+    if torch.device(device).type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -11,6 +11,7 @@ any KDTrainingArguments is made.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,19 @@ class KDTrainingArguments(TrainingArguments):
     kd_top_k_tail: str = field(
         default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."}
     )
-    kd_lmbda: float = field(default=0.0, metadata={"help": "Fraction of steps on student-generated completions (GKD)."})
+    kd_lmbda: float = field(
+        default=0.0,
+        metadata={"help": "Fraction of steps on student-generated completions (GKD); with kd_onpolicy_warmup_steps, "
+                  "of the steps after the warm-up."},
+    )  # fmt: skip
+    kd_onpolicy_warmup_steps: float = field(
+        default=0,
+        metadata={"help": "Optimizer steps trained on the dataset's completions before the first generated step "
+                  "(kd_lmbda, kd_seq_kd): the way GKD starts from a student fine-tuned on the data, since a "
+                  "random or untrained student samples noise. An integer (steps) or a float in (0, 1) (a fraction "
+                  "of the run's steps), as warmup_steps. After it, kd_lmbda's schedule is the one it would be "
+                  "without a warm-up (the same steps generate)."},
+    )  # fmt: skip
     kd_seq_kd: bool = field(
         default=False, metadata={"help": "Train on teacher-generated completions (sequence-level KD)."}
     )
@@ -79,7 +92,9 @@ class KDTrainingArguments(TrainingArguments):
     kd_onpolicy_loss: str = field(
         default="divergence",
         metadata={"help": "Loss on generated completions: divergence (the kd_beta generalized JSD over the full "
-                  "vocabulary, GKD), pg (policy gradient of the per-token reverse KL), k1 or k3 (estimators)."},
+                  "vocabulary, GKD), pg (policy gradient of the per-token reverse KL), k1 or k3 (estimators). pg "
+                  "wants a smaller learning rate: from the demo's trained student it diverges at the demo's 3e-3 "
+                  "(KL on its own samples 0.347 -> 0.593) and trains at 3e-4."},
     )  # fmt: skip
     kd_pg_importance_cap: float | None = field(
         default=3.0,
@@ -127,6 +142,11 @@ class KDTrainingArguments(TrainingArguments):
     kd_max_prompt_length: int | None = field(
         default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}
     )
+    kd_max_length: int | None = field(
+        default=None,
+        metadata={"help": "Rows of text ({'text': ...}, tokenized by KDTrainer with processing_class): keep each "
+                  "row's first N tokens (None: all)."},
+    )  # fmt: skip
     kd_self_distill: str = field(  # or a bool; typed str so that `--kd_self_distill frozen` parses
         default=False,
         metadata={"help": "The student is its own teacher: 'adapter' (a PEFT student's base model, adapter off), "
@@ -222,6 +242,7 @@ class KDTrainingArguments(TrainingArguments):
         super().__post_init__()
         if not 0.0 <= self.kd_lmbda <= 1.0:
             raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
+        self.onpolicy_warmup(1)  # validates kd_onpolicy_warmup_steps now
         if self.kd_onpolicy_loss not in ONPOLICY_LOSSES:
             raise ValueError(f"kd_onpolicy_loss must be one of {ONPOLICY_LOSSES}; got {self.kd_onpolicy_loss!r}")
         check_importance_cap(self.kd_pg_importance_cap, name="kd_pg_importance_cap")
@@ -235,8 +256,10 @@ class KDTrainingArguments(TrainingArguments):
             self.kd_self_distill = self.kd_self_distill.lower() == "true"  # from a command line
         if self.kd_self_distill not in SELF_DISTILL_MODES:
             raise ValueError(f"kd_self_distill must be one of {SELF_DISTILL_MODES}; got {self.kd_self_distill!r}")
-        if self.kd_max_prompt_length is not None and not self.kd_max_prompt_length >= 1:
-            raise ValueError(f"kd_max_prompt_length must be None or >= 1; got {self.kd_max_prompt_length!r}")
+        for name in ("kd_max_prompt_length", "kd_max_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}")
         unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
         if unknown:
             raise ValueError(
@@ -263,6 +286,26 @@ class KDTrainingArguments(TrainingArguments):
         self.kd_loss_config()  # validates the loss options now, not at the first step
         for _, check in FEATURE_CHECKS:  # the features' own checks (rollouts/, teachers/)
             check(self)
+
+    @property
+    def generates_every_step(self) -> bool:
+        """Whether no optimizer step trains on the dataset's completions (kd_seq_kd or kd_lmbda=1, no warm-up)."""
+        return bool(self.kd_seq_kd or self.kd_lmbda >= 1) and not self.kd_onpolicy_warmup_steps
+
+    def onpolicy_warmup(self, total_steps: int) -> int:
+        """The optimizer steps before the first generated one, in a run of `total_steps` (kd_onpolicy_warmup_steps
+        read as warmup_steps is: >= 1 a count, below 1 a fraction, rounded up)."""
+        warmup = self.kd_onpolicy_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < math.inf:
+            raise ValueError(f"kd_onpolicy_warmup_steps must be a number >= 0 (steps, or a fraction of the run below "
+                             f"1); got {warmup!r}")  # fmt: skip
+        if warmup >= 1 and warmup != int(warmup):
+            raise ValueError(f"kd_onpolicy_warmup_steps={warmup} is a step count (>= 1) that is not whole: give an "
+                             f"integer, or a fraction of the run's steps below 1")  # fmt: skip
+        if warmup and not (self.kd_seq_kd or self.kd_lmbda > 0):
+            raise ValueError(f"kd_onpolicy_warmup_steps={warmup} delays the generated steps, and kd_lmbda=0 without "
+                             f"kd_seq_kd makes none: set kd_lmbda > 0, or kd_onpolicy_warmup_steps=0")  # fmt: skip
+        return int(warmup) if warmup >= 1 else math.ceil(total_steps * warmup)
 
     # The API keys are secrets: used in this process, never written. to_dict (to_json_string, the loggers' args,
     # the hub's model card) and str / repr show them as <KD_..._API_KEY>, as TrainingArguments shows its *_token

@@ -108,13 +108,13 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
 def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
     """Prompt-only rows with steps that train on the dataset's completions (kd_lmbda < 1, no kd_seq_kd): refused
     now, not at the first such step (onpolicy.require_completions, which a later row can still meet)."""
-    if args.kd_seq_kd or args.kd_lmbda >= 1 or not isinstance(first_row, dict) or not is_prompt_row(first_row):
+    if args.generates_every_step or not isinstance(first_row, dict) or not is_prompt_row(first_row):
         return
     if not has_completion(first_row):
         raise ValueError(
-            f"kd_lmbda={args.kd_lmbda} trains some steps on the dataset's completions, but the rows are prompts "
-            f"without a completion; give every row a 'completion', or set kd_lmbda=1 (every step generated) or "
-            f"kd_seq_kd=True"
+            f"kd_lmbda={args.kd_lmbda} (kd_onpolicy_warmup_steps={args.kd_onpolicy_warmup_steps}) trains some steps "
+            f"on the dataset's completions, but the rows are prompts without a completion; give every row a "
+            f"'completion', or set kd_lmbda=1 (every step generated) or kd_seq_kd=True, with no warm-up"
         )
 
 

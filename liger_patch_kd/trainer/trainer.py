@@ -29,7 +29,7 @@ from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .rollouts.other_tokenizer import rows_maker
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
-from .teachers.base import SAMPLE_COLUMNS, TeacherSource
+from .teachers.base import SAMPLE_COLUMNS, TeacherSource, has_teacher_rows
 from .teachers.compute import prepare_teacher_compute
 from .teachers.in_process import InProcessTeacher
 from .teachers.other_tokenizer import (
@@ -45,6 +45,7 @@ from .teachers.served import ServedTeacher
 from .teachers.served_several import ServedTeachers
 from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .teachers.stored import StoredTeacher
+from .text_rows import materialised_logits_note, tokenize_text_datasets
 
 logger = logging.get_logger(__name__)
 
@@ -70,6 +71,7 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
         self.teacher_set = None
         if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
@@ -256,6 +258,10 @@ class KDTrainer(Trainer):
         if generated and self.args.kd_onpolicy_loss != "divergence":  # a sampled-token estimator on the rollouts
             cap = self.args.kd_pg_importance_cap if self.args.kd_onpolicy_loss == "pg" else None
             cfg = cfg.replace(estimator=self.args.kd_onpolicy_loss, temperature=1.0, importance_cap=cap)
+        if not self.args.use_kd_patch and not getattr(self, "_kd_noted_materialised", False):  # its cost, once
+            self._kd_noted_materialised = True
+            vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
+            logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, has_teacher_rows(inputs)))
         step = self.teacher_source.loss(model, inputs, num_items_in_batch, cfg, self._kd_should_log(), behaviour)
         if step.teacher_metrics:  # several teachers' figures, kept until the next log
             self._kd_teacher_metrics = step.teacher_metrics

@@ -13,13 +13,16 @@ import torch
 from ..store import StoreWriter, TeacherStoreError
 from ..store.ids import token_ids
 
+# the formats extra, from the package index and from a clone
+INSTALL_FORMATS = 'pip install "liger_patch_kd[formats]" (from a clone: pip install -e ".[formats]")'
+
 
 def import_datasets():
     """The `datasets` package, or an ImportError saying how to install it."""
     try:
         import datasets
     except ImportError as e:
-        raise ImportError('this needs the `datasets` package: pip install "liger-patch-kd[formats]"') from e
+        raise ImportError(f"this needs the `datasets` package: {INSTALL_FORMATS}") from e
     return datasets
 
 

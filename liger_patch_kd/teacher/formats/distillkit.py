@@ -22,7 +22,7 @@ import torch
 
 from ..store import TeacherStoreError, iter_store, read_manifest, refuse_samples
 from ..store.ids import token_ids
-from .common import converting, flush_rows, open_conversion
+from .common import INSTALL_FORMATS, converting, flush_rows, open_conversion
 from .distillkit_codec import (
     CONFIG_FILE,
     CompressorConfig,
@@ -80,7 +80,7 @@ def _parquet_records(files: list[Path]) -> Iterator[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ImportError('this needs the `pyarrow` package: pip install "liger-patch-kd[formats]"') from e
+        raise ImportError(f"this needs the `pyarrow` package: {INSTALL_FORMATS}") from e
     for path in files:
         pf = pq.ParquetFile(path)
         _check_columns(pf.schema_arrow.names, str(path))
@@ -227,7 +227,7 @@ def store_to_distillkit(
         import pyarrow.parquet as pq
         import yaml
     except ImportError as e:
-        raise ImportError('this needs `pyarrow` and `pyyaml`: pip install "liger-patch-kd[formats]"') from e
+        raise ImportError(f"this needs `pyarrow` and `pyyaml`: {INSTALL_FORMATS}") from e
     raw = compressor if isinstance(compressor, dict) else read_config_file(Path(compressor))
     meta = read_manifest(store_dir)
     cfg = CompressorConfig.from_dict({"d": meta["vocab_size"], **raw})

@@ -7,7 +7,7 @@ teacher_sample_ids / teacher_sample_counts (m int32 per position) / teacher_samp
 the hybrid's top-k (0: empty lists), and the way back writes a sampled store again. `map` / `filter` / `to_parquet`
 / streaming then work on teacher data; `dataset_to_store` writes any such dataset (or a filtered one) back. The
 round trip is exact for float32 stores, and for bf16 / fp16 stores (their values are exact in float32). `datasets`
-and `pyarrow` are optional: pip install "liger-patch-kd[formats]".
+and `pyarrow` are optional: pip install "liger_patch_kd[formats]" (from a clone: pip install -e ".[formats]").
 """
 
 from __future__ import annotations

@@ -155,15 +155,23 @@ class TeacherClient:
             raise P.TeacherReplyError(f"{name}: the reply is not JSON ({raw[:80]!r}...)") from e
         return wire.parse_reply(reply, sequences, **common)
 
+    def served_model(self) -> dict:
+        """The first model GET /v1/models lists: {"id": its name, ...}; `liger-kd serve` adds "max_logprobs" (its
+        --top-k) and "vocab_size" (its lm_head's rows), vLLM and SGLang "max_model_len"."""
+        raw, _ = self._send("GET", "/v1/models", None, "application/json")
+        try:
+            model = json.loads(raw)["data"][0]
+            if not isinstance(model, dict) or not isinstance(model["id"], str):
+                raise TypeError("the model is not {'id': str, ...}")
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise TeacherServerError(f"{self.url}/v1/models lists no model ({raw[:200]!r})") from e
+        return model
+
     def _model_name(self) -> str:
         """vLLM wants the served model's name: asked once from /v1/models unless given."""
         with self._model_lock:
             if self._model is None:
-                raw, _ = self._send("GET", "/v1/models", None, "application/json")
-                try:
-                    self._model = json.loads(raw)["data"][0]["id"]
-                except (ValueError, KeyError, IndexError, TypeError) as e:
-                    raise TeacherServerError(f"{self.url}/v1/models lists no model ({raw[:200]!r})") from e
+                self._model = self.served_model()["id"]
             return self._model
 
     def _post(self, path: str, body: dict, accept: str) -> tuple[bytes, str]:

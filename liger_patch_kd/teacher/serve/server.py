@@ -345,7 +345,8 @@ def serve(
     try:
         import uvicorn
     except ImportError as e:
-        raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]'") from e
+        raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]' (from a "
+                          "clone: pip install -e '.[serve]')") from e  # fmt: skip
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ...models import check_teacher_precision

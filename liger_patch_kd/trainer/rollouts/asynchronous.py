@@ -123,7 +123,7 @@ class AsyncRollouts:
         self._exhausted = len(batches) < count
         if not batches:
             return None
-        plan = self.steps.plan(generator, batches, tokenizer) if self.steps.step_generates(step) else None
+        plan = self.steps.plan(generator, batches, tokenizer) if self.steps.generates(step) else None
         return HeldStep(step, batches, plan)
 
     def _send_requests(self, held: list[HeldStep], generator: nn.Module, step: int, attach: Callable | None) -> None:

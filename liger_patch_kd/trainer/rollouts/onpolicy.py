@@ -62,6 +62,7 @@ class OnPolicySteps:
     def __init__(self, args: Any) -> None:
         self.args = args
         self.settings = rollout_settings(args)
+        self.warmup_steps = 0  # kd_onpolicy_warmup_steps, as steps: set when the run's length is known
         self.seconds: list[float] = []  # time inside generate() per generated step
         self.source = rollout_source(args)  # in this process, or an engine at kd_generation_url (engine.py)
         # the pg loss importance-corrects with the behaviour log-probs an engine returns
@@ -89,6 +90,11 @@ class OnPolicySteps:
             if hasattr(self.source, "close"):
                 self.source.close()
 
+    def generates(self, step: int) -> bool:
+        """Whether optimizer step `step` trains on generated completions: kd_lmbda's schedule (step_generates),
+        masked by the warm-up (kd_onpolicy_warmup_steps), so the steps after it are those of a run without one."""
+        return step >= self.warmup_steps and self.step_generates(step)
+
     def step_generates(self, step: int) -> bool:
         """Whether optimizer step `step` trains on generated completions. A kd_lmbda mix draws from a generator
         seeded with (seed, step) alone, not one stream consumed step by step: a run resumed from a checkpoint, or
@@ -105,6 +111,7 @@ class OnPolicySteps:
         """Optimizer step `step`'s `count` micro-batches from the epoch's `iterator` (the Trainer's
         get_batch_samples), their completions sampled when the step generates: now (replace), or requested
         kd_async_rollouts steps ahead (async_rollouts.py; `last_step` bounds that look-ahead)."""
+        self.warmup_steps = self.args.onpolicy_warmup(last_step)
         if self.pipeline is not None:  # an engine: never across tokenizers (check_generation_args), no make_rows
             batches, generated = self.pipeline.step_batches(
                 iterator, count, generator, tokenizer=tokenizer, step=step, last_step=last_step,
@@ -117,7 +124,7 @@ class OnPolicySteps:
         batches = take(iterator, count)
         if not batches:  # the epoch is over: nothing to generate, no draw spent
             return batches
-        if not self.step_generates(step):
+        if not self.generates(step):
             require_completions(batches, self.args)
             return batches
         return self.replace(generator, batches, tokenizer=tokenizer, step=step, device=device,
@@ -230,7 +237,8 @@ def require_completions(batches: list[dict[str, Any]], args: Any) -> None:
         flags = batch.get(HAS_COMPLETION)
         if flags is not None and not bool(flags.all()):
             raise ValueError(
-                f"this optimizer step trains on the dataset's completions (kd_lmbda={args.kd_lmbda}), but some rows "
-                f"are prompts without a completion; give every row a 'completion', or set kd_lmbda=1 (every step "
-                f"generated) or kd_seq_kd=True"
+                f"this optimizer step trains on the dataset's completions (kd_lmbda={args.kd_lmbda}, "
+                f"kd_onpolicy_warmup_steps={args.kd_onpolicy_warmup_steps}), but some rows are prompts without a "
+                f"completion; give every row a 'completion', or set kd_lmbda=1 (every step generated) or "
+                f"kd_seq_kd=True, with kd_onpolicy_warmup_steps=0"
             )

@@ -170,7 +170,7 @@ class OtherTokenizerTeacher(TeacherSource):
         self.prefetcher = served_teacher_dataloader(  # and about the teacher's tokens of generated rows
             dataloader, self.args, vocab_size=self.setup.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
         )
-        return dataloader if self.args.kd_lmbda >= 1 else self.prefetcher
+        return dataloader if self.args.generates_every_step else self.prefetcher
 
     def prepare(self, inputs: dict) -> dict:
         require_teacher(inputs, has_model=self.model is not None)

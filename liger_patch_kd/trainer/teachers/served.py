@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers.utils import logging
+
 from ...conventions import require_sampled_objective
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ...teacher.serve.prefetch import TEACHER_KEYS
@@ -13,16 +15,18 @@ from ..arguments import KDTrainingArguments, checks_arguments
 from .stored import StoredTeacher
 
 CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
+logger = logging.get_logger(__name__)
 
 
 def served_teacher_dataloader(
     dataloader: Any, args: KDTrainingArguments, *, vocab_size: int, depth: int = 4,
-    keys: tuple[str, str] | None = None,
+    keys: tuple[str, str] | None = None, tokenizer: Any = None,
 ) -> TeacherPrefetcher:  # fmt: skip
     """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
     kd_teacher_* fields) about batch[keys[0]] (keys=None: the batch's teacher_input_ids when it has them, the rows'
     own teacher prompt + completion; else its input_ids). Batches stay on the CPU until the Trainer moves them (with
-    their teacher data) to the device, so the background thread never waits on the GPU."""
+    their teacher data) to the device, so the background thread never waits on the GPU. The server is asked what
+    it serves first (check_teacher_server): at train() start, before the first step."""
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     client = TeacherClient(
@@ -31,7 +35,62 @@ def served_teacher_dataloader(
         samples=args.kd_teacher_samples, sample_seed=args.kd_teacher_sample_seed,
         sample_temperature=args.kd_temperature,  # drawn at the training temperature: the estimate is then exact
     )  # fmt: skip
+    check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer,
+                         own_vocabulary=keys == CROSS_TOKENIZER_KEYS)  # fmt: skip
     return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
+
+
+def check_teacher_server(
+    client: TeacherClient, args: KDTrainingArguments, *, vocab_size: int, tokenizer: Any = None,
+    own_vocabulary: bool = False,
+) -> dict:  # fmt: skip
+    """What the server at client.url serves (GET /v1/models, once it answers /health): a kd_teacher_top_k above
+    its --top-k, or a vocabulary that cannot be the one the loss uses, is a one-line ValueError now rather than a
+    failed request at the first step. `liger-kd serve` lists both; vLLM and SGLang list the model alone (a top-k
+    above vLLM's --max-logprobs is its 400 at the first request). `vocab_size`: the ids the loss takes (the
+    student's, or with `own_vocabulary` the teacher tokenizer's, across tokenizers). Returns the model's entry."""
+    client.wait_until_ready()
+    model = client.served_model()
+    where = f"kd_teacher_url={client.url} (model {model['id']!r})"
+    most = model.get("max_logprobs")
+    if isinstance(most, int) and args.kd_teacher_top_k > most:
+        raise ValueError(
+            f"kd_teacher_top_k={args.kd_teacher_top_k} asks {where} for {args.kd_teacher_top_k} log-probs per "
+            f"position, and it serves at most {most} (its --top-k): set kd_teacher_top_k={most} (or lower), or "
+            f"restart the server with --top-k {args.kd_teacher_top_k}"
+        )
+    served = model.get("vocab_size")
+    if isinstance(served, int) and not isinstance(served, bool):
+        check_served_vocabulary(served, vocab_size, where, args.kd_vocab_size, tokenizer, own_vocabulary)
+    logger.info("served teacher: %s, top-%d of at most %s, vocabulary %s", where, args.kd_teacher_top_k, most, served)
+    return model
+
+
+def check_served_vocabulary(
+    served: int, vocab_size: int, where: str, kd_vocab_size: int | None, tokenizer: Any, own_vocabulary: bool
+) -> None:
+    """The served teacher's lm_head rows against the vocabulary of the loss, as KDTrainer checks an in-process
+    teacher's (dataset_setup.with_vocab_size): equal, or the extra rows of one of them padding of one tokenizer."""
+    if served == vocab_size:
+        return
+    n = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if own_vocabulary or kd_vocab_size is not None:  # the real tokens are known: the teacher's head must hold them
+        if served >= vocab_size:
+            return
+        what = "the teacher tokenizer's" if own_vocabulary else f"kd_vocab_size={kd_vocab_size}"
+        raise ValueError(f"{where} has a vocabulary of {served} ids, fewer than {what} {vocab_size}: it is not "
+                         f"that tokenizer's model; serve the teacher the data was tokenized for")  # fmt: skip
+    if served > vocab_size and n is not None and n < vocab_size:  # both heads padded beyond one tokenizer
+        logger.warning_once(f"{where} has {served} vocabulary rows and the student {vocab_size}: distilling over "
+                            f"the student's; set kd_vocab_size={n} (len(tokenizer)) to say so")  # fmt: skip
+        return
+    fix = f"kd_vocab_size={n} (len(tokenizer))" if n is not None and n <= min(served, vocab_size) else "kd_vocab_size"
+    raise ValueError(
+        f"{where} has a vocabulary of {served} ids and the student's lm_head {vocab_size}: distillation compares "
+        f"distributions over one vocabulary. If both share a tokenizer and the extra rows are padding, set {fix}; "
+        f"if the teacher has its own tokenizer, set kd_teacher_tokenizer (cross-tokenizer distillation)"
+    )
+
 
 
 @checks_arguments(rank=2)
@@ -102,4 +161,4 @@ class ServedTeacher(StoredTeacher):
     def dataloader(self, dataloader, student_vocab_size):
         self.prefetcher = served_teacher_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
         # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
-        return dataloader if self.args.kd_lmbda >= 1 or self.args.kd_seq_kd else self.prefetcher
+        return dataloader if self.args.generates_every_step else self.prefetcher

@@ -15,6 +15,7 @@ from typing import Any
 from ...teacher.serve import TeacherClient, TeacherPrefetcher
 from ...teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
 from .routed_offline import RoutedRowsTeacher
+from .served import check_teacher_server
 from .several import MIXTURE_KEY
 
 
@@ -86,11 +87,16 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
         return _Merged(parts, len(segments))
 
 
-def routed_served_dataloader(dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4) -> TeacherPrefetcher:
-    """The training DataLoader wrapped to ask each row's own server (args.kd_teacher_url, a dict)."""
+def routed_served_dataloader(
+    dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4, tokenizer: Any = None
+) -> TeacherPrefetcher:
+    """The training DataLoader wrapped to ask each row's own server (args.kd_teacher_url, a dict), each checked
+    first (served.check_teacher_server)."""
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     clients = RoutedTeacherClients(dict(args.kd_teacher_url), args, vocab_size)
+    for client in clients.clients:
+        check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer)
     return RoutedTeacherPrefetcher(dataloader, clients, depth=depth)
 
 

@@ -1,0 +1,87 @@
+"""Rows of text ({"text": ...}, Hugging Face's most common format and what `liger-kd precompute --data` reads)
+tokenized for the user when KDTrainer is built, as TRL's trainers do: input_ids from processing_class (special
+tokens added, as precompute adds them; the first kd_max_length tokens when set), labels then copied from them by the
+collator. Without a tokenizer such rows, and rows with no column KDTrainer trains on, are refused in one line
+naming the columns found, before any work. And the note a run without the patch gets at its first step: what its
+materialised logits cost."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+TEXT = "text"
+TRAINED_COLUMNS = ("input_ids", TEXT, "prompt", "messages")  # a row needs one (prompt / messages: TRL's formats)
+
+
+def tokenize_text_datasets(kwargs: dict[str, Any], max_length: int | None, across_tokenizers: bool) -> None:
+    """KDTrainer's train_dataset and eval_dataset (one, or a dict of them) in `kwargs`, their text rows replaced by
+    token rows; across tokenizers by {"prompt": "", "completion": text} rows, which the cross-tokenizer collator
+    tokenizes with both tokenizers."""
+    tokenizer = kwargs.get("processing_class")
+    for key in ("train_dataset", "eval_dataset"):
+        value = kwargs.get(key)
+        if isinstance(value, Mapping) and key == "eval_dataset":
+            kwargs[key] = {name: _rows(d, f"{key}[{name!r}]", tokenizer, max_length, across_tokenizers,
+                                       kwargs.get("data_collator")) for name, d in value.items()}  # fmt: skip
+        elif value is not None:
+            kwargs[key] = _rows(value, key, tokenizer, max_length, across_tokenizers, kwargs.get("data_collator"))
+
+
+def _first_row(dataset: Any) -> Any:
+    try:
+        return dataset[0]
+    except Exception:  # an iterable dataset (or none): its rows are the collator's business
+        return None
+
+
+def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, across: bool, collator: Any) -> Any:
+    row = _first_row(dataset)
+    if not isinstance(row, Mapping) or "input_ids" in row:
+        return dataset
+    columns = sorted(row)
+    if TEXT not in row:
+        if collator is None and not any(c in row for c in TRAINED_COLUMNS):
+            raise ValueError(
+                f"{name}'s rows have the columns {columns}, none of which KDTrainer trains on: give 'input_ids' "
+                f"(token ids), 'text' (with processing_class=tokenizer), 'prompt' + 'completion' or 'messages' (TRL's "
+                f"formats), or a data_collator that builds input_ids from these columns"
+            )
+        return dataset
+    if any(c in row for c in ("prompt", "messages")):
+        return dataset  # TRL's formats: the prompt collators read them
+    if across:
+        return _map(dataset, lambda text: {"prompt": "", "completion": text})
+    if tokenizer is None or not callable(tokenizer):
+        raise ValueError(
+            f"{name}'s rows have the columns {columns} and no 'input_ids': KDTrainer tokenizes 'text' with the "
+            f"student's tokenizer. Pass processing_class=tokenizer, or tokenize the rows into 'input_ids' yourself"
+        )
+
+    def tokenize(text: str) -> dict[str, Any]:
+        if not isinstance(text, str):
+            raise ValueError(f"{name}: a row's 'text' is {type(text).__name__}, not a str: {str(text)[:60]!r}")
+        return {"input_ids": tokenizer(text, add_special_tokens=True, truncation=max_length is not None,
+                                       max_length=max_length)["input_ids"]}  # fmt: skip
+
+    return _map(dataset, tokenize)
+
+
+def _map(dataset: Any, make: Any) -> Any:
+    """Each row with its 'text' replaced by make(text)'s columns: a list of dicts stays a list, a
+    datasets.Dataset becomes one (Dataset.map; its other columns kept)."""
+    if isinstance(dataset, list):
+        return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT])} for row in dataset]
+    if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
+        return dataset.map(lambda row: make(row[TEXT]), remove_columns=[TEXT], desc="tokenizing text rows")
+    return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT])} for row in dataset]
+
+
+def materialised_logits_note(tokens: int, vocab: int, offline: bool) -> str:
+    """use_kd_patch=False's note: the logits a step materialises, their size for this batch, the flag."""
+    return (
+        f"use_kd_patch=False: each step materialises the (tokens x vocabulary) logits of the student"
+        f"{'' if offline else ' and of the teacher'}, N x V x 4 bytes in float32 = {tokens} x {vocab} x 4 = "
+        f"{tokens * vocab * 4 / 2**20:.1f} MiB each (this first batch), which the fused loss never holds; set "
+        f"KDTrainingArguments(use_kd_patch=True) to train without them"
+    )

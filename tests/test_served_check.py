@@ -1,0 +1,86 @@
+"""A served teacher is asked what it serves at train() start (GET /v1/models: its --top-k, its vocabulary, its
+name): a kd_teacher_top_k above the server's --top-k, or a vocabulary that is not the student's, is one line before
+the first step, and no teacher forward runs. The real app, served by uvicorn in a thread of this process."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from liger_patch_kd.teacher.serve.server import build_app  # noqa: E402
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
+
+from .tiny_models import VOCAB, tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+ROWS = [{"input_ids": list(range(3, 3 + 8 + i))} for i in range(4)]
+
+
+@contextmanager
+def served(model, top_k: int):
+    """build_app(model) on 127.0.0.1 by uvicorn in a thread; yields (url, app)."""
+    app = build_app(model, top_k=top_k, model_name="tiny-teacher")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def train(tmp_path, url, student=None, **overrides):
+    args = KDTrainingArguments(**{**dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, use_kd_patch=True, kd_teacher_url=url, kd_teacher_protocol="liger",
+        kd_teacher_top_k=8, kd_teacher_timeout=20,
+    ), **overrides})  # fmt: skip
+    student = student if student is not None else tiny_model("llama", dtype=torch.float32, seed=1)
+    return KDTrainer(model=student, args=args, train_dataset=ROWS).train()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served(tiny_model("llama", dtype=torch.float32), top_k=8) as running:
+        yield running
+
+
+def test_a_top_k_above_the_servers_is_one_line_before_any_teacher_work(tmp_path, server):
+    url, app = server
+    before = app.state.batcher.forwards_run
+    with pytest.raises(ValueError, match=rf"kd_teacher_top_k=64 asks kd_teacher_url={url} \(model 'tiny-teacher'\) "
+                                         r"for 64 .* at most 8 \(its --top-k\).*--top-k 64") as e:  # fmt: skip
+        train(tmp_path, url, kd_teacher_top_k=64)
+    assert "\n" not in str(e.value)
+    assert app.state.batcher.forwards_run == before  # refused before the first request
+    assert train(tmp_path, url, kd_teacher_top_k=8).global_step == 1  # within the server's top-k: it trains
+
+
+def test_a_vocabulary_that_is_not_the_students_is_one_line(tmp_path, server):
+    url, app = server
+    before = app.state.batcher.forwards_run
+    wider = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 43)
+    with pytest.raises(ValueError, match=rf"vocabulary of {VOCAB} ids and the student's lm_head {VOCAB + 43}.*"
+                                         r"kd_vocab_size.*kd_teacher_tokenizer"):  # fmt: skip
+        train(tmp_path, url, student=wider)
+    assert app.state.batcher.forwards_run == before
+    # the student's real tokens are the teacher's: its 43 extra rows are padding, kd_vocab_size says so
+    wider = tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 43)
+    assert train(tmp_path, url, student=wider, kd_vocab_size=VOCAB).global_step == 1
+    with pytest.raises(ValueError, match=rf"vocabulary of {VOCAB} ids, fewer than kd_vocab_size={VOCAB + 1}"):
+        train(tmp_path, url, student=tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 43),
+              kd_vocab_size=VOCAB + 1)  # fmt: skip

@@ -1,0 +1,99 @@
+"""Rows of {"text": ...}: tokenized by KDTrainer when it has a tokenizer (a list of dicts and a datasets.Dataset), as
+TRL's trainers do; refused in one line, before any work, without one; read by `liger-kd precompute --data` too."""
+
+import json
+
+import pytest
+import torch
+
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+from .tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+TEXTS = ["the cat sat on the mat.", "a dog ran to the park", "the sun is warm today. the cat sat."] * 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    from liger_patch_kd.demo.cross_tokenizer import train_bpe_tokenizer
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe_tokenizer(" ".join(TEXTS) * 10, 200), pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>",
+    )  # fmt: skip
+
+
+def make_args(tmp_path, **overrides) -> KDTrainingArguments:
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, use_kd_patch=True, logging_steps=1,
+    )  # fmt: skip
+    return KDTrainingArguments(**{**base, **overrides})
+
+
+def trainer_for(tmp_path, rows, tokenizer, **overrides) -> KDTrainer:
+    return KDTrainer(
+        model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=tiny_model("llama", dtype=torch.float32),
+        args=make_args(tmp_path, **overrides), train_dataset=rows, processing_class=tokenizer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_text_rows_are_tokenized_with_the_students_tokenizer_and_train(tmp_path, tokenizer, kind):
+    rows = [{"text": t} for t in TEXTS]
+    if kind != "list":
+        datasets = pytest.importorskip("datasets")
+        rows = datasets.Dataset.from_list(rows)
+    trainer = trainer_for(tmp_path, rows, tokenizer)
+    assert [list(trainer.train_dataset[i]["input_ids"]) for i in range(len(TEXTS))] == [
+        tokenizer(t)["input_ids"] for t in TEXTS
+    ]
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    truncated = trainer_for(tmp_path, rows, tokenizer, kd_max_length=4).train_dataset
+    assert [list(truncated[i]["input_ids"]) for i in range(len(TEXTS))] == [
+        tokenizer(t)["input_ids"][:4] for t in TEXTS
+    ]
+
+
+def test_other_columns_are_kept_and_the_eval_rows_tokenized_too(tmp_path, tokenizer):
+    rows = [{"text": t, "note": n} for n, t in enumerate(TEXTS)]
+    trainer = KDTrainer(
+        model=tiny_model("llama", dtype=torch.float32), teacher_model=tiny_model("llama", dtype=torch.float32),
+        args=make_args(tmp_path), train_dataset=rows, eval_dataset={"held": rows[:2]}, processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.train_dataset[3] == {"note": 3, "input_ids": tokenizer(TEXTS[3])["input_ids"]}
+    assert trainer.eval_dataset["held"][1]["input_ids"] == tokenizer(TEXTS[1])["input_ids"]
+
+
+def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
+    for rows in ([{"text": t} for t in TEXTS], pytest.importorskip("datasets").Dataset.from_list([{"text": "a"}])):
+        with pytest.raises(ValueError, match=r"columns \['text'\].*processing_class=tokenizer") as e:
+            trainer_for(tmp_path, rows, None)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"columns \['body', 'id'\], none of which KDTrainer trains on"):
+        trainer_for(tmp_path, [{"body": "x", "id": 1}], None)
+    with pytest.raises(ValueError, match="kd_max_length must be None or an integer >= 1"):
+        make_args(tmp_path, kd_max_length=0)
+
+
+def test_precompute_reads_text_lines_with_the_teachers_tokenizer(tmp_path, tokenizer):
+    from liger_patch_kd.cli import main
+    from liger_patch_kd.teacher import TeacherLogprobsDataset
+
+    teacher_dir = tmp_path / "teacher"
+    tiny_model("llama", dtype=torch.float32).save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:3]))
+    argv = ["precompute", "--teacher", str(teacher_dir), "--data", str(data), "--out", str(tmp_path / "store"),
+            "--top-k", "4", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    assert main(argv) == 0
+    store = TeacherLogprobsDataset(tmp_path / "store")
+    assert [store[i]["input_ids"].tolist() for i in range(len(store))] == [tokenizer(t)["input_ids"] for t in TEXTS[:3]]
+    assert store[0]["teacher_token_ids"].shape == (len(tokenizer(TEXTS[0])["input_ids"]), 4)
