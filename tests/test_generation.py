@@ -196,6 +196,21 @@ def test_bad_input_is_refused_before_any_work():
     assert CAPTURES == ("graph", "compile", "reduce-overhead", "eager")
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-6])
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token(top_p):
+    """top_p = 1e-300 compared as 0 against float32 masses: every token was dropped, the engine's draw then
+    returned id 0 whatever the logits and the server's sampler a 500 (NaN probabilities)."""
+    from liger_patch_kd.teacher.serve.generation import GenerationRequest, sample_next
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] += 3.0
+    scores = filtered_scores(logits, Sampling(top_p=top_p))
+    assert torch.equal(torch.isfinite(scores), torch.nn.functional.one_hot(logits.argmax(-1), 50).bool())
+    assert torch.equal(draw(scores, Sampling(top_p=top_p)), logits.argmax(-1))
+    req = GenerationRequest(prompts=[[1]], n=1, temperature=1.0, top_p=top_p, top_k=0, max_tokens=1, seed=None,
+                            logprobs=None, stop_ids=(), return_token_ids=True, model=None, allowed=None)  # fmt: skip
+    assert torch.equal(sample_next(logits, req, torch.Generator().manual_seed(1)), logits.argmax(-1))
+
 def _right_padded(ids, mask):
     return ids.roll(-3, 1), mask.roll(-3, 1)  # row 1's 3 padding columns moved to its end
 

@@ -65,7 +65,9 @@ def filtered_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         ordered, order = scores.sort(-1, descending=True)
         probs = ordered.softmax(-1)
         above = probs.cumsum(-1) - probs  # the mass of the tokens more likely than each
-        ordered = ordered.masked_fill(above >= sampling.top_p, -math.inf)
+        drop = above >= sampling.top_p  # a top_p below float32's least (1e-46) compares as 0: it would drop them all
+        drop[..., 0] = False  # the most likely token always stays
+        ordered = ordered.masked_fill(drop, -math.inf)
         scores = torch.empty_like(scores).scatter_(-1, order, ordered)
     return scores
 

@@ -135,7 +135,9 @@ def sample_next(logits: torch.Tensor, req: GenerationRequest, generator: torch.G
     if req.top_p < 1.0:
         ordered, order = scores.sort(-1, descending=True)
         before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
-        ordered = ordered.masked_fill(before >= req.top_p, -math.inf)  # the most likely token always stays
+        drop = before >= req.top_p  # a top_p below float32's least (1e-46) compares as 0: it would drop them all
+        drop[..., 0] = False  # the most likely token always stays
+        ordered = ordered.masked_fill(drop, -math.inf)
         scores = torch.full_like(scores, -math.inf).scatter(-1, order, ordered)
     return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
