@@ -10,7 +10,16 @@ It knows transformers models, not the Trainer. Modules, lowest first:
 """
 
 from .decode_attention import packed_decode_attention
-from .engine import CAPTURES, decode, decode_applies, release_sessions
-from .sampling import Sampling
+from .engine import CAPTURES, decode, decode_applies, left_padded, release_sessions
+from .sampling import Sampling, filtered_scores
 
-__all__ = ["CAPTURES", "Sampling", "decode", "decode_applies", "packed_decode_attention", "release_sessions"]
+__all__ = [
+    "CAPTURES",
+    "Sampling",
+    "decode",
+    "decode_applies",
+    "filtered_scores",
+    "left_padded",
+    "packed_decode_attention",
+    "release_sessions",
+]

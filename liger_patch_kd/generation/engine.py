@@ -53,6 +53,21 @@ class SessionKey:
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
 
 
+def left_padded(
+    prompts: list[list[int]], pad_id: int, width: int | None = None, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (rows, width) int64: each prompt at the right end of its row (decoding appends
+    every row's next token at the same column), `pad_id` and mask 0 before it; width: the longest prompt's."""
+    width = max(map(len, prompts), default=0) if width is None else width
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
 def cache_keyword(model: nn.Module) -> str:
     """The name the model's forward takes its KV cache by (transformers 5.2x renamed past_key_values to cache)."""
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...generation import Sampling, decode, decode_applies
+from ...generation import Sampling, decode, decode_applies, left_padded
 
 
 def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, list] | None:
@@ -22,11 +22,7 @@ def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, lis
         return None
     if engine.peft is not None or req.logprobs not in (None, 0) or decode_applies(engine.model) is not None:
         return None
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(rows):
-        ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
+    ids, mask = left_padded(rows, engine.pad_id)
     stop = sorted(engine.eos_ids | set(req.stop_ids))
     sampling = Sampling(req.temperature, req.top_k, req.top_p, vocab_limit=req.allowed)
     devices = [engine.device] if engine.device.type == "cuda" else []

@@ -36,7 +36,6 @@ shared with the teacher scoring, which always runs on the base model with adapte
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
 
 import json
-import math
 import threading
 import time
 from contextlib import contextmanager
@@ -46,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ...generation import packed_decode_attention
+from ...generation import Sampling, filtered_scores, left_padded, packed_decode_attention
 from .adapters import attach_adapter, read_adapter
 from .captured_sampling import captured_sample
 from .request_fields import check_fields
@@ -54,7 +53,6 @@ from .validation import Limits, RequestError, check_prompts, check_sampling, is_
 from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this samples greedily
 
 
 @dataclass(frozen=True)
@@ -124,21 +122,12 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
 
 def sample_next(logits: torch.Tensor, req: GenerationRequest, generator: torch.Generator | None) -> torch.Tensor:
     """(rows,) next tokens from (rows, V) float32 logits: greedy, or tempered, top-k and top-p filtered, sampled."""
-    if req.allowed is not None:  # vLLM's allowed_token_ids: a mask before sampling; the log-probs stay raw
-        logits = logits[..., : req.allowed]  # the ids kept are 0 .. allowed - 1: sampled positions are ids
-    if req.temperature < GREEDY_BELOW:
-        return logits.argmax(-1)
-    scores = logits / req.temperature
-    if 0 < req.top_k < scores.shape[-1]:
-        kth = scores.topk(req.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if req.top_p < 1.0:
-        ordered, order = scores.sort(-1, descending=True)
-        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass above each token
-        drop = before >= req.top_p  # a top_p below float32's least (1e-46) compares as 0: it would drop them all
-        drop[..., 0] = False  # the most likely token always stays
-        ordered = ordered.masked_fill(drop, -math.inf)
-        scores = torch.full_like(scores, -math.inf).scatter(-1, order, ordered)
+    # vLLM's allowed_token_ids is a mask before sampling (ids 0 .. allowed - 1; the log-probs stay raw); the filters
+    # are the decode engine's (generation.filtered_scores), the draw torch.multinomial on the request's generator
+    sampling = Sampling(req.temperature, req.top_k, req.top_p, vocab_limit=req.allowed)
+    scores = filtered_scores(logits, sampling)
+    if sampling.greedy:
+        return scores.argmax(-1)
     return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
@@ -217,12 +206,7 @@ class GenerationEngine:
         the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
         if (captured := captured_sample(self, rows, req)) is not None:  # the captured decode step (on CUDA)
             return captured
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(rows):
-            ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = left_padded(rows, self.pad_id, device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop = torch.tensor(sorted(self.eos_ids | set(req.stop_ids)), dtype=torch.long, device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...generation import Sampling, decode, decode_applies, packed_decode_attention
+from ...generation import Sampling, decode, decode_applies, left_padded, packed_decode_attention
 from ...models import original_forward, transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
 from ..arguments import checks_arguments
@@ -179,16 +179,6 @@ def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens
     )
 
 
-def _left_padded(prompts: list[list[int]], pad_id: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        if p:
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
     for i, t in enumerate(tokens):
         if t in eos_ids:
@@ -253,7 +243,7 @@ def generate_rollouts(
                 width = max(len(p) for p in batch)
                 if cache == "static":
                     width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
-                ids, mask = _left_padded(batch, pad_id, width, device)
+                ids, mask = left_padded(batch, pad_id, width, device)
                 devices = [device] if device.type == "cuda" else []
                 options = dict(
                     max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
