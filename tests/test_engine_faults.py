@@ -126,6 +126,8 @@ def test_an_absurd_behaviour_logprob_stops_the_pg_run_before_any_weight_moves(tm
         ([5, 6], "length", "2 tokens with no EOS and finish_reason 'length'"),  # cut short, no reason given
         ([5, 6], "abort", "finish_reason 'abort'"),  # vLLM's aborted request
         ([5, 6, 7, 8], None, "finish_reason None"),
+        # 4 tokens, no EOS, "stop": the EOS it did not return was appended as a 5th token (past max_tokens)
+        ([5, 6, 7, 8], "stop", r"finish_reason 'stop' after 4 tokens \(max_tokens=4\) with no EOS"),
     ],
 )
 def test_engine_replies_are_length_checked(tokens, finish, message):

@@ -187,10 +187,77 @@ def test_bad_input_is_refused_before_any_work():
         decode(model, ids, mask, max_new_tokens=0, sampling=Sampling(), pad_id=0)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(top_p=0.0)
+    for flag in ("temperature", "top_k", "top_p", "vocab_limit"):  # True was top_k=1: greedy, silently
+        with pytest.raises(ValueError, match=f"{flag} must be a number, not a boolean"):
+            Sampling(**{flag: True})
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attention is 'eager'"):
         decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0)
     assert CAPTURES == ("graph", "compile", "reduce-overhead", "eager")
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-6])
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token(top_p):
+    """top_p = 1e-300 compared as 0 against float32 masses: every token was dropped, the engine's draw then
+    returned id 0 whatever the logits and the server's sampler a 500 (NaN probabilities)."""
+    from liger_patch_kd.teacher.serve.generation import GenerationRequest, sample_next
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] += 3.0
+    scores = filtered_scores(logits, Sampling(top_p=top_p))
+    assert torch.equal(torch.isfinite(scores), torch.nn.functional.one_hot(logits.argmax(-1), 50).bool())
+    assert torch.equal(draw(scores, Sampling(top_p=top_p)), logits.argmax(-1))
+    req = GenerationRequest(prompts=[[1]], n=1, temperature=1.0, top_p=top_p, top_k=0, max_tokens=1, seed=None,
+                            logprobs=None, stop_ids=(), return_token_ids=True, model=None, allowed=None)  # fmt: skip
+    assert torch.equal(sample_next(logits, req, torch.Generator().manual_seed(1)), logits.argmax(-1))
+
+def _right_padded(ids, mask):
+    return ids.roll(-3, 1), mask.roll(-3, 1)  # row 1's 3 padding columns moved to its end
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda ids, mask: (ids, mask.flip(1)), "must be left-padded"),  # right padding: would continue past it
+        (_right_padded, "must be left-padded"),
+        (lambda ids, mask: (ids, mask.masked_fill(torch.arange(5)[:, None] == 2, 0)), "must be left-padded"),  # empty
+        (lambda ids, mask: (ids, mask * 2), "attention_mask must hold 0"),  # 2s would double the positions
+        (lambda ids, mask: (ids.masked_fill(mask == 0, -100), mask), r"input_ids must be in \[0, 257\)"),
+        (lambda ids, mask: (ids + 300, mask), r"got ids in \[300, "),
+        (lambda ids, mask: (ids.float(), mask), "integer token ids"),
+        (lambda ids, mask: (ids[:0], mask[:0]), "at least one row"),
+        (lambda ids, mask: (torch.randint(5, 200, (2, 120)), torch.ones(2, 120, dtype=torch.long)),
+         r"longest prompt \(120 tokens\) plus max_new_tokens \(9\) passes the model's context"),
+    ],
+)
+def test_prompts_the_engine_would_sample_wrongly_from_are_refused(change, match):
+    """Each of these used to decode without a word (a right-padded row continued from its padding, a mask of 2s
+    doubled the position ids, 120 + 9 tokens ran past a 128-token context) or failed deep in the model."""
+    model = _model("llama", torch.float64)
+    ids, mask = change(*_prompts())
+    with pytest.raises(ValueError, match=match) as raised:
+        decode(model, ids, mask, max_new_tokens=9, sampling=Sampling(), pad_id=0, eos_ids=(3,))
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "keywords, match",
+    [
+        (dict(check_every=0), "check_every must be an int >= 1"),  # was a ZeroDivisionError
+        (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1"),
+        (dict(pad_id=-1), r"pad_id must be an id in \[0, 257\)"),  # would be written into the rows as an id
+        (dict(eos_ids=(-5,)), "eos_ids must be ids >= 0"),
+    ],
+)
+def test_decode_options_out_of_range_are_refused(keywords, match):
+    model = _model("llama", torch.float64)
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=4, sampling=Sampling(), pad_id=0, eos_ids=(3,)) | keywords
+    with pytest.raises(ValueError, match=match):
+        decode(model, ids, mask, **options)
+    model.train()  # dropout would be sampled through
+    with pytest.raises(ValueError, match=r"training mode .* call model.eval\(\) first"):
+        decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)
 
 
 @pytest.mark.gpu

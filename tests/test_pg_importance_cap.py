@@ -83,7 +83,8 @@ def test_the_truncated_pg_loss_matches_a_float64_reference(cap):
 
 def test_the_cap_changes_nothing_while_every_ratio_is_below_it():
     x, w, xt, wt, labels, b = problem()
-    b = torch.where(labels != -100, b + 10.0, b)  # every ratio < e^-6.5: the cap never binds
+    # every ratio <= max(e^-6.5, q) <= 1: the cap never binds (b stays a log-prob, <= 0, which the loss checks)
+    b = torch.where(labels != -100, (b + 10.0).clamp(max=0.0), b)
     losses, grads = [], []
     for cap in (None, CAP):
         x_ = x.clone().requires_grad_(True)
@@ -105,6 +106,31 @@ def test_a_ratio_that_overflows_float32_stays_finite_under_the_cap():
     torch.testing.assert_close(dq, weight * (log_q.detach() - log_p), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(capped.detach(), (weight * (log_q.detach() - log_p)).sum(), rtol=1e-6, atol=1e-6)
 
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (float("nan"), "behaviour_logprobs contains NaN on a selected token"),  # was a NaN loss
+        (0.5, "behaviour_logprobs contains values > 0"),  # a logit, not a log-prob: was a finite, wrong loss
+        (float("-inf"), "behaviour_logprobs holds -inf .*on a scored row"),  # was an infinite loss
+        (-9999.0, "behaviour_logprobs holds -inf \\(or vLLM's -9999\\)"),
+    ],
+)
+def test_the_fused_pg_loss_refuses_what_kl_estimator_refuses(bad, match):
+    """fused_linear_jsd(estimator='pg') read behaviour log-probs unchecked (kl_estimator refuses these), and
+    divided by a num_items_in_batch of torch.tensor(-3) into a loss of 0; an ignored row's value is never read."""
+    g = torch.Generator().manual_seed(0)
+    xs, ws = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g, dtype=torch.float64)
+    xt, wt = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g, dtype=torch.float64)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6])
+    log_b = torch.full((6,), -1.0, dtype=torch.float64)
+    log_b[3] = bad
+    with pytest.raises(ValueError, match=match):
+        fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", behaviour_logprobs=log_b)
+    log_b[3], log_b[2] = -1.0, bad  # on an ignored row: never read
+    assert torch.isfinite(fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", behaviour_logprobs=log_b))
+    with pytest.raises(ValueError, match="num_items_in_batch must be a count >= 0"):
+        fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", num_items_in_batch=torch.tensor(-3))
 
 def test_importance_cap_options_are_checked(tmp_path):
     for bad in (0.5, 0, float("inf"), float("nan"), True, "3"):

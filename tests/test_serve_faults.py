@@ -324,3 +324,78 @@ def test_inits_stuck_in_a_connect_are_capped():
         assert refused.value.status == 429
     finally:
         release.set()
+
+
+# ------------------------------------------------------------------------------------- round 3's probe (h38)
+def test_an_update_that_overflows_the_served_dtype_is_refused(teacher_dir, tmp_path):  # noqa: F811
+    """float64 values past float32's range are finite where they are sent and infinities once cast into the served
+    float32 weights: answered 200 before, and every later score was NaN until a restart."""
+    from safetensors.torch import save_file
+
+    srv = Server(teacher_dir, extra=("--dtype", "float32")).start()
+    try:
+        seq = _rows(1, seed=6)[0].tolist()
+        before, version = _scores(srv.url, seq), _health(srv.url)["weight_version"]
+        state = {k: v.contiguous() for k, v in _teacher().state_dict().items()}  # float64, as a float64 student sends
+        save_file({**state, "model.norm.weight": torch.full((64,), 1e300, dtype=torch.float64)},
+                  str(tmp_path / "big.safetensors"))  # fmt: skip
+        status, reply = _post(srv.url, {"model_path": str(tmp_path / "big.safetensors")},
+                              path="/update_weights_from_disk")  # fmt: skip
+        _refused(reply, status, 400, r"'model.norm.weight' holds values up to 1e\+300, past the served model's "
+                                     r"float32 range .*no weight changed")  # fmt: skip
+        assert _health(srv.url)["weight_version"] == version and _scores(srv.url, seq) == before
+        save_file(state, str(tmp_path / "fits.safetensors"))  # float64 values within float32's range still load
+        status, reply = _post(srv.url, {"model_path": str(tmp_path / "fits.safetensors")},
+                              path="/update_weights_from_disk")  # fmt: skip
+        assert status == 200 and reply["weight_version"] == version + 1, reply
+    finally:
+        srv.stop()
+
+
+def test_json_nested_too_deep_is_a_400_not_a_500(served):
+    """Python's JSON parser recurses once per level: 100 000 nested arrays raised RecursionError, a bare 500."""
+    for path in ("/v1/completions", "/update_weights_from_disk"):
+        status, reply = _post(served.url, raw=b"[" * 100_000 + b"]" * 100_000, path=path)
+        _refused(reply, status, 400, "nests JSON arrays or objects too deep")
+    assert _health(served.url)["status"] == "ok"
+
+
+def _send_body(port, path, size, declared=True):
+    """POST `size` bytes of JSON whitespace with a Content-Length (declared True), chunked (False), or only
+    announced (None: the Content-Length, no byte of the body); (status, JSON reply)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader(*(("Transfer-Encoding", "chunked") if declared is False else ("Content-Length", str(size))))
+    conn.endheaders()
+    chunk, sent = b" " * 2**20, 0
+    try:
+        while declared is not None and sent < size:
+            piece = chunk[: size - sent]
+            conn.send(piece if declared else b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        if declared is False:
+            conn.send(b"0\r\n\r\n")
+    except OSError:  # the server answered 413 and stopped reading: its reply is still there
+        pass
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read())
+
+
+def test_a_body_past_the_limit_is_a_413_before_it_is_held_in_memory(served):
+    """The server read every body whole before any check: a local process streaming gigabytes could run it out of
+    memory (a 400 MB body grew it by 400 MB). A Content-Length past the limit is refused unread, a chunked body
+    as soon as it passes it; a body under the limit is still read."""
+    from liger_patch_kd.teacher.serve.validation import CONTROL_BODY_BYTES
+
+    for path in ("/v1/completions", "/update_weights_from_disk"):
+        status, reply = _send_body(served.url.rsplit(":", 1)[1], path, 10**12, declared=None)  # declared, never sent
+        _refused(reply, status, 413, rf"the request body is over \d+ bytes, this server's limit for {path}")
+    status, reply = _send_body(served.url.rsplit(":", 1)[1], "/update_weights_from_disk", CONTROL_BODY_BYTES + 2**20,
+                               declared=False)  # fmt: skip
+    _refused(reply, status, 413, "over 16777216 bytes, this server's limit for /update_weights_from_disk")
+    status, reply = _send_body(served.url.rsplit(":", 1)[1], "/update_weights_from_disk", 2**20, declared=False)
+    _refused(reply, status, 400, "model_path must be a non-empty string")  # under the limit: read, then checked
+    assert _health(served.url)["status"] == "ok"

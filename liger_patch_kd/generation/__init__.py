@@ -5,6 +5,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
+  checks            decode()'s arguments refused before any work (one-line errors)
   engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
 """
 

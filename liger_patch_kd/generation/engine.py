@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checks import check_decode_arguments
 from .decode_attention import packed_decode_attention
 from .fused_projections import FusedProjections
 from .kv_cache import SlotCache
@@ -299,14 +300,11 @@ def decode(
     """
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {CAPTURES}; got {capture!r}")
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"input_ids and attention_mask must both be (rows, W); got {tuple(input_ids.shape)} and "
-                         f"{tuple(attention_mask.shape)}")  # fmt: skip
     reason = decode_applies(model)
     if reason is not None:
         raise ValueError(f"the decode engine cannot run this model: {reason}; use generate() (cache 'dynamic')")
+    check_decode_arguments(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                           eos_ids=tuple(eos_ids), check_every=check_every)  # fmt: skip
     device = input_ids.device
     if device.type != "cuda":
         capture = "eager"

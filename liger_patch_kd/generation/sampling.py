@@ -29,6 +29,10 @@ class Sampling:
     vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
+        fields = ("temperature", "top_k", "top_p", "vocab_limit")
+        flags = [name for name in fields if isinstance(getattr(self, name), bool)]
+        if flags:  # True is an int to Python: top_k=True would keep one token, greedy, without a word
+            raise ValueError(f"{flags[0]} must be a number, not a boolean; got {getattr(self, flags[0])!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -61,7 +65,9 @@ def filtered_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         ordered, order = scores.sort(-1, descending=True)
         probs = ordered.softmax(-1)
         above = probs.cumsum(-1) - probs  # the mass of the tokens more likely than each
-        ordered = ordered.masked_fill(above >= sampling.top_p, -math.inf)
+        drop = above >= sampling.top_p  # a top_p below float32's least (1e-46) compares as 0: it would drop them all
+        drop[..., 0] = False  # the most likely token always stays
+        ordered = ordered.masked_fill(drop, -math.inf)
         scores = torch.empty_like(scores).scatter_(-1, order, ordered)
     return scores
 

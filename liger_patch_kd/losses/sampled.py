@@ -13,7 +13,9 @@ import torch
 from .. import reference
 from ..config import KDLossConfig
 from ..ops.token_logprobs import linear_token_logprobs
-from .checks import label_check, run_device_checks
+from .checks import check_num_items, label_check, logprob_checks, run_device_checks
+
+VLLM_NEG_INF = -9999.0  # how vLLM's OpenAI server writes a log-prob of -inf (JSON has no infinity)
 
 
 def sampled_token_kd(
@@ -47,7 +49,25 @@ def sampled_token_kd(
         the total soft_weight * estimator + hard_weight * CE (the CE of a sampled token is -log q), and the two
         terms alone, detached.
     """
-    run_device_checks([label_check(flat_labels, vocab, cfg)])  # every label names a class here
+    if cfg.reduction == "batchmean":
+        check_num_items(num_items_in_batch)  # torch.tensor(-3) divided into 0 before: a skipped batch, silently
+    checks = [label_check(flat_labels, vocab, cfg)]  # every label names a class here
+    if behaviour_logprobs is not None:
+        flat_b = behaviour_logprobs.reshape(-1)
+        if flat_b.shape != flat_labels.shape:
+            raise ValueError(
+                f"behaviour_logprobs has {flat_b.numel()} values for {flat_labels.numel()} rows: give one per label"
+            )
+        # as kl_estimator refuses them: NaN or a log-prob > 0 made the loss NaN, and -inf (vLLM writes it -9999,
+        # a fault) an infinite importance ratio; ignored rows are never read
+        scored = flat_labels.to(flat_b.device) != cfg.ignore_index
+        checks += logprob_checks("behaviour_logprobs", flat_b, scored)
+        checks.append((
+            ((flat_b.isneginf() | (flat_b <= VLLM_NEG_INF)) & scored).any(),
+            lambda: "behaviour_logprobs holds -inf (or vLLM's -9999) on a scored row, which the policy that sampled "
+                    "its token cannot have sampled: mask that row out (label ignore_index) or fix the engine's reply",
+        ))  # fmt: skip
+    run_device_checks(checks)
     ids = torch.where(flat_labels == cfg.ignore_index, -1, flat_labels)
     leading = student_input.shape[:-1]
 
@@ -62,11 +82,7 @@ def sampled_token_kd(
     if behaviour_logprobs is None:
         soft = reference.kl_estimator_terms(log_q, log_p.to(log_q.dtype), cfg.estimator)
     else:
-        flat_b = behaviour_logprobs.reshape(-1).to(device=log_q.device, dtype=log_q.dtype)
-        if flat_b.shape != flat_labels.shape:
-            raise ValueError(
-                f"behaviour_logprobs has {flat_b.numel()} values for {flat_labels.numel()} rows: give one per label"
-            )
+        flat_b = flat_b.to(device=log_q.device, dtype=log_q.dtype)
         flat_b = torch.where(ids < 0, log_q.detach(), flat_b)  # ignored rows: never read (ratio 1, term 0)
         soft = reference.policy_gradient_terms(log_q, log_p.to(log_q.dtype), flat_b, importance_cap=cfg.importance_cap)
     hard = -log_q

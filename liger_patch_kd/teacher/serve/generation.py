@@ -313,7 +313,7 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     from fastapi import Request
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    from .validation import parse_body
+    from .validation import CONTROL_BODY_BYTES, parse_body, read_body
     from .weight_transfer import WeightReceiver, add_weight_transfer_routes
 
     def route(path: str, method, reply, run=None):
@@ -321,7 +321,7 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
 
         async def endpoint(request: Request):
             try:
-                raw = await request.body()
+                raw = await read_body(request, CONTROL_BODY_BYTES, "send the route's JSON object alone")
                 body = parse_body(raw) if raw.strip() else None
                 result = await (asyncio.to_thread(method, body) if run is None else run(path, method, body))
             except RequestError as e:

@@ -49,7 +49,7 @@ from .hidden_server import add_hidden_routes
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .request_fields import check_fields
 from .sampled_wire import SampleAsk, encode_sampled, validated_samples
-from .validation import Limits, RequestError, parse_body, validated_completion
+from .validation import Limits, RequestError, parse_body, read_body, validated_completion
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
 GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM, how long requests in flight may still finish
@@ -271,7 +271,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:  # the whole request is checked before any teacher work
-            body = parse_body(await request.body())
+            body = parse_body(await read_body(request, limits.max_body_bytes))  # bounded: no client OOMs us
             if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
                 return await generate(validated_generation(body, limits))
             sequences, k = validated_completion(body, limits)

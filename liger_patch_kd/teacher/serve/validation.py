@@ -40,6 +40,38 @@ class Limits:
     max_request_tokens: int
     sample_temperature: float = 1.0
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest /v1/completions body read (413 past it, before it is held in memory): room for
+        max_request_tokens ids and an allowed_token_ids list of the whole vocabulary, as JSON, generously spaced."""
+        return BYTES_PER_ID * (self.max_request_tokens + self.vocab_size) + CONTROL_BODY_BYTES
+
+
+BYTES_PER_ID = 32  # "151935, " is 8 bytes; pretty-printed JSON puts an id on a line of its own, indented
+CONTROL_BODY_BYTES = 2**20 * 16  # the other routes' bodies (adapter paths, weight-update names and shapes)
+
+
+SEQUENCES_FIX = "send fewer sequences per request (the limit follows --max-request-tokens)"
+
+
+async def read_body(request: Any, limit: int, fix: str = SEQUENCES_FIX) -> bytes:
+    """The request's body, read as it streams in: RequestError(413) once it passes `limit` bytes (or its
+    Content-Length says it will), so no client makes the server hold more than that in memory."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    chunks = []
+    if size <= limit:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                break
+            chunks.append(chunk)
+    if size > limit:
+        raise RequestError(413, f"the request body is over {limit} bytes, this server's limit for "
+                                f"{request.url.path}: {fix}")  # fmt: skip
+    return b"".join(chunks)
+
 
 def parse_body(raw: bytes) -> Any:
     """The request's bytes as JSON, or RequestError(400)."""
@@ -47,6 +79,9 @@ def parse_body(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise RequestError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:  # arrays or objects nested thousands deep: Python's parser recurses per level
+        raise RequestError(400, "the request body nests JSON arrays or objects too deep to parse; send the flat "
+                                "JSON object the endpoint takes") from None  # fmt: skip
 
 
 def validated_completion(body: Any, limits: Limits) -> tuple[list[list[int]], int]:

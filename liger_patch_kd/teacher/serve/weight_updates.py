@@ -58,13 +58,22 @@ def check_update(model: torch.nn.Module, tensors: dict[str, TensorSpec]) -> None
 
 
 def check_finite(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """RequestError(400) naming the first parameter whose new values hold NaN or an infinity (buffers, such as
-    masks, may hold -inf by design)."""
+    """RequestError(400) naming the first parameter whose new values hold NaN or an infinity, or would once cast
+    to the served dtype (1e300 sent as float64 into float32 weights, 1e5 into float16 ones, are infinities there);
+    buffers, such as masks, may hold -inf by design."""
     params = dict(model.named_parameters())
     for name, tensor in state.items():
-        if name in params and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if name not in params or not tensor.is_floating_point():
+            continue
+        if not torch.isfinite(tensor).all():
             raise RequestError(400, f"tensor {name!r} holds NaN or infinite values: the served model would answer "
                                     f"NaN; no weight changed")  # fmt: skip
+        served = params[name].dtype
+        if served.is_floating_point and not torch.isfinite(tensor.to(served)).all():  # one tensor's copy at a time
+            largest = tensor.abs().max().item()
+            raise RequestError(400, f"tensor {name!r} holds values up to {largest:.3g}, past the served model's "
+                                    f"{str(served).removeprefix('torch.')} range (max {torch.finfo(served).max:.3g}): "
+                                    f"they would load as infinities; no weight changed")  # fmt: skip
 
 
 def tensor_specs(names: Any, dtype_names: Any, shapes: Any) -> dict[str, TensorSpec]:

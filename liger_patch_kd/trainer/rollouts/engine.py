@@ -292,6 +292,11 @@ def _stop_without_token(choice: dict, count: int, max_tokens: int, eos_ids: set[
             f"{where}: {count} tokens with no EOS and finish_reason {reason!r} for max_tokens={max_tokens}; a "
             f"completion ends at an EOS / stop id (\"stop\") or after max_tokens tokens (\"length\")"
         )
+    if count >= max_tokens:  # the stop id it did not return would be token max_tokens + 1, past the context checked
+        raise TeacherReplyError(
+            f"{where}: finish_reason 'stop' after {count} tokens (max_tokens={max_tokens}) with no EOS / stop id "
+            f"among them: no sampled token ended it; the reply is malformed"
+        )
     said = choice.get("stop_reason")
     if isinstance(said, int) and not isinstance(said, bool) and said in eos_ids:
         return said
