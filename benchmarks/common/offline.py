@@ -19,9 +19,15 @@ from liger_patch_kd.teacher import (
 from .train_step import TOP_K, build, make_optimizer, prepare_student
 
 
-def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, reps, waited=None):
-    """Train the patched student on `batches` (dicts with teacher_token_ids / teacher_logprobs) and time the last
-    `reps` steps; `waited()` (optional) gives the seconds spent waiting for teacher data so far."""
+def topk_signal(batch: dict, device) -> dict:
+    """A batch's top-k teacher rows as the patched forward takes them."""
+    return {k: batch[k].to(device, non_blocking=True) for k in ("teacher_token_ids", "teacher_logprobs")}
+
+
+def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, reps, waited=None, signal=topk_signal):
+    """Train the patched student on `batches` (dicts with teacher_token_ids / teacher_logprobs, or what `signal`
+    reads) and time the last `reps` steps; `waited()` (optional) gives the seconds spent waiting for teacher data
+    so far. first_loss: the fresh student's loss on the first batch."""
     row = dict(method=name, micro_batch=micro_batch, seq=seq)
     student = build(shapes[0], device, dtype, seed=1)
     if device.type == "cuda":  # this row's own peak, not one left by whatever ran before it in the process
@@ -34,10 +40,10 @@ def train_rows(name, batches, shapes, micro_batch, seq, device, dtype, warmup, r
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start, waited_before = time.perf_counter(), waited() if waited else 0.0
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = student(input_ids=batch["input_ids"], labels=batch["labels"],
-                           teacher_token_ids=batch["teacher_token_ids"],
-                           teacher_logprobs=batch["teacher_logprobs"]).loss  # fmt: skip
+            ids, labels = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
+            loss = student(input_ids=ids, labels=labels, **signal(batch, device)).loss
+            if i == 0:
+                row["first_loss"] = float(loss.detach())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -90,5 +96,3 @@ def store_row(shapes, micro_batch, seq, device, dtype, warmup, reps, workdir: Pa
     )
     name = f"offline top-{TOP_K} (store, shuffled, 2 workers)"
     return train_rows(name, loader, shapes, micro_batch, seq, device, dtype, warmup, reps)
-
-

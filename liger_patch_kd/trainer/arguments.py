@@ -193,7 +193,16 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch; or {name: url} for "
                   "several served teachers, each row routed to one by its 'teacher' column."},
     )  # fmt: skip
-    kd_teacher_protocol: str = field(default="vllm", metadata={"help": "Teacher server protocol: vllm, sglang, liger."})
+    kd_teacher_protocol: str = field(
+        default="vllm",
+        metadata={"help": "Teacher server protocol: vllm, sglang, liger (top-k log-probs) or hidden (`liger-kd "
+                  "serve`'s final hidden states and head: the exact in-process objective)."},
+    )  # fmt: skip
+    kd_teacher_hidden_dtype: str = field(
+        default="auto",
+        metadata={"help": "kd_teacher_protocol='hidden': the hidden states on the wire: auto (the teacher's dtype), "
+                  "bf16, fp32 or fp8 (e4m3, one scale per row: half of bf16's bytes)."},
+    )  # fmt: skip
     kd_teacher_top_k: int = field(default=64, metadata={"help": "Top-k log-probs asked from the teacher server."})
     kd_teacher_samples: int | None = field(
         default=None,

@@ -42,6 +42,7 @@ from .teachers.privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_priv
 from .teachers.routed_offline import RoutedRowsTeacher, offline_routed_setup
 from .teachers.self_distill import SelfDistillTeacher, self_distill_teacher
 from .teachers.served import ServedTeacher
+from .teachers.served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
 from .teachers.served_several import ServedTeachers
 from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .teachers.stored import StoredTeacher
@@ -176,6 +177,8 @@ class KDTrainer(Trainer):
             if isinstance(args.kd_teacher_url, Mapping):
                 return ServedTeachers(self.teacher_set, args, fused)
             return RoutedRowsTeacher(self.teacher_set, fused)
+        if args.kd_teacher_url and args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # its hidden states and head
+            return ServedHiddenTeacher(args, self.processing_class, fused)
         if args.kd_teacher_url:
             return ServedTeacher(args, fused)
         if args.kd_self_distill:
@@ -220,7 +223,11 @@ class KDTrainer(Trainer):
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
         # a served teacher asks its server about each batch ahead of the step (teachers/served*.py)
-        return self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+        dataloader = self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+        if self.teacher_source.vocab_size is not None:  # read from a served head (teachers/served_hidden.py)
+            self.kd_config = self.kd_config.replace(vocab_size=self.teacher_source.vocab_size)
+            self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
+        return dataloader
 
     def _student_vocab_size(self) -> int:
         return self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features

@@ -3,6 +3,7 @@
     GET  /health                   200 once the model is loaded
     GET  /v1/models                the one model, OpenAI style
     POST /v1/completions           {"prompt": [ids] or [[ids], ...], "prompt_logprobs": K, "max_tokens": 1, ...}
+    POST /v1/hidden_states, GET /v1/head   the exact teacher: final hidden states and lm_head (hidden_server.py)
 
 Replies as vLLM does: choices[i].prompt_logprobs is a list over prompt positions, the first null, each position
 {"<id>": {"logprob", "rank", "decoded_token"}} with the top K and, when it is outside them, the prompt token itself.
@@ -44,6 +45,7 @@ from ..precompute import teacher_samples, teacher_topk_and_next
 from ..sampling import SampledTokens, sequence_generator
 from .client import API_KEY_ENV
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
+from .hidden_server import add_hidden_routes
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .request_fields import check_fields
 from .sampled_wire import SampleAsk, encode_sampled, validated_samples
@@ -302,6 +304,8 @@ def build_app(
         return Response(json.dumps(reply), media_type="application/json")
 
     add_generation_routes(app, engine, error)
+    add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher,  # the exact teacher (issue 41)
+                      max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)  # fmt: skip
     return app
 
 

@@ -7,7 +7,8 @@ kinds:
 - in_process.py: a teacher model in this process; self_distill.py: the student as its own teacher (its adapter
   off, or its frozen weights on a teacher prompt).
 - stored.py: rows carrying their teacher's data (a store, a dataset's columns); served.py: one teacher behind
-  kd_teacher_url (top-k, sampled tokens), asked ahead by a prefetcher, with its argument checks.
+  kd_teacher_url (top-k, sampled tokens), asked ahead by a prefetcher, with its argument checks; served_hidden.py:
+  one teacher served as its final hidden states and head (kd_teacher_protocol='hidden'), the exact objective.
 - routed_offline.py: stored rows naming their teacher (per-teacher figures); served_several.py: several served
   teachers, each row asked of its own.
 - several.py: several teachers in process by name (rows routed or mixed), their argument checks and collator;

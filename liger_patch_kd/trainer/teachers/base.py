@@ -10,11 +10,12 @@ the Trainer prepares it (its own markers popped, labels checked), then
 and a source that fetches its signal ahead (a served teacher) also wraps the training DataLoader:
 `source.dataloader(dataloader, student_vocab_size)` returns what the Trainer iterates, and `source.prefetcher`
 (a TeacherPrefetcher, or None) is asked about generated rows too (on-policy steps attach the teacher's reply to
-rows made during the step). Kinds, a file each: in process (in_process.py), the student itself (self_distill.py),
-rows that carry their teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed
-to named teachers: routed_offline.py, served_several.py), several teachers in process (several.py) and a teacher
-of another tokenizer (other_tokenizer.py). A new kind is a new file with a TeacherSource subclass, chosen in
-KDTrainer.teacher_source.
+rows made during the step); a source that learns the vocabulary there (a served head) sets `source.vocab_size`.
+Kinds, a file each: in process (in_process.py), the student itself (self_distill.py), rows that carry their
+teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed to named teachers:
+routed_offline.py, served_several.py), a served teacher's hidden states and head (served_hidden.py), several
+teachers in process (several.py) and a teacher of another tokenizer (other_tokenizer.py). A new kind is a new
+file with a TeacherSource subclass, chosen in KDTrainer.teacher_source.
 
 A teacher that sees its own prompt (rows with teacher_input_ids: privileged.py's collator) needs no source of its
 own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens
@@ -58,6 +59,7 @@ class TeacherSource:
     they need it, `prepare` (checks before any forward) and `dataloader` (a signal fetched ahead of the batch)."""
 
     prefetcher = None  # a served source's TeacherPrefetcher: generated rows ask it about themselves too
+    vocab_size = None  # the loss's vocabulary when the source learns it in `dataloader` (a served head), else None
 
     def __init__(self, fused: bool) -> None:
         self.fused = fused  # use_kd_patch: the patched forward's fused loss, else the loss on materialised logits
@@ -102,7 +104,8 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
         agreement = getattr(outputs, "kd_top1_agreement", None)
         return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, agreement, outputs)
     teacher = TeacherInputs(
-        model=None if offline else teacher_model,
+        model=None if offline else teacher_model, hidden_states=inputs.pop("teacher_hidden_states", None),
+        weight=inputs.pop("teacher_weight", None), bias=inputs.pop("teacher_bias", None),
         token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
         **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
     )  # fmt: skip

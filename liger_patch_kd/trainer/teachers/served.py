@@ -9,6 +9,7 @@ from transformers.utils import logging
 
 from ...conventions import require_sampled_objective
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL
 from ...teacher.serve.prefetch import TEACHER_KEYS
 from ...teacher.store.samples import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
@@ -96,10 +97,11 @@ def check_served_vocabulary(
 @checks_arguments(rank=2)
 def check_served_teacher_args(args: KDTrainingArguments) -> None:
     """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
-    if not args.kd_teacher_url:
+    if not args.kd_teacher_url or args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # the exact one: served_hidden.py
         return
     if args.kd_teacher_protocol not in PROTOCOLS:
-        raise ValueError(f"kd_teacher_protocol must be one of {tuple(PROTOCOLS)}; got {args.kd_teacher_protocol!r}")
+        raise ValueError(f"kd_teacher_protocol must be one of {(*PROTOCOLS, HIDDEN_PROTOCOL)}; got "
+                         f"{args.kd_teacher_protocol!r}")  # fmt: skip
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
     elif args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:

@@ -1,0 +1,167 @@
+"""`liger-kd serve`'s exact-teacher routes (issue 41; the wire format: hidden_wire.py):
+
+    POST /v1/hidden_states  {"prompt": [[ids], ...], "dtype": "auto" | "bf16" | "fp32" | "fp8"}: the teacher's final
+                            hidden states, binary, each reply naming the weight version it was computed with
+    GET  /v1/head           the lm_head (weight, bias, soft-cap, vocab_size) at the current weight version
+
+The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to a
+callback (models.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
+them trains on the in-process objective. Requests are batched like the top-k ones (TeacherBatcher: up to
+--max-batch-tokens padded tokens a forward, --batch-invariant runs each alone), checked whole first (400 naming the
+field, 413 over --max-request-tokens), behind the app's --api-key; the forward holds the model's lock, so a weight
+update (generation.py) never lands inside one, and the version in its reply is the one it ran with.
+
+SGLang's `return_hidden_states` is not spoken: SGLang answers meta_info.hidden_states as JSON floats (about 10
+bytes a value, and their parse dominates at H = 4096), per prompt and then per generated token, and serves no head;
+a student would need the teacher's checkpoint beside it to get W. The liger route sends H x 2 bytes a token and the
+head it was computed with.
+"""
+
+# no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
+
+import asyncio
+import json
+import logging
+import threading
+
+import torch
+
+from ...models import scaled_head_inputs
+from ...models.kd_forward import install_kd_forward
+from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
+from .protocols import BINARY_MEDIA_TYPE
+from .validation import Limits, RequestError, check_prompts, parse_body, token_prompts
+
+log = logging.getLogger("liger_patch_kd.serve")
+_FIELDS = ("prompt", "dtype", "model")
+
+
+def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invariant: bool):
+    """A `base` (server.TeacherBatcher, passed in: server.py registers these routes, so importing it here would be
+    a cycle) whose forward returns, per sequence, (its final hidden states (T, H) on the CPU in the teacher's dtype,
+    the weight version they were computed with)."""
+
+    class HiddenBatcher(base):
+        task: asyncio.Task | None = None
+
+        async def hidden(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+            if self.task is None:  # started on first use: the app's lifespan belongs to server.py
+                self.task = asyncio.create_task(self.run())
+            return await self._wait(sequences, None)
+
+        def _forward(self, batch) -> list:
+            with self.guard(), torch.no_grad():
+                version = engine.weight_version  # under the model's lock: no update lands until the forward ends
+                groups = [[p] for p in batch] if self.batch_invariant else [batch]
+                out = []
+                for items in groups:
+                    ids, mask, lengths = self._padded(items)
+                    hidden = _final_hidden(self.model, ids, mask).cpu()
+                    out += [(hidden[row, :n].clone(), version) for row, n in enumerate(lengths)]
+            return out
+
+    return HiddenBatcher(model, 1, max_batch_tokens, batch_invariant, guard=engine.base_model)
+
+
+def _final_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The (B, T, H) hidden states the teacher's KD forward hands the fused loss (models.call_teacher's path)."""
+    kept = {}
+    model(input_ids=ids, attention_mask=mask, use_cache=False, kd_teacher_callback=lambda h, w, b, c: kept.update(h=h))
+    return kept["h"]
+
+
+class HeadCache:
+    """The head at the current weight version, read once per version (under the model's lock) and kept encoded."""
+
+    def __init__(self, model, engine, vocab_size: int | None) -> None:
+        self.model, self.engine, self.vocab_size = model, engine, vocab_size
+        self.lock = threading.Lock()
+        self.encoded: tuple[int, bytes] | None = None
+
+    def current(self) -> bytes:
+        with self.lock:
+            if self.encoded is None or self.encoded[0] != self.engine.weight_version:
+                head = self.read()
+                self.encoded = (head.version, encode_head(head))
+            return self.encoded[1]
+
+    def read(self) -> TeacherHead:
+        kept = {}
+        with self.engine.base_model(), torch.no_grad():
+            version = self.engine.weight_version
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self.engine.device)
+            self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                       kd_teacher_callback=lambda h, w, b, c: kept.update(w=w, b=b, c=c))  # fmt: skip
+            scale = float(scaled_head_inputs(self.model, torch.ones(()), None)[0])
+            weight = kept["w"].detach().cpu().clone()
+            bias = None if kept["b"] is None else kept["b"].detach().cpu().clone()
+        return TeacherHead(version, weight, bias, kept["c"], self.vocab_size, scale)
+
+
+def validated_hidden(body, limits: Limits) -> tuple[list[list[int]], str]:
+    """A /v1/hidden_states body -> (prompts, dtype name), or RequestError naming the field."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the request body is a JSON {type(body).__name__}, not an object")
+    unknown = sorted(set(body) - set(_FIELDS))
+    if unknown:
+        raise RequestError(400, f"{unknown[0]} is not a field of {HIDDEN_PATH}; it takes {list(_FIELDS)}")
+    prompts = token_prompts(body.get("prompt"))
+    check_prompts(prompts, limits)
+    dtype = body.get("dtype", "auto")
+    if dtype not in WIRE_DTYPES:
+        raise RequestError(400, f"dtype must be one of {list(WIRE_DTYPES)}; got {json.dumps(dtype)[:40]}")
+    return prompts, dtype
+
+
+def add_hidden_routes(
+    app, model, engine, limits: Limits, error, *, batcher_type: type, max_batch_tokens: int, batch_invariant: bool
+):
+    """The two routes on the FastAPI `app` (`error(status, message)` builds a refusal; `batcher_type`: the top-k
+    routes' batcher, server.TeacherBatcher, whose queue and padding these share). A teacher whose architecture
+    the KD forward does not know answers them 400, naming why; its other routes are unaffected."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    try:
+        install_kd_forward(model)
+        refused = None
+    except ValueError as e:
+        refused = f"this teacher cannot serve its hidden states: {e}"
+    batcher = hidden_batcher(batcher_type, model, engine, max_batch_tokens, batch_invariant)
+    config = model.config.get_text_config()
+    heads = HeadCache(model, engine, getattr(config, "vocab_size", None))
+    app.state.hidden_batcher = batcher
+    teacher_dtype = next(model.parameters()).dtype
+
+    @app.post(HIDDEN_PATH)
+    async def hidden_states(request: Request) -> Response:
+        try:
+            if refused:
+                raise RequestError(400, refused)
+            prompts, dtype = validated_hidden(parse_body(await request.body()), limits)
+        except RequestError as e:
+            return error(e.status, e.message)
+        try:
+            results = await batcher.hidden(prompts)
+            versions = {v for _, v in results}
+            if len(versions) > 1:  # split across forwards around a weight update: one version per reply
+                results = await batcher.hidden(prompts)  # both after the update now (updates are rare)
+                versions = {v for _, v in results}
+            if len(versions) > 1:
+                raise RuntimeError(f"the weights changed twice during one request (versions {sorted(versions)})")
+            blob = encode_hidden([h for h, _ in results], prompts, wire_dtype(dtype, teacher_dtype), versions.pop())
+        except Exception as e:  # a fault of the server: 500, which clients retry
+            log.exception("the teacher forward failed")
+            return error(500, f"the teacher forward failed: {type(e).__name__}: {e}")
+        return Response(blob, media_type=BINARY_MEDIA_TYPE)
+
+    @app.get(HEAD_PATH)
+    async def head() -> Response:
+        if refused:
+            return error(400, refused)
+        try:
+            blob = await asyncio.to_thread(heads.current)
+        except Exception as e:
+            log.exception("reading the head failed")
+            return error(500, f"reading the head failed: {type(e).__name__}: {e}")
+        return Response(blob, media_type=BINARY_MEDIA_TYPE)

@@ -1,0 +1,165 @@
+"""The exact served teacher: `kd_teacher_url=URL, kd_teacher_protocol="hidden"` (issue 41).
+
+`liger-kd serve` sends the teacher's final hidden states of each batch's sequences (asked a step ahead by the
+served top-k path's prefetcher: retries, a dropped server waited for, no batch skipped) and, once per weight
+version, its head (teacher/serve/hidden_client.py). The loss then reads them as it reads an in-process teacher's
+(the patched forward's `teacher_hidden_states=` / `teacher_weight=` / `teacher_bias=`, the head's soft-cap as
+`teacher_softcap`; or models/materialised.py's TeacherInputs): the student trains on the in-process objective,
+every kd_beta / kd_temperature / kd_hard_weight, padded heads (kd_vocab_size, or len(tokenizer) when both heads
+are padded), on-policy rows (asked through the prefetcher's with_teacher, as the served top-k rows are) and
+privileged teacher prompts (the server is asked about teacher_input_ids, the hidden states paired like a stored
+signal's: models/privileged.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ...config import KDLossConfig
+from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
+from ...teacher.serve.hidden_wire import WIRE_DTYPES, TeacherHead
+from ...teacher.serve.prefetch import Segments, TeacherPrefetcher, keys_of
+from ..arguments import KDTrainingArguments, checks_arguments
+from .base import KDStepOutput, TeacherSource, one_teacher_loss
+from .other_tokenizer import padded_vocab_size
+
+HIDDEN_KEY, HEAD_KEY = "teacher_hidden_states", "teacher_head"  # the batch's (B, T, H) states, and their head
+
+
+def carries_hidden(batch: Mapping[str, Any]) -> bool:
+    return batch.get(HIDDEN_KEY) is not None
+
+
+@checks_arguments(rank=2)
+def check_served_hidden_args(args: KDTrainingArguments) -> None:
+    """KDTrainingArguments with kd_teacher_protocol='hidden', validated when the arguments are made (the top-k
+    protocols' checks are teachers/served.py's)."""
+    if not args.kd_teacher_url or args.kd_teacher_protocol != HIDDEN_PROTOCOL:
+        return
+    if isinstance(args.kd_teacher_url, Mapping):
+        raise ValueError(
+            "kd_teacher_protocol='hidden' serves one teacher (kd_teacher_url a str); several served "
+            "teachers (kd_teacher_url={name: url}) take the top-k protocols vllm, sglang, liger for now"
+        )
+    if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
+        raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
+    if args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(f"need kd_teacher_timeout > 0 and kd_teacher_retries >= 0; got {args.kd_teacher_timeout}, "
+                         f"{args.kd_teacher_retries}")  # fmt: skip
+    refused = {
+        "kd_teacher_samples": args.kd_teacher_samples is not None,
+        "kd_teacher_tokenizer": bool(args.kd_teacher_tokenizer),
+        "kd_seq_kd": args.kd_seq_kd,
+        "kd_self_distill": args.kd_self_distill,
+    }
+    used = [name for name, on in refused.items() if on]
+    if used:
+        raise ValueError(
+            f"kd_teacher_protocol='hidden' (the served teacher's hidden states, scored over the "
+            f"student's vocabulary) does not take {used}: unset them, or use a top-k protocol"
+        )
+
+
+class HiddenPrefetcher(TeacherPrefetcher):
+    """TeacherPrefetcher attaching `teacher_hidden_states` (B, T, H) (zeros at padding) and the `teacher_head`
+    they were computed with."""
+
+    def attach(self, batch: Mapping[str, Any], segments: Segments, replies: list) -> dict[str, Any]:
+        if HIDDEN_KEY in batch:
+            raise ValueError(f"the batch already holds {HIDDEN_KEY}: use stored hidden states or a server, not both")
+        heads = {id(head): head for _, head in replies}
+        if len(heads) > 1:  # its requests straddled a weight update: ask again, all after it
+            return self.with_teacher(batch)
+        ids = batch[keys_of(batch, self.keys)[0]]
+        head = next(iter(heads.values()))
+        states = torch.zeros((*ids.shape, head.weight.shape[-1]), dtype=replies[0][0].dtype)
+        for (row, positions), (hidden, _) in zip(segments, replies):
+            states[row, positions] = hidden
+        return {**batch, HIDDEN_KEY: states, HEAD_KEY: head}
+
+
+class ServedHiddenTeacher(TeacherSource):
+    """One teacher served as hidden states (see the module docstring). `vocab_size`: the vocabulary read from the
+    served head when the dataloader is made (None: the Trainer's kd_config decides, heads of one size)."""
+
+    def __init__(self, args: KDTrainingArguments, tokenizer: Any, fused: bool) -> None:
+        super().__init__(fused)
+        self.args, self.tokenizer = args, tokenizer
+        self.client: HiddenClient | None = None
+        self.on_device: tuple[int, torch.device, dict] | None = None  # (version, device, the head's tensors there)
+
+    def dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int], depth: int = 4) -> Any:
+        """The training DataLoader, each batch with its hidden states fetched `depth` batches ahead (CPU batches:
+        the Trainer moves them with their teacher data); the server waited for and its head read now, before the
+        first step."""
+        if getattr(dataloader, "device", None) is not None:
+            dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+        args = self.args
+        self.client = HiddenClient(args.kd_teacher_url, dtype=args.kd_teacher_hidden_dtype,
+                                   timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
+                                   api_key=args.kd_teacher_api_key)  # fmt: skip
+        self.prefetcher = HiddenPrefetcher(dataloader, self.client, depth=depth)
+        self.vocab_size = self.served_vocab_size(student_vocab_size())
+        # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
+        return dataloader if args.generates_every_step else self.prefetcher
+
+    def served_vocab_size(self, student_rows: int) -> int | None:
+        """The vocabulary both distributions are taken over, from the served head (the server must answer: waited
+        for up to kd_teacher_timeout): heads of other sizes are padded rows of one tokenizer (kd_vocab_size, else
+        len(tokenizer) as for an in-process teacher: trainer/dataset_setup.with_vocab_size). None: nothing to
+        change (kd_vocab_size given, or heads of one size)."""
+        self.client.wait_until_ready()
+        rows = (student_rows, self.client.head().weight.shape[0])
+        if self.args.kd_vocab_size is not None or rows[0] == rows[1]:
+            return None
+        if self.tokenizer is None or not hasattr(self.tokenizer, "__len__"):
+            raise ValueError(
+                f"the student's lm_head has {rows[0]} rows and the served teacher's {rows[1]}; set kd_vocab_size to "
+                f"the number of real tokens (len(tokenizer)), or pass processing_class=tokenizer"
+            )
+        no_local_teacher = torch.nn.Module()  # no saved tokenizer to compare: both heads must be padded
+        return padded_vocab_size(rows, self.tokenizer, no_local_teacher)
+
+    def prepare(self, inputs: dict) -> dict:
+        if not carries_hidden(inputs):
+            raise ValueError(
+                f"no teacher: the batch has no {HIDDEN_KEY} from kd_teacher_url={self.args.kd_teacher_url} "
+                f"(kd_teacher_protocol='hidden'), which the training DataLoader's batches and generated rows are "
+                f"asked for; score other batches with an in-process teacher_model"
+            )
+        return inputs
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour=None) -> KDStepOutput:  # fmt: skip
+        cfg = self.signal(inputs, cfg)
+        step = one_teacher_loss(model, None, inputs, num_items_in_batch, cfg, log_now, self.fused, behaviour)
+        step.teacher_metrics = self.metrics() if log_now else None
+        return step
+
+    def signal(self, inputs: dict, cfg: KDLossConfig) -> KDLossConfig:
+        """Put the batch's teacher (its hidden states, the head on the student's device) into `inputs` as the
+        patched forward takes it; the loss config with the head's soft-cap."""
+        head: TeacherHead = inputs.pop(HEAD_KEY)
+        device = inputs[HIDDEN_KEY].device
+        if self.on_device is None or self.on_device[:2] != (head.version, device):
+            tensors = {"teacher_weight": head.weight.to(device), "teacher_bias": None}
+            if head.bias is not None:
+                tensors["teacher_bias"] = head.bias.to(device)
+            self.on_device = (head.version, device, tensors)
+        inputs.update(self.on_device[2])
+        inputs[HIDDEN_KEY] = inputs[HIDDEN_KEY].to(head.weight.dtype)  # fp8 replies arrive dequantised in fp32
+        return cfg.replace(teacher_softcap=head.softcap)
+
+    def metrics(self) -> dict[str, float]:
+        """Wire figures for logs: bytes per token received, head fetches, seconds the loop waited for replies."""
+        client, prefetcher = self.client, self.prefetcher
+        if client is None:
+            return {}
+        return {
+            "kd_teacher_bytes_per_token": client.bytes_received / max(1, client.tokens_received),
+            "kd_teacher_head_fetches": float(client.head_fetches),
+            "kd_teacher_wait_seconds": prefetcher.wait_seconds if prefetcher is not None else 0.0,
+        }
