@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*argv: str, script: list[str] | None = None, env: dict | None = None, cwd=None):
     cmd = [sys.executable, *(script or ["-m", "liger_patch_kd.cli"]), *argv]
-    environ = subprocess_env(LIGER_KD_DEBUG="", **(env or {}))
+    environ = subprocess_env(**{"LIGER_KD_DEBUG": "", **(env or {})})
     return subprocess.run(cmd, capture_output=True, text=True, env=environ, cwd=cwd or ROOT, timeout=300)
 
 

@@ -125,14 +125,13 @@ def test_train_with_bf16_and_accumulation_against_the_server(tmp_path, served, t
 
 
 def test_several_served_teachers_refuse_privileged_rows(tmp_path):
-    """Not yet: each row's own server would be asked about its teacher rows; refused before any request."""
+    """Not yet: each row's own server would be asked about its teacher rows; refused before any request, when the
+    Trainer is built (its dataloader asks the servers what they serve)."""
     urls = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
     features = [dict(f, teacher="ab"[i % 2]) for i, f in enumerate(_features(_rows()))]
     args = _args(tmp_path, kd_teacher_url=urls, kd_teacher_protocol="liger", kd_teacher_top_k=4)
-    trainer = KDTrainer(model=tiny_model("llama", seed=1), train_dataset=features, args=args)
-    batch = trainer.data_collator(features)
     with pytest.raises(ValueError, match="teacher_input_ids.*several served teachers"):
-        trainer.get_train_dataloader().with_teacher(batch)
+        KDTrainer(model=tiny_model("llama", seed=1), train_dataset=features, args=args)
 
 
 def test_sampled_teacher_tokens_of_the_teachers_rows_are_paired_alike(tmp_path, served):

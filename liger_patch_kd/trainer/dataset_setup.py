@@ -15,6 +15,7 @@ from .rollouts.prompts import is_prompt_row
 from .teachers.other_tokenizer import padded_vocab_size
 from .teachers.sampled_data import check_sampled_dataset
 from .teachers.self_distill import is_self_teacher
+from .teachers.served_several import check_rows_for_several_served
 
 
 def first_row_is_prompt(dataset: Any) -> bool:
@@ -141,5 +142,6 @@ def check_training_rows(
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
+    check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
     check_completions_for_off_policy(args, first_row)

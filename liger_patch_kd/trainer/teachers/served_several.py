@@ -10,6 +10,7 @@ unknown tails) does not give it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ...teacher.serve import TeacherClient, TeacherPrefetcher
@@ -57,16 +58,24 @@ class _Merged:
         return out
 
 
+PRIVILEGED_ROWS_REFUSED = (
+    "rows with the teacher's own prompt (teacher_input_ids) and several served teachers (kd_teacher_url={name: url}) "
+    "are not supported yet: serve one teacher (kd_teacher_url=url), or run the teachers in process"
+)
+
+
+def check_rows_for_several_served(args: Any, first_row: Any) -> None:
+    """Refused when KDTrainer is built, before any server is asked (the prefetcher refuses such batches too)."""
+    if isinstance(args.kd_teacher_url, Mapping) and isinstance(first_row, Mapping) and "teacher_input_ids" in first_row:
+        raise ValueError(PRIVILEGED_ROWS_REFUSED)
+
+
 class RoutedTeacherPrefetcher(TeacherPrefetcher):
     """TeacherPrefetcher asking each sequence's own teacher (routed by the batch's one-hot `teacher_mixture`)."""
 
     def submit(self, batch, segments):
         if self.keys is None and keys_of(batch, None) != STUDENT_KEYS:  # privileged rows (their own teacher prompt)
-            raise ValueError(
-                "rows with the teacher's own prompt (teacher_input_ids) and several served teachers (kd_teacher_url="
-                "{name: url}) are not supported yet: serve one teacher (kd_teacher_url=url), or run the teachers in "
-                "process"
-            )
+            raise ValueError(PRIVILEGED_ROWS_REFUSED)
         weights = batch[MIXTURE_KEY]
         routes = []
         for row, positions in segments:
