@@ -76,6 +76,8 @@ def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError, match=r"columns \['text'\].*processing_class=tokenizer") as e:
             trainer_for(tmp_path, rows, None)
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"processing_class \(object\) cannot tokenize text"):  # given, not usable
+        trainer_for(tmp_path, [{"text": t} for t in TEXTS], object())
     with pytest.raises(ValueError, match=r"columns \['body', 'id'\], none of which KDTrainer trains on"):
         trainer_for(tmp_path, [{"body": "x", "id": 1}], None)
     with pytest.raises(ValueError, match="kd_max_length must be None or an integer >= 1"):

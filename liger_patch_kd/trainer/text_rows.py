@@ -52,10 +52,16 @@ def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, acros
         return dataset  # TRL's formats: the prompt collators read them
     if across:
         return _map(dataset, lambda text: {"prompt": "", "completion": text})
-    if tokenizer is None or not callable(tokenizer):
+    if tokenizer is None:
         raise ValueError(
             f"{name}'s rows have the columns {columns} and no 'input_ids': KDTrainer tokenizes 'text' with the "
             f"student's tokenizer. Pass processing_class=tokenizer, or tokenize the rows into 'input_ids' yourself"
+        )
+    if not callable(tokenizer):
+        raise ValueError(
+            f"{name}'s rows have the columns {columns} and no 'input_ids', and processing_class "
+            f"({type(tokenizer).__name__}) cannot tokenize text: it is not callable as a Hugging Face tokenizer "
+            f"(tokenizer(text)['input_ids']). Pass a transformers tokenizer, or tokenize the rows into 'input_ids'"
         )
 
     def tokenize(text: str) -> dict[str, Any]:
