@@ -26,6 +26,7 @@ from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
 from liger_patch_kd.teacher.serve import prefetch  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
+from .helpers import subprocess_env  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
 TOP_K = 8
@@ -55,19 +56,18 @@ class Server:
 
     def start(self, wait: bool = True) -> "Server":
         # one thread: the server shares CI's two cores with the training process
-        env = {
-            **os.environ,
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "OMP_NUM_THREADS": "1",
-            **self.env,
-        }
+        env = subprocess_env(OMP_NUM_THREADS="1", **self.env)
         cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
                str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--attn-implementation", "eager", *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if wait:
             client = TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, api_key=self.api_key)
-            client.wait_until_ready()
+            try:
+                client.wait_until_ready()
+            except BaseException:  # a server slow to start is not left running behind the failed fixture
+                self.stop()
+                raise
         return self
 
     def stop(self) -> None:
