@@ -39,9 +39,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(model, api_key=None, **options):
+def running(model, api_key=None, top_k=TOP_K, model_name=NAME, **options):
     """build_app(model) served on 127.0.0.1 by uvicorn in a thread; yields (url, app)."""
-    app = build_app(model, top_k=TOP_K, model_name=NAME, api_key=api_key, **options)
+    app = build_app(model, top_k=top_k, model_name=model_name, api_key=api_key, **options)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

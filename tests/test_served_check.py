@@ -2,45 +2,24 @@
 name): a kd_teacher_top_k above the server's --top-k, or a vocabulary that is not the student's, is one line before
 the first step, and no teacher forward runs. The real app, served by uvicorn in a thread of this process."""
 
-import socket
-import threading
-import time
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve.server import build_app  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
+from .test_generation_server import running  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 ROWS = [{"input_ids": list(range(3, 3 + 8 + i))} for i in range(4)]
 
 
-@contextmanager
 def served(model, top_k: int):
-    """build_app(model) on 127.0.0.1 by uvicorn in a thread; yields (url, app)."""
-    app = build_app(model, top_k=top_k, model_name="tiny-teacher")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    """build_app(model) on 127.0.0.1 by uvicorn in a thread (test_generation_server.running); yields (url, app)."""
+    return running(model, top_k=top_k, model_name="tiny-teacher")
 
 
 def train(tmp_path, url, student=None, **overrides):
