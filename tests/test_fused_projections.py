@@ -11,7 +11,7 @@ from liger_patch_kd.generation import Sampling, decode, release_sessions
 from liger_patch_kd.generation.engine import session_of
 from liger_patch_kd.generation.fused_projections import FusedProjections
 
-from .test_generation import _model, _prompts, reference
+from .test_generation import _model, _prompts, decodes_as_the_reference, reference
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -20,18 +20,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_decode_samples_what_the_uncached_reference_samples(arch):
     model = _model(arch, torch.float64, seed=1)
-    ids, mask = _prompts()
     sampling = Sampling(temperature=0.7, top_k=20, top_p=0.9, vocab_limit=250)
-    torch.manual_seed(3)
-    free, _ = reference(model, ids, mask, 9, sampling, 0, ())
-    eos = {int(free[0, 2]), int(free[2, 6])}
-    torch.manual_seed(3)
-    want, want_lp = reference(model, ids, mask, 9, sampling, 0, eos)
-    torch.manual_seed(3)
-    got, got_lp = decode(model, ids, mask, max_new_tokens=9, sampling=sampling, pad_id=0, eos_ids=eos,
-                         capture="eager", logprobs=True, fuse_projections=True)  # fmt: skip
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_lp, want_lp.float(), rtol=0, atol=1e-5)
+    decodes_as_the_reference(model, sampling, fuse_projections=True)
     layers = model.config.num_hidden_layers
     assert len(session_of(model).fused.groups) == 2 * layers  # q/k/v and gate/up of every layer
     release_sessions(model)

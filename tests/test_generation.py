@@ -60,23 +60,30 @@ SAMPLINGS = {
 }
 
 
+def decodes_as_the_reference(model, sampling: Sampling, **options) -> tuple[torch.Tensor, set[int]]:
+    """decode() (eager, 9 new tokens, `options`) on _prompts() against the uncached reference loop with the same
+    draws, EOS ids chosen from a free run so that rows 0 and 2 end by columns 2 and 6: the same tokens, log-probs to
+    float32 rounding. Returns (tokens, eos ids)."""
+    ids, mask = _prompts()
+    torch.manual_seed(3)
+    free, _ = reference(model, ids, mask, 9, sampling, 0, ())
+    eos = {int(free[0, 2]), int(free[2, 6])}
+    torch.manual_seed(3)
+    want, want_lp = reference(model, ids, mask, 9, sampling, 0, eos)
+    torch.manual_seed(3)
+    got, got_lp = decode(model, ids, mask, max_new_tokens=9, sampling=sampling, pad_id=0, eos_ids=eos,
+                         capture="eager", logprobs=True, **options)  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_lp, want_lp.float(), rtol=0, atol=1e-5)
+    return got, eos
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 @pytest.mark.parametrize("check_every", [1, 3])
 def test_engine_samples_what_the_uncached_reference_samples(arch, name, check_every):
     model = _model(arch, torch.float64, seed=1)
-    ids, mask = _prompts()
-    sampling = SAMPLINGS[name]
-    torch.manual_seed(3)
-    free, _ = reference(model, ids, mask, 9, sampling, 0, ())
-    eos = {int(free[0, 2]), int(free[2, 6])}  # the same draws: rows 0 and 2 end by columns 2 and 6
-    torch.manual_seed(3)
-    want, want_lp = reference(model, ids, mask, 9, sampling, 0, eos)
-    torch.manual_seed(3)
-    got, got_lp = decode(model, ids, mask, max_new_tokens=9, sampling=sampling, pad_id=0, eos_ids=eos,
-                         capture="eager", logprobs=True, check_every=check_every)  # fmt: skip
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_lp, want_lp.float(), rtol=0, atol=1e-5)
+    got, eos = decodes_as_the_reference(model, SAMPLINGS[name], check_every=check_every)
     ended = [row for row in range(5) if bool(torch.isin(got[row], torch.tensor(sorted(eos))).any())]
     assert ended  # some row ended: its EOS is kept and padding follows
     for row in ended:
