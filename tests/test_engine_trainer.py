@@ -100,19 +100,28 @@ def test_stale_rollouts_are_logged_and_importance_weighted(tmp_path, tokenizer):
     assert all(b is not None and b.dtype == torch.float32 for b in seen)  # the engine's log-probs reach the loss
 
 
-@pytest.mark.parametrize("use_kd_patch", [True, False])
-def test_pg_loss_with_behaviour_logprobs_equals_the_materialised_reference(tmp_path, tokenizer, use_kd_patch):  # noqa: F811
-    """compute_loss on a rollout batch with the engine's log-probs: the patched (fused) and unpatched
-    (materialised) paths equal reference.kd_loss on the logits with rho = exp(log q - log b); with b = q it is
-    the uncorrected loss, value and gradient."""
+def pg_rollout_case(tmp_path, tokenizer):  # noqa: F811
+    """A rollout batch to score with pg: (student, teacher, generated rows, scored label count, student logits,
+    teacher logits), two generations of four prompts sampled from the float64 student (as float32, as an engine
+    would), both models' logits on them in float64."""
     student, teacher = tiny_model("qwen3", seed=1), tiny_model("qwen3", seed=2)  # float64
     batch = PromptCollator(tokenizer)(PROMPTS[:4])
     steps = OnPolicySteps(_args(tmp_path, kd_num_generations=2))
     (generated,) = steps.replace(copy.deepcopy(student).float(), [batch], tokenizer=tokenizer, step=0,
                                  device=torch.device("cpu"))  # fmt: skip
-    labels, scored = generated["labels"], int((generated["labels"][:, 1:] != -100).sum())
+    scored = int((generated["labels"][:, 1:] != -100).sum())
     with torch.no_grad():
         logits_s, logits_t = student(input_ids=generated["input_ids"]).logits, teacher(generated["input_ids"]).logits
+    return student, teacher, generated, scored, logits_s, logits_t
+
+
+@pytest.mark.parametrize("use_kd_patch", [True, False])
+def test_pg_loss_with_behaviour_logprobs_equals_the_materialised_reference(tmp_path, tokenizer, use_kd_patch):  # noqa: F811
+    """compute_loss on a rollout batch with the engine's log-probs: the patched (fused) and unpatched
+    (materialised) paths equal reference.kd_loss on the logits with rho = exp(log q - log b); with b = q it is
+    the uncorrected loss, value and gradient."""
+    student, teacher, generated, scored, logits_s, logits_t = pg_rollout_case(tmp_path, tokenizer)
+    labels = generated["labels"]
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     own = -reference.cross_entropy_per_row(logits_s, targets, -100)  # log q of each label, row-aligned
     g = torch.Generator().manual_seed(0)

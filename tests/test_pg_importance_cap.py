@@ -14,11 +14,9 @@ from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.losses import fused_linear_jsd, kl_estimator
 from liger_patch_kd.trainer import KDTrainer
 from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR
-from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator
 
+from .test_engine_trainer import pg_rollout_case
 from .test_onpolicy import PROMPTS, _args, tokenizer  # noqa: F401
-from .tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 CAP = 3.0
@@ -151,17 +149,11 @@ def test_importance_cap_options_are_checked(tmp_path):
 
 @pytest.mark.parametrize("use_kd_patch", [True, False])
 def test_the_trainer_truncates_the_engines_ratio_at_kd_pg_importance_cap(tmp_path, tokenizer, use_kd_patch):  # noqa: F811
-    student, teacher = tiny_model("qwen3", seed=1), tiny_model("qwen3", seed=2)  # float64
-    batch = PromptCollator(tokenizer)(PROMPTS[:4])
-    steps = OnPolicySteps(_args(tmp_path, kd_num_generations=2))
-    (generated,) = steps.replace(copy.deepcopy(student).float(), [batch], tokenizer=tokenizer, step=0,
-                                 device=torch.device("cpu"))  # fmt: skip
-    labels, scored = generated["labels"], int((generated["labels"][:, 1:] != -100).sum())
+    student, teacher, generated, scored, logits_s, logits_t = pg_rollout_case(tmp_path, tokenizer)
+    labels = generated["labels"]
     behaviour = torch.where(labels != -100, -20.0, 0.0).double()  # the engine's weights far from the student's
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     b = F.pad(behaviour[:, 1:], (0, 1), value=0.0)
-    with torch.no_grad():
-        logits_s, logits_t = student(input_ids=generated["input_ids"]).logits, teacher(generated["input_ids"]).logits
     for cap in (CAP, None):
         model = copy.deepcopy(student)
         trainer = KDTrainer(
