@@ -45,12 +45,6 @@ STUDENT = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num
                num_key_value_heads=4)  # fmt: skip
 
 
-
-
-
-
-
-
 @torch.no_grad()
 def logprobs(model, windows: torch.Tensor) -> torch.Tensor:
     return torch.cat([model(input_ids=w[None]).logits[0].float().log_softmax(-1) for w in windows])

@@ -26,8 +26,6 @@ QWEN_SMALL_V, QWEN_LARGE_V, QWEN_TOKENS = 151936, 152064, 151665
 GROUPS = ("sweep", "vocab", "betas", "topk", "padded")
 
 
-
-
 def reference_grads(x: dict, cfg: KDLossConfig, rows: int = 1024) -> list[torch.Tensor]:
     """d loss / d(h_s, w_s) from float32 products and float32 math, computed a chunk of rows at a time."""
     h = x["h_s"].detach().float().requires_grad_()
@@ -60,8 +58,6 @@ def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     return R.kd_loss(s.float(), t.float(), x["labels"], cfg)
 
 
-
-
 def floor_ms(x: dict) -> float:
     """The four N x H x V bf16 products an exact online method cannot avoid, back to back."""
     n, vocab = x["h_s"].shape[0], x["w_s"].shape[0]
@@ -77,8 +73,6 @@ def floor_ms(x: dict) -> float:
         torch.mm(logits.T, h_s, out=g_w)
 
     return cuda_time_ms(products)  # the buffers go with this frame
-
-
 
 
 def run_padded_case(n: int, hidden: int) -> list[dict]:

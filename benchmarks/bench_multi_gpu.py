@@ -83,10 +83,6 @@ def build_sharded_random(shape: dict, device: torch.device, dtype: torch.dtype, 
     return model
 
 
-
-
-
-
 # ------------------------------------------------------------------------------------------------- a run
 def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple[dict, dict]:
     from liger_patch_kd.models import kd_forward
@@ -238,8 +234,6 @@ def describe_launch(accelerator) -> dict:
 
         info.update(deepspeed=deepspeed.__version__, zero_stage=state.deepspeed_plugin.zero_stage)
     return info
-
-
 
 
 # ------------------------------------------------------------------------------------------------ summary

@@ -16,7 +16,13 @@ another):
   on-policy static           the same with the static cache (transformers compiles the decode step)
   on-policy graph            kd_generation_cache="graph": the decode step captured as one CUDA graph (generation/)
   on-policy                  kd_generation_cache="auto": what a user gets by default
+  trl-distillation           TRL's DistillationTrainer (trl>=1.16) on the same models, rows and options (beta 0.5,
+                             bf16, gradient checkpointing, sdpa): it generates every optimizer step with transformers'
+                             generate, dynamic cache (its default), and scores the teacher's full vocabulary in chunks
+  trl-distillation static    the same with cache_implementation="static" (TRL turns generate's compile off)
 
+TRL reads text prompts: they are written in a word-level tokenizer over the same vocabulary (one word per id, no
+special tokens added), so its prompts are the same `--prompt` ids as ours.
 At 8 rows per step with micro-batch 8: `--micro-batch 8 --accumulation 1`.
 
 Each row: step_s (mean over the timed steps, after one warm-up step that compiles), generate_s (time inside
@@ -40,14 +46,12 @@ ROWS = {  # name -> KDTrainingArguments overrides
     "on-policy static": dict(kd_lmbda=1.0, kd_generation_cache="static"),
     "on-policy graph": dict(kd_lmbda=1.0, kd_generation_cache="graph"),
     "on-policy": dict(kd_lmbda=1.0, kd_generation_cache="auto"),
+    "trl-distillation": dict(cache_implementation=None),
+    "trl-distillation static": dict(cache_implementation="static"),
 }
 
 
-
-
 def run_row(name: str, a: argparse.Namespace) -> dict:
-    from transformers import TrainerCallback
-
     from liger_patch_kd import KDTrainer, KDTrainingArguments
 
     device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
@@ -63,17 +67,12 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
         labels = ids.clone()
         labels[: a.prompt] = -100
         rows.append({"input_ids": ids, "labels": labels})
+    if name.startswith("trl-"):
+        return trl_row(name, a, student, teacher, rows, device, vocab)
     overrides = dict(ROWS[name])
     if overrides.get("kd_rollout_batch_size") == "micro":
         overrides["kd_rollout_batch_size"] = a.micro_batch
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-
     args = KDTrainingArguments(
         output_dir=tempfile.mkdtemp(), use_kd_patch=True, kd_beta=0.5, bf16=device == "cuda", use_cpu=device == "cpu",
         kd_max_new_tokens=a.completion, per_device_train_batch_size=a.micro_batch,
@@ -81,32 +80,85 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
         logging_steps=1, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
         learning_rate=1e-5, dataloader_num_workers=0, **overrides,
     )  # fmt: skip
-    trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, callbacks=[Clock()])
+    trainer = KDTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=rows, callbacks=[step_clock(device, stamps)]
+    )
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     timed = trainer.kd_rollout_seconds[1:]  # generate() seconds per generated step, warm-up dropped
+    return timed_row(name, a, stamps, device, generate_s=sum(timed) / len(timed) if timed else 0.0)
+
+
+def step_clock(device: str, stamps: list[float]):
+    """A callback stamping the end of each optimizer step (after the GPU's queue drains)."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    return Clock()
+
+
+def timed_row(name: str, a: argparse.Namespace, stamps: list[float], device: str, generate_s=None) -> dict:
+    """Mean seconds per timed step (the first, which compiles, left out) and the completion tokens scored per second:
+    random weights all but never sample EOS, so every row scores its full --completion tokens."""
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     scored = a.micro_batch * a.accumulation * a.completion
     return {
         "name": name,
         "step_s": step_s,
-        "generate_s": sum(timed) / len(timed) if timed else 0.0,
+        "generate_s": generate_s,
         "scored_tokens_per_s": scored / step_s,
         "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
     }
 
 
+def word_tokenizer(vocab: int):
+    """A tokenizer with one word per id ("t3" ... "t{vocab-1}"; ids 0/1/2 are pad/bos/eos as the models have them,
+    named so that no word contains them): text prompts for TRL that tokenize back to exactly our prompt ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab)}}
+    core = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def trl_row(name: str, a: argparse.Namespace, student, teacher, rows: list[dict], device: str, vocab: int) -> dict:
+    """TRL's DistillationTrainer on the same models and prompts (each row's first --prompt ids, as text)."""
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
 
-
+    tokenizer = word_tokenizer(vocab)
+    prompts = [" ".join(f"t{i}" for i in r["input_ids"][: a.prompt].tolist()) for r in rows]
+    assert tokenizer(text=prompts[:1])["input_ids"][0] == rows[0]["input_ids"][: a.prompt].tolist()
+    stamps: list[float] = []
+    args = DistillationConfig(
+        output_dir=tempfile.mkdtemp(), beta=0.5, temperature=1.0, max_completion_length=a.completion,
+        bf16=device == "cuda", use_cpu=device == "cpu", per_device_train_batch_size=a.micro_batch,
+        gradient_accumulation_steps=a.accumulation, max_steps=a.steps + 1, report_to=[], save_strategy="no",
+        logging_steps=1, gradient_checkpointing=True, learning_rate=1e-5, dataloader_num_workers=0,
+        **ROWS[name],
+    )  # fmt: skip
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                  callbacks=[step_clock(device, stamps)])  # fmt: skip
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    return timed_row(name, a, stamps, device)
 
 
 def main() -> None:
     a = step_parser(__doc__, "runs/bench_onpolicy.json", ROWS, steps=2).parse_args()
-    columns = ["name", "step_s", "generate_s", "scored_tokens_per_s", "of_off_policy", "peak_GiB", "error"]
+    columns = ["name", "step_s", "generate_s", "scored_tokens_per_s", "of_off_policy", "x_trl", "peak_GiB", "error"]
     drive_rows("benchmarks.bench_onpolicy", a, ROWS, run_row, columns)
 
 

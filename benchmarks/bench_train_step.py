@@ -64,10 +64,6 @@ ONPOLICY_ROWS = {
 }
 
 
-
-
-
-
 def torchao_missing() -> str | None:
     try:
         import liger_kernel  # noqa: F401
@@ -91,10 +87,6 @@ def torchao_copy(shape: dict, device, dtype, seq: int):
     return teacher
 
 
-
-
-
-
 def onpolicy_row(name: str, tiny: bool) -> dict:
     """A bench_onpolicy row (KDTrainer, bf16, 8 rows of 512 prompt + 512 completion tokens per micro-batch,
     accumulation 8, one warm-up and one timed step) in its own process; tokens_per_s is its scored (completion)
@@ -111,12 +103,6 @@ def onpolicy_row(name: str, tiny: bool) -> dict:
         return {**row, "tokens_per_s": f"error: {result['error'][:80]}"}
     return {**row, "tokens_per_s": result["scored_tokens_per_s"], "step_s": result["step_s"],
             "generate_s": result["generate_s"], "peak_GiB": result["peak_GiB"]}  # fmt: skip
-
-
-
-
-
-
 
 
 def main() -> None:

@@ -57,5 +57,3 @@ def train_teacher(model, data: Windows, seconds: float, batch: int, device) -> d
             loss = float(out.loss)
             print(f"teacher step {step}: loss {loss:.3f}", flush=True)
     return dict(steps=step, seconds=time.perf_counter() - start, final_train_loss=out.loss.item())
-
-

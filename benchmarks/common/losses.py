@@ -46,5 +46,3 @@ def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm())
-
-

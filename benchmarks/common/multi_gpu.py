@@ -105,5 +105,3 @@ def allow_fsdp_on_cpu() -> None:
 
     PartialState._prepare_backend = _prepare_backend
     PartialState.set_device = set_device
-
-

@@ -53,7 +53,8 @@ def step_parser(doc: str, out: str, rows: dict, steps: int) -> argparse.Argument
 
 def drive_rows(module: str, a: argparse.Namespace, rows: dict, run_row, columns: list[str], extra=()) -> None:
     """Each row in its own process (or, with --row, the one row here), the fraction of the off-policy row's scored
-    tokens/s beside each, a printed table and the JSON; `extra`: options the children take beyond the shape's."""
+    tokens/s beside each (and the ratio to the fastest TRL row, where one ran), a printed table and the JSON;
+    `extra`: options the children take beyond the shape's."""
     if a.tiny:
         a.prompt, a.completion, a.micro_batch, a.accumulation, a.steps = 8, 8, 2, 2, 1
     if a.row:
@@ -62,11 +63,13 @@ def drive_rows(module: str, a: argparse.Namespace, rows: dict, run_row, columns:
     keys = (*SHAPE_KEYS, *extra)
     results = [run_row_in_child(module, name, a, keys) for name in a.only or list(rows)]
     off = next((r for r in results if r["name"] == "off-policy" and "error" not in r), None)
+    trl = max((r["scored_tokens_per_s"] for r in results if r["name"].startswith("trl-") and "error" not in r),
+              default=None)  # fmt: skip  # the competitor in its best configuration
     for r in results:
         if off and "scored_tokens_per_s" in r:
             r["of_off_policy"] = r["scored_tokens_per_s"] / off["scored_tokens_per_s"]
+        if trl and "scored_tokens_per_s" in r:
+            r["x_trl"] = r["scored_tokens_per_s"] / trl
     print_table(results, columns)
     shape = {k: getattr(a, k) for k in (*keys, "tiny")}
     write_json(a.out, {"environment": environment(), "shape": shape, "rows": results})
-
-

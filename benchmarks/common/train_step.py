@@ -233,5 +233,3 @@ def run_one(name, shapes, micro_batch, seq, device, dtype, teacher, warmup, reps
             torch.cuda.empty_cache()
     print(row, flush=True)
     return row
-
-
