@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,3 +140,29 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     own entries kept (packages installed with --target and PYTHONPATH, as on a machine without pip's site)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def stop_with_stacks(proc: subprocess.Popen, lines: int = 60) -> str:
+    """Stop a child started with PYTHONFAULTHANDLER=1 and stderr=PIPE by SIGABRT (its faulthandler prints every
+    thread's stack first) and return the last `lines` of its stderr: a child that hangs says where."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    err = err.decode(errors="replace") if isinstance(err, bytes) else (err or "")
+    return "\n".join(err.splitlines()[-lines:])
+
+
+def run_child(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) in subprocess_env(**env); a child still running after
+    `timeout` seconds fails the test with its threads' stacks instead of a bare TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env(PYTHONFAULTHANDLER="1", **env))  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{cmd} still running after {timeout:g} s; its stderr:\n{stop_with_stacks(proc)}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -4,7 +4,6 @@ parsed by TRL's own vLLM reply formatter."""
 
 import json
 import re
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -12,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from .helpers import subprocess_env
+from .helpers import run_child
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -97,7 +96,7 @@ def test_temperature_shapes_only_the_completion_token(server):  # noqa: F811
 def test_too_large_a_top_k_is_refused_at_start(teacher_dir):  # noqa: F811
     cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(teacher_dir), "--top-k", "300",
            "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    done = run_child(cmd, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"liger-kd serve: error: --top-k 300 must be in [1, {VOCAB}] (the teacher's vocabulary size); lower it"
@@ -188,7 +187,8 @@ def test_the_openai_client_and_trls_reply_formatter(strict):
     assert torch.equal(ids, want[0]) and torch.equal(values, want[1])
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict.url + "/v1", api_key="wrong").completions.create(
-            model="m", prompt=seq, max_tokens=1, extra_body={"prompt_logprobs": TOP_K})
+            model="m", prompt=seq, max_tokens=1, extra_body={"prompt_logprobs": TOP_K}
+        )
     # TRL 1.16's own parser of vLLM prompt_logprobs (its VLLMClient's), from position 1 on: sorted by rank, top K
     trl = VLLMClient._format_sequence_logprobs(choice, seq, 1, TOP_K)
     assert trl["logprob_token_ids"] == ids[:-1].tolist()

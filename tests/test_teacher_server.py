@@ -26,7 +26,7 @@ from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
 from liger_patch_kd.teacher.serve import prefetch  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
-from .helpers import subprocess_env  # noqa: E402
+from .helpers import stop_with_stacks, subprocess_env  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 
 TOP_K = 8
@@ -46,7 +46,11 @@ class Server:
     """`liger-kd serve` in a subprocess on 127.0.0.1; stop() kills it by its PID."""
 
     def __init__(
-        self, teacher_dir: Path, port: int | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
+        self,
+        teacher_dir: Path,
+        port: int | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict | None = None,
         api_key: str | None = None,
     ) -> None:
         self.teacher_dir, self.port, self.extra = teacher_dir, port or _free_port(), list(extra)
@@ -56,7 +60,7 @@ class Server:
 
     def start(self, wait: bool = True) -> "Server":
         # one thread: the server shares CI's two cores with the training process
-        env = subprocess_env(OMP_NUM_THREADS="1", **self.env)
+        env = subprocess_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **self.env)
         cmd = [sys.executable, "-m", "liger_patch_kd.cli", "serve", "--teacher", str(self.teacher_dir), "--top-k",
                str(TOP_K), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--attn-implementation", "eager", *self.extra]  # fmt: skip
@@ -65,7 +69,9 @@ class Server:
             client = TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, api_key=self.api_key)
             try:
                 client.wait_until_ready()
-            except BaseException:  # a server slow to start is not left running behind the failed fixture
+            except TD.TeacherServerError as e:  # a server slow to start says where it is, and is not left running
+                raise AssertionError(f"{e}\nthe server's stderr:\n{stop_with_stacks(self.proc)}") from None
+            except BaseException:
                 self.stop()
                 raise
         return self
