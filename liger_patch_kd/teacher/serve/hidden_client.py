@@ -33,6 +33,7 @@ class HiddenClient(TeacherClient):
         self.cached_head: TeacherHead | None = None
         self.head_fetches = 0
         self.bytes_received = self.tokens_received = 0  # hidden-state replies: bytes on the wire per token
+        self.count_lock = threading.Lock()  # replies arrive on several threads: `+=` alone loses updates
 
     def head(self, version: int | None = None) -> TeacherHead:
         """The head at `version` (None: the server's current), from the cache when it holds that version."""
@@ -57,8 +58,9 @@ class HiddenClient(TeacherClient):
                 if states and states[0].shape[-1] != width:
                     raise TeacherServerError(f"{name}: hidden states of width {states[0].shape[-1]}, the head's "
                                              f"weight is {tuple(head.weight.shape)}")  # fmt: skip
-                self.bytes_received += len(raw)
-                self.tokens_received += sum(map(len, sequences))
+                with self.count_lock:
+                    self.bytes_received += len(raw)
+                    self.tokens_received += sum(map(len, sequences))
                 return [(h, head) for h in states]
         raise TeacherServerError(f"the teacher's weights at {self.url} changed during each of {VERSION_ATTEMPTS} "
                                  f"requests: no hidden states and head of one version")  # fmt: skip
