@@ -6,8 +6,9 @@
 A Llama-3.2-1B-shaped student and a Llama-3.1-8B-shaped teacher (random weights, bf16, sdpa), the patched forward
 with every kernel, gradient checkpointing; each optimizer step takes `--micro-batch` rows of a `--prompt`-token
 prompt and a `--completion`-token completion (scored) per micro-batch, `--accumulation` micro-batches. Random
-weights never sample EOS, so every completion runs to its full length: on-policy rows score as many tokens as
-off-policy ones. Rows (each in its own process, so one row's compiled graphs and allocator state cannot help
+weights rarely sample EOS (one 64-row step of an H200 run lost 2.7 % of its tokens to it), so generated
+completions run to nearly their full length and scored tokens are counted as rows x --completion. Rows (each in its
+own process, so one row's compiled graphs and allocator state cannot help
 another):
 
   off-policy                 kd_lmbda=0: the dataset's completions
@@ -105,8 +106,8 @@ def step_clock(device: str, stamps: list[float]):
 
 
 def timed_row(name: str, a: argparse.Namespace, stamps: list[float], device: str, generate_s=None) -> dict:
-    """Mean seconds per timed step (the first, which compiles, left out) and the completion tokens scored per second:
-    random weights all but never sample EOS, so every row scores its full --completion tokens."""
+    """Mean seconds per timed step (the first, which compiles, left out) and rows x --completion tokens per second
+    (random weights rarely sample EOS: see the module's docstring)."""
     step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     scored = a.micro_batch * a.accumulation * a.completion
     return {
