@@ -97,3 +97,57 @@ def test_a_row_mixing_served_teachers_is_refused(tmp_path, servers):
                         train_dataset=rows, data_collator=TD.TeacherDataCollator())  # fmt: skip
     with pytest.raises(ValueError, match="weighs several served teachers"):
         next(iter(trainer.get_train_dataloader()))
+
+
+def _first_batch_loss(trainer) -> tuple[float, int]:
+    """compute_loss on the trainer's first batch over its own token count: (the loss, that count)."""
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=torch.tensor(count))
+    return float(loss), count
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_a_hidden_teacher_and_a_topk_teacher_in_one_set_are_each_their_own_served_teacher(tmp_path, servers, beta):
+    """kd_teacher_protocol={"a": "hidden", "b": "liger"}: the first batch's loss times its token count is teacher
+    a's exact loss over a's tokens (one served hidden teacher, b's labels ignored) plus teacher b's top-k loss over
+    b's tokens (one served liger teacher, a's labels ignored), each from its own single-teacher run; then it trains."""
+    _, running = servers
+    urls = {name: srv.url for name, srv in running.items()}
+    rows = [{**r, "labels": r["input_ids"].clone()} for r in _rows()]
+    options = dict(kd_beta=beta, kd_temperature=2.0)
+
+    def model():
+        return tiny_model("llama", dtype=torch.float32, seed=1)
+
+    mixed = KDTrainer(model=model(), args=_args(tmp_path, urls, kd_teacher_protocol={"a": "hidden", "b": "liger"},
+                                                **options), train_dataset=rows,
+                      data_collator=TD.TeacherDataCollator())  # fmt: skip
+    loss, count = _first_batch_loss(mixed)
+    parts = 0.0
+    for name, protocol in (("a", "hidden"), ("b", "liger")):
+        own = [{"input_ids": r["input_ids"], "labels": r["labels"] if r["teacher"] == name else torch.full_like(
+            r["labels"], -100)} for r in rows]  # fmt: skip
+        single = KDTrainer(model=model(), args=_args(tmp_path, urls[name], kd_teacher_protocol=protocol, **options),
+                           train_dataset=own, data_collator=TD.TeacherDataCollator())  # fmt: skip
+        part, n = _first_batch_loss(single)
+        parts += part * n
+        count -= n
+    assert count == 0  # the same rows, each token scored in exactly one single-teacher run
+    assert loss > 0
+    # float32 students, passes summed in another order: float32 rounding of the sums
+    assert abs(loss * _first_batch_loss(mixed)[1] - parts) <= 1e-5 * abs(parts)
+    mixed.train()
+    logged = [h for h in mixed.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor([h["loss"] for h in logged])))
+
+
+def test_per_teacher_protocols_are_checked_with_the_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"kd_teacher_protocol names \['a'\] and kd_teacher_url \['a', 'b'\]"):
+        _args(tmp_path, {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}, kd_teacher_protocol={"a": "hidden"})
+    with pytest.raises(ValueError, match=r"kd_teacher_protocol values must be in .*got \{'b': 'grpc'\}"):
+        _args(tmp_path, {"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"},
+              kd_teacher_protocol={"a": "hidden", "b": "grpc"})  # fmt: skip
+    with pytest.raises(ValueError, match="kd_teacher_protocol is a dict .* but kd_teacher_url is not"):
+        _args(tmp_path, "http://127.0.0.1:1", kd_teacher_protocol={"a": "hidden"})

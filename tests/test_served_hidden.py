@@ -298,8 +298,9 @@ def test_hidden_protocol_arguments_are_checked(tmp_path):
         return KDTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
                                    kd_teacher_protocol="hidden", **kw)  # fmt: skip
 
-    with pytest.raises(ValueError, match=r"several served teachers \(kd_teacher_url=\{name: url\}\) take the top-k"):
-        args(kd_teacher_url={"a": "http://x", "b": "http://y"})
+    args(kd_teacher_url={"a": "http://x", "b": "http://y"})  # several hidden teachers: test_multi_teacher_served
+    with pytest.raises(ValueError, match=r"per-teacher protocols do not take \['kd_seq_kd'\]"):
+        args(kd_teacher_url={"a": "http://x", "b": "http://y"}, kd_seq_kd=True)
     with pytest.raises(ValueError, match="kd_teacher_hidden_dtype must be one of"):
         args(kd_teacher_url="http://x", kd_teacher_hidden_dtype="fp4")
     with pytest.raises(ValueError, match=r"does not take \['kd_teacher_samples'\]"):

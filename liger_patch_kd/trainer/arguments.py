@@ -193,10 +193,11 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Teacher server URL: top-k log-probs fetched ahead for each batch; or {name: url} for "
                   "several served teachers, each row routed to one by its 'teacher' column."},
     )  # fmt: skip
-    kd_teacher_protocol: str = field(
+    kd_teacher_protocol: str = field(  # a dict too, in Python (the command line parses a str)
         default="vllm",
         metadata={"help": "Teacher server protocol: vllm, sglang, liger (top-k log-probs) or hidden (`liger-kd "
-                  "serve`'s final hidden states and head: the exact in-process objective)."},
+                  "serve`'s final hidden states and head: the exact in-process objective); with several served "
+                  "teachers, one for all or {name: protocol} (hidden and top-k teachers mixed)."},
     )  # fmt: skip
     kd_teacher_hidden_dtype: str = field(
         default="auto",

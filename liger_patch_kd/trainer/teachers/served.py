@@ -3,6 +3,7 @@ with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers.utils import logging
@@ -98,6 +99,8 @@ def check_served_vocabulary(
 def check_served_teacher_args(args: KDTrainingArguments) -> None:
     """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
     if not args.kd_teacher_url or args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # the exact one: served_hidden.py
+        return
+    if isinstance(args.kd_teacher_protocol, Mapping):  # one per served teacher: served_several.py checks them
         return
     if args.kd_teacher_protocol not in PROTOCOLS:
         raise ValueError(f"kd_teacher_protocol must be one of {(*PROTOCOLS, HIDDEN_PROTOCOL)}; got "

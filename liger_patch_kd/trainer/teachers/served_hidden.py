@@ -39,11 +39,8 @@ def check_served_hidden_args(args: KDTrainingArguments) -> None:
     protocols' checks are teachers/served.py's)."""
     if not args.kd_teacher_url or args.kd_teacher_protocol != HIDDEN_PROTOCOL:
         return
-    if isinstance(args.kd_teacher_url, Mapping):
-        raise ValueError(
-            "kd_teacher_protocol='hidden' serves one teacher (kd_teacher_url a str); several served "
-            "teachers (kd_teacher_url={name: url}) take the top-k protocols vllm, sglang, liger for now"
-        )
+    if isinstance(args.kd_teacher_url, Mapping):  # several served teachers: served_several.py checks them
+        return
     if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
         raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
     if args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
@@ -81,6 +78,27 @@ class HiddenPrefetcher(TeacherPrefetcher):
         return {**batch, HIDDEN_KEY: states, HEAD_KEY: head}
 
 
+class HeadOnDevice:
+    """A served head's tensors on the student's device, moved once per (weight version, device)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, torch.device] | None = None
+        self.tensors: dict[str, torch.Tensor | None] = {}
+
+    def put(self, inputs: dict, head: TeacherHead, cfg: KDLossConfig) -> KDLossConfig:
+        """Put the batch's teacher (its hidden states, `head` on their device) into `inputs` as the patched forward
+        takes it; the loss config with the head's soft-cap."""
+        device = inputs[HIDDEN_KEY].device
+        if self.key != (head.version, device):
+            self.tensors = {"teacher_weight": head.weight.to(device), "teacher_bias": None}
+            if head.bias is not None:
+                self.tensors["teacher_bias"] = head.bias.to(device)
+            self.key = (head.version, device)
+        inputs.update(self.tensors)
+        inputs[HIDDEN_KEY] = inputs[HIDDEN_KEY].to(head.weight.dtype)  # fp8 replies arrive dequantised in fp32
+        return cfg.replace(teacher_softcap=head.softcap)
+
+
 class ServedHiddenTeacher(TeacherSource):
     """One teacher served as hidden states (see the module docstring). `vocab_size`: the vocabulary read from the
     served head when the dataloader is made (None: the Trainer's kd_config decides, heads of one size)."""
@@ -89,7 +107,7 @@ class ServedHiddenTeacher(TeacherSource):
         super().__init__(fused)
         self.args, self.tokenizer = args, tokenizer
         self.client: HiddenClient | None = None
-        self.on_device: tuple[int, torch.device, dict] | None = None  # (version, device, the head's tensors there)
+        self.head = HeadOnDevice()
 
     def dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int], depth: int = 4) -> Any:
         """The training DataLoader, each batch with its hidden states fetched `depth` batches ahead (CPU batches:
@@ -140,18 +158,7 @@ class ServedHiddenTeacher(TeacherSource):
         return step
 
     def signal(self, inputs: dict, cfg: KDLossConfig) -> KDLossConfig:
-        """Put the batch's teacher (its hidden states, the head on the student's device) into `inputs` as the
-        patched forward takes it; the loss config with the head's soft-cap."""
-        head: TeacherHead = inputs.pop(HEAD_KEY)
-        device = inputs[HIDDEN_KEY].device
-        if self.on_device is None or self.on_device[:2] != (head.version, device):
-            tensors = {"teacher_weight": head.weight.to(device), "teacher_bias": None}
-            if head.bias is not None:
-                tensors["teacher_bias"] = head.bias.to(device)
-            self.on_device = (head.version, device, tensors)
-        inputs.update(self.on_device[2])
-        inputs[HIDDEN_KEY] = inputs[HIDDEN_KEY].to(head.weight.dtype)  # fp8 replies arrive dequantised in fp32
-        return cfg.replace(teacher_softcap=head.softcap)
+        return self.head.put(inputs, inputs.pop(HEAD_KEY), cfg)
 
     def metrics(self) -> dict[str, float]:
         """Wire figures for logs: bytes per token received, head fetches, seconds the loop waited for replies."""

@@ -6,6 +6,12 @@ Each sequence of a batch is asked of its own row's teacher (the `teacher` column
 does (its `teacher_mixture` kept for the per-teacher figures of logging steps). A row weighted over several
 served teachers is refused: a mixture needs every teacher's full distribution, and the top-k of each (with
 unknown tails) does not give it.
+
+`kd_teacher_protocol` may name one protocol per teacher (`{"math": "hidden", "code": "liger"}`): a "hidden"
+teacher's rows get its final hidden states and head (served_hidden.py: the exact objective), the others their
+top-k. A batch whose rows mix kinds runs the student's forward once per kind present (the top-k teachers
+together, each hidden teacher alone), each pass scoring only its own teacher's tokens (the other labels ignored)
+over the whole batch's token count: the sum is the batch's loss, as one pass over one kind would give it.
 """
 
 from __future__ import annotations
@@ -13,31 +19,81 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...teacher.serve import TeacherClient, TeacherPrefetcher
-from ...teacher.serve.prefetch import STUDENT_KEYS, keys_of, sequence_tokens
+import torch
+
+from ...config import KDLossConfig
+from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
+from ...teacher.serve.hidden_wire import WIRE_DTYPES, TeacherHead
+from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
+from ..arguments import KDTrainingArguments, checks_arguments
+from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
 from .served import check_teacher_server
+from .served_hidden import HIDDEN_KEY, HeadOnDevice
 from .several import MIXTURE_KEY
+
+# a batch's hidden-state teachers: {name: (B, T, H) states (zeros off that teacher's rows)} and {name: its head}
+HIDDEN_SET_KEY, HEAD_SET_KEY = "teacher_hidden_set", "teacher_head_set"
+TOPK_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+
+
+def protocol_of(args: Any, name: str) -> str:
+    """The protocol of served teacher `name`: kd_teacher_protocol's entry for it, or the one protocol of all."""
+    protocol = args.kd_teacher_protocol
+    return protocol[name] if isinstance(protocol, Mapping) else protocol
+
+
+@checks_arguments(rank=2)
+def check_several_served_args(args: KDTrainingArguments) -> None:
+    """kd_teacher_protocol as a dict (one per served teacher), or "hidden" for several: validated when the
+    arguments are made."""
+    protocol, urls = args.kd_teacher_protocol, args.kd_teacher_url
+    if isinstance(protocol, Mapping) and not isinstance(urls, Mapping):
+        raise ValueError(f"kd_teacher_protocol is a dict ({dict(protocol)}) but kd_teacher_url is not: give "
+                         f"kd_teacher_url={{name: url}} with the same names, or one protocol as a str")  # fmt: skip
+    if not isinstance(urls, Mapping) or not (isinstance(protocol, Mapping) or protocol == HIDDEN_PROTOCOL):
+        return
+    if isinstance(protocol, Mapping) and set(protocol) != set(urls):
+        raise ValueError(f"kd_teacher_protocol names {sorted(protocol)} and kd_teacher_url {sorted(urls)}: give "
+                         f"one protocol per served teacher, the same names")  # fmt: skip
+    known = (*PROTOCOLS, HIDDEN_PROTOCOL)
+    wrong = {name: p for name, p in dict(protocol if isinstance(protocol, Mapping) else {}).items() if p not in known}
+    if wrong:
+        raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
+    if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
+        raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
+    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
+                         f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}")  # fmt: skip
+    refused = {"kd_teacher_samples": args.kd_teacher_samples is not None, "kd_seq_kd": args.kd_seq_kd,
+               "kd_self_distill": args.kd_self_distill, "kd_teacher_tokenizer": bool(args.kd_teacher_tokenizer),
+               f"kd_onpolicy_loss={args.kd_onpolicy_loss!r}": args.kd_onpolicy_loss != "divergence"}  # fmt: skip
+    used = [name for name, on in refused.items() if on]
+    if used:
+        raise ValueError(f"several served teachers with per-teacher protocols do not take {used}: unset them, or "
+                         f"serve one teacher")  # fmt: skip
 
 
 class RoutedTeacherClients:
-    """One TeacherClient per named server; `top_k` and `wait_until_ready` as one client's."""
+    """One client per named server (a HiddenClient for a "hidden" teacher, else a TeacherClient); `top_k` and
+    `wait_until_ready` as one client's."""
 
     def __init__(self, urls: dict[str, str], args: Any, vocab_size: int) -> None:
         self.names = list(urls)
+        options = dict(
+            timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key
+        )
         self.clients = [
-            TeacherClient(
-                urls[name],
-                args.kd_teacher_protocol,
-                top_k=args.kd_teacher_top_k,
-                vocab_size=vocab_size,
-                timeout=args.kd_teacher_timeout,
-                retries=args.kd_teacher_retries,
-                api_key=args.kd_teacher_api_key,
+            HiddenClient(urls[name], dtype=args.kd_teacher_hidden_dtype, **options)
+            if protocol_of(args, name) == HIDDEN_PROTOCOL
+            else TeacherClient(
+                urls[name], protocol_of(args, name), top_k=args.kd_teacher_top_k, vocab_size=vocab_size, **options
             )  # fmt: skip
             for name in self.names
         ]
         self.top_k = args.kd_teacher_top_k
+        self.hidden = [name for name, c in zip(self.names, self.clients) if isinstance(c, HiddenClient)]
 
     def wait_until_ready(self) -> None:
         for client in self.clients:
@@ -51,10 +107,11 @@ class _Merged:
         self.parts, self.count = parts, count
 
     def result(self) -> list:
+        """Each sequence's reply in order: a top-k, or (name, (hidden states, head)) from a hidden teacher."""
         out = [None] * self.count
-        for order, pending in self.parts:
-            for i, topk in zip(order, pending.result()):
-                out[i] = topk
+        for order, pending, name in self.parts:
+            for i, reply in zip(order, pending.result()):
+                out[i] = reply if name is None else (name, reply)
         return out
 
 
@@ -89,11 +146,34 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
             routes.append(int(w.argmax()))
         tokens = sequence_tokens(batch, segments, self.keys or STUDENT_KEYS)
         parts = []
-        for j, client in enumerate(self.client.clients):
+        for j, (name, client) in enumerate(zip(self.client.names, self.client.clients)):
             order = [i for i, r in enumerate(routes) if r == j]
             if order:
-                parts.append((order, client.submit([tokens[i] for i in order])))
+                hidden = name if isinstance(client, HiddenClient) else None
+                parts.append((order, client.submit([tokens[i] for i in order]), hidden))
         return _Merged(parts, len(segments))
+
+    def attach(self, batch, segments, replies):
+        """The top-k teachers' replies as teacher_token_ids / teacher_logprobs (padding on other rows), each hidden
+        teacher's as its states and head (HIDDEN_SET_KEY / HEAD_SET_KEY); a set without hidden teachers as one
+        served teacher's top-k."""
+        if not self.client.hidden:
+            return super().attach(batch, segments, replies)
+        keys = keys_of(batch, self.keys)
+        hidden = [(seg, r) for seg, r in zip(segments, replies) if isinstance(r[1], tuple)]
+        topk = [(seg, r) for seg, r in zip(segments, replies) if not isinstance(r[1], tuple)]
+        out = dict(batch)
+        if len(self.client.hidden) < len(self.client.names):  # top-k teachers in the set: their columns always
+            out = attach_teacher(batch, [seg for seg, _ in topk], [r for _, r in topk], self.client.top_k, keys)
+        states: dict[str, torch.Tensor] = {}
+        heads: dict[str, TeacherHead] = {}
+        for (row, positions), (name, (h, head)) in hidden:
+            if heads.setdefault(name, head) is not head:  # its requests straddled a weight update: ask again
+                return self.with_teacher(batch)
+            if name not in states:
+                states[name] = torch.zeros((*batch[keys[0]].shape, h.shape[-1]), dtype=h.dtype)
+            states[name][row, positions] = h
+        return {**out, HIDDEN_SET_KEY: states, HEAD_SET_KEY: heads}
 
 
 def routed_served_dataloader(
@@ -104,9 +184,26 @@ def routed_served_dataloader(
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
     clients = RoutedTeacherClients(dict(args.kd_teacher_url), args, vocab_size)
-    for client in clients.clients:
-        check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer)
+    for name, client in zip(clients.names, clients.clients):
+        if isinstance(client, HiddenClient):
+            check_hidden_head(client, name, args, vocab_size)
+        else:
+            check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer)
     return RoutedTeacherPrefetcher(dataloader, clients, depth=depth)
+
+
+def check_hidden_head(client: HiddenClient, name: str, args: Any, vocab_size: int) -> None:
+    """A hidden teacher of a set scores over the student's vocabulary: its head has the student's rows (or, with
+    kd_vocab_size, at least that many real ones); anything else is one line before the first step."""
+    client.wait_until_ready()
+    rows = client.head().weight.shape[0]
+    need = args.kd_vocab_size
+    if (need is None and rows != vocab_size) or (need is not None and rows < need):
+        raise ValueError(
+            f"served teacher {name!r} (kd_teacher_url={client.url}, protocol 'hidden') has a head of {rows} rows and "
+            f"the student's has {vocab_size}: in a set of served teachers a hidden teacher's head must match the "
+            f"student's (or set kd_vocab_size to the real tokens); serve it alone, or ask it for top-k"
+        )
 
 
 class ServedTeachers(RoutedRowsTeacher):
@@ -118,4 +215,55 @@ class ServedTeachers(RoutedRowsTeacher):
         self.args = args
 
     def dataloader(self, dataloader, student_vocab_size):
-        return routed_served_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
+        # not self.prefetcher: generated rows name no teacher, so several served teachers do not score them
+        self.routed = routed_served_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
+        self.heads = {name: HeadOnDevice() for name in self.routed.client.hidden}
+        return self.routed
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
+             behaviour=None) -> KDStepOutput:  # fmt: skip
+        states, heads = inputs.pop(HIDDEN_SET_KEY, None), inputs.pop(HEAD_SET_KEY, None)
+        if states is None:  # top-k teachers only
+            return super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
+        return mixed_kinds_loss(model, inputs, states, heads, self, num_items_in_batch, cfg, log_now)
+
+
+def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: ServedTeachers, num_items_in_batch,
+                     cfg: KDLossConfig, log_now: bool) -> KDStepOutput:  # fmt: skip
+    """A batch of several served teachers, some hidden: one pass per kind present (the top-k teachers together,
+    each hidden teacher alone), each scoring its own teacher's tokens, all over the batch's token count."""
+    names = list(source.routed.client.names)
+    routes = inputs.pop(MIXTURE_KEY)
+    owner = routes.argmax(-1)  # each row's (B) or each position's (B, T) teacher
+    owner = owner[:, None].expand_as(inputs["labels"]) if owner.dim() == 1 else owner
+    ignore = cfg.ignore_index
+    if num_items_in_batch is None:  # each pass's mean would be over its own tokens: give them the batch's count
+        scored = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
+        num_items_in_batch = (scored != ignore).sum()
+    passes = [([j for j, n in enumerate(names) if n not in states], None)] if TOPK_COLUMNS[0] in inputs else []
+    passes += [([names.index(name)], name) for name in states]
+    total, parts = None, []
+    for indices, name in passes:
+        mine = torch.isin(owner, torch.tensor(indices, device=owner.device))
+        batch = {k: v for k, v in inputs.items() if name is None or k not in TOPK_COLUMNS}
+        batch["labels"] = inputs["labels"].masked_fill(~mine, ignore)
+        if "shift_labels" in inputs:  # shift_labels[t] is position t + 1's token
+            after = torch.cat([mine[:, 1:], mine[:, -1:]], dim=1)
+            batch["shift_labels"] = inputs["shift_labels"].masked_fill(~after, ignore)
+        if not bool((batch["labels"] != ignore).any()):
+            continue  # no token of this kind in the batch
+        pass_cfg = cfg
+        if name is not None:
+            batch[HIDDEN_KEY] = states[name]
+            pass_cfg = source.heads[name].put(batch, heads[name], cfg)
+        step = one_teacher_loss(model, None, batch, num_items_in_batch, pass_cfg, log_now, source.fused)
+        parts.append((step, int((batch["labels"] != ignore).sum())))
+        total = step.loss if total is None else total + step.loss
+    first = parts[0][0]
+    agreement = None
+    if log_now and all(step.agreement is not None for step, _ in parts):  # per token, over every pass's tokens
+        count = sum(n for _, n in parts)
+        agreement = sum(step.agreement * n for step, n in parts) / max(1, count)
+    soft = sum(step.soft for step, _ in parts)
+    hard = sum(step.hard for step, _ in parts)
+    return KDStepOutput(total, soft, hard, agreement, first.outputs)
