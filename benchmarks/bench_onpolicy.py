@@ -84,12 +84,7 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
     trainer = KDTrainer(
         model=student, teacher_model=teacher, args=args, train_dataset=rows, callbacks=[step_clock(device, stamps)]
     )
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    timed = trainer.kd_rollout_seconds[1:]  # generate() seconds per generated step, warm-up dropped
-    return timed_row(name, a, stamps, device, generate_s=sum(timed) / len(timed) if timed else 0.0)
+    return timed_train(trainer, name, a, stamps, device)
 
 
 def step_clock(device: str, stamps: list[float]):
@@ -105,9 +100,18 @@ def step_clock(device: str, stamps: list[float]):
     return Clock()
 
 
-def timed_row(name: str, a: argparse.Namespace, stamps: list[float], device: str, generate_s=None) -> dict:
-    """Mean seconds per timed step (the first, which compiles, left out) and rows x --completion tokens per second
+def timed_train(trainer, name: str, a: argparse.Namespace, stamps: list[float], device: str) -> dict:
+    """train() from a fresh peak-memory count; mean seconds per timed step (the first, which compiles, left out),
+    seconds inside generate() per step (KDTrainer's; None for TRL's) and rows x --completion tokens per second
     (random weights rarely sample EOS: see the module's docstring)."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    generate_s = None
+    if hasattr(trainer, "kd_rollout_seconds"):
+        timed = trainer.kd_rollout_seconds[1:]  # generate() seconds per generated step, warm-up dropped
+        generate_s = sum(timed) / len(timed) if timed else 0.0
     step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     scored = a.micro_batch * a.accumulation * a.completion
     return {
@@ -150,11 +154,7 @@ def trl_row(name: str, a: argparse.Namespace, student, teacher, rows: list[dict]
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
                                   callbacks=[step_clock(device, stamps)])  # fmt: skip
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    return timed_row(name, a, stamps, device)
+    return timed_train(trainer, name, a, stamps, device)
 
 
 def main() -> None:

@@ -151,3 +151,20 @@ def test_per_teacher_protocols_are_checked_with_the_arguments(tmp_path):
               kd_teacher_protocol={"a": "hidden", "b": "grpc"})  # fmt: skip
     with pytest.raises(ValueError, match="kd_teacher_protocol is a dict .* but kd_teacher_url is not"):
         _args(tmp_path, "http://127.0.0.1:1", kd_teacher_protocol={"a": "hidden"})
+
+
+def test_a_mixed_batch_with_every_label_ignored_is_loss_zero(tmp_path, servers):
+    """Every label ignored (num_items_in_batch 0): no kind has a token, one pass still runs, loss 0 and finite
+    gradients, as one served teacher gives it."""
+    _, running = servers
+    urls = {name: srv.url for name, srv in running.items()}
+    rows = [{**r, "labels": torch.full_like(r["input_ids"], -100)} for r in _rows()]
+    trainer = KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1),
+                        args=_args(tmp_path, urls, kd_teacher_protocol={"a": "hidden", "b": "liger"}),
+                        train_dataset=rows, data_collator=TD.TeacherDataCollator())  # fmt: skip
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert batch["teacher_head_set"]  # the batch holds a hidden teacher's rows: the mixed path
+    loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=torch.tensor(0))
+    loss.backward()
+    assert float(loss) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)

@@ -187,8 +187,7 @@ def test_the_openai_client_and_trls_reply_formatter(strict):
     assert torch.equal(ids, want[0]) and torch.equal(values, want[1])
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict.url + "/v1", api_key="wrong").completions.create(
-            model="m", prompt=seq, max_tokens=1, extra_body={"prompt_logprobs": TOP_K}
-        )
+            model="m", prompt=seq, max_tokens=1, extra_body={"prompt_logprobs": TOP_K})
     # TRL 1.16's own parser of vLLM prompt_logprobs (its VLLMClient's), from position 1 on: sorted by rank, top K
     trl = VLLMClient._format_sequence_logprobs(choice, seq, 1, TOP_K)
     assert trl["logprob_token_ids"] == ids[:-1].tolist()

@@ -46,11 +46,7 @@ class Server:
     """`liger-kd serve` in a subprocess on 127.0.0.1; stop() kills it by its PID."""
 
     def __init__(
-        self,
-        teacher_dir: Path,
-        port: int | None = None,
-        extra: tuple[str, ...] = (),
-        env: dict | None = None,
+        self, teacher_dir: Path, port: int | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
         api_key: str | None = None,
     ) -> None:
         self.teacher_dir, self.port, self.extra = teacher_dir, port or _free_port(), list(extra)

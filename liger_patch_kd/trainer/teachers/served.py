@@ -107,11 +107,8 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
                          f"{args.kd_teacher_protocol!r}")  # fmt: skip
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
-    elif args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
-        raise ValueError(
-            f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
-            f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
-        )
+    else:
+        check_topk_client_options(args)
     if args.kd_onpolicy_loss != "divergence":
         raise ValueError(
             f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} needs the teacher's log-prob of every sampled token; a served "
@@ -122,6 +119,15 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
         raise ValueError(
             "kd_teacher_url serves teacher log-probs; sequence-level KD (kd_seq_kd, the teacher generates) and "
             "self-distillation need a teacher_model in the process"
+        )
+
+
+def check_topk_client_options(args: KDTrainingArguments) -> None:
+    """What a top-k client is asked with: at least one log-prob, a timeout, retries that are not negative."""
+    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+        raise ValueError(
+            f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
+            f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
         )
 
 

@@ -41,8 +41,7 @@ def check_served_hidden_args(args: KDTrainingArguments) -> None:
         return
     if isinstance(args.kd_teacher_url, Mapping):  # several served teachers: served_several.py checks them
         return
-    if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
-        raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
+    check_hidden_dtype(args)
     if args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
         raise ValueError(f"need kd_teacher_timeout > 0 and kd_teacher_retries >= 0; got {args.kd_teacher_timeout}, "
                          f"{args.kd_teacher_retries}")  # fmt: skip
@@ -58,6 +57,11 @@ def check_served_hidden_args(args: KDTrainingArguments) -> None:
             f"kd_teacher_protocol='hidden' (the served teacher's hidden states, scored over the "
             f"student's vocabulary) does not take {used}: unset them, or use a top-k protocol"
         )
+
+
+def check_hidden_dtype(args: KDTrainingArguments) -> None:
+    if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
+        raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
 
 
 class HiddenPrefetcher(TeacherPrefetcher):

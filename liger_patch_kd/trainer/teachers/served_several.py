@@ -24,13 +24,13 @@ import torch
 from ...config import KDLossConfig
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
 from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
-from ...teacher.serve.hidden_wire import WIRE_DTYPES, TeacherHead
+from ...teacher.serve.hidden_wire import TeacherHead
 from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
-from .served import check_teacher_server
-from .served_hidden import HIDDEN_KEY, HeadOnDevice
+from .served import check_teacher_server, check_topk_client_options
+from .served_hidden import HIDDEN_KEY, HeadOnDevice, check_hidden_dtype
 from .several import MIXTURE_KEY
 
 # a batch's hidden-state teachers: {name: (B, T, H) states (zeros off that teacher's rows)} and {name: its head}
@@ -61,11 +61,8 @@ def check_several_served_args(args: KDTrainingArguments) -> None:
     wrong = {name: p for name, p in dict(protocol if isinstance(protocol, Mapping) else {}).items() if p not in known}
     if wrong:
         raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
-    if args.kd_teacher_hidden_dtype not in WIRE_DTYPES:
-        raise ValueError(f"kd_teacher_hidden_dtype must be one of {WIRE_DTYPES}; got {args.kd_teacher_hidden_dtype!r}")
-    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
-        raise ValueError(f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
-                         f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}")  # fmt: skip
+    check_hidden_dtype(args)
+    check_topk_client_options(args)
     refused = {"kd_teacher_samples": args.kd_teacher_samples is not None, "kd_seq_kd": args.kd_seq_kd,
                "kd_self_distill": args.kd_self_distill, "kd_teacher_tokenizer": bool(args.kd_teacher_tokenizer),
                f"kd_onpolicy_loss={args.kd_onpolicy_loss!r}": args.kd_onpolicy_loss != "divergence"}  # fmt: skip
@@ -223,7 +220,7 @@ class ServedTeachers(RoutedRowsTeacher):
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
         states, heads = inputs.pop(HIDDEN_SET_KEY, None), inputs.pop(HEAD_SET_KEY, None)
-        if states is None:  # top-k teachers only
+        if not states:  # no hidden teacher's row in this batch: the top-k rows as routed rows
             return super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         return mixed_kinds_loss(model, inputs, states, heads, self, num_items_in_batch, cfg, log_now)
 
@@ -242,7 +239,7 @@ def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: Ser
         num_items_in_batch = (scored != ignore).sum()
     passes = [([j for j, n in enumerate(names) if n not in states], None)] if TOPK_COLUMNS[0] in inputs else []
     passes += [([names.index(name)], name) for name in states]
-    total, parts = None, []
+    batches = []
     for indices, name in passes:
         mine = torch.isin(owner, torch.tensor(indices, device=owner.device))
         batch = {k: v for k, v in inputs.items() if name is None or k not in TOPK_COLUMNS}
@@ -250,14 +247,17 @@ def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: Ser
         if "shift_labels" in inputs:  # shift_labels[t] is position t + 1's token
             after = torch.cat([mine[:, 1:], mine[:, -1:]], dim=1)
             batch["shift_labels"] = inputs["shift_labels"].masked_fill(~after, ignore)
-        if not bool((batch["labels"] != ignore).any()):
-            continue  # no token of this kind in the batch
+        batches.append((batch, name, int((batch["labels"] != ignore).sum())))
+    # a kind with no token in the batch makes no pass; a batch with no token at all makes the first (loss 0)
+    batches = [b for b in batches if b[2]] or batches[:1]
+    total, parts = None, []
+    for batch, name, count in batches:
         pass_cfg = cfg
         if name is not None:
             batch[HIDDEN_KEY] = states[name]
             pass_cfg = source.heads[name].put(batch, heads[name], cfg)
         step = one_teacher_loss(model, None, batch, num_items_in_batch, pass_cfg, log_now, source.fused)
-        parts.append((step, int((batch["labels"] != ignore).sum())))
+        parts.append((step, count))
         total = step.loss if total is None else total + step.loss
     first = parts[0][0]
     agreement = None
