@@ -108,7 +108,7 @@ def _first_batch_loss(trainer) -> tuple[float, int]:
     return float(loss), count
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_a_hidden_teacher_and_a_topk_teacher_in_one_set_are_each_their_own_served_teacher(tmp_path, servers, beta):
     """kd_teacher_protocol={"a": "hidden", "b": "liger"}: the first batch's loss times its token count is teacher
     a's exact loss over a's tokens (one served hidden teacher, b's labels ignored) plus teacher b's top-k loss over
