@@ -64,6 +64,18 @@ def test_installed_projections_leave_the_model_and_its_gradients_as_they_were():
     assert all(g.last is None for g in fused.groups)  # no step's tensors kept
 
 
+def test_a_forward_keeps_none_of_its_outputs_once_every_projection_has_taken_its_own():
+    """A prefill's projections are large (64 rows of 512 tokens: 1 GiB a layer for a 1B Llama's gate/up): a group
+    kept them until its next call, so every layer's were alive at once (24 GiB above the training step's peak)."""
+    model = _model("llama", torch.float64, seed=5)
+    ids, _ = _prompts()
+    fused = FusedProjections(model)
+    fused.sync()
+    with torch.no_grad(), fused.installed():
+        model(input_ids=ids)
+        assert all(g.last is None for g in fused.groups)
+
+
 def test_a_projection_fed_another_input_computes_its_own_and_wrapped_linears_are_left_alone():
     class Wrapped(nn.Linear):  # what a LoRA or quantized layer looks like to the grouping
         pass
@@ -79,6 +91,9 @@ def test_a_projection_fed_another_input_computes_its_own_and_wrapped_linears_are
         torch.testing.assert_close(block.q_proj(x), F.linear(x, block.q_proj.weight, block.q_proj.bias))
         torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))
         torch.testing.assert_close(block.v_proj(y), F.linear(y, block.v_proj.weight, block.v_proj.bias))
+        block.q_proj(x)
+        block.k_proj(x)
+        torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))  # taken twice
 
 
 @pytest.mark.gpu
