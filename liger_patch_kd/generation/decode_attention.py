@@ -24,6 +24,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ..ops.backend import select_backend
+from .decode_kernel import decode_attention
+
 # keyword arguments of an attention call that the packed path would have to honour and does not: defer on them
 _DEFERRED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions")
 
@@ -65,11 +68,54 @@ def packed_gqa_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    if _Kernel.wanted() and kernel_takes(query, key, value, attention_mask):
+        length = key.shape[-2]
+        mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
+                else key.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
+        scale = scaling if scaling is not None else dim**-0.5
+        return decode_attention(query, key, value, mask, scale), None
     rows = query.reshape(batch, heads // groups, groups, dim)  # query heads j*G .. j*G+G-1 read key/value head j
     if attention_mask is not None:
         attention_mask = attention_mask[..., : key.shape[-2]]
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
     return out.reshape(out.shape[0], heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether decode_kernel.decode_attention computes this call: Triton's backend for the device (CUDA, or the
+    interpreter where LIGER_KD_BACKEND=triton asks for it), float inputs of one dtype, a boolean mask (the engine's)
+    or none, contiguous head dims."""
+    if select_backend(query.device) != "triton" or mask is not None and mask.dtype != torch.bool:
+        return False
+    if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
+        return False
+    return all(t.stride(-1) == 1 for t in (query, key, value)) and query.shape[-1] <= 256
+
+
+class _Kernel:
+    """Whether packed decode steps use the Triton kernel (decode_kernel.py) on this thread: the decode engine's
+    captured or eager steps ask for it; a step torch.compile traces (the static cache's, the engine's "compile"
+    captures) keeps SDPA, which the compiler knows."""
+
+    local = threading.local()
+
+    @classmethod
+    def wanted(cls) -> bool:
+        return getattr(cls.local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def decode_kernel(enabled: bool = True) -> Iterator[None]:
+    """Within the block (on this thread), packed decode steps attend through the Triton split-KV kernel where
+    kernel_takes says it can (use with packed_decode_attention)."""
+    if not enabled:
+        yield
+        return
+    _Kernel.local.depth = getattr(_Kernel.local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _Kernel.local.depth -= 1
 
 
 class _Swap:

@@ -29,13 +29,15 @@ import torch
 from torch import nn
 
 from .checks import check_decode_arguments
-from .decode_attention import packed_decode_attention
+from .decode_attention import decode_kernel, packed_decode_attention
 from .fused_projections import FusedProjections
 from .kv_cache import SlotCache
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 
 CAPTURES = ("graph", "compile", "reduce-overhead", "eager")
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
+# captures whose step attends through the Triton split-KV kernel (decode_kernel.py); torch.compile's keep SDPA
+KERNEL_CAPTURES = ("graph", "eager")
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
 
 
@@ -216,7 +218,8 @@ class DecodeSession:
         prefill, no EOS checks inside): what a benchmark reports beside the per-call figure."""
         if steps >= self.key.length - input_ids.shape[1]:
             raise ValueError(f"steps must be < the cache's free columns {self.key.length - input_ids.shape[1]}")
-        with torch.no_grad(), packed_decode_attention(), self.projections():
+        with torch.no_grad(), packed_decode_attention(), decode_kernel(self.key.capture in KERNEL_CAPTURES), \
+                self.projections():
             self._prefill(input_ids, attention_mask)
             self._run_step()  # captured (or compiled) by now
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -314,6 +317,6 @@ def decode(
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
     key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
-    with torch.no_grad(), packed_decode_attention():
+    with torch.no_grad(), packed_decode_attention(), decode_kernel(capture in KERNEL_CAPTURES):
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

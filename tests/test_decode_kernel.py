@@ -1,0 +1,106 @@
+"""generation.decode_kernel: the Triton split-KV decode attention (run here through the interpreter) equals attention
+over the repeated cache in float64, skips blocks nobody attends to, merges splits that read nothing, and is what the
+decode engine's steps use when asked: the same tokens as the plain reference loop."""
+
+import pytest
+import torch
+
+from liger_patch_kd.generation import Sampling, packed_decode_attention, release_sessions
+from liger_patch_kd.generation.decode_attention import decode_kernel, packed_gqa_sdpa
+from liger_patch_kd.generation.decode_kernel import BLOCK_N, decode_attention, split_count
+
+from .test_decode_attention import _reference
+from .test_generation import _model, decodes_as_the_reference
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+
+def _case(batch, heads, kv_heads, dim, length, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, 1, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    attend = torch.rand(batch, length, generator=g) < 0.7
+    attend[:, length // 2] = True  # every row attends somewhere
+    attend[0, : length - 3] = False  # a row whose first blocks nobody reads (a long left padding)
+    return q.to(dtype), k.to(dtype), v.to(dtype), attend
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, dim, length",
+    [(3, 8, 2, 16, 11), (2, 4, 4, 8, 3 * BLOCK_N + 5), (1, 6, 2, 24, 2 * BLOCK_N), (5, 32, 8, 64, 200)],
+)
+def test_kernel_is_attention_over_the_repeated_cache_in_float64(batch, heads, kv_heads, dim, length):
+    q, k, v, attend = _case(batch, heads, kv_heads, dim, length)
+    out = decode_attention(q, k, v, attend, scale=0.3)
+    want = _reference(q, k, v, attend[:, None, None, :], 0.3)
+    assert out.shape == (batch, 1, heads, dim) and out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)  # float64 accumulation: rounding only
+
+
+def test_splits_that_read_nothing_and_strided_caches_merge_exactly():
+    """A split whose columns nobody attends to (running max -inf) weighs nothing; the cache a slot cache hands over
+    is a view of a longer one (strides of the longer cache)."""
+    q, k_long, v_long, _ = _case(2, 8, 2, 16, 4 * BLOCK_N, seed=1)
+    k, v = k_long[:, :, : 3 * BLOCK_N], v_long[:, :, : 3 * BLOCK_N]
+    attend = torch.zeros(2, 3 * BLOCK_N, dtype=torch.bool)
+    attend[:, 5:9] = True  # the first split only
+    assert split_count(2 * 2, 3 * BLOCK_N, q.device) > 1
+    out = decode_attention(q, k, v, attend, scale=0.25)
+    torch.testing.assert_close(out, _reference(q, k, v, attend[:, None, None, :], 0.25), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_low_precision_inputs_within_their_rounding(dtype, tol):
+    q, k, v, attend = _case(4, 8, 2, 32, 150, dtype=dtype, seed=2)
+    out = decode_attention(q, k, v, attend, scale=32**-0.5)
+    want = _reference(q.double(), k.double(), v.double(), attend[:, None, None, :], 32**-0.5)
+    assert out.dtype == dtype
+    # float32: products and sums in float32 (~1e-7 relative, over <= 150 terms); bfloat16: the probabilities are
+    # rounded to bf16 (8 bits) before their product with the values, as flash attention does
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_packed_sdpa_takes_the_kernel_only_when_asked(monkeypatch):
+    q, k, v, attend = _case(3, 8, 2, 16, 70, seed=3)
+    layer = torch.nn.Module()
+    layer.num_key_value_groups = 4
+    mask = attend[:, None, None, :]
+    calls = []
+    import liger_patch_kd.generation.decode_attention as D
+
+    monkeypatch.setattr(D, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    plain, _ = packed_gqa_sdpa(layer, q, k, v, mask, scaling=0.2)
+    assert calls == []
+    with decode_kernel():
+        fused, _ = packed_gqa_sdpa(layer, q, k, v, mask, scaling=0.2)
+        additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        packed_gqa_sdpa(layer, q, k, v, additive, scaling=0.2)  # not a boolean mask: SDPA's
+    assert calls == [1]
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_the_engine_steps_through_the_kernel_and_sample_what_the_reference_samples(monkeypatch):
+    import liger_patch_kd.generation.decode_attention as D
+
+    calls = []
+    monkeypatch.setattr(D, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _model("llama", torch.float64, seed=6)
+    with packed_decode_attention():
+        decodes_as_the_reference(model, Sampling(temperature=0.8, top_k=30))
+    assert calls  # the kernel attended the engine's decode steps
+    release_sessions(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [8, 64])
+def test_compiled_kernel_at_the_1b_students_shapes_is_sdpa_within_bf16_rounding(rows):
+    """The compiled kernel (bf16 tensor-core products) against float64 attention: 32 query / 8 key-value heads of 64
+    dims over a 1024-column cache, left padding and unwritten columns masked."""
+    q, k, v, attend = (t.cuda() for t in _case(rows, 32, 8, 64, 1024, dtype=torch.bfloat16, seed=7))
+    attend[:, 900:] = False  # columns not written yet: whole blocks skipped
+    out = decode_attention(q, k, v, attend, scale=64**-0.5)
+    want = _reference(q.double(), k.double(), v.double(), attend[:, None, None, :], 64**-0.5)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)  # probabilities rounded to bf16
