@@ -354,3 +354,22 @@ def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
     assert cache_for(512, cuda, "auto", engine_applies=True) == "dynamic"  # not measured above 256 rows
     assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU the lean loop (trainer/decode)
     assert cache_for(8, cpu, "graph") == "graph"
+
+
+def test_a_session_heavier_than_a_tenth_of_the_run_is_released_after_a_call(monkeypatch):
+    """release_if_large: kept while its bytes are <= 10 % of the memory allocated beside it (the training step's
+    peak grows by at most that), released above; never on a CPU."""
+    from liger_patch_kd.generation.engine import release_if_large, session_of
+
+    model = _model("llama", torch.float64, seed=2)
+    ids, mask = _prompts()
+    decode(model, ids, mask, max_new_tokens=3, sampling=Sampling(), pad_id=0)
+    session = session_of(model)
+    held = session.nbytes()
+    assert held >= session.cache.nbytes() > 0
+    assert not release_if_large(model) and session_of(model) is session  # a CPU: kept
+    session.device = torch.device("cuda")  # as a CUDA session would be, with the allocator's figure given
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held + 10 * held)
+    assert not release_if_large(model) and session_of(model) is session  # exactly a tenth: kept
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held + 10 * held - 1)
+    assert release_if_large(model) and session_of(model) is None

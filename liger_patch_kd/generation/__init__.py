@@ -1,6 +1,7 @@
 """In-process generation as an engine does it: the layer between `models` (patching) and `teacher` (serving).
 
 It knows transformers models, not the Trainer. Modules, lowest first:
+  decode_kernel     a Triton split-KV attention for the engine's one-token steps (reads its boolean mask)
   decode_attention  SDPA for one-token decode steps with grouped-query heads packed (rollouts, the server)
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
@@ -10,7 +11,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
 """
 
 from .decode_attention import packed_decode_attention
-from .engine import CAPTURES, decode, decode_applies, left_padded, release_sessions
+from .engine import CAPTURES, decode, decode_applies, left_padded, release_if_large, release_sessions
 from .sampling import Sampling, filtered_scores
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "filtered_scores",
     "left_padded",
     "packed_decode_attention",
+    "release_if_large",
     "release_sessions",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...generation import Sampling, decode, decode_applies, left_padded, packed_decode_attention
+from ...generation import Sampling, decode, decode_applies, left_padded, packed_decode_attention, release_if_large
 from ...models import original_forward, transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
 from ..arguments import checks_arguments
@@ -261,6 +261,7 @@ def generate_rollouts(
                     torch.manual_seed(call_seed(settings.seed, step, call))
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
+                        release_if_large(generator)  # the training step that follows gets the memory back
                     elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
