@@ -109,14 +109,22 @@ def replay_ms(student, prompts: list[list[int]], cache: str, a: argparse.Namespa
     from liger_patch_kd.generation.engine import session_of
     from liger_patch_kd.models import original_forward, transformers_code
 
-    session = session_of(student)
-    if device.type != "cuda" or session is None:
+    if device.type != "cuda":
         return None
     ids = torch.tensor(prompts, device=device)
-    if session.key.rows != ids.shape[0]:
-        return None
     student.eval()
-    with original_forward(student) if cache == "graph" else transformers_code(student):
+    code = (lambda: original_forward(student)) if cache == "graph" else (lambda: transformers_code(student))
+    if session_of(student) is None and cache == "graph":  # released after the call (release_if_large): the call's
+        from liger_patch_kd.generation import Sampling, decode  # session again, as engine_sequences makes it
+
+        with code():
+            decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(), pad_id=0,
+                   eos_ids=(2,), capture="graph", fuse_projections=True)  # fmt: skip
+    session = session_of(student)
+    if session is None or session.key.rows != ids.shape[0]:
+        student.train()
+        return None
+    with code():
         ms = session.time_steps(ids, torch.ones_like(ids), min(a.completion, session.key.length - ids.shape[1]) - 1)
     student.train()
     return ms

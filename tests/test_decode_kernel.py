@@ -8,6 +8,7 @@ import torch
 from liger_patch_kd.generation import Sampling, packed_decode_attention, release_sessions
 from liger_patch_kd.generation.decode_attention import decode_kernel, packed_gqa_sdpa
 from liger_patch_kd.generation.decode_kernel import BLOCK_N, decode_attention, split_count
+from liger_patch_kd.generation.sampling_kernel import gumbel_argmax
 
 from .test_decode_attention import _reference
 from .test_generation import _model, decodes_as_the_reference
@@ -104,3 +105,51 @@ def test_compiled_kernel_at_the_1b_students_shapes_is_sdpa_within_bf16_rounding(
     out = decode_attention(q, k, v, attend, scale=64**-0.5)
     want = _reference(q.double(), k.double(), v.double(), attend[:, None, None, :], 64**-0.5)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)  # probabilities rounded to bf16
+
+
+def test_the_engine_draws_plain_sampling_through_the_fused_kernel_from_the_models_distribution(monkeypatch):
+    """Plain sampling (temperature, no top-k / top-p) draws through sampling_kernel.gumbel_argmax: other random
+    numbers than torch's, the same distribution. 2048 rows of one prompt: the first token's counts against the
+    model's softmax (chi-square over the ids with expected count >= 5, rest pooled)."""
+    import liger_patch_kd.generation.engine as E
+    from liger_patch_kd.generation import decode
+
+    from .test_sampling_kernel import chi2_critical, chi2_statistic
+
+    calls = []
+    monkeypatch.setattr(E, "gumbel_argmax", lambda *a, **k: calls.append(1) or gumbel_argmax(*a, **k))
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _model("llama", torch.float64, seed=8)
+    prompt = torch.randint(3, 200, (1, 5), generator=torch.Generator().manual_seed(1)).expand(2048, 5)
+    sampling = Sampling(temperature=0.7)
+    torch.manual_seed(0)
+    tokens, _ = decode(model, prompt, torch.ones_like(prompt), max_new_tokens=1, sampling=sampling, pad_id=0)
+    assert calls
+    with torch.no_grad():
+        probs = (model(input_ids=prompt[:1]).logits[0, -1] / 0.7).softmax(-1)
+    stat, dof = chi2_statistic(torch.bincount(tokens[:, 0], minlength=probs.numel()), probs)
+    assert dof >= 5 and stat < chi2_critical(dof), (stat, dof)  # p = 1e-4, as the kernel's own tests
+    torch.manual_seed(0)
+    again, _ = decode(model, prompt, torch.ones_like(prompt), max_new_tokens=1, sampling=sampling, pad_id=0)
+    assert torch.equal(again, tokens)  # the call's seed comes from torch's generator
+    release_sessions(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_captured_step_with_the_fused_draw_replays_the_eager_steps_draws():
+    """On CUDA plain sampling draws through the fused kernel, keyed by (the call's seed, the step): the captured
+    graph (captured, then replayed) makes exactly the eager step's tokens for the same torch seed."""
+    from liger_patch_kd.generation import decode
+
+    from .test_generation import _prompts
+
+    model = _model("llama", torch.float32, seed=9).cuda()
+    ids, mask = _prompts("cuda")
+    runs = []
+    for capture in ("eager", "graph", "graph"):
+        torch.manual_seed(5)
+        runs.append(decode(model, ids, mask, max_new_tokens=12, sampling=Sampling(temperature=0.9), pad_id=0,
+                           capture=capture, fuse_projections=True)[0])  # fmt: skip
+    assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+    release_sessions(model)

@@ -2,24 +2,26 @@
 
 `sampling.draw` draws argmax(scores - log E), E ~ Exp(1) in float64, with torch ops (a float copy, exponential_,
 clamp, log, subtract, argmax); on an H200 at 64 rows x V=128256 those take ~0.25 ms of a 2.8 ms decode step.
-`gumbel_argmax` reads the (bf16) logits once, makes the noise in registers and writes one id per row.
+`gumbel_argmax` reads the (bf16) logits once, makes the noise in registers and writes one id per row: 78 us
+(8 rows: 16 us, 1 row: 6 us) against 255 us (63, 46) for the torch ops on an H200 in a CUDA graph, bound by the
+float64 logs and Philox rather than memory (16 MB of logits take ~4 us to read).
 
 Random numbers: Philox-4x32-10 keyed by the call's seed (64 bits), with the 128-bit counter
 (column pair, row, step low 32 bits, step high 32 bits). Every (seed, step, row, column) thus has its own counter
 under one key: no two draws of a decode call share random numbers, across steps, rows or columns, for any
-rows < 2**32 and V < 2**33 (no packing into a 32-bit offset, so nothing can wrap or collide). Seed and step are
+rows < 2**32 and V < 2**31 (no packing into a 32-bit offset, so nothing can wrap or collide). Seed and step are
 loaded from device tensors, so a captured CUDA graph replays with the values they hold at replay time.
 One Philox call gives four 32-bit words: two columns (j and j + HALF of a block) take 52 bits each,
 u = (m + 0.5) * 2**-52, m in [0, 2**52): u lies in [2**-53, 1 - 2**-53], exactly, so E = -log u is never 0 or inf
 and the noise -log E reaches ~36.7, as sampling.draw's float64 does: a token trailing the top score by d < ~36
 nats is drawn at its softmax rate (float32 uniforms would stop at d ~ 21).
 
-Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (float64; temperature is passed
+Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (float64; 1 / temperature is passed
 to the kernel as a float32 scalar, a relative change below 6e-8). Ties go to the lowest id, as torch.argmax.
 A -inf or NaN logit is never drawn; a row with nothing drawable (all -inf / NaN) returns 0. +inf logits are
 drawn first (the lowest such id).
-Work: a 2-D grid (rows, column blocks) writes each block's best (key, id), and one small program per row picks
-the best block, so 1-8 rows at V=128256 still spread over hundreds of programs.
+Work: a 2-D grid (row tiles, column blocks) writes each tile row's best (key, id), and a small second kernel picks
+each row's best block, so 1-8 rows at V=128256 still spread over ~1000 programs (short rows share a program).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ if triton_available():
         # pointers
         logits_ptr, seed_ptr, step_ptr, part_key_ptr, part_id_ptr,
         # shapes
-        n_rows, limit, n_blocks, temperature,
+        n_rows, limit, n_blocks, inv_temp,
         # strides
         stride_row, stride_col,
         # meta-parameters
@@ -60,24 +62,29 @@ if triton_available():
         )  # fmt: skip
         base = logits_ptr + rows[:, None].to(tl.int64) * stride_row
         live = rows[:, None] < n_rows
-        key_a, id_a = _tile_best(base, cols_a, live, r0, r1, limit, temperature, stride_col)
-        key_b, id_b = _tile_best(base, cols_a + HALF, live, r2, r3, limit, temperature, stride_col)
+        key_a, id_a = _tile_best(base, cols_a, live, r0, r1, limit, inv_temp, stride_col)
+        key_b, id_b = _tile_best(base, cols_a + HALF, live, r2, r3, limit, inv_temp, stride_col)
         take_b = key_b > key_a  # equal keys: the a half, whose ids are lower
         out = rows * n_blocks + block
         tl.store(part_key_ptr + out, tl.where(take_b, key_b, key_a), mask=rows < n_rows)
         tl.store(part_id_ptr + out, tl.where(take_b, id_b, id_a), mask=rows < n_rows)
 
     @triton.jit
-    def _tile_best(base, cols, live, hi, lo, limit, temperature, stride_col):
+    def _tile_best(base, cols, live, hi, lo, limit, inv_temp, stride_col):
         """Per row, (max key, its id) over `cols`: key = logit / T - log E, E = -log u, u from 52 bits of hi, lo."""
         mask = live & (cols < limit)
         x = tl.load(base + cols.to(tl.int64) * stride_col, mask=mask, other=float("-inf")).to(tl.float64)
-        m = (hi.to(tl.int64) << 20) | (lo >> 12).to(tl.int64)  # 52 random bits, exact in a float64
-        u = (m.to(tl.float64) + 0.5) * 2.220446049250313e-16  # * 2**-52: in [2**-53, 1 - 2**-53], both exact
-        key = x / temperature - tl.log(-tl.log(u))  # float64: the float32 temperature is promoted
+        key = x * inv_temp - tl.log(-tl.log(_uniform52(hi, lo)))  # float64 (a division: +20% time on an H200)
         key = tl.where(mask & (key == key), key, float("-inf"))  # NaN (key != key) and ids past the limit: never
         top = tl.max(key, axis=1)
         return top, tl.min(tl.where(key == top[:, None], cols, 2147483647), axis=1)  # ties: the lowest id
+
+    @triton.jit
+    def _uniform52(hi, lo):
+        """A float64 uniform in the open (0, 1) from two uint32 words: (m + 0.5) * 2**-52 for the 52 bits m of
+        hi and lo's top 20, exact, in [2**-53, 1 - 2**-53] (53 bits would round the top value to 1.0)."""
+        m = (hi.to(tl.int64) << 20) | (lo >> 12).to(tl.int64)
+        return (m.to(tl.float64) + 0.5) * 2.220446049250313e-16
 
     @triton.jit
     def _gumbel_finish_kernel(
@@ -127,8 +134,8 @@ def gumbel_argmax(
     _check_counter("step", step, logits.device)
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
+    if not temperature >= 1e-30:  # 1 / temperature goes to the kernel as a float32
+        raise ValueError(f"temperature must be a finite number > 0 (at least 1e-30); got {temperature!r}")
     if vocab_limit is not None and not (type(vocab_limit) is int and vocab_limit >= 1):  # a bool is no limit
         raise ValueError(f"vocab_limit must be None or an int >= 1; got {vocab_limit!r}")
     if not triton_available():
@@ -152,7 +159,7 @@ def gumbel_argmax(
     part_id = torch.empty((rows, n_blocks), dtype=torch.int32, device=logits.device)
     _gumbel_block_kernel[(triton.cdiv(rows, tile_rows), n_blocks)](
         logits, seed, step, part_key, part_id,
-        rows, limit, n_blocks, float(temperature),
+        rows, limit, n_blocks, 1.0 / temperature,
         logits.stride(0), logits.stride(1),
         ROWS=tile_rows, HALF=block // 2, num_warps=8 if tile_rows * block >= 4096 else 4,
     )  # fmt: skip
