@@ -152,8 +152,8 @@ def _gated_rows(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     if n:
         _gated_fwd_kernel[(triton.cdiv(n, _BLOCK),)](
             gate2, up2, out, n, cols, gate2.stride(0), up2.stride(0), GELU=ACTIVATIONS[activation] == 1,
-            ACC=acc_type(gate.dtype), BLOCK=_BLOCK, ROWS=True,
-        )  # fmt: skip
+            ACC=acc_type(gate.dtype), BLOCK=_BLOCK, ROWS=not (gate2.is_contiguous() and up2.is_contiguous()),
+        )  # fmt: skip  # contiguous (a teacher's forward): the flat loop, no index arithmetic
     return out
 
 
