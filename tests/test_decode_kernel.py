@@ -102,6 +102,7 @@ def test_compiled_kernel_at_the_1b_students_shapes_is_sdpa_within_bf16_rounding(
     dims over a 1024-column cache, left padding and unwritten columns masked."""
     q, k, v, attend = (t.cuda() for t in _case(rows, 32, 8, 64, 1024, dtype=torch.bfloat16, seed=7))
     attend[:, 900:] = False  # columns not written yet: whole blocks skipped
+    attend[:, 10] = True  # row 0 attended only columns >= 1021: now one column, far from the others
     out = decode_attention(q, k, v, attend, scale=64**-0.5)
     want = _reference(q.double(), k.double(), v.double(), attend[:, None, None, :], 64**-0.5)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)  # probabilities rounded to bf16

@@ -108,8 +108,8 @@ def call_seed(seed: int, step: int, call: int) -> int:
 
 def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
     """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
-    it can decode the generator (measured faster than the static cache: 1.87 / 3.21 ms a decode step at 8 / 64 rows,
-    prefill included, with the projections fused, against 3.51 / 5.39 on an H200; benchmarks/results/), the static
+    it can decode the generator (measured faster than the static cache: 1.71 / 2.47 ms a decode step at 8 / 64 rows,
+    prefill included, against 3.51 / 5.39 on an H200; benchmarks/results/bench_rollouts_graph.json), the static
     cache there otherwise, else dynamic."""
     if choice != "auto":
         return choice
@@ -252,7 +252,7 @@ def generate_rollouts(
                 )  # fmt: skip
                 # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
                 # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
-                # on an H200, benchmarks/results/wave4/)
+                # on an H200, an earlier run's figures)
                 code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
                 # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
                 # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)
