@@ -261,7 +261,6 @@ def generate_rollouts(
                     torch.manual_seed(call_seed(settings.seed, step, call))
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
-                        release_if_large(generator)  # the training step that follows gets the memory back
                     elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
@@ -272,6 +271,8 @@ def generate_rollouts(
                     completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
                     out[index] = Rollout(rows[index], completion, finished)
                 del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
+        # the training step that follows gets a large session's memory back (the calls of one step share it)
+        release_if_large(generator)
     finally:
         generator.train(was_training)
     return out  # type: ignore[return-value]
