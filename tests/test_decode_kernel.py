@@ -154,3 +154,27 @@ def test_the_captured_step_with_the_fused_draw_replays_the_eager_steps_draws():
                            capture=capture, fuse_projections=True)[0])  # fmt: skip
     assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
     release_sessions(model)
+
+
+def test_masks_of_any_strides_and_calls_the_kernel_cannot_take(monkeypatch):
+    """An expanded mask (column stride 0) and a strided view are read where they are (they were read as contiguous:
+    wrong columns); a value head size other than the query's, and dropout, go to SDPA; a direct call with shapes it
+    cannot take is one line naming them."""
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    layer = torch.nn.Module()
+    layer.num_key_value_groups = 3
+    q, k, v, _ = _case(2, 6, 2, 24, 70, seed=4)
+    wide = torch.rand(2, 1, 1, 140, generator=torch.Generator().manual_seed(0)) < 0.6
+    wide[..., -2] = True
+    for mask in (torch.ones(2, 1, 1, 1, dtype=torch.bool).expand(2, 1, 1, 70), wide[..., ::2]):
+        with decode_kernel():
+            got, _ = packed_gqa_sdpa(layer, q, k, v, mask)
+        torch.testing.assert_close(got, _reference(q, k, v, mask, 24**-0.5), rtol=1e-12, atol=1e-12)
+    with decode_kernel():
+        short_v = v[..., :16].contiguous()
+        with pytest.raises(RuntimeError):  # SDPA's own refusal (the kernel used to return (2, 1, 6, 24) of garbage)
+            packed_gqa_sdpa(layer, q, k, short_v, None)
+    with pytest.raises(ValueError, match=r"query \(batch, H, 1, d\).*got query \(2, 6, 2, 24\)"):
+        decode_attention(torch.cat([q, q], 2), k, v, torch.ones(2, 70, dtype=torch.bool), scale=1.0)
+    with pytest.raises(ValueError, match=r"boolean mask \(batch, length\) = \(2, 70\)"):
+        decode_attention(q, k, v, torch.ones(2, 69, dtype=torch.bool), scale=1.0)

@@ -122,3 +122,18 @@ def test_the_captured_fused_step_replays_and_sees_in_place_updates(capture):
     want, _ = reference(model, ids, mask, 12, greedy, 0, ())
     assert torch.equal(got, want)
     release_sessions(model)
+
+
+def test_a_tail_whose_input_changed_in_place_computes_its_own():
+    """A tail takes the head's product only for the very input, unchanged: changed in place in between, it computes
+    from what the input now holds (it returned the stale product)."""
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+    fused = FusedProjections(block)
+    fused.sync()
+    assert fused.nbytes() == sum(t.numel() * t.element_size() for t in fused.tensors())  # biases counted
+    x = torch.randn(2, 8)
+    with torch.no_grad(), fused.installed():
+        block.q_proj(x)
+        x.mul_(3)
+        torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))

@@ -107,6 +107,15 @@ def test_gated_activation_without_gradients_reads_column_slices_of_one_product(d
                                dtype == torch.float64 else 1e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("shape", [(3, 0), ()])
+def test_gated_activation_without_gradients_of_empty_and_scalar_inputs(shape):
+    """Shapes the no-gradient path once refused (a reshape of 0 elements, a 0-d index): the reference's values."""
+    gate, up = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    with torch.no_grad():
+        out = gated_act(gate, up, "silu", backend="triton")
+    torch.testing.assert_close(out, gated_act_torch(gate, up, "silu"))
+
+
 def test_rope_with_fp32_tables_returns_q_dtype_as_olmo2_does():
     """OLMo-2's rotary tables stay fp32 for bf16 q and k, and its apply_rotary_pos_emb casts the result back: so
     do both paths here (the PyTorch one promoted, and the attention then met fp32 q against bf16 v)."""

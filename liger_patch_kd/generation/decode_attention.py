@@ -68,7 +68,7 @@ def packed_gqa_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    if _Kernel.wanted() and kernel_takes(query, key, value, attention_mask):
+    if _Kernel.wanted() and kernel_takes(query, key, value, attention_mask, dropout):
         length = key.shape[-2]
         mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
                 else key.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
@@ -81,15 +81,19 @@ def packed_gqa_sdpa(
     return out.reshape(out.shape[0], heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
-def kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def kernel_takes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float = 0.0
+) -> bool:
     """Whether decode_kernel.decode_attention computes this call: Triton's backend for the device (CUDA, or the
-    interpreter where LIGER_KD_BACKEND=triton asks for it), float inputs of one dtype, a boolean mask (the engine's)
-    or none, contiguous head dims."""
-    if select_backend(query.device) != "triton" or mask is not None and mask.dtype != torch.bool:
+    interpreter where LIGER_KD_BACKEND=triton asks for it), float inputs of one dtype and one head size, a boolean
+    mask (the engine's) or none, contiguous head dims, no dropout (the kernel has none)."""
+    if select_backend(query.device) != "triton" or mask is not None and mask.dtype != torch.bool or dropout:
         return False
     if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
         return False
-    return all(t.stride(-1) == 1 for t in (query, key, value)) and query.shape[-1] <= 256
+    if not query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256:
+        return False
+    return all(t.stride(-1) == 1 for t in (query, key, value))
 
 
 class _Kernel:

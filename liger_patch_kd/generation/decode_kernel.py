@@ -40,7 +40,7 @@ if triton_available():
         # shapes
         kv_heads, length, split_len, scale,
         # strides
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
         # meta-parameters
         GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
@@ -62,7 +62,7 @@ if triton_available():
         last = tl.minimum(first + split_len, length)
         for start in range(first, last, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            attends = tl.load(mask_ptr + b * stride_mb + n, mask=n < last, other=0) != 0
+            attends = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n < last, other=0) != 0
             if tl.max(attends.to(tl.int32), axis=0) > 0:  # a block nobody attends to is never read
                 k = tl.load(k_ptr + b * stride_kb + h * stride_kh + n[:, None] * stride_kn + d[None, :],
                             mask=attends[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
@@ -134,14 +134,23 @@ def decode_attention(
     Args:
         query: (batch, H, 1, d); its last dim contiguous.
         key, value: (batch, H_kv, length, d), H a multiple of H_kv; last dim contiguous.
-        mask: (batch, length) boolean, True where the row attends (every row attends somewhere).
+        mask: (batch, length) boolean, True where the row attends, any strides (an expanded mask too). A row that
+            attends nowhere comes out NaN (0 / 0); the engine never makes one.
         scale: the scores' factor (1 / sqrt(d) for most models).
 
     Returns:
         (batch, 1, H, d) in the query's dtype: transformers' attention-function layout.
     """
-    batch, heads, _, dim = query.shape
+    batch, heads, q_len, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
+    if q_len != 1 or heads % kv_heads or key.shape != value.shape or key.shape[::3] != (batch, dim):
+        raise ValueError(f"decode_attention takes query (batch, H, 1, d) and key / value (batch, H_kv, length, d), "
+                         f"H a multiple of H_kv; got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}")  # fmt: skip
+    if mask.shape != (batch, length) or mask.dtype != torch.bool or not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"decode_attention takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
+                         f"got mask {mask.dtype} {tuple(mask.shape)}, query {query.dtype}, key {key.dtype}, value "
+                         f"{value.dtype}")  # fmt: skip
     group = heads // kv_heads
     pairs = batch * kv_heads
     splits = split_count(pairs, length, query.device)
@@ -158,7 +167,7 @@ def decode_attention(
         query, key, value, mask, acc, maxima, sums,
         kv_heads, length, split_len, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
+        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
         GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
         ACC=acc_tl, UPCAST=triton_interpreted(),
     )  # fmt: skip

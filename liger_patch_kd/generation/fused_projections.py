@@ -37,8 +37,8 @@ class FusedGroup:
         self.sizes = [lin.out_features for lin in linears]
         self.weight = first.new_empty(sum(self.sizes), first.shape[1])
         self.bias = first.new_empty(sum(self.sizes)) if linears[0].bias is not None else None
-        # (input, the outputs of the tails that have not taken theirs yet)
-        self.last: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        # (input, its version, the outputs of the tails that have not taken theirs yet)
+        self.last: tuple[torch.Tensor, int | None, dict[int, torch.Tensor]] | None = None
 
     def sync(self) -> None:
         torch.cat([lin.weight for lin in self.linears], out=self.weight)
@@ -49,22 +49,28 @@ class FusedGroup:
         if torch.is_grad_enabled():  # the copy is no parameter: a forward with gradients takes the model's own
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
         outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        self.last = (x, dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
+        self.last = (x, _version(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
 
     def tail_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         last = self.last  # one read: another thread may replace it meanwhile
-        if last is not None and last[0] is x and not torch.is_grad_enabled():
-            taken = last[1].pop(index, None)
+        # the very input, not changed in place since the head read it
+        if last is not None and last[0] is x and last[1] == _version(x) and not torch.is_grad_enabled():
+            taken = last[2].pop(index, None)
             # Once every tail has taken its output nothing is kept: a prefill's outputs are large (at 64 rows of 512
             # tokens a 1B Llama's gate/up output is 1 GiB a layer), and holding them until the group's next call kept
             # every layer's at once (24 GiB above the training step's peak on an H200).
-            if not last[1] and self.last is last:
+            if not last[2] and self.last is last:
                 self.last = None
             if taken is not None:
                 return taken
         lin = self.linears[index]
         return F.linear(x, lin.weight, lin.bias)
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's in-place version counter; None for an inference-mode tensor, which has none (identity alone then)."""
+    return None if x.is_inference() else x._version
 
 
 def _fusable(linears: list) -> bool:
@@ -97,7 +103,7 @@ class FusedProjections:
         return [t for g in self.groups for t in (g.weight, g.bias) if t is not None]
 
     def nbytes(self) -> int:
-        return sum(g.weight.numel() * g.weight.element_size() for g in self.groups)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @torch.no_grad()
     def sync(self) -> None:

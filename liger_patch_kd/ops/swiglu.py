@@ -143,6 +143,8 @@ def _gated_rows(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     """act(gate) * up without gradients, reading row-strided inputs where they are: a decode step's gate and up are
     column slices of one fused product (generation/fused_projections.py), and making each contiguous first was two
     copy kernels a layer (32 of a 1B model's ~370 kernels a decode step on an H200)."""
+    if gate.numel() == 0 or gate.dim() == 0:  # nothing to launch for, or a scalar: the reference's arithmetic
+        return gated_act_torch(gate, up, activation)
     cols = gate.shape[-1]
     gate2, up2 = gate.reshape(-1, cols), up.reshape(-1, cols)  # views where the leading dims allow
     if gate2.stride(-1) != 1 or up2.stride(-1) != 1:
