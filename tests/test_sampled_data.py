@@ -10,8 +10,8 @@ import torch
 
 import liger_patch_kd.models as M
 from liger_patch_kd import teacher as TD
+from liger_patch_kd.teacher.store.collator import SAMPLE_COLUMNS
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.trainer import SAMPLE_COLUMNS
 
 from .helpers import random_sequences
 from .tiny_models import VOCAB, tiny_model

@@ -16,6 +16,7 @@ from .. import distributed
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
+from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
     check_training_rows,
@@ -29,7 +30,7 @@ from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .rollouts.other_tokenizer import rows_maker
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
-from .teachers.base import SAMPLE_COLUMNS, TeacherSource, has_teacher_rows
+from .teachers.base import TeacherSource, has_teacher_rows
 from .teachers.compute import prepare_teacher_compute
 from .teachers.in_process import InProcessTeacher
 from .teachers.other_tokenizer import (
@@ -48,9 +49,9 @@ from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup,
 from .teachers.stored import StoredTeacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
 
-logger = logging.get_logger(__name__)
+KD_COLUMNS = TEACHER_DATA_COLUMNS  # the teacher columns a dataset may carry (the public name)
 
-KD_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
+logger = logging.get_logger(__name__)
 
 
 class KDTrainer(Trainer):

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from ..store import TeacherLogprobsDataset, TeacherStoreError, read_manifest
+from ..store.collator import SAMPLE_COLUMNS
 from ..store.samples import samples_of
 from .common import converting, field, flush_rows, import_datasets, open_conversion, rows_to_arrays
 
 COLUMNS = ("input_ids", "teacher_token_ids", "teacher_logprobs")
-SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")
 SAMPLE_DTYPES = (torch.int32, torch.int32, torch.float32)
 TEMPERATURE_COLUMN = "teacher_sample_temperature"
 

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
+# a row's sampled teacher tokens (store/samples.py), one entry per position
+SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")
 # a row's teacher data, one entry per position (the store's items; the columns this collator pads)
-TEACHER_DATA_COLUMNS = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids", "teacher_sample_counts",
-                        "teacher_sample_logprobs")  # fmt: skip
+TEACHER_DATA_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
 # numpy has no bfloat16: bf16 rows are copied as their 16-bit patterns (the pattern of -inf is 0xFF80)
 _BITS_OF = {torch.bfloat16: np.uint16}
 

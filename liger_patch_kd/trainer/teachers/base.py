@@ -36,8 +36,7 @@ from ...models import unwrap_model
 from ...models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ...models.materialised import materialised_kd
 from ...models.privileged import PrivilegedInputs
-
-SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")  # sampled teacher tokens
+from ...teacher.store.collator import SAMPLE_COLUMNS
 
 
 @dataclass
