@@ -10,7 +10,7 @@ from transformers.utils import logging
 
 from ...conventions import require_sampled_objective
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
-from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL
+from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.serve.prefetch import TEACHER_KEYS
 from ...teacher.store.samples import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
@@ -31,15 +31,26 @@ def served_teacher_dataloader(
     it serves first (check_teacher_server): at train() start, before the first step."""
     if getattr(dataloader, "device", None) is not None:
         dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
-    client = TeacherClient(
-        args.kd_teacher_url, args.kd_teacher_protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size,
-        timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key,
+    client = teacher_client(
+        args, args.kd_teacher_url, args.kd_teacher_protocol, vocab_size=vocab_size,
         samples=args.kd_teacher_samples, sample_seed=args.kd_teacher_sample_seed,
         sample_temperature=args.kd_temperature,  # drawn at the training temperature: the estimate is then exact
     )  # fmt: skip
     check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer,
                          own_vocabulary=keys == CROSS_TOKENIZER_KEYS)  # fmt: skip
     return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
+
+
+def teacher_client(
+    args: KDTrainingArguments, url: str, protocol: str, *, vocab_size: int | None = None, **sampling: Any
+) -> TeacherClient | HiddenClient:
+    """The client of one served teacher, with KDTrainingArguments' connection options (kd_teacher_timeout,
+    kd_teacher_retries, kd_teacher_api_key): a HiddenClient for the "hidden" protocol (kd_teacher_hidden_dtype on the
+    wire), else a top-k TeacherClient (kd_teacher_top_k over `vocab_size`; `sampling`: its sampled-token options)."""
+    options = dict(timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key)
+    if protocol == HIDDEN_PROTOCOL:
+        return HiddenClient(url, dtype=args.kd_teacher_hidden_dtype, **options)
+    return TeacherClient(url, protocol, top_k=args.kd_teacher_top_k, vocab_size=vocab_size, **options, **sampling)
 
 
 def check_teacher_server(

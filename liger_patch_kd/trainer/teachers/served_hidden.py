@@ -25,6 +25,7 @@ from ...teacher.serve.prefetch import Segments, TeacherPrefetcher, keys_of
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .other_tokenizer import padded_vocab_size
+from .served import teacher_client
 
 HIDDEN_KEY, HEAD_KEY = "teacher_hidden_states", "teacher_head"  # the batch's (B, T, H) states, and their head
 
@@ -120,9 +121,7 @@ class ServedHiddenTeacher(TeacherSource):
         if getattr(dataloader, "device", None) is not None:
             dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
         args = self.args
-        self.client = HiddenClient(args.kd_teacher_url, dtype=args.kd_teacher_hidden_dtype,
-                                   timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries,
-                                   api_key=args.kd_teacher_api_key)  # fmt: skip
+        self.client = teacher_client(args, args.kd_teacher_url, HIDDEN_PROTOCOL)
         self.prefetcher = HiddenPrefetcher(dataloader, self.client, depth=depth)
         self.vocab_size = self.served_vocab_size(student_vocab_size())
         # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from ...config import KDLossConfig
-from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ...teacher.serve import PROTOCOLS, TeacherPrefetcher
 from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.serve.hidden_wire import TeacherHead
 from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
-from .served import check_teacher_server, check_topk_client_options
+from .served import check_teacher_server, check_topk_client_options, teacher_client
 from .served_hidden import HIDDEN_KEY, HeadOnDevice, check_hidden_dtype
 from .several import MIXTURE_KEY
 
@@ -78,17 +78,8 @@ class RoutedTeacherClients:
 
     def __init__(self, urls: dict[str, str], args: Any, vocab_size: int) -> None:
         self.names = list(urls)
-        options = dict(
-            timeout=args.kd_teacher_timeout, retries=args.kd_teacher_retries, api_key=args.kd_teacher_api_key
-        )
-        self.clients = [
-            HiddenClient(urls[name], dtype=args.kd_teacher_hidden_dtype, **options)
-            if protocol_of(args, name) == HIDDEN_PROTOCOL
-            else TeacherClient(
-                urls[name], protocol_of(args, name), top_k=args.kd_teacher_top_k, vocab_size=vocab_size, **options
-            )  # fmt: skip
-            for name in self.names
-        ]
+        self.clients = [teacher_client(args, urls[name], protocol_of(args, name), vocab_size=vocab_size)
+                        for name in self.names]  # fmt: skip
         self.top_k = args.kd_teacher_top_k
         self.hidden = [name for name, c in zip(self.names, self.clients) if isinstance(c, HiddenClient)]
 
