@@ -151,11 +151,10 @@ def _gated_rows(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
         gate2, up2 = gate2.contiguous(), up2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = out.numel()
-    if n:
-        _gated_fwd_kernel[(triton.cdiv(n, _BLOCK),)](
-            gate2, up2, out, n, cols, gate2.stride(0), up2.stride(0), GELU=ACTIVATIONS[activation] == 1,
-            ACC=acc_type(gate.dtype), BLOCK=_BLOCK, ROWS=not (gate2.is_contiguous() and up2.is_contiguous()),
-        )  # fmt: skip  # contiguous (a teacher's forward): the flat loop, no index arithmetic
+    _gated_fwd_kernel[(triton.cdiv(n, _BLOCK),)](
+        gate2, up2, out, n, cols, gate2.stride(0), up2.stride(0), GELU=ACTIVATIONS[activation] == 1,
+        ACC=acc_type(gate.dtype), BLOCK=_BLOCK, ROWS=not (gate2.is_contiguous() and up2.is_contiguous()),
+    )  # fmt: skip  # contiguous (a teacher's forward): the flat loop, no index arithmetic
     return out
 
 
