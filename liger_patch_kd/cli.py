@@ -105,7 +105,8 @@ def _serve(args) -> None:
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,
           attn_implementation=args.attn_implementation, random_weights=args.random_weights,
           precision=args.precision, max_request_tokens=args.max_request_tokens, api_key=args.api_key,
-          batch_invariant=args.batch_invariant, sample_temperature=args.sample_temperature)  # fmt: skip
+          batch_invariant=args.batch_invariant, sample_temperature=args.sample_temperature,
+          fuse_projections=args.fuse_projections)  # fmt: skip
 
 
 def _bench(args) -> None:
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None,
                      help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
                           "$LIGER_KD_API_KEY")  # fmt: skip
+    srv.add_argument("--no-fused-projections", dest="fuse_projections", action="store_false",
+                     help="sample without the copy of the q/k/v and gate/up weights (concatenated: one product each "
+                          "per decode step, faster; the copy costs those weights' bytes in GPU memory)")  # fmt: skip
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
     srv.add_argument(

@@ -200,3 +200,15 @@ def test_serve_precision_choices_are_the_teacher_precisions():
     serve = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["serve"]._actions
                  if "--precision" in a.option_strings)  # fmt: skip
     assert tuple(serve.choices) == TEACHER_PRECISIONS
+
+
+@pytest.mark.parametrize("flag, fused", [([], True), (["--no-fused-projections"], False)])
+def test_serve_passes_the_samplers_projection_setting(monkeypatch, flag, fused):
+    from liger_patch_kd import cli
+    from liger_patch_kd.teacher.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda teacher, **kw: seen.update(kw))
+    args = cli.build_parser().parse_args(["serve", "--teacher", "x", *flag])
+    args.func(args)
+    assert seen["fuse_projections"] is fused

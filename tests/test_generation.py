@@ -315,11 +315,15 @@ def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():
         generate_rollouts(model, prompts, settings, pad_id=0, eos_ids=eos, start_id=1)
 
 
-def test_the_servers_sampler_through_the_engine():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_servers_sampler_through_the_engine(fuse):
+    """Both sampler settings (`liger-kd serve` fuses the projections unless --no-fused-projections): the model's
+    own log-probs of the drawn tokens, reproducible per seed, the same tokens either way (float64)."""
+    from liger_patch_kd.generation.engine import release_sessions, session_of
     from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
 
     model = _model("llama", torch.float64, seed=9)
-    engine = GenerationEngine(model, "m")
+    engine = GenerationEngine(model, "m", fuse_projections=fuse)
     engine.captured = True  # what a CUDA device sets; here the same step runs eagerly
     request = GenerationRequest(
         prompts=[[5, 6, 7], [8, 9]],
@@ -335,7 +339,12 @@ def test_the_servers_sampler_through_the_engine():
         model=None,
     )
     reply = engine.complete(request)
+    assert session_of(model).key.fuse is fuse
     assert reply == {**engine.complete(request), "id": reply["id"], "created": reply["created"]}  # seeded
+    release_sessions(model)
+    other = GenerationEngine(model, "m", fuse_projections=not fuse)
+    other.captured = True
+    assert [c["token_ids"] for c in other.complete(request)["choices"]] == [c["token_ids"] for c in reply["choices"]]
     for choice in reply["choices"]:
         toks, prompt = choice["token_ids"], choice["prompt_token_ids"]
         assert (choice["finish_reason"] == "stop") == (toks[-1] in request.stop_ids) and 1 <= len(toks) <= 5

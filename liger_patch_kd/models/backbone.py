@@ -21,6 +21,12 @@ The unpatched forward (Mixtral, Qwen3-MoE, GPT-OSS; checked by forward_audit.py)
     loss += self.router_aux_loss_coef * aux_loss
 
 The KD forward calls the same function from the model's own modeling module with the same arguments.
+
+A right-padded batch (every collator here pads on the right) reaches an SDPA backbone without its attention mask
+when no scored position is padding (trailing_padding_only, backbone_mask): causal attention never lets a real
+token see the padding after it, so every scored hidden state is the same, and SDPA runs the causal flash kernel
+instead of a masked one (slower, and cuDNN's builds a plan per new shape: seconds the first time a sequence length
+is seen, which generated micro-batches, of every length, keep paying). The router loss keeps the mask.
 """
 
 from __future__ import annotations
@@ -51,6 +57,41 @@ def run_backbone(
     if spec.is_vlm and labels is not None and "labels" in inspect.signature(backbone.forward).parameters:
         kwargs = {**kwargs, "labels": labels}
     return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def trailing_padding_only(
+    attention_mask: torch.Tensor | None, targets: torch.Tensor, ignore_index: int, kwargs: dict[str, Any]
+) -> bool:
+    """Whether `attention_mask` (B, T) is 1 then 0 along every row, 1 wherever `targets` (B, T, the label each
+    position predicts) is scored, with nothing else shaping attention (no position_ids: with them and no mask
+    transformers would read packed sequences; no KV cache). One host sync."""
+    if attention_mask is None or attention_mask.dim() != 2 or tuple(targets.shape) != tuple(attention_mask.shape):
+        return False
+    if any(kwargs.get(k) is not None for k in ("position_ids", "past_key_values", "cache_position")):
+        return False
+    with torch.no_grad():
+        ones = attention_mask == 1
+        binary = (ones | (attention_mask == 0)).all()
+        trailing = (ones[:, 1:] <= ones[:, :-1]).all()
+        scored_attended = (ones | (targets == ignore_index)).all()
+        return bool(binary & trailing & scored_attended)
+
+
+def backbone_mask(model: nn.Module, attention_mask: torch.Tensor | None, trailing: bool) -> torch.Tensor | None:
+    """The attention mask `model`'s backbone gets: None when the padding is trailing (trailing_padding_only) and
+    the model is a registered causal text model attending through SDPA (see the module docstring); else the mask.
+    Other implementations keep it: flash-attention's unpadding and flex attention's block mask skip the padding."""
+    if not trailing:
+        return attention_mask
+    inner = unwrap_model(model)
+    config = getattr(inner, "config", None)
+    spec = REGISTRY.get(getattr(config, "model_type", None))
+    if spec is None or spec.is_vlm or not isinstance(inner, spec.model_class()):
+        return attention_mask
+    text = config.get_text_config()
+    if getattr(text, "_attn_implementation", None) != "sdpa" or getattr(text, "use_bidirectional_attention", False):
+        return attention_mask
+    return None
 
 
 def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,14 @@ from ..config import KDLossConfig, override_options
 from ..distributed import gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_sampled_kd, fused_linear_topk_kd
 from ..ops.backend import eager
-from .backbone import router_aux_loss, run_backbone, teacher_vision_inputs, with_router_aux_loss
+from .backbone import (
+    backbone_mask,
+    router_aux_loss,
+    run_backbone,
+    teacher_vision_inputs,
+    trailing_padding_only,
+    with_router_aux_loss,
+)
 from .heads import HeadWeights, output_head
 from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, shift_labels, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
@@ -149,7 +156,8 @@ def kd_causal_lm_forward(
     align = None
     if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
         teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
-    decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels)
+    trailing = trailing_padding_only(attention_mask, targets, cfg.ignore_index, kwargs)  # backbone.py's docstring
+    decoder_out = run_backbone(self, input_ids, backbone_mask(self, attention_mask, trailing), kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "student")
@@ -192,7 +200,8 @@ def kd_causal_lm_forward(
                     )  # fmt: skip
 
             if privileged is None:
-                out = call_teacher(teacher.model, input_ids, attention_mask, kwargs, loss_on)
+                teacher_mask = backbone_mask(teacher.model, attention_mask, trailing)
+                out = call_teacher(teacher.model, input_ids, teacher_mask, kwargs, loss_on)
             else:
                 out = _call_privileged_teacher(teacher.model, privileged, align, loss_on)
             agreement = measured.get("agreement")

@@ -24,7 +24,14 @@ from ..config import KDLossConfig
 from ..conventions import apply_softcap
 from ..distributed import gathered_weights
 from ..losses import fused_linear_multi_teacher_jsd
-from .backbone import router_aux_loss, run_backbone, teacher_vision_inputs, with_router_aux_loss
+from .backbone import (
+    backbone_mask,
+    router_aux_loss,
+    run_backbone,
+    teacher_vision_inputs,
+    trailing_padding_only,
+    with_router_aux_loss,
+)
 from .heads import output_head
 from .kd_io import KDCausalLMOutput, kd_output
 from .materialised import TEACHER_INPUT_KEYS
@@ -84,7 +91,8 @@ def teacher_set_forward(
 ) -> KDCausalLMOutput:
     """The fused KD forward against several teachers; `call_teacher(teacher, ids, mask, kwargs, loss_on)` runs
     `loss_on(hidden, weight, bias, softcap)` inside a teacher's own forward (models.kd_forward.call_teacher)."""
-    decoder_out = run_backbone(model, input_ids, attention_mask, kwargs, labels)
+    trailing = trailing_padding_only(attention_mask, targets, cfg.ignore_index, kwargs)  # backbone.py's docstring
+    decoder_out = run_backbone(model, input_ids, backbone_mask(model, attention_mask, trailing), kwargs, labels)
     hidden = decoder_out.last_hidden_state
     grad_enabled = torch.is_grad_enabled()
     models = list(teachers.models.values())
@@ -108,7 +116,8 @@ def teacher_set_forward(
                     mixture=teachers.mixture, config=cfg, return_components=True,
                 )  # fmt: skip
 
-        out = _nested(models, call_teacher, input_ids, attention_mask, kwargs, loss_on)
+        masks = [backbone_mask(teacher, attention_mask, trailing) for teacher in models]
+        out = _nested(models, call_teacher, input_ids, masks, kwargs, loss_on)
     aux_loss = router_aux_loss(model, decoder_out, attention_mask)
     return kd_output(
         decoder_out, loss=with_router_aux_loss(model, out.loss, aux_loss), logits=None, kd_soft_loss=out.soft,
@@ -116,17 +125,17 @@ def teacher_set_forward(
     )  # fmt: skip
 
 
-def _nested(models, call_teacher, input_ids, attention_mask, kwargs, loss_on, gathered=()):
-    """Teacher k's forward calls teacher k + 1's; the innermost runs `loss_on` with every teacher's head inputs."""
+def _nested(models, call_teacher, input_ids, masks, kwargs, loss_on, gathered=()):
+    """Teacher k's forward (with attention mask masks[k]) calls teacher k + 1's; the innermost runs `loss_on` with
+    every teacher's head inputs."""
     if len(gathered) == len(models):
         return loss_on(list(gathered))
 
     def next_teacher(h_t, w_t, b_t, cap_t):
-        return _nested(
-            models, call_teacher, input_ids, attention_mask, kwargs, loss_on, (*gathered, (h_t, w_t, b_t, cap_t))
-        )
+        return _nested(models, call_teacher, input_ids, masks, kwargs, loss_on, (*gathered, (h_t, w_t, b_t, cap_t)))
 
-    return call_teacher(models[len(gathered)], input_ids, attention_mask, kwargs, next_teacher)
+    k = len(gathered)
+    return call_teacher(models[k], input_ids, masks[k], kwargs, next_teacher)
 
 
 def materialised_teacher_set(

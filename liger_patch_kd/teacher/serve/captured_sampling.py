@@ -4,9 +4,10 @@ graph, the KV cache kept per (rows, length) bucket across requests, as the in-pr
 It takes a request when the engine draws what the plain loop (generation.py's _sample) would: the base model (no
 LoRA layers loaded: their on / off switch is Python state a graph would freeze), sampled log-probs of the chosen
 token only (`logprobs` null or 0: no top-K lists), and a model the engine can run (SDPA attention, full attention).
-The draw is Gumbel-max from the same filtered distribution (other random numbers than torch.multinomial: the same
-seed gives the same completions as another call with that seed, not the plain loop's). Anything else: None, and
-the plain loop runs.
+With the engine's `fuse_projections` (on unless `liger-kd serve --no-fused-projections`) q/k/v and gate/up run as
+one product each over a copy of their weights, as the in-process rollouts do. The draw is Gumbel-max from the same
+filtered distribution (other random numbers than torch.multinomial: the same seed gives the same completions as
+another call with that seed, not the plain loop's). Anything else: None, and the plain loop runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, lis
             torch.manual_seed(req.seed)
         tokens, logprobs = decode(engine.model, ids.to(engine.device), mask.to(engine.device), logprobs=True,
                                   max_new_tokens=req.max_tokens, sampling=sampling, pad_id=engine.pad_id,
-                                  eos_ids=stop)  # fmt: skip
+                                  eos_ids=stop, fuse_projections=engine.fuse_projections)  # fmt: skip
     tokens, logprobs = tokens.tolist(), logprobs.tolist()
     stops = set(stop)
     out_tokens, out_logprobs, out_tops = [], [], []

@@ -134,8 +134,14 @@ def sample_next(logits: torch.Tensor, req: GenerationRequest, generator: torch.G
 class GenerationEngine:
     """The served model as a sampler, plus its adapters and weight updates (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, model_name: str, lock: "threading.Lock | None" = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, model_name: str, lock: "threading.Lock | None" = None,
+        fuse_projections: bool = True,
+    ) -> None:  # fmt: skip
         self.model, self.model_name = model, model_name
+        # the captured sampler's q/k/v and gate/up as one product each (generation/fused_projections.py), as the
+        # in-process rollouts run: a copy of those weights kept with the decode session, refreshed every request
+        self.fuse_projections = fuse_projections
         self.lock = lock or threading.Lock()
         self.device = next(model.parameters()).device
         self.adapters: dict[str, str] = {}  # lora_name -> lora_path

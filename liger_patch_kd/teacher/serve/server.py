@@ -202,11 +202,13 @@ def vllm_prompt_logprobs(sequence: list[int], topk: TopK, next_lp: torch.Tensor,
 def build_app(
     model: torch.nn.Module, *, top_k: int, model_name: str, max_batch_tokens: int = 16384,
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
-    max_context: int | None = None, sample_temperature: float = 1.0,
+    max_context: int | None = None, sample_temperature: float = 1.0, fuse_projections: bool = True,
 ):  # fmt: skip
     """The FastAPI app serving `model` (eval mode, on its device). `max_context` defaults to the model config's
     max_position_embeddings; `api_key`: every endpoint but /health wants `Authorization: Bearer <api_key>`;
-    `sample_temperature`: the draws' temperature of a request for sampled tokens that names none."""
+    `sample_temperature`: the draws' temperature of a request for sampled tokens that names none;
+    `fuse_projections`: the sampler's q/k/v and gate/up as one product each, over a copy of those weights
+    (captured_sampling.py: faster decode steps for those weights' bytes once more in GPU memory)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -217,7 +219,7 @@ def build_app(
         max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens,
                     sample_temperature=float(sample_temperature))  # fmt: skip
-    engine = GenerationEngine(model, model_name)
+    engine = GenerationEngine(model, model_name, fuse_projections=fuse_projections)
     batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.base_model)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -339,7 +341,7 @@ def serve(
     dtype: str = "auto", max_batch_tokens: int = 16384, log_level: str = "warning",
     attn_implementation: str | None = None, random_weights: bool = False, precision: str = "bf16",
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS, api_key: str | None = None, batch_invariant: bool = False,
-    sample_temperature: float = 1.0,
+    sample_temperature: float = 1.0, fuse_projections: bool = True,
 ) -> None:  # fmt: skip
     """Load `teacher` (a path or hub name), patch its kernels on GPU, and serve it until interrupted.
     `random_weights` builds the model from its config alone with random weights (seed 0): for benchmarks only.
@@ -386,7 +388,7 @@ def serve(
     app = build_app(
         model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
         max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
-        sample_temperature=sample_temperature,
+        sample_temperature=sample_temperature, fuse_projections=fuse_projections,
     )  # fmt: skip
     print(
         f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
