@@ -50,6 +50,24 @@ def test_splits_that_read_nothing_and_strided_caches_merge_exactly():
     torch.testing.assert_close(out, _reference(q, k, v, attend[:, None, None, :], 0.25), rtol=1e-12, atol=1e-12)
 
 
+def test_unattended_columns_inside_the_extent_never_reach_the_sum():
+    """The main loop reads every block between a row's first and last attended column of a split: whole blocks
+    nobody attends to in between, and NaN / inf in the cache's unattended columns (a slot never written, left
+    padding), must weigh exactly nothing."""
+    length = 4 * BLOCK_N
+    q, k, v, _ = _case(2, 8, 2, 16, length, seed=4)
+    attend = torch.zeros(2, length, dtype=torch.bool)
+    attend[:, 3] = attend[:, 3 * BLOCK_N + 7] = True  # two whole blocks of nobody between
+    attend[1, BLOCK_N - 1] = True
+    k[:, :, ~attend[0] & ~attend[1]] = float("nan")
+    v[:, :, ~attend[0] & ~attend[1]] = float("inf")
+    out = decode_attention(q, k, v, attend, scale=0.25)
+    clean_k, clean_v = k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)
+    want = _reference(q, clean_k, clean_v, attend[:, None, None, :], 0.25)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_low_precision_inputs_within_their_rounding(dtype, tol):
     q, k, v, attend = _case(4, 8, 2, 32, 150, dtype=dtype, seed=2)
