@@ -108,7 +108,8 @@ def test_limit_recompute_flags_the_kept_layers_mlps_and_training_is_unchanged(mo
     import liger_patch_kd.ops.swiglu as S
 
     calls = [0]  # the activation's computations, on either backend (the PyTorch one on a CPU, Triton on a GPU)
-    for owner, name in ((S, "gated_act_torch"), (S.GatedActFunction, "apply")):
+    # (on a GPU the recipe's no-gradient recompute takes the row-strided kernel entry, _gated_rows)
+    for owner, name in ((S, "gated_act_torch"), (S.GatedActFunction, "apply"), (S, "_gated_rows")):
         original = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, f=original: calls.__setitem__(0, calls[0] + 1) or f(*a))
     grads, counts = {}, {}

@@ -1,4 +1,5 @@
-"""The fused Gumbel-max kernel (generation/sampling_kernel.py), on CPU through the Triton interpreter.
+"""The fused Gumbel-max kernel (generation/sampling_kernel.py), on CPU through the Triton interpreter (compiled, on
+a GPU machine: every tensor here is made on the suite's device).
 
 The kernel's random numbers are its own (Philox), so the draws are checked as distributions: chi-square goodness of
 fit against softmax(logits / T), independence across steps and rows, and the rates of low-mass tokens. Shapes are
@@ -18,7 +19,15 @@ tl = pytest.importorskip("triton.language")
 from liger_patch_kd.generation import sampling_kernel  # noqa: E402
 from liger_patch_kd.generation.sampling_kernel import gumbel_argmax  # noqa: E402
 
+from .helpers import DEVICE  # noqa: E402
+
 Z_1E4 = 3.719  # the standard normal's upper 1e-4 quantile
+
+
+@pytest.fixture(autouse=True)
+def _on_the_suites_device():
+    with torch.device(DEVICE):
+        yield
 
 
 def chi2_critical(dof: int) -> float:
@@ -208,4 +217,4 @@ def test_bad_input_names_the_argument(kwargs, message):
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setattr(sampling_kernel, "triton_interpreted", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        gumbel_argmax(torch.zeros(2, 8), counter(0), counter(0))
+        gumbel_argmax(torch.zeros(2, 8, device="cpu"), counter(0).cpu(), counter(0).cpu())

@@ -91,6 +91,8 @@ def kernel_takes(
         return False
     if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
         return False
+    if query.dtype == torch.float64 and query.device.type == "cuda":  # see decode_kernel.decode_attention
+        return False
     if not query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256:
         return False
     return all(t.stride(-1) == 1 for t in (query, key, value))

@@ -172,6 +172,9 @@ def decode_attention(
         raise ValueError(f"decode_attention takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
                          f"got mask {mask.dtype} {tuple(mask.shape)}, query {query.dtype}, key {key.dtype}, value "
                          f"{value.dtype}")  # fmt: skip
+    if query.dtype == torch.float64 and query.is_cuda:
+        raise ValueError("decode_attention takes no float64 CUDA tensors: Triton does not lower a float64 product of "
+                         f"{BLOCK_N} columns for the GPU; attend through SDPA (the engine does for float64 models)")
     group = heads // kv_heads
     pairs = batch * kv_heads
     splits = split_count(pairs, length, query.device)
