@@ -218,5 +218,7 @@ def test_masks_of_any_strides_and_calls_the_kernel_cannot_take(monkeypatch):
     assert calls == []  # the kernel used to take it and return (2, 1, 6, 24) of garbage
     with pytest.raises(ValueError, match=r"query \(batch, H, 1, d\).*got query \(2, 6, 2, 24\)"):
         decode_attention(torch.cat([q, q], 2), k, v, torch.ones(2, 70, dtype=torch.bool, device=DEVICE), scale=1.0)
+    with pytest.raises(ValueError, match=r"stride 1 in their last dim; got \[1, 2, 1\]"):
+        decode_attention(q, torch.cat([k, k], -1)[..., ::2], v, torch.ones(2, 70, dtype=torch.bool, device=DEVICE), 1.0)
     with pytest.raises(ValueError, match=r"boolean mask \(batch, length\) = \(2, 70\)"):
         decode_attention(q, k, v, torch.ones(2, 69, dtype=torch.bool, device=DEVICE), scale=1.0)

@@ -182,3 +182,24 @@ def test_bf16_on_gpu_the_causal_kernel_gives_the_masked_loss():
     # bf16 hidden states (8 bits of mantissa) through two layers: a few 1e-3 relative on the loss and gradient
     torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=1e-3)
     assert rel_err(g_head, r_head) < 5e-2
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_a_live_teacher_without_input_ids_is_one_line(several):
+    """inputs_embeds alone: a live teacher has no tokens to read (it was transformers' own error from inside the
+    teacher's forward); a teacher given as signal takes them."""
+    student, teacher = sdpa(tiny_model("llama", seed=1)), sdpa(tiny_model("llama", seed=2, hidden=48))
+    M.apply_kd_patch(model=student, beta=0.5)
+    ids, mask, labels = right_padded()
+    embeds = student.get_input_embeddings()(ids).detach()
+    call = {"kd_teacher_set": TeacherSet({"a": teacher}, torch.ones(1, dtype=torch.float64))} if several else {
+        "teacher_model": teacher}
+    with pytest.raises(ValueError, match="a live teacher .* reads the student's input_ids.*inputs_embeds only"):
+        student(inputs_embeds=embeds, attention_mask=mask, labels=labels, **call)
+    with torch.no_grad():
+        logprobs, token_ids = teacher(input_ids=ids, attention_mask=mask).logits.log_softmax(-1).topk(8, -1)
+    out = student(inputs_embeds=embeds, attention_mask=mask, labels=labels, teacher_token_ids=token_ids,
+                  teacher_logprobs=logprobs)  # fmt: skip
+    ref = student(input_ids=ids, attention_mask=mask, labels=labels, teacher_token_ids=token_ids,
+                  teacher_logprobs=logprobs, return_logits=True)  # fmt: skip
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-9, atol=1e-12)

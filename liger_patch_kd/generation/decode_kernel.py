@@ -172,6 +172,10 @@ def decode_attention(
         raise ValueError(f"decode_attention takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
                          f"got mask {mask.dtype} {tuple(mask.shape)}, query {query.dtype}, key {key.dtype}, value "
                          f"{value.dtype}")  # fmt: skip
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        strides = [t.stride(-1) for t in (query, key, value)]
+        raise ValueError(f"decode_attention reads the head dim as contiguous: query, key and value need stride 1 in "
+                         f"their last dim; got {strides} (call .contiguous() first)")  # fmt: skip
     if query.dtype == torch.float64 and query.is_cuda:
         raise ValueError("decode_attention takes no float64 CUDA tensors: Triton does not lower a float64 product of "
                          f"{BLOCK_N} columns for the GPU; attend through SDPA (the engine does for float64 models)")

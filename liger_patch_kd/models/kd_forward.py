@@ -127,6 +127,13 @@ def kd_causal_lm_forward(
             **kwargs,
         )  # fmt: skip
 
+    live = teacher.model is not None or kd_teacher_set is not None
+    if live and input_ids is None and privileged is None:  # the teacher reads the student's tokens, not its embeddings
+        raise ValueError(
+            "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
+            "inputs_embeds only: pass input_ids instead, the teacher's own teacher_input_ids, "
+            "or the teacher's signal (teacher_hidden_states + teacher_weight, or teacher_token_ids + _logprobs)"
+        )
     cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
     # no attention mask) from attending across their boundaries
