@@ -42,13 +42,13 @@ for what in "${@:-all}"; do
       python3 -m pytest -q -p no:cacheprovider tests/test_multi_teacher_loss.py tests/test_multi_teacher_trainer.py \
         2>&1 | tee "$OUT/tests_multi_teacher_gpu.log" | tail -5
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      python3 -m benchmarks.bench_multi_teacher --ns 4096 8192 16384 --out "$OUT/bench_multi_teacher.json" 2>&1 \
+      python3 -m benchmarks.training.bench_multi_teacher --ns 4096 8192 16384 --out "$OUT/bench_multi_teacher.json" 2>&1 \
         | tee "$OUT/bench_multi_teacher.log" | grep -v "^{" ;;&
     bench-padded)
-      python3 -m benchmarks.bench_fused_linear_jsd --only padded --out "$OUT/bench_padded_vocab.json" 2>&1 \
+      python3 -m benchmarks.loss.bench_fused_linear_jsd --only padded --out "$OUT/bench_padded_vocab.json" 2>&1 \
         | tee "$OUT/bench_padded.log" | grep -v "^{" ;;
     bench-served|all)
-      python3 -m benchmarks.bench_served_teacher --out "$OUT/bench_served_teacher.json" 2>&1 \
+      python3 -m benchmarks.teachers.bench_served_teacher --out "$OUT/bench_served_teacher.json" 2>&1 \
         | tee "$OUT/bench_served.log" | grep -v "^{" ;;&
     properties|all)
       # importorskip would turn a missing hypothesis into a silent skip: here it is a failure
@@ -64,12 +64,12 @@ for what in "${@:-all}"; do
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_logits.py 2>&1 \
         | tee "$OUT/tests_issue30_gpu.log" | tail -8
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      python3 -m benchmarks.bench_loss_floor --out "$OUT/bench_loss_floor.json" 2>&1 | tee "$OUT/bench_loss_floor.log" \
+      python3 -m benchmarks.loss.bench_loss_floor --out "$OUT/bench_loss_floor.json" 2>&1 | tee "$OUT/bench_loss_floor.log" \
         | grep -v "^{" ;;
     issue30-step|issue30-long)  # the fair step table at seq 4096 (mb 4), or the long-context rows (mb 1)
       shape_args=(--micro-batches 4 --seq 4096)
       [ "$what" = issue30-long ] && shape_args=(--micro-batches 1 --seq 16384 32768)
-      python3 -m benchmarks.bench_train_step --shapes llama "${shape_args[@]}" --warmup 2 --reps 4 --methods \
+      python3 -m benchmarks.training.bench_train_step --shapes llama "${shape_args[@]}" --warmup 2 --reps 4 --methods \
         "liger_patch_kd" "liger_patch_kd fp8 teacher" "liger_patch_kd fp8 teacher, fp8 logits" "trl/liger+kernels both" \
         "trl/liger+kernels both, torchao fp8 teacher" --out "$OUT/bench_train_step_$what.json" 2>&1 \
         | tee "$OUT/bench_step_$what.log" | grep -v "^{" ;;
@@ -79,14 +79,14 @@ for what in "${@:-all}"; do
         tests/test_sampled_kernel.py tests/test_topk.py tests/test_vocab_size.py tests/test_layout.py 2>&1 \
         | tee "$OUT/sampled_gpu_tests.log" | tail -60
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      python3 -m benchmarks.bench_sampled_kd --teacher fp8bench --train-seconds "${TRAIN_SECONDS:-30}" --speed \
+      python3 -m benchmarks.loss.bench_sampled_kd --teacher fp8bench --train-seconds "${TRAIN_SECONDS:-30}" --speed \
         --out "$OUT/bench_sampled_kd_bpe.json" 2>&1 | tee "$OUT/bench_sampled_kd_bpe.log" | grep -v "^teacher step\|Warning\|^  warn"
-      python3 -m benchmarks.bench_fp8_teacher --tokenizer bpe --parts fidelity --train-seconds "${TRAIN_SECONDS:-30}" \
+      python3 -m benchmarks.teachers.bench_fp8_teacher --tokenizer bpe --parts fidelity --train-seconds "${TRAIN_SECONDS:-30}" \
         --out "$OUT/bench_fp8_teacher_bpe.json" 2>&1 | tee "$OUT/bench_fp8_teacher_bpe.log" | grep -v "^teacher step\|Warning\|^  warn\|^{" ;;
     bench-kernel|all)
-      python3 -m benchmarks.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
+      python3 -m benchmarks.loss.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
     bench-step|all)
-      python3 -m benchmarks.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
+      python3 -m benchmarks.training.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
   esac
 done
 exit $status

@@ -47,7 +47,7 @@ run() {
   fi
   port=$((port + 1))
   local cmd=(accelerate launch --config_file "$config" --num_processes "$nproc" --main_process_port "$port" "${MP[@]}"
-             -m benchmarks.bench_multi_gpu --seq "$SEQ" --warmup "$WARMUP" --steps "$STEPS" "${TINY[@]}"
+             -m benchmarks.training.bench_multi_gpu --seq "$SEQ" --warmup "$WARMUP" --steps "$STEPS" "${TINY[@]}"
              --label "$label" --out "$OUT/multi_$label.json" "$@")
   echo "=== $label (timeout ${left}s): ${cmd[*]}" | tee -a "$LOG"
   local start
@@ -56,7 +56,7 @@ run() {
   local rc=$?
   tail -n +$((start + 1)) "$LOG" | grep -E "^$label: |Error|error:" | tail -4
   [ $rc = 0 ] || { echo "FAILED $label: exit $rc (124: timed out), see $LOG" | tee -a "$LOG"; status=1; }
-  python3 -m benchmarks.bench_multi_gpu --summarize "$OUT/multi_*.json" --out "$OUT/multi_summary.json" >/dev/null 2>&1
+  python3 -m benchmarks.training.bench_multi_gpu --summarize "$OUT/multi_*.json" --out "$OUT/multi_summary.json" >/dev/null 2>&1
 }
 
 for mode in "$@"; do
@@ -90,7 +90,7 @@ for mode in "$@"; do
           2>&1 | tee "$OUT/xtok_parity_tests.log" | tail -6
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       fi
-      XTOK=(-m benchmarks.bench_multi_gpu_xtok --steps "$STEPS")
+      XTOK=(-m benchmarks.training.bench_multi_gpu_xtok --steps "$STEPS")
       [ ${#TINY[@]} = 0 ] && XTOK+=(--hidden 1024 --layers 8 --bf16)
       port=$((port + 1)) left=$((END - SECONDS - 15))
       echo "=== xtok 1 process, micro-batch 8 / 2 processes (FSDP2), micro-batch 4 (timeout ${left}s each)" | tee -a "$LOG"
@@ -100,7 +100,7 @@ for mode in "$@"; do
       timeout -k 10 "$left" accelerate launch --config_file examples/accelerate_fsdp2.yaml --num_processes 2 \
         --main_process_port "$port" "${MP[@]}" "${XTOK[@]}" --micro-batch 4 --out "$OUT/xtok_fsdp2.json" >>"$LOG" 2>&1 \
         || { echo "FAILED xtok_fsdp2" | tee -a "$LOG"; status=1; }
-      python3 -m benchmarks.bench_multi_gpu_xtok --compare "$OUT/xtok_1.json" "$OUT/xtok_fsdp2.json" \
+      python3 -m benchmarks.training.bench_multi_gpu_xtok --compare "$OUT/xtok_1.json" "$OUT/xtok_fsdp2.json" \
         --out "$OUT/xtok_summary.json" 2>&1 | tee -a "$LOG" | tail -4 || status=1 ;;
     *) echo "unknown mode $mode (scaling | fsdp1 | zero3 | 70b | parity | xtok | tiny)"; exit 2 ;;
   esac

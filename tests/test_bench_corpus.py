@@ -3,8 +3,8 @@ bench_sampled_kd). The BPE must be reproducible and wide enough for every top-k 
 
 import pytest
 
-from benchmarks.bench_sampled_kd import METHODS
 from benchmarks.common import corpus_token_ids
+from benchmarks.loss.bench_sampled_kd import METHODS
 
 
 def test_bpe_is_reproducible_and_holds_every_row():

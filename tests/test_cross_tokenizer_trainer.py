@@ -122,7 +122,7 @@ def test_validation_split_is_carved_from_the_training_text():
 
 def test_benchmark_tiny(tmp_path, monkeypatch):
     pytest.importorskip("trl")
-    from benchmarks import bench_cross_tokenizer
+    from benchmarks.training import bench_cross_tokenizer
 
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench", "--tiny", "--ns", "64", "--out", str(out)])

@@ -50,12 +50,12 @@ def test_the_command_runs_the_short_demo_and_full_the_long_one(monkeypatch, caps
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_demo_onpolicy_benchmark_tiny(tmp_path, monkeypatch, accumulation):
-    """benchmarks/bench_demo_onpolicy --tiny: every row trains, the on-policy rows generate once per generated step,
-    the online floor never, and the JSON holds the speedup it prints."""
+    """benchmarks/onpolicy/bench_demo_onpolicy --tiny: every row trains, the on-policy rows generate once per
+    generated step, the online floor never, and the JSON holds the speedup it prints."""
     import json
     import sys
 
-    from benchmarks import bench_demo_onpolicy
+    from benchmarks.onpolicy import bench_demo_onpolicy
 
     out = tmp_path / "bench.json"
     argv = ["bench", "--tiny", "--out", str(out), "--accumulation", str(accumulation)]

@@ -137,11 +137,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(tmp_path, name: str, launch: list[str], micro_batch: int, module: str = "bench_multi_gpu") -> dict:
-    """One tiny run of benchmarks.<module> (KDTrainer, 3 steps) in a subprocess; its JSON result.
+    """One tiny run of benchmarks.training.<module> (KDTrainer, 3 steps) in a subprocess; its JSON result.
     bench_multi_gpu: the same tokenizer; bench_multi_gpu_xtok: across tokenizers."""
     out = tmp_path / f"{name}.json"
     options = ["--tiny", "--warmup", "0", "--micro-batches"] if module == "bench_multi_gpu" else ["--micro-batch"]
-    command = [*launch, "-m", f"benchmarks.{module}", *options, str(micro_batch), "--steps", "3", "--out", str(out)]
+    command = [*launch, "-m", f"benchmarks.training.{module}", *options, str(micro_batch), "--steps", "3",
+               "--out", str(out)]  # fmt: skip
     env = subprocess_env(NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -157,7 +158,7 @@ def _accelerate(config: str) -> list[str]:
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory):
     """The reference: one process, no sharding, micro-batch 4 (run here: the imports are already paid for)."""
-    from benchmarks import bench_multi_gpu
+    from benchmarks.training import bench_multi_gpu
 
     out = tmp_path_factory.mktemp("single") / "single.json"
     bench_multi_gpu.main(["--tiny", "--warmup", "0", "--steps", "3", "--micro-batches", "4", "--out", str(out)])
@@ -188,7 +189,7 @@ def test_kdtrainer_across_tokenizers_under_fsdp2_matches_one_process(tmp_path):
     """KDTrainer with a teacher of another tokenizer, prompt / completion rows, under accelerate launch with the
     FSDP2 example config (both models sharded), 2 processes at micro-batch 2, against one process at micro-batch 4:
     the same losses and gradient norms, in float32 to 1e-5 as the same-tokenizer check above (measured 1e-7)."""
-    from benchmarks import bench_multi_gpu_xtok
+    from benchmarks.training import bench_multi_gpu_xtok
 
     single_out = tmp_path / "single.json"
     bench_multi_gpu_xtok.main(["--micro-batch", "4", "--steps", "3", "--out", str(single_out)])

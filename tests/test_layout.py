@@ -75,12 +75,21 @@ def test_benchmarks_importing_each_other_and_a_crowded_folder_are_reported(tmp_p
         "benchmarks/bench_b.py": "def run():\n    from benchmarks import bench_a\n",
         "benchmarks/bench_c.py": "from .common.steps import step\n",
         "benchmarks/common/steps.py": "from . import cuda_time\n",
+        "benchmarks/loss/__init__.py": "",
+        "benchmarks/loss/bench_d.py": "from ..training.bench_e import run\n",  # a room's benchmark is one too
+        "benchmarks/training/__init__.py": "",
+        "benchmarks/training/bench_e.py": "def run():\n    pass\n",
+        **{f"benchmarks/teachers/bench_t{i}.py": "" for i in range(check_layout.MAX_MODULES + 1)},
     })  # fmt: skip
     problems = check_layout.check(tmp_path)
     assert problems == [
         f"liger_patch_kd/ops/: {check_layout.MAX_MODULES + 1} modules (limit {check_layout.MAX_MODULES}): give its "
         f"jobs rooms",
+        f"benchmarks/teachers/: {check_layout.MAX_MODULES + 1} modules (limit {check_layout.MAX_MODULES}): give its "
+        f"jobs rooms",
         "benchmarks/bench_a.py:1: imports the benchmark benchmarks.bench_b: move what they share to benchmarks/common",
         "benchmarks/bench_b.py:2: imports the benchmark benchmarks.bench_a: move what they share to benchmarks/common",
+        "benchmarks/loss/bench_d.py:1: imports the benchmark benchmarks.training.bench_e: move what they share to "
+        "benchmarks/common",
         "import cycle between benchmarks: benchmarks.bench_a -> benchmarks.bench_b",
     ], problems

@@ -225,8 +225,8 @@ def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BE
                     problems.append(f"{rel}:{line}: imports the private name {name} from {target}")
     for component in find_cycles(file_graph(files, modules, root, (package,))):
         problems.append("import cycle: " + " -> ".join(component))
-    bench_files = sorted((root / benchmarks).glob("*.py")) if benchmarks and (root / benchmarks).is_dir() else []
-    bench_files += sorted((root / benchmarks / "common").glob("*.py")) if bench_files else []
+    bench_files = sorted((root / benchmarks).rglob("*.py")) if benchmarks and (root / benchmarks).is_dir() else []
+    problems += folder_sizes(bench_files, root)  # a benchmark's room (loss, training, ...) holds its kind
     bench_modules = {module_name(f, root) for f in bench_files}
     for path in bench_files:  # one benchmark never imports another: what they share is in benchmarks/common
         for line, target, _, _ in imports(path, bench_modules, root, (benchmarks,)):

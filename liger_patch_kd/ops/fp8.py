@@ -13,7 +13,7 @@ intermediate is never written in bf16.
 Accumulation: Hopper's FP8 tensor cores keep a product's running sums with fewer bits than fp32, so by default
 cuBLASLt moves them into fp32 registers every few K-steps. `fast_accum=True` skips that promotion
 (`use_fast_accum` of `torch._scaled_mm`): faster, with an accumulation error that grows with K
-(benchmarks/probe_fp8_accum.py measures both at the 8B teacher's shapes). The CPU product ignores the flag.
+(benchmarks/loss/probe_fp8_accum.py measures both at the 8B teacher's shapes). The CPU product ignores the flag.
 """
 
 from __future__ import annotations

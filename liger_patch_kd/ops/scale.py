@@ -4,7 +4,7 @@ The fused losses compute their gradients during the forward and scale them by gr
 `t.mul_(factor)` with a 0-dim CUDA factor takes PyTorch's broadcasting elementwise path: 1.35 ms (1.56 TB/s)
 for a 128256 x 4096 bf16 weight gradient on an H200, every step, even for a factor of 1. This kernel reads the
 factor first and leaves the tensor untouched when it is 1, the usual case (a loss that is the last op): 0.09
-ms; any other factor streams at 3.5 TB/s, 0.60 ms (benchmarks/bench_loss_breakdown.py).
+ms; any other factor streams at 3.5 TB/s, 0.60 ms (benchmarks/loss/bench_loss_breakdown.py).
 """
 
 from __future__ import annotations

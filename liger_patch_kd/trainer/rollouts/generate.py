@@ -45,7 +45,7 @@ class RolloutSettings:
         to 256 rows where the engine can decode the generator (cache_for), else what follows. Before graph: static
         on CUDA up to 256 rows,
         dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
-        with the 1B student generating 512 tokens after 512 (benchmarks/bench_rollouts.py, results in
+        with the 1B student generating 512 tokens after 512 (benchmarks/onpolicy/bench_rollouts.py, results in
         benchmarks/results/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
         11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
         packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.

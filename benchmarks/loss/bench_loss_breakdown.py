@@ -1,7 +1,7 @@
 """Where the fused loss's time goes, on one GPU: each stage of one chunk timed alone against its own floor, and
 a profile of whole forward + backward calls grouped by kernel.
 
-    python -m benchmarks.bench_loss_breakdown --out runs/bench_loss_breakdown.json
+    python -m benchmarks.loss.bench_loss_breakdown --out runs/bench_loss_breakdown.json
 
 Stages of a chunk of R rows (V = 128256, H = 4096, bf16): the student's logits product with an fp32 and a bf16
 output (cuBLAS), the per-chunk JSD kernel, a device-to-device copy for the memory bandwidth the kernel is
@@ -28,8 +28,8 @@ from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_triton
 from liger_patch_kd.ops.scale import scale_
 
-from .common import cuda_time_ms, environment, print_table, write_json
-from .common.losses import LLAMA_V, make_inputs
+from ..common import cuda_time_ms, environment, print_table, write_json
+from ..common.losses import LLAMA_V, make_inputs
 
 
 def stage_rows(rows: int, hidden: int, vocab: int) -> list[dict]:

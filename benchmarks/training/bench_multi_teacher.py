@@ -1,8 +1,8 @@
 """Several teachers: the fused mixture loss (forward + backward) with 1, 2 and 4 teachers on one GPU, against the
 matmul floor of that many products, with its peak extra memory.
 
-    python -m benchmarks.bench_multi_teacher --out runs/bench_multi_teacher.json          # H200: N = 8192, H = 4096
-    python -m benchmarks.bench_multi_teacher --tiny --out /tmp/bench_multi_teacher.json   # CPU smoke test
+    python -m benchmarks.training.bench_multi_teacher --out runs/bench_multi_teacher.json  # H200: N = 8192, H = 4096
+    python -m benchmarks.training.bench_multi_teacher --tiny --out /tmp/bench_multi_teacher.json   # CPU smoke test
 
 Columns: J (teachers), mixture ("distribution": the student against sum_j w_j P_j; "loss": sum_j w_j D(S, P_j)),
 ms (median fwd+bwd), floor_ms (the 3 + J bf16 N x H x V products: student logits, J teachers' logits, grad of the
@@ -23,7 +23,7 @@ import torch
 from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_multi_teacher_jsd
 from liger_patch_kd import reference as R
 
-from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from ..common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
 
 
 def make_inputs(n: int, hidden: int, vocab: int, n_teachers: int, device, seed: int = 0) -> dict:

@@ -1,7 +1,7 @@
 """Why kd_teacher_attention="cudnn" did not speed up the step: SDPA by backend and memory layout, at the teacher's
 shapes (32 query heads, 8 key/value heads, head dim 128, causal, forward), the layouts transformers hands over.
 
-    python -m benchmarks.probe_cudnn_layout --out runs/probe_cudnn_layout.json
+    python -m benchmarks.training.probe_cudnn_layout --out runs/probe_cudnn_layout.json
 
 Rows: flash with enable_gqa on (batch, seq, heads, dim) views transposed to (batch, heads, seq, dim), as
 transformers calls it without a mask; cuDNN on the same query view with the key/value heads repeated (what
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .common import cuda_time_ms, environment, print_table, write_json
+from ..common import cuda_time_ms, environment, print_table, write_json
 
 
 def views(batch, seq, heads, kv_heads, dim):

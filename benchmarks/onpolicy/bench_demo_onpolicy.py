@@ -1,8 +1,8 @@
 """The on-policy row of `liger-kd demo`, timed: 0.2's way against today's default, on the demo's own models.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_demo_onpolicy            # --quick sizes (CI's demo), 3 repeats
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_demo_onpolicy --full     # the full demo's sizes
-    python -m benchmarks.bench_demo_onpolicy --tiny                       # smoke test: 6 steps, no figures
+    OMP_NUM_THREADS=1 python -m benchmarks.onpolicy.bench_demo_onpolicy  # --quick sizes (CI's demo), 3 repeats
+    OMP_NUM_THREADS=1 python -m benchmarks.onpolicy.bench_demo_onpolicy --full     # the full demo's sizes
+    python -m benchmarks.onpolicy.bench_demo_onpolicy --tiny                       # smoke test: 6 steps, no figures
 
 The demo's teacher is trained as the demo trains it, then its seed-1 student (Llama 2 x 64) is trained with the
 on-policy options the demo's row had when these figures were measured (ONPOLICY_KD below: kd_lmbda 0.5 from the
@@ -81,7 +81,7 @@ from liger_patch_kd.demo.same_tokenizer import demo_data, train_teacher
 from liger_patch_kd.trainer import KDTrainer
 from liger_patch_kd.trainer.rollouts import generate as rollouts_generate
 
-from .common import environment, print_table, write_json
+from ..common import environment, print_table, write_json
 
 ONPOLICY_KD = dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=24)  # the row these figures timed
 

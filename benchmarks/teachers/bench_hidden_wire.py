@@ -1,7 +1,7 @@
 """The exact served teacher's FP8 transport (issue 41): how far the teacher distribution moves when its final hidden
 states cross the wire as e4m3 with one scale per row instead of bf16, on the demo's trained teacher.
 
-    python -m benchmarks.bench_hidden_wire --out runs/bench_hidden_wire.json        # CPU, ~2-5 minutes
+    python -m benchmarks.teachers.bench_hidden_wire --out runs/bench_hidden_wire.json        # CPU, ~2-5 minutes
 
 Trains the demo's teacher (`liger-kd demo`'s step 2: Llama 4 x 128 on the character corpus, CE, float32), takes its
 final hidden states (after the final norm: what its lm_head multiplies, and what `liger-kd serve` sends) on the
@@ -23,7 +23,7 @@ from liger_patch_kd.demo.same_tokenizer import demo_data, train_teacher
 from liger_patch_kd.demo.toys import DemoSizes
 from liger_patch_kd.teacher.serve.hidden_wire import FP8_DTYPE, decode_hidden, encode_hidden
 
-from .common import environment, print_table, write_json
+from ..common import environment, print_table, write_json
 
 
 def kl_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

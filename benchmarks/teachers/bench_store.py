@@ -1,6 +1,6 @@
 """Shuffled reading from a teacher store: tokens/s, resident memory and first-batch latency, before and after.
 
-    python -m benchmarks.bench_store [--tokens 50e6] [--top-k 64] [--dir /tmp] [--out FILE.json]
+    python -m benchmarks.teachers.bench_store [--tokens 50e6] [--top-k 64] [--dir /tmp] [--out FILE.json]
 
 Makes synthetic stores (random ids below a Qwen-sized vocabulary, sorted random log-probs; random lengths
 128-1024) of `--tokens` tokens, plain bf16 and packed10, and a 10x smaller plain one (memory must not grow with
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"{r['reader']:16}{r['store']:20}{r['workers']:8d}{r['tokens_per_s']:12.0f}{r['first_batch_s']:15.3f}"
               f"{r['rss_mib']:10.0f}")  # fmt: skip
-    result = dict(command=" ".join([sys.executable, "-m", "benchmarks.bench_store", *(argv or sys.argv[1:])]),
+    result = dict(command=" ".join([sys.executable, "-m", "benchmarks.teachers.bench_store", *(argv or sys.argv[1:])]),
                   environment=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
                                    cpu_count=os.cpu_count(), machine=platform.machine(), platform=platform.platform()),
                   top_k=args.top_k, vocab=VOCAB, batch_size=8, stores=stores, rows=rows)  # fmt: skip

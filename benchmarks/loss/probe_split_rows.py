@@ -7,7 +7,7 @@ barriers (atomic counters) to combine their partial log-sum-exps and sums: 130 /
 second and third passes can hit L2. Each segment writes its bf16 gradient into the first half of its own fp32
 teacher bytes (behind its reads), a per-segment layout the backward products would read segment by segment.
 
-    python -m benchmarks.probe_split_rows --out $OUT/probe_split_rows.json
+    python -m benchmarks.loss.probe_split_rows --out $OUT/probe_split_rows.json
 
 Prints the kernel times (and the max |difference| of loss and gradient against today's kernel, beta 0.5) for
 SPLIT = 1 (the same persistent loop, no split), 2, 4, 8 beside today's kernel and a copy.
@@ -29,7 +29,7 @@ import triton.language as tl
 from liger_patch_kd import KDLossConfig
 from liger_patch_kd.ops.fused_linear_jsd import jsd_chunk_triton
 
-from .common import cuda_time_ms, environment, write_json
+from ..common import cuda_time_ms, environment, write_json
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """On-policy distillation through KDTrainer: scored tokens/s and peak memory, against the same step off-policy.
 
-    python -m benchmarks.bench_onpolicy --out runs/bench_onpolicy.json          # every row, one process each
-    python -m benchmarks.bench_onpolicy --tiny                                   # CPU smoke test, no figures
+    python -m benchmarks.onpolicy.bench_onpolicy --out runs/bench_onpolicy.json          # every row, one process each
+    python -m benchmarks.onpolicy.bench_onpolicy --tiny                                   # CPU smoke test, no figures
 
 A Llama-3.2-1B-shaped student and a Llama-3.1-8B-shaped teacher (random weights, bf16, sdpa), the patched forward
 with every kernel, gradient checkpointing; each optimizer step takes `--micro-batch` rows of a `--prompt`-token
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from .common.onpolicy import SHAPES, build, drive_rows, step_parser
+from ..common.onpolicy import SHAPES, build, drive_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides
     "off-policy": dict(kd_lmbda=0.0),
@@ -160,7 +160,7 @@ def trl_row(name: str, a: argparse.Namespace, student, teacher, rows: list[dict]
 def main() -> None:
     a = step_parser(__doc__, "runs/bench_onpolicy.json", ROWS, steps=2).parse_args()
     columns = ["name", "step_s", "generate_s", "scored_tokens_per_s", "of_off_policy", "x_trl", "peak_GiB", "error"]
-    drive_rows("benchmarks.bench_onpolicy", a, ROWS, run_row, columns)
+    drive_rows("benchmarks.onpolicy.bench_onpolicy", a, ROWS, run_row, columns)
 
 
 if __name__ == "__main__":

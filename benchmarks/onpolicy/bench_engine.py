@@ -2,10 +2,10 @@
 for or asynchronous (kd_async_rollouts), through KDTrainer, against off-policy training on the same rows: step
 time, time the trainer spent on rollouts, push time, staleness, the engine's agreement with the student.
 
-    python -m benchmarks.bench_engine --out runs/bench_engine.json      # GPU: the engine on cuda:1 when there is one
-    python -m benchmarks.bench_engine --engine-device cuda:0 --only off-policy "engine, sync 1" "engine, async 1"
-                                                                         # one GPU: engine and trainer share it
-    python -m benchmarks.bench_engine --tiny                             # CPU smoke test, no figures
+    python -m benchmarks.onpolicy.bench_engine --out runs/bench_engine.json  # the engine on cuda:1 if there is one
+    python -m benchmarks.onpolicy.bench_engine --engine-device cuda:0 \
+        --only off-policy "engine, sync 1" "engine, async 1"                 # one GPU: engine and trainer share it
+    python -m benchmarks.onpolicy.bench_engine --tiny                        # CPU smoke test, no figures
 
 bench_onpolicy's shapes (a Llama-3.2-1B-shaped student, a Llama-3.1-8B-shaped teacher, random weights, bf16) and
 data (prompt + completion rows: off-policy trains on the completions, on-policy generates from the prompts). An
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from .common.onpolicy import SHAPES, build, drive_rows, step_parser
+from ..common.onpolicy import SHAPES, build, drive_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides (engine: liger-kd serve at kd_generation_url)
     "off-policy": dict(kd_lmbda=0.0),
@@ -170,7 +170,9 @@ def main() -> None:
     parser.add_argument("--engine-device", default=None, help="the engine's device; default cuda:1 when there is one")
     columns = ["name", "step_s", "rollout_s", "push_s", "staleness", "scored_tokens_per_s", "of_off_policy",
                "max_logprob_gap", "peak_GiB", "error"]  # fmt: skip
-    drive_rows("benchmarks.bench_engine", parser.parse_args(), ROWS, run_row, columns, extra=("engine_device",))
+    drive_rows(
+        "benchmarks.onpolicy.bench_engine", parser.parse_args(), ROWS, run_row, columns, extra=("engine_device",)
+    )
 
 
 if __name__ == "__main__":

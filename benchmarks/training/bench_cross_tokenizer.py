@@ -7,8 +7,8 @@ peak memory beyond the inputs of ours (hybrid full sort, hybrid top-k ULD, next-
 materialised logits (hybrid, "bayesian" merge), with |ours - GOLD| / GOLD where both run the same objective
 (ours with unmatched="ignore" and every group exact-eligible); and the top-k ULD's error against the full sort.
 
-    python -m benchmarks.bench_cross_tokenizer --out $OUT/bench_cross_tokenizer.json     # H200, < 8 min
-    python -m benchmarks.bench_cross_tokenizer --tiny --out /tmp/x.json                  # CPU smoke test
+    python -m benchmarks.training.bench_cross_tokenizer --out $OUT/bench_cross_tokenizer.json     # H200, < 8 min
+    python -m benchmarks.training.bench_cross_tokenizer --tiny --out /tmp/x.json                  # CPU smoke test
 """
 
 from __future__ import annotations

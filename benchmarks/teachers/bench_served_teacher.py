@@ -1,10 +1,10 @@
 """The student's training throughput with its teacher behind a server, against the teacher in process and an offline
 store, in one run.
 
-    python -m benchmarks.bench_served_teacher --out $OUT/bench_served_teacher.json     # 2 GPUs: server on GPU 1
+    python -m benchmarks.teachers.bench_served_teacher --out $OUT/bench_served_teacher.json  # 2 GPUs: server on GPU 1
 
-Shapes as benchmarks/bench_train_step.py builds them (random weights from configs): a Llama-3.2-1B-shaped student
-and a Llama-3.1-8B-shaped teacher, bf16, sequence 4096, top-64, gradient checkpointing. Rows:
+Shapes as benchmarks/training/bench_train_step.py builds them (random weights from configs): a Llama-3.2-1B-shaped
+student and a Llama-3.1-8B-shaped teacher, bf16, sequence 4096, top-64, gradient checkpointing. Rows:
   online (in process)   bench_train_step's liger_patch_kd row: the patched student with teacher_model=
   offline top-64        bench_train_step's offline row: top-64 log-probs from host memory, no teacher
   served 8B top-64     `liger-kd serve` (GPU 1 when there are two, else the student's GPU) asked through
@@ -46,9 +46,9 @@ from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
 from liger_patch_kd.teacher.serve.protocols import PROTOCOLS
 from liger_patch_kd.trainer.teachers.served_hidden import HEAD_KEY, HIDDEN_KEY, HiddenPrefetcher
 
-from .common import environment, print_table, write_json
-from .common.offline import random_sequences, store_row, topk_signal, train_rows
-from .common.train_step import SHAPES, TOP_K, build, prepare_student, run_one
+from ..common import environment, print_table, write_json
+from ..common.offline import random_sequences, store_row, topk_signal, train_rows
+from ..common.train_step import SHAPES, TOP_K, build, prepare_student, run_one
 
 
 def start_server(

@@ -1,7 +1,8 @@
 """How faithful and how fast an FP8 teacher is (quantize_teacher_fp8), in one run on one GPU.
 
-    python -m benchmarks.bench_fp8_teacher --out $OUT/bench_fp8_teacher.json
-    python -m benchmarks.bench_fp8_teacher --tokenizer bpe --parts fidelity --out $OUT/bench_fp8_teacher_bpe.json
+    python -m benchmarks.teachers.bench_fp8_teacher --out $OUT/bench_fp8_teacher.json
+    python -m benchmarks.teachers.bench_fp8_teacher --tokenizer bpe --parts fidelity \
+        --out $OUT/bench_fp8_teacher_bpe.json
 
 Fidelity needs a teacher whose distributions are peaked like a trained model's (a random one's are nearly flat
 and hide rounding), so one is trained here: a Llama-shaped model of ~190M parameters on the packaged corpus
@@ -37,9 +38,9 @@ from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8,
 from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8_logits import fp8_logits, quantize_head
 
-from .common import TOKENIZERS, corpus_token_ids, environment, print_table, write_json
-from .common.fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
-from .common.train_step import SHAPES, build
+from ..common import TOKENIZERS, corpus_token_ids, environment, print_table, write_json
+from ..common.fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
+from ..common.train_step import SHAPES, build
 
 STUDENT = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=4)  # fmt: skip

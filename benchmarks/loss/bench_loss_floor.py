@@ -1,7 +1,7 @@
 """The fused loss, forward + backward, against its floor: the four N x H x V products timed in the same run.
 
-    python -m benchmarks.bench_loss_floor --out benchmarks/results/bench_loss_floor.json
-    python -m benchmarks.bench_loss_floor --tiny      # CPU smoke test, tiny shapes, no figures
+    python -m benchmarks.loss.bench_loss_floor --out benchmarks/results/bench_loss_floor.json
+    python -m benchmarks.loss.bench_loss_floor --tiny      # CPU smoke test, tiny shapes, no figures
 
 Rows per N (default 8192 and 2048; H 4096, V 128256, bf16, beta 0.5):
   matmul floor            the two logit products and the two gradient products in bf16, back to back
@@ -34,8 +34,8 @@ from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows
 from liger_patch_kd.ops.fp8_logits import forget_quantized_head, fp8_logits, quantize_head
 
-from .common import cuda_time_ms, environment, print_table, write_json
-from .common.losses import LLAMA_V, liger_methods, rel_err
+from ..common import cuda_time_ms, environment, print_table, write_json
+from ..common.losses import LLAMA_V, liger_methods, rel_err
 
 OURS = "liger_patch_kd"
 VARIANTS = {

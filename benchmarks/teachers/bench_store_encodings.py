@@ -1,6 +1,6 @@
 """What each store encoding costs on disk and what it changes in distillation, on the demo (CPU, ~2-3 min on 1 thread).
 
-    OMP_NUM_THREADS=1 python -m benchmarks.bench_store_encodings [--quick] [--out FILE.json]
+    OMP_NUM_THREADS=1 python -m benchmarks.teachers.bench_store_encodings [--quick] [--out FILE.json]
 
 `liger-kd demo`'s teacher, corpus and offline top-k recipe (liger_patch_kd/demo/): the teacher is trained once,
 its top-k store is precomputed once per encoding (plain float32 = the reference, plain bf16 = the default, plain

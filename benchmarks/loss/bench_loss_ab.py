@@ -2,7 +2,7 @@
 speed within run-to-run noise?).
 
     mkdir _before && git archive e19d489 liger_patch_kd benchmarks | tar -x -C _before   # the tree before a change
-    python -m benchmarks.bench_loss_ab --before _before --out runs/bench_loss_ab.json
+    python -m benchmarks.loss.bench_loss_ab --before _before --out runs/bench_loss_ab.json
 
 Each checkout's `liger_patch_kd` runs in its own process (`--package-root`), `--rounds` times, alternating
 (before, after, before, after, ...), so drift of the GPU's clocks falls on both alike. Cases: fused_linear_jsd
@@ -73,14 +73,14 @@ def main() -> None:
     for _ in range(a.rounds):
         for side in ("before", "after"):
             root = str(Path(getattr(a, side)).resolve())
-            cmd = [sys.executable, "-m", "benchmarks.bench_loss_ab", "--before", a.before, "--package-root", root]
+            cmd = [sys.executable, "-m", "benchmarks.loss.bench_loss_ab", "--before", a.before, "--package-root", root]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
             for case, ms in json.loads(line[7:]).items():
                 times[side].setdefault(case, []).append(ms)
-    from .common import environment, print_table, write_json
+    from ..common import environment, print_table, write_json
 
     rows = []
     for case in times["after"]:

@@ -1,7 +1,7 @@
 """Fused linear JSD, forward + backward, on one GPU: this project against plain PyTorch, Liger-Kernel's two
 losses and the matmul floor, in one run.
 
-    python -m benchmarks.bench_fused_linear_jsd --out runs/bench_fused_linear_jsd.json
+    python -m benchmarks.loss.bench_fused_linear_jsd --out runs/bench_fused_linear_jsd.json
 
 Columns: ms (median fwd+bwd), extra GiB (peak memory beyond the inputs and the gradients every method must
 return, so a method's own buffers, fp32 weight-grad copies included), grad err (max over d/dinput and
@@ -18,8 +18,8 @@ import torch
 from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 
-from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
-from .common.losses import GEMMA_V, LLAMA_V, QWEN_V, liger_methods, make_inputs, rel_err
+from ..common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from ..common.losses import GEMMA_V, LLAMA_V, QWEN_V, liger_methods, make_inputs, rel_err
 
 # Qwen2.5: 0.5B-3B heads have 151936 rows, 7B and up 152064; the tokenizer holds 151665 real tokens
 QWEN_SMALL_V, QWEN_LARGE_V, QWEN_TOKENS = 151936, 152064, 151665

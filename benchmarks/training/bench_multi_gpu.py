@@ -1,12 +1,12 @@
 """Distillation through KDTrainer on one GPU or sharded over several (FSDP2, FSDP1, DeepSpeed ZeRO-3): tokens/s
 and peak memory per GPU, the loss and gradient norm of every step, and the memory of the fused loss itself.
 
-    python -m benchmarks.bench_multi_gpu --micro-batches 8 --out runs/multi_1gpu.json            # 1 GPU, no sharding
-    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.bench_multi_gpu \\
+    python -m benchmarks.training.bench_multi_gpu --micro-batches 8 --out runs/multi_1gpu.json  # 1 GPU, no sharding
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.training.bench_multi_gpu \\
         --micro-batches 4 --out runs/multi_fsdp2.json                                             # 2 GPUs, same batch
-    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.bench_multi_gpu \\
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.training.bench_multi_gpu \\
         --teacher 70b --meta-init --micro-batches 1 2 --out runs/multi_70b.json                   # 70B teacher
-    python -m benchmarks.bench_multi_gpu --summarize runs/multi_*.json --out runs/multi_summary.json
+    python -m benchmarks.training.bench_multi_gpu --summarize runs/multi_*.json --out runs/multi_summary.json
 
 Random-initialised Llama models from configs (bench_train_step's shapes: a Llama-3.2-1B-shaped student, fp32
 master weights, and a Llama-3.1-8B-shaped bf16 teacher; `--teacher 70b` is Llama-3.1-70B-shaped), sequence 4096,
@@ -33,9 +33,9 @@ import time
 import torch
 from torch.utils.data import SequentialSampler
 
-from .common import environment, print_table, write_json
-from .common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
-from .common.train_step import SHAPES, build
+from ..common import environment, print_table, write_json
+from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
+from ..common.train_step import SHAPES, build
 
 STUDENTS = {
     "1b": SHAPES["llama"][0],

@@ -1,10 +1,10 @@
 """Cross-tokenizer distillation through KDTrainer on one process or sharded over several (FSDP2, DDP): the loss and
 gradient norm of every step, tokens/s per process, and how each model was wrapped.
 
-    python -m benchmarks.bench_multi_gpu_xtok --micro-batch 8 --out runs/xtok_1gpu.json                 # 1 process
-    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.bench_multi_gpu_xtok \\
+    python -m benchmarks.training.bench_multi_gpu_xtok --micro-batch 8 --out runs/xtok_1gpu.json  # 1 process
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml -m benchmarks.training.bench_multi_gpu_xtok \\
         --micro-batch 4 --out runs/xtok_fsdp2.json                                                      # 2 GPUs
-    python -m benchmarks.bench_multi_gpu_xtok --compare runs/xtok_1gpu.json runs/xtok_fsdp2.json        # the table
+    python -m benchmarks.training.bench_multi_gpu_xtok --compare runs/xtok_1gpu.json runs/xtok_fsdp2.json  # the table
 
 The demo's tokenizers (a byte-level BPE student, a character-level teacher: the teacher's tokens are not the
 student's) and random-initialised Llama models of the given sizes (a wider teacher), prompt / completion rows cut
@@ -24,8 +24,8 @@ import time
 import torch
 from torch.utils.data import SequentialSampler
 
-from .common import environment, print_table, write_json
-from .common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
+from ..common import environment, print_table, write_json
+from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
 
 
 def rows(count: int, length: int = 90) -> list[dict]:

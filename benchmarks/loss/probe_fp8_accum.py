@@ -7,7 +7,7 @@ head at a 1024-row loss chunk), with q, k and v as three products and as one, an
 error alone: both outputs against the exact fp32 product of the same (dequantised) e4m3 operands, as the relative
 Frobenius error and the largest element error over the output's rms.
 
-    python -m benchmarks.probe_fp8_accum --out $OUT/probe_fp8_accum.json
+    python -m benchmarks.loss.probe_fp8_accum --out $OUT/probe_fp8_accum.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from liger_patch_kd.ops.fp8 import quantize_rows, quantize_weight
 
-from .common import cuda_time_ms, environment, print_table, write_json
+from ..common import cuda_time_ms, environment, print_table, write_json
 
 SHAPES = {  # name: (M, K, N)
     "q": (16384, 4096, 4096),

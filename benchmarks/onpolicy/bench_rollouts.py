@@ -1,7 +1,7 @@
 """Rollout generation alone: tokens/s of trainer.rollouts.generate_rollouts by batch size and KV cache.
 
-    python -m benchmarks.bench_rollouts --out runs/bench_rollouts.json
-    python -m benchmarks.bench_rollouts --tiny                      # CPU smoke test, no figures
+    python -m benchmarks.onpolicy.bench_rollouts --out runs/bench_rollouts.json
+    python -m benchmarks.onpolicy.bench_rollouts --tiny                      # CPU smoke test, no figures
 
 The student of bench_onpolicy (Llama-3.2-1B-shaped, random weights, bf16, sdpa), patched as KDTrainer patches it
 (every kernel, gradient checkpointing on, train mode between calls, as between training steps), generating
@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from .common import environment, print_table, write_json
-from .common.onpolicy import SHAPES, build
+from ..common import environment, print_table, write_json
+from ..common.onpolicy import SHAPES, build
 
 
 def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """A teacher that reads its own, longer prompt: what the pairing costs in a fused KD step.
 
-    python -m benchmarks.bench_privileged                      # H200: table + benchmarks/results/bench_privileged.json
-    python -m benchmarks.bench_privileged --tiny               # CPU smoke test (no figures)
+    python -m benchmarks.training.bench_privileged  # H200: table + benchmarks/results/bench_privileged.json
+    python -m benchmarks.training.bench_privileged --tiny               # CPU smoke test (no figures)
 
 Llama-1B-shaped student, Llama-8B-shaped teacher (bench_train_step's "llama" shapes), bf16, 4 rows of a
 `--prompt`-token student prompt and a `--completion`-token completion. Rows of the table, forward + backward of the
@@ -22,8 +22,8 @@ import torch
 from liger_patch_kd.models import apply_kd_patch_to_llama
 from liger_patch_kd.models.privileged import PrivilegedInputs
 
-from .common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
-from .common.train_step import SHAPES, build
+from ..common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from ..common.train_step import SHAPES, build
 
 
 def rows(batch: int, prompt: int, teacher_prompt: int, completion: int, vocab: int, device) -> dict:

@@ -1,7 +1,7 @@
 """Where one online distillation step spends its GPU time: a PyTorch profiler summary of the patched step.
 
-    python -m benchmarks.profile_step --out runs/profile_step.json
-    python -m benchmarks.profile_step --method "liger_patch_kd fp8 teacher, fp8 logits (both), recompute 10/16"
+    python -m benchmarks.training.profile_step --out runs/profile_step.json
+    python -m benchmarks.training.profile_step --method "liger_patch_kd fp8 teacher, fp8 logits (both), recompute 10/16"
 
 Same setup as bench_train_step (Llama-1B-shaped student with gradient checkpointing, Llama-8B-shaped teacher,
 bf16, sequence 4096, micro-batch 4, every kernel on); `--method` names any of its liger_patch_kd rows (the FP8
@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from liger_patch_kd.models import apply_kd_patch_to_llama
 
-from .common import environment, write_json
-from .common.train_step import FP8_ROW, SHAPES, build, fp8_copy, make_optimizer, method_step, prepare_student
+from ..common import environment, write_json
+from ..common.train_step import FP8_ROW, SHAPES, build, fp8_copy, make_optimizer, method_step, prepare_student
 
 CATEGORIES = [  # first match wins
     ("fused KD loss kernel", r"_jsd_chunk|_topk_chunk"),

@@ -1,6 +1,6 @@
 """What a served teacher's reply costs the student's process to decode: vLLM-style JSON against the binary reply.
 
-    python -m benchmarks.bench_teacher_decode --out benchmarks/results/bench_teacher_decode.json
+    python -m benchmarks.teachers.bench_teacher_decode --out benchmarks/results/bench_teacher_decode.json
 
 One sequence of 4096 positions, top-64 (the reply `liger-kd serve` writes, built with its own encoders: JSON with
 the prompt token added where it is outside the top 64, as vLLM does; binary arrays). Decoding is what the client
@@ -19,7 +19,7 @@ import torch
 from liger_patch_kd.teacher.serve import protocols as P
 from liger_patch_kd.teacher.serve.server import vllm_prompt_logprobs
 
-from .common import environment, print_table, write_json
+from ..common import environment, print_table, write_json
 
 
 def build_reply(positions: int, k: int, vocab: int, seed: int = 0) -> tuple[list[int], bytes, bytes]:

@@ -1,7 +1,7 @@
 """Causal attention at long context, by SDPA backend: where the long-context step's time goes, measured.
 
-    python -m benchmarks.bench_attention --out runs/bench_attention.json
-    python -m benchmarks.bench_attention --tiny                       # CPU smoke test, no figures
+    python -m benchmarks.training.bench_attention --out runs/bench_attention.json
+    python -m benchmarks.training.bench_attention --tiny                       # CPU smoke test, no figures
 
 The attention of one decoder layer at the shapes of the step benchmark (`bench_train_step`): the 8B-shaped
 teacher's (32 query heads, 8 key/value heads, head dim 128; forward only, it is frozen) and the 1B-shaped
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .common import cuda_time_ms, environment, print_table, write_json
+from ..common import cuda_time_ms, environment, print_table, write_json
 
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 MODELS = {  # name: (query heads, key/value heads, head dim, layers, passes timed)

@@ -1,9 +1,9 @@
 """Sampled teacher tokens against top-k (issue 29): gradient bias and variance against the full-vocabulary
 forward-KL gradient, and bytes per token, at (near) equal bytes.
 
-    python -m benchmarks.bench_sampled_kd --out runs/bench_sampled_kd.json                 # CPU, the demo teacher
-    python -m benchmarks.bench_sampled_kd --teacher fp8bench --speed --out $OUT/bench_sampled_kd.json  # GPU
-    python -m benchmarks.bench_sampled_kd --tiny --out runs/bench_sampled_kd_tiny.json     # CPU smoke test
+    python -m benchmarks.loss.bench_sampled_kd --out runs/bench_sampled_kd.json                 # CPU, the demo teacher
+    python -m benchmarks.loss.bench_sampled_kd --teacher fp8bench --speed --out $OUT/bench_sampled_kd.json  # GPU
+    python -m benchmarks.loss.bench_sampled_kd --tiny --out runs/bench_sampled_kd_tiny.json     # CPU smoke test
 
 The teacher is trained here on the packaged corpus: the demo's (Llama 4 x 128, liger_patch_kd.demo) or
 bench_fp8_teacher's ~190M Llama (--teacher fp8bench, for --train-seconds, on a GPU; --tiny: a tiny one on CPU).
@@ -37,7 +37,7 @@ from liger_patch_kd import reference as R
 from liger_patch_kd.teacher.sampling import sample_teacher_tokens
 from liger_patch_kd.teacher.store.compact import PackedCodec
 
-from .common import TOKENIZERS, corpus_token_ids, cuda_time_ms, environment, peak_extra_gib, print_table, write_json
+from ..common import TOKENIZERS, corpus_token_ids, cuda_time_ms, environment, peak_extra_gib, print_table, write_json
 
 # (name, top_k, samples): top-k K = 8, 16, 32, 64; draws at m = 8, 16, 32 and at top-k's plain bytes (m = 7 ~ top-8,
 # 14 ~ top-16, 27 ~ top-32, 55 ~ top-64); the hybrid (K exact + m drawn) at those bytes. Rows that do not fit the
@@ -82,7 +82,7 @@ def demo_teacher(device, steps: int, work: Path, tokenizer: str, vocab: int):
 
 def fp8bench_teacher(device, seconds: float, tokenizer: str, vocab: int, tiny: bool = False):
     """bench_fp8_teacher's ~190M teacher, trained for `seconds` on the GPU (`tiny`: its tiny shape, on CPU)."""
-    from .common.fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
+    from ..common.fp8_teacher import TEACHER, TINY, Windows, llama, train_teacher
 
     token_ids, vocab, _ = corpus_token_ids(tokenizer, vocab)
     ids = torch.tensor(token_ids)

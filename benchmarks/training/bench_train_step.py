@@ -1,6 +1,6 @@
 """One distillation training step, end to end, on one GPU: tokens/s and peak memory against the alternatives.
 
-    python -m benchmarks.bench_train_step --out runs/bench_train_step.json
+    python -m benchmarks.training.bench_train_step --out runs/bench_train_step.json
 
 Random-initialised models from configs (no downloads): a Llama-3.2-1B-shaped student (tied embeddings) and a
 Llama-3.1-8B-shaped teacher, bf16, sdpa, AdamW (fused on CUDA: HF Trainer's default), sequence 4096, gradient
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from .common import environment, print_table, write_json
-from .common.train_step import (
+from ..common import environment, print_table, write_json
+from ..common.train_step import (
     FP8_BEST_ROWS,
     FP8_FAST_ROWS,
     FP8_LOGITS_ROW,
@@ -91,13 +91,13 @@ def onpolicy_row(name: str, tiny: bool) -> dict:
     """A bench_onpolicy row (KDTrainer, bf16, 8 rows of 512 prompt + 512 completion tokens per micro-batch,
     accumulation 8, one warm-up and one timed step) in its own process; tokens_per_s is its scored (completion)
     tokens per second, which for the on-policy row includes generating them."""
-    from .common import run_row_in_child
-    from .common.onpolicy import SHAPE_KEYS
+    from ..common import run_row_in_child
+    from ..common.onpolicy import SHAPE_KEYS
 
     shape = argparse.Namespace(prompt=512, completion=512, micro_batch=8, accumulation=8, steps=1, tiny=tiny)
     if tiny:
         shape.prompt, shape.completion, shape.micro_batch, shape.accumulation = 8, 8, 2, 2
-    result = run_row_in_child("benchmarks.bench_onpolicy", ONPOLICY_ROWS[name], shape, SHAPE_KEYS)
+    result = run_row_in_child("benchmarks.onpolicy.bench_onpolicy", ONPOLICY_ROWS[name], shape, SHAPE_KEYS)
     row = dict(method=name, micro_batch=shape.micro_batch, seq=shape.prompt + shape.completion)
     if "error" in result:
         return {**row, "tokens_per_s": f"error: {result['error'][:80]}"}
@@ -184,7 +184,7 @@ def main() -> None:
                             continue  # one shape of its own
                         row = onpolicy_row(name, args.tiny)
                     elif name == STORE_ROW:
-                        from .common.offline import store_row
+                        from ..common.offline import store_row
 
                         with tempfile.TemporaryDirectory() as workdir:
                             row = store_row(SHAPES[shape], mb, seq, device, dtype, args.warmup, args.reps,

@@ -1,0 +1,1 @@
+"""Teachers outside the process: served (its wire formats), stored (its encodings), FP8."""
