@@ -63,3 +63,18 @@ def test_a_vocabulary_that_is_not_the_students_is_one_line(tmp_path, server):
     with pytest.raises(ValueError, match=rf"vocabulary of {VOCAB} ids, fewer than kd_vocab_size={VOCAB + 1}"):
         train(tmp_path, url, student=tiny_model("llama", dtype=torch.float32, seed=1, vocab=VOCAB + 43),
               kd_vocab_size=VOCAB + 1)  # fmt: skip
+
+
+@pytest.mark.parametrize("timing", [dict(kd_teacher_timeout=0), dict(kd_teacher_timeout=-1.0),
+                                    dict(kd_teacher_retries=-1)])  # fmt: skip
+@pytest.mark.parametrize("kind", [
+    dict(kd_teacher_protocol="liger"), dict(kd_teacher_protocol="vllm"), dict(kd_teacher_samples=4),
+    dict(kd_teacher_protocol="hidden"), dict(kd_teacher_url={"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"}),
+])  # fmt: skip
+def test_every_served_client_names_a_bad_timeout_or_retry_count_the_same_way(tmp_path, kind, timing):
+    """One check (served.check_client_timing) for every kind of served teacher, when the arguments are made."""
+    options = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_kd_patch=True,
+                   kd_teacher_url="http://127.0.0.1:1", kd_teacher_protocol="liger", kd_teacher_top_k=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"a served teacher needs kd_teacher_timeout > 0 \(seconds\) and "
+                                         r"kd_teacher_retries >= 0; got"):  # fmt: skip
+        KDTrainingArguments(**{**options, **kind, **timing})

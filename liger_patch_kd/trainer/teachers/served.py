@@ -133,13 +133,19 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
         )
 
 
+def check_client_timing(args: KDTrainingArguments) -> None:
+    """What every served-teacher client (top-k, sampled, hidden states) is asked with: a timeout, retries that are
+    not negative."""
+    if not args.kd_teacher_timeout > 0 or args.kd_teacher_retries < 0:
+        raise ValueError(f"a served teacher needs kd_teacher_timeout > 0 (seconds) and kd_teacher_retries >= 0; got "
+                         f"{args.kd_teacher_timeout} and {args.kd_teacher_retries}")  # fmt: skip
+
+
 def check_topk_client_options(args: KDTrainingArguments) -> None:
     """What a top-k client is asked with: at least one log-prob, a timeout, retries that are not negative."""
-    if args.kd_teacher_top_k < 1 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
-        raise ValueError(
-            f"need kd_teacher_top_k >= 1, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got "
-            f"{args.kd_teacher_top_k}, {args.kd_teacher_timeout}, {args.kd_teacher_retries}"
-        )
+    check_client_timing(args)
+    if args.kd_teacher_top_k < 1:
+        raise ValueError(f"a served top-k teacher needs kd_teacher_top_k >= 1; got {args.kd_teacher_top_k}")
 
 
 def check_served_samples_args(args: KDTrainingArguments) -> None:
@@ -149,11 +155,11 @@ def check_served_samples_args(args: KDTrainingArguments) -> None:
     if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= MAX_SAMPLES:
         raise ValueError(f"kd_teacher_samples must be None or an int in [1, {MAX_SAMPLES}] (draws per position); "
                          f"got {m!r}")  # fmt: skip
-    if k < 0 or not isinstance(seed, int) or seed < 0 or args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
+    check_client_timing(args)
+    if k < 0 or not isinstance(seed, int) or seed < 0:
         raise ValueError(
-            f"with kd_teacher_samples need kd_teacher_top_k >= 0 (the hybrid's exact top-k; 0: draws alone), "
-            f"kd_teacher_sample_seed >= 0, kd_teacher_timeout > 0, kd_teacher_retries >= 0; got {k}, {seed!r}, "
-            f"{args.kd_teacher_timeout}, {args.kd_teacher_retries}"
+            f"with kd_teacher_samples need kd_teacher_top_k >= 0 (the hybrid's exact top-k; 0: draws alone) and "
+            f"kd_teacher_sample_seed >= 0; got {k} and {seed!r}"
         )
     if args.kd_teacher_protocol != "liger" or isinstance(args.kd_teacher_url, dict):
         raise ValueError(

@@ -25,7 +25,7 @@ from ...teacher.serve.prefetch import Segments, TeacherPrefetcher, keys_of
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .other_tokenizer import padded_vocab_size
-from .served import teacher_client
+from .served import check_client_timing, teacher_client
 
 HIDDEN_KEY, HEAD_KEY = "teacher_hidden_states", "teacher_head"  # the batch's (B, T, H) states, and their head
 
@@ -43,9 +43,7 @@ def check_served_hidden_args(args: KDTrainingArguments) -> None:
     if isinstance(args.kd_teacher_url, Mapping):  # several served teachers: served_several.py checks them
         return
     check_hidden_dtype(args)
-    if args.kd_teacher_timeout <= 0 or args.kd_teacher_retries < 0:
-        raise ValueError(f"need kd_teacher_timeout > 0 and kd_teacher_retries >= 0; got {args.kd_teacher_timeout}, "
-                         f"{args.kd_teacher_retries}")  # fmt: skip
+    check_client_timing(args)
     refused = {
         "kd_teacher_samples": args.kd_teacher_samples is not None,
         "kd_teacher_tokenizer": bool(args.kd_teacher_tokenizer),
