@@ -203,3 +203,29 @@ def test_a_live_teacher_without_input_ids_is_one_line(several):
     ref = student(input_ids=ids, attention_mask=mask, labels=labels, teacher_token_ids=token_ids,
                   teacher_logprobs=logprobs, return_logits=True)  # fmt: skip
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("student_sdpa, teacher_sdpa", [(False, False), (False, True), (True, False)])
+def test_the_batch_is_read_only_when_some_model_would_drop_its_mask(monkeypatch, student_sdpa, teacher_sdpa):
+    """The trailing-padding check costs a host sync: made only when the student or the teacher attends through
+    SDPA, and then each gets the mask its own attention needs."""
+    import liger_patch_kd.models.backbone as B
+
+    checks = []
+    real = B.trailing_padding_only
+    monkeypatch.setattr(B, "trailing_padding_only", lambda *a: checks.append(1) or real(*a))
+    student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2, hidden=48)
+    if student_sdpa:
+        sdpa(student)
+    if teacher_sdpa:
+        sdpa(teacher)
+    M.apply_kd_patch(model=student, beta=0.5)
+    ids, mask, labels = right_padded()
+    spy = MaskSpy(student, teacher)
+    (fused, g_head, _), (ref, r_head, _) = fused_and_reference(
+        student, {"input_ids": ids, "attention_mask": mask, "labels": labels}, teacher_model=teacher
+    )
+    assert len(checks) == (1 if student_sdpa or teacher_sdpa else 0)
+    assert (spy.seen["student"][0] is None) == student_sdpa and (spy.seen["teacher"][0] is None) == teacher_sdpa
+    torch.testing.assert_close(fused, ref, rtol=1e-9, atol=1e-12)
+    assert rel_err(g_head, r_head) < 1e-9

@@ -77,21 +77,35 @@ def trailing_padding_only(
         return bool(binary & trailing & scored_attended)
 
 
-def backbone_mask(model: nn.Module, attention_mask: torch.Tensor | None, trailing: bool) -> torch.Tensor | None:
-    """The attention mask `model`'s backbone gets: None when the padding is trailing (trailing_padding_only) and
-    the model is a registered causal text model attending through SDPA (see the module docstring); else the mask.
-    Other implementations keep it: flash-attention's unpadding and flex attention's block mask skip the padding."""
-    if not trailing:
-        return attention_mask
+def drops_trailing_mask(model: nn.Module) -> bool:
+    """Whether `model`'s backbone runs without a mask that only pads the end of rows (see the module docstring): a
+    registered causal text model attending through SDPA. Other implementations keep it: flash-attention's unpadding
+    and flex attention's block mask skip the padding; a VLM's mask may shape its image tokens' attention."""
     inner = unwrap_model(model)
     config = getattr(inner, "config", None)
     spec = REGISTRY.get(getattr(config, "model_type", None))
     if spec is None or spec.is_vlm or not isinstance(inner, spec.model_class()):
-        return attention_mask
+        return False
     text = config.get_text_config()
-    if getattr(text, "_attn_implementation", None) != "sdpa" or getattr(text, "use_bidirectional_attention", False):
-        return attention_mask
-    return None
+    return getattr(text, "_attn_implementation", None) == "sdpa" and not getattr(
+        text, "use_bidirectional_attention", False
+    )
+
+
+def trailing_mask_dropped(
+    models: list[nn.Module], attention_mask: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
+    kwargs: dict[str, Any],
+) -> bool:  # fmt: skip
+    """Whether the batch's mask may be dropped for those of `models` that drop one (backbone_mask): checked on the
+    batch (trailing_padding_only, one host sync) only when one of them would."""
+    return any(map(drops_trailing_mask, models)) and trailing_padding_only(attention_mask, targets, ignore_index,
+                                                                            kwargs)  # fmt: skip
+
+
+def backbone_mask(model: nn.Module, attention_mask: torch.Tensor | None, trailing: bool) -> torch.Tensor | None:
+    """The attention mask `model`'s backbone gets: None when the batch's padding is trailing (trailing_mask_dropped)
+    and the model drops such a mask (drops_trailing_mask); else the mask."""
+    return None if trailing and drops_trailing_mask(model) else attention_mask
 
 
 def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) -> dict[str, Any]:

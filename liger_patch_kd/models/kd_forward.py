@@ -23,7 +23,7 @@ from .backbone import (
     router_aux_loss,
     run_backbone,
     teacher_vision_inputs,
-    trailing_padding_only,
+    trailing_mask_dropped,
     with_router_aux_loss,
 )
 from .heads import HeadWeights, output_head
@@ -163,7 +163,8 @@ def kd_causal_lm_forward(
     align = None
     if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
         teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
-    trailing = trailing_padding_only(attention_mask, targets, cfg.ignore_index, kwargs)  # backbone.py's docstring
+    readers = [self] if teacher.model is None or privileged is not None else [self, teacher.model]
+    trailing = trailing_mask_dropped(readers, attention_mask, targets, cfg.ignore_index, kwargs)  # see backbone.py
     decoder_out = run_backbone(self, input_ids, backbone_mask(self, attention_mask, trailing), kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):

@@ -29,7 +29,7 @@ from .backbone import (
     router_aux_loss,
     run_backbone,
     teacher_vision_inputs,
-    trailing_padding_only,
+    trailing_mask_dropped,
     with_router_aux_loss,
 )
 from .heads import output_head
@@ -91,7 +91,8 @@ def teacher_set_forward(
 ) -> KDCausalLMOutput:
     """The fused KD forward against several teachers; `call_teacher(teacher, ids, mask, kwargs, loss_on)` runs
     `loss_on(hidden, weight, bias, softcap)` inside a teacher's own forward (models.kd_forward.call_teacher)."""
-    trailing = trailing_padding_only(attention_mask, targets, cfg.ignore_index, kwargs)  # backbone.py's docstring
+    readers = [model, *teachers.models.values()]
+    trailing = trailing_mask_dropped(readers, attention_mask, targets, cfg.ignore_index, kwargs)  # see backbone.py
     decoder_out = run_backbone(model, input_ids, backbone_mask(model, attention_mask, trailing), kwargs, labels)
     hidden = decoder_out.last_hidden_state
     grad_enabled = torch.is_grad_enabled()
