@@ -1,5 +1,5 @@
 """A right-padded batch reaches an SDPA backbone without its attention mask when no scored position is padding
-(models/backbone.py: trailing_padding_only, backbone_mask). Every case: the fused KD loss and its gradient against
+(models/backbone.py: trailing_padding_only, backbone_masks). Every case: the fused KD loss and its gradient against
 the materialised path, which runs the model's own forward with the mask (float64)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ The unpatched forward (Mixtral, Qwen3-MoE, GPT-OSS; checked by forward_audit.py)
 The KD forward calls the same function from the model's own modeling module with the same arguments.
 
 A right-padded batch (every collator here pads on the right) reaches an SDPA backbone without its attention mask
-when no scored position is padding (trailing_padding_only, backbone_mask): causal attention never lets a real
+when no scored position is padding (trailing_padding_only, backbone_masks): causal attention never lets a real
 token see the padding after it, so every scored hidden state is the same, and SDPA runs the causal flash kernel
 instead of a masked one (slower, and cuDNN's builds a plan per new shape: seconds the first time a sequence length
 is seen, which generated micro-batches, of every length, keep paying). The router loss keeps the mask.
@@ -92,20 +92,17 @@ def drops_trailing_mask(model: nn.Module) -> bool:
     )
 
 
-def trailing_mask_dropped(
+def backbone_masks(
     models: list[nn.Module], attention_mask: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
     kwargs: dict[str, Any],
-) -> bool:  # fmt: skip
-    """Whether the batch's mask may be dropped for those of `models` that drop one (backbone_mask): checked on the
-    batch (trailing_padding_only, one host sync) only when one of them would."""
-    return any(map(drops_trailing_mask, models)) and trailing_padding_only(attention_mask, targets, ignore_index,
-                                                                            kwargs)  # fmt: skip
-
-
-def backbone_mask(model: nn.Module, attention_mask: torch.Tensor | None, trailing: bool) -> torch.Tensor | None:
-    """The attention mask `model`'s backbone gets: None when the batch's padding is trailing (trailing_mask_dropped)
-    and the model drops such a mask (drops_trailing_mask); else the mask."""
-    return None if trailing and drops_trailing_mask(model) else attention_mask
+) -> list[torch.Tensor | None]:  # fmt: skip
+    """The attention mask each of `models`' backbones gets on this batch: None for one that drops a mask only
+    padding the end of rows (drops_trailing_mask) when the batch's is one (trailing_padding_only: one host sync,
+    made only when some model would drop it); the mask itself otherwise."""
+    drops = [drops_trailing_mask(model) for model in models]
+    if not any(drops) or not trailing_padding_only(attention_mask, targets, ignore_index, kwargs):
+        return [attention_mask] * len(models)
+    return [None if drop else attention_mask for drop in drops]
 
 
 def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) -> dict[str, Any]:

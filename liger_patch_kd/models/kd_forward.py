@@ -19,11 +19,10 @@ from ..distributed import gathered_weights, release_root_parameters
 from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_sampled_kd, fused_linear_topk_kd
 from ..ops.backend import eager
 from .backbone import (
-    backbone_mask,
+    backbone_masks,
     router_aux_loss,
     run_backbone,
     teacher_vision_inputs,
-    trailing_mask_dropped,
     with_router_aux_loss,
 )
 from .heads import HeadWeights, output_head
@@ -164,8 +163,8 @@ def kd_causal_lm_forward(
     if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
         teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
     readers = [self] if teacher.model is None or privileged is not None else [self, teacher.model]
-    trailing = trailing_mask_dropped(readers, attention_mask, targets, cfg.ignore_index, kwargs)  # see backbone.py
-    decoder_out = run_backbone(self, input_ids, backbone_mask(self, attention_mask, trailing), kwargs, labels)
+    student_mask, *teacher_masks = backbone_masks(readers, attention_mask, targets, cfg.ignore_index, kwargs)
+    decoder_out = run_backbone(self, input_ids, student_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "student")
@@ -208,8 +207,7 @@ def kd_causal_lm_forward(
                     )  # fmt: skip
 
             if privileged is None:
-                teacher_mask = backbone_mask(teacher.model, attention_mask, trailing)
-                out = call_teacher(teacher.model, input_ids, teacher_mask, kwargs, loss_on)
+                out = call_teacher(teacher.model, input_ids, teacher_masks[0], kwargs, loss_on)
             else:
                 out = _call_privileged_teacher(teacher.model, privileged, align, loss_on)
             agreement = measured.get("agreement")

@@ -25,11 +25,10 @@ from ..conventions import apply_softcap
 from ..distributed import gathered_weights
 from ..losses import fused_linear_multi_teacher_jsd
 from .backbone import (
-    backbone_mask,
+    backbone_masks,
     router_aux_loss,
     run_backbone,
     teacher_vision_inputs,
-    trailing_mask_dropped,
     with_router_aux_loss,
 )
 from .heads import output_head
@@ -91,12 +90,11 @@ def teacher_set_forward(
 ) -> KDCausalLMOutput:
     """The fused KD forward against several teachers; `call_teacher(teacher, ids, mask, kwargs, loss_on)` runs
     `loss_on(hidden, weight, bias, softcap)` inside a teacher's own forward (models.kd_forward.call_teacher)."""
-    readers = [model, *teachers.models.values()]
-    trailing = trailing_mask_dropped(readers, attention_mask, targets, cfg.ignore_index, kwargs)  # see backbone.py
-    decoder_out = run_backbone(model, input_ids, backbone_mask(model, attention_mask, trailing), kwargs, labels)
+    models = list(teachers.models.values())
+    student_mask, *masks = backbone_masks([model, *models], attention_mask, targets, cfg.ignore_index, kwargs)
+    decoder_out = run_backbone(model, input_ids, student_mask, kwargs, labels)
     hidden = decoder_out.last_hidden_state
     grad_enabled = torch.is_grad_enabled()
-    models = list(teachers.models.values())
     with gathered_weights(model.get_output_embeddings(), owner=model):
         head = output_head(model, "student")
         hidden, student_bias = scaled_head_inputs(model, hidden, head.bias)
@@ -117,7 +115,6 @@ def teacher_set_forward(
                     mixture=teachers.mixture, config=cfg, return_components=True,
                 )  # fmt: skip
 
-        masks = [backbone_mask(teacher, attention_mask, trailing) for teacher in models]
         out = _nested(models, call_teacher, input_ids, masks, kwargs, loss_on)
     aux_loss = router_aux_loss(model, decoder_out, attention_mask)
     return kd_output(
