@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.backend import select_backend
-from .decode_kernel import decode_attention
+from .decode_kernel import decode_attention, layout_refusal
 
 # keyword arguments of an attention call that the packed path would have to honour and does not: defer on them
 _DEFERRED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions")
@@ -86,16 +86,15 @@ def kernel_takes(
 ) -> bool:
     """Whether decode_kernel.decode_attention computes this call: Triton's backend for the device (CUDA, or the
     interpreter where LIGER_KD_BACKEND=triton asks for it), float inputs of one dtype and one head size, a boolean
-    mask (the engine's) or none, contiguous head dims, no dropout (the kernel has none)."""
+    mask (the engine's) or none, no dropout (the kernel has none), and a layout it reads (decode_kernel.layout_refusal:
+    contiguous head dims, no float64 on CUDA)."""
     if select_backend(query.device) != "triton" or mask is not None and mask.dtype != torch.bool or dropout:
         return False
     if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
         return False
-    if query.dtype == torch.float64 and query.device.type == "cuda":  # see decode_kernel.decode_attention
-        return False
     if not query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256:
         return False
-    return all(t.stride(-1) == 1 for t in (query, key, value))
+    return layout_refusal(query, key, value) is None
 
 
 class _Kernel:

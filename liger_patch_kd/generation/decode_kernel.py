@@ -147,6 +147,20 @@ def split_count(pairs: int, length: int, device: torch.device) -> int:
     return max(1, min(math.ceil(PROGRAMS_WANTED * sms / pairs), math.ceil(length / BLOCK_N)))
 
 
+def layout_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why decode_attention cannot take these tensors as they are, or None: a head dim that is not contiguous (it
+    reads it as if it were), float64 on CUDA (Triton does not lower that product). The engine asks first
+    (decode_attention.kernel_takes) and attends through SDPA instead."""
+    strides = [t.stride(-1) for t in (query, key, value)]
+    if strides != [1, 1, 1]:
+        return (f"reads the head dim as contiguous: query, key and value need stride 1 in their last dim; got "
+                f"{strides} (call .contiguous() first)")  # fmt: skip
+    if query.dtype == torch.float64 and query.is_cuda:
+        return (f"takes no float64 CUDA tensors: Triton does not lower a float64 product of {BLOCK_N} columns for "
+                f"the GPU; attend through SDPA (the engine does for float64 models)")  # fmt: skip
+    return None
+
+
 def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -172,13 +186,8 @@ def decode_attention(
         raise ValueError(f"decode_attention takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
                          f"got mask {mask.dtype} {tuple(mask.shape)}, query {query.dtype}, key {key.dtype}, value "
                          f"{value.dtype}")  # fmt: skip
-    if any(t.stride(-1) != 1 for t in (query, key, value)):
-        strides = [t.stride(-1) for t in (query, key, value)]
-        raise ValueError(f"decode_attention reads the head dim as contiguous: query, key and value need stride 1 in "
-                         f"their last dim; got {strides} (call .contiguous() first)")  # fmt: skip
-    if query.dtype == torch.float64 and query.is_cuda:
-        raise ValueError("decode_attention takes no float64 CUDA tensors: Triton does not lower a float64 product of "
-                         f"{BLOCK_N} columns for the GPU; attend through SDPA (the engine does for float64 models)")
+    if (reason := layout_refusal(query, key, value)) is not None:
+        raise ValueError(f"decode_attention {reason}")
     group = heads // kv_heads
     pairs = batch * kv_heads
     splits = split_count(pairs, length, query.device)
