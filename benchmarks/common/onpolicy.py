@@ -36,6 +36,27 @@ def build(kwargs: dict, vocab: int, device, dtype, seed: int):
 SHAPE_KEYS = ("prompt", "completion", "micro_batch", "accumulation", "steps")
 
 
+def models_and_rows(a: argparse.Namespace):
+    """(device, student, teacher, vocabulary, rows) of a row's run: the models at --tiny or Llama shapes (bf16 on
+    CUDA), and --steps + 1 optimizer steps' rows of a --prompt-token prompt (ignored) and a --completion-token
+    completion (scored), random ids above the special ones; generated steps keep the prompt and sample the rest."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    s_kw, t_kw, vocab = SHAPES["tiny" if a.tiny else "llama"]
+    student = build(s_kw, vocab, device, dtype, seed=0)
+    teacher = build(t_kw, vocab, device, dtype, seed=1).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(a.micro_batch * a.accumulation * (a.steps + 1)):  # the first step warms up and is not timed
+        ids = torch.randint(3, vocab, (a.prompt + a.completion,), generator=g)
+        labels = ids.clone()
+        labels[: a.prompt] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return device, student, teacher, vocab, rows
+
+
 def step_parser(doc: str, out: str, rows: dict, steps: int) -> argparse.ArgumentParser:
     """The options bench_onpolicy and bench_engine share: the output, the rows, the step's shape."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from ..common.onpolicy import SHAPES, build, drive_rows, step_parser
+from ..common.onpolicy import drive_rows, models_and_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides (engine: liger-kd serve at kd_generation_url)
     "off-policy": dict(kd_lmbda=0.0),
@@ -74,19 +74,8 @@ def run_row(name: str, a: argparse.Namespace) -> dict:
 
     from liger_patch_kd import KDTrainer, KDTrainingArguments
 
-    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    s_kw, t_kw, vocab = SHAPES["tiny" if a.tiny else "llama"]
-    student = build(s_kw, vocab, device, dtype, seed=0)
-    teacher = build(t_kw, vocab, device, dtype, seed=1).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(0)
+    device, student, teacher, _, rows = models_and_rows(a)
     steps = a.steps + 1
-    rows = []
-    for _ in range(a.micro_batch * a.accumulation * steps):
-        ids = torch.randint(3, vocab, (a.prompt + a.completion,), generator=g)
-        labels = ids.clone()
-        labels[: a.prompt] = -100  # generated steps keep the prompt and sample the rest
-        rows.append({"input_ids": ids, "labels": labels})
     overrides = {"kd_lmbda": 1.0, **ROWS[name]}
     proc = None
     if overrides.pop("engine", False):

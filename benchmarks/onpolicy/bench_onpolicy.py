@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from ..common.onpolicy import SHAPES, build, drive_rows, step_parser
+from ..common.onpolicy import drive_rows, models_and_rows, step_parser
 
 ROWS = {  # name -> KDTrainingArguments overrides
     "off-policy": dict(kd_lmbda=0.0),
@@ -55,19 +55,8 @@ ROWS = {  # name -> KDTrainingArguments overrides
 def run_row(name: str, a: argparse.Namespace) -> dict:
     from liger_patch_kd import KDTrainer, KDTrainingArguments
 
-    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    s_kw, t_kw, vocab = SHAPES["tiny" if a.tiny else "llama"]
-    student = build(s_kw, vocab, device, dtype, seed=0)
-    teacher = build(t_kw, vocab, device, dtype, seed=1).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(0)
+    device, student, teacher, vocab, rows = models_and_rows(a)
     steps = a.steps + 1  # the first step warms up (and compiles) and is not timed
-    rows = []
-    for _ in range(a.micro_batch * a.accumulation * steps):
-        ids = torch.randint(3, vocab, (a.prompt + a.completion,), generator=g)
-        labels = ids.clone()
-        labels[: a.prompt] = -100
-        rows.append({"input_ids": ids, "labels": labels})
     if name.startswith("trl-"):
         return trl_row(name, a, student, teacher, rows, device, vocab)
     overrides = dict(ROWS[name])
