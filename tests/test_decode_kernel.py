@@ -111,7 +111,7 @@ def test_packed_sdpa_takes_the_kernel_only_when_asked(monkeypatch):
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=DEVICE).masked_fill(~mask, float("-inf"))
         packed_gqa_sdpa(layer, q, k, v, additive, scaling=0.2)  # not a boolean mask: SDPA's
     assert calls == [1]
-    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused, plain, **TIGHT)
 
 
 @INTERPRETER_ONLY

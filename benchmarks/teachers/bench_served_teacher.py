@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from liger_patch_kd.teacher import (
     TeacherClient,
     TeacherDataCollator,
     TeacherPrefetcher,
+    TeacherServerError,
 )
 from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
 from liger_patch_kd.teacher.serve.protocols import PROTOCOLS
@@ -71,6 +73,20 @@ def start_server(
     return subprocess.Popen(cmd, env=env)
 
 
+def wait_for(client, server: subprocess.Popen, timeout: float = 600) -> None:
+    """The client's readiness poll, a few seconds at a time, while the server process lives: a server that exits
+    at start (a missing dependency, a bad flag) ends the run at once with its exit code, not after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"liger-kd serve exited with code {server.returncode} before answering (see its output)")
+        try:
+            return client.wait_until_ready(timeout=5)
+        except TeacherServerError:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def served_row(name, shapes, teacher_shape, micro_batch, seq, device, dtype, warmup, reps, args, workdir) -> dict:
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     server = start_server(teacher_shape, "cpu" if device.type == "cpu" else "cuda", 1 if two_gpus else None,
@@ -79,7 +95,7 @@ def served_row(name, shapes, teacher_shape, micro_batch, seq, device, dtype, war
         vocab = shapes[0]["vocab_size"]
         client = TeacherClient(f"http://127.0.0.1:{args.port}", "liger", top_k=TOP_K, vocab_size=vocab,
                                timeout=600, sequences_per_request=micro_batch)  # fmt: skip
-        client.wait_until_ready(timeout=600)
+        wait_for(client, server)
         data = random_sequences((warmup + reps) * micro_batch, seq, vocab)
         loader = torch.utils.data.DataLoader(data, batch_size=micro_batch, collate_fn=TeacherDataCollator())
         prefetcher = TeacherPrefetcher(loader, client, depth=args.depth)
@@ -119,7 +135,8 @@ def wire_bytes_per_token(url: str, protocol: str, sequences: list[list[int]], mo
 def exact_rows(shapes, micro_batch, seq, device, dtype, warmup, reps, args, workdir: Path, saved: Path) -> list:
     """The saved teacher behind one server: its hidden states (the teacher's dtype: bf16 on GPU, float32 in --tiny;
     and fp8), and its
-    top-64 as liger binary and vLLM JSON, each trained on; bytes per token on the wire beside each."""
+    top-64 as liger binary and vLLM JSON, each trained on; bytes per token on the wire beside each (and, for the hidden
+    states, the bound 2·H + 16)."""
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     server = start_server(shapes[1], "cpu" if device.type == "cpu" else "cuda", 1 if two_gpus else None,
                           args.port, workdir, saved=saved)  # fmt: skip
@@ -140,11 +157,14 @@ def exact_rows(shapes, micro_batch, seq, device, dtype, warmup, reps, args, work
             else:
                 client = TeacherClient(url, protocol, top_k=TOP_K, vocab_size=vocab, **options)
                 prefetcher, signal = TeacherPrefetcher(loader, client, depth=args.depth), topk_signal
-            client.wait_until_ready(timeout=600)
+            wait_for(client, server)
             row = train_rows(name, prefetcher, shapes, micro_batch, seq, device, dtype, warmup, reps,
                              waited=lambda: prefetcher.wait_seconds, signal=signal)  # fmt: skip
             if protocol == "hidden":
                 row["bytes_per_token"] = client.bytes_received / max(1, client.tokens_received)
+                # the issue's target for the exact teacher: 2 bytes a hidden value plus a small per-token overhead
+                row["hidden_size"] = shapes[1]["hidden_size"]
+                row["bytes_bound"] = 2 * row["hidden_size"] + 16
             else:
                 sequences = [r["input_ids"].tolist() for r in data[:micro_batch]]
                 row["bytes_per_token"] = wire_bytes_per_token(url, protocol, sequences, str(saved))
@@ -226,8 +246,8 @@ def main() -> None:
             r["x_online"], r["of_offline"] = r["tokens_per_s"] / online, r["tokens_per_s"] / offline
     print(f"\nsequence {seq}, micro-batch {mb}, bf16, AdamW, student gradient checkpointing, top-{TOP_K}")
     workdir_handle.cleanup()
-    columns = ["method", "server", "tokens_per_s", "x_online", "of_offline", "wait_frac", "bytes_per_token", "loss_err",
-               "peak_GiB"]  # fmt: skip
+    columns = ["method", "server", "tokens_per_s", "x_online", "of_offline", "wait_frac", "bytes_per_token",
+               "bytes_bound", "loss_err", "peak_GiB"]  # fmt: skip
     table = print_table(rows, columns)
     write_json(args.out, dict(environment=environment(), rows=rows, table=table))
 
