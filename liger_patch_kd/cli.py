@@ -39,10 +39,10 @@ def _demo(args) -> None:
 
 def _precompute(args) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .teacher import precompute, tokenizer_fingerprint
-    from .teacher.precompute import file_fingerprint, read_jsonl_sequences
+    from .teacher.precompute import check_precompute_args, file_fingerprint, read_jsonl_sequences
 
     tokenizer = None
     try:
@@ -50,13 +50,18 @@ def _precompute(args) -> None:
     except (OSError, ValueError):
         if args.tokenizer:
             raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer loads from there") from None
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto")
-    vocab = teacher.get_output_embeddings().weight.shape[0]
+    # the options and the data are checked against the config's vocabulary before the weights load (minutes for a
+    # large teacher); precompute checks the ids again against the loaded head's rows
+    vocab = AutoConfig.from_pretrained(args.teacher).get_text_config().vocab_size
+    check_precompute_args(vocab, top_k=args.top_k, temperature=args.temperature, batch_size=args.batch_size,
+                          shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding,
+                          max_length=args.max_length, samples=args.samples)  # fmt: skip
     sequences, skipped = read_jsonl_sequences(
         args.data, tokenizer=tokenizer, max_length=args.max_length, vocab_size=vocab, skip_bad_lines=args.skip_bad_lines
     )
     if not sequences:
         raise ValueError(f"{args.data}: no usable lines")
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto")
     teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = precompute(
         teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,

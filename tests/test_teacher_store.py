@@ -150,6 +150,26 @@ def test_precompute_bad_lines_and_resume_fingerprint(tmp_path, saved_teacher, ca
     assert "data file (store:" in capsys.readouterr().err
 
 
+def test_precompute_checks_its_data_before_loading_the_weights(tmp_path, saved_teacher, capsys, monkeypatch):
+    """A bad line or option is reported from the config's vocabulary, without the minutes a large teacher's
+    weights take to load."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the data was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, VOCAB]}) + "\n")
+    base = ["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--out", str(tmp_path / "s")]
+    assert main([*base, "--top-k", "4"]) == 2
+    assert f"token id {VOCAB} is outside the teacher's vocabulary" in capsys.readouterr().err
+    data.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
+    assert main([*base, "--top-k", str(VOCAB + 1)]) == 2
+    assert f"vocab_size={VOCAB}" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_every_option_documents_its_default(capsys):
     import argparse
 

@@ -68,6 +68,16 @@ def test_online_distillation_trains(tmp_path, use_kd_patch):
     assert logged and {"kd_hard_loss", "kd_top1_agreement"} <= set(logged[-1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning is only dropped where there is no accelerator")
+def test_a_cpu_run_does_not_ask_for_pinned_memory(tmp_path, recwarn):
+    """dataloader_pin_memory (True by default) needs an accelerator: on a CPU torch warns at every DataLoader."""
+    trainer = _train(tmp_path, tiny_model("llama", dtype=torch.float32, seed=1),
+                     tiny_model("llama", dtype=torch.float32, seed=2), max_steps=1,
+                     use_cpu=False)  # as the README's example: no use_cpu  # fmt: skip
+    assert trainer.args.dataloader_pin_memory is False
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+
+
 def test_offline_distillation_trains_without_a_teacher(tmp_path):
     teacher = tiny_model("qwen3", dtype=torch.float32, seed=2)
     rows = _dataset()

@@ -274,12 +274,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default=None)
     parser.add_argument("--validation", action="store_true", help="hold out the validation split, not the test text")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, help="write the table's figures as JSON here")
     cli = parser.parse_args()
     start = time.perf_counter()
     results = run_cross_tokenizer_demo(quick=cli.quick, device=cli.device, validation=cli.validation)
     results["total_seconds"] = time.perf_counter() - start
-    print(json.dumps(results, indent=1))
+    print(f"  done in {results['total_seconds']:.0f} s" + (f"; results as JSON in {cli.out}" if cli.out else ""))
     if cli.out:
         Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.out).write_text(json.dumps(results, indent=1))

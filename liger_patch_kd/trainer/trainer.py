@@ -136,6 +136,8 @@ class KDTrainer(Trainer):
         if args.use_kd_patch:
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
+        if args.dataloader_pin_memory and args.device.type == "cpu":
+            args.dataloader_pin_memory = False  # pinning needs an accelerator; torch warns at every DataLoader else
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
         if self.xtok is not None:  # FSDP1 and ZeRO-3 refused across tokenizers, before anything is sharded
             self.xtok.check_spread(self.accelerator, (model, teacher_model))
