@@ -306,7 +306,7 @@ def test_a_second_adapter_that_fails_to_load_leaves_the_first_as_it_was(tmp_path
 def test_inits_stuck_in_a_connect_are_capped():
     """A store that accepts and never answers holds TCPStore's connect past its timeout: the init answers 504 and
     leaves that thread behind. Past MAX_STUCK_JOINS of them a further init is refused (429) instead of adding one."""
-    from liger_patch_kd.teacher.serve import weight_transfer as WT
+    from liger_patch_kd.teacher.serve import weight_receiver as WT
     from liger_patch_kd.teacher.serve.generation import GenerationEngine
     from liger_patch_kd.teacher.serve.validation import RequestError
 

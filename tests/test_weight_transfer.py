@@ -220,7 +220,7 @@ def test_a_broadcast_that_breaks_midway_changes_no_weight_and_says_where():
     weights as they were (nothing half-applied), and a later update asks for a new init."""
     from liger_patch_kd.teacher.serve.generation import GenerationEngine
     from liger_patch_kd.teacher.serve.validation import RequestError
-    from liger_patch_kd.teacher.serve.weight_transfer import WeightReceiver
+    from liger_patch_kd.teacher.serve.weight_receiver import WeightReceiver
 
     model = tiny_model("llama", dtype=torch.float32, seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}

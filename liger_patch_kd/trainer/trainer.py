@@ -28,8 +28,8 @@ from .dataset_setup import (
 from .nonfinite import check_logged, check_step_loss
 from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
-from .rollouts.other_tokenizer import rows_maker
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
+from .rollouts.retokenized import rows_maker
 from .teachers.base import TeacherSource, has_teacher_rows
 from .teachers.compute import prepare_teacher_compute
 from .teachers.in_process import InProcessTeacher

@@ -6,7 +6,7 @@ so the on-policy trainer's engine path (trainer/rollouts/engine.py) runs, and is
     POST /v1/unload_lora_adapter                {"lora_name"}
     POST /update_weights_from_disk              full weights from safetensors files: {"model_path"} (SGLang's route)
     POST /init_weight_transfer_engine ...       full weights broadcast by the trainer: vLLM's weight-transfer routes
-                                                (weight_transfer.py)
+                                                (weight_receiver.py)
 
 Sampling: `n` completions per prompt (choice index = prompt * n + j, as vLLM numbers them), `temperature` (0:
 greedy), `top_p`, `top_k` (-1 or 0: off), `max_tokens` (default 16, as OpenAI's), `seed` (the same request with the
@@ -24,7 +24,7 @@ true` adds each choice's `prompt_token_ids` and `token_ids`, as vLLM does. Any o
 naming it unless it is taken at its "off" value or has no bearing on the reply (request_fields.py: an allow-list).
 
 Weights: full weights arrive from safetensors files in a directory the server can read (SGLang's route), or broadcast
-by the trainer over vLLM's weight-transfer routes (weight_transfer.py: the same control plane as vLLM's, a
+by the trainer over vLLM's weight-transfer routes (weight_receiver.py: the same control plane as vLLM's, a
 torch.distributed group as the data plane). Every tensor must name a parameter or buffer of the model with its shape
 and a dtype of its kind, with finite values (400 otherwise, before any weight changes: weight_updates.py); each
 update bumps `weight_version` (in /health and the reply). A LoRA adapter that fails to load leaves the model as it
@@ -320,7 +320,7 @@ def add_generation_routes(app: Any, engine: GenerationEngine, error: Any) -> Non
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     from .validation import CONTROL_BODY_BYTES, parse_body, read_body
-    from .weight_transfer import WeightReceiver, add_weight_transfer_routes
+    from .weight_receiver import WeightReceiver, add_weight_transfer_routes
 
     def route(path: str, method, reply, run=None):
         """POST `path`: `method(body)` in a worker thread, or through `run(path, method, body)` when given."""

@@ -8,7 +8,7 @@ A full-weight student goes by `transport` (kd_sync_transport): "disk" writes its
 loaded by POST /update_weights_from_disk {"model_path"} (SGLang's route, which `liger-kd serve` speaks; the engine
 must read the directory: the same machine, or a shared filesystem through kd_sync_dir); "broadcast" / "vllm-nccl"
 send it over vLLM's weight-transfer routes, by torch.distributed or by vLLM's NCCL communicator
-(weight_transfer.py). Every directory made is deleted after its load or at close; nothing else
+(weight_sender.py). Every directory made is deleted after its load or at close; nothing else
 is touched.
 """
 
@@ -70,7 +70,7 @@ class WeightSync:
 
     def __init__(self, http: HttpEndpoint, every: int, sync_dir: str | None = None, sender: Any = None) -> None:
         self.http, self.every, self.sync_dir = http, every, sync_dir
-        self.sender = sender  # a weight_transfer.BroadcastSender for full weights (kd_sync_transport), or None: disk
+        self.sender = sender  # a weight_sender.BroadcastSender for full weights (kd_sync_transport), or None: disk
         self.synced_step: int | None = None
         self.model_name: str | None = None
         self.loaded_name: str | None = None  # the adapter the engine last loaded (model_name once loads have run)

@@ -19,7 +19,7 @@ from ...config import KDLossConfig
 from ...models import unwrap_model
 from ...models.kd_forward import install_kd_forward
 from ..arguments import KDTrainingArguments
-from ..rollouts.other_tokenizer import generated_rows
+from ..rollouts.retokenized import generated_rows
 from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
 from .other_tokenizer_loss import (
     check_spread,
