@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
 from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
 from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
 
@@ -110,3 +111,24 @@ def test_the_api_key_guards_the_hidden_routes():
         replies = client.fetch(seqs)
         hidden = teacher.config.hidden_size
         assert [tuple(h.shape) for h, _ in replies] == [(3, hidden), (2, hidden)] and client.head_fetches == 1
+
+
+@pytest.mark.skipif(not fp8_available(torch.device("cpu"))[0], reason=fp8_available(torch.device("cpu"))[1])
+def test_fp8_teacher_logits_read_the_served_hidden_states(tmp_path):
+    """kd_teacher_logits_fp8 with the hidden protocol: the fused loss quantises the served hidden rows and the cached
+    head as it quantises the in-process teacher's, so the runs agree. Tolerance: the two teachers' float32 hidden
+    states may differ by ~1e-7 relative (test_served_hidden._assert_same_training), which can move one value across
+    an e4m3 rounding boundary: one logit by at most 2^-4 of one term of its sum, the loss by far less than 1e-4
+    relative. The FP8 product itself moves the loss by ~2e-3 here, so a path that dropped the option fails."""
+    rows = [{"input_ids": r["input_ids"]} for r in _prompts()]
+    common = dict(kd_beta=0.5, kd_temperature=2.0, max_steps=2)
+    want = _train(tmp_path / "in", rows, _teacher(), kd_teacher_logits_fp8=True, **common)
+    bf16_logits = _train(tmp_path / "in_bf16", rows, _teacher(), **common)
+    with running(_teacher()) as (url, _):
+        got = _train(tmp_path / "served", rows, kd_teacher_url=url, kd_teacher_protocol="hidden",
+                     kd_teacher_logits_fp8=True, **common)  # fmt: skip
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), rtol=1e-4, atol=0)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    fp8_effect = (torch.tensor(want[0]) - torch.tensor(bf16_logits[0])).abs() / torch.tensor(bf16_logits[0])
+    assert fp8_effect.max() > 5e-4, fp8_effect  # the option reached the loss
