@@ -43,6 +43,7 @@ def _precompute(args) -> None:
 
     from .teacher import precompute, tokenizer_fingerprint
     from .teacher.precompute import check_precompute_args, file_fingerprint, read_jsonl_sequences
+    from .teacher.store import check_store_folder
 
     tokenizer = None
     try:
@@ -56,6 +57,7 @@ def _precompute(args) -> None:
     check_precompute_args(vocab, top_k=args.top_k, temperature=args.temperature, batch_size=args.batch_size,
                           shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding,
                           max_length=args.max_length, samples=args.samples)  # fmt: skip
+    check_store_folder(args.out)  # someone else's files in --out, or a damaged manifest: refused before the weights
     sequences, skipped = read_jsonl_sequences(
         args.data, tokenizer=tokenizer, max_length=args.max_length, vocab_size=vocab, skip_bad_lines=args.skip_bad_lines
     )

@@ -2,6 +2,8 @@
 EOS ending rows at different steps, temperature / top-k / top-p, suppressed ids, sliding-window and soft-capped
 models), and rollouts fall back to generate() wherever the loop would not be generate()'s equal."""
 
+import math
+
 import pytest
 import torch
 
@@ -88,3 +90,42 @@ def test_rollouts_are_the_same_through_the_loop_and_through_generate(monkeypatch
     assert generate_rollouts(model, prompts, settings, **kw) == lean
     assert all(t < 200 for r in lean for t in r.completion)
     assert any(r.finished for r in lean) and model.training  # EOS ended some rows; train mode is put back
+
+
+def _greedy_alone(model, prompt, steps):
+    """Greedy tokens of one prompt by itself (no padding, no cache): the reference a batched sampler must match."""
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(out[-1])
+    return out
+
+
+def test_eager_float64_left_padding_samples_what_each_prompt_gives_alone():
+    """transformers' eager attention takes a float64 model's softmax in float32, where the mask's minimum is -inf:
+    a left-padded batch's padding rows (fully masked) were NaN, and the next layer spread it to the real rows
+    ("probability tensor contains either inf, nan"). The prefill now leaves no padding row fully masked."""
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+
+    model = tiny_model("llama", dtype=torch.float64, seed=1).eval()
+    model.config._attn_implementation = "eager"
+    prompts = [[45, 46, 47], [49, 50, 51, 52, 53, 54]]
+    expected = [_greedy_alone(model, p, 5) for p in prompts]
+    ids = torch.tensor([[0, 0, 0, *prompts[0]], prompts[1]])
+    greedy = dict(max_new_tokens=5, temperature=1.0, top_k=1, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    got = sample_tokens(model, ids, (ids != 0).long(), **greedy)  # in-process rollouts' loop
+    assert got[:, 6:].tolist() == expected
+    rollouts = generate_rollouts(model, prompts, RolloutSettings(max_new_tokens=5, top_k=1), pad_id=0, eos_ids=set(),
+                                 start_id=1)  # fmt: skip
+    assert [r.completion for r in rollouts] == expected
+    engine = GenerationEngine(model, "m")  # the server's sampler
+    req = GenerationRequest(prompts=prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=5, seed=1,
+                            logprobs=0, stop_ids=(), return_token_ids=True, model=None)  # fmt: skip
+    choices = engine.complete(req)["choices"]
+    assert [c["token_ids"] for c in choices] == expected
+    assert all(math.isfinite(lp) for c in choices for lp in c["logprobs"]["token_logprobs"])
+    # generate() builds its own masks: refused in one line before sampling, naming the fix
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        generate_rollouts(model, prompts, RolloutSettings(max_new_tokens=5, cache="static"), pad_id=0, eos_ids=set(),
+                          start_id=1)  # fmt: skip

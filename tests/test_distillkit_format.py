@@ -196,6 +196,17 @@ def test_writer_refuses_what_the_format_cannot_hold(tmp_path):
         TD.store_to_distillkit(short, tmp_path / "c", compressor={**EXACT_ONLY, "d": 1000, "k": 4, "exact_k": 4})
 
 
+def test_export_never_writes_over_files_it_did_not_write(tmp_path):
+    store = _random_store(tmp_path / "store", top_k=10)
+    for name in ("data_0.parquet", "compression_config.yaml"):
+        out = tmp_path / name
+        out.mkdir()
+        (out / name).write_bytes(b"USER DATA")
+        with pytest.raises(FileExistsError, match=f"--out {out} already holds {name}"):
+            TD.store_to_distillkit(store, out, compressor={**EXACT_ONLY, "d": 1000})
+        assert [p.name for p in out.iterdir()] == [name] and (out / name).read_bytes() == b"USER DATA"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -170,6 +170,32 @@ def test_precompute_checks_its_data_before_loading_the_weights(tmp_path, saved_t
     assert not (tmp_path / "s").exists()
 
 
+def test_precompute_never_writes_over_files_it_did_not_write(tmp_path, saved_teacher, capsys, monkeypatch):
+    """A folder holding a shard name (or its temporary) but no manifest is someone else's: refused before the
+    weights load, the files untouched; the writer itself (converters use it too) refuses it the same way."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before --out was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    for name in ("shard-00000.safetensors", "shard-00003.safetensors.tmp", "manifest.json.tmp"):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        (out / name).write_bytes(b"USER DATA")
+        (out / "notes.txt").write_bytes(b"USER NOTES")
+        args = ["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--out", str(out), "--top-k", "4"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} holds {name} but no manifest.json" in err and len(err.strip().splitlines()) == 1
+        with pytest.raises(TD.TeacherStoreError, match="pass an empty or new folder"):
+            TD.StoreWriter.open(out, vocab_size=VOCAB, top_k=4)
+        assert sorted(p.name for p in out.iterdir()) == sorted([name, "notes.txt"])
+        assert (out / name).read_bytes() == b"USER DATA"
+
+
 def test_every_option_documents_its_default(capsys):
     import argparse
 

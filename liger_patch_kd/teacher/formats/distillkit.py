@@ -13,6 +13,7 @@ The byte rows are decoded and encoded by distillkit_codec.py. The older "legacy"
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,12 @@ def store_to_distillkit(
     if meta["top_k"] < cfg.k:
         raise TeacherStoreError(f"{store_dir} has top_k {meta['top_k']} < the compressor's k {cfg.k}: lower k")
     out_dir = Path(out_dir)
+    # never over a file it did not write: a folder already holding DistillKit's names is someone else's data
+    names = sorted(p.name for p in out_dir.glob("*"))
+    taken = [n for n in names if n == CONFIG_FILE or re.fullmatch(r"data_\d+\.parquet", n)]
+    if taken:
+        raise FileExistsError(f"--out {out_dir} already holds {', '.join(taken[:3])}: writing DistillKit data there "
+                              f"would overwrite them; pass an empty or new folder")  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.to_dict()))
     byte_rows = pa.list_(pa.list_(pa.uint8()))

@@ -13,7 +13,7 @@ from .manifest import (
     write_manifest,
 )
 from .reader import TeacherLogprobsDataset, VerifiedStore, iter_store, refuse_samples, store_meta, verify_store
-from .writer import StoreWriter
+from .writer import StoreWriter, check_store_folder
 
 __all__ = [
     "FORMAT_VERSION",
@@ -25,6 +25,7 @@ __all__ = [
     "TeacherLogprobsDataset",
     "TeacherStoreError",
     "VerifiedStore",
+    "check_store_folder",
     "codec_from_manifest",
     "codec_from_spec",
     "iter_store",

@@ -26,6 +26,8 @@ from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 _DESCRIPTIVE = {"teacher", "shards", "max_id", "max_input_id"}
 # The only files a writer removes on its own: the temporaries it names itself.
 _OWN_TEMPORARY = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)\.tmp$")
+# Every name a writer writes (the manifest itself aside): in a folder without a manifest, someone else's files.
+_OWN_NAME = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)(\.tmp)?$")
 
 
 def _is_int(value: Any) -> bool:
@@ -51,6 +53,28 @@ def _check_store_options(meta: dict) -> None:
     t = meta.get("temperature", 1.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
         raise ValueError(f"temperature (--temperature) must be a finite number > 0; got {t!r}")
+
+
+def check_store_folder(out_dir: str | Path) -> None:
+    """Refuse, before any work, an `out_dir` a writer would write into without having started a store there: a
+    file, or a folder holding names it writes (shard-NNNNN.safetensors, temporaries) but no manifest. Those files
+    are someone else's (a writer's first shard comes with its manifest), and writing shard i would overwrite them.
+    A folder with a manifest is a store to resume: its manifest is read here (a damaged one fails now)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
+    if not out_dir.is_dir():
+        return
+    if (out_dir / MANIFEST).exists():
+        read_manifest(out_dir)
+        return
+    taken = sorted(p.name for p in out_dir.iterdir() if _OWN_NAME.match(p.name))
+    if taken:
+        raise TeacherStoreError(
+            f"--out {out_dir} holds {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} but no {MANIFEST}: "
+            f"files this tool did not write and would overwrite; pass an empty or new folder, or the --out of a "
+            f"store this tool wrote to resume it"
+        )
 
 
 def _mismatch_message(out_dir: Path, changed: dict) -> str:
@@ -88,9 +112,8 @@ class StoreWriter:
         codec = codec_from_spec(encoding, meta["vocab_size"], meta["top_k"])
         version = SAMPLED_FORMAT_VERSION if samples_of(meta) else FORMAT_VERSION
         meta = {"format_version": version, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
+        check_store_folder(out_dir)
         created_dir = not out_dir.exists()
-        if out_dir.exists() and not out_dir.is_dir():
-            raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
         out_dir.mkdir(parents=True, exist_ok=True)
         resumed = (out_dir / MANIFEST).exists()
         if resumed:

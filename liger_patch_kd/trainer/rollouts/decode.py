@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ...generation import prefill_mask
+
 # generation-config entries that change nothing here: special ids, bookkeeping, and what rollouts pass explicitly
 NEUTRAL_GENERATION_KEYS = frozenset({
     "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "transformers_version",
@@ -132,10 +134,13 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers,
     cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     mask = None if bool((attention_mask == 1).all()) else attention_mask  # generate() drops an all-ones mask
+    # the prefill's mask: the 2D one, or one in which no padding row is fully masked (eager float64: NaN otherwise)
+    first_mask = None if mask is None else prefill_mask(model, mask)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     sequences, step_ids, cache = input_ids, input_ids, None
     for _ in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        step_mask = first_mask if cache is None else mask
+        out = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
                     logits_to_keep=1, return_dict=True, **{cache_key: cache})  # fmt: skip
         cache = getattr(out, cache_key)
         scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...generation import Sampling, decode, decode_applies, left_padded, packed_decode_attention, release_if_large
+from ...generation import (
+    Sampling,
+    decode,
+    decode_applies,
+    left_padded,
+    masked_rows_give_nan,
+    packed_decode_attention,
+    release_if_large,
+)
 from ...models import original_forward, transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
 from ..arguments import checks_arguments
@@ -264,6 +272,11 @@ def generate_rollouts(
                     elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
                         generated = sample_tokens(generator, ids, mask, **options)
                     else:
+                        if masked_rows_give_nan(generator) and not bool(mask.all()):  # generate() builds its own
+                            raise ValueError(  # masks: the padding rows' NaN (generation/padding.py) reaches it
+                                "attn_implementation='eager' in float64 gives NaN logits for left-padded prompts in "
+                                f"generate() (kd_generation_cache={settings.cache!r}): load the student with "
+                                "attn_implementation='sdpa', or use kd_generation_cache='dynamic' on a CPU")
                         generated = generator.generate(
                             input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache, **options
                         )
