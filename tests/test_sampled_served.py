@@ -102,8 +102,8 @@ def test_served_draws_follow_the_teacher_at_the_asked_temperature(server):
 
 def test_a_request_naming_no_temperature_draws_at_the_servers(server):
     seqs = random_sequences(VOCAB, 2, seed=5)
-    status, blob = _post(server, {"model": "m", "prompt": seqs, "prompt_logprobs": 0, "samples": M_DRAWS,
-                                  "sample_seed": SEED, "max_tokens": 1})  # fmt: skip
+    status, blob = _post(server, {"model": str(server.teacher_dir), "prompt": seqs, "prompt_logprobs": 0,
+                                  "samples": M_DRAWS, "sample_seed": SEED, "max_tokens": 1})  # fmt: skip
     assert status == 200
     drawn = decode_sampled(blob, seqs, SampleAsk(M_DRAWS, 0, SEED, T), vocab_size=VOCAB, request="r")
     for d, want in zip(drawn, _client(server).fetch(seqs)):
@@ -160,7 +160,7 @@ def _post(server, body, accept="application/octet-stream"):
     ],
 )
 def test_bad_sample_fields_are_a_400_naming_the_field(server, fields, accept, message):
-    body = {"model": "m", "prompt": [[1, 2, 3]], "prompt_logprobs": 0, "max_tokens": 1, **fields}
+    body = {"model": str(server.teacher_dir), "prompt": [[1, 2, 3]], "prompt_logprobs": 0, "max_tokens": 1, **fields}
     status, error = _post(server, body, accept or "application/octet-stream")
     assert status == 400 and message in error and "\n" not in error
 

@@ -51,7 +51,7 @@ def _health(url):
 
 
 def test_bad_requests_are_400s_naming_the_field(server):  # noqa: F811
-    ok = {"model": "m", "prompt": [1, 2, 3], "prompt_logprobs": TOP_K, "max_tokens": 1}
+    ok = {"model": str(server.teacher_dir), "prompt": [1, 2, 3], "prompt_logprobs": TOP_K, "max_tokens": 1}
     cases = {
         b"{not json": "not valid JSON",
         json.dumps([1, 2]).encode(): "not an object",

@@ -131,7 +131,7 @@ def test_replies_are_the_teachers_topk_in_json_and_binary(server, teacher_dir):
     seqs = [r.tolist() for r in _rows(5)]
     as_json = TD.TeacherClient(server.url, "vllm", top_k=TOP_K, vocab_size=VOCAB, sequences_per_request=2).fetch(seqs)
     as_binary = TD.TeacherClient(server.url, "liger", top_k=TOP_K, vocab_size=VOCAB).fetch(seqs)
-    body = {"model": "m", "prompt": seqs[0], "prompt_logprobs": TOP_K, "max_tokens": 1}
+    body = {"model": str(server.teacher_dir), "prompt": seqs[0], "prompt_logprobs": TOP_K, "max_tokens": 1}
     request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     raw = json.loads(urllib.request.urlopen(request).read())["choices"][0]["prompt_logprobs"]

@@ -29,13 +29,16 @@ torch.distributed group as the data plane). Every tensor must name a parameter o
 and a dtype of its kind, with finite values (400 otherwise, before any weight changes: weight_updates.py); each
 update bumps `weight_version` (in /health and the reply). A LoRA adapter that fails to load leaves the model as it
 was (adapters.py). An adapter is used by a request whose `model` is its lora_name, the base model by one with the
-served model's name or none; another name is a 404, as in vLLM. The model is used by one request at a time (a lock
-shared with the teacher scoring, which always runs on the base model with adapters off).
+served model's name or none; another name is a 404, as in vLLM, on every route (GenerationEngine.adapter_of). The
+model is used by one request at a time (a lock shared with the teacher scoring, which runs with the adapter its
+`model` names on, or with adapters off: GenerationEngine.using). A reply never carries a NaN or infinite log-prob:
+the model's output that holds one is a 500 naming it (validation.check_finite_output), not tokens drawn from NaN.
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
 
 import json
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -49,7 +52,7 @@ from ...generation import Sampling, filtered_scores, left_padded, packed_decode_
 from .adapters import attach_adapter, read_adapter
 from .captured_sampling import captured_sample
 from .request_fields import check_fields
-from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, token_prompts
+from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, nonfinite_output, token_prompts
 from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -111,6 +114,9 @@ def validated_generation(body: dict, limits: Limits) -> GenerationRequest:
     if allowed is not None and not (prefix and len(allowed) <= limits.vocab_size):
         raise RequestError(400, f"allowed_token_ids: liger-kd serve takes only the ids 0 .. k-1 (a padded head's real "
                                 f"vocabulary), k <= {limits.vocab_size}; got {json.dumps(allowed)[:60]}")  # fmt: skip
+    if allowed is not None and logprobs is not None and logprobs > len(allowed):  # a top-K over fewer ids than K
+        raise RequestError(400, f"logprobs {logprobs} is more than the {len(allowed)} allowed_token_ids it ranks: ask "
+                                f"for logprobs at most {len(allowed)} (the number of allowed ids)")  # fmt: skip
     top_k = body.get("top_k", -1)
     return GenerationRequest(
         prompts=prompts, n=n, temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
@@ -153,11 +159,22 @@ class GenerationEngine:
         pad = getattr(gen, "pad_token_id", None)
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` field names (None: the base model), or RequestError(404) for a name
+        this server does not serve: vLLM's answer too, never another model silently, on every route."""
+        if model not in (None, self.model_name, *self.adapters):
+            served = [self.model_name, *self.adapters]
+            raise RequestError(404, f"model: the model {model!r} does not exist here; this server serves {served}: "
+                                    f"name one of them, or leave model out")  # fmt: skip
+        return model if model in self.adapters else None
+
     @contextmanager
-    def base_model(self):
-        """The model to itself, adapters off: the teacher scoring path's guard."""
+    def using(self, adapter: str | None = None):
+        """The model to itself, with `adapter` on (None: adapters off): the teacher scoring path's guard. An
+        adapter unloaded since the request was checked is a 404 here, under the lock (never the base instead)."""
         with self.lock:
-            self._select(None)
+            self.adapter_of(adapter)
+            self._select(adapter)
             yield
 
     def _select(self, adapter: str | None) -> None:
@@ -173,17 +190,16 @@ class GenerationEngine:
     # ------------------------------------------------------------------------------------------- sampling
     def complete(self, req: GenerationRequest) -> dict[str, Any]:
         """The /v1/completions reply for `req` (runs in a worker thread)."""
-        if req.model not in (None, self.model_name, *self.adapters):  # vLLM's answer too: never another model
-            raise RequestError(404, f"the model {req.model!r} does not exist here; this server serves "
-                                    f"{[self.model_name, *self.adapters]}")  # fmt: skip
-        adapter = req.model if req.model in self.adapters else None
-        with self.lock, torch.no_grad(), packed_decode_attention():  # no grouped-query cache copy per step
-            self._select(adapter)
+        adapter = self.adapter_of(req.model)
+        with self.using(adapter), torch.no_grad(), packed_decode_attention():  # no grouped-query copy per step
             rows = [p for p in req.prompts for _ in range(req.n)]
             generator = None
             if req.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(req.seed)
             tokens, logprobs, tops = self._sample(rows, req, generator)
+        values = [v for row in logprobs for v in row] + [v for row in tops for entry in row for v in entry.values()]
+        if not all(map(math.isfinite, values)):  # NaN logits: greedy picks id 0 from them, and JSON cannot carry NaN
+            raise nonfinite_output("the model's log-probs of the sampled tokens")
         choices = []
         for index, (prompt, toks, lps, top) in enumerate(zip(rows, tokens, logprobs, tops)):
             stopped = bool(toks) and (toks[-1] in self.eos_ids or toks[-1] in req.stop_ids)

@@ -30,7 +30,7 @@ from ...models import scaled_head_inputs
 from ...models.kd_forward import install_kd_forward
 from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
 from .protocols import BINARY_MEDIA_TYPE
-from .validation import Limits, RequestError, check_prompts, parse_body, token_prompts
+from .validation import Limits, RequestError, check_prompts, nonfinite_output, parse_body, read_body, token_prompts
 
 log = logging.getLogger("liger_patch_kd.serve")
 _FIELDS = ("prompt", "dtype", "model")
@@ -57,10 +57,12 @@ def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invar
                 for items in groups:
                     ids, mask, lengths = self._padded(items)
                     hidden = _final_hidden(self.model, ids, mask).cpu()
+                    if not all(torch.isfinite(hidden[row, :n]).all() for row, n in enumerate(lengths)):
+                        raise nonfinite_output("the teacher's final hidden states")  # a 500, never sent as data
                     out += [(hidden[row, :n].clone(), version) for row, n in enumerate(lengths)]
             return out
 
-    return HiddenBatcher(model, 1, max_batch_tokens, batch_invariant, guard=engine.base_model)
+    return HiddenBatcher(model, 1, max_batch_tokens, batch_invariant, guard=engine.using)
 
 
 def _final_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class HeadCache:
 
     def read(self) -> TeacherHead:
         kept = {}
-        with self.engine.base_model(), torch.no_grad():
+        with self.engine.using(), torch.no_grad():
             version = self.engine.weight_version
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.engine.device)
             self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
@@ -95,11 +97,15 @@ class HeadCache:
             scale = float(scaled_head_inputs(self.model, torch.ones(()), None)[0])
             weight = kept["w"].detach().cpu().clone()
             bias = None if kept["b"] is None else kept["b"].detach().cpu().clone()
+        if not (torch.isfinite(weight).all() and (bias is None or torch.isfinite(bias).all())):
+            raise nonfinite_output("the teacher's lm_head weights")  # every log-prob made with it would be NaN
         return TeacherHead(version, weight, bias, kept["c"], self.vocab_size, scale)
 
 
-def validated_hidden(body, limits: Limits) -> tuple[list[list[int]], str]:
-    """A /v1/hidden_states body -> (prompts, dtype name), or RequestError naming the field."""
+def validated_hidden(body, limits: Limits, engine) -> tuple[list[list[int]], str]:
+    """A /v1/hidden_states body -> (prompts, dtype name), or RequestError naming the field. `model` names the base
+    model or nothing: an adapter is a 400 (the head served is the base model's, so an adapter's hidden states
+    would not make its log-probs), another name a 404 (engine.adapter_of), as the other routes answer."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body is a JSON {type(body).__name__}, not an object")
     unknown = sorted(set(body) - set(_FIELDS))
@@ -110,6 +116,13 @@ def validated_hidden(body, limits: Limits) -> tuple[list[list[int]], str]:
     dtype = body.get("dtype", "auto")
     if dtype not in WIRE_DTYPES:
         raise RequestError(400, f"dtype must be one of {list(WIRE_DTYPES)}; got {json.dumps(dtype)[:40]}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(400, f"model must be a string; got {json.dumps(model)[:40]}")
+    if engine.adapter_of(model) is not None:
+        raise RequestError(400, f"model {model!r} is a LoRA adapter: {HIDDEN_PATH} serves the base model's hidden "
+                                f"states only (its head is the base's); leave model out, or score with "
+                                f"/v1/completions")  # fmt: skip
     return prompts, dtype
 
 
@@ -138,7 +151,8 @@ def add_hidden_routes(
         try:
             if refused:
                 raise RequestError(400, refused)
-            prompts, dtype = validated_hidden(parse_body(await request.body()), limits)
+            raw = await read_body(request, limits.max_body_bytes)  # bounded as /v1/completions: no client OOMs us
+            prompts, dtype = validated_hidden(parse_body(raw), limits, engine)
         except RequestError as e:
             return error(e.status, e.message)
         try:

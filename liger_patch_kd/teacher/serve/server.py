@@ -28,7 +28,6 @@ optional extra `serve`.
 
 import asyncio  # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -49,7 +48,16 @@ from .hidden_server import add_hidden_routes
 from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .request_fields import check_fields
 from .sampled_wire import SampleAsk, encode_sampled, validated_samples
-from .validation import Limits, RequestError, parse_body, read_body, validated_completion
+from .validation import (
+    Limits,
+    RequestError,
+    check_serve_options,
+    is_loopback,
+    nonfinite_output,
+    parse_body,
+    read_body,
+    validated_completion,
+)
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
 GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM, how long requests in flight may still finish
@@ -62,6 +70,7 @@ class _Pending:
     sequence: list[int]
     future: asyncio.Future
     ask: SampleAsk | None = None  # sampled teacher tokens instead of the top-k (sampled_wire.py)
+    adapter: str | None = None  # the LoRA adapter its request's `model` names (None: the base model)
 
 
 class TeacherBatcher:
@@ -77,25 +86,27 @@ class TeacherBatcher:
     ) -> None:  # fmt: skip
         self.model, self.max_top_k, self.max_batch_tokens = model, max_top_k, max_batch_tokens
         self.batch_invariant = batch_invariant
-        self.guard = guard  # held around each forward: the model is shared with the generation engine
+        self.guard = guard  # guard(adapter) held around each forward: the model is shared with the generation engine
         self.device = next(model.parameters()).device
         self.waiting: deque[_Pending] = deque()
         self.wakeup = asyncio.Event()
         self.batches_run = 0
         self.forwards_run = 0
 
-    async def score(self, sequences: list[list[int]], top_k: int) -> list[tuple[TopK, torch.Tensor, torch.Tensor]]:
+    async def score(
+        self, sequences: list[list[int]], top_k: int, adapter: str | None = None
+    ) -> list[tuple[TopK, torch.Tensor, torch.Tensor]]:
         """Per sequence: (ids, log-probs) (T, top_k) row-aligned, next-token log-probs (T,) and their ranks (T,)."""
-        results = await self._wait(sequences, None)
+        results = await self._wait(sequences, None, adapter)
         return [((i[:, :top_k], v[:, :top_k]), lp, r) for (i, v), lp, r in results]
 
-    async def draw(self, sequences: list[list[int]], ask: SampleAsk) -> list[SampledTokens]:
+    async def draw(self, sequences: list[list[int]], ask: SampleAsk, adapter: str | None = None) -> list[SampledTokens]:
         """Per sequence: its sampled teacher tokens (T rows, the last padding), drawn with its own generator."""
-        return await self._wait(sequences, ask)
+        return await self._wait(sequences, ask, adapter)
 
-    async def _wait(self, sequences: list[list[int]], ask: SampleAsk | None) -> list:
+    async def _wait(self, sequences: list[list[int]], ask: SampleAsk | None, adapter: str | None = None) -> list:
         loop = asyncio.get_running_loop()
-        pending = [_Pending(s, loop.create_future(), ask) for s in sequences]
+        pending = [_Pending(s, loop.create_future(), ask, adapter) for s in sequences]
         self.waiting.extend(pending)
         self.wakeup.set()
         return await asyncio.gather(*(p.future for p in pending))
@@ -131,13 +142,13 @@ class TeacherBatcher:
         """One result per pending sequence; a forward per kind of request (top-k, or one draw setting) in it."""
         groups: dict = {}
         for n, p in enumerate(batch):  # sequences alike share a forward; a draw's seed is its sequence's own
-            key = None if p.ask is None else (p.ask.samples, p.ask.top_k, p.ask.temperature)
+            key = (p.adapter, None if p.ask is None else (p.ask.samples, p.ask.top_k, p.ask.temperature))
             groups.setdefault(n if self.batch_invariant else key, []).append(n)
         out: list = [None] * len(batch)
-        with self.guard():
-            for members in groups.values():
-                items = [batch[n] for n in members]
-                run = self._forward_padded if items[0].ask is None else self._draw_padded
+        for members in groups.values():
+            items = [batch[n] for n in members]
+            run = self._forward_padded if items[0].ask is None else self._draw_padded
+            with self.guard(items[0].adapter):  # a forward sees one adapter (or none) throughout
                 for n, result in zip(members, run(items)):
                     out[n] = result
         return out
@@ -160,6 +171,8 @@ class TeacherBatcher:
         out = []
         for row, n in enumerate(lengths):
             s_ids, counts, s_lp, t_ids, t_lp = (d[row, :n].cpu().clone() for d in drawn)
+            if torch.isnan(s_lp[:-1]).any() or torch.isnan(t_lp[:-1]).any():  # -inf is a log-prob (of 0), NaN not
+                raise nonfinite_output("the teacher's log-probs of its sampled tokens")
             s_ids[-1], counts[-1], s_lp[-1], t_ids[-1], t_lp[-1] = -1, 0, -math.inf, -1, -math.inf  # predicts nothing
             out.append(SampledTokens(s_ids, counts, s_lp, t_ids.to(torch.int32), t_lp))
         return out
@@ -171,6 +184,8 @@ class TeacherBatcher:
         out = []
         for row, n in enumerate(lengths):
             i, v = top_ids[row, :n].to(torch.int32), top_lp[row, :n].clone()
+            if torch.isnan(v[:-1]).any() or torch.isnan(next_lp[row, : n - 1]).any():  # -inf is a log-prob (of 0)
+                raise nonfinite_output("the teacher's log-probs")
             i[-1], v[-1] = -1, -math.inf  # the last position predicts nothing in this sequence
             out.append(((i, v), next_lp[row, :n], ranks[row, :n]))
         return out
@@ -220,7 +235,7 @@ def build_app(
     limits = Limits(max_top_k=top_k, vocab_size=vocab, max_context=max_context, max_request_tokens=max_request_tokens,
                     sample_temperature=float(sample_temperature))  # fmt: skip
     engine = GenerationEngine(model, model_name, fuse_projections=fuse_projections)
-    batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.base_model)
+    batcher = TeacherBatcher(model, top_k, max_batch_tokens, batch_invariant, guard=engine.using)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @asynccontextmanager
@@ -278,15 +293,18 @@ def build_app(
                 return await generate(validated_generation(body, limits))
             sequences, k = validated_completion(body, limits)
             check_fields(body, scoring=True)  # request_fields.py: an allow-list
+            adapter = engine.adapter_of(body.get("model"))  # 404 for a model not served, as generation answers
             binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
             ask = validated_samples(body, limits, k, binary)
         except RequestError as e:
             return error(e.status, e.message)
         try:
             if ask is not None:  # sampled teacher tokens (sampled_wire.py), binary only
-                drawn = await batcher.draw(sequences, ask)
+                drawn = await batcher.draw(sequences, ask, adapter)
                 return Response(encode_sampled(drawn, sequences, ask), media_type=BINARY_MEDIA_TYPE)
-            scored = await batcher.score(sequences, k)
+            scored = await batcher.score(sequences, k, adapter)
+        except RequestError as e:  # its adapter was unloaded while it waited: 404 (never the base model instead)
+            return error(e.status, e.message)
         except Exception as e:  # a fault of the server (out of memory, ...): 500, which clients retry
             log.exception("the teacher forward failed")
             return error(500, f"the teacher forward failed: {type(e).__name__}: {e}")
@@ -299,7 +317,7 @@ def build_app(
         ]  # fmt: skip
         reply = {
             "id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices,
+            "model": adapter or model_name, "choices": choices,
             "usage": {"prompt_tokens": sum(map(len, sequences)), "completion_tokens": 0,
                       "total_tokens": sum(map(len, sequences))},
         }  # fmt: skip
@@ -309,31 +327,6 @@ def build_app(
     add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher,  # the exact teacher (issue 41)
                       max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)  # fmt: skip
     return app
-
-
-def check_serve_options(
-    top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int, sample_temperature: float = 1.0
-) -> None:
-    """ValueError naming the option when `liger-kd serve`'s options cannot work with this teacher."""
-    if isinstance(sample_temperature, bool) or not (
-        isinstance(sample_temperature, (int, float)) and math.isfinite(sample_temperature) and sample_temperature > 0
-    ):
-        raise ValueError(f"--sample-temperature must be a finite number > 0; got {sample_temperature!r}")
-    if vocab is not None and not 1 <= top_k <= vocab:
-        raise ValueError(f"--top-k {top_k} must be in [1, {vocab}] (the teacher's vocabulary size); lower it")
-    if max_batch_tokens < 1 or max_request_tokens < 1:
-        raise ValueError(
-            f"--max-batch-tokens ({max_batch_tokens}) and --max-request-tokens ({max_request_tokens}) must be >= 1"
-        )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(
@@ -363,7 +356,7 @@ def serve(
     config = AutoConfig.from_pretrained(teacher, **extra)
     check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
                         max_request_tokens, sample_temperature)  # fmt: skip
-    if not api_key and not _is_loopback(host):
+    if not api_key and not is_loopback(host):
         print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who reaches "
               f"port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

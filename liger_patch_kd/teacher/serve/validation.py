@@ -10,14 +10,31 @@ completion token, and prompt_logprobs are always reported at temperature 1, as v
 generation request (without prompt_logprobs) is checked further by generation.validated_generation. A scoring
 request may ask for sampled teacher tokens instead (samples, sample_seed, sample_temperature; prompt_logprobs 0
 allowed then): checked by sampled_wire.validated_samples.
+
+Beside the requests: the server's own options (check_serve_options, is_loopback), and what it refuses to send: an
+output of the served model that holds NaN or infinite values is a NonFiniteOutput, a 500 naming it (never a 200).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+
+class NonFiniteOutput(RuntimeError):
+    """The served model's output holds NaN or infinite values: a fault of the server (its weights, or its forward in
+    its dtype), answered 500 naming it. JSON cannot carry them and a client must not train on them, so no route
+    sends them as a 200."""
+
+
+def nonfinite_output(what: str) -> NonFiniteOutput:
+    """The one-line fault for `what` (e.g. "the teacher's log-probs") holding NaN or infinite values."""
+    return NonFiniteOutput(f"{what} hold NaN or infinite values: the served model's output is not finite (a NaN or "
+                           f"infinite weight, or its forward overflowed in its dtype); check the teacher's weights "
+                           f"and --dtype")  # fmt: skip
 
 
 class RequestError(ValueError):
@@ -179,3 +196,29 @@ def is_number(x: Any) -> bool:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
     return isinstance(x, int) or math.isfinite(x)  # an int of any size is finite (and may not fit a float)
+
+
+def check_serve_options(
+    top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int, sample_temperature: float = 1.0
+) -> None:
+    """ValueError naming the option when `liger-kd serve`'s options cannot work with this teacher."""
+    if isinstance(sample_temperature, bool) or not (
+        isinstance(sample_temperature, (int, float)) and math.isfinite(sample_temperature) and sample_temperature > 0
+    ):
+        raise ValueError(f"--sample-temperature must be a finite number > 0; got {sample_temperature!r}")
+    if vocab is not None and not 1 <= top_k <= vocab:
+        raise ValueError(f"--top-k {top_k} must be in [1, {vocab}] (the teacher's vocabulary size); lower it")
+    if max_batch_tokens < 1 or max_request_tokens < 1:
+        raise ValueError(
+            f"--max-batch-tokens ({max_batch_tokens}) and --max-request-tokens ({max_request_tokens}) must be >= 1"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (serve's --host) is reachable from this machine only: without an API key, warn otherwise."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
