@@ -1,5 +1,7 @@
-"""A server that keeps failing is never waited on without bound: a persistent 5xx is retried with each wait capped
-(transport.retry_delay). The real app (`running`: build_app under uvicorn in a thread)."""
+"""A server that restarts, or keeps failing, is never trained on silently and never waited on without bound: a
+hidden-states teacher restarted with other weights (both at weight version 0) gets its head fetched again; a
+persistent 5xx is retried with each wait capped (transport.retry_delay). The real app (`running`: build_app under
+uvicorn in a thread), restarted on the same port."""
 
 from types import SimpleNamespace
 
@@ -13,7 +15,7 @@ from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
 from liger_patch_kd.teacher.serve import transport as T  # noqa: E402
 from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
 
-from .test_generation_server import running  # noqa: E402
+from .test_generation_server import free_port, running  # noqa: E402
 from .tiny_models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -25,6 +27,32 @@ def _model(seed):
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # teachers of different seeds then differ by nats, not hundredths
     return model
+
+
+def _served_logprobs(client, seq):
+    ((hidden, head),) = client.fetch([seq])
+    return torch.log_softmax(hidden.double() @ head.weight.double().T, -1)
+
+
+def _own_logprobs(model, seq):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), -1)
+
+
+def test_a_hidden_teacher_restarted_with_other_weights_sends_its_own_head():
+    """Both starts are at weight version 0: the head's id must tell the two server instances apart, or teacher A's
+    cached head is paired with teacher B's hidden states (log-probs of neither teacher)."""
+    a, b, port = _model(3), _model(11), free_port()
+    assert (_own_logprobs(a, SEQ) - _own_logprobs(b, SEQ)).abs().max() > 1  # two teachers a stale head would mix
+    client = HiddenClient(f"http://127.0.0.1:{port}", dtype="fp32", timeout=30, retries=2, backoff=0.01)
+    try:
+        with running(a, port=port):
+            assert (_served_logprobs(client, SEQ) - _own_logprobs(a, SEQ)).abs().max() < 1e-4
+        with running(b, port=port):
+            assert (_served_logprobs(client, SEQ) - _own_logprobs(b, SEQ)).abs().max() < 1e-4
+        assert client.head_fetches == 2
+    finally:
+        client.close()
 
 
 def test_a_persistent_5xx_waits_at_most_retries_times_the_cap(monkeypatch):
