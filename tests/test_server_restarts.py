@@ -1,7 +1,8 @@
 """A server that restarts, or keeps failing, is never trained on silently and never waited on without bound: a
 hidden-states teacher restarted with other weights (both at weight version 0) gets its head fetched again; a
-persistent 5xx is retried with each wait capped (transport.retry_delay). The real app (`running`: build_app under
-uvicorn in a thread), restarted on the same port."""
+rollout engine restarted between two pushes is pushed again before its rollouts count; a persistent 5xx is retried
+with each wait capped (transport.retry_delay). The real app (`running`: build_app under uvicorn in a thread),
+restarted on the same port."""
 
 from types import SimpleNamespace
 
@@ -14,8 +15,11 @@ pytest.importorskip("uvicorn")
 from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
 from liger_patch_kd.teacher.serve import transport as T  # noqa: E402
 from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
+from liger_patch_kd.trainer import KDTrainingArguments  # noqa: E402
+from liger_patch_kd.trainer.rollouts.engine import EngineRollouts  # noqa: E402
+from liger_patch_kd.trainer.rollouts.generate import RolloutSettings  # noqa: E402
 
-from .test_generation_server import free_port, running  # noqa: E402
+from .test_generation_server import free_port, model_logprobs, running  # noqa: E402
 from .tiny_models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -53,6 +57,35 @@ def test_a_hidden_teacher_restarted_with_other_weights_sends_its_own_head():
         assert client.head_fetches == 2
     finally:
         client.close()
+
+
+def test_an_engine_restarted_between_pushes_is_pushed_again_before_its_rollouts_count(tmp_path):
+    """kd_sync_steps=3: the engine restarts (its checkpoint's weights) after step 0's push; step 1's rollouts would
+    come from the checkpoint while counted as the student's at staleness 1. The trainer notices (the engine's
+    weights_id in each reply against the one it held after the push) and pushes again."""
+    checkpoint, student, port = _model(3), _model(1), free_port()
+    args = KDTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, kd_lmbda=1.0,
+                               kd_generation_url=f"http://127.0.0.1:{port}", kd_sync_steps=3, kd_teacher_retries=2,
+                               kd_onpolicy_loss="pg")  # fmt: skip
+    source, settings = EngineRollouts(args), RolloutSettings(max_new_tokens=6, seed=0)
+    prompts = [[5, 6, 7], [9, 10, 11]]
+
+    def rollouts_match_student(step):
+        rollouts = source(student, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=step)
+        for r in rollouts:
+            want = model_logprobs(student, r.prompt, r.completion)
+            assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), want.double(), atol=1e-4), step
+
+    try:
+        with running(_model(3), port=port):
+            rollouts_match_student(0)
+        with running(checkpoint, port=port):  # the same address, the checkpoint's weights, weight_version 0
+            rollouts_match_student(1)
+            assert source.sync.pushes == 2 and source.staleness == [0, 0]
+            rollouts_match_student(2)  # the engine holds step 1's push: no third one
+            assert source.sync.pushes == 2 and source.staleness == [0, 0, 1]
+    finally:
+        source.close()
 
 
 def test_a_persistent_5xx_waits_at_most_retries_times_the_cap(monkeypatch):
