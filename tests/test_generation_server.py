@@ -39,10 +39,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(model, api_key=None, top_k=TOP_K, model_name=NAME, **options):
-    """build_app(model) served on 127.0.0.1 by uvicorn in a thread; yields (url, app)."""
+def running(model, api_key=None, top_k=TOP_K, model_name=NAME, port=None, **options):
+    """build_app(model) served on 127.0.0.1 by uvicorn in a thread; yields (url, app). `port` (default: a free
+    one) lets a test restart a server where its clients already point."""
     app = build_app(model, top_k=top_k, model_name=model_name, api_key=api_key, **options)
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -280,7 +280,9 @@ def test_a_head_of_a_new_weight_version_is_fetched_again(tmp_path, own_server):
     assert client.head_fetches == 1 and client.fetch(seqs)[0][1] is before[0][1]  # cached, not fetched again
     new = _teacher(seed=5)
     new.save_pretrained(tmp_path / "new")
-    version = _update_weights(own_server.url, tmp_path / "new")["weight_version"]
+    reply = _update_weights(own_server.url, tmp_path / "new")
+    version = reply["weights_id"]  # the head's version: this server start's id, then its weight version
+    assert reply["weight_version"] == 1 and version & 0xFFFFFFFF == 1
     after = client.fetch(seqs)
     head = after[0][1]
     assert client.head_fetches == 2 and head.version == version != before[0][1].version

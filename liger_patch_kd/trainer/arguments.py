@@ -220,7 +220,9 @@ class KDTrainingArguments(TrainingArguments):
                   "rows train only at kd_temperature=1."},
     )  # fmt: skip
     kd_teacher_timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for the teacher server."})
-    kd_teacher_retries: int = field(default=5, metadata={"help": "Retries on teacher server connection errors / 5xx."})
+    kd_teacher_retries: int = field(default=5, metadata={
+        "help": "Retries on teacher server (and generation engine) connection errors / 5xx; the waits double from "
+                "0.5 s up to 10 s each, so N retries wait at most N x 10 s."})  # fmt: skip
     kd_teacher_api_key: str | None = field(
         default=None,
         metadata={"help": "Sent to the teacher server as `Authorization: Bearer KEY` (its --api-key), never written "

@@ -1,11 +1,12 @@
 """TeacherClient: ask a teacher server (vLLM, SGLang, `trl vllm-serve` or `liger-kd serve`) for row-aligned top-k
 log-probs of token sequences, many requests in flight, with retries. Standard library only (urllib, threads).
 
-Faults are never silent: a connection error or a 5xx is retried with exponential backoff up to `retries` times,
-then TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
-TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a 4xx (the request is
-wrong: retrying cannot help) raises TeacherServerError at once with the server's message; a reply that does not
-fit the request, or cannot be a distribution, raises protocols.TeacherReplyError naming the request.
+Faults are never silent: a connection error or a 5xx is retried with exponential backoff (each wait at most
+transport.MAX_BACKOFF_S) up to `retries` times, then TeacherServerError names the URL and the last error; a server
+that sends nothing for `timeout` seconds raises TeacherTimeoutError naming the URL and the timeout (not retried: a
+slow server stays slow); a 4xx (the request is wrong: retrying cannot help) raises TeacherServerError at once with
+the server's message; a reply that does not fit the request, or cannot be a distribution, raises
+protocols.TeacherReplyError naming the request.
 """
 
 from __future__ import annotations

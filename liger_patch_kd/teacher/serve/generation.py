@@ -27,7 +27,10 @@ Weights: full weights arrive from safetensors files in a directory the server ca
 by the trainer over vLLM's weight-transfer routes (weight_receiver.py: the same control plane as vLLM's, a
 torch.distributed group as the data plane). Every tensor must name a parameter or buffer of the model with its shape
 and a dtype of its kind, with finite values (400 otherwise, before any weight changes: weight_updates.py); each
-update bumps `weight_version` (in /health and the reply). A LoRA adapter that fails to load leaves the model as it
+update bumps `weight_version` (in /health and the reply). `weights_id` (in /health, the update replies, each
+completion reply and, as its version, each hidden-states reply and head) names the weights across restarts: a
+random id drawn at each server start (high 32 bits) and weight_version (low 32), so a restarted server at version
+0 again is told from the one before it. A LoRA adapter that fails to load leaves the model as it
 was (adapters.py). An adapter is used by a request whose `model` is its lora_name, the base model by one with the
 served model's name or none; another name is a 404, as in vLLM, on every route (GenerationEngine.adapter_of). The
 model is used by one request at a time (a lock shared with the teacher scoring, which runs with the adapter its
@@ -39,6 +42,7 @@ the model's output that holds one is a 500 naming it (validation.check_finite_ou
 
 import json
 import math
+import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -153,6 +157,7 @@ class GenerationEngine:
         self.adapters: dict[str, str] = {}  # lora_name -> lora_path
         self.peft = None  # the PeftModel around `model` while adapters are loaded (its layers sit in `model`)
         self.weight_version = 0
+        self.instance = secrets.randbits(32)  # this start's: a restart (version 0 again) gets another weights_id
         gen = getattr(model, "generation_config", None)
         eos = [getattr(gen, "eos_token_id", None), getattr(model.config.get_text_config(), "eos_token_id", None)]
         self.eos_ids = {t for e in eos for t in (e if isinstance(e, list) else [e]) if t is not None}
@@ -167,6 +172,12 @@ class GenerationEngine:
             raise RequestError(404, f"model: the model {model!r} does not exist here; this server serves {served}: "
                                     f"name one of them, or leave model out")  # fmt: skip
         return model if model in self.adapters else None
+
+    @property
+    def weights_id(self) -> int:
+        """The weights served, across restarts (see the module docstring): read under `lock` to pair it with a
+        forward; 2**32 updates would wrap the version, which no run makes."""
+        return self.instance << 32 | self.weight_version & 0xFFFFFFFF
 
     @contextmanager
     def using(self, adapter: str | None = None):
@@ -197,6 +208,7 @@ class GenerationEngine:
             if req.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(req.seed)
             tokens, logprobs, tops = self._sample(rows, req, generator)
+            weights_id = self.weights_id  # the weights that sampled: the trainer checks them against its push
         values = [v for row in logprobs for v in row] + [v for row in tops for entry in row for v in entry.values()]
         if not all(map(math.isfinite, values)):  # NaN logits: greedy picks id 0 from them, and JSON cannot carry NaN
             raise nonfinite_output("the model's log-probs of the sampled tokens")
@@ -218,7 +230,7 @@ class GenerationEngine:
         prompt_tokens, completion_tokens = sum(map(len, rows)), sum(map(len, tokens))
         return {
             "id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
-            "model": adapter or self.model_name, "choices": choices,
+            "model": adapter or self.model_name, "choices": choices, "weights_id": weights_id,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }  # fmt: skip
@@ -302,7 +314,7 @@ class GenerationEngine:
         path = _field(body, "model_path")
         count = self.apply_state(read_safetensors(path, self.check_state))
         return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
-                "weight_version": self.weight_version}  # fmt: skip
+                "weight_version": self.weight_version, "weights_id": self.weights_id}  # fmt: skip
 
     def check_state(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Refuse (400) an update of these (shape, dtype) tensors before any weight changes (weight_updates.py)."""

@@ -1,8 +1,9 @@
 """HiddenClient: the exact served teacher's client (issue 41): final hidden states of token sequences from
 `liger-kd serve` (hidden_wire.py), each with the head of the weight version it was computed with.
 
-The head is fetched once per weight version and cached: every hidden-state reply names its version, and a reply
-of another version than the cached head's makes the client fetch the head again before the reply is used. A head
+The head is fetched once per weights version and cached: every hidden-state reply names its version (the server's
+weights_id: a restarted server, at weight version 0 again, sends another), and a reply of another version than the
+cached head's makes the client fetch the head again before the reply is used. A head
 newer than the reply (the weights changed in between) sends the request again, so hidden states and head always
 come from one version. Requests, retries, timeouts and errors are TeacherClient's.
 """

@@ -1,8 +1,12 @@
 """`liger-kd serve`'s exact-teacher routes (issue 41; the wire format: hidden_wire.py):
 
     POST /v1/hidden_states  {"prompt": [[ids], ...], "dtype": "auto" | "bf16" | "fp32" | "fp8"}: the teacher's final
-                            hidden states, binary, each reply naming the weight version it was computed with
-    GET  /v1/head           the lm_head (weight, bias, soft-cap, vocab_size) at the current weight version
+                            hidden states, binary, each reply naming the weights it was computed with
+    GET  /v1/head           the lm_head (weight, bias, soft-cap, vocab_size) of the current weights
+
+The "version" both carry is the engine's weights_id (generation.py): this server start's random id and its weight
+version, so a client's cached head is fetched again after a weight update and after a restart (which starts at
+version 0 again, possibly with other weights).
 
 The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to a
 callback (models.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
@@ -51,7 +55,7 @@ def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invar
 
         def _forward(self, batch) -> list:
             with self.guard(), torch.no_grad():
-                version = engine.weight_version  # under the model's lock: no update lands until the forward ends
+                version = engine.weights_id  # under the model's lock: no update lands until the forward ends
                 groups = [[p] for p in batch] if self.batch_invariant else [batch]
                 out = []
                 for items in groups:
@@ -82,7 +86,7 @@ class HeadCache:
 
     def current(self) -> bytes:
         with self.lock:
-            if self.encoded is None or self.encoded[0] != self.engine.weight_version:
+            if self.encoded is None or self.encoded[0] != self.engine.weights_id:
                 head = self.read()
                 self.encoded = (head.version, encode_head(head))
             return self.encoded[1]
@@ -90,7 +94,7 @@ class HeadCache:
     def read(self) -> TeacherHead:
         kept = {}
         with self.engine.using(), torch.no_grad():
-            version = self.engine.weight_version
+            version = self.engine.weights_id
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.engine.device)
             self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
                        kd_teacher_callback=lambda h, w, b, c: kept.update(w=w, b=b, c=c))  # fmt: skip

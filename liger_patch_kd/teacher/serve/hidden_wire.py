@@ -12,17 +12,20 @@ V x 4 for fp32 logits; the head is sent once per weight version.
 with one float32 scale per row (x ≈ x₈ · s, s = max|x| / 448: a relative rounding of at most 2⁻⁴ per element),
 H + 8 bytes a token. Replies, little-endian (the framing of the liger top-k replies, protocols.encode_binary):
 
-    hidden ("LKH1"): n sequences (uint32), H (uint32), dtype code (uint8, 3 pad bytes), weight version (uint64),
+    hidden ("LKH1"): n sequences (uint32), H (uint32), dtype code (uint8, 3 pad bytes), weights version (uint64),
         n lengths (uint32), each row's own token (int32: the input id at that position, checked against the prompt),
         then all rows x H values of the sequences concatenated, then (fp8 only) one float32 scale per row.
         Per token: 4 + H x itemsize bytes (bf16: 2H + 4), plus 4 per sequence and 24 per reply.
-    head ("LKHD"): weight version (uint64), rows V and hidden H of the weight (uint32), the config's vocab_size
+    head ("LKHD"): weights version (uint64), rows V and hidden H of the weight (uint32), the config's vocab_size
         (uint32; 0 unknown), dtype code (uint8), has bias (uint8), 2 pad bytes, soft-cap (float64, NaN: none), the
         logit scale folded into the hidden states and bias (float64, 1: none; for reference), then the weight
         (V x H) and the bias (V) in the teacher's dtype.
 
-Every hidden reply names the weight version it was computed with, so a client holding the head of another version
-fetches the head again before using the hidden states (hidden_client.py).
+Every hidden reply names the weights version it was computed with, so a client holding the head of another version
+fetches the head again before using the hidden states (hidden_client.py). `liger-kd serve` sends its weights_id as
+that version (generation.py: a random id per server start x 2**32 + its weight version), so a server restarted with
+other weights (at version 0 again) never matches a head cached from the one before; the client compares versions
+for equality only, so a plain version counter (an older server) is still read as before.
 """
 
 from __future__ import annotations
@@ -44,16 +47,16 @@ FP8 = "fp8"
 _CODES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: FP8_DTYPE, 5: torch.float64}
 _CODE_OF = {dtype: code for code, dtype in _CODES.items()}
 _NAMED = {"bf16": torch.bfloat16, "fp32": torch.float32, FP8: FP8_DTYPE}
-_HIDDEN = struct.Struct("<4sIIBxxxQ")  # magic, sequences, H, dtype code, weight version
+_HIDDEN = struct.Struct("<4sIIBxxxQ")  # magic, sequences, H, dtype code, weights version
 _HEAD = struct.Struct("<4sQIIIBBxxdd")  # magic, version, rows, H, vocab_size, dtype code, has bias, softcap, scale
 _HIDDEN_MAGIC, _HEAD_MAGIC = b"LKH1", b"LKHD"
 
 
 @dataclass(frozen=True)
 class TeacherHead:
-    """The served teacher's lm_head at one weight version: weight (V, H), bias (V) or None, soft-cap (None: none),
-    the config's vocab_size (None: unknown; V may be larger: padded rows) and the logit scale already folded into
-    the hidden states and the bias (1.0: none)."""
+    """The served teacher's lm_head at one weights version (the server's weights_id): weight (V, H), bias (V) or
+    None, soft-cap (None: none), the config's vocab_size (None: unknown; V may be larger: padded rows) and the logit
+    scale already folded into the hidden states and the bias (1.0: none)."""
 
     version: int
     weight: torch.Tensor

@@ -1,8 +1,9 @@
 """One HTTP endpoint spoken to with retries (standard library only): what the teacher client and the rollout
 engine's client share.
 
-Faults are never silent: a connection error or a 5xx is retried with exponential backoff up to `retries` times,
-then TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
+Faults are never silent: a connection error or a 5xx is retried with exponential backoff, each wait at most
+`max_backoff` (MAX_BACKOFF_S), up to `retries` times (so at most retries x max_backoff seconds of waiting), then
+TeacherServerError names the URL and the last error; a server that sends nothing for `timeout` seconds raises
 TeacherTimeoutError naming the URL and the timeout (not retried: a slow server stays slow); a 4xx (the request is
 wrong: retrying cannot help) raises TeacherServerError at once with the server's message and a hint by status.
 """
@@ -17,6 +18,12 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+# The longest wait between two tries. Without a cap the waits double forever: kd_teacher_retries=12 slept 34 minutes
+# against a server answering 500. 10 s leaves the default (5 retries from 0.5 s: 0.5 ... 8 s) as it was, notices a
+# restarted server within 10 s of it answering, and makes kd_teacher_retries a plain budget: N retries wait at
+# most N x 10 s (e.g. 30 ride out a 5-minute restart).
+MAX_BACKOFF_S = 10.0
+
 
 class TeacherServerError(RuntimeError):
     """The server could not be reached or refused the request; the message names the URL."""
@@ -27,17 +34,19 @@ class TeacherTimeoutError(TeacherServerError, TimeoutError):
 
 
 class HttpEndpoint:
-    """`url` (no trailing slash) with its timeout, retries, backoff and API key (`Authorization: Bearer <key>`).
+    """`url` (no trailing slash) with its timeout, retries, backoff (the first wait, doubling per retry up to
+    `max_backoff`: retry_delay) and API key (`Authorization: Bearer <key>`).
     `what` names the server in errors ("the teacher server"), `timeout_option` the argument that sets the timeout,
     `needed` what training cannot go on without, `hints` maps a 4xx status to advice appended to the error."""
 
     def __init__(
         self, url: str, *, timeout: float, retries: int, backoff: float = 0.5, api_key: str | None = None,
         what: str = "the teacher server", timeout_option: str = "kd_teacher_timeout", needed: str = "teacher data",
-        hints: dict[int, str] | None = None,
+        hints: dict[int, str] | None = None, max_backoff: float = MAX_BACKOFF_S,
     ) -> None:  # fmt: skip
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff, self.api_key = timeout, retries, backoff, api_key
+        self.max_backoff = max_backoff
         self.what, self.timeout_option, self.needed, self.hints = what, timeout_option, needed, hints or {}
         self.retried = 0  # requests sent again after a connection error or a 5xx, for logs and tests
 
@@ -57,7 +66,7 @@ class HttpEndpoint:
         for attempt in range(self.retries + 1):
             if attempt:
                 self.retried += 1
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                time.sleep(retry_delay(attempt, self.backoff, self.max_backoff))
             request = urllib.request.Request(url, data=data, method=method, headers=self.headers(accept))
             try:
                 with open_url(request, timeout=self.timeout) as reply:
@@ -79,6 +88,12 @@ class HttpEndpoint:
             f"{self.what} at {url} failed {self.retries + 1} times (retries={self.retries}, last error: "
             f"{last!r}); training stops rather than train without {self.needed}"
         ) from last
+
+
+def retry_delay(attempt: int, backoff: float, cap: float = MAX_BACKOFF_S) -> float:
+    """Seconds to wait before retry `attempt` (1: the first): `backoff` doubled per retry, at most `cap`; every retry
+    loop of the package waits by this (through HttpEndpoint.send), so `retries` x `cap` bounds the total wait."""
+    return min(cap, backoff * 2.0 ** min(attempt - 1, 64))  # the exponent capped too: 2.0 ** 1100 overflows
 
 
 class _KeyStaysHome(urllib.request.HTTPRedirectHandler):

@@ -199,13 +199,15 @@ class WeightReceiver:
         if refusal is not None:  # drained: the group stays in step with the trainer
             raise refusal
         count = self.engine.apply_state(state)
-        return {"success": True, "num_tensors": count, "weight_version": self.engine.weight_version}
+        return {"success": True, "num_tensors": count, "weight_version": self.engine.weight_version,
+                "weights_id": self.engine.weights_id}  # fmt: skip
 
     def finish(self, body: Any) -> dict[str, Any]:
         self._require_group()
         version = body.get("weight_version") if isinstance(body, dict) else None
         self.version = None if version is None else str(version)
-        return {"success": True, "weight_version": self.engine.weight_version, "trainer_version": self.version}
+        return {"success": True, "weight_version": self.engine.weight_version, "weights_id": self.engine.weights_id,
+                "trainer_version": self.version}  # fmt: skip
 
     def shutdown(self, body: Any) -> dict[str, Any]:
         groups, self.group, self.retired, self.metadata = (self.group, self.retired), None, None, []

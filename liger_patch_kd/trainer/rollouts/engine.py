@@ -33,7 +33,7 @@ from ...teacher.serve.transport import HttpEndpoint
 from ..arguments import checks_arguments
 from .generate import Rollout, RolloutSettings, call_seed, generate_rollouts
 from .weight_sender import TRANSPORTS, BroadcastSender
-from .weight_sync import WeightSync
+from .weight_sync import EngineWeightsLost, WeightSync
 
 logger = logging.get_logger(__name__)
 
@@ -126,12 +126,20 @@ class EngineRollouts:
         self, generator: nn.Module, prompts: list[list[int]], settings: RolloutSettings, *, pad_id: int,
         eos_ids: set[int], start_id: int, step: int = 0,
     ) -> list[Rollout]:  # fmt: skip
-        """Step `step`'s rollouts, now: the student pushed first when kd_sync_steps say so."""
+        """Step `step`'s rollouts, now: the student pushed first when kd_sync_steps say so, and again when the
+        engine answers with other weights than the last push's (it restarted between pushes)."""
         if self.sync.due(step):
             self.sync.push(generator, step)
         staleness, request = self.ask(generator, prompts, settings, eos_ids=eos_ids, start_id=start_id, step=step)
+        try:
+            rollouts = request()
+        except EngineWeightsLost as lost:
+            logger.warning(f"{lost}; pushing the student's weights again (step {step})")
+            self.sync.push(generator, step)  # the weights this step starts with: staleness 0
+            staleness, request = self.ask(generator, prompts, settings, eos_ids=eos_ids, start_id=start_id, step=step)
+            rollouts = request()  # lost again: the engine keeps changing under this run, which stops
         self.staleness.append(staleness)
-        return request()
+        return rollouts
 
     def ask(
         self, generator: nn.Module, prompts: list[list[int]], settings: RolloutSettings, *, eos_ids: set[int],
@@ -167,6 +175,7 @@ class EngineRollouts:
                 raw, _ = self.http.post_json("/v1/completions", body)
                 name = f"step {step} call {call} to {self.http.url}/v1/completions"
                 reply = _json(raw, name)
+                self._check_weights(reply, name)
                 out += rollouts_from_reply(reply, chunk, settings, eos_ids, vocab_size, name, need_logprobs=pg)
             return out
 
@@ -174,6 +183,17 @@ class EngineRollouts:
 
     def close(self) -> None:
         self.sync.close()
+
+    def _check_weights(self, reply: Any, request: str) -> None:
+        """EngineWeightsLost unless the reply's weights_id (`liger-kd serve`'s; vLLM sends none: unchecked) is the
+        one the engine reported after this run's last push: rollouts of other weights never count as the
+        student's. Read when the reply arrives, so asynchronous rollouts compare against the loads run before."""
+        said, held = reply.get("weights_id") if isinstance(reply, dict) else None, self.sync.engine_weights
+        if held is not None and isinstance(said, int) and said != held:
+            raise EngineWeightsLost(
+                f"{request}: the engine answered with weights_id {said:#x}, not {held:#x} (this run's last push, "
+                f"kd_sync_steps): it restarted or another process updated its weights"
+            )
 
     def _base_name(self) -> str:
         if self._served_name is None:

@@ -10,10 +10,16 @@ must read the directory: the same machine, or a shared filesystem through kd_syn
 send it over vLLM's weight-transfer routes, by torch.distributed or by vLLM's NCCL communicator
 (weight_sender.py). Every directory made is deleted after its load or at close; nothing else
 is touched.
+
+After each load the engine's `weights_id` is read from GET /health (`liger-kd serve` reports it there and in each
+completion reply: a random id per server start and its weight version), so rollouts answered by other weights (the
+engine restarted with its checkpoint's, or another process updated it) are told from the student's
+(engine.EngineRollouts checks each reply). An engine that reports none (vLLM) cannot be checked this way.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import uuid
@@ -29,6 +35,24 @@ from transformers.utils import logging
 from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
 
 logger = logging.get_logger(__name__)
+
+
+class EngineWeightsLost(RuntimeError):
+    """The engine answered with other weights than those of this run's last push: it restarted, or another process
+    updated its weights."""
+
+
+def served_weights(http: HttpEndpoint) -> int | None:
+    """The engine's weights_id from GET /health; None from an engine that reports none (vLLM's /health is empty)."""
+    try:
+        raw, _ = http.send("GET", "/health", None, "application/json")
+    except TeacherServerError:  # an engine without /health (a 404): no check; a dead one fails its completions
+        return None
+    try:
+        said = json.loads(raw).get("weights_id")
+    except (ValueError, AttributeError, RecursionError):  # not a JSON object: an engine that reports nothing
+        return None
+    return said if isinstance(said, int) and not isinstance(said, bool) else None
 
 
 def peft_of(model: nn.Module) -> nn.Module | None:
@@ -76,6 +100,7 @@ class WeightSync:
         self.loaded_name: str | None = None  # the adapter the engine last loaded (model_name once loads have run)
         self._on_engine: list[str] = []  # the adapters this run loaded and has not unloaded: unloaded at close
         self.pushes = 0
+        self.engine_weights: int | None = None  # the engine's weights_id after the last load (None: unknown)
         self._root: Path | None = None
         self._kept: Path | None = None  # the loaded adapter's directory (vLLM may read it again)
         self._run = uuid.uuid4().hex[:8]  # adapter names unique to this run
@@ -97,12 +122,11 @@ class WeightSync:
         peft = peft_of(model)
         if peft is None and self.sender is not None:  # broadcast: a copy where the weights are, sent by the load
             tensors = self.sender.snapshot(model)
-            self.synced_step = step
-            self.pushes += 1
-            return lambda: self.sender.send(tensors, step)
-        root = self._directory()
-        target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=root))
-        if peft is not None:
+
+            def load() -> None:
+                self.sender.send(tensors, step)
+        elif peft is not None:
+            target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=self._directory()))
             adapter = peft.active_adapter
             peft.save_pretrained(str(target), selected_adapters=[adapter])
             path = target if adapter == "default" else target / adapter  # PEFT nests adapters not named default
@@ -120,6 +144,7 @@ class WeightSync:
         else:
             from safetensors.torch import save_file
 
+            target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=self._directory()))
             tensors = unique_tensors(model.state_dict())  # a CPU copy now; the file is written by the load
 
             def load() -> None:
@@ -129,9 +154,13 @@ class WeightSync:
                 finally:
                     self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
 
+        def load_and_note() -> None:
+            load()
+            self.engine_weights = served_weights(self.http)  # what the replies to this push's rollouts must name
+
         self.synced_step = step
         self.pushes += 1
-        return load
+        return load_and_note
 
     def forget_staged(self) -> None:
         """After asynchronous loads were cancelled or failed: push again before the next rollouts, and name the
@@ -152,7 +181,7 @@ class WeightSync:
             if self._root is not None:
                 self._finalizer()
                 self._root = self._kept = None
-            self.synced_step, self.model_name = None, None
+            self.synced_step, self.model_name, self.engine_weights = None, None, None
 
     def _unload(self, name: str, at_close: bool = False) -> None:
         """Unload adapter `name` (one this run loaded) from the engine. A failure raises, the name kept for close to

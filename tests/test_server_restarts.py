@@ -1,0 +1,109 @@
+"""A server that restarts, or keeps failing, is never trained on silently and never waited on without bound: a
+hidden-states teacher restarted with other weights (both at weight version 0) gets its head fetched again; a
+rollout engine restarted between two pushes is pushed again before its rollouts count; a persistent 5xx is retried
+with each wait capped (transport.retry_delay). The real app (`running`: build_app under uvicorn in a thread),
+restarted on the same port."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.serve import transport as T  # noqa: E402
+from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
+from liger_patch_kd.trainer import KDTrainingArguments  # noqa: E402
+from liger_patch_kd.trainer.rollouts.engine import EngineRollouts  # noqa: E402
+from liger_patch_kd.trainer.rollouts.generate import RolloutSettings  # noqa: E402
+
+from .test_generation_server import free_port, model_logprobs, running  # noqa: E402
+from .tiny_models import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+SEQ = [4, 8, 15, 16, 23, 42]
+
+
+def _model(seed):
+    model = tiny_model("llama", seed=seed).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # teachers of different seeds then differ by nats, not hundredths
+    return model
+
+
+def _served_logprobs(client, seq):
+    ((hidden, head),) = client.fetch([seq])
+    return torch.log_softmax(hidden.double() @ head.weight.double().T, -1)
+
+
+def _own_logprobs(model, seq):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), -1)
+
+
+def test_a_hidden_teacher_restarted_with_other_weights_sends_its_own_head():
+    """Both starts are at weight version 0: the head's id must tell the two server instances apart, or teacher A's
+    cached head is paired with teacher B's hidden states (log-probs of neither teacher)."""
+    a, b, port = _model(3), _model(11), free_port()
+    assert (_own_logprobs(a, SEQ) - _own_logprobs(b, SEQ)).abs().max() > 1  # two teachers a stale head would mix
+    client = HiddenClient(f"http://127.0.0.1:{port}", dtype="fp32", timeout=30, retries=2, backoff=0.01)
+    try:
+        with running(a, port=port):
+            assert (_served_logprobs(client, SEQ) - _own_logprobs(a, SEQ)).abs().max() < 1e-4
+        with running(b, port=port):
+            assert (_served_logprobs(client, SEQ) - _own_logprobs(b, SEQ)).abs().max() < 1e-4
+        assert client.head_fetches == 2
+    finally:
+        client.close()
+
+
+def test_an_engine_restarted_between_pushes_is_pushed_again_before_its_rollouts_count(tmp_path):
+    """kd_sync_steps=3: the engine restarts (its checkpoint's weights) after step 0's push; step 1's rollouts would
+    come from the checkpoint while counted as the student's at staleness 1. The trainer notices (the engine's
+    weights_id in each reply against the one it held after the push) and pushes again."""
+    checkpoint, student, port = _model(3), _model(1), free_port()
+    args = KDTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, kd_lmbda=1.0,
+                               kd_generation_url=f"http://127.0.0.1:{port}", kd_sync_steps=3, kd_teacher_retries=2,
+                               kd_onpolicy_loss="pg")  # fmt: skip
+    source, settings = EngineRollouts(args), RolloutSettings(max_new_tokens=6, seed=0)
+    prompts = [[5, 6, 7], [9, 10, 11]]
+
+    def rollouts_match_student(step):
+        rollouts = source(student, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=step)
+        for r in rollouts:
+            want = model_logprobs(student, r.prompt, r.completion)
+            assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), want.double(), atol=1e-4), step
+
+    try:
+        with running(_model(3), port=port):
+            rollouts_match_student(0)
+        with running(checkpoint, port=port):  # the same address, the checkpoint's weights, weight_version 0
+            rollouts_match_student(1)
+            assert source.sync.pushes == 2 and source.staleness == [0, 0]
+            rollouts_match_student(2)  # the engine holds step 1's push: no third one
+            assert source.sync.pushes == 2 and source.staleness == [0, 0, 1]
+    finally:
+        source.close()
+
+
+def test_a_persistent_5xx_waits_at_most_retries_times_the_cap(monkeypatch):
+    """A server answering 500 to every request (its forward fails): kd_teacher_retries=12 waited 0.5 x (2^12 - 1) s
+    (34 minutes) before the cap; now each wait is at most MAX_BACKOFF_S, the same for every client (one retry loop,
+    transport.HttpEndpoint.send)."""
+    waits = []
+    monkeypatch.setattr(T, "time", SimpleNamespace(sleep=waits.append))  # transport's waits recorded, not slept
+    model = _model(3)
+    with running(model) as (url, _):
+        with torch.no_grad():
+            model.model.norm.weight = torch.nn.Parameter(torch.ones(3))  # every forward raises: a 500
+        client = HiddenClient(url, dtype="fp32", timeout=30, retries=12)
+        try:
+            with pytest.raises(TeacherServerError, match="failed 13 times"):
+                client.fetch([SEQ])
+        finally:
+            client.close()
+    assert len(waits) == 12 and max(waits) == T.MAX_BACKOFF_S and sum(waits) <= 12 * T.MAX_BACKOFF_S
+    assert waits[:5] == [0.5, 1.0, 2.0, 4.0, 8.0]  # the default retries wait as they always did
+    assert T.retry_delay(10_000, 0.5) == T.MAX_BACKOFF_S  # no float overflow however many retries
