@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import SequentialSampler
 
 from ..common import environment, print_table, write_json
-from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
+from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, end_distributed, make_callback
 from ..common.train_step import SHAPES, build
 
 STUDENTS = {
@@ -351,11 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"peak {r['peak_GiB_per_gpu']} GiB, fused loss +{r['loss_extra_GiB_per_gpu']} GiB, "
                   f"lm_heads whole: {r['lm_heads_whole']}, losses {[x['loss'] for x in r['log']]}",
                   flush=True)  # fmt: skip
-    state.wait_for_everyone()
-    # an explicit teardown: left to interpreter exit, gloo's threads can abort the process
-    # ("terminate called without an active exception") after the results are written
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_distributed()  # the group torn down before interpreter exit (see its docstring)
 
 
 def probe_sync(device: torch.device) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import SequentialSampler
 
 from ..common import environment, print_table, write_json
-from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, make_callback
+from ..common.multi_gpu import StepProbe, allow_fsdp_on_cpu, end_distributed, make_callback
 
 
 def rows(count: int, length: int = 90) -> list[dict]:
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         losses = [x["loss"] for x in result["log"]]
         print(f"xtok: {result['world_size']} x mb {args.micro_batch}: losses {losses}, student "
               f"{result['student_wrapped_as']}, teacher {result['teacher_wrapped_as']}", flush=True)  # fmt: skip
-    if torch.distributed.is_initialized():  # explicitly: left to the interpreter's exit, gloo's threads can abort it
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_distributed()  # the group torn down before interpreter exit (see its docstring)
 
 
 if __name__ == "__main__":
