@@ -196,6 +196,31 @@ def test_precompute_never_writes_over_files_it_did_not_write(tmp_path, saved_tea
         assert (out / name).read_bytes() == b"USER DATA"
 
 
+def test_a_rerun_starts_over_what_an_interrupted_run_left(tmp_path, saved_teacher):
+    """Killed after its first shard was renamed but before its manifest (or mid-way through a temporary), a run leaves
+    files without a manifest: they are this tool's (MARK in the shard's metadata), so the same command runs again
+    and writes the store an uninterrupted run writes, byte for byte."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(6, seed=4)) + "\n")
+
+    def run(out):
+        return main(["precompute", "--teacher", str(saved_teacher), "--data", str(data), "--out", str(out),
+                     "--top-k", "4", "--device", "cpu", "--shard-size", "2"])  # fmt: skip
+
+    assert run(tmp_path / "whole") == 0
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    for left in ("first shard, no manifest", "a cut temporary", "an empty temporary"):
+        out = tmp_path / left.replace(" ", "_")
+        out.mkdir()
+        shard = whole["shard-00000.safetensors"]
+        if left.startswith("first"):
+            (out / "shard-00000.safetensors").write_bytes(shard)
+        else:
+            (out / "shard-00000.safetensors.tmp").write_bytes(shard[: len(shard) // 2] if "cut" in left else b"")
+        assert run(out) == 0, left
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == whole, left
+
+
 def test_every_option_documents_its_default(capsys):
     import argparse
 

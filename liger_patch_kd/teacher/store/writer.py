@@ -26,8 +26,28 @@ from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 _DESCRIPTIVE = {"teacher", "shards", "max_id", "max_input_id"}
 # The only files a writer removes on its own: the temporaries it names itself.
 _OWN_TEMPORARY = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)\.tmp$")
-# Every name a writer writes (the manifest itself aside): in a folder without a manifest, someone else's files.
+# The names a writer writes: in a folder without a manifest, someone else's files unless they are marked as its own.
 _OWN_NAME = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)(\.tmp)?$")
+# Every shard's safetensors metadata: a shard left without a manifest by an interrupted run (killed between the
+# first shard's rename and its manifest, or a converter, whose manifest comes last) is told from a user's file.
+MARK = {"written_by": "liger_patch_kd teacher store"}
+_MARK_BYTES = b'"written_by":"liger_patch_kd teacher store"'  # as safetensors writes it into the header's JSON
+
+
+def _written_here(path: Path) -> bool:
+    """`path` is this tool's: a shard, or its temporary cut short anywhere after the start of its header (safetensors
+    writes the header first, its metadata first in it), whose metadata holds MARK; an empty temporary (nothing in it
+    to lose); or a manifest temporary, which starts with its format_version."""
+    try:
+        if path.name.endswith(".tmp") and path.stat().st_size == 0:
+            return True
+        with open(path, "rb") as f:
+            start = f.read(4096)
+    except OSError:
+        return False
+    if path.name.startswith(MANIFEST):
+        return b'"format_version"' in start[:64]
+    return _MARK_BYTES in start[8:]
 
 
 def _is_int(value: Any) -> bool:
@@ -57,9 +77,10 @@ def _check_store_options(meta: dict) -> None:
 
 def check_store_folder(out_dir: str | Path) -> None:
     """Refuse, before any work, an `out_dir` a writer would write into without having started a store there: a
-    file, or a folder holding names it writes (shard-NNNNN.safetensors, temporaries) but no manifest. Those files
-    are someone else's (a writer's first shard comes with its manifest), and writing shard i would overwrite them.
-    A folder with a manifest is a store to resume: its manifest is read here (a damaged one fails now)."""
+    file, or a folder holding names it writes (shard-NNNNN.safetensors, temporaries) that it did not write
+    (_written_here) and no manifest: writing shard i would overwrite them. Marked ones are an interrupted run's,
+    which a rerun starts over. A folder with a manifest is a store to resume: its manifest is read here (a damaged
+    one fails now)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
@@ -68,7 +89,7 @@ def check_store_folder(out_dir: str | Path) -> None:
     if (out_dir / MANIFEST).exists():
         read_manifest(out_dir)
         return
-    taken = sorted(p.name for p in out_dir.iterdir() if _OWN_NAME.match(p.name))
+    taken = sorted(p.name for p in out_dir.iterdir() if _OWN_NAME.match(p.name) and not _written_here(p))
     if taken:
         raise TeacherStoreError(
             f"--out {out_dir} holds {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} but no {MANIFEST}: "
@@ -223,7 +244,7 @@ class StoreWriter:
         tensors["checksums"] = torch.from_numpy(sequence_checksums(offsets, as_bytes))
         name = f"shard-{index:05d}.safetensors"
         tmp = self.out_dir / (name + ".tmp")
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata=MARK)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             header, _ = read_header(fd)
