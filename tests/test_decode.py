@@ -129,3 +129,30 @@ def test_eager_float64_left_padding_samples_what_each_prompt_gives_alone():
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         generate_rollouts(model, prompts, RolloutSettings(max_new_tokens=5, cache="static"), pad_id=0, eos_ids=set(),
                           start_id=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_models_that_output_router_logits_decode(arch):
+    """A mixture-of-experts config with output_router_logits=True computes its load-balancing loss in every forward
+    from the attention mask, which a decode step's one token a row does not match (transformers' generate() fails
+    the same way). Every decoder turns the router output off: greedy tokens equal each prompt's alone, on every
+    path (the rollouts' lean loop, generate(), the captured engine, the server's sampler)."""
+    from liger_patch_kd.generation import Sampling, decode, release_sessions
+    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+
+    model = tiny_model(arch, dtype=torch.float32, seed=2).eval()
+    model.config.output_router_logits = True
+    model.config._attn_implementation = "sdpa"  # the captured engine builds SDPA's masks
+    prompts = [[45, 46, 47], [49, 50, 51, 52, 53, 54]]
+    expected = [_greedy_alone(model, p, 4) for p in prompts]
+    for cache in ("dynamic", "static"):  # the lean loop, then transformers' generate()
+        rollouts = generate_rollouts(model, prompts, RolloutSettings(max_new_tokens=4, top_k=1, cache=cache),
+                                     pad_id=0, eos_ids=set(), start_id=1)  # fmt: skip
+        assert [r.completion for r in rollouts] == expected, cache
+    ids = torch.tensor([[0, 0, 0, *prompts[0]], prompts[1]])
+    tokens, _ = decode(model, ids, (ids != 0).long(), max_new_tokens=4, sampling=Sampling(top_k=1), pad_id=0)
+    release_sessions(model)
+    assert tokens.tolist() == expected
+    req = GenerationRequest(prompts=prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=4, seed=1,
+                            logprobs=None, stop_ids=(), return_token_ids=True, model=None)  # fmt: skip
+    assert [c["token_ids"] for c in GenerationEngine(model, "m").complete(req)["choices"]] == expected

@@ -6,6 +6,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
+  forward_options   decode_forward_options: router outputs off in decode forwards (MoE configs that ask)
   padding           prefill_mask: a left-padded prefill's mask without fully masked rows (eager float64's NaN)
   checks            decode()'s arguments refused before any work (one-line errors)
   engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
@@ -13,6 +14,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
 
 from .decode_attention import packed_decode_attention
 from .engine import CAPTURES, decode, decode_applies, left_padded, release_if_large, release_sessions
+from .forward_options import decode_forward_options
 from .padding import masked_rows_give_nan, prefill_mask
 from .sampling import Sampling, filtered_scores
 
@@ -21,6 +23,7 @@ __all__ = [
     "Sampling",
     "decode",
     "decode_applies",
+    "decode_forward_options",
     "filtered_scores",
     "left_padded",
     "masked_rows_give_nan",

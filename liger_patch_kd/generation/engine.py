@@ -32,6 +32,7 @@ from torch import nn
 from ..ops.backend import select_backend
 from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
+from .forward_options import decode_forward_options
 from .fused_projections import FusedProjections
 from .kv_cache import SlotCache
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
@@ -156,7 +157,8 @@ class DecodeSession:
         """One decode step, all on the device, no host sync: what the CUDA graph holds."""
         mask = (self.valid & (self.columns <= self.slot))[:, None, None, :]  # prompt, and the columns written
         out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.base + self.slot,
-                         use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache})  # fmt: skip
+                         use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache},
+                         **decode_forward_options(self.model))  # fmt: skip
         self._advance(out.logits[:, -1])
         self.slot.add_(1)
 
@@ -173,7 +175,8 @@ class DecodeSession:
         if self.fused_draw:  # from the call's seeded generator: the same seed, the same completions
             self.seed.copy_(torch.randint(0, 2**62, (1,), device=self.device))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.cache_keyword: self.cache})  # fmt: skip
+                         logits_to_keep=1, **{self.cache_keyword: self.cache},
+                         **decode_forward_options(self.model))  # fmt: skip
         self.valid[:, :width].copy_(attended)
         self.valid[:, width:].fill_(True)
         self.base.copy_(attended.long().sum(-1, keepdim=True) - width)

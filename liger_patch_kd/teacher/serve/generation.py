@@ -52,7 +52,14 @@ from typing import Any
 
 import torch
 
-from ...generation import Sampling, filtered_scores, left_padded, packed_decode_attention, prefill_mask
+from ...generation import (
+    Sampling,
+    decode_forward_options,
+    filtered_scores,
+    left_padded,
+    packed_decode_attention,
+    prefill_mask,
+)
 from .adapters import attach_adapter, read_adapter
 from .captured_sampling import captured_sample
 from .request_fields import check_fields
@@ -250,7 +257,8 @@ class GenerationEngine:
             # the prefill's mask leaves no padding row fully masked (eager float64: NaN otherwise; generation/padding)
             step_mask = prefill_mask(self.model, mask) if past is None else mask
             out = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=1, **({} if past is None else {past[0]: past[1]}))  # fmt: skip
+                             logits_to_keep=1, **({} if past is None else {past[0]: past[1]}),
+                             **decode_forward_options(self.model))  # fmt: skip
             # transformers 5.2x renames past_key_values to cache (the old name warns, then goes): the output says
             # which this version speaks (a patched model's forward signature would not)
             key = next((k for k in ("cache", "past_key_values") if out.get(k) is not None), None)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ...generation import prefill_mask
+from ...generation import decode_forward_options, prefill_mask
 
 # generation-config entries that change nothing here: special ids, bookkeeping, and what rollouts pass explicitly
 NEUTRAL_GENERATION_KEYS = frozenset({
@@ -141,7 +141,8 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers,
     for _ in range(max_new_tokens):
         step_mask = first_mask if cache is None else mask
         out = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, return_dict=True, **{cache_key: cache})  # fmt: skip
+                    logits_to_keep=1, return_dict=True, **{cache_key: cache},
+                    **decode_forward_options(model))  # fmt: skip
         cache = getattr(out, cache_key)
         scores = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         for warp in warpers:

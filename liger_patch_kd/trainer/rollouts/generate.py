@@ -21,6 +21,7 @@ from ...generation import (
     Sampling,
     decode,
     decode_applies,
+    decode_forward_options,
     left_padded,
     masked_rows_give_nan,
     packed_decode_attention,
@@ -276,9 +277,10 @@ def generate_rollouts(
                             raise ValueError(  # masks: the padding rows' NaN (generation/padding.py) reaches it
                                 "attn_implementation='eager' in float64 gives NaN logits for left-padded prompts in "
                                 f"generate() (kd_generation_cache={settings.cache!r}): load the student with "
-                                "attn_implementation='sdpa', or use kd_generation_cache='dynamic' on a CPU")
+                                "attn_implementation='sdpa'")
                         generated = generator.generate(
-                            input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache, **options
+                            input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache,
+                            **options, **decode_forward_options(generator),
                         )
                 for row, index in enumerate(chunk):
                     completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
