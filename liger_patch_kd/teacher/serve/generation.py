@@ -320,9 +320,9 @@ class GenerationEngine:
 
     def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
         path = _field(body, "model_path")
-        count = self.apply_state(read_safetensors(path, self.check_state))
+        count, weights_id = self.apply_state(read_safetensors(path, self.check_state))
         return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
-                "weight_version": self.weight_version, "weights_id": self.weights_id}  # fmt: skip
+                "weight_version": weights_id & 0xFFFFFFFF, "weights_id": weights_id}  # fmt: skip
 
     def check_state(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Refuse (400) an update of these (shape, dtype) tensors before any weight changes (weight_updates.py)."""
@@ -331,8 +331,10 @@ class GenerationEngine:
                                     f"full-weight update (their layers rename the model's tensors)")  # fmt: skip
         check_update(self.model, tensors)
 
-    def apply_state(self, state: dict[str, torch.Tensor]) -> int:
-        """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count."""
+    def apply_state(self, state: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """Copy `state` into the model, all tensors or none (checked first), and bump weight_version; the count and
+        the weights_id of these weights, read under the lock: the trainer takes it from the update's reply, and one
+        read after the lock is released could already name another update's weights."""
         with self.lock, torch.no_grad():  # checked under the lock: no adapter comes or goes in between
             self.check_state({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
             check_finite(self.model, state)
@@ -340,7 +342,8 @@ class GenerationEngine:
             for name, tensor in state.items():
                 own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
             self.weight_version += 1
-        return len(state)
+            weights_id = self.weights_id
+        return len(state), weights_id
 
 
 def _field(body: Any, name: str) -> str:

@@ -26,7 +26,13 @@ MAX_BACKOFF_S = 10.0
 
 
 class TeacherServerError(RuntimeError):
-    """The server could not be reached or refused the request; the message names the URL."""
+    """The server could not be reached or refused the request; the message names the URL. `status` is the HTTP
+    status of a refusal (None: no reply, or a 5xx retried out), so a caller can tell "no such model" (a LoRA
+    adapter a restarted engine no longer holds) from other failures without parsing the message."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TeacherTimeoutError(TeacherServerError, TimeoutError):
@@ -75,7 +81,7 @@ class HttpEndpoint:
                 detail = e.read()[:500].decode(errors="replace")
                 if e.code < 500:  # the request is wrong (or unauthorised): sending it again cannot help
                     hint = self.hints.get(e.code, "")
-                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}{hint}") from e
+                    raise TeacherServerError(f"{url} refused the request: HTTP {e.code}: {detail}{hint}", e.code) from e
                 last = TeacherServerError(f"HTTP {e.code}: {detail}")
             except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 if _is_timeout(e):

@@ -198,9 +198,9 @@ class WeightReceiver:
                 state[name] = tensor
         if refusal is not None:  # drained: the group stays in step with the trainer
             raise refusal
-        count = self.engine.apply_state(state)
-        return {"success": True, "num_tensors": count, "weight_version": self.engine.weight_version,
-                "weights_id": self.engine.weights_id}  # fmt: skip
+        count, weights_id = self.engine.apply_state(state)
+        return {"success": True, "num_tensors": count, "weight_version": weights_id & 0xFFFFFFFF,
+                "weights_id": weights_id}  # fmt: skip
 
     def finish(self, body: Any) -> dict[str, Any]:
         self._require_group()

@@ -29,7 +29,7 @@ from transformers.utils import logging
 from ...models import unwrap_model
 from ...teacher.serve.client import API_KEY_ENV
 from ...teacher.serve.protocols import TeacherReplyError
-from ...teacher.serve.transport import HttpEndpoint
+from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
 from ..arguments import checks_arguments
 from .generate import Rollout, RolloutSettings, call_seed, generate_rollouts
 from .weight_sender import TRANSPORTS, BroadcastSender
@@ -135,6 +135,7 @@ class EngineRollouts:
             rollouts = request()
         except EngineWeightsLost as lost:
             logger.warning(f"{lost}; pushing the student's weights again (step {step})")
+            self.sync.engine_lost()  # nothing of ours is on it: load afresh, unload nothing
             self.sync.push(generator, step)  # the weights this step starts with: staleness 0
             staleness, request = self.ask(generator, prompts, settings, eos_ids=eos_ids, start_id=start_id, step=step)
             rollouts = request()  # lost again: the engine keeps changing under this run, which stops
@@ -172,8 +173,8 @@ class EngineRollouts:
                 chunk = rows[first : first + per_call]
                 seed = call_seed(settings.seed, step, call)
                 body = completion_request(chunk, settings, name_asked, seed, eos_ids, allowed)
-                raw, _ = self.http.post_json("/v1/completions", body)
                 name = f"step {step} call {call} to {self.http.url}/v1/completions"
+                raw = self._complete(body, model, name)
                 reply = _json(raw, name)
                 self._check_weights(reply, name)
                 out += rollouts_from_reply(reply, chunk, settings, eos_ids, vocab_size, name, need_logprobs=pg)
@@ -184,16 +185,40 @@ class EngineRollouts:
     def close(self) -> None:
         self.sync.close()
 
-    def _check_weights(self, reply: Any, request: str) -> None:
-        """EngineWeightsLost unless the reply's weights_id (`liger-kd serve`'s; vLLM sends none: unchecked) is the
-        one the engine reported after this run's last push: rollouts of other weights never count as the
-        student's. Read when the reply arrives, so asynchronous rollouts compare against the loads run before."""
-        said, held = reply.get("weights_id") if isinstance(reply, dict) else None, self.sync.engine_weights
-        if held is not None and isinstance(said, int) and said != held:
+    def _complete(self, body: dict, adapter: str | None, request: str) -> bytes:
+        """POST /v1/completions; a 404 for a request naming this run's LoRA adapter is EngineWeightsLost: the engine
+        loaded it and now lacks it, so it restarted (or another process unloaded it), and loading it again fixes
+        that as a full-weight push does; the route-missing hint of a plain 404 would mislead here."""
+        try:
+            raw, _ = self.http.post_json("/v1/completions", body)
+        except TeacherServerError as e:
+            if adapter is None or e.status != 404:
+                raise
             raise EngineWeightsLost(
-                f"{request}: the engine answered with weights_id {said:#x}, not {held:#x} (this run's last push, "
-                f"kd_sync_steps): it restarted or another process updated its weights"
+                f"{request}: the engine no longer holds this run's LoRA adapter {adapter!r} (HTTP 404: it restarted, "
+                f"or another process unloaded it); restart the run if the engine keeps losing it"
+            ) from e
+        return raw
+
+    def _check_weights(self, reply: Any, request: str) -> None:
+        """EngineWeightsLost unless the reply's weights_id is the one the engine reported for this run's last push:
+        rollouts of other weights never count as the student's. An engine that reported none (vLLM) is unchecked;
+        once one has, a reply naming none is not trusted either (a gateway dropping the field, another engine
+        behind the URL): its weights cannot be told from a restarted engine's. Read when the reply arrives, so
+        asynchronous rollouts compare against the loads run before."""
+        said, held = reply.get("weights_id") if isinstance(reply, dict) else None, self.sync.engine_weights
+        if held is None or said == held:
+            return
+        if not isinstance(said, int) or isinstance(said, bool):
+            raise EngineWeightsLost(
+                f"{request}: the reply carries no weights_id though the engine reported {held:#x} for this run's last "
+                f"push, so its rollouts cannot be told from other weights'; let a proxy / gateway pass the field "
+                f"through, or point kd_generation_url at the engine itself"
             )
+        raise EngineWeightsLost(
+            f"{request}: the engine answered with weights_id {said:#x}, not {held:#x} (this run's last push, "
+            f"kd_sync_steps): it restarted or another process updated its weights"
+        )
 
     def _base_name(self) -> str:
         if self._served_name is None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
 from ...teacher.serve.weight_receiver import JOINED_KEY
-from .weight_sync import unique_tensors
+from .weight_sync import unique_tensors, weights_id_in
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -60,10 +60,11 @@ class BroadcastSender:
         later `send` broadcasts, whatever the optimizer does in between (asynchronous rollouts)."""
         return unique_tensors(model.state_dict(), device=None)
 
-    def push(self, model: nn.Module, step: int) -> None:
-        self.send(self.snapshot(model), step)
+    def push(self, model: nn.Module, step: int) -> int | None:
+        return self.send(self.snapshot(model), step)
 
-    def send(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+    def send(self, tensors: dict[str, torch.Tensor], step: int) -> int | None:
+        """Broadcast `tensors`; the weights_id the engine's /update_weights reply names (None: it names none)."""
         device = next(iter(tensors.values())).device
         joined = self.group is not None
         if not joined:
@@ -85,8 +86,11 @@ class BroadcastSender:
             self._shutdown_group()
             self._connect(device)
             self.http.post_json("/start_weight_update", {})
-        self._while_posting("/update_weights", {"update_info": info}, lambda: self._broadcast(tensors.values()))
+        broadcast = lambda: self._broadcast(tensors.values())  # noqa: E731
+        updated = self._while_posting("/update_weights", {"update_info": info}, broadcast)
         self.http.post_json("/finish_weight_update", {"weight_version": str(step)})
+        # the update's own reply: /finish's (or /health's) could name another process's update landed since
+        return weights_id_in(updated)
 
     def close(self) -> None:
         if self.group is None:
@@ -146,15 +150,17 @@ class BroadcastSender:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _while_posting(self, path: str, body: dict, work, abandoned: threading.Event | None = None) -> None:
+    def _while_posting(self, path: str, body: dict, work, abandoned: threading.Event | None = None) -> bytes:
         """POST `path` while `work` (this side of the collective) runs: the server's side is inside that request.
         Both run in threads watched from here, so a refusal (the server never joins) raises at once instead of
-        waiting out the group's timeout; after one the group is dropped (the next push makes a new one)."""
+        waiting out the group's timeout; after one the group is dropped (the next push makes a new one). Returns the
+        POST's reply body."""
         outcome: dict[str, BaseException | None] = {}
+        replies: dict[str, Any] = {}
 
         def run(key: str, fn) -> None:
             try:
-                fn()
+                replies[key] = fn()
                 outcome[key] = None
             except BaseException as e:  # re-raised below, in the trainer's thread
                 outcome[key] = e
@@ -173,3 +179,4 @@ class BroadcastSender:
                 abandoned.set()  # a worker still waiting for the engine to join gives up
             self.group = None  # its members disagree now: never reused
             raise error
+        return replies["post"][0]

@@ -11,10 +11,13 @@ send it over vLLM's weight-transfer routes, by torch.distributed or by vLLM's NC
 (weight_sender.py). Every directory made is deleted after its load or at close; nothing else
 is touched.
 
-After each load the engine's `weights_id` is read from GET /health (`liger-kd serve` reports it there and in each
-completion reply: a random id per server start and its weight version), so rollouts answered by other weights (the
-engine restarted with its checkpoint's, or another process updated it) are told from the student's
-(engine.EngineRollouts checks each reply). An engine that reports none (vLLM) cannot be checked this way.
+After each load the engine's `weights_id` is noted (`liger-kd serve` reports it in its update replies, /health and
+each completion reply: a random id per server start and its weight version), so rollouts answered by other weights
+(the engine restarted with its checkpoint's, or another process updated it) are told from the student's
+(engine.EngineRollouts checks each reply). It comes from the reply to this run's own update: a GET /health after it
+could already name another process's update landed in between. Only loads whose reply carries none (a LoRA
+adapter's plain-text reply, vLLM's) fall back to /health. An engine that reports none anywhere (vLLM) cannot be
+checked this way.
 """
 
 from __future__ import annotations
@@ -48,9 +51,14 @@ def served_weights(http: HttpEndpoint) -> int | None:
         raw, _ = http.send("GET", "/health", None, "application/json")
     except TeacherServerError:  # an engine without /health (a 404): no check; a dead one fails its completions
         return None
+    return weights_id_in(raw)
+
+
+def weights_id_in(raw: bytes) -> int | None:
+    """The weights_id a JSON reply names; None when it names none (vLLM's replies, a plain-text one)."""
     try:
         said = json.loads(raw).get("weights_id")
-    except (ValueError, AttributeError, RecursionError):  # not a JSON object: an engine that reports nothing
+    except (ValueError, AttributeError, RecursionError, UnicodeDecodeError):  # not a JSON object: reports nothing
         return None
     return said if isinstance(said, int) and not isinstance(said, bool) else None
 
@@ -123,8 +131,8 @@ class WeightSync:
         if peft is None and self.sender is not None:  # broadcast: a copy where the weights are, sent by the load
             tensors = self.sender.snapshot(model)
 
-            def load() -> None:
-                self.sender.send(tensors, step)
+            def load() -> int | None:
+                return self.sender.send(tensors, step)
         elif peft is not None:
             target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=self._directory()))
             adapter = peft.active_adapter
@@ -138,29 +146,40 @@ class WeightSync:
                 self.http.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
                 self.loaded_name = name
                 self._on_engine.append(name)
-                if previous is not None:
+                if previous is not None and previous in self._on_engine:  # not when the engine lost it (restart)
                     self._unload(previous)
                 self._remove(kept)  # vLLM may read a loaded adapter's directory again: kept until the next one
+                # the reply is vLLM's plain text, with no weights_id: None, so /health is read (an adapter changes
+                # no weights_id; its name guards the rollouts: an engine without it answers 404, EngineRollouts)
         else:
             from safetensors.torch import save_file
 
             target = Path(tempfile.mkdtemp(prefix=f"step{step}-", dir=self._directory()))
             tensors = unique_tensors(model.state_dict())  # a CPU copy now; the file is written by the load
 
-            def load() -> None:
+            def load() -> int | None:
                 try:
                     save_file(tensors, str(target / "model.safetensors"))
-                    self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
+                    raw, _ = self.http.post_json("/update_weights_from_disk", {"model_path": str(target)})
+                    return weights_id_in(raw)  # this update's: /health could name another update landed since
                 finally:
                     self._remove(target)  # loaded (or refused): the engine holds the weights, not the file
 
         def load_and_note() -> None:
-            load()
-            self.engine_weights = served_weights(self.http)  # what the replies to this push's rollouts must name
+            said = load()
+            # what the replies to this push's rollouts must name: the update's own reply's; /health only for replies
+            # that carry none (vLLM's, an adapter's plain text), where a concurrent update cannot be told apart
+            self.engine_weights = said if said is not None else served_weights(self.http)
 
         self.synced_step = step
         self.pushes += 1
         return load_and_note
+
+    def engine_lost(self) -> None:
+        """The engine no longer holds what this run loaded (it restarted): the next push loads afresh, unloading
+        nothing (an adapter the engine lacks cannot be unloaded: a 400 that would stop the run)."""
+        self._on_engine.clear()
+        self.synced_step, self.model_name, self.loaded_name, self.engine_weights = None, None, None, None
 
     def forget_staged(self) -> None:
         """After asynchronous loads were cancelled or failed: push again before the next rollouts, and name the
