@@ -6,6 +6,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
+  model_config      text_config: the language model's config (a VLM's text config)
   forward_options   decode_forward_options: router outputs off in decode forwards (MoE configs that ask)
   padding           prefill_mask: a left-padded prefill's mask without fully masked rows (eager float64's NaN)
   checks            decode()'s arguments refused before any work (one-line errors)
@@ -15,6 +16,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
 from .decode_attention import packed_decode_attention
 from .engine import CAPTURES, decode, decode_applies, left_padded, release_if_large, release_sessions
 from .forward_options import decode_forward_options
+from .model_config import text_config
 from .padding import masked_rows_give_nan, prefill_mask
 from .sampling import Sampling, filtered_scores
 
@@ -31,4 +33,5 @@ __all__ = [
     "prefill_mask",
     "release_if_large",
     "release_sessions",
+    "text_config",
 ]

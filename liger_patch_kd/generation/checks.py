@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model_config import text_config
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -56,7 +58,7 @@ def check_decode_arguments(
         raise ValueError(f"the prompts must be left-padded (every row's last column attended); {last_unattended} "
                          f"row(s) of attention_mask end in padding (or are all padding): pad on the left "
                          f"(tokenizer.padding_side = 'left') and drop empty prompts")  # fmt: skip
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model)
     context = getattr(text, "max_position_embeddings", None)
     if _is_int(context) and longest + max_new_tokens > context:
         raise ValueError(f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) passes the "

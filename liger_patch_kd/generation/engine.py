@@ -35,6 +35,8 @@ from .decode_attention import decode_kernel, packed_decode_attention
 from .forward_options import decode_forward_options
 from .fused_projections import FusedProjections
 from .kv_cache import SlotCache
+from .model_config import text_config
+from .padding import self_visible_causal
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 from .sampling_kernel import gumbel_argmax
 
@@ -89,7 +91,7 @@ def decode_applies(model: nn.Module) -> str | None:
     params = inspect.signature(type(model).forward).parameters
     if not {"logits_to_keep", "position_ids"} <= set(params):
         return "its forward takes no logits_to_keep / position_ids"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     if getattr(text, "_attn_implementation", None) != "sdpa":
         return f"its attention is {getattr(text, '_attn_implementation', None)!r}, the engine builds SDPA's masks"
     if any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or ())):
@@ -167,10 +169,7 @@ class DecodeSession:
         rows, width = input_ids.shape
         attended = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=self.device)
-        # a padding position attends to itself only: finite values in its (never attended) cache column, no NaN
-        mask = ((causal & attended[:, None, :]) | eye)[:, None]
+        mask = self_visible_causal(attended)  # a padding position attends to itself only: no NaN, no fully masked row
         self.cache.decoding = False
         if self.fused_draw:  # from the call's seeded generator: the same seed, the same completions
             self.seed.copy_(torch.randint(0, 2**62, (1,), device=self.device))

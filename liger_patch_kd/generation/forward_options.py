@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from .model_config import text_config
+
 
 def decode_forward_options(model: nn.Module) -> dict:
     """Keyword arguments for a decode forward of `model`: output_router_logits=False where its config has it."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {"output_router_logits": False} if getattr(text, "output_router_logits", False) else {}
+    return {"output_router_logits": False} if getattr(text_config(model), "output_router_logits", False) else {}

@@ -17,15 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+from .model_config import text_config
 
 
 def masked_rows_give_nan(model: nn.Module) -> bool:
     """Whether `model` turns a fully masked query row into NaN: eager attention with float64 activations."""
-    if getattr(_text_config(model), "_attn_implementation", None) != "eager":
+    if getattr(text_config(model), "_attn_implementation", None) != "eager":
         return False
     return _dtype(model) == torch.float64
 
@@ -43,15 +40,23 @@ def prefill_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     (whose own mask a 4D one would replace) is refused there, naming the fix."""
     if bool(mask.all()) or not masked_rows_give_nan(model):
         return mask
-    text = _text_config(model)
+    text = text_config(model)
     if any("sliding" in str(t) for t in (getattr(text, "layer_types", None) or ())) or (
         getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     ):
         raise ValueError("attn_implementation='eager' in float64 gives NaN logits for left-padded prompts of "
                          "different lengths with a sliding window: load the model with attn_implementation='sdpa'")
-    width, device = mask.shape[1], mask.device
-    visible = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & mask.bool()[:, None, :]
-    visible |= torch.eye(width, dtype=torch.bool, device=device)  # a padding row sees itself: never fully masked
+    visible = self_visible_causal(mask.bool())
     dtype = _dtype(model)
-    zeros = torch.zeros(visible.shape, dtype=dtype, device=device)
-    return zeros.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+    zeros = torch.zeros(visible.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def self_visible_causal(attended: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, W, W) boolean prefill mask of left-padded rows (`attended` (B, W) True on prompt tokens): each
+    position sees the attended positions up to itself, and a padding position sees itself too, so no query row is
+    fully masked (finite values in its never-read outputs and cache column; real rows see what the 2D mask gives)."""
+    width, device = attended.shape[1], attended.device
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    return ((causal & attended[:, None, :]) | eye)[:, None]

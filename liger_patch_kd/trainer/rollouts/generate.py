@@ -26,6 +26,7 @@ from ...generation import (
     masked_rows_give_nan,
     packed_decode_attention,
     release_if_large,
+    text_config,
 )
 from ...models import original_forward, transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
@@ -170,8 +171,7 @@ def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens
     """ValueError unless every prompt plus max_new_tokens fits the generator's context (its config's
     max_position_embeddings; no limit when it has none), as an engine refuses the same prompt (vLLM's
     max_model_len). Checked before a step's rollouts are generated, in process or by an engine."""
-    config = getattr(unwrap_model(generator), "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(unwrap_model(generator))
     context = getattr(text, "max_position_embeddings", None)
     if not isinstance(context, int):
         return
