@@ -186,6 +186,12 @@ class GenerationEngine:
         forward; 2**32 updates would wrap the version, which no run makes."""
         return self.instance << 32 | self.weight_version & 0xFFFFFFFF
 
+    def weights_fields(self, weights_id: int | None = None) -> dict[str, int]:
+        """`weight_version` and `weights_id` as the replies name them: those of `weights_id` (an update's, read under
+        the lock with it), else of the current weights, read once so that both fields name the same weights."""
+        weights_id = self.weights_id if weights_id is None else weights_id
+        return {"weight_version": weights_id & 0xFFFFFFFF, "weights_id": weights_id}
+
     @contextmanager
     def using(self, adapter: str | None = None):
         """The model to itself, with `adapter` on (None: adapters off): the teacher scoring path's guard. An
@@ -322,7 +328,7 @@ class GenerationEngine:
         path = _field(body, "model_path")
         count, weights_id = self.apply_state(read_safetensors(path, self.check_state))
         return {"success": True, "message": f"updated {count} tensors from {path}", "num_tensors": count,
-                "weight_version": weights_id & 0xFFFFFFFF, "weights_id": weights_id}  # fmt: skip
+                **self.weights_fields(weights_id)}  # fmt: skip
 
     def check_state(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Refuse (400) an update of these (shape, dtype) tensors before any weight changes (weight_updates.py)."""

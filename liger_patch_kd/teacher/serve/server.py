@@ -266,7 +266,7 @@ def build_app(
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "batches_run": batcher.batches_run, "forwards_run": batcher.forwards_run,
-                "weight_version": engine.weight_version, "weights_id": engine.weights_id}  # fmt: skip
+                **engine.weights_fields()}  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> dict:

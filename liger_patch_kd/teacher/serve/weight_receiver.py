@@ -199,15 +199,13 @@ class WeightReceiver:
         if refusal is not None:  # drained: the group stays in step with the trainer
             raise refusal
         count, weights_id = self.engine.apply_state(state)
-        return {"success": True, "num_tensors": count, "weight_version": weights_id & 0xFFFFFFFF,
-                "weights_id": weights_id}  # fmt: skip
+        return {"success": True, "num_tensors": count, **self.engine.weights_fields(weights_id)}
 
     def finish(self, body: Any) -> dict[str, Any]:
         self._require_group()
         version = body.get("weight_version") if isinstance(body, dict) else None
         self.version = None if version is None else str(version)
-        return {"success": True, "weight_version": self.engine.weight_version, "weights_id": self.engine.weights_id,
-                "trainer_version": self.version}  # fmt: skip
+        return {"success": True, **self.engine.weights_fields(), "trainer_version": self.version}
 
     def shutdown(self, body: Any) -> dict[str, Any]:
         groups, self.group, self.retired, self.metadata = (self.group, self.retired), None, None, []
