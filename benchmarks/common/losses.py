@@ -1,5 +1,5 @@
 """What the loss benchmarks share (bench_fused_linear_jsd, bench_loss_breakdown, bench_loss_floor): inputs of a Llama-
-shaped loss, Liger's methods, the relative error."""
+shaped loss, Liger's and TRL's methods, the relative error."""
 
 from __future__ import annotations
 
@@ -42,6 +42,25 @@ def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
         "liger chunked (compiled)": lambda x, _: chunked(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
         "liger triton": lambda x, _: fused(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"]),
     }, None
+
+
+def trl_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:
+    """TRL's own divergence kernel, what `DistillationTrainer` runs on hidden states and heads: the competitor a TRL
+    user has today. Its reduction is sum / num_items_in_batch over the unmasked rows, the same as ours."""
+    try:
+        from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    except ImportError as e:
+        return {}, f"TRL's divergence kernel not importable ({e}); its row is skipped"
+
+    def trl_divergence(x: dict, _) -> torch.Tensor:
+        mask = x["labels"] != cfg.ignore_index
+        loss, _entropy, _count = _chunked_divergence_loss(
+            x["h_s"][None], x["h_t"][None], x["w_s"], x["w_t"], mask[None], beta=cfg.beta,
+            num_items_in_batch=mask.sum(), temperature=cfg.temperature,
+        )  # fmt: skip
+        return loss
+
+    return {"trl divergence kernel": trl_divergence}, None
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 """Fused linear JSD, forward + backward, on one GPU: this project against plain PyTorch, Liger-Kernel's two
-losses and the matmul floor, in one run.
+losses, TRL's divergence kernel and the matmul floor, in one run.
 
     python -m benchmarks.loss.bench_fused_linear_jsd --out runs/bench_fused_linear_jsd.json
 
@@ -19,7 +19,7 @@ from liger_patch_kd import KDLossConfig, fused_linear_jsd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 
 from ..common import cuda_time_ms, environment, peak_extra_gib, print_table, write_json
-from ..common.losses import GEMMA_V, LLAMA_V, QWEN_V, liger_methods, make_inputs, rel_err
+from ..common.losses import GEMMA_V, LLAMA_V, QWEN_V, liger_methods, make_inputs, rel_err, trl_methods
 
 # Qwen2.5: 0.5B-3B heads have 151936 rows, 7B and up 152064; the tokenizer holds 151665 real tokens
 QWEN_SMALL_V, QWEN_LARGE_V, QWEN_TOKENS = 151936, 152064, 151665
@@ -203,9 +203,11 @@ def main() -> None:
     groups = set(args.only)
 
     cfg = KDLossConfig(beta=0.5)
-    liger, note = liger_methods(cfg)
+    liger, liger_note = liger_methods(cfg)
+    trl, trl_note = trl_methods(cfg)
+    note = "; ".join(n for n in (liger_note, trl_note) if n) or None
     methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
-               "plain pytorch": method_torch, **liger}  # fmt: skip
+               "plain pytorch": method_torch, **liger, **trl}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
     if not args.quick and "vocab" in groups:
         cases += [(8192, QWEN_V, cfg, False), (8192, GEMMA_V, cfg, False)]
@@ -216,8 +218,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         if case_cfg is not cfg:  # other betas: ours and the Liger losses (same convention), not plain torch again
-            liger_b, _ = liger_methods(case_cfg)
-            case_methods = {"liger_patch_kd": method_ours, **liger_b}
+            case_methods = {"liger_patch_kd": method_ours, **liger_methods(case_cfg)[0], **trl_methods(case_cfg)[0]}
         else:
             case_methods = methods
         if args.methods:
