@@ -42,8 +42,8 @@ class StoreRefresh:
             max_new_tokens=section["max_new_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
             top_k=sampling["top_k"], num_generations=1, cache=args.kd_generation_cache, seed=args.seed,
         )  # fmt: skip
-        self.score = ScoreOptions(top_k=meta["top_k"], samples=samples_of(meta), temperature=meta.get("temperature", 1.0),
-                                  seed=meta.get("sample_seed", 0))  # fmt: skip
+        self.score = ScoreOptions(top_k=meta["top_k"], samples=samples_of(meta),
+                                  temperature=meta.get("temperature", 1.0), seed=meta.get("sample_seed", 0))
         self.dtype = LOGPROB_DTYPES[meta.get("logprob_dtype", "float32")]
         self.collator = collator
         self.refreshed_steps: list[int] = []

@@ -57,13 +57,17 @@ class OfflineRollouts:
                                  f"set kd_store_refresh_steps=0")  # fmt: skip
             return None
         if args.kd_lmbda > 0 or args.kd_seq_kd:
-            raise ValueError(f"train_dataset is a rollout store, whose rows are the student's samples already; "
-                             f"kd_lmbda={args.kd_lmbda} / kd_seq_kd={args.kd_seq_kd} would sample more: set kd_lmbda=0 "
-                             f"and kd_seq_kd=False, and kd_store_refresh_steps to resample part of the store")  # fmt: skip
+            raise ValueError(
+                f"train_dataset is a rollout store, whose rows are the student's samples already; kd_lmbda="
+                f"{args.kd_lmbda} / kd_seq_kd={args.kd_seq_kd} would sample more: set kd_lmbda=0 and kd_seq_kd=False, "
+                f"and kd_store_refresh_steps to resample part of the store"
+            )
         if args.kd_onpolicy_loss != "divergence" and not sampling_is_the_policy(section):
-            raise ValueError(f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} estimates the KL on tokens sampled from the "
-                             f"student's own distribution, and the store was sampled with {section['sampling']}: make "
-                             f"it with temperature 1, top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'")  # fmt: skip
+            raise ValueError(
+                f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} estimates the KL on tokens sampled from the student's own "
+                f"distribution, and the store was sampled with {section['sampling']}: make it with temperature 1, "
+                f"top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'"
+            )
         if teacher_model is not None:
             check_teacher_consistency(meta, teacher_model)
         elif args.kd_store_refresh_steps:
