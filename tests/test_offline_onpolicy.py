@@ -222,7 +222,7 @@ def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenize
 def checkpoints(tmp_path_factory, models, tokenizer):
     root = tmp_path_factory.mktemp("models")
     for name, model, tok in (("student", models[0], tokenizer), ("teacher", models[1], tokenizer),
-                             ("other", models[1], _tokenizer(100, "lorem ipsum dolor sit amet. " * 20))):  # fmt: skip
+                             ("other", models[1], _tokenizer(300, "lorem ipsum dolor sit amet. " * 20))):  # fmt: skip
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
     short = copy.deepcopy(models[0])
