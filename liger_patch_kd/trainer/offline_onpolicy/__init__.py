@@ -9,6 +9,7 @@ many times (Lightning OPD), with an optional refresh of part of them by the curr
 - setup.py: what KDTrainer does on a rollout store (checks, teacher consistency, collator, refresh).
 """
 
+from ..rollouts.generate import RolloutSettings
 from .collator import RolloutStoreCollator
 from .scoring import ScoreOptions, score_rollouts
 from .setup import OfflineRollouts
@@ -18,6 +19,7 @@ from .store import precompute_rollouts
 __all__ = [
     "BEHAVIOUR_KL",
     "OfflineRollouts",
+    "RolloutSettings",
     "RolloutStoreCollator",
     "ScoreOptions",
     "StoredRolloutsTeacher",
