@@ -96,8 +96,8 @@ def test_stored_rows_are_what_an_on_policy_step_samples_and_scores(tmp_path, mod
 def _args(tmp_path, **overrides):
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
                 max_steps=3, learning_rate=3e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                disable_tqdm=True, seed=0, dataloader_num_workers=0, use_kd_patch=True, kd_max_new_tokens=5,
-                remove_unused_columns=False)  # fmt: skip
+                disable_tqdm=True, seed=0, dataloader_num_workers=0, use_kd_patch=True,
+                kd_max_new_tokens=5)  # fmt: skip (remove_unused_columns stays True: the store's columns get through)
     return KDTrainingArguments(**{**base, **overrides})
 
 
@@ -121,8 +121,10 @@ def test_training_on_the_store_equals_on_policy_training_on_those_rollouts(tmp_p
                                tuple(item["behaviour_logprobs"][scored].tolist())))  # fmt: skip
         return out
 
-    online = KDTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), processing_class=tokenizer,
-                       args=_args(tmp_path / "a", kd_lmbda=1.0, kd_onpolicy_loss=loss), train_dataset=PROMPTS)  # fmt: skip
+    online = KDTrainer(
+        model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), processing_class=tokenizer,
+        args=_args(tmp_path / "a", kd_lmbda=1.0, kd_onpolicy_loss=loss), train_dataset=PROMPTS,
+    )  # fmt: skip
     online.onpolicy.source = from_store
     online.onpolicy.behaviour = loss == "pg"  # as an engine's rollouts: their behaviour log-probs go to the loss
     online.train()

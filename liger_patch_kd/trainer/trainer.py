@@ -254,6 +254,7 @@ class KDTrainer(Trainer):
         extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
         extra += list(ROUTING_COLUMNS) if self.teacher_set is not None else []
         extra += list(PRIVILEGED_COLUMNS)
+        extra += list(self.offline.columns) if self.offline is not None else []  # a rollout store's log-probs
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss

@@ -9,7 +9,7 @@ from ...teacher.precompute import teacher_fingerprint
 from ...teacher.store import store_meta
 from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
 from ..arguments import checks_arguments
-from .collator import RolloutStoreCollator
+from .collator import LOGPROB_COLUMNS, RolloutStoreCollator
 from .refresh import StoreRefresh
 from .source import StoredRolloutsTeacher
 
@@ -75,6 +75,11 @@ class OfflineRollouts:
                              f"the teacher: pass teacher_model (the one that scored the store)")  # fmt: skip
         pad = getattr(tokenizer, "pad_token_id", None)
         return cls(meta, args, RolloutStoreCollator(pad_token_id=0 if pad is None else pad))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The store items' columns besides a store's usual ones (the Trainer keeps them for the collator)."""
+        return tuple(LOGPROB_COLUMNS)
 
     def teacher_source(self, fused: bool) -> StoredRolloutsTeacher:
         return StoredRolloutsTeacher(fused)
