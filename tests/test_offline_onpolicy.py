@@ -285,3 +285,36 @@ def test_rollout_options_without_rollouts_from_are_refused(tmp_path, checkpoints
             "--out", str(tmp_path / "out"), "--num-generations", "2"]  # fmt: skip
     assert main(argv) == 2
     assert "--num-generations samples rollouts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "pg"])
+def test_the_stored_estimator_loss_matches_the_reference_on_materialised_logits(estimator):
+    from liger_patch_kd import reference
+    from liger_patch_kd.config import KDLossConfig
+    from liger_patch_kd.losses.stored_estimators import linear_estimator_kd
+
+    torch.manual_seed(0)
+    n, h, v = 41, 16, 37
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    labels[::5] = -100
+
+    def at_labels(logits):
+        return torch.log_softmax(logits, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+
+    teacher = at_labels(torch.randn(n, v, dtype=torch.float64))
+    behaviour = at_labels(torch.randn(n, v, dtype=torch.float64)) if estimator == "pg" else None
+    cfg = KDLossConfig(estimator=estimator, hard_weight=0.25, importance_cap=3.0 if estimator == "pg" else None)
+    loss, _, _ = linear_estimator_kd(hidden, weight, None, labels, teacher, cfg, 30, behaviour)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    log_q = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    scored = labels != -100
+    if behaviour is None:
+        terms = reference.kl_estimator_terms(log_q, teacher, estimator)
+    else:
+        terms = reference.policy_gradient_terms(log_q, teacher, behaviour, importance_cap=3.0)
+    expected = torch.where(scored, terms - 0.25 * log_q, 0.0).sum() / 30
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(expected, (hidden, weight))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
