@@ -38,6 +38,9 @@ def _demo(args) -> None:
 
 
 def _precompute(args) -> None:
+    if args.rollouts_from:
+        _precompute_rollouts(args)
+        return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -76,6 +79,56 @@ def _precompute(args) -> None:
     if skipped:
         print(f"skipped {sum(skipped.values())} bad lines: " + ", ".join(f"{n} {why}" for why, n in skipped.items()))
     print(f"wrote {out} ({len(sequences)} sequences)")
+
+
+def _precompute_rollouts(args) -> None:
+    """--rollouts-from: the student's rollouts, scored by the teacher (trainer/offline_onpolicy/store.py). Every
+    input is checked against the tokenizers and configs before either model's weights load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .teacher import tokenizer_fingerprint
+    from .teacher.precompute import check_precompute_args, file_fingerprint
+    from .teacher.store import check_store_folder
+    from .trainer.offline_onpolicy import ScoreOptions, precompute_rollouts
+    from .trainer.offline_onpolicy.store import check_rollout_inputs, read_prompt_rows
+    from .trainer.rollouts.generate import RolloutSettings
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.rollouts_from)
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(args.teacher)
+    except (OSError, ValueError):
+        teacher_tokenizer = None  # a teacher folder without one: it is taken to share the student's
+    if teacher_tokenizer is not None and tokenizer_fingerprint(teacher_tokenizer) != tokenizer_fingerprint(tokenizer):
+        raise ValueError(
+            f"--teacher {args.teacher} has another tokenizer than --rollouts-from {args.rollouts_from}: a rollout "
+            f"store pairs the teacher's log-probs with the student's tokens one for one; score with a teacher of the "
+            f"student's tokenizer (across tokenizers, train on-policy online with kd_teacher_tokenizer)"
+        )
+    configs = [AutoConfig.from_pretrained(m).get_text_config() for m in (args.rollouts_from, args.teacher)]
+    check_precompute_args(configs[1].vocab_size, top_k=args.top_k, temperature=args.temperature,
+                          shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding,
+                          samples=args.samples)  # fmt: skip
+    check_store_folder(args.out)
+    settings = RolloutSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.generation_temperature, top_p=args.top_p,
+        top_k=args.generation_top_k, num_generations=args.num_generations, seed=args.seed,
+    )  # fmt: skip
+    prompts = read_prompt_rows(args.data, tokenizer)
+    contexts = [c for c in (getattr(cfg, "max_position_embeddings", None) for cfg in configs) if isinstance(c, int)]
+    check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size, context=min(contexts, default=None),
+                         vocab_size=min(cfg.vocab_size for cfg in configs))  # fmt: skip
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    student = AutoModelForCausalLM.from_pretrained(args.rollouts_from, dtype="auto").to(device)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto").to(device)
+    out = precompute_rollouts(
+        student, teacher, prompts, args.out, settings=settings, prompts_per_call=args.batch_size,
+        score=ScoreOptions(top_k=args.top_k, samples=args.samples, temperature=args.temperature, seed=args.seed),
+        shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding, tokenizer=tokenizer,
+        student_name=args.rollouts_from, teacher_name=args.teacher, tokenizer_fp=tokenizer_fingerprint(tokenizer),
+        inputs={"data file": file_fingerprint(args.data)},
+    )  # fmt: skip
+    print(f"wrote {out} ({len(prompts) * args.num_generations} rollouts of {len(prompts)} prompts)")
 
 
 def _convert(args) -> None:
@@ -159,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--temperature", type=float, default=1.0, help="> 0; keep 1: tempering later is exact")
     pre.add_argument("--max-length", type=int, default=None,
                      help="truncate sequences to this many tokens (>= 1); None: keep them whole")  # fmt: skip
-    pre.add_argument("--batch-size", type=int, default=8, help="sequences per teacher forward")
+    pre.add_argument("--batch-size", type=int, default=8,
+                     help="sequences per teacher forward (--rollouts-from: prompts per generation call)")
     pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")
     pre.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                      help="log-prob dtype of a plain store")  # fmt: skip
@@ -172,12 +226,30 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--samples", type=int, default=0,
                      help="m > 0: also m tokens per position drawn from the teacher at --temperature (with counts and "
                      "log-probs; --top-k 0: the draws alone), for the unbiased sampled loss")  # fmt: skip
-    pre.add_argument("--seed", type=int, default=0, help="seed of the --samples draws (reproducible)")
+    pre.add_argument("--seed", type=int, default=0,
+                     help="seed of the --samples draws and of the --rollouts-from sampling (reproducible)")
     pre.add_argument("--tokenizer", default=None, help="tokenizer path; None: the teacher's")
     pre.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     pre.add_argument("--skip-bad-lines", action="store_true",
                      help="skip lines with no tokens, ids outside the teacher's vocabulary or invalid JSON (counted "
                           "at the end) instead of stopping at the first")  # fmt: skip
+    roll = pre.add_argument_group(
+        "rollouts (offline on-policy)", "--rollouts-from STUDENT: --data holds prompts ('prompt' or 'messages' rows, "
+        "TRL's formats); the student samples completions once, the teacher scores them (top-k / --samples, and its "
+        "log-prob of every sampled token), and the store keeps the student's log-prob of each sampled token too")
+    roll.add_argument("--rollouts-from", default=None,
+                      help="HF model path or name of the student that samples the completions; None: a store of "
+                           "the --data sequences")  # fmt: skip
+    roll.add_argument("--num-generations", type=int, default=None, help="completions per prompt; None: 1")
+    roll.add_argument("--max-new-tokens", type=int, default=None,
+                      help="the longest completion (it ends at EOS or here); None: 128")  # fmt: skip
+    roll.add_argument("--generation-temperature", type=float, default=None,
+                      help="sampling temperature; None: 1, the student's own distribution, which the k1 / pg "
+                           "losses assume (--temperature is the teacher's)")  # fmt: skip
+    roll.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]; None: 1 (off)")
+    roll.add_argument("--generation-top-k", type=int, default=None,
+                      help="sample from the student's k most likely tokens; None: 0 (off; --top-k is the "
+                           "teacher's slots)")  # fmt: skip
     pre.set_defaults(func=_precompute)
 
     conv = sub.add_parser("convert", help="teacher data between a store and other tools' formats", formatter_class=fmt)

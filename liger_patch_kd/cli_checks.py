@@ -104,7 +104,33 @@ def check_demo(args) -> None:
                          "without either)")  # fmt: skip
 
 
+ROLLOUT_OPTIONS = {"num_generations": 1, "max_new_tokens": 128, "generation_temperature": 1.0, "top_p": 1.0,
+                   "generation_top_k": 0}  # --rollouts-from's sampling options and their defaults
+
+
+def check_rollout_options(args) -> None:
+    """--rollouts-from's options: given without it they would be ignored (refused); with it, defaults filled in."""
+    given = [option(dest) for dest in ROLLOUT_OPTIONS if getattr(args, dest, None) is not None]
+    if not getattr(args, "rollouts_from", None):
+        if given:
+            raise ValueError(f"{given[0]} samples rollouts, which only --rollouts-from STUDENT does: add it, or drop "
+                             f"{given[0]}")  # fmt: skip
+        return
+    for dest, default in ROLLOUT_OPTIONS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    at_least(args, "num_generations", 1)
+    at_least(args, "max_new_tokens", 1)
+    at_least(args, "generation_top_k", 0)
+    if not (math.isfinite(args.generation_temperature) and args.generation_temperature > 0):
+        raise ValueError(f"--generation-temperature {args.generation_temperature:g}: must be a finite number > 0")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p:g}: must be in (0, 1] (1: no nucleus truncation)")
+    check_model(args, "rollouts_from")
+
+
 def check_precompute(args) -> None:
+    check_rollout_options(args)
     check_exists(args, "data", "file")
     at_least(args, "samples", 0, 255)
     at_least(args, "top_k", 0 if args.samples else 1)  # with --samples, --top-k 0 is the draws alone

@@ -139,6 +139,19 @@ class KDTrainingArguments(TrainingArguments):
         metadata={"help": "Where the pushed weights are written for the engine to read (a temporary directory made "
                   "and deleted inside it); None: the system's temporary directory."},
     )  # fmt: skip
+    kd_store_refresh_steps: int = field(
+        default=0,
+        metadata={"help": "Training on a rollout store (liger-kd precompute --rollouts-from): every N optimizer steps, "
+                  "regenerate kd_store_refresh_fraction of that step's rows with the current student and rescore "
+                  "them with teacher_model (the store's own teacher), in memory (the store's files are not "
+                  "rewritten). 0: fully offline, the stored rollouts only; 1 with fraction 1: every step on fresh "
+                  "samples (fully online). Refresh when kd_behaviour_kl grows."},
+    )  # fmt: skip
+    kd_store_refresh_fraction: float = field(
+        default=1.0,
+        metadata={"help": "The share of a refreshed step's rows regenerated (the first ceil(fraction x rows) of each "
+                  "micro-batch), in (0, 1]."},
+    )  # fmt: skip
     kd_max_prompt_length: int | None = field(
         default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}
     )

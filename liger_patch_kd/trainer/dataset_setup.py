@@ -93,6 +93,8 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
     teacher scores the generated steps; kd_seq_kd samples from it; it scores evaluation rows without their own)."""
     if teacher_model is None or not isinstance(first_row, dict) or args.kd_lmbda > 0 or args.kd_seq_kd:
         return
+    if getattr(args, "kd_store_refresh_steps", 0):  # it rescores a rollout store's refreshed rows
+        return
     evaluations = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset] if eval_dataset else []
     for row in map(first_row_of, evaluations):
         if not isinstance(row, dict) or not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):

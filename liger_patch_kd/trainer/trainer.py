@@ -26,6 +26,7 @@ from .dataset_setup import (
     with_vocab_size,
 )
 from .nonfinite import check_logged, check_step_loss
+from .offline_onpolicy import OfflineRollouts
 from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
@@ -114,6 +115,11 @@ class KDTrainer(Trainer):
             )
             for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
+        # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
+        self.offline = OfflineRollouts.setup(args, kwargs.get("train_dataset"), teacher_model,
+                                             kwargs.get("processing_class"))  # fmt: skip
+        if self.offline is not None and kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = self.offline.collator
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
         evaluation = kwargs.get("eval_dataset")
         check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
@@ -176,6 +182,8 @@ class KDTrainer(Trainer):
             return SeveralTeachers(self.teacher_set, fused)
         if self.xtok is not None:
             return OtherTokenizerTeacher(self.xtok, self.teacher_model, args, fused)
+        if self.offline is not None:  # a rollout store's rows (a teacher_model only rescores refreshed ones)
+            return self.offline.teacher_source(fused)
         if self.teacher_set is not None:  # rows routed to named teachers: served by each, or stored
             if isinstance(args.kd_teacher_url, Mapping):
                 return ServedTeachers(self.teacher_set, args, fused)
@@ -246,6 +254,7 @@ class KDTrainer(Trainer):
         extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
         extra += list(ROUTING_COLUMNS) if self.teacher_set is not None else []
         extra += list(PRIVILEGED_COLUMNS)
+        extra += list(self.offline.columns) if self.offline is not None else []  # a rollout store's log-probs
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
 
     # ---------------------------------------------------------------------------------------------- loss
@@ -311,6 +320,9 @@ class KDTrainer(Trainer):
             device=self.args.device, attach_teacher=None if self._served is None else self._served.with_teacher,
             make_rows=rows,
         )  # fmt: skip
+        if self.offline is not None:  # kd_store_refresh_steps: a slice of the stored rows resampled now
+            batches = self.offline.refreshed(batches, self.model, self.teacher_model, tokenizer=self.processing_class,
+                                             step=self.state.global_step, vocab_size=self.kd_config.vocab_size)
         return batches, self._get_num_items_in_batch(batches, device)
 
     # -------------------------------------------------------------------------------------------- logging

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from .compact import codec_from_manifest
-from .samples import SAMPLED_FORMAT_VERSION, min_top_k, sample_option_problem
+from .rollouts import ROLLOUT_FORMAT_VERSION
+from .samples import min_top_k, sample_option_problem
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -79,8 +80,8 @@ def _manifest_problem(meta: dict) -> str | None:
     version = meta["format_version"]
     if not _is_int(version, 1):
         return f"format_version {version!r} is not a store format (1 .. {FORMAT_VERSION}): the manifest is damaged"
-    if version > SAMPLED_FORMAT_VERSION:
-        return f"store format {version}; this version reads up to {SAMPLED_FORMAT_VERSION}: upgrade liger-patch-kd"
+    if version > ROLLOUT_FORMAT_VERSION:
+        return f"store format {version}; this version reads up to {ROLLOUT_FORMAT_VERSION}: upgrade liger-patch-kd"
     edited = "the manifest was edited or is damaged; restore it or recompute the store"
     if not _is_int(meta["vocab_size"], 1) or meta["vocab_size"] >= 2**31:
         return f"vocab_size {meta['vocab_size']!r} is not a vocabulary size: {edited}"

@@ -13,6 +13,7 @@ import torch
 
 from .compact import codec_from_manifest
 from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
+from .rollouts import rollout_item, rollout_layout
 from .samples import sample_item, sample_layout, samples_of
 from .shard import ShardDamaged, ShardReader, sha256_file
 
@@ -110,7 +111,8 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         if not path.exists():
             raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
         layout = {"top_k": self.top_k, "row_bytes": None if self._codec is None else self._codec.row_bytes,
-                  "samples": lambda n: sample_layout(self.meta, self._codec, n)}  # fmt: skip
+                  "samples": lambda n: sample_layout(self.meta, self._codec, n),
+                  "rollouts": lambda n: rollout_layout(self.meta, n)}  # fmt: skip
         try:
             reader = ShardReader(path, entry, layout)
         except ShardDamaged as e:
@@ -138,6 +140,7 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         if samples_of(self.meta):
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("sample_logprobs")] if self._codec is None else None
             item.update(sample_item(self.meta, self._codec, raw, dtype, n))
+        item.update(rollout_item(self.meta, raw, n))  # a rollout store's labels and log-probs (rollouts.py)
         if k == 0:
             pass  # sampled tokens alone: no top-k columns
         elif self._codec is None:

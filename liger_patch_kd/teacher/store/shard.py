@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-# sampled teacher tokens (samples.py) come last, so the checksums of stores without them are unchanged
+# sampled teacher tokens (samples.py), then a rollout store's columns (rollouts.py) come last, so the checksums of
+# stores without them are unchanged
 ARRAY_ORDER = ("input_ids", "topk_ids", "topk_logprobs", "topk_packed", "sample_ids", "sample_logprobs",
-               "sample_packed", "sample_counts")  # fmt: skip
+               "sample_packed", "sample_counts", "labels", "behaviour_logprobs", "teacher_token_logprobs")  # fmt: skip
 _NUMPY = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
 
@@ -164,6 +165,7 @@ class ShardReader:
             want, other = {"topk_packed": (("U8",), (n, row_bytes))}, "topk_ids"
         want = want if k else {}  # sampled tokens alone (samples.py): no top-k arrays
         want.update(layout.get("samples", lambda n: {})(n))
+        want.update(layout.get("rollouts", lambda n: {})(n))
         if other in self.arrays:
             kind = "packed" if other == "topk_packed" else "plain"
             raise ShardDamaged(f"it is a {kind} shard but the manifest's encoding is "

@@ -19,11 +19,12 @@ from safetensors.torch import save_file
 from .compact import codec_from_manifest, codec_from_spec
 from .ids import ID_LIMIT, token_ids
 from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
+from .rollouts import ROLLOUT_FORMAT_VERSION, rollout_tensors, rollouts_of
 from .samples import SAMPLED_FORMAT_VERSION, min_top_k, sample_option_problem, sample_tensors, samples_of
 from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 
 # Manifest keys that describe a store but do not shape its contents: a resume may differ in them.
-_DESCRIPTIVE = {"teacher", "shards", "max_id", "max_input_id"}
+_DESCRIPTIVE = {"teacher", "generator", "shards", "max_id", "max_input_id"}
 # The only files a writer removes on its own: the temporaries it names itself.
 _OWN_TEMPORARY = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)\.tmp$")
 # The names a writer writes: in a folder without a manifest, someone else's files unless they are marked as its own.
@@ -132,6 +133,7 @@ class StoreWriter:
         _check_store_options(meta)
         codec = codec_from_spec(encoding, meta["vocab_size"], meta["top_k"])
         version = SAMPLED_FORMAT_VERSION if samples_of(meta) else FORMAT_VERSION
+        version = ROLLOUT_FORMAT_VERSION if rollouts_of(meta) is not None else version
         meta = {"format_version": version, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
         check_store_folder(out_dir)
         created_dir = not out_dir.exists()
@@ -184,7 +186,7 @@ class StoreWriter:
 
     def write_shard(
         self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-        packed_rows: np.ndarray | None = None, samples: tuple | None = None,
+        packed_rows: np.ndarray | None = None, samples: tuple | None = None, rollouts: dict | None = None,
     ) -> None:  # fmt: skip
         """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order.
 
@@ -192,6 +194,8 @@ class StoreWriter:
         packed store); they replace encoding `topk_logprobs`, and `topk_ids` is still checked against the vocab.
         samples: (ids, counts, logprobs), each (positions, m), for a store of sampled teacher tokens (samples.py);
         with top_k 0 the top-k arrays are (positions, 0) and not written.
+        rollouts: {labels, behaviour_logprobs, teacher_token_logprobs}, each (positions,), for a store of the
+        student's rollouts (rollouts.py).
         """
         index = self.done_shards()
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
@@ -229,6 +233,10 @@ class StoreWriter:
             max_id = max(max_id, int(sampled.max()) if sampled.numel() else -1)
         elif samples is not None:
             raise ValueError(f"{where}: samples given, but this store holds none: open it with samples=m")
+        if rollouts_of(self.meta) is not None:
+            tensors.update(rollout_tensors(self.meta, rollouts, int(offsets[-1]), where))
+        elif rollouts is not None:
+            raise ValueError(f"{where}: rollouts given, but this store holds none: open it with rollouts={{...}}")
         if k == 0:
             pass  # sampled tokens alone: no top-k arrays
         elif codec is None:

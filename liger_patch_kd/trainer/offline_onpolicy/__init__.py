@@ -1,0 +1,28 @@
+"""Offline on-policy distillation: the student's own rollouts, sampled once, scored by the teacher once, trained on
+many times (Lightning OPD), with an optional refresh of part of them by the current student.
+
+- scoring.py: rollouts scored as a rollout store holds them (teacher top-k / samples, teacher and behaviour
+  log-probs of the sampled tokens);
+- store.py: precompute_rollouts, writing a resumable rollout store (`liger-kd precompute --rollouts-from`);
+- source.py: the teacher source of such rows (the divergence, or the sampled-token estimators on stored log-probs;
+  kd_behaviour_kl); collator.py: their batches; refresh.py: part of a step's rows regenerated in memory;
+- setup.py: what KDTrainer does on a rollout store (checks, teacher consistency, collator, refresh).
+"""
+
+from ..rollouts.generate import RolloutSettings
+from .collator import RolloutStoreCollator
+from .scoring import ScoreOptions, score_rollouts
+from .setup import OfflineRollouts
+from .source import BEHAVIOUR_KL, StoredRolloutsTeacher
+from .store import precompute_rollouts
+
+__all__ = [
+    "BEHAVIOUR_KL",
+    "OfflineRollouts",
+    "RolloutSettings",
+    "RolloutStoreCollator",
+    "ScoreOptions",
+    "StoredRolloutsTeacher",
+    "precompute_rollouts",
+    "score_rollouts",
+]

@@ -1,0 +1,55 @@
+"""Batching a rollout store's rows: TeacherDataCollator's columns (input_ids, the stored labels that ignore the
+prompt, the teacher's top-k / samples), plus the label-aligned behaviour and teacher log-probs of the sampled
+tokens, and the mark of generated rows (so compute_loss takes kd_onpolicy_loss for them); and the way back, from a
+collated batch to its rows (a refresh replaces some of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...teacher import TeacherDataCollator
+from ..rollouts.generate import BEHAVIOUR
+from ..rollouts.onpolicy import GENERATED
+from .source import TEACHER_TOKEN
+
+# a store item's column -> the batch's
+LOGPROB_COLUMNS = {"behaviour_logprobs": BEHAVIOUR, "teacher_token_logprobs": TEACHER_TOKEN}
+
+
+@dataclass
+class RolloutStoreCollator:
+    """Right-pads a rollout store's items (TeacherDataCollator's columns) and adds BEHAVIOUR and TEACHER_TOKEN,
+    (B, T) float32, 0 on the prompt and padding, and GENERATED: the rows are the student's own samples."""
+
+    pad_token_id: int = 0
+    ignore_index: int = -100
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)(features)
+        length = batch["input_ids"].shape[1]
+        for column, key in LOGPROB_COLUMNS.items():
+            values = torch.zeros(len(features), length, dtype=torch.float32)
+            for row, f in enumerate(features):
+                own = torch.as_tensor(f[column], dtype=torch.float32)
+                values[row, : own.shape[0]] = own
+            batch[key] = values
+        batch[GENERATED] = True
+        return batch
+
+
+def rows_of(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """The items a RolloutStoreCollator batch was made of (right-padded rows cut at their attention mask's length),
+    on the CPU, under the store's item names."""
+    names = {value: key for key, value in LOGPROB_COLUMNS.items()}
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    rows = []
+    for row, n in enumerate(lengths):
+        item = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() >= 2 and key != "attention_mask":
+                item[names.get(key, key)] = value[row, :n].cpu()
+        rows.append(item)
+    return rows

@@ -1,0 +1,90 @@
+"""Refreshing a rollout store while training on it: every `kd_store_refresh_steps` optimizer steps, a
+`kd_store_refresh_fraction` of that step's rows (the first ceil(fraction x rows) rows of each micro-batch) get a new
+completion sampled by the current student from the same prompt, with the store's sampling settings, and are
+rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of the
+new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
+rewritten. Steps 0 apart, every 1 with fraction 1 is fully online (every step on the current student's samples);
+none (0) is fully offline."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ...models import unwrap_model
+from ...teacher.store import LOGPROB_DTYPES
+from ...teacher.store.rollouts import IGNORE_INDEX, rollouts_of
+from ...teacher.store.samples import samples_of
+from ..rollouts.generate import Rollout, RolloutSettings, generate_rollouts
+from ..rollouts.onpolicy import special_ids
+from .collator import RolloutStoreCollator, rows_of
+from .scoring import ScoredRow, ScoreOptions, score_rollouts
+
+
+def prompt_of(item: dict[str, torch.Tensor]) -> list[int]:
+    """A stored row's prompt: its tokens before the first scored label."""
+    scored = (item["labels"] != IGNORE_INDEX).nonzero()
+    cut = int(scored[0]) if len(scored) else len(item["labels"])
+    return item["input_ids"][:cut].tolist()
+
+
+class StoreRefresh:
+    """Replaces a slice of a step's stored rows with the current student's rollouts, scored by the teacher."""
+
+    def __init__(self, meta: dict, args: Any, collator: RolloutStoreCollator) -> None:
+        section = rollouts_of(meta)
+        sampling = section["sampling"]
+        self.every, self.fraction = args.kd_store_refresh_steps, args.kd_store_refresh_fraction
+        self.settings = RolloutSettings(
+            max_new_tokens=section["max_new_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+            top_k=sampling["top_k"], num_generations=1, cache=args.kd_generation_cache, seed=args.seed,
+        )  # fmt: skip
+        self.score = ScoreOptions(top_k=meta["top_k"], samples=samples_of(meta),
+                                  temperature=meta.get("temperature", 1.0), seed=meta.get("sample_seed", 0))
+        self.dtype = LOGPROB_DTYPES[meta.get("logprob_dtype", "float32")]
+        self.collator = collator
+        self.refreshed_steps: list[int] = []
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step > 0 and step % self.every == 0
+
+    def __call__(self, batches: list[dict[str, Any]], student, teacher, *, tokenizer: Any, step: int,
+                 vocab_size: int | None) -> list[dict[str, Any]]:  # fmt: skip
+        """The step's micro-batches, the slice of each replaced (all of the step's new rollouts sampled in one call,
+        seeded from (seed, step) as an on-policy step's are)."""
+        if not batches or not self.due(step):
+            return batches
+        rows = [rows_of(batch) for batch in batches]
+        counts = [math.ceil(self.fraction * len(r) - 1e-9) for r in rows]
+        prompts = [prompt_of(item) for r, n in zip(rows, counts) for item in r[:n]]
+        generator = unwrap_model(student)
+        pad, eos_ids, start = special_ids(generator, tokenizer)
+        settings = replace(self.settings, vocab_size=vocab_size)
+        rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
+                                                    start_id=start, step=step)  # fmt: skip
+        scored = iter(score_rollouts(generator, teacher, rollouts, self.score))
+        out = []
+        for batch, own, n in zip(batches, rows, counts):
+            items = [self.item(next(scored)) for _ in range(n)] + own[n:]
+            fresh = self.collator(items)
+            device = batch["input_ids"].device
+            out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in fresh.items()})
+        self.refreshed_steps.append(step)
+        return out
+
+    def item(self, row: ScoredRow) -> dict[str, torch.Tensor]:
+        """A scored rollout as a store item (the store's dtypes, so refreshed rows train as stored ones do)."""
+        item = {"input_ids": row.input_ids, "labels": row.columns["labels"].long(),
+                "behaviour_logprobs": row.columns["behaviour_logprobs"],
+                "teacher_token_logprobs": row.columns["teacher_token_logprobs"]}  # fmt: skip
+        if self.score.top_k:
+            item["teacher_token_ids"] = row.topk_ids.to(torch.int32)
+            item["teacher_logprobs"] = row.topk_logprobs.to(self.dtype)
+        if row.samples is not None:
+            ids, counts, logprobs = row.samples
+            item.update(teacher_sample_ids=ids.to(torch.int32), teacher_sample_counts=counts.to(torch.int32),
+                        teacher_sample_logprobs=logprobs.to(self.dtype))  # fmt: skip
+        return item

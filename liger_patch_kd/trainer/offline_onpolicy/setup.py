@@ -1,0 +1,92 @@
+"""A KDTrainer run on a rollout store: its checks before any training (teacher consistency, the options that
+cannot apply), its collator, its teacher source and its optional refresh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...teacher.precompute import teacher_fingerprint
+from ...teacher.store import store_meta
+from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
+from ..arguments import checks_arguments
+from .collator import LOGPROB_COLUMNS, RolloutStoreCollator
+from .refresh import StoreRefresh
+from .source import StoredRolloutsTeacher
+
+
+@checks_arguments(rank=0)
+def check_refresh_args(args: Any) -> None:
+    """kd_store_refresh_steps / _fraction, validated when the arguments are made."""
+    steps, fraction = args.kd_store_refresh_steps, args.kd_store_refresh_fraction
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"kd_store_refresh_steps must be an integer >= 0 (0: never refresh); got {steps!r}")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"kd_store_refresh_fraction must be a number in (0, 1] (of each refreshed step's rows); got "
+                         f"{fraction!r}")  # fmt: skip
+
+
+def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
+    """A rollout store was scored by one teacher; a different teacher_model for its rows (refreshed rows scored by
+    one, stored rows by another) would mix two objectives: refused in one line."""
+    scored_by = rollouts_of(meta)["teacher_fingerprint"]
+    given = teacher_fingerprint(teacher_model)
+    if given != scored_by:
+        raise ValueError(
+            f"the rollout store was scored by teacher {meta.get('teacher') or '?'} (weights fingerprint {scored_by}) "
+            f"but teacher_model has fingerprint {given}: pass the teacher that scored it, or make a store scored by "
+            f"this one (liger-kd precompute --rollouts-from ... --teacher ...)"
+        )
+
+
+class OfflineRollouts:
+    """What a run on a rollout store adds to KDTrainer; `setup` returns None for any other dataset."""
+
+    def __init__(self, meta: dict, args: Any, collator: RolloutStoreCollator) -> None:
+        self.meta = meta
+        self.collator = collator
+        self.refresh = StoreRefresh(meta, args, collator) if args.kd_store_refresh_steps else None
+
+    @classmethod
+    def setup(cls, args: Any, dataset: Any, teacher_model: Any, tokenizer: Any) -> OfflineRollouts | None:
+        meta = store_meta(dataset)
+        section = rollouts_of(meta) if meta is not None else None
+        if section is None:
+            if args.kd_store_refresh_steps:
+                raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} regenerates rows of a "
+                                 f"rollout store (liger-kd precompute --rollouts-from), and train_dataset is not one: "
+                                 f"set kd_store_refresh_steps=0")  # fmt: skip
+            return None
+        if args.kd_lmbda > 0 or args.kd_seq_kd:
+            raise ValueError(
+                f"train_dataset is a rollout store, whose rows are the student's samples already; kd_lmbda="
+                f"{args.kd_lmbda} / kd_seq_kd={args.kd_seq_kd} would sample more: set kd_lmbda=0 and kd_seq_kd=False, "
+                f"and kd_store_refresh_steps to resample part of the store"
+            )
+        if args.kd_onpolicy_loss != "divergence" and not sampling_is_the_policy(section):
+            raise ValueError(
+                f"kd_onpolicy_loss={args.kd_onpolicy_loss!r} estimates the KL on tokens sampled from the student's own "
+                f"distribution, and the store was sampled with {section['sampling']}: make it with temperature 1, "
+                f"top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'"
+            )
+        if teacher_model is not None:
+            check_teacher_consistency(meta, teacher_model)
+        elif args.kd_store_refresh_steps:
+            raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} rescores regenerated rows with "
+                             f"the teacher: pass teacher_model (the one that scored the store)")  # fmt: skip
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return cls(meta, args, RolloutStoreCollator(pad_token_id=0 if pad is None else pad))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The store items' columns besides a store's usual ones (the Trainer keeps them for the collator)."""
+        return tuple(LOGPROB_COLUMNS)
+
+    def teacher_source(self, fused: bool) -> StoredRolloutsTeacher:
+        return StoredRolloutsTeacher(fused)
+
+    def refreshed(self, batches: list, student, teacher, *, tokenizer: Any, step: int, vocab_size: int | None) -> list:
+        """The step's micro-batches, a slice of them regenerated when the refresh is due (refresh.py)."""
+        if self.refresh is None:
+            return batches
+        return self.refresh(batches, student, teacher, tokenizer=tokenizer, step=step, vocab_size=vocab_size)
+

@@ -1,0 +1,190 @@
+"""Writing a rollout store: the student's own completions to a set of prompts, sampled once, scored by the teacher
+once, written as a resumable, checksummed store (teacher/store/rollouts.py is the format) that KDTrainer trains on
+like any store, with the on-policy losses too (kd_onpolicy_loss k1 / pg read the stored log-probs).
+
+Prompts are generated from in fixed calls of `prompts_per_call` prompts: call c holds prompts [c * B, (c + 1) * B)
+and samples exactly what an in-process on-policy step c would sample from them with this seed
+(generate_rollouts(step=c): the same RolloutSettings, the same call seed), whatever ran before it. A shard holds a
+whole number of calls, so a run resumed after a kill regenerates the missing shards as the uninterrupted run wrote
+them (on the same device type: another one rounds, and so samples, differently).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
+from ...teacher.store import StoreWriter, check_store_folder
+from ..rollouts.generate import RolloutSettings, generate_rollouts
+from ..rollouts.onpolicy import special_ids
+from ..rollouts.prompts import tokenize_prompt_row
+from .scoring import ScoreOptions, score_rollouts
+
+
+def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: int) -> int:
+    """Prompts a shard holds: about shard_size sequences, a whole number of generation calls (at least one)."""
+    per_call = prompts_per_call
+    return max(per_call, (shard_size // num_generations) // per_call * per_call)
+
+
+def read_prompt_rows(path: str | Path, tokenizer: Any) -> list[list[int]]:
+    """Prompt token ids from a JSONL file of TRL's rows: {"prompt": text or messages} (a completion, if given, is
+    not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
+    blank lines ignored. A line that is neither is a ValueError naming file:line."""
+    prompts = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+                raise ValueError(f"{path}:{line_no}: a rollout prompt row needs 'prompt' (text or messages) or "
+                                 f"'messages' (TRL's formats)")  # fmt: skip
+            try:
+                prompts.append(tokenize_prompt_row(tokenizer, row)[0])
+            except ValueError as e:
+                raise ValueError(f"{path}:{line_no}: {e}") from None
+    return prompts
+
+
+def check_rollout_inputs(prompts: Sequence[Sequence[int]], settings: RolloutSettings, *, prompts_per_call: int,
+                         context: int | None, vocab_size: int, where: str = "prompt") -> None:  # fmt: skip
+    """Everything about the prompts and sampling checked before any model runs: a ValueError naming the fix."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts: --data must hold rows with a 'prompt' (text or messages) or 'messages' (TRL's "
+                         "formats); rollouts are sampled from them")  # fmt: skip
+    if isinstance(prompts_per_call, bool) or not isinstance(prompts_per_call, int) or prompts_per_call < 1:
+        raise ValueError(f"prompts_per_call (--batch-size) must be an integer >= 1; got {prompts_per_call!r}")
+    for n, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"{where} {n} holds token id {bad[0]}, outside the student's vocabulary [0, "
+                             f"{vocab_size}): tokenize the prompts with the student's tokenizer")  # fmt: skip
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    size = max(len(prompts[longest]), 1)
+    if context is not None and size + settings.max_new_tokens > context:
+        raise ValueError(
+            f"--max-new-tokens {settings.max_new_tokens}: {where} {longest} has {size} tokens, and {size} + "
+            f"{settings.max_new_tokens} exceeds the context of {context} tokens (max_position_embeddings); pass "
+            f"--max-new-tokens <= {max(context - size, 0)} or shorter prompts"
+        )
+
+
+def rollout_section(settings: RolloutSettings, generator_fp: str, teacher_fp: str, prompts_per_call: int,
+                    score: ScoreOptions, num_prompts: int) -> dict:  # fmt: skip
+    """The manifest's `rollouts` section: who generated and scored (weights fingerprints) and how (compared on a
+    resume: another value there is another store)."""
+    return {
+        "generator_fingerprint": generator_fp,
+        "teacher_fingerprint": teacher_fp,
+        "sampling": {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
+                     "seed": settings.seed},  # fmt: skip
+        "num_generations": settings.num_generations,
+        "max_new_tokens": settings.max_new_tokens,
+        "prompts_per_call": prompts_per_call,
+        "num_prompts": num_prompts,
+        "score": asdict(score),
+    }
+
+
+def precompute_rollouts(
+    student: nn.Module,
+    teacher: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    out_dir: str | Path,
+    *,
+    settings: RolloutSettings,
+    score: ScoreOptions | None = None,
+    prompts_per_call: int = 8,
+    shard_size: int = 1024,
+    logprob_dtype: str = "float32",
+    encoding: str = "plain",
+    tokenizer: Any = None,
+    student_name: str = "",
+    teacher_name: str = "",
+    tokenizer_fp: str | None = None,
+    inputs: dict | None = None,
+    progress: bool = True,
+) -> Path:
+    """Sample settings.num_generations completions per prompt from `student`, score them with `teacher`, write a
+    rollout store to `out_dir`; resumes an interrupted one (refusing, by name, any input that differs).
+
+    Args:
+        student / teacher: Hugging Face causal LMs of one tokenizer (the teacher's head may be padded past it).
+        prompts: token ids per prompt (an empty prompt starts from BOS).
+        settings: how to sample (max_new_tokens, temperature, top_p, top_k, num_generations, seed, cache).
+        score: the teacher signal per position (ScoreOptions: top_k, samples, temperature, seed).
+        prompts_per_call: prompts per generation call (rows per call: this times num_generations).
+        shard_size: about this many sequences a shard (a whole number of calls).
+        logprob_dtype / encoding: as `precompute`'s (the store's top-k / samples).
+        tokenizer: the student's, for its pad / EOS ids (else its generation config's).
+        inputs: more fingerprints that shape the store (the CLI adds the data file's hash).
+    """
+    score = score or ScoreOptions()
+    vocab = teacher.get_output_embeddings().weight.shape[0]
+    student_vocab = student.get_output_embeddings().weight.shape[0]
+    check_precompute_args(vocab, top_k=score.top_k, temperature=score.temperature, shard_size=shard_size,
+                          logprob_dtype=logprob_dtype, encoding=encoding, samples=score.samples)  # fmt: skip
+    real = min(vocab, student_vocab)  # a head padded past the other's rows: those ids are never sampled
+    settings = replace(settings, batch_size=None, vocab_size=real if real < student_vocab else settings.vocab_size)
+    context = [getattr(m.config.get_text_config(), "max_position_embeddings", None) for m in (student, teacher)]
+    context = min((c for c in context if isinstance(c, int)), default=None)
+    check_rollout_inputs(prompts, settings, prompts_per_call=prompts_per_call, context=context, vocab_size=real)
+    check_store_folder(out_dir)
+    per_shard = prompts_per_shard(shard_size, settings.num_generations, prompts_per_call)
+    fingerprints = {"prompts": sequences_fingerprint([list(p) for p in prompts]), **(inputs or {})}
+    section = rollout_section(settings, teacher_fingerprint(student), teacher_fingerprint(teacher), prompts_per_call,
+                              score, len(prompts))  # fmt: skip
+    writer = StoreWriter.open(
+        out_dir, teacher=teacher_name, generator=student_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp,
+        top_k=score.top_k, logprob_dtype=logprob_dtype, temperature=score.temperature,
+        shard_size=per_shard * settings.num_generations, num_sequences=len(prompts) * settings.num_generations,
+        encoding=encoding, inputs=fingerprints, rollouts=section,
+        **({"samples": score.samples, "sample_seed": score.seed} if score.samples else {}),
+    )  # fmt: skip
+    pad, eos_ids, start = special_ids(student, tokenizer)
+    try:
+        _write_shards(student, teacher, prompts, writer, settings, score, prompts_per_call, per_shard,
+                      (pad, eos_ids, start), progress)  # fmt: skip
+    except BaseException:
+        if writer.created_manifest and writer.done_shards() == 0:
+            writer.abort()  # nothing was finished: leave no store behind that a corrected rerun would trip on
+        raise
+    return writer.finish()
+
+
+def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: RolloutSettings, score: ScoreOptions,
+                  prompts_per_call: int, per_shard: int, ids: tuple, progress: bool) -> None:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    pad, eos_ids, start = ids
+    n_shards = math.ceil(len(prompts) / per_shard)
+    done = min(len(prompts), writer.done_shards() * per_shard)
+    with tqdm(total=len(prompts), initial=done, desc="rollouts", unit="prompt", disable=not progress) as bar:
+        for shard in range(writer.done_shards(), n_shards):
+            rows = []
+            for first in range(shard * per_shard, min((shard + 1) * per_shard, len(prompts)), prompts_per_call):
+                chunk = [list(p) for p in prompts[first : first + prompts_per_call]]
+                rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids, start_id=start,
+                                             step=first // prompts_per_call)  # fmt: skip
+                rows += score_rollouts(student, teacher, rollouts, score)
+                bar.update(len(chunk))
+            samples = None
+            if score.samples:
+                samples = tuple(torch.cat([r.samples[i] for r in rows]) for i in range(3))
+            columns = {name: torch.cat([r.columns[name] for r in rows]) for name in rows[0].columns}
+            writer.write_shard([r.input_ids for r in rows], torch.cat([r.topk_ids for r in rows]),
+                               torch.cat([r.topk_logprobs for r in rows]), samples=samples,
+                               rollouts=columns)  # fmt: skip
+

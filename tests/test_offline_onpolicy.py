@@ -1,0 +1,320 @@
+"""Offline on-policy distillation: the student's rollouts sampled once, scored by the teacher once, stored
+(`liger-kd precompute --rollouts-from`), trained on through KDTrainer with the divergence or the sampled-token
+estimators, refreshed in part by the current student, and refused when a different teacher is given."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from liger_patch_kd.cli import main
+from liger_patch_kd.teacher import TeacherLogprobsDataset
+from liger_patch_kd.teacher.store import read_manifest
+from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+from liger_patch_kd.trainer.offline_onpolicy import ScoreOptions, precompute_rollouts
+from liger_patch_kd.trainer.offline_onpolicy import store as rollout_store
+from liger_patch_kd.trainer.rollouts.generate import Rollout, RolloutSettings, generate_rollouts
+from liger_patch_kd.trainer.rollouts.prompts import tokenize_prompt_row
+
+from .tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+TEXT = "the cat sat on the mat. a dog ran to the park. the sun is warm today. " * 20
+PROMPTS = [{"prompt": p} for p in ("the cat", "a dog ran", "the sun is", "on the mat.")]
+SETTINGS = RolloutSettings(max_new_tokens=5, num_generations=2, seed=3)
+
+
+def _tokenizer(size: int = 200, text: str = TEXT):
+    from transformers import PreTrainedTokenizerFast
+
+    from liger_patch_kd.demo.cross_tokenizer import train_bpe_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe_tokenizer(text, size), pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model("llama", dtype=torch.float32, seed=1), tiny_model("llama", dtype=torch.float32, seed=2)
+
+
+def _prompts(tokenizer):
+    return [tokenize_prompt_row(tokenizer, row)[0] for row in PROMPTS]
+
+
+def _store(path, models, tokenizer, settings=SETTINGS, **options):
+    student, teacher = models
+    return precompute_rollouts(student, teacher, _prompts(tokenizer), path, settings=settings,
+                               score=options.pop("score", ScoreOptions(top_k=8)), prompts_per_call=2, shard_size=4,
+                               tokenizer=tokenizer, progress=False, **options)  # fmt: skip
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+
+
+def test_stored_rows_are_what_an_on_policy_step_samples_and_scores(tmp_path, models, tokenizer):
+    student, teacher = models
+    store = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    prompts = _prompts(tokenizer)
+    assert len(store) == len(prompts) * SETTINGS.num_generations
+    rows = []
+    for call in range(2):  # call c: prompts [2c, 2c + 2), as on-policy step c samples them with this seed
+        rows += generate_rollouts(student, prompts[2 * call : 2 * call + 2], SETTINGS, pad_id=0, eos_ids={2},
+                                  start_id=1, step=call)  # fmt: skip
+    for i, rollout in enumerate(rows):
+        item, seq = store[i], rollout.prompt + rollout.completion
+        assert item["input_ids"].tolist() == seq
+        p = len(rollout.prompt)
+        assert item["labels"].tolist() == [-100] * p + rollout.completion
+        t_lp, s_lp = _logprobs(teacher, seq), _logprobs(student, seq)
+        own = torch.tensor(seq[p:])
+        for column, full in (("teacher_token_logprobs", t_lp), ("behaviour_logprobs", s_lp)):
+            expected = full[p - 1 : -1].gather(1, own[:, None])[:, 0]  # row t predicts token t + 1
+            torch.testing.assert_close(item[column][p:].double(), expected, atol=1e-5, rtol=0)
+        assert not item["behaviour_logprobs"][:p].any() and not item["teacher_token_logprobs"][:p].any()
+        # the top-k: each stored value is the teacher's at its id, and they are the 8 largest (near-ties may swap)
+        got = item["teacher_token_ids"][:-1].long()
+        torch.testing.assert_close(item["teacher_logprobs"][:-1].double(), t_lp[:-1].gather(1, got), atol=1e-5, rtol=0)
+        torch.testing.assert_close(item["teacher_logprobs"][:-1].double(), t_lp[:-1].topk(8, -1).values, atol=1e-5,
+                                   rtol=0)  # fmt: skip
+        assert item["teacher_token_ids"][-1].tolist() == [-1] * 8  # the last position predicts nothing
+    meta = read_manifest(tmp_path / "s")
+    assert meta["format_version"] == 4 and meta["rollouts"]["sampling"] == {"temperature": 1.0, "top_p": 1.0,
+                                                                              "top_k": 0, "seed": 3}  # fmt: skip
+    assert meta["rollouts"]["num_generations"] == 2 and meta["rollouts"]["max_new_tokens"] == 5
+
+
+def _args(tmp_path, **overrides):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                max_steps=3, learning_rate=3e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                disable_tqdm=True, seed=0, dataloader_num_workers=0, use_kd_patch=True,
+                kd_max_new_tokens=5)  # fmt: skip (remove_unused_columns stays True: the store's columns get through)
+    return KDTrainingArguments(**{**base, **overrides})
+
+
+def _losses(trainer, key="loss"):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.parametrize("loss", ["k1", "pg"])
+def test_training_on_the_store_equals_on_policy_training_on_those_rollouts(tmp_path, models, tokenizer, loss):
+    student, teacher = models
+    one = RolloutSettings(max_new_tokens=5, num_generations=1, seed=3)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer, settings=one))
+    stored = {tuple(data[i]["input_ids"][data[i]["labels"] == -100].tolist()): data[i] for i in range(len(data))}
+
+    def from_store(generator, prompts, settings, **_):  # the on-policy run samples exactly the stored rollouts
+        out = []
+        for p in prompts:
+            item = stored[tuple(p)]
+            scored = item["labels"] != -100
+            out.append(Rollout(p, item["input_ids"][scored].tolist(), True,
+                               tuple(item["behaviour_logprobs"][scored].tolist())))  # fmt: skip
+        return out
+
+    online = KDTrainer(
+        model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher), processing_class=tokenizer,
+        args=_args(tmp_path / "a", kd_lmbda=1.0, kd_onpolicy_loss=loss), train_dataset=PROMPTS,
+    )  # fmt: skip
+    online.onpolicy.source = from_store
+    online.onpolicy.behaviour = loss == "pg"  # as an engine's rollouts: their behaviour log-probs go to the loss
+    online.train()
+    offline = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer,
+                        args=_args(tmp_path / "b", kd_onpolicy_loss=loss), train_dataset=data)  # fmt: skip
+    offline.train()
+    assert len(_losses(online)) == 3
+    torch.testing.assert_close(torch.tensor(_losses(offline)), torch.tensor(_losses(online)), rtol=1e-4, atol=1e-5)
+    kl = _losses(offline, "kd_behaviour_kl")
+    assert len(kl) == 3 and abs(kl[0]) < 1e-6 and kl[-1] > kl[0]  # fresh at step 0, stale as the student moves
+
+
+@pytest.mark.parametrize("loss", ["pg", "divergence"])
+def test_the_fused_and_materialised_store_losses_agree(tmp_path, models, tokenizer, loss):
+    student, _ = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    runs = []
+    for fused in (True, False):
+        trainer = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                            args=_args(tmp_path / str(fused), kd_onpolicy_loss=loss, use_kd_patch=fused))  # fmt: skip
+        trainer.train()
+        runs.append((_losses(trainer), _losses(trainer, "kd_behaviour_kl")))
+    torch.testing.assert_close(torch.tensor(runs[0][0]), torch.tensor(runs[1][0]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(runs[0][1]), torch.tensor(runs[1][1]), rtol=1e-3, atol=1e-6)
+    assert len(runs[0][1]) == 3 and runs[0][1][-1] > 0
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
+    whole = _store(tmp_path / "whole", models, tokenizer)
+    calls, real = [], rollout_store.score_rollouts
+
+    def dies_in_the_second_shard(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(rollout_store, "score_rollouts", dies_in_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        _store(tmp_path / "cut", models, tokenizer)
+    assert len(read_manifest(tmp_path / "cut")["shards"]) == 1
+    monkeypatch.setattr(rollout_store, "score_rollouts", real)
+    _store(tmp_path / "cut", models, tokenizer)
+    names = sorted(p.name for p in Path(whole).iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
+    for name in names:
+        assert (Path(whole) / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
+    with pytest.raises(ValueError, match="other inputs"):  # another seed is another store
+        _store(tmp_path / "cut", models, tokenizer, settings=RolloutSettings(max_new_tokens=5, num_generations=2))
+
+
+def test_refresh_replaces_exactly_its_slice(tmp_path, models, tokenizer):
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path, kd_store_refresh_steps=2,
+                                                       kd_store_refresh_fraction=0.5))  # fmt: skip
+    offline = trainer.offline
+    batches = [offline.collator([data[0], data[1]]), offline.collator([data[2], data[3]])]
+    assert offline.refreshed(batches, trainer.model, trainer.teacher_model, tokenizer=tokenizer, step=1,
+                             vocab_size=None) is batches  # not due at step 1  # fmt: skip
+    out = offline.refreshed(batches, trainer.model, trainer.teacher_model, tokenizer=tokenizer, step=2,
+                            vocab_size=None)  # fmt: skip
+    prompts = [data[i]["input_ids"][data[i]["labels"] == -100].tolist() for i in (0, 2)]
+    settings = RolloutSettings(max_new_tokens=5, num_generations=1, seed=0)
+    fresh = generate_rollouts(trainer.model, prompts, settings, pad_id=0, eos_ids={2}, start_id=1, step=2)
+    for batch, before, rollout in zip(out, batches, fresh):
+        n = len(rollout.prompt) + len(rollout.completion)
+        assert batch["input_ids"][0, :n].tolist() == rollout.prompt + rollout.completion  # row 0: regenerated
+        seq = rollout.prompt + rollout.completion
+        own = torch.tensor(seq[len(rollout.prompt) :])
+        expected = _logprobs(teacher, seq)[len(rollout.prompt) - 1 : -1].gather(1, own[:, None])[:, 0]
+        got = batch["kd_teacher_token_logprobs"][0, len(rollout.prompt) : n].double()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        keep = before["attention_mask"][1].sum()
+        for key, value in before.items():  # row 1: the stored row, unchanged
+            if torch.is_tensor(value) and value.dim() >= 2:
+                assert torch.equal(batch[key][1, :keep], value[1, :keep]), key
+    trainer.train()
+    assert offline.refresh.refreshed_steps == [2, 2] and len(_losses(trainer)) == 3  # the call above, then step 2
+
+
+def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenizer):
+    student, _ = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match="scored by teacher .* but teacher_model has fingerprint"):
+        KDTrainer(model=copy.deepcopy(student), teacher_model=tiny_model("llama", dtype=torch.float32, seed=5),
+                  processing_class=tokenizer, train_dataset=data, args=_args(tmp_path, kd_store_refresh_steps=1))
+    with pytest.raises(ValueError, match="sampled with"):  # k1 / pg assume the student's own distribution
+        hot = RolloutSettings(max_new_tokens=5, num_generations=1, seed=3, temperature=0.7)
+        KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, args=_args(tmp_path, kd_onpolicy_loss="k1"),
+                  train_dataset=TeacherLogprobsDataset(_store(tmp_path / "hot", models, tokenizer, settings=hot)))
+
+
+# ------------------------------------------------------------------------------------------------- the command
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, models, tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    for name, model, tok in (("student", models[0], tokenizer), ("teacher", models[1], tokenizer),
+                             ("other", models[1], _tokenizer(300, "lorem ipsum dolor sit amet. " * 20))):  # fmt: skip
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    short = copy.deepcopy(models[0])
+    short.config.max_position_embeddings = 8
+    short.save_pretrained(root / "short")
+    tokenizer.save_pretrained(root / "short")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    (root / "empty.jsonl").write_text("\n")
+    return root
+
+
+def _command(root, out, data="prompts.jsonl", teacher="teacher", student="student", *extra):
+    return ["precompute", "--teacher", str(root / teacher), "--rollouts-from", str(root / student), "--data",
+            str(root / data), "--out", str(out), "--top-k", "4", "--max-new-tokens", "4", "--num-generations", "2",
+            "--dtype", "float32", *extra]  # fmt: skip
+
+
+def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path, checkpoints, capsys):
+    assert main(_command(checkpoints, tmp_path / "out")) == 0
+    meta = read_manifest(tmp_path / "out")
+    assert meta["generator"].endswith("student") and meta["teacher"].endswith("teacher")
+    assert len(meta["rollouts"]["generator_fingerprint"]) == len(meta["rollouts"]["teacher_fingerprint"]) == 16
+    assert len(TeacherLogprobsDataset(tmp_path / "out")) == 8
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("no prompts", "no prompts"),
+    ("another tokenizer", "has another tokenizer"),
+    ("foreign files", "did not write"),
+    ("past the context", "exceeds the context"),
+])  # fmt: skip
+def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
+    import transformers
+
+    def never(*_, **__):
+        raise AssertionError("a model loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    out = tmp_path / "out"
+    argv = {
+        "no prompts": _command(checkpoints, out, "empty.jsonl"),
+        "another tokenizer": _command(checkpoints, out, teacher="other"),
+        "foreign files": _command(checkpoints, out),
+        "past the context": _command(checkpoints, out, "prompts.jsonl", "teacher", "short"),
+    }[case]
+    if case == "foreign files":
+        out.mkdir()
+        (out / "shard-00000.safetensors").write_bytes(b"mine")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    if case == "foreign files":
+        assert (out / "shard-00000.safetensors").read_bytes() == b"mine"
+
+
+def test_rollout_options_without_rollouts_from_are_refused(tmp_path, checkpoints, capsys):
+    argv = ["precompute", "--teacher", str(checkpoints / "teacher"), "--data", str(checkpoints / "prompts.jsonl"),
+            "--out", str(tmp_path / "out"), "--num-generations", "2"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--num-generations samples rollouts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "pg"])
+def test_the_stored_estimator_loss_matches_the_reference_on_materialised_logits(estimator):
+    from liger_patch_kd import reference
+    from liger_patch_kd.config import KDLossConfig
+    from liger_patch_kd.losses.stored_estimators import linear_estimator_kd
+
+    torch.manual_seed(0)
+    n, h, v = 41, 16, 37
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    labels[::5] = -100
+
+    def at_labels(logits):
+        return torch.log_softmax(logits, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+
+    teacher = at_labels(torch.randn(n, v, dtype=torch.float64))
+    behaviour = at_labels(torch.randn(n, v, dtype=torch.float64)) if estimator == "pg" else None
+    cfg = KDLossConfig(estimator=estimator, hard_weight=0.25, importance_cap=3.0 if estimator == "pg" else None)
+    loss, _, _ = linear_estimator_kd(hidden, weight, None, labels, teacher, cfg, 30, behaviour)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    log_q = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    scored = labels != -100
+    if behaviour is None:
+        terms = reference.kl_estimator_terms(log_q, teacher, estimator)
+    else:
+        terms = reference.policy_gradient_terms(log_q, teacher, behaviour, importance_cap=3.0)
+    expected = torch.where(scored, terms - 0.25 * log_q, 0.0).sum() / 30
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(expected, (hidden, weight))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
