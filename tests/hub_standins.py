@@ -44,7 +44,7 @@ def tiny_qwen(vocab: int, hidden: int, layers: int, seed: int, tokenizer):
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )  # fmt: skip
     return Qwen2ForCausalLM(config)

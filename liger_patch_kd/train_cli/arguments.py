@@ -77,7 +77,7 @@ class ModelArguments:
         default=False, metadata={"help": "Allow models and tokenizers that ship their own code (both models)."}
     )
     attn_implementation: str | None = field(
-        default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... (both models); None: transformers' choice."}
+        default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... (both models); None: transformers'."}
     )
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the whole student."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

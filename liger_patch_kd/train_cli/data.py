@@ -148,8 +148,9 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
     else:
         fraction_allowed = True
         if test is not None and test not in splits:
-            raise ValueError(f"--dataset_test_split {test}: {name} has no such split (it has {', '.join(sorted(splits))}"
-                             f"; leave the option out to evaluate on 'test' when there is one)")  # fmt: skip
+            raise ValueError(f"--dataset_test_split {test}: {name} has no such split (it has "
+                             f"{', '.join(sorted(splits))}; leave the option out to evaluate on 'test' when there is "
+                             f"one)")  # fmt: skip
         if test is None and DEFAULT_TEST_SPLIT in splits and DEFAULT_TEST_SPLIT != script.dataset_train_split:
             test = DEFAULT_TEST_SPLIT
     if test is not None and fraction is not None:
@@ -163,7 +164,7 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
         description = f"evaluating on the split '{test}' ({len(evaluation)} rows)"
     elif fraction is not None and fraction_allowed:
         train, evaluation = _hold_out(train, fraction, seed)
-        description = f"evaluating on {len(evaluation)} rows held out of '{script.dataset_train_split}' (--eval_fraction)"
+        description = f"evaluating on {len(evaluation)} rows held out of '{script.dataset_train_split}'"
     else:
         evaluation, description = None, "no evaluation (no test split; --eval_fraction holds out part of train)"
     return Splits(train, evaluation, store, description)

@@ -48,8 +48,8 @@ def check_same_tokenizer(student: Any, teacher: Any, model: ModelArguments) -> N
     ours, theirs = student.get_vocab(), teacher.get_vocab()
     if ours == theirs:
         return
-    differing = sorted((set(ours.items()) ^ set(theirs.items())), key=lambda kv: kv[1])[:1]
-    example = f"; e.g. {differing[0][0]!r} is id {ours.get(differing[0][0])} / {theirs.get(differing[0][0])}" if differing else ""
+    token = min(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[0]
+    example = f"; e.g. {token!r} is id {ours.get(token)} in the student's and {theirs.get(token)} in the teacher's"
     raise ValueError(
         f"--teacher_model_name_or_path {model.teacher_model_name_or_path}: its tokenizer ({len(theirs)} tokens) is "
         f"not the student's ({len(ours)} tokens){example}. Distil a teacher that shares the student's tokenizer, "

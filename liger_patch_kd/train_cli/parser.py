@@ -106,5 +106,9 @@ def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArgument
             raise ValueError(f"--config {config_path}: no option {', '.join(unknown)} (see {PROG} --help)")
         for key, value in config.items():  # defaults, so the command line wins (TRL's TrlParser does the same)
             known[key].default, known[key].required = value, False
-    script, model, training = parser.parse_args_into_dataclasses(args=with_our_names(argv))
+    script, model, training, unknown = parser.parse_args_into_dataclasses(
+        args=with_our_names(argv), return_remaining_strings=True
+    )
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (see {PROG} --help)")
     return script, model, training

@@ -13,10 +13,10 @@ from .parser import parse
 
 def check_teacher(model: Any, training: Any, store: Path | None) -> None:
     """One teacher: a model here, a server, a store's rows, or the student itself."""
-    sources = [name for name, given in (
-        ("--teacher_model_name_or_path", model.teacher_model_name_or_path), ("--kd_teacher_url", training.kd_teacher_url),
-        ("--kd_self_distill", training.kd_self_distill), ("a teacher store as --dataset_name", store),
-    ) if given]  # fmt: skip
+    named = (("--teacher_model_name_or_path", model.teacher_model_name_or_path),
+             ("--kd_teacher_url", training.kd_teacher_url), ("--kd_self_distill", training.kd_self_distill),
+             ("a teacher store as --dataset_name", store))  # fmt: skip
+    sources = [name for name, given in named if given]
     if not sources:
         raise ValueError("no teacher: give --teacher_model_name_or_path (a model sharing the student's tokenizer), "
                          "--kd_teacher_url (a teacher server), a teacher store as --dataset_name, or "
@@ -27,6 +27,13 @@ def check_teacher(model: Any, training: Any, store: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`liger-kd train ARGV`: 0 once the student is saved (a mistake is an exception: cli.main makes it one line)."""
+    train(argv)
+    return 0
+
+
+def train(argv: list[str] | None = None):
+    """The run of one `liger-kd train` command line; returns the KDTrainer, trained and saved."""
     script, model, training = parse(argv)
     check_model_options(model)
     student_name = model.model_name_or_path
@@ -42,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
     splits = load_splits(script, training.seed, open_store)
     check_teacher(model, training, splits.store)
-    if training.eval_strategy != "no" and splits.evaluation is None:
-        raise ValueError(f"--eval_strategy {training.eval_strategy}: there are no evaluation rows (no test split); "
-                         "give --dataset_test_split or --eval_fraction")  # fmt: skip
+    strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
+    if strategy != "no" and splits.evaluation is None:
+        raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "
+                         "or --dataset_test_split none); name a split with --dataset_test_split, or hold rows out "
+                         "with --eval_fraction")  # fmt: skip
     say = print if training.process_index == 0 else (lambda *_: None)  # one process speaks under a launcher
     say(f"liger-kd train: {len(splits.train)} training rows from {script.dataset_name}; {splits.description}")
 
@@ -69,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save_pretrained(out)
     kind = "the student's LoRA adapter" if model.use_peft else "the student"
     say(f"liger-kd train: saved {kind} and its tokenizer to {Path(out).resolve()}")
-    return 0
+    return trainer
