@@ -94,9 +94,6 @@ class _Lazy:
 
 
 def _hub_splits(name: str, config: str | None) -> dict[str, Any]:
-    if looks_like_path(name):
-        raise ValueError(f"--dataset_name {name}: no such file or folder (a local file or folder, or a hub dataset "
-                         "such as org/name)")  # fmt: skip
     try:
         import datasets
     except ImportError:
@@ -120,13 +117,22 @@ def check_columns(rows: Any, name: str) -> None:
                          "'text', 'prompt' (+ 'completion'), 'messages' (TRL's formats) or 'input_ids'")  # fmt: skip
 
 
-def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Path], Any]) -> Splits:
-    """The train rows and the evaluation rows (or None), as ScriptArguments name them. `store_dataset(path)` opens
-    a teacher store (given by the caller, who has the student's tokenizer to check it against)."""
+def check_dataset_name(script: ScriptArguments) -> None:
+    """What can be said of --dataset_name before the tokenizers load: given, and there when it is a path."""
     name = script.dataset_name
     if name is None:
         raise ValueError("--dataset_name is required: a local .jsonl / .json / .parquet file or folder, a teacher "
                          "store, or a hub dataset")  # fmt: skip
+    if (looks_like_path(name) or name.endswith(EXTENSIONS)) and not Path(name).expanduser().exists():
+        raise ValueError(f"--dataset_name {name}: no such file or folder (a local file or folder, or a hub dataset "
+                         "such as org/name)")  # fmt: skip
+
+
+def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Path], Any]) -> Splits:
+    """The train rows and the evaluation rows (or None), as ScriptArguments name them. `store_dataset(path)` opens
+    a teacher store (given by the caller, who has the student's tokenizer to check it against)."""
+    check_dataset_name(script)
+    name = script.dataset_name
     fraction = script.eval_fraction
     if fraction is not None and not 0 < fraction < 1:
         raise ValueError(f"--eval_fraction {fraction}: must be in (0, 1), the share of the train split held out")

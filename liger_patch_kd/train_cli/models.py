@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pathlib import Path
+
+from ..cli_checks import looks_like_path
 from .arguments import DTYPES, ModelArguments
 
 PEFT_EXTRA = "pip install 'liger_patch_kd[peft]'"
@@ -14,6 +17,11 @@ def check_model_options(model: ModelArguments) -> None:
     """The options read here, before anything loads: dtype names, LoRA's numbers, peft importable."""
     if model.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required: the student, a hub name (org/model) or a local folder")
+    for option, name in (("--model_name_or_path", model.model_name_or_path),
+                         ("--teacher_model_name_or_path", model.teacher_model_name_or_path)):  # fmt: skip
+        if name is not None and looks_like_path(name) and not Path(name).expanduser().exists():
+            raise ValueError(f"{option} {name}: no such file or directory (a local model folder, or a hub name such "
+                             "as org/model)")  # fmt: skip
     for option, value in (("--dtype", model.dtype), ("--teacher_dtype", model.teacher_dtype)):
         if value not in DTYPES:
             raise ValueError(f"{option} {value}: not a dtype; use one of {', '.join(DTYPES)}")

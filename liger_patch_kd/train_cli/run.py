@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .data import load_splits
+from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
 from .parser import parse
 
@@ -36,6 +36,7 @@ def train(argv: list[str] | None = None):
     """The run of one `liger-kd train` command line; returns the KDTrainer, trained and saved."""
     script, model, training = parse(argv)
     check_model_options(model)
+    check_dataset_name(script)
     student_name = model.model_name_or_path
     tokenizer = load_tokenizer(student_name, model, "--model_name_or_path", model.model_revision)
     if model.teacher_model_name_or_path and not training.kd_teacher_tokenizer:  # one tokenizer for both
