@@ -69,8 +69,10 @@ def train(argv: list[str] | None = None):
     trainer = KDTrainer(model=student, teacher_model=teacher, args=training, train_dataset=splits.train,
                         eval_dataset=splits.evaluation, processing_class=tokenizer)  # fmt: skip
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    done = trainer.state.global_step
+    evaluated = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == done]
     if splits.evaluation is not None:
-        metrics = trainer.evaluate()
+        metrics = evaluated[-1] if evaluated else trainer.evaluate()  # the last step's evaluation, once
         say("liger-kd train: evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                                                          if isinstance(v, float)))  # fmt: skip
     out = training.output_dir
