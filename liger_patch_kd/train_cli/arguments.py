@@ -63,6 +63,7 @@ class ModelArguments:
                   "(--kd_teacher_url), a teacher store as --dataset_name, or --kd_self_distill."},
     )  # fmt: skip
     model_revision: str = field(default="main", metadata={"help": "The student's revision (branch, tag or commit)."})
+    teacher_model_revision: str = field(default="main", metadata={"help": "The teacher's revision."})
     dtype: str = field(
         default="float32",
         metadata={"help": f"The student's weights: {', '.join(DTYPES)} (auto: the checkpoint's). float32 keeps full "

@@ -3,9 +3,8 @@ then the student (with a LoRA adapter under --use_peft) and the teacher."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from ..cli_checks import looks_like_path
 from .arguments import DTYPES, ModelArguments

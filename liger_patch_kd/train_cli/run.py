@@ -40,7 +40,8 @@ def train(argv: list[str] | None = None):
     student_name = model.model_name_or_path
     tokenizer = load_tokenizer(student_name, model, "--model_name_or_path", model.model_revision)
     if model.teacher_model_name_or_path and not training.kd_teacher_tokenizer:  # one tokenizer for both
-        teacher_tokenizer = load_tokenizer(model.teacher_model_name_or_path, model, "--teacher_model_name_or_path")
+        teacher_tokenizer = load_tokenizer(model.teacher_model_name_or_path, model, "--teacher_model_name_or_path",
+                                           model.teacher_model_revision)  # fmt: skip
         check_same_tokenizer(tokenizer, teacher_tokenizer, model)
 
     def open_store(path: Path):
@@ -65,7 +66,7 @@ def train(argv: list[str] | None = None):
         student = with_lora(student, model)
     teacher = None
     if model.teacher_model_name_or_path:
-        teacher = load_model(model.teacher_model_name_or_path, model.teacher_dtype, model)
+        teacher = load_model(model.teacher_model_name_or_path, model.teacher_dtype, model, model.teacher_model_revision)
     trainer = KDTrainer(model=student, teacher_model=teacher, args=training, train_dataset=splits.train,
                         eval_dataset=splits.evaluation, processing_class=tokenizer)  # fmt: skip
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
