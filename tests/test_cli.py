@@ -159,7 +159,7 @@ def test_the_example_script_is_liger_kd_train(tmp_path):
     """examples/distill.py is `liger-kd train` for launchers that take a file: the same one-line mistakes."""
     script = [str(ROOT / "examples" / "distill.py")]
     out = run("--model_name_or_path", str(tmp_path), "--teacher_model_name_or_path", "/nonexistent/model",
-              "--dataset_name", "x.jsonl", "--output_dir", str(tmp_path / "o"), script=script, cwd=tmp_path)  # fmt: skip
+              "--dataset_name", "x.jsonl", script=script, cwd=tmp_path)  # fmt: skip
     assert_one_line_error(out, "liger-kd train", "--teacher_model_name_or_path /nonexistent/model", "no such file")
     out = run("--model_name_or_path", str(tmp_path), "--dataset_name", "./x.jsonl", script=script, cwd=tmp_path)
     assert_one_line_error(out, "liger-kd train", "--dataset_name ./x.jsonl", "no such file")

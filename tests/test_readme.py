@@ -193,7 +193,8 @@ def test_shell_block_commands_exist(line, directive, code):
             from liger_patch_kd.train_cli.parser import split_config, with_our_names
 
             _, rest = split_config(words[2:])  # a --config file named in prose need not exist here
-            *_, unknown = train_parser().parse_args_into_dataclasses(with_our_names(rest), return_remaining_strings=True)
+            parsed = train_parser().parse_args_into_dataclasses(with_our_names(rest), return_remaining_strings=True)
+            unknown = parsed[-1]
             assert not unknown, f"{line}: liger-kd train does not take {unknown}"
         elif words[:1] == ["liger-kd"]:
             _, unknown = build_parser().parse_known_args(words[1:])
