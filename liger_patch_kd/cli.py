@@ -1,4 +1,4 @@
-"""`liger-kd`: demo, precompute, convert, serve, bench.
+"""`liger-kd`: demo, precompute, convert, serve, bench, train (train_cli/: its parser is transformers' own).
 
 Every mistake is one line, `liger-kd <command>: error: <the option, what is wrong, the fix>`, exit status 2 and no
 traceback (`--debug` or LIGER_KD_DEBUG=1 shows it). Each command's options are checked
@@ -352,7 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     bench.set_defaults(func=_bench)
 
+    # `liger-kd train ...` is parsed by train_cli (HfArgumentParser over KDTrainingArguments, which imports torch);
+    # main() hands it over before this parser runs. Listed here for `liger-kd --help`.
+    train = sub.add_parser("train", help="distil a teacher into a student: every KDTrainingArguments option is a flag "
+                           "(liger-kd train --help lists them)", add_help=False)  # fmt: skip
+    train.add_argument("options", nargs=argparse.REMAINDER, help="see liger-kd train --help")
+    train.set_defaults(func=None)
+
     for name, command in sub.choices.items():
+        if name == "train":
+            continue
         command.set_defaults(check=getattr(cli_checks, f"check_{name}"), parser=command)
         command.add_argument("--debug", action="store_true",
                              help="a failure shows its traceback (also LIGER_KD_DEBUG=1)")  # fmt: skip
@@ -361,26 +370,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`liger-kd ...`: 0 on success, 2 (one line on stderr) on a mistake in the options or inputs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from .train_cli.run import main as train
+
+        return _guarded("train", lambda: train(argv[1:]), False)  # --debug is TrainingArguments' own there
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's parser: "liger-kd demo: error: unrecognized arguments: ..."
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    debug = args.debug or os.environ.get("LIGER_KD_DEBUG", "") not in ("", "0")
-    try:
+
+    def run() -> int:
         args.check(args)  # every option before any work
         args.func(args)
+        return 0
+
+    return _guarded(args.command, run, args.debug)
+
+
+def _guarded(command: str, run, debug: bool) -> int:
+    """run()'s status; a user's mistake is one line and status 2 (its traceback with --debug or LIGER_KD_DEBUG)."""
+    debug = debug or os.environ.get("LIGER_KD_DEBUG", "") not in ("", "0")
+    try:
+        return run()
     except Exception as e:
         if debug or not _is_user_error(e):
             raise
         message = " ".join(str(e).split()) or type(e).__name__  # one line
-        print(f"liger-kd {args.command}: error: {message}", file=sys.stderr)
+        print(f"liger-kd {command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"liger-kd {args.command}: interrupted", file=sys.stderr)
+        print(f"liger-kd {command}: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -155,14 +155,14 @@ def test_debug_shows_the_traceback():
         assert out.returncode != 0 and "Traceback" in out.stderr and "--port 99999" in out.stderr, out.stderr
 
 
-def test_example_student_without_teacher_is_one_line(tmp_path):
-    """It tried the hub five times for `None`, then printed 60 lines."""
+def test_the_example_script_is_liger_kd_train(tmp_path):
+    """examples/distill.py is `liger-kd train` for launchers that take a file: the same one-line mistakes."""
     script = [str(ROOT / "examples" / "distill.py")]
-    out = run("--student", str(tmp_path), script=script, cwd=tmp_path)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "--student and --teacher go together" in out.stderr.strip().splitlines()[-1]
-    out = run("--student", str(tmp_path), "--teacher", "/nonexistent/model", "--data", "x.jsonl", script=script)
-    assert out.returncode == 2 and "--teacher /nonexistent/model: no such file" in out.stderr, out.stderr
+    out = run("--model_name_or_path", str(tmp_path), "--teacher_model_name_or_path", "/nonexistent/model",
+              "--dataset_name", "x.jsonl", script=script, cwd=tmp_path)  # fmt: skip
+    assert_one_line_error(out, "liger-kd train", "--teacher_model_name_or_path /nonexistent/model", "no such file")
+    out = run("--model_name_or_path", str(tmp_path), "--dataset_name", "./x.jsonl", script=script, cwd=tmp_path)
+    assert_one_line_error(out, "liger-kd train", "--dataset_name ./x.jsonl", "no such file")
 
 
 def test_the_cli_tables_match_the_library():

@@ -86,7 +86,16 @@ def _store() -> dict:
     return names
 
 
-PRELUDES = {"tiny_pair": _tiny_pair, "store": _store}
+def _hub_standins() -> dict:
+    """The recipe's hub models and dataset as tiny local folders under their hub ids (./Qwen/..., ./trl-lib/...),
+    which Hugging Face reads before the hub (tests/hub_standins.py); no names are added."""
+    from .hub_standins import make_hub_standins
+
+    make_hub_standins(Path.cwd())
+    return {}
+
+
+PRELUDES = {"tiny_pair": _tiny_pair, "store": _store, "hub_standins": _hub_standins}
 
 
 def _collect(language: str) -> list[tuple[str, str, str]]:
@@ -129,16 +138,30 @@ def test_readme_block_runs_as_written(line, directive, code, tmp_path, monkeypat
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_the_readmes_compressor_yaml_is_accepted():
-    """The `--compressor cfg.yaml` example (```yaml block) is a valid DistillKit compressor configuration."""
+def test_the_readmes_yaml_files_are_accepted(tmp_path):
+    """Each ```yaml block is what its command reads: a `liger-kd train --config` file (it names
+    model_name_or_path) parses with the train command's parser; the `--compressor cfg.yaml` example is a valid,
+    lossless DistillKit compressor configuration."""
     yaml = pytest.importorskip("yaml")
     from liger_patch_kd.teacher.formats.distillkit_codec import CompressorConfig
+    from liger_patch_kd.train_cli.parser import parse
 
     found = [m for page in PAGES for m in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S)]
     assert found
+    kinds = set()
     for text in found:
-        cfg = CompressorConfig.from_any(yaml.safe_load(text))
-        assert cfg.exact_k == cfg.k  # the lossless example
+        loaded = yaml.safe_load(text)
+        if "model_name_or_path" in loaded:
+            config = tmp_path / "recipe.yaml"
+            config.write_text(text)
+            _, model, _ = parse(["--config", str(config)])
+            assert model.model_name_or_path == loaded["model_name_or_path"]
+            kinds.add("train")
+        else:
+            cfg = CompressorConfig.from_any(loaded)
+            assert cfg.exact_k == cfg.k  # the lossless example
+            kinds.add("compressor")
+    assert kinds == {"train", "compressor"}
 
 
 def shell_commands(code: str) -> list[list[str]]:
@@ -165,7 +188,15 @@ def test_shell_block_commands_exist(line, directive, code):
     for words in shell_commands(code):
         while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
             words = words[1:]
-        if words[:1] == ["liger-kd"]:
+        if words[:2] == ["liger-kd", "train"]:  # its own parser: every option must be one it knows
+            from liger_patch_kd.train_cli.parser import build_parser as train_parser
+            from liger_patch_kd.train_cli.parser import split_config, with_our_names
+
+            _, rest = split_config(words[2:])  # a --config file named in prose need not exist here
+            parsed = train_parser().parse_args_into_dataclasses(with_our_names(rest), return_remaining_strings=True)
+            unknown = parsed[-1]
+            assert not unknown, f"{line}: liger-kd train does not take {unknown}"
+        elif words[:1] == ["liger-kd"]:
             _, unknown = build_parser().parse_known_args(words[1:])
             assert not unknown, f"{line}: liger-kd does not take {unknown}"
         elif words[:2] == ["python", "-m"]:

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer",),
     ("demo",),
     ("cli_checks",),
+    ("train_cli",),  # `liger-kd train`: the Trainer from a command line
     ("cli", "__init__", "teacher_data"),
 ]
 

@@ -130,6 +130,12 @@ def _flags(action: argparse.Action) -> str:
     return ", ".join(f"`{s}`" for s in action.option_strings)
 
 
+def _train_own_options() -> set[str]:
+    from liger_patch_kd.train_cli.arguments import ModelArguments, ScriptArguments
+
+    return {f.name for cls in (ScriptArguments, ModelArguments) for f in dataclasses.fields(cls)}
+
+
 def cli_page() -> str:
     from liger_patch_kd.cli import build_parser
 
@@ -145,6 +151,21 @@ def cli_page() -> str:
     ]
     for name, command in sub.choices.items():
         lines.append(f"\n## `liger-kd {name}`\n\n{helps.get(name, '')}.\n\n")
+        if name == "train":  # its own parser: train_cli's options here, KDTrainingArguments' on the options page
+            from liger_patch_kd.train_cli.parser import build_parser as train_parser
+
+            lines.append(
+                "Every [`KDTrainingArguments` option](options.md) and every `transformers.TrainingArguments` option "
+                "(`--learning_rate`, `--bf16`, `--output_dir`, ...) is a flag too, as `--name value`. `--config "
+                "FILE.yaml` gives options as YAML keys (the flags' names; an `env:` mapping sets environment "
+                "variables); the command line overrides the file. TRL's `--lmbda`, `--beta`, `--seq_kd`, "
+                "`--max_new_tokens` and `--max_completion_length` are read as the `kd_` options they mean; "
+                "`--temperature` and `--max_length` are refused with the two options they could mean "
+                "([coming from TRL](../coming-from-trl.md)). A mistake is one line, `LIGER_KD_DEBUG=1` shows the "
+                "traceback.\n\n"
+            )
+            command, own = train_parser(), _train_own_options()
+            command._actions = [a for a in command._actions if a.dest in own]
         lines.append("| option | default | what it does |\n|---|---|---|\n")
         for action in command._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):

@@ -158,7 +158,8 @@ class KDTrainingArguments(TrainingArguments):
     kd_max_length: int | None = field(
         default=None,
         metadata={"help": "Rows of text ({'text': ...}, tokenized by KDTrainer with processing_class): keep each "
-                  "row's first N tokens (None: all)."},
+                  "row's first N tokens; prompt rows (prompt + completion, messages): prompt and completion together "
+                  "cut at N tokens (None: all)."},
     )  # fmt: skip
     kd_self_distill: str = field(  # or a bool; typed str so that `--kd_self_distill frozen` parses
         default=False,

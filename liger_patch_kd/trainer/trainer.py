@@ -128,7 +128,7 @@ class KDTrainer(Trainer):
             if kwargs.get("processing_class") is None:
                 raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
             kwargs["data_collator"] = PromptCollator(
-                kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length
+                kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length, max_length=args.kd_max_length
             )
         if kwargs.get("data_collator") is None and first_row_is(kwargs.get("train_dataset"), is_privileged_row):
             pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)  # the teacher's own token rows
@@ -287,7 +287,8 @@ class KDTrainer(Trainer):
         loss = step.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
-        self._kd_record(step.soft, step.hard, step.agreement)
+        if model.training:  # evaluation's batches are the Trainer's eval_loss, not the next training log's terms
+            self._kd_record(step.soft, step.hard, step.agreement)
         return (loss, step.outputs) if return_outputs else loss
 
     def train(self, *args, **kwargs):

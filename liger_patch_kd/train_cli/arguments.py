@@ -1,0 +1,99 @@
+"""The options of `liger-kd train` besides KDTrainingArguments, named as TRL's scripts name them (ScriptArguments
+and ModelConfig), so that a TRL command line or YAML file carries over. Standard library only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+NO_SPLIT = "none"  # --dataset_test_split none: no evaluation, even when the dataset has a test split
+
+# TRL's GKDConfig / DistillationConfig names that mean exactly one of ours (docs/coming-from-trl.md lists them)
+TRL_ALIASES = {"lmbda": "kd_lmbda", "beta": "kd_beta", "seq_kd": "kd_seq_kd", "max_new_tokens": "kd_max_new_tokens",
+               "max_completion_length": "kd_max_new_tokens"}  # fmt: skip
+# TRL names that mean different things in its two trainers, or something else here: refused with the fix
+TRL_AMBIGUOUS = {
+    "temperature": "TRL's `temperature` is the sampling temperature of generated completions (GKDConfig) or that "
+    "and the loss's softmax temperature at once (DistillationConfig); here they are two options: "
+    "--kd_generation_temperature (sampling) and --kd_temperature (the loss's softmax)",
+    "max_length": "TRL's `max_length` truncates the tokenized rows; here that is --kd_max_length (text rows, and "
+    "prompt + completion of prompt rows)",
+}
+
+
+@dataclass
+class ScriptArguments:
+    """Which data to train on (TRL's ScriptArguments names)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A local .jsonl / .json / .parquet file, a folder of them (one file per split: train.jsonl, "
+                  "test.jsonl, or HF's train-00000-of-00001.parquet), a teacher store (`liger-kd precompute`'s "
+                  "folder), or a Hugging Face hub dataset (needs the datasets package: the `formats` extra). Rows "
+                  "in TRL's formats: text, prompt (+ completion), messages, or input_ids. Required."},
+    )  # fmt: skip
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "The hub dataset's configuration (its subset name)."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "The split to train on."})
+    dataset_test_split: str | None = field(
+        default=None,
+        metadata={"help": "The split evaluated at the end (and every eval_steps with --eval_strategy steps). Default: "
+                  "'test' when the dataset has one, else no evaluation (or --eval_fraction). A split named here "
+                  "that the dataset lacks is an error; 'none': no evaluation."},
+    )  # fmt: skip
+    eval_fraction: float | None = field(
+        default=None,
+        metadata={"help": "A dataset without a test split: hold out this fraction of the train split (in (0, 1), "
+                  "chosen with --seed) to evaluate on."},
+    )  # fmt: skip
+
+
+@dataclass
+class ModelArguments:
+    """Which models (TRL's ModelConfig names, plus the teacher's and trust_remote_code)."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The student: a hub name (org/model) or a local folder. Required."}
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The teacher, loaded in this process and frozen; it must share the student's tokenizer "
+                  "unless --kd_teacher_tokenizer names its own. Leave it out for a served teacher "
+                  "(--kd_teacher_url), a teacher store as --dataset_name, or --kd_self_distill."},
+    )  # fmt: skip
+    model_revision: str = field(default="main", metadata={"help": "The student's revision (branch, tag or commit)."})
+    teacher_model_revision: str = field(default="main", metadata={"help": "The teacher's revision."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": f"The student's weights: {', '.join(DTYPES)} (auto: the checkpoint's). float32 keeps full "
+                  "precision master weights; --bf16 then trains in mixed precision.", "aliases": ["--torch_dtype"]},
+    )  # fmt: skip
+    teacher_dtype: str = field(
+        default="auto",
+        metadata={"help": f"The teacher's weights: {', '.join(DTYPES)} (auto: the checkpoint's, bfloat16 for most "
+                  "released models: half the memory of float32, and the teacher is never trained)."},
+    )  # fmt: skip
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow models and tokenizers that ship their own code (both models)."}
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... (both models); None: transformers'."}
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the whole student."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(
+        default=0.05, metadata={"help": "LoRA dropout (must be 0 when lm_head is a target: the fused loss reads it)."}
+    )
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Module names to adapt (e.g. q_proj v_proj, or all-linear); None: PEFT's choice for the "
+                  "architecture."},
+    )  # fmt: skip
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
+    )
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA (scaling alpha / sqrt(r))."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (weight-decomposed LoRA); refused on lm_head."})

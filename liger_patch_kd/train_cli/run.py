@@ -1,0 +1,85 @@
+"""`liger-kd train`: check every option and the data, load the tokenizers, the dataset and then the models, train,
+evaluate, save the student and its tokenizer. Every mistake found before the models load is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .data import check_dataset_name, load_splits
+from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
+from .parser import parse
+
+
+def check_teacher(model: Any, training: Any, store: Path | None) -> None:
+    """One teacher: a model here, a server, a store's rows, or the student itself."""
+    named = (("--teacher_model_name_or_path", model.teacher_model_name_or_path),
+             ("--kd_teacher_url", training.kd_teacher_url), ("--kd_self_distill", training.kd_self_distill),
+             ("a teacher store as --dataset_name", store))  # fmt: skip
+    sources = [name for name, given in named if given]
+    if not sources:
+        raise ValueError("no teacher: give --teacher_model_name_or_path (a model sharing the student's tokenizer), "
+                         "--kd_teacher_url (a teacher server), a teacher store as --dataset_name, or "
+                         "--kd_self_distill")  # fmt: skip
+    on_policy = training.kd_lmbda > 0 or training.kd_seq_kd  # a store's rows plus a live teacher for generated steps
+    if len(sources) > 1 and not (on_policy and store is not None and len(sources) == 2):
+        raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`liger-kd train ARGV`: 0 once the student is saved (a mistake is an exception: cli.main makes it one line)."""
+    train(argv)
+    return 0
+
+
+def train(argv: list[str] | None = None):
+    """The run of one `liger-kd train` command line; returns the KDTrainer, trained and saved."""
+    script, model, training = parse(argv)
+    check_model_options(model)
+    check_dataset_name(script)
+    student_name = model.model_name_or_path
+    tokenizer = load_tokenizer(student_name, model, "--model_name_or_path", model.model_revision)
+    if model.teacher_model_name_or_path and not training.kd_teacher_tokenizer:  # one tokenizer for both
+        teacher_tokenizer = load_tokenizer(model.teacher_model_name_or_path, model, "--teacher_model_name_or_path",
+                                           model.teacher_model_revision)  # fmt: skip
+        check_same_tokenizer(tokenizer, teacher_tokenizer, model)
+
+    def open_store(path: Path):
+        from ..teacher import TeacherLogprobsDataset
+
+        return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+    splits = load_splits(script, training.seed, open_store)
+    check_teacher(model, training, splits.store)
+    strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
+    if strategy != "no" and splits.evaluation is None:
+        raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "
+                         "or --dataset_test_split none); name a split with --dataset_test_split, or hold rows out "
+                         "with --eval_fraction")  # fmt: skip
+    say = print if training.process_index == 0 else (lambda *_: None)  # one process speaks under a launcher
+    say(f"liger-kd train: {len(splits.train)} training rows from {script.dataset_name}; {splits.description}")
+
+    from ..trainer import KDTrainer  # the weights load only once everything above holds
+
+    student = load_model(student_name, model.dtype, model, model.model_revision)
+    if model.use_peft:
+        student = with_lora(student, model)
+    teacher = None
+    if model.teacher_model_name_or_path:
+        teacher = load_model(model.teacher_model_name_or_path, model.teacher_dtype, model, model.teacher_model_revision)
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=training, train_dataset=splits.train,
+                        eval_dataset=splits.evaluation, processing_class=tokenizer)  # fmt: skip
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    done = trainer.state.global_step
+    evaluated = [h for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == done]
+    if splits.evaluation is not None:
+        metrics = evaluated[-1] if evaluated else trainer.evaluate()  # the last step's evaluation, once
+        say("liger-kd train: evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                                                         if isinstance(v, float)))  # fmt: skip
+    out = training.output_dir
+    trainer.save_model(out)
+    if training.process_index == 0:
+        tokenizer.save_pretrained(out)
+    kind = "the student's LoRA adapter" if model.use_peft else "the student"
+    say(f"liger-kd train: saved {kind} and its tokenizer to {Path(out).resolve()}")
+    return trainer

@@ -1,0 +1,236 @@
+"""`liger-kd train` on tiny stand-ins of the recipe's hub models and dataset (tests/hub_standins.py): it trains,
+evaluates on the test split, saves a student that reloads with the same logits; a YAML --config with command-line
+overrides, TRL's option names, LoRA flags; every mistake one line before any model loads."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from liger_patch_kd import cli
+from liger_patch_kd.train_cli import parser as train_parser
+from liger_patch_kd.train_cli import run as train_run
+
+from .helpers import subprocess_env
+from .hub_standins import DATASET_ID, STUDENT_ID, TEACHER_ID, make_hub_standins, tiny_qwen, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+        "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--use_cpu",
+        "--disable_tqdm", "true"]  # fmt: skip
+PAIR = ["--model_name_or_path", STUDENT_ID, "--teacher_model_name_or_path", TEACHER_ID, "--dataset_name", DATASET_ID]
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hub")
+    make_hub_standins(root)
+    return root
+
+
+@pytest.fixture
+def in_standins(standins, monkeypatch) -> Path:
+    monkeypatch.chdir(standins)  # the hub ids resolve to the stand-ins' folders, as HF resolves local paths first
+    return standins
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.double()
+
+
+def test_train_evaluates_saves_and_the_saved_student_gives_the_same_logits(in_standins, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    ids = torch.tensor([[5, 17, 40, 99, 120, 7]])
+    before = logits(AutoModelForCausalLM.from_pretrained(STUDENT_ID), ids)
+    trainer = train_run.train([*PAIR, "--output_dir", str(out), "--use_kd_patch", "--learning_rate", "1e-2", *FAST])
+    printed = capsys.readouterr().out
+    assert "evaluating on the split 'test' (4 rows)" in printed
+    assert f"saved the student and its tokenizer to {out.resolve()}" in printed
+    evaluated = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert evaluated and evaluated[-1]["eval_loss"] > 0
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 2 and all(h["kd_soft_loss"] == pytest.approx(h["loss"], abs=1e-6) for h in logged)
+    trained = logits(trainer.model, ids)
+    assert not torch.allclose(trained, before)  # it trained
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(logits(reloaded, ids), trained, rtol=0, atol=0)  # the same weights, the same maths
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(STUDENT_ID).get_vocab()
+
+
+@pytest.mark.multiprocess
+def test_train_as_a_subprocess(in_standins, tmp_path):
+    env = subprocess_env(PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "liger_patch_kd.cli", "train", *PAIR, "--output_dir", str(tmp_path / "o"),
+           "--use_kd_patch", *FAST]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=in_standins, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "liger-kd train: evaluation: eval_loss" in done.stdout
+    assert (tmp_path / "o" / "model.safetensors").exists() and (tmp_path / "o" / "tokenizer.json").exists()
+
+
+def test_a_yaml_config_sets_defaults_and_the_command_line_overrides_it(tmp_path):
+    config = tmp_path / "recipe.yaml"
+    config.write_text(
+        "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n"
+        "dataset_name: trl-lib/Capybara\n"
+        "output_dir: from_yaml\n"
+        "kd_beta: 0.3\n"
+        "learning_rate: 1e-5\n"  # YAML reads this as a string; the flag's type parses it
+        "lmbda: 0.25\n"  # TRL's name, read as kd_lmbda
+        "lora_target_modules: [q_proj, v_proj]\n"
+        "use_kd_patch: true\n"
+        "env:\n  LIGER_KD_TEST_FROM_YAML: 'yes'\n"
+    )
+    script, model, args = train_parser.parse(["--config", str(config), "--kd_beta", "0.7", "--output_dir", "cli"])
+    assert (args.kd_beta, args.output_dir) == (0.7, "cli")  # the command line wins
+    assert args.learning_rate == 1e-5 and args.kd_lmbda == 0.25 and args.use_kd_patch is True
+    assert model.model_name_or_path == STUDENT_ID and model.lora_target_modules == ["q_proj", "v_proj"]
+    assert script.dataset_name == DATASET_ID and script.dataset_train_split == "train"
+    import os
+
+    assert os.environ.pop("LIGER_KD_TEST_FROM_YAML") == "yes"
+
+
+def test_trl_names_map_to_ours_and_ambiguous_ones_are_refused():
+    _, _, args = train_parser.parse(["--output_dir", "o", "--lmbda", "0.5", "--beta=0.2", "--max_new_tokens", "16",
+                                     "--seq_kd"])  # fmt: skip
+    assert (args.kd_lmbda, args.kd_beta, args.kd_max_new_tokens, args.kd_seq_kd) == (0.5, 0.2, 16, True)
+    with pytest.raises(ValueError, match="--kd_generation_temperature .*--kd_temperature"):
+        train_parser.parse(["--output_dir", "o", "--temperature", "0.9"])
+    with pytest.raises(ValueError, match="--beta and --kd_beta"):
+        train_parser.parse(["--output_dir", "o", "--beta", "0.2", "--kd_beta", "0.3"])
+
+
+def test_every_kd_option_is_a_flag():
+    from liger_patch_kd.trainer import KDTrainingArguments
+
+    flags = {s for action in train_parser.build_parser()._actions for s in action.option_strings}
+    names = [f for f in KDTrainingArguments.__dataclass_fields__ if f.startswith("kd_") or f == "use_kd_patch"]
+    assert len(names) > 40 and all(f"--{n}" in flags for n in names)
+    assert {"--model_name_or_path", "--teacher_model_name_or_path", "--dataset_name", "--dataset_config",
+            "--dataset_train_split", "--dataset_test_split", "--torch_dtype", "--dtype", "--trust_remote_code",
+            "--use_peft", "--lora_r", "--lora_alpha", "--lora_dropout", "--lora_target_modules",
+            "--lora_task_type"} <= flags  # fmt: skip
+
+
+def test_lora_flags_train_and_save_an_adapter_that_reloads(in_standins, tmp_path):
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    trainer = train_run.train([*PAIR, "--output_dir", str(out), "--use_kd_patch", "--use_peft", "--lora_r", "4",
+                               "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj",
+                               "--learning_rate", "1e-2", *FAST])  # fmt: skip
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    assert not (out / "model.safetensors").exists()  # the adapter alone
+    ids = torch.tensor([[5, 17, 40, 99]])
+    reloaded = AutoModelForCausalLM.from_pretrained(out)  # the base named in the adapter's config, plus the adapter
+    torch.testing.assert_close(logits(reloaded, ids), logits(trainer.model, ids), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options and data were checked")
+
+    monkeypatch.setattr(train_run, "load_model", refuse)
+
+
+def _other_teacher(root: Path) -> str:
+    """A teacher whose tokenizer is not the student's (trained on other text)."""
+    tokenizer = tiny_tokenizer("completely different words here and there, " * 50, vocab_size=280)
+    path = root / "other_teacher"
+    tiny_qwen(len(tokenizer), 32, 1, 0, tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        ({"--dataset_name": "missing/folder/data.jsonl"}, ["--dataset_name missing/folder/data.jsonl", "no such file"]),
+        ({"--dataset_test_split": "validation"}, ["--dataset_test_split validation", "it has test, train"]),
+        ({"--dataset_train_split": "dev"}, ["--dataset_train_split dev", "no such split"]),
+        ({"--eval_fraction": "0.5"}, ["--eval_fraction 0.5", "'test'", "--dataset_test_split none"]),
+        ({"--teacher_model_name_or_path": None}, ["no teacher", "--kd_teacher_url"]),
+        ({"--teacher_model_name_or_path": "OTHER"}, ["its tokenizer", "not the student's", "--kd_teacher_tokenizer"]),
+        ({"--dtype": "int8"}, ["--dtype int8", "bfloat16"]),
+        ({"--kd_beta": "2"}, ["beta"]),
+        ({"--dataset_config": "default"}, ["--dataset_config default", "local"]),
+        ({"--eval_strategy": "steps", "--dataset_test_split": "none"}, ["--eval_strategy steps", "no evaluation rows"]),
+    ],
+)
+def test_mistakes_are_one_line_before_any_model_loads(in_standins, tmp_path, capsys, no_model_loads, change, needles):
+    options = dict(zip(PAIR[::2], PAIR[1::2]))
+    options.update({k: (_other_teacher(tmp_path) if v == "OTHER" else v) for k, v in change.items()})
+    argv = [w for k, v in options.items() if v is not None for w in (k, v)]
+    rc = cli.main(["train", *argv, "--output_dir", str(tmp_path / "o"), *FAST])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err, err
+    assert err[-1].startswith("liger-kd train: error: ") and all(n in err[-1] for n in needles), err[-1]
+
+
+def test_a_usage_mistake_is_one_line(capsys):
+    assert cli.main(["train", "--no_such_flag", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["liger-kd train: error: unrecognized arguments: --no_such_flag 1 (see liger-kd train --help)"]
+    with pytest.raises(SystemExit) as e:  # argparse's own: a flag without its value
+        cli.main(["train", "--kd_beta"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("liger-kd train: error: "), err
+
+
+def test_local_files_and_held_out_rows(tmp_path):
+    """A single .jsonl is the split 'train'; --eval_fraction holds out a seeded share; a folder's shards join."""
+    from liger_patch_kd.train_cli.arguments import ScriptArguments
+    from liger_patch_kd.train_cli.data import load_splits
+
+    rows = [{"text": f"row {i}"} for i in range(10)]
+    file = tmp_path / "rows.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    splits = load_splits(ScriptArguments(dataset_name=str(file), eval_fraction=0.2), seed=3, store_dataset=None)
+    assert len(splits.train) == 8 and len(splits.evaluation) == 2
+    assert sorted(r["text"] for r in splits.train + splits.evaluation) == sorted(r["text"] for r in rows)
+    again = load_splits(ScriptArguments(dataset_name=str(file), eval_fraction=0.2), seed=3, store_dataset=None)
+    assert again.evaluation == splits.evaluation  # the seed decides
+    assert load_splits(ScriptArguments(dataset_name=str(file)), seed=3, store_dataset=None).evaluation is None
+    folder = tmp_path / "sharded" / "data"
+    folder.mkdir(parents=True)
+    for shard in range(2):
+        (folder / f"train-0000{shard}-of-00002.jsonl").write_text(json.dumps(rows[shard]) + "\n")
+    (folder / "test.json").write_text(json.dumps(rows[5:7]))
+    splits = load_splits(ScriptArguments(dataset_name=str(folder.parent)), seed=0, store_dataset=None)
+    assert splits.train == rows[:2] and splits.evaluation == rows[5:7]
+
+
+def test_prompt_rows_are_cut_at_kd_max_length_and_evaluation_leaves_the_training_terms_alone(tmp_path):
+    """What the recipe relies on: kd_max_length bounds conversational rows too, and an evaluation between two
+    training logs does not leak into the next log's kd_soft_loss (a mean over the training steps alone)."""
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+    from liger_patch_kd.demo import load_corpus
+
+    from .hub_standins import conversations
+
+    text = load_corpus()
+    tokenizer = tiny_tokenizer(text)
+    student, teacher = (tiny_qwen(len(tokenizer), h, 2, s, tokenizer) for h, s in ((32, 0), (64, 1)))
+    rows = conversations(text, 8)
+    args = KDTrainingArguments(output_dir=str(tmp_path), use_kd_patch=True, kd_max_length=12, max_steps=2,
+                               per_device_train_batch_size=2, logging_steps=2, report_to="none", use_cpu=True,
+                               save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, eval_dataset=rows[:2],
+                        processing_class=tokenizer)  # fmt: skip
+    batch = trainer.data_collator(rows[:2])
+    assert batch["input_ids"].shape[1] == 12
+    trainer.evaluate()  # before training: its batches must not be counted in the first log
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
+    assert len(logged) == 1 and logged[0]["kd_soft_loss"] == pytest.approx(logged[0]["loss"], abs=1e-6)
