@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer",),
     ("demo",),
     ("cli_checks",),
-    ("cli", "__init__", "teacher_data"),
+    ("cli", "__init__"),
 ]
 
 

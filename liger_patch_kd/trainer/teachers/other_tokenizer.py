@@ -21,12 +21,7 @@ from ...models.kd_forward import install_kd_forward
 from ..arguments import KDTrainingArguments
 from ..rollouts.retokenized import generated_rows
 from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
-from .other_tokenizer_loss import (
-    check_spread,
-    compute_cross_tokenizer_loss,
-    is_registered,
-    model_head_inputs,  # noqa: F401
-)
+from .other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss, is_registered
 from .self_distill import require_teacher_prompt
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
