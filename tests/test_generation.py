@@ -361,7 +361,7 @@ def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
     assert cache_for(64, cuda, "auto", engine_applies=True) == "graph"
     assert cache_for(64, cuda, "auto", engine_applies=False) == "static"
     assert cache_for(512, cuda, "auto", engine_applies=True) == "dynamic"  # not measured above 256 rows
-    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU the lean loop (trainer/decode)
+    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU: rollouts/decode.py
     assert cache_for(8, cpu, "graph") == "graph"
 
 

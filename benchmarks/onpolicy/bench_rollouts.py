@@ -1,4 +1,4 @@
-"""Rollout generation alone: tokens/s of trainer.rollouts.generate_rollouts by batch size and KV cache.
+"""Rollout generation alone: tokens/s of trainer.rollouts.generate.generate_rollouts by batch size and KV cache.
 
     python -m benchmarks.onpolicy.bench_rollouts --out runs/bench_rollouts.json
     python -m benchmarks.onpolicy.bench_rollouts --tiny                      # CPU smoke test, no figures
@@ -18,8 +18,7 @@ and the kernels that took the most (what found the per-head KV-cache copy genera
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
 --calls 2 --profile 32`, benchmarks/results/bench_rollouts.json): the static cache 11,961 tokens/s,
 the dynamic one 5,708, the server's sampler 4,560 (before the packed decode attention: 6,951-7,331 / 4,973 /
-3,201: the bench_rollouts.json, bench_rollouts_engine.json and wave3/bench_rollouts_profile.json of commit
-f966e27). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
+3,201). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
 shapes) the engine must be
 vLLM, or sample as generate_rollouts does with the static, compiled cache.
 """

@@ -264,11 +264,10 @@ class DecodeSession:
 
 
 def fused_draw_applies(key: SessionKey, device: torch.device) -> bool:
-    """Whether the step draws through sampling_kernel.gumbel_argmax (one kernel; 78 against 255 us a step at 64
-    rows of a 128k vocabulary on an H200): Triton's backend for the device, a capture that is no torch.compile
-    trace, and plain sampling (temperature, vocabulary limit; top-k / top-p and greedy go through sampling.draw).
-    Its random numbers are not torch's: a seed gives other completions than sampling.draw's, from the same
-    distribution (tests/test_sampling_kernel.py)."""
+    """Whether the step draws through sampling_kernel.gumbel_argmax (one kernel where torch's draw takes several):
+    Triton's backend for the device, a capture that is no torch.compile trace, and plain sampling (temperature,
+    vocabulary limit; top-k / top-p and greedy go through sampling.draw). Its random numbers are not torch's: a seed
+    gives other completions than sampling.draw's, from the same distribution (tests/test_sampling_kernel.py)."""
     sampling = key.sampling
     plain = not sampling.greedy and sampling.top_k == 0 and sampling.top_p >= 1.0
     return plain and key.capture in KERNEL_CAPTURES and select_backend(device) == "triton"
@@ -292,9 +291,9 @@ def release_if_large(model: nn.Module, fraction: float = KEEP_FRACTION) -> bool:
     """After a call between training steps: release `model`'s session when its KV cache, fused weights and buffers
     exceed `fraction` of the CUDA memory allocated beside them, so that keeping it adds at most that fraction to the
     training step's peak (which is at least that memory). Kept, the next call of the bucket replays the graph as it
-    is; released, it allocates and captures again (33-48 ms a call on an H200 for a 1B model at 64 / 8 rows, against
-    1.6 / 0.95 s of generation). A 1B student at 64 rows of 1024 columns holds 3.4 GB (16 % of a 21 GB run):
-    released; at 8 rows 1.5 GB (7 %): kept. Returns whether it released one."""
+    is; released, it allocates and captures again (a small cost beside the call's generation). A 1B student at 64
+    rows of 1024 columns holds about a sixth of its run's memory: released; at 8 rows less than a tenth: kept.
+    Returns whether it released one."""
     session = _SESSIONS.get(model)
     if session is None or session.device.type != "cuda":
         return False
