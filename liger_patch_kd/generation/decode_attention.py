@@ -98,8 +98,8 @@ def kernel_takes(
 
 class _Kernel:
     """Whether packed decode steps use the Triton kernel (decode_kernel.py) on this thread: the decode engine's
-    captured or eager steps ask for it; a step torch.compile traces (the static cache's, the engine's "compile"
-    captures) keeps SDPA, which the compiler knows."""
+    captured or eager steps ask for it; a step torch.compile traces (transformers' static cache's) keeps SDPA, which
+    the compiler knows."""
 
     local = threading.local()
 
