@@ -142,9 +142,12 @@ def test_prose_naming_a_file_module_or_path_that_does_not_exist_is_reported(tmp_
         "benchmarks/results/x_1.json": "{}",
         "docs/guides/page.md": "See [the store](../teachers/store.md), [here](page.md) and MEASUREMENTS.md.\n",
         "docs/teachers/store.md": "",
+        "docs/reference/generated.md": "gone.py: a generated page is checked through its source\n",
+        "liger_patch_kd/reference/__init__.py": '"""The oracle (oracle.py)."""\n',
     })  # fmt: skip
     problems = _check_layout().stale_name_problems(tmp_path)
     assert problems == [
+        "liger_patch_kd/reference/__init__.py:1: names oracle.py, which does not exist",
         "liger_patch_kd/teacher/serve/client.py:1: names serve.py, which does not exist",
         "liger_patch_kd/teacher/serve/client.py:1: names protocols.py, which does not exist",
         "liger_patch_kd/teacher/serve/client.py:1: names teacher/serve/wire/, which does not exist",
