@@ -1,10 +1,10 @@
 """On-policy rollouts as data: a step's prompts become (prompt, completion) rows in few, large generate() calls.
 
-The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every
-prompt of an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per
-call), which is where generation gets its speed: tokens/s grow roughly with the rows of a call up to a hundred
-or more (docs/benchmarks.md). The rows then train in micro-batches like any other rows: labels on the completion only
-(EOS included, padding never), the prompt masked.
+The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every prompt of
+an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per call), which is
+where generation gets its speed: tokens/s grow roughly with the rows of a call up to a hundred or more
+(benchmarks/onpolicy/bench_rollouts.py measures it). The rows then train in micro-batches like any other rows: labels on
+the completion only (EOS included, padding never), the prompt masked.
 """
 
 from __future__ import annotations
