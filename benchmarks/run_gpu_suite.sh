@@ -3,10 +3,10 @@
 #   the whole test suite with Triton compiled for real, then the benchmarks, results under $OUT (or runs/).
 # Wheels the GPU image lacks (liger-kernel for the side-by-side rows) travel in .whl/ and install to /tmp/site.
 # Usage: bash benchmarks/run_gpu_suite.sh [tests|properties|bench-kernel|bench-step|bench-multi|all]...
-#   issue30-loss / issue30-step / issue30-long: FP8 logits (tests + bench_loss_floor), the step
+#   fp8-logits / fp8-step / fp8-long: FP8 logits (tests + bench_loss_floor), the step
 #   table beside Liger and torchao at seq 4096, and at seq 16384 / 32768 (each one device call, < 10 minutes)
 #   properties: the hypothesis suite's larger "gpu" profile (several vocabulary and top-k tiles, Triton compiled)
-#   issue29-sampled: the sampled loss's tests with its Triton kernel compiled (failures with their reason), then
+#   sampled: the sampled loss's tests with its Triton kernel compiled (failures with their reason), then
 #   bench_sampled_kd's 189M-teacher tables and bench_fp8_teacher's fidelity on the BPE vocabulary (~4 minutes;
 #   TRAIN_SECONDS, default 30, trains each teacher)
 set -uo pipefail
@@ -60,20 +60,20 @@ for what in "${@:-all}"; do
         echo "properties: hypothesis is not installed; put its wheel (and sortedcontainers') in .whl/" | tee "$OUT/properties_gpu.log"
         status=1
       fi ;;&
-    issue30-loss)  # FP8 logits: their GPU tests, then the loss against its floor
+    fp8-logits)  # FP8 logits: their GPU tests, then the loss against its floor
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_logits.py 2>&1 \
-        | tee "$OUT/tests_issue30_gpu.log" | tail -8
+        | tee "$OUT/tests_fp8_logits_gpu.log" | tail -8
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m benchmarks.loss.bench_loss_floor --out "$OUT/bench_loss_floor.json" 2>&1 | tee "$OUT/bench_loss_floor.log" \
         | grep -v "^{" ;;
-    issue30-step|issue30-long)  # the fair step table at seq 4096 (mb 4), or the long-context rows (mb 1)
+    fp8-step|fp8-long)  # the fair step table at seq 4096 (mb 4), or the long-context rows (mb 1)
       shape_args=(--micro-batches 4 --seq 4096)
-      [ "$what" = issue30-long ] && shape_args=(--micro-batches 1 --seq 16384 32768)
+      [ "$what" = fp8-long ] && shape_args=(--micro-batches 1 --seq 16384 32768)
       python3 -m benchmarks.training.bench_train_step --shapes llama "${shape_args[@]}" --warmup 2 --reps 4 --methods \
         "liger_patch_kd" "liger_patch_kd fp8 teacher" "liger_patch_kd fp8 teacher, fp8 logits" "trl/liger+kernels both" \
         "trl/liger+kernels both, torchao fp8 teacher" --out "$OUT/bench_train_step_$what.json" 2>&1 \
         | tee "$OUT/bench_step_$what.log" | grep -v "^{" ;;
-    issue29-sampled)
+    sampled)
       # the top-k kernel's tests too: it shares the sampled kernel's row helpers (ops/triton_utils.py)
       python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_sampled_teacher.py \
         tests/test_sampled_kernel.py tests/test_topk.py tests/test_vocab_size.py tests/test_layout.py 2>&1 \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The 2-GPU runs (issue 18), one device call per line below, results under $OUT (or runs/):
+# The 2-GPU runs, one device call per line below, results under $OUT (or runs/):
 #   bash benchmarks/run_gpu_x2.sh scaling fsdp1 zero3    # FSDP2 1 vs 2 GPUs, FSDP1, ZeRO-3 (1B student, 8B teacher)
 #   bash benchmarks/run_gpu_x2.sh 70b parity             # 70B teacher over 2 GPUs; the 2-GPU parity tests
-#   bash benchmarks/run_gpu_x2.sh xtok                   # across tokenizers under FSDP2 (issue 31): NCCL parity
+#   bash benchmarks/run_gpu_x2.sh xtok                   # across tokenizers under FSDP2: NCCL parity
 #                                                        # tests, then KDTrainer on 2 GPUs against 1
 # Modes: scaling | fsdp1 | zero3 | 70b | parity | xtok | tiny (all of it on CPU with tiny shapes, gloo; a smoke test;
 # `tiny xtok`: one mode so).

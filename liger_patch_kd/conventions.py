@@ -2,7 +2,7 @@
 which top-k slots are padding, the floor of a tail bucket's mass, how a top-k teacher is tempered (where its
 unknown tail mass goes), what a model's soft-cap is, and which vocabulary ids are real.
 
-Everything else in `reference.py` is written independently of the kernels; only these definitions are imported
+Everything else in `reference/` is written independently of the kernels; only these definitions are imported
 by both, so a kernel and the oracle cannot disagree about what the input means.
 """
 
@@ -50,13 +50,13 @@ def resolve_vocab(student_rows: int, teacher_rows: int | None, vocab_size: int |
     return student_rows
 
 
-# cuBLAS runs a product at full speed only when its rows are a multiple of 16 bytes long. An odd vocab_size
-# (Qwen2.5's 151665 real tokens) sends every logit and gradient product of the chunk loop down a slow path
-# (4.9x slower on the H200, measured). Where both heads hold the rows, the chunks therefore compute a few more
-# columns, up to a multiple of COLUMN_ALIGN, and give the extra ones a bias of PAD_LOGIT * max(1, T): their
-# logit is at most PAD_LOGIT at any temperature used, so their probability is exactly 0 (exp(-3e4) underflows
-# in float32 and float64 alike), and so are their gradient and every term they enter. With a soft-cap the
-# padding logit would be capped to -c, no longer negligible: there the columns stay [0, vocab_size).
+# cuBLAS runs a product at full speed only when its rows are a multiple of 16 bytes long. An odd vocab_size (Qwen2.5's
+# 151665 real tokens) sends every logit and gradient product of the chunk loop down a slow path (several times slower:
+# benchmarks/loss/bench_fused_linear_jsd.py --only padded). Where both heads hold the rows, the chunks therefore compute
+# a few more columns, up to a multiple of COLUMN_ALIGN, and give the extra ones a bias of PAD_LOGIT * max(1, T): their
+# logit is at most PAD_LOGIT at any temperature used, so their probability is exactly 0 (exp(-3e4) underflows in float32
+# and float64 alike), and so are their gradient and every term they enter. With a soft-cap the padding logit would be
+# capped to -c, no longer negligible: there the columns stay [0, vocab_size).
 COLUMN_ALIGN = 64
 PAD_LOGIT = -3.0e4
 _MIN_PADDED_TEMPERATURE = 1e-2  # PAD_LOGIT / T stays far from float32's range for T at or above this

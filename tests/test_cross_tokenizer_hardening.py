@@ -105,7 +105,8 @@ def test_no_groups_fused_equals_reference_equals_zero(kind, hard_weight):
 from liger_patch_kd.align import CrossTokenizerCollator, VocabMap, byte_level_to_text  # noqa: E402
 from liger_patch_kd.demo import BOS, load_corpus  # noqa: E402
 from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer  # noqa: E402
-from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss, model_head_inputs  # noqa: E402
+from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss  # noqa: E402
+from liger_patch_kd.trainer.teachers.other_tokenizer_loss import model_head_inputs  # noqa: E402
 
 from .tiny_models import tiny_model  # noqa: E402
 

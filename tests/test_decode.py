@@ -1,6 +1,6 @@
-"""trainer.decode: the lean sampling loop makes, for a seed, exactly the tokens generate() makes (left padding,
-EOS ending rows at different steps, temperature / top-k / top-p, suppressed ids, sliding-window and soft-capped
-models), and rollouts fall back to generate() wherever the loop would not be generate()'s equal."""
+"""trainer.rollouts.decode: the lean sampling loop makes, for a seed, exactly the tokens generate() makes (left padding,
+EOS ending rows at different steps, temperature / top-k / top-p, suppressed ids, sliding-window and soft-capped models),
+and rollouts fall back to generate() wherever the loop would not be generate()'s equal."""
 
 import math
 

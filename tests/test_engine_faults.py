@@ -1,4 +1,4 @@
-"""An engine's bad replies never train silently (issue 38, items 2, 7, 9): a behaviour log-prob no sampled token can
+"""An engine's bad replies never train silently: a behaviour log-prob no sampled token can
 have, a completion longer than asked, a missing / repeated choice, an empty completion, each refused in one line
 naming the choice and the fix, or (an empty completion that stopped at EOS) trained as the in-process rollouts
 train it; and a PEFT run leaves no adapter on the engine (a full-weight run against it works next)."""

@@ -200,7 +200,7 @@ def test_bad_input_is_refused_before_any_work():
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attention is 'eager'"):
         decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0)
-    assert CAPTURES == ("graph", "compile", "reduce-overhead", "eager")
+    assert CAPTURES == ("graph", "eager")
 
 
 @pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-6])
@@ -274,13 +274,12 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
     ids, mask = _prompts(DEVICE)
     sampling = Sampling(temperature=0.9, top_k=50)
     runs = {}
-    for capture in ("eager", "graph", "graph", "compile"):  # the second graph call replays the captured graph
+    for capture in ("eager", "graph", "graph"):  # the second graph call replays the captured graph
         torch.manual_seed(11)
         runs.setdefault(capture, []).append(
             decode(model, ids, mask, max_new_tokens=12, sampling=sampling, pad_id=0, capture=capture)[0]
         )
     assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][0])
-    assert runs["compile"][0].shape == runs["eager"][0].shape  # inductor's draws are its own random numbers
     graph = session_for.__globals__["_SESSIONS"][model].graph
     with torch.no_grad():
         for p in model.parameters():
@@ -361,7 +360,7 @@ def test_auto_takes_the_captured_step_on_cuda_where_the_engine_applies():
     assert cache_for(64, cuda, "auto", engine_applies=True) == "graph"
     assert cache_for(64, cuda, "auto", engine_applies=False) == "static"
     assert cache_for(512, cuda, "auto", engine_applies=True) == "dynamic"  # not measured above 256 rows
-    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU the lean loop (trainer/decode)
+    assert cache_for(8, cpu, "auto", engine_applies=True) == "dynamic"  # on a CPU: rollouts/decode.py
     assert cache_for(8, cpu, "graph") == "graph"
 
 

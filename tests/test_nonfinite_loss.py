@@ -1,4 +1,4 @@
-"""A NaN / inf loss or gradient stops KDTrainer with one clear error (issue 38, item 2): HF's Trainer only hides a
+"""A NaN / inf loss or gradient stops KDTrainer with one clear error: HF's Trainer only hides a
 NaN loss from its logs (logging_nan_inf_filter) and applies the NaN gradient. Checked where the value is on the
 host anyway: per micro-batch with logging_nan_inf_filter (the default; before the optimizer step, so the weights
 are untouched), at the logging step otherwise, and for the gradient norm."""

@@ -1,4 +1,4 @@
-"""Issue 38's on-policy faults, each through KDTrainer.train() as users run it: packed prompts all rolled out, a
+"""On-policy faults, each through KDTrainer.train() as users run it: packed prompts all rolled out, a
 resumed kd_lmbda mix on its schedule, prompts past the generator's context refused before generation, decoding in
 the weights' dtype under mixed precision (static and dynamic cache); and one-line errors for an empty dataset,
 teacher ids past the teacher's vocabulary and a negative num_items_in_batch tensor."""

@@ -1,5 +1,5 @@
 """The pg loss's importance ratio rho = q / b (student now / the engine's weights that sampled the token) truncated
-at C (issue 38, item 2): weight min(rho, C), gradient min(rho, C) * grad log q, checked against a float64 reference
+at C: weight min(rho, C), gradient min(rho, C) * grad log q, checked against a float64 reference
 written here; equal to the uncapped loss while every ratio is <= C; finite where the uncapped ratio overflows;
 KDTrainer passes kd_pg_importance_cap to both its paths."""
 

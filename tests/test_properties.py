@@ -1,5 +1,5 @@
 """Property-based suite: both fused losses, both backends (PyTorch chunks; Triton, through the interpreter on
-CPU), held to reference.py in float64 on whatever hypothesis draws: shapes (N = 0, 1, odd; V not a multiple
+CPU), held to reference/ in float64 on whatever hypothesis draws: shapes (N = 0, 1, odd; V not a multiple
 of a block; K = 1 or V; H_s != H_t), a strided layout per tensor argument, dtypes per model (fp64, fp32, bf16,
 fp16, mixed), masks, num_items_in_batch, NaN in ignored rows, beta, temperature, softcaps, tail policies,
 reductions, padded heads with vocab_size.

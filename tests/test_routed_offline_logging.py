@@ -84,8 +84,8 @@ def test_each_stored_teachers_figures_come_from_its_own_rows(tmp_path, routed, u
     for name in NAMES:
         own = [r for r in rows if r["teacher"] == name]
         soft, agreement = _hand_figures(student, own, trainer.kd_config)
-        # the loss's softmax math is float32 (DESIGN.md), so each token's term carries an absolute error of about
-        # eps32 * sum_k p_k |log p_k - log q_k| (~1e-6 here, the log-ratios being O(10)), whatever the term's size
+        # the loss's softmax math is float32 (docs/loss-contract.md), so each token's term carries an absolute error of
+        # about eps32 * sum_k p_k |log p_k - log q_k| (~1e-6 here, the log-ratios being O(10)), whatever the term's size
         torch.testing.assert_close(figures[f"kd_soft_loss/{name}"].double(), soft.detach(), rtol=0, atol=ATOL)
         torch.testing.assert_close(figures[f"kd_top1_agreement/{name}"].double(), agreement, rtol=1e-6, atol=0)
     # each figure is its own rows': the two teachers' differ, and neither is the whole batch's loss

@@ -1,4 +1,4 @@
-"""API keys stay secret (issue 38, item 4): kd_teacher_api_key / kd_generation_api_key are used in the run but never
+"""API keys stay secret: kd_teacher_api_key / kd_generation_api_key are used in the run but never
 written (no file of the output directory holds them: checkpoints' training_args.bin included, which push_to_hub
 uploads), never shown (to_dict, to_json_string, str, repr, the logs), and the HTTP client never sends
 `Authorization` to another origin when a server redirects."""

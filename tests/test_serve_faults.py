@@ -1,4 +1,4 @@
-"""The real `liger-kd serve` (a subprocess) under faults and bad input (issue 38): a LoRA adapter that fails to load,
+"""The real `liger-kd serve` (a subprocess) under faults and bad input: a LoRA adapter that fails to load,
 weight-transfer inits to an address where no trainer answers, malformed full-weight updates, vLLM sampling fields
 it does not implement, max_tokens past the context. Each leaves the server as it was, answers one 4xx line naming
 the field and the fix, and keeps answering everyone else."""
@@ -326,7 +326,7 @@ def test_inits_stuck_in_a_connect_are_capped():
         release.set()
 
 
-# ------------------------------------------------------------------------------------- round 3's probe (h38)
+# -------------------------------------------------------- an update past the served dtype, bodies too deep or large
 def test_an_update_that_overflows_the_served_dtype_is_refused(teacher_dir, tmp_path):  # noqa: F811
     """float64 values past float32's range are finite where they are sent and infinities once cast into the served
     float32 weights: answered 200 before, and every later score was NaN until a restart."""

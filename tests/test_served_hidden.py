@@ -1,4 +1,4 @@
-"""The exact served teacher (issue 41): `liger-kd serve`'s hidden states and head over the wire, and KDTrainer with
+"""The exact served teacher: `liger-kd serve`'s hidden states and head over the wire, and KDTrainer with
 kd_teacher_protocol="hidden" training on exactly the in-process teacher's objective."""
 
 import json

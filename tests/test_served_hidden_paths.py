@@ -1,4 +1,4 @@
-"""The exact served teacher (issue 41), beyond test_served_hidden.py: the sampled-token estimators on generated rows
+"""The exact served teacher, beyond test_served_hidden.py: the sampled-token estimators on generated rows
 (a served top-k teacher cannot give them: the sampled token may be outside its top-k), the loss on materialised
 logits (use_kd_patch=False) and the server's API key on the hidden-state routes. The server runs in a thread
 (teacher/serve/server.build_app under uvicorn)."""

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
 from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
-from liger_patch_kd.teacher.serve import prefetch  # noqa: E402
+from liger_patch_kd.teacher.serve import prefetch, protocols  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
 from .helpers import stop_with_stacks, subprocess_env  # noqa: E402
@@ -338,7 +338,7 @@ class _Stub(http.server.BaseHTTPRequestHandler):
         else:
             ids = torch.stack([torch.arange(TOP_K, dtype=torch.int32), torch.full((TOP_K,), -1, dtype=torch.int32)])
             topk = (ids, torch.tensor([[-3.0] * TOP_K, [-math.inf] * TOP_K]))  # a distribution's top-k, row-aligned
-            self._reply(200, TD.protocols.encode_binary([topk], [[1, 2]]), TD.protocols.BINARY_MEDIA_TYPE)
+            self._reply(200, protocols.encode_binary([topk], [[1, 2]]), protocols.BINARY_MEDIA_TYPE)
 
     def _reply(self, code, payload, content_type):
         self.send_response(code)

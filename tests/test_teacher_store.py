@@ -93,7 +93,7 @@ def test_packed_store_trains_like_the_plain_one(tmp_path):
 
 
 def test_store_serves_a_student_with_another_head_size(tmp_path):
-    """Issue 13: ids, not head sizes, decide; the check reads the manifest, not the shards."""
+    """Ids, not head sizes, decide; the check reads the manifest, not the shards."""
     teacher = tiny_model("llama", seed=3, dtype=torch.float32)
     TD.precompute(teacher, _sequences(6), tmp_path, top_k=4, shard_size=4, progress=False)
     meta = TD.read_manifest(tmp_path)

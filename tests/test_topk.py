@@ -1,4 +1,4 @@
-"""Offline / top-k teacher losses and on-policy estimators against reference.py in float64."""
+"""Offline / top-k teacher losses and on-policy estimators against reference/ in float64."""
 
 import math
 

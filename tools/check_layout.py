@@ -1,6 +1,7 @@
-"""Check the package's house rules: no import cycle between files (inside one package too, and between the
-benchmarks), imports only point down the layers, no private name imported across modules, no file over the size
-limit, no folder of more than MAX_MODULES modules.
+"""Check the house rules a tool checks well: no import cycle between files (inside one package too, and between the
+benchmarks), imports only point down the layers, no private name imported across modules, and prose (docstrings,
+comments, docs) that tells no history, names nothing that does not exist and quotes no measured figure in the
+package. How large a module or a folder grows is a review question (one job per module), not a number.
 
     python tools/check_layout.py          # prints every violation, exits 1 if there is one
 
@@ -14,15 +15,17 @@ TYPE_CHECKING:` is an edge too (a type is a dependency of the design, even if it
 from __future__ import annotations
 
 import ast
+import functools
+import io
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "liger_patch_kd"
 BENCHMARKS = "benchmarks"
-MAX_LINES = 400
 BENCHMARK_PREFIXES = ("bench_", "probe_", "profile_")  # a runnable benchmark's file name
-MAX_MODULES = 16  # modules of one folder, its __init__ aside: beyond that a reader needs rooms
 
 # Layers, lowest first. A module may import from its own layer's room or any lower one, never a higher one.
 # Rooms in one layer may not import each other unless listed together in one entry.
@@ -39,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("demo",),
     ("cli_checks",),
     ("train_cli",),  # `liger-kd train`: the Trainer from a command line
-    ("cli", "__init__", "teacher_data"),
+    ("cli", "__init__"),
 ]
 
 
@@ -192,25 +195,15 @@ def file_graph(files: list[Path], modules: set[str], root: Path, prefixes: tuple
     return graph
 
 
-def folder_sizes(files: list[Path], root: Path) -> list[str]:
-    counts: dict[Path, int] = {}
-    for path in files:
-        if path.name != "__init__.py":
-            counts[path.parent] = counts.get(path.parent, 0) + 1
-    return [f"{folder.relative_to(root)}/: {n} modules (limit {MAX_MODULES}): give its jobs rooms"
-            for folder, n in sorted(counts.items()) if n > MAX_MODULES]  # fmt: skip
-
-
-def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BENCHMARKS) -> list[str]:
+def check(
+    root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BENCHMARKS, prose: bool = True
+) -> list[str]:
     files = sorted((root / package).rglob("*.py"))
     modules = {module_name(f, root) for f in files}
-    problems: list[str] = folder_sizes(files, root)
+    problems: list[str] = []
     for path in files:
         module = module_name(path, root)
         rel = path.relative_to(root)
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES:
-            problems.append(f"{rel}: {lines} lines (limit {MAX_LINES}): split it by job")
         for line, target, names, typing_only in imports(path, modules, root, (package,)):
             if target not in modules or typing_only:
                 continue
@@ -227,7 +220,6 @@ def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BE
     for component in find_cycles(file_graph(files, modules, root, (package,))):
         problems.append("import cycle: " + " -> ".join(component))
     bench_files = sorted((root / benchmarks).rglob("*.py")) if benchmarks and (root / benchmarks).is_dir() else []
-    problems += folder_sizes(bench_files, root)  # a benchmark's room (loss, training, ...) holds its kind
     bench_modules = {module_name(f, root) for f in bench_files}
     for path in bench_files:  # one benchmark never imports another: what they share is in benchmarks/common
         for line, target, _, _ in imports(path, bench_modules, root, (benchmarks,)):
@@ -237,6 +229,210 @@ def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BE
                 problems.append(f"{rel}:{line}: imports the benchmark {target}: {share}")
     for component in find_cycles(file_graph(bench_files, bench_modules, root, (benchmarks,))):
         problems.append("import cycle between benchmarks: " + " -> ".join(component))
+    if prose:
+        problems += history_problems(root) + stale_name_problems(root, package)
+        problems += measured_figure_problems(root, package)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------- prose rules
+# Prose (docstrings, comments, docs) is read by people who never saw the project's tracker or its history, and it
+# must name only what exists. Three rules a tool checks well:
+# - history: no tracker number ("issue <n>", "issue<n>-loss"), no "wave <n>" or "round <n>", no "session" as a unit
+#   of work (the last one, "session <n>"). A decode session (the engine's cache and graph) is a thing, not
+#   history, and is allowed; so is another project's tracker: "TRL #3055" (no "issue" word), or "issue <n>" on a
+#   line that links to that number's page (github.com/<owner>/<repo>/issues/<n>).
+# - stale names: a `*.py` / `*.md` / `*.sh` file, a dotted `liger_patch_kd.<module>.<name>` (or one that starts at
+#   a subpackage: `teacher.store.verify_store`), a repository path (tests/..., benchmarks/..., docs/..., tools/...,
+#   liger_patch_kd/...) or a path inside the package (teacher/store/, models/patch.py) named in prose must exist.
+#   A file name resolves against the file's own folder and every file of the repository (its whole path or any
+#   tail of it: "store/reader.py", "reader.py"); a dotted name against the modules and the names they bind, from
+#   the package or from any package above the file. `trainer.<x>` and `teacher.<x>` are checked only where <x> is
+#   a module: in prose they are mostly a Trainer's or a teacher model's attributes (`trainer.train()`).
+# - measured figures: no hardware timing or throughput (ms, us, TB/s, TFLOP/s, tokens/s, "<n>x faster") and no
+#   GPU model beside a number in the package's docstrings and comments: such figures rot as the code and the
+#   drivers change; they live in benchmarks/results and docs/benchmarks.md, with the command that made them.
+PROSE_TREES = ("liger_patch_kd", "tests", "benchmarks", "docs", "tools", "examples", "README.md")
+PROSE_SUFFIXES = (".py", ".md", ".sh")
+RECORDED = ("benchmarks/results", "docs/reference")  # recorded logs and generated pages: their sources are checked
+HISTORY = re.compile(
+    r"\bissues?[\s_-]*#?\d+"
+    r"|\bwaves?[\s_-]*\d+"
+    r"|\brounds?[\s_-]*\d+(?![\d.]*\s*(?:decimal|digit|place|bit|significant))"
+    r"|\b(?:this|last|previous|earlier|later|first|second|third|fourth|fifth|a\s+later|an\s+earlier)\s+"
+    r"(?:work\s+)?sessions?\b(?!['’]s\s+(?:cache|graph|key|buffers))"
+    r"|\bsessions?\s+\d+",
+    re.IGNORECASE,
+)
+OTHER_TRACKER = re.compile(r"github\.com/[\w.-]+/[\w.-]+/(?:issues|pull)/(\d+)")
+MEASURED = re.compile(
+    r"\d[\d.,]*\s*(?:ms|us|µs|ns|[KMGT]B/s|[KMGT]iB/s|TFLOP/s|TFLOPS|tokens/s|tok/s)(?![\w/])"
+    r"|\d[\d.,]*\s*(?:x|×|times)\s+(?:faster|slower|quicker)"
+    r"|\b[HAB]\d00\b.*\d|\d.*\b[HAB]\d00\b",
+)
+FILE = re.compile(r"(?<![\w/.*-])[\w./*-]*[\w*]\.(?:py|md|sh)\b")
+URL = re.compile(r"\b(?:https?|file)://\S+")
+FILE_SUFFIXES = ("py", "md", "sh", "json", "jsonl", "parquet", "txt", "log", "yaml", "yml", "cfg", "toml", "pt")
+INSTANCE_LIKE = ("trainer", "teacher")  # rooms named like the objects prose talks about: trainer.train()
+
+
+def prose_files(root: Path, trees: tuple[str, ...] = PROSE_TREES) -> list[Path]:
+    found = []
+    for tree in trees:
+        base = root / tree
+        paths = [base] if base.is_file() else sorted(base.rglob("*")) if base.is_dir() else []
+        found += [p for p in paths if p.is_file() and p.suffix in PROSE_SUFFIXES
+                  and not p.relative_to(root).as_posix().startswith(tuple(f"{r}/" for r in RECORDED))]  # fmt: skip
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of what a reader reads as prose: a Python file's docstrings and comments, a shell script's
+    comments, every line of a Markdown page."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return list(enumerate(text.splitlines(), 1))
+    if path.suffix == ".sh":
+        return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith("#")]
+    found = []
+    statements: list[ast.AST] = [ast.parse(text, str(path))]
+    while statements:  # statements only (a docstring is one), not every expression node: this runs on every file
+        node = statements.pop()
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            doc = first.value.value if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else None
+            if isinstance(doc, str):
+                found += [(first.lineno + i, line) for i, line in enumerate(doc.splitlines())]
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            statements += [child for child in getattr(node, field, None) or () if isinstance(child, ast.AST)]
+    found += [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(text).readline)
+              if token.type == tokenize.COMMENT]  # fmt: skip
+    return found
+
+
+def history_problems(root: Path) -> list[str]:
+    """Every line of code, tests, benchmarks and docs (strings and names too: a mode named after a tracker number
+    is history as much as a comment is)."""
+    problems = []
+    for path in prose_files(root):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            linked = set(OTHER_TRACKER.findall(line))
+            for match in HISTORY.finditer(line):
+                if match.group().lower().startswith("issue") and re.sub(r"\D", "", match.group()) in linked:
+                    continue
+                problems.append(f"{path.relative_to(root)}:{number}: {match.group()!r} is history: say what the "
+                                f"thing is or does")  # fmt: skip
+    return problems
+
+
+class Names:
+    """What prose may name: the repository's files and folders (and every tail of their paths), the package's
+    modules and the names each binds."""
+
+    def __init__(self, root: Path, package: str = PACKAGE):
+        self.root, self.package = root, package
+        self.tails: set[str] = set()
+        for path in root.rglob("*"):
+            parts = path.relative_to(root).parts
+            if any(part.startswith(".") or part == "__pycache__" for part in parts):
+                continue
+            for i in range(len(parts)):
+                self.tails.add("/".join(parts[i:]))
+                if path.suffix == ".py":
+                    self.tails.add("/".join(parts[i:])[:-3])  # models/patch names models/patch.py
+        base = root / package
+        self.modules = {module_name(p, root): p for p in base.rglob("*.py")} if base.is_dir() else {}
+        self.folders = {p.name for p in base.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+        self.subpackages = {m.split(".")[1] for m, p in self.modules.items()
+                            if p.name == "__init__.py" and m.count(".") == 1}  # fmt: skip
+        self._bound: dict[str, set[str]] = {}
+
+    def bound(self, module: str) -> set[str]:
+        """The names `module` defines, assigns or imports (`*` imports followed) and, for the package root, the
+        names its __getattr__ serves from the subpackages."""
+        if module not in self._bound:
+            self._bound[module] = names = set()
+            path = self.modules[module]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.ImportFrom) and node.names[0].name == "*":
+                    target = resolve(module, path.name == "__init__.py", node)
+                    names |= self.bound(target) if target in self.modules else set()
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            if module == self.package:
+                for sub in self.subpackages:
+                    names |= self.bound(f"{module}.{sub}")
+        return self._bound[module]
+
+    def dotted_exists(self, dotted: str) -> bool:
+        """`liger_patch_kd.teacher.store.verify_store`: modules down as far as they go, then one name the last
+        module binds (an attribute of that, `KDTrainer.compute_loss`, is not followed)."""
+        parts = dotted.split(".")
+        module = parts[0]
+        for part in parts[1:]:
+            if f"{module}.{part}" in self.modules:
+                module = f"{module}.{part}"
+                continue
+            return part in self.bound(module)
+        return True
+
+    def relative_exists(self, dotted: str, inside: str) -> bool:
+        """A dotted name that starts below the package (`teacher.store.verify_store`), from the package or from
+        any package above the module `inside` (`store.reader` inside liger_patch_kd.teacher)."""
+        parts = dotted.split(".")
+        if parts[-1] in FILE_SUFFIXES:  # trainer.py, teacher.parquet: a file's name, checked as one
+            return True
+        if parts[0] in INSTANCE_LIKE and f"{self.package}.{parts[0]}.{parts[1]}" not in self.modules:
+            return True
+        bases = [self.package, *(b for b in parents(inside) + [inside] if b.startswith(self.package + "."))]
+        return any(f"{b}.{parts[0]}" in self.modules and self.dotted_exists(f"{b}.{dotted}") for b in bases)
+
+    def path_exists(self, name: str, folder: Path) -> bool:
+        """A file or folder named relative to `folder`, or a tail of a repository path ('*' matches as a glob)."""
+        name = name.rstrip("/.")
+        if "*" in name:
+            return any(folder.glob(name)) or any(self.root.glob(name)) or any(self.root.glob("**/" + name))
+        if (folder / name).exists():
+            return True
+        return re.sub(r"^(?:\.\.?/)+", "", name) in self.tails
+
+
+def stale_name_problems(root: Path, package: str = PACKAGE) -> list[str]:
+    names = Names(root, package)
+    rooms = "|".join(sorted(names.folders)) or "(?!)"
+    repo_path = re.compile(rf"(?<![\w/.-])(?:{package}|tests|benchmarks|docs|tools|examples)/[\w./*-]*[\w/*]")
+    package_path = re.compile(rf"(?<![\w/.-])(?:{rooms})/(?:[\w-]+/)*[\w-]+(?:\.py)?/?(?![\w.-])")
+    dotted = re.compile(rf"(?<![\w.]){package}(?:\.\w+)+")
+    subpackages = "|".join(sorted(names.subpackages)) or "(?!)"
+    relative = re.compile(rf"(?<![\w./])(?:{subpackages})(?:\.[a-z_]\w*)+")
+    problems = []
+    for path in prose_files(root):
+        rel = path.relative_to(root)
+        inside = module_name(path, root) if rel.parts[0] == package else ""
+        for number, line in prose_lines(path):
+            line = URL.sub(" ", line)
+            stale = [m.group() for m in FILE.finditer(line) if not names.path_exists(m.group(), path.parent)]
+            stale += [m.group() for m in repo_path.finditer(line) if not names.path_exists(m.group(), root)]
+            stale += [m.group() for m in package_path.finditer(line) if not names.path_exists(m.group(), path.parent)]
+            stale += [m.group() for m in dotted.finditer(line) if not names.dotted_exists(m.group())]
+            stale += [m.group() for m in relative.finditer(line) if not names.relative_exists(m.group(), inside)]
+            problems += [f"{rel}:{number}: names {name}, which does not exist" for name in dict.fromkeys(stale)]
+    return problems
+
+
+def measured_figure_problems(root: Path, package: str = PACKAGE) -> list[str]:
+    problems = []
+    for path in sorted((root / package).rglob("*.py")):
+        for number, line in prose_lines(path):
+            problems += [f"{path.relative_to(root)}:{number}: {m.group()!r} is a measured figure: keep the reason, "
+                         f"leave the figure to benchmarks/results and docs/benchmarks.md"
+                         for m in MEASURED.finditer(line)]  # fmt: skip
     return problems
 
 
@@ -244,7 +440,7 @@ def main() -> int:
     problems = check()
     for problem in problems:
         print(problem)
-    ok = "layout ok: no cycle between files, layers respected, no private import, no crowded folder"
+    ok = "layout ok: no cycle between files, layers respected, no private import, prose names what exists"
     print(f"{len(problems)} problem(s)" if problems else ok)
     return 1 if problems else 0
 

@@ -13,7 +13,7 @@ and the last one's end and the time CUDA events measure around the call.
 A Triton product that reduced each row's log-sum-exp in its epilogue (so the JSD kernel could skip its first
 pass) was measured with this script at commit 1591d19 and removed: 582 TFLOP/s against cuBLAS's 679 at
 R = 896, costing 0.46 ms per chunk for the two products against the 0.27 ms the skipped pass saved
-(benchmarks/results/bench_loss_breakdown_lse_trial.json, in git at commit f966e27).
+(bench_loss_breakdown_lse_trial.json, in git at commit f966e27).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampled teacher tokens against top-k (issue 29): gradient bias and variance against the full-vocabulary
+"""Sampled teacher tokens against top-k: gradient bias and variance against the full-vocabulary
 forward-KL gradient, and bytes per token, at (near) equal bytes.
 
     python -m benchmarks.loss.bench_sampled_kd --out runs/bench_sampled_kd.json                 # CPU, the demo teacher

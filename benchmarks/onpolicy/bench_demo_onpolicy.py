@@ -27,7 +27,7 @@ Measured 2026-12-01, one thread, quick sizes (train_s, fastest of 3 rounds; gene
     the same, a second run, load 2.2-2.4     11.61 (5.32)    10.24 (4.25)        6.62
     (torch 2.13, transformers 5.24; results bench_demo_onpolicy_cpu{,_2}.json in git at f966e27)
 
-The default is 1.01x and 1.13x 0.2's way in the two runs, not the 3x issue 27 asks for. The two on-policy rows
+The default is 1.01x and 1.13x 0.2's way in the two runs, not the 3x the on-policy demo aimed at. The two on-policy rows
 make the same calls: the demo trains without gradient accumulation (one micro-batch of 8 rows per optimizer
 step), so per-micro-batch and per-step generation both make one call per generated step (64 of 150), and on a
 CPU both use the dynamic cache.
@@ -37,7 +37,7 @@ difference is run-to-run noise on a shared machine.
 With the step's 8 rows in 4 micro-batches of 2 (`--accumulation 4`, a configuration the demo does not use: the
 same steps, rows and sampled characters), 0.2's way generates per micro-batch, 4 calls of 2 rows, and the default
 once for all 8: 25.57 s (15.4 generating) against 15.85 s (3.79), 1.61x, with the online floor at 11.4 s
-(benchmarks/results/bench_demo_onpolicy_cpu_accumulation4.json, load 0.9-1.0; an earlier round of the same
+(load 0.9-1.0; an earlier run of the same
 measured 27.6 against 12.7 s, 2.2x). Every row is slower there than the demo's own configuration (four
 micro-batches pay four times the per-call overhead), and the completions differ between the two rows (each
 call has its own seed): it shows what batching over an optimizer step is worth, not a faster demo.
@@ -61,7 +61,7 @@ by wrapping the trainer's functions with timers, and with torch.profiler / cProf
 So the row cannot reach 3x by our code alone: even free generation leaves the online floor, 1.7x below 0.2's
 time, and that floor is the teacher's compute plus transformers' forward and backward. What is left would mean
 changing what runs, not how (torch.compile on a CPU costs more than this 10 s run; a hand-written Llama decode
-would leave transformers' code, which DESIGN.md keeps for generation), or changing what the demo measures.
+would leave transformers' code, which the project keeps for generation), or changing what the demo measures.
 """
 
 from __future__ import annotations

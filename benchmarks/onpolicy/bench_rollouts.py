@@ -1,4 +1,4 @@
-"""Rollout generation alone: tokens/s of trainer.rollouts.generate_rollouts by batch size and KV cache.
+"""Rollout generation alone: tokens/s of trainer.rollouts.generate.generate_rollouts by batch size and KV cache.
 
     python -m benchmarks.onpolicy.bench_rollouts --out runs/bench_rollouts.json
     python -m benchmarks.onpolicy.bench_rollouts --tiny                      # CPU smoke test, no figures
@@ -18,8 +18,7 @@ and the kernels that took the most (what found the per-head KV-cache copy genera
 Measured 2026-12-01 on one H200, 64 rows, 512 + 512 tokens, second call (`--rows 64 --caches static dynamic engine
 --calls 2 --profile 32`, benchmarks/results/bench_rollouts.json): the static cache 11,961 tokens/s,
 the dynamic one 5,708, the server's sampler 4,560 (before the packed decode attention: 6,951-7,331 / 4,973 /
-3,201: the bench_rollouts.json, bench_rollouts_engine.json and wave3/bench_rollouts_profile.json of commit
-f966e27). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
+3,201). For asynchronous rollouts to reach 80 % of off-policy (~9,300 generated tokens/s at bench_onpolicy's
 shapes) the engine must be
 vLLM, or sample as generate_rollouts does with the static, compiled cache.
 """
@@ -109,6 +108,8 @@ def replay_ms(student, prompts: list[list[int]], cache: str, a: argparse.Namespa
     from liger_patch_kd.generation.engine import session_of
     from liger_patch_kd.models import original_forward, transformers_code
 
+    from .compiled_decode import COMPILED_CAPTURES, compiled_session_of, time_steps
+
     if device.type != "cuda":
         return None
     ids = torch.tensor(prompts, device=device)
@@ -120,27 +121,37 @@ def replay_ms(student, prompts: list[list[int]], cache: str, a: argparse.Namespa
         with code():
             decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(), pad_id=0,
                    eos_ids=(2,), capture="graph", fuse_projections=True)  # fmt: skip
-    session = session_of(student)
+    compiled = cache.removeprefix("engine-").removesuffix("-fused") in COMPILED_CAPTURES
+    session = compiled_session_of(student) if compiled else session_of(student)
     if session is None or session.key.rows != ids.shape[0]:
         student.train()
         return None
     with code():
-        ms = session.time_steps(ids, torch.ones_like(ids), min(a.completion, session.key.length - ids.shape[1]) - 1)
+        ms = time_steps(session, ids, torch.ones_like(ids), min(a.completion, session.key.length - ids.shape[1]) - 1)
     student.train()
     return ms
 
 
 def engine_call(student, prompts: list[list[int]], capture: str, a: argparse.Namespace, device) -> int:
-    """generation.decode directly (the capture named), in eval mode, as generate_rollouts calls it: tokens made."""
+    """generation.decode directly (the capture named; a torch.compile one through compiled_decode), in eval mode, as
+    generate_rollouts calls it: tokens made."""
     from liger_patch_kd.generation import Sampling, decode
     from liger_patch_kd.models import transformers_code
 
+    from .compiled_decode import COMPILED_CAPTURES, compiled_decode
+
     ids = torch.tensor(prompts, device=device)
+    fuse, capture = capture.endswith("-fused"), capture.removesuffix("-fused")
     student.eval()
     with transformers_code(student):
-        tokens, _ = decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(),
-                           pad_id=0, eos_ids=(2,), capture=capture.removesuffix("-fused"), check_every=a.check_every,
-                           fuse_projections=capture.endswith("-fused"))  # fmt: skip
+        if capture in COMPILED_CAPTURES and device.type == "cuda":
+            tokens = compiled_decode(student, ids, torch.ones_like(ids), capture=capture, max_new_tokens=a.completion,
+                                     pad_id=0, eos_ids=(2,), check_every=a.check_every, fuse_projections=fuse)
+        else:
+            tokens, _ = decode(student, ids, torch.ones_like(ids), max_new_tokens=a.completion, sampling=Sampling(),
+                               pad_id=0, eos_ids=(2,), check_every=a.check_every,
+                               capture="eager" if capture in COMPILED_CAPTURES else capture,  # a CPU runs eager
+                               fuse_projections=fuse)  # fmt: skip
     student.train()
     return tokens.numel()
 
@@ -186,8 +197,8 @@ def main() -> None:
         nargs="*",
         default=["dynamic", "static"],
         help="dynamic, static, graph, auto (generate_rollouts); engine (liger-kd serve's sampler); "
-        "engine-graph, engine-compile, engine-reduce-overhead, engine-eager (generation.decode with that capture; "
-        "a -fused suffix fuses q/k/v and gate/up)",
+        "engine-graph, engine-eager (generation.decode with that capture), engine-compile, engine-reduce-overhead "
+        "(the engine's step under torch.compile: compiled_decode.py); a -fused suffix fuses q/k/v and gate/up",
     )
     parser.add_argument("--check-every", type=int, default=16, help="engine-*: decode steps between EOS checks")
     parser.add_argument("--prompt", type=int, default=512)

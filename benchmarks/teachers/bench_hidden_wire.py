@@ -1,4 +1,4 @@
-"""The exact served teacher's FP8 transport (issue 41): how far the teacher distribution moves when its final hidden
+"""The exact served teacher's FP8 transport: how far the teacher distribution moves when its final hidden
 states cross the wire as e4m3 with one scale per row instead of bf16, on the demo's trained teacher.
 
     python -m benchmarks.teachers.bench_hidden_wire --out runs/bench_hidden_wire.json        # CPU, ~2-5 minutes

@@ -11,7 +11,7 @@ student and a Llama-3.1-8B-shaped teacher, bf16, sequence 4096, top-64, gradient
     liger               TeacherPrefetcher + TeacherClient (binary replies), batches fetched ahead
   served 1B teacher     the same with a 1B teacher (--random-weights) faster than the student: the prefetch should
                         hide it
-  served 8B hidden      the exact teacher (issue 41): `liger-kd serve` of the in-process teacher's own weights
+  served 8B hidden      the exact teacher: `liger-kd serve` of the in-process teacher's own weights
                         (saved), its final hidden states (bf16, or fp8 with a scale per row) and head, through
                         HiddenClient and the fused loss on the full vocabulary; beside it top-64 from the same server
                         as liger binary and as vLLM JSON. bytes_per_token: the wire's hidden-state / top-k reply

@@ -1,6 +1,6 @@
 """A teacher that reads its own, longer prompt: what the pairing costs in a fused KD step.
 
-    python -m benchmarks.training.bench_privileged  # H200: table + benchmarks/results/bench_privileged.json
+    python -m benchmarks.training.bench_privileged  # H200: table + its JSON in benchmarks/results/
     python -m benchmarks.training.bench_privileged --tiny               # CPU smoke test (no figures)
 
 Llama-1B-shaped student, Llama-8B-shaped teacher (bench_train_step's "llama" shapes), bf16, 4 rows of a

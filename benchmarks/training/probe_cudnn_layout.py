@@ -5,7 +5,7 @@ shapes (32 query heads, 8 key/value heads, head dim 128, causal, forward), the l
 
 Rows: flash with enable_gqa on (batch, seq, heads, dim) views transposed to (batch, heads, seq, dim), as
 transformers calls it without a mask; cuDNN on the same query view with the key/value heads repeated (what
-models/teacher_attention.py did); cuDNN with every operand contiguous (batch, heads, seq, dim); cuDNN with
+an earlier teacher-attention patch did); cuDNN with every operand contiguous (batch, heads, seq, dim); cuDNN with
 every operand a transposed (batch, seq, heads, dim) view; and SDPA's own choice (no backend forced) on
 transformers' call, which is what the step runs. ms per layer, median of CUDA events. With the profiler, the
 default-dispatch row also names the kernel SDPA picked.

@@ -100,9 +100,9 @@ def pad_rows(rows: list[Row], student_pad_id: int, teacher_pad_id: int, ignore_i
 
 @dataclass
 class CrossTokenizerCollator:
-    """Batches for `align.loss` / `trainer.cross_tokenizer`: the student's input_ids / attention_mask / labels (HF
-    style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per
-    shifted row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
+    """Batches for `align.loss` / `trainer.teachers.other_tokenizer`: the student's input_ids / attention_mask / labels
+    (HF style, unshifted), the teacher's teacher_input_ids / teacher_attention_mask / teacher_labels, and per shifted
+    row (row r concerns token r + 1) student_align_groups / teacher_align_groups (group ids, global
     in the batch, -1 outside) and align_exact_ok (True on one-to-one groups,
     where the exact-token term applies); teacher_prompt_length (B,), the teacher's tokens before the completion's
     content (what an on-policy step keeps of the teacher's row, align.generated). A prompt without a completion

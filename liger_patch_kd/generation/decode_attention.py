@@ -2,11 +2,10 @@
 
 With grouped-query attention (H query heads sharing H_kv key/value heads) and a mask, transformers' SDPA path
 copies the key/value cache H / H_kv times (`repeat_kv`) before every attention call, except in eager decode steps
-where it packs the query heads instead; inside a compiled decode step (the static cache's) it always copies. On an
-H200, the 1B student (32 query heads, 8 key/value heads) generating 64 rows with the static cache spent 87 of the
-362 GPU-ms of a 32-token call in that copy and read the 4x larger cache again in attention (commit f966e27's
-benchmarks/results/wave3/bench_rollouts_profile.json): per layer and step, 268 MB written and read where 67 MB is
-the cache.
+where it packs the query heads instead; inside a compiled decode step (the static cache's) it always copies. A
+profile of a 1B student (32 query heads, 8 key/value heads) generating 64 rows with the static cache found a large
+share of the call's GPU time in that copy, and attention reading the 4x larger cache again: per layer and step,
+H / H_kv times the cache written and read (`benchmarks/onpolicy/bench_rollouts.py --profile`).
 
 A decode step has one query per row, so the query heads of one key/value head can be that head's query *rows*:
 (batch, H, 1, d) -> (batch, H_kv, H / H_kv, d). Attention of those rows over the un-copied cache is the same
@@ -99,8 +98,8 @@ def kernel_takes(
 
 class _Kernel:
     """Whether packed decode steps use the Triton kernel (decode_kernel.py) on this thread: the decode engine's
-    captured or eager steps ask for it; a step torch.compile traces (the static cache's, the engine's "compile"
-    captures) keeps SDPA, which the compiler knows."""
+    captured or eager steps ask for it; a step torch.compile traces (transformers' static cache's) keeps SDPA, which
+    the compiler knows."""
 
     local = threading.local()
 

@@ -1,19 +1,17 @@
 """Split-KV decode attention (flash-decoding) for the decode engine's one-token steps, in Triton.
 
-Measured on an H200 (1B Llama, 32 query / 8 key-value heads, a 1024-column cache): cuDNN's flash kernel, reached
-through SDPA with the engine's boolean mask, took 46 us a layer at 64 rows (0.74 of a 2.83 ms decode step) and 13 us
-at 8 rows, reading every column of the cache whether a row may attend to it or not, after two kernels a layer that
-turn the mask into an additive one. This kernel reads the boolean mask itself and reads keys and values only between
-the first and the last column its row attends to in its split (not the columns not written yet: on average a quarter
-of the cache over a completion; nor a prompt's left padding), and splits the columns of each (row, key/value head)
-over several programs so that 8 rows fill the GPU as 64 do.
+cuDNN's flash kernel, reached through SDPA with the engine's boolean mask, took about a quarter of a decode step at 64
+rows, reading every column of the cache whether a row may attend to it or not, after two kernels a layer that turn the
+mask into an additive one. This kernel reads the boolean mask itself and reads keys and values only between the first
+and the last column its row attends to in its split (not the columns not written yet: on average a quarter of the cache
+over a completion; nor a prompt's left padding), and splits the columns of each (row, key/value head) over several
+programs so that 8 rows fill the GPU as 64 do.
 
 The attended extent comes from a first pass over the split's mask (1 byte a column, against 4 x head size bytes of
 keys and values), so that the main loop has no branch: a loop whose loads sit under an `if` (an earlier version
-skipped unattended blocks that way) is not software-pipelined, and its loads wait one after another. Measured on an
-H200 (60 variants of block, warps, stages and splits, timed as CUDA-graph replays): the branch-free loop with
-128-column blocks, 4 warps and 2 stages took 27-40 us a layer at 64 rows (cache 528-1000 columns; the branching one
-37-57, the bytes' floor 14-27) and 8-9 us at 8 rows (10-12).
+skipped unattended blocks that way) is not software-pipelined, and its loads wait one after another. Of the block,
+warp, stage and split variants timed as CUDA-graph replays, the branch-free loop with 128-column blocks, 4 warps and
+2 stages was the fastest at 64 rows and at 8, and faster than the branching one.
 
 Grid: (rows x key/value heads, splits). A program holds the G query heads of one key/value head (padded to 16 rows:
 tensor-core products need 16) and runs the online softmax over its split's columns; a second kernel merges the
@@ -140,7 +138,7 @@ def _sm_count(device_index: int) -> int:
 
 def split_count(pairs: int, length: int, device: torch.device) -> int:
     """Splits of the columns per (row, key/value head): enough programs for every SM to hold PROGRAMS_WANTED, at
-    least BLOCK_N columns a split. 8 rows x 8 heads on an H200 (132 SMs): 5 splits; 64 rows: 1."""
+    least BLOCK_N columns a split: a GPU of 132 SMs gives 8 rows x 8 heads 5 splits, and 64 rows 1."""
     sms = 4  # the interpreter's (CPU tests): a few splits, so that the merge is exercised
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())

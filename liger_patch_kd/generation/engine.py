@@ -5,10 +5,9 @@ replayed, the host asking whether every row has ended only every `check_every` s
     tokens = decode(model, input_ids, attention_mask, max_new_tokens=..., sampling=Sampling(...), pad_id=0,
                     eos_ids=(2,), capture="graph")
 
-Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kernels), "compile" (the step compiled
-by torch.compile, its fused kernels captured explicitly the same way), "reduce-overhead" (torch.compile's own CUDA
-graphs), "eager" (the same step run op by op: what a CPU runs, and the reference of the others). Prefill runs
-eagerly through the model's own attention over the prompt (not captured: one call per width).
+Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kernels) and "eager" (the same step run
+op by op: what a CPU runs, and the reference of the graph). Prefill runs eagerly through the model's own attention
+over the prompt (not captured: one call per width).
 
 A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
 bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
@@ -40,10 +39,8 @@ from .padding import self_visible_causal
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 from .sampling_kernel import gumbel_argmax
 
-CAPTURES = ("graph", "compile", "reduce-overhead", "eager")
+CAPTURES = ("graph", "eager")  # both attend through the Triton split-KV kernel (decode_kernel.py)
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
-# captures whose step attends through the Triton split-KV kernel (decode_kernel.py); torch.compile's keep SDPA
-KERNEL_CAPTURES = ("graph", "eager")
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
 
 
@@ -124,7 +121,6 @@ class DecodeSession:
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.compiled = None
         self.fused = FusedProjections(model) if key.fuse else None
 
     def nbytes(self) -> int:
@@ -155,7 +151,7 @@ class DecodeSession:
         self.token.copy_(tokens[:, None])
         self.count.add_(1)
 
-    def _step(self) -> None:
+    def step(self) -> None:
         """One decode step, all on the device, no host sync: what the CUDA graph holds."""
         mask = (self.valid & (self.columns <= self.slot))[:, None, None, :]  # prompt, and the columns written
         out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.base + self.slot,
@@ -165,7 +161,8 @@ class DecodeSession:
         self.slot.add_(1)
 
     # -------------------------------------------------------------------------------------------- a call
-    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """The prompts through the model's own attention into the cache, and the first token sampled."""
         rows, width = input_ids.shape
         attended = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -186,11 +183,9 @@ class DecodeSession:
         self._advance(out.logits[:, -1])
         self.cache.decoding = True
 
-    def _capture(self) -> None:
-        """Warm the step up on a side stream (allocator, lazy kernels, compilation), put the state back, capture."""
-        step = self._step
-        if self.key.capture == "compile":  # inductor's kernels, captured by us (graph breaks cost nothing here)
-            step = self.compiled = torch.compile(self._step, dynamic=False)
+    def capture(self) -> None:
+        """Warm the step up on a side stream (allocator, lazy kernels), put the state back, capture it."""
+        step = self.step
         state = [t.clone() for t in (self.token, self.slot, self.count, self.used, self.done)]
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
@@ -206,21 +201,14 @@ class DecodeSession:
             live.copy_(saved)
         torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
 
-    def _run_step(self) -> None:
-        if self.key.capture in ("graph", "compile"):
+    def run_step(self) -> None:
+        """The step as the session runs it: captured at its first call and replayed ("graph"), or op by op."""
+        if self.key.capture == "graph":
             if self.graph is None:
-                self._capture()
+                self.capture()
             self.graph.replay()
-        elif self.key.capture == "reduce-overhead":
-            if self.compiled is None:  # every buffer the step mutates at a fixed address, or no CUDA graph is taken
-                buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
-                fused = self.fused.tensors() if self.fused is not None else []
-                for t in (*buffers, *self.cache.keys, *self.cache.values, *fused):
-                    torch._dynamo.mark_static_address(t)
-                self.compiled = torch.compile(self._step, mode="reduce-overhead")
-            self.compiled()
         else:
-            self._step()
+            self.step()
 
     @contextlib.contextmanager
     def projections(self) -> Iterator[None]:
@@ -232,46 +220,28 @@ class DecodeSession:
         with self.fused.installed():
             yield
 
-    def time_steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> float:
-        """Milliseconds per decode step alone (CUDA events around `steps` steps after a prefill; no host sync, no
-        prefill, no EOS checks inside): what a benchmark reports beside the per-call figure."""
-        if steps >= self.key.length - input_ids.shape[1]:
-            raise ValueError(f"steps must be < the cache's free columns {self.key.length - input_ids.shape[1]}")
-        with torch.no_grad(), packed_decode_attention(), decode_kernel(self.key.capture in KERNEL_CAPTURES), \
-                self.projections():
-            self._prefill(input_ids, attention_mask)
-            self._run_step()  # captured (or compiled) by now
-            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record()
-            for _ in range(steps):
-                self._run_step()
-            ended.record()
-            ended.synchronize()
-        return began.elapsed_time(ended) / steps
-
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, check_every: int):
         """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None."""
         with self.projections():
-            self._prefill(input_ids, attention_mask)
+            self.prefill(input_ids, attention_mask)
             checks = len(self.key.eos_ids) > 0
             for step in range(1, max_new_tokens):
                 if checks and step % check_every == 0 and not bool((~self.done).any()):
                     break  # the only host sync of the loop
-                self._run_step()
+                self.run_step()
         n = int(self.used)  # columns after the last row ended (up to check_every - 1 of them) are padding: cut
         logprobs = None if self.out_logprobs is None else self.out_logprobs[:, :n].clone()
         return self.out[:, :n].clone(), logprobs
 
 
 def fused_draw_applies(key: SessionKey, device: torch.device) -> bool:
-    """Whether the step draws through sampling_kernel.gumbel_argmax (one kernel; 78 against 255 us a step at 64
-    rows of a 128k vocabulary on an H200): Triton's backend for the device, a capture that is no torch.compile
-    trace, and plain sampling (temperature, vocabulary limit; top-k / top-p and greedy go through sampling.draw).
-    Its random numbers are not torch's: a seed gives other completions than sampling.draw's, from the same
-    distribution (tests/test_sampling_kernel.py)."""
+    """Whether the step draws through sampling_kernel.gumbel_argmax (one kernel where torch's draw takes several):
+    Triton's backend for the device and plain sampling (temperature, vocabulary limit; top-k / top-p and greedy go
+    through sampling.draw). Its random numbers are not torch's: a seed
+    gives other completions than sampling.draw's, from the same distribution (tests/test_sampling_kernel.py)."""
     sampling = key.sampling
     plain = not sampling.greedy and sampling.top_k == 0 and sampling.top_p >= 1.0
-    return plain and key.capture in KERNEL_CAPTURES and select_backend(device) == "triton"
+    return plain and select_backend(device) == "triton"
 
 
 _SESSIONS: weakref.WeakKeyDictionary[nn.Module, DecodeSession] = weakref.WeakKeyDictionary()
@@ -292,9 +262,9 @@ def release_if_large(model: nn.Module, fraction: float = KEEP_FRACTION) -> bool:
     """After a call between training steps: release `model`'s session when its KV cache, fused weights and buffers
     exceed `fraction` of the CUDA memory allocated beside them, so that keeping it adds at most that fraction to the
     training step's peak (which is at least that memory). Kept, the next call of the bucket replays the graph as it
-    is; released, it allocates and captures again (33-48 ms a call on an H200 for a 1B model at 64 / 8 rows, against
-    1.6 / 0.95 s of generation). A 1B student at 64 rows of 1024 columns holds 3.4 GB (16 % of a 21 GB run):
-    released; at 8 rows 1.5 GB (7 %): kept. Returns whether it released one."""
+    is; released, it allocates and captures again (a small cost beside the call's generation). A 1B student at 64
+    rows of 1024 columns holds about a sixth of its run's memory: released; at 8 rows less than a tenth: kept.
+    Returns whether it released one."""
     session = _SESSIONS.get(model)
     if session is None or session.device.type != "cuda":
         return False
@@ -367,6 +337,6 @@ def decode(
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
     key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
-    with torch.no_grad(), packed_decode_attention(), decode_kernel(capture in KERNEL_CAPTURES):
+    with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

@@ -8,7 +8,7 @@ The concatenated weights are a copy the session owns (at fixed addresses, which 
 by `sync()` at the start of every decode call: an optimizer's in-place update of q_proj.weight is in the copy by
 the next call, and the model's parameters, their storage and the module tree stay as they were (optimizers,
 checkpoints and DDP see nothing). The copy costs the projections' bytes once more in memory (1.3 GB for a 1B
-Llama) and one read + write of them per call (~0.5 ms on an H200 for a 1B model, against a call's 256+ steps).
+Llama) and one read + write of them per call, small beside a call's hundreds of steps.
 
 While installed, the first projection of a group computes them all and keeps the others' outputs with the input
 they belong to; the others hand theirs back only for that very input, with gradients off, else they compute their
@@ -59,7 +59,7 @@ class FusedGroup:
             taken = last[2].pop(index, None)
             # Once every tail has taken its output nothing is kept: a prefill's outputs are large (at 64 rows of 512
             # tokens a 1B Llama's gate/up output is 1 GiB a layer), and holding them until the group's next call kept
-            # every layer's at once (24 GiB above the training step's peak on an H200).
+            # every layer's at once, far above the training step's peak.
             if not last[2] and self.last is last:
                 self.last = None
             if taken is not None:

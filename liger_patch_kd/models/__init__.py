@@ -8,7 +8,7 @@ Modules, lowest first (imports point down only):
   transforms     logit scales folded into the head inputs (scaled_head_inputs)
   moe, backbone  the router loss; running the backbone (text and VLM)
   heads, kd_io   lm_head weights (PEFT-aware); teacher inputs, label shifting, the output type
-  materialised   the objective on materialised logits (reference.py)
+  materialised   the objective on materialised logits (reference/)
   teachers       several teachers in one KD forward (routing, mixtures)
   kd_forward     the one KD forward, and a teacher's
   cross_tokenizer  the cross-tokenizer loss on two models, each one's head inputs taken inside its own forward

@@ -26,7 +26,7 @@ from .backbone import (
     with_router_aux_loss,
 )
 from .heads import HeadWeights, output_head
-from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, shift_labels, targets_of
+from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, targets_of
 from .materialised import TEACHER_INPUT_KEYS, materialised_kd
 from .privileged import PrivilegedInputs
 from .registry import softcap_of
@@ -35,20 +35,11 @@ from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, class_state, pa
 from .teachers import TeacherSet, materialised_teacher_set, teacher_set_forward
 from .transforms import scaled_head_inputs
 
-# unwrap_model, output_head, TeacherInputs, shift_labels live in state / heads / kd_io; re-exported from here,
-# where they were first defined, so that `models.kd_forward.unwrap_model` keeps working
 __all__ = [
-    "KDCausalLMOutput",
-    "PatchState",
-    "TeacherInputs",
     "call_student",
     "call_teacher",
     "install_kd_forward",
     "kd_causal_lm_forward",
-    "output_head",
-    "patch_state",
-    "shift_labels",
-    "unwrap_model",
 ]
 
 

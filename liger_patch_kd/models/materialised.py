@@ -1,4 +1,4 @@
-"""The distillation objective on materialised logits, through reference.py: the baseline that the fused path
+"""The distillation objective on materialised logits, through reference/: the baseline that the fused path
 is checked against, and what runs with `fused_linear_jsd=False`, `return_logits=True` or
 `KDTrainer(use_kd_patch=False)`. One implementation for the three, so they cannot drift apart."""
 
@@ -34,7 +34,7 @@ def materialised_kd(
     behaviour_logprobs: torch.Tensor | None = None,
     privileged: PrivilegedInputs | None = None,
 ) -> KDCausalLMOutput:
-    """Run the student (and a live teacher) for their logits and score them with reference.py.
+    """Run the student (and a live teacher) for their logits and score them with reference/.
 
     `student` is the unwrapped *ForCausalLM (its router-loss settings count); `student_forward(**model_inputs)`
     (its forward, or a wrapper's) must return the model's output with `.logits` (soft-capped by the model

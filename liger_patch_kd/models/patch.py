@@ -288,7 +288,7 @@ def transformers_code(model: nn.Module) -> Iterator[nn.Module]:
 
     Why: the kernels are built for the training step's long rows, while a decode step is a few rows and bound by
     launches, and torch.compile (the static cache's compiled decode step) traces transformers' code in one graph;
-    on an H200 the patched RoPE broke every attention layer's graph, so dynamo recompiled per layer up to its
+    the patched RoPE broke every attention layer's graph, so dynamo recompiled per layer up to its
     limit (benchmarks/onpolicy/bench_rollouts.py). Not thread-safe: nothing else may run a patched model of the same
     architecture inside the block (the trainer generates between steps, alone).
     """

@@ -28,8 +28,8 @@ ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | Non
 
 # Budget for one chunk's (rows x V) buffers: the 1 GiB a call may hold, less ~20 MiB for the rest of its own
 # memory (the chunk's hidden rows, per-row terms: 15 MiB measured at V = 128256). Rows per chunk set how well
-# the products run: on an H200 an 896-row logits product ran at 650-679 TFLOP/s and a 2048-row one at 719, while
-# accumulating the weight gradient instead of writing it cost 0-10 % of its product (bench_loss_breakdown.py).
+# the products run: a logits product of a thousand rows runs a little slower than one of two thousand, while
+# accumulating the weight gradient instead of writing it costs a few % of its product (bench_loss_breakdown.py).
 # At V = 128256 this budget holds 1024 rows (8 bytes per logit): N = 8192 runs as 8 aligned chunks, not 9 of 911.
 _GPU_CHUNK_BYTES = (1 << 30) - (20 << 20)
 _GPU_FREE_FRACTION = 8  # never take more than 1/8 of what is free: the model and its activations come first

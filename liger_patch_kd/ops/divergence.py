@@ -1,7 +1,7 @@
 """The one home of the divergence terms and their gradient (PyTorch), for every fused path: the dense chunk
 (fused_linear_jsd.jsd_chunk_torch), the top-k chunk (fused_linear_topk_kd.topk_chunk_torch), the log-prob
 losses (losses.logprob) and the cross-tokenizer loss (align). The Triton kernels compute the same formulas
-in-kernel, in the same structure; reference.py keeps its own definition (it is the independent oracle).
+in-kernel, in the same structure; reference/ keeps its own definition (it is the independent oracle).
 
 Per class j of two (sub-)distributions S (student) and P (teacher), generalized JSD in the TRL / Liger
 convention:

@@ -6,7 +6,7 @@ of W, computed once). e4m3 keeps 3 mantissa bits: a relative rounding error of a
 averages out over the K-long dot product.
 
 Quantising an activation is a separate pass over it; in eager PyTorch (abs, amax, divide, clamp, cast) it costs
-about what the FP8 product saves (MEASUREMENTS.md). Here it is one Triton pass (read the row, write a byte per
+about what the FP8 product saves. Here it is one Triton pass (read the row, write a byte per
 element and one scale), and after the gated activation it is fused into that kernel, so the MLP's wide
 intermediate is never written in bf16.
 

@@ -62,8 +62,8 @@ if triton_available():
     def _log_mixture(s, p, b_hi, b_lo, omb_hi, omb_lo, PAIR: tl.constexpr):
         """log M = log(beta * P + (1 - beta) * S) from the two probabilities the passes already hold: one
         transcendental where a log-sum-exp of the two log-probabilities takes two. The JSD passes are not purely
-        memory-bound (3.4 TB/s against a 4.1 TB/s copy on an H200); this took the kernel from 8.74 to 8.41 ms
-        at N = 8192 (benchmarks/loss/bench_loss_breakdown.py). With both probabilities under fp32's smallest normal
+        memory-bound (they stream slower than a copy does), so one transcendental fewer shows in the kernel's time
+        (benchmarks/loss/bench_loss_breakdown.py). With both probabilities under fp32's smallest normal
         (their terms < 1e-36) the floor keeps log M finite."""
         mix = scale_exact(p, b_hi, b_lo, PAIR) + scale_exact(s, omb_hi, omb_lo, PAIR)
         return tl.log(tl.maximum(mix, 1.1754944e-38))

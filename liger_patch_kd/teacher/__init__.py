@@ -25,7 +25,6 @@ from .serve import (
     TeacherReplyError,
     TeacherServerError,
     TeacherTimeoutError,
-    protocols,  # noqa: F401  the wire formats, as teacher.protocols (the module's old path)
 )
 from .store import (
     MANIFEST,

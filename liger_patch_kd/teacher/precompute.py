@@ -98,7 +98,7 @@ def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows
     from ..conventions import apply_softcap
     from ..models import unwrap_model
     from ..models.backbone import run_backbone
-    from ..models.kd_forward import output_head
+    from ..models.heads import output_head
     from ..models.registry import softcap_of
     from ..models.transforms import scaled_head_inputs
 

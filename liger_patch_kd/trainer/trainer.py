@@ -61,7 +61,7 @@ class KDTrainer(Trainer):
     The loss is soft_weight * KD + hard_weight * CE as KDTrainingArguments set it, exact under gradient
     accumulation (normalised by the token count of the whole accumulated batch). With use_kd_patch it runs
     through the patched forward (no logits); without, the same objective on materialised logits
-    (reference.py), the baseline to compare with.
+    (reference/), the baseline to compare with.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""HiddenClient: the exact served teacher's client (issue 41): final hidden states of token sequences from
+"""HiddenClient: the exact served teacher's client: final hidden states of token sequences from
 `liger-kd serve` (hidden_wire.py), each with the head of the weight version it was computed with.
 
 The head is fetched once per weights version and cached: every hidden-state reply names its version (the server's

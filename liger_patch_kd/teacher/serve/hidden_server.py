@@ -1,4 +1,4 @@
-"""`liger-kd serve`'s exact-teacher routes (issue 41; the wire format: hidden_wire.py):
+"""`liger-kd serve`'s exact-teacher routes (the wire format: hidden_wire.py):
 
     POST /v1/hidden_states  {"prompt": [[ids], ...], "dtype": "auto" | "bf16" | "fp32" | "fp8"}: the teacher's final
                             hidden states, binary, each reply naming the weights it was computed with
@@ -9,7 +9,7 @@ version, so a client's cached head is fetched again after a weight update and af
 version 0 again, possibly with other weights).
 
 The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to a
-callback (models.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
+callback (kd_forward.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
 them trains on the in-process objective. Requests are batched like the top-k ones (TeacherBatcher: up to
 --max-batch-tokens padded tokens a forward, --batch-invariant runs each alone), checked whole first (400 naming the
 field, 413 over --max-request-tokens), behind the app's --api-key; the forward holds the model's lock, so a weight
@@ -70,7 +70,7 @@ def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invar
 
 
 def _final_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The (B, T, H) hidden states the teacher's KD forward hands the fused loss (models.call_teacher's path)."""
+    """The (B, T, H) hidden states the teacher's KD forward hands the fused loss (kd_forward.call_teacher)."""
     kept = {}
     model(input_ids=ids, attention_mask=mask, use_cache=False, kd_teacher_callback=lambda h, w, b, c: kept.update(h=h))
     return kept["h"]

@@ -1,4 +1,4 @@
-"""The exact served teacher's wire format (issue 41): final hidden states and the lm_head, binary. Pure functions.
+"""The exact served teacher's wire format: final hidden states and the lm_head, binary. Pure functions.
 
 A teacher's distribution is softmax(cap(h Wᵀ + b) / T): its last hidden states h (after its final norm, what its
 lm_head multiplies; a logit scale (Cohere, Granite) folded into h and b, as the in-process fused loss folds it) and

@@ -1,4 +1,4 @@
-"""Sampled teacher tokens over the liger protocol (issue 29; teacher/sampling.py draws them): the request fields,
+"""Sampled teacher tokens over the liger protocol (teacher/sampling.py draws them): the request fields,
 their checks on the server, and the binary reply both ends read. Pure functions, no I/O.
 
 A /v1/completions scoring body (protocols.vllm_request) asks for draws with

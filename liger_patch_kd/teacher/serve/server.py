@@ -324,7 +324,7 @@ def build_app(
         return Response(json.dumps(reply), media_type="application/json")
 
     add_generation_routes(app, engine, error)
-    add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher,  # the exact teacher (issue 41)
+    add_hidden_routes(app, model, engine, limits, error, batcher_type=TeacherBatcher,  # the exact teacher
                       max_batch_tokens=max_batch_tokens, batch_invariant=batch_invariant)  # fmt: skip
     return app
 

@@ -12,7 +12,8 @@ with a handful of vectorised numpy operations (no Python loop per token or slot)
   kept slot is at most step / 2: below 1e-2 whenever a row's kept log-probs span less than
   0.02 * (2**logprob_bits - 2) nats (10 bits: 20.4 nats; 12 bits: 81.9 nats). The top slot is exact.
 
-Why fixed width and not entropy coding: decoding must keep up with an H200 under shuffled reads on 2 CPU cores.
+Why fixed width and not entropy coding: decoding must keep up with a GPU's training step under shuffled reads
+on 2 CPU cores.
 An unordered top-64 set from 151936 ids carries log2(C(151936, 64)) / 64 = 12.6 bits per slot at best
 (Elias-Fano reaches 13.2), so with a 1e-2 log-prob bound no fixed-rate code gets below ~2.8 bytes per slot on
 that vocabulary; this one spends 3.4-3.7.

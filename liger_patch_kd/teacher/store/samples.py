@@ -1,4 +1,4 @@
-"""Sampled teacher tokens in a store (issue 29; teacher/sampling.py makes them, losses.fused_linear_sampled_kd
+"""Sampled teacher tokens in a store (teacher/sampling.py makes them, losses.fused_linear_sampled_kd
 reads them). A store that holds them has the manifest key `samples` (m, the draws per position and the slots
 per row), `sample_seed`, and `temperature`, the temperature the draws were made at (every log-prob of such a
 store, the hybrid's top-k included, is at that temperature); `top_k` is 0 for draws alone, else the hybrid's

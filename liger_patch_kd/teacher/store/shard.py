@@ -4,8 +4,8 @@ A shard is a safetensors file (any safetensors tool can open it). Format 2 adds 
 sequence over the bytes of that sequence in every other array, in `ARRAY_ORDER`. Why per sequence and not per
 shard: a shuffled reader touches one sequence of a shard at a time, so hashing a whole (hundreds of MB) shard on
 first touch costs more than the epoch's useful reading, and on a TB store every process (each DataLoader worker,
-each rank) would pay it again. A per-sequence crc32 checks exactly the bytes being read (2.5 GB/s on one core,
-a few % of the read), needs no shared state between workers, and costs nothing at open. The small parts that
+each rank) would pay it again. A per-sequence crc32 checks exactly the bytes being read (a few % of the read on
+one core), needs no shared state between workers, and costs nothing at open. The small parts that
 locate sequences (safetensors header, offsets, checksums) are checked once per process against the manifest's
 `index_crc32` when the shard is first opened. Format 1 shards (no per-sequence checksums) get their whole-file
 sha256 verified once per process instead.

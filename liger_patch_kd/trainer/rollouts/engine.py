@@ -7,7 +7,7 @@ and answers each completion's token ids and the log-prob of each sampled token u
 (the behaviour policy). Before a step's rollouts the student's weights reach the engine when `kd_sync_steps` steps
 have passed since the last push (weight_sync.py), so a rollout is generated with weights up to kd_sync_steps - 1
 steps old: its staleness, logged as kd_rollout_staleness. With kd_async_rollouts = k the requests of the next k
-steps are sent while this one trains (async_rollouts.py): a rollout is then k to k + kd_sync_steps - 1 steps old
+steps are sent while this one trains (asynchronous.py): a rollout is then k to k + kd_sync_steps - 1 steps old
 (fewer at the start of an epoch, whose first step is asked for and waited on). The pg loss weighs each token by
 min(exp(log q - log b), kd_pg_importance_cap) with the engine's log b (reference.policy_gradient_terms): unbiased
 while no ratio exceeds the cap (ratio 1 with fresh weights), bounded where one does; the other losses take stale
@@ -118,7 +118,7 @@ class EngineRollouts:
         self._allowed: int | None = None
         self.staleness: list[int] = []  # per generated step: steps since the engine's weights were the student's
         self._served_name: str | None = None
-        self.ahead = args.kd_async_rollouts  # steps ahead the rollouts are requested (async_rollouts.py)
+        self.ahead = args.kd_async_rollouts  # steps ahead the rollouts are requested (asynchronous.py)
         self.pg = args.kd_onpolicy_loss == "pg"  # weighs each token by the engine's log-prob: every one needed
         self._warned = self.pg or (args.kd_sync_steps == 1 and not self.ahead)
 
@@ -148,7 +148,7 @@ class EngineRollouts:
     ) -> tuple[int, Callable[[], list[Rollout]]]:  # fmt: skip
         """(staleness, request) for step `step`'s rollouts: the steps between `step` and the weights the engine holds
         once the pushes made or staged so far are loaded, and a callable sending the requests (now, or from the
-        asynchronous worker after those loads: async_rollouts.py) and returning the rollouts, prompt-major."""
+        asynchronous worker after those loads: asynchronous.py) and returning the rollouts, prompt-major."""
         staleness = step - self.sync.synced_step
         if staleness and not self._warned:
             logger.warning(

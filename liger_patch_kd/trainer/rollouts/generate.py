@@ -1,10 +1,10 @@
 """On-policy rollouts as data: a step's prompts become (prompt, completion) rows in few, large generate() calls.
 
-The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every
-prompt of an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per
-call), which is where generation gets its speed: on one H200 a 1B student makes 564 tokens/s at 8 rows and 9,393 at
-128 (MEASUREMENTS.md). The rows then train in micro-batches like any other rows: labels on the completion only
-(EOS included, padding never), the prompt masked.
+The generator (the student for on-policy KD, the teacher for sequence-level KD) samples completions for every prompt of
+an optimizer step at once (all gradient-accumulation micro-batches together, `batch_size` prompts per call), which is
+where generation gets its speed: tokens/s grow roughly with the rows of a call up to a hundred or more
+(benchmarks/onpolicy/bench_rollouts.py measures it). The rows then train in micro-batches like any other rows: labels on
+the completion only (EOS included, padding never), the prompt masked.
 """
 
 from __future__ import annotations
@@ -54,12 +54,10 @@ class RolloutSettings:
         graph and replayed across optimizer steps; on a CPU the same step runs eagerly) or "auto": graph on CUDA up
         to 256 rows where the engine can decode the generator (cache_for), else what follows. Before graph: static
         on CUDA up to 256 rows,
-        dynamic above (not measured there: it needs no compilation per shape) and on a CPU. Measured on an H200
-        with the 1B student generating 512 tokens after 512 (benchmarks/onpolicy/bench_rollouts.py, results in
-        benchmarks/results/), decode steps' grouped-query heads packed (generation/decode_attention.py): static
-        11,961 / 15,656 / 18,478 tokens/s at 64 / 128 / 256 rows, dynamic 5,708 / 8,358 / 14,170. Before the
-        packing the dynamic cache won at 128 rows (9,393 against 8,389), hence the earlier limit of 128.
-        Compiling costs ~25-30 s per new shape, once, and on a CPU more than it saves.
+        dynamic above (not measured there: it needs no compilation per shape) and on a CPU. With decode steps'
+        grouped-query heads packed (generation/decode_attention.py) the static cache is faster than the dynamic one
+        at 64, 128 and 256 rows (benchmarks/onpolicy/bench_rollouts.py, results in benchmarks/results/).
+        Compiling costs tens of seconds per new shape, once, and on a CPU more than it saves.
     seed: with the step number, seeds each call, so the same seed gives the same completions.
     """
 
@@ -118,9 +116,8 @@ def call_seed(seed: int, step: int, call: int) -> int:
 
 def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool = False) -> str:
     """The cache of a call: `choice`, or for "auto" the decode engine's captured step on CUDA up to 256 rows where
-    it can decode the generator (measured faster than the static cache: 1.71 / 2.47 ms a decode step at 8 / 64 rows,
-    prefill included, against 3.51 / 5.39 on an H200; benchmarks/results/bench_rollouts_graph.json), the static
-    cache there otherwise, else dynamic."""
+    it can decode the generator (measured faster than the static cache at 8 and 64 rows, prefill included:
+    benchmarks/results/bench_rollouts_graph.json), the static cache there otherwise, else dynamic."""
     if choice != "auto":
         return choice
     if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
@@ -260,8 +257,7 @@ def generate_rollouts(
                     **({"suppress_tokens": padding} if padding else {}),
                 )  # fmt: skip
                 # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
-                # the captured step keeps the patched kernels: fewer launches a step (1.96 against 2.84 ms at 8 rows
-                # on an H200, an earlier run's figures)
+                # the captured step keeps the patched kernels: fewer launches a step
                 code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
                 # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
                 # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)

@@ -8,7 +8,7 @@ is replaced by the rollouts of its own prompts, so the step keeps its gradient-a
 Trainer counts the scored completion tokens of the whole step for an exact num_items_in_batch. In process, all of a
 step's rollouts come from the weights the step starts with: they are exactly on-policy. From an engine
 (kd_generation_url, engine.py) they come from the weights last pushed to it, up to kd_sync_steps - 1 steps old; with
-kd_async_rollouts = k the next k steps' rollouts are requested while this step trains (async_rollouts.py), k to k +
+kd_async_rollouts = k the next k steps' rollouts are requested while this step trains (asynchronous.py), k to k +
 kd_sync_steps - 1 steps old.
 """
 
@@ -110,7 +110,7 @@ class OnPolicySteps:
     ) -> list[dict[str, Any]]:  # fmt: skip
         """Optimizer step `step`'s `count` micro-batches from the epoch's `iterator` (the Trainer's
         get_batch_samples), their completions sampled when the step generates: now (replace), or requested
-        kd_async_rollouts steps ahead (async_rollouts.py; `last_step` bounds that look-ahead)."""
+        kd_async_rollouts steps ahead (asynchronous.py; `last_step` bounds that look-ahead)."""
         self.warmup_steps = self.args.onpolicy_warmup(last_step)
         if self.pipeline is not None:  # an engine: never across tokenizers (check_generation_args), no make_rows
             batches, generated = self.pipeline.step_batches(

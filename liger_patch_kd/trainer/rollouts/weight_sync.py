@@ -124,7 +124,7 @@ class WeightSync:
         """Take the weights `model` holds now (the weights step `step` starts with: a PEFT adapter saved into a
         directory of ours, full weights copied to the CPU) and return the load: the file written (full weights) and the
         requests that make the engine take them and drop the previous ones. push runs it at once; asynchronous
-        rollouts (async_rollouts.py) send it from their worker, after the generation requests queued before
+        rollouts (asynchronous.py) send it from their worker, after the generation requests queued before
         it, so every request is answered by the weights it was counted against. From here on `synced_step` is
         `step` and `model_name` names the new weights."""
         peft = peft_of(model)

@@ -92,7 +92,7 @@ def require_teacher(inputs: dict, has_model: bool) -> None:
 def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: dict, num_items_in_batch,
                      cfg: KDLossConfig, log_now: bool, fused: bool, behaviour=None) -> KDStepOutput:  # fmt: skip
     """The loss against one teacher: the batch's teacher rows when it carries them (they win over a model), else
-    `teacher_model` run here; through the patched forward (fused) or on materialised logits (reference.py)."""
+    `teacher_model` run here; through the patched forward (fused) or on materialised logits (reference/)."""
     offline = has_teacher_rows(inputs)
     if fused:
         extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}

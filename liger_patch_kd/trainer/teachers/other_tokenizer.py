@@ -2,7 +2,7 @@
 vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
 kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
 the refusals that depend on how accelerate spreads the models. The loss of one batch is
-models.cross_tokenizer.compute_cross_tokenizer_loss (align/ holds the alignment and the loss)."""
+other_tokenizer_loss.compute_cross_tokenizer_loss (align/ holds the alignment and the loss)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,7 @@ from ...models.kd_forward import install_kd_forward
 from ..arguments import KDTrainingArguments
 from ..rollouts.retokenized import generated_rows
 from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
-from .other_tokenizer_loss import (
-    check_spread,
-    compute_cross_tokenizer_loss,
-    is_registered,
-    model_head_inputs,  # noqa: F401
-)
+from .other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss, is_registered
 from .self_distill import require_teacher_prompt
 from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
 
@@ -52,7 +47,7 @@ def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = 
 
 def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
     """Options the cross-tokenizer path does not support, refused before training starts. On-policy steps
-    (kd_lmbda) are supported (cross_tokenizer_rollouts.py); the teacher's own generations (kd_seq_kd) would need
+    (kd_lmbda) are supported (rollouts/retokenized.py); the teacher's own generations (kd_seq_kd) would need
     the student to re-tokenize the teacher's text, and the sampled-token losses need the teacher's log-prob of the
     student's token, which another vocabulary does not have."""
     if args.kd_seq_kd:

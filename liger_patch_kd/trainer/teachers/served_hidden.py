@@ -1,4 +1,4 @@
-"""The exact served teacher: `kd_teacher_url=URL, kd_teacher_protocol="hidden"` (issue 41).
+"""The exact served teacher: `kd_teacher_url=URL, kd_teacher_protocol="hidden"`.
 
 `liger-kd serve` sends the teacher's final hidden states of each batch's sequences (asked a step ahead by the
 served top-k path's prefetcher: retries, a dropped server waited for, no batch skipped) and, once per weight

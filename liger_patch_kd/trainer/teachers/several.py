@@ -211,7 +211,7 @@ class TeacherSetSetup:
                 f"the batch has no '{MIXTURE_KEY}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
                 f"the data collator to add it from each row's 'teacher' / 'teacher_weights' column"
             )
-        if self.tokenizers is not None:  # some teachers have their own tokenizers: tokenizer_teachers_loss.py
+        if self.tokenizers is not None:  # some teachers have their own tokenizers: several_tokenizers_loss.py
             return tokenizer_teachers_loss(model, self.models, self.tokenizers, inputs, weights, num_items_in_batch,
                                            cfg, log)  # fmt: skip
         if inputs.get("teacher_input_ids") is not None:  # a teacher's own tokens (other prompt or tokenizer)

@@ -5,7 +5,7 @@ loaded with AutoTokenizer); a teacher left out, or given None, shares the studen
 Rows are text (TRL's prompt / completion, or messages): only text can be tokenized both ways. Each row's student
 tokens come from the student's tokenizer once (align.CrossTokenizerCollator.student_tokens); each teacher of another
 tokenizer tokenizes and aligns the rows that give it a weight > 0 (its own CrossTokenizerCollator), under the
-batch's TEACHERS_KEY: {name: its columns}. The loss (tokenizer_teachers_loss.py) runs the student once and scores
+batch's TEACHERS_KEY: {name: its columns}. The loss (several_tokenizers_loss.py) runs the student once and scores
 every row by its own teachers, each part weighted per row by its share of the row's weights w_r:
 
     share_same(r) = sum of w_rj over the teachers of the student's tokenizer      (the fused several-teacher loss)

@@ -1,6 +1,6 @@
 """The loss of a batch from TokenizerTeachers.collate: the student once, each row against its own teachers, the
 student-tokenizer teachers' share through losses.fused_linear_multi_teacher_jsd and each other-tokenizer teacher's
-through the fused cross-tokenizer loss (models.cross_tokenizer.live_teacher_loss), one denominator for all.
+through the fused cross-tokenizer loss (other_tokenizer_loss.live_teacher_loss), one denominator for all.
 
 As with one teacher of another tokenizer, the models' decoders are called directly (not the patched forward), so
 the path suits DDP / single-device runs; use_kd_patch does not change it (both parts are fused, no logits).
@@ -36,7 +36,7 @@ def tokenizer_teachers_loss(
     num_items_in_batch, cfg: KDLossConfig, log: bool,
 ) -> KDCausalLMOutput:  # fmt: skip
     """soft_weight * KD + hard_weight * CE of the batch, each row against its own teachers (the module docstring
-    of tokenizer_teachers.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
+    of several_tokenizers.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
     terms (detached) and, on logging steps, the per-teacher figures, as the patched forward's."""
     parts = inputs.pop(TEACHERS_KEY)
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
