@@ -208,6 +208,13 @@ class ServedTeachers(RoutedRowsTeacher):
         self.heads = {name: HeadOnDevice() for name in self.routed.client.hidden}
         return self.routed
 
+    def prepare(self, inputs: dict) -> dict:
+        """A batch's teacher: top-k columns (rows of top-k teachers), hidden teachers' states (HIDDEN_SET_KEY), or
+        both; a set of hidden teachers alone attaches no top-k columns at all."""
+        if inputs.get(HIDDEN_SET_KEY):
+            return inputs
+        return super().prepare(inputs)
+
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
         states, heads = inputs.pop(HIDDEN_SET_KEY, None), inputs.pop(HEAD_SET_KEY, None)
