@@ -106,6 +106,23 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
         )
 
 
+def check_evaluation_has_teacher(teacher_from_rows: bool, eval_dataset: Any) -> None:
+    """With no teacher but the rows' own data (a store; `teacher_from_rows`), every evaluation dataset's rows must
+    carry it too, or the first evaluation fails after training started: refused now, by name."""
+    if not teacher_from_rows or eval_dataset is None:
+        return
+    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
+    for name, dataset in named:
+        row = first_row_of(dataset)
+        if isinstance(row, Mapping) and not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+            where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
+            raise ValueError(
+                f"{where}'s rows carry no teacher data (columns {sorted(row)}) and the run's only teacher is the "
+                f"training rows' own (offline data, no teacher_model or kd_teacher_url): give the evaluation rows "
+                f"their teacher's top-k too (a store precomputed on them), or pass teacher_model / kd_teacher_url"
+            )
+
+
 def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
     """Prompt-only rows with steps that train on the dataset's completions (kd_lmbda < 1, no kd_seq_kd): refused
     now, not at the first such step (onpolicy.require_completions, which a later row can still meet)."""

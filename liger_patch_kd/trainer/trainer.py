@@ -19,6 +19,7 @@ from ..teacher import TeacherDataCollator
 from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
+    check_evaluation_has_teacher,
     check_training_rows,
     first_row_is,
     first_row_is_prompt,
@@ -154,6 +155,7 @@ class KDTrainer(Trainer):
         prepare_teacher_compute(args, teacher_model)
         self.teacher_model = teacher_model
         self.teacher_source = self._teacher_source()  # where each batch's teacher signal comes from (teachers/)
+        check_evaluation_has_teacher(self.teacher_source.from_rows, self.eval_dataset)
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
@@ -227,10 +229,26 @@ class KDTrainer(Trainer):
     def get_train_dataloader(self):
         # a served teacher asks its server about each batch ahead of the step (teachers/served*.py)
         dataloader = self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+        self._take_served_vocab_size()
+        return dataloader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        # evaluation batches get their teacher as training's do: a served teacher is asked about them too
+        dataloader = self.teacher_source.eval_dataloader(super().get_eval_dataloader(eval_dataset),
+                                                         self._student_vocab_size)  # fmt: skip
+        self._take_served_vocab_size()
+        return dataloader
+
+    def get_test_dataloader(self, test_dataset):
+        dataloader = self.teacher_source.eval_dataloader(super().get_test_dataloader(test_dataset),
+                                                         self._student_vocab_size)  # fmt: skip
+        self._take_served_vocab_size()
+        return dataloader
+
+    def _take_served_vocab_size(self) -> None:
         if self.teacher_source.vocab_size is not None:  # read from a served head (teachers/served_hidden.py)
             self.kd_config = self.kd_config.replace(vocab_size=self.teacher_source.vocab_size)
             self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
-        return dataloader
 
     def _student_vocab_size(self) -> int:
         return self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features
