@@ -20,6 +20,7 @@ from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
     check_evaluation_has_teacher,
+    check_store_tokenizer,
     check_training_rows,
     first_row_is,
     first_row_is_prompt,
@@ -118,6 +119,10 @@ class KDTrainer(Trainer):
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
         evaluation = kwargs.get("eval_dataset")
         check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
+        if self.xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
+            check_store_tokenizer(self.xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
+        elif not (self.teacher_set is not None and self.teacher_set.tokenizers):
+            check_store_tokenizer(kwargs.get("processing_class"), rows, evaluation)
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
