@@ -20,6 +20,7 @@ from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
     check_evaluation_has_teacher,
+    check_no_text_rows_to_generate_from,
     check_store_tokenizer,
     check_training_rows,
     first_row_is,
@@ -75,6 +76,7 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
         self.teacher_set = None
