@@ -51,6 +51,7 @@ from .teachers.served_several import ServedTeachers
 from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .teachers.stored import StoredTeacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
+from .token_range import check_collated_ids
 
 KD_COLUMNS = TEACHER_DATA_COLUMNS  # the teacher columns a dataset may carry (the public name)
 
@@ -234,23 +235,32 @@ class KDTrainer(Trainer):
 
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
+        dataloader = self._checked_ids(super().get_train_dataloader(), "train_dataset")
         # a served teacher asks its server about each batch ahead of the step (teachers/served*.py)
-        dataloader = self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+        dataloader = self.teacher_source.dataloader(dataloader, self._student_vocab_size)
         self._take_served_vocab_size()
         return dataloader
 
     def get_eval_dataloader(self, eval_dataset=None):
+        where = f"eval_dataset[{eval_dataset!r}]" if isinstance(eval_dataset, str) else "eval_dataset"
+        dataloader = self._checked_ids(super().get_eval_dataloader(eval_dataset), where)
         # evaluation batches get their teacher as training's do: a served teacher is asked about them too
-        dataloader = self.teacher_source.eval_dataloader(super().get_eval_dataloader(eval_dataset),
-                                                         self._student_vocab_size)  # fmt: skip
+        dataloader = self.teacher_source.eval_dataloader(dataloader, self._student_vocab_size)
         self._take_served_vocab_size()
         return dataloader
 
     def get_test_dataloader(self, test_dataset):
-        dataloader = self.teacher_source.eval_dataloader(super().get_test_dataloader(test_dataset),
-                                                         self._student_vocab_size)  # fmt: skip
+        dataloader = self._checked_ids(super().get_test_dataloader(test_dataset), "test_dataset")
+        dataloader = self.teacher_source.eval_dataloader(dataloader, self._student_vocab_size)
         self._take_served_vocab_size()
         return dataloader
+
+    def _checked_ids(self, dataloader, where: str):
+        """Each batch's input_ids and labels checked against the student's vocabulary as it is collated."""
+        student = unwrap_model(self.model)
+        rows = getattr(student.get_input_embeddings(), "num_embeddings", None)
+        head = getattr(student.get_output_embeddings(), "out_features", None)
+        return check_collated_ids(dataloader, rows, head, self.kd_config.ignore_index, where)
 
     def _take_served_vocab_size(self) -> None:
         if self.teacher_source.vocab_size is not None:  # read from a served head (teachers/served_hidden.py)
