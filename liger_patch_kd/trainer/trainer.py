@@ -28,6 +28,7 @@ from .dataset_setup import (
     first_row_of,
     with_vocab_size,
 )
+from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
@@ -64,19 +65,23 @@ class KDTrainer(Trainer):
     The loss is soft_weight * KD + hard_weight * CE as KDTrainingArguments set it, exact under gradient
     accumulation (normalised by the token count of the whole accumulated batch). With use_kd_patch it runs
     through the patched forward (no logits); without, the same objective on materialised logits
-    (reference.py), the baseline to compare with.
+    (reference.py), the baseline to compare with. `model` and `teacher_model` may be names or paths (TRL's
+    convention), loaded with args.model_init_kwargs / args.teacher_model_init_kwargs (model_loading.py).
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        teacher_model: nn.Module | None = None,
+        model: nn.Module | str,
+        teacher_model: nn.Module | str | None = None,
         args: KDTrainingArguments | None = None,
         teacher_tokenizer: Any = None,
         **kwargs,
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        if kwargs.get("processing_class") is None:  # a model given by name: its saved tokenizer, as TRL loads it
+            kwargs["processing_class"] = tokenizer_of_named(model)
+        model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
