@@ -153,8 +153,8 @@ class ServedHiddenTeacher(TeacherSource):
         if not carries_hidden(inputs):
             raise ValueError(
                 f"no teacher: the batch has no {HIDDEN_KEY} from kd_teacher_url={self.args.kd_teacher_url} "
-                f"(kd_teacher_protocol='hidden'), which the training DataLoader's batches and generated rows are "
-                f"asked for; score other batches with an in-process teacher_model"
+                f"(kd_teacher_protocol='hidden'), which the training and evaluation DataLoaders' batches and generated "
+                f"rows are asked for; score other batches with an in-process teacher_model"
             )
         return inputs
 
