@@ -193,3 +193,35 @@ def test_on_policy_rows_are_scored_by_the_served_teacher_on_its_own_tokens(setup
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert len(logged) == 2 and all(h["kd_soft_loss"] > 0 for h in logged), logged
     assert len(trainer.kd_rollout_seconds) == 2
+
+
+def test_evaluation_asks_the_served_teacher_about_its_own_tokenization(setup, served, tmp_path):
+    """trainer.evaluate() with a served teacher of another tokenizer: the server is asked about the evaluation rows'
+    teacher tokens, and the eval_loss is the one from the same top-k computed in process (offline rows), which also
+    evaluate with no teacher at all; plain evaluation rows with offline training rows are refused when built."""
+    from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+    from .test_teacher_server import TOP_K
+
+    s = setup
+    offline = offline_rows(s, k=TOP_K) * 2
+
+    def trainer(train, evaluation, **overrides):
+        args = KDTrainingArguments(
+            output_dir=str(tmp_path), per_device_eval_batch_size=3, report_to="none", use_cpu=True,
+            disable_tqdm=True, kd_teacher_tokenizer="given below", kd_cross_tokenizer_loss="chain",
+            kd_hard_weight=0.5, kd_temperature=1.5, remove_unused_columns=False, **overrides,
+        )  # fmt: skip
+        student = _model(len(s["collator"].student_tokenizer.get_vocab()), 32, 1, seed=3, device="cpu")
+        return KDTrainer(model=student, args=args, train_dataset=train, eval_dataset=evaluation,
+                         data_collator=s["collator"], processing_class=s["collator"].student_tokenizer,
+                         teacher_tokenizer=s["char"])  # fmt: skip
+
+    want = trainer(offline, offline).evaluate()["eval_loss"]
+    served_run = trainer(EXAMPLES * 2, EXAMPLES * 2, kd_teacher_url=served.url, kd_teacher_protocol="liger",
+                         kd_teacher_top_k=TOP_K)  # fmt: skip
+    got = served_run.evaluate()["eval_loss"]
+    assert want > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)  # as the loss test's
+    with pytest.raises(ValueError, match=r"eval_dataset's rows carry no teacher data .* pass teacher_model"):
+        trainer(offline, EXAMPLES)

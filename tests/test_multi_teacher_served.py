@@ -168,3 +168,37 @@ def test_a_mixed_batch_with_every_label_ignored_is_loss_zero(tmp_path, servers):
     loss.backward()
     assert float(loss) == 0.0
     assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("protocol", ["hidden", {"a": "hidden", "b": "hidden"}], ids=["one-str", "per-teacher"])
+def test_every_served_teacher_hidden_is_the_in_process_teachers_loss(tmp_path, servers, protocol):
+    """kd_teacher_protocol="hidden" for every served teacher (one str for all, or a dict): each row is scored by its
+    own teacher's hidden states and head, the batch's loss is the in-process teachers' (teacher_model={name: model})
+    on the same batch, trainer.evaluate() gives their eval_loss too, and it trains."""
+    teachers, running = servers
+    urls = {name: srv.url for name, srv in running.items()}
+    rows = [{**r, "labels": r["input_ids"].clone()} for r in _rows()]
+    options = dict(kd_beta=0.5, kd_temperature=2.0, kd_hard_weight=0.25)
+
+    def trainer(**kw):
+        return KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=rows,
+                         eval_dataset=rows, data_collator=TD.TeacherDataCollator(), **kw)  # fmt: skip
+
+    served = trainer(args=_args(tmp_path, urls, kd_teacher_protocol=protocol, **options))
+    batch = served._prepare_inputs(next(iter(served.get_train_dataloader())))
+    assert sorted(batch["teacher_head_set"]) == ["a", "b"] and "teacher_token_ids" not in batch
+    in_process = trainer(teacher_model=dict(teachers), args=_args(tmp_path, None, **options))
+    count = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()))
+    own = {k: v for k, v in batch.items() if k not in ("teacher_hidden_set", "teacher_head_set")}
+    with torch.no_grad():
+        want = in_process.compute_loss(in_process.model, own, num_items_in_batch=count)
+        got = served.compute_loss(served.model, dict(batch), num_items_in_batch=count)
+    # float64 teachers; the server's states reach the float32 student as float32 (each sequence in a batch of the
+    # server's making): float32 rounding of the states and of the student's sums, ~1e-7 relative
+    assert float(want) > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    want, got = (torch.tensor(t.evaluate()["eval_loss"]) for t in (in_process, served))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    served.train()
+    logged = [h for h in served.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor([h["loss"] for h in logged])))

@@ -181,6 +181,32 @@ def test_hidden_protocol_trains_as_the_in_process_teacher(tmp_path, teacher_dirs
 
 
 @pytest.mark.multiprocess  # `liger-kd serve` subprocesses
+def test_evaluation_is_scored_by_the_served_hidden_states(tmp_path, teacher_dirs, servers):
+    """trainer.evaluate() asks the server about the evaluation rows (before any training, and from a trainer whose
+    training steps are all generated, whose training DataLoader asks nothing): the in-process teacher's eval_loss."""
+    from liger_patch_kd import teacher as TD
+    from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+    rows = _rows(7)
+
+    def eval_loss(teacher=None, **overrides):
+        args = KDTrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_eval_batch_size=3, report_to="none", use_cpu=True,
+            disable_tqdm=True, use_kd_patch=True, kd_beta=0.5, kd_temperature=2.0, kd_hard_weight=0.25,
+            kd_patch_config={"rope": False, "swiglu": False, "rms_norm": False}, **overrides,
+        )  # fmt: skip
+        trainer = KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher, args=args,
+                            train_dataset=rows, eval_dataset=rows, data_collator=TD.TeacherDataCollator())  # fmt: skip
+        return torch.tensor(trainer.evaluate()["eval_loss"])
+
+    want = eval_loss(_in_process(teacher_dirs["llama"]))
+    assert want > 0
+    for overrides in ({}, {"kd_lmbda": 1.0}):  # see _assert_same_training for the tolerance
+        got = eval_loss(kd_teacher_url=servers["llama"].url, kd_teacher_protocol="hidden", **overrides)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.multiprocess  # `liger-kd serve` subprocesses
 @pytest.mark.parametrize("name", ["gemma2", "cohere", "padded"])
 def test_soft_capped_scaled_and_padded_teachers(tmp_path, teacher_dirs, servers, name):
     """A soft-capped teacher (Gemma-2's final_logit_softcapping), a scaled one (Cohere's logit_scale, folded into

@@ -438,3 +438,27 @@ def test_on_policy_rollouts_are_scored_by_the_served_teacher(tmp_path, server):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     # one generation pass per optimizer step, after the one made by hand above
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))) and len(trainer.kd_rollout_seconds) == 3
+
+
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
+def test_evaluation_against_the_server_equals_evaluation_from_a_store(tmp_path, server, offline_store):
+    """trainer.evaluate() asks the server about the evaluation rows as training asks about its own: the eval_loss is
+    the store's (the in-process teacher's top-k, precomputed), up to the served float32 ulps (SERVED_ATOL); and
+    evaluations during training (eval_strategy="steps") are asked while the training batches' requests are in
+    flight."""
+    rows, store = offline_store
+    plain = [{"input_ids": r} for r in rows]
+    common = dict(per_device_eval_batch_size=3, max_steps=2, eval_strategy="steps", eval_steps=1)
+
+    def trainer(data, **overrides):
+        return KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=data,
+                         eval_dataset=data, args=_args(tmp_path, **common, **overrides),
+                         data_collator=TD.TeacherDataCollator())  # fmt: skip
+
+    served = trainer(plain, kd_teacher_url=server.url, kd_teacher_protocol="liger", kd_teacher_top_k=TOP_K)
+    want, got = trainer(store).evaluate()["eval_loss"], served.evaluate()["eval_loss"]
+    assert want > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    served.train()
+    evaluated = [h["eval_loss"] for h in served.state.log_history if "eval_loss" in h]
+    assert len(evaluated) == 2 and all(math.isfinite(x) for x in evaluated)

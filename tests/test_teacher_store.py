@@ -327,3 +327,43 @@ def test_axolotl_temperature_is_undone_only_when_exact(tmp_path):
     TD.axolotl_to_store(rows, tmp_path / "c", vocab_size=3, top_k=3, temperature=2.0)
     got = TD.TeacherLogprobsDataset(tmp_path / "c")[0]["teacher_logprobs"][0]
     torch.testing.assert_close(got, full, rtol=0, atol=1e-6)
+
+
+def _bpe(size):
+    from transformers import PreTrainedTokenizerFast
+
+    from liger_patch_kd.demo import load_corpus
+    from liger_patch_kd.demo.cross_tokenizer import train_bpe_tokenizer
+
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe_tokenizer(load_corpus()[:8000], size))
+
+
+def test_a_store_of_another_tokenizer_is_refused_when_the_trainer_is_built(tmp_path):
+    """The manifest's tokenizer fingerprint against processing_class, with no vocab_size= / tokenizer= given to the
+    store: another tokenizer is one line naming both fingerprints (training and evaluation stores); the store's own
+    tokenizer builds. Offline rows alone with evaluation rows that carry no teacher data are refused too."""
+    from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
+
+    theirs, ours = _bpe(300), _bpe(270)
+    assert TD.tokenizer_fingerprint(theirs) != TD.tokenizer_fingerprint(ours)
+    teacher = tiny_model("llama", seed=3, dtype=torch.float32)
+    TD.precompute(teacher, _sequences(4), tmp_path / "store", top_k=4, progress=False,
+                  tokenizer_fp=TD.tokenizer_fingerprint(theirs))  # fmt: skip
+    store = TD.TeacherLogprobsDataset(tmp_path / "store")  # nothing to check it against here
+    args = KDTrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=1)
+
+    def build(tokenizer, train=store, evaluation=None):
+        return KDTrainer(model=tiny_model("llama", dtype=torch.float32), args=args, train_dataset=train,
+                         eval_dataset=evaluation, processing_class=tokenizer)  # fmt: skip
+
+    fp, store_fp = TD.tokenizer_fingerprint(ours), TD.tokenizer_fingerprint(theirs)
+    with pytest.raises(ValueError, match=rf"train_dataset: .* fingerprint {store_fp}, and processing_class "
+                                         rf"\({type(ours).__name__}, 270 tokens\) has fingerprint {fp}"):  # fmt: skip
+        build(ours)
+    rows = [{"input_ids": store[i]["input_ids"], "teacher_token_ids": store[i]["teacher_token_ids"],
+             "teacher_logprobs": store[i]["teacher_logprobs"]} for i in range(len(store))]  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_dataset\['held'\]: the store"):
+        build(ours, rows, {"held": store})
+    build(theirs, evaluation={"held": store})
+    with pytest.raises(ValueError, match=r"eval_dataset\['plain'\]'s rows carry no teacher data"):
+        build(theirs, evaluation={"held": store, "plain": [{"input_ids": [1, 2, 3]}]})

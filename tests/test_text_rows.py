@@ -84,6 +84,17 @@ def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
         make_args(tmp_path, kd_max_length=0)
 
 
+@pytest.mark.parametrize("generated", [{"kd_lmbda": 0.5}, {"kd_lmbda": 1.0}, {"kd_seq_kd": True}])
+def test_text_rows_are_refused_for_generated_steps(tmp_path, tokenizer, generated):
+    """A generated step samples after each row's prompt, which a text row does not name (tokenized whole, its
+    prompt would be empty): refused when the trainer is built, pointing at prompt / completion rows."""
+    with pytest.raises(ValueError, match=r"\{'text': \.\.\.\} rows, and kd_lmbda=.* give rows of \{'prompt'") as e:
+        trainer_for(tmp_path, [{"text": t} for t in TEXTS], tokenizer, **generated)
+    assert "\n" not in str(e.value)
+    prompts = [{"prompt": t[:6], "completion": t[6:]} for t in TEXTS]  # the documented rows build
+    trainer_for(tmp_path, prompts, tokenizer, **generated)
+
+
 def test_precompute_reads_text_lines_with_the_teachers_tokenizer(tmp_path, tokenizer):
     from liger_patch_kd.cli import main
     from liger_patch_kd.teacher import TeacherLogprobsDataset

@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 
 from ..config import KDLossConfig, check_importance_cap
 from ..models import check_teacher_precision
+from .model_loading import normalized_init_kwargs
 
 PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
@@ -309,6 +310,8 @@ class KDTrainingArguments(TrainingArguments):
                 f"{fp8[0]}=True puts the fused loss's logit product in FP8, and use_kd_patch=False runs no fused "
                 f"loss (it would train on unquantised logits): set use_kd_patch=True, or {fp8[0]}=False"
             )
+        for name in ("model_init_kwargs", "teacher_model_init_kwargs"):  # dtype as a name: the arguments still save
+            setattr(self, name, normalized_init_kwargs(getattr(self, name), name))
         self.kd_loss_config()  # validates the loss options now, not at the first step
         for _, check in FEATURE_CHECKS:  # the features' own checks (rollouts/, teachers/)
             check(self)
@@ -332,6 +335,16 @@ class KDTrainingArguments(TrainingArguments):
             raise ValueError(f"kd_onpolicy_warmup_steps={warmup} delays the generated steps, and kd_lmbda=0 without "
                              f"kd_seq_kd makes none: set kd_lmbda > 0, or kd_onpolicy_warmup_steps=0")  # fmt: skip
         return int(warmup) if warmup >= 1 else math.ceil(total_steps * warmup)
+    model_init_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "When KDTrainer's model is a name or path (TRL's convention): keyword arguments of "
+                  "AutoModelForCausalLM.from_pretrained, e.g. {\"dtype\": \"bfloat16\", \"device_map\": ...}; "
+                  "dtype (or torch_dtype) is 'auto' (the default), a torch dtype or its name. JSON on a command line."},
+    )  # fmt: skip
+    teacher_model_init_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "The same for a teacher_model given by name or path (each of a {name: path} set)."},
+    )
 
     # The API keys are secrets: used in this process, never written. to_dict (to_json_string, the loggers' args,
     # the hub's model card) and str / repr show them as <KD_..._API_KEY>, as TrainingArguments shows its *_token

@@ -11,6 +11,7 @@ from torch import nn
 from ..align.collator import has_completion
 from ..config import KDLossConfig
 from ..models import unwrap_model
+from ..teacher.store import store_meta, tokenizer_fingerprint
 from .rollouts.prompts import is_prompt_row
 from .teachers.other_tokenizer import padded_vocab_size
 from .teachers.sampled_data import check_sampled_dataset
@@ -106,6 +107,69 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
             f"kd_lmbda=0 trains on it alone. Drop teacher_model (the rows' data is the teacher), drop those columns "
             f"to distil from teacher_model, or set kd_lmbda > 0 for on-policy steps it scores"
         )
+
+
+def check_evaluation_has_teacher(teacher_from_rows: bool, eval_dataset: Any) -> None:
+    """With no teacher but the rows' own data (a store; `teacher_from_rows`), every evaluation dataset's rows must
+    carry it too, or the first evaluation fails after training started: refused now, by name."""
+    if not teacher_from_rows or eval_dataset is None:
+        return
+    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
+    for name, dataset in named:
+        row = first_row_of(dataset)
+        if isinstance(row, Mapping) and not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+            where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
+            raise ValueError(
+                f"{where}'s rows carry no teacher data (columns {sorted(row)}) and the run's only teacher is the "
+                f"training rows' own (offline data, no teacher_model or kd_teacher_url): give the evaluation rows "
+                f"their teacher's top-k too (a store precomputed on them), or pass teacher_model / kd_teacher_url"
+            )
+
+
+def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any = None,
+                          role: str = "processing_class") -> None:  # fmt: skip
+    """A store's manifest names the tokenizer its ids are of (its fingerprint): a store, training's or evaluation's,
+    of another tokenizer than the run's (`role`: the student's processing_class, or across tokenizers the teacher's)
+    is refused now, not found when an id overflows the vocabulary (or never, when none does)."""
+    if tokenizer is None or not callable(getattr(tokenizer, "get_vocab", None)):
+        return
+    evaluations = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
+    datasets = {"train_dataset": train_dataset, **{n if n == "eval_dataset" else f"eval_dataset[{n!r}]": d
+                                                   for n, d in evaluations if d is not None}}  # fmt: skip
+    ours = None
+    for name, dataset in datasets.items():
+        parts = [dataset, *(getattr(dataset, "stores", None) or ())]  # teacher.RoutedTeacherData: one per teacher
+        for meta in filter(None, map(store_meta, parts)):
+            theirs = meta.get("tokenizer_fingerprint")
+            if not theirs:
+                continue
+            ours = ours or tokenizer_fingerprint(tokenizer)
+            if ours != theirs:
+                teacher = f" of teacher {meta['teacher']!r}" if meta.get("teacher") else ""
+                raise ValueError(
+                    f"{name}: the store{teacher} was precomputed with a tokenizer of "
+                    f"fingerprint {theirs}, and {role} ({type(tokenizer).__name__}, {len(tokenizer)} tokens) has "
+                    f"fingerprint {ours}: the store's ids mean other tokens. Pass the tokenizer the store was made "
+                    f"with (AutoTokenizer, as precompute loads it), or precompute the store again with this one "
+                    f"(liger-kd precompute --tokenizer)"
+                )
+
+
+def check_no_text_rows_to_generate_from(args: Any, dataset: Any) -> None:
+    """Generated steps (kd_lmbda > 0, kd_seq_kd) sample a completion after each row's prompt; a {"text": ...} row
+    names none (tokenized whole, every token is scored, so its prompt would be empty and its text unused): refused
+    when KDTrainer is built."""
+    row = first_row_of(dataset)
+    if not (args.kd_lmbda > 0 or args.kd_seq_kd) or not isinstance(row, Mapping) or "text" not in row:
+        return
+    if any(c in row for c in ("input_ids", "prompt", "messages")):  # the text is not what trains
+        return
+    raise ValueError(
+        f"train_dataset has {{'text': ...}} rows, and kd_lmbda={args.kd_lmbda} (kd_seq_kd={args.kd_seq_kd}) "
+        f"generates completions after each row's prompt, which a text row does not name: give rows of "
+        f"{{'prompt': ..., 'completion': ...}} (or {{'messages': [...]}}), or set kd_lmbda=0 and kd_seq_kd=False to "
+        f"train on the text as it is"
+    )
 
 
 def check_completions_for_off_policy(args: Any, first_row: Any) -> None:

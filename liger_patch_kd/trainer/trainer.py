@@ -19,12 +19,16 @@ from ..teacher import TeacherDataCollator
 from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
+    check_evaluation_has_teacher,
+    check_no_text_rows_to_generate_from,
+    check_store_tokenizer,
     check_training_rows,
     first_row_is,
     first_row_is_prompt,
     first_row_of,
     with_vocab_size,
 )
+from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .offline_onpolicy import OfflineRollouts
 from .rollouts.generate import BEHAVIOUR
@@ -49,6 +53,7 @@ from .teachers.served_several import ServedTeachers
 from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .teachers.stored import StoredTeacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
+from .token_range import check_collated_ids
 
 KD_COLUMNS = TEACHER_DATA_COLUMNS  # the teacher columns a dataset may carry (the public name)
 
@@ -61,19 +66,24 @@ class KDTrainer(Trainer):
     The loss is soft_weight * KD + hard_weight * CE as KDTrainingArguments set it, exact under gradient
     accumulation (normalised by the token count of the whole accumulated batch). With use_kd_patch it runs
     through the patched forward (no logits); without, the same objective on materialised logits
-    (reference/), the baseline to compare with.
+    (reference/), the baseline to compare with. `model` and `teacher_model` may be names or paths (TRL's
+    convention), loaded with args.model_init_kwargs / args.teacher_model_init_kwargs (model_loading.py).
     """
 
     def __init__(
         self,
-        model: nn.Module,
-        teacher_model: nn.Module | None = None,
+        model: nn.Module | str,
+        teacher_model: nn.Module | str | None = None,
         args: KDTrainingArguments | None = None,
         teacher_tokenizer: Any = None,
         **kwargs,
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        if kwargs.get("processing_class") is None:  # a model given by name: its saved tokenizer, as TRL loads it
+            kwargs["processing_class"] = tokenizer_of_named(model)
+        model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
+        check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
         self.teacher_set = None
@@ -123,6 +133,10 @@ class KDTrainer(Trainer):
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
         evaluation = kwargs.get("eval_dataset")
         check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
+        if self.xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
+            check_store_tokenizer(self.xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
+        elif not (self.teacher_set is not None and self.teacher_set.tokenizers):
+            check_store_tokenizer(kwargs.get("processing_class"), rows, evaluation)
         self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
         if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
             if kwargs.get("processing_class") is None:
@@ -160,6 +174,7 @@ class KDTrainer(Trainer):
         prepare_teacher_compute(args, teacher_model)
         self.teacher_model = teacher_model
         self.teacher_source = self._teacher_source()  # where each batch's teacher signal comes from (teachers/)
+        check_evaluation_has_teacher(self.teacher_source.from_rows, self.eval_dataset)
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
@@ -233,12 +248,37 @@ class KDTrainer(Trainer):
 
     # --------------------------------------------------------------------------------------- data columns
     def get_train_dataloader(self):
+        dataloader = self._checked_ids(super().get_train_dataloader(), "train_dataset")
         # a served teacher asks its server about each batch ahead of the step (teachers/served*.py)
-        dataloader = self.teacher_source.dataloader(super().get_train_dataloader(), self._student_vocab_size)
+        dataloader = self.teacher_source.dataloader(dataloader, self._student_vocab_size)
+        self._take_served_vocab_size()
+        return dataloader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        where = f"eval_dataset[{eval_dataset!r}]" if isinstance(eval_dataset, str) else "eval_dataset"
+        dataloader = self._checked_ids(super().get_eval_dataloader(eval_dataset), where)
+        # evaluation batches get their teacher as training's do: a served teacher is asked about them too
+        dataloader = self.teacher_source.eval_dataloader(dataloader, self._student_vocab_size)
+        self._take_served_vocab_size()
+        return dataloader
+
+    def get_test_dataloader(self, test_dataset):
+        dataloader = self._checked_ids(super().get_test_dataloader(test_dataset), "test_dataset")
+        dataloader = self.teacher_source.eval_dataloader(dataloader, self._student_vocab_size)
+        self._take_served_vocab_size()
+        return dataloader
+
+    def _checked_ids(self, dataloader, where: str):
+        """Each batch's input_ids and labels checked against the student's vocabulary as it is collated."""
+        student = unwrap_model(self.model)
+        rows = getattr(student.get_input_embeddings(), "num_embeddings", None)
+        head = getattr(student.get_output_embeddings(), "out_features", None)
+        return check_collated_ids(dataloader, rows, head, self.kd_config.ignore_index, where)
+
+    def _take_served_vocab_size(self) -> None:
         if self.teacher_source.vocab_size is not None:  # read from a served head (teachers/served_hidden.py)
             self.kd_config = self.kd_config.replace(vocab_size=self.teacher_source.vocab_size)
             self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
-        return dataloader
 
     def _student_vocab_size(self) -> int:
         return self.kd_config.vocab_size or unwrap_model(self.model).get_output_embeddings().out_features

@@ -127,14 +127,20 @@ class TeacherPrefetcher:
     is the DataLoader's with the teacher attached synchronously, so a DataLoader rebuilt from this one (the
     Trainer skipping batches when it resumes from a checkpoint) still gives every batch its teacher data.
     `wait_seconds` is the time the training loop spent waiting for replies.
+
+    `ahead=False` asks about each batch when it is drawn, in the iterating thread, nothing drawn ahead: for an
+    evaluation loop, which reads accelerate's end-of-DataLoader state while it holds the last batch (to drop the
+    duplicates that even out the last batch); a thread drawing ahead ends the DataLoader while an earlier batch is
+    being evaluated, and the wrong batch's losses are cut.
     """
 
     def __init__(
-        self, dataloader: Any, client: TeacherClient, *, depth: int = 4, keys: tuple[str, str] | None = None
-    ) -> None:
+        self, dataloader: Any, client: TeacherClient, *, depth: int = 4, keys: tuple[str, str] | None = None,
+        ahead: bool = True,
+    ) -> None:  # fmt: skip
         if depth < 1:
             raise ValueError(f"depth must be >= 1 (batches fetched ahead); got {depth}")
-        self.dataloader, self.client, self.depth, self.keys = dataloader, client, depth, keys
+        self.dataloader, self.client, self.depth, self.keys, self.ahead = dataloader, client, depth, keys, ahead
         self.wait_seconds, self.batches = 0.0, 0
         self._ready = False
 
@@ -175,6 +181,9 @@ class TeacherPrefetcher:
         if not self._ready:  # a server down at start fails here, within the client's timeout
             self.client.wait_until_ready()
             self._ready = True
+        if not self.ahead:
+            yield from self._in_step()
+            return
         pending: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
 
@@ -215,3 +224,11 @@ class TeacherPrefetcher:
         finally:
             stop.set()
             thread.join(timeout=5)
+
+    def _in_step(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataloader:
+            start = time.perf_counter()
+            batch = self.with_teacher(batch)
+            self.wait_seconds += time.perf_counter() - start
+            self.batches += 1
+            yield batch

@@ -8,7 +8,8 @@ the Trainer prepares it (its own markers popped, labels checked), then
     -> KDStepOutput(loss, soft, hard, agreement, outputs, teacher_metrics)
 
 and a source that fetches its signal ahead (a served teacher) also wraps the training DataLoader:
-`source.dataloader(dataloader, student_vocab_size)` returns what the Trainer iterates, and `source.prefetcher`
+`source.dataloader(dataloader, student_vocab_size)` returns what the Trainer iterates (`source.eval_dataloader` the
+same for evaluation and prediction DataLoaders), and `source.prefetcher`
 (a TeacherPrefetcher, or None) is asked about generated rows too (on-policy steps attach the teacher's reply to
 rows made during the step); a source that learns the vocabulary there (a served head) sets `source.vocab_size`.
 Kinds, a file each: in process (in_process.py), the student itself (self_distill.py), rows that carry their
@@ -58,6 +59,7 @@ class TeacherSource:
     they need it, `prepare` (checks before any forward) and `dataloader` (a signal fetched ahead of the batch)."""
 
     prefetcher = None  # a served source's TeacherPrefetcher: generated rows ask it about themselves too
+    from_rows = False  # the teacher's signal is the rows' own data (a store): evaluation rows must carry it too
     vocab_size = None  # the loss's vocabulary when the source learns it in `dataloader` (a served head), else None
 
     def __init__(self, fused: bool) -> None:
@@ -65,6 +67,11 @@ class TeacherSource:
 
     def dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int]) -> Any:
         """The training DataLoader the Trainer iterates (a served source wraps it to ask its server ahead)."""
+        return dataloader
+
+    def eval_dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int]) -> Any:
+        """An evaluation (or prediction) DataLoader, its batches given their teacher signal as training's are (a
+        served source asks its server about them too, over the client training uses)."""
         return dataloader
 
     def prepare(self, inputs: dict) -> dict:

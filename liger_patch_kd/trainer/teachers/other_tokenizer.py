@@ -23,7 +23,7 @@ from ..rollouts.retokenized import generated_rows
 from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
 from .other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss, is_registered
 from .self_distill import require_teacher_prompt
-from .served import CROSS_TOKENIZER_KEYS, served_teacher_dataloader
+from .served import CROSS_TOKENIZER_KEYS, checked_teacher_client, prefetched
 
 logger = logging.get_logger(__name__)
 
@@ -158,14 +158,25 @@ class OtherTokenizerTeacher(TeacherSource):
                  fused: bool) -> None:  # fmt: skip
         super().__init__(fused)
         self.setup, self.model, self.args = setup, teacher_model, args
+        self.client = None  # a served teacher's, made (the server checked) for the first DataLoader
+        self.from_rows = teacher_model is None and not args.kd_teacher_url  # its top-k in the rows
 
     def dataloader(self, dataloader, student_vocab_size):
         if not self.args.kd_teacher_url:
             return dataloader
-        self.prefetcher = served_teacher_dataloader(  # and about the teacher's tokens of generated rows
-            dataloader, self.args, vocab_size=self.setup.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
-        )
+        self.prefetcher = self.asking(dataloader)  # asked about generated rows too
         return dataloader if self.args.generates_every_step else self.prefetcher
+
+    def eval_dataloader(self, dataloader, student_vocab_size):
+        return self.asking(dataloader, ahead=False) if self.args.kd_teacher_url else dataloader
+
+    def asking(self, dataloader, ahead: bool = True):
+        """A served teacher asked about its own tokenization of each batch (training's, evaluation's)."""
+        if self.client is None:
+            self.client = checked_teacher_client(
+                self.args, vocab_size=self.setup.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
+            )
+        return prefetched(dataloader, self.client, keys=CROSS_TOKENIZER_KEYS, ahead=ahead)
 
     def prepare(self, inputs: dict) -> dict:
         require_teacher(inputs, has_model=self.model is not None)

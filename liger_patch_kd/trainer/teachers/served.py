@@ -1,5 +1,5 @@
-"""The Trainer's glue to a served teacher: its kd_teacher_* arguments checked, and its training DataLoader wrapped
-with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
+"""The Trainer's glue to a served teacher: its kd_teacher_* arguments checked, and its training and evaluation
+DataLoaders wrapped with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
 
 from __future__ import annotations
 
@@ -20,17 +20,12 @@ CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
 logger = logging.get_logger(__name__)
 
 
-def served_teacher_dataloader(
-    dataloader: Any, args: KDTrainingArguments, *, vocab_size: int, depth: int = 4,
-    keys: tuple[str, str] | None = None, tokenizer: Any = None,
-) -> TeacherPrefetcher:  # fmt: skip
-    """The Trainer's training DataLoader wrapped with a prefetcher asking args.kd_teacher_url (KDTrainingArguments'
-    kd_teacher_* fields) about batch[keys[0]] (keys=None: the batch's teacher_input_ids when it has them, the rows'
-    own teacher prompt + completion; else its input_ids). Batches stay on the CPU until the Trainer moves them (with
-    their teacher data) to the device, so the background thread never waits on the GPU. The server is asked what
-    it serves first (check_teacher_server): at train() start, before the first step."""
-    if getattr(dataloader, "device", None) is not None:
-        dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+def checked_teacher_client(
+    args: KDTrainingArguments, *, vocab_size: int, keys: tuple[str, str] | None = None, tokenizer: Any = None
+) -> TeacherClient:
+    """The client of the one served top-k (or sampled) teacher at args.kd_teacher_url (KDTrainingArguments'
+    kd_teacher_* fields), the server asked what it serves first (check_teacher_server): when the first DataLoader is
+    made, before the first step. `keys`: CROSS_TOKENIZER_KEYS when it is asked about the teacher's own tokens."""
     client = teacher_client(
         args, args.kd_teacher_url, args.kd_teacher_protocol, vocab_size=vocab_size,
         samples=args.kd_teacher_samples, sample_seed=args.kd_teacher_sample_seed,
@@ -38,7 +33,17 @@ def served_teacher_dataloader(
     )  # fmt: skip
     check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer,
                          own_vocabulary=keys == CROSS_TOKENIZER_KEYS)  # fmt: skip
-    return TeacherPrefetcher(dataloader, client, depth=depth, keys=keys)
+    return client
+
+
+def prefetched(dataloader: Any, client: Any, *, depth: int = 4, keys: tuple[str, str] | None = None,
+               kind: type[TeacherPrefetcher] = TeacherPrefetcher, ahead: bool = True) -> TeacherPrefetcher:  # fmt: skip
+    """`dataloader` wrapped to ask `client` about each batch, `depth` batches ahead (training), or as each is drawn
+    (ahead=False: evaluation, see TeacherPrefetcher), its batches left on the CPU until the Trainer moves them with
+    their teacher data."""
+    if getattr(dataloader, "device", None) is not None:
+        dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+    return kind(dataloader, client, depth=depth, keys=keys, ahead=ahead)
 
 
 def teacher_client(
@@ -182,11 +187,22 @@ class ServedTeacher(StoredTeacher):
     """One teacher behind kd_teacher_url: each batch's top-k (and / or samples) asked of the server `depth` batches
     ahead by a TeacherPrefetcher wrapping the DataLoader; the rows then train as stored rows do."""
 
+    from_rows = False  # the server is asked about every batch, evaluation's too
+
     def __init__(self, args: KDTrainingArguments, fused: bool) -> None:
         super().__init__(fused)
         self.args = args
+        self.client: TeacherClient | None = None  # made, and the server checked, for the first DataLoader
 
     def dataloader(self, dataloader, student_vocab_size):
-        self.prefetcher = served_teacher_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
+        self.prefetcher = self.asking(dataloader, student_vocab_size)
         # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
         return dataloader if self.args.generates_every_step else self.prefetcher
+
+    def eval_dataloader(self, dataloader, student_vocab_size):
+        return self.asking(dataloader, student_vocab_size, ahead=False)
+
+    def asking(self, dataloader, student_vocab_size, ahead: bool = True) -> TeacherPrefetcher:
+        if self.client is None:
+            self.client = checked_teacher_client(self.args, vocab_size=student_vocab_size())
+        return prefetched(dataloader, self.client, ahead=ahead)

@@ -25,7 +25,7 @@ from ...teacher.serve.prefetch import Segments, TeacherPrefetcher, keys_of
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .other_tokenizer import padded_vocab_size
-from .served import check_client_timing, teacher_client
+from .served import check_client_timing, prefetched, teacher_client
 
 HIDDEN_KEY, HEAD_KEY = "teacher_hidden_states", "teacher_head"  # the batch's (B, T, H) states, and their head
 
@@ -116,14 +116,21 @@ class ServedHiddenTeacher(TeacherSource):
         """The training DataLoader, each batch with its hidden states fetched `depth` batches ahead (CPU batches:
         the Trainer moves them with their teacher data); the server waited for and its head read now, before the
         first step."""
-        if getattr(dataloader, "device", None) is not None:
-            dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
-        args = self.args
-        self.client = teacher_client(args, args.kd_teacher_url, HIDDEN_PROTOCOL)
-        self.prefetcher = HiddenPrefetcher(dataloader, self.client, depth=depth)
-        self.vocab_size = self.served_vocab_size(student_vocab_size())
+        self.prefetcher = self.asking(dataloader, student_vocab_size, depth=depth)
         # every step generated: the dataset's rows are only prompts, nothing to ask the server about ahead
-        return dataloader if args.generates_every_step else self.prefetcher
+        return dataloader if self.args.generates_every_step else self.prefetcher
+
+    def eval_dataloader(self, dataloader: Any, student_vocab_size: Callable[[], int]) -> Any:
+        return self.asking(dataloader, student_vocab_size, ahead=False)
+
+    def asking(self, dataloader: Any, student_vocab_size: Callable[[], int], depth: int = 4,
+               ahead: bool = True) -> HiddenPrefetcher:  # fmt: skip
+        """`dataloader` (training's or evaluation's) wrapped to fetch each batch's hidden states; the client made,
+        and the served head read, for the first DataLoader (the head then cached, fetched again for new weights)."""
+        if self.client is None:
+            self.client = teacher_client(self.args, self.args.kd_teacher_url, HIDDEN_PROTOCOL)
+            self.vocab_size = self.served_vocab_size(student_vocab_size())
+        return prefetched(dataloader, self.client, depth=depth, kind=HiddenPrefetcher, ahead=ahead)
 
     def served_vocab_size(self, student_rows: int) -> int | None:
         """The vocabulary both distributions are taken over, from the served head (the server must answer: waited
@@ -146,8 +153,8 @@ class ServedHiddenTeacher(TeacherSource):
         if not carries_hidden(inputs):
             raise ValueError(
                 f"no teacher: the batch has no {HIDDEN_KEY} from kd_teacher_url={self.args.kd_teacher_url} "
-                f"(kd_teacher_protocol='hidden'), which the training DataLoader's batches and generated rows are "
-                f"asked for; score other batches with an in-process teacher_model"
+                f"(kd_teacher_protocol='hidden'), which the training and evaluation DataLoaders' batches and generated "
+                f"rows are asked for; score other batches with an in-process teacher_model"
             )
         return inputs
 

@@ -29,7 +29,7 @@ from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, seq
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
-from .served import check_teacher_server, check_topk_client_options, teacher_client
+from .served import check_teacher_server, check_topk_client_options, prefetched, teacher_client
 from .served_hidden import HIDDEN_KEY, HeadOnDevice, check_hidden_dtype
 from .several import MIXTURE_KEY
 
@@ -164,20 +164,16 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
         return {**out, HIDDEN_SET_KEY: states, HEAD_SET_KEY: heads}
 
 
-def routed_served_dataloader(
-    dataloader: Any, args: Any, *, vocab_size: int, depth: int = 4, tokenizer: Any = None
-) -> TeacherPrefetcher:
-    """The training DataLoader wrapped to ask each row's own server (args.kd_teacher_url, a dict), each checked
-    first (served.check_teacher_server)."""
-    if getattr(dataloader, "device", None) is not None:
-        dataloader.device = None  # accelerate's DataLoaderShard would move batches in our background thread
+def checked_routed_clients(args: Any, *, vocab_size: int, tokenizer: Any = None) -> RoutedTeacherClients:
+    """The clients of each row's own server (args.kd_teacher_url, a dict), each server checked first
+    (served.check_teacher_server, or a hidden teacher's head)."""
     clients = RoutedTeacherClients(dict(args.kd_teacher_url), args, vocab_size)
     for name, client in zip(clients.names, clients.clients):
         if isinstance(client, HiddenClient):
             check_hidden_head(client, name, args, vocab_size)
         else:
             check_teacher_server(client, args, vocab_size=vocab_size, tokenizer=tokenizer)
-    return RoutedTeacherPrefetcher(dataloader, clients, depth=depth)
+    return clients
 
 
 def check_hidden_head(client: HiddenClient, name: str, args: Any, vocab_size: int) -> None:
@@ -198,15 +194,32 @@ class ServedTeachers(RoutedRowsTeacher):
     """Several served teachers (kd_teacher_url={name: url}): each row's top-k asked of its own row's server ahead
     of the step, then trained as routed rows."""
 
+    from_rows = False  # each row's server is asked about it, evaluation's rows too
+
     def __init__(self, teachers, args: Any, fused: bool) -> None:
         super().__init__(teachers, fused)
         self.args = args
+        self.clients: RoutedTeacherClients | None = None  # made, the servers checked, for the first DataLoader
 
     def dataloader(self, dataloader, student_vocab_size):
         # not self.prefetcher: generated rows name no teacher, so several served teachers do not score them
-        self.routed = routed_served_dataloader(dataloader, self.args, vocab_size=student_vocab_size())
-        self.heads = {name: HeadOnDevice() for name in self.routed.client.hidden}
-        return self.routed
+        return self.asking(dataloader, student_vocab_size)
+
+    def eval_dataloader(self, dataloader, student_vocab_size):
+        return self.asking(dataloader, student_vocab_size, ahead=False)
+
+    def asking(self, dataloader, student_vocab_size, ahead: bool = True) -> RoutedTeacherPrefetcher:
+        if self.clients is None:
+            self.clients = checked_routed_clients(self.args, vocab_size=student_vocab_size())
+            self.heads = {name: HeadOnDevice() for name in self.clients.hidden}
+        return prefetched(dataloader, self.clients, kind=RoutedTeacherPrefetcher, ahead=ahead)
+
+    def prepare(self, inputs: dict) -> dict:
+        """A batch's teacher: top-k columns (rows of top-k teachers), hidden teachers' states (HIDDEN_SET_KEY), or
+        both; a set of hidden teachers alone attaches no top-k columns at all."""
+        if inputs.get(HIDDEN_SET_KEY):
+            return inputs
+        return super().prepare(inputs)
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
@@ -220,7 +233,7 @@ def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: Ser
                      cfg: KDLossConfig, log_now: bool) -> KDStepOutput:  # fmt: skip
     """A batch of several served teachers, some hidden: one pass per kind present (the top-k teachers together,
     each hidden teacher alone), each scoring its own teacher's tokens, all over the batch's token count."""
-    names = list(source.routed.client.names)
+    names = list(source.clients.names)
     routes = inputs.pop(MIXTURE_KEY)
     owner = routes.argmax(-1)  # each row's (B) or each position's (B, T) teacher
     owner = owner[:, None].expand_as(inputs["labels"]) if owner.dim() == 1 else owner

@@ -9,6 +9,8 @@ from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
 
 
 class StoredTeacher(TeacherSource):
+    from_rows = True
+
     def prepare(self, inputs: dict) -> dict:
         require_teacher(inputs, has_model=False)
         return inputs
