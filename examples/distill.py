@@ -1,7 +1,6 @@
 """Distil a teacher into a student with KDTrainer: online, offline (precompute, then train) or on-policy.
 
-Tiny random Llama models on the packaged demo corpus by default (20 steps; not seconds on a CPU: online took 73 s
-and offline 78 s wall on a 2-core CPU shared with other jobs, load average ~15, of which 30-45 s training):
+Tiny random Llama models on the packaged demo corpus by default (20 steps, `--max-steps` for fewer):
 
     python examples/distill.py --mode online
     python examples/distill.py --mode offline --store /tmp/kd_store

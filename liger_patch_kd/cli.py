@@ -121,7 +121,8 @@ def _bench(args) -> None:
 
     from .demo import loss_memory_demo
 
-    loss_memory_demo(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loss_memory_demo(device, heading="liger-kd bench, the loss alone")
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -132,7 +133,7 @@ def _is_user_error(e: BaseException) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = cli_checks.DefaultsHelpFormatter
 
     demo = sub.add_parser(
         "demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt
@@ -260,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
                           "$LIGER_KD_API_KEY")  # fmt: skip
     srv.add_argument("--no-fused-projections", dest="fuse_projections", action="store_false",
-                     help="sample without the copy of the q/k/v and gate/up weights (concatenated: one product each "
-                          "per decode step, faster; the copy costs those weights' bytes in GPU memory)")  # fmt: skip
+                     help="sample without the fused copy of the q/k/v and gate/up weights, saving those weights' "
+                          "bytes of GPU memory for slower decode steps (default: fused, one product each per step)")  # fmt: skip
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
     srv.add_argument(
