@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "$LIGER_KD_API_KEY")  # fmt: skip
     srv.add_argument("--no-fused-projections", dest="fuse_projections", action="store_false",
                      help="sample without the fused copy of the q/k/v and gate/up weights, saving those weights' "
-                          "bytes of GPU memory for slower decode steps (default: fused, one product each per step)")  # fmt: skip
+                          "bytes of GPU memory for slower decode steps (default: fused, one product each per "
+                          "step)")  # fmt: skip
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
     srv.add_argument(
