@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--full", action="store_true",
                       help="the three-seed table at full sizes, then across tokenizers (several times the short run); "
-                           "default: the short run, one seed, about 2 min on 2 CPU cores")  # fmt: skip
+                           "default: the short run, one seed")  # fmt: skip
     demo.add_argument("--quick", action="store_true",
                       help="--several-teachers / --context: fewer steps, one seed (CI); the plain demo is short "
                            "already (this flag changes nothing there)")  # fmt: skip

@@ -11,7 +11,7 @@
 5. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
 
-The default is the short run (`quick`: smaller sizes, one seed, about a minute on 2 CPU cores); `--full` the
+The default is the short run (`quick`: smaller sizes, one seed); `--full` the
 three-seed table at full sizes.
 """
 
