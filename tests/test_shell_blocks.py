@@ -183,3 +183,12 @@ def test_the_pages_shell_blocks_run_top_to_bottom(page, blocks, tmp_path):
         ran += 1
     if ran == 0:
         pytest.skip(f"every shell block of {page.relative_to(ROOT)} is marked skip, each with its reason")
+
+
+def test_the_runner_fails_on_a_failing_command_and_skips_pip(tmp_path):
+    """A block fails on any failing line, not only its last; `pip` lines do nothing (no package is fetched)."""
+    run_block("pip install a-package-that-does-not-exist==0.0.0", tmp_path, "pip")
+    with pytest.raises(AssertionError, match="--data missing.jsonl"):
+        run_block("liger-kd precompute --teacher org/model --data missing.jsonl --out store/\necho after", tmp_path,
+                  "failing")  # fmt: skip
+    assert not (tmp_path / "store").exists()
