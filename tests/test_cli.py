@@ -267,3 +267,22 @@ def test_kd_self_distill_parses_its_choices_on_a_command_line():
     assert parsed("--kd_self_distill", "frozen") == "frozen" and parsed("--kd_self_distill", "adapter") == "adapter"
     with pytest.raises(SystemExit):
         parsed("--kd_self_distill", "copy")
+
+
+def test_bench_reports_an_out_of_memory_row_instead_of_stopping(monkeypatch, capsys):
+    """On a GPU too small for the materialised logits, `liger-kd bench` prints that row as out of memory and ends
+    its table, instead of stopping after its heading with a traceback."""
+    import torch
+
+    from liger_patch_kd import reference
+    from liger_patch_kd.demo import loss_memory_demo
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(reference, "kd_loss", no_memory)
+    loss_memory_demo(torch.device("cpu"), heading="bench")
+    lines = capsys.readouterr().out.splitlines()
+    fused = next(line for line in lines if line.startswith("fused"))
+    materialised = next(line for line in lines if line.startswith("materialised logits"))
+    assert "out of memory" in materialised and "out of memory" not in fused and "peak MiB:" in lines[-1]
