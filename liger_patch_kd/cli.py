@@ -174,7 +174,8 @@ def _bench(args) -> None:
 
     from .demo import loss_memory_demo
 
-    loss_memory_demo(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loss_memory_demo(device, heading="liger-kd bench, the loss alone")
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -185,14 +186,14 @@ def _is_user_error(e: BaseException) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="liger-kd", description="Knowledge distillation without materialised logits.")
     sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = cli_checks.DefaultsHelpFormatter
 
     demo = sub.add_parser(
         "demo", help="train a tiny teacher and distil it four ways; print a table", formatter_class=fmt
     )
     demo.add_argument("--full", action="store_true",
                       help="the three-seed table at full sizes, then across tokenizers (several times the short run); "
-                           "default: the short run, one seed, about 2 min on 2 CPU cores")  # fmt: skip
+                           "default: the short run, one seed")  # fmt: skip
     demo.add_argument("--quick", action="store_true",
                       help="--several-teachers / --context: fewer steps, one seed (CI); the plain demo is short "
                            "already (this flag changes nothing there)")  # fmt: skip
@@ -332,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require `Authorization: Bearer KEY` on every endpoint but /health; default: "
                           "$LIGER_KD_API_KEY")  # fmt: skip
     srv.add_argument("--no-fused-projections", dest="fuse_projections", action="store_false",
-                     help="sample without the copy of the q/k/v and gate/up weights (concatenated: one product each "
-                          "per decode step, faster; the copy costs those weights' bytes in GPU memory)")  # fmt: skip
+                     help="sample without the fused copy of the q/k/v and gate/up weights, saving those weights' "
+                          "bytes of GPU memory for slower decode steps (default: fused, one product each per "
+                          "step)")  # fmt: skip
     srv.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
     srv.add_argument("--log-level", default="warning", help="uvicorn log level")
     srv.add_argument(

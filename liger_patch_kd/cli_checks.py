@@ -14,6 +14,20 @@ PACKED_BITS = range(4, 17)  # the log-prob bits teacher.store.compact.PackedCode
 ENCODINGS = f"plain, packed{PACKED_BITS[0]} .. packed{PACKED_BITS[-1]} (e.g. packed10)"
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except a flag's: `--no-x` stores False when given, so its "default: True"
+    read as if the flag were on by default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.nargs == 0:  # store_true / store_false: off unless given
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+# a --out that names a file by its suffix, for an output that is always a folder (a store, a DistillKit capture)
+FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".safetensors")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is the CLI's one line (no usage block)."""
 
@@ -132,6 +146,7 @@ def check_rollout_options(args) -> None:
 def check_precompute(args) -> None:
     check_rollout_options(args)
     check_exists(args, "data", "file")
+    check_folder_out(args.out, "precompute writes a store folder")
     at_least(args, "samples", 0, 255)
     at_least(args, "top_k", 0 if args.samples else 1)  # with --samples, --top-k 0 is the draws alone
     at_least(args, "seed", 0)
@@ -156,6 +171,10 @@ def check_convert(args) -> None:
     at_least(args, "shard_size", 1)
     check_temperature(args.temperature)
     check_encoding(args.encoding)
+    if args.to_format == "store":
+        check_folder_out(args.out, "--to store writes a store folder")
+    elif args.to_format == "distillkit":
+        check_folder_out(args.out, "--to distillkit writes a folder (data_0.parquet and compression_config.yaml)")
     if args.from_format == "hf":
         from .teacher.formats.hf_datasets import COLUMNS, load_table
 
@@ -168,6 +187,14 @@ def check_convert(args) -> None:
         if missing:
             raise ValueError(f"--input {args.input}: no column {', '.join(missing)} (--from hf reads "
                              f"{', '.join(COLUMNS)}; found {', '.join(names) or 'none'})")  # fmt: skip
+
+
+def check_folder_out(out: str, writes: str) -> None:
+    """An output that is always a folder (a store, a DistillKit capture) refuses a --out named like a file, which
+    would otherwise become a folder of that name."""
+    if out.rstrip("/").lower().endswith(FILE_SUFFIXES):
+        folder = Path(out.rstrip("/")).with_suffix("").name or "out"
+        raise ValueError(f"--out {out}: {writes}, not a file; name a folder, e.g. --out {folder}/")
 
 
 def check_serve(args) -> None:

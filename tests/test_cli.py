@@ -212,3 +212,77 @@ def test_serve_passes_the_samplers_projection_setting(monkeypatch, flag, fused):
     args = cli.build_parser().parse_args(["serve", "--teacher", "x", *flag])
     args.func(args)
     assert seen["fuse_projections"] is fused
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["precompute", "--teacher", "org/model", "--data", str(ROOT / "setup.cfg"), "--out", "o.parquet"],
+         ["--out o.parquet", "store folder", "--out o/"]),
+        (["convert", "--from", "store", "--to", "store", "--input", ".", "--out", "o.parquet"],
+         ["--out o.parquet", "--to store writes a store folder", "--out o/"]),
+        (["convert", "--from", "store", "--to", "distillkit", "--input", ".", "--out", "o.parquet"],
+         ["--out o.parquet", "--to distillkit writes a folder", "--out o/"]),
+    ],
+)  # fmt: skip
+def test_a_file_name_for_a_folder_output_is_refused(argv, needles, tmp_path):
+    """A store and a DistillKit capture are folders: `--out x.parquet` would make a folder named like a file."""
+    assert_one_line_error(run(*argv, cwd=tmp_path), f"liger-kd {argv[0]}", *needles)
+    assert not (tmp_path / "o.parquet").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_flags_help_shows_no_stored_default():
+    """`--no-fused-projections` stores False when given: its help must not read "(default: True)"; options with a
+    value still show theirs."""
+    out = run("serve", "--help")
+    text = " ".join(out.stdout.split())
+    flag = text[text.index("--no-fused-projections sample") :]
+    flag = flag[: flag.index("--attn-implementation")]
+    assert "(default: True)" not in flag and "(default: False)" not in flag, flag
+    assert "(default: 8000)" in text  # --port
+
+
+def test_bench_has_its_own_heading(monkeypatch):
+    """`liger-kd bench` is the demo's first step alone: it must not announce itself as step [1/5] of five."""
+    import liger_patch_kd.demo as demo
+    from liger_patch_kd import cli
+
+    headings = []
+    monkeypatch.setattr(demo, "loss_memory_demo", lambda device, heading="[1/5]": headings.append(heading))
+    assert cli.main(["bench", "--device", "cpu"]) == 0
+    assert headings and "/5]" not in headings[0] and "bench" in headings[0]
+
+
+def test_kd_self_distill_parses_its_choices_on_a_command_line():
+    """Typed as a Literal: HfArgumentParser offers exactly the modes and gives back the same values as Python."""
+    from transformers import HfArgumentParser
+
+    from liger_patch_kd import KDTrainingArguments
+
+    def parsed(*argv):
+        (args,) = HfArgumentParser(KDTrainingArguments).parse_args_into_dataclasses(["--output_dir", "o", *argv])
+        return args.kd_self_distill
+
+    assert parsed() is False and parsed("--kd_self_distill", "True") is True
+    assert parsed("--kd_self_distill", "frozen") == "frozen" and parsed("--kd_self_distill", "adapter") == "adapter"
+    with pytest.raises(SystemExit):
+        parsed("--kd_self_distill", "copy")
+
+
+def test_bench_reports_an_out_of_memory_row_instead_of_stopping(monkeypatch, capsys):
+    """On a GPU too small for the materialised logits, `liger-kd bench` prints that row as out of memory and ends
+    its table, instead of stopping after its heading with a traceback."""
+    import torch
+
+    from liger_patch_kd import reference
+    from liger_patch_kd.demo import loss_memory_demo
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(reference, "kd_loss", no_memory)
+    loss_memory_demo(torch.device("cpu"), heading="bench")
+    lines = capsys.readouterr().out.splitlines()
+    fused = next(line for line in lines if line.startswith("fused"))
+    materialised = next(line for line in lines if line.startswith("materialised logits"))
+    assert "out of memory" in materialised and "out of memory" not in fused and "peak MiB:" in lines[-1]

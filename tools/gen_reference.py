@@ -170,7 +170,8 @@ def cli_page() -> str:
         for action in command._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):
                 continue
-            unset = action.default is None or action.default is False
+            # a flag (`--x` / `--no-x`) is off unless given, whatever it stores: its stored default is not shown
+            unset = action.default is None or action.default is False or action.nargs == 0
             default = "required" if action.required else ("-" if unset else f"`{action.default}`")
             choices = f" One of: {', '.join(f'`{c}`' for c in action.choices)}." if action.choices else ""
             text = " ".join((action.help or "").split()).replace("|", "\\|")

@@ -11,7 +11,7 @@
 5. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
 
-The default is the short run (`quick`: smaller sizes, one seed, about a minute on 2 CPU cores); `--full` the
+The default is the short run (`quick`: smaller sizes, one seed); `--full` the
 three-seed table at full sizes.
 """
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..losses import fused_linear_jsd
 from ..models import revert_kd_patch
-from ..utils.memory import PeakMemory
+from ..utils.memory import PeakMemory, peak_memory_meaning
 from .samples import sample_continuations, score_on_samples, teacher_nll
 from .toys import (
     PAD,
@@ -69,8 +69,9 @@ def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float,
     return float(ce), float(kl)
 
 
-def loss_memory_demo(device) -> None:
-    """Step 1: one batch of the fused loss against the loss on materialised logits."""
+def loss_memory_demo(device, heading: str = "[1/5] the loss alone") -> None:
+    """Step 1 (and `liger-kd bench`, under its own `heading`): one batch of the fused loss against the loss on
+    materialised logits."""
     n, hidden, vocab = (1024, 128, 32000) if device.type == "cpu" else (8192, 2048, 128256)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
@@ -89,23 +90,29 @@ def loss_memory_demo(device) -> None:
         return loss
 
     shape = f"N={n} tokens, H={hidden}, V={vocab}, {str(dtype).split('.')[-1]}"
-    print(f"\n[1/5] the loss alone: {shape}, forward+backward, fused against materialised logits", flush=True)
+    print(f"\n{heading}: {shape}, forward+backward, fused against materialised logits", flush=True)
     rows = []
     for name in ("fused (liger_patch_kd)", "materialised logits"):
-        if device.type != "cpu":  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks algorithms
-            step(name)
-            h_s.grad = w_s.grad = None
-        with PeakMemory(device) as mem:
-            start = time.perf_counter()
-            loss = step(name)
+        try:
+            if device.type != "cpu":  # warm-up: Triton compiles its kernels on the first call, cuBLAS picks algorithms
+                step(name)
+                h_s.grad = w_s.grad = None
+            with PeakMemory(device) as mem:
+                start = time.perf_counter()
+                loss = step(name)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+            rows.append((name, f"{loss.item():12.6f}{mem.peak_mib:12.1f}{seconds * 1000:10.1f}"))
+        except torch.OutOfMemoryError:  # the materialised logits on a small GPU: that is the finding, not a crash
+            rows.append((name, f"{'out of memory on ' + device.type:>34}"))
             if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-        rows.append((name, loss.item(), mem.peak_mib, seconds * 1000))
+                torch.cuda.empty_cache()
         h_s.grad = w_s.grad = None
     print(f"{'':24}{'loss':>12}{'peak MiB':>12}{'ms':>10}")
-    for name, loss, mib, ms in rows:
-        print(f"{name:24}{loss:12.6f}{mib:12.1f}{ms:10.1f}")
+    for name, cells in rows:
+        print(f"{name:24}{cells}")
+    print(f"  {peak_memory_meaning(device)}")
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float]:
@@ -257,7 +264,7 @@ def _print_table(results: list[dict], seeds, dev, teacher_own: float, seconds: f
     print("  CE: held-out nats/char. KL text: KL(teacher || student) per token on held-out text. KL samples: the same "
           "on\n  sampled text, every student's continuations of the held-out prompts pooled (one set of contexts for "
           f"all).\n  teacher NLL: the teacher's nats per token of the student's own samples (of its own: "
-          f"{teacher_own:.3f}). Training tokens/s, peak MiB on {dev.type}.")  # fmt: skip
+          f"{teacher_own:.3f}). tokens/s: training tokens per second.\n  {peak_memory_meaning(dev)}.")  # fmt: skip
     w = 16 if len(seeds) > 1 else 12
     header = "".join(f"{label:>{w}}" for label in ("CE", "KL text", "KL samples", "teacher NLL"))
     print(f"{'recipe':28}{header}{'tokens/s':>10}{'peak MiB':>10}")

@@ -14,7 +14,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from transformers import TrainingArguments
 
@@ -162,11 +162,12 @@ class KDTrainingArguments(TrainingArguments):
                   "row's first N tokens; prompt rows (prompt + completion, messages): prompt and completion together "
                   "cut at N tokens (None: all)."},
     )  # fmt: skip
-    kd_self_distill: str = field(  # or a bool; typed str so that `--kd_self_distill frozen` parses
+    # a Literal: HfArgumentParser offers exactly these choices (`--kd_self_distill frozen`, `--kd_self_distill True`)
+    kd_self_distill: Literal[False, True, "adapter", "frozen"] = field(
         default=False,
         metadata={"help": "The student is its own teacher: 'adapter' (a PEFT student's base model, adapter off), "
                   "'frozen' (its current weights under no_grad, eval; rows need a teacher_prompt), True (adapter "
-                  "for a PEFT student, else frozen). See trainer/teachers/self_distill.py."},
+                  "for a PEFT student, else frozen); False: off."},
     )  # fmt: skip
     kd_teacher_tokenizer: str | None = field(  # a dict too, in Python (the command line parses a str)
         default=None,

@@ -65,3 +65,13 @@ class PeakMemory:
     @property
     def peak_mib(self) -> float:
         return self.peak_bytes / 2**20
+
+
+def peak_memory_meaning(device: torch.device | str) -> str:
+    """What PeakMemory's figure is on `device`, for a table's legend."""
+    if torch.device(device).type == "cuda":
+        return "peak MiB: the CUDA allocator's peak during the run, beyond what was allocated when it started"
+    return (
+        "peak MiB: the most bytes the tensors created during the run held at once (on a CPU, counted tensor by "
+        "tensor; not the process's resident memory)"
+    )
