@@ -71,6 +71,41 @@ def test_other_columns_are_kept_and_the_eval_rows_tokenized_too(tmp_path, tokeni
     assert trainer.eval_dataset["held"][1]["input_ids"] == tokenizer(TEXTS[1])["input_ids"]
 
 
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_a_text_row_of_no_tokens_is_refused_by_its_index_before_training(tmp_path, tokenizer, kind):
+    assert tokenizer("")["input_ids"] == []  # this tokenizer adds no BOS: blank text is no tokens
+    rows = [{"text": t} for t in TEXTS[:3]] + [{"text": ""}] + [{"text": t} for t in TEXTS[3:]]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    with pytest.raises(ValueError, match=r"train_dataset\[3\]'s 'text' '' tokenizes to no tokens.*remove blank rows") as e:
+        trainer_for(tmp_path, rows, tokenizer)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("columns_known", [True, False])
+def test_text_rows_of_an_iterable_dataset_are_tokenized_lazily_and_train(tmp_path, tokenizer, columns_known):
+    datasets = pytest.importorskip("datasets")
+    if columns_known:
+        rows = datasets.Dataset.from_list([{"text": t} for t in TEXTS]).to_iterable_dataset()
+    else:  # a generator's stream: its columns are known only by reading a row
+        rows = datasets.IterableDataset.from_generator(lambda: ({"text": t} for t in TEXTS))
+        assert rows.column_names is None
+    trainer = trainer_for(tmp_path, rows, tokenizer, max_steps=3)
+    assert isinstance(trainer.train_dataset, datasets.IterableDataset)  # still lazy
+    assert [list(row["input_ids"]) for row in trainer.train_dataset] == [tokenizer(t)["input_ids"] for t in TEXTS]
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_text_row_of_no_tokens_in_an_iterable_dataset_is_refused_when_read(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"text": t} for t in [*TEXTS[:2], "", *TEXTS[2:]]]).to_iterable_dataset()
+    trainer = trainer_for(tmp_path, rows, tokenizer)  # nothing is read before training: a stream may be long
+    with pytest.raises(ValueError, match=r"train_dataset\[2\]'s 'text' '' tokenizes to no tokens"):
+        trainer.train()
+
+
 def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
     for rows in ([{"text": t} for t in TEXTS], pytest.importorskip("datasets").Dataset.from_list([{"text": "a"}])):
         with pytest.raises(ValueError, match=r"columns \['text'\].*processing_class=tokenizer") as e:
