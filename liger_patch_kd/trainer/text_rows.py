@@ -4,8 +4,8 @@ tokens added, as precompute adds them; the first kd_max_length tokens when set),
 collator. A datasets.IterableDataset is tokenized lazily (IterableDataset.map), row by row as training reads it.
 Without a tokenizer such rows, and rows with no column KDTrainer trains on, are refused in one line naming the
 columns found, before any work; so is a row whose text tokenizes to no tokens (blank text, a tokenizer that adds no
-BOS), by its index: before training for a list or a datasets.Dataset, when it is read for an iterable one. And the note a run without the patch gets at its first step: what its
-materialised logits cost."""
+BOS), by its index: before training for a list or a datasets.Dataset, when it is read for an iterable one. And the
+note a run without the patch gets at its first step: what its materialised logits cost."""
 
 from __future__ import annotations
 
