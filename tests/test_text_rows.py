@@ -134,3 +134,25 @@ def test_precompute_reads_text_lines_with_the_teachers_tokenizer(tmp_path, token
     store = TeacherLogprobsDataset(tmp_path / "store")
     assert [store[i]["input_ids"].tolist() for i in range(len(store))] == [tokenizer(t)["input_ids"] for t in TEXTS[:3]]
     assert store[0]["teacher_token_ids"].shape == (len(tokenizer(TEXTS[0])["input_ids"]), 4)
+
+
+def test_precompute_names_the_line_whose_text_is_not_a_string(tmp_path, tokenizer, capsys):
+    """{"text": 5} is the data's mistake, told as FILE:LINE, not in the tokenizer's words; --skip-bad-lines skips it."""
+    from liger_patch_kd.cli import main
+    from liger_patch_kd.teacher import TeacherLogprobsDataset
+
+    teacher_dir = tmp_path / "teacher"
+    tiny_model("llama", dtype=torch.float32).save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    data = tmp_path / "data.jsonl"
+    argv = ["precompute", "--teacher", str(teacher_dir), "--data", str(data), "--out", str(tmp_path / "store"),
+            "--top-k", "4", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    for value, kind in ((5, "5"), (None, "null"), (["a", "b"], '["a", "b"]')):
+        data.write_text(json.dumps({"text": TEXTS[0]}) + "\n" + json.dumps({"text": value}) + "\n")
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"liger-kd precompute: error: {data}:2: 'text' must be a JSON string; got {kind}:"), err
+        assert "--skip-bad-lines" in err
+    assert main([*argv, "--skip-bad-lines"]) == 0
+    assert "skipped 1 bad line" in (out := capsys.readouterr().out) and ": 1 text not a string" in out
+    assert len(TeacherLogprobsDataset(tmp_path / "store")) == 1
