@@ -233,12 +233,14 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",
-        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs); "
-                  "fp8_fast_accum: the same without the periodic fp32 promotion of the products' sums (faster)."},
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs; "
+                  "emulated on a CPU, for tests: no speed-up, logged); fp8_fast_accum: the same without the periodic "
+                  "fp32 promotion of the products' sums (faster)."},
     )
     kd_teacher_logits_fp8: bool = field(
         default=False,
-        metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs)."},
+        metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs; "
+                  "emulated on a CPU, for tests: no speed-up, logged)."},
     )
     kd_student_logits_fp8: bool = field(
         default=False,
