@@ -347,15 +347,15 @@ def serve(
     except ImportError as e:
         raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]' (from a "
                           "clone: pip install -e '.[serve]')") from e  # fmt: skip
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ...models import check_teacher_precision
-
-    check_teacher_precision(precision, "serve: precision")
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    listener = listening_socket(host, port)  # a port in use fails now, not after the weights load
+    listener = listening_socket(host, port)  # a port in use fails now, before transformers or the weights load
     try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ...models import check_teacher_precision
+
+        check_teacher_precision(precision, "serve: precision")
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         config = AutoConfig.from_pretrained(teacher, **extra)
         check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
                             max_request_tokens, sample_temperature)  # fmt: skip
