@@ -47,10 +47,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-API_KEY_ENV = "LIGER_KD_API_KEY"
+API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
 AUTO_PROTOCOL = "auto"  # the protocol the server offers that is best: asked of GET /v1/models (protocol_for)
 # /v1/models' owned_by -> the protocol of that server; any other speaks vLLM's /v1/completions (JSON)
-_OWNERS = {"liger-kd": "liger", "sglang": "sglang"}  # the server's --api-key, read by both ends when not given
+_OWNERS = {"liger-kd": "liger", "sglang": "sglang"}
 _HINTS = {
     401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
     413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
@@ -101,7 +101,7 @@ class TeacherClient:
             raise ValueError(f"protocol must be one of {(AUTO_PROTOCOL, *PROTOCOLS)}; got {protocol!r}")
         if samples is not None and protocol not in ("liger", AUTO_PROTOCOL):
             raise ValueError(f"samples (sampled teacher tokens) are served by `liger-kd serve` only: use protocol "
-                             f"'liger', not {protocol!r}")  # fmt: skip
+                             f"'liger' (or 'auto'), not {protocol!r}")  # fmt: skip
         if top_k < (0 if samples is not None else 1) or vocab_size < 1:
             raise ValueError(f"top_k and vocab_size must be >= 1 (top_k >= 0 with samples); got top_k={top_k}, "
                              f"vocab_size={vocab_size}")  # fmt: skip
