@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         default="bf16",
         choices=["bf16", "fp8", "fp8_fast_accum"],
-        help="fp8: the teacher's decoder products in FP8 (Ada / Hopper GPUs), half the memory; fp8_fast_accum: "
-        "the same without the periodic fp32 promotion of their sums (faster)",
+        help="fp8: the teacher's decoder products in FP8 (Ada / Hopper GPUs; emulated on a CPU: no speed-up), half "
+        "the memory; fp8_fast_accum: the same without the periodic fp32 promotion of their sums (faster)",
     )
     srv.add_argument("--random-weights", action="store_true", help="the config's model, random weights (benchmarks)")
     srv.set_defaults(func=_serve)

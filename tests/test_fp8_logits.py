@@ -216,6 +216,20 @@ def test_refusals(monkeypatch):
         fused_linear_topk_kd(args[0], args[1], ids, logprobs, x["labels"], config=KDLossConfig(teacher_logits_fp8=True))
 
 
+@needs_fp8
+def test_fp8_logits_on_the_cpu_say_once_that_they_are_emulated(monkeypatch, caplog):
+    """teacher_logits_fp8 on the CPU runs the FP8 maths without FP8 tensor cores: said once, naming the option."""
+    import liger_patch_kd.ops.fp8 as F8
+
+    monkeypatch.setattr(F8, "_EMULATION_SAID", set())
+    x = _inputs()
+    with caplog.at_level("WARNING", logger="liger_patch_kd.ops.fp8"):
+        for _ in range(2):
+            _fused(x, torch.float32, KDLossConfig(teacher_logits_fp8=True), grad=False)
+    said = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("fp8 emulated on cpu: no speed-up (teacher_logits_fp8's logit"), said
+
+
 def test_training_arguments_carry_the_options(tmp_path):
     cfg = _args(tmp_path, use_kd_patch=True, kd_teacher_logits_fp8=True, kd_student_logits_fp8=True).kd_loss_config()
     assert cfg.teacher_logits_fp8 and cfg.student_logits_fp8

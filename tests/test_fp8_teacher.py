@@ -310,6 +310,19 @@ def test_trainer_with_an_fp8_teacher(tmp_path):
         assert losses[precision] != losses["bf16"]
 
 
+@pytest.mark.skipif(not CPU_FP8, reason=CPU_WHY)
+def test_an_fp8_teacher_on_the_cpu_says_once_that_it_is_emulated(monkeypatch, caplog):
+    """The CPU runs the FP8 teacher's maths (what these tests check) without FP8 tensor cores: it says so once per
+    process, naming the device, never silently; a GPU of compute capability < 8.9 is refused (test_refusals)."""
+    monkeypatch.setattr(F8, "_EMULATION_SAID", set())
+    with caplog.at_level("WARNING", logger="liger_patch_kd.ops.fp8"):
+        for seed in (0, 1):  # two teachers quantised: one note
+            quantize_teacher_fp8(tiny_model("llama", dtype=torch.bfloat16, seed=seed).requires_grad_(False))
+    said = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("fp8 emulated on cpu: no speed-up (the FP8 teacher"), said
+    assert "compute capability 8.9+" in said[0]
+
+
 def test_trainer_refuses_fp8_without_a_teacher(tmp_path):
     from liger_patch_kd.trainer import KDTrainer
 

@@ -33,7 +33,7 @@ def servers(tmp_path_factory):
             teachers[name].save_pretrained(path)
             running[name] = Server(path).start(wait=False)
         for srv in running.values():
-            TD.TeacherClient(srv.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90).wait_until_ready()
+            TD.TeacherClient(srv.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, retries=20).wait_until_ready()
         yield teachers, running
     finally:
         for srv in running.values():

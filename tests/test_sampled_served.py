@@ -244,8 +244,9 @@ def test_kdtrainer_trains_on_served_samples_as_on_a_store_of_them(tmp_path, serv
 
 def test_served_sample_arguments_are_checked(tmp_path):
     url = dict(kd_teacher_url="http://127.0.0.1:9", kd_teacher_samples=4)
-    with pytest.raises(ValueError, match="kd_teacher_protocol='liger'"):
-        _args(tmp_path, **url)
+    with pytest.raises(ValueError, match="kd_teacher_protocol='liger' or 'auto'.*got kd_teacher_protocol='vllm'"):
+        _args(tmp_path, **url, kd_teacher_protocol="vllm")
+    assert _args(tmp_path, **url).kd_teacher_protocol == "auto"  # accepted: the server is asked at train()
     with pytest.raises(ValueError, match="kd_beta: kd_teacher_samples asks for sampled teacher tokens; beta=0.5"):
         _args(tmp_path, **url, kd_teacher_protocol="liger", kd_beta=0.5)
     with pytest.raises(ValueError, match="kd_teacher_samples must be None or an int in \\[1, 255\\]"):

@@ -399,3 +399,26 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_held_in_memory(served):
     status, reply = _send_body(served.url.rsplit(":", 1)[1], "/update_weights_from_disk", 2**20, declared=False)
     _refused(reply, status, 400, "model_path must be a non-empty string")  # under the limit: read, then checked
     assert _health(served.url)["status"] == "ok"
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_teacher_loads(teacher_dir, capsys, monkeypatch):  # noqa: F811
+    """Another process listening on --port: `liger-kd serve` says so in one line naming --host / --port and the fix,
+    before it reads the teacher's config or weights (not uvicorn's [Errno 98] after the model has loaded)."""
+    import transformers
+
+    from liger_patch_kd.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the teacher was loaded before the port was checked")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["serve", "--teacher", str(teacher_dir), "--top-k", "4", "--host", "127.0.0.1", "--port",
+                     str(port), "--device", "cpu"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err[0] and "pass a free --port" in err[0], err

@@ -114,7 +114,7 @@ def servers(teacher_dirs):
         for name, path in teacher_dirs.items():
             started[name] = Server(path).start(wait=False)
         for srv in started.values():  # started together, waited for in turn: the CPU loads them side by side
-            TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+            TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300, retries=20).wait_until_ready()
         yield started
     finally:
         for srv in started.values():
@@ -260,7 +260,7 @@ def own_server(teacher_dirs):
     from .test_teacher_server import Server
 
     srv = Server(teacher_dirs["llama"]).start(wait=False)
-    TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+    TeacherClient(srv.url, top_k=8, vocab_size=VOCAB, timeout=300, retries=20).wait_until_ready()
     yield srv
     srv.stop()
 
@@ -299,7 +299,7 @@ def test_a_head_of_a_new_weight_version_is_fetched_again(tmp_path, own_server):
     names it, and the client fetches the new head before using them; both are the new teacher's."""
     from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
 
-    TeacherClient(own_server.url, top_k=8, vocab_size=VOCAB, timeout=300).wait_until_ready()
+    TeacherClient(own_server.url, top_k=8, vocab_size=VOCAB, timeout=300, retries=20).wait_until_ready()
     client = HiddenClient(own_server.url, timeout=120)
     seqs = [r["input_ids"].tolist() for r in _rows(3, seed=4)]
     before = client.fetch(seqs)

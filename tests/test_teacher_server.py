@@ -24,6 +24,7 @@ import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
 from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
 from liger_patch_kd.teacher.serve import prefetch, protocols  # noqa: E402
+from liger_patch_kd.teacher.serve.client import protocol_for  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
 from .helpers import stop_with_stacks, subprocess_env  # noqa: E402
@@ -62,7 +63,9 @@ class Server:
                "--attn-implementation", "eager", *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if wait:
-            client = TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, api_key=self.api_key)
+            # refused until the subprocess has imported torch and bound its port: retries enough for a busy CI
+            client = TD.TeacherClient(self.url, top_k=TOP_K, vocab_size=VOCAB, timeout=90, retries=20,
+                                      api_key=self.api_key)  # fmt: skip
             try:
                 client.wait_until_ready()
             except TD.TeacherServerError as e:  # a server slow to start says where it is, and is not left running
@@ -395,6 +398,139 @@ def test_server_down_at_start_is_a_clear_error_within_the_timeout(tmp_path):
         _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url, kd_teacher_top_k=TOP_K,
                kd_teacher_timeout=2, max_steps=2)  # fmt: skip
     assert time.monotonic() - start < 2 + 5
+
+
+def test_an_address_where_nothing_listens_fails_in_its_retries_not_the_whole_timeout(tmp_path, caplog):
+    """Connection refused by a host that is up: the wait is said at once (the URL, the timeout, the retries), then
+    kd_teacher_retries tries, not kd_teacher_timeout's 120 s."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="liger_patch_kd.teacher.serve.client"):
+        with pytest.raises(TD.TeacherServerError, match=rf"nothing listens at {url} \(.*Connection refused; tried 3 "
+                                                        rf"times .*kd_teacher_retries"):  # fmt: skip
+            _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url, kd_teacher_top_k=TOP_K,
+                   kd_teacher_timeout=120, kd_teacher_retries=2, max_steps=2)  # fmt: skip
+    assert time.monotonic() - start < 30  # the retries wait 0.5 + 1 s; the timeout was 120 s
+    said = [r.getMessage() for r in caplog.records if "does not answer yet" in r.getMessage()]
+    assert len(said) == 1 and f"{url}/health" in said[0] and "waiting up to 120 s" in said[0], said
+    assert "2 retries" in said[0]
+
+
+def test_a_server_that_starts_listening_within_the_retries_is_waited_for():
+    """Refused at first (a server still starting), then answering: the client waits for it."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def start_late():
+        time.sleep(1.0)
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Stub)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    client = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB, retries=6, backoff=0.1, timeout=60)
+    client.wait_until_ready()  # refused for about 1 s: within 6 retries from 0.1 s (6.3 s in all)
+
+
+def test_a_server_that_listens_but_is_loading_is_waited_for_the_timeout():
+    """`liger-kd serve` listens before its weights load (validation.listening_socket): a client connecting then is
+    not refused, so it waits for the timeout, however few its retries."""
+    from liger_patch_kd.teacher.serve.validation import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as loading:  # listening, never answering: the teacher still loading
+        url = f"http://127.0.0.1:{loading.getsockname()[1]}"
+        client = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB, retries=0, timeout=1.5)
+        start = time.monotonic()
+        with pytest.raises(TD.TeacherServerError, match=rf"no teacher server answers at {url}/health within 1.5 s"):
+            client.wait_until_ready()
+        assert time.monotonic() - start >= 1.5
+
+
+@pytest.mark.multiprocess  # a `liger-kd serve` subprocess
+def test_auto_protocol_speaks_binary_to_liger_kd_serve(tmp_path, server, caplog, monkeypatch):
+    """kd_teacher_protocol's default, "auto": the real server's /v1/models says owned_by liger-kd, so the batches'
+    top-k come as binary replies (not vLLM's JSON), the choice logged once."""
+    assert KDTrainingArguments(output_dir=str(tmp_path)).kd_teacher_protocol == "auto"
+    decoded, original = [], TD.protocols.decode_binary
+    monkeypatch.setattr(TD.protocols, "decode_binary", lambda *a, **k: decoded.append(1) or original(*a, **k))
+    with caplog.at_level("INFO", logger="liger_patch_kd.teacher.serve.client"):
+        losses, _, trainer = _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=server.url,
+                                    kd_teacher_top_k=TOP_K, max_steps=2)  # fmt: skip
+    assert trainer.teacher_source.prefetcher.client.protocol == "liger" and decoded
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    said = [r.getMessage() for r in caplog.records if "protocol 'auto'" in r.getMessage()]
+    assert len(said) == 1 and f"{server.url}/v1/models says owned_by 'liger-kd'" in said[0] and "'liger'" in said[0]
+
+
+class _FakeVLLM(http.server.BaseHTTPRequestHandler):
+    """A server that is not ours, as vLLM answers: /v1/models owned_by vllm, /v1/completions' prompt_logprobs in
+    JSON (whatever the Accept header), each position the top TOP_K of one fixed distribution. Records what it was
+    asked to send (`accepts`)."""
+
+    accepts: list = []
+    logprobs = torch.log_softmax(torch.linspace(4.0, -4.0, VOCAB, dtype=torch.float64), -1)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            body = {"object": "list", "data": [{"id": "fake-vllm", "object": "model", "owned_by": "vllm"}]}
+        else:
+            body = {}
+        self._reply(json.dumps(body).encode())
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).accepts.append(self.headers["Accept"])
+        def position(token):  # the top K, and the prompt's own token (ids rank in order: linspace falls)
+            ids = {*range(request["prompt_logprobs"]), token}
+            return {str(i): {"logprob": float(self.logprobs[i]), "rank": i + 1, "decoded_token": "t"} for i in ids}
+
+        choices = [{"index": n, "text": "", "prompt_logprobs": [None] + [position(t) for t in p[1:]]}
+                   for n, p in enumerate(request["prompt"])]  # fmt: skip
+        self._reply(json.dumps({"choices": choices}).encode())
+
+    def _reply(self, payload):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_auto_protocol_speaks_json_to_a_server_that_is_not_ours(tmp_path, caplog):
+    """Against a vLLM-style server, "auto" asks for vLLM's JSON (Accept: application/json), logged once; an explicit
+    protocol is kept as given; sampled tokens, which only `liger-kd serve` draws, are refused naming the server."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        _FakeVLLM.accepts = []
+        with caplog.at_level("INFO", logger="liger_patch_kd.teacher.serve.client"):
+            losses, _, trainer = _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url,
+                                        kd_teacher_top_k=TOP_K, max_steps=2)  # fmt: skip
+        assert trainer.teacher_source.prefetcher.client.protocol == "vllm"
+        assert _FakeVLLM.accepts and set(_FakeVLLM.accepts) == {"application/json"}
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+        said = [r.getMessage() for r in caplog.records if "protocol 'auto'" in r.getMessage()]
+        assert len(said) == 1 and "owned_by 'vllm'" in said[0] and "'vllm' protocol" in said[0]
+        ((ids, values),) = TD.TeacherClient(url, top_k=TOP_K, vocab_size=VOCAB).fetch([[1, 2, 3]])
+        assert ids[0].tolist() == list(range(TOP_K)) and (ids[-1] == -1).all()  # the fixed distribution's top
+        torch.testing.assert_close(values[0].double(), _FakeVLLM.logprobs[:TOP_K], rtol=0, atol=1e-6)
+        _FakeVLLM.accepts = []
+        explicit = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB)
+        explicit.fetch([[1, 2, 3]])
+        assert explicit.protocol == "liger" and _FakeVLLM.accepts == [TD.protocols.BINARY_MEDIA_TYPE]
+        sampled = TD.TeacherClient(url, top_k=0, vocab_size=VOCAB, samples=4)
+        with pytest.raises(TD.TeacherServerError, match=rf"served by `liger-kd serve` only, and {url}/v1/models "
+                                                        rf"says owned_by 'vllm'"):  # fmt: skip
+            sampled.fetch([[1, 2, 3]])
+    finally:
+        srv.shutdown()
+    owners = ("liger-kd", "sglang", "vllm", None)
+    assert [protocol_for(o) for o in owners] == ["liger", "sglang", "vllm", "vllm"]  # SGLang's owned_by: sglang
 
 
 def test_served_teacher_arguments_are_checked(tmp_path):

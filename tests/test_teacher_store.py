@@ -196,10 +196,12 @@ def test_precompute_never_writes_over_files_it_did_not_write(tmp_path, saved_tea
         assert (out / name).read_bytes() == b"USER DATA"
 
 
-def test_a_rerun_starts_over_what_an_interrupted_run_left(tmp_path, saved_teacher):
+def test_a_rerun_starts_over_what_an_interrupted_run_left(tmp_path, saved_teacher, monkeypatch):
     """Killed after its first shard was renamed but before its manifest (or mid-way through a temporary), a run leaves
-    files without a manifest: they are this tool's (MARK in the shard's metadata), so the same command runs again
-    and writes the store an uninterrupted run writes, byte for byte."""
+    files without a manifest: it recorded the shard as its own (folder.PENDING) before the rename, so the same
+    command runs again and writes the store an uninterrupted run writes, byte for byte."""
+    from liger_patch_kd.teacher.store import folder, writer
+
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(6, seed=4)) + "\n")
 
@@ -209,16 +211,71 @@ def test_a_rerun_starts_over_what_an_interrupted_run_left(tmp_path, saved_teache
 
     assert run(tmp_path / "whole") == 0
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    assert folder.PENDING not in whole  # a finished store keeps no record of its run
     for left in ("first shard, no manifest", "a cut temporary", "an empty temporary"):
         out = tmp_path / left.replace(" ", "_")
         out.mkdir()
         shard = whole["shard-00000.safetensors"]
         if left.startswith("first"):
-            (out / "shard-00000.safetensors").write_bytes(shard)
+
+            def killed(*args):  # the moment between the first shard's rename and its manifest
+                raise KeyboardInterrupt
+
+            with monkeypatch.context() as m:
+                m.setattr(writer, "write_manifest", killed)
+                assert run(out) == 130
+            assert sorted(p.name for p in out.iterdir()) == sorted([folder.PENDING, "shard-00000.safetensors"])
         else:
             (out / "shard-00000.safetensors.tmp").write_bytes(shard[: len(shard) // 2] if "cut" in left else b"")
         assert run(out) == 0, left
         assert {p.name: p.read_bytes() for p in out.iterdir()} == whole, left
+
+
+def test_a_shard_another_run_wrote_is_refused_never_overwritten(tmp_path, saved_teacher, capsys, monkeypatch):
+    """A shard carries the tool's mark wherever it came from: one copied from another store (into an empty --out, a
+    killed run's --out, or a store being resumed) is someone else's, refused in one line naming it, left as it was."""
+    from liger_patch_kd.teacher.store import writer
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(6, seed=4)) + "\n")
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"input_ids": s}) for s in _sequences(6, seed=5)) + "\n")
+
+    def run(out, rows=data):
+        return main(["precompute", "--teacher", str(saved_teacher), "--data", str(rows), "--out", str(out),
+                     "--top-k", "4", "--device", "cpu", "--shard-size", "2"])  # fmt: skip
+
+    assert run(tmp_path / "another", rows=other) == 0
+    copied = (tmp_path / "another" / "shard-00001.safetensors").read_bytes()
+    assert b"liger_patch_kd teacher store" in copied[:4096]  # marked as this tool's, yet not this run's
+
+    def killed_after(shards):
+        def write_manifest(store_dir, meta):
+            if len(meta["shards"]) > shards:
+                raise KeyboardInterrupt
+            TD.store.write_manifest(store_dir, meta)
+
+        return write_manifest
+
+    for case in ("an empty --out", "a killed run's --out", "a store being resumed"):
+        out = tmp_path / case.replace(" ", "_").replace("'", "")
+        out.mkdir()
+        if case != "an empty --out":  # killed after its first shard: no manifest, or a manifest listing one shard
+            with monkeypatch.context() as m:
+                m.setattr(writer, "write_manifest", killed_after(0 if "killed" in case else 1))
+                assert run(out) == 130
+            capsys.readouterr()
+        (out / "shard-00001.safetensors").write_bytes(copied)
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        capsys.readouterr()
+        assert run(out) == 2, case  # before the weights load: their progress bar would be on stderr
+        err = capsys.readouterr().err
+        assert f"--out {out} holds shard-00001.safetensors" in err and len(err.strip().splitlines()) == 1, case
+        assert ("does not list" if "resumed" in case else "but no manifest.json") in err, case
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before, case
+        (out / "shard-00001.safetensors").unlink()  # moved out, as the message says: the run resumes and finishes
+        assert run(out) == 0, case
+        assert TD.TeacherLogprobsDataset(out)[2]["input_ids"].tolist() == _sequences(6, seed=4)[2], case
 
 
 def test_every_option_documents_its_default(capsys):

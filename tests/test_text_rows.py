@@ -71,6 +71,41 @@ def test_other_columns_are_kept_and_the_eval_rows_tokenized_too(tmp_path, tokeni
     assert trainer.eval_dataset["held"][1]["input_ids"] == tokenizer(TEXTS[1])["input_ids"]
 
 
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_a_text_row_of_no_tokens_is_refused_by_its_index_before_training(tmp_path, tokenizer, kind):
+    assert tokenizer("")["input_ids"] == []  # this tokenizer adds no BOS: blank text is no tokens
+    rows = [{"text": t} for t in TEXTS[:3]] + [{"text": ""}] + [{"text": t} for t in TEXTS[3:]]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    with pytest.raises(ValueError, match=r"train_dataset\[3\]'s 'text' '' tokenizes to no tokens.*remove blank") as e:
+        trainer_for(tmp_path, rows, tokenizer)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("columns_known", [True, False])
+def test_text_rows_of_an_iterable_dataset_are_tokenized_lazily_and_train(tmp_path, tokenizer, columns_known):
+    datasets = pytest.importorskip("datasets")
+    if columns_known:
+        rows = datasets.Dataset.from_list([{"text": t} for t in TEXTS]).to_iterable_dataset()
+    else:  # a generator's stream: its columns are known only by reading a row
+        rows = datasets.IterableDataset.from_generator(lambda: ({"text": t} for t in TEXTS))
+        assert rows.column_names is None
+    trainer = trainer_for(tmp_path, rows, tokenizer, max_steps=3)
+    assert isinstance(trainer.train_dataset, datasets.IterableDataset)  # still lazy
+    assert [list(row["input_ids"]) for row in trainer.train_dataset] == [tokenizer(t)["input_ids"] for t in TEXTS]
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_text_row_of_no_tokens_in_an_iterable_dataset_is_refused_when_read(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"text": t} for t in [*TEXTS[:2], "", *TEXTS[2:]]]).to_iterable_dataset()
+    trainer = trainer_for(tmp_path, rows, tokenizer)  # nothing is read before training: a stream may be long
+    with pytest.raises(ValueError, match=r"train_dataset\[2\]'s 'text' '' tokenizes to no tokens"):
+        trainer.train()
+
+
 def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
     for rows in ([{"text": t} for t in TEXTS], pytest.importorskip("datasets").Dataset.from_list([{"text": "a"}])):
         with pytest.raises(ValueError, match=r"columns \['text'\].*processing_class=tokenizer") as e:
@@ -110,3 +145,25 @@ def test_precompute_reads_text_lines_with_the_teachers_tokenizer(tmp_path, token
     store = TeacherLogprobsDataset(tmp_path / "store")
     assert [store[i]["input_ids"].tolist() for i in range(len(store))] == [tokenizer(t)["input_ids"] for t in TEXTS[:3]]
     assert store[0]["teacher_token_ids"].shape == (len(tokenizer(TEXTS[0])["input_ids"]), 4)
+
+
+def test_precompute_names_the_line_whose_text_is_not_a_string(tmp_path, tokenizer, capsys):
+    """{"text": 5} is the data's mistake, told as FILE:LINE, not in the tokenizer's words; --skip-bad-lines skips it."""
+    from liger_patch_kd.cli import main
+    from liger_patch_kd.teacher import TeacherLogprobsDataset
+
+    teacher_dir = tmp_path / "teacher"
+    tiny_model("llama", dtype=torch.float32).save_pretrained(teacher_dir)
+    tokenizer.save_pretrained(teacher_dir)
+    data = tmp_path / "data.jsonl"
+    argv = ["precompute", "--teacher", str(teacher_dir), "--data", str(data), "--out", str(tmp_path / "store"),
+            "--top-k", "4", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    for value, kind in ((5, "5"), (None, "null"), (["a", "b"], '["a", "b"]')):
+        data.write_text(json.dumps({"text": TEXTS[0]}) + "\n" + json.dumps({"text": value}) + "\n")
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"liger-kd precompute: error: {data}:2: 'text' must be a JSON string; got {kind}:"), err
+        assert "--skip-bad-lines" in err
+    assert main([*argv, "--skip-bad-lines"]) == 0
+    assert "skipped 1 bad line" in (out := capsys.readouterr().out) and ": 1 text not a string" in out
+    assert len(TeacherLogprobsDataset(tmp_path / "store")) == 1

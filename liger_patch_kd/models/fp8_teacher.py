@@ -33,6 +33,7 @@ from ..ops.fp8 import (
     fp8_available,
     fp8_linear,
     gated_act_quantized,
+    note_if_emulated,
     quantize_rows,
     quantize_weight,
 )
@@ -220,6 +221,7 @@ def _check_teacher(model: nn.Module) -> torch.device:
     ok, why = fp8_available(device)
     if not ok:
         raise ValueError(f"quantize_teacher_fp8: {why}. Keep the teacher in bf16 (kd_teacher_precision='bf16')")
+    note_if_emulated(device, "the FP8 teacher")
     return device
 
 

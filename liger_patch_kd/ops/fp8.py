@@ -18,6 +18,7 @@ cuBLASLt moves them into fp32 registers every few K-steps. `fast_accum=True` ski
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -46,6 +47,22 @@ def fp8_available(device: torch.device) -> tuple[bool, str]:
     elif device.type != "cpu":
         return False, f"FP8 products are not available on {device.type}"
     return True, ""  # the CPU: torch's own product where it takes rowwise scales, else the dequantised one
+
+
+log = logging.getLogger(__name__)
+_EMULATION_SAID: set[str] = set()  # device types whose emulated FP8 was reported (once per process)
+
+
+def note_if_emulated(device: torch.device, what: str) -> None:
+    """Say once per process, when FP8 is asked of a device without FP8 tensor cores (the CPU: fp8_available lets it
+    run, for tests and small models), that the products are emulated: the maths of FP8, none of its speed."""
+    if device.type == "cuda" or device.type in _EMULATION_SAID:
+        return
+    _EMULATION_SAID.add(device.type)
+    log.warning(
+        "fp8 emulated on %s: no speed-up (%s rounds as FP8 would, in products without FP8 tensor cores; those need "
+        "a CUDA GPU of compute capability 8.9+, Ada or Hopper)", device.type, what,
+    )  # fmt: skip
 
 
 _CPU_ROWWISE: list[bool] = []  # whether this torch's CPU _scaled_mm takes rowwise scales, probed once

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8_DTYPE, cpu_takes_rowwise_scales, fp8_available, quantize_rows
+from .fp8 import FP8_DTYPE, cpu_takes_rowwise_scales, fp8_available, note_if_emulated, quantize_rows
 
 _CACHE_ATTR = "__liger_kd_fp8_head__"
 _ALIGN = 16  # torch._scaled_mm on CUDA wants every dimension of both operands a multiple of 16
@@ -38,6 +38,7 @@ def require_fp8(device: torch.device, option: str) -> None:
     ok, why = fp8_available(device)
     if not ok:
         raise ValueError(f"{option}=True needs FP8 products, which are not available here: {why}; set {option}=False")
+    note_if_emulated(device, f"{option}'s logit product")
 
 
 def check_fp8_hidden(hidden_size: int, option: str) -> None:

@@ -365,6 +365,12 @@ def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | 
             raise BadLine(f"{where}: 'input_ids' must be a list of integers{skip}", "input_ids not integers")
     elif tokenizer is None:
         raise ValueError(f"{where}: a 'text' line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
+    elif not isinstance(record["text"], str):  # the tokenizer would refuse it in its own words, not naming the line
+        raise BadLine(
+            f"{where}: 'text' must be a JSON string; got {json.dumps(record['text'])[:40]}: quote it, or give "
+            f"'input_ids'{skip}",
+            "text not a string",
+        )
     else:
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
     ids = ids[:max_length] if max_length is not None else ids

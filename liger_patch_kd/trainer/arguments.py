@@ -210,9 +210,11 @@ class KDTrainingArguments(TrainingArguments):
                   "several served teachers, each row routed to one by its 'teacher' column."},
     )  # fmt: skip
     kd_teacher_protocol: str = field(  # a dict too, in Python (the command line parses a str)
-        default="vllm",
-        metadata={"help": "Teacher server protocol: vllm, sglang, liger (top-k log-probs) or hidden (`liger-kd "
-                  "serve`'s final hidden states and head: the exact in-process objective); with several served "
+        default="auto",
+        metadata={"help": "Teacher server protocol: auto (the server's GET /v1/models says what it is: liger for "
+                  "`liger-kd serve`, sglang for SGLang, else vllm; logged), vllm, sglang, liger (top-k log-probs; "
+                  "liger: binary replies, far cheaper than vLLM's JSON) or hidden (`liger-kd serve`'s final hidden "
+                  "states and head: the exact in-process objective, never chosen by auto); with several served "
                   "teachers, one for all or {name: protocol} (hidden and top-k teachers mixed)."},
     )  # fmt: skip
     kd_teacher_hidden_dtype: str = field(
@@ -247,12 +249,14 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_teacher_precision: str = field(
         default="bf16",
-        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs); "
-                  "fp8_fast_accum: the same without the periodic fp32 promotion of the products' sums (faster)."},
+        metadata={"help": "bf16: the teacher as loaded; fp8: its decoder products in FP8 (Ada/Hopper GPUs; "
+                  "emulated on a CPU, for tests: no speed-up, logged); fp8_fast_accum: the same without the periodic "
+                  "fp32 promotion of the products' sums (faster)."},
     )
     kd_teacher_logits_fp8: bool = field(
         default=False,
-        metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs)."},
+        metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs; "
+                  "emulated on a CPU, for tests: no speed-up, logged)."},
     )
     kd_student_logits_fp8: bool = field(
         default=False,

@@ -1,9 +1,11 @@
 """Rows of text ({"text": ...}, Hugging Face's most common format and what `liger-kd precompute --data` reads)
 tokenized for the user when KDTrainer is built, as TRL's trainers do: input_ids from processing_class (special
 tokens added, as precompute adds them; the first kd_max_length tokens when set), labels then copied from them by the
-collator. Without a tokenizer such rows, and rows with no column KDTrainer trains on, are refused in one line
-naming the columns found, before any work. And the note a run without the patch gets at its first step: what its
-materialised logits cost."""
+collator. A datasets.IterableDataset is tokenized lazily (IterableDataset.map), row by row as training reads it.
+Without a tokenizer such rows, and rows with no column KDTrainer trains on, are refused in one line naming the
+columns found, before any work; so is a row whose text tokenizes to no tokens (blank text, a tokenizer that adds no
+BOS), by its index: before training for a list or a datasets.Dataset, when it is read for an iterable one. And the
+note a run without the patch gets at its first step: what its materialised logits cost."""
 
 from __future__ import annotations
 
@@ -29,10 +31,22 @@ def tokenize_text_datasets(kwargs: dict[str, Any], max_length: int | None, acros
 
 
 def _first_row(dataset: Any) -> Any:
+    if not _is_hf_iterable(dataset):  # (whose dataset[0] is a column named 0, not a row)
+        try:
+            return dataset[0]
+        except Exception:  # another iterable (or none): its rows are the collator's business
+            return None
+    if dataset.column_names is not None:  # known without reading a row (a stream may be remote)
+        return dict.fromkeys(dataset.column_names)
     try:
-        return dataset[0]
-    except Exception:  # an iterable dataset (or none): its rows are the collator's business
+        return next(iter(dataset))
+    except Exception:  # an empty or unreadable stream: training says so where it reads it
         return None
+
+
+def _is_hf_iterable(dataset: Any) -> bool:
+    """Whether `dataset` is a datasets.IterableDataset (datasets is an optional extra: never imported here)."""
+    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("datasets") for c in type(dataset).__mro__)
 
 
 def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, across: bool, collator: Any) -> Any:
@@ -51,7 +65,7 @@ def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, acros
     if any(c in row for c in ("prompt", "messages")):
         return dataset  # TRL's formats: the prompt collators read them
     if across:
-        return _map(dataset, lambda text: {"prompt": "", "completion": text})
+        return _map(dataset, lambda text, index: {"prompt": "", "completion": text})
     if tokenizer is None:
         raise ValueError(
             f"{name}'s rows have the columns {columns} and no 'input_ids': KDTrainer tokenizes 'text' with the "
@@ -64,23 +78,31 @@ def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, acros
             f"(tokenizer(text)['input_ids']). Pass a transformers tokenizer, or tokenize the rows into 'input_ids'"
         )
 
-    def tokenize(text: str) -> dict[str, Any]:
+    def tokenize(text: str, index: int) -> dict[str, Any]:
         if not isinstance(text, str):
-            raise ValueError(f"{name}: a row's 'text' is {type(text).__name__}, not a str: {str(text)[:60]!r}")
-        return {"input_ids": tokenizer(text, add_special_tokens=True, truncation=max_length is not None,
-                                       max_length=max_length)["input_ids"]}  # fmt: skip
+            raise ValueError(f"{name}[{index}]'s 'text' is {type(text).__name__}, not a str: {str(text)[:60]!r}")
+        ids = tokenizer(text, add_special_tokens=True, truncation=max_length is not None, max_length=max_length)
+        if len(ids["input_ids"]) == 0:  # a row of no tokens: attention cannot run on it
+            raise ValueError(
+                f"{name}[{index}]'s 'text' {text[:40]!r} tokenizes to no tokens with processing_class "
+                f"({type(tokenizer).__name__}, which adds no BOS token); remove blank rows (e.g. "
+                f"dataset.filter(lambda row: row['text'].strip())) or give the row text"
+            )
+        return {"input_ids": ids["input_ids"]}
 
     return _map(dataset, tokenize)
 
 
 def _map(dataset: Any, make: Any) -> Any:
-    """Each row with its 'text' replaced by make(text)'s columns: a list of dicts stays a list, a
-    datasets.Dataset becomes one (Dataset.map; its other columns kept)."""
-    if isinstance(dataset, list):
-        return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT])} for row in dataset]
+    """Each row with its 'text' replaced by make(text, row index)'s columns: a list of dicts stays a list, a
+    datasets.Dataset becomes one (Dataset.map; its other columns kept), a datasets.IterableDataset stays one, mapped
+    lazily as it is read (IterableDataset.map)."""
+    if _is_hf_iterable(dataset):
+        return dataset.map(lambda row, index: make(row[TEXT], index), with_indices=True, remove_columns=[TEXT])
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
-        return dataset.map(lambda row: make(row[TEXT]), remove_columns=[TEXT], desc="tokenizing text rows")
-    return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT])} for row in dataset]
+        return dataset.map(lambda row, index: make(row[TEXT], index), with_indices=True, remove_columns=[TEXT],
+                           desc="tokenizing text rows")  # fmt: skip
+    return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT], i)} for i, row in enumerate(dataset)]
 
 
 def materialised_logits_note(tokens: int, vocab: int, offline: bool) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -24,15 +25,41 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from . import protocols as P
 from .protocols import PROTOCOLS
 from .sampled_wire import checked_ask, decode_sampled
-from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError, open_url
+from .transport import (
+    MAX_BACKOFF_S,
+    HttpEndpoint,
+    TeacherServerError,
+    TeacherTimeoutError,
+    nobody_listens,
+    open_url,
+    retry_delay,
+    why,
+)
 
-__all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
+__all__ = [
+    "API_KEY_ENV",
+    "AUTO_PROTOCOL",
+    "PendingTopK",
+    "TeacherClient",
+    "TeacherServerError",
+    "TeacherTimeoutError",
+    "protocol_for",
+]
 
+log = logging.getLogger(__name__)
 API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
+AUTO_PROTOCOL = "auto"  # the protocol the server offers that is best: asked of GET /v1/models (protocol_for)
+# /v1/models' owned_by -> the protocol of that server; any other speaks vLLM's /v1/completions (JSON)
+_OWNERS = {"liger-kd": "liger", "sglang": "sglang"}
 _HINTS = {
     401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
     413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
 }
+
+
+def protocol_for(owner: object) -> str:
+    """The top-k protocol to speak to a server whose /v1/models entry says `owned_by: owner`."""
+    return _OWNERS.get(owner, "vllm") if isinstance(owner, str) else "vllm"
 
 
 class PendingTopK:
@@ -52,10 +79,12 @@ class TeacherClient:
     """Row-aligned (T, top_k) teacher ids / log-probs for token sequences from a server.
 
     protocol: "vllm" (vLLM's /v1/completions with prompt_logprobs; also `trl vllm-serve`, which runs vLLM's server;
-    start vLLM with --max-logprobs >= top_k), "sglang" (/generate with input_top_logprobs) or "liger"
-    (`liger-kd serve`, binary replies). `sequences_per_request` sequences go in one request and up to
-    `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the server may return.
-    `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization: Bearer <api_key>`.
+    start vLLM with --max-logprobs >= top_k), "sglang" (/generate with input_top_logprobs), "liger"
+    (`liger-kd serve`, binary replies), or "auto": the server is asked before the first request (resolve_protocol:
+    "liger" for `liger-kd serve`, "sglang" for SGLang, "vllm" for any other). `sequences_per_request` sequences go
+    in one request and up to `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the
+    server may return. `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization:
+    Bearer <api_key>`.
 
     `samples` = m asks `liger-kd serve` (protocol "liger") for m sampled teacher tokens per position at
     `sample_temperature`, seeded by `sample_seed` (sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
@@ -63,16 +92,16 @@ class TeacherClient:
     """
 
     def __init__(
-        self, url: str, protocol: str = "vllm", *, top_k: int, vocab_size: int, timeout: float = 120.0,
+        self, url: str, protocol: str = AUTO_PROTOCOL, *, top_k: int, vocab_size: int, timeout: float = 120.0,
         retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int = 4,
         backoff: float = 0.5, api_key: str | None = None, samples: int | None = None, sample_seed: int = 0,
         sample_temperature: float = 1.0,
     ) -> None:  # fmt: skip
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}; got {protocol!r}")
-        if samples is not None and protocol != "liger":
+        if protocol not in PROTOCOLS and protocol != AUTO_PROTOCOL:
+            raise ValueError(f"protocol must be one of {(AUTO_PROTOCOL, *PROTOCOLS)}; got {protocol!r}")
+        if samples is not None and protocol not in ("liger", AUTO_PROTOCOL):
             raise ValueError(f"samples (sampled teacher tokens) are served by `liger-kd serve` only: use protocol "
-                             f"'liger', not {protocol!r}")  # fmt: skip
+                             f"'liger' (or 'auto'), not {protocol!r}")  # fmt: skip
         if top_k < (0 if samples is not None else 1) or vocab_size < 1:
             raise ValueError(f"top_k and vocab_size must be >= 1 (top_k >= 0 with samples); got top_k={top_k}, "
                              f"vocab_size={vocab_size}")  # fmt: skip
@@ -91,7 +120,7 @@ class TeacherClient:
             self.url, timeout=timeout, retries=retries, backoff=backoff,
             api_key=api_key or os.environ.get(API_KEY_ENV) or None, hints=_HINTS,
         )  # fmt: skip
-        self._model_lock = threading.Lock()
+        self._model_lock, self._protocol_lock = threading.Lock(), threading.Lock()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="teacher-client")
         self._counter = itertools.count(1)
 
@@ -102,25 +131,50 @@ class TeacherClient:
 
     # ------------------------------------------------------------------------------------------------ public
     def wait_until_ready(self, timeout: float | None = None) -> None:
-        """Poll GET /health until the server answers 200, or raise TeacherServerError after `timeout` seconds
-        (default: the client's timeout) naming the URL: a server that is down at start fails fast and clearly."""
+        """Poll GET /health until the server answers 200, or raise TeacherServerError naming the URL: a server that
+        does not answer at once is logged at once (the URL, how long it is waited for); one that accepts connections
+        but is not ready is waited for up to `timeout` seconds (default: the client's timeout), while an address
+        where nothing listens (connection refused, or a host name that does not resolve) is tried `retries` more
+        times with the backoff between requests (0.5 ... 8 s by default), so a server still starting is waited for
+        a little (more retries: longer) and a wrong URL fails in seconds rather than after the whole timeout."""
         limit = self.timeout if timeout is None else timeout
-        deadline, last = time.monotonic() + limit, None
+        start = time.monotonic()
+        deadline, last, refused, announced = start + limit, None, 0, False
         while True:
             try:
                 health = urllib.request.Request(self.url + "/health", headers=self._http.headers("application/json"))
                 with open_url(health, timeout=max(0.1, min(5.0, limit))) as reply:
                     if reply.status == 200:
                         return
+                    last = http.client.HTTPException(f"HTTP {reply.status}")
             except (OSError, http.client.HTTPException) as e:
                 last = e
+            nobody = nobody_listens(last)
+            refused += nobody
+            if not announced:  # the first miss: say at once what is waited for, where, and how long
+                announced = True
+                log.warning(
+                    "the teacher server at %s/health does not answer yet (%s): waiting up to %g s for it (the "
+                    "timeout, kd_teacher_timeout); while nothing listens there, %d retries %g s apart, doubling up "
+                    "to %g s (kd_teacher_retries)", self.url, why(last), limit, self.retries, self.backoff,
+                    MAX_BACKOFF_S,
+                )  # fmt: skip
+            if nobody and refused > self.retries:
+                raise TeacherServerError(
+                    f"nothing listens at {self.url} ({why(last)}; tried {refused} times over "
+                    f"{time.monotonic() - start:.0f} s): start the teacher server (e.g. `liger-kd serve --teacher PATH "
+                    f"--top-k {self.top_k} --port PORT`) or fix the URL (kd_teacher_url); for a server that takes "
+                    f"longer to start listening, raise the retries (kd_teacher_retries, each wait at most "
+                    f"{MAX_BACKOFF_S:g} s)"
+                )
             if time.monotonic() >= deadline:
                 raise TeacherServerError(
                     f"no teacher server answers at {self.url}/health within {limit:g} s (last error: {last}); start "
                     f"it (e.g. `liger-kd serve --teacher PATH --top-k {self.top_k} --port PORT`) or fix "
                     f"kd_teacher_url"
                 )
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            pause = retry_delay(refused, self.backoff) if nobody else 0.2
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
     def submit(self, sequences: Sequence[Sequence[int]]) -> PendingTopK:
         """Send the requests for `sequences` now (background threads); `.result()` gives one TopK each."""
@@ -142,7 +196,7 @@ class TeacherClient:
     def _request(self, sequences: list[list[int]]) -> list[P.TopK]:
         size = f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens"
         name = f"request {next(self._counter)} ({size}) to {self.url}"
-        wire = PROTOCOLS[self.protocol]
+        wire = PROTOCOLS[self.resolve_protocol()]
         body = wire.request(sequences, self.top_k, self._model_name)
         raw, content_type = self._post(wire.path, body | (self.ask.fields() if self.ask else {}), wire.accept)
         if self.ask is not None:
@@ -167,6 +221,24 @@ class TeacherClient:
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise TeacherServerError(f"{self.url}/v1/models lists no model ({raw[:200]!r})") from e
         return model
+
+    def resolve_protocol(self, model: dict | None = None) -> str:
+        """The protocol requests use: the one given, or for "auto" the best the server offers, from its GET /v1/models
+        entry (`model` when the caller has it) once: `liger-kd serve` (owned_by "liger-kd") the binary "liger",
+        SGLang "sglang", any other server vLLM's JSON. Logged once. Sampled tokens need `liger-kd serve`."""
+        with self._protocol_lock:
+            if self.protocol == AUTO_PROTOCOL:
+                owner = (model or self.served_model()).get("owned_by")
+                chosen = protocol_for(owner)
+                if self.ask is not None and chosen != "liger":
+                    raise TeacherServerError(
+                        f"sampled teacher tokens are served by `liger-kd serve` only, and {self.url}/v1/models says "
+                        f"owned_by {owner!r}: point the client (kd_teacher_url) at a `liger-kd serve`"
+                    )
+                log.info("protocol 'auto': %s/v1/models says owned_by %r, so requests use the %r protocol",
+                         self.url, owner, chosen)  # fmt: skip
+                self.protocol = chosen
+            return self.protocol
 
     def _model_name(self) -> str:
         """vLLM wants the served model's name: asked once from /v1/models unless given."""

@@ -53,6 +53,7 @@ from .validation import (
     RequestError,
     check_serve_options,
     is_loopback,
+    listening_socket,
     nonfinite_output,
     parse_body,
     read_body,
@@ -346,48 +347,53 @@ def serve(
     except ImportError as e:
         raise ImportError("`liger-kd serve` needs FastAPI and uvicorn: pip install 'liger_patch_kd[serve]' (from a "
                           "clone: pip install -e '.[serve]')") from e  # fmt: skip
-    from transformers import AutoConfig, AutoModelForCausalLM
+    listener = listening_socket(host, port)  # a port in use fails now, before transformers or the weights load
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ...models import check_teacher_precision
+        from ...models import check_teacher_precision
 
-    check_teacher_precision(precision, "serve: precision")
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    config = AutoConfig.from_pretrained(teacher, **extra)
-    check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
-                        max_request_tokens, sample_temperature)  # fmt: skip
-    if not api_key and not is_loopback(host):
-        print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who reaches "
-              f"port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if random_weights:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=None if dtype == "auto" else getattr(torch, dtype))
-        print("liger-kd serve: RANDOM WEIGHTS (--random-weights), for benchmarks only", flush=True)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
-    model = model.to(device).eval().requires_grad_(False)
-    if torch.device(device).type == "cuda":
-        from ...models import patch_teacher_kernels
+        check_teacher_precision(precision, "serve: precision")
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        config = AutoConfig.from_pretrained(teacher, **extra)
+        check_serve_options(top_k, getattr(config.get_text_config(), "vocab_size", None), max_batch_tokens,
+                            max_request_tokens, sample_temperature)  # fmt: skip
+        if not api_key and not is_loopback(host):
+            print(f"liger-kd serve: WARNING: listening on {host} without --api-key ({API_KEY_ENV}): anyone who "
+                  f"reaches port {port} may use the teacher", file=sys.stderr, flush=True)  # fmt: skip
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if random_weights:
+            torch.manual_seed(0)
+            with torch.device(device):
+                random_dtype = None if dtype == "auto" else getattr(torch, dtype)
+                model = AutoModelForCausalLM.from_config(config, dtype=random_dtype)
+            print("liger-kd serve: RANDOM WEIGHTS (--random-weights), for benchmarks only", flush=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
+        model = model.to(device).eval().requires_grad_(False)
+        if torch.device(device).type == "cuda":
+            from ...models import patch_teacher_kernels
 
-        patch_teacher_kernels(model, None)
-    if precision != "bf16":
-        from ...models import apply_teacher_precision
+            patch_teacher_kernels(model, None)
+        if precision != "bf16":
+            from ...models import apply_teacher_precision
 
-        summary = apply_teacher_precision(model, precision)
-        print(f"liger-kd serve: FP8 teacher ({precision}), {len(summary.quantized)} products quantised, lm_head in "
-              f"bf16", flush=True)  # fmt: skip
-    app = build_app(
-        model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
-        max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
-        sample_temperature=sample_temperature, fuse_projections=fuse_projections,
-    )  # fmt: skip
-    print(
-        f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
-        f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}",
-        flush=True,
-    )
+            summary = apply_teacher_precision(model, precision)
+            print(f"liger-kd serve: FP8 teacher ({precision}), {len(summary.quantized)} products quantised, lm_head "
+                  f"in bf16", flush=True)  # fmt: skip
+        app = build_app(
+            model, top_k=top_k, model_name=teacher, max_batch_tokens=max_batch_tokens,
+            max_request_tokens=max_request_tokens, api_key=api_key, batch_invariant=batch_invariant,
+            sample_temperature=sample_temperature, fuse_projections=fuse_projections,
+        )  # fmt: skip
+        print(f"liger-kd serve: {teacher} on {device}, top-{top_k}, http://{host}:{port}"
+              f"{', batch-invariant' if batch_invariant else ''}{', API key required' if api_key else ''}",
+              flush=True)  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
     # SIGTERM / SIGINT: requests still running after GRACEFUL_SHUTDOWN_S are dropped (a pending weight-transfer
     # call would otherwise hold the process for its whole timeout)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    uvicorn.Server(config).run(sockets=[listener])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -130,6 +131,19 @@ _OPENER = urllib.request.build_opener(_KeyStaysHome)
 def open_url(request: urllib.request.Request, timeout: float):
     """urllib.request.urlopen for requests that may carry the API key: redirects drop it across origins."""
     return _OPENER.open(request, timeout=timeout)
+
+
+def nobody_listens(error: BaseException | None) -> bool:
+    """Whether `error` says that nothing can answer at the address now: the host refused the connection (it is up
+    and no process listens on the port) or its name does not resolve. A server that is still starting may bind
+    later, so callers retry this a bounded number of times, not for a whole timeout."""
+    reason = getattr(error, "reason", error)
+    return isinstance(reason, (ConnectionRefusedError, socket.gaierror))
+
+
+def why(error: BaseException | None) -> str:
+    """A connection error in a few words: urllib's URLError by its reason ("[Errno 111] Connection refused")."""
+    return str(getattr(error, "reason", error))
 
 
 def _is_timeout(error: BaseException) -> bool:

@@ -11,8 +11,9 @@ generation request (without prompt_logprobs) is checked further by generation.va
 request may ask for sampled teacher tokens instead (samples, sample_seed, sample_temperature; prompt_logprobs 0
 allowed then): checked by sampled_wire.validated_samples.
 
-Beside the requests: the server's own options (check_serve_options, is_loopback), and what it refuses to send: an
-output of the served model that holds NaN or infinite values is a NonFiniteOutput, a 500 naming it (never a 200).
+Beside the requests: the server's own options (check_serve_options, is_loopback, listening_socket), and what it
+refuses to send: an output of the served model that holds NaN or infinite values is a NonFiniteOutput, a 500 naming
+it (never a 200).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,3 +224,22 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """`liger-kd serve`'s socket, bound to (host, port) and listening before the teacher loads: a port in use is a
+    one-line ValueError naming --host / --port at once, not uvicorn's OSError after minutes of loading; and a client
+    that connects while the weights load waits in the backlog (its timeout) instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); another server may hold the port: "
+            f"pass a free --port, or stop what listens on {port} (`ss -ltnp | grep :{port}` names it)"
+        ) from None
+    return sock

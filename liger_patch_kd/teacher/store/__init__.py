@@ -1,8 +1,10 @@
 """The teacher store: its on-disk format (manifest.py), writer, reader, shard files (shard.py), the packed
-encoding (compact.py), and the collator that batches its items."""
+encoding (compact.py), which files of a folder a writer may replace (folder.py), and the collator that batches its
+items."""
 
 from .collator import TeacherDataCollator
 from .compact import PackedCodec, codec_from_manifest, codec_from_spec
+from .folder import check_store_folder
 from .manifest import (
     FORMAT_VERSION,
     LOGPROB_DTYPES,
@@ -13,7 +15,7 @@ from .manifest import (
     write_manifest,
 )
 from .reader import TeacherLogprobsDataset, VerifiedStore, iter_store, refuse_samples, store_meta, verify_store
-from .writer import StoreWriter, check_store_folder
+from .writer import StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from .compact import codec_from_manifest, codec_from_spec
+from .folder import MARK, check_store_folder, leftovers, write_pending
 from .ids import ID_LIMIT, token_ids
 from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
 from .rollouts import ROLLOUT_FORMAT_VERSION, rollout_tensors, rollouts_of
@@ -25,30 +25,6 @@ from .shard import index_checksum, read_header, sequence_checksums, sha256_file
 
 # Manifest keys that describe a store but do not shape its contents: a resume may differ in them.
 _DESCRIPTIVE = {"teacher", "generator", "shards", "max_id", "max_input_id"}
-# The only files a writer removes on its own: the temporaries it names itself.
-_OWN_TEMPORARY = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)\.tmp$")
-# The names a writer writes: in a folder without a manifest, someone else's files unless they are marked as its own.
-_OWN_NAME = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)(\.tmp)?$")
-# Every shard's safetensors metadata: a shard left without a manifest by an interrupted run (killed between the
-# first shard's rename and its manifest, or a converter, whose manifest comes last) is told from a user's file.
-MARK = {"written_by": "liger_patch_kd teacher store"}
-_MARK_BYTES = b'"written_by":"liger_patch_kd teacher store"'  # as safetensors writes it into the header's JSON
-
-
-def _written_here(path: Path) -> bool:
-    """`path` is this tool's: a shard, or its temporary cut short anywhere after the start of its header (safetensors
-    writes the header first, its metadata first in it), whose metadata holds MARK; an empty temporary (nothing in it
-    to lose); or a manifest temporary, which starts with its format_version."""
-    try:
-        if path.name.endswith(".tmp") and path.stat().st_size == 0:
-            return True
-        with open(path, "rb") as f:
-            start = f.read(4096)
-    except OSError:
-        return False
-    if path.name.startswith(MANIFEST):
-        return b'"format_version"' in start[:64]
-    return _MARK_BYTES in start[8:]
 
 
 def _is_int(value: Any) -> bool:
@@ -76,29 +52,6 @@ def _check_store_options(meta: dict) -> None:
         raise ValueError(f"temperature (--temperature) must be a finite number > 0; got {t!r}")
 
 
-def check_store_folder(out_dir: str | Path) -> None:
-    """Refuse, before any work, an `out_dir` a writer would write into without having started a store there: a
-    file, or a folder holding names it writes (shard-NNNNN.safetensors, temporaries) that it did not write
-    (_written_here) and no manifest: writing shard i would overwrite them. Marked ones are an interrupted run's,
-    which a rerun starts over. A folder with a manifest is a store to resume: its manifest is read here (a damaged
-    one fails now)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
-    if not out_dir.is_dir():
-        return
-    if (out_dir / MANIFEST).exists():
-        read_manifest(out_dir)
-        return
-    taken = sorted(p.name for p in out_dir.iterdir() if _OWN_NAME.match(p.name) and not _written_here(p))
-    if taken:
-        raise TeacherStoreError(
-            f"--out {out_dir} holds {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} but no {MANIFEST}: "
-            f"files this tool did not write and would overwrite; pass an empty or new folder, or the --out of a "
-            f"store this tool wrote to resume it"
-        )
-
-
 def _mismatch_message(out_dir: Path, changed: dict) -> str:
     parts = [f"{key} (store: {old!r}, now: {new!r})" for key, (old, new) in changed.items()]
     return (
@@ -117,6 +70,7 @@ class StoreWriter:
     created_dir: bool = False
     created_manifest: bool = False
     created_files: list[Path] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)  # shards renamed into place that no manifest lists yet
 
     @classmethod
     def open(cls, out_dir: str | Path, *, encoding: str = "plain", manifest_last: bool = False, **meta: Any
@@ -126,8 +80,8 @@ class StoreWriter:
         encoding: "plain" (int32 ids, log-probs in `logprob_dtype`) or "packed<bits>" (compact.py, e.g. packed10).
         The manifest of a new store is first written with its first shard (or by `finish()`), so a run that fails
         before any shard leaves no manifest behind; manifest_last=True (converters) writes it only in `finish()`,
-        so an interrupted conversion never looks like a finished store. Only the writer's own temporaries
-        (shard-NNNNN.safetensors.tmp, manifest.json.tmp) are ever removed.
+        so an interrupted conversion never looks like a finished store. Only what a run of this tool left in the
+        folder is ever removed or replaced (folder.py): its temporaries and the shards it recorded there.
         """
         out_dir = Path(out_dir)
         _check_store_options(meta)
@@ -152,11 +106,10 @@ class StoreWriter:
             if changed:
                 raise TeacherStoreError(_mismatch_message(out_dir, changed))
             meta = existing
-            for stale in out_dir.iterdir():  # this writer's own temporaries, interrupted mid-write
-                if _OWN_TEMPORARY.match(stale.name) and stale.is_file():
-                    stale.unlink()
         else:
             meta["shards"] = []
+        for stale in leftovers(out_dir)[0]:  # an interrupted run's, started over (check_store_folder: none else)
+            stale.unlink()
         writer = cls(out_dir, meta)
         writer.manifest_last = manifest_last
         writer.created_dir, writer.created_manifest = created_dir, not resumed
@@ -165,6 +118,8 @@ class StoreWriter:
     def finish(self) -> Path:
         """Write the manifest (a store with no shard yet, or a `manifest_last` one, gets it only here)."""
         write_manifest(self.out_dir, self.meta)
+        self.pending.clear()
+        write_pending(self.out_dir, self.pending)
         return self.out_dir
 
     def abort(self) -> None:
@@ -174,6 +129,8 @@ class StoreWriter:
             shard.unlink(missing_ok=True)
             shard.with_name(shard.name + ".tmp").unlink(missing_ok=True)
         (self.out_dir / (MANIFEST + ".tmp")).unlink(missing_ok=True)
+        self.pending.clear()
+        write_pending(self.out_dir, self.pending)
         if self.created_manifest:
             (self.out_dir / MANIFEST).unlink(missing_ok=True)
             self.meta["shards"] = []
@@ -266,11 +223,15 @@ class StoreWriter:
             "max_id": max_id,
             "max_input_id": int(input_ids.max()) if input_ids.numel() else -1,
         }
+        self.pending[name] = entry["sha256"]  # recorded before the rename: a rerun after a kill knows it as its own
+        write_pending(self.out_dir, self.pending)
         os.replace(tmp, self.out_dir / name)
         self.created_files.append(self.out_dir / name)
         self.meta["shards"].append(entry)
         if not self.manifest_last:
             write_manifest(self.out_dir, self.meta)
+            self.pending.clear()  # the manifest lists it now
+            write_pending(self.out_dir, self.pending)
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:

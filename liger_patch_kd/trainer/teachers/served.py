@@ -10,6 +10,7 @@ from transformers.utils import logging
 
 from ...conventions import require_sampled_objective
 from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
+from ...teacher.serve.client import AUTO_PROTOCOL
 from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.serve.prefetch import TEACHER_KEYS
 from ...teacher.store.samples import MAX_SAMPLES
@@ -69,6 +70,7 @@ def check_teacher_server(
     student's, or with `own_vocabulary` the teacher tokenizer's, across tokenizers). Returns the model's entry."""
     client.wait_until_ready()
     model = client.served_model()
+    protocol = client.resolve_protocol(model)  # kd_teacher_protocol="auto": the best this server speaks
     where = f"kd_teacher_url={client.url} (model {model['id']!r})"
     most = model.get("max_logprobs")
     if isinstance(most, int) and args.kd_teacher_top_k > most:
@@ -80,7 +82,8 @@ def check_teacher_server(
     served = model.get("vocab_size")
     if isinstance(served, int) and not isinstance(served, bool):
         check_served_vocabulary(served, vocab_size, where, args.kd_vocab_size, tokenizer, own_vocabulary)
-    logger.info("served teacher: %s, top-%d of at most %s, vocabulary %s", where, args.kd_teacher_top_k, most, served)
+    logger.info("served teacher: %s, protocol %r, top-%d of at most %s, vocabulary %s", where, protocol,
+                args.kd_teacher_top_k, most, served)  # fmt: skip
     return model
 
 
@@ -118,8 +121,8 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
         return
     if isinstance(args.kd_teacher_protocol, Mapping):  # one per served teacher: served_several.py checks them
         return
-    if args.kd_teacher_protocol not in PROTOCOLS:
-        raise ValueError(f"kd_teacher_protocol must be one of {(*PROTOCOLS, HIDDEN_PROTOCOL)}; got "
+    if args.kd_teacher_protocol not in (AUTO_PROTOCOL, *PROTOCOLS):
+        raise ValueError(f"kd_teacher_protocol must be one of {(AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)}; got "
                          f"{args.kd_teacher_protocol!r}")  # fmt: skip
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
@@ -166,10 +169,10 @@ def check_served_samples_args(args: KDTrainingArguments) -> None:
             f"with kd_teacher_samples need kd_teacher_top_k >= 0 (the hybrid's exact top-k; 0: draws alone) and "
             f"kd_teacher_sample_seed >= 0; got {k} and {seed!r}"
         )
-    if args.kd_teacher_protocol != "liger" or isinstance(args.kd_teacher_url, dict):
+    if args.kd_teacher_protocol not in ("liger", AUTO_PROTOCOL) or isinstance(args.kd_teacher_url, dict):
         raise ValueError(
             f"kd_teacher_samples: sampled teacher tokens are served by one `liger-kd serve` (kd_teacher_protocol="
-            f"'liger', kd_teacher_url a str); got kd_teacher_protocol={args.kd_teacher_protocol!r}"
+            f"'liger' or 'auto', kd_teacher_url a str); got kd_teacher_protocol={args.kd_teacher_protocol!r}"
         )
     try:
         require_sampled_objective(args.kd_loss_config())

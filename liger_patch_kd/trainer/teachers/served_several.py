@@ -23,6 +23,7 @@ import torch
 
 from ...config import KDLossConfig
 from ...teacher.serve import PROTOCOLS, TeacherPrefetcher
+from ...teacher.serve.client import AUTO_PROTOCOL
 from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.serve.hidden_wire import TeacherHead
 from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
@@ -57,7 +58,7 @@ def check_several_served_args(args: KDTrainingArguments) -> None:
     if isinstance(protocol, Mapping) and set(protocol) != set(urls):
         raise ValueError(f"kd_teacher_protocol names {sorted(protocol)} and kd_teacher_url {sorted(urls)}: give "
                          f"one protocol per served teacher, the same names")  # fmt: skip
-    known = (*PROTOCOLS, HIDDEN_PROTOCOL)
+    known = (AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)
     wrong = {name: p for name, p in dict(protocol if isinstance(protocol, Mapping) else {}).items() if p not in known}
     if wrong:
         raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
