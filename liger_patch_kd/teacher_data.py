@@ -1,5 +1,5 @@
 """Kept for code written against 0.1.0: everything here now lives in `liger_patch_kd.teacher` (and its rooms
-teacher.store, teacher.formats, teacher.serve); this module re-exports the names it exported then."""
+teacher.store, teacher.formats, teacher.client); this module re-exports the names it exported then."""
 
 from .teacher import *  # noqa: F403
 from .teacher import __all__ as _TEACHER_ALL

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
 from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
-from liger_patch_kd.teacher.serve import prefetch  # noqa: E402
+from liger_patch_kd.teacher.client import prefetch  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 
 from .helpers import stop_with_stacks, subprocess_env  # noqa: E402

@@ -29,13 +29,14 @@ MAX_MODULES = 16  # modules of one folder, its __init__ aside: beyond that a rea
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "config", "conventions"),
     ("reference", "ops"),
+    ("wire",),  # the formats a teacher server and its clients speak: pure, so both ends import them
     ("losses",),
     ("align",),
     ("distributed",),  # imports nothing above torch; models and the trainer read lm_head weights through it
     ("models",),
     ("generation",),  # in-process decoding (the KV cache, the captured step): knows models, not the Trainer
     ("teacher",),
-    ("trainer",),
+    ("trainer", "server"),  # the server application (`liger-kd serve`: teachers, rollouts) and the trainer, its client
     ("demo",),
     ("cli_checks",),
     ("train_cli",),  # `liger-kd train`: the Trainer from a command line

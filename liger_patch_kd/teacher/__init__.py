@@ -1,8 +1,14 @@
 """Teacher signals as data, in three rooms: the store (store/: format, writer, reader, packed encoding,
-collator), other tools' formats and the converter table (formats/), a teacher behind a server (serve/: wire
-formats, client, prefetcher; the server itself is teacher.serve.server, FastAPI imported lazily); and
-precompute.py, which fills a store from a teacher model. `__all__` is what users call."""
+collator), other tools' formats and the converter table (formats/), a teacher behind a server from the trainer's
+side (client/: the clients and the prefetcher; the formats they read are liger_patch_kd/wire/, the server itself is
+liger_patch_kd/server/); and precompute.py, which fills a store from a teacher model. `__all__` is what users
+call."""
 
+from ..wire import (
+    TeacherReplyError,
+    protocols,  # noqa: F401  the top-k wire formats, as teacher.protocols (the module's old path)
+)
+from .client import TeacherClient, TeacherPrefetcher, TeacherServerError, TeacherTimeoutError
 from .formats import (
     CONVERTERS,
     axolotl_to_store,
@@ -19,14 +25,6 @@ from .joined import JoinedTeacherData
 from .precompute import precompute, teacher_topk
 from .routed import RoutedTeacherData
 from .sampling import SampledTokens, sample_teacher_tokens
-from .serve import (
-    TeacherClient,
-    TeacherPrefetcher,
-    TeacherReplyError,
-    TeacherServerError,
-    TeacherTimeoutError,
-    protocols,  # noqa: F401  the wire formats, as teacher.protocols (the module's old path)
-)
 from .store import (
     MANIFEST,
     StoreWriter,

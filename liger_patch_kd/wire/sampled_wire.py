@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..sampling import SampledTokens
-from ..store.samples import MAX_SAMPLES
+from ..server.validation import Limits, RequestError, is_int, is_number
+from ..teacher.sampling import SampledTokens
+from ..teacher.store.samples import MAX_SAMPLES
 from .protocols import MASS_TOLERANCE_NATS, TeacherReplyError, check_distribution, check_topk
-from .validation import Limits, RequestError, is_int, is_number
 
 _MAGIC = b"LKD3"
 _HEADER = struct.Struct("<4sIIId")  # magic, sequences, K, m, temperature

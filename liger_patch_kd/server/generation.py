@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ...generation import (
+from ..generation import (
     Sampling,
     decode_forward_options,
     filtered_scores,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.fp8 import FP8_DTYPE, quantize_rows_torch
+from ..ops.fp8 import FP8_DTYPE, quantize_rows_torch
 from .protocols import TeacherReplyError
 
 HIDDEN_PATH, HEAD_PATH = "/v1/hidden_states", "/v1/head"

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import threading
 
+from ...wire.hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, decode_head, decode_hidden
+from ...wire.protocols import BINARY_MEDIA_TYPE
 from .client import TeacherClient, TeacherServerError
-from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, decode_head, decode_hidden
-from .protocols import BINARY_MEDIA_TYPE
 
 HIDDEN_PROTOCOL = "hidden"  # the trainer's kd_teacher_protocol for this client (the top-k ones: protocols.py)
 VERSION_ATTEMPTS = 4  # requests for one chunk while the server's weights keep changing under it

@@ -30,10 +30,10 @@ import threading
 
 import torch
 
-from ...models import scaled_head_inputs
-from ...models.kd_forward import install_kd_forward
-from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
-from .protocols import BINARY_MEDIA_TYPE
+from ..models import scaled_head_inputs
+from ..models.kd_forward import install_kd_forward
+from ..wire.hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
+from ..wire.protocols import BINARY_MEDIA_TYPE
 from .validation import Limits, RequestError, check_prompts, nonfinite_output, parse_body, read_body, token_prompts
 
 log = logging.getLogger("liger_patch_kd.serve")

@@ -21,9 +21,9 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from . import protocols as P
-from .protocols import PROTOCOLS
-from .sampled_wire import checked_ask, decode_sampled
+from ...wire import protocols as P
+from ...wire.protocols import PROTOCOLS
+from ...wire.sampled_wire import checked_ask, decode_sampled
 from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError, open_url
 
 __all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]

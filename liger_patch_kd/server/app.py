@@ -40,14 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..precompute import teacher_samples, teacher_topk_and_next
-from ..sampling import SampledTokens, sequence_generator
-from .client import API_KEY_ENV
+from ..teacher.client.client import API_KEY_ENV
+from ..teacher.precompute import teacher_samples, teacher_topk_and_next
+from ..teacher.sampling import SampledTokens, sequence_generator
+from ..wire.protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from ..wire.sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .hidden_server import add_hidden_routes
-from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .request_fields import check_fields
-from .sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .validation import (
     Limits,
     RequestError,
@@ -348,7 +348,7 @@ def serve(
                           "clone: pip install -e '.[serve]')") from e  # fmt: skip
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ...models import check_teacher_precision
+    from ..models import check_teacher_precision
 
     check_teacher_precision(precision, "serve: precision")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -369,11 +369,11 @@ def serve(
         model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
     model = model.to(device).eval().requires_grad_(False)
     if torch.device(device).type == "cuda":
-        from ...models import patch_teacher_kernels
+        from ..models import patch_teacher_kernels
 
         patch_teacher_kernels(model, None)
     if precision != "bf16":
-        from ...models import apply_teacher_precision
+        from ..models import apply_teacher_precision
 
         summary = apply_teacher_precision(model, precision)
         print(f"liger-kd serve: FP8 teacher ({precision}), {len(summary.quantized)} products quantised, lm_head in "
