@@ -16,9 +16,9 @@ pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
-from liger_patch_kd.teacher.sampling import SampledTokens  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 from liger_patch_kd.wire.protocols import TeacherReplyError  # noqa: E402
+from liger_patch_kd.wire.sampled_tokens import SampledTokens  # noqa: E402
 from liger_patch_kd.wire.sampled_wire import SampleAsk, decode_sampled, encode_sampled  # noqa: E402
 
 from .helpers import random_sequences  # noqa: E402

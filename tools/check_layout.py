@@ -1,6 +1,6 @@
 """Check the package's house rules: no import cycle between files (inside one package too, and between the
-benchmarks), imports only point down the layers, no private name imported across modules, no file over the size
-limit, no folder of more than MAX_MODULES modules.
+benchmarks), imports only point down the layers, rooms kept APART never import each other, no private name imported
+across modules, no file over the size limit, no folder of more than MAX_MODULES modules.
 
     python tools/check_layout.py          # prints every violation, exits 1 if there is one
 
@@ -8,7 +8,7 @@ Imports are read from the source (ast), at module level and inside functions ali
 function body is still a cycle of the design. Cycles are counted between files, as a reader follows them: a name
 imported from a package is an edge to the file its `__init__` re-exports it from, and an import under `if
 TYPE_CHECKING:` is an edge too (a type is a dependency of the design, even if it never runs). The layer rules skip
-`TYPE_CHECKING` blocks.
+`TYPE_CHECKING` blocks; the APART rule does not (a type of the other end is the other end).
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "__init__", "teacher_data"),
 ]
 
+# Rooms (dotted paths below the package) that never import each other, in either direction, whatever their layers:
+# a teacher server and its clients meet only in wire/, the formats both speak, so the trainer's side never loads the
+# server application and the server never the client (the trainer, the rollout engine's client, shares the
+# server's layer, which already keeps the two apart).
+APART: list[tuple[str, str]] = [("teacher.client", "server")]
+
 
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = path.relative_to(root).with_suffix("").parts
@@ -54,6 +60,20 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 def room(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def within(module: str, room_path: str, package: str = PACKAGE) -> bool:
+    """Whether `module` is the room `room_path` ("teacher.client") of `package` or inside it."""
+    prefix = f"{package}.{room_path}"
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def apart_problem(module: str, target: str, package: str = PACKAGE) -> str | None:
+    for one, other in APART:
+        for a, b in ((one, other), (other, one)):
+            if within(module, a, package) and within(target, b, package):
+                return f"imports {target}: {a} and {b} never import each other (they meet in wire/)"
+    return None
 
 
 def layer_of(module: str) -> int:
@@ -213,6 +233,8 @@ def check(root: Path = ROOT, package: str = PACKAGE, benchmarks: str | None = BE
         if lines > MAX_LINES:
             problems.append(f"{rel}: {lines} lines (limit {MAX_LINES}): split it by job")
         for line, target, names, typing_only in imports(path, modules, root, (package,)):
+            if target in modules and (problem := apart_problem(module, target, package)):
+                problems.append(f"{rel}:{line}: {problem}")
             if target not in modules or typing_only:
                 continue
             if target.startswith(module + ".") and path.name == "__init__.py":

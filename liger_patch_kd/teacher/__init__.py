@@ -8,6 +8,7 @@ from ..wire import (
     TeacherReplyError,
     protocols,  # noqa: F401  the top-k wire formats, as teacher.protocols (the module's old path)
 )
+from ..wire.sampled_tokens import SampledTokens
 from .client import TeacherClient, TeacherPrefetcher, TeacherServerError, TeacherTimeoutError
 from .formats import (
     CONVERTERS,
@@ -24,7 +25,7 @@ from .formats import (
 from .joined import JoinedTeacherData
 from .precompute import precompute, teacher_topk
 from .routed import RoutedTeacherData
-from .sampling import SampledTokens, sample_teacher_tokens
+from .sampling import sample_teacher_tokens
 from .store import (
     MANIFEST,
     StoreWriter,

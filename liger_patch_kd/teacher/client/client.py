@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ...wire import protocols as P
+from ...wire.conventions import API_KEY_ENV
 from ...wire.protocols import PROTOCOLS
 from ...wire.sampled_wire import checked_ask, decode_sampled
 from .transport import HttpEndpoint, TeacherServerError, TeacherTimeoutError, open_url
 
-__all__ = ["API_KEY_ENV", "PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
+__all__ = ["PendingTopK", "TeacherClient", "TeacherServerError", "TeacherTimeoutError"]
 
-API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
 _HINTS = {
     401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
     413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
@@ -58,7 +58,7 @@ class TeacherClient:
     `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization: Bearer <api_key>`.
 
     `samples` = m asks `liger-kd serve` (protocol "liger") for m sampled teacher tokens per position at
-    `sample_temperature`, seeded by `sample_seed` (sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
+    `sample_temperature`, seeded by `sample_seed` (wire/sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
     draws alone), and each sequence's reply is a sampling.SampledTokens (T rows) instead of a TopK.
     """
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ...wire.protocols import TopK
-from ..sampling import SampledTokens
+from ...wire.sampled_tokens import SampledTokens
 from .client import TeacherClient
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...server.weight_receiver import JOINED_KEY
 from ...teacher.client.transport import HttpEndpoint, TeacherServerError
+from ...wire.conventions import JOINED_KEY
 from .weight_sync import unique_tensors, weights_id_in
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")

@@ -12,8 +12,8 @@ from ...conventions import require_sampled_objective
 from ...teacher.client import TeacherClient, TeacherPrefetcher
 from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.prefetch import TEACHER_KEYS
-from ...teacher.store.samples import MAX_SAMPLES
 from ...wire import PROTOCOLS
+from ...wire.sampled_tokens import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
 from .stored import StoredTeacher
 
