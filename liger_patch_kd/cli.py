@@ -159,7 +159,7 @@ def _remove(path: Path) -> None:
 
 
 def _serve(args) -> None:
-    from .teacher.serve.server import serve
+    from .server.app import serve
 
     serve(args.teacher, top_k=args.top_k, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           max_batch_tokens=args.max_batch_tokens, log_level=args.log_level,

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer  # noqa: E402
 from liger_patch_kd.trainer.rollouts.asynchronous import WORKER_NAME  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR  # noqa: E402
@@ -229,7 +229,7 @@ def test_async_arguments_are_checked(tmp_path):
 def test_a_staged_push_loads_the_weights_of_its_step_not_later_ones(tmp_path, transport):
     """WeightSync.stage copies the weights when called; the load (file and request, or broadcast), sent later by
     the worker, gives the engine those, whatever the optimizer did in between (a CPU model's tensors too)."""
-    from liger_patch_kd.teacher.serve.transport import HttpEndpoint
+    from liger_patch_kd.teacher.client.transport import HttpEndpoint
     from liger_patch_kd.trainer.rollouts.weight_sender import BroadcastSender
     from liger_patch_kd.trainer.rollouts.weight_sync import WeightSync
 

@@ -205,7 +205,7 @@ def test_serve_precision_choices_are_the_teacher_precisions():
 @pytest.mark.parametrize("flag, fused", [([], True), (["--no-fused-projections"], False)])
 def test_serve_passes_the_samplers_projection_setting(monkeypatch, flag, fused):
     from liger_patch_kd import cli
-    from liger_patch_kd.teacher.serve import server
+    from liger_patch_kd.server import app as server
 
     seen = {}
     monkeypatch.setattr(server, "serve", lambda teacher, **kw: seen.update(kw))

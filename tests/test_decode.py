@@ -106,7 +106,7 @@ def test_eager_float64_left_padding_samples_what_each_prompt_gives_alone():
     """transformers' eager attention takes a float64 model's softmax in float32, where the mask's minimum is -inf:
     a left-padded batch's padding rows (fully masked) were NaN, and the next layer spread it to the real rows
     ("probability tensor contains either inf, nan"). The prefill now leaves no padding row fully masked."""
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+    from liger_patch_kd.server.generation import GenerationEngine, GenerationRequest
 
     model = tiny_model("llama", dtype=torch.float64, seed=1).eval()
     model.config._attn_implementation = "eager"
@@ -138,7 +138,7 @@ def test_moe_models_that_output_router_logits_decode(arch):
     the same way). Every decoder turns the router output off: greedy tokens equal each prompt's alone, on every
     path (the rollouts' lean loop, generate(), the captured engine, the server's sampler)."""
     from liger_patch_kd.generation import Sampling, decode, release_sessions
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+    from liger_patch_kd.server.generation import GenerationEngine, GenerationRequest
 
     model = tiny_model(arch, dtype=torch.float32, seed=2).eval()
     model.config.output_router_logits = True

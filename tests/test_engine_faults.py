@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve import TeacherReplyError  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer  # noqa: E402
 from liger_patch_kd.trainer.rollouts.engine import logprob_floor, rollouts_from_reply  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts, rollout_batch  # noqa: E402
+from liger_patch_kd.wire import TeacherReplyError  # noqa: E402
 
 from .test_generation_server import running  # noqa: E402
 from .test_onpolicy import PROMPTS, _args, tokenizer  # noqa: E402, F401
@@ -254,7 +254,7 @@ def test_a_peft_run_unloads_its_adapter_and_a_full_weight_run_then_works(tmp_pat
 
 
 def test_an_unload_that_fails_at_the_end_warns_and_leaves_nothing_of_ours(monkeypatch):
-    from liger_patch_kd.teacher.serve.transport import HttpEndpoint, TeacherServerError
+    from liger_patch_kd.teacher.client.transport import HttpEndpoint, TeacherServerError
     from liger_patch_kd.trainer.rollouts import weight_sync
     from liger_patch_kd.trainer.rollouts.weight_sync import WeightSync
 

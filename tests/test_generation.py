@@ -207,7 +207,7 @@ def test_bad_input_is_refused_before_any_work():
 def test_a_top_p_below_float32s_least_keeps_the_most_likely_token(top_p):
     """top_p = 1e-300 compared as 0 against float32 masses: every token was dropped, the engine's draw then
     returned id 0 whatever the logits and the server's sampler a 500 (NaN probabilities)."""
-    from liger_patch_kd.teacher.serve.generation import GenerationRequest, sample_next
+    from liger_patch_kd.server.generation import GenerationRequest, sample_next
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     logits[:, 7] += 3.0
@@ -319,7 +319,7 @@ def test_the_servers_sampler_through_the_engine(fuse):
     """Both sampler settings (`liger-kd serve` fuses the projections unless --no-fused-projections): the model's
     own log-probs of the drawn tokens, reproducible per seed, the same tokens either way (float64)."""
     from liger_patch_kd.generation.engine import release_sessions, session_of
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+    from liger_patch_kd.server.generation import GenerationEngine, GenerationRequest
 
     model = _model("llama", torch.float64, seed=9)
     engine = GenerationEngine(model, "m", fuse_projections=fuse)

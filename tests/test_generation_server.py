@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
-from liger_patch_kd.teacher.serve.server import build_app  # noqa: E402
+from liger_patch_kd.server.app import build_app  # noqa: E402
 
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
 

@@ -64,7 +64,34 @@ def test_a_cycle_between_files_of_one_package_is_reported(tmp_path):
     ], problems
 
 
+def test_the_client_and_the_server_importing_each_other_are_reported(tmp_path):
+    """The server sits above teacher/, so the layers alone let it import the client; APART refuses that, and the
+    client importing the server, even for a type only (which the layer rules skip)."""
+    _write(tmp_path, {
+        "liger_patch_kd/__init__.py": "",
+        "liger_patch_kd/wire/__init__.py": "",
+        "liger_patch_kd/wire/formats.py": "",
+        "liger_patch_kd/teacher/__init__.py": "",
+        "liger_patch_kd/teacher/client/__init__.py": "",
+        "liger_patch_kd/teacher/client/client.py": "from ...wire import formats\n",
+        "liger_patch_kd/teacher/client/hints.py": (
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from ...server.limits import Limits\n"
+        ),
+        "liger_patch_kd/server/__init__.py": "",
+        "liger_patch_kd/server/limits.py": "from ..wire.formats import *\n",
+        "liger_patch_kd/server/app.py": "from ..teacher.client.client import API_KEY_ENV\nfrom .limits import *\n",
+    })  # fmt: skip
+    problems = _check_layout().check(tmp_path, benchmarks=None)
+    assert problems == [
+        "liger_patch_kd/server/app.py:1: imports liger_patch_kd.teacher.client.client: server and teacher.client "
+        "never import each other (they meet in wire/)",
+        "liger_patch_kd/teacher/client/hints.py:4: imports liger_patch_kd.server.limits: teacher.client and server "
+        "never import each other (they meet in wire/)",
+    ], problems
+
+
 def test_benchmarks_importing_each_other_are_reported(tmp_path):
+
     check_layout = _check_layout()
     _write(tmp_path, {
         "liger_patch_kd/__init__.py": "",

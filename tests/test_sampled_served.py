@@ -16,10 +16,10 @@ pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
-from liger_patch_kd.teacher.sampling import SampledTokens  # noqa: E402
-from liger_patch_kd.teacher.serve.protocols import TeacherReplyError  # noqa: E402
-from liger_patch_kd.teacher.serve.sampled_wire import SampleAsk, decode_sampled, encode_sampled  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
+from liger_patch_kd.wire.protocols import TeacherReplyError  # noqa: E402
+from liger_patch_kd.wire.sampled_tokens import SampledTokens  # noqa: E402
+from liger_patch_kd.wire.sampled_wire import SampleAsk, decode_sampled, encode_sampled  # noqa: E402
 
 from .helpers import random_sequences  # noqa: E402
 from .test_teacher_server import Server  # noqa: E402
@@ -110,7 +110,7 @@ def test_a_request_naming_no_temperature_draws_at_the_servers(server):
         assert torch.equal(d.ids, want.ids) and torch.equal(d.counts, want.counts)
     listed = json.loads(urllib.request.urlopen(server.url + "/v1/models").read())["data"][0]
     assert listed["sample_temperature"] == T
-    from liger_patch_kd.teacher.serve.server import check_serve_options
+    from liger_patch_kd.server.app import check_serve_options
 
     with pytest.raises(ValueError, match="--sample-temperature must be a finite number > 0; got 0"):
         check_serve_options(8, VOCAB, 16, 16, 0)
@@ -119,7 +119,7 @@ def test_a_request_naming_no_temperature_draws_at_the_servers(server):
 def test_packed_batches_get_each_sequences_draws(server):
     from transformers import DataCollatorWithFlattening
 
-    from liger_patch_kd.teacher.serve import TeacherPrefetcher
+    from liger_patch_kd.teacher.client import TeacherPrefetcher
 
     seqs = random_sequences(VOCAB, 3, seed=6)
     batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s} for s in seqs])
@@ -263,7 +263,7 @@ def test_a_batch_of_requests_draws_each_sequence_as_alone(tmp_path):
     precompute writes for it alone (the float64 teacher's padded forward rounds to the same float32 log-probs)."""
     import asyncio
 
-    from liger_patch_kd.teacher.serve.server import TeacherBatcher
+    from liger_patch_kd.server.app import TeacherBatcher
 
     seqs = random_sequences(VOCAB, 4, seed=4)
     teacher = _teacher().eval()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from liger_patch_kd.teacher.serve.client import TeacherClient
-from liger_patch_kd.teacher.serve.transport import HttpEndpoint, TeacherServerError
+from liger_patch_kd.teacher.client.client import TeacherClient
+from liger_patch_kd.teacher.client.transport import HttpEndpoint, TeacherServerError
 
 from .test_onpolicy import PROMPTS, _args, tokenizer  # noqa: F401
 from .tiny_models import tiny_model

@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
-from liger_patch_kd.teacher.serve.transport import HttpEndpoint  # noqa: E402
+from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.client.transport import HttpEndpoint  # noqa: E402
 
 from .test_generation_server import post  # noqa: E402
 from .test_serve_hardening import _health, _post  # noqa: E402
@@ -272,8 +272,8 @@ def test_a_second_adapter_that_fails_to_load_leaves_the_first_as_it_was(tmp_path
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file, save_file
 
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine, validated_generation
-    from liger_patch_kd.teacher.serve.validation import Limits, RequestError
+    from liger_patch_kd.server.generation import GenerationEngine, validated_generation
+    from liger_patch_kd.server.validation import Limits, RequestError
 
     from .tiny_models import tiny_model
 
@@ -306,9 +306,9 @@ def test_a_second_adapter_that_fails_to_load_leaves_the_first_as_it_was(tmp_path
 def test_inits_stuck_in_a_connect_are_capped():
     """A store that accepts and never answers holds TCPStore's connect past its timeout: the init answers 504 and
     leaves that thread behind. Past MAX_STUCK_JOINS of them a further init is refused (429) instead of adding one."""
-    from liger_patch_kd.teacher.serve import weight_receiver as WT
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine
-    from liger_patch_kd.teacher.serve.validation import RequestError
+    from liger_patch_kd.server import weight_receiver as WT
+    from liger_patch_kd.server.generation import GenerationEngine
+    from liger_patch_kd.server.validation import RequestError
 
     from .tiny_models import tiny_model
 
@@ -388,7 +388,7 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_held_in_memory(served):
     """The server read every body whole before any check: a local process streaming gigabytes could run it out of
     memory (a 400 MB body grew it by 400 MB). A Content-Length past the limit is refused unread, a chunked body
     as soon as it passes it; a body under the limit is still read."""
-    from liger_patch_kd.teacher.serve.validation import CONTROL_BODY_BYTES
+    from liger_patch_kd.server.validation import CONTROL_BODY_BYTES
 
     for path in ("/v1/completions", "/update_weights_from_disk"):
         status, reply = _send_body(served.url.rsplit(":", 1)[1], path, 10**12, declared=None)  # declared, never sent

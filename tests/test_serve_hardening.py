@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from liger_patch_kd import teacher as TD  # noqa: E402
-from liger_patch_kd.teacher.serve import protocols as P  # noqa: E402
+from liger_patch_kd.wire import protocols as P  # noqa: E402
 
 from .test_teacher_server import ROOT, TOP_K, VOCAB, Server, _rows, server, teacher_dir  # noqa: E402, F401
 
@@ -107,7 +107,7 @@ def test_an_unknown_precision_is_refused_before_the_weights_load(tmp_path):
     """serve() called directly (the CLI's --precision has its choices): a one-line error naming the choices,
     before it reads the teacher (here a path that does not exist)."""
     pytest.importorskip("uvicorn")
-    from liger_patch_kd.teacher.serve.server import serve
+    from liger_patch_kd.server.app import serve
 
     with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'fp8_fast_accum'\); got 'fp16'"):
         serve(str(tmp_path / "no-such-teacher"), top_k=4, precision="fp16")

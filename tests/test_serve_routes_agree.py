@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve.protocols import BINARY_MEDIA_TYPE  # noqa: E402
+from liger_patch_kd.wire.protocols import BINARY_MEDIA_TYPE  # noqa: E402
 
 from .test_generation_server import NAME, PROMPTS, post, running  # noqa: E402
 from .test_serve_faults import _send_body  # noqa: E402

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from liger_patch_kd.ops.fp8 import FP8_MAX
-from liger_patch_kd.teacher.serve import TeacherClient, TeacherReplyError
-from liger_patch_kd.teacher.serve.hidden_wire import (
+from liger_patch_kd.teacher.client import TeacherClient
+from liger_patch_kd.wire import TeacherReplyError
+from liger_patch_kd.wire.hidden_wire import (
     FP8_DTYPE,
     TeacherHead,
     decode_head,
@@ -297,7 +298,7 @@ def _update_weights(url: str, path) -> dict:
 def test_a_head_of_a_new_weight_version_is_fetched_again(tmp_path, own_server):
     """Weights pushed to the server (its /update_weights_from_disk) bump its version: the next hidden-state reply
     names it, and the client fetches the new head before using them; both are the new teacher's."""
-    from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
+    from liger_patch_kd.teacher.client.hidden_client import HiddenClient
 
     TeacherClient(own_server.url, top_k=8, vocab_size=VOCAB, timeout=300, retries=20).wait_until_ready()
     client = HiddenClient(own_server.url, timeout=120)
@@ -365,7 +366,7 @@ def test_bad_hidden_requests_get_a_4xx_naming_the_field(servers):
 def test_fp8_transport_is_the_teachers_states_to_e4m3_rounding(servers):
     """kd_teacher_hidden_dtype='fp8': the server quantises each row with its own scale; the client gets the float32
     teacher's states back within e4m3's rounding (as the wire's unit test bounds it), in H + 8 bytes a token."""
-    from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
+    from liger_patch_kd.teacher.client.hidden_client import HiddenClient
 
     seqs = [r["input_ids"].tolist() for r in _rows(4, seed=7)]
     exact = HiddenClient(servers["llama"].url, dtype="fp32", sequences_per_request=4).fetch(seqs)

@@ -1,7 +1,7 @@
 """The exact served teacher, beyond test_served_hidden.py: the sampled-token estimators on generated rows
 (a served top-k teacher cannot give them: the sampled token may be outside its top-k), the loss on materialised
 logits (use_kd_patch=False) and the server's API key on the hidden-state routes. The server runs in a thread
-(teacher/serve/server.build_app under uvicorn)."""
+(server/app.build_app under uvicorn)."""
 
 import pytest
 import torch
@@ -10,8 +10,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
-from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
-from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
+from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.client.hidden_client import HiddenClient  # noqa: E402
 
 from .test_generation_server import running  # noqa: E402
 from .test_served_hidden import VOCAB, _assert_same_training, _train  # noqa: E402

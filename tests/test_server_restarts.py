@@ -14,10 +14,10 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
-from liger_patch_kd.teacher.serve import transport as T  # noqa: E402
-from liger_patch_kd.teacher.serve.generation import GenerationEngine  # noqa: E402
-from liger_patch_kd.teacher.serve.hidden_client import HiddenClient  # noqa: E402
+from liger_patch_kd.server.generation import GenerationEngine  # noqa: E402
+from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.client import transport as T  # noqa: E402
+from liger_patch_kd.teacher.client.hidden_client import HiddenClient  # noqa: E402
 from liger_patch_kd.trainer import KDTrainingArguments  # noqa: E402
 from liger_patch_kd.trainer.rollouts.engine import EngineRollouts  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings  # noqa: E402

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from liger_patch_kd import teacher as TD
-from liger_patch_kd.teacher.serve import protocols as P
-from liger_patch_kd.teacher.serve.server import vllm_prompt_logprobs
-from liger_patch_kd.teacher.serve.validation import Limits, RequestError, parse_body, validated_completion
+from liger_patch_kd.server.app import vllm_prompt_logprobs
+from liger_patch_kd.server.validation import Limits, RequestError, parse_body, validated_completion
+from liger_patch_kd.wire import protocols as P
 
 INF = math.inf
 

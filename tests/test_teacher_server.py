@@ -23,9 +23,10 @@ pytest.importorskip("uvicorn")
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
 from liger_patch_kd.ops.fp8 import fp8_available  # noqa: E402
-from liger_patch_kd.teacher.serve import prefetch, protocols  # noqa: E402
-from liger_patch_kd.teacher.serve.client import protocol_for  # noqa: E402
+from liger_patch_kd.teacher.client import prefetch  # noqa: E402
+from liger_patch_kd.teacher.client.client import protocol_for  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
+from liger_patch_kd.wire import protocols  # noqa: E402
 
 from .helpers import stop_with_stacks, subprocess_env  # noqa: E402
 from .tiny_models import VOCAB, tiny_model  # noqa: E402
@@ -405,7 +406,7 @@ def test_an_address_where_nothing_listens_fails_in_its_retries_not_the_whole_tim
     kd_teacher_retries tries, not kd_teacher_timeout's 120 s."""
     url = f"http://127.0.0.1:{_free_port()}"
     start = time.monotonic()
-    with caplog.at_level("WARNING", logger="liger_patch_kd.teacher.serve.client"):
+    with caplog.at_level("WARNING", logger="liger_patch_kd.teacher.client.client"):
         with pytest.raises(TD.TeacherServerError, match=rf"nothing listens at {url} \(.*Connection refused; tried 3 "
                                                         rf"times .*kd_teacher_retries"):  # fmt: skip
             _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url, kd_teacher_top_k=TOP_K,
@@ -435,7 +436,7 @@ def test_a_server_that_starts_listening_within_the_retries_is_waited_for():
 def test_a_server_that_listens_but_is_loading_is_waited_for_the_timeout():
     """`liger-kd serve` listens before its weights load (validation.listening_socket): a client connecting then is
     not refused, so it waits for the timeout, however few its retries."""
-    from liger_patch_kd.teacher.serve.validation import listening_socket
+    from liger_patch_kd.server.validation import listening_socket
 
     with listening_socket("127.0.0.1", 0) as loading:  # listening, never answering: the teacher still loading
         url = f"http://127.0.0.1:{loading.getsockname()[1]}"
@@ -451,9 +452,9 @@ def test_auto_protocol_speaks_binary_to_liger_kd_serve(tmp_path, server, caplog,
     """kd_teacher_protocol's default, "auto": the real server's /v1/models says owned_by liger-kd, so the batches'
     top-k come as binary replies (not vLLM's JSON), the choice logged once."""
     assert KDTrainingArguments(output_dir=str(tmp_path)).kd_teacher_protocol == "auto"
-    decoded, original = [], TD.protocols.decode_binary
-    monkeypatch.setattr(TD.protocols, "decode_binary", lambda *a, **k: decoded.append(1) or original(*a, **k))
-    with caplog.at_level("INFO", logger="liger_patch_kd.teacher.serve.client"):
+    decoded, original = [], protocols.decode_binary
+    monkeypatch.setattr(protocols, "decode_binary", lambda *a, **k: decoded.append(1) or original(*a, **k))
+    with caplog.at_level("INFO", logger="liger_patch_kd.teacher.client.client"):
         losses, _, trainer = _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=server.url,
                                     kd_teacher_top_k=TOP_K, max_steps=2)  # fmt: skip
     assert trainer.teacher_source.prefetcher.client.protocol == "liger" and decoded
@@ -508,7 +509,7 @@ def test_auto_protocol_speaks_json_to_a_server_that_is_not_ours(tmp_path, caplog
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     try:
         _FakeVLLM.accepts = []
-        with caplog.at_level("INFO", logger="liger_patch_kd.teacher.serve.client"):
+        with caplog.at_level("INFO", logger="liger_patch_kd.teacher.client.client"):
             losses, _, trainer = _train(tmp_path, [{"input_ids": r} for r in _rows(8)], kd_teacher_url=url,
                                         kd_teacher_top_k=TOP_K, max_steps=2)  # fmt: skip
         assert trainer.teacher_source.prefetcher.client.protocol == "vllm"
@@ -522,7 +523,7 @@ def test_auto_protocol_speaks_json_to_a_server_that_is_not_ours(tmp_path, caplog
         _FakeVLLM.accepts = []
         explicit = TD.TeacherClient(url, "liger", top_k=TOP_K, vocab_size=VOCAB)
         explicit.fetch([[1, 2, 3]])
-        assert explicit.protocol == "liger" and _FakeVLLM.accepts == [TD.protocols.BINARY_MEDIA_TYPE]
+        assert explicit.protocol == "liger" and _FakeVLLM.accepts == [protocols.BINARY_MEDIA_TYPE]
         sampled = TD.TeacherClient(url, top_k=0, vocab_size=VOCAB, samples=4)
         with pytest.raises(TD.TeacherServerError, match=rf"served by `liger-kd serve` only, and {url}/v1/models "
                                                         rf"says owned_by 'vllm'"):  # fmt: skip

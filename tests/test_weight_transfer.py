@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from liger_patch_kd.teacher.serve import TeacherServerError  # noqa: E402
-from liger_patch_kd.teacher.serve.transport import HttpEndpoint  # noqa: E402
+from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
+from liger_patch_kd.teacher.client.transport import HttpEndpoint  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments  # noqa: E402
 from liger_patch_kd.trainer.rollouts.weight_sender import BroadcastSender  # noqa: E402
 
@@ -218,9 +218,9 @@ def test_a_refused_init_leaves_no_thread_waiting_for_the_engine():
 def test_a_broadcast_that_breaks_midway_changes_no_weight_and_says_where():
     """The trainer dies after the first tensor: one clean refusal naming the tensor, the group closed, the engine's
     weights as they were (nothing half-applied), and a later update asks for a new init."""
-    from liger_patch_kd.teacher.serve.generation import GenerationEngine
-    from liger_patch_kd.teacher.serve.validation import RequestError
-    from liger_patch_kd.teacher.serve.weight_receiver import WeightReceiver
+    from liger_patch_kd.server.generation import GenerationEngine
+    from liger_patch_kd.server.validation import RequestError
+    from liger_patch_kd.server.weight_receiver import WeightReceiver
 
     model = tiny_model("llama", dtype=torch.float32, seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}

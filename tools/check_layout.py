@@ -1,7 +1,8 @@
 """Check the house rules a tool checks well: no import cycle between files (inside one package too, and between the
-benchmarks), imports only point down the layers, no private name imported across modules, and prose (docstrings,
-comments, docs) that tells no history, names nothing that does not exist and quotes no measured figure in the
-package. How large a module or a folder grows is a review question (one job per module), not a number.
+benchmarks), imports only point down the layers, rooms kept APART never import each other, no private name imported
+across modules, and prose (docstrings, comments, docs) that tells no history, names nothing that does not exist and
+quotes no measured figure in the package. How large a module or a folder grows is a review question (one job per
+module), not a number.
 
     python tools/check_layout.py          # prints every violation, exits 1 if there is one
 
@@ -9,7 +10,7 @@ Imports are read from the source (ast), at module level and inside functions ali
 function body is still a cycle of the design. Cycles are counted between files, as a reader follows them: a name
 imported from a package is an edge to the file its `__init__` re-exports it from, and an import under `if
 TYPE_CHECKING:` is an edge too (a type is a dependency of the design, even if it never runs). The layer rules skip
-`TYPE_CHECKING` blocks.
+`TYPE_CHECKING` blocks; the APART rule does not (a type of the other end is the other end).
 """
 
 from __future__ import annotations
@@ -32,18 +33,25 @@ BENCHMARK_PREFIXES = ("bench_", "probe_", "profile_")  # a runnable benchmark's 
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "config", "conventions"),
     ("reference", "ops"),
+    ("wire",),  # the formats a teacher server and its clients speak: pure, so both ends import them
     ("losses",),
     ("align",),
     ("distributed",),  # imports nothing above torch; models and the trainer read lm_head weights through it
     ("models",),
     ("generation",),  # in-process decoding (the KV cache, the captured step): knows models, not the Trainer
     ("teacher",),
-    ("trainer",),
+    ("trainer", "server"),  # the server application (`liger-kd serve`: teachers, rollouts) and the trainer, its client
     ("demo",),
     ("cli_checks",),
     ("train_cli",),  # `liger-kd train`: the Trainer from a command line
     ("cli", "__init__"),
 ]
+
+# Rooms (dotted paths below the package) that never import each other, in either direction, whatever their layers:
+# a teacher server and its clients meet only in wire/, the formats both speak, so the trainer's side never loads the
+# server application and the server never the client (the trainer, the rollout engine's client, shares the
+# server's layer, which already keeps the two apart).
+APART: list[tuple[str, str]] = [("teacher.client", "server")]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -56,6 +64,20 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 def room(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def within(module: str, room_path: str, package: str = PACKAGE) -> bool:
+    """Whether `module` is the room `room_path` ("teacher.client") of `package` or inside it."""
+    prefix = f"{package}.{room_path}"
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def apart_problem(module: str, target: str, package: str = PACKAGE) -> str | None:
+    for one, other in APART:
+        for a, b in ((one, other), (other, one)):
+            if within(module, a, package) and within(target, b, package):
+                return f"imports {target}: {a} and {b} never import each other (they meet in wire/)"
+    return None
 
 
 def layer_of(module: str) -> int:
@@ -205,6 +227,8 @@ def check(
         module = module_name(path, root)
         rel = path.relative_to(root)
         for line, target, names, typing_only in imports(path, modules, root, (package,)):
+            if target in modules and (problem := apart_problem(module, target, package)):
+                problems.append(f"{rel}:{line}: {problem}")
             if target not in modules or typing_only:
                 continue
             if target.startswith(module + ".") and path.name == "__init__.py":

@@ -63,7 +63,7 @@ def start_engine(config_dir: str, device: str, dtype: str) -> tuple[subprocess.P
            "--device", device, "--dtype", dtype, "--port", str(port), "--top-k", "8"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    from liger_patch_kd.teacher.serve import TeacherClient
+    from liger_patch_kd.teacher.client import TeacherClient
 
     TeacherClient(url, top_k=8, vocab_size=8, timeout=600, retries=30).wait_until_ready()  # refused until it binds
     return proc, url

@@ -9,7 +9,7 @@ The student of bench_onpolicy (Llama-3.2-1B-shaped, random weights, bf16, sdpa),
 `--calls` times with a parameter update between calls (what an optimizer step does to a compiled graph) and
 reports the last call's tokens/s, the first call's seconds (compilation) and how many frames torch.compile
 compiled over all calls: a count that grows with the calls means recompilation per call. The cache "engine" times
-`liger-kd serve`'s own sampler instead (teacher/serve/generation.py: GenerationEngine.complete on the same model,
+`liger-kd serve`'s own sampler instead (server/generation.py: GenerationEngine.complete on the same model,
 in eval mode, as the server holds it; no HTTP), what the engine rows of bench_engine wait for.
 
 `--profile N` adds, per cell, a call of N new tokens under torch.profiler: ms per decode step, the GPU's busy share
@@ -51,7 +51,7 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
     )
     prompts = random_prompts(rows, a.prompt, vocab, seed=rows)
     if cache == "engine":
-        from liger_patch_kd.teacher.serve.generation import GenerationEngine, GenerationRequest
+        from liger_patch_kd.server.generation import GenerationEngine, GenerationRequest
 
         engine = GenerationEngine(student, "student")
         request = GenerationRequest(prompts=prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=a.completion,

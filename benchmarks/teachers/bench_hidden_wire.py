@@ -21,7 +21,7 @@ import torch
 
 from liger_patch_kd.demo.same_tokenizer import demo_data, train_teacher
 from liger_patch_kd.demo.toys import DemoSizes
-from liger_patch_kd.teacher.serve.hidden_wire import FP8_DTYPE, decode_hidden, encode_hidden
+from liger_patch_kd.wire.hidden_wire import FP8_DTYPE, decode_hidden, encode_hidden
 
 from ..common import environment, print_table, write_json
 

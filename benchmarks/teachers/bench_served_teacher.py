@@ -44,9 +44,9 @@ from liger_patch_kd.teacher import (
     TeacherPrefetcher,
     TeacherServerError,
 )
-from liger_patch_kd.teacher.serve.hidden_client import HiddenClient
-from liger_patch_kd.teacher.serve.protocols import PROTOCOLS
+from liger_patch_kd.teacher.client.hidden_client import HiddenClient
 from liger_patch_kd.trainer.teachers.served_hidden import HEAD_KEY, HIDDEN_KEY, HiddenPrefetcher
+from liger_patch_kd.wire.protocols import PROTOCOLS
 
 from ..common import environment, print_table, write_json
 from ..common.offline import random_sequences, store_row, topk_signal, train_rows

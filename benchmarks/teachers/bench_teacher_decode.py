@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from liger_patch_kd.teacher.serve import protocols as P
-from liger_patch_kd.teacher.serve.server import vllm_prompt_logprobs
+from liger_patch_kd.server.app import vllm_prompt_logprobs
+from liger_patch_kd.wire import protocols as P
 
 from ..common import environment, print_table, write_json
 

@@ -1,8 +1,12 @@
 """Teacher signals as data, in three rooms: the store (store/: format, writer, reader, packed encoding,
-collator), other tools' formats and the converter table (formats/), a teacher behind a server (serve/: wire
-formats, client, prefetcher; the server itself is teacher.serve.server, FastAPI imported lazily); and
-precompute.py, which fills a store from a teacher model. `__all__` is what users call."""
+collator), other tools' formats and the converter table (formats/), a teacher behind a server from the trainer's
+side (client/: the clients and the prefetcher; the formats they read are liger_patch_kd/wire/, the server itself is
+liger_patch_kd/server/); and precompute.py, which fills a store from a teacher model. `__all__` is what users
+call."""
 
+from ..wire import TeacherReplyError
+from ..wire.sampled_tokens import SampledTokens
+from .client import TeacherClient, TeacherPrefetcher, TeacherServerError, TeacherTimeoutError
 from .formats import (
     CONVERTERS,
     axolotl_to_store,
@@ -18,14 +22,7 @@ from .formats import (
 from .joined import JoinedTeacherData
 from .precompute import precompute, teacher_topk
 from .routed import RoutedTeacherData
-from .sampling import SampledTokens, sample_teacher_tokens
-from .serve import (
-    TeacherClient,
-    TeacherPrefetcher,
-    TeacherReplyError,
-    TeacherServerError,
-    TeacherTimeoutError,
-)
+from .sampling import sample_teacher_tokens
 from .store import (
     MANIFEST,
     StoreWriter,

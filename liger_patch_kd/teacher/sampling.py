@@ -8,21 +8,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-
-class SampledTokens(NamedTuple):
-    """(rows, m) each: distinct drawn ids (-1 on padding), their counts (0 on padding, summing to m per row, or
-    to 0 for a hybrid row whose top-k holds all the mass), the log-probs of the ids; the hybrid's (rows, k) top-k
-    ids and log-probs, or None."""
-
-    ids: torch.Tensor
-    counts: torch.Tensor
-    logprobs: torch.Tensor
-    topk_ids: torch.Tensor | None = None
-    topk_logprobs: torch.Tensor | None = None
+from ..wire.sampled_tokens import SampledTokens
 
 
 def sample_teacher_tokens(

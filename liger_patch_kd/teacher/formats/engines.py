@@ -1,5 +1,5 @@
 """Inference engines' dumped log-probs (vLLM, SGLang) converted into a store. The per-position parsing is
-serve/protocols.py's, shared with the client that asks live servers."""
+wire/protocols.py's, shared with the client that asks live servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..serve.protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
+from ...wire.protocols import TeacherReplyError, rows_from_entries, sglang_entry, vllm_entry
 from ..store import StoreWriter, TeacherStoreError
 from ..store.ids import token_ids
 from .common import converting

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...wire.sampled_tokens import MAX_SAMPLES
 from .compact import PackedCodec
 from .ids import token_ids
 
 SAMPLED_FORMAT_VERSION = 3
-MAX_SAMPLES = 255  # counts are one byte
 
 
 def samples_of(meta: dict) -> int:

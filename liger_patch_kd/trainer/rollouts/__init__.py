@@ -8,7 +8,7 @@
   micro-batches; asynchronous.py requests the next steps' rollouts ahead on a worker thread.
 - engine.py: rollouts from an inference engine speaking vLLM's /v1/completions; weight_sync.py pushes the student's
   weights (or adapter) to it every kd_sync_steps; weight_sender.py is the trainer's end of the broadcast weight
-  transfer (the server's end is teacher/serve/weight_receiver.py).
+  transfer (the server's end is server/weight_receiver.py).
 - retokenized.py: generated rows re-tokenized for a teacher of another tokenizer.
 
 Nothing here reads KDTrainingArguments' class: functions take the values (or an `args` object) they need.

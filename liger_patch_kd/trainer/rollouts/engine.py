@@ -27,9 +27,9 @@ from torch import nn
 from transformers.utils import logging
 
 from ...models import unwrap_model
-from ...teacher.serve.client import API_KEY_ENV
-from ...teacher.serve.protocols import TeacherReplyError
-from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
+from ...teacher.client.transport import HttpEndpoint, TeacherServerError
+from ...wire.conventions import API_KEY_ENV
+from ...wire.protocols import TeacherReplyError
 from ..arguments import checks_arguments
 from .generate import Rollout, RolloutSettings, call_seed, generate_rollouts
 from .weight_sender import TRANSPORTS, BroadcastSender

@@ -1,6 +1,6 @@
 """Full weights to the rollout engine by broadcast: the trainer's side of vLLM's weight-transfer protocol.
 
-Control plane (vLLM's RLHF HTTP routes, which `liger-kd serve` answers too; teacher/serve/weight_receiver.py):
+Control plane (vLLM's RLHF HTTP routes, which `liger-kd serve` answers too; server/weight_receiver.py):
 once, POST /init_weight_transfer_engine with the rendezvous (this trainer is rank 0 and hosts the TCPStore); per
 sync, /start_weight_update, /update_weights with every tensor's name, dtype and shape (sent while this side
 broadcasts them, in that order: the server's call returns when it has them all), /finish_weight_update with the
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
-from ...teacher.serve.weight_receiver import JOINED_KEY
+from ...teacher.client.transport import HttpEndpoint, TeacherServerError
+from ...wire.conventions import JOINED_KEY
 from .weight_sync import unique_tensors, weights_id_in
 
 TRANSPORTS = ("disk", "broadcast", "vllm-nccl")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ...teacher.serve.transport import HttpEndpoint, TeacherServerError
+from ...teacher.client.transport import HttpEndpoint, TeacherServerError
 
 logger = logging.get_logger(__name__)
 

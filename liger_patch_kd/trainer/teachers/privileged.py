@@ -10,7 +10,7 @@ right-padded (with the teacher's top-k or sampled tokens when the rows carry the
 offline); or, with `packing=True`, every row of the batch in one packed row per side (position_ids /
 teacher_position_ids restarting at each sequence, no attention masks). The KD forward pairs completion token t of
 the student with completion token t of the teacher (models/privileged.py). A served teacher is asked about the
-batch's teacher_input_ids (teacher/serve/prefetch.py), its replies laid along them as a store's would be.
+batch's teacher_input_ids (teacher/client/prefetch.py), its replies laid along them as a store's would be.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Trainer's glue to a served teacher: its kd_teacher_* arguments checked, and its training and evaluation
-DataLoaders wrapped with a TeacherPrefetcher (teacher/serve/) asking the server about each batch."""
+DataLoaders wrapped with a TeacherPrefetcher (teacher/client/) asking the server about each batch."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Any
 from transformers.utils import logging
 
 from ...conventions import require_sampled_objective
-from ...teacher.serve import PROTOCOLS, TeacherClient, TeacherPrefetcher
-from ...teacher.serve.client import AUTO_PROTOCOL
-from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
-from ...teacher.serve.prefetch import TEACHER_KEYS
-from ...teacher.store.samples import MAX_SAMPLES
+from ...teacher.client import TeacherClient, TeacherPrefetcher
+from ...teacher.client.client import AUTO_PROTOCOL
+from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
+from ...teacher.client.prefetch import TEACHER_KEYS
+from ...wire import PROTOCOLS
+from ...wire.sampled_tokens import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
 from .stored import StoredTeacher
 

@@ -2,7 +2,7 @@
 
 `liger-kd serve` sends the teacher's final hidden states of each batch's sequences (asked a step ahead by the
 served top-k path's prefetcher: retries, a dropped server waited for, no batch skipped) and, once per weight
-version, its head (teacher/serve/hidden_client.py). The loss then reads them as it reads an in-process teacher's
+version, its head (teacher/client/hidden_client.py). The loss then reads them as it reads an in-process teacher's
 (the patched forward's `teacher_hidden_states=` / `teacher_weight=` / `teacher_bias=`, the head's soft-cap as
 `teacher_softcap`; or models/materialised.py's TeacherInputs): the student trains on the in-process objective,
 every kd_beta / kd_temperature / kd_hard_weight, padded heads (kd_vocab_size, or len(tokenizer) when both heads
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from ...config import KDLossConfig
-from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
-from ...teacher.serve.hidden_wire import WIRE_DTYPES, TeacherHead
-from ...teacher.serve.prefetch import Segments, TeacherPrefetcher, keys_of
+from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
+from ...teacher.client.prefetch import Segments, TeacherPrefetcher, keys_of
+from ...wire.hidden_wire import WIRE_DTYPES, TeacherHead
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .other_tokenizer import padded_vocab_size

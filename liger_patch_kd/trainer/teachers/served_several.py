@@ -2,7 +2,7 @@
 
 Each sequence of a batch is asked of its own row's teacher (the `teacher` column, collated into the one-hot
 `teacher_mixture`), all servers in flight at once, `depth` batches ahead like one served teacher
-(teacher/serve/prefetch.py); the batch then carries each row's own teacher's top-k, and trains as offline data
+(teacher/client/prefetch.py); the batch then carries each row's own teacher's top-k, and trains as offline data
 does (its `teacher_mixture` kept for the per-teacher figures of logging steps). A row weighted over several
 served teachers is refused: a mixture needs every teacher's full distribution, and the top-k of each (with
 unknown tails) does not give it.
@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from ...config import KDLossConfig
-from ...teacher.serve import PROTOCOLS, TeacherPrefetcher
-from ...teacher.serve.client import AUTO_PROTOCOL
-from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
-from ...teacher.serve.hidden_wire import TeacherHead
-from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
+from ...teacher.client import TeacherPrefetcher
+from ...teacher.client.client import AUTO_PROTOCOL
+from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
+from ...teacher.client.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
+from ...wire import PROTOCOLS
+from ...wire.hidden_wire import TeacherHead
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher

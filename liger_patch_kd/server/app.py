@@ -10,7 +10,7 @@ Replies as vLLM does: choices[i].prompt_logprobs is a list over prompt positions
 With `Accept: application/octet-stream` the reply is protocols.encode_binary's arrays instead (already row-aligned
 top K), far cheaper to decode; a binary request with `samples` gets sampled teacher tokens instead (m draws per
 position at sample_temperature, seeded by sample_seed and each prompt's ids, optionally after the exact top-K: the
-hybrid; sampled_wire.py). Prompts must be token ids. A /v1/completions body without prompt_logprobs asks
+hybrid; wire/sampled_wire.py). Prompts must be token ids. A /v1/completions body without prompt_logprobs asks
 for sampled completions instead, and the server also takes vLLM's LoRA adapter and a full-weight update routes: the
 model as a rollout engine (generation.py).
 
@@ -40,14 +40,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..precompute import teacher_samples, teacher_topk_and_next
-from ..sampling import SampledTokens, sequence_generator
-from .client import API_KEY_ENV
+from ..teacher.precompute import teacher_samples, teacher_topk_and_next
+from ..teacher.sampling import sequence_generator
+from ..wire.conventions import API_KEY_ENV
+from ..wire.protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
+from ..wire.sampled_tokens import SampledTokens
+from ..wire.sampled_wire import SampleAsk, encode_sampled
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .hidden_server import add_hidden_routes
-from .protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from .request_fields import check_fields
-from .sampled_wire import SampleAsk, encode_sampled, validated_samples
 from .validation import (
     Limits,
     RequestError,
@@ -58,6 +59,7 @@ from .validation import (
     parse_body,
     read_body,
     validated_completion,
+    validated_samples,
 )
 
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
@@ -70,7 +72,7 @@ log = logging.getLogger("liger_patch_kd.serve")
 class _Pending:
     sequence: list[int]
     future: asyncio.Future
-    ask: SampleAsk | None = None  # sampled teacher tokens instead of the top-k (sampled_wire.py)
+    ask: SampleAsk | None = None  # sampled teacher tokens instead of the top-k (wire/sampled_wire.py)
     adapter: str | None = None  # the LoRA adapter its request's `model` names (None: the base model)
 
 
@@ -300,7 +302,7 @@ def build_app(
         except RequestError as e:
             return error(e.status, e.message)
         try:
-            if ask is not None:  # sampled teacher tokens (sampled_wire.py), binary only
+            if ask is not None:  # sampled teacher tokens (wire/sampled_wire.py), binary only
                 drawn = await batcher.draw(sequences, ask, adapter)
                 return Response(encode_sampled(drawn, sequences, ask), media_type=BINARY_MEDIA_TYPE)
             scored = await batcher.score(sequences, k, adapter)
@@ -351,7 +353,7 @@ def serve(
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ...models import check_teacher_precision
+        from ..models import check_teacher_precision
 
         check_teacher_precision(precision, "serve: precision")
         api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -373,11 +375,11 @@ def serve(
             model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype, **extra)
         model = model.to(device).eval().requires_grad_(False)
         if torch.device(device).type == "cuda":
-            from ...models import patch_teacher_kernels
+            from ..models import patch_teacher_kernels
 
             patch_teacher_kernels(model, None)
         if precision != "bf16":
-            from ...models import apply_teacher_precision
+            from ..models import apply_teacher_precision
 
             summary = apply_teacher_precision(model, precision)
             print(f"liger-kd serve: FP8 teacher ({precision}), {len(summary.quantized)} products quantised, lm_head "

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...conventions import LOGPROB_PLACEHOLDER
+from ..conventions import LOGPROB_PLACEHOLDER
 
 TopK = tuple[torch.Tensor, torch.Tensor]
 BINARY_MEDIA_TYPE = "application/octet-stream"

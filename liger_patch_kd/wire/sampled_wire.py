@@ -1,5 +1,6 @@
 """Sampled teacher tokens over the liger protocol (teacher/sampling.py draws them): the request fields,
-their checks on the server, and the binary reply both ends read. Pure functions, no I/O.
+the client's check of them, and the binary reply both ends read (the server checks a request's fields in
+server/validation.py). Pure functions, no I/O.
 
 A /v1/completions scoring body (protocols.vllm_request) asks for draws with
     "samples": m (1 .. 255 draws per position), "sample_seed": s (int >= 0, default 0),
@@ -16,7 +17,6 @@ temperature=T)` writes for it. The reply (Accept: application/octet-stream only)
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from ..sampling import SampledTokens
-from ..store.samples import MAX_SAMPLES
+from .conventions import is_int, is_number
 from .protocols import MASS_TOLERANCE_NATS, TeacherReplyError, check_distribution, check_topk
-from .validation import Limits, RequestError, is_int, is_number
+from .sampled_tokens import MAX_SAMPLES, SampledTokens
 
 _MAGIC = b"LKD3"
 _HEADER = struct.Struct("<4sIIId")  # magic, sequences, K, m, temperature
@@ -56,35 +55,6 @@ def checked_ask(samples: Any, top_k: int, seed: Any, temperature: Any) -> Sample
     if not is_number(temperature) or temperature <= 0:
         raise ValueError(f"sample_temperature must be a number > 0; got {temperature!r}")
     return SampleAsk(samples, top_k, seed, float(temperature))
-
-
-def validated_samples(body: dict, limits: Limits, top_k: int, binary: bool) -> SampleAsk | None:
-    """The body's sample fields -> SampleAsk (None when it asks for none), or RequestError(400) naming the field."""
-    if body.get("samples") is None:
-        extra = [f for f in ("sample_seed", "sample_temperature") if f in body]
-        if extra:
-            raise RequestError(400, f"{extra[0]} is given without samples; add samples (draws per position)")
-        return None
-    m, seed = body["samples"], body.get("sample_seed", 0)
-    t = body.get("sample_temperature", limits.sample_temperature)
-    checks = (
-        ("samples", m, is_int(m) and 1 <= m <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}] (draws per position)"),
-        ("sample_seed", seed, is_int(seed) and seed >= 0, "an int >= 0"),
-        ("sample_temperature", t, is_number(t) and t > 0, "a number > 0 (the temperature the draws come from)"),
-    )
-    for field, value, ok, want in checks:
-        if not ok:
-            raise RequestError(400, f"{field} must be {want}; got {json.dumps(value)[:40]}")
-    if top_k + m > limits.vocab_size:
-        raise RequestError(
-            400, f"samples {m} + prompt_logprobs {top_k} exceed the vocabulary ({limits.vocab_size}); ask fewer"
-        )
-    if not binary:
-        raise RequestError(
-            400, "samples: sampled teacher tokens come only in the liger binary reply; send `Accept: "
-                 "application/octet-stream` (TeacherClient protocol 'liger')"
-        )  # fmt: skip
-    return SampleAsk(m, top_k, seed, float(t))
 
 
 def encode_sampled(draws: Sequence[SampledTokens], sequences: Sequence[Sequence[int]], ask: SampleAsk) -> bytes:

@@ -1,4 +1,4 @@
-"""`liger-kd serve`'s exact-teacher routes (the wire format: hidden_wire.py):
+"""`liger-kd serve`'s exact-teacher routes (the wire format: wire/hidden_wire.py):
 
     POST /v1/hidden_states  {"prompt": [[ids], ...], "dtype": "auto" | "bf16" | "fp32" | "fp8"}: the teacher's final
                             hidden states, binary, each reply naming the weights it was computed with
@@ -30,10 +30,10 @@ import threading
 
 import torch
 
-from ...models import scaled_head_inputs
-from ...models.kd_forward import install_kd_forward
-from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
-from .protocols import BINARY_MEDIA_TYPE
+from ..models import scaled_head_inputs
+from ..models.kd_forward import install_kd_forward
+from ..wire.hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
+from ..wire.protocols import BINARY_MEDIA_TYPE
 from .validation import Limits, RequestError, check_prompts, nonfinite_output, parse_body, read_body, token_prompts
 
 log = logging.getLogger("liger_patch_kd.serve")
@@ -41,7 +41,7 @@ _FIELDS = ("prompt", "dtype", "model")
 
 
 def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invariant: bool):
-    """A `base` (server.TeacherBatcher, passed in: server.py registers these routes, so importing it here would be
+    """A `base` (app.TeacherBatcher, passed in: app.py registers these routes, so importing it here would be
     a cycle) whose forward returns, per sequence, (its final hidden states (T, H) on the CPU in the teacher's dtype,
     the weight version they were computed with)."""
 
@@ -134,7 +134,7 @@ def add_hidden_routes(
     app, model, engine, limits: Limits, error, *, batcher_type: type, max_batch_tokens: int, batch_invariant: bool
 ):
     """The two routes on the FastAPI `app` (`error(status, message)` builds a refusal; `batcher_type`: the top-k
-    routes' batcher, server.TeacherBatcher, whose queue and padding these share). A teacher whose architecture
+    routes' batcher, app.TeacherBatcher, whose queue and padding these share). A teacher whose architecture
     the KD forward does not know answers them 400, naming why; its other routes are unaffected."""
     from fastapi import Request
     from fastapi.responses import Response

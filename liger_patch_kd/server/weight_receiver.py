@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..wire.conventions import JOINED_KEY
 from .validation import RequestError
 from .weight_updates import tensor_specs
 
@@ -47,7 +48,6 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=20)
 JOIN_THREAD = "liger-kd serve store connect"
 MAX_STUCK_JOINS = 4  # joins still blocked in a connect that outlived its init (a peer that accepts, never answers)
 MAX_RANK = 65535  # this server's rank in the trainer's group (the trainer's ranks before it): past any real job
-JOINED_KEY = "joined"  # set by the server once it reached the trainer's store: the trainer then makes its group
 
 
 def _int_field(info: dict, name: str, low: int, high: int | None = None) -> int:

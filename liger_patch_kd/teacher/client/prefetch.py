@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ..sampling import SampledTokens
+from ...wire.protocols import TopK
+from ...wire.sampled_tokens import SampledTokens
 from .client import TeacherClient
-from .protocols import TopK
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
 STUDENT_KEYS = ("input_ids", "attention_mask")  # the ids the teacher is asked about, and their mask

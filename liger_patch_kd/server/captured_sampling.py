@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...generation import Sampling, decode, decode_applies, left_padded
+from ..generation import Sampling, decode, decode_applies, left_padded
 
 
 def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, list] | None:

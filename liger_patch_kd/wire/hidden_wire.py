@@ -22,10 +22,10 @@ H + 8 bytes a token. Replies, little-endian (the framing of the liger top-k repl
         (V x H) and the bias (V) in the teacher's dtype.
 
 Every hidden reply names the weights version it was computed with, so a client holding the head of another version
-fetches the head again before using the hidden states (hidden_client.py). `liger-kd serve` sends its weights_id as
-that version (generation.py: a random id per server start x 2**32 + its weight version), so a server restarted with
-other weights (at version 0 again) never matches a head cached from the one before; the client compares versions
-for equality only, so a plain version counter (an older server) is still read as before.
+fetches the head again before using the hidden states (teacher/client/hidden_client.py). `liger-kd serve` sends its
+weights_id as that version (server/generation.py: a random id per server start x 2**32 + its weight version), so a
+server restarted with other weights (at version 0 again) never matches a head cached from the one before; the
+client compares versions for equality only, so a plain version counter (an older server) is still read as before.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.fp8 import FP8_DTYPE, quantize_rows_torch
+from ..ops.fp8 import FP8_DTYPE, quantize_rows_torch
 from .protocols import TeacherReplyError
 
 HIDDEN_PATH, HEAD_PATH = "/v1/hidden_states", "/v1/head"

@@ -22,9 +22,10 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from . import protocols as P
-from .protocols import PROTOCOLS
-from .sampled_wire import checked_ask, decode_sampled
+from ...wire import protocols as P
+from ...wire.conventions import API_KEY_ENV
+from ...wire.protocols import PROTOCOLS
+from ...wire.sampled_wire import checked_ask, decode_sampled
 from .transport import (
     MAX_BACKOFF_S,
     HttpEndpoint,
@@ -37,7 +38,6 @@ from .transport import (
 )
 
 __all__ = [
-    "API_KEY_ENV",
     "AUTO_PROTOCOL",
     "PendingTopK",
     "TeacherClient",
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-API_KEY_ENV = "LIGER_KD_API_KEY"  # the server's --api-key, read by both ends when not given
 AUTO_PROTOCOL = "auto"  # the protocol the server offers that is best: asked of GET /v1/models (protocol_for)
 # /v1/models' owned_by -> the protocol of that server; any other speaks vLLM's /v1/completions (JSON)
 _OWNERS = {"liger-kd": "liger", "sglang": "sglang"}
@@ -87,7 +86,7 @@ class TeacherClient:
     Bearer <api_key>`.
 
     `samples` = m asks `liger-kd serve` (protocol "liger") for m sampled teacher tokens per position at
-    `sample_temperature`, seeded by `sample_seed` (sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
+    `sample_temperature`, seeded by `sample_seed` (wire/sampled_wire.py); `top_k` is then the hybrid's exact top-k (0:
     draws alone), and each sequence's reply is a sampling.SampledTokens (T rows) instead of a TopK.
     """
 

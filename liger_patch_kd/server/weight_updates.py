@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .validation import RequestError, is_int
+from ..wire.conventions import is_int
+from .validation import RequestError
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 

@@ -35,7 +35,7 @@ was (adapters.py). An adapter is used by a request whose `model` is its lora_nam
 served model's name or none; another name is a 404, as in vLLM, on every route (GenerationEngine.adapter_of). The
 model is used by one request at a time (a lock shared with the teacher scoring, which runs with the adapter its
 `model` names on, or with adapters off: GenerationEngine.using). A reply never carries a NaN or infinite log-prob:
-the model's output that holds one is a 500 naming it (validation.check_finite_output), not tokens drawn from NaN.
+the model's output that holds one is a 500 naming it (validation.nonfinite_output), not tokens drawn from NaN.
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ...generation import (
+from ..generation import (
     Sampling,
     decode_forward_options,
     filtered_scores,
@@ -60,10 +60,11 @@ from ...generation import (
     packed_decode_attention,
     prefill_mask,
 )
+from ..wire.conventions import is_int
 from .adapters import attach_adapter, read_adapter
 from .captured_sampling import captured_sample
 from .request_fields import check_fields
-from .validation import Limits, RequestError, check_prompts, check_sampling, is_int, nonfinite_output, token_prompts
+from .validation import Limits, RequestError, check_prompts, check_sampling, nonfinite_output, token_prompts
 from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -1,5 +1,5 @@
 """HiddenClient: the exact served teacher's client: final hidden states of token sequences from
-`liger-kd serve` (hidden_wire.py), each with the head of the weight version it was computed with.
+`liger-kd serve` (wire/hidden_wire.py), each with the head of the weight version it was computed with.
 
 The head is fetched once per weights version and cached: every hidden-state reply names its version (the server's
 weights_id: a restarted server, at weight version 0 again, sends another), and a reply of another version than the
@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import threading
 
+from ...wire.hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, decode_head, decode_hidden
+from ...wire.protocols import BINARY_MEDIA_TYPE
 from .client import TeacherClient, TeacherServerError
-from .hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, decode_head, decode_hidden
-from .protocols import BINARY_MEDIA_TYPE
 
-HIDDEN_PROTOCOL = "hidden"  # the trainer's kd_teacher_protocol for this client (the top-k ones: protocols.py)
+HIDDEN_PROTOCOL = "hidden"  # the trainer's kd_teacher_protocol for this client (the top-k ones: wire/protocols.py)
 VERSION_ATTEMPTS = 4  # requests for one chunk while the server's weights keep changing under it
 
 

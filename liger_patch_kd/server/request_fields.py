@@ -3,7 +3,7 @@
 vLLM honours many sampling fields (min_tokens, logit_bias, bad_words, guided decoding, ...). A field this server
 does not implement must not be answered 200 as if it were (the completions would silently not be what was asked):
 every field is one of
-  - SERVED: implemented (and checked by validation.py / generation.py / sampled_wire.py);
+  - SERVED: implemented (and checked by validation.py / generation.py);
   - AT_DEFAULT: not implemented, taken only at the value that means "off" (null always), as clients send them;
   - HARMLESS: no bearing on the token ids or log-probs this server returns (it has no tokenizer and sends no text);
 and anything else is a 400 naming the field. A scoring request (with prompt_logprobs) generates nothing the client
@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .validation import RequestError, is_number
+from ..wire.conventions import is_number
+from .validation import RequestError
 
 SERVED = frozenset({
     "prompt", "model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids",

@@ -9,7 +9,7 @@ nothing, so there they are otherwise ignored: `temperature` (any number >= 0, as
 completion token, and prompt_logprobs are always reported at temperature 1, as vLLM reports them by default. A
 generation request (without prompt_logprobs) is checked further by generation.validated_generation. A scoring
 request may ask for sampled teacher tokens instead (samples, sample_seed, sample_temperature; prompt_logprobs 0
-allowed then): checked by sampled_wire.validated_samples.
+allowed then): checked by validated_samples (the fields of wire/sampled_wire.py).
 
 Beside the requests: the server's own options (check_serve_options, is_loopback, listening_socket), and what it
 refuses to send: an output of the served model that holds NaN or infinite values is a NonFiniteOutput, a 500 naming
@@ -24,6 +24,10 @@ import math
 import socket
 from dataclasses import dataclass
 from typing import Any
+
+from ..wire.conventions import is_int, is_number
+from ..wire.sampled_tokens import MAX_SAMPLES
+from ..wire.sampled_wire import SampleAsk
 
 
 class NonFiniteOutput(RuntimeError):
@@ -190,16 +194,6 @@ def check_sampling(body: dict, skip: tuple[str, ...] = ()) -> None:
             raise RequestError(400, f"{field} must be {want}; got {json.dumps(body[field])[:40]}")
 
 
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def is_number(x: Any) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    return isinstance(x, int) or math.isfinite(x)  # an int of any size is finite (and may not fit a float)
-
-
 def check_serve_options(
     top_k: int, vocab: int | None, max_batch_tokens: int, max_request_tokens: int, sample_temperature: float = 1.0
 ) -> None:
@@ -243,3 +237,32 @@ def listening_socket(host: str, port: int) -> socket.socket:
             f"pass a free --port, or stop what listens on {port} (`ss -ltnp | grep :{port}` names it)"
         ) from None
     return sock
+
+
+def validated_samples(body: dict, limits: Limits, top_k: int, binary: bool) -> SampleAsk | None:
+    """The body's sample fields -> SampleAsk (None when it asks for none), or RequestError(400) naming the field."""
+    if body.get("samples") is None:
+        extra = [f for f in ("sample_seed", "sample_temperature") if f in body]
+        if extra:
+            raise RequestError(400, f"{extra[0]} is given without samples; add samples (draws per position)")
+        return None
+    m, seed = body["samples"], body.get("sample_seed", 0)
+    t = body.get("sample_temperature", limits.sample_temperature)
+    checks = (
+        ("samples", m, is_int(m) and 1 <= m <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}] (draws per position)"),
+        ("sample_seed", seed, is_int(seed) and seed >= 0, "an int >= 0"),
+        ("sample_temperature", t, is_number(t) and t > 0, "a number > 0 (the temperature the draws come from)"),
+    )
+    for field, value, ok, want in checks:
+        if not ok:
+            raise RequestError(400, f"{field} must be {want}; got {json.dumps(value)[:40]}")
+    if top_k + m > limits.vocab_size:
+        raise RequestError(
+            400, f"samples {m} + prompt_logprobs {top_k} exceed the vocabulary ({limits.vocab_size}); ask fewer"
+        )
+    if not binary:
+        raise RequestError(
+            400, "samples: sampled teacher tokens come only in the liger binary reply; send `Accept: "
+                 "application/octet-stream` (TeacherClient protocol 'liger')"
+        )  # fmt: skip
+    return SampleAsk(m, top_k, seed, float(t))
