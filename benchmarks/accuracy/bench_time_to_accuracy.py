@@ -27,6 +27,7 @@ import argparse
 import copy
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -241,23 +242,36 @@ def run(a, device: torch.device) -> dict:
     print(f"students: {params(students[a.seeds[0]]) / 1e6:.2f}M parameters, after {a.format_steps} format steps: "
           f"{ {s: round(v, 3) for s, v in base.items()} }", flush=True)  # fmt: skip
     every = max(1, a.steps // a.checkpoints)
+    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
+
+    def attempt(name: str, seed: int, **options) -> dict | None:
+        try:
+            return run_recipe(name, a, data, copy.deepcopy(students[seed]), trl_teacher if name in TRL_RECIPES
+                              else teacher, seed, device, **options)  # fmt: skip
+        except Exception as error:  # reported, not hidden: printed with its traceback and kept in the JSON
+            traceback.print_exc()
+            failed[name] = f"{type(error).__name__}: {error}"[:500]
+            return None
+
     if not a.smoke:  # compile the kernels and capture the graphs once, outside every timed run
         for name in names:
-            run_recipe(name, a, data, copy.deepcopy(students[a.seeds[0]]), trl_teacher if name in TRL_RECIPES
-                       else teacher, a.seeds[0], device, steps=3, cap=1e9, every=10**9, base_accuracy=0.0)  # fmt: skip
+            attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
         print(f"warm-up done ({time.perf_counter() - began:.0f} s)", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
         accuracy=teacher_accuracy, parameters=params(teacher), train_seconds=teacher_seconds), target=target,
-        student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs)  # fmt: skip
+        student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs, failed=failed)  # fmt: skip
     for seed in a.seeds:
         longest = 0.0
         for name in sorted(names, key=lambda n: n == SFT):  # SFT last: it runs as long as the longest
+            if name in failed:
+                continue
             sft = name == SFT
             steps = a.steps * (2 if a.smoke else 20) if sft else a.steps
             cap = (longest or a.cap_seconds) if sft else a.trl_cap_seconds if name in TRL_RECIPES else a.cap_seconds
-            run = run_recipe(name, a, data, copy.deepcopy(students[seed]), trl_teacher if name in TRL_RECIPES
-                             else teacher, seed, device, steps=steps, cap=cap, every=every, base_accuracy=base[seed])  # fmt: skip
+            run = attempt(name, seed, steps=steps, cap=cap, every=every, base_accuracy=base[seed])
+            if run is None:
+                continue
             if name not in TRL_RECIPES and not sft:
                 longest = max(longest, run["curve"][-1]["seconds"])
             runs[name].append(run)
