@@ -106,7 +106,8 @@ def trained_teacher(a, task_data, device):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval(), None
     teacher = ModelShape(*a.teacher_shape).build(len(tok), seed=0, device=device)
     fit = fit_on_ground_truth(teacher, prompts, completions, steps=a.teacher_steps, batch=a.teacher_batch,
-                              lr=a.teacher_lr, seed=0, device=device, log_every=max(1, a.teacher_steps // 5))  # fmt: skip
+                              lr=a.teacher_lr, seed=0, device=device,
+                              log_every=max(1, a.teacher_steps // 5))  # fmt: skip
     # its weights rounded to bf16, as it is saved (two shards under 16 MiB): a loaded teacher is this same one
     teacher.to(torch.bfloat16).to(torch.float32)
     if folder is not None:
@@ -260,7 +261,8 @@ def run(a, device: torch.device) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
         accuracy=teacher_accuracy, parameters=params(teacher), train_seconds=teacher_seconds), target=target,
-        student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs, failed=failed)  # fmt: skip
+        student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs,
+        failed=failed)  # fmt: skip
     for seed in a.seeds:
         longest = 0.0
         for name in sorted(names, key=lambda n: n == SFT):  # SFT last: it runs as long as the longest
@@ -286,14 +288,20 @@ def run(a, device: torch.device) -> dict:
     return payload
 
 
+def fig(pair: tuple[float | None, float | None], digits: int = 3) -> str | None:
+    """`mean ± std` (the mean alone for one seed), None for no value."""
+    mean, spread = pair
+    if mean is None:
+        return None
+    return f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if spread else "")
+
+
 def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: float, steps: int) -> dict:
     """The table (printed) and its figures: per recipe, and the two comparisons the benchmark is for."""
     reference = runs.get(SFT)
     recipes = {name: recipe_summary(r, target, reference if name != SFT else None) for name, r in runs.items() if r}
     rows = []
     for name, s in recipes.items():
-        fig = lambda pair, d=3: None if pair[0] is None else (  # noqa: E731
-            f"{pair[0]:.{d}f}" + (f" ± {pair[1]:.{d}f}" if pair[1] else ""))
         rows.append({"recipe": name, "steps": fig(s["final_step"], 0), "GPU-s": fig(s["train_seconds"], 1),
                      "ms/step": None if s["seconds_per_step"][0] is None else f"{1000 * s['seconds_per_step'][0]:.0f}",
                      "exact match": fig(s["final_accuracy"]), "SFT at same GPU-s": fig(

@@ -48,8 +48,10 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if self.operands < 2 or self.digits < 1 or self.held_out_every < 2:
-            raise ValueError(f"ArithmeticTask needs operands >= 2, digits >= 1 and held_out_every >= 2; got "
-                             f"operands={self.operands}, digits={self.digits}, held_out_every={self.held_out_every}")  # fmt: skip
+            raise ValueError(
+                f"ArithmeticTask needs operands >= 2, digits >= 1 and held_out_every >= 2; got operands="
+                f"{self.operands}, digits={self.digits}, held_out_every={self.held_out_every}"
+            )
 
     def draw(self, rng: random.Random) -> Problem:
         low, high = 10 ** (self.digits - 1), 10**self.digits - 1
@@ -101,8 +103,10 @@ def build_tokenizer(problems: list[Problem], vocab_size: int = 512):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
     core.train_from_iterator((p.prompt + p.completion for p in problems), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     if (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) != (PAD, BOS, EOS):
@@ -177,7 +181,8 @@ def fit_on_ground_truth(model, prompts, completions, *, steps: int, batch: int, 
         sched.step()
         opt.zero_grad(set_to_none=True)
         if log_every and (step + 1) % log_every == 0:
-            print(f"    step {step + 1}/{steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            seconds = time.perf_counter() - start
+            print(f"    step {step + 1}/{steps}: loss {loss.item():.4f} ({seconds:.0f} s)", flush=True)
     model.eval()
     return {"seconds": time.perf_counter() - start, "final_loss": float(loss.detach())}
 
