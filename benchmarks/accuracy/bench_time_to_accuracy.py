@@ -134,6 +134,7 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
     """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}."""
     from liger_patch_kd.demo.arithmetic import completion_batch, exact_match
     from liger_patch_kd.demo.toys import quiet
+    from liger_patch_kd.generation import release_sessions
 
     tok, held_out = data["tokenizer"], data["held_out"]
     clock = checkpoint_clock(lambda m: exact_match(m, tok, held_out, data["max_new_tokens"]), every, cap, device,
@@ -158,13 +159,18 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
                                    kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
         trainer = KDTrainer(model=student, teacher_model=teacher, args=args,
                             train_dataset=data["rows"], processing_class=tok, callbacks=[clock])  # fmt: skip
+    peak = extra = before = None
     if device.type == "cuda":
+        release_sessions()  # the decode engine's caches of earlier runs' students
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()  # both teachers and this student's weights
     began = time.perf_counter()
     quiet(trainer).train()
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    return dict(seed=seed, curve=clock.curve, peak_mib=peak, eval_seconds=clock.eval_seconds,
+    if before is not None:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        extra = peak - before / 2**20
+    return dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
                 wall_seconds=time.perf_counter() - began)  # fmt: skip
 
 
@@ -307,7 +313,8 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
                      "exact match": fig(s["final_accuracy"]), "SFT at same GPU-s": fig(
                          s.get("sft_accuracy_at_same_seconds", (None, None))),
                      "GPU-s to target": fig(s["seconds_to_target"], 1), "steps to target": fig(s["steps_to_target"], 0),
-                     "reached": s["reached_target"], "peak MiB": fig(s["peak_mib"], 0)})  # fmt: skip
+                     "reached": s["reached_target"], "peak MiB": fig(s["peak_mib"], 0),
+                     "MiB beyond weights": fig(s["extra_mib"], 0)})  # fmt: skip
     print(f"\nteacher exact match {teacher_accuracy:.3f}; target (90 % of it) {target:.3f}; mean ± std over seeds")
     print_table(rows, list(rows[0]) if rows else [])
     out = dict(recipes=recipes, table=rows)

@@ -122,6 +122,7 @@ def recipe_summary(runs: list[dict], target: float, reference: list[dict] | None
         steps_to_target=mean_std(reach_steps),
         reached_target=f"{len(reach_s)}/{len(runs)}",
         peak_mib=mean_std([r["peak_mib"] for r in runs if r.get("peak_mib") is not None]),
+        extra_mib=mean_std([r["extra_mib"] for r in runs if r.get("extra_mib") is not None]),
     )
     if reference is not None:
         by_seed = {r["seed"]: r for r in reference}
