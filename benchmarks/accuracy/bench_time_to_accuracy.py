@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
+    p.add_argument("--operands", type=int, default=3, help="numbers per problem (ArithmeticTask.operands)")
     p.add_argument("--train-problems", type=int, default=150_000)
     p.add_argument("--held-out", type=int, default=512)
     p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
@@ -200,7 +201,7 @@ def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
 def task_data(a) -> dict:
     from liger_patch_kd.demo.arithmetic import ArithmeticTask, build_tokenizer, prompt_rows, tokenized
 
-    task = ArithmeticTask()
+    task = ArithmeticTask(operands=a.operands)
     train = task.problems(a.train_problems, seed=0)
     held_out = task.problems(a.held_out, seed=1, held_out=True)
     tok = build_tokenizer(train[:20_000])
