@@ -3,7 +3,8 @@
 What some of them share is beside it, one module per family: train_step.py (the one-GPU step), offline.py (rows
 of teacher top-k from a server or a store), onpolicy.py (KDTrainer's generated steps, a row per process),
 losses.py (the loss benchmarks' inputs), multi_gpu.py (the per-step probe), fp8_teacher.py (a teacher trained on
-a corpus). A benchmark imports these, never another benchmark (tools/check_layout.py)."""
+a corpus), accuracy.py (scoring at checkpoints on a clock that stops while it scores). A benchmark imports these,
+never another benchmark (tools/check_layout.py)."""
 
 from __future__ import annotations
 

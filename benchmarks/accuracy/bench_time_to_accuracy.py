@@ -1,0 +1,357 @@
+"""A better student, sooner: the student's exact-match accuracy on a task with a right answer, against optimizer
+steps and GPU-seconds, for each distillation recipe, beside TRL's trainers on the same models, data and seeds.
+
+    python -m benchmarks.accuracy.bench_time_to_accuracy --out benchmarks/results/bench_time_to_accuracy.json
+    python -m benchmarks.accuracy.bench_time_to_accuracy --smoke            # CPU, tiny sizes, the pipeline only
+    python -m benchmarks.accuracy.plot_time_to_accuracy                     # the PNG from the JSON
+
+The task is liger_patch_kd.demo.arithmetic's (3 two-digit operands, worked steps, `#### N`); its BPE tokenizer is
+trained here. A teacher (Llama 8 x 320) is trained on the ground truth with a plain loop and scored greedily on
+the held-out problems; each seed's student (Llama 4 x 192, init = seed) gets a short fine-tune on the task's format
+(`--format-steps`), then every recipe continues from a copy of that student for `--steps` optimizer steps of
+`--batch` prompts (constant learning rate after a short warm-up, so a shorter run is a prefix of a longer one),
+or until its training seconds pass `--cap-seconds`. The ground-truth SFT row runs until its seconds reach the
+longest distillation row's of the same seed, so every recipe can be compared with it at equal GPU-seconds.
+
+Seconds are training seconds: the optimizer steps, the rollouts they generate and the teacher's forwards, with
+the GPU's queue drained at every step; scoring at checkpoints (greedy decode of every held-out prompt, every
+`--steps // --checkpoints` steps) is timed apart. A warm-up run of each recipe first compiles the kernels.
+The target is 90 % of the teacher's accuracy. Our recipes are KDTrainingArguments (RECIPES); TRL's GKDTrainer and
+DistillationTrainer (trl >= 1.16) run the on-policy objective of our GKD row (lmbda 1, beta 0.5, temperature 1),
+capped at `--trl-cap-seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+import traceback
+
+import torch
+
+from ..common import environment, print_table, write_json
+from ..common.accuracy import accuracy_at, checkpoint_clock, gkd_columns, mean_std, recipe_summary, time_to
+
+SFT = "SFT on ground truth"
+OURS_GKD = "on-policy GKD (lmbda 1, beta 0.5)"
+RECIPES = {  # name -> KDTrainingArguments overrides (on top of use_kd_patch=True and the shared options)
+    SFT: dict(),  # no teacher: cross-entropy on the dataset's completions (the Trainer's own loss)
+    "SFT on teacher samples (seq KD)": dict(kd_seq_kd=True, kd_soft_weight=0.0, kd_hard_weight=1.0),
+    "off-policy KD, forward KL (beta 0)": dict(kd_beta=0.0),
+    "off-policy KD, JSD (beta 0.5)": dict(kd_beta=0.5),
+    OURS_GKD: dict(kd_lmbda=1.0, kd_beta=0.5),
+    "GKD mix (lmbda 0.5, warm-up 25 %)": dict(kd_lmbda=0.5, kd_beta=0.5, kd_onpolicy_warmup_steps=0.25),
+    "on-policy reverse KL (pg)": dict(kd_lmbda=1.0, kd_onpolicy_loss="pg", learning_rate=3e-4),
+}
+TRL_GKD, TRL_DISTILL = "TRL GKDTrainer (lmbda 1, beta 0.5)", "TRL DistillationTrainer (beta 0.5)"
+TRL_RECIPES = (TRL_GKD, TRL_DISTILL)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench_time_to_accuracy.json")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the pipeline")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
+    p.add_argument("--operands", type=int, default=3, help="numbers per problem (ArithmeticTask.operands)")
+    p.add_argument("--train-problems", type=int, default=150_000)
+    p.add_argument("--held-out", type=int, default=512)
+    p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
+    p.add_argument("--student-shape", type=int, nargs=2, default=[192, 4], metavar=("HIDDEN", "LAYERS"))
+    p.add_argument("--teacher-steps", type=int, default=3000)
+    p.add_argument("--teacher-batch", type=int, default=256)
+    p.add_argument("--teacher-lr", type=float, default=1e-3)
+    p.add_argument("--format-steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--checkpoints", type=int, default=5)
+    p.add_argument("--cap-seconds", type=float, default=40.0)
+    p.add_argument("--trl-cap-seconds", type=float, default=15.0)
+    p.add_argument("--teacher-dir", default=None, help="load the teacher from here if it holds one, else save it")
+    return p
+
+
+SMOKE = dict(train_problems=2000, held_out=24, teacher_shape=[64, 2], student_shape=[32, 2], teacher_steps=30,
+             teacher_batch=16, format_steps=10, steps=4, batch=8, checkpoints=2, cap_seconds=60.0,
+             trl_cap_seconds=60.0)  # fmt: skip
+
+
+def selected(names: list[str] | None) -> list[str]:
+    everything = [*RECIPES, *TRL_RECIPES]
+    if not names:
+        return everything
+    chosen = []
+    for name in names:
+        hits = [r for r in everything if r == name or r.startswith(name)]
+        if len(hits) != 1:
+            raise SystemExit(f"--recipes: {name!r} matches {hits or 'nothing'}; recipes are {everything}")
+        chosen.append(hits[0])
+    return chosen
+
+
+def trained_teacher(a, task_data, device):
+    """The teacher: loaded from --teacher-dir when it holds one, else trained (and saved there when given)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from liger_patch_kd.demo.arithmetic import ModelShape, fit_on_ground_truth
+
+    tok, prompts, completions = task_data["tokenizer"], task_data["prompts"], task_data["completions"]
+    folder = Path(a.teacher_dir) if a.teacher_dir else None
+    if folder is not None and (folder / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval(), None
+    teacher = ModelShape(*a.teacher_shape).build(len(tok), seed=0, device=device)
+    fit = fit_on_ground_truth(teacher, prompts, completions, steps=a.teacher_steps, batch=a.teacher_batch,
+                              lr=a.teacher_lr, seed=0, device=device,
+                              log_every=max(1, a.teacher_steps // 5))  # fmt: skip
+    # its weights rounded to bf16, as it is saved (two shards under 16 MiB): a loaded teacher is this same one
+    teacher.to(torch.bfloat16).to(torch.float32)
+    if folder is not None:
+        teacher.to(torch.bfloat16).save_pretrained(folder, max_shard_size="12MB")
+        teacher.to(torch.float32)
+    return teacher, fit["seconds"]
+
+
+def shared_args(a, device, seed: int, steps: int, overrides: dict) -> dict:
+    """The options every recipe (ours and TRL's) trains with."""
+    options = dict(
+        output_dir=tempfile.mkdtemp(prefix="tta_"), max_steps=steps, per_device_train_batch_size=a.batch,
+        learning_rate=a.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=max(1, a.steps // 20),
+        weight_decay=0.0, logging_steps=steps, report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
+        use_cpu=device.type == "cpu", bf16=device.type == "cuda", dataloader_pin_memory=False,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    options.update({k: v for k, v in overrides.items() if k == "learning_rate"})
+    return options
+
+
+def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
+               base_accuracy: float) -> dict:  # fmt: skip
+    """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}."""
+    from liger_patch_kd.demo.arithmetic import completion_batch, exact_match
+    from liger_patch_kd.demo.toys import quiet
+    from liger_patch_kd.generation import release_sessions
+
+    tok, held_out = data["tokenizer"], data["held_out"]
+    clock = checkpoint_clock(lambda m: exact_match(m, tok, held_out, data["max_new_tokens"]), every, cap, device,
+                             base_accuracy)  # fmt: skip
+    if name in TRL_RECIPES:
+        trainer = trl_trainer(name, a, data, student, teacher, shared_args(a, device, seed, steps, {}), clock)
+    elif name == SFT:  # KDTrainer wants a teacher: the plain Trainer's cross-entropy on the same patched student
+        from transformers import Trainer
+
+        from liger_patch_kd import KDTrainingArguments, apply_kd_patch
+
+        apply_kd_patch(model=student)
+        args = KDTrainingArguments(**shared_args(a, device, seed, steps, {}), remove_unused_columns=False)
+        trainer = Trainer(model=student, args=args, train_dataset=data["token_rows"], callbacks=[clock],
+                          data_collator=lambda rows: completion_batch(
+                              [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], "cpu"))  # fmt: skip
+    else:
+        from liger_patch_kd import KDTrainer, KDTrainingArguments
+
+        kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
+        args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
+                                   kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
+        trainer = KDTrainer(model=student, teacher_model=teacher, args=args,
+                            train_dataset=data["rows"], processing_class=tok, callbacks=[clock])  # fmt: skip
+    peak = extra = before = None
+    if device.type == "cuda":
+        release_sessions()  # the decode engine's caches of earlier runs' students
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()  # both teachers and this student's weights
+    began = time.perf_counter()
+    quiet(trainer).train()
+    if before is not None:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        extra = peak - before / 2**20
+    return dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
+                wall_seconds=time.perf_counter() - began)  # fmt: skip
+
+
+def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
+    """TRL's trainer for `name` on the same student copy, teacher (an unpatched copy), rows and options."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+
+    if name == TRL_GKD:
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        args = GKDConfig(**options, lmbda=1.0, beta=0.5, temperature=1.0, max_new_tokens=data["max_new_tokens"])
+        rows = Dataset.from_list(data["token_rows"])
+        return GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
+                          processing_class=data["tokenizer"], data_collator=gkd_columns(data["tokenizer"].pad_token_id),
+                          callbacks=[clock])  # fmt: skip
+    from trl import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(**options, beta=0.5, temperature=1.0, max_completion_length=data["max_new_tokens"])
+    rows = Dataset.from_dict({"prompt": [r["prompt"] for r in data["rows"]]})
+    return DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
+                               processing_class=data["tokenizer"], callbacks=[clock])  # fmt: skip
+
+
+def task_data(a) -> dict:
+    from liger_patch_kd.demo.arithmetic import ArithmeticTask, build_tokenizer, prompt_rows, tokenized
+
+    task = ArithmeticTask(operands=a.operands)
+    train = task.problems(a.train_problems, seed=0)
+    held_out = task.problems(a.held_out, seed=1, held_out=True)
+    tok = build_tokenizer(train[:20_000])
+    prompts, completions = tokenized(tok, train)
+    token_rows = [dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, completions)]
+    return dict(task=task, tokenizer=tok, rows=prompt_rows(train), token_rows=token_rows, prompts=prompts,
+                completions=completions,
+                held_out=held_out, max_new_tokens=max(map(len, completions)) + 1)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parser().parse_args(argv)
+    if a.smoke:
+        for key, value in SMOKE.items():
+            setattr(a, key, value)
+        a.seeds = a.seeds[:1]
+    from liger_patch_kd.demo.toys import demo_threads
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with demo_threads(device):  # a CPU: one thread (tiny models; spinning threads cost more than they give)
+        return run(a, device)
+
+
+def run(a, device: torch.device) -> dict:
+    from liger_patch_kd.demo.arithmetic import ModelShape, exact_match, fit_on_ground_truth
+
+    names = selected(a.recipes)
+    began = time.perf_counter()
+    data = task_data(a)
+    tok, held_out = data["tokenizer"], data["held_out"]
+    print(f"task: {len(data['rows'])} training problems, {len(held_out)} held out, vocabulary {len(tok)} "
+          f"({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
+    teacher, teacher_seconds = trained_teacher(a, data, device)
+    teacher_accuracy = exact_match(teacher, tok, held_out, data["max_new_tokens"])
+    target = 0.9 * teacher_accuracy
+    params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    print(f"teacher: {params(teacher) / 1e6:.1f}M parameters, exact match {teacher_accuracy:.3f} "
+          f"(trained in {teacher_seconds or 0:.0f} s); target {target:.3f}", flush=True)  # fmt: skip
+    trl_teacher = copy.deepcopy(teacher)  # KDTrainer patches its teacher's kernels in place; TRL's stays plain
+    students, base = {}, {}
+    for seed in a.seeds:
+        students[seed] = ModelShape(*a.student_shape).build(len(tok), seed=seed, device=device)
+        fit_on_ground_truth(students[seed], data["prompts"], data["completions"], steps=a.format_steps,
+                            batch=a.batch, lr=a.lr, seed=seed, device=device)  # fmt: skip
+        base[seed] = exact_match(students[seed], tok, held_out, data["max_new_tokens"])
+    print(f"students: {params(students[a.seeds[0]]) / 1e6:.2f}M parameters, after {a.format_steps} format steps: "
+          f"{ {s: round(v, 3) for s, v in base.items()} }", flush=True)  # fmt: skip
+    every = max(1, a.steps // a.checkpoints)
+    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
+
+    def attempt(name: str, seed: int, **options) -> dict | None:
+        try:
+            return run_recipe(name, a, data, copy.deepcopy(students[seed]), trl_teacher if name in TRL_RECIPES
+                              else teacher, seed, device, **options)  # fmt: skip
+        except Exception as error:  # reported, not hidden: printed with its traceback and kept in the JSON
+            traceback.print_exc()
+            failed[name] = f"{type(error).__name__}: {error}"[:500]
+            return None
+
+    if not a.smoke:  # compile the kernels and capture the graphs once, outside every timed run
+        for name in names:
+            attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
+        print(f"warm-up done ({time.perf_counter() - began:.0f} s)", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
+        accuracy=teacher_accuracy, parameters=params(teacher), train_seconds=teacher_seconds), target=target,
+        student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs,
+        failed=failed)  # fmt: skip
+    for seed in a.seeds:
+        longest = 0.0
+        for name in sorted(names, key=lambda n: n == SFT):  # SFT last: it runs as long as the longest
+            if name in failed:
+                continue
+            sft = name == SFT
+            steps = a.steps * (2 if a.smoke else 20) if sft else a.steps
+            cap = (longest or a.cap_seconds) if sft else a.trl_cap_seconds if name in TRL_RECIPES else a.cap_seconds
+            run = attempt(name, seed, steps=steps, cap=cap, every=every, base_accuracy=base[seed])
+            if run is None:
+                continue
+            if name not in TRL_RECIPES and not sft:
+                longest = max(longest, run["curve"][-1]["seconds"])
+            runs[name].append(run)
+            end = run["curve"][-1]
+            print(f"  seed {seed} {name}: {end['step']} steps, {end['seconds']:.1f} s, exact match "
+                  f"{end['accuracy']:.3f} (eval {run['eval_seconds']:.1f} s; {time.perf_counter() - began:.0f} s "
+                  f"so far)", flush=True)  # fmt: skip
+            write_json(a.out, payload)  # a run cut short keeps what it reached
+    payload["summary"] = summarize(runs, target, teacher_accuracy, a.steps)
+    payload["total_seconds"] = time.perf_counter() - began
+    write_json(a.out, payload)
+    return payload
+
+
+def fig(pair: tuple[float | None, float | None], digits: int = 3) -> str | None:
+    """`mean ± std` (the mean alone for one seed), None for no value."""
+    mean, spread = pair
+    if mean is None:
+        return None
+    return f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if spread else "")
+
+
+def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: float, steps: int) -> dict:
+    """The table (printed) and its figures: per recipe, and the two comparisons the benchmark is for."""
+    reference = runs.get(SFT)
+    recipes = {name: recipe_summary(r, target, reference if name != SFT else None) for name, r in runs.items() if r}
+    rows = []
+    for name, s in recipes.items():
+        rows.append({"recipe": name, "steps": fig(s["final_step"], 0), "GPU-s": fig(s["train_seconds"], 1),
+                     "ms/step": None if s["seconds_per_step"][0] is None else f"{1000 * s['seconds_per_step'][0]:.0f}",
+                     "exact match": fig(s["final_accuracy"]), "SFT at same GPU-s": fig(
+                         s.get("sft_accuracy_at_same_seconds", (None, None))),
+                     "GPU-s to target": fig(s["seconds_to_target"], 1), "steps to target": fig(s["steps_to_target"], 0),
+                     "reached": s["reached_target"], "peak MiB": fig(s["peak_mib"], 0),
+                     "MiB beyond weights": fig(s["extra_mib"], 0)})  # fmt: skip
+    print(f"\nteacher exact match {teacher_accuracy:.3f}; target (90 % of it) {target:.3f}; mean ± std over seeds")
+    print_table(rows, list(rows[0]) if rows else [])
+    out = dict(recipes=recipes, table=rows)
+    if reference:
+        at_budget = [accuracy_at(r["curve"], steps, "step") for r in reference]
+        at_budget = [x for x in at_budget if x is not None]
+        out["sft_at_recipe_steps"] = mean_std(at_budget)
+        if at_budget:
+            print(f"SFT on ground truth after {steps} steps: {mean_std(at_budget)[0]:.3f} "
+                  f"({teacher_accuracy - mean_std(at_budget)[0]:.3f} below the teacher)")  # fmt: skip
+    out["speedup"] = {}
+    for trl in TRL_RECIPES:
+        if runs.get(OURS_GKD) and runs.get(trl):
+            out["speedup"][trl] = speedup(runs[OURS_GKD], runs[trl], target)
+            print(f"{OURS_GKD} against {trl}: {out['speedup'][trl]['text']}")
+    return out
+
+
+def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
+    """Training seconds to one accuracy, ours against TRL's: the target if both reach it, else the lower of the
+    target and the accuracy TRL's runs reach at their end (mean over seeds); a TRL run that never reaches it
+    counts with its final seconds, which makes the ratio a lower bound."""
+    level = min(target, mean_std([r["curve"][-1]["accuracy"] for r in theirs])[0],
+                mean_std([r["curve"][-1]["accuracy"] for r in ours])[0])  # fmt: skip
+    mine = [time_to(r["curve"], level) for r in ours]
+    other = [time_to(r["curve"], level) for r in theirs]
+    bound = any(t is None for t in other)
+    other = [t if t is not None else r["curve"][-1]["seconds"] for t, r in zip(other, theirs)]
+    mine_mean, other_mean = mean_std([t for t in mine if t is not None])[0], mean_std(other)[0]
+    ratio = other_mean / mine_mean if mine_mean and other_mean else None
+    nan = float("nan")
+    text = (f"accuracy {level:.3f} in {nan if mine_mean is None else mine_mean:.1f} s against {other_mean:.1f} s: "
+            f"{'>= ' if bound else ''}{nan if ratio is None else ratio:.1f}x")  # fmt: skip
+    return dict(accuracy=level, ours_seconds=mine_mean, trl_seconds=other_mean, ratio=ratio, lower_bound=bound,
+                text=text)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

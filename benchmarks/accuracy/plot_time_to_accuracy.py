@@ -1,0 +1,76 @@
+"""The time-to-accuracy figure from bench_time_to_accuracy's JSON: exact match against training GPU-seconds (left)
+and against optimizer steps (right), one line per recipe (the mean over seeds at each checkpoint), the seeds'
+spread (± one standard deviation) shaded, the teacher and the target dashed.
+
+    python -m benchmarks.accuracy.plot_time_to_accuracy                     # results JSON -> docs/images PNG
+    python -m benchmarks.accuracy.plot_time_to_accuracy --json runs/bench_time_to_accuracy.json --out x.png
+
+Seeds stop at different checkpoints (a run capped by its seconds, or the ground-truth SFT row that runs as long
+as the longest): a checkpoint index is plotted while every seed has it; its x is the seeds' mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..common.accuracy import mean_std
+
+
+def mean_curve(runs: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
+    """(x, mean accuracy, std) per checkpoint index that every seed reached."""
+    length = min(len(r["curve"]) for r in runs)
+    xs, means, stds = [], [], []
+    for i in range(length):
+        xs.append(mean_std([r["curve"][i][key] for r in runs])[0])
+        mean, std = mean_std([r["curve"][i]["accuracy"] for r in runs])
+        means.append(mean)
+        stds.append(std)
+    return xs, means, stds
+
+
+def plot(payload: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
+    for ax, key, label in ((axes[0], "seconds", "training GPU-seconds (scoring excluded)"),
+                           (axes[1], "step", "optimizer steps")):  # fmt: skip
+        for name, runs in payload["runs"].items():
+            if not runs:
+                continue
+            xs, means, stds = mean_curve(runs, key)
+            style = "--" if name.startswith("TRL") else "-"
+            (line,) = ax.plot(xs, means, style, marker="o", markersize=3, label=name)
+            ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                            color=line.get_color(), alpha=0.15)  # fmt: skip
+        ax.axhline(payload["teacher"]["accuracy"], color="black", linestyle=":", linewidth=1, label="teacher")
+        ax.axhline(payload["target"], color="gray", linestyle="--", linewidth=1, label="target (90 % of teacher)")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("exact match, held-out problems (greedy)")
+    axes[0].set_xscale("symlog", linthresh=1.0)
+    axes[1].set_xscale("symlog", linthresh=10.0)
+    gpu = payload.get("environment", {}).get("gpu", "CPU")
+    seeds = payload.get("config", {}).get("seeds")
+    fig.suptitle(f"Student exact match on 3-operand arithmetic, mean ± std over seeds {seeds} ({gpu})")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default="benchmarks/results/bench_time_to_accuracy.json")
+    p.add_argument("--out", default="docs/images/time_to_accuracy.png")
+    a = p.parse_args()
+    plot(json.loads(Path(a.json).read_text()), Path(a.out))
+
+
+if __name__ == "__main__":
+    main()

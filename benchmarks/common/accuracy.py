@@ -1,0 +1,133 @@
+"""What the time-to-accuracy benchmark needs besides its recipes: a callback that scores the student at checkpoints
+on a clock that stops while it scores, the columns TRL's GKDTrainer reads, and the summary figures (time to an
+accuracy, means over seeds, accuracy at a given time)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def checkpoint_clock(evaluate: Callable[[object], float], every: int, cap_seconds: float, device: torch.device,
+                     base_accuracy: float):  # fmt: skip
+    """A TrainerCallback: training seconds counted from train()'s start, the queue drained at each optimizer step,
+    the scoring left out; `evaluate(model)` every `every` steps, at the last step and when the training seconds pass
+    `cap_seconds` (which then stops the run). `clock.curve` lists {step, seconds, accuracy}, from step 0 (the
+    student before the recipe: `base_accuracy`); `clock.eval_seconds` the seconds spent scoring."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.curve = [dict(step=0, seconds=0.0, accuracy=base_accuracy)]
+            self.train_seconds = self.eval_seconds = 0.0
+            self.started = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            sync(device)
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            sync(device)
+            now = time.perf_counter()
+            self.train_seconds += now - self.started
+            over = self.train_seconds >= cap_seconds
+            if state.global_step % every == 0 or state.global_step >= state.max_steps or over:
+                accuracy = evaluate(model)
+                self.curve.append(dict(step=state.global_step, seconds=self.train_seconds, accuracy=accuracy))
+                control.should_training_stop = control.should_training_stop or over
+            self.eval_seconds += time.perf_counter() - now
+            self.started = time.perf_counter()
+
+    return Clock()
+
+
+def gkd_columns(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
+    """A collator for TRL's GKDTrainer over rows {"prompt_ids", "completion_ids"} (the tokens every recipe trains
+    on): input_ids / attention_mask / labels right-padded (labels -100 on the prompt and the padding) and the
+    prompts left-padded for its generate() (prompts / prompt_attention_mask), the columns its
+    DataCollatorForChatML makes from chat messages."""
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        prompt_width = max(len(r["prompt_ids"]) for r in rows)
+        out = {name: torch.full((len(rows), w), fill, dtype=torch.long) for name, w, fill in (
+            ("input_ids", width, pad_id), ("attention_mask", width, 0), ("labels", width, -100),
+            ("prompts", prompt_width, pad_id), ("prompt_attention_mask", prompt_width, 0))}  # fmt: skip
+        for i, r in enumerate(rows):
+            p, c = list(r["prompt_ids"]), list(r["completion_ids"])
+            n = len(p) + len(c)
+            out["input_ids"][i, :n] = torch.tensor(p + c)
+            out["attention_mask"][i, :n] = 1
+            out["labels"][i, len(p) : n] = torch.tensor(c)
+            out["prompts"][i, prompt_width - len(p) :] = torch.tensor(p)
+            out["prompt_attention_mask"][i, prompt_width - len(p) :] = 1
+        return out
+
+    return collate
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (0 for one value; None, None for none)."""
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, spread
+
+
+def time_to(curve: list[dict], accuracy: float, key: str = "seconds") -> float | None:
+    """The first `key` (seconds or step) at which the curve reaches `accuracy`, interpolated linearly between the
+    checkpoint before and the one that reaches it; None if it never does."""
+    for before, after in zip(curve, curve[1:]):
+        if before["accuracy"] >= accuracy:
+            return float(before[key])
+        if after["accuracy"] >= accuracy:
+            share = (accuracy - before["accuracy"]) / (after["accuracy"] - before["accuracy"])
+            return float(before[key] + share * (after[key] - before[key]))
+    return float(curve[0][key]) if len(curve) == 1 and curve[0]["accuracy"] >= accuracy else None
+
+
+def accuracy_at(curve: list[dict], value: float, key: str = "seconds") -> float | None:
+    """The curve's accuracy at `key` = value, interpolated between checkpoints; None past its last checkpoint."""
+    for before, after in zip(curve, curve[1:]):
+        if before[key] <= value <= after[key]:
+            span = after[key] - before[key]
+            share = (value - before[key]) / span if span else 1.0
+            return before["accuracy"] + share * (after["accuracy"] - before["accuracy"])
+    return curve[-1]["accuracy"] if curve and math.isclose(curve[-1][key], value) else None
+
+
+def recipe_summary(runs: list[dict], target: float, reference: list[dict] | None) -> dict:
+    """One recipe's figures over its seeds: final accuracy, steps and training seconds, time and steps to
+    `target` (over the seeds that reach it), peak memory, and, with `reference` (the ground-truth SFT runs of the
+    same seeds), that recipe's accuracy at this recipe's final training seconds (None past its last checkpoint)."""
+    finals = [r["curve"][-1] for r in runs]
+    reach_s = [t for t in (time_to(r["curve"], target) for r in runs) if t is not None]
+    reach_steps = [t for t in (time_to(r["curve"], target, "step") for r in runs) if t is not None]
+    out = dict(
+        seeds=[r["seed"] for r in runs],
+        final_accuracy=mean_std([f["accuracy"] for f in finals]),
+        final_step=mean_std([f["step"] for f in finals]),
+        train_seconds=mean_std([f["seconds"] for f in finals]),
+        seconds_per_step=mean_std([f["seconds"] / max(1, f["step"]) for f in finals]),
+        seconds_to_target=mean_std(reach_s),
+        steps_to_target=mean_std(reach_steps),
+        reached_target=f"{len(reach_s)}/{len(runs)}",
+        peak_mib=mean_std([r["peak_mib"] for r in runs if r.get("peak_mib") is not None]),
+        extra_mib=mean_std([r["extra_mib"] for r in runs if r.get("extra_mib") is not None]),
+    )
+    if reference is not None:
+        by_seed = {r["seed"]: r for r in reference}
+        sft = [accuracy_at(by_seed[r["seed"]]["curve"], f["seconds"]) if r["seed"] in by_seed else None
+               for r, f in zip(runs, finals)]  # fmt: skip
+        out["sft_accuracy_at_same_seconds"] = mean_std([a for a in sft if a is not None])
+        out["sft_compared_seeds"] = sum(a is not None for a in sft)
+    return out

@@ -1,0 +1,138 @@
+"""The arithmetic task (liger_patch_kd.demo.arithmetic) and the time-to-accuracy benchmark's pipeline at its smoke
+size: the generator is deterministic and its answers right, the checker exact, the greedy scoring counts what it
+should, and the benchmark writes its JSON. No learning outcome is asserted (those depend on the BLAS)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+
+from liger_patch_kd.demo.arithmetic import (
+    ArithmeticTask,
+    build_tokenizer,
+    exact_match,
+    final_answer,
+    is_correct,
+    tokenized,
+)
+from liger_patch_kd.demo.toys import EOS, PAD
+
+
+def worked(problem) -> int:
+    """The answer recomputed from the prompt alone, left to right."""
+    tokens = re.findall(r"\d+|[+-]", problem.prompt)
+    total = int(tokens[0])
+    for sign, number in zip(tokens[1::2], tokens[2::2]):
+        total = total + int(number) if sign == "+" else total - int(number)
+    return total
+
+
+def test_generator_is_deterministic_and_right():
+    task = ArithmeticTask()
+    first, again, other = task.problems(300, seed=7), task.problems(300, seed=7), task.problems(300, seed=8)
+    assert first == again and first != other
+    for p in first:
+        assert p.answer == worked(p) >= 0
+        steps = re.findall(r"(\d+)([+-])(\d+)=(\d+)", p.completion)
+        assert len(steps) == task.operands - 1
+        for a, sign, b, c in steps:  # every worked step is right, and each starts from the previous result
+            assert int(c) == (int(a) + int(b) if sign == "+" else int(a) - int(b))
+        assert all(int(steps[i + 1][0]) == int(steps[i][3]) for i in range(len(steps) - 1))
+        assert final_answer(p.completion) == p.answer and is_correct(p.completion, p)
+
+
+def test_held_out_is_disjoint_from_training():
+    task = ArithmeticTask(held_out_every=10)
+    train = {p.prompt for p in task.problems(2000, seed=0)}
+    held_out = task.problems(200, seed=1, held_out=True)
+    assert all(task.is_held_out(p) for p in held_out)
+    assert not train & {p.prompt for p in held_out}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (" 37+48=85; 85-19=66. #### 66", 66),
+        (" 37+48=85; 85-19=66. #### 66  ", 66),
+        (" #### 0", 0),
+        (" #### 12 #### 13", 13),  # the last one counts
+        (" #### 066", None),  # a leading zero is not the number as written
+        (" #### 66 apples", None),  # nothing may follow the answer
+        (" #### -5", None),
+        (" #### ", None),
+        (" 37+48=85", None),
+        ("#### 6.5", None),
+    ],
+)
+def test_the_checker_is_exact(text, expected):
+    assert final_answer(text) == expected
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in LM whose generate() writes a fixed completion per prompt (prompt ids -> completion ids), then
+    padding: the scoring pipeline (batching, left padding, EOS, decoding, checking) without a trained model."""
+
+    def __init__(self, script: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.script = script
+        self.calls = 0
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        self.calls += 1
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            new = self.script[tuple(i for i, m in zip(ids, mask) if m)][:max_new_tokens]
+            rows.append(ids + new + [PAD] * (max_new_tokens - len(new)))
+        return torch.tensor(rows)
+
+
+def test_exact_match_scores_known_answers():
+    task = ArithmeticTask()
+    problems = task.problems(10, seed=3, held_out=True)
+    tok = build_tokenizer(task.problems(500, seed=0))
+    prompts, completions = tokenized(tok, problems)
+    script = {}
+    for i, (p, c, problem) in enumerate(zip(prompts, completions, problems)):
+        if i % 2:  # every other answer off by one: wrong
+            c = tok(problem.completion.replace(f"#### {problem.answer}", f"#### {problem.answer + 1}"),
+                    add_special_tokens=False)["input_ids"] + [EOS]  # fmt: skip
+        elif i == 4:  # text after EOS is not part of the completion
+            c = c + tok(" 1", add_special_tokens=False)["input_ids"]
+        script[tuple(p)] = c
+    model = ScriptedModel(script)
+    assert exact_match(model, tok, problems, batch_size=4) == 0.5
+    assert model.calls == 3  # 10 prompts in batches of 4
+    assert tok.decode(completions[0], skip_special_tokens=True) == problems[0].completion
+
+
+def test_tokenizer_spells_digits_one_by_one():
+    task = ArithmeticTask()
+    tok = build_tokenizer(task.problems(500, seed=0))
+    ids = tok(" 1234", add_special_tokens=False)["input_ids"]
+    assert [tok.decode([i]) for i in ids] == [" ", "1", "2", "3", "4"]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_benchmark_smoke_writes_its_json(tmp_path):
+    from benchmarks.accuracy.bench_time_to_accuracy import RECIPES, TRL_RECIPES, main
+
+    has_trl = importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
+    recipes = [*RECIPES, *(TRL_RECIPES if has_trl else ())]
+    out = tmp_path / "tta.json"
+    payload = main(["--smoke", "--out", str(out), "--recipes", *recipes])
+    written = json.loads(out.read_text())
+    assert written["failed"] == {} and payload["failed"] == {}
+    assert set(written["runs"]) == set(recipes)
+    for name, runs in written["runs"].items():
+        assert len(runs) == 1, name
+        curve = runs[0]["curve"]
+        assert curve[0]["step"] == 0 and curve[-1]["step"] >= 1
+        assert all(0.0 <= c["accuracy"] <= 1.0 for c in curve)
+        assert [c["seconds"] for c in curve] == sorted(c["seconds"] for c in curve)
+    assert set(written["summary"]["recipes"]) == set(recipes)
+    assert 0.0 <= written["teacher"]["accuracy"] <= 1.0
