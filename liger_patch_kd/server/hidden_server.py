@@ -49,7 +49,7 @@ def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invar
         task: asyncio.Task | None = None
 
         async def hidden(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
-            if self.task is None:  # started on first use: the app's lifespan belongs to server.py
+            if self.task is None:  # started on first use: the app's lifespan belongs to app.py
                 self.task = asyncio.create_task(self.run())
             return await self._wait(sequences, None)
 
