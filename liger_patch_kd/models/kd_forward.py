@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 
-def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
-    base = patch_state(model).config
+def resolve_config(state: PatchState, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
+    base = state.config
     if kd_config is None:
         return base
     if isinstance(kd_config, KDLossConfig):
@@ -117,7 +117,7 @@ def kd_causal_lm_forward(
             self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=logits_to_keep,
             **kwargs,
         )  # fmt: skip
-    cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
+    cfg = resolve_config(state, kd_config).replace(softcap=softcap_of(self.config))
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
     # no attention mask) from attending across their boundaries
     kwargs.setdefault("use_cache", False)
@@ -125,16 +125,24 @@ def kd_causal_lm_forward(
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
     scored = Scored(targets, cfg, num_items_in_batch, kd_log_agreement)
+    live = signal.live_models
+    if live and input_ids is None and privileged is None:  # the teacher reads the student's tokens, not its embeddings
+        raise ValueError(
+            "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
+            "inputs_embeds only: pass input_ids instead, the teacher's own teacher_input_ids, "
+            "or the teacher's signal (teacher_hidden_states + teacher_weight, or teacher_token_ids + _logprobs)"
+        )
     signal = bind_rows(signal, targets, cfg.ignore_index, behaviour=behaviour, given_shift=given_shift,
-                       privileged=privileged, input_ids=input_ids)  # fmt: skip
+                       privileged=privileged)  # fmt: skip
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(self, student_forward, signal, scored, model_inputs)
-    for teacher in signal.live_models:
-        install_kd_forward(teacher)
-    student_mask, *teacher_masks = backbone_masks([self, *signal.readers], attention_mask, targets, cfg.ignore_index,
-                                                  kwargs)  # fmt: skip
+    for teacher in live:  # each live teacher hands its head inputs over inside its own KD forward
+        if teacher not in PATCHED_INSTANCES:  # given it already: no call (a wrapped teacher asks install_kd_forward)
+            install_kd_forward(teacher)
+    readers = [self, *(live if privileged is None else ())]  # the models whose backbones read the student's rows
+    student_mask, *teacher_masks = backbone_masks(readers, attention_mask, targets, cfg.ignore_index, kwargs)
     decoder_out = run_backbone(self, input_ids, student_mask, kwargs, labels)
     with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "student")

@@ -40,7 +40,7 @@ class StudentHead:
 @dataclass(frozen=True)
 class StudentRows:
     """The student's batch as a live teacher reads it: its tokens, the attention mask each teacher's backbone gets
-    (models.backbone.backbone_masks, in `readers` order) and the other keywords of the call."""
+    (models.backbone.backbone_masks, in `live_models` order) and the other keywords of the call."""
 
     input_ids: torch.Tensor | None
     masks: list
@@ -64,8 +64,7 @@ class Terms:
 class TeacherSignal:
     """One kind of teacher signal (see the module docstring)."""
 
-    live_models: tuple = ()  # teacher models run in this call (they need the KD forward: kd_forward installs it)
-    readers: tuple = ()  # the live teachers that read the student's rows (their backbone masks are asked for)
+    live_models: tuple = ()  # teacher models run in this call (they read the student's rows unless paired)
 
     def paired(self, privileged: PrivilegedInputs, targets: torch.Tensor, ignore_index: int) -> TeacherSignal:
         """This signal at the student's positions, when the teacher read its own rows (a teacher prompt)."""

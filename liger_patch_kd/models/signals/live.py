@@ -30,10 +30,6 @@ class LiveTeacher(TeacherSignal):
     def live_models(self) -> tuple:
         return (self.model,)
 
-    @property
-    def readers(self) -> tuple:
-        return () if self.privileged is not None else (self.model,)
-
     def paired(self, privileged, targets, ignore_index):
         return replace(self, privileged=privileged, align=privileged.align_live(self.model, targets, ignore_index))
 
@@ -80,8 +76,6 @@ class TeacherMix(TeacherSignal):
     @property
     def live_models(self) -> tuple:
         return tuple(self.teachers.models.values())
-
-    readers = live_models  # every teacher of the set reads the student's rows
 
     def paired(self, privileged, targets, ignore_index):
         raise ValueError(

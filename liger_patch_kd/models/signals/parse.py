@@ -69,17 +69,10 @@ def parse_signal(
 def bind_rows(
     signal: TeacherSignal, targets: torch.Tensor, ignore_index: int, *, behaviour: torch.Tensor | None = None,
     given_shift: torch.Tensor | None = None, privileged: PrivilegedInputs | None = None,
-    input_ids: torch.Tensor | None = None,
 ) -> TeacherSignal:  # fmt: skip
     """`signal` paired with the call's rows: label-aligned behaviour log-probs (B, T) shifted to the rows the
     targets score (refused where they cannot be paired: pre-shifted packed labels, a top-k teacher), and a
     teacher prompt of its own (`privileged`: the pairing checked before any model runs)."""
-    if signal.readers and input_ids is None and privileged is None:  # a teacher reads the student's tokens
-        raise ValueError(
-            "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
-            "inputs_embeds only: pass input_ids instead, the teacher's own teacher_input_ids, "
-            "or the teacher's signal (teacher_hidden_states + teacher_weight, or teacher_token_ids + _logprobs)"
-        )
     if behaviour is not None:
         if given_shift is not None:
             raise ValueError("kd_behaviour_logprobs are label-aligned: they cannot be paired with pre-shifted "

@@ -109,7 +109,7 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
     given_shift = inputs.pop("shift_labels", None)
     targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
     signal = bind_rows(signal, targets, cfg.ignore_index, behaviour=behaviour, given_shift=given_shift,
-                       privileged=PrivilegedInputs.pop(inputs), input_ids=inputs.get("input_ids"))  # fmt: skip
+                       privileged=PrivilegedInputs.pop(inputs))  # fmt: skip
     scored = Scored(targets, cfg, num_items_in_batch, log_now)
     outputs = materialised_kd(unwrap_model(model), model, signal, scored, inputs)
     return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs)
