@@ -91,12 +91,12 @@ def kd_causal_lm_forward(
     policy that sampled it (an engine's weights some steps old), the importance ratio's denominator.
     `kd_teacher_set` (models.teachers.TeacherSet): several teachers instead of one, each row scored against its
     own or a mixture of them (`kd_log_agreement` then measures each teacher's divergence and agreement).
-    `kd_head_request` (models.host.HeadRequest) makes the forward a host: it returns `request.compute(hidden,
+    `kd_head_request` (models.signals.host.HeadRequest) makes the forward a host: it returns `request.compute(hidden,
     lm_head weight, bias, softcap)` on its last hidden states, computed here, where FSDP has the parameters
     gathered (a teacher's for another model's loss: run_teacher_head; the student's for a loss computed outside
     the models: call_student).
 
-    The teacher arguments are parsed once into a typed signal (models/signals.py); the forward runs the
+    The teacher arguments are parsed once into a typed signal (models/signals/); the forward runs the
     backbone, gathers the head and calls the signal's loss.
     """
     state = patch_state(self)
@@ -162,7 +162,7 @@ kd_causal_lm_forward.__liger_kd__ = True
 
 def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: dict, loss_on: HeadCompute):
     """Run `loss_on(teacher hidden, teacher lm_head weight, bias, softcap)` inside the teacher's own forward (given
-    the KD forward here if it has none): models.host.run_teacher_head."""
+    the KD forward here if it has none): models.signals.host.run_teacher_head."""
     install_kd_forward(teacher)
     return run_teacher_head(teacher, input_ids, attention_mask, student_kwargs, loss_on)
 

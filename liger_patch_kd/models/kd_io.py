@@ -1,5 +1,5 @@
 """What goes into and comes out of a KD forward: label shifting and the output type (the teacher of one call is
-models/signals.py's)."""
+models/signals/'s)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The distillation objective on materialised logits, through reference.py: the baseline that the fused path
 is checked against, and what runs with `fused_linear_jsd=False`, `return_logits=True` or
 `KDTrainer(use_kd_patch=False)`. One implementation for the three, so they cannot drift apart; each teacher
-signal's own term is its `materialised` method (models/signals.py)."""
+signal's own term is its `materialised` method (models/signals/)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Several live teachers in one KD forward: each row scored against its own teacher (routing, one-hot weights) or
 against a mixture of them. This module holds the set and its logged figures; its loss is the TeacherMix signal's
-(models/signals.py), fused (losses.fused_linear_multi_teacher_jsd on every teacher's last hidden states) or on
+(models/signals/), fused (losses.fused_linear_multi_teacher_jsd on every teacher's last hidden states) or on
 materialised logits (reference.multi_teacher_kd_loss).
 
 The teachers run one inside the other's forward (teacher 1's forward asks teacher 2 for its hidden states, ...,
