@@ -78,7 +78,8 @@ class TeacherSignal:
         raise NotImplementedError
 
     def materialised(self, student_logits: torch.Tensor, scored: Scored, model_inputs: dict) -> Terms:
-        """The KD term on the student's logits (soft-capped by its forward), scored.cfg soft only."""
+        """The KD term on the student's logits (soft-capped by its forward: scored.cfg.softcap is None), and the
+        CE term when the kind makes its own (a teacher set); otherwise the driver adds CE (models/materialised.py)."""
         raise NotImplementedError
 
 
