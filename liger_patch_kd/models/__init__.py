@@ -7,10 +7,14 @@ Modules, lowest first (imports point down only):
   spec           spec_for_model: picks an instance's entry and audits its forward (above registry and audit)
   transforms     logit scales folded into the head inputs (scaled_head_inputs)
   moe, backbone  the router loss; running the backbone (text and VLM)
-  heads, kd_io   lm_head weights (PEFT-aware); teacher inputs, label shifting, the output type
-  materialised   the objective on materialised logits (reference/)
-  teachers       several teachers in one KD forward (routing, mixtures)
-  kd_forward     the one KD forward, and a teacher's
+  heads, kd_io   lm_head weights (PEFT-aware); label shifting, the output type
+  privileged     a teacher's own prompt, its completion tokens paired with the student's
+  teachers       several teachers in one KD forward (the set, routing, mixtures, per-teacher figures)
+  host           a forward as a host: HeadRequest, a live teacher's head inputs taken inside its forward
+  signals        the typed teacher signal of one call (live, hidden states + head, top-k, sampled, a set), each with
+                 its fused and materialised loss; parsed once
+  materialised   the objective on materialised logits (reference/), through the signal's term
+  kd_forward     the one KD forward: parse the signal, run the backbone, gather the head, call the signal's loss
   cross_tokenizer  the cross-tokenizer loss on two models, each one's head inputs taken inside its own forward
   patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
   fp8_teacher, recompute
@@ -26,7 +30,7 @@ from .fp8_teacher import (
 )
 from .heads import output_head
 from .kd_forward import kd_causal_lm_forward
-from .kd_io import KDCausalLMOutput, TeacherInputs, targets_of
+from .kd_io import KDCausalLMOutput, targets_of
 from .materialised import materialised_kd
 from .patch import (
     apply_kd_patch,
@@ -55,6 +59,16 @@ from .patch import (
 )
 from .recompute import limit_recompute
 from .registry import FAMILIES, REGISTRY, ArchSpec, softcap_of
+from .signals import (
+    HeadRequest,
+    HiddenTeacher,
+    LiveTeacher,
+    SampledTeacher,
+    TeacherMix,
+    TeacherSignal,
+    TopKTeacher,
+    parse_signal,
+)
 from .spec import spec_for_model
 from .state import original_forward, unwrap_model
 from .teachers import TeacherSet
@@ -99,7 +113,14 @@ __all__ = [
     "output_head",
     "materialised_kd",
     "TeacherSet",
-    "TeacherInputs",
+    "TeacherSignal",
+    "LiveTeacher",
+    "HiddenTeacher",
+    "TopKTeacher",
+    "SampledTeacher",
+    "TeacherMix",
+    "parse_signal",
+    "HeadRequest",
     "targets_of",
     "limit_recompute",
     "run_backbone",

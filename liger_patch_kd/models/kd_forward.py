@@ -7,32 +7,24 @@ the forward survives transformers renaming them (`past_key_values` -> `cache`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import KDLossConfig, override_options
-from ..distributed import gathered_weights, release_root_parameters
-from ..losses import KDLossOutput, fused_linear_jsd, fused_linear_sampled_kd, fused_linear_topk_kd
+from ..distributed import gathered_weights
 from ..ops.backend import eager
-from .backbone import (
-    backbone_masks,
-    router_aux_loss,
-    run_backbone,
-    teacher_vision_inputs,
-    with_router_aux_loss,
-)
-from .heads import HeadWeights, output_head
-from .kd_io import KDCausalLMOutput, TeacherInputs, behaviour_targets, kd_output, targets_of
-from .materialised import TEACHER_INPUT_KEYS, materialised_kd
+from .backbone import backbone_masks, router_aux_loss, run_backbone, with_router_aux_loss
+from .heads import output_head
+from .kd_io import kd_output, targets_of
+from .materialised import materialised_kd
 from .privileged import PrivilegedInputs
 from .registry import softcap_of
+from .signals import Scored, StudentHead, StudentRows, bind_rows, parse_signal
+from .signals.host import HeadCompute, HeadRequest, run_teacher_head
 from .spec import spec_for_model
 from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, class_state, patch_state, unwrap_model
-from .teachers import TeacherSet, materialised_teacher_set, teacher_set_forward
+from .teachers import TeacherSet
 from .transforms import scaled_head_inputs
 
 __all__ = [
@@ -43,16 +35,13 @@ __all__ = [
 ]
 
 
-def resolve_config(model: nn.Module, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
-    base = patch_state(model).config
+def resolve_config(state: PatchState, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
+    base = state.config
     if kd_config is None:
         return base
     if isinstance(kd_config, KDLossConfig):
         return kd_config
     return override_options(base, kd_config)  # this call's options replace the patch-time ones
-
-
-TeacherCallback = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", "float | None"], Any]
 
 
 def kd_causal_lm_forward(
@@ -72,10 +61,9 @@ def kd_causal_lm_forward(
     teacher_sample_logprobs: torch.Tensor | None = None,
     kd_config: KDLossConfig | dict | None = None,
     return_logits: bool = False,
-    kd_teacher_callback: TeacherCallback | None = None,
-    kd_student_callback: TeacherCallback | None = None,
     kd_log_agreement: bool = False,
     kd_teacher_set: TeacherSet | None = None,
+    kd_head_request: HeadRequest | None = None,
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ):
@@ -94,198 +82,83 @@ def kd_causal_lm_forward(
     policy that sampled it (an engine's weights some steps old), the importance ratio's denominator.
     `kd_teacher_set` (models.teachers.TeacherSet): several teachers instead of one, each row scored against its
     own or a mixture of them (`kd_log_agreement` then measures each teacher's divergence and agreement).
-    `kd_teacher_callback` is internal: another model's KD forward asks this model, as its teacher, for its
-    last hidden states inside this model's own forward, where FSDP has its parameters gathered.
-    `kd_student_callback` is internal too: a loss computed outside the models (across tokenizers) gets this model's
-    last hidden states and lm_head the same way, with gradients, and the forward returns what the callback returns.
+    `kd_head_request` (models.signals.host.HeadRequest) makes the forward a host: it returns `request.compute(hidden,
+    lm_head weight, bias, softcap)` on its last hidden states, computed here, where FSDP has the parameters
+    gathered (a teacher's for another model's loss: run_teacher_head; the student's for a loss computed outside
+    the models: call_student).
+
+    The teacher arguments are parsed once into a typed signal (models/signals/); the forward runs the
+    backbone, gathers the head and calls the signal's loss.
     """
     state = patch_state(self)
-    if kd_teacher_callback is not None or kd_student_callback is not None:
-        callback, trainable = kd_student_callback or kd_teacher_callback, kd_student_callback is not None
-        return _serve_head(self, input_ids, attention_mask, callback, kwargs, trainable)
-    teacher = TeacherInputs(
-        teacher_model, teacher_hidden_states, teacher_weight, teacher_bias, teacher_token_ids, teacher_logprobs,
-        teacher_sample_ids, teacher_sample_counts, teacher_sample_logprobs,
+    if kd_head_request is not None:
+        return _serve_head(self, input_ids, attention_mask, kwargs, kd_head_request)
+    columns = dict(
+        teacher_hidden_states=teacher_hidden_states, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
+        teacher_token_ids=teacher_token_ids, teacher_logprobs=teacher_logprobs, teacher_sample_ids=teacher_sample_ids,
+        teacher_sample_counts=teacher_sample_counts, teacher_sample_logprobs=teacher_sample_logprobs,
     )  # fmt: skip
+    signal = parse_signal(columns, teacher_model, kd_teacher_set)
     behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
     privileged = PrivilegedInputs.pop(kwargs)  # the teacher's own prompt, when it has one (models/privileged.py)
-    if labels is None or not (teacher.given or kd_teacher_set is not None):
+    if labels is None or signal is None:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
         return state.original_forward(
             self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=logits_to_keep,
             **kwargs,
         )  # fmt: skip
-
-    live = teacher.model is not None or kd_teacher_set is not None
-    if live and input_ids is None and privileged is None:  # the teacher reads the student's tokens, not its embeddings
-        raise ValueError(
-            "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
-            "inputs_embeds only: pass input_ids instead, the teacher's own teacher_input_ids, "
-            "or the teacher's signal (teacher_hidden_states + teacher_weight, or teacher_token_ids + _logprobs)"
-        )
-    cfg = resolve_config(self, kd_config).replace(softcap=softcap_of(self.config))
+    cfg = resolve_config(state, kd_config).replace(softcap=softcap_of(self.config))
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
     # no attention mask) from attending across their boundaries
     kwargs.setdefault("use_cache", False)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
     targets = targets_of(labels, given_shift, cfg.ignore_index)
-    behaviour = behaviour_targets(behaviour, given_shift, teacher)
-    if kd_teacher_set is not None:
-        if teacher.given:
-            raise ValueError("pass one teacher (teacher_model, ...) or a kd_teacher_set of several, not both")
-        if privileged is not None:
-            raise ValueError(
-                "teacher_input_ids (a teacher prompt of its own) with several teachers is not supported: give the "
-                "rows one teacher, or drop the teacher_prompt / teacher_input_ids column"
-            )
-        return _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch,
-                                 kwargs, kd_teacher_set, kd_log_agreement, return_logits)  # fmt: skip
+    scored = Scored(targets, cfg, num_items_in_batch, kd_log_agreement)
+    live = signal.live_models
+    if live and input_ids is None and privileged is None:  # the teacher reads the student's tokens, not its embeddings
+        raise ValueError(
+            "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
+            "inputs_embeds only: pass input_ids instead, the teacher's own teacher_input_ids, "
+            "or the teacher's signal (teacher_hidden_states + teacher_weight, or teacher_token_ids + _logprobs)"
+        )
+    signal = bind_rows(signal, targets, cfg.ignore_index, behaviour=behaviour, given_shift=given_shift,
+                       privileged=privileged)  # fmt: skip
     if not state.fused or return_logits:
         student_forward = functools.partial(state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
-        return materialised_kd(
-            self, student_forward, teacher, targets, cfg, num_items_in_batch, model_inputs, kd_log_agreement,
-            behaviour_logprobs=behaviour, privileged=privileged,
-        )  # fmt: skip
-
-    align = None
-    if privileged is not None:  # the teacher's own rows: the pairing checked before any model runs
-        teacher, align = privileged.prepare(teacher, targets, cfg.ignore_index)
-    readers = [self] if teacher.model is None or privileged is not None else [self, teacher.model]
+        return materialised_kd(self, student_forward, signal, scored, model_inputs)
+    for teacher in live:  # each live teacher hands its head inputs over inside its own KD forward
+        if teacher not in PATCHED_INSTANCES:  # given it already: no call (a wrapped teacher asks install_kd_forward)
+            install_kd_forward(teacher)
+    readers = [self, *(live if privileged is None else ())]  # the models whose backbones read the student's rows
     student_mask, *teacher_masks = backbone_masks(readers, attention_mask, targets, cfg.ignore_index, kwargs)
     decoder_out = run_backbone(self, input_ids, student_mask, kwargs, labels)
-    hidden = decoder_out.last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
         head = output_head(self, "student")
-        hidden, student_bias = scaled_head_inputs(self, hidden, head.bias)
-        common = dict(student_bias=student_bias, num_items_in_batch=num_items_in_batch, return_components=True)
-        agreement = None
-        if teacher.sample_ids is not None:  # sampled teacher tokens (+ the hybrid's top-k); no agreement logged
-            out = fused_linear_sampled_kd(
-                hidden, head.weight, teacher.sample_ids, teacher.sample_counts, teacher.sample_logprobs, targets,
-                teacher_token_ids=teacher.token_ids, teacher_logprobs=teacher.logprobs, config=cfg, **common,
-            )  # fmt: skip
-        elif teacher.token_ids is not None:
-            out = fused_linear_topk_kd(
-                hidden, head.weight, teacher.token_ids, teacher.logprobs, targets, config=cfg, **common
-            )
-            if kd_log_agreement:
-                top1 = _topk_top1(teacher.token_ids, teacher.logprobs)
-                agreement = _top1_agreement(hidden, head, targets, cfg, top1)
-        elif teacher.hidden_states is not None:
-            out = fused_linear_jsd(
-                hidden, head.weight, teacher.hidden_states, teacher.weight, targets, teacher_bias=teacher.bias,
-                config=cfg, behaviour_logprobs=behaviour, **common,
-            )  # fmt: skip
-            if kd_log_agreement:
-                top1 = _linear_top1(teacher.hidden_states, teacher.weight, teacher.bias, cfg.vocab_size)
-                agreement = _top1_agreement(hidden, head, targets, cfg, top1)
-        else:
-            grad_enabled = torch.is_grad_enabled()
-            measured = {}
-
-            def loss_on(h_t, w_t, b_t, cap_t):
-                if kd_log_agreement:
-                    measured["agreement"] = _top1_agreement(
-                        hidden, head, targets, cfg, _linear_top1(h_t, w_t, b_t, cfg.vocab_size)
-                    )
-                with torch.set_grad_enabled(grad_enabled):
-                    return fused_linear_jsd(
-                        hidden, head.weight, h_t, w_t, targets, teacher_bias=b_t,
-                        config=cfg.replace(teacher_softcap=cap_t), behaviour_logprobs=behaviour, **common,
-                    )  # fmt: skip
-
-            if privileged is None:
-                out = call_teacher(teacher.model, input_ids, teacher_masks[0], kwargs, loss_on)
-            else:
-                out = _call_privileged_teacher(teacher.model, privileged, align, loss_on)
-            agreement = measured.get("agreement")
+        hidden, student_bias = scaled_head_inputs(self, decoder_out.last_hidden_state, head.bias)
+        student = StudentHead(hidden, head, student_bias)
+        terms = signal.fused(student, scored, StudentRows(input_ids, teacher_masks, kwargs))
     aux_loss = router_aux_loss(self, decoder_out, attention_mask)
-    return _output(out, decoder_out, agreement, aux_loss, with_router_aux_loss(self, out.loss, aux_loss))
-
-
-def _teacher_set_call(self, state, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch, kwargs,
-                      teachers: TeacherSet, log_metrics: bool, return_logits: bool):  # fmt: skip
-    """Several teachers (models/teachers.py): fused, or on materialised logits like the single-teacher path."""
-    if not state.fused or return_logits:
-        student_forward = functools.partial(state.original_forward, self)
-        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
-        return materialised_teacher_set(
-            self, student_forward, teachers, targets, cfg, num_items_in_batch, model_inputs, log_metrics
-        )
-    return teacher_set_forward(
-        self, input_ids, attention_mask, labels, targets, cfg, num_items_in_batch, kwargs, teachers, log_metrics,
-        call_teacher,
+    out = terms.out
+    return kd_output(
+        decoder_out, loss=with_router_aux_loss(self, out.loss, aux_loss), logits=None, kd_soft_loss=out.soft,
+        kd_hard_loss=out.hard, kd_top1_agreement=terms.agreement, aux_loss=aux_loss, kd_teacher_metrics=terms.metrics,
     )  # fmt: skip
-
-
-def _call_privileged_teacher(teacher, privileged: PrivilegedInputs, align, loss_on):
-    """The teacher reads its own rows; its hidden states come back in the student's position order (`align`)."""
-    ids, mask, layout = privileged.input_ids, privileged.attention_mask, privileged.teacher_kwargs()
-    return call_teacher(teacher, ids, mask, layout, lambda h_t, w_t, b_t, cap_t: loss_on(align(h_t), w_t, b_t, cap_t))
-
-
-def _linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, vocab_size: int | None):
-    """rows -> the teacher's most likely real token on those rows (soft-capping is monotone: argmax unchanged)."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
-    return lambda rows: F.linear(flat[rows].to(weight.dtype), weight, bias).argmax(-1)
-
-
-def _topk_top1(ids: torch.Tensor, logprobs: torch.Tensor):
-    flat_ids, flat_lp = ids.reshape(-1, ids.shape[-1]), logprobs.reshape(-1, ids.shape[-1])
-    return lambda rows: flat_ids[rows].gather(-1, flat_lp[rows].float().argmax(-1, keepdim=True)).squeeze(-1)
-
-
-@torch.no_grad()
-def _top1_agreement(hidden, head: HeadWeights, targets, cfg: KDLossConfig, teacher_top1, max_rows: int = 256):
-    flat_targets = targets.reshape(-1)
-    rows = (flat_targets != cfg.ignore_index).nonzero().squeeze(-1)[:max_rows]
-    if rows.numel() == 0:
-        return torch.zeros((), device=hidden.device)
-    weight = head.weight[: cfg.vocab_size]
-    bias = None if head.bias is None else head.bias[: cfg.vocab_size]
-    flat = hidden.reshape(-1, hidden.shape[-1])[rows]
-    student_top1 = F.linear(flat.to(weight.dtype), weight, bias).argmax(-1)
-    return (student_top1 == teacher_top1(rows).to(student_top1.device)).float().mean()
 
 
 kd_causal_lm_forward.__liger_kd__ = True
 
 
-def _output(out: KDLossOutput, decoder_out, agreement, aux_loss, loss) -> KDCausalLMOutput:
-    return kd_output(
-        decoder_out, loss=loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard,
-        kd_top1_agreement=agreement, aux_loss=aux_loss,
-    )  # fmt: skip
-
-
-def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: dict, loss_on: TeacherCallback):
-    """Run `loss_on(teacher hidden, teacher lm_head weight, bias, softcap)` inside the teacher's own forward.
-
-    Going through the teacher's top-level call (FSDP1/FSDP2/PEFT wrappers included) is what gathers its
-    sharded parameters; the teacher's decoder runs under no_grad, and FSDP registers no backward hooks for it.
-    """
+def call_teacher(teacher: nn.Module, input_ids, attention_mask, student_kwargs: dict, loss_on: HeadCompute):
+    """Run `loss_on(teacher hidden, teacher lm_head weight, bias, softcap)` inside the teacher's own forward (given
+    the KD forward here if it has none): models.signals.host.run_teacher_head."""
     install_kd_forward(teacher)
-    keys = (*TEACHER_INPUT_KEYS[2:], "use_cache")  # input_ids and attention_mask are passed explicitly
-    passthrough = {k: student_kwargs[k] for k in keys if student_kwargs.get(k) is not None}
-    passthrough.update(teacher_vision_inputs(teacher, student_kwargs))
-    # the loss leaves through this dict, not as the teacher's output: wrappers rebuild a module's outputs inside
-    # its call, under the teacher's no_grad (DeepSpeed ZeRO-3 does), which would cut the loss from the graph
-    result = {}
-
-    def keep(*args):
-        result["loss"] = loss_on(*args)
-
-    with torch.no_grad():
-        teacher(input_ids=input_ids, attention_mask=attention_mask, kd_teacher_callback=keep, **passthrough)
-    release_root_parameters(teacher)
-    return result["loss"]
+    return run_teacher_head(teacher, input_ids, attention_mask, student_kwargs, loss_on)
 
 
-def call_student(model: nn.Module, input_ids, attention_mask, loss_on: TeacherCallback):
+def call_student(model: nn.Module, input_ids, attention_mask, loss_on: HeadCompute):
     """Return `loss_on(hidden, lm_head weight, bias, softcap)` computed inside the student's own top-level forward,
     with gradients: for a loss the KD forward does not compute itself (the cross-tokenizer one). Through the
     top-level call the wrappers do what they do for the KD forward: FSDP gathers the root's parameters (lm_head
@@ -301,14 +174,15 @@ def call_student(model: nn.Module, input_ids, attention_mask, loss_on: TeacherCa
                 f"preparing it (KDTrainer does this itself)"
             )
         install_kd_forward(inner)
-    return model(input_ids=input_ids, attention_mask=attention_mask, kd_student_callback=loss_on, use_cache=False)
+    request = HeadRequest(loss_on, trainable=True)
+    return model(input_ids=input_ids, attention_mask=attention_mask, kd_head_request=request, use_cache=False)
 
 
 @eager  # runs once per model; dynamo on torch 2.11 cannot trace building the PatchState
 def install_kd_forward(model: nn.Module) -> None:
     """Give an unpatched model (a teacher, or the student of a loss computed outside the models) the KD forward
     (fused path only, no kernels): its behaviour is unchanged except when it is asked for its hidden states and
-    lm_head (kd_teacher_callback / kd_student_callback). `revert_kd_patch()` takes it off again."""
+    lm_head (kd_head_request). `revert_kd_patch()` takes it off again."""
     inner = unwrap_model(model)
     if _is_kd_forward(inner):
         return
@@ -327,9 +201,10 @@ def _has_kd_forward(model: nn.Module) -> bool:
     return _is_kd_forward(model) or INSTANCE_ATTR in model.__dict__ or class_state(type(model)) is not None
 
 
-def _serve_head(self, input_ids, attention_mask, callback: TeacherCallback, kwargs: dict, trainable: bool):
-    """callback(hidden, lm_head weight, bias, softcap) inside this forward, where FSDP has the root's parameters
-    gathered. A teacher's (not trainable) under no_grad and detached; a student's with gradients."""
+def _serve_head(self, input_ids, attention_mask, kwargs: dict, request: HeadRequest):
+    """request.compute(hidden, lm_head weight, bias, softcap) inside this forward, where FSDP has the root's
+    parameters gathered. A teacher's (not trainable) under no_grad and detached; a student's with gradients."""
+    trainable = request.trainable
     with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
         hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
     with gathered_weights(self.get_output_embeddings(), owner=self):
@@ -338,4 +213,4 @@ def _serve_head(self, input_ids, attention_mask, callback: TeacherCallback, kwar
         if not trainable:
             hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
         hidden, bias = scaled_head_inputs(self, hidden, bias)
-        return callback(hidden, weight, bias, softcap_of(self.config))
+        return request.compute(hidden, weight, bias, softcap_of(self.config))

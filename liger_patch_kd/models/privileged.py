@@ -14,18 +14,16 @@ loss is the same fused loss as always: no divergence code of its own, no (tokens
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..losses.checks import run_device_checks
-from .kd_io import TeacherInputs, shift_labels
+from .kd_io import shift_labels
 from .state import unwrap_model
 
 PRIVILEGED_KEYS = ("teacher_input_ids", "teacher_labels", "teacher_attention_mask", "teacher_position_ids")
-# a stored teacher signal's per-position fields (TeacherInputs'), each group led by the one that says it is given:
-# sampled tokens (with the hybrid's top-k beside them), top-k, hidden states
-_STORED_FIELDS = (("sample_ids", "sample_counts", "sample_logprobs"), ("token_ids", "logprobs"), ("hidden_states",))
 
 
 @dataclass
@@ -55,26 +53,25 @@ class PrivilegedInputs:
             )
         return cls(*(fields[key] for key in PRIVILEGED_KEYS))
 
-    def prepare(self, teacher: TeacherInputs, student_targets: torch.Tensor, ignore_index: int):
-        """(the teacher at the student's positions, `align`): a live teacher as it is (it reads the teacher's rows
-        itself, its outputs go through `align`); a stored signal of the teacher's rows (top-k or sampled tokens from a
-        store precomputed on, or a server asked about, teacher_input_ids, or hidden states: (B, T_t, ...)) gathered
-        into the student's positions.
-        The pairing is checked here, before either model runs."""
-        vocab = None if teacher.model is None else embedding_rows(teacher.model)
-        align = self.aligner(student_targets, ignore_index, teacher_vocab=vocab)
-        if teacher.model is not None:
-            return teacher, align
-        given = [f for group in _STORED_FIELDS if getattr(teacher, group[0]) is not None for f in group]
-        for name in given:
-            value = getattr(teacher, name)
+    def align_live(self, teacher: nn.Module, student_targets: torch.Tensor, ignore_index: int):
+        """`align` for a live teacher, which reads the teacher's rows itself: its outputs (hidden states, logits) go
+        through it to the student's positions. The pairing, and every attended teacher id against the teacher's
+        embedding, checked here, before either model runs."""
+        return self.aligner(student_targets, ignore_index, teacher_vocab=embedding_rows(teacher))
+
+    def align_stored(self, fields: dict[str, torch.Tensor], student_targets: torch.Tensor, ignore_index: int):
+        """A stored signal of the teacher's rows (top-k or sampled tokens from a store precomputed on, or a server
+        asked about, teacher_input_ids, or hidden states: {"teacher_<name>": (B, T_t, ...)}) gathered into the
+        student's positions. The pairing is checked here, before either model runs."""
+        align = self.aligner(student_targets, ignore_index)
+        for name, value in fields.items():
             if tuple(value.shape[:2]) != tuple(self.input_ids.shape):
                 raise ValueError(
-                    f"teacher_{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, "
+                    f"{name} of shape {tuple(value.shape)} must be the teacher's on its own rows, (batch, "
                     f"teacher length) = {tuple(self.input_ids.shape)} leading: precompute a store on "
                     f"teacher_input_ids, or ask a served teacher about them (KDTrainer's kd_teacher_url does)"
                 )
-        return replace(teacher, **{name: align(getattr(teacher, name)) for name in given}), align
+        return {name: align(value) for name, value in fields.items()}
 
     def teacher_kwargs(self) -> dict:
         """The teacher's layout beyond ids and mask: its own position ids (packed rows), no KV cache."""

@@ -9,7 +9,7 @@ version, so a client's cached head is fetched again after a weight update and af
 version 0 again, possibly with other weights).
 
 The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to a
-callback (kd_forward.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
+request (models.kd_forward.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
 them trains on the in-process objective. Requests are batched like the top-k ones (TeacherBatcher: up to
 --max-batch-tokens padded tokens a forward, --batch-invariant runs each alone), checked whole first (400 naming the
 field, 413 over --max-request-tokens), behind the app's --api-key; the forward holds the model's lock, so a weight
@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from ..models import scaled_head_inputs
+from ..models import HeadRequest, scaled_head_inputs
 from ..models.kd_forward import install_kd_forward
 from ..wire.hidden_wire import HEAD_PATH, HIDDEN_PATH, WIRE_DTYPES, TeacherHead, encode_head, encode_hidden, wire_dtype
 from ..wire.protocols import BINARY_MEDIA_TYPE
@@ -72,7 +72,8 @@ def hidden_batcher(base: type, model, engine, max_batch_tokens: int, batch_invar
 def _final_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The (B, T, H) hidden states the teacher's KD forward hands the fused loss (kd_forward.call_teacher)."""
     kept = {}
-    model(input_ids=ids, attention_mask=mask, use_cache=False, kd_teacher_callback=lambda h, w, b, c: kept.update(h=h))
+    request = HeadRequest(lambda h, w, b, c: kept.update(h=h))
+    model(input_ids=ids, attention_mask=mask, use_cache=False, kd_head_request=request)
     return kept["h"]
 
 
@@ -97,7 +98,7 @@ class HeadCache:
             version = self.engine.weights_id
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.engine.device)
             self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                       kd_teacher_callback=lambda h, w, b, c: kept.update(w=w, b=b, c=c))  # fmt: skip
+                       kd_head_request=HeadRequest(lambda h, w, b, c: kept.update(w=w, b=b, c=c)))  # fmt: skip
             scale = float(scaled_head_inputs(self.model, torch.ones(()), None)[0])
             weight = kept["w"].detach().cpu().clone()
             bias = None if kept["b"] is None else kept["b"].detach().cpu().clone()

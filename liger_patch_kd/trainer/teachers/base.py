@@ -34,10 +34,10 @@ from torch import nn
 
 from ...config import KDLossConfig
 from ...models import unwrap_model
-from ...models.kd_io import TeacherInputs, behaviour_targets, targets_of
+from ...models.kd_io import targets_of
 from ...models.materialised import materialised_kd
 from ...models.privileged import PrivilegedInputs
-from ...teacher.store.collator import SAMPLE_COLUMNS
+from ...models.signals import SIGNAL_COLUMNS, Scored, bind_rows, parse_signal
 
 
 @dataclass
@@ -109,20 +109,16 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
         )  # fmt: skip
         agreement = getattr(outputs, "kd_top1_agreement", None)
         return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, agreement, outputs)
-    teacher = TeacherInputs(
-        model=None if offline else teacher_model, hidden_states=inputs.pop("teacher_hidden_states", None),
-        weight=inputs.pop("teacher_weight", None), bias=inputs.pop("teacher_bias", None),
-        token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
-        **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
-    )  # fmt: skip
+    columns = {name: inputs.pop(name, None) for name in SIGNAL_COLUMNS}
+    signal = parse_signal(columns, model=None if offline else teacher_model)
+    if signal is None:
+        raise ValueError("no teacher: this batch has no teacher signal and the run no teacher_model")
     given_shift = inputs.pop("shift_labels", None)
     targets = targets_of(inputs.pop("labels"), given_shift, cfg.ignore_index)
-    behaviour = behaviour_targets(behaviour, given_shift, teacher)
-    privileged = PrivilegedInputs.pop(inputs)  # the teacher's own prompt (models/privileged.py)
-    outputs = materialised_kd(
-        unwrap_model(model), model, teacher, targets, cfg, num_items_in_batch, inputs, log_agreement=log_now,
-        behaviour_logprobs=behaviour, privileged=privileged,
-    )  # fmt: skip
+    signal = bind_rows(signal, targets, cfg.ignore_index, behaviour=behaviour, given_shift=given_shift,
+                       privileged=PrivilegedInputs.pop(inputs))  # fmt: skip
+    scored = Scored(targets, cfg, num_items_in_batch, log_now)
+    outputs = materialised_kd(unwrap_model(model), model, signal, scored, inputs)
     return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, outputs.kd_top1_agreement, outputs)
 
 

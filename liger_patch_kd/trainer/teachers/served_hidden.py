@@ -4,7 +4,7 @@
 served top-k path's prefetcher: retries, a dropped server waited for, no batch skipped) and, once per weight
 version, its head (teacher/client/hidden_client.py). The loss then reads them as it reads an in-process teacher's
 (the patched forward's `teacher_hidden_states=` / `teacher_weight=` / `teacher_bias=`, the head's soft-cap as
-`teacher_softcap`; or models/materialised.py's TeacherInputs): the student trains on the in-process objective,
+`teacher_softcap`; or models/signals' HiddenTeacher): the student trains on the in-process objective,
 every kd_beta / kd_temperature / kd_hard_weight, padded heads (kd_vocab_size, or len(tokenizer) when both heads
 are padded), on-policy rows (asked through the prefetcher's with_teacher, as the served top-k rows are) and
 privileged teacher prompts (the server is asked about teacher_input_ids, the hidden states paired like a stored

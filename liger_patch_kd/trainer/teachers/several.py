@@ -22,7 +22,8 @@ from torch import nn
 from ...config import KDLossConfig
 from ...models import TeacherSet, unwrap_model
 from ...models.kd_io import targets_of
-from ...models.teachers import materialised_teacher_set
+from ...models.materialised import materialised_kd
+from ...models.signals import Scored, TeacherMix
 from ...reference import MIXTURES
 from ..arguments import checks_arguments
 from ..rollouts.prompts import PromptCollator
@@ -232,9 +233,8 @@ class TeacherSetSetup:
                 kd_config=cfg,
             )  # fmt: skip
         targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
-        return materialised_teacher_set(
-            unwrap_model(model), model, teachers, targets, cfg, num_items_in_batch, inputs, log
-        )
+        scored = Scored(targets, cfg, num_items_in_batch, log)
+        return materialised_kd(unwrap_model(model), model, TeacherMix(teachers), scored, inputs)
 
 
 class RoutingCollator:
