@@ -13,10 +13,19 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .. import distributed
+from ..batch.columns import (
+    BEHAVIOUR,
+    CROSS_TOKENIZER_COLUMNS,
+    GENERATED,
+    HAS_COMPLETION,
+    PRIVILEGED_COLUMNS,
+    PROMPT_COLUMNS,
+    ROUTING_COLUMNS,
+    TEACHER_DATA_COLUMNS,
+)
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
 from ..teacher import TeacherDataCollator
-from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
     check_evaluation_has_teacher,
@@ -31,26 +40,20 @@ from .dataset_setup import (
 from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .offline_onpolicy import OfflineRollouts
-from .rollouts.generate import BEHAVIOUR
-from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
-from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
+from .rollouts.onpolicy import OnPolicySteps
+from .rollouts.prompts import PromptCollator
 from .rollouts.retokenized import rows_maker
 from .teachers.base import TeacherSource, has_teacher_rows
 from .teachers.compute import prepare_teacher_compute
 from .teachers.in_process import InProcessTeacher
-from .teachers.other_tokenizer import (
-    CROSS_TOKENIZER_COLUMNS,
-    CrossTokenizerSetup,
-    OtherTokenizerTeacher,
-    cross_tokenizer_enabled,
-)
-from .teachers.privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
+from .teachers.other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
+from .teachers.privileged import PrivilegedCollator, is_privileged_row
 from .teachers.routed_offline import RoutedRowsTeacher, offline_routed_setup
 from .teachers.self_distill import SelfDistillTeacher, self_distill_teacher
 from .teachers.served import ServedTeacher
 from .teachers.served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
 from .teachers.served_several import ServedTeachers
-from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
+from .teachers.several import SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .teachers.stored import StoredTeacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
 from .token_range import check_collated_ids

@@ -32,12 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import (
+    BEHAVIOUR,
+    SAMPLE_COLUMNS,
+    TEACHER_HIDDEN_STATES,
+    TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_TOKEN_IDS,
+)
 from ...config import KDLossConfig
 from ...models import unwrap_model
 from ...models.kd_io import TeacherInputs, behaviour_targets, targets_of
 from ...models.materialised import materialised_kd
 from ...models.privileged import PrivilegedInputs
-from ...teacher.store.collator import SAMPLE_COLUMNS
 
 
 @dataclass
@@ -85,7 +92,7 @@ class TeacherSource:
 
 def has_teacher_rows(inputs: dict) -> bool:
     """The batch carries its teacher's data (top-k and / or sampled tokens: a store, a dataset, a server's reply)."""
-    return inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
+    return inputs.get(TEACHER_TOKEN_IDS) is not None or inputs.get(TEACHER_SAMPLE_IDS) is not None
 
 
 def require_teacher(inputs: dict, has_model: bool) -> None:
@@ -102,7 +109,7 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
     `teacher_model` run here; through the patched forward (fused) or on materialised logits (reference/)."""
     offline = has_teacher_rows(inputs)
     if fused:
-        extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}
+        extra = {} if behaviour is None else {BEHAVIOUR: behaviour}
         outputs = model(
             **inputs, teacher_model=None if offline else teacher_model,
             num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg, **extra,
@@ -110,9 +117,9 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
         agreement = getattr(outputs, "kd_top1_agreement", None)
         return KDStepOutput(outputs.loss, outputs.kd_soft_loss, outputs.kd_hard_loss, agreement, outputs)
     teacher = TeacherInputs(
-        model=None if offline else teacher_model, hidden_states=inputs.pop("teacher_hidden_states", None),
+        model=None if offline else teacher_model, hidden_states=inputs.pop(TEACHER_HIDDEN_STATES, None),
         weight=inputs.pop("teacher_weight", None), bias=inputs.pop("teacher_bias", None),
-        token_ids=inputs.pop("teacher_token_ids", None), logprobs=inputs.pop("teacher_logprobs", None),
+        token_ids=inputs.pop(TEACHER_TOKEN_IDS, None), logprobs=inputs.pop(TEACHER_LOGPROBS, None),
         **{name.replace("teacher_", ""): inputs.pop(name, None) for name in SAMPLE_COLUMNS},
     )  # fmt: skip
     given_shift = inputs.pop("shift_labels", None)
