@@ -290,8 +290,6 @@ def generate_rollouts(
     return out  # type: ignore[return-value]
 
 
-
-
 def rollout_batch(
     rollouts: list[Rollout], pad_id: int, ignore_index: int = -100, behaviour: bool = False
 ) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The teacher-signal interface: what KDTrainer.compute_loss asks of a batch's teacher, whatever kind it is.
 
-KDTrainer chooses one TeacherSource when it is built (KDTrainer.teacher_source) and every batch takes one journey:
+KDTrainer resolves one TeacherSource when it is built (plan.py: resolve_teacher) and every batch takes one journey:
 the Trainer prepares it (its own markers popped, labels checked), then
 
     inputs = source.prepare(inputs)                        # the teacher side of the batch checked (or popped)
@@ -16,7 +16,7 @@ Kinds, a file each: in process (in_process.py), the student itself (self_distill
 teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed to named teachers:
 routed_offline.py, served_several.py), a served teacher's hidden states and head (served_hidden.py), several
 teachers in process (several.py) and a teacher of another tokenizer (other_tokenizer.py). A new kind is a new
-file with a TeacherSource subclass, chosen in KDTrainer.teacher_source.
+file with a TeacherSource subclass, chosen in plan.py (KINDS, kind_of).
 
 A teacher that sees its own prompt (rows with teacher_input_ids: privileged.py's collator) needs no source of its
 own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens

@@ -29,7 +29,6 @@ from .served import CROSS_TOKENIZER_KEYS, checked_teacher_client, prefetched
 logger = logging.get_logger(__name__)
 
 
-
 def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
     """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...), for a run
     of one teacher (several teachers take a dict of tokenizers: trainer/teachers/several_tokenizers.py)."""

@@ -26,7 +26,6 @@ from .stored import StoredTeacher
 logger = logging.get_logger(__name__)
 
 
-
 def teacher_names_of(dataset: Any) -> list[str] | None:
     """The teacher names a dataset's rows may carry, in a fixed order: RoutedTeacherData's `names`, a datasets
     Dataset's distinct `teacher` values (sorted), a list's (in order of first appearance); None when they cannot be

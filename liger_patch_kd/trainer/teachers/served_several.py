@@ -30,7 +30,7 @@ from ...batch.columns import (
     TOPK_COLUMNS,
 )
 from ...config import KDLossConfig
-from ...teacher.serve import PROTOCOLS, TeacherPrefetcher
+from ...teacher.serve import TeacherPrefetcher
 from ...teacher.serve.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.serve.hidden_wire import TeacherHead
 from ...teacher.serve.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
@@ -51,19 +51,9 @@ def protocol_of(args: Any, name: str) -> str:
 def check_several_served_args(args: KDTrainingArguments) -> None:
     """kd_teacher_protocol as a dict (one per served teacher), or "hidden" for several: validated when the
     arguments are made."""
-    protocol, urls = args.kd_teacher_protocol, args.kd_teacher_url
-    if isinstance(protocol, Mapping) and not isinstance(urls, Mapping):
-        raise ValueError(f"kd_teacher_protocol is a dict ({dict(protocol)}) but kd_teacher_url is not: give "
-                         f"kd_teacher_url={{name: url}} with the same names, or one protocol as a str")  # fmt: skip
+    protocol, urls = args.kd_teacher_protocol, args.kd_teacher_url  # their values: served.check_teacher_protocol
     if not isinstance(urls, Mapping) or not (isinstance(protocol, Mapping) or protocol == HIDDEN_PROTOCOL):
         return
-    if isinstance(protocol, Mapping) and set(protocol) != set(urls):
-        raise ValueError(f"kd_teacher_protocol names {sorted(protocol)} and kd_teacher_url {sorted(urls)}: give "
-                         f"one protocol per served teacher, the same names")  # fmt: skip
-    known = (*PROTOCOLS, HIDDEN_PROTOCOL)
-    wrong = {name: p for name, p in dict(protocol if isinstance(protocol, Mapping) else {}).items() if p not in known}
-    if wrong:
-        raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
     check_hidden_dtype(args)
     check_topk_client_options(args)
     refused = {"kd_teacher_samples": args.kd_teacher_samples is not None, "kd_seq_kd": args.kd_seq_kd,
