@@ -206,3 +206,32 @@ def test_measured_figures_in_the_package_are_reported_and_sizes_are_not(tmp_path
         "liger_patch_kd/kernel.py:3: '1B model at 64 rows holds 3.4 GB on an H200'",
         "liger_patch_kd/kernel.py:4: '20 us'",
     ], problems
+
+
+def test_a_column_spelled_outside_the_contract_module_is_reported(tmp_path):
+    """A known column name as a string literal anywhere in the package but batch/columns.py is a second spelling;
+    docstrings and f-string text are prose, and other strings pass."""
+    _write(tmp_path, {
+        "liger_patch_kd/__init__.py": "",
+        "liger_patch_kd/batch/__init__.py": "",
+        "liger_patch_kd/batch/columns.py": (
+            'TEACHER_TOKEN_IDS = "teacher_token_ids"\nCONTRACT_NAMES = frozenset({TEACHER_TOKEN_IDS})\n'
+        ),
+        "liger_patch_kd/trainer/__init__.py": "",
+        "liger_patch_kd/trainer/rows.py": (
+            '"""Reads teacher_token_ids."""\n\ndef ids(row):\n    return row["teacher_token_ids"]\n'
+        ),
+        "liger_patch_kd/trainer/prose.py": (
+            '"""teacher_token_ids"""\n\ndef why(n):\n    return f"{n} teacher_token_ids", "teacher_tokens"\n'
+        ),
+    })  # fmt: skip
+    problems = _check_layout().column_literal_problems(tmp_path)
+    assert problems == [
+        "liger_patch_kd/trainer/rows.py:4: spells the column 'teacher_token_ids': import its name from "
+        "liger_patch_kd.batch.columns"
+    ]
+
+
+def test_the_contract_module_names_the_project_columns():
+    names = _check_layout().contract_names(ROOT)
+    assert {"teacher_token_ids", "teacher_logprobs", "teacher_input_ids", "kd_generated"} <= names

@@ -10,7 +10,7 @@ import torch
 
 import liger_patch_kd.models as M
 from liger_patch_kd import teacher as TD
-from liger_patch_kd.teacher.store.collator import SAMPLE_COLUMNS
+from liger_patch_kd.batch.columns import SAMPLE_COLUMNS
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
 from .helpers import random_sequences

@@ -12,12 +12,12 @@ import torch
 from liger_patch_kd import KDTrainer, KDTrainingArguments, reference
 from liger_patch_kd.align import byte_level_to_text
 from liger_patch_kd.align import reference as xref
+from liger_patch_kd.batch.columns import TOKENIZER_TEACHERS as TEACHERS_KEY
 from liger_patch_kd.demo import build_model, load_corpus
 from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.models.kd_io import shift_labels
 from liger_patch_kd.trainer.rollouts.onpolicy import require_completions
 from liger_patch_kd.trainer.teachers.other_tokenizer import cross_tokenizer_config
-from liger_patch_kd.trainer.teachers.several_tokenizers import TEACHERS_KEY
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 

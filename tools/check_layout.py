@@ -32,6 +32,7 @@ BENCHMARK_PREFIXES = ("bench_", "probe_", "profile_")  # a runnable benchmark's 
 # Rooms in one layer may not import each other unless listed together in one entry.
 LAYERS: list[tuple[str, ...]] = [
     ("utils", "config", "conventions"),
+    ("batch",),  # the batch contract (column and marker names): the store, the forward and the trainer share it
     ("reference", "ops"),
     ("wire",),  # the formats a teacher server and its clients speak: pure, so both ends import them
     ("losses",),
@@ -256,6 +257,45 @@ def check(
     if prose:
         problems += history_problems(root) + stale_name_problems(root, package)
         problems += measured_figure_problems(root, package)
+    problems += column_literal_problems(root, package)
+    return problems
+
+
+# ----------------------------------------------------------------------------------------- the batch contract
+# A batch's column and marker names are spelled once, in batch/columns.py (CONTRACT_NAMES); anywhere else in the
+# package a string literal equal to one of them is a second spelling, which a rename would miss. Docstrings and the
+# text of f-strings are prose, not spellings. Not checked: the loss functions (losses/, reference/), whose parameters
+# are named after the columns they take but are an API of their own (a column renamed keeps its parameter), and
+# LITERALS_NOT_YET_CHECKED, rooms whose names still move onto the contract.
+CONTRACT_MODULE = ("batch", "columns.py")
+PARAMETER_ROOMS = ("losses", "reference")
+LITERALS_NOT_YET_CHECKED = ("models", "server")
+
+
+def contract_names(root: Path, package: str = PACKAGE) -> frozenset[str]:
+    path = root / package / Path(*CONTRACT_MODULE)
+    if not path.exists():
+        return frozenset()
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # constants only: the contract imports nothing
+    return frozenset(namespace.get("CONTRACT_NAMES", ()))
+
+
+def column_literal_problems(root: Path, package: str = PACKAGE) -> list[str]:
+    names = contract_names(root, package)
+    contract = root / package / Path(*CONTRACT_MODULE)
+    skipped = tuple(root / package / folder for folder in (*PARAMETER_ROOMS, *LITERALS_NOT_YET_CHECKED))
+    problems = []
+    for path in sorted((root / package).rglob("*.py")) if names else ():
+        if path == contract or any(path.is_relative_to(folder) for folder in skipped):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        prose |= {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in prose:
+                problems.append(f"{path.relative_to(root)}:{node.lineno}: spells the column {node.value!r}: import its "
+                                f"name from {package}.batch.columns")  # fmt: skip
     return problems
 
 

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from liger_patch_kd.batch.columns import TEACHER_HEAD as HEAD_KEY
+from liger_patch_kd.batch.columns import TEACHER_HIDDEN_STATES as HIDDEN_KEY
 from liger_patch_kd.models import apply_kd_patch_to_llama, revert_kd_patch
 from liger_patch_kd.teacher import (
     TeacherClient,
@@ -45,7 +47,7 @@ from liger_patch_kd.teacher import (
     TeacherServerError,
 )
 from liger_patch_kd.teacher.client.hidden_client import HiddenClient
-from liger_patch_kd.trainer.teachers.served_hidden import HEAD_KEY, HIDDEN_KEY, HiddenPrefetcher
+from liger_patch_kd.trainer.teachers.served_hidden import HiddenPrefetcher
 from liger_patch_kd.wire.protocols import PROTOCOLS
 
 from ..common import environment, print_table, write_json

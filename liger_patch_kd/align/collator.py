@@ -17,6 +17,18 @@ from typing import Any
 
 import torch
 
+from ..batch.columns import (
+    ALIGN_EXACT_OK,
+    HAS_COMPLETION,
+    STUDENT_ALIGN_GROUPS,
+    TEACHER_ALIGN_GROUPS,
+    TEACHER_ATTENTION_MASK,
+    TEACHER_INPUT_IDS,
+    TEACHER_LABELS,
+    TEACHER_LOGPROBS,
+    TEACHER_PROMPT,
+    TEACHER_TOKEN_IDS,
+)
 from .offsets import Group, align_tokens, encode_with_offsets, first_token_at_or_after
 
 
@@ -88,12 +100,12 @@ def pad_rows(rows: list[Row], student_pad_id: int, teacher_pad_id: int, ignore_i
         "input_ids": pad([r[0] for r in rows], s_len, student_pad_id),
         "attention_mask": pad([[1] * len(r[0]) for r in rows], s_len, 0),
         "labels": pad([r[1] for r in rows], s_len, ignore_index),
-        "student_align_groups": pad([r[2] for r in rows], s_len, -1),
-        "align_exact_ok": pad([r[3] for r in rows], s_len, False, torch.bool),
-        "teacher_input_ids": pad([r[4] for r in rows], t_len, teacher_pad_id),
-        "teacher_attention_mask": pad([[1] * len(r[4]) for r in rows], t_len, 0),
-        "teacher_labels": pad([r[5] for r in rows], t_len, ignore_index),
-        "teacher_align_groups": pad([r[6] for r in rows], t_len, -1),
+        STUDENT_ALIGN_GROUPS: pad([r[2] for r in rows], s_len, -1),
+        ALIGN_EXACT_OK: pad([r[3] for r in rows], s_len, False, torch.bool),
+        TEACHER_INPUT_IDS: pad([r[4] for r in rows], t_len, teacher_pad_id),
+        TEACHER_ATTENTION_MASK: pad([[1] * len(r[4]) for r in rows], t_len, 0),
+        TEACHER_LABELS: pad([r[5] for r in rows], t_len, ignore_index),
+        TEACHER_ALIGN_GROUPS: pad([r[6] for r in rows], t_len, -1),
         "teacher_prompt_length": torch.tensor([r[7] for r in rows], dtype=torch.long),
     }
 
@@ -146,14 +158,14 @@ class CrossTokenizerCollator:
         return s_ids, s_rel, s_labels, s_end - s_start
 
     def _offline_topk(self, example: dict[str, Any], t_ids: list[int], index: int):
-        stored = [int(i) for i in example.get("teacher_input_ids", t_ids)]
+        stored = [int(i) for i in example.get(TEACHER_INPUT_IDS, t_ids)]
         if stored[: len(t_ids)] != t_ids:
             raise ValueError(
                 f"example {index}: its teacher_input_ids (the ids its teacher_token_ids were computed on) differ from "
                 f"the ids the teacher tokenizer gives its text; compute the teacher data on "
                 f"collator.teacher_sequence(example), with the same tokenizer, template and prefix"
             )
-        ids, logprobs = torch.as_tensor(example["teacher_token_ids"]), torch.as_tensor(example["teacher_logprobs"])
+        ids, logprobs = torch.as_tensor(example[TEACHER_TOKEN_IDS]), torch.as_tensor(example[TEACHER_LOGPROBS])
         if ids.dim() != 2 or ids.shape != logprobs.shape or ids.shape[0] < len(t_ids):
             raise ValueError(
                 f"example {index}: teacher_token_ids {tuple(ids.shape)} and teacher_logprobs "
@@ -165,7 +177,7 @@ class CrossTokenizerCollator:
         rows, topk = [], []
         n_groups = 0
         for index, example in enumerate(examples):
-            if "teacher_prompt" in example:  # both sides here tokenize the one text: the teacher's prompt would be lost
+            if TEACHER_PROMPT in example:  # both sides here tokenize the one text: the teacher's prompt would be lost
                 raise ValueError(
                     f"example {index} has a teacher_prompt (a prompt only the teacher sees), which cross-tokenizer "
                     f"distillation does not support yet: both tokenizers read the same prompt and completion; drop "
@@ -173,7 +185,7 @@ class CrossTokenizerCollator:
                 )
             s_ids, s_rel, s_labels, s_content = self.student_tokens(example)
             t_ids, t_off, t_start, t_end = self.encode(self.teacher_tokenizer, self.teacher_prefix_ids, example)
-            if "teacher_token_ids" in example:
+            if TEACHER_TOKEN_IDS in example:
                 topk.append(self._offline_topk(example, t_ids, len(rows)))
             t_rel = [(a - t_start, b - t_start) for a, b in t_off]
             groups = align_tokens(s_rel, t_rel, 0, min(s_content, t_end - t_start))
@@ -181,16 +193,16 @@ class CrossTokenizerCollator:
             rows.append(aligned_row(s_ids, s_labels, t_ids, t_prompt, groups, n_groups, self.ignore_index))
             n_groups += len(groups)
         batch = pad_rows(rows, self.student_pad_id, self.teacher_pad_id, self.ignore_index)
-        t_len = batch["teacher_input_ids"].shape[1]
+        t_len = batch[TEACHER_INPUT_IDS].shape[1]
         if not all(has_completion(example) for example in examples):  # prompt-only rows: generated steps only
-            batch["kd_has_completion"] = torch.tensor([has_completion(example) for example in examples])
+            batch[HAS_COMPLETION] = torch.tensor([has_completion(example) for example in examples])
         if topk:
             if len(topk) != len(rows):
                 raise ValueError("either every example of a batch carries teacher_token_ids or none does")
             k = max(ids.shape[1] for ids, _ in topk)
-            batch["teacher_token_ids"] = torch.full((len(rows), t_len, k), -1, dtype=torch.long)
-            batch["teacher_logprobs"] = torch.full((len(rows), t_len, k), -math.inf)
+            batch[TEACHER_TOKEN_IDS] = torch.full((len(rows), t_len, k), -1, dtype=torch.long)
+            batch[TEACHER_LOGPROBS] = torch.full((len(rows), t_len, k), -math.inf)
             for b, (ids, logprobs) in enumerate(topk):
-                batch["teacher_token_ids"][b, : ids.shape[0], : ids.shape[1]] = ids
-                batch["teacher_logprobs"][b, : ids.shape[0], : ids.shape[1]] = logprobs
+                batch[TEACHER_TOKEN_IDS][b, : ids.shape[0], : ids.shape[1]] = ids
+                batch[TEACHER_LOGPROBS][b, : ids.shape[0], : ids.shape[1]] = logprobs
         return batch

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..batch.columns import TEACHER_LABELS
 from ..conventions import TAIL_FLOOR, apply_softcap, dense_topk_teacher
 from ..losses.checks import check_topk_shapes, run_device_checks, topk_checks
 from ..ops.backend import eager, logits_fp32
@@ -240,7 +241,7 @@ def fused_linear_cross_tokenizer_kd(
     cfg = CrossTokenizerConfig.build(config, **options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)
     _check_head_input("teacher", teacher_input, teacher_weight)
-    _check("teacher_labels", teacher_labels, teacher_input.shape[:-1])
+    _check(TEACHER_LABELS, teacher_labels, teacher_input.shape[:-1])
     _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
     dtype = _compute_dtype(student_input)
     h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(dtype)
@@ -295,7 +296,7 @@ def fused_linear_cross_tokenizer_topk_kd(
                          "unless a vocab_map gives it")  # fmt: skip
     leading = teacher_token_ids.shape[:-1]
     check_topk_shapes(teacher_token_ids, teacher_logprobs, leading, vocab)
-    _check("teacher_labels", teacher_labels, leading)
+    _check(TEACHER_LABELS, teacher_labels, leading)
     _check("teacher_groups", teacher_groups, leading)
     device = student_input.device
     ids = teacher_token_ids.reshape(-1, teacher_token_ids.shape[-1]).to(device)

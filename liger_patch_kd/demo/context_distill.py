@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
+from ..batch.columns import TEACHER_ATTENTION_MASK, TEACHER_INPUT_IDS, TEACHER_LABELS
 from ..models import revert_kd_patch
 from ..models.privileged import PrivilegedInputs
 from .toys import BOS, EOS, CharTokenizer, build_model, demo_threads, load_corpus, quiet, training_args
@@ -63,7 +64,7 @@ def rows_of(tok: CharTokenizer, sents: list[str], hint: bool = True) -> list[dic
         completion = tok.encode(cur) + [EOS]
         teacher_prompt = [BOS] + tok.encode(prev + " ") if hint else [BOS]
         rows.append({"input_ids": [BOS] + completion, "labels": [-100] + completion,
-                     "teacher_input_ids": teacher_prompt + completion})  # fmt: skip
+                     TEACHER_INPUT_IDS: teacher_prompt + completion})  # fmt: skip
     return rows
 
 
@@ -71,9 +72,9 @@ def teacher_side(rows: list[dict]) -> list[dict]:
     """The rows with the teacher's as the scored side (to measure a model reading the hint)."""
     out = []
     for r in rows:
-        hint = len(r["teacher_input_ids"]) - len(r["input_ids"])
+        hint = len(r[TEACHER_INPUT_IDS]) - len(r["input_ids"])
         labels = [-100] * (hint + 1) + r["labels"][1:]
-        out.append({"input_ids": r["teacher_input_ids"], "labels": labels, "teacher_input_ids": r["teacher_input_ids"]})
+        out.append({"input_ids": r[TEACHER_INPUT_IDS], "labels": labels, TEACHER_INPUT_IDS: r[TEACHER_INPUT_IDS]})
     return out
 
 
@@ -87,8 +88,8 @@ def evaluate(student, teacher, rows: list[dict], device) -> tuple[float, float]:
     batch = {k: v.to(device) for k, v in PrivilegedCollator()(rows).items()}
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     s = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-    t = teacher(input_ids=batch["teacher_input_ids"], attention_mask=batch["teacher_attention_mask"]).logits.float()
-    align = PrivilegedInputs(batch["teacher_input_ids"], batch["teacher_labels"]).aligner(targets, -100)
+    t = teacher(input_ids=batch[TEACHER_INPUT_IDS], attention_mask=batch[TEACHER_ATTENTION_MASK]).logits.float()
+    align = PrivilegedInputs(batch[TEACHER_INPUT_IDS], batch[TEACHER_LABELS]).aligner(targets, -100)
     ce = reference.cross_entropy_per_row(s, targets)[targets != -100].mean()
     kl = reference.generalized_jsd(s, align(t), targets, beta=0.0)
     return float(ce), float(kl)
@@ -143,7 +144,7 @@ def _run(work: Path, device, sizes: ContextDemoSizes) -> dict:
 
     print(f"context distillation: {len(rows)} training sentences, {len(val_rows)} validation, {len(test_rows)} test")
     teacher = build_model(len(tok), 128, 2, seed=0, device=device)
-    teacher_rows = [{"input_ids": r["teacher_input_ids"]} for r in rows]  # CE on the hint and the sentence
+    teacher_rows = [{"input_ids": r[TEACHER_INPUT_IDS]} for r in rows]  # CE on the hint and the sentence
     quiet(Trainer(model=teacher, args=training_args(work / "teacher", sizes.teacher_steps, sizes.batch, device),
                   train_dataset=teacher_rows, data_collator=TeacherDataCollator())).train()  # fmt: skip
     teacher.eval()

@@ -8,9 +8,9 @@ The "version" both carry is the engine's weights_id (generation.py): this server
 version, so a client's cached head is fetched again after a weight update and after a restart (which starts at
 version 0 again, possibly with other weights).
 
-The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to a
-request (models.kd_forward.call_teacher's path: after the final norm, the logit scale folded in), so a student trained on
-them trains on the in-process objective. Requests are batched like the top-k ones (TeacherBatcher: up to
+The hidden states are what the in-process fused loss takes from a teacher: the teacher's KD forward gives them to
+a request (models.kd_forward.call_teacher's path: after the final norm, the logit scale folded in), so a student
+trained on them trains on the in-process objective. Requests are batched like the top-k ones (TeacherBatcher: up to
 --max-batch-tokens padded tokens a forward, --batch-invariant runs each alone), checked whole first (400 naming the
 field, 413 over --max-request-tokens), behind the app's --api-key; the forward holds the model's lock, so a weight
 update (generation.py) never lands inside one, and the version in its reply is the one it ran with.

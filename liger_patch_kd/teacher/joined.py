@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .store.collator import TEACHER_DATA_COLUMNS
+from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS
 from .store.reader import store_meta
 
 __all__ = ["JoinedTeacherData"]
@@ -24,7 +24,7 @@ class JoinedTeacherData:
     """Row i of `rows` (dicts) with store item i's teacher columns; the item's input_ids must be the row's
     `ids_column` (checked on each read: a ValueError names the row). Stores are read lazily, as the store reads."""
 
-    def __init__(self, rows: Sequence[dict[str, Any]], store: Any, ids_column: str = "teacher_input_ids") -> None:
+    def __init__(self, rows: Sequence[dict[str, Any]], store: Any, ids_column: str = TEACHER_INPUT_IDS) -> None:
         if len(rows) != len(store):
             raise ValueError(
                 f"{len(rows)} rows but the store holds {len(store)} sequences; precompute it on every row's "

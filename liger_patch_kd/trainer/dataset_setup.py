@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..align.collator import has_completion
+from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
@@ -39,9 +40,8 @@ def first_row_of(dataset: Any) -> Any:
 
 
 # teacher columns a row may carry that a collator must pass on (a generic one drops what it does not know)
-TEACHER_ROW_COLUMNS = ("teacher_input_ids", "teacher_token_ids", "teacher_logprobs", "teacher_sample_ids",
-                       "teacher_sample_counts", "teacher_sample_logprobs")  # fmt: skip
-_PROBE_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "teacher_labels", *TEACHER_ROW_COLUMNS)
+TEACHER_ROW_COLUMNS = (TEACHER_INPUT_IDS, *TEACHER_DATA_COLUMNS)
+_PROBE_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", TEACHER_LABELS, *TEACHER_ROW_COLUMNS)
 
 
 def check_collator_keeps_teacher_columns(dataset: Any, collator: Any) -> None:
@@ -85,9 +85,6 @@ def with_vocab_size(cfg: KDLossConfig, student: nn.Module, teacher: nn.Module | 
     return cfg.replace(vocab_size=padded_vocab_size(tuple(rows), tokenizer, teacher))  # or a ValueError
 
 
-OFFLINE_TEACHER_COLUMNS = ("teacher_token_ids", "teacher_logprobs", "teacher_sample_ids")
-
-
 def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_dataset: Any = None) -> None:
     """A live teacher_model beside rows that carry their own teacher data, with no step it would score: refused, as
     the run would train on the rows' data while the teacher sits on the device unused (kd_lmbda > 0 uses both: the
@@ -98,9 +95,9 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
         return
     evaluations = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset] if eval_dataset else []
     for row in map(first_row_of, evaluations):
-        if not isinstance(row, dict) or not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+        if not isinstance(row, dict) or not any(row.get(c) is not None for c in (*TOPK_COLUMNS, TEACHER_SAMPLE_IDS)):
             return  # the teacher scores these (or may: an iterable dataset's rows are unknown here)
-    carried = [c for c in OFFLINE_TEACHER_COLUMNS if first_row.get(c) is not None]
+    carried = [c for c in (*TOPK_COLUMNS, TEACHER_SAMPLE_IDS) if first_row.get(c) is not None]
     if carried:
         raise ValueError(
             f"teacher_model would never be used: the rows carry offline teacher data ({', '.join(carried)}) and "
@@ -117,7 +114,7 @@ def check_evaluation_has_teacher(teacher_from_rows: bool, eval_dataset: Any) -> 
     named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
     for name, dataset in named:
         row = first_row_of(dataset)
-        if isinstance(row, Mapping) and not any(row.get(c) is not None for c in OFFLINE_TEACHER_COLUMNS):
+        if isinstance(row, Mapping) and not any(row.get(c) is not None for c in (*TOPK_COLUMNS, TEACHER_SAMPLE_IDS)):
             where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
             raise ValueError(
                 f"{where}'s rows carry no teacher data (columns {sorted(row)}) and the run's only teacher is the "

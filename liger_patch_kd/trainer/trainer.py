@@ -1,9 +1,9 @@
 """KDTrainer: online, offline (teacher log-probs as data), served and on-policy distillation through the Hugging
-Face Trainer. The teacher side of each batch is its TeacherSource's (teachers/base.py), chosen once in __init__."""
+Face Trainer. The teacher side of each batch is its TeacherSource's (teachers/base.py), resolved once
+(teachers/plan.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -13,51 +13,35 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .. import distributed
+from ..batch.columns import BEHAVIOUR, GENERATED, HAS_COMPLETION, TEACHER_DATA_COLUMNS
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
-from ..teacher import TeacherDataCollator
-from ..teacher.store.collator import TEACHER_DATA_COLUMNS
 from .arguments import KDTrainingArguments
-from .dataset_setup import (
-    check_evaluation_has_teacher,
-    check_no_text_rows_to_generate_from,
-    check_store_tokenizer,
-    check_training_rows,
-    first_row_is,
-    first_row_is_prompt,
-    first_row_of,
-    with_vocab_size,
-)
+from .dataset_setup import check_evaluation_has_teacher, check_no_text_rows_to_generate_from
 from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
-from .offline_onpolicy import OfflineRollouts
-from .rollouts.generate import BEHAVIOUR
-from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
-from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
+from .rollouts.onpolicy import OnPolicySteps
 from .rollouts.retokenized import rows_maker
-from .teachers.base import TeacherSource, has_teacher_rows
-from .teachers.compute import prepare_teacher_compute
-from .teachers.in_process import InProcessTeacher
-from .teachers.other_tokenizer import (
-    CROSS_TOKENIZER_COLUMNS,
-    CrossTokenizerSetup,
-    OtherTokenizerTeacher,
-    cross_tokenizer_enabled,
-)
-from .teachers.privileged import PRIVILEGED_COLUMNS, PrivilegedCollator, is_privileged_row
-from .teachers.routed_offline import RoutedRowsTeacher, offline_routed_setup
-from .teachers.self_distill import SelfDistillTeacher, self_distill_teacher
-from .teachers.served import ServedTeacher
-from .teachers.served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
-from .teachers.served_several import ServedTeachers
-from .teachers.several import ROUTING_COLUMNS, SeveralTeachers, TeacherSetSetup, check_single_teacher
-from .teachers.stored import StoredTeacher
+from .teachers.base import has_teacher_rows
+from .teachers.plan import resolve_teacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
 from .token_range import check_collated_ids
 
 KD_COLUMNS = TEACHER_DATA_COLUMNS  # the teacher columns a dataset may carry (the public name)
 
 logger = logging.get_logger(__name__)
+
+
+def train_on_one_gpu(args: KDTrainingArguments) -> None:
+    """One process seeing several GPUs would make the Trainer wrap the student in nn.DataParallel, which splits
+    every input tensor across replicas while the teacher stays on one GPU. Distillation runs one GPU per process;
+    several GPUs through accelerate / torchrun (DDP, FSDP, ZeRO-3)."""
+    if args.n_gpu > 1:
+        logger.warning(
+            f"KDTrainer: this process sees {args.n_gpu} GPUs; training on one (cuda:0). For several GPUs, launch "
+            f"one process per GPU: `accelerate launch` or `torchrun` (DDP, FSDP or DeepSpeed)"
+        )
+        args._n_gpu = 1
 
 
 class KDTrainer(Trainer):
@@ -85,95 +69,20 @@ class KDTrainer(Trainer):
         model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
-        # several teachers by name (trainer/teachers/several.py); the single-teacher paths below then see none
-        self.teacher_set = None
-        if isinstance(teacher_model, (Mapping, nn.ModuleDict)):
-            self.teacher_set = TeacherSetSetup(
-                teacher_model, args, teacher_tokenizer, student=(model, kwargs.get("processing_class"))
-            )
-            teacher_model = None
-        elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers: trainer/teachers/served_several.py
-            self.teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
-        else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
-            check_single_teacher(args, first_row_of(kwargs.get("train_dataset")))
-            # offline rows naming their teachers (teacher.RoutedTeacherData): the names kept for per-teacher logs
-            self.teacher_set = offline_routed_setup(
-                args, kwargs.get("train_dataset"), first_row_of(kwargs.get("train_dataset")), teacher_model
-            )
-        teachers = self.teacher_set.models.values() if self.teacher_set and self.teacher_set.models else ()
-        if args.kd_teacher_url and teacher_model is not None:
-            raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
-        if args.n_gpu > 1:
-            # One process seeing several GPUs would make the Trainer wrap the student in nn.DataParallel, which
-            # splits every input tensor across replicas while the teacher stays on one GPU. Distillation runs one
-            # GPU per process; several GPUs through accelerate / torchrun (DDP, FSDP, ZeRO-3).
-            logger.warning(
-                f"KDTrainer: this process sees {args.n_gpu} GPUs; training on one (cuda:0). For several GPUs, launch "
-                f"one process per GPU: `accelerate launch` or `torchrun` (DDP, FSDP or DeepSpeed)"
-            )
-            args._n_gpu = 1
-        self.xtok = None
-        if self.teacher_set is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
-            self.xtok = CrossTokenizerSetup.build(
-                args, kwargs.get("processing_class"), model, teacher_model, teacher_tokenizer=teacher_tokenizer
-            )
-            kwargs["data_collator"] = kwargs.get("data_collator") or self.xtok.collator
-            self.kd_config = args.kd_loss_config()
-        else:
-            self.kd_config = with_vocab_size(
-                args.kd_loss_config(), model, teacher_model, kwargs.get("processing_class")
-            )
-            for member in self.teacher_set.student_vocab_teachers() if self.teacher_set else ():  # one vocab_size
-                self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
-        # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
-        self.offline = OfflineRollouts.setup(args, kwargs.get("train_dataset"), teacher_model,
-                                             kwargs.get("processing_class"))  # fmt: skip
-        if self.offline is not None and kwargs.get("data_collator") is None:
-            kwargs["data_collator"] = self.offline.collator
-        rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
-        evaluation = kwargs.get("eval_dataset")
-        check_training_rows(args, self.kd_config, rows, collator, teacher_model, evaluation)  # before long work
-        if self.xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
-            check_store_tokenizer(self.xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
-        elif not (self.teacher_set is not None and self.teacher_set.tokenizers):
-            check_store_tokenizer(kwargs.get("processing_class"), rows, evaluation)
-        self.prompt_rows = first_row_is_prompt(kwargs.get("train_dataset"))
-        if kwargs.get("data_collator") is None and self.prompt_rows:  # TRL's prompt / completion / messages rows
-            if kwargs.get("processing_class") is None:
-                raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
-            kwargs["data_collator"] = PromptCollator(
-                kwargs["processing_class"], max_prompt_length=args.kd_max_prompt_length, max_length=args.kd_max_length
-            )
-        if kwargs.get("data_collator") is None and first_row_is(kwargs.get("train_dataset"), is_privileged_row):
-            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)  # the teacher's own token rows
-            kwargs["data_collator"] = PrivilegedCollator(pad_token_id=0 if pad is None else pad)
-        if kwargs.get("data_collator") is None:
-            # pads input_ids, labels and the teacher columns alike; HF's default padding collator pads no labels
-            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
-            kwargs["data_collator"] = TeacherDataCollator(pad_token_id=0 if pad is None else pad)
-        if self.teacher_set is not None:  # each row's 'teacher' / 'teacher_weights' become the batch's mixture
-            kwargs["data_collator"] = self.teacher_set.collator(kwargs["data_collator"])
+        # the teacher's kind, collator, columns, vocabulary and checks, chosen once (teachers/plan.py)
+        self.teacher_plan = resolve_teacher(model, teacher_model, args, teacher_tokenizer, kwargs)
+        self.kd_config = self.teacher_plan.kd_config
+        train_on_one_gpu(args)
         if args.use_kd_patch:
             apply_kd_patch(model=model, kd_config=self.kd_config, **(args.kd_patch_config or {}))
         super().__init__(model=model, args=args, **kwargs)
         if args.dataloader_pin_memory and args.device.type == "cpu":
             args.dataloader_pin_memory = False  # pinning needs an accelerator; torch warns at every DataLoader else
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
-        if self.xtok is not None:  # FSDP1 and ZeRO-3 refused across tokenizers, before anything is sharded
-            self.xtok.check_spread(self.accelerator, (model, teacher_model))
+        self.teacher_plan.check_spread(self.accelerator, model)  # before anything is sharded
         if self._fsdp_version() == 2:  # lm_head must stay in the root unit: see distributed.py
             self.model = self.model_wrapped = distributed.fsdp2_prepare(self.model, self.accelerator, trainable=True)
-        if args.kd_self_distill:
-            if teacher_model is not None:
-                raise ValueError("kd_self_distill makes the student its own teacher; do not pass teacher_model")
-            teacher_model = self_distill_teacher(args.kd_self_distill, self.model)  # self_distill.py
-        elif teacher_model is not None:
-            teacher_model = self._frozen_teacher(teacher_model)
-        if teachers:
-            self.teacher_set.models = {name: self._frozen_teacher(m) for name, m in self.teacher_set.models.items()}
-        prepare_teacher_compute(args, teacher_model)
-        self.teacher_model = teacher_model
-        self.teacher_source = self._teacher_source()  # where each batch's teacher signal comes from (teachers/)
+        self.teacher_source = self.teacher_plan.source(self.model, self._frozen_teacher)  # the teachers prepared
         check_evaluation_has_teacher(self.teacher_source.from_rows, self.eval_dataset)
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
@@ -182,36 +91,27 @@ class KDTrainer(Trainer):
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
         self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
-        if args.kd_seq_kd and teacher_model is None:
-            raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
-        if self.onpolicy.enabled and teacher_model is None and not args.kd_teacher_url:
-            raise ValueError(
-                f"kd_lmbda={args.kd_lmbda} trains on completions generated during training, which no offline store "
-                f"holds: pass teacher_model (or kd_self_distill=True) or kd_teacher_url, or set kd_lmbda=0"
-            )
+        self.teacher_plan.check_generation(self.onpolicy.enabled)
 
-    def _teacher_source(self) -> TeacherSource:
-        """The run's one kind of teacher (trainer/teachers/, a file each), chosen once."""
-        args, fused = self.args, self.args.use_kd_patch
-        if self.teacher_set is not None and not self.teacher_set.served:
-            return SeveralTeachers(self.teacher_set, fused)
-        if self.xtok is not None:
-            return OtherTokenizerTeacher(self.xtok, self.teacher_model, args, fused)
-        if self.offline is not None:  # a rollout store's rows (a teacher_model only rescores refreshed ones)
-            return self.offline.teacher_source(fused)
-        if self.teacher_set is not None:  # rows routed to named teachers: served by each, or stored
-            if isinstance(args.kd_teacher_url, Mapping):
-                return ServedTeachers(self.teacher_set, args, fused)
-            return RoutedRowsTeacher(self.teacher_set, fused)
-        if args.kd_teacher_url and args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # its hidden states and head
-            return ServedHiddenTeacher(args, self.processing_class, fused)
-        if args.kd_teacher_url:
-            return ServedTeacher(args, fused)
-        if args.kd_self_distill:
-            return SelfDistillTeacher(self.teacher_model, fused)
-        if self.teacher_model is not None:
-            return InProcessTeacher(self.teacher_model, fused)
-        return StoredTeacher(fused)
+    @property
+    def teacher_model(self) -> nn.Module | None:
+        """The one in-process teacher (frozen and placed; the student's self for self-distillation), or None."""
+        return self.teacher_plan.teacher_model
+
+    @property
+    def teacher_set(self):
+        """Several named teachers (in process, served, or rows routed to them), or None."""
+        return self.teacher_plan.teacher_set
+
+    @property
+    def xtok(self):
+        """One teacher of another tokenizer: its vocabulary map and collator, or None."""
+        return self.teacher_plan.xtok
+
+    @property
+    def offline(self):
+        """A rollout store's setup (offline on-policy), or None."""
+        return self.teacher_plan.offline
 
     @property
     def kd_rollout_seconds(self) -> list[float]:
@@ -290,12 +190,7 @@ class KDTrainer(Trainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        extra = [*KD_COLUMNS, "position_ids", *(CROSS_TOKENIZER_COLUMNS if self.xtok is not None else ())]
-        extra += list(PROMPT_COLUMNS) if self.prompt_rows else []
-        extra += list(ROUTING_COLUMNS) if self.teacher_set is not None else []
-        extra += list(PRIVILEGED_COLUMNS)
-        extra += list(self.offline.columns) if self.offline is not None else []  # a rollout store's log-probs
-        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *self.teacher_plan.columns]))
 
     # ---------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

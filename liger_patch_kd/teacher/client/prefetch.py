@@ -28,14 +28,24 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import (
+    TEACHER_ATTENTION_MASK,
+    TEACHER_INPUT_IDS,
+    TEACHER_LOGPROBS,
+    TEACHER_POSITION_IDS,
+    TEACHER_SAMPLE_COUNTS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_SAMPLE_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+)
 from ...wire.protocols import TopK
 from ...wire.sampled_tokens import SampledTokens
 from .client import TeacherClient
 
 Segments = list[tuple[int, torch.Tensor]]  # (batch row, positions in that row) per sequence
 STUDENT_KEYS = ("input_ids", "attention_mask")  # the ids the teacher is asked about, and their mask
-TEACHER_KEYS = ("teacher_input_ids", "teacher_attention_mask")  # the teacher's own sequences
-POSITION_KEYS = {STUDENT_KEYS: "position_ids", TEACHER_KEYS: "teacher_position_ids"}  # where packed rows restart
+TEACHER_KEYS = (TEACHER_INPUT_IDS, TEACHER_ATTENTION_MASK)  # the teacher's own sequences
+POSITION_KEYS = {STUDENT_KEYS: "position_ids", TEACHER_KEYS: TEACHER_POSITION_IDS}  # where packed rows restart
 
 
 def keys_of(batch: Mapping[str, Any], keys: tuple[str, str] | None) -> tuple[str, str]:
@@ -71,7 +81,7 @@ def attach_teacher(
 ) -> dict[str, Any]:
     """A copy of `batch` with teacher_token_ids (B, T, K) int32 and teacher_logprobs (B, T, K) float32 (T: the
     length of batch[keys[0]]): each sequence's rows at its positions, padding elsewhere."""
-    if "teacher_token_ids" in batch:
+    if TEACHER_TOKEN_IDS in batch:
         raise ValueError("the batch already holds teacher_token_ids: use an offline store or a server, not both")
     if len(topks) != len(segments):
         raise ValueError(f"{len(topks)} teacher replies for {len(segments)} sequences")
@@ -81,7 +91,7 @@ def attach_teacher(
     for (row, positions), (i, v) in zip(segments, topks):
         ids[row, positions] = i
         logprobs[row, positions] = v
-    return {**batch, "teacher_token_ids": ids, "teacher_logprobs": logprobs}
+    return {**batch, TEACHER_TOKEN_IDS: ids, TEACHER_LOGPROBS: logprobs}
 
 
 def attach_samples(
@@ -91,14 +101,14 @@ def attach_samples(
     """A copy of `batch` with the sampled teacher tokens a store's collator gives: teacher_sample_ids (B, T, m)
     int32, teacher_sample_counts int32, teacher_sample_logprobs float32 (padding -1, 0, -inf) and, for the hybrid
     (top_k > 0), its top-k as teacher_token_ids / teacher_logprobs; draws alone carry no top-k columns."""
-    if "teacher_sample_ids" in batch:
+    if TEACHER_SAMPLE_IDS in batch:
         raise ValueError("the batch already holds teacher_sample_ids: use an offline store or a server, not both")
     out = dict(batch)
     if top_k:
         out = attach_teacher(batch, segments, [(d.topk_ids, d.topk_logprobs) for d in draws], top_k, keys)
     rows, length = batch[keys[0]].shape
-    columns = {"teacher_sample_ids": (-1, torch.int32), "teacher_sample_counts": (0, torch.int32),
-               "teacher_sample_logprobs": (-math.inf, torch.float32)}  # fmt: skip
+    columns = {TEACHER_SAMPLE_IDS: (-1, torch.int32), TEACHER_SAMPLE_COUNTS: (0, torch.int32),
+               TEACHER_SAMPLE_LOGPROBS: (-math.inf, torch.float32)}  # fmt: skip
     for (name, (fill, dtype)), part in zip(columns.items(), ("ids", "counts", "logprobs")):
         column = torch.full((rows, length, samples), fill, dtype=dtype)
         for (row, positions), d in zip(segments, draws):

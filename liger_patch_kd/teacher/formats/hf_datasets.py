@@ -20,14 +20,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...batch.columns import (
+    SAMPLE_COLUMNS,
+    TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_SAMPLE_TEMPERATURE,
+    TEACHER_TOKEN_IDS,
+)
 from ..store import TeacherLogprobsDataset, TeacherStoreError, read_manifest
-from ..store.collator import SAMPLE_COLUMNS
 from ..store.samples import samples_of
 from .common import converting, field, flush_rows, import_datasets, open_conversion, rows_to_arrays
 
-COLUMNS = ("input_ids", "teacher_token_ids", "teacher_logprobs")
+COLUMNS = ("input_ids", TEACHER_TOKEN_IDS, TEACHER_LOGPROBS)
 SAMPLE_DTYPES = (torch.int32, torch.int32, torch.float32)
-TEMPERATURE_COLUMN = "teacher_sample_temperature"
 
 
 def store_items(store_dir: str | Path) -> Iterator[dict]:
@@ -39,12 +44,12 @@ def store_items(store_dir: str | Path) -> Iterator[dict]:
         n = len(item["input_ids"])
         row = {
             "input_ids": item["input_ids"].to(torch.int32).numpy(),
-            "teacher_token_ids": item.get("teacher_token_ids", torch.zeros(n, k, dtype=torch.int32)).numpy(),
-            "teacher_logprobs": item.get("teacher_logprobs", torch.zeros(n, k)).float().numpy(),
+            TEACHER_TOKEN_IDS: item.get(TEACHER_TOKEN_IDS, torch.zeros(n, k, dtype=torch.int32)).numpy(),
+            TEACHER_LOGPROBS: item.get(TEACHER_LOGPROBS, torch.zeros(n, k)).float().numpy(),
         }
         if m:
             row.update({name: item[name].to(dtype).numpy() for name, dtype in zip(SAMPLE_COLUMNS, SAMPLE_DTYPES)})
-            row[TEMPERATURE_COLUMN] = float(data.meta.get("temperature", 1.0))
+            row[TEACHER_SAMPLE_TEMPERATURE] = float(data.meta.get("temperature", 1.0))
         yield row
 
 
@@ -55,12 +60,12 @@ def store_to_dataset(store_dir: str | Path, cache_dir: str | Path | None = None)
     def lists(dtype: str):
         return datasets.Sequence(datasets.Sequence(datasets.Value(dtype)))
 
-    columns = {"input_ids": datasets.Sequence(datasets.Value("int32")), "teacher_token_ids": lists("int32"),
-               "teacher_logprobs": lists("float32")}  # fmt: skip
+    columns = {"input_ids": datasets.Sequence(datasets.Value("int32")), TEACHER_TOKEN_IDS: lists("int32"),
+               TEACHER_LOGPROBS: lists("float32")}  # fmt: skip
     if samples_of(read_manifest(store_dir)):
         columns.update({name: lists(str(dtype).removeprefix("torch.")) for name, dtype in
                         zip(SAMPLE_COLUMNS, SAMPLE_DTYPES)})  # fmt: skip
-        columns[TEMPERATURE_COLUMN] = datasets.Value("float64")
+        columns[TEACHER_SAMPLE_TEMPERATURE] = datasets.Value("float64")
     return datasets.Dataset.from_generator(
         store_items,
         gen_kwargs={"store_dir": str(store_dir)},
@@ -91,10 +96,10 @@ def dataset_to_store(
 ) -> Path:  # fmt: skip
     """Write rows with (input_ids, teacher_token_ids, teacher_logprobs) into a store; `columns` renames them
     ({"teacher_token_ids": "my_ids", ...}). Rows with fewer than top_k slots are padded (-1, -inf)."""
-    names = {c: c for c in (*COLUMNS, *SAMPLE_COLUMNS, TEMPERATURE_COLUMN)} | (columns or {})
+    names = {c: c for c in (*COLUMNS, *SAMPLE_COLUMNS, TEACHER_SAMPLE_TEMPERATURE)} | (columns or {})
     rows = iter(rows)
     first = next(rows, None)
-    sampled = isinstance(first, dict) and names["teacher_sample_ids"] in first
+    sampled = isinstance(first, dict) and names[TEACHER_SAMPLE_IDS] in first
     drawn = sample_options(first, names, meta) if sampled else {}  # m and the draws' temperature, from the rows
     meta |= drawn
     writer = open_conversion(
@@ -118,9 +123,9 @@ def dataset_to_store(
 
 def sample_options(row: dict, names: dict[str, str], meta: dict) -> dict:
     """The store options of a dataset of sampled tokens, from its first row: samples (m) and temperature."""
-    ids = field(row, names["teacher_sample_ids"], "row 0")
+    ids = field(row, names[TEACHER_SAMPLE_IDS], "row 0")
     m = len(ids[0]) if len(ids) else 0
-    t = float(field(row, names[TEMPERATURE_COLUMN], "row 0 (the draws' temperature)"))
+    t = float(field(row, names[TEACHER_SAMPLE_TEMPERATURE], "row 0 (the draws' temperature)"))
     if "temperature" in meta and meta["temperature"] != t:
         raise TeacherStoreError(f"temperature {meta['temperature']} given, but the rows' draws were made at {t}")
     return {"samples": m, "temperature": t}
@@ -129,7 +134,7 @@ def sample_options(row: dict, names: dict[str, str], meta: dict) -> dict:
 def sample_arrays(row: dict, names: dict[str, str], n: int, drawn: dict, where: str) -> tuple:
     """One row's (ids, counts, log-probs) (n, m) tensors (checked further by the store's writer); every row's draws
     at the first row's temperature."""
-    m, t = drawn["samples"], float(field(row, names[TEMPERATURE_COLUMN], where))
+    m, t = drawn["samples"], float(field(row, names[TEACHER_SAMPLE_TEMPERATURE], where))
     if t != drawn["temperature"]:
         raise TeacherStoreError(f"{where}: draws at temperature {t}, the first row's at {drawn['temperature']}: "
                                 f"one store holds one temperature")  # fmt: skip

@@ -9,10 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
-# a row's sampled teacher tokens (store/samples.py), one entry per position
-SAMPLE_COLUMNS = ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs")
-# a row's teacher data, one entry per position (the store's items; the columns this collator pads)
-TEACHER_DATA_COLUMNS = ("teacher_token_ids", "teacher_logprobs", *SAMPLE_COLUMNS)
+from ...batch.columns import (
+    TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_COUNTS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_SAMPLE_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+)
+
 # numpy has no bfloat16: bf16 rows are copied as their 16-bit patterns (the pattern of -inf is 0xFF80)
 _BITS_OF = {torch.bfloat16: np.uint16}
 
@@ -44,15 +48,15 @@ class TeacherDataCollator:
             labels[row, : len(seq)] = np.asarray(f["labels"], dtype=np.int64) if "labels" in f else seq
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
-        if "teacher_token_ids" in features[0]:
-            out["teacher_token_ids"] = _pad_rows([f["teacher_token_ids"] for f in features], length, -1, torch.int32)
-            dtype = torch.as_tensor(features[0]["teacher_logprobs"]).dtype
-            out["teacher_logprobs"] = _pad_rows([f["teacher_logprobs"] for f in features], length, -math.inf, dtype)
-        if "teacher_sample_ids" in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
+        if TEACHER_TOKEN_IDS in features[0]:
+            out[TEACHER_TOKEN_IDS] = _pad_rows([f[TEACHER_TOKEN_IDS] for f in features], length, -1, torch.int32)
+            dtype = torch.as_tensor(features[0][TEACHER_LOGPROBS]).dtype
+            out[TEACHER_LOGPROBS] = _pad_rows([f[TEACHER_LOGPROBS] for f in features], length, -math.inf, dtype)
+        if TEACHER_SAMPLE_IDS in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
             for name, fill, dtype in (
-                ("teacher_sample_ids", -1, torch.int32),
-                ("teacher_sample_counts", 0, torch.int32),
-                ("teacher_sample_logprobs", -math.inf, torch.as_tensor(features[0]["teacher_sample_logprobs"]).dtype),
+                (TEACHER_SAMPLE_IDS, -1, torch.int32),
+                (TEACHER_SAMPLE_COUNTS, 0, torch.int32),
+                (TEACHER_SAMPLE_LOGPROBS, -math.inf, torch.as_tensor(features[0][TEACHER_SAMPLE_LOGPROBS]).dtype),
             ):
                 out[name] = _pad_rows([f[name] for f in features], length, fill, dtype)
         return out

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
 from .compact import codec_from_manifest
 from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
 from .rollouts import rollout_item, rollout_layout
@@ -144,15 +145,15 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         if k == 0:
             pass  # sampled tokens alone: no top-k columns
         elif self._codec is None:
-            item["teacher_token_ids"] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
+            item[TEACHER_TOKEN_IDS] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("topk_logprobs")]
-            item["teacher_logprobs"] = torch.from_numpy(raw["topk_logprobs"]).view(dtype).reshape(n, k)
+            item[TEACHER_LOGPROBS] = torch.from_numpy(raw["topk_logprobs"]).view(dtype).reshape(n, k)
         else:
             ids, lp = self._codec.decode(raw["topk_packed"])
-            item["teacher_token_ids"], item["teacher_logprobs"] = torch.from_numpy(ids), torch.from_numpy(lp)
-        if self._check_ids_per_item and n and k and int(item["teacher_token_ids"].max()) >= self.vocab_size:
+            item[TEACHER_TOKEN_IDS], item[TEACHER_LOGPROBS] = torch.from_numpy(ids), torch.from_numpy(lp)
+        if self._check_ids_per_item and n and k and int(item[TEACHER_TOKEN_IDS].max()) >= self.vocab_size:
             raise TeacherStoreError(
-                f"item {i} holds teacher id {int(item['teacher_token_ids'].max())} >= vocab_size {self.vocab_size}: "
+                f"item {i} holds teacher id {int(item[TEACHER_TOKEN_IDS].max())} >= vocab_size {self.vocab_size}: "
                 f"the teacher's top-k reaches ids the student does not have"
             )
         return item
@@ -166,7 +167,7 @@ def iter_store(store_dir: str | Path, target: str = "this format") -> Any:
     data = TeacherLogprobsDataset(store_dir)
     for i in range(len(data)):
         item = data[i]
-        yield item["input_ids"], item["teacher_token_ids"], item["teacher_logprobs"]
+        yield item["input_ids"], item[TEACHER_TOKEN_IDS], item[TEACHER_LOGPROBS]
 
 
 def refuse_samples(store_dir: str | Path, target: str) -> None:

@@ -20,13 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_TOKEN_LOGPROBS
+
 ROLLOUT_FORMAT_VERSION = 4
 IGNORE_INDEX = -100
 # name -> (safetensors dtype, torch dtype, what a prompt position holds)
 ROLLOUT_ARRAYS = {
     "labels": ("I32", torch.int32, IGNORE_INDEX),
-    "behaviour_logprobs": ("F32", torch.float32, 0.0),
-    "teacher_token_logprobs": ("F32", torch.float32, 0.0),
+    BEHAVIOUR_LOGPROBS: ("F32", torch.float32, 0.0),
+    TEACHER_TOKEN_LOGPROBS: ("F32", torch.float32, 0.0),
 }
 
 
@@ -76,8 +78,8 @@ def rollout_item(meta: dict, raw: dict, n: int) -> dict:
     labels = torch.from_numpy(raw["labels"].view(np.int32).reshape(n).astype(np.int64))
     return {
         "labels": labels,
-        "behaviour_logprobs": torch.from_numpy(raw["behaviour_logprobs"].view(np.float32).reshape(n).copy()),
-        "teacher_token_logprobs": torch.from_numpy(raw["teacher_token_logprobs"].view(np.float32).reshape(n).copy()),
+        BEHAVIOUR_LOGPROBS: torch.from_numpy(raw[BEHAVIOUR_LOGPROBS].view(np.float32).reshape(n).copy()),
+        TEACHER_TOKEN_LOGPROBS: torch.from_numpy(raw[TEACHER_TOKEN_LOGPROBS].view(np.float32).reshape(n).copy()),
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...batch.columns import TEACHER_SAMPLE_COUNTS, TEACHER_SAMPLE_IDS, TEACHER_SAMPLE_LOGPROBS
 from ...wire.sampled_tokens import MAX_SAMPLES
 from .compact import PackedCodec
 from .ids import token_ids
@@ -107,4 +108,4 @@ def sample_item(meta: dict, codec: PackedCodec | None, raw: dict, dtype: torch.d
         lp = torch.from_numpy(raw["sample_logprobs"]).view(dtype).reshape(n, m)
     else:
         ids, lp = (torch.from_numpy(a) for a in scodec.decode(raw["sample_packed"]))
-    return {"teacher_sample_ids": ids, "teacher_sample_counts": counts, "teacher_sample_logprobs": lp}
+    return {TEACHER_SAMPLE_IDS: ids, TEACHER_SAMPLE_COUNTS: counts, TEACHER_SAMPLE_LOGPROBS: lp}

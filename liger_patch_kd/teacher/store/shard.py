@@ -26,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_TOKEN_LOGPROBS
+
 # sampled teacher tokens (samples.py), then a rollout store's columns (rollouts.py) come last, so the checksums of
 # stores without them are unchanged
 ARRAY_ORDER = ("input_ids", "topk_ids", "topk_logprobs", "topk_packed", "sample_ids", "sample_logprobs",
-               "sample_packed", "sample_counts", "labels", "behaviour_logprobs", "teacher_token_logprobs")  # fmt: skip
+               "sample_packed", "sample_counts", "labels", BEHAVIOUR_LOGPROBS, TEACHER_TOKEN_LOGPROBS)  # fmt: skip
 _NUMPY = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
 

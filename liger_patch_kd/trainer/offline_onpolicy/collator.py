@@ -10,13 +10,8 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
 from ...teacher import TeacherDataCollator
-from ..rollouts.generate import BEHAVIOUR
-from ..rollouts.onpolicy import GENERATED
-from .source import TEACHER_TOKEN
-
-# a store item's column -> the batch's
-LOGPROB_COLUMNS = {"behaviour_logprobs": BEHAVIOUR, "teacher_token_logprobs": TEACHER_TOKEN}
 
 
 @dataclass
@@ -30,7 +25,7 @@ class RolloutStoreCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)(features)
         length = batch["input_ids"].shape[1]
-        for column, key in LOGPROB_COLUMNS.items():
+        for column, key in ROLLOUT_LOGPROB_COLUMNS.items():
             values = torch.zeros(len(features), length, dtype=torch.float32)
             for row, f in enumerate(features):
                 own = torch.as_tensor(f[column], dtype=torch.float32)
@@ -43,7 +38,7 @@ class RolloutStoreCollator:
 def rows_of(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
     """The items a RolloutStoreCollator batch was made of (right-padded rows cut at their attention mask's length),
     on the CPU, under the store's item names."""
-    names = {value: key for key, value in LOGPROB_COLUMNS.items()}
+    names = {value: key for key, value in ROLLOUT_LOGPROB_COLUMNS.items()}
     lengths = batch["attention_mask"].sum(-1).tolist()
     rows = []
     for row, n in enumerate(lengths):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_LOGPROBS, TEACHER_TOKEN_IDS, TEACHER_TOKEN_LOGPROBS
 from ...models import unwrap_model
 from ...teacher.store import LOGPROB_DTYPES
 from ...teacher.store.rollouts import IGNORE_INDEX, rollouts_of
@@ -78,11 +79,11 @@ class StoreRefresh:
     def item(self, row: ScoredRow) -> dict[str, torch.Tensor]:
         """A scored rollout as a store item (the store's dtypes, so refreshed rows train as stored ones do)."""
         item = {"input_ids": row.input_ids, "labels": row.columns["labels"].long(),
-                "behaviour_logprobs": row.columns["behaviour_logprobs"],
-                "teacher_token_logprobs": row.columns["teacher_token_logprobs"]}  # fmt: skip
+                BEHAVIOUR_LOGPROBS: row.columns[BEHAVIOUR_LOGPROBS],
+                TEACHER_TOKEN_LOGPROBS: row.columns[TEACHER_TOKEN_LOGPROBS]}  # fmt: skip
         if self.score.top_k:
-            item["teacher_token_ids"] = row.topk_ids.to(torch.int32)
-            item["teacher_logprobs"] = row.topk_logprobs.to(self.dtype)
+            item[TEACHER_TOKEN_IDS] = row.topk_ids.to(torch.int32)
+            item[TEACHER_LOGPROBS] = row.topk_logprobs.to(self.dtype)
         if row.samples is not None:
             ids, counts, logprobs = row.samples
             item.update(teacher_sample_ids=ids.to(torch.int32), teacher_sample_counts=counts.to(torch.int32),

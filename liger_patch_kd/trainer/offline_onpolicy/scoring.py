@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_TOKEN_LOGPROBS
 from ...teacher.precompute import teacher_samples, teacher_topk, teacher_topk_and_next
 from ...teacher.sampling import sequence_generator
 from ...teacher.store.rollouts import IGNORE_INDEX
@@ -96,8 +97,8 @@ def score_rollouts(
         completion = labels != IGNORE_INDEX
         columns = {
             "labels": labels,
-            "behaviour_logprobs": torch.where(completion, student_own[row, :n], 0.0).float(),
-            "teacher_token_logprobs": torch.where(completion, teacher_own[row, :n], 0.0).float(),
+            BEHAVIOUR_LOGPROBS: torch.where(completion, student_own[row, :n], 0.0).float(),
+            TEACHER_TOKEN_LOGPROBS: torch.where(completion, teacher_own[row, :n], 0.0).float(),
         }
         top_i, top_v = top_ids[row, :n].cpu().clone(), top_lp[row, :n].cpu().float().clone()
         top_i[-1], top_v[-1] = -1, -math.inf  # the last position predicts nothing in this sequence

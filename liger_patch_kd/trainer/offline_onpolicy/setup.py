@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...batch.columns import ROLLOUT_LOGPROB_COLUMNS
 from ...teacher.precompute import teacher_fingerprint
 from ...teacher.store import store_meta
 from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
 from ..arguments import checks_arguments
-from .collator import LOGPROB_COLUMNS, RolloutStoreCollator
+from .collator import RolloutStoreCollator
 from .refresh import StoreRefresh
 from .source import StoredRolloutsTeacher
 
@@ -79,7 +80,7 @@ class OfflineRollouts:
     @property
     def columns(self) -> tuple[str, ...]:
         """The store items' columns besides a store's usual ones (the Trainer keeps them for the collator)."""
-        return tuple(LOGPROB_COLUMNS)
+        return tuple(ROLLOUT_LOGPROB_COLUMNS)
 
     def teacher_source(self, fused: bool) -> StoredRolloutsTeacher:
         return StoredRolloutsTeacher(fused)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...batch.columns import TEACHER_TOKEN
 from ...config import KDLossConfig
 from ...losses.stored_estimators import estimator_kd_from_logprobs
 from ...models.kd_forward import call_student
 from ...ops.token_logprobs import linear_token_logprobs
 from ..teachers.base import KDStepOutput, TeacherSource, one_teacher_loss
 
-TEACHER_TOKEN = "kd_teacher_token_logprobs"  # a rollout batch's label-aligned teacher log-probs (popped here)
 BEHAVIOUR_KL = "kd_behaviour_kl"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import BEHAVIOUR
 from ...generation import (
     Sampling,
     decode,
@@ -287,9 +288,6 @@ def generate_rollouts(
     finally:
         generator.train(was_training)
     return out  # type: ignore[return-value]
-
-
-BEHAVIOUR = "kd_behaviour_logprobs"  # a rollout batch's label-aligned behaviour log-probs (compute_loss pops it)
 
 
 def rollout_batch(

@@ -23,22 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import (
+    BEHAVIOUR,
+    GENERATED,
+    HAS_COMPLETION,
+    TEACHER_ATTENTION_MASK,
+    TEACHER_INPUT_IDS,
+    TEACHER_LABELS,
+    TEACHER_POSITION_IDS,
+)
 from ...models import unwrap_model
 from ..teachers.privileged import privileged_rollout_batch
 from .asynchronous import AsyncRollouts, take
 from .engine import rollout_source
-from .generate import (
-    BEHAVIOUR,
-    Rollout,
-    behaviour_logprobs,
-    check_context,
-    prompts_of,
-    rollout_batch,
-    rollout_settings,
-)
+from .generate import Rollout, behaviour_logprobs, check_context, prompts_of, rollout_batch, rollout_settings
 
-GENERATED = "kd_generated"  # key marking a generated micro-batch (compute_loss pops it)
-HAS_COMPLETION = "kd_has_completion"  # PromptCollator's per-row flag
 AttachTeacher = Callable[[dict[str, Any]], dict[str, Any]]  # a served teacher's top-k added to a batch
 MakeRows = Callable[[list[Rollout], dict[str, Any]], dict[str, Any]]  # (rollouts, the micro-batch) -> batch
 
@@ -223,11 +222,11 @@ def on_device(batches: list[dict[str, Any]], device: torch.device) -> list[dict[
 def teacher_prompts_of(batch: dict[str, Any]) -> list[list[int]] | None:
     """Each row's teacher prompt (PromptCollator's teacher rows: the teacher's tokens before its completion), or
     None when the batch has no teacher rows of its own."""
-    if batch.get("teacher_input_ids") is None:
+    if batch.get(TEACHER_INPUT_IDS) is None:
         return None
-    teacher_rows = {"input_ids": batch["teacher_input_ids"], "labels": batch["teacher_labels"],
-                    "attention_mask": batch.get("teacher_attention_mask"),
-                    "position_ids": batch.get("teacher_position_ids")}  # fmt: skip
+    teacher_rows = {"input_ids": batch[TEACHER_INPUT_IDS], "labels": batch[TEACHER_LABELS],
+                    "attention_mask": batch.get(TEACHER_ATTENTION_MASK),
+                    "position_ids": batch.get(TEACHER_POSITION_IDS)}  # fmt: skip
     return prompts_of(teacher_rows)
 
 

@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import HAS_COMPLETION, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_PROMPT
 from ...teacher import TeacherDataCollator
 from ..teachers.privileged import PrivilegedCollator
-
-PROMPT_COLUMNS = ("prompt", "completion", "messages", "teacher_prompt")
 
 
 def is_prompt_row(row: dict[str, Any]) -> bool:
@@ -114,7 +113,7 @@ class PromptCollator:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
         features, has_completion = [], []
-        privileged = any("teacher_prompt" in row for row in examples)
+        privileged = any(TEACHER_PROMPT in row for row in examples)
         for index, row in enumerate(examples):
             prompt, completion = tokenize_prompt_row(self.tokenizer, row)
             if self.max_prompt_length is not None:
@@ -132,14 +131,14 @@ class PromptCollator:
             has_completion.append(completion is not None)
         collate = PrivilegedCollator if privileged else TeacherDataCollator
         batch = collate(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
-        return {**batch, "kd_has_completion": torch.tensor(has_completion)}
+        return {**batch, HAS_COMPLETION: torch.tensor(has_completion)}
 
     def _teacher_prompt(self, row: dict[str, Any], index: int, completion: list[int] | None, prompt: list[int]):
         """The teacher prompt's ids, checked to be followed by the very completion tokens the student scores."""
-        if "teacher_prompt" not in row:
+        if TEACHER_PROMPT not in row:
             return prompt
         completion_part = row["messages"][-1:] if "messages" in row else row.get("completion")
-        teacher_row = {"prompt": row["teacher_prompt"]}
+        teacher_row = {"prompt": row[TEACHER_PROMPT]}
         if completion_part is not None:
             teacher_row["completion"] = completion_part
         teacher_prompt, teacher_completion = tokenize_prompt_row(self.tokenizer, teacher_row)
@@ -164,11 +163,11 @@ def privileged_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> l
     """
     collate, out = PromptCollator(tokenizer, **options), []
     for index, row in enumerate(rows):
-        if "teacher_prompt" not in row or not ("completion" in row or "messages" in row):
+        if TEACHER_PROMPT not in row or not ("completion" in row or "messages" in row):
             raise ValueError(
                 f"row {index} needs a 'teacher_prompt' and a completion ('completion', or 'messages' ending with the "
                 f"assistant's turn) to give the teacher its own sequence; got the keys {sorted(row)}"
             )
         batch = collate([row])  # one row: no padding
-        out.append({k: batch[k][0].tolist() for k in ("input_ids", "labels", "teacher_input_ids", "teacher_labels")})
+        out.append({k: batch[k][0].tolist() for k in ("input_ids", "labels", TEACHER_INPUT_IDS, TEACHER_LABELS)})
     return out

@@ -13,6 +13,7 @@ from torch import nn
 
 from ...align import CrossTokenizerCollator, VocabMap
 from ...align.generated import GeneratedRows
+from ...batch.columns import TEACHER_INPUT_IDS
 from ...models import unwrap_model
 from .generate import Rollout
 from .onpolicy import special_ids
@@ -59,7 +60,7 @@ def rows_maker(rows: GeneratedRows, data_collator: Any) -> Callable[[list[Rollou
                 f"teacher_prompt_length column, which this batch lacks (keys {sorted(batch)}); use "
                 f"liger_patch_kd.align.CrossTokenizerCollator (the default) as data_collator"
             )
-        lengths, t_ids = batch["teacher_prompt_length"].tolist(), batch["teacher_input_ids"]
+        lengths, t_ids = batch["teacher_prompt_length"].tolist(), batch[TEACHER_INPUT_IDS]
         per_prompt = len(rollouts) // len(lengths)
         t_prompts = [t_ids[row, :n].tolist() for row, n in enumerate(lengths) for _ in range(per_prompt)]
         return rows([r.prompt for r in rollouts], [r.completion for r in rollouts], t_prompts)

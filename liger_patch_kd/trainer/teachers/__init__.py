@@ -1,6 +1,8 @@
 """Teachers: the sources of a batch's teacher signal, one file per kind.
 
-KDTrainer chooses one TeacherSource when it is built, and compute_loss asks it, for every batch, to prepare the
+KDTrainer resolves its teacher once when it is built (plan.py: resolve_teacher, the one place a kind is chosen, its
+collator, columns, vocabulary checks and model preparation with it), and compute_loss asks the resulting
+TeacherSource, for every batch, to prepare the
 batch's teacher side and to give the loss (base.py: the interface, KDStepOutput and the one-teacher loss). The
 kinds:
 
@@ -20,5 +22,5 @@ Beside them: privileged.py (rows where the teacher sees its own prompt: a collat
 single-teacher kind pairs the completion tokens), sampled_data.py (datasets of sampled teacher tokens, checked),
 compute.py (an in-process teacher's precision, FP8).
 
-A new kind is a new file: a TeacherSource subclass, chosen in KDTrainer._teacher_source.
+A new kind is a new file: a TeacherSource subclass, and its entry in plan.py's KINDS (chosen in plan.kind_of).
 """

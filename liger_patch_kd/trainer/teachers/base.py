@@ -1,6 +1,6 @@
 """The teacher-signal interface: what KDTrainer.compute_loss asks of a batch's teacher, whatever kind it is.
 
-KDTrainer chooses one TeacherSource when it is built (KDTrainer.teacher_source) and every batch takes one journey:
+KDTrainer resolves one TeacherSource when it is built (plan.py: resolve_teacher) and every batch takes one journey:
 the Trainer prepares it (its own markers popped, labels checked), then
 
     inputs = source.prepare(inputs)                        # the teacher side of the batch checked (or popped)
@@ -16,7 +16,7 @@ Kinds, a file each: in process (in_process.py), the student itself (self_distill
 teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed to named teachers:
 routed_offline.py, served_several.py), a served teacher's hidden states and head (served_hidden.py), several
 teachers in process (several.py) and a teacher of another tokenizer (other_tokenizer.py). A new kind is a new
-file with a TeacherSource subclass, chosen in KDTrainer.teacher_source.
+file with a TeacherSource subclass, chosen in plan.py (KINDS, kind_of).
 
 A teacher that sees its own prompt (rows with teacher_input_ids: privileged.py's collator) needs no source of its
 own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens
@@ -32,6 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import (
+    BEHAVIOUR,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_TOKEN_IDS,
+)
 from ...config import KDLossConfig
 from ...models import unwrap_model
 from ...models.kd_io import targets_of
@@ -85,7 +90,7 @@ class TeacherSource:
 
 def has_teacher_rows(inputs: dict) -> bool:
     """The batch carries its teacher's data (top-k and / or sampled tokens: a store, a dataset, a server's reply)."""
-    return inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None
+    return inputs.get(TEACHER_TOKEN_IDS) is not None or inputs.get(TEACHER_SAMPLE_IDS) is not None
 
 
 def require_teacher(inputs: dict, has_model: bool) -> None:
@@ -102,7 +107,7 @@ def one_teacher_loss(model: nn.Module, teacher_model: nn.Module | None, inputs: 
     `teacher_model` run here; through the patched forward (fused) or on materialised logits (reference/)."""
     offline = has_teacher_rows(inputs)
     if fused:
-        extra = {} if behaviour is None else {"kd_behaviour_logprobs": behaviour}
+        extra = {} if behaviour is None else {BEHAVIOUR: behaviour}
         outputs = model(
             **inputs, teacher_model=None if offline else teacher_model,
             num_items_in_batch=num_items_in_batch, kd_log_agreement=log_now, kd_config=cfg, **extra,

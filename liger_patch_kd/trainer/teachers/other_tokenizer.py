@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 from ...align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byte_level_to_text
 from ...align.generated import GeneratedRows
+from ...batch.columns import TEACHER_ALIGN_GROUPS
 from ...config import KDLossConfig
 from ...models import unwrap_model
 from ...models.kd_forward import install_kd_forward
@@ -26,11 +27,6 @@ from .self_distill import require_teacher_prompt
 from .served import CROSS_TOKENIZER_KEYS, checked_teacher_client, prefetched
 
 logger = logging.get_logger(__name__)
-
-CROSS_TOKENIZER_COLUMNS = (
-    "teacher_input_ids", "teacher_attention_mask", "teacher_labels", "student_align_groups", "teacher_align_groups",
-    "align_exact_ok", "messages", "prompt", "completion", "teacher_token_ids", "teacher_logprobs",
-)  # fmt: skip
 
 
 def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
@@ -71,7 +67,7 @@ def check_cross_tokenizer_args(args: KDTrainingArguments) -> None:
 
 
 def is_cross_tokenizer_batch(inputs: dict) -> bool:
-    return inputs.get("teacher_align_groups") is not None
+    return inputs.get(TEACHER_ALIGN_GROUPS) is not None
 
 
 def cross_tokenizer_config(args: KDTrainingArguments) -> CrossTokenizerConfig:

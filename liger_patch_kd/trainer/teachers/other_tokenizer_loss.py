@@ -16,6 +16,16 @@ from ...align import (
     fused_linear_cross_tokenizer_kd,
     fused_linear_cross_tokenizer_topk_kd,
 )
+from ...batch.columns import (
+    ALIGN_EXACT_OK,
+    STUDENT_ALIGN_GROUPS,
+    TEACHER_ALIGN_GROUPS,
+    TEACHER_ATTENTION_MASK,
+    TEACHER_INPUT_IDS,
+    TEACHER_LABELS,
+    TEACHER_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+)
 from ...losses.checks import run_device_checks
 from ...models.heads import output_head
 from ...models.kd_forward import call_student, call_teacher
@@ -129,7 +139,7 @@ def compute_cross_tokenizer_loss(
     synced; FSDP1 and ZeRO-3 are refused (check_spread).
     A batch carrying teacher_token_ids / teacher_logprobs (offline data) runs no teacher: its top-k goes to
     fused_linear_cross_tokenizer_topk_kd over vocab_map.teacher_vocab_size ids."""
-    offline = inputs.get("teacher_token_ids") is not None
+    offline = inputs.get(TEACHER_TOKEN_IDS) is not None
     if teacher_model is None and not offline:
         raise ValueError(
             "cross-tokenizer distillation needs a live teacher_model or batches with the teacher's top-k "
@@ -138,14 +148,14 @@ def compute_cross_tokenizer_loss(
     if not offline:
         check_spread(teacher_model, "teacher")  # before the student's forward starts
     ignore = config.ignore_index
-    s_labels, t_labels = _shift(inputs["labels"], ignore), _shift(inputs["teacher_labels"], ignore)
-    groups = (inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"))
+    s_labels, t_labels = _shift(inputs["labels"], ignore), _shift(inputs[TEACHER_LABELS], ignore)
+    groups = (inputs[STUDENT_ALIGN_GROUPS], inputs[TEACHER_ALIGN_GROUPS], vocab_map, inputs.get(ALIGN_EXACT_OK))
     grad_enabled = torch.is_grad_enabled()
 
     def on_student(h_s, w_s, b_s, cap_s):
         if offline:  # as in the same-tokenizer trainer, the batch's teacher data win over a teacher_model
             return fused_linear_cross_tokenizer_topk_kd(
-                h_s, w_s, inputs["teacher_token_ids"], inputs["teacher_logprobs"], s_labels, t_labels, *groups,
+                h_s, w_s, inputs[TEACHER_TOKEN_IDS], inputs[TEACHER_LOGPROBS], s_labels, t_labels, *groups,
                 config=config.replace(softcap=cap_s), num_items_in_batch=num_items_in_batch, student_bias=b_s,
                 return_components=True,
             )  # fmt: skip
@@ -167,8 +177,8 @@ def live_teacher_loss(
     student row's share of this loss (several teachers); `keep`, when given, receives the teacher's head inputs
     (hidden, weight, bias) for logging (one process: under FSDP2 the weight is gathered only inside the forward)."""
     h_s, w_s, b_s, s_labels = student
-    t_labels = _shift(inputs["teacher_labels"], config.ignore_index)
-    groups = (inputs["student_align_groups"], inputs["teacher_align_groups"], vocab_map, inputs.get("align_exact_ok"))
+    t_labels = _shift(inputs[TEACHER_LABELS], config.ignore_index)
+    groups = (inputs[STUDENT_ALIGN_GROUPS], inputs[TEACHER_ALIGN_GROUPS], vocab_map, inputs.get(ALIGN_EXACT_OK))
     grad_enabled = torch.is_grad_enabled()
 
     def on_teacher(h_t, w_t, b_t, cap_t):
@@ -181,7 +191,7 @@ def live_teacher_loss(
                 row_scale=row_scale,
             )  # fmt: skip
 
-    ids, mask = inputs["teacher_input_ids"], inputs.get("teacher_attention_mask")
+    ids, mask = inputs[TEACHER_INPUT_IDS], inputs.get(TEACHER_ATTENTION_MASK)
     vocab = embedding_rows(teacher_model)
     if vocab is not None:  # the teacher's own tokenizer's ids, checked before its embedding reads them
         run_device_checks([teacher_id_check(ids, mask, vocab)])

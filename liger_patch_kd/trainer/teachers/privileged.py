@@ -20,17 +20,18 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import (
+    TEACHER_ATTENTION_MASK,
+    TEACHER_DATA_COLUMNS,
+    TEACHER_INPUT_IDS,
+    TEACHER_LABELS,
+    TEACHER_POSITION_IDS,
+)
 from ...teacher import TeacherDataCollator
-from ...teacher.store.collator import TEACHER_DATA_COLUMNS
-
-# dataset columns the Trainer must keep for these rows (text rows' teacher_prompt is a prompt column)
-PRIVILEGED_COLUMNS = ("teacher_input_ids", "teacher_labels")
-# the teacher's data computed on teacher_input_ids (a store's top-k or sampled tokens), batched along its row
-STORED = TEACHER_DATA_COLUMNS
 
 
 def is_privileged_row(row: Any) -> bool:
-    return isinstance(row, dict) and "teacher_input_ids" in row
+    return isinstance(row, dict) and TEACHER_INPUT_IDS in row
 
 
 def teacher_labels_for(feature: dict[str, Any], row: int, ignore_index: int = -100) -> list[int]:
@@ -46,12 +47,12 @@ def teacher_labels_for(feature: dict[str, Any], row: int, ignore_index: int = -1
             f"prompt) to say which tokens both sides score"
         )
     s_ids, s_labels = list(feature["input_ids"]), [int(x) for x in feature["labels"]]
-    t_ids = [int(x) for x in feature["teacher_input_ids"]]
+    t_ids = [int(x) for x in feature[TEACHER_INPUT_IDS]]
     if len(s_labels) != len(s_ids):
         raise ValueError(f"row {row}: labels has {len(s_labels)} tokens, input_ids {len(s_ids)}; give one per token")
     completion = [x for x in s_labels if x != ignore_index]
-    if feature.get("teacher_labels") is not None:
-        t_labels = [int(x) for x in feature["teacher_labels"]]
+    if feature.get(TEACHER_LABELS) is not None:
+        t_labels = [int(x) for x in feature[TEACHER_LABELS]]
         if len(t_labels) != len(t_ids):
             raise ValueError(
                 f"row {row}: teacher_labels has {len(t_labels)} tokens, teacher_input_ids {len(t_ids)}; "
@@ -86,26 +87,27 @@ class PrivilegedCollator:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         for row, f in enumerate(features):
-            if "teacher_input_ids" not in f:
+            if TEACHER_INPUT_IDS not in f:
                 raise ValueError(f"row {row} has no teacher_input_ids; a batch of privileged rows needs them in each")
-            for key in (k for k in STORED if k in f and len(f[k]) != len(f["teacher_input_ids"])):
+            for key in (k for k in TEACHER_DATA_COLUMNS if k in f and len(f[k]) != len(f[TEACHER_INPUT_IDS])):
                 raise ValueError(
-                    f"row {row}: {key} has {len(f[key])} positions, teacher_input_ids {len(f['teacher_input_ids'])}; "
+                    f"row {row}: {key} has {len(f[key])} positions, teacher_input_ids {len(f[TEACHER_INPUT_IDS])}; "
                     f"the teacher's data must be the teacher's on its own row (a store precomputed on "
                     f"teacher_input_ids)"
                 )
         teacher_labels = [teacher_labels_for(f, row, self.ignore_index) for row, f in enumerate(features)]
         student = [{"input_ids": list(f["input_ids"]), "labels": list(f["labels"])} for f in features]
-        teacher = [{"input_ids": list(f["teacher_input_ids"]), "labels": t, **{k: f[k] for k in STORED if k in f}}
+        teacher = [{"input_ids": list(f[TEACHER_INPUT_IDS]), "labels": t,
+                    **{k: f[k] for k in TEACHER_DATA_COLUMNS if k in f}}
                    for f, t in zip(features, teacher_labels)]  # fmt: skip
         if self.packing:
             s, t = _packed(student), _packed(teacher)
-            return {**s, "teacher_input_ids": t.pop("input_ids"), "teacher_labels": t.pop("labels"),
-                    "teacher_position_ids": t.pop("position_ids"), **t}  # fmt: skip
+            return {**s, TEACHER_INPUT_IDS: t.pop("input_ids"), TEACHER_LABELS: t.pop("labels"),
+                    TEACHER_POSITION_IDS: t.pop("position_ids"), **t}  # fmt: skip
         pad = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)
         s, t = pad(student), pad(teacher)  # the teacher's top-k, when given, padded along the teacher's row
-        return {**s, "teacher_input_ids": t.pop("input_ids"), "teacher_attention_mask": t.pop("attention_mask"),
-                "teacher_labels": t.pop("labels"), **t}  # fmt: skip
+        return {**s, TEACHER_INPUT_IDS: t.pop("input_ids"), TEACHER_ATTENTION_MASK: t.pop("attention_mask"),
+                TEACHER_LABELS: t.pop("labels"), **t}  # fmt: skip
 
 
 def _packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -117,7 +119,7 @@ def _packed(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     positions = [p for r in rows for p in range(len(r["input_ids"]))]
     columns = (("input_ids", ids), ("labels", labels), ("position_ids", positions))
     out = {name: torch.tensor([values]) for name, values in columns}
-    for key in STORED:
+    for key in TEACHER_DATA_COLUMNS:
         if key in rows[0]:
             out[key] = torch.cat([torch.as_tensor(r[key]) for r in rows])[None]
     return out
@@ -128,7 +130,7 @@ def privileged_rollout_batch(rollouts: list[Any], teacher_prompts: list[list[int
     teacher's is its prompt + the same completion. `teacher_prompts[i]` belongs to `rollouts[i]`."""
     features = [
         {"input_ids": r.prompt + r.completion, "labels": [ignore_index] * len(r.prompt) + r.completion,
-         "teacher_input_ids": tp + r.completion, "teacher_labels": [ignore_index] * len(tp) + r.completion}
+         TEACHER_INPUT_IDS: tp + r.completion, TEACHER_LABELS: [ignore_index] * len(tp) + r.completion}
         for r, tp in zip(rollouts, teacher_prompts, strict=True)
     ]  # fmt: skip
     return PrivilegedCollator(pad_token_id=pad_id, ignore_index=ignore_index)(features)

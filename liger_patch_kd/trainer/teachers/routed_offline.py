@@ -17,14 +17,13 @@ from typing import Any
 
 from transformers.utils import logging
 
+from ...batch.columns import OFFLINE_MARK_COLUMNS, ROUTING_COLUMNS, TEACHER_MIXTURE
 from ...config import KDLossConfig
 from .base import KDStepOutput, score_rows
-from .several import MIXTURE_KEY, ROUTING_COLUMNS, RoutingCollator, TeacherSetSetup
+from .several import RoutingCollator, TeacherSetSetup
 from .stored import StoredTeacher
 
 logger = logging.get_logger(__name__)
-
-OFFLINE_COLUMNS = ("teacher_token_ids", "teacher_sample_ids")  # a row with either holds its teacher's data
 
 
 def teacher_names_of(dataset: Any) -> list[str] | None:
@@ -46,7 +45,7 @@ def offline_routed_setup(args: Any, dataset: Any, first_row: Any, teacher_model:
     offline rows with a `teacher` column, or another teacher source is in play (a live teacher_model, a server,
     self-distillation, another tokenizer), or the names cannot be listed (logged as a warning)."""
     row = first_row if isinstance(first_row, Mapping) else {}
-    if row.get("teacher") is None or not any(row.get(c) is not None for c in OFFLINE_COLUMNS):
+    if row.get("teacher") is None or not any(row.get(c) is not None for c in OFFLINE_MARK_COLUMNS):
         return None
     if teacher_model is not None or args.kd_teacher_url or args.kd_self_distill or args.kd_teacher_tokenizer:
         return None
@@ -89,7 +88,7 @@ class RoutedRowsTeacher(StoredTeacher):
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
-        routes = inputs.pop(MIXTURE_KEY, None)  # each row's teacher
+        routes = inputs.pop(TEACHER_MIXTURE, None)  # each row's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
         step = super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         if scored is not None:

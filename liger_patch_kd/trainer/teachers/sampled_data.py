@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...batch.columns import TEACHER_SAMPLE_IDS
 from ...config import KDLossConfig
 from ...conventions import require_sampled_objective
 from ...teacher.store import store_meta
@@ -17,7 +18,7 @@ def check_sampled_dataset(dataset: Any, cfg: KDLossConfig, first_row: Any = None
     meta = store_meta(dataset)
     if meta is not None and meta.get("samples"):
         drawn_at, holder, where = meta.get("temperature", 1.0), "store holds", "the store's teacher tokens were"
-    elif isinstance(first_row, dict) and first_row.get("teacher_sample_ids") is not None:
+    elif isinstance(first_row, dict) and first_row.get(TEACHER_SAMPLE_IDS) is not None:
         if declared is None and cfg.temperature != 1.0:
             raise ValueError(
                 f"kd_temperature={cfg.temperature} on rows of sampled teacher tokens without a store's metadata: "

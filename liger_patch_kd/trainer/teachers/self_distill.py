@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ...batch.columns import TEACHER_INPUT_IDS
 from ..arguments import SELF_DISTILL_MODES
 from .in_process import InProcessTeacher
 
@@ -81,7 +82,7 @@ def is_self_teacher(teacher: nn.Module | None) -> bool:
 
 def require_teacher_prompt(teacher: nn.Module | None, inputs: dict) -> None:
     """The frozen student scoring its own rows is the student itself: loss 0, no gradient, a silent no-op."""
-    if isinstance(teacher, FrozenStudentTeacher) and inputs.get("teacher_input_ids") is None:
+    if isinstance(teacher, FrozenStudentTeacher) and inputs.get(TEACHER_INPUT_IDS) is None:
         raise ValueError(
             "kd_self_distill='frozen' makes the student's own current weights the teacher, which on the student's "
             "own rows gives loss 0: give the rows a 'teacher_prompt' (or teacher_input_ids + teacher_labels) that "

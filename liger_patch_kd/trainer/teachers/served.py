@@ -116,15 +116,33 @@ def check_served_vocabulary(
 
 
 @checks_arguments(rank=2)
+def check_teacher_protocol(args: KDTrainingArguments) -> None:
+    """kd_teacher_protocol, validated here alone when the arguments are made: one protocol (str) for a served
+    teacher, or {name: protocol} naming each of kd_teacher_url's served teachers. The kinds it chooses are
+    teachers/plan.py's (served.py, served_hidden.py, served_several.py)."""
+    protocol, urls, known = args.kd_teacher_protocol, args.kd_teacher_url, (AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)
+    if isinstance(protocol, Mapping):
+        if not isinstance(urls, Mapping):
+            raise ValueError(f"kd_teacher_protocol is a dict ({dict(protocol)}) but kd_teacher_url is not: give "
+                             f"kd_teacher_url={{name: url}} with the same names, or one protocol as a str")  # fmt: skip
+        if set(protocol) != set(urls):
+            raise ValueError(f"kd_teacher_protocol names {sorted(protocol)} and kd_teacher_url {sorted(urls)}: give "
+                             f"one protocol per served teacher, the same names")  # fmt: skip
+        wrong = {name: p for name, p in dict(protocol).items() if p not in known}
+        if wrong:
+            raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
+    elif urls and protocol not in known:
+        raise ValueError(f"kd_teacher_protocol must be one of {known}; got {protocol!r}")
+
+
+@checks_arguments(rank=2)
 def check_served_teacher_args(args: KDTrainingArguments) -> None:
-    """KDTrainingArguments' kd_teacher_* fields, validated when the arguments are made."""
+    """KDTrainingArguments' kd_teacher_* fields for a top-k (or sampled) served teacher, validated when the
+    arguments are made."""
     if not args.kd_teacher_url or args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # the exact one: served_hidden.py
         return
     if isinstance(args.kd_teacher_protocol, Mapping):  # one per served teacher: served_several.py checks them
         return
-    if args.kd_teacher_protocol not in (AUTO_PROTOCOL, *PROTOCOLS):
-        raise ValueError(f"kd_teacher_protocol must be one of {(AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)}; got "
-                         f"{args.kd_teacher_protocol!r}")  # fmt: skip
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
     else:

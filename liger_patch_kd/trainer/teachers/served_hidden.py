@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import TEACHER_HEAD, TEACHER_HIDDEN_STATES
 from ...config import KDLossConfig
 from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.prefetch import Segments, TeacherPrefetcher, keys_of
@@ -27,11 +28,9 @@ from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .other_tokenizer import padded_vocab_size
 from .served import check_client_timing, prefetched, teacher_client
 
-HIDDEN_KEY, HEAD_KEY = "teacher_hidden_states", "teacher_head"  # the batch's (B, T, H) states, and their head
-
 
 def carries_hidden(batch: Mapping[str, Any]) -> bool:
-    return batch.get(HIDDEN_KEY) is not None
+    return batch.get(TEACHER_HIDDEN_STATES) is not None
 
 
 @checks_arguments(rank=2)
@@ -68,8 +67,9 @@ class HiddenPrefetcher(TeacherPrefetcher):
     they were computed with."""
 
     def attach(self, batch: Mapping[str, Any], segments: Segments, replies: list) -> dict[str, Any]:
-        if HIDDEN_KEY in batch:
-            raise ValueError(f"the batch already holds {HIDDEN_KEY}: use stored hidden states or a server, not both")
+        if TEACHER_HIDDEN_STATES in batch:
+            raise ValueError(f"the batch already holds {TEACHER_HIDDEN_STATES}: use stored hidden states or a server, "
+                             f"not both")  # fmt: skip
         heads = {id(head): head for _, head in replies}
         if len(heads) > 1:  # its requests straddled a weight update: ask again, all after it
             return self.with_teacher(batch)
@@ -78,7 +78,7 @@ class HiddenPrefetcher(TeacherPrefetcher):
         states = torch.zeros((*ids.shape, head.weight.shape[-1]), dtype=replies[0][0].dtype)
         for (row, positions), (hidden, _) in zip(segments, replies):
             states[row, positions] = hidden
-        return {**batch, HIDDEN_KEY: states, HEAD_KEY: head}
+        return {**batch, TEACHER_HIDDEN_STATES: states, TEACHER_HEAD: head}
 
 
 class HeadOnDevice:
@@ -91,14 +91,15 @@ class HeadOnDevice:
     def put(self, inputs: dict, head: TeacherHead, cfg: KDLossConfig) -> KDLossConfig:
         """Put the batch's teacher (its hidden states, `head` on their device) into `inputs` as the patched forward
         takes it; the loss config with the head's soft-cap."""
-        device = inputs[HIDDEN_KEY].device
+        device = inputs[TEACHER_HIDDEN_STATES].device
         if self.key != (head.version, device):
             self.tensors = {"teacher_weight": head.weight.to(device), "teacher_bias": None}
             if head.bias is not None:
                 self.tensors["teacher_bias"] = head.bias.to(device)
             self.key = (head.version, device)
         inputs.update(self.tensors)
-        inputs[HIDDEN_KEY] = inputs[HIDDEN_KEY].to(head.weight.dtype)  # fp8 replies arrive dequantised in fp32
+        # fp8 replies arrive dequantised in fp32
+        inputs[TEACHER_HIDDEN_STATES] = inputs[TEACHER_HIDDEN_STATES].to(head.weight.dtype)
         return cfg.replace(teacher_softcap=head.softcap)
 
 
@@ -152,7 +153,7 @@ class ServedHiddenTeacher(TeacherSource):
     def prepare(self, inputs: dict) -> dict:
         if not carries_hidden(inputs):
             raise ValueError(
-                f"no teacher: the batch has no {HIDDEN_KEY} from kd_teacher_url={self.args.kd_teacher_url} "
+                f"no teacher: the batch has no {TEACHER_HIDDEN_STATES} from kd_teacher_url={self.args.kd_teacher_url} "
                 f"(kd_teacher_protocol='hidden'), which the training and evaluation DataLoaders' batches and generated "
                 f"rows are asked for; score other batches with an in-process teacher_model"
             )
@@ -166,7 +167,7 @@ class ServedHiddenTeacher(TeacherSource):
         return step
 
     def signal(self, inputs: dict, cfg: KDLossConfig) -> KDLossConfig:
-        return self.head.put(inputs, inputs.pop(HEAD_KEY), cfg)
+        return self.head.put(inputs, inputs.pop(TEACHER_HEAD), cfg)
 
     def metrics(self) -> dict[str, float]:
         """Wire figures for logs: bytes per token received, head fetches, seconds the loop waited for replies."""

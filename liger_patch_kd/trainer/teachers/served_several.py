@@ -21,23 +21,24 @@ from typing import Any
 
 import torch
 
+from ...batch.columns import (
+    TEACHER_HEAD_SET,
+    TEACHER_HIDDEN_SET,
+    TEACHER_HIDDEN_STATES,
+    TEACHER_INPUT_IDS,
+    TEACHER_MIXTURE,
+    TOPK_COLUMNS,
+)
 from ...config import KDLossConfig
 from ...teacher.client import TeacherPrefetcher
-from ...teacher.client.client import AUTO_PROTOCOL
 from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
-from ...wire import PROTOCOLS
 from ...wire.hidden_wire import TeacherHead
 from ..arguments import KDTrainingArguments, checks_arguments
 from .base import KDStepOutput, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
 from .served import check_teacher_server, check_topk_client_options, prefetched, teacher_client
-from .served_hidden import HIDDEN_KEY, HeadOnDevice, check_hidden_dtype
-from .several import MIXTURE_KEY
-
-# a batch's hidden-state teachers: {name: (B, T, H) states (zeros off that teacher's rows)} and {name: its head}
-HIDDEN_SET_KEY, HEAD_SET_KEY = "teacher_hidden_set", "teacher_head_set"
-TOPK_COLUMNS = ("teacher_token_ids", "teacher_logprobs")
+from .served_hidden import HeadOnDevice, check_hidden_dtype
 
 
 def protocol_of(args: Any, name: str) -> str:
@@ -50,19 +51,9 @@ def protocol_of(args: Any, name: str) -> str:
 def check_several_served_args(args: KDTrainingArguments) -> None:
     """kd_teacher_protocol as a dict (one per served teacher), or "hidden" for several: validated when the
     arguments are made."""
-    protocol, urls = args.kd_teacher_protocol, args.kd_teacher_url
-    if isinstance(protocol, Mapping) and not isinstance(urls, Mapping):
-        raise ValueError(f"kd_teacher_protocol is a dict ({dict(protocol)}) but kd_teacher_url is not: give "
-                         f"kd_teacher_url={{name: url}} with the same names, or one protocol as a str")  # fmt: skip
+    protocol, urls = args.kd_teacher_protocol, args.kd_teacher_url  # their values: served.check_teacher_protocol
     if not isinstance(urls, Mapping) or not (isinstance(protocol, Mapping) or protocol == HIDDEN_PROTOCOL):
         return
-    if isinstance(protocol, Mapping) and set(protocol) != set(urls):
-        raise ValueError(f"kd_teacher_protocol names {sorted(protocol)} and kd_teacher_url {sorted(urls)}: give "
-                         f"one protocol per served teacher, the same names")  # fmt: skip
-    known = (AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)
-    wrong = {name: p for name, p in dict(protocol if isinstance(protocol, Mapping) else {}).items() if p not in known}
-    if wrong:
-        raise ValueError(f"kd_teacher_protocol values must be in {known}; got {wrong}")
     check_hidden_dtype(args)
     check_topk_client_options(args)
     refused = {"kd_teacher_samples": args.kd_teacher_samples is not None, "kd_seq_kd": args.kd_seq_kd,
@@ -113,7 +104,7 @@ PRIVILEGED_ROWS_REFUSED = (
 
 def check_rows_for_several_served(args: Any, first_row: Any) -> None:
     """Refused when KDTrainer is built, before any server is asked (the prefetcher refuses such batches too)."""
-    if isinstance(args.kd_teacher_url, Mapping) and isinstance(first_row, Mapping) and "teacher_input_ids" in first_row:
+    if isinstance(args.kd_teacher_url, Mapping) and isinstance(first_row, Mapping) and TEACHER_INPUT_IDS in first_row:
         raise ValueError(PRIVILEGED_ROWS_REFUSED)
 
 
@@ -123,7 +114,7 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
     def submit(self, batch, segments):
         if self.keys is None and keys_of(batch, None) != STUDENT_KEYS:  # privileged rows (their own teacher prompt)
             raise ValueError(PRIVILEGED_ROWS_REFUSED)
-        weights = batch[MIXTURE_KEY]
+        weights = batch[TEACHER_MIXTURE]
         routes = []
         for row, positions in segments:
             w = weights[row] if weights.dim() == 2 else weights[row, positions[0]]
@@ -145,7 +136,7 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
 
     def attach(self, batch, segments, replies):
         """The top-k teachers' replies as teacher_token_ids / teacher_logprobs (padding on other rows), each hidden
-        teacher's as its states and head (HIDDEN_SET_KEY / HEAD_SET_KEY); a set without hidden teachers as one
+        teacher's as its states and head (TEACHER_HIDDEN_SET / TEACHER_HEAD_SET); a set without hidden teachers as one
         served teacher's top-k."""
         if not self.client.hidden:
             return super().attach(batch, segments, replies)
@@ -163,7 +154,7 @@ class RoutedTeacherPrefetcher(TeacherPrefetcher):
             if name not in states:
                 states[name] = torch.zeros((*batch[keys[0]].shape, h.shape[-1]), dtype=h.dtype)
             states[name][row, positions] = h
-        return {**out, HIDDEN_SET_KEY: states, HEAD_SET_KEY: heads}
+        return {**out, TEACHER_HIDDEN_SET: states, TEACHER_HEAD_SET: heads}
 
 
 def checked_routed_clients(args: Any, *, vocab_size: int, tokenizer: Any = None) -> RoutedTeacherClients:
@@ -217,15 +208,15 @@ class ServedTeachers(RoutedRowsTeacher):
         return prefetched(dataloader, self.clients, kind=RoutedTeacherPrefetcher, ahead=ahead)
 
     def prepare(self, inputs: dict) -> dict:
-        """A batch's teacher: top-k columns (rows of top-k teachers), hidden teachers' states (HIDDEN_SET_KEY), or
+        """A batch's teacher: top-k columns (rows of top-k teachers), hidden teachers' states (TEACHER_HIDDEN_SET), or
         both; a set of hidden teachers alone attaches no top-k columns at all."""
-        if inputs.get(HIDDEN_SET_KEY):
+        if inputs.get(TEACHER_HIDDEN_SET):
             return inputs
         return super().prepare(inputs)
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
-        states, heads = inputs.pop(HIDDEN_SET_KEY, None), inputs.pop(HEAD_SET_KEY, None)
+        states, heads = inputs.pop(TEACHER_HIDDEN_SET, None), inputs.pop(TEACHER_HEAD_SET, None)
         if not states:  # no hidden teacher's row in this batch: the top-k rows as routed rows
             return super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         return mixed_kinds_loss(model, inputs, states, heads, self, num_items_in_batch, cfg, log_now)
@@ -236,7 +227,7 @@ def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: Ser
     """A batch of several served teachers, some hidden: one pass per kind present (the top-k teachers together,
     each hidden teacher alone), each scoring its own teacher's tokens, all over the batch's token count."""
     names = list(source.clients.names)
-    routes = inputs.pop(MIXTURE_KEY)
+    routes = inputs.pop(TEACHER_MIXTURE)
     owner = routes.argmax(-1)  # each row's (B) or each position's (B, T) teacher
     owner = owner[:, None].expand_as(inputs["labels"]) if owner.dim() == 1 else owner
     ignore = cfg.ignore_index
@@ -260,7 +251,7 @@ def mixed_kinds_loss(model, inputs: dict, states: dict, heads: dict, source: Ser
     for batch, name, count in batches:
         pass_cfg = cfg
         if name is not None:
-            batch[HIDDEN_KEY] = states[name]
+            batch[TEACHER_HIDDEN_STATES] = states[name]
             pass_cfg = source.heads[name].put(batch, heads[name], cfg)
         step = one_teacher_loss(model, None, batch, num_items_in_batch, pass_cfg, log_now, source.fused)
         parts.append((step, count))

@@ -19,6 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import (
+    ROUTING_COLUMNS,
+    TEACHER_INPUT_IDS,
+    TEACHER_MIXTURE,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_TOKEN_IDS,
+    TEACHER_WEIGHTS,
+)
 from ...config import KDLossConfig
 from ...models import TeacherSet, unwrap_model
 from ...models.kd_io import targets_of
@@ -31,8 +39,6 @@ from .base import KDStepOutput, TeacherSource
 from .several_tokenizers import TokenizerTeachers
 from .several_tokenizers_loss import tokenizer_teachers_loss
 
-ROUTING_COLUMNS = ("teacher", "teacher_weights")
-MIXTURE_KEY = "teacher_mixture"  # the collated (B, J) weights
 WEIGHT_SUM_TOLERANCE = 1e-3  # a row's weights must sum to 1, up to the rounding of weights written as decimals
 
 
@@ -62,7 +68,7 @@ def check_single_teacher(args: Any, first_row: Any) -> None:
         )
     row = first_row if isinstance(first_row, Mapping) else {}
     given = [c for c in ROUTING_COLUMNS if row.get(c) is not None]
-    offline = row.get("teacher_token_ids") is not None or row.get("teacher_sample_ids") is not None
+    offline = row.get(TEACHER_TOKEN_IDS) is not None or row.get(TEACHER_SAMPLE_IDS) is not None
     if offline and given == ["teacher"]:  # teacher.RoutedTeacherData: the row's top-k is its own teacher's already
         return
     if given:
@@ -157,7 +163,7 @@ class TeacherSetSetup:
         return weights
 
     def row_weights(self, row: Mapping[str, Any]) -> list[float]:
-        teacher, weights = row.get("teacher"), row.get("teacher_weights")
+        teacher, weights = row.get("teacher"), row.get(TEACHER_WEIGHTS)
         if teacher is not None and weights is not None:
             raise ValueError("a row gives both 'teacher' (routing) and 'teacher_weights' (a mixture); give one")
         if teacher is not None:
@@ -206,21 +212,21 @@ class TeacherSetSetup:
 
     def loss(self, model: nn.Module, inputs: dict, num_items_in_batch, cfg: KDLossConfig, fused: bool, log: bool):
         """The KD forward against the teacher set (fused through the patched model, else on materialised logits)."""
-        weights = inputs.pop(MIXTURE_KEY, None)
+        weights = inputs.pop(TEACHER_MIXTURE, None)
         if weights is None:
             raise ValueError(
-                f"the batch has no '{MIXTURE_KEY}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
+                f"the batch has no '{TEACHER_MIXTURE}' (keys: {sorted(inputs)}); with several teachers KDTrainer wraps "
                 f"the data collator to add it from each row's 'teacher' / 'teacher_weights' column"
             )
         if self.tokenizers is not None:  # some teachers have their own tokenizers: several_tokenizers_loss.py
             return tokenizer_teachers_loss(model, self.models, self.tokenizers, inputs, weights, num_items_in_batch,
                                            cfg, log)  # fmt: skip
-        if inputs.get("teacher_input_ids") is not None:  # a teacher's own tokens (other prompt or tokenizer)
+        if inputs.get(TEACHER_INPUT_IDS) is not None:  # a teacher's own tokens (other prompt or tokenizer)
             raise ValueError(
                 "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
                 "in-process teachers do not read yet: every teacher here scores the student's input_ids"
             )
-        if inputs.get("teacher_token_ids") is not None or inputs.get("teacher_sample_ids") is not None:
+        if inputs.get(TEACHER_TOKEN_IDS) is not None or inputs.get(TEACHER_SAMPLE_IDS) is not None:
             raise ValueError(
                 "batches with teacher_token_ids / teacher_sample_ids (offline data) and several live teachers: pass "
                 "one or the other. "
@@ -248,9 +254,9 @@ class RoutingCollator:
         mixture = torch.tensor([self.setup.row_weights(f) for f in features], dtype=torch.float32)
         rows = [{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]
         if self.setup.tokenizers is not None:  # rows of text, tokenized for the student and each other tokenizer
-            return {**self.setup.tokenizers.collate(rows, mixture), MIXTURE_KEY: mixture}
+            return {**self.setup.tokenizers.collate(rows, mixture), TEACHER_MIXTURE: mixture}
         batch = dict(self.inner(rows))
-        batch[MIXTURE_KEY] = _per_token_if_packed(mixture, features, batch["input_ids"])
+        batch[TEACHER_MIXTURE] = _per_token_if_packed(mixture, features, batch["input_ids"])
         return batch
 
 

@@ -5,7 +5,7 @@ loaded with AutoTokenizer); a teacher left out, or given None, shares the studen
 Rows are text (TRL's prompt / completion, or messages): only text can be tokenized both ways. Each row's student
 tokens come from the student's tokenizer once (align.CrossTokenizerCollator.student_tokens); each teacher of another
 tokenizer tokenizes and aligns the rows that give it a weight > 0 (its own CrossTokenizerCollator), under the
-batch's TEACHERS_KEY: {name: its columns}. The loss (several_tokenizers_loss.py) runs the student once and scores
+batch's TOKENIZER_TEACHERS: {name: its columns}. The loss (several_tokenizers_loss.py) runs the student once and scores
 every row by its own teachers, each part weighted per row by its share of the row's weights w_r:
 
     share_same(r) = sum of w_rj over the teachers of the student's tokenizer      (the fused several-teacher loss)
@@ -27,14 +27,26 @@ import torch
 from torch import nn
 
 from ...align.collator import has_completion
-from ..rollouts.onpolicy import HAS_COMPLETION
+from ...batch.columns import (
+    ALIGN_EXACT_OK,
+    HAS_COMPLETION,
+    STUDENT_ALIGN_GROUPS,
+    TEACHER_ALIGN_GROUPS,
+    TEACHER_ATTENTION_MASK,
+    TEACHER_INPUT_IDS,
+    TEACHER_LABELS,
+    TEACHER_LOGPROBS,
+    TEACHER_PROMPT,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_TOKEN_IDS,
+    TOKENIZER_TEACHERS,
+)
 from .other_tokenizer import CrossTokenizerSetup
 
-TEACHERS_KEY = "kd_tokenizer_teachers"  # the batch's per-teacher columns, {name: {column: tensor}}
 # a teacher's own columns, from its CrossTokenizerCollator (on its rows only)
-TEACHER_COLUMNS = ("teacher_input_ids", "teacher_attention_mask", "teacher_labels", "teacher_align_groups")
+TEACHER_COLUMNS = (TEACHER_INPUT_IDS, TEACHER_ATTENTION_MASK, TEACHER_LABELS, TEACHER_ALIGN_GROUPS)
 # what a row may carry for a teacher that no teacher of this path reads (refused, not dropped)
-UNREAD_COLUMNS = ("teacher_prompt", "teacher_input_ids", "teacher_token_ids", "teacher_logprobs", "teacher_sample_ids")
+UNREAD_COLUMNS = (TEACHER_PROMPT, TEACHER_INPUT_IDS, TEACHER_TOKEN_IDS, TEACHER_LOGPROBS, TEACHER_SAMPLE_IDS)
 
 
 def given_tokenizers(names: Sequence[str], args: Any, teacher_tokenizer: Any) -> dict[str, Any]:
@@ -119,8 +131,8 @@ class TokenizerTeachers:
 
     def collate(self, examples: list[dict[str, Any]], weights: torch.Tensor) -> dict[str, Any]:
         """The batch of text examples with (B, J) `weights`: the student's input_ids / attention_mask / labels
-        (right-padded, labels on the completion) and, under TEACHERS_KEY, each other-tokenizer teacher's columns on
-        its rows (those weighing it; student_align_groups / align_exact_ok of the whole batch's
+        (right-padded, labels on the completion) and, under TOKENIZER_TEACHERS, each other-tokenizer teacher's
+        columns on its rows (those weighing it; student_align_groups / align_exact_ok of the whole batch's
         shape, -1 / False on the rows that are not its own)."""
         self.check_mixture(weights, "a row's teacher weights")
         for i, example in enumerate(examples):
@@ -152,13 +164,13 @@ class TokenizerTeachers:
             own = setup.collator([examples[i] for i in rows.tolist()])
             columns = own["input_ids"].shape[1]  # its rows' student tokens: the batch's, padded to their own width
             groups = torch.full((len(examples), width), -1, dtype=torch.long)
-            groups[rows, :columns] = own["student_align_groups"]
+            groups[rows, :columns] = own[STUDENT_ALIGN_GROUPS]
             exact = torch.zeros((len(examples), width), dtype=torch.bool)
-            exact[rows, :columns] = own["align_exact_ok"]
+            exact[rows, :columns] = own[ALIGN_EXACT_OK]
             parts[name] = {
-                "student_align_groups": groups,
-                "align_exact_ok": exact,
+                STUDENT_ALIGN_GROUPS: groups,
+                ALIGN_EXACT_OK: exact,
                 **{c: own[c] for c in TEACHER_COLUMNS},
             }
-        batch[TEACHERS_KEY] = parts
+        batch[TOKENIZER_TEACHERS] = parts
         return batch

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.columns import ALIGN_EXACT_OK, STUDENT_ALIGN_GROUPS, TEACHER_ALIGN_GROUPS, TOKENIZER_TEACHERS
 from ...config import KDLossConfig
 from ...losses import fused_linear_multi_teacher_jsd
 from ...models import unwrap_model
@@ -28,7 +29,7 @@ from ...models.kd_io import KDCausalLMOutput, shift_labels
 from ...models.registry import softcap_of
 from ...models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
 from .other_tokenizer_loss import last_hidden_and_head, live_teacher_loss, model_head_inputs
-from .several_tokenizers import TEACHERS_KEY, TokenizerTeachers
+from .several_tokenizers import TokenizerTeachers
 
 
 def tokenizer_teachers_loss(
@@ -38,7 +39,7 @@ def tokenizer_teachers_loss(
     """soft_weight * KD + hard_weight * CE of the batch, each row against its own teachers (the module docstring
     of several_tokenizers.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
     terms (detached) and, on logging steps, the per-teacher figures, as the patched forward's."""
-    parts = inputs.pop(TEACHERS_KEY)
+    parts = inputs.pop(TOKENIZER_TEACHERS)
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     h_s, head_s = last_hidden_and_head(model, ids, mask)
     h_s, b_s = model_head_inputs(model, h_s, head_s.bias)
@@ -129,11 +130,11 @@ def cross_agreement(student: tuple, teacher: dict[str, Any], part: dict, vocab_m
     """Top-1 agreement of the student and a teacher of another tokenizer on up to METRIC_ROWS one-to-one groups of
     `part` (its columns from TokenizerTeachers.collate): the same token string, through `vocab_map`'s pairs."""
     h_s, w_s, b_s = student
-    s_groups = part["student_align_groups"].reshape(-1)
-    s_rows = torch.nonzero((s_groups >= 0) & part["align_exact_ok"].reshape(-1)).flatten()[:METRIC_ROWS]
+    s_groups = part[STUDENT_ALIGN_GROUPS].reshape(-1)
+    s_rows = torch.nonzero((s_groups >= 0) & part[ALIGN_EXACT_OK].reshape(-1)).flatten()[:METRIC_ROWS]
     if s_rows.numel() == 0:
         return torch.zeros((), device=h_s.device)
-    t_groups = part["teacher_align_groups"].reshape(-1)
+    t_groups = part[TEACHER_ALIGN_GROUPS].reshape(-1)
     in_group = torch.nonzero(t_groups >= 0).flatten()
     row_of_group = torch.full((int(t_groups.max()) + 1,), -1, dtype=torch.long, device=t_groups.device)
     row_of_group[t_groups[in_group]] = in_group  # a one-to-one group has one teacher row

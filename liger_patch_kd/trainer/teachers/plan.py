@@ -1,0 +1,214 @@
+"""The run's teacher, resolved once: `resolve_teacher` reads KDTrainer's arguments (teacher_model, kd_teacher_url,
+teacher_tokenizer / kd_teacher_tokenizer, kd_self_distill, the dataset's rows) and returns one TeacherPlan, which
+owns everything the teacher decides: the collator, the columns the Trainer keeps, the vocabulary of the loss, the
+refusals of the model spread, the preparation of the teacher models and, once the student is prepared, the run's
+TeacherSource (base.py).
+
+A run's teacher is a set of members of one kind (one member is the usual set):
+
+    in process   a teacher_model here (in_process.py); several by name (several.py)
+    self         the student itself (self_distill.py)
+    stored       rows that carry their teacher's data (stored.py); routed to named teachers (routed_offline.py);
+                 a rollout store's rows (offline_onpolicy/)
+    served       top-k or samples behind kd_teacher_url (served.py); several by name (served_several.py)
+    hidden       a served teacher's hidden states and head (served_hidden.py)
+
+and a member of another tokenizer wraps any of the single kinds (other_tokenizer.py; several, in process:
+several_tokenizers.py). `KINDS` below is where a kind is chosen: a new kind is a source file and one entry there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ...batch.columns import (
+    CROSS_TOKENIZER_COLUMNS,
+    POSITION_IDS,
+    PRIVILEGED_COLUMNS,
+    PROMPT_COLUMNS,
+    ROUTING_COLUMNS,
+    TEACHER_DATA_COLUMNS,
+)
+from ...config import KDLossConfig
+from ...teacher import TeacherDataCollator
+from ..dataset_setup import (
+    check_store_tokenizer,
+    check_training_rows,
+    first_row_is,
+    first_row_is_prompt,
+    first_row_of,
+    with_vocab_size,
+)
+from ..offline_onpolicy import OfflineRollouts
+from ..rollouts.prompts import PromptCollator
+from .base import TeacherSource
+from .compute import prepare_teacher_compute
+from .in_process import InProcessTeacher
+from .other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
+from .privileged import PrivilegedCollator, is_privileged_row
+from .routed_offline import RoutedRowsTeacher, offline_routed_setup
+from .self_distill import SelfDistillTeacher, self_distill_teacher
+from .served import ServedTeacher
+from .served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
+from .served_several import ServedTeachers
+from .several import SeveralTeachers, TeacherSetSetup, check_single_teacher
+from .stored import StoredTeacher
+
+
+@dataclass
+class TeacherPlan:
+    """The resolved teacher of one KDTrainer run (see the module docstring). `kind` names the entry of KINDS that
+    builds its source; `teacher_model` is the one in-process teacher (frozen and placed by `source`)."""
+
+    args: Any
+    kind: str
+    kd_config: KDLossConfig
+    teacher_model: nn.Module | None
+    teacher_set: TeacherSetSetup | None = None  # several named teachers (in process, served, or routed rows)
+    xtok: CrossTokenizerSetup | None = None  # one teacher of another tokenizer
+    offline: OfflineRollouts | None = None  # a rollout store
+    prompt_rows: bool = False  # TRL's prompt / completion / messages rows
+    tokenizer: Any = None  # the student's (processing_class)
+    columns: list[str] = field(default_factory=list)  # the dataset columns the Trainer must keep
+
+    def check_spread(self, accelerator: Any, student: nn.Module) -> None:
+        """Refusals that depend on how accelerate spreads the models (FSDP1 and ZeRO-3 across tokenizers), before
+        anything is sharded."""
+        if self.xtok is not None:
+            self.xtok.check_spread(accelerator, (student, self.teacher_model))
+
+    def source(self, student: nn.Module, freeze: Callable[[nn.Module], nn.Module]) -> TeacherSource:
+        """The run's TeacherSource, its models prepared: the self-distilling student's teacher made from the
+        prepared `student`, every in-process teacher frozen and placed by `freeze` (KDTrainer's: eval mode, no
+        grad, the teacher kernels, sharded like the student), its compute options applied (compute.py)."""
+        args = self.args
+        if args.kd_self_distill:
+            if self.teacher_model is not None:
+                raise ValueError("kd_self_distill makes the student its own teacher; do not pass teacher_model")
+            self.teacher_model = self_distill_teacher(args.kd_self_distill, student)  # self_distill.py
+        elif self.teacher_model is not None:
+            self.teacher_model = freeze(self.teacher_model)
+        if self.teacher_set is not None and self.teacher_set.models:
+            self.teacher_set.models = {name: freeze(m) for name, m in self.teacher_set.models.items()}
+        prepare_teacher_compute(args, self.teacher_model)
+        return KINDS[self.kind](self, args.use_kd_patch)
+
+    def check_generation(self, generates: bool) -> None:
+        """Steps that sample completions need a teacher to score or to sample them."""
+        args = self.args
+        if args.kd_seq_kd and self.teacher_model is None:
+            raise ValueError("kd_seq_kd samples completions from the teacher: pass teacher_model")
+        if generates and self.teacher_model is None and not args.kd_teacher_url:
+            raise ValueError(
+                f"kd_lmbda={args.kd_lmbda} trains on completions generated during training, which no offline store "
+                f"holds: pass teacher_model (or kd_self_distill=True) or kd_teacher_url, or set kd_lmbda=0"
+            )
+
+
+# kind -> its source, built once the models are prepared (TeacherPlan.source)
+KINDS: dict[str, Callable[[TeacherPlan, bool], TeacherSource]] = {
+    "several in process": lambda plan, fused: SeveralTeachers(plan.teacher_set, fused),
+    "other tokenizer": lambda plan, fused: OtherTokenizerTeacher(plan.xtok, plan.teacher_model, plan.args, fused),
+    "rollout store": lambda plan, fused: plan.offline.teacher_source(fused),
+    "several served": lambda plan, fused: ServedTeachers(plan.teacher_set, plan.args, fused),
+    "routed rows": lambda plan, fused: RoutedRowsTeacher(plan.teacher_set, fused),
+    "served hidden": lambda plan, fused: ServedHiddenTeacher(plan.args, plan.tokenizer, fused),
+    "served": lambda plan, fused: ServedTeacher(plan.args, fused),
+    "self": lambda plan, fused: SelfDistillTeacher(plan.teacher_model, fused),
+    "in process": lambda plan, fused: InProcessTeacher(plan.teacher_model, fused),
+    "stored": lambda plan, fused: StoredTeacher(fused),
+}
+
+
+def kind_of(args: Any, teacher_set: TeacherSetSetup | None, xtok: Any, offline: Any, teacher_model: Any) -> str:
+    """The one place the kind of a run's teacher is chosen (an entry of KINDS)."""
+    if teacher_set is not None and not teacher_set.served:
+        return "several in process"
+    if xtok is not None:
+        return "other tokenizer"
+    if offline is not None:  # a rollout store's rows (a teacher_model only rescores refreshed ones)
+        return "rollout store"
+    if teacher_set is not None:  # rows routed to named teachers: served by each, or stored
+        return "several served" if isinstance(args.kd_teacher_url, Mapping) else "routed rows"
+    if args.kd_teacher_url:
+        return "served hidden" if args.kd_teacher_protocol == HIDDEN_PROTOCOL else "served"
+    if args.kd_self_distill:
+        return "self"
+    return "in process" if teacher_model is not None else "stored"
+
+
+def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tokenizer: Any,
+                    kwargs: dict[str, Any]) -> TeacherPlan:  # fmt: skip
+    """KDTrainer's arguments -> the run's TeacherPlan. `kwargs` are the Trainer's keyword arguments: their
+    data_collator is set to the teacher's (a given one kept, wrapped for routing when several teachers route rows).
+    Every check of the teacher against the rows and the models runs here, before any long work."""
+    tokenizer, rows = kwargs.get("processing_class"), kwargs.get("train_dataset")
+    teacher_set = None
+    if isinstance(teacher_model, (Mapping, nn.ModuleDict)):  # several teachers by name (several.py)
+        teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer, student=(model, tokenizer))
+        teacher_model = None
+    elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers (served_several.py)
+        teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
+    else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
+        check_single_teacher(args, first_row_of(rows))
+        # offline rows naming their teachers (teacher.RoutedTeacherData): the names kept for per-teacher logs
+        teacher_set = offline_routed_setup(args, rows, first_row_of(rows), teacher_model)
+    if args.kd_teacher_url and teacher_model is not None:
+        raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
+    xtok, kd_config = None, args.kd_loss_config()
+    if teacher_set is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
+        xtok = CrossTokenizerSetup.build(args, tokenizer, model, teacher_model, teacher_tokenizer=teacher_tokenizer)
+        kwargs["data_collator"] = kwargs.get("data_collator") or xtok.collator
+    else:
+        kd_config = with_vocab_size(kd_config, model, teacher_model, tokenizer)
+        for member in teacher_set.student_vocab_teachers() if teacher_set else ():  # one vocab_size
+            kd_config = with_vocab_size(kd_config, model, member, tokenizer)
+    # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
+    offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer)
+    if offline is not None and kwargs.get("data_collator") is None:
+        kwargs["data_collator"] = offline.collator
+    evaluation = kwargs.get("eval_dataset")
+    check_training_rows(args, kd_config, rows, kwargs.get("data_collator"), teacher_model, evaluation)
+    if xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
+        check_store_tokenizer(xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
+    elif not (teacher_set is not None and teacher_set.tokenizers):
+        check_store_tokenizer(tokenizer, rows, evaluation)
+    plan = TeacherPlan(args, kind_of(args, teacher_set, xtok, offline, teacher_model), kd_config, teacher_model,
+                       teacher_set, xtok, offline, first_row_is_prompt(rows), tokenizer)  # fmt: skip
+    kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows)
+    plan.columns = kept_columns(plan)
+    return plan
+
+
+def teacher_collator(plan: TeacherPlan, given: Any, rows: Any) -> Any:
+    """The run's collator: the one given (or the teacher kind's, set above), else the rows' kind's: TRL's prompt
+    rows, rows with the teacher's own prompt, or token rows with their teacher columns padded (HF's default
+    padding collator pads no labels); wrapped to add each row's routing when several teachers route rows."""
+    pad = getattr(plan.tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else pad
+    if given is None and plan.prompt_rows:
+        if plan.tokenizer is None:
+            raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
+        given = PromptCollator(plan.tokenizer, max_prompt_length=plan.args.kd_max_prompt_length,
+                               max_length=plan.args.kd_max_length)  # fmt: skip
+    if given is None and first_row_is(rows, is_privileged_row):
+        given = PrivilegedCollator(pad_token_id=pad)  # the teacher's own token rows
+    if given is None:
+        given = TeacherDataCollator(pad_token_id=pad)
+    # each row's 'teacher' / 'teacher_weights' become the batch's mixture
+    return plan.teacher_set.collator(given) if plan.teacher_set is not None else given
+
+
+def kept_columns(plan: TeacherPlan) -> list[str]:
+    """The dataset columns the Trainer keeps beside the model's signature: the teacher's data and everything this
+    teacher's collator reads."""
+    extra = [*TEACHER_DATA_COLUMNS, POSITION_IDS, *(CROSS_TOKENIZER_COLUMNS if plan.xtok is not None else ())]
+    extra += list(PROMPT_COLUMNS) if plan.prompt_rows else []
+    extra += list(ROUTING_COLUMNS) if plan.teacher_set is not None else []
+    extra += list(PRIVILEGED_COLUMNS)
+    extra += list(plan.offline.columns) if plan.offline is not None else []  # a rollout store's log-probs
+    return extra
