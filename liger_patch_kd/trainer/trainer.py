@@ -31,6 +31,7 @@ from .dataset_setup import (
 from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .offline_onpolicy import OfflineRollouts
+from .output_checkpoints import check_rotation_spares_others
 from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
@@ -332,6 +333,7 @@ class KDTrainer(Trainer):
         return (loss, step.outputs) if return_outputs else loss
 
     def train(self, *args, **kwargs):
+        check_rotation_spares_others(self.args, kwargs.get("resume_from_checkpoint", args[0] if args else None))
         self._kd_recompute_limited = False  # every train() turns checkpointing back on for every layer
         try:
             return super().train(*args, **kwargs)
