@@ -173,13 +173,18 @@ def _other_teacher(root: Path) -> str:
         ({"--resume_from_checkpoint": "missing/ckpt"}, ["--resume_from_checkpoint missing/ckpt", "no such folder"]),
         ({"--resume_from_checkpoint": "."}, ["--resume_from_checkpoint .", "not a checkpoint", "trainer_state.json"]),
         ({"--kd_store_refresh_steps": "2"}, ["--kd_store_refresh_steps 2", "rollout store"]),
+        ({"--save_total_limit": "1", "--save_strategy": "steps", "--output_dir": "CKPT"},
+         ["output_dir", "checkpoint-3", "save_total_limit=1", "another output_dir"]),
     ],
 )
 def test_mistakes_are_one_line_before_any_model_loads(in_standins, tmp_path, capsys, no_model_loads, change, needles):
     options = dict(zip(PAIR[::2], PAIR[1::2]))
     options.update({k: (_other_teacher(tmp_path) if v == "OTHER" else v) for k, v in change.items()})
+    if options.get("--output_dir") == "CKPT":  # another run's checkpoint, which rotation would delete
+        (tmp_path / "ckpt" / "checkpoint-3").mkdir(parents=True)
+        options["--output_dir"] = str(tmp_path / "ckpt")
     argv = [w for k, v in options.items() if v is not None for w in (k, v)]
-    rc = cli.main(["train", *argv, "--output_dir", str(tmp_path / "o"), *FAST])
+    rc = cli.main(["train", *FAST, "--output_dir", str(tmp_path / "o"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err, err
     assert err[-1].startswith("liger-kd train: error: ") and all(n in err[-1] for n in needles), err[-1]

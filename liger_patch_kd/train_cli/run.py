@@ -8,6 +8,7 @@ from typing import Any
 
 from ..teacher.store import store_meta
 from ..teacher.store.rollouts import rollouts_of
+from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
 from .output import check_output_dir, check_resume, record_saved
@@ -49,6 +50,7 @@ def train(argv: list[str] | None = None):
     check_model_options(model)
     check_dataset_name(script)
     check_resume(training.resume_from_checkpoint)
+    check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
     check_output_dir(training.output_dir, {"--model_name_or_path": model.model_name_or_path,
                                            "--teacher_model_name_or_path": model.teacher_model_name_or_path},
                      script.overwrite_output_dir)  # fmt: skip
