@@ -82,6 +82,47 @@ def test_a_text_row_of_no_tokens_is_refused_by_its_index_before_training(tmp_pat
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_a_later_row_without_text_is_refused_by_its_index_and_columns(tmp_path, tokenizer, kind):
+    rows = [{"text": TEXTS[0]}, {"text": TEXTS[1]}, {"foo": 1}, {"text": TEXTS[2]}]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)  # the missing text is a null there
+    with pytest.raises(ValueError, match=r"train_dataset\[2\] has no 'text' value \(its columns with a value: "
+                                         r"\[('foo')?\]\)") as e:  # fmt: skip
+        trainer_for(tmp_path, rows, tokenizer)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+@pytest.mark.parametrize("where", ["train_dataset", "eval_dataset"])
+def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path, tokenizer, kind, where):
+    """A batch of such rows fails in the model's forward (a tensor of 0 elements reshaped); one beside others trains
+    on nothing: refused when the Trainer is built."""
+    good = [{"input_ids": tokenizer(t)["input_ids"]} for t in TEXTS]
+    rows = [*good[:4], {"input_ids": []}, *good[4:]]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    train, evaluation = (rows, None) if where == "train_dataset" else (good, rows)
+    with pytest.raises(ValueError, match=rf"{where}\[4\] has no tokens \(input_ids of length 0\): remove empty"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32), teacher_model=tiny_model("llama", dtype=torch.float32),
+                  args=make_args(tmp_path), train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+
+
+def test_a_prompt_as_long_as_kd_max_length_is_refused_as_it_leaves_nothing_to_score(tmp_path, tokenizer):
+    from liger_patch_kd.trainer.rollouts.prompts import PromptCollator
+
+    rows = [{"prompt": TEXTS[0], "completion": " yes"}, {"prompt": TEXTS[2], "completion": " no"}]
+    prompt = len(tokenizer(TEXTS[2])["input_ids"])
+    PromptCollator(tokenizer, max_length=prompt + 1)(rows)  # one completion token left: trains on it
+    with pytest.raises(ValueError, match=rf"prompt row 1 of this batch .*its prompt has {prompt} tokens "
+                                         rf"\(kd_max_prompt_length=None\), and kd_max_length={prompt} .*no completion"
+                                         rf" token.*kd_max_prompt_length below kd_max_length") as e:  # fmt: skip
+        PromptCollator(tokenizer, max_length=prompt)(rows)
+    assert "\n" not in str(e.value)
+    kept = PromptCollator(tokenizer, max_prompt_length=prompt - 2, max_length=prompt)(rows)  # the fix it names
+    assert (kept["labels"] != -100).any(dim=1).all()
+
+
 @pytest.mark.parametrize("columns_known", [True, False])
 def test_text_rows_of_an_iterable_dataset_are_tokenized_lazily_and_train(tmp_path, tokenizer, columns_known):
     datasets = pytest.importorskip("datasets")
