@@ -172,8 +172,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, token
     assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
     for name in names:
         assert (Path(whole) / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
-    with pytest.raises(ValueError, match="other inputs"):  # another seed is another store
+    with pytest.raises(ValueError, match="other inputs") as e:  # another seed is another store
         _store(tmp_path / "cut", models, tokenizer, settings=RolloutSettings(max_new_tokens=5, num_generations=2))
+    # only the fields that differ, with the flag that sets them (not the whole rollouts section, twice)
+    assert f"rollouts.sampling.seed (store: {SETTINGS.seed}, now: 0; set by --seed)" in str(e.value)
+    assert "fingerprint" not in str(e.value) and "prompts_per_call" not in str(e.value)
 
 
 def test_refresh_replaces_exactly_its_slice(tmp_path, models, tokenizer):
@@ -233,6 +236,7 @@ def checkpoints(tmp_path_factory, models, tokenizer):
     tokenizer.save_pretrained(root / "short")
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     (root / "empty.jsonl").write_text("\n")
+    (root / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
     return root
 
 
@@ -253,8 +257,11 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
 @pytest.mark.parametrize("case,needle", [
     ("no prompts", "no prompts"),
     ("another tokenizer", "has another tokenizer"),
-    ("foreign files", "did not write"),
+    ("foreign files", "no run of this tool left there"),
     ("past the context", "exceeds the context"),
+    ("--max-length", "--max-length applies to --data of text sequences"),
+    ("--skip-bad-lines", "--skip-bad-lines applies to --data of text sequences"),
+    ("not UTF-8", "--data "),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -269,6 +276,9 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "another tokenizer": _command(checkpoints, out, teacher="other"),
         "foreign files": _command(checkpoints, out),
         "past the context": _command(checkpoints, out, "prompts.jsonl", "teacher", "short"),
+        "--max-length": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--max-length", "8"),
+        "--skip-bad-lines": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--skip-bad-lines"),
+        "not UTF-8": _command(checkpoints, out, "latin.jsonl"),
     }[case]
     if case == "foreign files":
         out.mkdir()
@@ -278,6 +288,17 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     assert len(err.splitlines()) == 1 and needle in err, err
     if case == "foreign files":
         assert (out / "shard-00000.safetensors").read_bytes() == b"mine"
+    if case == "not UTF-8":
+        assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
+
+
+def test_files_a_store_never_writes_are_left_in_out(tmp_path, checkpoints):
+    """As every precompute: --out may hold other files (notes); the store is written beside them, they stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_command(checkpoints, out)) == 0
+    assert (out / "notes.txt").read_text() == "mine" and len(TeacherLogprobsDataset(out)) == 8
 
 
 def test_rollout_options_without_rollouts_from_are_refused(tmp_path, checkpoints, capsys):
