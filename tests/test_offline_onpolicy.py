@@ -152,6 +152,34 @@ def test_the_fused_and_materialised_store_losses_agree(tmp_path, models, tokeniz
     assert len(runs[0][1]) == 3 and runs[0][1][-1] > 0
 
 
+@pytest.mark.parametrize("loss", ["k1", "divergence"])
+def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulation(tmp_path, models, tokenizer, loss):
+    """Four micro-batches of two rows make one optimizer step: the logged kd_behaviour_kl is the token-weighted
+    mean over all eight rows (float64 from the student's own log-probs), not the last micro-batch's."""
+    from liger_patch_kd.trainer.offline_onpolicy.source import behaviour_kl
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    assert len(data) == 8
+    student = tiny_model("llama", dtype=torch.float32, seed=5)  # not the sampler: the KL is far from 0
+    log_q, log_b, last = [], [], []
+    for i in range(len(data)):
+        item = data[i]
+        scored = item["labels"] != -100
+        ids = item["input_ids"].tolist()
+        picked = _logprobs(student, ids)[:-1].gather(1, item["input_ids"][1:, None])[:, 0]
+        log_q.append(picked[scored[1:]])
+        log_b.append(item["behaviour_logprobs"][scored].double())
+    expected = behaviour_kl(torch.cat(log_q), torch.cat(log_b), torch.ones(sum(map(len, log_q)), dtype=torch.bool))
+    trainer = KDTrainer(model=student, processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss=loss, gradient_accumulation_steps=4,
+                                   max_steps=1, learning_rate=0.0))  # fmt: skip
+    trainer.train()
+    logged = _losses(trainer, "kd_behaviour_kl")
+    assert len(logged) == 1 and expected > 1e-3
+    # the loss path reads log-probs in float32 (fused chunks): the mean's error is float32 rounding of O(1) terms
+    assert logged[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+
+
 def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
     whole = _store(tmp_path / "whole", models, tokenizer)
     calls, real = [], rollout_store.score_rollouts

@@ -36,7 +36,7 @@ from .rollouts.generate import BEHAVIOUR
 from .rollouts.onpolicy import GENERATED, HAS_COMPLETION, OnPolicySteps
 from .rollouts.prompts import PROMPT_COLUMNS, PromptCollator
 from .rollouts.retokenized import rows_maker
-from .teachers.base import TeacherSource, has_teacher_rows
+from .teachers.base import StepMetrics, TeacherSource, has_teacher_rows
 from .teachers.compute import prepare_teacher_compute
 from .teachers.in_process import InProcessTeacher
 from .teachers.other_tokenizer import (
@@ -179,7 +179,7 @@ class KDTrainer(Trainer):
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
-        self._kd_teacher_metrics: dict[str, torch.Tensor] | None = None  # several teachers: per-teacher figures
+        self._kd_teacher_metrics: StepMetrics | None = None  # teacher figures of the logging step (teachers/base.py)
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
         self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
@@ -323,8 +323,9 @@ class KDTrainer(Trainer):
             vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
             logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, has_teacher_rows(inputs)))
         step = self.teacher_source.loss(model, inputs, num_items_in_batch, cfg, self._kd_should_log(), behaviour)
-        if step.teacher_metrics:  # several teachers' figures, kept until the next log
-            self._kd_teacher_metrics = step.teacher_metrics
+        if step.teacher_metrics:  # teacher figures (several teachers', kd_behaviour_kl), kept until the next log
+            self._kd_teacher_metrics = self._kd_teacher_metrics or StepMetrics()
+            self._kd_teacher_metrics.add(step.teacher_metrics, step.metric_tokens)
         loss = step.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
@@ -395,7 +396,7 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             if self.onpolicy.staleness:  # steps between the engine's weights and the student's, latest rollout
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
-            for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
+            for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, kd_behaviour_kl
                 logs[key] = round(float(value), 6)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         check_logged(logs, self.state.global_step)
