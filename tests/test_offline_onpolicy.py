@@ -4,6 +4,7 @@ estimators, refreshed in part by the current student, and refused when a differe
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,22 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     assert len(logged) == 1 and expected > 1e-3
     # the loss path reads log-probs in float32 (fused chunks): the mean's error is float32 rounding of O(1) terms
     assert logged[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+
+
+def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_path, models, tokenizer):
+    from torch.utils.data import Subset
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    plain = [{"input_ids": data[i]["input_ids"].tolist()} for i in range(2)]
+    for evaluation, where in ((plain, "eval_dataset"), ({"held": plain}, "eval_dataset['held']")):
+        with pytest.raises(ValueError, match=rf"{re.escape(where)} is not a rollout store \(list\), and "
+                                             r"train_dataset is one") as e:  # fmt: skip
+            KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                      eval_dataset=evaluation, args=_args(tmp_path / "t"))  # fmt: skip
+        assert "\n" not in str(e.value)
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=Subset(data, range(6)),
+                        eval_dataset=Subset(data, range(6, 8)), args=_args(tmp_path / "t"))  # fmt: skip
+    assert trainer.evaluate()["eval_loss"] >= 0  # rows held out of the store are scored as stored rollouts
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):

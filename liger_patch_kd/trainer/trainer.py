@@ -128,7 +128,7 @@ class KDTrainer(Trainer):
                 self.kd_config = with_vocab_size(self.kd_config, model, member, kwargs.get("processing_class"))
         # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
         self.offline = OfflineRollouts.setup(args, kwargs.get("train_dataset"), teacher_model,
-                                             kwargs.get("processing_class"))  # fmt: skip
+                                             kwargs.get("processing_class"), kwargs.get("eval_dataset"))  # fmt: skip
         if self.offline is not None and kwargs.get("data_collator") is None:
             kwargs["data_collator"] = self.offline.collator
         rows, collator = kwargs.get("train_dataset"), kwargs.get("data_collator")
