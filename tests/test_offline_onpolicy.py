@@ -162,7 +162,7 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
     assert len(data) == 8
     student = tiny_model("llama", dtype=torch.float32, seed=5)  # not the sampler: the KL is far from 0
-    log_q, log_b, last = [], [], []
+    log_q, log_b = [], []
     for i in range(len(data)):
         item = data[i]
         scored = item["labels"] != -100
@@ -192,8 +192,9 @@ def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_pat
             KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
                       eval_dataset=evaluation, args=_args(tmp_path / "t"))  # fmt: skip
         assert "\n" not in str(e.value)
-    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=Subset(data, range(6)),
-                        eval_dataset=Subset(data, range(6, 8)), args=_args(tmp_path / "t"))  # fmt: skip
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer,
+                        train_dataset=Subset(data, range(6)), eval_dataset=Subset(data, range(6, 8)),
+                        args=_args(tmp_path / "t"))  # fmt: skip
     assert trainer.evaluate()["eval_loss"] >= 0  # rows held out of the store are scored as stored rollouts
 
 

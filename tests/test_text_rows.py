@@ -104,8 +104,9 @@ def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path,
         rows = pytest.importorskip("datasets").Dataset.from_list(rows)
     train, evaluation = (rows, None) if where == "train_dataset" else (good, rows)
     with pytest.raises(ValueError, match=rf"{where}\[4\] has no tokens \(input_ids of length 0\): remove empty"):
-        KDTrainer(model=tiny_model("llama", dtype=torch.float32), teacher_model=tiny_model("llama", dtype=torch.float32),
-                  args=make_args(tmp_path), train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32),
+                  teacher_model=tiny_model("llama", dtype=torch.float32), args=make_args(tmp_path),
+                  train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)  # fmt: skip
 
 
 def test_a_prompt_as_long_as_kd_max_length_is_refused_as_it_leaves_nothing_to_score(tmp_path, tokenizer):
@@ -208,3 +209,16 @@ def test_precompute_names_the_line_whose_text_is_not_a_string(tmp_path, tokenize
     assert main([*argv, "--skip-bad-lines"]) == 0
     assert "skipped 1 bad line" in (out := capsys.readouterr().out) and ": 1 text not a string" in out
     assert len(TeacherLogprobsDataset(tmp_path / "store")) == 1
+
+
+def test_precompute_names_the_data_file_that_is_not_utf8(tmp_path, tokenizer):
+    from liger_patch_kd.teacher.precompute import read_jsonl_sequences
+
+    data = tmp_path / "latin.jsonl"
+    data.write_bytes(b'{"text": "ok"}\r\n{"text": "caf\xe9"}\r\n')
+    with pytest.raises(ValueError, match=rf"--data {data}: not UTF-8 text: byte 0xe9 at offset 29 \(line 2\).*"
+                                         r"re-encode the file as UTF-8"):  # fmt: skip
+        read_jsonl_sequences(data, tokenizer=tokenizer)
+    data.write_bytes(b'{"text": "ok"}\r\n\r\n{"text": "caf\xc3\xa9"}\r\n')  # Windows line ends read as open() reads
+    assert read_jsonl_sequences(data, tokenizer=tokenizer)[0] == [tokenizer("ok")["input_ids"],
+                                                                  tokenizer("caf\u00e9")["input_ids"]]  # fmt: skip

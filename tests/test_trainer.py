@@ -193,8 +193,8 @@ def test_checkpoint_rotation_never_deletes_another_runs_checkpoints(tmp_path):
         (out / f"checkpoint-{step}" / "weights").write_text("theirs")
     student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     rotating = dict(max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
-    with pytest.raises(ValueError, match=r"output_dir .* already holds checkpoint-1, checkpoint-5, and "
-                                         r"save_total_limit=1 .*another output_dir.*resume_from_checkpoint"):  # fmt: skip
+    refused = r"already holds checkpoint-1, checkpoint-5, and save_total_limit=1 .*another output_dir.*resume_from"
+    with pytest.raises(ValueError, match=refused):
         _train(tmp_path, student, teacher, **rotating)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-5"]
     _train(tmp_path, student, teacher, **{**rotating, "save_total_limit": None})  # no rotation: nothing deleted

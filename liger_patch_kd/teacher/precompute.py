@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..utils.text_files import read_utf8
 from .sampling import sample_teacher_tokens, sequence_generator
 from .store import LOGPROB_DTYPES, StoreWriter
 from .store.compact import codec_from_spec
 from .store.ids import token_ids
-from ..utils.text_files import read_utf8
 
 
 def topk_of_logits(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,8 @@ class ScriptArguments:
         default=None,
         metadata={"help": "The split evaluated at the end (and every eval_steps with --eval_strategy steps). Default: "
                   "'test' when the dataset has one, else no evaluation (or --eval_fraction). A split named here "
-                  "that the dataset lacks is an error; 'none': no evaluation."},
+                  "that the dataset lacks is an error; 'none': no test split (no evaluation, or --eval_fraction's "
+                  "held-out rows)."},
     )  # fmt: skip
     overwrite_output_dir: bool = field(
         default=False,

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..cli_checks import looks_like_path
 from ..teacher.store import MANIFEST
-from ..utils.text_files import read_utf8
 from ..trainer.text_rows import TRAINED_COLUMNS
+from ..utils.text_files import read_utf8
 from .arguments import NO_SPLIT, ScriptArguments
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
