@@ -235,13 +235,15 @@ def test_prompt_rows_are_cut_at_kd_max_length_and_evaluation_leaves_the_training
     tokenizer = tiny_tokenizer(text)
     student, teacher = (tiny_qwen(len(tokenizer), h, 2, s, tokenizer) for h, s in ((32, 0), (64, 1)))
     rows = conversations(text, 8)
-    args = KDTrainingArguments(output_dir=str(tmp_path), use_kd_patch=True, kd_max_length=12, max_steps=2,
+    args = KDTrainingArguments(output_dir=str(tmp_path), use_kd_patch=True, kd_max_length=12,
+                               kd_max_prompt_length=8, max_steps=2,
                                per_device_train_batch_size=2, logging_steps=2, report_to="none", use_cpu=True,
                                save_strategy="no", disable_tqdm=True)  # fmt: skip
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, eval_dataset=rows[:2],
                         processing_class=tokenizer)  # fmt: skip
     batch = trainer.data_collator(rows[:2])
     assert batch["input_ids"].shape[1] == 12
+    assert (batch["labels"] != -100).any(dim=1).all()  # a prompt's last 8 tokens leave completion tokens to score
     trainer.evaluate()  # before training: its batches must not be counted in the first log
     trainer.train()
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
