@@ -221,7 +221,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, token
     with pytest.raises(ValueError, match="other inputs") as e:  # another seed is another store
         _store(tmp_path / "cut", models, tokenizer, settings=RolloutSettings(max_new_tokens=5, num_generations=2))
     # only the fields that differ, with the flag that sets them (not the whole rollouts section, twice)
-    assert f"rollouts.sampling.seed (store: {SETTINGS.seed}, now: 0; set by --seed)" in str(e.value)
+    assert f"rollouts.sampling.seed (store: {SETTINGS.seed}, now: 0), set by --seed" in str(e.value)
     assert "fingerprint" not in str(e.value) and "prompts_per_call" not in str(e.value)
 
 

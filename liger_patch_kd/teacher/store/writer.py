@@ -76,7 +76,7 @@ def _differences(old: Any, new: Any, where: str = "") -> dict[str, tuple[Any, An
 
 def _mismatch_message(out_dir: Path, changed: dict) -> str:
     leaves = {path: pair for key, (old, new) in changed.items() for path, pair in _differences(old, new, key).items()}
-    parts = [f"{key} (store: {old!r}, now: {new!r}{f'; set by {SET_BY[key]}' if key in SET_BY else ''})"
+    parts = [f"{key} (store: {old!r}, now: {new!r}){f', set by {SET_BY[key]}' if key in SET_BY else ''}"
              for key, (old, new) in leaves.items()]  # fmt: skip
     return (
         f"{out_dir} holds a store started with other inputs: {'; '.join(parts)}. Resuming would mix two datasets "
