@@ -4,6 +4,7 @@ estimators, refreshed in part by the current student, and refused when a differe
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,51 @@ def test_the_fused_and_materialised_store_losses_agree(tmp_path, models, tokeniz
     assert len(runs[0][1]) == 3 and runs[0][1][-1] > 0
 
 
+@pytest.mark.parametrize("loss", ["k1", "divergence"])
+def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulation(tmp_path, models, tokenizer, loss):
+    """Four micro-batches of two rows make one optimizer step: the logged kd_behaviour_kl is the token-weighted
+    mean over all eight rows (float64 from the student's own log-probs), not the last micro-batch's."""
+    from liger_patch_kd.trainer.offline_onpolicy.source import behaviour_kl
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    assert len(data) == 8
+    student = tiny_model("llama", dtype=torch.float32, seed=5)  # not the sampler: the KL is far from 0
+    log_q, log_b = [], []
+    for i in range(len(data)):
+        item = data[i]
+        scored = item["labels"] != -100
+        ids = item["input_ids"].tolist()
+        picked = _logprobs(student, ids)[:-1].gather(1, item["input_ids"][1:, None])[:, 0]
+        log_q.append(picked[scored[1:]])
+        log_b.append(item["behaviour_logprobs"][scored].double())
+    expected = behaviour_kl(torch.cat(log_q), torch.cat(log_b), torch.ones(sum(map(len, log_q)), dtype=torch.bool))
+    trainer = KDTrainer(model=student, processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss=loss, gradient_accumulation_steps=4,
+                                   max_steps=1, learning_rate=0.0))  # fmt: skip
+    trainer.train()
+    logged = _losses(trainer, "kd_behaviour_kl")
+    assert len(logged) == 1 and expected > 1e-3
+    # the loss path reads log-probs in float32 (fused chunks): the mean's error is float32 rounding of O(1) terms
+    assert logged[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+
+
+def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_path, models, tokenizer):
+    from torch.utils.data import Subset
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    plain = [{"input_ids": data[i]["input_ids"].tolist()} for i in range(2)]
+    for evaluation, where in ((plain, "eval_dataset"), ({"held": plain}, "eval_dataset['held']")):
+        with pytest.raises(ValueError, match=rf"{re.escape(where)} is not a rollout store \(list\), and "
+                                             r"train_dataset is one") as e:  # fmt: skip
+            KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                      eval_dataset=evaluation, args=_args(tmp_path / "t"))  # fmt: skip
+        assert "\n" not in str(e.value)
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer,
+                        train_dataset=Subset(data, range(6)), eval_dataset=Subset(data, range(6, 8)),
+                        args=_args(tmp_path / "t"))  # fmt: skip
+    assert trainer.evaluate()["eval_loss"] >= 0  # rows held out of the store are scored as stored rollouts
+
+
 def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
     whole = _store(tmp_path / "whole", models, tokenizer)
     calls, real = [], rollout_store.score_rollouts
@@ -172,8 +218,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, token
     assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
     for name in names:
         assert (Path(whole) / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
-    with pytest.raises(ValueError, match="other inputs"):  # another seed is another store
+    with pytest.raises(ValueError, match="other inputs") as e:  # another seed is another store
         _store(tmp_path / "cut", models, tokenizer, settings=RolloutSettings(max_new_tokens=5, num_generations=2))
+    # only the fields that differ, with the flag that sets them (not the whole rollouts section, twice)
+    assert f"rollouts.sampling.seed (store: {SETTINGS.seed}, now: 0), set by --seed" in str(e.value)
+    assert "fingerprint" not in str(e.value) and "prompts_per_call" not in str(e.value)
 
 
 def test_refresh_replaces_exactly_its_slice(tmp_path, models, tokenizer):
@@ -233,6 +282,7 @@ def checkpoints(tmp_path_factory, models, tokenizer):
     tokenizer.save_pretrained(root / "short")
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     (root / "empty.jsonl").write_text("\n")
+    (root / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
     return root
 
 
@@ -253,8 +303,11 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
 @pytest.mark.parametrize("case,needle", [
     ("no prompts", "no prompts"),
     ("another tokenizer", "has another tokenizer"),
-    ("foreign files", "did not write"),
+    ("foreign files", "no run of this tool left there"),
     ("past the context", "exceeds the context"),
+    ("--max-length", "--max-length applies to --data of text sequences"),
+    ("--skip-bad-lines", "--skip-bad-lines applies to --data of text sequences"),
+    ("not UTF-8", "--data "),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -269,6 +322,9 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "another tokenizer": _command(checkpoints, out, teacher="other"),
         "foreign files": _command(checkpoints, out),
         "past the context": _command(checkpoints, out, "prompts.jsonl", "teacher", "short"),
+        "--max-length": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--max-length", "8"),
+        "--skip-bad-lines": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--skip-bad-lines"),
+        "not UTF-8": _command(checkpoints, out, "latin.jsonl"),
     }[case]
     if case == "foreign files":
         out.mkdir()
@@ -278,6 +334,17 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     assert len(err.splitlines()) == 1 and needle in err, err
     if case == "foreign files":
         assert (out / "shard-00000.safetensors").read_bytes() == b"mine"
+    if case == "not UTF-8":
+        assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
+
+
+def test_files_a_store_never_writes_are_left_in_out(tmp_path, checkpoints):
+    """As every precompute: --out may hold other files (notes); the store is written beside them, they stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_command(checkpoints, out)) == 0
+    assert (out / "notes.txt").read_text() == "mine" and len(TeacherLogprobsDataset(out)) == 8
 
 
 def test_rollout_options_without_rollouts_from_are_refused(tmp_path, checkpoints, capsys):

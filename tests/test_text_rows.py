@@ -82,6 +82,48 @@ def test_a_text_row_of_no_tokens_is_refused_by_its_index_before_training(tmp_pat
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_a_later_row_without_text_is_refused_by_its_index_and_columns(tmp_path, tokenizer, kind):
+    rows = [{"text": TEXTS[0]}, {"text": TEXTS[1]}, {"foo": 1}, {"text": TEXTS[2]}]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)  # the missing text is a null there
+    with pytest.raises(ValueError, match=r"train_dataset\[2\] has no 'text' value \(its columns with a value: "
+                                         r"\[('foo')?\]\)") as e:  # fmt: skip
+        trainer_for(tmp_path, rows, tokenizer)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+@pytest.mark.parametrize("where", ["train_dataset", "eval_dataset"])
+def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path, tokenizer, kind, where):
+    """A batch of such rows fails in the model's forward (a tensor of 0 elements reshaped); one beside others trains
+    on nothing: refused when the Trainer is built."""
+    good = [{"input_ids": tokenizer(t)["input_ids"]} for t in TEXTS]
+    rows = [*good[:4], {"input_ids": []}, *good[4:]]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    train, evaluation = (rows, None) if where == "train_dataset" else (good, rows)
+    with pytest.raises(ValueError, match=rf"{where}\[4\] has no tokens \(input_ids of length 0\): remove empty"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32),
+                  teacher_model=tiny_model("llama", dtype=torch.float32), args=make_args(tmp_path),
+                  train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)  # fmt: skip
+
+
+def test_a_prompt_as_long_as_kd_max_length_is_refused_as_it_leaves_nothing_to_score(tmp_path, tokenizer):
+    from liger_patch_kd.trainer.rollouts.prompts import PromptCollator
+
+    rows = [{"prompt": TEXTS[0], "completion": " yes"}, {"prompt": TEXTS[2], "completion": " no"}]
+    prompt = len(tokenizer(TEXTS[2])["input_ids"])
+    PromptCollator(tokenizer, max_length=prompt + 1)(rows)  # one completion token left: trains on it
+    with pytest.raises(ValueError, match=rf"prompt row 1 of this batch .*its prompt has {prompt} tokens "
+                                         rf"\(kd_max_prompt_length=None\), and kd_max_length={prompt} .*no completion"
+                                         rf" token.*kd_max_prompt_length below kd_max_length") as e:  # fmt: skip
+        PromptCollator(tokenizer, max_length=prompt)(rows)
+    assert "\n" not in str(e.value)
+    kept = PromptCollator(tokenizer, max_prompt_length=prompt - 2, max_length=prompt)(rows)  # the fix it names
+    assert (kept["labels"] != -100).any(dim=1).all()
+
+
 @pytest.mark.parametrize("columns_known", [True, False])
 def test_text_rows_of_an_iterable_dataset_are_tokenized_lazily_and_train(tmp_path, tokenizer, columns_known):
     datasets = pytest.importorskip("datasets")
@@ -167,3 +209,16 @@ def test_precompute_names_the_line_whose_text_is_not_a_string(tmp_path, tokenize
     assert main([*argv, "--skip-bad-lines"]) == 0
     assert "skipped 1 bad line" in (out := capsys.readouterr().out) and ": 1 text not a string" in out
     assert len(TeacherLogprobsDataset(tmp_path / "store")) == 1
+
+
+def test_precompute_names_the_data_file_that_is_not_utf8(tmp_path, tokenizer):
+    from liger_patch_kd.teacher.precompute import read_jsonl_sequences
+
+    data = tmp_path / "latin.jsonl"
+    data.write_bytes(b'{"text": "ok"}\r\n{"text": "caf\xe9"}\r\n')
+    with pytest.raises(ValueError, match=rf"--data {data}: not UTF-8 text: byte 0xe9 at offset 29 \(line 2\).*"
+                                         r"re-encode the file as UTF-8"):  # fmt: skip
+        read_jsonl_sequences(data, tokenizer=tokenizer)
+    data.write_bytes(b'{"text": "ok"}\r\n\r\n{"text": "caf\xc3\xa9"}\r\n')  # Windows line ends read as open() reads
+    assert read_jsonl_sequences(data, tokenizer=tokenizer)[0] == [tokenizer("ok")["input_ids"],
+                                                                  tokenizer("caf\u00e9")["input_ids"]]  # fmt: skip

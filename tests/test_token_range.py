@@ -60,3 +60,23 @@ def test_evaluation_rows_and_labels_are_checked_too(tmp_path):
     good = _trainer(tmp_path, _rows(), _rows())  # in range: trains and evaluates
     good.train()
     assert good.evaluate()["eval_loss"] > 0
+
+
+@pytest.mark.parametrize("column, bad", [("input_ids", 10**20), ("input_ids", 2**63 + 1), ("labels", 2.5),
+                                         ("input_ids", "7")])  # fmt: skip
+def test_an_id_that_is_no_int64_is_one_line_naming_the_column_the_row_and_the_value(column, bad):
+    """An id past int64 (or a fraction, or text) is refused as it is collated, before any vocabulary check could
+    see it: never wrapped to another id, nor numpy's OverflowError."""
+    rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]
+    rows[1][column] = [4, bad, 6]
+    with pytest.raises(ValueError, match=rf"row 1 of this batch: {column} holds {bad!r}, which is not a token id") as e:
+        TD.TeacherDataCollator()(rows)
+    assert "\n" not in str(e.value)
+    whole = TD.TeacherDataCollator()([{"input_ids": [1.0, 2.0]}, {"input_ids": torch.tensor([3], dtype=torch.int32)}])
+    assert whole["input_ids"].tolist() == [[1, 2], [3, 0]]  # whole numbers of any dtype are ids
+
+
+def test_an_id_past_int64_in_a_training_row_is_one_line(tmp_path):
+    rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2, 10**20]}]
+    with pytest.raises(ValueError, match=r"row 1 of this batch: input_ids holds 100000000000000000000"):
+        _trainer(tmp_path, rows).train()

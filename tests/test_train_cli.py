@@ -62,6 +62,9 @@ def test_train_evaluates_saves_and_the_saved_student_gives_the_same_logits(in_st
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(logits(reloaded, ids), trained, rtol=0, atol=0)  # the same weights, the same maths
     assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(STUDENT_ID).get_vocab()
+    from liger_patch_kd.train_cli.output import check_output_dir
+
+    check_output_dir(str(out), {}, overwrite=False)  # what this run saved, the next run into `out` may replace
 
 
 @pytest.mark.multiprocess
@@ -166,13 +169,22 @@ def _other_teacher(root: Path) -> str:
         ({"--kd_beta": "2"}, ["beta"]),
         ({"--dataset_config": "default"}, ["--dataset_config default", "local"]),
         ({"--eval_strategy": "steps", "--dataset_test_split": "none"}, ["--eval_strategy steps", "no evaluation rows"]),
+        ({"--lora_task_type": "BOGUS"}, ["--lora_task_type BOGUS", "CAUSAL_LM"]),
+        ({"--resume_from_checkpoint": "missing/ckpt"}, ["--resume_from_checkpoint missing/ckpt", "no such folder"]),
+        ({"--resume_from_checkpoint": "."}, ["--resume_from_checkpoint .", "not a checkpoint", "trainer_state.json"]),
+        ({"--kd_store_refresh_steps": "2"}, ["--kd_store_refresh_steps 2", "rollout store"]),
+        ({"--save_total_limit": "1", "--save_strategy": "steps", "--output_dir": "CKPT"},
+         ["output_dir", "checkpoint-3", "save_total_limit=1", "another output_dir"]),
     ],
 )
 def test_mistakes_are_one_line_before_any_model_loads(in_standins, tmp_path, capsys, no_model_loads, change, needles):
     options = dict(zip(PAIR[::2], PAIR[1::2]))
     options.update({k: (_other_teacher(tmp_path) if v == "OTHER" else v) for k, v in change.items()})
+    if options.get("--output_dir") == "CKPT":  # another run's checkpoint, which rotation would delete
+        (tmp_path / "ckpt" / "checkpoint-3").mkdir(parents=True)
+        options["--output_dir"] = str(tmp_path / "ckpt")
     argv = [w for k, v in options.items() if v is not None for w in (k, v)]
-    rc = cli.main(["train", *argv, "--output_dir", str(tmp_path / "o"), *FAST])
+    rc = cli.main(["train", *FAST, "--output_dir", str(tmp_path / "o"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err, err
     assert err[-1].startswith("liger-kd train: error: ") and all(n in err[-1] for n in needles), err[-1]
@@ -223,14 +235,138 @@ def test_prompt_rows_are_cut_at_kd_max_length_and_evaluation_leaves_the_training
     tokenizer = tiny_tokenizer(text)
     student, teacher = (tiny_qwen(len(tokenizer), h, 2, s, tokenizer) for h, s in ((32, 0), (64, 1)))
     rows = conversations(text, 8)
-    args = KDTrainingArguments(output_dir=str(tmp_path), use_kd_patch=True, kd_max_length=12, max_steps=2,
+    args = KDTrainingArguments(output_dir=str(tmp_path), use_kd_patch=True, kd_max_length=12,
+                               kd_max_prompt_length=8, max_steps=2,
                                per_device_train_batch_size=2, logging_steps=2, report_to="none", use_cpu=True,
                                save_strategy="no", disable_tqdm=True)  # fmt: skip
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, eval_dataset=rows[:2],
                         processing_class=tokenizer)  # fmt: skip
     batch = trainer.data_collator(rows[:2])
     assert batch["input_ids"].shape[1] == 12
+    assert (batch["labels"] != -100).any(dim=1).all()  # a prompt's last 8 tokens leave completion tokens to score
     trainer.evaluate()  # before training: its batches must not be counted in the first log
     trainer.train()
     logged = [h for h in trainer.state.log_history if "kd_soft_loss" in h]
     assert len(logged) == 1 and logged[0]["kd_soft_loss"] == pytest.approx(logged[0]["loss"], abs=1e-6)
+
+
+def test_the_output_dir_keeps_files_no_earlier_run_wrote(in_standins, tmp_path, capsys, no_model_loads):
+    """--output_dir may not be a model's own folder, nor hold model / tokenizer files no `liger-kd train` run saved
+    there (a download, another tool's output): refused before any model loads, unless --overwrite_output_dir."""
+    from liger_patch_kd.train_cli.output import RECORD, check_output_dir
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"mine": true}')
+    (foreign / "notes.txt").write_text("mine")
+    for out, needles in ((STUDENT_ID, ["--output_dir " + STUDENT_ID, "--model_name_or_path", "model.safetensors"]),
+                         (TEACHER_ID, ["--teacher_model_name_or_path"]),
+                         (str(foreign), ["config.json", "--overwrite_output_dir"])):  # fmt: skip
+        before = {p.name: p.read_bytes() for p in Path(out).iterdir() if p.is_file()}
+        assert cli.main(["train", *PAIR, "--output_dir", out, *FAST]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(n in err[0] for n in needles), err
+        assert {p.name: p.read_bytes() for p in Path(out).iterdir() if p.is_file()} == before
+    assert "notes.txt" not in err[0]  # only what a save would overwrite
+    check_output_dir(str(foreign), {}, overwrite=True)  # the user's say-so
+    (foreign / RECORD).write_text(json.dumps({"files": ["config.json"]}))  # an earlier run's own files may go
+    check_output_dir(str(foreign), {}, overwrite=False)
+    (foreign / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"already holds model\.safetensors,"):
+        check_output_dir(str(foreign), {}, overwrite=False)
+
+
+def test_a_folder_holding_one_split_twice_is_refused(tmp_path):
+    """train.jsonl beside train.json (or beside data/train.jsonl) would count the split's rows twice; a file that
+    only starts with a split's name (train-old-backup.jsonl) is a split of its own, not a shard of 'train'."""
+    from liger_patch_kd.train_cli.arguments import ScriptArguments
+    from liger_patch_kd.train_cli.data import load_splits
+
+    rows = [{"text": f"row {i}"} for i in range(4)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    folder = tmp_path / "twice"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(lines)
+    (folder / "train-old-backup.jsonl").write_text(lines)
+    splits = load_splits(ScriptArguments(dataset_name=str(folder)), seed=0, store_dataset=None)
+    assert splits.train == rows
+    (folder / "train.json").write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match=r"--dataset_name .*'train' is in both .*train\.json and .*train\.jsonl"):
+        load_splits(ScriptArguments(dataset_name=str(folder)), seed=0, store_dataset=None)
+    (folder / "train.json").unlink()
+    (folder / "data").mkdir()
+    (folder / "data" / "train.jsonl").write_text(lines)
+    with pytest.raises(ValueError, match="'train' is in both"):
+        load_splits(ScriptArguments(dataset_name=str(folder)), seed=0, store_dataset=None)
+
+
+def test_dropping_the_test_split_and_holding_out_a_fraction_evaluates_on_the_fraction(tmp_path):
+    """The --eval_fraction refusal's advice (--dataset_test_split none) followed: the fraction is held out."""
+    from liger_patch_kd.train_cli.arguments import ScriptArguments
+    from liger_patch_kd.train_cli.data import load_splits
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(8)))
+    (folder / "test.jsonl").write_text(json.dumps({"text": "held"}) + "\n")
+    script = ScriptArguments(dataset_name=str(folder), dataset_test_split="none", eval_fraction=0.25)
+    splits = load_splits(script, seed=0, store_dataset=None)
+    assert (len(splits.train), len(splits.evaluation)) == (6, 2)
+    assert all(r["text"] != "held" for r in splits.evaluation)
+    alone = load_splits(ScriptArguments(dataset_name=str(folder), dataset_test_split="none"), 0, None)
+    assert alone.evaluation is None and "--dataset_test_split none" in alone.description
+
+
+def test_a_data_file_not_in_utf8_names_the_option_the_file_and_the_byte(tmp_path):
+    from liger_patch_kd.train_cli.arguments import ScriptArguments
+    from liger_patch_kd.train_cli.data import load_splits
+
+    file = tmp_path / "latin.jsonl"
+    file.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError) as e:
+        load_splits(ScriptArguments(dataset_name=str(file)), seed=0, store_dataset=None)
+    message = str(e.value)
+    assert f"--dataset_name {file}: not UTF-8" in message and "0xe9 at offset 28 (line 2)" in message
+    assert "re-encode" in message and "\n" not in message
+
+
+def test_yaml_booleans_are_read_as_the_options_mean_them(tmp_path):
+    """An unquoted `no` for a word option is YAML's False: refused naming the key and the fix; a bool option that
+    defaults to True (two argparse actions: --x and --no_x) takes the file's false."""
+    config = tmp_path / "c.yaml"
+    config.write_text("output_dir: o\nsave_strategy: no\n")
+    with pytest.raises(ValueError, match=r"--config .*save_strategy: false is read by YAML as the boolean False.*"
+                                         r"quote it"):  # fmt: skip
+        train_parser.parse(["--config", str(config)])
+    config.write_text("output_dir: o\nsave_strategy: 'no'\nremove_unused_columns: false\nuse_cpu: yes\n")
+    _, _, args = train_parser.parse(["--config", str(config)])
+    assert args.save_strategy == "no" and args.remove_unused_columns is False and args.use_cpu is True
+    _, _, args = train_parser.parse(["--config", str(config), "--remove_unused_columns", "true"])
+    assert args.remove_unused_columns is True  # the command line still wins
+
+
+def test_an_options_value_is_never_read_as_a_trl_name():
+    _, _, args = train_parser.parse(["--output_dir", "o", "--run_name=--temperature"])
+    assert args.run_name == "--temperature"
+    renamed = train_parser.with_our_names(["--run_name", "--lmbda", "--lmbda", "0.5"], takes_value={"run_name"})
+    assert renamed == ["--run_name", "--lmbda", "--kd_lmbda", "0.5"]
+    with pytest.raises(ValueError, match="unrecognized arguments: --kd_lmb"):  # not silently --kd_lmbda
+        train_parser.parse(["--output_dir", "o", "--kd_lmb", "0.5"])
+
+
+def test_a_rollout_store_and_its_teacher_are_one_teacher_when_the_store_is_refreshed(tmp_path):
+    """kd_store_refresh_steps rescores regenerated rows with the teacher that scored the store: the pair is allowed
+    then (and refused for a store of given sequences, whose rows nothing regenerates)."""
+    from types import SimpleNamespace
+
+    from liger_patch_kd.train_cli.arguments import ModelArguments
+
+    model = ModelArguments(model_name_or_path="s", teacher_model_name_or_path="t")
+    rollout_store = SimpleNamespace(meta={"rollouts": {"max_new_tokens": 4}})
+    args = train_parser.parse(["--output_dir", "o", "--kd_store_refresh_steps", "2"])[2]
+    train_run.check_teacher(model, args, tmp_path, rollout_store)
+    with pytest.raises(ValueError, match="--kd_store_refresh_steps 2: .* rollout store"):
+        train_run.check_teacher(model, args, tmp_path, SimpleNamespace(meta={}))
+    args = train_parser.parse(["--output_dir", "o"])[2]
+    with pytest.raises(ValueError, match="each name a teacher"):
+        train_run.check_teacher(model, args, tmp_path, rollout_store)

@@ -184,6 +184,32 @@ def test_checkpoint_resume_continues_identically(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_checkpoint_rotation_never_deletes_another_runs_checkpoints(tmp_path):
+    """save_total_limit rotation deletes every checkpoint-* folder in output_dir: a run that does not continue the
+    ones already there is refused before it trains; resuming from them (True, or one of them) rotates as before."""
+    out = tmp_path / "out"
+    for step in (1, 5):  # another run's
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "weights").write_text("theirs")
+    student, teacher = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    rotating = dict(max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
+    refused = r"already holds checkpoint-1, checkpoint-5, and save_total_limit=1 .*another output_dir.*resume_from"
+    with pytest.raises(ValueError, match=refused):
+        _train(tmp_path, student, teacher, **rotating)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-1", "checkpoint-5"]
+    _train(tmp_path, student, teacher, **{**rotating, "save_total_limit": None})  # no rotation: nothing deleted
+    assert {"checkpoint-1", "checkpoint-5"} <= {p.name for p in out.iterdir()}
+
+    mine = tmp_path / "mine"
+    _train(mine, tiny_model("llama", seed=1), teacher, **rotating)
+    assert sorted(p.name for p in (mine / "out").glob("checkpoint-*")) == ["checkpoint-2"]
+    trainer = KDTrainer(model=tiny_model("llama", seed=1), teacher_model=teacher, train_dataset=_dataset(),
+                        data_collator=TD.TeacherDataCollator(), args=_args(mine, **{**rotating, "max_steps": 3}))
+    trainer.train(resume_from_checkpoint=True)  # continues its own checkpoints, which rotate as they did
+    assert trainer.state.global_step == 3
+    assert sorted(p.name for p in (mine / "out").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
 def test_packed_batch_has_no_loss_across_sequence_boundaries():
     """DataCollatorWithFlattening (position ids restart per sequence) gives the padded batch's loss."""
     from transformers import DataCollatorWithFlattening

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..utils.text_files import read_utf8
 from .sampling import sample_teacher_tokens, sequence_generator
 from .store import LOGPROB_DTYPES, StoreWriter
 from .store.compact import codec_from_spec
@@ -338,16 +339,15 @@ def read_jsonl_sequences(
         raise ValueError(f"max_length (--max-length) must be an integer >= 1, or None for no limit; got "
                          f"{max_length!r}")  # fmt: skip
     sequences, skipped = [], {}
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                sequences.append(_parse_line(line, tokenizer, max_length, vocab_size, f"{path}:{line_no}"))
-            except BadLine as e:
-                if not skip_bad_lines:
-                    raise
-                skipped[e.reason] = skipped.get(e.reason, 0) + 1
+    for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            sequences.append(_parse_line(line, tokenizer, max_length, vocab_size, f"{path}:{line_no}"))
+        except BadLine as e:
+            if not skip_bad_lines:
+                raise
+            skipped[e.reason] = skipped.get(e.reason, 0) + 1
     return sequences, skipped
 
 

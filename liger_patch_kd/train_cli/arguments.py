@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# PEFT's TaskType values (peft is optional: checked here before it is imported)
+LORA_TASK_TYPES = ("CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 NO_SPLIT = "none"  # --dataset_test_split none: no evaluation, even when the dataset has a test split
 
 # TRL's GKDConfig / DistillationConfig names that mean exactly one of ours (docs/coming-from-trl.md lists them)
@@ -40,7 +42,14 @@ class ScriptArguments:
         default=None,
         metadata={"help": "The split evaluated at the end (and every eval_steps with --eval_strategy steps). Default: "
                   "'test' when the dataset has one, else no evaluation (or --eval_fraction). A split named here "
-                  "that the dataset lacks is an error; 'none': no evaluation."},
+                  "that the dataset lacks is an error; 'none': no test split (no evaluation, or --eval_fraction's "
+                  "held-out rows)."},
+    )  # fmt: skip
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Save into --output_dir even when it is the student's or teacher's own folder, or holds "
+                  "model or tokenizer files that no earlier `liger-kd train` run wrote there (they are "
+                  "overwritten)."},
     )  # fmt: skip
     eval_fraction: float | None = field(
         default=None,
@@ -94,6 +103,8 @@ class ModelArguments:
     lora_modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Modules trained in full and saved with the adapter."}
     )
-    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type."})
+    lora_task_type: str = field(
+        default="CAUSAL_LM", metadata={"help": f"PEFT task type: {', '.join(LORA_TASK_TYPES)}."}
+    )
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA (scaling alpha / sqrt(r))."})
     use_dora: bool = field(default=False, metadata={"help": "DoRA (weight-decomposed LoRA); refused on lm_head."})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,11 @@ from typing import Any
 from ..cli_checks import looks_like_path
 from ..teacher.store import MANIFEST
 from ..trainer.text_rows import TRAINED_COLUMNS
+from ..utils.text_files import read_utf8
 from .arguments import NO_SPLIT, ScriptArguments
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
+SHARD = re.compile(r"(.+?)-\d+(?:-of-\d+)?")  # train-00000-of-00002, train-00001: shards of the split 'train'
 DEFAULT_TEST_SPLIT = "test"
 FORMATS_EXTRA = "pip install 'liger_patch_kd[formats]'"
 
@@ -42,7 +45,7 @@ def read_file(path: Path) -> list[dict]:
         except ImportError:
             raise ValueError(f"--dataset_name {path}: reading parquet needs pyarrow: {FORMATS_EXTRA}") from None
         return pq.read_table(path).to_pylist()
-    text = path.read_text()
+    text = read_utf8(path, "--dataset_name")
     if path.suffix == ".json" and text.lstrip().startswith("["):
         rows = json.loads(text)
     else:  # JSON lines (HF's "json" builder reads a .json file of lines too)
@@ -60,12 +63,22 @@ def read_file(path: Path) -> list[dict]:
 
 
 def split_files(folder: Path) -> dict[str, list[Path]]:
-    """split name -> its files in `folder` (or folder/data): <split>.<ext> or <split>-<shard>.<ext>, sorted."""
+    """split name -> its files in `folder` (or folder/data): <split>.<ext> or <split>-<shard>.<ext> (Hugging Face's
+    <split>-00000-of-00002.parquet), sorted. A split in two formats or two places (train.jsonl beside train.parquet,
+    or beside data/train.jsonl) is refused: most likely one copy of the other, and reading both doubles its rows."""
     found: dict[str, list[Path]] = {}
     for place in (folder, folder / "data"):
         for path in sorted(place.glob("*")) if place.is_dir() else ():
             if path.is_file() and path.suffix in EXTENSIONS:
-                found.setdefault(path.stem.split("-", 1)[0], []).append(path)
+                shard = SHARD.fullmatch(path.stem)  # any other name is a split of its own (train-old-backup)
+                found.setdefault(shard.group(1) if shard else path.stem, []).append(path)
+    for split, paths in found.items():
+        copies = {(path.parent, path.suffix): path for path in paths}
+        if len(copies) > 1:
+            first, second = list(copies.values())[:2]
+            raise ValueError(f"--dataset_name {folder}: the split '{split}' is in both {first} and {second}; "
+                             "reading both would count its rows twice: keep one format and one place per split "
+                             "(move the other file out of the folder)")  # fmt: skip
     return found
 
 
@@ -149,10 +162,10 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
         raise ValueError(f"--dataset_train_split {script.dataset_train_split}: {name} has no such split (it has "
                          f"{', '.join(sorted(splits))})")  # fmt: skip
     test = script.dataset_test_split
-    if test is not None and test.lower() == NO_SPLIT:
-        test, fraction_allowed = None, False
+    dropped = test is not None and test.lower() == NO_SPLIT  # no test split; --eval_fraction may still hold out
+    if dropped:
+        test = None
     else:
-        fraction_allowed = True
         if test is not None and test not in splits:
             raise ValueError(f"--dataset_test_split {test}: {name} has no such split (it has "
                              f"{', '.join(sorted(splits))}; leave the option out to evaluate on 'test' when there is "
@@ -168,9 +181,11 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
         evaluation = _rows(splits[test])
         check_columns(evaluation, f"{where} (split {test})")
         description = f"evaluating on the split '{test}' ({len(evaluation)} rows)"
-    elif fraction is not None and fraction_allowed:
+    elif fraction is not None:
         train, evaluation = _hold_out(train, fraction, seed)
         description = f"evaluating on {len(evaluation)} rows held out of '{script.dataset_train_split}'"
+    elif dropped:
+        evaluation, description = None, f"no evaluation (--dataset_test_split {NO_SPLIT})"
     else:
         evaluation, description = None, "no evaluation (no test split; --eval_fraction holds out part of train)"
     return Splits(train, evaluation, store, description)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_checks import looks_like_path
-from .arguments import DTYPES, ModelArguments
+from .arguments import DTYPES, LORA_TASK_TYPES, ModelArguments
 
 PEFT_EXTRA = "pip install 'liger_patch_kd[peft]'"
 
@@ -24,6 +24,9 @@ def check_model_options(model: ModelArguments) -> None:
     for option, value in (("--dtype", model.dtype), ("--teacher_dtype", model.teacher_dtype)):
         if value not in DTYPES:
             raise ValueError(f"{option} {value}: not a dtype; use one of {', '.join(DTYPES)}")
+    if model.lora_task_type not in LORA_TASK_TYPES:
+        raise ValueError(f"--lora_task_type {model.lora_task_type}: not a PEFT task type; use one of "
+                         f"{', '.join(LORA_TASK_TYPES)} (CAUSAL_LM for a student language model)")  # fmt: skip
     if not model.use_peft:
         return
     for option, value in (("--lora_r", model.lora_r), ("--lora_alpha", model.lora_alpha)):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from ..trainer import KDTrainingArguments
 from .arguments import TRL_ALIASES, TRL_AMBIGUOUS, ModelArguments, ScriptArguments
@@ -32,7 +33,25 @@ class TrainParser(HfArgumentParser):
 
 
 def build_parser() -> TrainParser:
-    return TrainParser((ScriptArguments, ModelArguments, KDTrainingArguments), prog=PROG, description=DESCRIPTION)
+    # allow_abbrev off: a shortened name (--kd_lmb) is a mistake, not silently one of several options
+    return TrainParser((ScriptArguments, ModelArguments, KDTrainingArguments), prog=PROG, description=DESCRIPTION,
+                       allow_abbrev=False)  # fmt: skip
+
+
+def one_value_options(parser: TrainParser) -> frozenset[str]:
+    """The options followed by exactly one value (not a bool's optional one, not a list's)."""
+    return frozenset(o[2:] for a in parser._actions if a.nargs is None and a.option_strings
+                     for o in a.option_strings if o.startswith("--"))  # fmt: skip
+
+
+def check_yaml_booleans(config: dict[str, Any], actions: dict[str, list[Any]], path: str) -> None:
+    """YAML reads an unquoted no / yes / off / on as a boolean: given to an option that takes a word (save_strategy,
+    report_to, ...) it is a mistake to name, not a value for the option to refuse in its own words."""
+    for key, value in config.items():
+        boolean = any(a.type is string_to_bool or a.const in (True, False) for a in actions.get(key, ()))
+        if isinstance(value, bool) and key in actions and not boolean:
+            raise ValueError(f"--config {path}: {key}: {str(value).lower()} is read by YAML as the boolean {value}, "
+                             f"and {key} takes a word: quote it ({key}: \"no\", or whichever word you meant)")
 
 
 def _flag_name(word: str) -> str | None:
@@ -40,11 +59,15 @@ def _flag_name(word: str) -> str | None:
     return word[2:].split("=", 1)[0] if word.startswith("--") and len(word) > 2 else None
 
 
-def with_our_names(argv: list[str], where: str = "the command line") -> list[str]:
+def with_our_names(argv: list[str], where: str = "the command line", takes_value: frozenset[str] = frozenset()
+                   ) -> list[str]:  # fmt: skip
     """argv with TRL's names (--lmbda) as ours (--kd_lmbda); an ambiguous TRL name, or a TRL name beside ours, is
-    a ValueError."""
-    out, given = [], {_flag_name(w) for w in argv} - {None}
-    for word in argv:
+    a ValueError. A word right after an option of `takes_value` (without `=`) is that option's value, never read as
+    a name (`--run_name --temperature`)."""
+    values = {i + 1 for i, w in enumerate(argv) if "=" not in w and _flag_name(w) in takes_value}
+    flags = [(i, w) for i, w in enumerate(argv) if i not in values]
+    out, given = list(argv), {_flag_name(w) for _, w in flags} - {None}
+    for i, word in flags:
         name = _flag_name(word)
         if name in TRL_AMBIGUOUS:
             raise ValueError(f"--{name} ({where}): {TRL_AMBIGUOUS[name]}")
@@ -52,8 +75,7 @@ def with_our_names(argv: list[str], where: str = "the command line") -> list[str
             ours = TRL_ALIASES[name]
             if ours in given or sum(TRL_ALIASES.get(g) == ours for g in given) > 1:
                 raise ValueError(f"--{name} and --{ours} ({where}) set one option twice: give --{ours} alone")
-            word = f"--{ours}{word[len(name) + 2 :]}"
-        out.append(word)
+            out[i] = f"--{ours}{word[len(name) + 2 :]}"
     return out
 
 
@@ -100,14 +122,18 @@ def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArgument
     parser = build_parser()
     if config_path is not None:
         config = read_config(config_path)
-        known = {action.dest: action for action in parser._actions}
+        known: dict[str, list[Any]] = {}  # a bool defaulting to True has two actions: --x and --no_x
+        for action in parser._actions:
+            known.setdefault(action.dest, []).append(action)
         unknown = sorted(set(config) - set(known))
         if unknown:
             raise ValueError(f"--config {config_path}: no option {', '.join(unknown)} (see {PROG} --help)")
+        check_yaml_booleans(config, known, config_path)
         for key, value in config.items():  # defaults, so the command line wins (TRL's TrlParser does the same)
-            known[key].default, known[key].required = value, False
+            for action in known[key]:  # argparse takes a dest's default from its first action: set them all
+                action.default, action.required = value, False
     script, model, training, unknown = parser.parse_args_into_dataclasses(
-        args=with_our_names(argv), return_remaining_strings=True
+        args=with_our_names(argv, takes_value=one_value_options(parser)), return_remaining_strings=True
     )
     if unknown:
         raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (see {PROG} --help)")

@@ -6,13 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..teacher.store import store_meta
+from ..teacher.store.rollouts import rollouts_of
+from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
+from .output import check_output_dir, check_resume, record_saved
 from .parser import parse
 
 
-def check_teacher(model: Any, training: Any, store: Path | None) -> None:
-    """One teacher: a model here, a server, a store's rows, or the student itself."""
+def check_teacher(model: Any, training: Any, store: Path | None, train_rows: Any) -> None:
+    """One teacher: a model here, a server, a store's rows, or the student itself. A store beside a model here is
+    a store's rows plus a live teacher: for generated steps (kd_lmbda, kd_seq_kd), or to rescore a rollout store's
+    refreshed rows (kd_store_refresh_steps)."""
     named = (("--teacher_model_name_or_path", model.teacher_model_name_or_path),
              ("--kd_teacher_url", training.kd_teacher_url), ("--kd_self_distill", training.kd_self_distill),
              ("a teacher store as --dataset_name", store))  # fmt: skip
@@ -21,8 +27,14 @@ def check_teacher(model: Any, training: Any, store: Path | None) -> None:
         raise ValueError("no teacher: give --teacher_model_name_or_path (a model sharing the student's tokenizer), "
                          "--kd_teacher_url (a teacher server), a teacher store as --dataset_name, or "
                          "--kd_self_distill")  # fmt: skip
+    refresh = training.kd_store_refresh_steps
+    if refresh and (store is None or rollouts_of(store_meta(train_rows) or {}) is None):
+        raise ValueError(f"--kd_store_refresh_steps {refresh}: regenerates rows of a rollout store (liger-kd "
+                         f"precompute --rollouts-from), and --dataset_name is not one: give a rollout store, or "
+                         f"leave the option out")  # fmt: skip
     on_policy = training.kd_lmbda > 0 or training.kd_seq_kd  # a store's rows plus a live teacher for generated steps
-    if len(sources) > 1 and not (on_policy and store is not None and len(sources) == 2):
+    rescores = refresh and model.teacher_model_name_or_path  # the teacher that scored the store rescores its rows
+    if len(sources) > 1 and not ((on_policy or rescores) and store is not None and len(sources) == 2):
         raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
 
 
@@ -37,6 +49,11 @@ def train(argv: list[str] | None = None):
     script, model, training = parse(argv)
     check_model_options(model)
     check_dataset_name(script)
+    check_resume(training.resume_from_checkpoint)
+    check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
+    check_output_dir(training.output_dir, {"--model_name_or_path": model.model_name_or_path,
+                                           "--teacher_model_name_or_path": model.teacher_model_name_or_path},
+                     script.overwrite_output_dir)  # fmt: skip
     student_name = model.model_name_or_path
     tokenizer = load_tokenizer(student_name, model, "--model_name_or_path", model.model_revision)
     if model.teacher_model_name_or_path and not training.kd_teacher_tokenizer:  # one tokenizer for both
@@ -50,7 +67,7 @@ def train(argv: list[str] | None = None):
         return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
 
     splits = load_splits(script, training.seed, open_store)
-    check_teacher(model, training, splits.store)
+    check_teacher(model, training, splits.store, splits.train)
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:
         raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "
@@ -80,6 +97,7 @@ def train(argv: list[str] | None = None):
     trainer.save_model(out)
     if training.process_index == 0:
         tokenizer.save_pretrained(out)
+        record_saved(out)  # these files are this tool's now: the next run into `out` may replace them
     kind = "the student's LoRA adapter" if model.use_peft else "the student"
     say(f"liger-kd train: saved {kind} and its tokenizer to {Path(out).resolve()}")
     return trainer

@@ -195,6 +195,35 @@ def check_not_empty(dataset: Any) -> None:
         )
 
 
+def _first_empty_row(dataset: Any) -> int | None:
+    """The index of the first row whose input_ids are empty, in a list of rows or a datasets.Dataset (read as one
+    arrow column, not row by row); None when there is none or the dataset is neither (a store, an iterable)."""
+    if isinstance(dataset, (list, tuple)):
+        return next((i for i, row in enumerate(dataset) if isinstance(row, Mapping) and row.get("input_ids") is not None
+                     and len(row["input_ids"]) == 0), None)  # fmt: skip
+    if type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"):
+        if "input_ids" not in (dataset.column_names or ()):
+            return None
+        import pyarrow.compute as pc  # datasets' own dependency
+
+        lengths = pc.list_value_length(dataset.with_format("arrow")[:]["input_ids"])
+        empty = pc.index(lengths, 0).as_py()
+        return None if empty < 0 else empty
+    return None
+
+
+def check_no_empty_rows(dataset: Any, name: str) -> None:
+    """A row of no tokens (input_ids []) gives the model nothing to run on: a batch of such rows fails in the
+    forward, and one beside others trains on nothing. Refused by index before training, for datasets indexed by row."""
+    named = dataset.items() if isinstance(dataset, Mapping) else [(name, dataset)]
+    for where, rows in named:
+        empty = _first_empty_row(rows)
+        if empty is not None:
+            where = where if where == name else f"{name}[{where!r}]"
+            raise ValueError(f"{where}[{empty}] has no tokens (input_ids of length 0): remove empty rows (e.g. "
+                             f"dataset.filter(lambda row: len(row['input_ids']) > 0))")  # fmt: skip
+
+
 def check_training_rows(
     args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
 ) -> None:
@@ -202,6 +231,9 @@ def check_training_rows(
     sampled teacher tokens can train the objective (beta 0, their draw temperature), a live teacher has steps to
     score, and off-policy steps have completions to train on."""
     check_not_empty(dataset)
+    check_no_empty_rows(dataset, "train_dataset")
+    if eval_dataset is not None:
+        check_no_empty_rows(eval_dataset, "eval_dataset")
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)

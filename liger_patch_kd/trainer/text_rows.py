@@ -65,7 +65,7 @@ def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, acros
     if any(c in row for c in ("prompt", "messages")):
         return dataset  # TRL's formats: the prompt collators read them
     if across:
-        return _map(dataset, lambda text, index: {"prompt": "", "completion": text})
+        return _map(dataset, lambda text, index: {"prompt": "", "completion": text}, name)
     if tokenizer is None:
         raise ValueError(
             f"{name}'s rows have the columns {columns} and no 'input_ids': KDTrainer tokenizes 'text' with the "
@@ -90,19 +90,30 @@ def _rows(dataset: Any, name: str, tokenizer: Any, max_length: int | None, acros
             )
         return {"input_ids": ids["input_ids"]}
 
-    return _map(dataset, tokenize)
+    return _map(dataset, tokenize, name)
 
 
-def _map(dataset: Any, make: Any) -> Any:
+def _text(row: Any, index: int, name: str) -> Any:
+    """A row's 'text'; a row without one (the first row had it) is refused by index with the columns it has."""
+    if not isinstance(row, Mapping) or row.get(TEXT) is None:
+        has = sorted(k for k, v in row.items() if v is not None) if isinstance(row, Mapping) else type(row).__name__
+        raise ValueError(f"{name}[{index}] has no 'text' value (its columns with a value: {has}), and the rows before "
+                         f"it are text rows: give every row a 'text', or remove the rows without one")  # fmt: skip
+    return row[TEXT]
+
+
+def _map(dataset: Any, make: Any, name: str) -> Any:
     """Each row with its 'text' replaced by make(text, row index)'s columns: a list of dicts stays a list, a
     datasets.Dataset becomes one (Dataset.map; its other columns kept), a datasets.IterableDataset stays one, mapped
     lazily as it is read (IterableDataset.map)."""
     if _is_hf_iterable(dataset):
-        return dataset.map(lambda row, index: make(row[TEXT], index), with_indices=True, remove_columns=[TEXT])
+        return dataset.map(lambda row, index: make(_text(row, index, name), index), with_indices=True,
+                           remove_columns=[TEXT])  # fmt: skip
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
-        return dataset.map(lambda row, index: make(row[TEXT], index), with_indices=True, remove_columns=[TEXT],
-                           desc="tokenizing text rows")  # fmt: skip
-    return [{**{k: v for k, v in row.items() if k != TEXT}, **make(row[TEXT], i)} for i, row in enumerate(dataset)]
+        return dataset.map(lambda row, index: make(_text(row, index, name), index), with_indices=True,
+                           remove_columns=[TEXT], desc="tokenizing text rows")  # fmt: skip
+    return [{**{k: v for k, v in row.items() if k != TEXT}, **make(_text(row, i, name), i)}
+            for i, row in enumerate(dataset)]  # fmt: skip
 
 
 def materialised_logits_note(tokens: int, vocab: int, offline: bool) -> str:

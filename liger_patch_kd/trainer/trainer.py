@@ -20,9 +20,10 @@ from .arguments import KDTrainingArguments
 from .dataset_setup import check_evaluation_has_teacher, check_no_text_rows_to_generate_from
 from .model_loading import loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
+from .output_checkpoints import check_rotation_spares_others
 from .rollouts.onpolicy import OnPolicySteps
 from .rollouts.retokenized import rows_maker
-from .teachers.base import has_teacher_rows
+from .teachers.base import StepMetrics, has_teacher_rows
 from .teachers.plan import resolve_teacher
 from .text_rows import materialised_logits_note, tokenize_text_datasets
 from .token_range import check_collated_ids
@@ -87,7 +88,7 @@ class KDTrainer(Trainer):
         self._kd_sums: dict[str, torch.Tensor] = {}
         self._kd_count = 0
         self._kd_agreement: torch.Tensor | None = None
-        self._kd_teacher_metrics: dict[str, torch.Tensor] | None = None  # several teachers: per-teacher figures
+        self._kd_teacher_metrics: StepMetrics | None = None  # teacher figures of the logging step (teachers/base.py)
         self._kd_recompute_limited = False
         self.onpolicy = OnPolicySteps(args)
         self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
@@ -217,8 +218,9 @@ class KDTrainer(Trainer):
             vocab = unwrap_model(model).get_output_embeddings().weight.shape[0]
             logger.warning(materialised_logits_note(inputs["input_ids"].numel(), vocab, has_teacher_rows(inputs)))
         step = self.teacher_source.loss(model, inputs, num_items_in_batch, cfg, self._kd_should_log(), behaviour)
-        if step.teacher_metrics:  # several teachers' figures, kept until the next log
-            self._kd_teacher_metrics = step.teacher_metrics
+        if step.teacher_metrics:  # teacher figures (several teachers', kd_behaviour_kl), kept until the next log
+            self._kd_teacher_metrics = self._kd_teacher_metrics or StepMetrics()
+            self._kd_teacher_metrics.add(step.teacher_metrics, step.metric_tokens)
         loss = step.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients over processes
@@ -227,6 +229,7 @@ class KDTrainer(Trainer):
         return (loss, step.outputs) if return_outputs else loss
 
     def train(self, *args, **kwargs):
+        check_rotation_spares_others(self.args, kwargs.get("resume_from_checkpoint", args[0] if args else None))
         self._kd_recompute_limited = False  # every train() turns checkpointing back on for every layer
         try:
             return super().train(*args, **kwargs)
@@ -288,7 +291,7 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             if self.onpolicy.staleness:  # steps between the engine's weights and the student's, latest rollout
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
-            for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, ...
+            for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, kd_behaviour_kl
                 logs[key] = round(float(value), 6)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None
         check_logged(logs, self.state.global_step)

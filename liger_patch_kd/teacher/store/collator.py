@@ -37,7 +37,7 @@ class TeacherDataCollator:
     ignore_index: int = -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [np.asarray(f["input_ids"], dtype=np.int64) for f in features]
+        seqs = [token_ids_of(f["input_ids"], "input_ids", row) for row, f in enumerate(features)]
         length, batch = max(len(s) for s in seqs), len(features)
         input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
         attention = np.zeros((batch, length), dtype=np.int64)
@@ -45,7 +45,7 @@ class TeacherDataCollator:
         for row, (f, seq) in enumerate(zip(features, seqs)):
             input_ids[row, : len(seq)] = seq
             attention[row, : len(seq)] = 1
-            labels[row, : len(seq)] = np.asarray(f["labels"], dtype=np.int64) if "labels" in f else seq
+            labels[row, : len(seq)] = token_ids_of(f["labels"], "labels", row) if "labels" in f else seq
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
@@ -60,6 +60,24 @@ class TeacherDataCollator:
             ):
                 out[name] = _pad_rows([f[name] for f in features], length, fill, dtype)
         return out
+
+
+def token_ids_of(values: Any, column: str, row: int) -> np.ndarray:
+    """A row's ids as int64, never wrapped nor truncated: an id past int64, a fraction or a non-number is a ValueError
+    naming the column, the row (of this batch) and the value (the vocabulary check runs on the collated batch)."""
+    array = np.asarray(values)
+    if array.dtype.kind == "i" or array.size == 0:
+        return array.astype(np.int64, copy=False)
+    if array.dtype.kind == "u" and int(array.max()) < 2**63:
+        return array.astype(np.int64)
+    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all() \
+            and np.abs(array).max() < 2**53:  # whole numbers stored as floats: exact
+        return array.astype(np.int64)
+    flat = list(values) if isinstance(values, (list, tuple)) else array.ravel().tolist()  # as given, not as cast
+    bad = next((v for v in flat if isinstance(v, bool) or not isinstance(v, (int, float, np.number))
+                or not math.isfinite(v) or v != round(v) or not -(2**63) <= int(v) < 2**63), flat[0])  # fmt: skip
+    raise ValueError(f"row {row} of this batch: {column} holds {bad!r}, which is not a token id (an integer in [0, "
+                     f"the vocabulary size)); tokenize the row with the student's tokenizer")
 
 
 def _pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype) -> torch.Tensor:

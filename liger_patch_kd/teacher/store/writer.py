@@ -52,8 +52,32 @@ def _check_store_options(meta: dict) -> None:
         raise ValueError(f"temperature (--temperature) must be a finite number > 0; got {t!r}")
 
 
+# the precompute flag that sets a store input, by its place in the manifest (a dotted path into nested sections)
+SET_BY = {"rollouts.teacher_fingerprint": "--teacher", "rollouts.generator_fingerprint": "--rollouts-from",
+          "rollouts.max_new_tokens": "--max-new-tokens", "rollouts.num_generations": "--num-generations",
+          "rollouts.prompts_per_call": "--batch-size", "rollouts.num_prompts": "--data",
+          "rollouts.sampling.temperature": "--generation-temperature", "rollouts.sampling.top_p": "--top-p",
+          "rollouts.sampling.top_k": "--generation-top-k", "rollouts.sampling.seed": "--seed",
+          "rollouts.score.top_k": "--top-k", "rollouts.score.samples": "--samples",
+          "rollouts.score.temperature": "--temperature", "rollouts.score.seed": "--seed", "top_k": "--top-k",
+          "temperature": "--temperature", "logprob_dtype": "--dtype", "encoding": "--encoding",
+          "data file": "--data", "max_length": "--max-length", "skip_bad_lines": "--skip-bad-lines"}  # fmt: skip
+
+
+def _differences(old: Any, new: Any, where: str = "") -> dict[str, tuple[Any, Any]]:
+    """Dotted path -> (old, new) of the leaves that differ (a section's other fields are not news)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found: dict[str, tuple[Any, Any]] = {}
+        for key in sorted(set(old) | set(new), key=str):
+            found.update(_differences(old.get(key), new.get(key), f"{where}.{key}" if where else str(key)))
+        return found
+    return {} if old == new else {where: (old, new)}
+
+
 def _mismatch_message(out_dir: Path, changed: dict) -> str:
-    parts = [f"{key} (store: {old!r}, now: {new!r})" for key, (old, new) in changed.items()]
+    leaves = {path: pair for key, (old, new) in changed.items() for path, pair in _differences(old, new, key).items()}
+    parts = [f"{key} (store: {old!r}, now: {new!r}){f', set by {SET_BY[key]}' if key in SET_BY else ''}"
+             for key, (old, new) in leaves.items()]  # fmt: skip
     return (
         f"{out_dir} holds a store started with other inputs: {'; '.join(parts)}. Resuming would mix two datasets "
         f"in one store: rerun with the original inputs, or use another --out (or delete it)"

@@ -39,6 +39,22 @@ def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
         )
 
 
+def check_evaluation_is_rollouts(eval_dataset: Any) -> None:
+    """A run on a rollout store scores every batch, evaluation's too, as stored rollouts (their teacher log-probs,
+    the rollout collator): an evaluation dataset that is not one is refused when the Trainer is built, not at the
+    first evaluation."""
+    named = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for name, dataset in named:
+        if dataset is not None and rollouts_of(store_meta(dataset) or {}) is None:
+            where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
+            raise ValueError(
+                f"{where} is not a rollout store ({type(dataset).__name__}), and train_dataset is one: the run scores "
+                f"every batch as stored rollouts. Evaluate on a rollout store too (liger-kd precompute "
+                f"--rollouts-from on held-out prompts, or rows held out of this store), or on this dataset in "
+                f"another run"
+            )
+
+
 class OfflineRollouts:
     """What a run on a rollout store adds to KDTrainer; `setup` returns None for any other dataset."""
 
@@ -48,7 +64,8 @@ class OfflineRollouts:
         self.refresh = StoreRefresh(meta, args, collator) if args.kd_store_refresh_steps else None
 
     @classmethod
-    def setup(cls, args: Any, dataset: Any, teacher_model: Any, tokenizer: Any) -> OfflineRollouts | None:
+    def setup(cls, args: Any, dataset: Any, teacher_model: Any, tokenizer: Any, eval_dataset: Any = None
+              ) -> OfflineRollouts | None:  # fmt: skip
         meta = store_meta(dataset)
         section = rollouts_of(meta) if meta is not None else None
         if section is None:
@@ -74,6 +91,7 @@ class OfflineRollouts:
         elif args.kd_store_refresh_steps:
             raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} rescores regenerated rows with "
                              f"the teacher: pass teacher_model (the one that scored the store)")  # fmt: skip
+        check_evaluation_is_rollouts(eval_dataset)
         pad = getattr(tokenizer, "pad_token_id", None)
         return cls(meta, args, RolloutStoreCollator(pad_token_id=0 if pad is None else pad))
 

@@ -56,7 +56,7 @@ class StoredRolloutsTeacher(TeacherSource):
                 with torch.no_grad():
                     log_q = self.token_logprobs(model, inputs, flat_labels, cfg)
                 metrics = {BEHAVIOUR_KL: behaviour_kl(log_q, log_b, scored)}
-            step.teacher_metrics = metrics
+            step.teacher_metrics, step.metric_tokens = metrics, scored.sum() if metrics else None
             return step
         log_q = self.token_logprobs(model, inputs, flat_labels, cfg)
         loss, soft, hard = estimator_kd_from_logprobs(
@@ -65,7 +65,7 @@ class StoredRolloutsTeacher(TeacherSource):
         )  # fmt: skip
         if log_now and log_b is not None:
             metrics = {BEHAVIOUR_KL: behaviour_kl(log_q, log_b, scored)}
-        return KDStepOutput(loss, soft, hard, None, {"loss": loss}, metrics)
+        return KDStepOutput(loss, soft, hard, None, {"loss": loss}, metrics, scored.sum() if metrics else None)
 
     def token_logprobs(self, model, inputs: dict, flat_labels: torch.Tensor, cfg: KDLossConfig) -> torch.Tensor:
         """(N,) the student's log-prob (temperature 1) of each row's label (0 where ignored): from hidden states a

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
 from ...teacher.store import StoreWriter, check_store_folder
+from ...utils.text_files import read_utf8
 from ..rollouts.generate import RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
 from ..rollouts.prompts import tokenize_prompt_row
@@ -40,21 +41,20 @@ def read_prompt_rows(path: str | Path, tokenizer: Any) -> list[list[int]]:
     not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
     blank lines ignored. A line that is neither is a ValueError naming file:line."""
     prompts = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
-            if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-                raise ValueError(f"{path}:{line_no}: a rollout prompt row needs 'prompt' (text or messages) or "
-                                 f"'messages' (TRL's formats)")  # fmt: skip
-            try:
-                prompts.append(tokenize_prompt_row(tokenizer, row)[0])
-            except ValueError as e:
-                raise ValueError(f"{path}:{line_no}: {e}") from None
+    for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+            raise ValueError(f"{path}:{line_no}: a rollout prompt row needs 'prompt' (text or messages) or "
+                             f"'messages' (TRL's formats)")  # fmt: skip
+        try:
+            prompts.append(tokenize_prompt_row(tokenizer, row)[0])
+        except ValueError as e:
+            raise ValueError(f"{path}:{line_no}: {e}") from None
     return prompts
 
 

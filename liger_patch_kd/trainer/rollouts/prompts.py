@@ -121,6 +121,14 @@ class PromptCollator:
             tokens = prompt + (completion or [])
             label = [self.ignore_index] * len(prompt) + (completion or [])
             if self.max_length is not None:
+                if completion and len(prompt) >= self.max_length:  # the cut would leave no completion token
+                    raise ValueError(
+                        f"prompt row {index} of this batch ({str(row.get('prompt', row.get('messages')))[:40]!r}...): "
+                        f"its prompt has {len(prompt)} tokens (kd_max_prompt_length={self.max_prompt_length}), and "
+                        f"kd_max_length={self.max_length} cuts prompt + completion there, leaving no completion token "
+                        f"to train on: set kd_max_prompt_length below kd_max_length (it keeps a prompt's last "
+                        f"tokens), raise kd_max_length above {len(prompt)}, or drop such rows"
+                    )
                 tokens, label = tokens[: self.max_length], label[: self.max_length]
             features.append({"input_ids": tokens, "labels": label})
             if privileged:

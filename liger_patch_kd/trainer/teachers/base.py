@@ -57,6 +57,30 @@ class KDStepOutput:
     agreement: torch.Tensor | None
     outputs: Any
     teacher_metrics: dict[str, torch.Tensor] | None = None
+    metric_tokens: torch.Tensor | None = None  # teacher_metrics are means over this many tokens: a step's add up
+
+
+class StepMetrics(dict):
+    """The teacher figures of one logging step's micro-batches (gradient accumulation: several per optimizer step),
+    name -> value as they stand: a figure a micro-batch measured as a mean over `metric_tokens` tokens is the
+    token-weighted mean over the step's micro-batches so far (the whole step's value at the log); any other is the
+    latest micro-batch's. Sums stay on the device: no host sync per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor], tokens: torch.Tensor | None) -> None:
+        for key, value in metrics.items():
+            if tokens is None:  # not a mean over tokens: the latest figure
+                self[key] = value
+                continue
+            value = torch.as_tensor(value).detach().double()
+            weight = torch.as_tensor(tokens, device=value.device).double()
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+            self.tokens[key] = self.tokens.get(key, 0.0) + weight
+            self[key] = self.sums[key] / self.tokens[key].clamp(min=1)  # no token measured: the figure is 0
 
 
 class TeacherSource:

@@ -168,10 +168,10 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
         for member in teacher_set.student_vocab_teachers() if teacher_set else ():  # one vocab_size
             kd_config = with_vocab_size(kd_config, model, member, tokenizer)
     # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
-    offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer)
+    evaluation = kwargs.get("eval_dataset")
+    offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer, evaluation)
     if offline is not None and kwargs.get("data_collator") is None:
         kwargs["data_collator"] = offline.collator
-    evaluation = kwargs.get("eval_dataset")
     check_training_rows(args, kd_config, rows, kwargs.get("data_collator"), teacher_model, evaluation)
     if xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
         check_store_tokenizer(xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")

@@ -1,0 +1,74 @@
+"""Where `liger-kd train` writes: --output_dir checked before any model loads (it must not be a model's own folder
+nor hold model files another run or a download left there, unless --overwrite_output_dir), the record of the files
+a run saved there (so the next run into the same folder may replace them), and --resume_from_checkpoint checked to
+be a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RECORD = "liger_kd_train.json"  # the files the last `liger-kd train` run saved in its --output_dir
+MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "chat_template.jinja", "training_args.bin")  # fmt: skip
+MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "adapter_model*.bin")
+CHECKPOINT_STATE = "trainer_state.json"  # every checkpoint the Trainer saves holds it
+
+
+def model_files(folder: Path) -> list[str]:
+    """The model / tokenizer files directly in `folder`, sorted by name."""
+    if not folder.is_dir():
+        return []
+    found = {name for name in MODEL_FILES if (folder / name).is_file()}
+    found |= {p.name for pattern in MODEL_PATTERNS for p in folder.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def _written_before(folder: Path) -> set[str]:
+    try:
+        return set(json.loads((folder / RECORD).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):  # no record (or not ours): nothing counts as written by us
+        return set()
+
+
+def check_output_dir(output_dir: str, models: dict[str, str | None], overwrite: bool) -> None:
+    """Refuse an --output_dir the save would overwrite files in that this tool did not write: a model's own folder
+    (`models`: option -> name or path), or a folder holding model or tokenizer files no `liger-kd train` run saved."""
+    if overwrite:
+        return
+    out = Path(output_dir).expanduser()
+    fix = "give another --output_dir, or pass --overwrite_output_dir to overwrite them"
+    for option, name in models.items():
+        if name is not None and out.is_dir() and Path(name).expanduser().is_dir() and out.samefile(name):
+            raise ValueError(f"--output_dir {output_dir}: is the folder of {option} {name}; saving there would "
+                             f"overwrite that model's own files ({', '.join(model_files(out)) or 'none yet'}): "
+                             f"{fix}")  # fmt: skip
+    foreign = [name for name in model_files(out) if name not in _written_before(out)]
+    if foreign:
+        raise ValueError(f"--output_dir {output_dir}: already holds {', '.join(foreign)}, which no earlier "
+                         f"`liger-kd train` run saved there (no {RECORD} lists them); saving would overwrite them: "
+                         f"{fix}")  # fmt: skip
+
+
+def record_saved(output_dir: str) -> None:
+    """Note the model and tokenizer files now in --output_dir as this tool's, for the next run's check."""
+    out = Path(output_dir)
+    (out / RECORD).write_text(json.dumps({"written_by": "liger-kd train", "files": model_files(out)}, indent=1))
+
+
+def check_resume(value: Any) -> None:
+    """--resume_from_checkpoint names a checkpoint folder (the Trainer's own message comes only after the models
+    load)."""
+    if value is None or isinstance(value, bool):
+        return
+    path = Path(str(value)).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"--resume_from_checkpoint {value}: no such folder; name a checkpoint folder a run saved "
+                         "(OUTPUT_DIR/checkpoint-STEP), or leave the option out to start afresh")  # fmt: skip
+    if not (path / CHECKPOINT_STATE).is_file():
+        inside = sorted(p.name for p in path.glob("checkpoint-*") if (p / CHECKPOINT_STATE).is_file())
+        hint = f" (it holds {', '.join(inside)}: name one of them)" if inside else ""
+        raise ValueError(f"--resume_from_checkpoint {value}: not a checkpoint, it has no {CHECKPOINT_STATE}{hint}; "
+                         "name a checkpoint folder a run saved (OUTPUT_DIR/checkpoint-STEP)")  # fmt: skip
