@@ -148,10 +148,12 @@ def test_offline_against_live_at_half_the_seconds():
 
 
 def test_benchmark_smoke_writes_its_json(tmp_path):
-    from benchmarks.accuracy.bench_time_to_accuracy import FROM_STORE, OURS_GKD, RECIPES, TRL_RECIPES, main
+    from benchmarks.accuracy.bench_time_to_accuracy import FROM_STORE, OURS_GKD, RECIPES, SERVED_GKD, TRL_RECIPES, main
 
-    has_trl = importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
-    recipes = [*RECIPES, *(TRL_RECIPES if has_trl else ())]
+    has = lambda *modules: all(importlib.util.find_spec(m) is not None for m in modules)  # noqa: E731
+    recipes = [*RECIPES, *(TRL_RECIPES if has("trl", "datasets") else ())]
+    if not has("fastapi", "uvicorn"):  # the served row needs `liger-kd serve`'s app
+        recipes.remove(SERVED_GKD)
     out = tmp_path / "tta.json"
     payload = main(["--smoke", "--out", str(out), "--recipes", *recipes])
     written = json.loads(out.read_text())
@@ -175,4 +177,6 @@ def test_benchmark_smoke_writes_its_json(tmp_path):
         assert verdict["answer"] in (True, False, None) and OURS_GKD in verdict["question"]
     assert written["runs"][FROM_STORE[0]][0]["refreshed_steps"] == []
     assert written["runs"][FROM_STORE[1]][0]["refreshed_steps"] == [1, 2, 3]  # every step after the first
+    if SERVED_GKD in recipes:
+        assert written["runs"][SERVED_GKD][0]["served_tokens"] > 0
     assert 0.0 <= written["teacher"]["accuracy"] <= 1.0

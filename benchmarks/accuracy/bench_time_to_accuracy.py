@@ -42,6 +42,7 @@ at most half the GPU-seconds the live row takes to reach it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import tempfile
 import time
@@ -78,6 +79,9 @@ OFFLINE_REFRESH = "offline on-policy, 25 % refreshed a step (beta 0.5)"
 RECIPES[OFFLINE] = dict(kd_beta=0.5)
 RECIPES[OFFLINE_REFRESH] = dict(kd_beta=0.5, kd_store_refresh_steps=1, kd_store_refresh_fraction=0.25)
 FROM_STORE = (OFFLINE, OFFLINE_REFRESH)
+# the live GKD row with its teacher behind `liger-kd serve`'s app (in this process), asked for its final hidden states
+SERVED_GKD = "on-policy GKD, served teacher (hidden states)"
+RECIPES[SERVED_GKD] = dict(kd_lmbda=1.0, kd_beta=0.5, kd_teacher_protocol="hidden")
 TRL_GKD, TRL_DISTILL = "TRL GKDTrainer (lmbda 1, beta 0.5)", "TRL DistillationTrainer (beta 0.5)"
 TRL_RECIPES = (TRL_GKD, TRL_DISTILL)
 
@@ -214,12 +218,13 @@ def rollout_store(a, data, student, teacher, seed: int, steps: int, device, fold
 
 
 def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
-               base_accuracy: float) -> dict:  # fmt: skip
+               base_accuracy: float, teacher_url: str | None = None) -> dict:  # fmt: skip
     """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}, and for
-    an offline row its store's figures (`store`) and the steps that refreshed rows (`refreshed_steps`)."""
+    an offline row its store's figures (`store`) and the steps that refreshed rows (`refreshed_steps`).
+    `teacher_url`: the served teacher's, for SERVED_GKD."""
     if name not in FROM_STORE:
         return train_recipe(name, a, data, student, teacher, seed, device, steps=steps, cap=cap, every=every,
-                            base_accuracy=base_accuracy)  # fmt: skip
+                            base_accuracy=base_accuracy, teacher_url=teacher_url)  # fmt: skip
     import shutil
 
     folder = tempfile.mkdtemp(prefix="tta_store_")  # this run's own folder: removed with what it wrote
@@ -239,8 +244,10 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
 
 
 def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
-                 base_accuracy: float, store: tuple[str, float] | None = None) -> dict:  # fmt: skip
-    """run_recipe's training: `store` (folder, seconds) for an offline row, its seconds the clock's start."""
+                 base_accuracy: float, store: tuple[str, float] | None = None,
+                 teacher_url: str | None = None) -> dict:  # fmt: skip
+    """run_recipe's training: `store` (folder, seconds) for an offline row, its seconds the clock's start;
+    `teacher_url` for the served row."""
     from liger_patch_kd.demo.arithmetic import completion_batch, exact_match
     from liger_patch_kd.demo.toys import quiet
 
@@ -272,9 +279,11 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         from liger_patch_kd import KDTrainer, KDTrainingArguments
 
         kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
+        if name == SERVED_GKD:
+            kd["kd_teacher_url"] = teacher_url
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
                                    kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
-        trainer = KDTrainer(model=student, teacher_model=teacher, args=args,
+        trainer = KDTrainer(model=student, teacher_model=None if name == SERVED_GKD else teacher, args=args,
                             train_dataset=data["rows"], processing_class=tok, callbacks=[clock])  # fmt: skip
     peak = extra = None
     before = fresh_memory(device)  # both teachers and this student's weights
@@ -286,6 +295,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
     out = dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
                wall_seconds=time.perf_counter() - began)  # fmt: skip
     offline = getattr(trainer, "offline", None)
+    if name == SERVED_GKD:  # what the server sent: proof the row trained against it
+        out["served_tokens"] = trainer.teacher_source.client.tokens_received
     if store is not None:
         out["refreshed_steps"] = list(offline.refresh.refreshed_steps) if offline and offline.refresh else []
     return out
@@ -337,11 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
     from liger_patch_kd.demo.toys import demo_threads
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with demo_threads(device):  # a CPU: one thread (tiny models; spinning threads cost more than they give)
-        return run(a, device)
+    # a CPU: one thread (tiny models; spinning threads cost more than they give); `servers`: the served teacher's
+    with demo_threads(device), contextlib.ExitStack() as servers:
+        return run(a, device, servers)
 
 
-def run(a, device: torch.device) -> dict:
+def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     from liger_patch_kd.demo.arithmetic import ModelShape, exact_match, fit_on_ground_truth
 
     names = selected(a.recipes)
@@ -357,6 +369,17 @@ def run(a, device: torch.device) -> dict:
     print(f"teacher: {params(teacher) / 1e6:.1f}M parameters, exact match {teacher_accuracy:.3f} "
           f"(trained in {teacher_seconds or 0:.0f} s); target {target:.3f}", flush=True)  # fmt: skip
     trl_teacher = copy.deepcopy(teacher)  # KDTrainer patches its teacher's kernels in place; TRL's stays plain
+    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
+    teacher_url = None
+    if SERVED_GKD in names:  # served in bf16 on a GPU, as `liger-kd serve` loads the teacher saved in bf16
+        from ..common.served import served_teacher
+
+        try:
+            dtype = torch.bfloat16 if device.type == "cuda" else None
+            teacher_url = servers.enter_context(served_teacher(trl_teacher, top_k=min(64, len(tok)), dtype=dtype))
+        except Exception as error:
+            traceback.print_exc()
+            failed[SERVED_GKD] = f"{type(error).__name__}: {error}"[:500]
     students, base = {}, {}
     for seed in a.seeds:
         students[seed] = ModelShape(*a.student_shape).build(len(tok), seed=seed, device=device)
@@ -366,12 +389,11 @@ def run(a, device: torch.device) -> dict:
     print(f"students: {params(students[a.seeds[0]]) / 1e6:.2f}M parameters, after {a.format_steps} format steps: "
           f"{ {s: round(v, 3) for s, v in base.items()} }", flush=True)  # fmt: skip
     every = max(1, a.steps // a.checkpoints)
-    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
 
     def attempt(name: str, seed: int, **options) -> dict | None:
         try:
             return run_recipe(name, a, data, copy.deepcopy(students[seed]), trl_teacher if name in TRL_RECIPES
-                              else teacher, seed, device, **options)  # fmt: skip
+                              else teacher, seed, device, teacher_url=teacher_url, **options)  # fmt: skip
         except Exception as error:  # reported, not hidden: printed with its traceback and kept in the JSON
             traceback.print_exc()
             failed[name] = f"{type(error).__name__}: {error}"[:500]
@@ -379,7 +401,8 @@ def run(a, device: torch.device) -> dict:
 
     if not a.smoke:  # compile the kernels and capture the graphs once, outside every timed run
         for name in names:
-            attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
+            if name not in failed:
+                attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
         print(f"warm-up done ({time.perf_counter() - began:.0f} s)", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
