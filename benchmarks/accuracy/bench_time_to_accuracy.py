@@ -37,6 +37,11 @@ row regenerates a quarter of every step's rows with the current student and resc
 (`kd_store_refresh_steps=1`, `kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows).
 The summary asks, for each of them, whether it reaches the live GKD row's final accuracy (less its seed spread) in
 at most half the GPU-seconds the live row takes to reach it.
+
+The served row (SERVED_GKD) is the live GKD row with its teacher behind `liger-kd serve`'s app, started in this
+process on a loopback port (a copy of the teacher, in bf16 on a GPU as `liger-kd serve` loads it) and asked for
+its final hidden states (kd_teacher_protocol="hidden": the in-process objective exactly). The server shares the
+GPU and the interpreter with the trainer, so its seconds include that contention.
 """
 
 from __future__ import annotations
