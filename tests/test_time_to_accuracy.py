@@ -175,6 +175,7 @@ def test_benchmark_smoke_writes_its_json(tmp_path):
         assert written["summary"]["recipes"][name]["store_seconds"][0] == pytest.approx(store["seconds"])
         verdict = written["summary"]["offline_vs_live"][name]
         assert verdict["answer"] in (True, False, None) and OURS_GKD in verdict["question"]
+        assert run["behaviour_kl"] is not None and run["behaviour_kl"] >= 0.0  # logged at the last step
     assert written["runs"][FROM_STORE[0]][0]["refreshed_steps"] == []
     assert written["runs"][FROM_STORE[1]][0]["refreshed_steps"] == [1, 2, 3]  # every step after the first
     if SERVED_GKD in recipes:

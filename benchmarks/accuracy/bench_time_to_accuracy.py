@@ -225,7 +225,8 @@ def rollout_store(a, data, student, teacher, seed: int, steps: int, device, fold
 def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
                base_accuracy: float, teacher_url: str | None = None) -> dict:  # fmt: skip
     """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}, and for
-    an offline row its store's figures (`store`) and the steps that refreshed rows (`refreshed_steps`).
+    an offline row its store's figures (`store`), the steps that refreshed rows (`refreshed_steps`) and the last
+    logged kd_behaviour_kl (`behaviour_kl`).
     `teacher_url`: the served teacher's, for SERVED_GKD."""
     if name not in FROM_STORE:
         return train_recipe(name, a, data, student, teacher, seed, device, steps=steps, cap=cap, every=every,
@@ -304,6 +305,9 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         out["served_tokens"] = trainer.teacher_source.client.tokens_received
     if store is not None:
         out["refreshed_steps"] = list(offline.refresh.refreshed_steps) if offline and offline.refresh else []
+        # how far the student moved from the one that sampled the store, at the logging step (None if capped before)
+        logged = [h["kd_behaviour_kl"] for h in trainer.state.log_history if "kd_behaviour_kl" in h]
+        out["behaviour_kl"] = logged[-1] if logged else None
     return out
 
 
