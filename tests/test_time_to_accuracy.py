@@ -118,11 +118,42 @@ def test_tokenizer_spells_digits_one_by_one():
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
 
 
-def test_benchmark_smoke_writes_its_json(tmp_path):
-    from benchmarks.accuracy.bench_time_to_accuracy import RECIPES, TRL_RECIPES, main
+def curve(*points):
+    """A run of (seconds, accuracy) checkpoints, one step apart."""
+    return {"curve": [dict(step=i, seconds=s, accuracy=a) for i, (s, a) in enumerate(points)]}
 
-    has_trl = importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
-    recipes = [*RECIPES, *(TRL_RECIPES if has_trl else ())]
+
+def test_offline_against_live_at_half_the_seconds():
+    from benchmarks.common.accuracy import within_fraction_of_seconds
+
+    live = [curve((0, 0.2), (10, 0.6), (20, 0.8)), curve((0, 0.2), (10, 0.5), (20, 0.6))]  # final 0.7 ± 0.1414
+    level = 0.7 - 0.1 * 2**0.5
+    fast = [curve((0, 0.2), (2, 0.2), (4, 0.8)), curve((0, 0.2), (3, 0.2), (5, 0.8))]
+    verdict = within_fraction_of_seconds(fast, live)
+    # the live runs reach the level (0.559) between their first two and their last two checkpoints
+    live_seconds = (10 * (level - 0.2) / 0.4 + 10 + 10 * (level - 0.5) / 0.1) / 2
+    own_seconds = (2 + 2 * (level - 0.2) / 0.6 + 3 + 2 * (level - 0.2) / 0.6) / 2
+    assert verdict["accuracy"] == pytest.approx(level)
+    assert verdict["reference_seconds"] == pytest.approx(live_seconds)
+    assert verdict["seconds"] == pytest.approx(own_seconds)
+    assert verdict["answer"] is True and verdict["reached"] == "2/2" and verdict["text"].endswith("yes")
+    slow = [curve((0, 0.2), (9, 0.2), (20, 0.8)), curve((0, 0.2), (9, 0.2), (20, 0.8))]
+    assert within_fraction_of_seconds(slow, live)["answer"] is False
+    short = [fast[0], curve((0, 0.2), (1, 0.3))]  # one seed never gets there: no, whatever the other's speed
+    verdict = within_fraction_of_seconds(short, live)
+    assert verdict["answer"] is False and verdict["reached"] == "1/2"
+    started = [curve((0, 0.9), (10, 0.9))]  # the starting student already has it: nothing to compare
+    assert within_fraction_of_seconds(fast, started)["answer"] is None
+    assert within_fraction_of_seconds([], live)["answer"] is None
+
+
+def test_benchmark_smoke_writes_its_json(tmp_path):
+    from benchmarks.accuracy.bench_time_to_accuracy import FROM_STORE, OURS_GKD, RECIPES, SERVED_GKD, TRL_RECIPES, main
+
+    has = lambda *modules: all(importlib.util.find_spec(m) is not None for m in modules)  # noqa: E731
+    recipes = [*RECIPES, *(TRL_RECIPES if has("trl", "datasets") else ())]
+    if not has("fastapi", "uvicorn"):  # the served row needs `liger-kd serve`'s app
+        recipes.remove(SERVED_GKD)
     out = tmp_path / "tta.json"
     payload = main(["--smoke", "--out", str(out), "--recipes", *recipes])
     written = json.loads(out.read_text())
@@ -135,4 +166,18 @@ def test_benchmark_smoke_writes_its_json(tmp_path):
         assert all(0.0 <= c["accuracy"] <= 1.0 for c in curve)
         assert [c["seconds"] for c in curve] == sorted(c["seconds"] for c in curve)
     assert set(written["summary"]["recipes"]) == set(recipes)
+    for name in FROM_STORE:  # the store's seconds start the clock and are in every later checkpoint
+        run = written["runs"][name][0]
+        store = run["store"]
+        assert store["completions"] == 4 * 8 and store["bytes"] > 0 and store["seconds"] > 0  # --steps x --batch
+        assert run["curve"][1] == dict(step=0, seconds=store["seconds"], accuracy=run["curve"][0]["accuracy"])
+        assert run["curve"][-1]["seconds"] > store["seconds"]
+        assert written["summary"]["recipes"][name]["store_seconds"][0] == pytest.approx(store["seconds"])
+        verdict = written["summary"]["offline_vs_live"][name]
+        assert verdict["answer"] in (True, False, None) and OURS_GKD in verdict["question"]
+        assert run["behaviour_kl"] is not None and run["behaviour_kl"] >= 0.0  # logged at the last step
+    assert written["runs"][FROM_STORE[0]][0]["refreshed_steps"] == []
+    assert written["runs"][FROM_STORE[1]][0]["refreshed_steps"] == [1, 2, 3]  # every step after the first
+    if SERVED_GKD in recipes:
+        assert written["runs"][SERVED_GKD][0]["served_tokens"] > 0
     assert 0.0 <= written["teacher"]["accuracy"] <= 1.0

@@ -19,11 +19,35 @@ the GPU's queue drained at every step; scoring at checkpoints (greedy decode of 
 The target is 90 % of the teacher's accuracy. Our recipes are KDTrainingArguments (RECIPES); TRL's GKDTrainer and
 DistillationTrainer (trl >= 1.16) run the on-policy objective of our GKD row (lmbda 1, beta 0.5, temperature 1),
 capped at `--trl-cap-seconds`.
+
+The offline on-policy rows (FROM_STORE) train on a rollout store made, for each seed, from that seed's
+format-tuned student through precompute_rollouts (what `liger-kd precompute --rollouts-from` runs), into a temporary
+folder removed after the run. The store holds `--steps` x `--batch` completions, as many as the live on-policy
+GKD row samples over its steps: `--store-generations` per prompt (default 1, so its prompts are as many and as
+varied as the live row's) from `--steps` x `--batch` / `--store-generations` training prompts drawn with the seed,
+sampled at temperature 1 in calls of `--batch` rows (a live step's), scored by the teacher (its top
+`--store-top-k` log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail
+bucket). Its seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a
+second step-0 point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5
+divergence, on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one
+pass over the store (`--steps` steps): the same objective on the same number of samples, so the two differ only in
+whose samples they are (the starting student's rather than the current one's) and in what they cost. The `pg` /
+k1 estimators would match the live reverse-KL row instead, not the GKD row the comparison is about. The refresh
+row regenerates a quarter of every step's rows with the current student and rescores them
+(`kd_store_refresh_steps=1`, `kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows).
+The summary asks, for each of them, whether it reaches the live GKD row's final accuracy (less its seed spread) in
+at most half the GPU-seconds the live row takes to reach it.
+
+The served row (SERVED_GKD) is the live GKD row with its teacher behind `liger-kd serve`'s app, started in this
+process on a loopback port (a copy of the teacher, in bf16 on a GPU as `liger-kd serve` loads it) and asked for
+its final hidden states (kd_teacher_protocol="hidden": the in-process objective exactly). The server shares the
+GPU and the interpreter with the trainer, so its seconds include that contention.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import tempfile
 import time
@@ -32,7 +56,16 @@ import traceback
 import torch
 
 from ..common import environment, print_table, write_json
-from ..common.accuracy import accuracy_at, checkpoint_clock, gkd_columns, mean_std, recipe_summary, time_to
+from ..common.accuracy import (
+    accuracy_at,
+    checkpoint_clock,
+    gkd_columns,
+    mean_std,
+    recipe_summary,
+    sync,
+    time_to,
+    within_fraction_of_seconds,
+)
 
 SFT = "SFT on ground truth"
 OURS_GKD = "on-policy GKD (lmbda 1, beta 0.5)"
@@ -45,6 +78,15 @@ RECIPES = {  # name -> KDTrainingArguments overrides (on top of use_kd_patch=Tru
     "GKD mix (lmbda 0.5, warm-up 25 %)": dict(kd_lmbda=0.5, kd_beta=0.5, kd_onpolicy_warmup_steps=0.25),
     "on-policy reverse KL (pg)": dict(kd_lmbda=1.0, kd_onpolicy_loss="pg", learning_rate=3e-4),
 }
+# offline on-policy: trained on a rollout store of the starting student's samples, made at the run's start
+OFFLINE = "offline on-policy (rollout store, beta 0.5)"
+OFFLINE_REFRESH = "offline on-policy, 25 % refreshed a step (beta 0.5)"
+RECIPES[OFFLINE] = dict(kd_beta=0.5)
+RECIPES[OFFLINE_REFRESH] = dict(kd_beta=0.5, kd_store_refresh_steps=1, kd_store_refresh_fraction=0.25)
+FROM_STORE = (OFFLINE, OFFLINE_REFRESH)
+# the live GKD row with its teacher behind `liger-kd serve`'s app (in this process), asked for its final hidden states
+SERVED_GKD = "on-policy GKD, served teacher (hidden states)"
+RECIPES[SERVED_GKD] = dict(kd_lmbda=1.0, kd_beta=0.5, kd_teacher_protocol="hidden")
 TRL_GKD, TRL_DISTILL = "TRL GKDTrainer (lmbda 1, beta 0.5)", "TRL DistillationTrainer (beta 0.5)"
 TRL_RECIPES = (TRL_GKD, TRL_DISTILL)
 
@@ -72,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-seconds", type=float, default=40.0)
     p.add_argument("--trl-cap-seconds", type=float, default=15.0)
     p.add_argument("--teacher-dir", default=None, help="load the teacher from here if it holds one, else save it")
+    p.add_argument("--store-generations", type=int, default=1, help="completions per prompt in the offline rows' "
+                   "rollout store (which holds --steps x --batch completions)")  # fmt: skip
+    p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
     return p
 
 
@@ -130,16 +175,91 @@ def shared_args(a, device, seed: int, steps: int, overrides: dict) -> dict:
     return options
 
 
+def fresh_memory(device) -> int | None:
+    """The decode engine's caches of earlier runs freed and the peak count restarted: the bytes allocated now (the
+    teachers and this student's weights); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from liger_patch_kd.generation import release_sessions
+
+    release_sessions()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def rollout_store(a, data, student, teacher, seed: int, steps: int, device, folder: str) -> dict:
+    """An offline row's rollout store, written to `folder` by precompute_rollouts (what `liger-kd precompute
+    --rollouts-from` runs) from this seed's format-tuned `student`, scored by `teacher`: steps x batch completions,
+    as the module's docstring says. Returns {seconds (generation, scoring and writing, the queue drained),
+    completions, prompts, generations, top_k, bytes}."""
+    import random
+    from pathlib import Path
+
+    from liger_patch_kd.teacher import tokenizer_fingerprint
+    from liger_patch_kd.trainer.offline_onpolicy import RolloutSettings, ScoreOptions, precompute_rollouts
+
+    generations = a.store_generations
+    wanted = max(1, steps * a.batch // generations)
+    if wanted > len(data["prompts"]):
+        raise ValueError(f"--store-generations {generations}: a store of {steps} x {a.batch} completions needs "
+                         f"{wanted} prompts, and --train-problems is {len(data['prompts'])}: raise --train-problems "
+                         f"or --store-generations")  # fmt: skip
+    picks = random.Random(seed).sample(range(len(data["prompts"])), wanted)
+    settings = RolloutSettings(max_new_tokens=data["max_new_tokens"], num_generations=generations, seed=seed)
+    sync(device)
+    began = time.perf_counter()
+    precompute_rollouts(
+        student, teacher, [data["prompts"][i] for i in picks], folder, settings=settings,
+        score=ScoreOptions(top_k=a.store_top_k), prompts_per_call=max(1, a.batch // generations),
+        tokenizer=data["tokenizer"], student_name=f"format-tuned student, seed {seed}", teacher_name="teacher",
+        tokenizer_fp=tokenizer_fingerprint(data["tokenizer"]), progress=False,
+    )  # fmt: skip
+    sync(device)
+    seconds = time.perf_counter() - began
+    size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+    return dict(seconds=seconds, completions=wanted * generations, prompts=wanted, generations=generations,
+                top_k=a.store_top_k, bytes=size)  # fmt: skip
+
+
 def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
-               base_accuracy: float) -> dict:  # fmt: skip
-    """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}."""
+               base_accuracy: float, teacher_url: str | None = None) -> dict:  # fmt: skip
+    """One recipe from one seed's fine-tuned student: {seed, curve, peak_mib, eval_seconds, wall_seconds}, and for
+    an offline row its store's figures (`store`), the steps that refreshed rows (`refreshed_steps`) and the last
+    logged kd_behaviour_kl (`behaviour_kl`).
+    `teacher_url`: the served teacher's, for SERVED_GKD."""
+    if name not in FROM_STORE:
+        return train_recipe(name, a, data, student, teacher, seed, device, steps=steps, cap=cap, every=every,
+                            base_accuracy=base_accuracy, teacher_url=teacher_url)  # fmt: skip
+    import shutil
+
+    folder = tempfile.mkdtemp(prefix="tta_store_")  # this run's own folder: removed with what it wrote
+    try:
+        before = fresh_memory(device)
+        store = rollout_store(a, data, student, teacher, seed, steps, device, folder)
+        store_peak = None if before is None else torch.cuda.max_memory_allocated() / 2**20
+        run = train_recipe(name, a, data, student, teacher, seed, device, steps=steps, cap=cap, every=every,
+                           base_accuracy=base_accuracy, store=(folder, store["seconds"]))  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if store_peak is not None:  # the peak over both phases, beyond what was allocated before the store
+        run["peak_mib"] = max(run["peak_mib"], store_peak)
+        run["extra_mib"] = run["peak_mib"] - before / 2**20
+    run["store"] = store
+    return run
+
+
+def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps: int, cap: float, every: int,
+                 base_accuracy: float, store: tuple[str, float] | None = None,
+                 teacher_url: str | None = None) -> dict:  # fmt: skip
+    """run_recipe's training: `store` (folder, seconds) for an offline row, its seconds the clock's start;
+    `teacher_url` for the served row."""
     from liger_patch_kd.demo.arithmetic import completion_batch, exact_match
     from liger_patch_kd.demo.toys import quiet
-    from liger_patch_kd.generation import release_sessions
 
     tok, held_out = data["tokenizer"], data["held_out"]
     clock = checkpoint_clock(lambda m: exact_match(m, tok, held_out, data["max_new_tokens"]), every, cap, device,
-                             base_accuracy)  # fmt: skip
+                             base_accuracy, one_time_seconds=store[1] if store else 0.0)  # fmt: skip
     if name in TRL_RECIPES:
         trainer = trl_trainer(name, a, data, student, teacher, shared_args(a, device, seed, steps, {}), clock)
     elif name == SFT:  # KDTrainer wants a teacher: the plain Trainer's cross-entropy on the same patched student
@@ -152,27 +272,43 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
         trainer = Trainer(model=student, args=args, train_dataset=data["token_rows"], callbacks=[clock],
                           data_collator=lambda rows: completion_batch(
                               [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], "cpu"))  # fmt: skip
+    elif store is not None:  # the stored rows: no rollouts; the teacher only where rows are refreshed
+        from liger_patch_kd import KDTrainer, KDTrainingArguments
+        from liger_patch_kd.teacher import TeacherLogprobsDataset
+
+        kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
+        args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True, **kd)
+        trainer = KDTrainer(model=student, teacher_model=teacher if args.kd_store_refresh_steps else None, args=args,
+                            train_dataset=TeacherLogprobsDataset(store[0]), processing_class=tok,
+                            callbacks=[clock])  # fmt: skip
     else:
         from liger_patch_kd import KDTrainer, KDTrainingArguments
 
         kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
+        if name == SERVED_GKD:
+            kd["kd_teacher_url"] = teacher_url
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
                                    kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
-        trainer = KDTrainer(model=student, teacher_model=teacher, args=args,
+        trainer = KDTrainer(model=student, teacher_model=None if name == SERVED_GKD else teacher, args=args,
                             train_dataset=data["rows"], processing_class=tok, callbacks=[clock])  # fmt: skip
-    peak = extra = before = None
-    if device.type == "cuda":
-        release_sessions()  # the decode engine's caches of earlier runs' students
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()  # both teachers and this student's weights
+    peak = extra = None
+    before = fresh_memory(device)  # both teachers and this student's weights
     began = time.perf_counter()
     quiet(trainer).train()
     if before is not None:
         peak = torch.cuda.max_memory_allocated() / 2**20
         extra = peak - before / 2**20
-    return dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
-                wall_seconds=time.perf_counter() - began)  # fmt: skip
+    out = dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
+               wall_seconds=time.perf_counter() - began)  # fmt: skip
+    offline = getattr(trainer, "offline", None)
+    if name == SERVED_GKD:  # what the server sent: proof the row trained against it
+        out["served_tokens"] = trainer.teacher_source.client.tokens_received
+    if store is not None:
+        out["refreshed_steps"] = list(offline.refresh.refreshed_steps) if offline and offline.refresh else []
+        # how far the student moved from the one that sampled the store, at the logging step (None if capped before)
+        logged = [h["kd_behaviour_kl"] for h in trainer.state.log_history if "kd_behaviour_kl" in h]
+        out["behaviour_kl"] = logged[-1] if logged else None
+    return out
 
 
 def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
@@ -221,11 +357,12 @@ def main(argv: list[str] | None = None) -> dict:
     from liger_patch_kd.demo.toys import demo_threads
 
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with demo_threads(device):  # a CPU: one thread (tiny models; spinning threads cost more than they give)
-        return run(a, device)
+    # a CPU: one thread (tiny models; spinning threads cost more than they give); `servers`: the served teacher's
+    with demo_threads(device), contextlib.ExitStack() as servers:
+        return run(a, device, servers)
 
 
-def run(a, device: torch.device) -> dict:
+def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     from liger_patch_kd.demo.arithmetic import ModelShape, exact_match, fit_on_ground_truth
 
     names = selected(a.recipes)
@@ -241,6 +378,17 @@ def run(a, device: torch.device) -> dict:
     print(f"teacher: {params(teacher) / 1e6:.1f}M parameters, exact match {teacher_accuracy:.3f} "
           f"(trained in {teacher_seconds or 0:.0f} s); target {target:.3f}", flush=True)  # fmt: skip
     trl_teacher = copy.deepcopy(teacher)  # KDTrainer patches its teacher's kernels in place; TRL's stays plain
+    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
+    teacher_url = None
+    if SERVED_GKD in names:  # served in bf16 on a GPU, as `liger-kd serve` loads the teacher saved in bf16
+        from ..common.served import served_teacher
+
+        try:
+            dtype = torch.bfloat16 if device.type == "cuda" else None
+            teacher_url = servers.enter_context(served_teacher(trl_teacher, top_k=min(64, len(tok)), dtype=dtype))
+        except Exception as error:
+            traceback.print_exc()
+            failed[SERVED_GKD] = f"{type(error).__name__}: {error}"[:500]
     students, base = {}, {}
     for seed in a.seeds:
         students[seed] = ModelShape(*a.student_shape).build(len(tok), seed=seed, device=device)
@@ -250,12 +398,11 @@ def run(a, device: torch.device) -> dict:
     print(f"students: {params(students[a.seeds[0]]) / 1e6:.2f}M parameters, after {a.format_steps} format steps: "
           f"{ {s: round(v, 3) for s, v in base.items()} }", flush=True)  # fmt: skip
     every = max(1, a.steps // a.checkpoints)
-    failed: dict[str, str] = {}  # recipe -> its error: the other recipes still run, the JSON says which failed
 
     def attempt(name: str, seed: int, **options) -> dict | None:
         try:
             return run_recipe(name, a, data, copy.deepcopy(students[seed]), trl_teacher if name in TRL_RECIPES
-                              else teacher, seed, device, **options)  # fmt: skip
+                              else teacher, seed, device, teacher_url=teacher_url, **options)  # fmt: skip
         except Exception as error:  # reported, not hidden: printed with its traceback and kept in the JSON
             traceback.print_exc()
             failed[name] = f"{type(error).__name__}: {error}"[:500]
@@ -263,7 +410,8 @@ def run(a, device: torch.device) -> dict:
 
     if not a.smoke:  # compile the kernels and capture the graphs once, outside every timed run
         for name in names:
-            attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
+            if name not in failed:
+                attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
         print(f"warm-up done ({time.perf_counter() - began:.0f} s)", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
@@ -285,7 +433,8 @@ def run(a, device: torch.device) -> dict:
                 longest = max(longest, run["curve"][-1]["seconds"])
             runs[name].append(run)
             end = run["curve"][-1]
-            print(f"  seed {seed} {name}: {end['step']} steps, {end['seconds']:.1f} s, exact match "
+            store = f" (store {run['store']['seconds']:.1f} s)" if "store" in run else ""
+            print(f"  seed {seed} {name}: {end['step']} steps, {end['seconds']:.1f} s{store}, exact match "
                   f"{end['accuracy']:.3f} (eval {run['eval_seconds']:.1f} s; {time.perf_counter() - began:.0f} s "
                   f"so far)", flush=True)  # fmt: skip
             write_json(a.out, payload)  # a run cut short keeps what it reached
@@ -307,9 +456,16 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
     """The table (printed) and its figures: per recipe, and the two comparisons the benchmark is for."""
     reference = runs.get(SFT)
     recipes = {name: recipe_summary(r, target, reference if name != SFT else None) for name, r in runs.items() if r}
+    for name in FROM_STORE:  # the one-time cost: in their GPU-seconds, apart from their seconds per step
+        if name in recipes:
+            recipes[name]["store_seconds"] = mean_std([r["store"]["seconds"] for r in runs[name]])
+            recipes[name]["seconds_per_step"] = mean_std([
+                (r["curve"][-1]["seconds"] - r["store"]["seconds"]) / max(1, r["curve"][-1]["step"])
+                for r in runs[name]])  # fmt: skip
     rows = []
     for name, s in recipes.items():
         rows.append({"recipe": name, "steps": fig(s["final_step"], 0), "GPU-s": fig(s["train_seconds"], 1),
+                     "of which store": fig(s.get("store_seconds", (None, None)), 1),
                      "ms/step": None if s["seconds_per_step"][0] is None else f"{1000 * s['seconds_per_step'][0]:.0f}",
                      "exact match": fig(s["final_accuracy"]), "SFT at same GPU-s": fig(
                          s.get("sft_accuracy_at_same_seconds", (None, None))),
@@ -331,6 +487,15 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
         if runs.get(OURS_GKD) and runs.get(trl):
             out["speedup"][trl] = speedup(runs[OURS_GKD], runs[trl], target)
             print(f"{OURS_GKD} against {trl}: {out['speedup'][trl]['text']}")
+    # the offline rows' question: the live GKD row's accuracy (within its seed spread) at <= half its GPU-seconds?
+    out["offline_vs_live"] = {}
+    for name in FROM_STORE:
+        if runs.get(name) and runs.get(OURS_GKD):
+            verdict = within_fraction_of_seconds(runs[name], runs[OURS_GKD], fraction=0.5)
+            verdict["question"] = (f"{name} reaches {OURS_GKD}'s accuracy (within the seed spread) at <= half its "
+                                   f"GPU-seconds?")  # fmt: skip
+            out["offline_vs_live"][name] = verdict
+            print(f"{verdict['question']} {verdict['text']}")
     return out
 
 

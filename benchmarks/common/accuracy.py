@@ -1,6 +1,6 @@
 """What the time-to-accuracy benchmark needs besides its recipes: a callback that scores the student at checkpoints
 on a clock that stops while it scores, the columns TRL's GKDTrainer reads, and the summary figures (time to an
-accuracy, means over seeds, accuracy at a given time)."""
+accuracy, means over seeds, accuracy at a given time, one recipe against another at the other's accuracy)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,23 @@ def sync(device: torch.device) -> None:
 
 
 def checkpoint_clock(evaluate: Callable[[object], float], every: int, cap_seconds: float, device: torch.device,
-                     base_accuracy: float):  # fmt: skip
+                     base_accuracy: float, one_time_seconds: float = 0.0):  # fmt: skip
     """A TrainerCallback: training seconds counted from train()'s start, the queue drained at each optimizer step,
     the scoring left out; `evaluate(model)` every `every` steps, at the last step and when the training seconds pass
     `cap_seconds` (which then stops the run). `clock.curve` lists {step, seconds, accuracy}, from step 0 (the
-    student before the recipe: `base_accuracy`); `clock.eval_seconds` the seconds spent scoring."""
+    student before the recipe: `base_accuracy`); `clock.eval_seconds` the seconds spent scoring.
+
+    `one_time_seconds`: work the recipe did before train() (a rollout store's generation and scoring), counted
+    as the clock's start: the curve gets a second step-0 point at those seconds, every later point includes them,
+    and so does the cap."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
             self.curve = [dict(step=0, seconds=0.0, accuracy=base_accuracy)]
-            self.train_seconds = self.eval_seconds = 0.0
+            if one_time_seconds:
+                self.curve.append(dict(step=0, seconds=float(one_time_seconds), accuracy=base_accuracy))
+            self.train_seconds, self.eval_seconds = float(one_time_seconds), 0.0
             self.started = 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -131,3 +137,38 @@ def recipe_summary(runs: list[dict], target: float, reference: list[dict] | None
         out["sft_accuracy_at_same_seconds"] = mean_std([a for a in sft if a is not None])
         out["sft_compared_seeds"] = sum(a is not None for a in sft)
     return out
+
+
+def within_fraction_of_seconds(candidate: list[dict], reference: list[dict], fraction: float = 0.5) -> dict:
+    """Does `candidate` reach `reference`'s accuracy, within the seed spread, in at most `fraction` of the GPU-seconds
+    `reference` takes to reach it? (Offline on-policy against live on-policy: the candidate's curves include its
+    one-time cost.)
+
+    The accuracy: the reference's final accuracy, mean over its seeds, less its standard deviation over them (none
+    for one seed). The seconds: each run's time to that accuracy (time_to), mean over seeds on each side; a
+    reference seed that never reaches it counts with its final seconds (`reference_bound`: its mean is then a lower
+    bound, which only makes the test harder to pass). `answer` is True when every candidate seed reaches it and the
+    candidate's mean is <= fraction x the reference's; False otherwise; None without runs on either side, or when
+    the reference's starting students already have that accuracy (0 seconds: nothing to compare)."""
+    if not candidate or not reference:
+        return dict(accuracy=None, answer=None, text="no runs to compare")
+    mean, spread = mean_std([r["curve"][-1]["accuracy"] for r in reference])
+    level = mean - (spread or 0.0)
+    own = [time_to(r["curve"], level) for r in candidate]
+    theirs = [time_to(r["curve"], level) for r in reference]
+    bound = any(t is None for t in theirs)
+    theirs = [t if t is not None else r["curve"][-1]["seconds"] for t, r in zip(theirs, reference)]
+    reached = [t for t in own if t is not None]
+    own_mean, their_mean = mean_std(reached)[0], mean_std(theirs)[0]
+    every_seed = len(reached) == len(candidate)
+    answer = (every_seed and own_mean <= fraction * their_mean) if their_mean else None
+    ratio = own_mean / their_mean if own_mean is not None and their_mean else None
+    seconds = "never" if own_mean is None else f"{own_mean:.1f} s"
+    share = "" if ratio is None else f", {ratio:.2f} of its GPU-seconds"
+    verdict = {True: "yes", False: "no", None: "undecided (the reference's starting students have it)"}[answer]
+    text = (f"accuracy {level:.3f} (its final {mean:.3f} less the seed spread {spread or 0.0:.3f}) in {seconds} "
+            f"against {'>= ' if bound else ''}{their_mean:.1f} s{share}; {len(reached)}/{len(candidate)} seeds "
+            f"reach it: {verdict}")  # fmt: skip
+    return dict(accuracy=level, reference_final=(mean, spread), seconds=own_mean, reference_seconds=their_mean,
+                ratio=ratio, reached=f"{len(reached)}/{len(candidate)}", reference_bound=bound, fraction=fraction,
+                answer=answer, text=text)  # fmt: skip
