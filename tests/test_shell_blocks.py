@@ -12,7 +12,7 @@ A block may carry an HTML comment on the line(s) above it:
 - `<!-- shell-test: setup=NAME:PATH ... -->`: before the block, make each stand-in NAME at PATH (STANDINS below: a
   tiny teacher model and tokenizer in a folder named like its hub id, which transformers reads before the hub; a
   JSONL text file; axolotl and DistillKit data; a DistillKit compressor file; `hub:.` the recipe's student,
-  teacher and data set, tests/hub_standins.py);
+  teacher and data set, tests/hub_standins.py; a JSONL file of prompts);
 - `<!-- shell-test: skip (REASON) -->`: not run, for what a CPU in CI cannot do (a GPU, a launch on several GPUs,
   a server that keeps running) or what CI runs itself; REASON says which.
 """
@@ -126,8 +126,16 @@ def _hub(path: Path) -> None:
     make_hub_standins(path)
 
 
+def _prompts(path: Path) -> None:
+    """Two {"prompt": ...} rows (TRL's prompt-only format) from the packaged corpus."""
+    from liger_patch_kd.demo import load_corpus
+
+    text = load_corpus()
+    path.write_text("".join(json.dumps({"prompt": text[i * 300 : i * 300 + 30]}) + "\n" for i in range(2)))
+
+
 STANDINS = {"teacher": _teacher, "texts": _texts, "axolotl": _axolotl, "distillkit": _distillkit,
-            "compressor": _compressor, "hub": _hub}  # fmt: skip
+            "compressor": _compressor, "hub": _hub, "prompts": _prompts}  # fmt: skip
 
 
 def make_standins(spec: str, workdir: Path) -> None:

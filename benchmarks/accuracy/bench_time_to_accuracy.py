@@ -1,7 +1,7 @@
 """A better student, sooner: the student's exact-match accuracy on a task with a right answer, against optimizer
 steps and GPU-seconds, for each distillation recipe, beside TRL's trainers on the same models, data and seeds.
 
-    python -m benchmarks.accuracy.bench_time_to_accuracy --out benchmarks/results/bench_time_to_accuracy.json
+    python -m benchmarks.accuracy.bench_time_to_accuracy --out runs/bench_time_to_accuracy.json
     python -m benchmarks.accuracy.bench_time_to_accuracy --smoke            # CPU, tiny sizes, the pipeline only
     python -m benchmarks.accuracy.plot_time_to_accuracy                     # the PNG from the JSON
 
