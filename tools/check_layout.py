@@ -48,11 +48,17 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "__init__"),
 ]
 
-# Rooms (dotted paths below the package) that never import each other, in either direction, whatever their layers:
-# a teacher server and its clients meet only in wire/, the formats both speak, so the trainer's side never loads the
-# server application and the server never the client (the trainer, the rollout engine's client, shares the
-# server's layer, which already keeps the two apart).
-APART: list[tuple[str, str]] = [("teacher.client", "server")]
+# Rooms (dotted paths below the package) that never import each other, in either direction, whatever their layers,
+# and the room where what they share lives:
+# - a teacher server and its clients meet only in wire/, the formats both speak, so the trainer's side never loads
+#   the server application and the server never the client (the trainer, the rollout engine's client, shares the
+#   server's layer, which already keeps the two apart);
+# - the trainer's rollouts (the completions generated steps train on) and its teachers (the sources of a batch's
+#   teacher signal) meet in batch/, the collators and row checks both build batches with.
+APART: list[tuple[str, str, str]] = [
+    ("teacher.client", "server", "wire/"),
+    ("trainer.rollouts", "trainer.teachers", "batch/"),
+]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -74,10 +80,10 @@ def within(module: str, room_path: str, package: str = PACKAGE) -> bool:
 
 
 def apart_problem(module: str, target: str, package: str = PACKAGE) -> str | None:
-    for one, other in APART:
+    for one, other, meeting in APART:
         for a, b in ((one, other), (other, one)):
             if within(module, a, package) and within(target, b, package):
-                return f"imports {target}: {a} and {b} never import each other (they meet in wire/)"
+                return f"imports {target}: {a} and {b} never import each other (they meet in {meeting})"
     return None
 
 

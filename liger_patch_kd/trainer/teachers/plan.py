@@ -33,8 +33,10 @@ from ...batch.columns import (
     ROUTING_COLUMNS,
     TEACHER_DATA_COLUMNS,
 )
+from ...batch.privileged import PrivilegedCollator, is_privileged_row
+from ...batch.prompts import PromptCollator
+from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
-from ...teacher import TeacherDataCollator
 from ..dataset_setup import (
     check_store_tokenizer,
     check_training_rows,
@@ -44,12 +46,10 @@ from ..dataset_setup import (
     with_vocab_size,
 )
 from ..offline_onpolicy import OfflineRollouts
-from ..rollouts.prompts import PromptCollator
 from .base import TeacherSource
 from .compute import prepare_teacher_compute
 from .in_process import InProcessTeacher
 from .other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
-from .privileged import PrivilegedCollator, is_privileged_row
 from .routed_offline import RoutedRowsTeacher, offline_routed_setup
 from .self_distill import SelfDistillTeacher, self_distill_teacher
 from .served import ServedTeacher

@@ -17,10 +17,11 @@ from typing import Any
 
 from transformers.utils import logging
 
-from ...batch.columns import OFFLINE_MARK_COLUMNS, ROUTING_COLUMNS, TEACHER_MIXTURE
+from ...batch.columns import OFFLINE_MARK_COLUMNS, TEACHER_MIXTURE
+from ...batch.routing import NamesIfGivenCollator
 from ...config import KDLossConfig
 from .base import KDStepOutput, score_rows
-from .several import RoutingCollator, TeacherSetSetup
+from .several import TeacherSetSetup
 from .stored import StoredTeacher
 
 logger = logging.get_logger(__name__)
@@ -67,15 +68,6 @@ class OfflineRoutedSetup(TeacherSetSetup):
 
     def collator(self, inner) -> NamesIfGivenCollator:
         return NamesIfGivenCollator(self, inner)
-
-
-class NamesIfGivenCollator(RoutingCollator):
-    """RoutingCollator when any row of the batch names its teacher (then every row must), else `inner` alone."""
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        if any(f.get(c) is not None for f in features for c in ROUTING_COLUMNS):
-            return super().__call__(features)
-        return self.inner(features)
 
 
 class RoutedRowsTeacher(StoredTeacher):
