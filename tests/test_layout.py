@@ -101,13 +101,13 @@ def test_rollouts_and_teachers_importing_each_other_are_reported(tmp_path):
         "liger_patch_kd/trainer/rollouts/__init__.py": "",
         "liger_patch_kd/trainer/rollouts/onpolicy.py": "from ...batch import prompts\nfrom ..teachers.plan import x\n",
         "liger_patch_kd/trainer/teachers/__init__.py": "",
-        "liger_patch_kd/trainer/teachers/plan.py": "from ...batch import prompts\n\ndef f():\n    from ..rollouts import y\n",
+        "liger_patch_kd/trainer/teachers/plan.py": "def f():\n    from ..rollouts import y\n",
     })  # fmt: skip
     problems = _check_layout().check(tmp_path, benchmarks=None)
     assert problems == [
         "liger_patch_kd/trainer/rollouts/onpolicy.py:2: imports liger_patch_kd.trainer.teachers.plan: trainer.rollouts "
         "and trainer.teachers never import each other (they meet in batch/)",
-        "liger_patch_kd/trainer/teachers/plan.py:4: imports liger_patch_kd.trainer.rollouts: trainer.teachers and "
+        "liger_patch_kd/trainer/teachers/plan.py:2: imports liger_patch_kd.trainer.rollouts: trainer.teachers and "
         "trainer.rollouts never import each other (they meet in batch/)",
     ], problems
 

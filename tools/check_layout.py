@@ -271,11 +271,9 @@ def check(
 # A batch's column and marker names are spelled once, in batch/columns.py (CONTRACT_NAMES); anywhere else in the
 # package a string literal equal to one of them is a second spelling, which a rename would miss. Docstrings and the
 # text of f-strings are prose, not spellings. Not checked: the loss functions (losses/, reference/), whose parameters
-# are named after the columns they take but are an API of their own (a column renamed keeps its parameter), and
-# LITERALS_NOT_YET_CHECKED, rooms whose names still move onto the contract.
+# are named after the columns they take but are an API of their own (a column renamed keeps its parameter).
 CONTRACT_MODULE = ("batch", "columns.py")
 PARAMETER_ROOMS = ("losses", "reference")
-LITERALS_NOT_YET_CHECKED = ("models", "server")
 
 
 def contract_names(root: Path, package: str = PACKAGE) -> frozenset[str]:
@@ -290,7 +288,7 @@ def contract_names(root: Path, package: str = PACKAGE) -> frozenset[str]:
 def column_literal_problems(root: Path, package: str = PACKAGE) -> list[str]:
     names = contract_names(root, package)
     contract = root / package / Path(*CONTRACT_MODULE)
-    skipped = tuple(root / package / folder for folder in (*PARAMETER_ROOMS, *LITERALS_NOT_YET_CHECKED))
+    skipped = tuple(root / package / folder for folder in PARAMETER_ROOMS)
     problems = []
     for path in sorted((root / package).rglob("*.py")) if names else ():
         if path == contract or any(path.is_relative_to(folder) for folder in skipped):
