@@ -157,7 +157,8 @@ def test_on_policy_rows_are_scored_by_the_served_teacher_on_its_own_tokens(setup
     from liger_patch_kd import KDTrainer, KDTrainingArguments
     from liger_patch_kd.teacher import TeacherClient, TeacherPrefetcher
     from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.rollouts.retokenized import generated_rows, rows_maker
+    from liger_patch_kd.trainer.rollouts.retokenized import rows_maker
+    from liger_patch_kd.trainer.teachers.other_tokenizer import generated_rows
     from liger_patch_kd.trainer.teachers.served import CROSS_TOKENIZER_KEYS
 
     from .test_teacher_server import TOP_K

@@ -15,8 +15,8 @@ from liger_patch_kd.demo import build_model as _model
 from liger_patch_kd.demo.cross_tokenizer import CharTokenizerWithOffsets, train_bpe_tokenizer
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 from liger_patch_kd.trainer.rollouts.onpolicy import GENERATED, OnPolicySteps
-from liger_patch_kd.trainer.rollouts.retokenized import generated_rows, rows_maker
-from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss
+from liger_patch_kd.trainer.rollouts.retokenized import rows_maker
+from liger_patch_kd.trainer.teachers.other_tokenizer import compute_cross_tokenizer_loss, generated_rows
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 

@@ -14,13 +14,13 @@ pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import reference  # noqa: E402
+from liger_patch_kd.batch.prompts import PromptCollator  # noqa: E402
 from liger_patch_kd.losses import fused_linear_jsd  # noqa: E402
 from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer  # noqa: E402
 from liger_patch_kd.trainer.rollouts.engine import EngineRollouts, rollouts_from_reply  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR, RolloutSettings  # noqa: E402
 from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps  # noqa: E402
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator  # noqa: E402
 from liger_patch_kd.wire import TeacherReplyError  # noqa: E402
 
 from .test_generation_server import KEY, LOGPROB_ATOL, model_logprobs, running  # noqa: E402

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from liger_patch_kd import teacher as TD
+from liger_patch_kd.batch.privileged import PrivilegedCollator
 from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.losses import multi_teacher, sampled_teacher
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
 from .tiny_models import VOCAB, tiny_model
 
@@ -116,9 +116,9 @@ def test_teacher_logits_fp8_is_refused_by_the_losses_without_a_teacher_product()
 def test_engine_rollouts_of_privileged_rows_keep_the_behaviour_logprobs(tmp_path):
     """kd_onpolicy_loss='pg' importance-corrects with the engine's log-probs; rows with a teacher prompt of their own
     took another batch builder, which dropped them (the stale rollouts then weighed as on-policy)."""
+    from liger_patch_kd.batch.privileged import PrivilegedCollator
     from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR, Rollout
     from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
     args = _args(tmp_path, kd_lmbda=1.0, kd_onpolicy_loss="pg", kd_num_generations=1, kd_max_new_tokens=8)
     steps = OnPolicySteps(args)  # 8 new tokens: prompt + 128 (the default) is past the tiny model's 128 positions

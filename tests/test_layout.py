@@ -90,6 +90,28 @@ def test_the_client_and_the_server_importing_each_other_are_reported(tmp_path):
     ], problems
 
 
+def test_rollouts_and_teachers_importing_each_other_are_reported(tmp_path):
+    """The trainer's rollouts and teachers share one room of one layer, so the layers alone let each import the
+    other; APART refuses both directions (what both need is a batch/ collator or row check)."""
+    _write(tmp_path, {
+        "liger_patch_kd/__init__.py": "",
+        "liger_patch_kd/batch/__init__.py": "",
+        "liger_patch_kd/batch/prompts.py": "",
+        "liger_patch_kd/trainer/__init__.py": "",
+        "liger_patch_kd/trainer/rollouts/__init__.py": "",
+        "liger_patch_kd/trainer/rollouts/onpolicy.py": "from ...batch import prompts\nfrom ..teachers.plan import x\n",
+        "liger_patch_kd/trainer/teachers/__init__.py": "",
+        "liger_patch_kd/trainer/teachers/plan.py": "def f():\n    from ..rollouts import y\n",
+    })  # fmt: skip
+    problems = _check_layout().check(tmp_path, benchmarks=None)
+    assert problems == [
+        "liger_patch_kd/trainer/rollouts/onpolicy.py:2: imports liger_patch_kd.trainer.teachers.plan: trainer.rollouts "
+        "and trainer.teachers never import each other (they meet in batch/)",
+        "liger_patch_kd/trainer/teachers/plan.py:2: imports liger_patch_kd.trainer.rollouts: trainer.teachers and "
+        "trainer.rollouts never import each other (they meet in batch/)",
+    ], problems
+
+
 def test_benchmarks_importing_each_other_are_reported(tmp_path):
 
     check_layout = _check_layout()

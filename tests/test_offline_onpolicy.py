@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from liger_patch_kd.batch.prompts import tokenize_prompt_row
 from liger_patch_kd.cli import main
 from liger_patch_kd.teacher import TeacherLogprobsDataset
 from liger_patch_kd.teacher.store import read_manifest
@@ -17,7 +18,6 @@ from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 from liger_patch_kd.trainer.offline_onpolicy import ScoreOptions, precompute_rollouts
 from liger_patch_kd.trainer.offline_onpolicy import store as rollout_store
 from liger_patch_kd.trainer.rollouts.generate import Rollout, RolloutSettings, generate_rollouts
-from liger_patch_kd.trainer.rollouts.prompts import tokenize_prompt_row
 
 from .tiny_models import tiny_model
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import liger_patch_kd.models as M
+from liger_patch_kd.batch.prompts import PromptCollator, tokenize_prompt_row
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts, prompts_of
 from liger_patch_kd.trainer.rollouts.onpolicy import GENERATED, OnPolicySteps
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator, tokenize_prompt_row
 
 from .tiny_models import tiny_model
 

@@ -275,8 +275,8 @@ def test_teacher_ids_past_the_vocabulary_across_tokenizers_are_refused_by_name()
 def test_packed_privileged_rows_give_each_sequence_its_prompt_and_teacher_prompt(tmp_path):
     """PrivilegedCollator(packing=True): the student's and the teacher's packed rows are each split at their own
     position ids, so a generated step asks for every sequence, with its own teacher prompt."""
+    from liger_patch_kd.batch.privileged import PrivilegedCollator
     from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps
-    from liger_patch_kd.trainer.teachers.privileged import PrivilegedCollator
 
     rows = [{"input_ids": [3, 4, 5], "labels": [-100, -100, 5], "teacher_input_ids": [1, 2, 3, 4, 5]},
             {"input_ids": [6, 4], "labels": [-100, 4], "teacher_input_ids": [2, 6, 4]},

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 import liger_patch_kd.models as M
 from liger_patch_kd import reference
+from liger_patch_kd.batch.prompts import PromptCollator, tokenize_prompt_row
 from liger_patch_kd.config import KDLossConfig
 from liger_patch_kd.models.privileged import completion_index
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments, PrivilegedCollator
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator, tokenize_prompt_row
 
 from .helpers import rel_err
 from .test_onpolicy import tokenizer  # noqa: F401  (the BPE tokenizer fixture with a chat template)

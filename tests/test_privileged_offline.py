@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from liger_patch_kd import teacher as TD
+from liger_patch_kd.batch.prompts import PromptCollator, privileged_token_rows
 from liger_patch_kd.trainer import KDTrainer, PrivilegedCollator
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator, privileged_token_rows
 
 from .test_onpolicy import tokenizer  # noqa: F401  (the BPE tokenizer fixture)
 from .test_privileged import (

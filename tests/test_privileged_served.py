@@ -15,8 +15,8 @@ pytest.importorskip("uvicorn")
 import liger_patch_kd.models as M  # noqa: E402
 from liger_patch_kd import reference  # noqa: E402
 from liger_patch_kd import teacher as TD  # noqa: E402
+from liger_patch_kd.batch.prompts import tokenize_prompt_row  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer, PrivilegedCollator  # noqa: E402
-from liger_patch_kd.trainer.rollouts.prompts import tokenize_prompt_row  # noqa: E402
 
 from .test_onpolicy import tokenizer  # noqa: E402, F401  (the BPE tokenizer fixture)
 from .test_privileged import (  # noqa: E402

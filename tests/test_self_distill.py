@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import liger_patch_kd.models as M
+from liger_patch_kd.batch.prompts import PromptCollator, tokenize_prompt_row
 from liger_patch_kd.trainer import FrozenStudentTeacher, KDTrainer
 from liger_patch_kd.trainer.rollouts.onpolicy import GENERATED, OnPolicySteps
-from liger_patch_kd.trainer.rollouts.prompts import PromptCollator, tokenize_prompt_row
 
 from .helpers import rel_err
 from .test_onpolicy import (

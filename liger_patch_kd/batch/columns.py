@@ -4,7 +4,7 @@ teacher sources, the patched forward) imports the names from this module: a colu
 everywhere, and tools/check_layout.py refuses a known column spelled as a string literal anywhere else.
 
 A new column goes here (its constant, a comment saying what it holds, and the tuple(s) it belongs to); a collator
-that fills it lives beside the kind of rows it batches."""
+that fills it lives in this package (batch/), one module per kind of rows."""
 
 from __future__ import annotations
 

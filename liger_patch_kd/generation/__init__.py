@@ -8,6 +8,7 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
   model_config      text_config: the language model's config (a VLM's text config)
   forward_options   decode_forward_options: router outputs off in decode forwards (MoE configs that ask)
+  special_tokens    special_ids: a generator's pad id, EOS ids and start token (generation config, then tokenizer)
   padding           prefill_mask: a left-padded prefill's mask without fully masked rows (eager float64's NaN)
   checks            decode()'s arguments refused before any work (one-line errors)
   engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed

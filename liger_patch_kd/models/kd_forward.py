@@ -11,6 +11,7 @@ import functools
 import torch
 from torch import nn
 
+from ..batch.columns import BEHAVIOUR
 from ..config import KDLossConfig, override_options
 from ..distributed import gathered_weights
 from ..ops.backend import eager
@@ -99,7 +100,7 @@ def kd_causal_lm_forward(
         teacher_sample_counts=teacher_sample_counts, teacher_sample_logprobs=teacher_sample_logprobs,
     )  # fmt: skip
     signal = parse_signal(columns, teacher_model, kd_teacher_set)
-    behaviour = kwargs.pop("kd_behaviour_logprobs", None)  # (B, T) label-aligned; the "pg" estimator's log b
+    behaviour = kwargs.pop(BEHAVIOUR, None)  # (B, T) label-aligned; the "pg" estimator's log b
     privileged = PrivilegedInputs.pop(kwargs)  # the teacher's own prompt, when it has one (models/privileged.py)
     if labels is None or signal is None:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last

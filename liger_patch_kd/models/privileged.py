@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..batch.columns import TEACHER_ATTENTION_MASK, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_POSITION_IDS
 from ..losses.checks import run_device_checks
 from .kd_io import shift_labels
 from .state import unwrap_model
 
-PRIVILEGED_KEYS = ("teacher_input_ids", "teacher_labels", "teacher_attention_mask", "teacher_position_ids")
+PRIVILEGED_KEYS = (TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_ATTENTION_MASK, TEACHER_POSITION_IDS)
 
 
 @dataclass
@@ -40,12 +41,12 @@ class PrivilegedInputs:
         """Take the teacher's rows out of a forward's keyword arguments (the student's backbone must not see them);
         None when the batch has none."""
         fields = {key: kwargs.pop(key, None) for key in PRIVILEGED_KEYS}
-        if fields["teacher_input_ids"] is None:
+        if fields[TEACHER_INPUT_IDS] is None:
             given = sorted(k for k, v in fields.items() if v is not None)
             if given:
                 raise ValueError(f"{given} came without teacher_input_ids: pass the teacher's own rows whole")
             return None
-        if fields["teacher_labels"] is None:
+        if fields[TEACHER_LABELS] is None:
             raise ValueError(
                 "teacher_input_ids needs teacher_labels (the completion tokens of the teacher's rows, ignore_index "
                 "on the teacher's prompt and padding) to pair its completion tokens with the student's; "

@@ -10,10 +10,10 @@ from torch import nn
 
 from ..align.collator import has_completion
 from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
+from ..batch.prompts import is_prompt_row
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
-from .rollouts.prompts import is_prompt_row
 from .teachers.other_tokenizer import padded_vocab_size
 from .teachers.sampled_data import check_sampled_dataset
 from .teachers.self_distill import is_self_teacher

@@ -9,6 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...batch.columns import (
+    TEACHER_BIAS,
+    TEACHER_HIDDEN_STATES,
+    TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_COUNTS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_SAMPLE_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+    TEACHER_WEIGHT,
+)
 from ..privileged import PrivilegedInputs
 from ..teachers import TeacherSet
 from .base import TeacherSignal
@@ -17,8 +27,8 @@ from .stored import HiddenTeacher, SampledTeacher, TopKTeacher
 
 # the forward's teacher arguments that are tensors of the batch (a store's, a dataset's or a server's columns)
 SIGNAL_COLUMNS = (
-    "teacher_hidden_states", "teacher_weight", "teacher_bias", "teacher_token_ids", "teacher_logprobs",
-    "teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs",
+    TEACHER_HIDDEN_STATES, TEACHER_WEIGHT, TEACHER_BIAS, TEACHER_TOKEN_IDS, TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_IDS, TEACHER_SAMPLE_COUNTS, TEACHER_SAMPLE_LOGPROBS,
 )  # fmt: skip
 
 
@@ -31,9 +41,9 @@ def parse_signal(
     get = columns.get
     sources = {
         "teacher_model": model,
-        "teacher_hidden_states": get("teacher_hidden_states"),
-        "teacher_token_ids": get("teacher_token_ids") if get("teacher_sample_ids") is None else None,
-        "teacher_sample_ids": get("teacher_sample_ids"),
+        TEACHER_HIDDEN_STATES: get(TEACHER_HIDDEN_STATES),
+        TEACHER_TOKEN_IDS: get(TEACHER_TOKEN_IDS) if get(TEACHER_SAMPLE_IDS) is None else None,
+        TEACHER_SAMPLE_IDS: get(TEACHER_SAMPLE_IDS),
     }
     given = [name for name, value in sources.items() if value is not None]
     if len(given) > 1:
@@ -45,24 +55,24 @@ def parse_signal(
         if given:
             raise ValueError("pass one teacher (teacher_model, ...) or a kd_teacher_set of several, not both")
         return TeacherMix(teacher_set)
-    if get("teacher_hidden_states") is not None and get("teacher_weight") is None:
+    if get(TEACHER_HIDDEN_STATES) is not None and get(TEACHER_WEIGHT) is None:
         raise ValueError("teacher_hidden_states needs teacher_weight (the teacher's lm_head weight, (vocab, hidden))")
-    if get("teacher_token_ids") is not None and get("teacher_logprobs") is None:
+    if get(TEACHER_TOKEN_IDS) is not None and get(TEACHER_LOGPROBS) is None:
         raise ValueError("teacher_token_ids needs teacher_logprobs of the same shape (B, T, K)")
-    if get("teacher_sample_ids") is not None and (
-        get("teacher_sample_counts") is None or get("teacher_sample_logprobs") is None
+    if get(TEACHER_SAMPLE_IDS) is not None and (
+        get(TEACHER_SAMPLE_COUNTS) is None or get(TEACHER_SAMPLE_LOGPROBS) is None
     ):
         raise ValueError("teacher_sample_ids needs teacher_sample_counts and teacher_sample_logprobs (B, T, m)")
     topk = None
-    if get("teacher_token_ids") is not None:
-        topk = TopKTeacher(get("teacher_token_ids"), get("teacher_logprobs"))
-    if get("teacher_sample_ids") is not None:
-        return SampledTeacher(get("teacher_sample_ids"), get("teacher_sample_counts"), get("teacher_sample_logprobs"),
+    if get(TEACHER_TOKEN_IDS) is not None:
+        topk = TopKTeacher(get(TEACHER_TOKEN_IDS), get(TEACHER_LOGPROBS))
+    if get(TEACHER_SAMPLE_IDS) is not None:
+        return SampledTeacher(get(TEACHER_SAMPLE_IDS), get(TEACHER_SAMPLE_COUNTS), get(TEACHER_SAMPLE_LOGPROBS),
                               topk)  # fmt: skip
     if topk is not None:
         return topk
-    if get("teacher_hidden_states") is not None:
-        return HiddenTeacher(get("teacher_hidden_states"), get("teacher_weight"), get("teacher_bias"))
+    if get(TEACHER_HIDDEN_STATES) is not None:
+        return HiddenTeacher(get(TEACHER_HIDDEN_STATES), get(TEACHER_WEIGHT), get(TEACHER_BIAS))
     return None if model is None else LiveTeacher(model)
 
 

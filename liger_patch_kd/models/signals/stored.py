@@ -9,6 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from ... import reference
+from ...batch.columns import (
+    TEACHER_HIDDEN_STATES,
+    TEACHER_LOGPROBS,
+    TEACHER_SAMPLE_COUNTS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_SAMPLE_LOGPROBS,
+    TEACHER_TOKEN_IDS,
+)
 from ...losses import fused_linear_sampled_kd, fused_linear_topk_kd
 from .base import (
     TeacherSignal,
@@ -28,7 +36,7 @@ class TopKTeacher(TeacherSignal):
     logprobs: torch.Tensor  # (B, T, K), log-probs at temperature 1 over the full vocabulary
 
     def paired(self, privileged, targets, ignore_index):
-        names = {"token_ids": "teacher_token_ids", "logprobs": "teacher_logprobs"}
+        names = {"token_ids": TEACHER_TOKEN_IDS, "logprobs": TEACHER_LOGPROBS}
         return stored_paired(self, names, privileged, targets, ignore_index)
 
     def with_behaviour(self, behaviour):
@@ -68,8 +76,8 @@ class SampledTeacher(TeacherSignal):
     topk: TopKTeacher | None = None
 
     def paired(self, privileged, targets, ignore_index):
-        names = {"sample_ids": "teacher_sample_ids", "sample_counts": "teacher_sample_counts",
-                 "sample_logprobs": "teacher_sample_logprobs"}  # fmt: skip
+        names = {"sample_ids": TEACHER_SAMPLE_IDS, "sample_counts": TEACHER_SAMPLE_COUNTS,
+                 "sample_logprobs": TEACHER_SAMPLE_LOGPROBS}  # fmt: skip
         topk = None if self.topk is None else self.topk.paired(privileged, targets, ignore_index)
         return replace(stored_paired(self, names, privileged, targets, ignore_index), topk=topk)
 
@@ -78,8 +86,8 @@ class SampledTeacher(TeacherSignal):
 
     def _topk(self) -> dict:
         if self.topk is None:
-            return {"teacher_token_ids": None, "teacher_logprobs": None}
-        return {"teacher_token_ids": self.topk.token_ids, "teacher_logprobs": self.topk.logprobs}
+            return {TEACHER_TOKEN_IDS: None, TEACHER_LOGPROBS: None}
+        return {TEACHER_TOKEN_IDS: self.topk.token_ids, TEACHER_LOGPROBS: self.topk.logprobs}
 
     def fused(self, student, scored, rows):  # no agreement measured
         out = fused_linear_sampled_kd(
@@ -92,8 +100,8 @@ class SampledTeacher(TeacherSignal):
         topk = self._topk()
         soft = reference.sampled_kd_loss(
             student_logits, self.sample_ids, self.sample_counts, self.sample_logprobs, scored.targets,
-            soft_only(scored.cfg), scored.num_items_in_batch, topk_ids=topk["teacher_token_ids"],
-            topk_logprobs=topk["teacher_logprobs"],
+            soft_only(scored.cfg), scored.num_items_in_batch, topk_ids=topk[TEACHER_TOKEN_IDS],
+            topk_logprobs=topk[TEACHER_LOGPROBS],
         )  # fmt: skip
         return Terms(soft=soft)
 
@@ -108,7 +116,7 @@ class HiddenTeacher(TeacherSignal):
     behaviour: torch.Tensor | None = None
 
     def paired(self, privileged, targets, ignore_index):
-        return stored_paired(self, {"hidden_states": "teacher_hidden_states"}, privileged, targets, ignore_index)
+        return stored_paired(self, {"hidden_states": TEACHER_HIDDEN_STATES}, privileged, targets, ignore_index)
 
     def with_behaviour(self, behaviour):
         return replace(self, behaviour=behaviour)

@@ -1,8 +1,8 @@
 """The teacher store: its on-disk format (manifest.py), writer, reader, shard files (shard.py), the packed
-encoding (compact.py), which files of a folder a writer may replace (folder.py), and the collator that batches its
-items."""
+encoding (compact.py), which files of a folder a writer may replace (folder.py); the collator that batches its
+items is batch/teacher_data.py's TeacherDataCollator, re-exported here."""
 
-from .collator import TeacherDataCollator
+from ...batch.teacher_data import TeacherDataCollator
 from .compact import PackedCodec, codec_from_manifest, codec_from_spec
 from .folder import check_store_folder
 from .manifest import (

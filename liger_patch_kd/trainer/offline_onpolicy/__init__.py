@@ -5,12 +5,13 @@ many times (Lightning OPD), with an optional refresh of part of them by the curr
   log-probs of the sampled tokens);
 - store.py: precompute_rollouts, writing a resumable rollout store (`liger-kd precompute --rollouts-from`);
 - source.py: the teacher source of such rows (the divergence, or the sampled-token estimators on stored log-probs;
-  kd_behaviour_kl); collator.py: their batches; refresh.py: part of a step's rows regenerated in memory;
+  kd_behaviour_kl); their batches are batch/rollout_store.py's; refresh.py: part of a step's rows regenerated in
+  memory;
 - setup.py: what KDTrainer does on a rollout store (checks, teacher consistency, collator, refresh).
 """
 
+from ...batch.rollout_store import RolloutStoreCollator
 from ..rollouts.generate import RolloutSettings
-from .collator import RolloutStoreCollator
 from .scoring import ScoreOptions, score_rollouts
 from .setup import OfflineRollouts
 from .source import BEHAVIOUR_KL, StoredRolloutsTeacher

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_LOGPROBS, TEACHER_TOKEN_IDS, TEACHER_TOKEN_LOGPROBS
+from ...batch.rollout_store import RolloutStoreCollator, rows_of
 from ...models import unwrap_model
 from ...teacher.store import LOGPROB_DTYPES
 from ...teacher.store.rollouts import IGNORE_INDEX, rollouts_of
 from ...teacher.store.samples import samples_of
 from ..rollouts.generate import Rollout, RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
-from .collator import RolloutStoreCollator, rows_of
 from .scoring import ScoredRow, ScoreOptions, score_rollouts
 
 

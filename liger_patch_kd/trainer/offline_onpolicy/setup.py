@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from ...batch.columns import ROLLOUT_LOGPROB_COLUMNS
+from ...batch.rollout_store import RolloutStoreCollator
 from ...teacher.precompute import teacher_fingerprint
 from ...teacher.store import store_meta
 from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
 from ..arguments import checks_arguments
-from .collator import RolloutStoreCollator
 from .refresh import StoreRefresh
 from .source import StoredRolloutsTeacher
 

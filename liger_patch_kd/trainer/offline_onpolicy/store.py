@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...batch.prompts import tokenize_prompt_row
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
 from ...teacher.store import StoreWriter, check_store_folder
 from ...utils.text_files import read_utf8
 from ..rollouts.generate import RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
-from ..rollouts.prompts import tokenize_prompt_row
 from .scoring import ScoreOptions, score_rollouts
 
 

@@ -32,25 +32,15 @@ from ...batch.columns import (
     TEACHER_LABELS,
     TEACHER_POSITION_IDS,
 )
+from ...batch.privileged import privileged_rollout_batch
+from ...generation.special_tokens import special_ids
 from ...models import unwrap_model
-from ..teachers.privileged import privileged_rollout_batch
 from .asynchronous import AsyncRollouts, take
 from .engine import rollout_source
 from .generate import Rollout, behaviour_logprobs, check_context, prompts_of, rollout_batch, rollout_settings
 
 AttachTeacher = Callable[[dict[str, Any]], dict[str, Any]]  # a served teacher's top-k added to a batch
 MakeRows = Callable[[list[Rollout], dict[str, Any]], dict[str, Any]]  # (rollouts, the micro-batch) -> batch
-
-
-def special_ids(generator: nn.Module, tokenizer: Any) -> tuple[int, set[int], int]:
-    """(pad id, EOS ids, the token an empty prompt starts with) from the generation config, then the tokenizer."""
-    gen = unwrap_model(generator).generation_config
-    eos = gen.eos_token_id if gen.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    pads = (gen.pad_token_id, getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids))
-    pad = next((x for x in pads if x is not None), 0)
-    start = next((x for x in (gen.bos_token_id, getattr(tokenizer, "bos_token_id", None)) if x is not None), pad)
-    return pad, eos_ids, start
 
 
 class OnPolicySteps:

@@ -9,42 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from ...align import CrossTokenizerCollator, VocabMap
+from ...align import CrossTokenizerCollator
 from ...align.generated import GeneratedRows
 from ...batch.columns import TEACHER_INPUT_IDS
-from ...models import unwrap_model
 from .generate import Rollout
-from .onpolicy import special_ids
-
-
-def teacher_eos_id(teacher_tokenizer: Any, teacher_model: nn.Module | None) -> int | None:
-    """The teacher's end of sequence: its tokenizer's eos_token_id, else its model's generation / model config."""
-    eos = getattr(teacher_tokenizer, "eos_token_id", None)
-    if eos is None and teacher_model is not None:
-        inner = unwrap_model(teacher_model)
-        for config in (getattr(inner, "generation_config", None), getattr(inner, "config", None)):
-            eos = getattr(config, "eos_token_id", None)
-            if eos is not None:
-                break
-    return eos[0] if isinstance(eos, list) and eos else eos
-
-
-def generated_rows(
-    collator: CrossTokenizerCollator, student: nn.Module, student_tokenizer: Any, teacher: nn.Module | None,
-    vocab_map: VocabMap,
-) -> tuple[GeneratedRows, VocabMap]:  # fmt: skip
-    """The run's GeneratedRows (checked now: both EOS ids known) and the vocabulary map with the student's EOS
-    ids paired with the teacher's, so that the EOS group's exact term compares the two stopping probabilities."""
-    _, student_eos, _ = special_ids(student, student_tokenizer)
-    rows = GeneratedRows.build(
-        collator, vocab_map.student_vocab_size, student_eos, teacher_eos_id(collator.teacher_tokenizer, teacher)
-    )
-    pairs = [(s, rows.teacher_eos_id) for s in sorted(student_eos) if s < vocab_map.student_vocab_size]
-    if rows.teacher_eos_id < vocab_map.teacher_vocab_size:
-        vocab_map = vocab_map.with_pairs(pairs)
-    return rows, vocab_map
 
 
 def rows_maker(rows: GeneratedRows, data_collator: Any) -> Callable[[list[Rollout], dict], dict]:

@@ -18,9 +18,10 @@ kinds:
 - other_tokenizer.py (+ other_tokenizer_loss.py): one teacher of another tokenizer, its tokens aligned to the
   student's.
 
-Beside them: privileged.py (rows where the teacher sees its own prompt: a collator, no source of its own, every
-single-teacher kind pairs the completion tokens), sampled_data.py (datasets of sampled teacher tokens, checked),
-compute.py (an in-process teacher's precision, FP8).
+Beside them: sampled_data.py (datasets of sampled teacher tokens, checked),
+compute.py (an in-process teacher's precision, FP8). Rows where the teacher sees its own prompt need no source of
+their own (batch/privileged.py's collator; every single-teacher kind pairs the completion tokens); the collators
+of every kind of rows are batch/'s, and nothing here imports trainer/rollouts/.
 
 A new kind is a new file: a TeacherSource subclass, and its entry in plan.py's KINDS (chosen in plan.kind_of).
 """

@@ -18,7 +18,7 @@ routed_offline.py, served_several.py), a served teacher's hidden states and head
 teachers in process (several.py) and a teacher of another tokenizer (other_tokenizer.py). A new kind is a new
 file with a TeacherSource subclass, chosen in plan.py (KINDS, kind_of).
 
-A teacher that sees its own prompt (rows with teacher_input_ids: privileged.py's collator) needs no source of its
+A teacher that sees its own prompt (rows with teacher_input_ids: batch/privileged.py's collator) needs no source of its
 own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens
 (models/privileged.py), for every single-teacher kind.
 """

@@ -17,10 +17,10 @@ from ...align import CrossTokenizerCollator, CrossTokenizerConfig, VocabMap, byt
 from ...align.generated import GeneratedRows
 from ...batch.columns import TEACHER_ALIGN_GROUPS
 from ...config import KDLossConfig
+from ...generation.special_tokens import special_ids
 from ...models import unwrap_model
 from ...models.kd_forward import install_kd_forward
 from ..arguments import KDTrainingArguments
-from ..rollouts.retokenized import generated_rows
 from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
 from .other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss, is_registered
 from .self_distill import require_teacher_prompt
@@ -82,6 +82,34 @@ def cross_tokenizer_config(args: KDTrainingArguments) -> CrossTokenizerConfig:
 def _pad_id(tokenizer) -> int:
     pad = getattr(tokenizer, "pad_token_id", None)
     return pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
+
+
+def teacher_eos_id(teacher_tokenizer: Any, teacher_model: nn.Module | None) -> int | None:
+    """The teacher's end of sequence: its tokenizer's eos_token_id, else its model's generation / model config."""
+    eos = getattr(teacher_tokenizer, "eos_token_id", None)
+    if eos is None and teacher_model is not None:
+        inner = unwrap_model(teacher_model)
+        for config in (getattr(inner, "generation_config", None), getattr(inner, "config", None)):
+            eos = getattr(config, "eos_token_id", None)
+            if eos is not None:
+                break
+    return eos[0] if isinstance(eos, list) and eos else eos
+
+
+def generated_rows(
+    collator: CrossTokenizerCollator, student: nn.Module, student_tokenizer: Any, teacher: nn.Module | None,
+    vocab_map: VocabMap,
+) -> tuple[GeneratedRows, VocabMap]:  # fmt: skip
+    """The run's GeneratedRows (checked now: both EOS ids known) and the vocabulary map with the student's EOS
+    ids paired with the teacher's, so that the EOS group's exact term compares the two stopping probabilities."""
+    _, student_eos, _ = special_ids(student, student_tokenizer)
+    rows = GeneratedRows.build(
+        collator, vocab_map.student_vocab_size, student_eos, teacher_eos_id(collator.teacher_tokenizer, teacher)
+    )
+    pairs = [(s, rows.teacher_eos_id) for s in sorted(student_eos) if s < vocab_map.student_vocab_size]
+    if rows.teacher_eos_id < vocab_map.teacher_vocab_size:
+        vocab_map = vocab_map.with_pairs(pairs)
+    return rows, vocab_map
 
 
 @dataclass

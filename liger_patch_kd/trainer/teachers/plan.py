@@ -14,7 +14,9 @@ A run's teacher is a set of members of one kind (one member is the usual set):
     hidden       a served teacher's hidden states and head (served_hidden.py)
 
 and a member of another tokenizer wraps any of the single kinds (other_tokenizer.py; several, in process:
-several_tokenizers.py). `KINDS` below is where a kind is chosen: a new kind is a source file and one entry there.
+several_tokenizers.py). Kinds compose, none inherits from another: a served member is the fetch of its server's
+reply plus the stored member that scores the rows (served.py: `rows`), several served ones the fetch plus the
+routed-rows member, the student itself the in-process member behind its own check. `KINDS` below is where a kind is chosen: a new kind is a source file and one entry there.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from ...batch.columns import (
     ROUTING_COLUMNS,
     TEACHER_DATA_COLUMNS,
 )
+from ...batch.privileged import PrivilegedCollator, is_privileged_row
+from ...batch.prompts import PromptCollator
+from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
-from ...teacher import TeacherDataCollator
 from ..dataset_setup import (
     check_store_tokenizer,
     check_training_rows,
@@ -44,12 +48,10 @@ from ..dataset_setup import (
     with_vocab_size,
 )
 from ..offline_onpolicy import OfflineRollouts
-from ..rollouts.prompts import PromptCollator
 from .base import TeacherSource
 from .compute import prepare_teacher_compute
 from .in_process import InProcessTeacher
 from .other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
-from .privileged import PrivilegedCollator, is_privileged_row
 from .routed_offline import RoutedRowsTeacher, offline_routed_setup
 from .self_distill import SelfDistillTeacher, self_distill_teacher
 from .served import ServedTeacher

@@ -17,10 +17,11 @@ from typing import Any
 
 from transformers.utils import logging
 
-from ...batch.columns import OFFLINE_MARK_COLUMNS, ROUTING_COLUMNS, TEACHER_MIXTURE
+from ...batch.columns import OFFLINE_MARK_COLUMNS, TEACHER_MIXTURE
+from ...batch.routing import NamesIfGivenCollator
 from ...config import KDLossConfig
-from .base import KDStepOutput, score_rows
-from .several import RoutingCollator, TeacherSetSetup
+from .base import KDStepOutput, TeacherSource, score_rows
+from .several import TeacherSetSetup
 from .stored import StoredTeacher
 
 logger = logging.get_logger(__name__)
@@ -69,28 +70,26 @@ class OfflineRoutedSetup(TeacherSetSetup):
         return NamesIfGivenCollator(self, inner)
 
 
-class NamesIfGivenCollator(RoutingCollator):
-    """RoutingCollator when any row of the batch names its teacher (then every row must), else `inner` alone."""
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        if any(f.get(c) is not None for f in features for c in ROUTING_COLUMNS):
-            return super().__call__(features)
-        return self.inner(features)
-
-
-class RoutedRowsTeacher(StoredTeacher):
+class RoutedRowsTeacher(TeacherSource):
     """Stored rows routed to named teachers (each row's own teacher's data, its `teacher_mixture` one-hot): trained
-    as stored rows, and on logging steps scored again per teacher on its own rows (kd_soft_loss/<name>)."""
+    by the stored member (`rows`), and on logging steps scored again per teacher on its own rows
+    (kd_soft_loss/<name>)."""
+
+    from_rows = True
 
     def __init__(self, teachers: TeacherSetSetup, fused: bool) -> None:
         super().__init__(fused)
         self.teachers = teachers
+        self.rows = StoredTeacher(fused)
+
+    def prepare(self, inputs: dict) -> dict:
+        return self.rows.prepare(inputs)
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
         routes = inputs.pop(TEACHER_MIXTURE, None)  # each row's teacher
         scored = dict(inputs) if routes is not None and log_now else None  # the materialised path pops from inputs
-        step = super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
+        step = self.rows.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         if scored is not None:
             step.teacher_metrics = self.teachers.routed_metrics(
                 scored, routes, lambda batch: score_rows(model, batch, cfg, self.fused, log_now), cfg.ignore_index

@@ -19,6 +19,7 @@ from torch import nn
 
 from ...batch.columns import TEACHER_INPUT_IDS
 from ..arguments import SELF_DISTILL_MODES
+from .base import KDStepOutput, TeacherSource
 from .in_process import InProcessTeacher
 
 
@@ -90,10 +91,18 @@ def require_teacher_prompt(teacher: nn.Module | None, inputs: dict) -> None:
         )
 
 
-class SelfDistillTeacher(InProcessTeacher):
-    """The student as its own teacher (kd_self_distill): an in-process teacher whose batches the frozen kind
-    checks for a teacher prompt first."""
+class SelfDistillTeacher(TeacherSource):
+    """The student as its own teacher (kd_self_distill): its teacher module (AdapterDisabledTeacher or
+    FrozenStudentTeacher) run by the in-process member (`member`), each batch checked first for the teacher prompt
+    the frozen kind needs."""
+
+    def __init__(self, teacher: nn.Module, fused: bool) -> None:
+        super().__init__(fused)
+        self.member = InProcessTeacher(teacher, fused)
 
     def prepare(self, inputs: dict) -> dict:
-        require_teacher_prompt(self.model, inputs)
-        return inputs
+        require_teacher_prompt(self.member.model, inputs)
+        return self.member.prepare(inputs)
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg, log_now: bool, behaviour=None) -> KDStepOutput:
+        return self.member.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)

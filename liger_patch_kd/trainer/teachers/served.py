@@ -16,6 +16,7 @@ from ...teacher.client.prefetch import TEACHER_KEYS
 from ...wire import PROTOCOLS
 from ...wire.sampled_tokens import MAX_SAMPLES
 from ..arguments import KDTrainingArguments, checks_arguments
+from .base import KDStepOutput, TeacherSource
 from .stored import StoredTeacher
 
 CROSS_TOKENIZER_KEYS = TEACHER_KEYS  # the teacher's own tokenization
@@ -205,9 +206,10 @@ def check_served_samples_args(args: KDTrainingArguments) -> None:
         )
 
 
-class ServedTeacher(StoredTeacher):
+class ServedTeacher(TeacherSource):
     """One teacher behind kd_teacher_url: each batch's top-k (and / or samples) asked of the server `depth` batches
-    ahead by a TeacherPrefetcher wrapping the DataLoader; the rows then train as stored rows do."""
+    ahead by a TeacherPrefetcher wrapping the DataLoader (the fetch, here), the rows then scored by the stored
+    member (`rows`), as a store's rows are."""
 
     from_rows = False  # the server is asked about every batch, evaluation's too
 
@@ -215,6 +217,7 @@ class ServedTeacher(StoredTeacher):
         super().__init__(fused)
         self.args = args
         self.client: TeacherClient | None = None  # made, and the server checked, for the first DataLoader
+        self.rows = StoredTeacher(fused)  # a batch with the server's reply attached carries its teacher's data
 
     def dataloader(self, dataloader, student_vocab_size):
         self.prefetcher = self.asking(dataloader, student_vocab_size)
@@ -228,3 +231,9 @@ class ServedTeacher(StoredTeacher):
         if self.client is None:
             self.client = checked_teacher_client(self.args, vocab_size=student_vocab_size())
         return prefetched(dataloader, self.client, ahead=ahead)
+
+    def prepare(self, inputs: dict) -> dict:
+        return self.rows.prepare(inputs)
+
+    def loss(self, model, inputs: dict, num_items_in_batch, cfg, log_now: bool, behaviour=None) -> KDStepOutput:
+        return self.rows.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)

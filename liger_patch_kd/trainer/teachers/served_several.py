@@ -35,7 +35,7 @@ from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.prefetch import STUDENT_KEYS, attach_teacher, keys_of, sequence_tokens
 from ...wire.hidden_wire import TeacherHead
 from ..arguments import KDTrainingArguments, checks_arguments
-from .base import KDStepOutput, one_teacher_loss
+from .base import KDStepOutput, TeacherSource, one_teacher_loss
 from .routed_offline import RoutedRowsTeacher
 from .served import check_teacher_server, check_topk_client_options, prefetched, teacher_client
 from .served_hidden import HeadOnDevice, check_hidden_dtype
@@ -183,15 +183,17 @@ def check_hidden_head(client: HiddenClient, name: str, args: Any, vocab_size: in
         )
 
 
-class ServedTeachers(RoutedRowsTeacher):
+class ServedTeachers(TeacherSource):
     """Several served teachers (kd_teacher_url={name: url}): each row's top-k asked of its own row's server ahead
-    of the step, then trained as routed rows."""
+    of the step (the fetch, here), then trained by the routed-rows member (`routed`); batches with a hidden
+    teacher's rows by mixed_kinds_loss."""
 
     from_rows = False  # each row's server is asked about it, evaluation's rows too
 
     def __init__(self, teachers, args: Any, fused: bool) -> None:
-        super().__init__(teachers, fused)
+        super().__init__(fused)
         self.args = args
+        self.routed = RoutedRowsTeacher(teachers, fused)  # the rows once each carries its own teacher's top-k
         self.clients: RoutedTeacherClients | None = None  # made, the servers checked, for the first DataLoader
 
     def dataloader(self, dataloader, student_vocab_size):
@@ -212,13 +214,13 @@ class ServedTeachers(RoutedRowsTeacher):
         both; a set of hidden teachers alone attaches no top-k columns at all."""
         if inputs.get(TEACHER_HIDDEN_SET):
             return inputs
-        return super().prepare(inputs)
+        return self.routed.prepare(inputs)
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
         states, heads = inputs.pop(TEACHER_HIDDEN_SET, None), inputs.pop(TEACHER_HEAD_SET, None)
         if not states:  # no hidden teacher's row in this batch: the top-k rows as routed rows
-            return super().loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
+            return self.routed.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         return mixed_kinds_loss(model, inputs, states, heads, self, num_items_in_batch, cfg, log_now)
 
 

@@ -27,6 +27,8 @@ from ...batch.columns import (
     TEACHER_TOKEN_IDS,
     TEACHER_WEIGHTS,
 )
+from ...batch.prompts import PromptCollator
+from ...batch.routing import RoutingCollator
 from ...config import KDLossConfig
 from ...models import TeacherSet, unwrap_model
 from ...models.kd_io import targets_of
@@ -34,7 +36,6 @@ from ...models.materialised import materialised_kd
 from ...models.signals import Scored, TeacherMix
 from ...reference import MIXTURES
 from ..arguments import checks_arguments
-from ..rollouts.prompts import PromptCollator
 from .base import KDStepOutput, TeacherSource
 from .several_tokenizers import TokenizerTeachers
 from .several_tokenizers_loss import tokenizer_teachers_loss
@@ -241,38 +242,6 @@ class TeacherSetSetup:
         targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
         scored = Scored(targets, cfg, num_items_in_batch, log)
         return materialised_kd(unwrap_model(model), model, TeacherMix(teachers), scored, inputs)
-
-
-class RoutingCollator:
-    """`inner` on the rows without their routing columns, plus `teacher_mixture` from them (a class, not a closure:
-    DataLoader workers started by spawn pickle it)."""
-
-    def __init__(self, setup: TeacherSetSetup, inner) -> None:
-        self.setup, self.inner = setup, inner
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        mixture = torch.tensor([self.setup.row_weights(f) for f in features], dtype=torch.float32)
-        rows = [{k: v for k, v in f.items() if k not in ROUTING_COLUMNS} for f in features]
-        if self.setup.tokenizers is not None:  # rows of text, tokenized for the student and each other tokenizer
-            return {**self.setup.tokenizers.collate(rows, mixture), TEACHER_MIXTURE: mixture}
-        batch = dict(self.inner(rows))
-        batch[TEACHER_MIXTURE] = _per_token_if_packed(mixture, features, batch["input_ids"])
-        return batch
-
-
-def _per_token_if_packed(mixture: torch.Tensor, features: list[dict[str, Any]], input_ids: torch.Tensor):
-    """(B, J) when the collator keeps one example per row; packed (DataCollatorWithFlattening: the examples laid
-    end to end in fewer rows), every token takes its own example's weights, (rows, T, J)."""
-    if input_ids.shape[0] == len(features):
-        return mixture
-    lengths = torch.tensor([len(f["input_ids"]) for f in features])
-    if int(lengths.sum()) != input_ids.numel():
-        raise ValueError(
-            f"the collator put {len(features)} examples of {int(lengths.sum())} tokens into a batch of shape "
-            f"{tuple(input_ids.shape)}; routing to several teachers needs one example per row, or the examples "
-            f"packed end to end (DataCollatorWithFlattening)"
-        )
-    return mixture.repeat_interleave(lengths, dim=0).reshape(*input_ids.shape, mixture.shape[-1])
 
 
 class SeveralTeachers(TeacherSource):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...batch.columns import (
+from .columns import (
     TEACHER_LOGPROBS,
     TEACHER_SAMPLE_COUNTS,
     TEACHER_SAMPLE_IDS,

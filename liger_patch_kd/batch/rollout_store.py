@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...batch.columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
-from ...teacher import TeacherDataCollator
+from .columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
+from .teacher_data import TeacherDataCollator
 
 
 @dataclass

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from ...batch.columns import (
+from .columns import (
     TEACHER_ATTENTION_MASK,
     TEACHER_DATA_COLUMNS,
     TEACHER_INPUT_IDS,
     TEACHER_LABELS,
     TEACHER_POSITION_IDS,
 )
-from ...teacher import TeacherDataCollator
+from .teacher_data import TeacherDataCollator
 
 
 def is_privileged_row(row: Any) -> bool:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ...batch.columns import HAS_COMPLETION, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_PROMPT
-from ...teacher import TeacherDataCollator
-from ..teachers.privileged import PrivilegedCollator
+from .columns import HAS_COMPLETION, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_PROMPT
+from .privileged import PrivilegedCollator
+from .teacher_data import TeacherDataCollator
 
 
 def is_prompt_row(row: dict[str, Any]) -> bool:
