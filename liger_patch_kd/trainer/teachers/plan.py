@@ -16,7 +16,8 @@ A run's teacher is a set of members of one kind (one member is the usual set):
 and a member of another tokenizer wraps any of the single kinds (other_tokenizer.py; several, in process:
 several_tokenizers.py). Kinds compose, none inherits from another: a served member is the fetch of its server's
 reply plus the stored member that scores the rows (served.py: `rows`), several served ones the fetch plus the
-routed-rows member, the student itself the in-process member behind its own check. `KINDS` below is where a kind is chosen: a new kind is a source file and one entry there.
+routed-rows member, the student itself the in-process member behind its own check. `KINDS` below is where a kind
+is chosen: a new kind is a source file and one entry there.
 """
 
 from __future__ import annotations
