@@ -54,6 +54,8 @@ def plot(payload: dict, out: Path) -> None:
     axes[0].set_ylabel("exact match, held-out problems (greedy)")
     axes[0].set_xscale("symlog", linthresh=1.0)
     axes[1].set_xscale("symlog", linthresh=10.0)
+    for ax in axes:
+        ax.set_xlim(left=0)  # no negative seconds or steps: symlog would otherwise pad to the left of 0
     gpu = payload.get("environment", {}).get("gpu", "CPU")
     seeds = payload.get("config", {}).get("seeds")
     fig.suptitle(f"Student exact match on 3-operand arithmetic, mean ± std over seeds {seeds} ({gpu})")
