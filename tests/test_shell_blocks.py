@@ -11,8 +11,8 @@ Hugging Face runs offline (HF_HUB_OFFLINE=1): a model or data set a block names 
 A block may carry an HTML comment on the line(s) above it:
 - `<!-- shell-test: setup=NAME:PATH ... -->`: before the block, make each stand-in NAME at PATH (STANDINS below: a
   tiny teacher model and tokenizer (with a ChatML template) in a folder named like its hub id, which transformers
-  reads before the hub; a JSONL text file; axolotl and DistillKit data; a DistillKit compressor file; `hub:.` the recipe's student,
-  teacher and data set, tests/hub_standins.py; a JSONL file of prompts);
+  reads before the hub; a JSONL text file; axolotl and DistillKit data; a DistillKit compressor file; `hub:.` the
+  recipe's student, teacher and data set, tests/hub_standins.py; a JSONL file of prompts);
 - `<!-- shell-test: skip (REASON) -->`: not run, for what a CPU in CI cannot do (a GPU, a launch on several GPUs,
   a server that keeps running) or what CI runs itself; REASON says which.
 """
@@ -65,7 +65,6 @@ def _teacher(path: Path) -> None:
 
     from liger_patch_kd.demo import load_corpus
     from liger_patch_kd.demo.toys import build_model, train_bpe_tokenizer
-
     from tests.hub_standins import CHATML
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_bpe_tokenizer(load_corpus()[:20000], 384),

@@ -478,7 +478,7 @@ def _prompt_row_tokens(record: dict, tokenizer, max_length, max_prompt_length, w
                "has a prompt and no completion: nothing for the teacher to score offline; add a 'completion', or let "
                "the student write them (--rollouts-from STUDENT)")  # fmt: skip
         raise BadLine(f"{where}: the row {why}{skip}", "prompt without completion" if completion is None
-                      else "teacher_prompt")  # fmt: skip
+                      else "a teacher prompt")  # fmt: skip
     kept = len(prompt[-max_prompt_length:]) if max_prompt_length is not None else len(prompt)
     if max_length is not None and kept >= max_length:
         raise BadLine(f"{where}: its prompt has {kept} tokens (--max-prompt-length {max_prompt_length}) and "

@@ -13,8 +13,8 @@ import torch
 
 from ...batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
 from .compact import codec_from_manifest
-from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
 from .labels import label_item, label_layout
+from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
 from .rollouts import rollout_item, rollout_layout
 from .samples import sample_item, sample_layout, samples_of
 from .shard import ShardDamaged, ShardReader, sha256_file
