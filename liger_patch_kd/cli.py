@@ -45,7 +45,7 @@ def _precompute(args) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .teacher import precompute, tokenizer_fingerprint
-    from .teacher.precompute import check_precompute_args, file_fingerprint, read_jsonl_sequences
+    from .teacher.precompute import check_precompute_args, file_fingerprint, read_jsonl_rows
     from .teacher.store import check_store_folder
 
     tokenizer = None
@@ -61,24 +61,29 @@ def _precompute(args) -> None:
                           shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding,
                           max_length=args.max_length, samples=args.samples)  # fmt: skip
     check_store_folder(args.out)  # someone else's files in --out, or a damaged manifest: refused before the weights
-    sequences, skipped = read_jsonl_sequences(
-        args.data, tokenizer=tokenizer, max_length=args.max_length, vocab_size=vocab, skip_bad_lines=args.skip_bad_lines
-    )
+    rows = read_jsonl_rows(args.data, tokenizer=tokenizer, max_length=args.max_length, vocab_size=vocab,
+                           skip_bad_lines=args.skip_bad_lines, max_prompt_length=args.max_prompt_length)  # fmt: skip
+    sequences, skipped = rows.sequences, rows.skipped
     if not sequences:
-        raise ValueError(f"{args.data}: no usable lines")
+        why = ", ".join(f"{n} {why}" for why, n in skipped.items())
+        raise ValueError(f"{args.data}: no usable lines" + (f" (skipped: {why}; rerun without --skip-bad-lines to "
+                                                            f"see the first, with its fix)" if skipped else ""))
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto")
     teacher.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shaping = {"data file": file_fingerprint(args.data), "max_length": args.max_length,
+               "skip_bad_lines": args.skip_bad_lines}  # fmt: skip
+    if args.max_prompt_length is not None:
+        shaping["max_prompt_length"] = args.max_prompt_length
     out = precompute(
         teacher, sequences, args.out, top_k=args.top_k, batch_size=args.batch_size, shard_size=args.shard_size,
         logprob_dtype=args.dtype, temperature=args.temperature, teacher_name=args.teacher, encoding=args.encoding,
-        samples=args.samples, seed=args.seed,
-        tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
-        inputs={"data file": file_fingerprint(args.data), "max_length": args.max_length,
-                "skip_bad_lines": args.skip_bad_lines},
+        samples=args.samples, seed=args.seed, labels=rows.labels,
+        tokenizer_fp=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None, inputs=shaping,
     )  # fmt: skip
     if skipped:
         print(f"skipped {sum(skipped.values())} bad lines: " + ", ".join(f"{n} {why}" for why, n in skipped.items()))
-    print(f"wrote {out} ({len(sequences)} sequences)")
+    scored = "; labels on the completions only, as training on the rows scores them" if rows.labels else ""
+    print(f"wrote {out} ({len(sequences)} sequences{scored})")
 
 
 def _precompute_rollouts(args) -> None:
@@ -207,12 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",
                          formatter_class=fmt)  # fmt: skip
     pre.add_argument("--teacher", required=True, help="HF model path or name (required)")
-    pre.add_argument("--data", required=True, help="JSONL with 'text' or 'input_ids' per line (required)")
+    pre.add_argument("--data", required=True,
+                     help="JSONL, a row a line: 'text', 'input_ids', or TRL's 'prompt' + 'completion' (text or "
+                          "messages) or 'messages' rows, tokenized as KDTrainer tokenizes them (the chat template; "
+                          "the store scores the completions only) (required)")  # fmt: skip
     pre.add_argument("--out", required=True, help="store folder; rerun with the same inputs to resume (required)")
     pre.add_argument("--top-k", type=int, default=64, help="slots kept per token")
     pre.add_argument("--temperature", type=float, default=1.0, help="> 0; keep 1: tempering later is exact")
     pre.add_argument("--max-length", type=int, default=None,
-                     help="truncate sequences to this many tokens (>= 1); None: keep them whole")  # fmt: skip
+                     help="truncate sequences to this many tokens (>= 1), as kd_max_length does; None: keep them "
+                          "whole")  # fmt: skip
+    pre.add_argument("--max-prompt-length", type=int, default=None,
+                     help="prompt rows: keep a prompt's last this many tokens (>= 1), as kd_max_prompt_length does; "
+                          "None: whole prompts")  # fmt: skip
     pre.add_argument("--batch-size", type=int, default=8,
                      help="sequences per teacher forward (--rollouts-from: prompts per generation call)")
     pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")

@@ -131,6 +131,7 @@ def check_rollout_options(args) -> None:
                              f"{given[0]}")  # fmt: skip
         return
     text_only = [flag for flag, given in (("--max-length", getattr(args, "max_length", None) is not None),
+                                          ("--max-prompt-length", getattr(args, "max_prompt_length", None) is not None),
                                           ("--skip-bad-lines", getattr(args, "skip_bad_lines", False)))
                  if given]  # fmt: skip
     if text_only:  # they shape how text lines are read; a prompt file is read whole, every line checked
@@ -162,6 +163,9 @@ def check_precompute(args) -> None:
         raise ValueError(
             f"--max-length {args.max_length}: must be >= 1 (leave --max-length out to keep whole sequences)"
         )
+    if getattr(args, "max_prompt_length", None) is not None and args.max_prompt_length < 1:
+        raise ValueError(f"--max-prompt-length {args.max_prompt_length}: must be >= 1 (leave it out to keep whole "
+                         f"prompts)")  # fmt: skip
     at_least(args, "batch_size", 1)
     at_least(args, "shard_size", 1)
     check_encoding(args.encoding)

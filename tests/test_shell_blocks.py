@@ -10,9 +10,9 @@ Hugging Face runs offline (HF_HUB_OFFLINE=1): a model or data set a block names 
 
 A block may carry an HTML comment on the line(s) above it:
 - `<!-- shell-test: setup=NAME:PATH ... -->`: before the block, make each stand-in NAME at PATH (STANDINS below: a
-  tiny teacher model and tokenizer in a folder named like its hub id, which transformers reads before the hub; a
-  JSONL text file; axolotl and DistillKit data; a DistillKit compressor file; `hub:.` the recipe's student,
-  teacher and data set, tests/hub_standins.py; a JSONL file of prompts);
+  tiny teacher model and tokenizer (with a ChatML template) in a folder named like its hub id, which transformers
+  reads before the hub; a JSONL text file; axolotl and DistillKit data; a DistillKit compressor file; `hub:.` the
+  recipe's student, teacher and data set, tests/hub_standins.py; a JSONL file of prompts);
 - `<!-- shell-test: skip (REASON) -->`: not run, for what a CPU in CI cannot do (a GPU, a launch on several GPUs,
   a server that keeps running) or what CI runs itself; REASON says which.
 """
@@ -65,9 +65,11 @@ def _teacher(path: Path) -> None:
 
     from liger_patch_kd.demo import load_corpus
     from liger_patch_kd.demo.toys import build_model, train_bpe_tokenizer
+    from tests.hub_standins import CHATML
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_bpe_tokenizer(load_corpus()[:20000], 384),
                                         bos_token="<s>", eos_token="</s>", pad_token="<pad>")  # fmt: skip
+    tokenizer.chat_template = CHATML  # as the models the pages name have one: conversational rows render
     tokenizer.save_pretrained(path)
     build_model(VOCAB, 16, 1, seed=0, device="cpu").save_pretrained(path)
 

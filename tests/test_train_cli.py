@@ -370,3 +370,58 @@ def test_a_rollout_store_and_its_teacher_are_one_teacher_when_the_store_is_refre
     args = train_parser.parse(["--output_dir", "o"])[2]
     with pytest.raises(ValueError, match="each name a teacher"):
         train_run.check_teacher(model, args, tmp_path, rollout_store)
+
+
+def test_every_trl_only_name_is_reported_in_one_line(tmp_path, capsys):
+    """A TRL GKDConfig YAML: each TRL name without an option here is named with what to give instead, all at once
+    (and unknown keys beside them); TRL's `disable_dropout: false` is what happens here and passes."""
+    config = tmp_path / "gkd.yaml"
+    config.write_text("output_dir: o\ntemperature: 0.9\nmax_length: 1024\ndisable_dropout: true\npacking: true\n"
+                      "lmbda: 0.5\nno_such_key: 1\n")  # fmt: skip
+    assert cli.main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("liger-kd train: error: --config "), err
+    for needle in ("--temperature: ", "--kd_generation_temperature", "--max_length: ", "--kd_max_length",
+                   "--disable_dropout: dropout is as the model's config says", "attention_dropout", "--packing: ",
+                   "DataCollatorWithFlattening", "no option no_such_key"):  # fmt: skip
+        assert needle in err[0], needle
+    assert "lmbda" not in err[0]  # an alias of ours: read as --kd_lmbda
+    config.write_text("output_dir: o\ndisable_dropout: false\nlmbda: 0.5\n")
+    _, _, args = train_parser.parse(["--config", str(config)])
+    assert args.kd_lmbda == 0.5
+    with pytest.raises(ValueError, match="--temperature: .*; --disable_dropout: dropout is as the model's config"):
+        train_parser.parse(["--output_dir", "o", "--temperature", "0.9", "--disable_dropout"])
+
+
+def test_config_is_an_option_of_the_usage(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "[--config FILE]" in out.split("\n\n")[0]  # the usage synopsis
+    _, _, args = train_parser.parse(["--output_dir", "o"])  # no config attribute is left over beside the dataclasses
+    assert args.output_dir == "o"
+
+
+def test_a_token_absent_from_one_vocabulary_is_said_so():
+    from liger_patch_kd.train_cli.arguments import ModelArguments
+    from liger_patch_kd.train_cli.models import check_same_tokenizer
+
+    class Vocab:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    model = ModelArguments(model_name_or_path="s", teacher_model_name_or_path="t")
+    with pytest.raises(ValueError, match="'el' is absent from the student's vocabulary and id 1 in the teacher's"):
+        check_same_tokenizer(Vocab({"a": 0}), Vocab({"a": 0, "el": 1}), model)
+    with pytest.raises(ValueError, match="'b' is id 1 in the student's and id 2 in the teacher's"):
+        check_same_tokenizer(Vocab({"a": 0, "b": 1}), Vocab({"a": 0, "b": 2}), model)
+
+
+def test_the_materialised_logits_note_names_the_flag_too():
+    from liger_patch_kd.trainer.text_rows import materialised_logits_note
+
+    note = materialised_logits_note(10, 100, offline=True)
+    assert "use_kd_patch=True (KDTrainingArguments; --use_kd_patch" in note

@@ -160,6 +160,32 @@ class PromptCollator:
         return teacher_prompt
 
 
+def prompt_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> list[dict[str, list[int]]]:
+    """Prompt rows with a completion (`prompt` + `completion`, text or conversational, or `messages`) as token
+    rows ({"input_ids", "labels"}, labels -100 on the prompt), tokenized exactly as PromptCollator(tokenizer,
+    **options) tokenizes them in training (the chat template, max_prompt_length, max_length): what `liger-kd
+    precompute` stores for such rows, so a store trains the objective the rows train with a teacher in process.
+
+    Raises:
+        ValueError: naming the row, when it has no completion (nothing to score offline) or a teacher_prompt (its
+            teacher sees other tokens: privileged_token_rows).
+    """
+    collate, out = PromptCollator(tokenizer, **options), []
+    for index, row in enumerate(rows):
+        if TEACHER_PROMPT in row:
+            raise ValueError(f"row {index} has a 'teacher_prompt': the teacher scores other tokens than the student "
+                             f"reads; make its rows with privileged_token_rows")  # fmt: skip
+        if not ("completion" in row or "messages" in row):
+            raise ValueError(
+                f"row {index} has a prompt but no completion ('completion', or 'messages' ending with the "
+                f"assistant's turn): there is nothing for a teacher to score offline; add the completion, or let "
+                f"the student write one (`liger-kd precompute --rollouts-from STUDENT`)"
+            )
+        batch = collate([row])  # one row: no padding
+        out.append({k: batch[k][0].tolist() for k in ("input_ids", "labels")})
+    return out
+
+
 def privileged_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> list[dict[str, list[int]]]:
     """Text rows with a `teacher_prompt` as token-level rows ({"input_ids", "labels", "teacher_input_ids",
     "teacher_labels"}), tokenized exactly as PromptCollator(tokenizer, **options) tokenizes them in training: for a

@@ -7,11 +7,13 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..batch.columns import TEACHER_PROMPT
 from ..utils.text_files import read_utf8
 from .sampling import sample_teacher_tokens, sequence_generator
 from .store import LOGPROB_DTYPES, StoreWriter
@@ -134,6 +136,7 @@ def precompute(
     inputs: dict | None = None,
     samples: int = 0,
     seed: int = 0,
+    labels: Sequence[Sequence[int]] | None = None,
 ) -> Path:
     """Run `teacher` over `sequences` (lists of token ids) and write a store; resumes an interrupted one.
 
@@ -149,6 +152,9 @@ def precompute(
         sampling.sequence_generator; so a resumed run, another batch_size or `liger-kd serve` with sample_seed=seed
         draws the same, on the same device type, up to the rounding of the teacher's batched forward). Train on them
         with losses.fused_linear_sampled_kd (KDTrainer does, from the batch columns) at that same temperature.
+    labels: one list per sequence, each position the token itself or -100 (not scored): a store of prompt rows
+        (prompt_token_rows) keeps them (store/labels.py), so training on it scores the completions only, as
+        training on the rows does; None scores every token.
     """
     vocab = teacher.get_output_embeddings().weight.shape[0]
     check_precompute_args(vocab, top_k=top_k, temperature=temperature, batch_size=batch_size, shard_size=shard_size,
@@ -156,8 +162,11 @@ def precompute(
     for n, seq in enumerate(sequences):  # before any teacher work: a bad id fails here, not after hours
         if len(token_ids(seq, f"sequence {n}", vocab_size=vocab)) == 0:
             raise ValueError(f"sequence {n} is empty: every sequence needs at least one token; drop it")
+    if labels is not None:
+        check_labels(sequences, labels)
     fingerprint = {
         "sequences": sequences_fingerprint(sequences),
+        **({"labels": sequences_fingerprint(labels)} if labels is not None else {}),
         "teacher": teacher_fingerprint(teacher),
         **(inputs or {}),
     }
@@ -165,10 +174,12 @@ def precompute(
         out_dir, teacher=teacher_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp, top_k=top_k,
         logprob_dtype=logprob_dtype, temperature=temperature, shard_size=shard_size, num_sequences=len(sequences),
         encoding=encoding, inputs=fingerprint, **({"samples": samples, "sample_seed": seed} if samples else {}),
+        **({"labels": True} if labels is not None else {}),
     )  # fmt: skip
     was_training = teacher.training
     try:
-        _run(teacher, sequences, writer, top_k, batch_size, shard_size, temperature, progress, samples, seed)
+        _run(teacher, sequences, writer, top_k, batch_size, shard_size, temperature, progress, samples, seed,
+             labels)
     except BaseException:
         if writer.created_manifest and writer.done_shards() == 0:
             writer.abort()  # nothing was finished: leave no store behind that a corrected rerun would trip on
@@ -211,8 +222,24 @@ def check_precompute_args(
     codec_from_spec(encoding, vocab, top_k)
 
 
+def check_labels(sequences: Sequence[Sequence[int]], labels: Sequence[Sequence[int]]) -> None:
+    """Labels that fit their sequences (one per token, each the token or -100) and score something, before any
+    teacher work: a ValueError naming the sequence."""
+    if len(labels) != len(sequences):
+        raise ValueError(f"labels: {len(labels)} lists for {len(sequences)} sequences; give one per sequence")
+    for n, (seq, label) in enumerate(zip(sequences, labels)):
+        label = list(label)
+        if len(label) != len(seq):
+            raise ValueError(f"labels of sequence {n}: {len(label)} for {len(seq)} tokens; give one per token")
+        if any(t not in (-100, s) for t, s in zip(label, seq)):
+            raise ValueError(f"labels of sequence {n}: each must be the token itself (scored) or -100 (not scored)")
+        if all(t == -100 for t in label[1:]):  # label 0 has no position before it to predict it
+            raise ValueError(f"labels of sequence {n} score no token: the row has no completion left to train on; "
+                             f"drop it (or keep more of it: raise --max-length)")
+
+
 def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size, temperature, progress, samples=0,
-         seed=0) -> None:  # fmt: skip
+         seed=0, labels=None) -> None:  # fmt: skip
     from tqdm.auto import tqdm
 
     device = next(teacher.parameters()).device
@@ -248,11 +275,13 @@ def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size,
                         d_ids[-1], d_counts[-1], d_lp[-1] = -1, 0, -math.inf
                         drawn.append((d_ids, d_counts, d_lp))
                 bar.update(len(batch))
+            shard_labels = None if labels is None else labels[shard * shard_size : (shard + 1) * shard_size]
             if samples:
                 draws = tuple(torch.cat(part) for part in zip(*drawn))
-                writer.write_shard(shard_seqs, torch.cat(ids).long(), torch.cat(values).float(), samples=draws)
+                writer.write_shard(shard_seqs, torch.cat(ids).long(), torch.cat(values).float(), samples=draws,
+                                   labels=shard_labels)  # fmt: skip
             else:
-                writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values))
+                writer.write_shard(shard_seqs, torch.cat(ids), torch.cat(values), labels=shard_labels)
 
 
 def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
@@ -325,54 +354,103 @@ class BadLine(ValueError):
         self.reason = reason
 
 
-def read_jsonl_sequences(
-    path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
-    skip_bad_lines: bool = False,
-) -> tuple[list[list[int]], dict[str, int]]:  # fmt: skip
-    """Token id sequences from a JSONL file of {"input_ids": [...]} or {"text": "..."} lines (blank lines ignored).
+@dataclass
+class PrecomputeRows:
+    """What `liger-kd precompute --data` reads: token sequences, their labels (None when every line was text or
+    token ids, which score every token; else one list per sequence, -100 on prompts) and the skipped lines'
+    {reason: count}."""
 
-    A line that is not JSON, has neither key, holds no tokens, or holds an id outside [0, vocab_size) raises
-    BadLine naming file:line and the fix; with skip_bad_lines it is skipped instead and counted in the returned
-    {reason: count}.
+    sequences: list[list[int]]
+    labels: list[list[int]] | None
+    skipped: dict[str, int]
+
+
+ACCEPTED_ROWS = (
+    "'text' (a string), 'input_ids' (token ids), 'prompt' + 'completion' (TRL's prompt-completion rows, text or "
+    "lists of messages) or 'messages' (a conversation ending with the assistant's turn)"
+)
+
+
+def read_jsonl_rows(
+    path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
+    skip_bad_lines: bool = False, max_prompt_length: int | None = None,
+) -> PrecomputeRows:  # fmt: skip
+    """Token id sequences (and labels) from a JSONL file whose lines are ACCEPTED_ROWS (blank lines ignored).
+
+    A text line is tokenized with the tokenizer's special tokens and cut at max_length; a prompt line is tokenized
+    exactly as KDTrainer tokenizes it for training (batch/prompts.py's PromptCollator, with max_prompt_length and
+    max_length as kd_max_prompt_length and kd_max_length): its labels are -100 on the prompt, so a store of them
+    scores the completions only. A line that is not JSON, has none of those keys, holds no tokens (or no
+    completion token), or holds an id outside [0, vocab_size) raises BadLine naming file:line and the fix; with
+    skip_bad_lines it is skipped instead and counted in `skipped`.
     """
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ValueError(f"max_length (--max-length) must be an integer >= 1, or None for no limit; got "
-                         f"{max_length!r}")  # fmt: skip
-    sequences, skipped = [], {}
+    for name, value in (("max_length", max_length), ("max_prompt_length", max_prompt_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, or None for no limit; "
+                             f"got {value!r}")  # fmt: skip
+    sequences, labels, skipped, prompt_rows = [], [], {}, False
     for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
         if not line.strip():
             continue
         try:
-            sequences.append(_parse_line(line, tokenizer, max_length, vocab_size, f"{path}:{line_no}"))
+            ids, label = _parse_line(line, tokenizer, max_length, max_prompt_length, vocab_size, f"{path}:{line_no}")
         except BadLine as e:
             if not skip_bad_lines:
                 raise
             skipped[e.reason] = skipped.get(e.reason, 0) + 1
-    return sequences, skipped
+            continue
+        sequences.append(ids)
+        labels.append(ids if label is None else label)
+        prompt_rows = prompt_rows or label is not None
+    if max_prompt_length is not None and sequences and not prompt_rows:
+        raise ValueError(f"--max-prompt-length {max_prompt_length} cuts the prompts of prompt rows, and {path} holds "
+                         f"none (text or token ids only): drop --max-prompt-length (--max-length cuts them)")
+    return PrecomputeRows(sequences, labels if prompt_rows else None, skipped)
 
 
-def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | None, where: str) -> list[int]:
+def read_jsonl_sequences(
+    path: str | Path, *, tokenizer=None, max_length: int | None = None, vocab_size: int | None = None,
+    skip_bad_lines: bool = False,
+) -> tuple[list[list[int]], dict[str, int]]:  # fmt: skip
+    """(sequences, skipped) of a JSONL file of {"input_ids": [...]} or {"text": "..."} lines: read_jsonl_rows of a
+    file without prompt rows (their labels would be lost: a ValueError says to call read_jsonl_rows)."""
+    rows = read_jsonl_rows(path, tokenizer=tokenizer, max_length=max_length, vocab_size=vocab_size,
+                           skip_bad_lines=skip_bad_lines)  # fmt: skip
+    if rows.labels is not None:
+        raise ValueError(f"{path} holds prompt rows, whose completion-only labels read_jsonl_sequences cannot return: "
+                         f"call read_jsonl_rows")  # fmt: skip
+    return rows.sequences, rows.skipped
+
+
+def _parse_line(line: str, tokenizer, max_length: int | None, max_prompt_length: int | None,
+                vocab_size: int | None, where: str) -> tuple[list[int], list[int] | None]:  # fmt: skip
+    """(token ids, labels or None: every token scored) of one line."""
     skip = "; or pass --skip-bad-lines to skip such lines"
     try:
         record = json.loads(line)
     except ValueError as e:
         raise BadLine(f"{where}: not valid JSON ({e}){skip}", "invalid JSON") from None
-    if not isinstance(record, dict) or not ("input_ids" in record or "text" in record):
-        raise BadLine(f"{where}: each line needs 'text' or 'input_ids'{skip}", "no text or input_ids")
+    if not isinstance(record, dict) or not any(key in record for key in ("input_ids", "text", "prompt", "messages")):
+        keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
+        raise BadLine(f"{where}: each line needs one of {ACCEPTED_ROWS}; got {keys}{skip}", "no accepted columns")
+    label = None
     if "input_ids" in record:
         ids = record["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise BadLine(f"{where}: 'input_ids' must be a list of integers{skip}", "input_ids not integers")
     elif tokenizer is None:
-        raise ValueError(f"{where}: a 'text' line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
-    elif not isinstance(record["text"], str):  # the tokenizer would refuse it in its own words, not naming the line
+        kind = "'text'" if "text" in record else "prompt"
+        raise ValueError(f"{where}: a {kind} line needs a tokenizer: pass --tokenizer (or a --teacher that has one)")
+    elif "text" in record and not isinstance(record["text"], str):  # the tokenizer would refuse it, not naming the line
         raise BadLine(
             f"{where}: 'text' must be a JSON string; got {json.dumps(record['text'])[:40]}: quote it, or give "
             f"'input_ids'{skip}",
             "text not a string",
         )
-    else:
+    elif "text" in record:
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+    else:
+        ids, label = _prompt_row_tokens(record, tokenizer, max_length, max_prompt_length, where, skip)
     ids = ids[:max_length] if max_length is not None else ids
     if not ids:
         raise BadLine(f"{where}: the line holds no tokens; remove it{skip}", "no tokens")
@@ -383,7 +461,32 @@ def _parse_line(line: str, tokenizer, max_length: int | None, vocab_size: int | 
             f"tokenized for another model; re-tokenize it with the teacher's tokenizer{skip}",
             "token id outside the vocabulary",
         )
-    return list(ids)
+    return list(ids), label
+
+
+def _prompt_row_tokens(record: dict, tokenizer, max_length, max_prompt_length, where: str, skip: str):
+    """(input_ids, labels) of a TRL prompt row, as KDTrainer's PromptCollator tokenizes it for training."""
+    from ..batch.prompts import prompt_token_rows, tokenize_prompt_row
+
+    try:
+        prompt, completion = tokenize_prompt_row(tokenizer, record)
+    except ValueError as e:
+        raise BadLine(f"{where}: {e}{skip}", "prompt row not readable") from None
+    if completion is None or TEACHER_PROMPT in record:
+        why = ("has a 'teacher_prompt' (its teacher scores other tokens: make its rows with "
+               "batch.prompts.privileged_token_rows)" if completion is not None else
+               "has a prompt and no completion: nothing for the teacher to score offline; add a 'completion', or let "
+               "the student write them (--rollouts-from STUDENT)")  # fmt: skip
+        raise BadLine(f"{where}: the row {why}{skip}", "prompt without completion" if completion is None
+                      else "a teacher prompt")  # fmt: skip
+    kept = len(prompt[-max_prompt_length:]) if max_prompt_length is not None else len(prompt)
+    if max_length is not None and kept >= max_length:
+        raise BadLine(f"{where}: its prompt has {kept} tokens (--max-prompt-length {max_prompt_length}) and "
+                      f"--max-length {max_length} cuts prompt + completion there, leaving no completion token: set "
+                      f"--max-prompt-length below --max-length (it keeps a prompt's last tokens){skip}",
+                      "no completion token left")  # fmt: skip
+    row = prompt_token_rows(tokenizer, [record], max_prompt_length=max_prompt_length, max_length=max_length)[0]
+    return row["input_ids"], row["labels"]
 
 
 def file_fingerprint(path: str | Path) -> str:

@@ -21,6 +21,29 @@ TRL_AMBIGUOUS = {
     "max_length": "TRL's `max_length` truncates the tokenized rows; here that is --kd_max_length (text rows, and "
     "prompt + completion of prompt rows)",
 }
+# TRL names with no option of that name here, each with what to do instead (docs/coming-from-trl.md's tables)
+DROPOUT_AS_CONFIGURED = (
+    "dropout is as the model's config says (0 in Llama's and Qwen's attention; the teacher runs in eval mode, no "
+    "dropout); to turn the student's off, set its config's dropout fields to 0 (attention_dropout: 0 in its "
+    "config.json, or from_pretrained(..., attention_dropout=0.0) in Python); drop disable_dropout"
+)
+TRL_WITHOUT_OPTION = {
+    "disable_dropout": DROPOUT_AS_CONFIGURED,
+    "model_init_kwargs": "--dtype, --model_revision, --trust_remote_code, --attn_implementation",
+    "teacher_model_init_kwargs": "--teacher_dtype, --teacher_model_revision, --trust_remote_code, "
+    "--attn_implementation",
+    "dataset_text_field": "none: the text column is `text`; rename yours",
+    "dataset_num_proc": "none: rows are tokenized when KDTrainer is built; drop it",
+    "completion_only_loss": "none: always on (prompt rows score the completion only); drop it",
+    "assistant_only_loss": "none: `messages` rows score the last assistant turn only; drop it",
+    "loss_type": "--kd_hard_weight (cross-entropy on the labels) beside --kd_soft_weight",
+    "packing": "none on the command line (in Python: data_collator=DataCollatorWithFlattening())",
+    "padding_free": "none on the command line (in Python: data_collator=DataCollatorWithFlattening())",
+    "shuffle_dataset": "none: the Trainer's sampler shuffles; drop it",
+    "top_p": "none: rollouts sample the full distribution at --kd_generation_temperature; drop it",
+    "top_k": "none: rollouts sample the full distribution at --kd_generation_temperature; drop it",
+    "chat_template_path": "none: the tokenizer's chat template is used; drop it",
+}
 
 
 @dataclass

@@ -59,12 +59,19 @@ def check_same_tokenizer(student: Any, teacher: Any, model: ModelArguments) -> N
     if ours == theirs:
         return
     token = min(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[0]
-    example = f"; e.g. {token!r} is id {ours.get(token)} in the student's and {theirs.get(token)} in the teacher's"
+    example = f"; e.g. {token!r} is {_where(token, ours, 'student')} and {_where(token, theirs, 'teacher')}"
     raise ValueError(
         f"--teacher_model_name_or_path {model.teacher_model_name_or_path}: its tokenizer ({len(theirs)} tokens) is "
         f"not the student's ({len(ours)} tokens){example}. Distil a teacher that shares the student's tokenizer, "
         f"or give --kd_teacher_tokenizer {model.teacher_model_name_or_path} to distil across tokenizers"
     )
+
+
+def _where(token: str, vocab: dict[str, int], whose: str) -> str:
+    """How a tokenizer's vocabulary holds `token`, for check_same_tokenizer's example."""
+    if token not in vocab:
+        return f"absent from the {whose}'s vocabulary"
+    return f"id {vocab[token]} in the {whose}'s"
 
 
 def _dtype(name: str):

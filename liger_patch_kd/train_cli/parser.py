@@ -1,10 +1,11 @@
 """One parser over the script's options and KDTrainingArguments, as TRL's TrlParser: `--config FILE.yaml` sets
 defaults (its keys are the flags' names without `--`; an `env:` mapping sets environment variables), the command
 line overrides them. TRL's unambiguous option names (arguments.TRL_ALIASES) are read as ours; its ambiguous ones
-are refused with the two options they could mean."""
+and those with no option here (TRL_WITHOUT_OPTION) are refused, all of them in one line, each with its fix."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
 from ..trainer import KDTrainingArguments
-from .arguments import TRL_ALIASES, TRL_AMBIGUOUS, ModelArguments, ScriptArguments
+from .arguments import TRL_ALIASES, TRL_AMBIGUOUS, TRL_WITHOUT_OPTION, ModelArguments, ScriptArguments
 
 PROG = "liger-kd train"
 DESCRIPTION = (
@@ -34,8 +35,14 @@ class TrainParser(HfArgumentParser):
 
 def build_parser() -> TrainParser:
     # allow_abbrev off: a shortened name (--kd_lmb) is a mistake, not silently one of several options
-    return TrainParser((ScriptArguments, ModelArguments, KDTrainingArguments), prog=PROG, description=DESCRIPTION,
-                       allow_abbrev=False)  # fmt: skip
+    parser = TrainParser((ScriptArguments, ModelArguments, KDTrainingArguments), prog=PROG, description=DESCRIPTION,
+                         allow_abbrev=False)  # fmt: skip
+    # read by split_config before the dataclasses are parsed; here so that usage and --help show it (SUPPRESS: no
+    # attribute is left over for HfArgumentParser to return beside the dataclasses)
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="a YAML file of options (the flags' names without --, TRL's names too; an `env:` mapping "
+                             "sets environment variables); the command line overrides it")  # fmt: skip
+    return parser
 
 
 def one_value_options(parser: TrainParser) -> frozenset[str]:
@@ -59,28 +66,57 @@ def _flag_name(word: str) -> str | None:
     return word[2:].split("=", 1)[0] if word.startswith("--") and len(word) > 2 else None
 
 
+def trl_problem(name: str) -> str | None:
+    """What to give instead of TRL's option `name` when it is not one of ours (ambiguous, or without an option
+    here), or None."""
+    return TRL_AMBIGUOUS.get(name) or TRL_WITHOUT_OPTION.get(name)
+
+
+def refuse_trl_names(problems: dict[str, str], where: str, others: list[str] = ()) -> None:
+    """One ValueError naming every TRL-only name (with what to give instead) and any other unknown name."""
+    if not problems and not others:
+        return
+    parts = [f"--{name}: {fix}" for name, fix in problems.items()]
+    if others:
+        parts.append(f"no option {', '.join(others)} (see {PROG} --help)")
+    what = "TRL names that are not options here" if problems else "unknown names"
+    raise ValueError(f"{where} holds {what}: " + "; ".join(parts))
+
+
 def with_our_names(argv: list[str], where: str = "the command line", takes_value: frozenset[str] = frozenset()
                    ) -> list[str]:  # fmt: skip
-    """argv with TRL's names (--lmbda) as ours (--kd_lmbda); an ambiguous TRL name, or a TRL name beside ours, is
-    a ValueError. A word right after an option of `takes_value` (without `=`) is that option's value, never read as
-    a name (`--run_name --temperature`)."""
+    """argv with TRL's names (--lmbda) as ours (--kd_lmbda); TRL names that are ambiguous or have no option here,
+    or a TRL name beside ours, are one ValueError naming all of them. A word right after an option of `takes_value`
+    (without `=`) is that option's value, never read as a name (`--run_name --temperature`)."""
+    out, problems = renamed_trl_names(argv, where, takes_value)
+    refuse_trl_names(problems, where)
+    return out
+
+
+def renamed_trl_names(argv: list[str], where: str, takes_value: frozenset[str] = frozenset()
+                      ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """(argv with TRL's aliases as ours, {TRL-only name: what to give instead}); a TRL name beside ours is a
+    ValueError."""
     values = {i + 1 for i, w in enumerate(argv) if "=" not in w and _flag_name(w) in takes_value}
     flags = [(i, w) for i, w in enumerate(argv) if i not in values]
     out, given = list(argv), {_flag_name(w) for _, w in flags} - {None}
+    problems: dict[str, str] = {}
     for i, word in flags:
         name = _flag_name(word)
-        if name in TRL_AMBIGUOUS:
-            raise ValueError(f"--{name} ({where}): {TRL_AMBIGUOUS[name]}")
+        if trl_problem(name):
+            problems[name] = trl_problem(name)
         if name in TRL_ALIASES:
             ours = TRL_ALIASES[name]
             if ours in given or sum(TRL_ALIASES.get(g) == ours for g in given) > 1:
                 raise ValueError(f"--{name} and --{ours} ({where}) set one option twice: give --{ours} alone")
             out[i] = f"--{ours}{word[len(name) + 2 :]}"
-    return out
+    return out, problems
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """The YAML file's mapping, TRL names read as ours; its `env:` mapping is set in the environment."""
+def read_config(path: str, known: frozenset[str] | None = None) -> dict[str, Any]:
+    """The YAML file's mapping, TRL names read as ours; its `env:` mapping is set in the environment. TRL-only keys
+    and (given `known`, the options' names) unknown ones are one ValueError naming all of them; TRL's
+    `disable_dropout: false` is what happens here (dropout as the model's config says) and is dropped."""
     import yaml  # a dependency of transformers
 
     file = Path(path)
@@ -97,9 +133,14 @@ def read_config(path: str) -> dict[str, Any]:
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
         raise ValueError(f"--config {path}: `env` must be a mapping of variable names to values")
+    if config.get("disable_dropout") is False:
+        del config["disable_dropout"]
+    renamed, problems = renamed_trl_names([f"--{key}" for key in config], where=f"--config {path}")
+    others = sorted(k for k in config if known is not None and k not in known and not trl_problem(str(k)))
+    others = [str(k) for k in others if TRL_ALIASES.get(str(k)) not in (known or ())]
+    refuse_trl_names(problems, f"--config {path}", others)
     for key, value in env.items():
         os.environ[str(key)] = str(value)
-    renamed = with_our_names([f"--{key}" for key in config], where=path)
     return {name[2:]: value for name, value in zip(renamed, config.values())}
 
 
@@ -121,10 +162,11 @@ def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArgument
     config_path, argv = split_config(argv)
     parser = build_parser()
     if config_path is not None:
-        config = read_config(config_path)
         known: dict[str, list[Any]] = {}  # a bool defaulting to True has two actions: --x and --no_x
         for action in parser._actions:
             known.setdefault(action.dest, []).append(action)
+        known.pop("config", None)  # a file does not name another file
+        config = read_config(config_path, frozenset(known))
         unknown = sorted(set(config) - set(known))
         if unknown:
             raise ValueError(f"--config {config_path}: no option {', '.join(unknown)} (see {PROG} --help)")

@@ -122,5 +122,6 @@ def materialised_logits_note(tokens: int, vocab: int, offline: bool) -> str:
         f"use_kd_patch=False: each step materialises the (tokens x vocabulary) logits of the student"
         f"{'' if offline else ' and of the teacher'}, N x V x 4 bytes in float32 = {tokens} x {vocab} x 4 = "
         f"{tokens * vocab * 4 / 2**20:.1f} MiB each (this first batch), which the fused loss never holds; set "
-        f"KDTrainingArguments(use_kd_patch=True) to train without them"
+        f"use_kd_patch=True (KDTrainingArguments; --use_kd_patch on liger-kd train's command line) to train without "
+        f"them"
     )

@@ -7,7 +7,8 @@ A store is a directory:
     shard-00000.safetensors   input_ids (int32, sequences concatenated), offsets (int64, S + 1 boundaries),
                               checksums (int64, one crc32 per sequence, see shard.py) and either
                               topk_ids (int32, positions x k) + topk_logprobs (bf16 / fp16 / fp32, positions x k)
-                              ("plain"), or topk_packed (uint8, positions x row bytes; "packed<bits>", compact.py)
+                              ("plain"), or topk_packed (uint8, positions x row bytes; "packed<bits>", compact.py),
+                              and with the manifest key labels: true, labels (int32, positions; labels.py)
 Row t of a sequence holds the teacher's top-k for the token after position t (aligned like logits); the last
 position of each sequence has no target and is stored as padding (id -1, log-prob -inf). Log-probs are taken
 at temperature 1 over the full vocabulary (tempering them later is exact; see losses.fused_linear_topk_kd).
@@ -28,10 +29,11 @@ from typing import Any
 import torch
 
 from .compact import codec_from_manifest
-from .rollouts import ROLLOUT_FORMAT_VERSION
+from .labels import LABELLED_FORMAT_VERSION, label_option_problem
 from .samples import min_top_k, sample_option_problem
 
 FORMAT_VERSION = 2
+NEWEST_FORMAT_VERSION = LABELLED_FORMAT_VERSION  # the newest format this version reads (labels.py)
 MANIFEST = "manifest.json"
 LOGPROB_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.safetensors$")  # a file of the store's own folder, no path
@@ -80,8 +82,8 @@ def _manifest_problem(meta: dict) -> str | None:
     version = meta["format_version"]
     if not _is_int(version, 1):
         return f"format_version {version!r} is not a store format (1 .. {FORMAT_VERSION}): the manifest is damaged"
-    if version > ROLLOUT_FORMAT_VERSION:
-        return f"store format {version}; this version reads up to {ROLLOUT_FORMAT_VERSION}: upgrade liger-patch-kd"
+    if version > NEWEST_FORMAT_VERSION:
+        return f"store format {version}; this version reads up to {NEWEST_FORMAT_VERSION}: upgrade liger-patch-kd"
     edited = "the manifest was edited or is damaged; restore it or recompute the store"
     if not _is_int(meta["vocab_size"], 1) or meta["vocab_size"] >= 2**31:
         return f"vocab_size {meta['vocab_size']!r} is not a vocabulary size: {edited}"
@@ -89,6 +91,8 @@ def _manifest_problem(meta: dict) -> str | None:
         return f"top_k {meta['top_k']!r} is not a slot count >= {min_top_k(meta)}: {edited}"
     if sample_option_problem(meta):
         return f"{sample_option_problem(meta)}: {edited}"
+    if label_option_problem(meta):
+        return f"{label_option_problem(meta)}: {edited}"
     if meta.get("num_sequences") is not None and not _is_int(meta["num_sequences"]):
         return f"num_sequences {meta['num_sequences']!r} is not a count: {edited}"
     dtype = meta.get("logprob_dtype", "float32")

@@ -13,6 +13,7 @@ import torch
 
 from ...batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
 from .compact import codec_from_manifest
+from .labels import label_item, label_layout
 from .manifest import TeacherStoreError, read_manifest, tokenizer_fingerprint
 from .rollouts import rollout_item, rollout_layout
 from .samples import sample_item, sample_layout, samples_of
@@ -25,7 +26,8 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
     """Sequences with their teacher top-k, checked against the student's vocabulary and tokenizer.
 
     Items: {"input_ids": (T,), "teacher_token_ids": (T, k) int32, "teacher_logprobs": (T, k)}; log-probs have
-    the store's dtype ("plain") or float32 (a packed store, decoded here).
+    the store's dtype ("plain") or float32 (a packed store, decoded here). A store of prompt rows adds "labels"
+    (T,), -100 on the prompt (labels.py), and a rollout store its own columns (rollouts.py).
 
     vocab_size: the student's real vocabulary (e.g. len(tokenizer), or KDLossConfig.vocab_size). Any store whose
         ids are all below it is accepted, whatever the teacher's head size (a 152064-row teacher serves a
@@ -113,7 +115,7 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             raise TeacherStoreError(f"shard {entry['file']} listed in the manifest is missing from {self.dir}")
         layout = {"top_k": self.top_k, "row_bytes": None if self._codec is None else self._codec.row_bytes,
                   "samples": lambda n: sample_layout(self.meta, self._codec, n),
-                  "rollouts": lambda n: rollout_layout(self.meta, n)}  # fmt: skip
+                  "rollouts": lambda n: {**rollout_layout(self.meta, n), **label_layout(self.meta, n)}}  # fmt: skip
         try:
             reader = ShardReader(path, entry, layout)
         except ShardDamaged as e:
@@ -142,6 +144,7 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("sample_logprobs")] if self._codec is None else None
             item.update(sample_item(self.meta, self._codec, raw, dtype, n))
         item.update(rollout_item(self.meta, raw, n))  # a rollout store's labels and log-probs (rollouts.py)
+        item.update(label_item(self.meta, raw, n))  # completion-only labels of prompt rows (labels.py)
         if k == 0:
             pass  # sampled tokens alone: no top-k columns
         elif self._codec is None:

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from .compact import codec_from_manifest, codec_from_spec
 from .folder import MARK, check_store_folder, leftovers, write_pending
 from .ids import ID_LIMIT, token_ids
+from .labels import LABELLED_FORMAT_VERSION, label_option_problem, label_tensor, labels_of
 from .manifest import FORMAT_VERSION, LOGPROB_DTYPES, MANIFEST, TeacherStoreError, read_manifest, write_manifest
 from .rollouts import ROLLOUT_FORMAT_VERSION, rollout_tensors, rollouts_of
 from .samples import SAMPLED_FORMAT_VERSION, min_top_k, sample_option_problem, sample_tensors, samples_of
@@ -41,6 +42,8 @@ def _check_store_options(meta: dict) -> None:
         raise ValueError(f"top_k must be an integer >= {min_top_k(meta)} (slots kept per position, --top-k); got {k!r}")
     if sample_option_problem(meta):
         raise ValueError(sample_option_problem(meta))
+    if label_option_problem(meta):
+        raise ValueError(label_option_problem(meta))
     dtype = meta.get("logprob_dtype", "float32")
     if not isinstance(dtype, str) or dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype (--dtype) must be one of {sorted(LOGPROB_DTYPES)}; got {dtype!r}")
@@ -112,6 +115,7 @@ class StoreWriter:
         codec = codec_from_spec(encoding, meta["vocab_size"], meta["top_k"])
         version = SAMPLED_FORMAT_VERSION if samples_of(meta) else FORMAT_VERSION
         version = ROLLOUT_FORMAT_VERSION if rollouts_of(meta) is not None else version
+        version = LABELLED_FORMAT_VERSION if labels_of(meta) else version
         meta = {"format_version": version, **meta, "encoding": codec.describe() if codec else {"name": "plain"}}
         check_store_folder(out_dir)
         created_dir = not out_dir.exists()
@@ -168,6 +172,7 @@ class StoreWriter:
     def write_shard(
         self, sequences: Sequence[torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
         packed_rows: np.ndarray | None = None, samples: tuple | None = None, rollouts: dict | None = None,
+        labels: Sequence[Sequence[int]] | None = None,
     ) -> None:  # fmt: skip
         """One shard: `sequences` (token id tensors), and the positions' top-k concatenated in the same order.
 
@@ -177,6 +182,8 @@ class StoreWriter:
         with top_k 0 the top-k arrays are (positions, 0) and not written.
         rollouts: {labels, behaviour_logprobs, teacher_token_logprobs}, each (positions,), for a store of the
         student's rollouts (rollouts.py).
+        labels: one list per sequence, each token itself or -100 (not scored), for a store opened with labels=True
+        (labels.py).
         """
         index = self.done_shards()
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
@@ -218,6 +225,10 @@ class StoreWriter:
             tensors.update(rollout_tensors(self.meta, rollouts, int(offsets[-1]), where))
         elif rollouts is not None:
             raise ValueError(f"{where}: rollouts given, but this store holds none: open it with rollouts={{...}}")
+        if labels_of(self.meta):
+            tensors["labels"] = label_tensor(labels, seqs, where)
+        elif labels is not None:
+            raise ValueError(f"{where}: labels given, but this store holds none: open it with labels=True")
         if k == 0:
             pass  # sampled tokens alone: no top-k arrays
         elif codec is None:
