@@ -110,7 +110,7 @@ def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path,
 
 
 def test_a_prompt_as_long_as_kd_max_length_is_refused_as_it_leaves_nothing_to_score(tmp_path, tokenizer):
-    from liger_patch_kd.trainer.rollouts.prompts import PromptCollator
+    from liger_patch_kd.batch.prompts import PromptCollator
 
     rows = [{"prompt": TEXTS[0], "completion": " yes"}, {"prompt": TEXTS[2], "completion": " no"}]
     prompt = len(tokenizer(TEXTS[2])["input_ids"])
