@@ -39,6 +39,13 @@ class HeadInputs:
     bias: torch.Tensor | None
 
 
+class WholeHead(contextlib.nullcontext):
+    """The context of a head that needs no gathering: it holds the head inputs. A subclass rather than
+    contextlib.nullcontext itself: torch.compile special-cases nullcontext and cannot resume after a graph break
+    inside the block when it holds a value (the fused loss is one: a clean graph break), while a subclass is traced
+    as any context manager."""
+
+
 def gathered_head(
     model: nn.Module,
     hidden: torch.Tensor,
@@ -69,7 +76,7 @@ def gathered_head(
     for scale in logit_scales:
         hidden = scale.apply(model, hidden)
         bias = None if bias is None else scale.apply(model, bias)
-    return contextlib.nullcontext(HeadInputs(hidden, head, bias))
+    return WholeHead(HeadInputs(hidden, head, bias))
 
 
 @contextlib.contextmanager
