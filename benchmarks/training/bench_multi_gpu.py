@@ -85,7 +85,7 @@ def build_sharded_random(shape: dict, device: torch.device, dtype: torch.dtype, 
 
 # ------------------------------------------------------------------------------------------------- a run
 def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple[dict, dict]:
-    from liger_patch_kd.models import kd_forward
+    from liger_patch_kd.models.signals import base as signal_losses
     from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
     class SequentialKDTrainer(KDTrainer):
@@ -99,8 +99,9 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
     rows = torch.randint(0, vocab, (world * micro_batch * steps, args.seq), generator=g)
     dataset = [{"input_ids": r, "labels": r} for r in rows]
     probe = StepProbe(device)
-    original_loss = kd_forward.fused_linear_jsd
-    kd_forward.fused_linear_jsd = probe.wrap_loss(original_loss)
+    # a live teacher's loss is called by the signals' linear_terms (models/signals/base.py)
+    original_loss = signal_losses.fused_linear_jsd
+    signal_losses.fused_linear_jsd = probe.wrap_loss(original_loss)
     try:
         training_args = KDTrainingArguments(
             output_dir=tempfile.mkdtemp(prefix="bench_multi_"), max_steps=steps,
@@ -119,7 +120,7 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
         memory_at_start = torch.cuda.memory_allocated() / 2**30 if probe.cuda else None
         trainer.train()
     finally:
-        kd_forward.fused_linear_jsd = original_loss
+        signal_losses.fused_linear_jsd = original_loss
     timed = probe.step_s[args.warmup :]
     per_step_tokens = micro_batch * args.seq
     loss_timed = probe.loss_calls[args.warmup :] or probe.loss_calls
