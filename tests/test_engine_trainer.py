@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import liger_patch_kd.models as M  # noqa: E402
-from liger_patch_kd import reference  # noqa: E402
+from liger_patch_kd import KDLossConfig, reference  # noqa: E402
 from liger_patch_kd.batch.prompts import PromptCollator  # noqa: E402
 from liger_patch_kd.losses import fused_linear_jsd  # noqa: E402
 from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
@@ -165,7 +165,7 @@ def test_fused_behaviour_logprobs_match_the_reference_and_are_refused_off_pg():
     labels[[0, 5]] = -100
     b = -torch.rand(n, generator=g, dtype=torch.float64) * 4
     b[labels == -100] = float("nan")
-    got = fused_linear_jsd(x, w, xt, wt, labels, estimator="pg", behaviour_logprobs=b)
+    got = fused_linear_jsd(x, w, xt, wt, labels, config=KDLossConfig(estimator="pg"), behaviour_logprobs=b)
     (dx,) = torch.autograd.grad(got, x)
     x2 = x.detach().clone().requires_grad_(True)
     want = reference.kd_loss(x2 @ w.T, xt @ wt.T, labels, estimator="pg", behaviour_logprobs=b)
@@ -174,7 +174,7 @@ def test_fused_behaviour_logprobs_match_the_reference_and_are_refused_off_pg():
     torch.testing.assert_close(dx, dx2, rtol=1e-10, atol=1e-12)
     assert torch.isfinite(dx).all()
     with pytest.raises(ValueError, match="set estimator='pg'"):
-        fused_linear_jsd(x, w, xt, wt, labels, estimator="k3", behaviour_logprobs=b)
+        fused_linear_jsd(x, w, xt, wt, labels, config=KDLossConfig(estimator="k3"), behaviour_logprobs=b)
     with pytest.raises(ValueError, match="estimator 'pg', not 'k1'"):
         reference.kd_loss(x2 @ w.T, xt @ wt.T, labels, estimator="k1", behaviour_logprobs=b)
 

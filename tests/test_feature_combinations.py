@@ -170,7 +170,8 @@ def test_mixture_weights_within_the_tolerance_are_normalised(mixture):
     labels = torch.randint(0, v, (n,), generator=g)
     rounded = torch.tensor([0.5, 0.4995], dtype=torch.float64)
     exact = rounded / rounded.sum()
-    fused = [multi_teacher.fused_linear_multi_teacher_jsd(x, w, hs, ws, m, labels, beta=0.5, mixture=mixture)
+    fused = [multi_teacher.fused_linear_multi_teacher_jsd(x, w, hs, ws, m, labels, config=KDLossConfig(beta=0.5),
+                                                        mixture=mixture)
              for m in (rounded, exact)]  # fmt: skip
     cfg = KDLossConfig(beta=0.5)
     ref = [reference.multi_teacher_kd_loss(x @ w.T, [t @ u.T for t, u in zip(hs, ws)], m, labels, cfg, None,

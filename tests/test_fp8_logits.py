@@ -192,7 +192,7 @@ def test_frozen_teacher_head_quantised_once_and_invalidated_on_change():
     trainable = torch.randn(301, 64, requires_grad=True)
     x = _inputs()
     fused_linear_jsd(x["h_s"].float(), x["w_s"].float(), x["h_t"].float(), trainable, x["labels"],
-                     teacher_logits_fp8=True)  # fmt: skip
+                     config=KDLossConfig(teacher_logits_fp8=True))  # fmt: skip
     assert not hasattr(trainable, "__liger_kd_fp8_head__")  # only a frozen head keeps its copy
     assert FL.quantize_head(torch.randn(301, 64), 301, keep=False).weight.shape == (304, 64)  # 16-row aligned
 
@@ -206,11 +206,13 @@ def test_refusals(monkeypatch):
         KDLossConfig(student_logits_fp8=True, estimator="k1", beta=1.0)
     monkeypatch.setattr(FL, "fp8_available", lambda device: (False, "no FP8 tensor cores on this test device"))
     with pytest.raises(ValueError, match="teacher_logits_fp8=True needs FP8 products.*no FP8 tensor cores"):
-        fused_linear_jsd(*args, teacher_logits_fp8=True)
+        fused_linear_jsd(*args, config=KDLossConfig(teacher_logits_fp8=True))
     monkeypatch.undo()
     if CPU_FP8:
         with pytest.raises(ValueError, match="hidden size that is a multiple of 16.*got hidden size 40"):
-            fused_linear_jsd(*(t[..., :40] if t.dim() == 2 else t for t in args), student_logits_fp8=True)
+            fused_linear_jsd(
+                *(t[..., :40] if t.dim() == 2 else t for t in args), config=KDLossConfig(student_logits_fp8=True)
+            )
     ids, logprobs = torch.arange(4).repeat(41, 1), torch.full((41, 4), -2.0)
     with pytest.raises(ValueError, match="teacher_logits_fp8=True .* top-k teacher log-probs have no product"):
         fused_linear_topk_kd(args[0], args[1], ids, logprobs, x["labels"], config=KDLossConfig(teacher_logits_fp8=True))

@@ -71,7 +71,7 @@ def test_all_rows_ignored_give_zero_loss_and_grads(backend, reduction):
     pair.labels.fill_(-100)
     loss = fused_linear_jsd(
         pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels,
-        hard_weight=1.0, reduction=reduction, backend=backend,
+        config=KDLossConfig(hard_weight=1.0, reduction=reduction), backend=backend,
     )  # fmt: skip
     assert torch.all(loss == 0)
     for g in grads(loss.sum(), pair.params()):
@@ -190,7 +190,7 @@ def test_peak_memory_is_one_chunk_not_n_by_v():
         with LargestLogitTensor() as mode:
             loss = fused_linear_jsd(
                 pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels,
-                chunk_size=chunk,
+                config=KDLossConfig(chunk_size=chunk),
             )  # fmt: skip
             loss.backward()
         seen[n] = mode.largest
@@ -210,7 +210,8 @@ BAD_INPUTS = [
 def test_bad_options_raise(options, needle):
     pair = make_pair(n=4, vocab=11)
     with pytest.raises(ValueError, match=needle):
-        fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, **options)
+        fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight,
+                         config=KDLossConfig(**options))  # fmt: skip
 
 
 def test_bad_shapes_raise():
@@ -227,15 +228,18 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="student_bias"):
         fused_linear_jsd(*a, student_bias=torch.zeros(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="hard_weight"):
-        fused_linear_jsd(*a, hard_weight=1.0)
+        fused_linear_jsd(*a, config=KDLossConfig(hard_weight=1.0))
 
 
 @pytest.mark.parametrize("backend", backends())
 def test_fp32_weight_grad_accumulation(backend):
     pair = make_pair(n=96, h_s=32, h_t=32, vocab=500, dtype=torch.bfloat16, scale=3.0, device=DEVICE)
     args = (pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
-    plain = grads(fused_linear_jsd(*args, chunk_size=8, backend=backend), pair.params())
-    fp32 = grads(fused_linear_jsd(*args, chunk_size=8, fp32_weight_grad=True, backend=backend), pair.params())
+    plain = grads(fused_linear_jsd(*args, config=KDLossConfig(chunk_size=8), backend=backend), pair.params())
+    fp32 = grads(
+        fused_linear_jsd(*args, config=KDLossConfig(chunk_size=8, fp32_weight_grad=True), backend=backend),
+        pair.params(),
+    )
     w64 = pair.student_weight.detach().double().requires_grad_()
     ref = R.kd_loss(pair.student_input.detach().double() @ w64.T, pair.teacher_logits().double(), pair.labels)
     (want,) = torch.autograd.grad(ref, [w64])

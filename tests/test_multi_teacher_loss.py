@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from liger_patch_kd import reference
+from liger_patch_kd import KDLossConfig, reference
 from liger_patch_kd.losses import fused_linear_jsd, fused_linear_multi_teacher_jsd
 
 from .helpers import DEVICE, backends, grads, rel_err
@@ -40,10 +40,12 @@ def _logits(h, w, b):
 
 def _both(student, teachers, labels, weights, *, backend="torch", caps=None, num_items=None, **options):
     h_s, w_s, b_s = student
+    fields = {k: v for k, v in options.items() if k in KDLossConfig.__dataclass_fields__}
+    others = {k: v for k, v in options.items() if k not in fields}
     fused = fused_linear_multi_teacher_jsd(
         h_s, w_s, [t[0] for t in teachers], [t[1] for t in teachers], weights, labels, student_bias=b_s,
         teacher_biases=[t[2] for t in teachers], teacher_softcaps=caps, num_items_in_batch=num_items,
-        backend=backend, **options,
+        backend=backend, config=KDLossConfig(**fields), **others,
     )  # fmt: skip
     ref = reference.multi_teacher_kd_loss(
         _logits(*student), [_logits(*t) for t in teachers], weights, labels, None, num_items,
@@ -99,11 +101,13 @@ def test_a_row_routed_to_one_teacher_is_the_single_teacher_loss(backend, mixture
     weights = torch.nn.functional.one_hot(route, 3).double()
     h_s, w_s, _ = student
     fused = fused_linear_multi_teacher_jsd(
-        h_s, w_s, [t[0] for t in teachers], [t[1] for t in teachers], weights, labels, reduction="none",
-        temperature=2.0, backend=backend, mixture=mixture,
+        h_s, w_s, [t[0] for t in teachers], [t[1] for t in teachers], weights, labels,
+        config=KDLossConfig(reduction="none", temperature=2.0), backend=backend, mixture=mixture,
     )  # fmt: skip
     for j, (h_t, w_t, _) in enumerate(teachers):
-        single = fused_linear_jsd(h_s, w_s, h_t, w_t, labels, reduction="none", temperature=2.0, backend=backend)
+        single = fused_linear_jsd(
+            h_s, w_s, h_t, w_t, labels, config=KDLossConfig(reduction="none", temperature=2.0), backend=backend
+        )
         rows = route == j
         assert torch.allclose(fused[rows], single[rows], rtol=1e-10, atol=1e-13)
 
@@ -126,7 +130,7 @@ def test_bf16_inputs_follow_the_float64_reference():
     low_teachers = [tuple(None if t is None else t.bfloat16() for t in teacher) for teacher in teachers]
     fused = fused_linear_multi_teacher_jsd(
         low[0], low[1], [t[0] for t in low_teachers], [t[1] for t in low_teachers], weights.float(), labels,
-        student_bias=low[2], teacher_biases=[t[2] for t in low_teachers], temperature=1.5,
+        student_bias=low[2], teacher_biases=[t[2] for t in low_teachers], config=KDLossConfig(temperature=1.5),
     )  # fmt: skip
     ref = reference.multi_teacher_kd_loss(
         _logits(*[None if t is None else t.detach().bfloat16().double() for t in student]),
@@ -184,7 +188,7 @@ def test_non_contiguous_leading_dims_and_teachers_in_another_dtype():
     low = [(h.bfloat16().reshape(b, t, -1), w.bfloat16()) for h, w, _ in teachers]
     fused = fused_linear_multi_teacher_jsd(
         h_s, student[1], [h for h, _ in low], [w for _, w in low], weights.reshape(b, t, 2), labels.reshape(b, t),
-        temperature=1.3, beta=0.7,
+        config=KDLossConfig(temperature=1.3, beta=0.7),
     )  # fmt: skip
     ref = reference.multi_teacher_kd_loss(
         h_s @ student[1].T, [h.double() @ w.double().T for h, w in low], weights.reshape(b, t, 2),

@@ -1,5 +1,6 @@
 """One rule for options: a keyword given beside a `config` must agree with it (KDLossConfig.build), for every
-entry point that takes both; keywords alone and a config alone still work."""
+entry point that takes both; keywords alone and a config alone still work. The functional losses take a config only:
+an option keyword is a TypeError that says how to pass it."""
 
 import pytest
 import torch
@@ -43,10 +44,6 @@ def _entry_points():
     h, w, h_t, w_t, labels, ids, logprobs = _tensors()
     s_logits, t_logits = h @ w.T, h_t @ w_t.T
     return {
-        "fused_linear_jsd": lambda config=None, **kw: fused_linear_jsd(h, w, h_t, w_t, labels, config=config, **kw),
-        "fused_linear_topk_kd": lambda config=None, **kw: fused_linear_topk_kd(
-            h, w, ids, logprobs, labels, config=config, **kw
-        ),
         "FusedLinearJSDLoss": lambda config=None, **kw: FusedLinearJSDLoss(config, **kw)(h, w, h_t, w_t, labels),
         "FusedLinearTopKKDLoss": lambda config=None, **kw: FusedLinearTopKKDLoss(config, **kw)(
             h, w, ids, logprobs, labels
@@ -89,6 +86,31 @@ def test_keywords_alone_config_alone_and_agreeing_keywords_give_one_loss(name):
     defaults = call()
     torch.testing.assert_close(defaults, call(config=_config(name)), rtol=0, atol=0)
     assert not torch.allclose(defaults, by_config)  # the options were applied, not dropped
+
+
+def test_functional_losses_take_their_options_in_one_config():
+    from liger_patch_kd import fused_linear_multi_teacher_jsd, fused_linear_sampled_kd, topk_kd_from_logprobs
+
+    h, w, h_t, w_t, labels, ids, logprobs = _tensors()
+    counts = torch.ones_like(ids)
+    calls = {
+        "fused_linear_jsd": lambda **kw: fused_linear_jsd(h, w, h_t, w_t, labels, **kw),
+        "fused_linear_topk_kd": lambda **kw: fused_linear_topk_kd(h, w, ids, logprobs, labels, **kw),
+        "fused_linear_sampled_kd": lambda **kw: fused_linear_sampled_kd(h, w, ids, counts, logprobs, labels, **kw),
+        "fused_linear_multi_teacher_jsd": lambda **kw: fused_linear_multi_teacher_jsd(
+            h, w, [h_t], [w_t], torch.ones(1, dtype=torch.float64), labels, **kw
+        ),
+        "topk_kd_from_logprobs": lambda **kw: topk_kd_from_logprobs(logprobs, logprobs, **kw),
+    }
+    for name, call in calls.items():
+        message = rf"{name}\(\) takes its loss options in one KDLossConfig: pass config=KDLossConfig\(beta=\.\.\.\)"
+        with pytest.raises(TypeError, match=message):
+            call(beta=0.0)
+        with pytest.raises(TypeError, match=r"config=KDLossConfig\(beta=\.\.\., temperature=\.\.\.\)"):
+            call(config=KDLossConfig(beta=0.0), temperature=2.0, beta=0.0)
+        with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument 'betta'"):
+            call(betta=0.0)
+        assert torch.isfinite(call(config=KDLossConfig(beta=0.0)))
 
 
 def test_build_fills_options_the_config_leaves_unset_and_names_unknown_ones():

@@ -59,8 +59,8 @@ def test_the_truncated_pg_loss_matches_a_float64_reference(cap):
     assert int((ratios > CAP).sum()) >= 4 and int((ratios < 1).sum()) >= 4  # the cap binds on some rows, not all
 
     for name, loss_of in {
-        "fused": lambda x_: fused_linear_jsd(x_, w, xt, wt, labels, estimator="pg", behaviour_logprobs=b,
-                                             importance_cap=cap),
+        "fused": lambda x_: fused_linear_jsd(x_, w, xt, wt, labels, behaviour_logprobs=b,
+                                             config=KDLossConfig(estimator="pg", importance_cap=cap)),
         "reference": lambda x_: reference.kd_loss(x_ @ w.T, xt @ wt.T, labels, estimator="pg", behaviour_logprobs=b,
                                                   importance_cap=cap),
     }.items():  # fmt: skip
@@ -86,7 +86,9 @@ def test_the_cap_changes_nothing_while_every_ratio_is_below_it():
     losses, grads = [], []
     for cap in (None, CAP):
         x_ = x.clone().requires_grad_(True)
-        loss = fused_linear_jsd(x_, w, xt, wt, labels, estimator="pg", behaviour_logprobs=b, importance_cap=cap)
+        loss = fused_linear_jsd(
+            x_, w, xt, wt, labels, config=KDLossConfig(estimator="pg", importance_cap=cap), behaviour_logprobs=b
+        )
         losses.append(loss)
         grads.append(torch.autograd.grad(loss, x_)[0])
     assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
@@ -124,11 +126,12 @@ def test_the_fused_pg_loss_refuses_what_kl_estimator_refuses(bad, match):
     log_b = torch.full((6,), -1.0, dtype=torch.float64)
     log_b[3] = bad
     with pytest.raises(ValueError, match=match):
-        fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", behaviour_logprobs=log_b)
+        fused_linear_jsd(xs, ws, xt, wt, labels, config=KDLossConfig(estimator="pg"), behaviour_logprobs=log_b)
     log_b[3], log_b[2] = -1.0, bad  # on an ignored row: never read
-    assert torch.isfinite(fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", behaviour_logprobs=log_b))
+    pg = KDLossConfig(estimator="pg")
+    assert torch.isfinite(fused_linear_jsd(xs, ws, xt, wt, labels, config=pg, behaviour_logprobs=log_b))
     with pytest.raises(ValueError, match="num_items_in_batch must be a count >= 0"):
-        fused_linear_jsd(xs, ws, xt, wt, labels, estimator="pg", num_items_in_batch=torch.tensor(-3))
+        fused_linear_jsd(xs, ws, xt, wt, labels, config=pg, num_items_in_batch=torch.tensor(-3))
 
 def test_importance_cap_options_are_checked(tmp_path):
     for bad in (0.5, 0, float("inf"), float("nan"), True, "3"):

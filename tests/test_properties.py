@@ -207,8 +207,8 @@ def _check_case(case: Case, backend: str) -> None:
         _, t_b = model_tensor(teacher64[1], td, "teacher_b", math.nan)
     fused = fused_linear_jsd if case.kind == "jsd" else fused_linear_topk_kd
     loss = fused(
-        h, w, t_a, t_b, lab if give_labels else None, student_bias=b, num_items_in_batch=num_items, config=cfg,
-        vocab_size=vocab if case.give_vocab_size else None, backend=backend,
+        h, w, t_a, t_b, lab if give_labels else None, student_bias=b, num_items_in_batch=num_items,
+        config=KDLossConfig.build(cfg, vocab_size=vocab if case.give_vocab_size else None), backend=backend,
     )  # fmt: skip
     upstream = torch.rand(loss.shape, generator=g, dtype=torch.float64) + 0.5
     leaves = [t for t in (h_leaf, w_leaf, b_leaf) if t is not None]

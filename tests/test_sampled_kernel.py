@@ -132,7 +132,8 @@ def test_fused_loss_through_the_kernel_on_a_padded_head():
         loss = fused_linear_sampled_kd(
             h, w, d.ids.to(DEVICE), d.counts.to(DEVICE), d.logprobs.to(DEVICE), labels,
             teacher_token_ids=d.topk_ids.to(DEVICE), teacher_logprobs=d.topk_logprobs.to(DEVICE), student_bias=b,
-            temperature=1.7, hard_weight=0.2, vocab_size=vocab, chunk_size=6, backend=backend,
+            config=KDLossConfig(beta=0.0, temperature=1.7, hard_weight=0.2, vocab_size=vocab, chunk_size=6),
+            backend=backend,
         )  # fmt: skip
         out[backend] = (loss, *grads(loss, [h, w, b]))
     for got, want in zip(out["triton"], out["torch"]):

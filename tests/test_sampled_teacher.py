@@ -40,6 +40,9 @@ def _to_device(data):
 
 
 def _fused(h, w, b, data, labels, **options):
+    fields = {k: options.pop(k) for k in list(options) if k in KDLossConfig.__dataclass_fields__}
+    if fields:  # the loss's options go in its config (forward KL, beta 0, unless the test says otherwise)
+        options["config"] = KDLossConfig(**{"beta": 0.0, **fields})
     return fused_linear_sampled_kd(
         h, w, data.ids, data.counts, data.logprobs, labels, teacher_token_ids=data.topk_ids,
         teacher_logprobs=data.topk_logprobs, student_bias=b, **options,

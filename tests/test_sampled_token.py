@@ -38,14 +38,14 @@ def test_reduction_none_ignored_rows_with_nan_and_no_items():
     with torch.no_grad():
         pair.student_input[ignored] = float("nan")
     args = (pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels)
-    per_row = fused_linear_jsd(*args, estimator="pg", reduction="none")
+    per_row = fused_linear_jsd(*args, config=KDLossConfig(estimator="pg", reduction="none"))
     assert per_row.shape == pair.labels.shape and (per_row[ignored] == 0).all() and torch.isfinite(per_row).all()
-    zero = fused_linear_jsd(*args, estimator="k3", num_items_in_batch=0)
+    zero = fused_linear_jsd(*args, config=KDLossConfig(estimator="k3"), num_items_in_batch=0)
     assert zero == 0
     (g,) = grads(zero, [pair.student_input])
     assert (g == 0).all()
     none_scored = torch.full_like(pair.labels, -100)
-    loss = fused_linear_jsd(*args[:4], none_scored, estimator="pg")
+    loss = fused_linear_jsd(*args[:4], none_scored, config=KDLossConfig(estimator="pg"))
     assert loss == 0 and (grads(loss, [pair.student_weight])[0] == 0).all()
 
 
@@ -59,7 +59,7 @@ def test_estimator_refuses_a_temperature_and_a_label_outside_the_vocabulary():
     with pytest.raises(ValueError, match="labels"):
         fused_linear_jsd(
             pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels,
-            estimator="k1",
+            config=KDLossConfig(estimator="k1"),
         )  # fmt: skip
 
 
@@ -105,7 +105,11 @@ def test_estimator_without_labels_is_refused():
     pair = make_pair()
     with pytest.raises(ValueError, match="pass labels"):
         fused_linear_jsd(
-            pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, estimator="pg"
+            pair.student_input,
+            pair.student_weight,
+            pair.teacher_input,
+            pair.teacher_weight,
+            config=KDLossConfig(estimator="pg"),
         )
     with pytest.raises(ValueError, match="pass labels"):
         R.kd_loss(pair.student_logits(), pair.teacher_logits(), None, estimator="pg")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_patch_kd import fused_linear_sampled_kd, fused_linear_topk_kd
+from liger_patch_kd import KDLossConfig, fused_linear_sampled_kd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 from liger_patch_kd.teacher.sampling import sample_teacher_tokens
 
@@ -42,7 +42,7 @@ def _per_draw_grads(h, w, data, temperature):
     hs = h.repeat(DRAWS, 1).requires_grad_()
     loss = fused_linear_sampled_kd(
         hs, w, data.ids, data.counts, data.logprobs, teacher_token_ids=data.topk_ids,
-        teacher_logprobs=data.topk_logprobs, temperature=temperature, reduction="sum",
+        teacher_logprobs=data.topk_logprobs, config=KDLossConfig(beta=0.0, temperature=temperature, reduction="sum"),
     )  # fmt: skip
     return torch.autograd.grad(loss, hs)[0].reshape(DRAWS, ROWS, H)
 
@@ -78,7 +78,7 @@ def test_top_k_gradient_is_biased_on_the_same_case():
     top_lp, top_ids = log_p.topk(8, -1)
     for tail in ("bucket", "renormalize", "none"):
         hk = h.clone().requires_grad_()
-        loss = fused_linear_topk_kd(hk, w, top_ids, top_lp, beta=0.0, tail=tail, reduction="sum")
+        loss = fused_linear_topk_kd(hk, w, top_ids, top_lp, config=KDLossConfig(beta=0.0, tail=tail, reduction="sum"))
         z = (torch.autograd.grad(loss, hk)[0] - exact) / se
         assert z.abs().max() > 5 * _bound(z.numel()), (tail, z.abs().max())
 
@@ -89,7 +89,12 @@ def test_loss_value_is_unbiased_for_the_kl():
     log_p = F.log_softmax(teacher / 1.5, -1)
     data = sample_teacher_tokens(log_p.repeat(DRAWS, 1), 4, generator=g)
     per_row = fused_linear_sampled_kd(
-        h.repeat(DRAWS, 1), w, data.ids, data.counts, data.logprobs, temperature=1.5, reduction="none"
+        h.repeat(DRAWS, 1),
+        w,
+        data.ids,
+        data.counts,
+        data.logprobs,
+        config=KDLossConfig(beta=0.0, temperature=1.5, reduction="none"),
     ).reshape(DRAWS, ROWS)
     exact = R.kd_loss(h @ w.T, teacher, beta=0.0, temperature=1.5, reduction="none")
     z = (per_row.mean(0) - exact) / (per_row.std(0) / math.sqrt(DRAWS))

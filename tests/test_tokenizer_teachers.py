@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from liger_patch_kd import KDTrainer, KDTrainingArguments, reference
+from liger_patch_kd import KDLossConfig, KDTrainer, KDTrainingArguments, reference
 from liger_patch_kd.align import byte_level_to_text
 from liger_patch_kd.align import reference as xref
 from liger_patch_kd.batch.columns import TOKENIZER_TEACHERS as TEACHERS_KEY
@@ -266,8 +266,8 @@ def test_row_scale_weighs_each_rows_terms_and_is_checked(kind):
 
         def run(row_scale, reduction="batchmean"):
             return fused_linear_multi_teacher_jsd(h_s, w_s, [h_t, h_t * 0.5], [w_t, w_t], mix, labels,
-                                                  row_scale=row_scale, mixture="loss", reduction=reduction,
-                                                  **opts)  # fmt: skip
+                                                  row_scale=row_scale, mixture="loss",
+                                                  config=KDLossConfig(reduction=reduction, **opts))  # fmt: skip
     else:
         groups = torch.where(labels >= 0, torch.cumsum(labels >= 0, 0) - 1, -1)  # one-to-one groups
         vocab_map = VocabMap.build({str(i): i for i in range(vocab)}, {str(i): i for i in range(vocab)})

@@ -125,7 +125,7 @@ def test_low_precision_logprobs_and_inputs(backend):
 def test_all_rows_ignored():
     h, w, _, _, ids, logprobs, labels = _data(4)
     labels.fill_(-100)
-    loss = fused_linear_topk_kd(h, w, ids, logprobs, labels, hard_weight=1.0)
+    loss = fused_linear_topk_kd(h, w, ids, logprobs, labels, config=KDLossConfig(hard_weight=1.0))
     assert loss.item() == 0.0
     assert all((g == 0).all() for g in grads(loss, [h, w]))
 
@@ -147,7 +147,7 @@ def test_bad_teacher_data():
     with pytest.raises(ValueError, match="integer"):
         fused_linear_topk_kd(h, w, ids.double(), logprobs, labels)
     with pytest.raises(ValueError, match="tail"):
-        fused_linear_topk_kd(h, w, ids, logprobs, labels, tail="drop")
+        fused_linear_topk_kd(h, w, ids, logprobs, labels, config=KDLossConfig(tail="drop"))
 
 
 # ------------------------------------------------------------------------------------------ on-policy
@@ -197,13 +197,13 @@ def test_topk_from_logprobs(tail, beta):
     teacher_logits = torch.randn(6, 40, dtype=torch.float64)
     # full vocabulary: every policy is the generalized JSD
     got = topk_kd_from_logprobs(
-        F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1), beta=beta, tail=tail
+        F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1), config=KDLossConfig(beta=beta, tail=tail)
     )
     torch.testing.assert_close(got, R.generalized_jsd_per_row(student_logits, teacher_logits, beta=beta).mean())
     # top-k on the teacher's ids: the offline reference on the same ids
     lp_t, ids = F.log_softmax(teacher_logits, -1).topk(5, -1)
     lp_s = F.log_softmax(student_logits, -1).gather(-1, ids)
-    got = topk_kd_from_logprobs(lp_s, lp_t, beta=beta, tail=tail, reduction="none")
+    got = topk_kd_from_logprobs(lp_s, lp_t, config=KDLossConfig(beta=beta, tail=tail), reduction="none")
     torch.testing.assert_close(got, R.topk_kd_per_row(student_logits, ids, lp_t, beta=beta, tail=tail))
     got.sum().backward()
     assert torch.isfinite(student_logits.grad).all()

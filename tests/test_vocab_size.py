@@ -52,7 +52,7 @@ def _fused_and_sliced_reference_jsd(student, teacher, labels, cfg, backend):
     """The fused loss with vocab_size=VOCAB and the reference on the sliced logits, checked to agree."""
     loss = fused_linear_jsd(
         student[0], student[1], teacher[0], teacher[1], labels, student_bias=student[2], teacher_bias=teacher[2],
-        vocab_size=VOCAB, config=cfg, backend=backend,
+        config=cfg.replace(vocab_size=VOCAB), backend=backend,
     )  # fmt: skip
     expected = _sliced_reference_jsd(student, teacher, labels, cfg)
     torch.testing.assert_close(loss, expected, **TOL[backend])
@@ -132,7 +132,9 @@ def test_weights_are_viewed_not_copied():
             return out
 
     with WeightCopies() as mode:
-        loss = fused_linear_jsd(student[0], student[1], teacher[0], teacher[1], labels, vocab_size=VOCAB)
+        loss = fused_linear_jsd(
+            student[0], student[1], teacher[0], teacher[1], labels, config=KDLossConfig(vocab_size=VOCAB)
+        )
         loss.backward()
     assert mode.copies == []
     assert student[1].grad.shape == (V_S, H_S) and torch.all(student[1].grad[VOCAB:] == 0)
@@ -145,26 +147,30 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"vocab_size=len\(tokenizer\)"):
         fused_linear_jsd(h_s, w_s, h_t, w_t, labels)
     with pytest.raises(ValueError, match=r"vocab_size=68 is larger than the student lm_head \(67 rows\)"):
-        fused_linear_jsd(h_s, w_s, h_t, w_t, labels, vocab_size=68)
+        fused_linear_jsd(h_s, w_s, h_t, w_t, labels, config=KDLossConfig(vocab_size=68))
     with pytest.raises(ValueError, match="vocab_size=70 is larger than the student"):
-        fused_linear_topk_kd(h_s, w_s, torch.zeros(N, 2, dtype=torch.long), torch.zeros(N, 2), vocab_size=70)
+        fused_linear_topk_kd(
+            h_s, w_s, torch.zeros(N, 2, dtype=torch.long), torch.zeros(N, 2), config=KDLossConfig(vocab_size=70)
+        )
     with pytest.raises(ValueError, match="config.vocab_size=61"):
-        fused_linear_jsd(h_s, w_s, h_t, w_t, labels, vocab_size=60, config=KDLossConfig(vocab_size=VOCAB))
+        fused_linear_jsd(
+            h_s, w_s, h_t, w_t, labels, config=KDLossConfig.build(KDLossConfig(vocab_size=VOCAB), vocab_size=60)
+        )
     with pytest.raises(ValueError, match="vocab_size"):
         R.kd_loss(h_s @ w_s.T, h_t @ w_t.T, labels)
     bad_labels = labels.clone()
     bad_labels[3] = VOCAB  # a padding id: the data or vocab_size is wrong
     with pytest.raises(ValueError, match=r"labels hold 1 value\(s\) .* in \[0, 61\)"):
-        fused_linear_jsd(h_s, w_s, h_t, w_t, bad_labels, vocab_size=VOCAB)
+        fused_linear_jsd(h_s, w_s, h_t, w_t, bad_labels, config=KDLossConfig(vocab_size=VOCAB))
     with pytest.raises(ValueError, match=r"ids outside \[0, 61\)"):
         R.kd_loss(h_s @ w_s.T, h_t @ w_t.T, bad_labels, KDLossConfig(vocab_size=VOCAB))
     ids = torch.rand(N, VOCAB).argsort(-1)[:, :3]  # unique within a row
     logprobs = torch.full((N, 3), -3.0)
     with pytest.raises(ValueError, match="labels hold 1 value"):
-        fused_linear_topk_kd(h_s, w_s, ids, logprobs, bad_labels, vocab_size=VOCAB)
+        fused_linear_topk_kd(h_s, w_s, ids, logprobs, bad_labels, config=KDLossConfig(vocab_size=VOCAB))
     ids[4, 1] = VOCAB + 2
     with pytest.raises(ValueError, match="teacher_token_ids holds ids >= the vocab size 61"):
-        fused_linear_topk_kd(h_s, w_s, ids, logprobs, labels, vocab_size=VOCAB)
+        fused_linear_topk_kd(h_s, w_s, ids, logprobs, labels, config=KDLossConfig(vocab_size=VOCAB))
     with pytest.raises(ValueError, match=r"teacher_token_ids holds ids outside \[0, 61\)"):
         R.topk_kd_loss(h_s @ w_s.T, ids, logprobs, labels, KDLossConfig(vocab_size=VOCAB))
 
@@ -177,7 +183,7 @@ def test_unchecked_out_of_range_labels_are_never_read_out_of_row(backend):
     bad = labels.clone()
     bad[1] = V_S + 5
     cfg = KDLossConfig(hard_weight=1.0, soft_weight=1e-9, reduction="none", chunk_size=4)
-    rows = fused_linear_jsd(student[0], student[1], teacher[0], teacher[1], bad, vocab_size=VOCAB, config=cfg,
+    rows = fused_linear_jsd(student[0], student[1], teacher[0], teacher[1], bad, config=cfg.replace(vocab_size=VOCAB),
                             check_inputs=False, backend=backend)  # fmt: skip
     assert torch.isfinite(rows).all() and rows[1].abs().item() < 1e-6
 

@@ -45,14 +45,14 @@ def child(root: str) -> None:
             lp = torch.log_softmax(torch.randn(n, 64, device="cuda", generator=g), -1) - 1.0
 
             def step():
-                L.fused_linear_topk_kd(h, w, ids, lp, labels, beta=0.5).backward()
+                L.fused_linear_topk_kd(h, w, ids, lp, labels, config=L.KDLossConfig(beta=0.5)).backward()
         else:
             h_t = (torch.randn(n, hidden, device="cuda", generator=g) * 0.5).bfloat16()
             w_t = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden**0.5).bfloat16()
             beta = 0.0 if "beta 0" in name and "0.5" not in name else 0.5
 
             def step():
-                L.fused_linear_jsd(h, w, h_t, w_t, labels, beta=beta).backward()
+                L.fused_linear_jsd(h, w, h_t, w_t, labels, config=L.KDLossConfig(beta=beta)).backward()
 
         out[f"{name}, N {n}"] = cuda_time_ms(step, warmup=3, reps=10)
         h.grad = w.grad = None

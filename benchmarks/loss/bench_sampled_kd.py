@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from liger_patch_kd import fused_linear_sampled_kd, fused_linear_topk_kd
+from liger_patch_kd import KDLossConfig, fused_linear_sampled_kd, fused_linear_topk_kd
 from liger_patch_kd import reference as R
 from liger_patch_kd.teacher.sampling import sample_teacher_tokens
 from liger_patch_kd.teacher.store.compact import PackedCodec
@@ -124,7 +124,10 @@ def measure(hidden, weight, lp1, temperature: float, repeats: int, seed: int) ->
             top_lp, top_ids = lp1.topk(k, -1)
             draws = [
                 gradient(
-                    lambda h, w: fused_linear_topk_kd(h, w, top_ids, top_lp, beta=0.0, temperature=temperature), hidden,
+                    lambda h, w: fused_linear_topk_kd(
+                        h, w, top_ids, top_lp, config=KDLossConfig(beta=0.0, temperature=temperature)
+                    ),
+                    hidden,
                     weight,
                 )
             ]  # fmt: skip
@@ -137,7 +140,7 @@ def measure(hidden, weight, lp1, temperature: float, repeats: int, seed: int) ->
                 def loss(h, w, d=d):
                     return fused_linear_sampled_kd(
                         h, w, d.ids, d.counts, d.logprobs, teacher_token_ids=d.topk_ids,
-                        teacher_logprobs=d.topk_logprobs, temperature=temperature,
+                        teacher_logprobs=d.topk_logprobs, config=KDLossConfig(beta=0.0, temperature=temperature),
                     )  # fmt: skip
 
                 draws.append(gradient(loss, hidden, weight))
@@ -211,7 +214,7 @@ def loss_speed(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[d
     drawn = sample_teacher_tokens(lp, 64, generator=gen)
     hybrid = sample_teacher_tokens(lp, 32, top_k=32, generator=gen)
     del lp
-    calls = {"top-64 (triton)": lambda: fused_linear_topk_kd(h, w, top_ids, top_lp, beta=0.0)}
+    calls = {"top-64 (triton)": lambda: fused_linear_topk_kd(h, w, top_ids, top_lp, config=KDLossConfig(beta=0.0))}
     for backend in ("triton", "torch"):
         calls[f"sampled m=64 ({backend})"] = lambda b=backend: fused_linear_sampled_kd(
             h, w, drawn.ids, drawn.counts, drawn.logprobs, backend=b

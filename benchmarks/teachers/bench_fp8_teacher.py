@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from liger_patch_kd import fused_linear_jsd
+from liger_patch_kd import KDLossConfig, fused_linear_jsd
 from liger_patch_kd.models import apply_kd_patch_to_llama, quantize_teacher_fp8, revert_kd_patch
 from liger_patch_kd.ops.backend import logits_fp32
 from liger_patch_kd.ops.fp8_logits import fp8_logits, quantize_head
@@ -115,7 +115,7 @@ def fp8_logits_fidelity(teacher_bf16, teacher_fp8, held: torch.Tensor, vocab: in
         ("fp8 teacher + student logits", dict(teacher_logits_fp8=True, student_logits_fp8=True)),
     ):
         h, w = h_s.clone().requires_grad_(), w_s.clone().requires_grad_()
-        loss = fused_linear_jsd(h, w, h_bf16, w_t, labels, beta=0.5, **opts)
+        loss = fused_linear_jsd(h, w, h_bf16, w_t, labels, config=KDLossConfig(beta=0.5, **opts))
         grads[name] = (float(loss.detach()), *torch.autograd.grad(loss, [h, w]))
     ref = grads.pop("bf16")
     gradient = [

@@ -85,7 +85,7 @@ def build_sharded_random(shape: dict, device: torch.device, dtype: torch.dtype, 
 
 # ------------------------------------------------------------------------------------------------- a run
 def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple[dict, dict]:
-    from liger_patch_kd.models.signals import base as signal_losses  # where the forward calls the fused loss
+    from liger_patch_kd.models.signals import base as signal_losses
     from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 
     class SequentialKDTrainer(KDTrainer):
@@ -99,6 +99,7 @@ def run(args, micro_batch: int, student, teacher, device, init_s: dict) -> tuple
     rows = torch.randint(0, vocab, (world * micro_batch * steps, args.seq), generator=g)
     dataset = [{"input_ids": r, "labels": r} for r in rows]
     probe = StepProbe(device)
+    # a live teacher's loss is called by the signals' linear_terms (models/signals/base.py)
     original_loss = signal_losses.fused_linear_jsd
     signal_losses.fused_linear_jsd = probe.wrap_loss(original_loss)
     try:

@@ -7,6 +7,7 @@ flags stay on the device until `run_device_checks` reads them all with one host 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -212,3 +213,26 @@ def logprob_checks(name: str, values: torch.Tensor, selected: torch.Tensor):
             ),
         ),
     ]
+
+
+def loss_config(
+    function: str, config: KDLossConfig | None, options: dict[str, Any], default: KDLossConfig | None = None
+) -> KDLossConfig:
+    """The options of one call of the functional loss `function`: `config`, else `default` (KDLossConfig()). A
+    functional loss takes its options in one KDLossConfig and no keyword for any of them (its nn.Module twin takes
+    them as keywords): `options`, the keywords it was given beside its own, are a TypeError naming them."""
+    if options:
+        names = sorted(options)
+        known = [n for n in names if n in KDLossConfig.__dataclass_fields__]
+        if known:
+            given = ", ".join(f"{n}=..." for n in known)
+            raise TypeError(
+                f"{function}() takes its loss options in one KDLossConfig: pass config=KDLossConfig({given}) "
+                f"instead of {', '.join(known)} as keyword(s)"
+            )
+        raise TypeError(f"{function}() got an unexpected keyword argument {names[0]!r}")
+    if config is None:
+        return KDLossConfig() if default is None else default
+    if not isinstance(config, KDLossConfig):
+        raise ValueError(f"config must be a KDLossConfig; got {type(config).__name__}")
+    return config

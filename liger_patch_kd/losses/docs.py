@@ -38,39 +38,16 @@ PARAMS: dict[str, str] = {
     "accumulation (the Trainer's count of labelled tokens); default: this call's labelled rows.",
     "student_bias": "student_bias (Tensor | None): (V,) the student's lm_head bias; gradients flow to it.",
     "teacher_bias": "teacher_bias (Tensor | None): (V_t,) the teacher's lm_head bias. Detached.",
-    "config": "config (KDLossConfig | None): every loss option at once. The keyword options below may be given "
-    "beside it only where they agree with it (`KDLossConfig.build`: a conflict is a ValueError).",
-    "beta": "beta (float | None): generalized-JSD interpolation: 0 forward KL(P||S), 1 reverse KL(S||P); "
-    "default 0.5.",
-    "sampled_beta": "beta (float | None): must be 0 (forward KL), the default here: the only divergence whose "
-    "sampled estimate is unbiased at a bounded variance (reference.sampled_kd_per_row says why).",
-    "temperature": "temperature (float | None): both distributions are softmax(logits / T); default 1.",
-    "ignore_index": "ignore_index (int | None): the label of rows that count for nothing; default -100.",
-    "reduction": 'reduction (str | None): "batchmean" (default), "sum" or "none" (one value per row).',
-    "soft_weight": "soft_weight (float | None): weight of the KD term; default 1.",
-    "hard_weight": "hard_weight (float | None): weight of the CE term (student at T = 1, labels); default 0.",
-    "softcap": "softcap (float | None): the student's final-logit soft-cap c (tanh(x / c) * c); default none.",
-    "teacher_softcap": "teacher_softcap (float | None): the teacher's own soft-cap; default none.",
-    "tail": 'tail (str | None): the teacher mass outside the top-k: "bucket" (default; one more class on both '
-    'sides), "renormalize" (both restricted to the top-k) or "none" (the top-k terms only).',
-    "chunk_size": "chunk_size (int | None): rows per chunk; default chosen from the shapes and free memory.",
-    "fp32_weight_grad": "fp32_weight_grad (bool | None): accumulate the weight gradient in fp32 across chunks.",
-    "vocab_size": "vocab_size (int | None): how many leading lm_head rows are real tokens (len(tokenizer)); "
-    "both distributions and the CE term are taken over ids [0, vocab_size). Default: the whole head.",
-    "estimator": 'estimator (str | None): None (default) scores the full-vocabulary divergence; "pg", "k1", "k2" '
-    "or \"k3\" scores each row's label, a token sampled from the student, with that sampled-token estimator of "
-    "KL(student || teacher) (see KDLossConfig.estimator).",
-    "teacher_logits_fp8": "teacher_logits_fp8 (bool | None): the teacher's logit product in FP8 (e4m3, rowwise "
-    "scales, fp32 accumulation); default False (KDLossConfig.teacher_logits_fp8).",
-    "student_logits_fp8": "student_logits_fp8 (bool | None): the student's forward logit product in FP8; the "
-    "backward products stay in the input dtype; default False (KDLossConfig.student_logits_fp8).",
+    "config": "config (KDLossConfig | None): every loss option (beta, temperature, reduction, weights, chunking, "
+    "vocab_size, ...: see KDLossConfig), the one channel for them; default KDLossConfig(). A keyword naming an option "
+    "is a TypeError (the nn.Module twins take them as keywords).",
+    "sampled_config": "config (KDLossConfig | None): every loss option (see KDLossConfig); default "
+    "KDLossConfig(beta=0.0). beta must be 0 (forward KL): the only divergence whose sampled estimate is unbiased at a "
+    "bounded variance (reference.sampled_kd_per_row says why). A keyword naming an option is a TypeError.",
     "behaviour_logprobs": 'behaviour_logprobs (Tensor | None): estimator "pg" only, shaped like labels: the '
     "log-prob of each row's label under the policy that sampled it (an engine's weights some steps old), for the "
     "importance ratio exp(log q - log b); None: the student itself (fresh rollouts, ratio 1). Ignored rows are "
     "never read.",
-    "importance_cap": 'importance_cap (float | None): estimator "pg" only: truncate the importance ratio at C '
-    "(min(rho, C), truncated importance sampling; KDLossConfig.importance_cap says when that is biased); default "
-    "None, unbounded.",
     "return_components": "return_components (bool): return KDLossOutput(loss, soft, hard) instead of the loss.",
     "check_inputs": "check_inputs (bool): validate the data (ids, log-probs, labels) with one host sync.",
     "backend": 'backend (str | None): "triton" or "torch"; default Triton on CUDA, PyTorch elsewhere.',
@@ -78,11 +55,6 @@ PARAMS: dict[str, str] = {
     "prompt or padding); the others are never read. Default: every token.",
     "logprob_reduction": 'reduction (str): "mean" over the masked tokens (0 when none), "sum" or "none".',
 }
-
-LOSS_OPTIONS = (
-    "config", "beta", "temperature", "ignore_index", "reduction", "soft_weight", "hard_weight", "softcap",
-    "chunk_size", "fp32_weight_grad", "vocab_size",
-)  # fmt: skip
 
 RETURNS_LOSS = (
     "Tensor | KDLossOutput: the loss, a scalar (the leading shape for reduction='none'), differentiable with "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,11 +25,12 @@ from .checks import (
     counted_rows,
     flatten_labels,
     label_check,
+    loss_config,
     run_device_checks,
     topk_checks,
     zero_rows,
 )
-from .docs import LOSS_OPTIONS, args_section, shared_docs
+from .docs import args_section, shared_docs
 from .sampled import sampled_token_kd
 
 __all__ = ["KDLossOutput", "fused_linear_jsd", "fused_linear_topk_kd"]
@@ -133,9 +134,8 @@ def run_fused(
 @shared_docs(
     args=args_section(
         "student_input", "student_weight", "teacher_input", "teacher_weight", "labels", "num_items_in_batch",
-        "student_bias", "teacher_bias", *LOSS_OPTIONS[:7], "teacher_softcap", *LOSS_OPTIONS[7:],
-        "estimator", "behaviour_logprobs", "importance_cap", "teacher_logits_fp8", "student_logits_fp8",
-        "return_components", "check_inputs", "backend",
+        "student_bias", "teacher_bias", "config", "behaviour_logprobs", "return_components", "check_inputs",
+        "backend",
     )
 )  # fmt: skip
 def fused_linear_jsd(
@@ -149,25 +149,11 @@ def fused_linear_jsd(
     student_bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
-    beta: float | None = None,
-    temperature: float | None = None,
-    ignore_index: int | None = None,
-    reduction: str | None = None,
-    soft_weight: float | None = None,
-    hard_weight: float | None = None,
-    softcap: float | None = None,
-    teacher_softcap: float | None = None,
-    chunk_size: int | None = None,
-    fp32_weight_grad: bool | None = None,
-    vocab_size: int | None = None,
-    estimator: str | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
-    importance_cap: float | None = None,
-    teacher_logits_fp8: bool | None = None,
-    student_logits_fp8: bool | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
+    **options: Any,
 ) -> torch.Tensor | KDLossOutput:
     """Generalized-JSD distillation loss straight from last hidden states and lm_head weights.
 
@@ -185,12 +171,7 @@ def fused_linear_jsd(
     Returns:
 {returns_loss}
     """
-    cfg = KDLossConfig.build(
-        config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, teacher_softcap=teacher_softcap,
-        chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, estimator=estimator,
-        importance_cap=importance_cap, teacher_logits_fp8=teacher_logits_fp8, student_logits_fp8=student_logits_fp8,
-    )  # fmt: skip
+    cfg = loss_config("fused_linear_jsd", config, options)
     check_linear("student", student_input, student_weight, student_bias)
     check_linear("teacher", teacher_input, teacher_weight, teacher_bias)
     check_fp8_request(cfg, student_input, teacher_input)
@@ -262,8 +243,7 @@ def fused_linear_jsd(
 @shared_docs(
     args=args_section(
         "student_input", "student_weight", "teacher_token_ids", "teacher_logprobs", "labels", "num_items_in_batch",
-        "student_bias", *LOSS_OPTIONS[:3], "tail", *LOSS_OPTIONS[3:], "student_logits_fp8", "return_components",
-        "check_inputs", "backend",
+        "student_bias", "config", "return_components", "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_topk_kd(
@@ -276,21 +256,10 @@ def fused_linear_topk_kd(
     num_items_in_batch: int | torch.Tensor | None = None,
     student_bias: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
-    beta: float | None = None,
-    temperature: float | None = None,
-    tail: str | None = None,
-    ignore_index: int | None = None,
-    reduction: str | None = None,
-    soft_weight: float | None = None,
-    hard_weight: float | None = None,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    fp32_weight_grad: bool | None = None,
-    vocab_size: int | None = None,
-    student_logits_fp8: bool | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
+    **options: Any,
 ) -> torch.Tensor | KDLossOutput:
     """Distillation against precomputed teacher log-probs, straight from hidden states and the lm_head weight.
 
@@ -309,11 +278,7 @@ def fused_linear_topk_kd(
     Returns:
 {returns_loss}
     """
-    cfg = KDLossConfig.build(
-        config, beta=beta, temperature=temperature, tail=tail, ignore_index=ignore_index, reduction=reduction,
-        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
-        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size, student_logits_fp8=student_logits_fp8,
-    )  # fmt: skip
+    cfg = loss_config("fused_linear_topk_kd", config, options)
     require_full_teacher(cfg)
     check_linear("student", student_input, student_weight, student_bias)
     check_fp8_request(cfg, student_input, None, no_teacher_product="top-k teacher log-probs have no product")

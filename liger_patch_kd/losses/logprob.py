@@ -4,16 +4,19 @@ sampled tokens, and top-k forward / reverse KL / JSD on the teacher's top-k ids.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .. import reference
 from ..config import ESTIMATORS, KDLossConfig
 from ..ops.divergence import divergence_terms
-from .checks import logprob_checks, run_device_checks, selected_tokens, zero_rows
+from .checks import logprob_checks, loss_config, run_device_checks, selected_tokens, zero_rows
 from .docs import args_section, shared_docs
 
 __all__ = ["kl_estimator", "topk_kd_from_logprobs"]
+
+FORWARD_KL = KDLossConfig(beta=0.0)  # topk_kd_from_logprobs' default
 
 
 @shared_docs(mask=args_section("logprob_mask"), reduction=args_section("logprob_reduction"))
@@ -102,10 +105,10 @@ def topk_kd_from_logprobs(
     teacher_logprobs: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
-    beta: float = 0.0,
-    tail: str = "bucket",
+    config: KDLossConfig | None = None,
     reduction: str = "mean",
     check_inputs: bool = True,
+    **options: Any,
 ) -> torch.Tensor:
     """Top-k forward KL (beta=0) / reverse KL (beta=1) / generalized JSD on student-sampled sequences, from
     log-probs an RL framework already holds: both (..., K) on the same K ids (e.g. the teacher's top-k),
@@ -118,15 +121,22 @@ def topk_kd_from_logprobs(
         student_logprobs (Tensor): (..., K) the student's log-probs on K ids; gradients flow to it.
         teacher_logprobs (Tensor): (..., K) the teacher's log-probs on the same ids.
 {mask}
-        beta (float): 0 forward KL (default), 1 reverse KL, otherwise generalized JSD (as KDLossConfig.beta).
-        tail (str): "bucket" (default), "renormalize" or "none", as in `fused_linear_topk_kd`.
+        config (KDLossConfig | None): its beta (0 forward KL, 1 reverse KL, otherwise generalized JSD) and tail
+            ("bucket", "renormalize" or "none", as in `fused_linear_topk_kd`); default KDLossConfig(beta=0.0): forward
+            KL, the bucket tail. Its reduction is the keyword below. A keyword naming an option is a TypeError.
 {reduction}
         check_inputs (bool): refuse NaN, +inf and positive log-probs on selected tokens (one host sync).
 
     Returns:
         Tensor: a scalar ("mean", "sum") or (...) per token ("none").
     """
-    KDLossConfig(beta=beta, tail=tail)  # validates
+    cfg = loss_config("topk_kd_from_logprobs", config, options, default=FORWARD_KL)
+    if cfg.reduction != "batchmean":  # its own `reduction` keyword reduces here: a config's would go unread
+        raise ValueError(
+            f"topk_kd_from_logprobs reduces by its own reduction= keyword (\"mean\", \"sum\" or \"none\"); got "
+            f"config.reduction={cfg.reduction!r}: leave the config's at its default and pass reduction= instead"
+        )
+    beta, tail = cfg.beta, cfg.tail
     if student_logprobs.shape != teacher_logprobs.shape:
         raise ValueError(
             f"student_logprobs {tuple(student_logprobs.shape)} and teacher_logprobs {tuple(teacher_logprobs.shape)} "

@@ -13,6 +13,7 @@ knows about models; the math is `reference.multi_teacher_kd_loss`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,8 +23,8 @@ from ..ops import fused_linear_jsd as jsd_op
 from ..ops import mixture as mixture_op
 from ..ops.backend import eager, logits_fp32, select_backend
 from ..reference import MIXTURES
-from .checks import check_linear, counted_rows, flatten_labels, label_check, run_device_checks, zero_rows
-from .docs import LOSS_OPTIONS, args_section, shared_docs
+from .checks import check_linear, counted_rows, flatten_labels, label_check, loss_config, run_device_checks, zero_rows
+from .docs import args_section, shared_docs
 from .fused import KDLossOutput, check_fp8_request, compute_dtype, run_fused
 
 __all__ = ["fused_linear_multi_teacher_jsd", "mixture_weight_checks"]
@@ -92,7 +93,7 @@ def _check_teachers(teacher_inputs, teacher_weights, teacher_biases, teacher_sof
 @eager
 @shared_docs(
     args=args_section(
-        "student_input", "student_weight", "labels", "num_items_in_batch", "student_bias", *LOSS_OPTIONS,
+        "student_input", "student_weight", "labels", "num_items_in_batch", "student_bias", "config",
         "return_components", "check_inputs", "backend",
     )
 )  # fmt: skip
@@ -111,19 +112,10 @@ def fused_linear_multi_teacher_jsd(
     mixture: str = "distribution",
     row_scale: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
-    beta: float | None = None,
-    temperature: float | None = None,
-    ignore_index: int | None = None,
-    reduction: str | None = None,
-    soft_weight: float | None = None,
-    hard_weight: float | None = None,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    fp32_weight_grad: bool | None = None,
-    vocab_size: int | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
+    **options: Any,
 ) -> torch.Tensor | KDLossOutput:
     """Generalized-JSD distillation of the student against several teachers, from hidden states and lm_heads.
 
@@ -153,11 +145,7 @@ def fused_linear_multi_teacher_jsd(
     Returns:
 {returns_loss}
     """
-    cfg = KDLossConfig.build(
-        config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
-        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
-    )  # fmt: skip
+    cfg = loss_config("fused_linear_multi_teacher_jsd", config, options)
     if mixture not in MIXTURES:
         raise ValueError(f"mixture must be one of {MIXTURES}; got mixture={mixture!r}")
     if cfg.estimator is not None:

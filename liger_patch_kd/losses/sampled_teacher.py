@@ -5,6 +5,8 @@ beta > 0 is refused). Runs through the row-chunk loop that `fused_linear_topk_kd
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..config import KDLossConfig
@@ -19,14 +21,18 @@ from .checks import (
     has_duplicate_ids,
     label_check,
     logprob_checks,
+    loss_config,
     run_device_checks,
     topk_checks,
     zero_rows,
 )
-from .docs import LOSS_OPTIONS, args_section, shared_docs
+from .docs import args_section, shared_docs
 from .fused import KDLossOutput, check_fp8_request, run_fused
 
 __all__ = ["fused_linear_sampled_kd"]
+
+
+SAMPLED_DEFAULT = KDLossConfig(beta=0.0)  # forward KL: the only divergence the draws estimate without bias
 
 
 def bytes_per_logit(backend: str) -> int:
@@ -82,8 +88,8 @@ def sample_checks(ids, counts, logprobs, counted, vocab: int, has_topk: bool):
 @shared_docs(
     args=args_section(
         "student_input", "student_weight", "teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs",
-        "labels", "hybrid_topk", "num_items_in_batch", "student_bias", LOSS_OPTIONS[0], "sampled_beta",
-        *LOSS_OPTIONS[2:], "return_components", "check_inputs", "backend",
+        "labels", "hybrid_topk", "num_items_in_batch", "student_bias", "sampled_config", "return_components",
+        "check_inputs", "backend",
     )
 )  # fmt: skip
 def fused_linear_sampled_kd(
@@ -99,19 +105,10 @@ def fused_linear_sampled_kd(
     num_items_in_batch: int | torch.Tensor | None = None,
     student_bias: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
-    beta: float | None = None,
-    temperature: float | None = None,
-    ignore_index: int | None = None,
-    reduction: str | None = None,
-    soft_weight: float | None = None,
-    hard_weight: float | None = None,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    fp32_weight_grad: bool | None = None,
-    vocab_size: int | None = None,
     return_components: bool = False,
     check_inputs: bool = True,
     backend: str | None = None,
+    **options: Any,
 ) -> torch.Tensor | KDLossOutput:
     """Forward KL(P_T || S_T) estimated from teacher draws, straight from hidden states and the lm_head weight.
 
@@ -128,13 +125,7 @@ def fused_linear_sampled_kd(
     Returns:
 {returns_loss}
     """
-    if config is None and beta is None:
-        beta = 0.0
-    cfg = KDLossConfig.build(
-        config, beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
-        soft_weight=soft_weight, hard_weight=hard_weight, softcap=softcap, chunk_size=chunk_size,
-        fp32_weight_grad=fp32_weight_grad, vocab_size=vocab_size,
-    )  # fmt: skip
+    cfg = loss_config("fused_linear_sampled_kd", config, options, default=SAMPLED_DEFAULT)
     require_sampled_objective(cfg)
     check_linear("student", student_input, student_weight, student_bias)
     check_fp8_request(cfg, student_input, None, no_teacher_product="sampled teacher tokens have no product")

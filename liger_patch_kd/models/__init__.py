@@ -6,15 +6,18 @@ Modules, lowest first (imports point down only):
   forward_audit  what a forward does to its logits and loss, checked against an entry
   spec           spec_for_model: picks an instance's entry and audits its forward (above registry and audit)
   transforms     logit scales folded into the head inputs (scaled_head_inputs)
+  facts          what the KD forward knows of its model (entry, options with its soft-cap, logit scales), found once
   moe, backbone  the router loss; running the backbone (text and VLM)
-  heads, kd_io   lm_head weights (PEFT-aware); label shifting, the output type
+  heads, kd_io   lm_head weights (PEFT-aware) and gathered_head (the head inputs, ZeRO-3 gathered); label shifting,
+                 the output type
   privileged     a teacher's own prompt, its completion tokens paired with the student's
   teachers       several teachers in one KD forward (the set, routing, mixtures, per-teacher figures)
   host           a forward as a host: HeadRequest, a live teacher's head inputs taken inside its forward
   signals        the typed teacher signal of one call (live, hidden states + head, top-k, sampled, a set), each with
                  its fused and materialised loss; parsed once
   materialised   the objective on materialised logits (reference/), through the signal's term
-  kd_forward     the one KD forward: parse the signal, run the backbone, gather the head, call the signal's loss
+  kd_forward     the one KD forward: its model's facts, parse the signal, run the backbone, gather the head, call
+                 the signal's loss
   cross_tokenizer  the cross-tokenizer loss on two models, each one's head inputs taken inside its own forward
   patch          apply_kd_patch / apply_kd_patch_to_<family> / revert_kd_patch
   fp8_teacher, recompute

@@ -23,7 +23,7 @@ The unpatched forward (Mixtral, Qwen3-MoE, GPT-OSS; checked by forward_audit.py)
 The KD forward calls the same function from the model's own modeling module with the same arguments.
 
 A right-padded batch (every collator here pads on the right) reaches an SDPA backbone without its attention mask
-when no scored position is padding (trailing_padding_only, backbone_masks): causal attention never lets a real
+when no scored position is padding (trailing_padding_only, PaddingCheck): causal attention never lets a real
 token see the padding after it, so every scored hidden state is the same, and SDPA runs the causal flash kernel
 instead of a masked one (slower, and cuDNN's builds a plan per new shape: seconds the first time a sequence length
 is seen, which generated micro-batches, of every length, keep paying). The router loss keeps the mask.
@@ -32,14 +32,31 @@ is seen, which generated micro-batches, of every length, keep paying). The route
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .registry import REGISTRY
+from .registry import REGISTRY, ArchSpec
 from .spec import spec_for_model
 from .state import unwrap_model
+
+if TYPE_CHECKING:
+    from .facts import ModelFacts
+
+
+@dataclass
+class PaddingCheck:
+    """The call's attention mask and scored targets, and whether the mask only pads the end of rows
+    (trailing_padding_only): checked at most once per call, by the first backbone that would drop such a mask (the
+    student's, or a live teacher's inside its own forward), and reused by the others."""
+
+    attention_mask: torch.Tensor | None
+    targets: torch.Tensor
+    ignore_index: int
+    kwargs: dict[str, Any]
+    trailing_only: bool | None = None  # not checked yet
 
 
 def run_backbone(
@@ -48,13 +65,36 @@ def run_backbone(
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
     labels: torch.Tensor | None = None,
+    *,
+    facts: ModelFacts | None = None,
+    padding: PaddingCheck | None = None,
 ):
-    """The backbone's output (last_hidden_state first) on this batch, as the model's forward would compute it."""
-    spec = spec_for_model(model)
-    kwargs = router_logits_request(model, kwargs)
+    """The backbone's output (last_hidden_state first) on this batch, as the model's forward would compute it.
+
+    `facts` (models.facts.forward_facts) spare the lookups of a model running the KD forward. With `padding` (the
+    KD forward's rows, `attention_mask` being theirs) a registered causal text model attending through SDPA runs
+    without a mask that only pads the end of rows (see the module docstring)."""
+    spec = spec_for_model(model) if facts is None else facts.spec
+    if padding is not None and facts is not None and facts.causal_text:
+        text = facts.text_config
+        if getattr(text, "_attn_implementation", None) == "sdpa" and not getattr(
+            text, "use_bidirectional_attention", False
+        ):
+            if padding.trailing_only is None:  # one host sync, made once per call
+                padding.trailing_only = trailing_padding_only(
+                    padding.attention_mask, padding.targets, padding.ignore_index, padding.kwargs
+                )
+            if padding.trailing_only:
+                attention_mask = None
+    if spec.router_aux_loss:
+        kwargs = router_logits_request(model, kwargs)
     backbone = model.model
     # transformers 4.57's Gemma-3 model takes labels: with token_type_ids, training attends within an image both ways
-    if spec.is_vlm and labels is not None and "labels" in inspect.signature(backbone.forward).parameters:
+    if labels is not None and (
+        facts.backbone_takes_labels
+        if facts is not None
+        else spec.is_vlm and "labels" in inspect.signature(backbone.forward).parameters
+    ):
         kwargs = {**kwargs, "labels": labels}
     return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
@@ -77,34 +117,6 @@ def trailing_padding_only(
         return bool(binary & trailing & scored_attended)
 
 
-def drops_trailing_mask(model: nn.Module) -> bool:
-    """Whether `model`'s backbone runs without a mask that only pads the end of rows (see the module docstring): a
-    registered causal text model attending through SDPA. Other implementations keep it: flash-attention's unpadding
-    and flex attention's block mask skip the padding; a VLM's mask may shape its image tokens' attention."""
-    inner = unwrap_model(model)
-    config = getattr(inner, "config", None)
-    spec = REGISTRY.get(getattr(config, "model_type", None))
-    if spec is None or spec.is_vlm or not isinstance(inner, spec.model_class()):
-        return False
-    text = config.get_text_config()
-    return getattr(text, "_attn_implementation", None) == "sdpa" and not getattr(
-        text, "use_bidirectional_attention", False
-    )
-
-
-def backbone_masks(
-    models: list[nn.Module], attention_mask: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
-    kwargs: dict[str, Any],
-) -> list[torch.Tensor | None]:  # fmt: skip
-    """The attention mask each of `models`' backbones gets on this batch: None for one that drops a mask only
-    padding the end of rows (drops_trailing_mask) when the batch's is one (trailing_padding_only: one host sync,
-    made only when some model would drop it); the mask itself otherwise."""
-    drops = [drops_trailing_mask(model) for model in models]
-    if not any(drops) or not trailing_padding_only(attention_mask, targets, ignore_index, kwargs):
-        return [attention_mask] * len(models)
-    return [None if drop else attention_mask for drop in drops]
-
-
 def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The student's vision inputs a VLM teacher takes; {} for a text teacher."""
     inner = unwrap_model(teacher)
@@ -115,19 +127,21 @@ def teacher_vision_inputs(teacher: nn.Module, student_kwargs: dict[str, Any]) ->
 
 
 def router_logits_request(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The backbone keywords with `output_router_logits` resolved as the unpatched forward resolves it."""
-    if not spec_for_model(model).router_aux_loss:
-        return kwargs
+    """The backbone keywords of a model with a router loss, with `output_router_logits` resolved as the unpatched
+    forward resolves it."""
     wanted = kwargs.get("output_router_logits")
     return {**kwargs, "output_router_logits": model.config.output_router_logits if wanted is None else wanted}
 
 
-def router_aux_loss(model: nn.Module, backbone_out, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The model's load-balancing loss on this batch, or None when the model does not ask for it."""
+def router_aux_loss(
+    model: nn.Module, spec: ArchSpec, backbone_out, attention_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The model's load-balancing loss on this batch, or None when the model (of registry entry `spec`) does not
+    ask for it."""
     router_logits = backbone_out.get("router_logits") if hasattr(backbone_out, "get") else None
-    if router_logits is None or not spec_for_model(model).router_aux_loss:
+    if router_logits is None or not spec.router_aux_loss:
         return None
-    load_balancing_loss_func = spec_for_model(model).load().load_balancing_loss_func
+    load_balancing_loss_func = spec.load().load_balancing_loss_func
     aux = load_balancing_loss_func(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
     return aux if isinstance(aux, torch.Tensor) else None  # it returns 0 when there are no router logits
 

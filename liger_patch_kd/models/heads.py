@@ -8,13 +8,15 @@ place of the original.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import check_full_weight
+from ..distributed import check_full_weight, gathered_weights
 
 
 @dataclass
@@ -25,6 +27,63 @@ class HeadWeights:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits, as the head itself would give them (adapter included)."""
         return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """A model's side of a fused loss: its last hidden states and lm_head bias with the model's logit scale folded
+    in (transforms.py), and its lm_head (adapters applied)."""
+
+    hidden: torch.Tensor
+    head: HeadWeights
+    bias: torch.Tensor | None
+
+
+class WholeHead(contextlib.nullcontext):
+    """The context of a head that needs no gathering: it holds the head inputs. A subclass rather than
+    contextlib.nullcontext itself: torch.compile special-cases nullcontext and cannot resume after a graph break
+    inside the block when it holds a value (the fused loss is one: a clean graph break), while a subclass is traced
+    as any context manager."""
+
+
+def gathered_head(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    role: str,
+    logit_scales: Sequence = (),
+    *,
+    detached: bool = False,
+    gathered: bool = False,
+) -> contextlib.AbstractContextManager[HeadInputs]:
+    """A context holding the model's HeadInputs on `hidden`, its lm_head whole for the duration of the block: a
+    ZeRO-3 partitioned head is gathered (distributed.gathered_weights, with the model as its owner; `gathered`:
+    it is already); any other is whole already (a sharded one is refused, check_full_weight). `logit_scales`: the
+    model's (models.facts); `detached`: a teacher's, cut from the graph."""
+    module = model.get_output_embeddings()
+    if not gathered and any(hasattr(p, "ds_id") for p in module.parameters()):  # an adapter's too
+        return _gathered_zero3_head(model, module, hidden, role, logit_scales, detached)
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) and type(weight).__name__ != "DTensor" and weight.shape == (
+        module.out_features, module.in_features
+    ):  # fmt: skip
+        head = HeadWeights(weight, module.bias)  # a plain whole head: what output_head returns for it
+    else:
+        head = output_head(model, role)  # adapters, and the layouts it refuses
+    bias = head.bias
+    if detached:
+        hidden, bias = hidden.detach(), None if bias is None else bias.detach()
+        head = HeadWeights(head.weight.detach(), bias)
+    for scale in logit_scales:
+        hidden = scale.apply(model, hidden)
+        bias = None if bias is None else scale.apply(model, bias)
+    return WholeHead(HeadInputs(hidden, head, bias))
+
+
+@contextlib.contextmanager
+def _gathered_zero3_head(model, module, hidden, role, logit_scales, detached) -> Iterator[HeadInputs]:
+    with gathered_weights(module, owner=model):
+        with gathered_head(model, hidden, role, logit_scales, detached=detached, gathered=True) as inputs:
+            yield inputs
 
 
 def output_head(model: nn.Module, role: str) -> HeadWeights:

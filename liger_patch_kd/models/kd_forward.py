@@ -12,21 +12,19 @@ import torch
 from torch import nn
 
 from ..batch.columns import BEHAVIOUR
-from ..config import KDLossConfig, override_options
-from ..distributed import gathered_weights
+from ..config import KDLossConfig
 from ..ops.backend import eager
-from .backbone import backbone_masks, router_aux_loss, run_backbone, with_router_aux_loss
-from .heads import output_head
-from .kd_io import kd_output, targets_of
+from .backbone import PaddingCheck, router_aux_loss, run_backbone, with_router_aux_loss
+from .facts import forward_facts
+from .heads import gathered_head
+from .kd_io import kd_output, shift_labels
 from .materialised import materialised_kd
-from .privileged import PrivilegedInputs
-from .registry import softcap_of
-from .signals import Scored, StudentHead, StudentRows, bind_rows, parse_signal
+from .privileged import PRIVILEGED_KEYS, PrivilegedInputs
+from .signals import Scored, StudentRows, bind_rows, parse_signal
 from .signals.host import HeadCompute, HeadRequest, run_teacher_head
 from .spec import spec_for_model
-from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, class_state, patch_state, unwrap_model
+from .state import INSTANCE_ATTR, PATCHED_INSTANCES, PatchState, class_state, unwrap_model
 from .teachers import TeacherSet
-from .transforms import scaled_head_inputs
 
 __all__ = [
     "call_student",
@@ -34,15 +32,6 @@ __all__ = [
     "install_kd_forward",
     "kd_causal_lm_forward",
 ]
-
-
-def resolve_config(state: PatchState, kd_config: KDLossConfig | dict | None) -> KDLossConfig:
-    base = state.config
-    if kd_config is None:
-        return base
-    if isinstance(kd_config, KDLossConfig):
-        return kd_config
-    return override_options(base, kd_config)  # this call's options replace the patch-time ones
 
 
 def kd_causal_lm_forward(
@@ -91,9 +80,9 @@ def kd_causal_lm_forward(
     The teacher arguments are parsed once into a typed signal (models/signals/); the forward runs the
     backbone, gathers the head and calls the signal's loss.
     """
-    state = patch_state(self)
     if kd_head_request is not None:
         return _serve_head(self, input_ids, attention_mask, kwargs, kd_head_request)
+    facts = forward_facts(self)  # the model's patch state, registry entry, options, soft-cap: found once, kept
     columns = dict(
         teacher_hidden_states=teacher_hidden_states, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
         teacher_token_ids=teacher_token_ids, teacher_logprobs=teacher_logprobs, teacher_sample_ids=teacher_sample_ids,
@@ -101,23 +90,28 @@ def kd_causal_lm_forward(
     )  # fmt: skip
     signal = parse_signal(columns, teacher_model, kd_teacher_set)
     behaviour = kwargs.pop(BEHAVIOUR, None)  # (B, T) label-aligned; the "pg" estimator's log b
-    privileged = PrivilegedInputs.pop(kwargs)  # the teacher's own prompt, when it has one (models/privileged.py)
+    privileged = None  # the teacher's own prompt, when it has one (models/privileged.py)
+    if not kwargs.keys().isdisjoint(PRIVILEGED_KEYS):
+        privileged = PrivilegedInputs.pop(kwargs)
     if labels is None or signal is None:
         # logits_to_keep is in this signature so that generate() finds it (inspect.signature) and asks for the last
         # position's logits only at prefill, as it does of the unpatched model
-        return state.original_forward(
+        return facts.state.original_forward(
             self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=logits_to_keep,
             **kwargs,
         )  # fmt: skip
-    cfg = resolve_config(state, kd_config).replace(softcap=softcap_of(self.config))
+    cfg = facts.config if kd_config is None else facts.loss_config(kd_config)
     # a loss needs no KV cache; without one transformers also keeps packed sequences (position ids restarting,
     # no attention mask) from attending across their boundaries
     kwargs.setdefault("use_cache", False)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     given_shift = kwargs.pop("shift_labels", None)  # transformers passes pre-shifted labels for packed sequences
-    targets = targets_of(labels, given_shift, cfg.ignore_index)
+    targets = given_shift if given_shift is not None else shift_labels(labels, cfg.ignore_index)
     scored = Scored(targets, cfg, num_items_in_batch, kd_log_agreement)
-    live = signal.live_models
+    # the teacher models run in this call (they read the student's rows unless they have a prompt of their own)
+    live = (teacher_model,) if teacher_model is not None else ()
+    if kd_teacher_set is not None:
+        live = tuple(kd_teacher_set.models.values())
     if live and input_ids is None and privileged is None:  # the teacher reads the student's tokens, not its embeddings
         raise ValueError(
             "a live teacher (teacher_model / kd_teacher_set) reads the student's input_ids, and this call gave "
@@ -126,26 +120,28 @@ def kd_causal_lm_forward(
         )
     signal = bind_rows(signal, targets, cfg.ignore_index, behaviour=behaviour, given_shift=given_shift,
                        privileged=privileged)  # fmt: skip
-    if not state.fused or return_logits:
-        student_forward = functools.partial(state.original_forward, self)
+    if not facts.state.fused or return_logits:
+        student_forward = functools.partial(facts.state.original_forward, self)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         return materialised_kd(self, student_forward, signal, scored, model_inputs)
     for teacher in live:  # each live teacher hands its head inputs over inside its own KD forward
         if teacher not in PATCHED_INSTANCES:  # given it already: no call (a wrapped teacher asks install_kd_forward)
             install_kd_forward(teacher)
-    readers = [self, *(live if privileged is None else ())]  # the models whose backbones read the student's rows
-    student_mask, *teacher_masks = backbone_masks(readers, attention_mask, targets, cfg.ignore_index, kwargs)
-    decoder_out = run_backbone(self, input_ids, student_mask, kwargs, labels)
-    with gathered_weights(self.get_output_embeddings(), owner=self):
-        head = output_head(self, "student")
-        hidden, student_bias = scaled_head_inputs(self, decoder_out.last_hidden_state, head.bias)
-        student = StudentHead(hidden, head, student_bias)
-        terms = signal.fused(student, scored, StudentRows(input_ids, teacher_masks, kwargs))
-    aux_loss = router_aux_loss(self, decoder_out, attention_mask)
+    # whether the mask only pads the end of rows is checked once, by the first backbone that would drop such a mask
+    padding = PaddingCheck(attention_mask, targets, cfg.ignore_index, kwargs)
+    decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, labels, facts=facts, padding=padding)
+    hidden = decoder_out.last_hidden_state
+    with gathered_head(self, hidden, "student", facts.logit_scales) as student:
+        rows = StudentRows(input_ids, attention_mask, padding if privileged is None else None, kwargs)
+        terms = signal.fused(student, scored, rows)
     out = terms.out
+    loss, aux_loss = out.loss, None
+    if facts.spec.router_aux_loss:
+        aux_loss = router_aux_loss(self, facts.spec, decoder_out, attention_mask)
+        loss = with_router_aux_loss(self, loss, aux_loss)
     return kd_output(
-        decoder_out, loss=with_router_aux_loss(self, out.loss, aux_loss), logits=None, kd_soft_loss=out.soft,
-        kd_hard_loss=out.hard, kd_top1_agreement=terms.agreement, aux_loss=aux_loss, kd_teacher_metrics=terms.metrics,
+        decoder_out, loss=loss, logits=None, kd_soft_loss=out.soft, kd_hard_loss=out.hard,
+        kd_top1_agreement=terms.agreement, aux_loss=aux_loss, kd_teacher_metrics=terms.metrics,
     )  # fmt: skip
 
 
@@ -205,13 +201,14 @@ def _has_kd_forward(model: nn.Module) -> bool:
 def _serve_head(self, input_ids, attention_mask, kwargs: dict, request: HeadRequest):
     """request.compute(hidden, lm_head weight, bias, softcap) inside this forward, where FSDP has the root's
     parameters gathered. A teacher's (not trainable) under no_grad and detached; a student's with gradients."""
+    facts = forward_facts(self)
     trainable = request.trainable
     with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
-        hidden = run_backbone(self, input_ids, attention_mask, kwargs).last_hidden_state
-    with gathered_weights(self.get_output_embeddings(), owner=self):
-        head = output_head(self, "student" if trainable else "teacher")
-        weight, bias = head.weight, head.bias
-        if not trainable:
-            hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
-        hidden, bias = scaled_head_inputs(self, hidden, bias)
-        return request.compute(hidden, weight, bias, softcap_of(self.config))
+        decoder_out = run_backbone(self, input_ids, attention_mask, kwargs, facts=facts, padding=request.padding)
+    role = "student" if trainable else "teacher"
+    with gathered_head(self, decoder_out.last_hidden_state, role, facts.logit_scales, detached=not trainable) as head:
+        grad = torch.is_grad_enabled() if request.grad_enabled is None else request.grad_enabled
+        with torch.set_grad_enabled(grad):
+            result = request.compute(head.hidden, head.head.weight, head.bias, facts.softcap)
+    request.results.append(result)
+    return result

@@ -23,6 +23,7 @@ from ..ops.fp8 import QUANTIZED_INPUTS, rms_norm_quantized
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act, recomputed_gated_outputs
+from .facts import FACTS_ATTR
 from .forward_audit import check_forward
 from .kd_forward import kd_causal_lm_forward
 from .recompute import RECOMPUTE_ACT_ATTR
@@ -255,6 +256,7 @@ def revert_kd_patch(model: nn.Module | None = None, model_type: str | None = Non
                     del sub.__dict__["_original_forward"]
             sub.__dict__.pop(INSTANCE_ATTR, None)
             sub.__dict__.pop(ORIGINAL_BOUND_ATTR, None)
+            sub.__dict__.pop(FACTS_ATTR, None)
         PATCHED_INSTANCES.discard(inner)
         return
     if model_type is None:

@@ -129,6 +129,8 @@ REGISTRY: dict[str, ArchSpec] = {
         ),
     )
 }
+# every input a registered VLM takes beside the text (a batch without any of these has nothing for a VLM teacher)
+VISION_INPUTS: frozenset[str] = frozenset(name for spec in REGISTRY.values() for name in spec.vision_inputs)
 # apply_kd_patch_to_<family> patches every class of the family; a model_type not listed is its own family
 FAMILIES: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3_text", "gemma3")}
 

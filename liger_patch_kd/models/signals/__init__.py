@@ -19,7 +19,7 @@ Files: base.py (the interface and the shared loss calls), stored.py, live.py, ho
 HeadRequest), parse.py
 """
 
-from .base import Scored, StudentHead, StudentRows, TeacherSignal, Terms
+from .base import Scored, StudentRows, TeacherSignal, Terms
 from .host import HeadRequest, run_teacher_head, teacher_inputs
 from .live import LiveTeacher, TeacherMix
 from .parse import SIGNAL_COLUMNS, bind_rows, parse_signal
@@ -32,7 +32,6 @@ __all__ = [
     "LiveTeacher",
     "SampledTeacher",
     "Scored",
-    "StudentHead",
     "StudentRows",
     "TeacherMix",
     "TeacherSignal",

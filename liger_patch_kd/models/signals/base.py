@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ... import reference
 from ...config import KDLossConfig
 from ...losses import KDLossOutput, fused_linear_jsd
-from ..heads import HeadWeights
+from ..heads import HeadInputs
 from ..privileged import PrivilegedInputs
 
 
@@ -28,22 +28,14 @@ class Scored:
 
 
 @dataclass(frozen=True)
-class StudentHead:
-    """The student's side of a fused loss: last hidden states and bias with the model's logit scale folded in,
-    and its lm_head (adapters applied)."""
-
-    hidden: torch.Tensor
-    head: HeadWeights
-    bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class StudentRows:
-    """The student's batch as a live teacher reads it: its tokens, the attention mask each teacher's backbone gets
-    (models.backbone.backbone_masks, in `live_models` order) and the other keywords of the call."""
+    """The student's batch as a live teacher reads it: its tokens, its attention mask, the check of whether that mask
+    only pads the end of rows (models.backbone.PaddingCheck: a teacher's backbone may then drop it) and the other
+    keywords of the call."""
 
     input_ids: torch.Tensor | None
-    masks: list
+    attention_mask: torch.Tensor | None
+    padding: Any
     kwargs: dict
 
 
@@ -64,8 +56,6 @@ class Terms:
 class TeacherSignal:
     """One kind of teacher signal (see the module docstring)."""
 
-    live_models: tuple = ()  # teacher models run in this call (they read the student's rows unless paired)
-
     def paired(self, privileged: PrivilegedInputs, targets: torch.Tensor, ignore_index: int) -> TeacherSignal:
         """This signal at the student's positions, when the teacher read its own rows (a teacher prompt)."""
         raise NotImplementedError
@@ -74,7 +64,7 @@ class TeacherSignal:
         """The "pg" estimator's behaviour log-probs (row-aligned): kept by the kinds whose loss weighs them."""
         return self
 
-    def fused(self, student: StudentHead, scored: Scored, rows: StudentRows) -> Terms:
+    def fused(self, student: HeadInputs, scored: Scored, rows: StudentRows) -> Terms:
         raise NotImplementedError
 
     def materialised(self, student_logits: torch.Tensor, scored: Scored, model_inputs: dict) -> Terms:
@@ -90,19 +80,23 @@ def stored_paired(signal, names: dict[str, str], privileged, targets, ignore_ind
     return replace(signal, **{attr: aligned[column] for attr, column in names.items() if column in aligned})
 
 
-def loss_options(student: StudentHead, scored: Scored) -> dict:
-    return dict(student_bias=student.bias, num_items_in_batch=scored.num_items_in_batch, config=scored.cfg,
-                return_components=True)  # fmt: skip
-
-
-def linear_terms(student, scored: Scored, h_t, w_t, b_t, cfg: KDLossConfig, behaviour) -> Terms:
-    """The fused loss against a teacher's hidden states and head (live or given), and the agreement if asked."""
+def linear_terms(
+    student: HeadInputs, scored: Scored, behaviour, align, h_t, w_t, b_t, teacher_softcap: float | None
+) -> Terms:
+    """The fused loss against a teacher's hidden states and head (live or given; `align` takes a teacher's own rows
+    to the student's positions, None when they are the student's), and the agreement if asked. The argument order is
+    a HeadRequest's: a live teacher's forward completes the call with its head inputs (h_t, w_t, b_t, soft-cap)."""
+    if align is not None:
+        h_t = align(h_t)
+    cfg = scored.cfg
+    if teacher_softcap != cfg.teacher_softcap:
+        cfg = cfg.replace(teacher_softcap=teacher_softcap)
     agreement = None
     if scored.log_agreement:
         agreement = top1_agreement(student, scored, linear_top1(h_t, w_t, b_t, cfg.vocab_size))
     out = fused_linear_jsd(
         student.hidden, student.head.weight, h_t, w_t, scored.targets, teacher_bias=b_t, behaviour_logprobs=behaviour,
-        **{**loss_options(student, scored), "config": cfg},
+        student_bias=student.bias, num_items_in_batch=scored.num_items_in_batch, config=cfg, return_components=True,
     )  # fmt: skip
     return Terms(out=out, agreement=agreement)
 
@@ -129,7 +123,7 @@ def linear_top1(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @torch.no_grad()
-def top1_agreement(student: StudentHead, scored: Scored, teacher_top1, max_rows: int = 256):
+def top1_agreement(student: HeadInputs, scored: Scored, teacher_top1, max_rows: int = 256):
     """How often the student's most likely real token is the teacher's, on up to `max_rows` scored rows."""
     cfg = scored.cfg
     rows = (scored.targets.reshape(-1) != cfg.ignore_index).nonzero().squeeze(-1)[:max_rows]

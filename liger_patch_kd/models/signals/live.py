@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,10 +27,6 @@ class LiveTeacher(TeacherSignal):
     align: Any = None
     behaviour: torch.Tensor | None = None
 
-    @property
-    def live_models(self) -> tuple:
-        return (self.model,)
-
     def paired(self, privileged, targets, ignore_index):
         return replace(self, privileged=privileged, align=privileged.align_live(self.model, targets, ignore_index))
 
@@ -37,22 +34,13 @@ class LiveTeacher(TeacherSignal):
         return replace(self, behaviour=behaviour)
 
     def fused(self, student, scored, rows):
-        found = {}
-        align = self.align or (lambda h: h)
-        grad_enabled = torch.is_grad_enabled()
-
-        def loss_on(h_t, w_t, b_t, cap_t):  # inside the teacher's forward (under no_grad), its head gathered
-            with torch.set_grad_enabled(grad_enabled):
-                found["terms"] = linear_terms(student, scored, align(h_t), w_t, b_t,
-                                               scored.cfg.replace(teacher_softcap=cap_t), self.behaviour)  # fmt: skip
-            return found["terms"].out
-
+        # completed inside the teacher's forward with its head inputs (h_t, w_t, b_t, soft-cap), its head gathered
+        loss_on = functools.partial(linear_terms, student, scored, self.behaviour, self.align)
         if self.privileged is None:
-            run_teacher_head(self.model, rows.input_ids, rows.masks[0], rows.kwargs, loss_on)
-        else:
-            own = self.privileged
-            run_teacher_head(self.model, own.input_ids, own.attention_mask, own.teacher_kwargs(), loss_on)
-        return found["terms"]
+            return run_teacher_head(self.model, rows.input_ids, rows.attention_mask, rows.kwargs, loss_on,
+                                    padding=rows.padding)  # fmt: skip
+        own = self.privileged
+        return run_teacher_head(self.model, own.input_ids, own.attention_mask, own.teacher_kwargs(), loss_on)
 
     def materialised(self, student_logits, scored, model_inputs):
         if self.privileged is None:
@@ -72,10 +60,6 @@ class TeacherMix(TeacherSignal):
     """Several live teachers (models.teachers.TeacherSet): each row routed to one, or scored against a mixture."""
 
     teachers: TeacherSet
-
-    @property
-    def live_models(self) -> tuple:
-        return tuple(self.teachers.models.values())
 
     def paired(self, privileged, targets, ignore_index):
         raise ValueError(
@@ -136,13 +120,14 @@ class TeacherMix(TeacherSignal):
 
 
 def _nested(models: list, rows: StudentRows, loss_on, gathered=()):
-    """Teacher k's forward (with attention mask rows.masks[k]) asks teacher k + 1's; the innermost runs `loss_on`
-    with every teacher's head inputs, so that under FSDP every teacher's lm_head is gathered while it runs."""
+    """Teacher k's forward asks teacher k + 1's; the innermost runs `loss_on` with every teacher's head inputs, so
+    that under FSDP every teacher's lm_head is gathered while it runs."""
     if len(gathered) == len(models):
         return loss_on(list(gathered))
 
     def next_teacher(h_t, w_t, b_t, cap_t):
         return _nested(models, rows, loss_on, (*gathered, (h_t, w_t, b_t, cap_t)))
 
-    k = len(gathered)
-    return run_teacher_head(models[k], rows.input_ids, rows.masks[k], rows.kwargs, next_teacher)
+    teacher = models[len(gathered)]
+    return run_teacher_head(teacher, rows.input_ids, rows.attention_mask, rows.kwargs, next_teacher,
+                            padding=rows.padding)  # fmt: skip

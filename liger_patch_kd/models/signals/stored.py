@@ -23,7 +23,6 @@ from .base import (
     Terms,
     linear_terms,
     logits_terms,
-    loss_options,
     soft_only,
     stored_paired,
     top1_agreement,
@@ -52,7 +51,8 @@ class TopKTeacher(TeacherSignal):
     def fused(self, student, scored, rows):
         out = fused_linear_topk_kd(
             student.hidden, student.head.weight, self.token_ids, self.logprobs, scored.targets,
-            **loss_options(student, scored),
+            student_bias=student.bias, num_items_in_batch=scored.num_items_in_batch, config=scored.cfg,
+            return_components=True,
         )  # fmt: skip
         agreement = top1_agreement(student, scored, self.top1()) if scored.log_agreement else None
         return Terms(out=out, agreement=agreement)
@@ -92,7 +92,8 @@ class SampledTeacher(TeacherSignal):
     def fused(self, student, scored, rows):  # no agreement measured
         out = fused_linear_sampled_kd(
             student.hidden, student.head.weight, self.sample_ids, self.sample_counts, self.sample_logprobs,
-            scored.targets, **self._topk(), **loss_options(student, scored),
+            scored.targets, **self._topk(), student_bias=student.bias, num_items_in_batch=scored.num_items_in_batch,
+            config=scored.cfg, return_components=True,
         )  # fmt: skip
         return Terms(out=out)
 
@@ -122,7 +123,8 @@ class HiddenTeacher(TeacherSignal):
         return replace(self, behaviour=behaviour)
 
     def fused(self, student, scored, rows):
-        return linear_terms(student, scored, self.hidden_states, self.weight, self.bias, scored.cfg, self.behaviour)
+        return linear_terms(student, scored, self.behaviour, None, self.hidden_states, self.weight, self.bias,
+                            scored.cfg.teacher_softcap)  # fmt: skip
 
     def materialised(self, student_logits, scored, model_inputs):
         teacher_logits = F.linear(self.hidden_states, self.weight, self.bias)
