@@ -32,5 +32,5 @@ def test_materialised_logits_are_named_once_with_their_cost_and_the_flag(tmp_pat
     assert out.count("use_kd_patch=False") == 1, out  # once, though three steps ran
     mib = 2 * 6 * VOCAB * 4 / 2**20  # this batch: 2 rows of 6 tokens
     assert f"{2 * 6} x {VOCAB} x 4 = {mib:.1f} MiB" in out and "of the teacher" in out
-    assert "KDTrainingArguments(use_kd_patch=True)" in out
+    assert "set use_kd_patch=True (KDTrainingArguments; --use_kd_patch" in out  # the fix, in Python and on the CLI
     assert "use_kd_patch=False" not in run(tmp_path, use_kd_patch=True)

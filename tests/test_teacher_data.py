@@ -63,12 +63,12 @@ def test_interrupted_precompute_resumes_to_identical_shards(tmp_path, monkeypatc
     original = TD.StoreWriter.write_shard
     calls = {"n": 0}
 
-    def crash_on_third(self, *args):
+    def crash_on_third(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             (self.out_dir / "shard-00002.safetensors.tmp").write_bytes(b"half a shard")
             raise KeyboardInterrupt
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(TD.StoreWriter, "write_shard", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
