@@ -27,7 +27,7 @@ for what in "${@:-all}"; do
       # earlier run's times file> runs the slowest first (default: tests/gpu_durations.txt, an H200 run's)
       OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 KD_TEST_TIMES="$OUT/test_times.txt" \
         KD_TEST_ORDER="${KD_TEST_ORDER:-tests/gpu_durations.txt}" python3 -m pytest \
-        -n "${WORKERS:-16}" --dist load -rfE --durations=30 -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
+        -n "${WORKERS:-16}" --dist "${DIST:-worksteal}" -rfE --durations=30 -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;&
     tests-core)
       python3 -m pytest -q -p no:cacheprovider tests/test_fused_linear_jsd.py tests/test_topk.py tests/test_kernels.py \

@@ -25,7 +25,7 @@ format-tuned student through precompute_rollouts (what `liger-kd precompute --ro
 folder removed after the run. The store holds `--steps` x `--batch` completions, as many as the live on-policy
 GKD row samples over its steps: `--store-generations` per prompt (default 1, so its prompts are as many and as
 varied as the live row's) from `--steps` x `--batch` / `--store-generations` training prompts drawn with the seed,
-sampled at temperature 1 in calls of `--batch` rows (a live step's), scored by the teacher (its top
+sampled at temperature 1 in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top
 `--store-top-k` log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail
 bucket). Its seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a
 second step-0 point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5
@@ -99,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
     p.add_argument("--operands", type=int, default=3, help="numbers per problem (ArithmeticTask.operands)")
+    p.add_argument("--digits", type=int, default=2, help="digits per number (ArithmeticTask.digits)")
     p.add_argument("--train-problems", type=int, default=150_000)
     p.add_argument("--held-out", type=int, default=512)
     p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
@@ -117,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-generations", type=int, default=1, help="completions per prompt in the offline rows' "
                    "rollout store (which holds --steps x --batch completions)")  # fmt: skip
     p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
+    p.add_argument("--store-batch", type=int, default=None, help="prompts per generation call while the rollout "
+                   "store is made (default: --batch, a live step's)")  # fmt: skip
     return p
 
 
@@ -211,7 +214,7 @@ def rollout_store(a, data, student, teacher, seed: int, steps: int, device, fold
     began = time.perf_counter()
     precompute_rollouts(
         student, teacher, [data["prompts"][i] for i in picks], folder, settings=settings,
-        score=ScoreOptions(top_k=a.store_top_k), prompts_per_call=max(1, a.batch // generations),
+        score=ScoreOptions(top_k=a.store_top_k), prompts_per_call=max(1, (a.store_batch or a.batch) // generations),
         tokenizer=data["tokenizer"], student_name=f"format-tuned student, seed {seed}", teacher_name="teacher",
         tokenizer_fp=tokenizer_fingerprint(data["tokenizer"]), progress=False,
     )  # fmt: skip
@@ -337,7 +340,7 @@ def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
 def task_data(a) -> dict:
     from liger_patch_kd.demo.arithmetic import ArithmeticTask, build_tokenizer, prompt_rows, tokenized
 
-    task = ArithmeticTask(operands=a.operands)
+    task = ArithmeticTask(operands=a.operands, digits=a.digits)
     train = task.problems(a.train_problems, seed=0)
     held_out = task.problems(a.held_out, seed=1, held_out=True)
     tok = build_tokenizer(train[:20_000])
