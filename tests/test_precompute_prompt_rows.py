@@ -206,7 +206,8 @@ def test_prompt_rows_evaluate_beside_token_rows_or_alone(tmp_path, pair):
     for train in (None, texts):
         trainer = KDTrainer(model=tiny_model_copy(pair), teacher_model=teacher, processing_class=tokenizer,
                             train_dataset=train, eval_dataset=rows,
-                            args=_args(tmp_path, per_device_eval_batch_size=4, per_device_train_batch_size=2))  # fmt: skip
+                            args=_args(tmp_path, per_device_eval_batch_size=4,
+                                       per_device_train_batch_size=2))  # fmt: skip
         if train is not None:
             trainer.train()  # the text rows train with the same collator
             trainer.model.load_state_dict(student.state_dict())

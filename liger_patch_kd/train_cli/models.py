@@ -10,7 +10,7 @@ from ..cli_checks import looks_like_path
 from .arguments import DTYPES, LORA_TASK_TYPES, ModelArguments
 
 PEFT_EXTRA = "pip install 'liger_patch_kd[peft]'"
-ALL_LINEAR = "all-linear"  # PEFT's shorthand, which it reads only as a string (a list of it names a module "all-linear")
+ALL_LINEAR = "all-linear"  # PEFT's shorthand, read only as a string (a list of it names a module "all-linear")
 
 
 def check_model_options(model: ModelArguments) -> None:

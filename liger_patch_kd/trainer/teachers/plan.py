@@ -184,7 +184,8 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     prompt_kinds = {first_row_is_prompt(d) for d in (rows, *evaluations) if d is not None}
     plan = TeacherPlan(args, kind_of(args, teacher_set, xtok, offline, teacher_model), kd_config, teacher_model,
                        teacher_set, xtok, offline, True in prompt_kinds, tokenizer)  # fmt: skip
-    kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows, both_kinds=len(prompt_kinds) > 1)
+    both_kinds = len(prompt_kinds) > 1  # prompt rows and token rows: each batch collated by its kind
+    kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows, both_kinds)
     plan.columns = kept_columns(plan)
     return plan
 
