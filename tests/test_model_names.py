@@ -84,3 +84,36 @@ def test_bad_names_and_init_kwargs_are_one_line(tmp_path, saved):
         KDTrainer(model=str(saved["student"]), teacher_model=str(tmp_path / "nowhere"), train_dataset=_rows(),
                   args=_args(tmp_path))  # fmt: skip
     assert "\n" not in str(e.value)
+
+
+def test_a_teacher_path_whose_tokenizer_is_not_the_students_is_refused_before_it_loads(tmp_path, saved, monkeypatch):
+    """A teacher given by path comes with its tokenizer: one of another vocabulary of the same size would score
+    the student's ids as other tokens with no error anywhere (the vocab_size checks pass). Refused, naming the
+    path, a token the two map differently and the fix, before the weights load; across tokenizers it is the
+    point."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    other = tmp_path / "other_teacher"
+    tiny_model("llama", dtype=torch.float32, seed=3).save_pretrained(other)
+    PreTrainedTokenizerFast.from_pretrained(saved["student"]).save_pretrained(other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # one vocabulary size, two tokens swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    theirs = AutoTokenizer.from_pretrained(other)
+    assert len(theirs) == len(saved["vocab"]) and theirs.get_vocab() != saved["vocab"]
+    loads = []
+    real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a) or real(*a, **k))
+    for teacher in (str(other), {"a": str(saved["student"]), "b": other}):
+        with pytest.raises(ValueError, match=r"teacher_model(\['b'\])?=.*other_teacher.*: its tokenizer \(\d+ tokens\) "
+                                             r"is not processing_class's .* kd_teacher_tokenizer="):  # fmt: skip
+            KDTrainer(model=str(saved["student"]), teacher_model=teacher, train_dataset=_rows(), args=_args(tmp_path))
+    assert loads == []  # said before any weights load
+    # the student's own tokenizer saved beside a teacher: accepted
+    theirs_too = tmp_path / "same_teacher"
+    tiny_model("llama", dtype=torch.float32, seed=3).save_pretrained(theirs_too)
+    PreTrainedTokenizerFast.from_pretrained(saved["student"]).save_pretrained(theirs_too)
+    KDTrainer(model=str(saved["student"]), teacher_model=str(theirs_too), train_dataset=_rows(), args=_args(tmp_path))

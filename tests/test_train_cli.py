@@ -425,3 +425,65 @@ def test_the_materialised_logits_note_names_the_flag_too():
 
     note = materialised_logits_note(10, 100, offline=True)
     assert "use_kd_patch=True (KDTrainingArguments; --use_kd_patch" in note
+
+
+def test_yaml_numbers_and_lists_are_read_as_the_command_line_reads_them(tmp_path):
+    """argparse converts only string defaults: a YAML value of the wrong type for a number option is refused naming
+    the key (not passed on, nor refused later under another name), 1e-5 (a string to YAML) is the number, 2.0 the
+    integer 2, and a list option's scalar is a list of one, as one word after its flag."""
+    config = tmp_path / "c.yaml"
+    for text, needle in (("max_steps: 1.5\n", r"max_steps: 1\.5 is not an integer"),
+                         ("kd_beta: [0.5]\n", r"kd_beta: \[0\.5\] is not a number"),
+                         ("learning_rate: fast\n", r"learning_rate: 'fast' is not a number"),
+                         ("lora_target_modules: 5\n", r"lora_target_modules: 5 is not a list of words")):  # fmt: skip
+        config.write_text("output_dir: o\n" + text)
+        with pytest.raises(ValueError, match=r"--config .*" + needle):
+            train_parser.parse(["--config", str(config)])
+    config.write_text("output_dir: o\nlearning_rate: 1e-5\nmax_steps: 2.0\nkd_beta: 1\nlora_target_modules: q_proj\n")
+    _, model, args = train_parser.parse(["--config", str(config)])
+    assert args.learning_rate == 1e-5 and args.max_steps == 2 and isinstance(args.max_steps, int)
+    assert args.kd_beta == 1.0 and model.lora_target_modules == ["q_proj"]
+
+
+def test_lora_all_linear_is_peft_shorthand():
+    """`--lora_target_modules all-linear` (the help's example) gives PEFT its shorthand, which PEFT reads only as a
+    string: as the list ['all-linear'] it named a module of that name, found none, after the student loaded."""
+    pytest.importorskip("peft")
+    from liger_patch_kd.train_cli.arguments import ModelArguments
+    from liger_patch_kd.train_cli.models import check_model_options, with_lora
+
+    tokenizer = tiny_tokenizer("the cat sat on the mat " * 20, vocab_size=270)
+    options = ModelArguments(model_name_or_path="s", use_peft=True, lora_target_modules=["all-linear"])
+    check_model_options(options)
+    adapted = with_lora(tiny_qwen(len(tokenizer), 32, 1, 0, tokenizer), options)
+    adapted_layers = {n.split(".")[-3] for n, _ in adapted.named_modules() if n.endswith("lora_A.default")}
+    assert adapted_layers == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    options.lora_target_modules = ["all-linear", "q_proj"]
+    with pytest.raises(ValueError, match=r"--lora_target_modules all-linear q_proj: all-linear .* alone"):
+        check_model_options(options)
+
+
+@pytest.mark.multiprocess
+def test_a_later_run_into_one_output_dir_leaves_none_of_the_earlier_runs_files(in_standins, tmp_path, capsys):
+    """A full run and then a LoRA run into one --output_dir (or the other way round): the later save replaces the
+    files the earlier one saved, and removes those it did not rewrite; else a full model's weights beside the
+    adapter (or an adapter beside the model) load instead of, or on top of, what the later run trained. Files no
+    run of ours saved stay."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    lora = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
+    ids = torch.tensor([[5, 17, 40, 99]])
+    for first, second in (([], lora), (lora, [])):
+        train_run.train([*PAIR, "--output_dir", str(out), "--learning_rate", "1e-2", *first, *FAST])
+        (out / "notes.txt").write_text("mine")
+        trainer = train_run.train([*PAIR, "--output_dir", str(out), "--learning_rate", "1e-2", *second, *FAST])
+        names = {p.name for p in out.iterdir()}
+        assert ("adapter_model.safetensors" in names) != ("model.safetensors" in names), names
+        assert ("adapter_config.json" in names) == bool(second) and (out / "notes.txt").read_text() == "mine"
+        assert "saved there by an earlier run" in capsys.readouterr().out
+        reloaded = AutoModelForCausalLM.from_pretrained(out)
+        torch.testing.assert_close(logits(reloaded, ids), logits(trainer.model, ids), rtol=1e-6, atol=1e-6)
+        for p in out.iterdir():
+            p.unlink() if p.is_file() else None

@@ -160,6 +160,23 @@ class PromptCollator:
         return teacher_prompt
 
 
+@dataclass
+class PromptOrTokenCollator:
+    """A run whose datasets hold both kinds of rows (token rows to train on, prompt rows to evaluate on, or the
+    other way round): each batch goes to the collator of its rows' kind, `prompts` (PromptCollator) or `tokens`.
+    A batch of both kinds is a ValueError (one dataset holds one kind)."""
+
+    prompts: PromptCollator
+    tokens: Any
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        kinds = {is_prompt_row(row) for row in examples}
+        if len(kinds) > 1:
+            raise ValueError("a batch holds both prompt rows ('prompt' / 'messages') and token rows ('input_ids'): "
+                             "give each dataset rows of one kind")  # fmt: skip
+        return (self.prompts if kinds == {True} else self.tokens)(examples)
+
+
 def prompt_token_rows(tokenizer, rows: list[dict[str, Any]], **options) -> list[dict[str, list[int]]]:
     """Prompt rows with a completion (`prompt` + `completion`, text or conversational, or `messages`) as token
     rows ({"input_ids", "labels"}, labels -100 on the prompt), tokenized exactly as PromptCollator(tokenizer,

@@ -10,6 +10,7 @@ from ..cli_checks import looks_like_path
 from .arguments import DTYPES, LORA_TASK_TYPES, ModelArguments
 
 PEFT_EXTRA = "pip install 'liger_patch_kd[peft]'"
+ALL_LINEAR = "all-linear"  # PEFT's shorthand, read only as a string (a list of it names a module "all-linear")
 
 
 def check_model_options(model: ModelArguments) -> None:
@@ -29,6 +30,10 @@ def check_model_options(model: ModelArguments) -> None:
                          f"{', '.join(LORA_TASK_TYPES)} (CAUSAL_LM for a student language model)")  # fmt: skip
     if not model.use_peft:
         return
+    targets = model.lora_target_modules or []
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ValueError(f"--lora_target_modules {' '.join(targets)}: {ALL_LINEAR} already adapts every linear layer "
+                         f"(but the output layer); give {ALL_LINEAR} alone, or module names without it")  # fmt: skip
     for option, value in (("--lora_r", model.lora_r), ("--lora_alpha", model.lora_alpha)):
         if value < 1:
             raise ValueError(f"{option} {value}: must be >= 1")
@@ -90,9 +95,10 @@ def load_model(name: str, dtype: str, model: ModelArguments, revision: str | Non
 def with_lora(student: Any, model: ModelArguments) -> Any:
     from peft import LoraConfig, get_peft_model
 
+    targets = model.lora_target_modules
     config = LoraConfig(
         r=model.lora_r, lora_alpha=model.lora_alpha, lora_dropout=model.lora_dropout,
-        target_modules=model.lora_target_modules, modules_to_save=model.lora_modules_to_save,
+        target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, modules_to_save=model.lora_modules_to_save,
         task_type=model.lora_task_type, use_rslora=model.use_rslora, use_dora=model.use_dora,
     )  # fmt: skip
     return get_peft_model(student, config)

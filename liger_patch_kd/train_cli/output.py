@@ -52,6 +52,26 @@ def check_output_dir(output_dir: str, models: dict[str, str | None], overwrite: 
                          f"{fix}")  # fmt: skip
 
 
+def earlier_saves(output_dir: str) -> dict[str, int]:
+    """The files an earlier `liger-kd train` run saved in --output_dir (its record) -> their modification times: what
+    drop_stale compares after this run's save."""
+    out = Path(output_dir)
+    return {name: (out / name).stat().st_mtime_ns for name in _written_before(out) if (out / name).is_file()}
+
+
+def drop_stale(output_dir: str, earlier: dict[str, int]) -> list[str]:
+    """Delete the files an earlier run of ours saved (`earlier`, from earlier_saves) that this run's save did not
+    rewrite: a full model's weights beside this run's LoRA adapter, or an adapter beside a full model, would load
+    instead of (or on top of) what this run trained. Files of no run of ours are never touched. Returns their
+    names."""
+    out = Path(output_dir)
+    stale = sorted(name for name, mtime in earlier.items()
+                   if (out / name).is_file() and (out / name).stat().st_mtime_ns == mtime)  # fmt: skip
+    for name in stale:
+        (out / name).unlink()
+    return stale
+
+
 def record_saved(output_dir: str) -> None:
     """Note the model and tokenizer files now in --output_dir as this tool's, for the next run's check."""
     out = Path(output_dir)

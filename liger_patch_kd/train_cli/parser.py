@@ -61,6 +61,39 @@ def check_yaml_booleans(config: dict[str, Any], actions: dict[str, list[Any]], p
                              f"and {key} takes a word: quote it ({key}: \"no\", or whichever word you meant)")
 
 
+NUMBER_TYPES = {int: "an integer", float: "a number"}
+
+
+def typed_yaml_values(config: dict[str, Any], actions: dict[str, list[Any]], path: str) -> dict[str, Any]:
+    """The file's values as the command line would give them: argparse converts only string defaults, so a YAML
+    1.5 for an integer option, or a list for a number, would reach the arguments unchecked. A number option's value
+    is converted (1e-5, which YAML reads as a string, becomes 1e-05) or refused naming the key; a list option's
+    scalar becomes a list of one, as one word after its flag does."""
+    out = dict(config)
+    for key, value in config.items():
+        action = actions[key][0]
+        if value is None:
+            continue
+        if action.nargs in ("+", "*"):
+            out[key] = value if isinstance(value, list) else [value]
+            if action.type is str and not all(isinstance(v, str) for v in out[key]):
+                raise ValueError(f"--config {path}: {key}: {value!r} is not a list of words; give words (e.g. "
+                                 f"{key}: [a, b])")  # fmt: skip
+        elif action.type in NUMBER_TYPES:
+            numeric = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+            if action.type is int and isinstance(value, float) and value.is_integer():
+                value = int(value)  # 2.0 is the integer 2
+            try:
+                converted = action.type(value if isinstance(value, str) else str(value)) if numeric else None
+            except ValueError:
+                converted = None
+            if converted is None:
+                raise ValueError(f"--config {path}: {key}: {value!r} is not {NUMBER_TYPES[action.type]}; give "
+                                 f"{key}: {'2' if action.type is int else '0.5'}, say")  # fmt: skip
+            out[key] = converted
+    return out
+
+
 def _flag_name(word: str) -> str | None:
     """`--name` or `--name=value` -> name; anything else None."""
     return word[2:].split("=", 1)[0] if word.startswith("--") and len(word) > 2 else None
@@ -171,6 +204,7 @@ def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArgument
         if unknown:
             raise ValueError(f"--config {config_path}: no option {', '.join(unknown)} (see {PROG} --help)")
         check_yaml_booleans(config, known, config_path)
+        config = typed_yaml_values(config, known, config_path)
         for key, value in config.items():  # defaults, so the command line wins (TRL's TrlParser does the same)
             for action in known[key]:  # argparse takes a dest's default from its first action: set them all
                 action.default, action.required = value, False

@@ -11,7 +11,7 @@ from ..teacher.store.rollouts import rollouts_of
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
-from .output import check_output_dir, check_resume, record_saved
+from .output import check_output_dir, check_resume, drop_stale, earlier_saves, record_saved
 from .parser import parse
 
 
@@ -94,9 +94,13 @@ def train(argv: list[str] | None = None):
         say("liger-kd train: evaluation: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                                                          if isinstance(v, float)))  # fmt: skip
     out = training.output_dir
+    earlier = earlier_saves(out)
     trainer.save_model(out)
     if training.process_index == 0:
         tokenizer.save_pretrained(out)
+        stale = drop_stale(out, earlier)  # an earlier run's files this save did not replace
+        if stale:
+            say(f"liger-kd train: removed {', '.join(stale)}, saved there by an earlier run and not by this one")
         record_saved(out)  # these files are this tool's now: the next run into `out` may replace them
     kind = "the student's LoRA adapter" if model.use_peft else "the student"
     say(f"liger-kd train: saved {kind} and its tokenizer to {Path(out).resolve()}")

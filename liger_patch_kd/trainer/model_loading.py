@@ -107,3 +107,31 @@ def tokenizer_of_named(model: Any) -> Any:
         return AutoTokenizer.from_pretrained(os.fspath(model))
     except (OSError, ValueError):  # weights without a tokenizer: the rows' checks ask for processing_class if needed
         return None
+
+
+def check_named_teachers_share_the_tokenizer(teacher_model: Any, tokenizer: Any, across_tokenizers: bool) -> None:
+    """A teacher given by name or path comes with its tokenizer: one whose vocabulary is not the student's
+    (`tokenizer`, processing_class) would score the student's ids as other tokens, silently, when the two
+    vocabularies have one size. Refused before any weights load, unless the run distils across tokenizers."""
+    if across_tokenizers or not callable(getattr(tokenizer, "get_vocab", None)):
+        return
+    if isinstance(teacher_model, Mapping) and not isinstance(teacher_model, nn.Module):
+        named = [(f"teacher_model[{name!r}]", m) for name, m in teacher_model.items() if is_model_name(m)]
+    else:
+        named = [("teacher_model", teacher_model)] if is_model_name(teacher_model) else []
+    ours = None
+    for role, value in named:
+        theirs = tokenizer_of_named(value)
+        if theirs is None:  # weights without a tokenizer: nothing to compare
+            continue
+        ours = ours or tokenizer.get_vocab()
+        vocab = theirs.get_vocab()
+        if vocab != ours:
+            token = min(set(ours.items()) ^ set(vocab.items()), key=lambda kv: kv[1])[0]
+            raise ValueError(
+                f"{role}={os.fspath(value)!r}: its tokenizer ({len(vocab)} tokens) is not processing_class's "
+                f"({len(ours)} tokens; e.g. {token!r} is id {ours.get(token, 'absent')} in the student's and "
+                f"{vocab.get(token, 'absent')} in the teacher's), so it would score the student's ids as other "
+                f"tokens: distil a teacher that shares the student's tokenizer, or set kd_teacher_tokenizer="
+                f"{os.fspath(value)!r} to distil across tokenizers"
+            )

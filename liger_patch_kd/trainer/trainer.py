@@ -18,7 +18,7 @@ from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
 from .arguments import KDTrainingArguments
 from .dataset_setup import check_evaluation_has_teacher, check_no_text_rows_to_generate_from
-from .model_loading import loaded_models, tokenizer_of_named
+from .model_loading import check_named_teachers_share_the_tokenizer, loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .output_checkpoints import check_rotation_spares_others
 from .rollouts.onpolicy import OnPolicySteps
@@ -67,6 +67,8 @@ class KDTrainer(Trainer):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
         if kwargs.get("processing_class") is None:  # a model given by name: its saved tokenizer, as TRL loads it
             kwargs["processing_class"] = tokenizer_of_named(model)
+        across_tokenizers = bool(args.kd_teacher_tokenizer or teacher_tokenizer)
+        check_named_teachers_share_the_tokenizer(teacher_model, kwargs["processing_class"], across_tokenizers)
         model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))

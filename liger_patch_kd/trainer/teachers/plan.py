@@ -37,7 +37,7 @@ from ...batch.columns import (
     TEACHER_DATA_COLUMNS,
 )
 from ...batch.privileged import PrivilegedCollator, is_privileged_row
-from ...batch.prompts import PromptCollator
+from ...batch.prompts import PromptCollator, PromptOrTokenCollator
 from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
 from ..dataset_setup import (
@@ -180,28 +180,36 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
         check_store_tokenizer(xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
     elif not (teacher_set is not None and teacher_set.tokenizers):
         check_store_tokenizer(tokenizer, rows, evaluation)
+    evaluations = list(evaluation.values()) if isinstance(evaluation, Mapping) else [evaluation]
+    prompt_kinds = {first_row_is_prompt(d) for d in (rows, *evaluations) if d is not None}
     plan = TeacherPlan(args, kind_of(args, teacher_set, xtok, offline, teacher_model), kd_config, teacher_model,
-                       teacher_set, xtok, offline, first_row_is_prompt(rows), tokenizer)  # fmt: skip
-    kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows)
+                       teacher_set, xtok, offline, True in prompt_kinds, tokenizer)  # fmt: skip
+    both_kinds = len(prompt_kinds) > 1  # prompt rows and token rows: each batch collated by its kind
+    kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows, both_kinds)
     plan.columns = kept_columns(plan)
     return plan
 
 
-def teacher_collator(plan: TeacherPlan, given: Any, rows: Any) -> Any:
+def teacher_collator(plan: TeacherPlan, given: Any, rows: Any, both_kinds: bool = False) -> Any:
     """The run's collator: the one given (or the teacher kind's, set above), else the rows' kind's: TRL's prompt
     rows, rows with the teacher's own prompt, or token rows with their teacher columns padded (HF's default
-    padding collator pads no labels); wrapped to add each row's routing when several teachers route rows."""
+    padding collator pads no labels); `both_kinds` (the training and evaluation rows are prompt rows and token
+    rows): each batch its kind's; wrapped to add each row's routing when several teachers route rows."""
     pad = getattr(plan.tokenizer, "pad_token_id", None)
     pad = 0 if pad is None else pad
+    prompts = None
     if given is None and plan.prompt_rows:
         if plan.tokenizer is None:
             raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
-        given = PromptCollator(plan.tokenizer, max_prompt_length=plan.args.kd_max_prompt_length,
-                               max_length=plan.args.kd_max_length)  # fmt: skip
+        prompts = PromptCollator(plan.tokenizer, max_prompt_length=plan.args.kd_max_prompt_length,
+                                 max_length=plan.args.kd_max_length)  # fmt: skip
+        given = None if both_kinds else prompts
     if given is None and first_row_is(rows, is_privileged_row):
         given = PrivilegedCollator(pad_token_id=pad)  # the teacher's own token rows
     if given is None:
         given = TeacherDataCollator(pad_token_id=pad)
+    if prompts is not None and both_kinds:
+        given = PromptOrTokenCollator(prompts, given)
     # each row's 'teacher' / 'teacher_weights' become the batch's mixture
     return plan.teacher_set.collator(given) if plan.teacher_set is not None else given
 
