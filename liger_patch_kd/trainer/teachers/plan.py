@@ -158,8 +158,8 @@ def kind_of(args: Any, offline: Any, teacher_model: Any) -> str:
 
 
 def check_other_tokenizer_wraps(kind: str, args: Any) -> None:
-    """A teacher of another tokenizer wraps the kinds whose signal can be aligned across tokenizers; the others are
-    one line now."""
+    """A teacher of another tokenizer wraps the kinds whose signal can be aligned across tokenizers; any other is
+    refused in one line when the teacher is resolved, before any long work."""
     if kind not in OTHER_TOKENIZER_WRAPS:
         why = {
             "self": f"kd_self_distill={args.kd_self_distill!r}: the student is of its own tokenizer",
@@ -178,8 +178,8 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     data_collator is set to the teacher's (a given one kept, wrapped for routing when several teachers route rows).
     Every check of the teacher against the rows and the models runs here, before any long work."""
     tokenizer, rows = kwargs.get("processing_class"), kwargs.get("train_dataset")
-    routes, members = set_of((model, tokenizer), teacher_model, args, teacher_tokenizer, rows, first_row_of(rows)) or (
-        None, None)  # fmt: skip
+    found = set_of((model, tokenizer), teacher_model, args, teacher_tokenizer, rows, first_row_of(rows))
+    routes, members = found if found is not None else (None, None)  # several members by name (member_set.py)
     if isinstance(teacher_model, (Mapping, nn.ModuleDict)):  # the set's members hold the models
         teacher_model = None
     if args.kd_teacher_url and teacher_model is not None:
