@@ -240,7 +240,7 @@ def test_kdtrainer_rollouts_take_the_losses_vocabulary(tmp_path):
 
 def test_a_struct_columns_missing_teacher_weighs_zero(tmp_path):
     """datasets stores {"a": 1.0} beside {"a": 0.3, "b": 0.7} as {"a": 1.0, "b": None}: a TypeError before."""
-    from liger_patch_kd.trainer.teachers.several import TeacherSetSetup
+    from liger_patch_kd.trainer.teachers.routes import TeacherRoutes as TeacherSetSetup
 
     setup = TeacherSetSetup({"a": None, "b": None}, _args(tmp_path))
     assert setup.weights_from("a row's teacher_weights", {"a": 1.0, "b": None}) == [1.0, 0.0]

@@ -10,7 +10,7 @@ from liger_patch_kd import reference
 from liger_patch_kd import teacher as TD
 from liger_patch_kd.models.kd_io import shift_labels
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
-from liger_patch_kd.trainer.teachers.routed_offline import teacher_names_of
+from liger_patch_kd.trainer.teachers.routes import teacher_names_of
 
 from .tiny_models import VOCAB, tiny_model
 

@@ -236,7 +236,7 @@ def fused_linear_cross_tokenizer_kd(
     ValueError). Gradients flow to the student input, weight and bias. `row_scale` (student_labels' shape, >= 0,
     default 1): each student row's share of the loss, its groups' and CE terms alike (a row's group takes the
     share of the row predicting its last token): the part of the row's objective this teacher holds when other
-    losses score the rest (several teachers, trainer/teachers/several_tokenizers.py).
+    losses score the rest (several teachers, trainer/teachers/mixture_loss.py).
     """
     cfg = CrossTokenizerConfig.build(config, **options)
     _check_student_side(student_input, student_weight, student_labels, student_groups, exact_ok, cfg, vocab_map)

@@ -13,7 +13,7 @@ from .columns import INPUT_IDS, ROUTING_COLUMNS, TEACHER_MIXTURE
 
 
 class Routing(Protocol):
-    """What a routing collator asks of the teacher set (trainer/teachers/several.py: TeacherSetSetup)."""
+    """What a routing collator asks of the teacher set (trainer/teachers/routes.py: TeacherRoutes)."""
 
     tokenizers: Any  # teachers of tokenizers of their own, which collate the rows' text themselves; or None
 

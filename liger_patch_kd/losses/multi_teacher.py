@@ -139,7 +139,7 @@ def fused_linear_multi_teacher_jsd(
         mixture (str): "distribution" (default) or "loss", as above.
         row_scale (Tensor | None): (N,) / (B, T), each row's share of this loss (>= 0; its KD and CE terms
             alike; default 1): the part of a row's objective these teachers hold when other losses score the
-            rest of it (teachers of other tokenizers, trainer/teachers/several_tokenizers.py).
+            rest of it (teachers of other tokenizers, trainer/teachers/mixture_loss.py).
 {args}
 
     Returns:

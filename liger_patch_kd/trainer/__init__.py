@@ -5,8 +5,9 @@
   dataset checks made before any long work (dataset_setup.py);
 - rollouts/: the completions generated steps train on (planning, in-process decoding, an engine client,
   asynchronous rollouts, weight sync);
-- teachers/: the teacher-signal interface (teachers/base.py) and one file per kind of teacher (in process, the
-  student itself, stored rows, served, routed by name, several in process, of another tokenizer).
+- teachers/: the teacher-signal interface (teachers/base.py), one file per member kind (in process, the student
+  itself, stored rows, served top-k, served hidden), the wrapper for another tokenizer, and a set of several
+  members by name (teachers/member_set.py).
 
 rollouts/ and teachers/ never import each other; the collators both use are liger_patch_kd/batch/'s.
 """

@@ -17,7 +17,7 @@ from ..teacher.store import store_meta, tokenizer_fingerprint
 from .teachers.other_tokenizer import padded_vocab_size
 from .teachers.sampled_data import check_sampled_dataset
 from .teachers.self_distill import is_self_teacher
-from .teachers.served_several import check_rows_for_several_served
+from .teachers.set_fetch import check_rows_for_several_served
 
 
 def first_row_is_prompt(dataset: Any) -> bool:

@@ -103,7 +103,8 @@ class KDTrainer(Trainer):
 
     @property
     def teacher_set(self):
-        """Several named teachers (in process, served, or rows routed to them), or None."""
+        """The set of several named members (in process, served, or stored rows routed to them:
+        teachers/member_set.py), or None."""
         return self.teacher_plan.teacher_set
 
     @property

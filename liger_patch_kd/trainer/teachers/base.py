@@ -12,11 +12,11 @@ and a source that fetches its signal ahead (a served teacher) also wraps the tra
 same for evaluation and prediction DataLoaders), and `source.prefetcher`
 (a TeacherPrefetcher, or None) is asked about generated rows too (on-policy steps attach the teacher's reply to
 rows made during the step); a source that learns the vocabulary there (a served head) sets `source.vocab_size`.
-Kinds, a file each: in process (in_process.py), the student itself (self_distill.py), rows that carry their
-teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py; routed to named teachers:
-routed_offline.py, served_several.py), a served teacher's hidden states and head (served_hidden.py), several
-teachers in process (several.py) and a teacher of another tokenizer (other_tokenizer.py). A new kind is a new
-file with a TeacherSource subclass, chosen in plan.py (KINDS, kind_of).
+Member kinds, a file each: in process (in_process.py), the student itself (self_distill.py), rows that carry their
+teacher's data (a store or a dataset: stored.py; served top-k / samples: served.py), a served teacher's hidden
+states and head (served_hidden.py), and a wrapper making any of the in-process, stored or served ones a teacher of
+another tokenizer (other_tokenizer.py). Several members by name are one MemberSet (member_set.py), itself a
+TeacherSource. A new kind is a new file with a TeacherSource subclass, chosen in plan.py (KINDS, kind_of).
 
 A teacher that sees its own prompt (rows with teacher_input_ids: batch/privileged.py's collator) needs no source of its
 own: the batch's teacher_input_ids / teacher_labels travel to the loss, which pairs completion tokens
@@ -83,10 +83,24 @@ class StepMetrics(dict):
             self[key] = self.sums[key] / self.tokens[key].clamp(min=1)  # no token measured: the figure is 0
 
 
+@dataclass
+class Member:
+    """One teacher's own arguments, from which plan.py's KINDS builds its TeacherSource: a model in process (frozen
+    before its source is made), a server (`url`, `protocol`), or neither (stored rows). `xtok`: the
+    CrossTokenizerSetup of a teacher of another tokenizer, whose source wraps the member's (other_tokenizer.py)."""
+
+    model: nn.Module | None = None
+    url: str | None = None
+    protocol: str | None = None
+    xtok: Any = None
+
+
 class TeacherSource:
     """One kind of teacher: how a batch gets its teacher signal and its loss. Subclasses override `loss` and, when
     they need it, `prepare` (checks before any forward) and `dataloader` (a signal fetched ahead of the batch)."""
 
+    in_process = False  # a teacher model run in this process (`model`): a set mixes such members per row
+    fetches = False  # asks a server about each batch ahead of the step: a set asks it about its own rows
     prefetcher = None  # a served source's TeacherPrefetcher: generated rows ask it about themselves too
     from_rows = False  # the teacher's signal is the rows' own data (a store): evaluation rows must carry it too
     vocab_size = None  # the loss's vocabulary when the source learns it in `dataloader` (a served head), else None

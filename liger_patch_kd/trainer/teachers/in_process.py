@@ -11,6 +11,8 @@ from .base import KDStepOutput, TeacherSource, one_teacher_loss
 
 
 class InProcessTeacher(TeacherSource):
+    in_process = True
+
     def __init__(self, teacher_model: nn.Module, fused: bool) -> None:
         super().__init__(fused)
         self.model = teacher_model  # frozen and placed by KDTrainer (sharded like the student under FSDP / ZeRO-3)

@@ -1,5 +1,6 @@
-"""Cross-tokenizer distillation in KDTrainer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...)): the
-vocabulary map and collator built once from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
+"""A teacher of another tokenizer (kd_teacher_tokenizer set, or KDTrainer(teacher_tokenizer=...); in a set,
+{name: tokenizer}): a wrapper around a member of a single kind (OtherTokenizerTeacher), and what it is built from
+once: the vocabulary map and collator from KDTrainingArguments' kd_cross_tokenizer_loss, kd_exact_weight,
 kd_uld_weight, kd_uld_top_k, kd_unmatched and the shared kd_beta, kd_temperature, kd_soft_weight, kd_hard_weight;
 the refusals that depend on how accelerate spreads the models. The loss of one batch is
 other_tokenizer_loss.compute_cross_tokenizer_loss (align/ holds the alignment and the loss)."""
@@ -21,17 +22,17 @@ from ...generation.special_tokens import special_ids
 from ...models import unwrap_model
 from ...models.kd_forward import install_kd_forward
 from ..arguments import KDTrainingArguments
-from .base import KDStepOutput, TeacherSource, one_teacher_loss, require_teacher
+from .base import KDStepOutput, TeacherSource
 from .other_tokenizer_loss import check_spread, compute_cross_tokenizer_loss, is_registered
 from .self_distill import require_teacher_prompt
-from .served import CROSS_TOKENIZER_KEYS, checked_teacher_client, prefetched
+from .served import ServedTeacher
 
 logger = logging.get_logger(__name__)
 
 
 def cross_tokenizer_enabled(args: KDTrainingArguments, teacher_tokenizer: Any = None) -> bool:
     """kd_teacher_tokenizer set, or a teacher tokenizer object given to KDTrainer(teacher_tokenizer=...), for a run
-    of one teacher (several teachers take a dict of tokenizers: trainer/teachers/several_tokenizers.py)."""
+    of one teacher (a set takes a dict of tokenizers: trainer/teachers/set_text_rows.py)."""
     for what, value in (("kd_teacher_tokenizer", args.kd_teacher_tokenizer), ("teacher_tokenizer", teacher_tokenizer)):
         if isinstance(value, Mapping):
             raise ValueError(
@@ -173,37 +174,36 @@ class CrossTokenizerSetup:
 
 
 class OtherTokenizerTeacher(TeacherSource):
-    """One teacher of another tokenizer, in process or served (asked about its own tokenization of each row), or
-    its top-k in the rows: each batch's student and teacher tokens aligned by CrossTokenizerCollator's groups, the
-    loss align's fused cross-tokenizer loss (compute_cross_tokenizer_loss). A batch without the groups (a
-    collator of the caller's) is scored as one tokenizer's."""
+    """A member of another tokenizer: wraps a single-kind member (`member`: in process, stored rows holding the
+    teacher's own top-k, or served top-k, asked about its own tokenization of each row) and aligns each batch's
+    student and teacher tokens by CrossTokenizerCollator's groups, the loss align's fused cross-tokenizer loss
+    (compute_cross_tokenizer_loss). A batch without the groups (a collator of the caller's) is the member's own.
+    Which members it wraps is plan.py's OTHER_TOKENIZER_WRAPS; in a set, its in-process members (set_text_rows.py)."""
 
-    def __init__(self, setup: CrossTokenizerSetup, teacher_model: nn.Module | None, args: KDTrainingArguments,
-                 fused: bool) -> None:  # fmt: skip
+    def __init__(self, setup: CrossTokenizerSetup, member: TeacherSource, fused: bool) -> None:
         super().__init__(fused)
-        self.setup, self.model, self.args = setup, teacher_model, args
-        self.client = None  # a served teacher's, made (the server checked) for the first DataLoader
-        self.from_rows = teacher_model is None and not args.kd_teacher_url  # its top-k in the rows
+        self.setup, self.member = setup, member
+        self.model = getattr(member, "model", None)  # an in-process member's, frozen and placed
+        self.from_rows = member.from_rows  # its top-k in the rows
+        self.in_process, self.fetches = member.in_process, member.fetches
+        if isinstance(member, ServedTeacher):  # asked about the teacher's own tokens, over its own ids
+            member.ask_about_own_tokens(setup.vocab_map.teacher_vocab_size)
+
+    @property
+    def client(self):
+        """A served member's client (made, the server checked, for the first DataLoader), else None."""
+        return getattr(self.member, "client", None)
 
     def dataloader(self, dataloader, student_vocab_size):
-        if not self.args.kd_teacher_url:
-            return dataloader
-        self.prefetcher = self.asking(dataloader)  # asked about generated rows too
-        return dataloader if self.args.generates_every_step else self.prefetcher
+        dataloader = self.member.dataloader(dataloader, student_vocab_size)
+        self.prefetcher = self.member.prefetcher  # asked about generated rows too
+        return dataloader
 
     def eval_dataloader(self, dataloader, student_vocab_size):
-        return self.asking(dataloader, ahead=False) if self.args.kd_teacher_url else dataloader
-
-    def asking(self, dataloader, ahead: bool = True):
-        """A served teacher asked about its own tokenization of each batch (training's, evaluation's)."""
-        if self.client is None:
-            self.client = checked_teacher_client(
-                self.args, vocab_size=self.setup.vocab_map.teacher_vocab_size, keys=CROSS_TOKENIZER_KEYS
-            )
-        return prefetched(dataloader, self.client, keys=CROSS_TOKENIZER_KEYS, ahead=ahead)
+        return self.member.eval_dataloader(dataloader, student_vocab_size)
 
     def prepare(self, inputs: dict) -> dict:
-        require_teacher(inputs, has_model=self.model is not None)
+        inputs = self.member.prepare(inputs)
         if not is_cross_tokenizer_batch(inputs):  # across tokenizers teacher_input_ids are the same text's tokens
             require_teacher_prompt(self.model, inputs)
         return inputs
@@ -211,7 +211,7 @@ class OtherTokenizerTeacher(TeacherSource):
     def loss(self, model, inputs: dict, num_items_in_batch, cfg: KDLossConfig, log_now: bool,
              behaviour=None) -> KDStepOutput:  # fmt: skip
         if not is_cross_tokenizer_batch(inputs):
-            return one_teacher_loss(model, self.model, inputs, num_items_in_batch, cfg, log_now, self.fused, behaviour)
+            return self.member.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
         outputs = compute_cross_tokenizer_loss(
             model, self.model, inputs, self.setup.config, self.setup.vocab_map, num_items_in_batch
         )

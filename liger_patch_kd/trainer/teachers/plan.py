@@ -4,20 +4,21 @@ owns everything the teacher decides: the collator, the columns the Trainer keeps
 refusals of the model spread, the preparation of the teacher models and, once the student is prepared, the run's
 TeacherSource (base.py).
 
-A run's teacher is a set of members of one kind (one member is the usual set):
+A teacher is a member of one kind, each a file, built from its own arguments (base.Member) by `KINDS` below:
 
-    in process   a teacher_model here (in_process.py); several by name (several.py)
+    in process   a teacher_model here (in_process.py)
     self         the student itself (self_distill.py)
-    stored       rows that carry their teacher's data (stored.py); routed to named teachers (routed_offline.py);
-                 a rollout store's rows (offline_onpolicy/)
-    served       top-k or samples behind kd_teacher_url (served.py); several by name (served_several.py)
+    stored       rows that carry their teacher's data (stored.py); a rollout store's rows (offline_onpolicy/)
+    served       top-k or samples behind kd_teacher_url (served.py)
     hidden       a served teacher's hidden states and head (served_hidden.py)
 
-and a member of another tokenizer wraps any of the single kinds (other_tokenizer.py; several, in process:
-several_tokenizers.py). Kinds compose, none inherits from another: a served member is the fetch of its server's
-reply plus the stored member that scores the rows (served.py: `rows`), several served ones the fetch plus the
-routed-rows member, the student itself the in-process member behind its own check. `KINDS` below is where a kind
-is chosen: a new kind is a source file and one entry there.
+and a member of another tokenizer is a wrapper of the in-process, stored or served member
+(other_tokenizer.py: OtherTokenizerTeacher; OTHER_TOKENIZER_WRAPS). A run has a set of members: one member is the
+usual set; several by name (teacher_model={name: model}, kd_teacher_url={name: url}, stored rows naming their
+teacher) are one MemberSet (member_set.py: `set_of` reads them, each member built by KINDS as one alone is). Kinds
+compose, none inherits from another: a served member is the fetch of its server's reply plus the stored member
+that scores the rows (served.py: `rows`), the student itself the in-process member behind its own check. `KINDS`
+is where a kind is built and `kind_of` where it is chosen: a new kind is a source file, one entry and one branch.
 """
 
 from __future__ import annotations
@@ -49,34 +50,36 @@ from ..dataset_setup import (
     with_vocab_size,
 )
 from ..offline_onpolicy import OfflineRollouts
-from .base import TeacherSource
+from .base import Member, TeacherSource
 from .compute import prepare_teacher_compute
 from .in_process import InProcessTeacher
+from .member_set import MemberSet, set_of
 from .other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
-from .routed_offline import RoutedRowsTeacher, offline_routed_setup
+from .routes import TeacherRoutes
 from .self_distill import SelfDistillTeacher, self_distill_teacher
 from .served import ServedTeacher
 from .served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
-from .served_several import ServedTeachers
-from .several import SeveralTeachers, TeacherSetSetup, check_single_teacher
 from .stored import StoredTeacher
 
 
 @dataclass
 class TeacherPlan:
     """The resolved teacher of one KDTrainer run (see the module docstring). `kind` names the entry of KINDS that
-    builds its source; `teacher_model` is the one in-process teacher (frozen and placed by `source`)."""
+    builds its source; `teacher_model` is the one in-process teacher (frozen and placed by `source`); a set's
+    members (`members`, routed by `routes`) become `teacher_set` there."""
 
     args: Any
     kind: str
     kd_config: KDLossConfig
     teacher_model: nn.Module | None
-    teacher_set: TeacherSetSetup | None = None  # several named teachers (in process, served, or routed rows)
+    routes: TeacherRoutes | None = None  # several named members: which each row learns from
+    members: dict[str, Member] | None = None  # their own arguments (in process, served, or stored rows)
     xtok: CrossTokenizerSetup | None = None  # one teacher of another tokenizer
     offline: OfflineRollouts | None = None  # a rollout store
     prompt_rows: bool = False  # TRL's prompt / completion / messages rows
     tokenizer: Any = None  # the student's (processing_class)
     columns: list[str] = field(default_factory=list)  # the dataset columns the Trainer must keep
+    teacher_set: MemberSet | None = None  # the set's source, made by `source`
 
     def check_spread(self, accelerator: Any, student: nn.Module) -> None:
         """Refusals that depend on how accelerate spreads the models (FSDP1 and ZeRO-3 across tokenizers), before
@@ -95,10 +98,22 @@ class TeacherPlan:
             self.teacher_model = self_distill_teacher(args.kd_self_distill, student)  # self_distill.py
         elif self.teacher_model is not None:
             self.teacher_model = freeze(self.teacher_model)
-        if self.teacher_set is not None and self.teacher_set.models:
-            self.teacher_set.models = {name: freeze(m) for name, m in self.teacher_set.models.items()}
+        for member in (self.members or {}).values():
+            member.model = None if member.model is None else freeze(member.model)
         prepare_teacher_compute(args, self.teacher_model)
-        return KINDS[self.kind](self, args.use_kd_patch)
+        return self.member_source(self.kind, Member(self.teacher_model, args.kd_teacher_url,
+                                                    args.kd_teacher_protocol, self.xtok))  # fmt: skip
+
+    def member_set(self, fused: bool) -> MemberSet:
+        """The set's source: each member's own (KINDS, as one alone would be), routed by `routes`."""
+        members = {name: self.member_source(member_kind(member), member) for name, member in self.members.items()}
+        self.teacher_set = MemberSet(self.routes, members, fused)
+        return self.teacher_set
+
+    def member_source(self, kind: str, member: Member) -> TeacherSource:
+        """One member's source: its kind's (KINDS), wrapped when the member is of another tokenizer."""
+        source = KINDS[kind](self, member, self.args.use_kd_patch)
+        return source if member.xtok is None else OtherTokenizerTeacher(member.xtok, source, self.args.use_kd_patch)
 
     def check_generation(self, generates: bool) -> None:
         """Steps that sample completions need a teacher to score or to sample them."""
@@ -112,36 +127,49 @@ class TeacherPlan:
             )
 
 
-# kind -> its source, built once the models are prepared (TeacherPlan.source)
-KINDS: dict[str, Callable[[TeacherPlan, bool], TeacherSource]] = {
-    "several in process": lambda plan, fused: SeveralTeachers(plan.teacher_set, fused),
-    "other tokenizer": lambda plan, fused: OtherTokenizerTeacher(plan.xtok, plan.teacher_model, plan.args, fused),
-    "rollout store": lambda plan, fused: plan.offline.teacher_source(fused),
-    "several served": lambda plan, fused: ServedTeachers(plan.teacher_set, plan.args, fused),
-    "routed rows": lambda plan, fused: RoutedRowsTeacher(plan.teacher_set, fused),
-    "served hidden": lambda plan, fused: ServedHiddenTeacher(plan.args, plan.tokenizer, fused),
-    "served": lambda plan, fused: ServedTeacher(plan.args, fused),
-    "self": lambda plan, fused: SelfDistillTeacher(plan.teacher_model, fused),
-    "in process": lambda plan, fused: InProcessTeacher(plan.teacher_model, fused),
-    "stored": lambda plan, fused: StoredTeacher(fused),
+# kind -> its source from one member's arguments, built once the models are prepared (TeacherPlan.source)
+KINDS: dict[str, Callable[[TeacherPlan, Member, bool], TeacherSource]] = {
+    "set": lambda plan, member, fused: plan.member_set(fused),  # several members by name (member_set.py)
+    "rollout store": lambda plan, member, fused: plan.offline.teacher_source(fused),
+    "served hidden": lambda plan, member, fused: ServedHiddenTeacher(plan.args, plan.tokenizer, fused, member.url),
+    "served": lambda plan, member, fused: ServedTeacher(plan.args, fused, member.url, member.protocol),
+    "self": lambda plan, member, fused: SelfDistillTeacher(member.model, fused),
+    "in process": lambda plan, member, fused: InProcessTeacher(member.model, fused),
+    "stored": lambda plan, member, fused: StoredTeacher(fused),
 }
+# the kinds a teacher of another tokenizer wraps: its own top-k (stored, served) or its model here
+OTHER_TOKENIZER_WRAPS = ("in process", "stored", "served")
 
 
-def kind_of(args: Any, teacher_set: TeacherSetSetup | None, xtok: Any, offline: Any, teacher_model: Any) -> str:
-    """The one place the kind of a run's teacher is chosen (an entry of KINDS)."""
-    if teacher_set is not None and not teacher_set.served:
-        return "several in process"
-    if xtok is not None:
-        return "other tokenizer"
+def member_kind(member: Member) -> str:
+    """The kind of one member from its own arguments: served (top-k / samples, or hidden), in process, stored."""
+    if member.url:
+        return "served hidden" if member.protocol == HIDDEN_PROTOCOL else "served"
+    return "in process" if member.model is not None else "stored"
+
+
+def kind_of(args: Any, offline: Any, teacher_model: Any) -> str:
+    """The one place the kind of a run's one teacher is chosen (an entry of KINDS)."""
     if offline is not None:  # a rollout store's rows (a teacher_model only rescores refreshed ones)
         return "rollout store"
-    if teacher_set is not None:  # rows routed to named teachers: served by each, or stored
-        return "several served" if isinstance(args.kd_teacher_url, Mapping) else "routed rows"
-    if args.kd_teacher_url:
-        return "served hidden" if args.kd_teacher_protocol == HIDDEN_PROTOCOL else "served"
     if args.kd_self_distill:
         return "self"
-    return "in process" if teacher_model is not None else "stored"
+    return member_kind(Member(teacher_model, args.kd_teacher_url, args.kd_teacher_protocol))
+
+
+def check_other_tokenizer_wraps(kind: str, args: Any) -> None:
+    """A teacher of another tokenizer wraps the kinds whose signal can be aligned across tokenizers; any other is
+    refused in one line when the teacher is resolved, before any long work."""
+    if kind not in OTHER_TOKENIZER_WRAPS:
+        why = {
+            "self": f"kd_self_distill={args.kd_self_distill!r}: the student is of its own tokenizer",
+            "served hidden": "kd_teacher_protocol='hidden': its hidden states score over the student's vocabulary",
+        }
+        raise ValueError(
+            f"kd_teacher_tokenizer / teacher_tokenizer (a teacher of another tokenizer) wraps a teacher in process, "
+            f"stored rows or a served top-k teacher; this run's is {kind!r} ({why.get(kind, kind)}): unset the "
+            f"teacher tokenizer, or give a teacher_model or a top-k protocol"
+        )
 
 
 def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tokenizer: Any,
@@ -150,26 +178,22 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     data_collator is set to the teacher's (a given one kept, wrapped for routing when several teachers route rows).
     Every check of the teacher against the rows and the models runs here, before any long work."""
     tokenizer, rows = kwargs.get("processing_class"), kwargs.get("train_dataset")
-    teacher_set = None
-    if isinstance(teacher_model, (Mapping, nn.ModuleDict)):  # several teachers by name (several.py)
-        teacher_set = TeacherSetSetup(teacher_model, args, teacher_tokenizer, student=(model, tokenizer))
+    found = set_of((model, tokenizer), teacher_model, args, teacher_tokenizer, rows, first_row_of(rows))
+    routes, members = found if found is not None else (None, None)  # several members by name (member_set.py)
+    if isinstance(teacher_model, (Mapping, nn.ModuleDict)):  # the set's members hold the models
         teacher_model = None
-    elif isinstance(args.kd_teacher_url, Mapping):  # several served teachers (served_several.py)
-        teacher_set = TeacherSetSetup(dict.fromkeys(args.kd_teacher_url), args, teacher_tokenizer, served=True)
-    else:  # one teacher (or none): kd_teacher_weights or a routing column would be ignored
-        check_single_teacher(args, first_row_of(rows))
-        # offline rows naming their teachers (teacher.RoutedTeacherData): the names kept for per-teacher logs
-        teacher_set = offline_routed_setup(args, rows, first_row_of(rows), teacher_model)
     if args.kd_teacher_url and teacher_model is not None:
         raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
     xtok, kd_config = None, args.kd_loss_config()
-    if teacher_set is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
+    if members is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
+        check_other_tokenizer_wraps(kind_of(args, None, teacher_model), args)
         xtok = CrossTokenizerSetup.build(args, tokenizer, model, teacher_model, teacher_tokenizer=teacher_tokenizer)
         kwargs["data_collator"] = kwargs.get("data_collator") or xtok.collator
     else:
         kd_config = with_vocab_size(kd_config, model, teacher_model, tokenizer)
-        for member in teacher_set.student_vocab_teachers() if teacher_set else ():  # one vocab_size
-            kd_config = with_vocab_size(kd_config, model, member, tokenizer)
+        for member in (members or {}).values():  # one vocab_size: the members of the student's tokenizer
+            if member.model is not None and member.xtok is None:
+                kd_config = with_vocab_size(kd_config, model, member.model, tokenizer)
     # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
     evaluation = kwargs.get("eval_dataset")
     offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer, evaluation)
@@ -178,12 +202,13 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     check_training_rows(args, kd_config, rows, kwargs.get("data_collator"), teacher_model, evaluation)
     if xtok is not None:  # across tokenizers a store holds the teacher tokenizer's ids
         check_store_tokenizer(xtok.collator.teacher_tokenizer, rows, evaluation, "the teacher's tokenizer")
-    elif not (teacher_set is not None and teacher_set.tokenizers):
+    elif not (routes is not None and routes.tokenizers):
         check_store_tokenizer(tokenizer, rows, evaluation)
     evaluations = list(evaluation.values()) if isinstance(evaluation, Mapping) else [evaluation]
     prompt_kinds = {first_row_is_prompt(d) for d in (rows, *evaluations) if d is not None}
-    plan = TeacherPlan(args, kind_of(args, teacher_set, xtok, offline, teacher_model), kd_config, teacher_model,
-                       teacher_set, xtok, offline, True in prompt_kinds, tokenizer)  # fmt: skip
+    kind = "set" if members is not None else kind_of(args, offline if xtok is None else None, teacher_model)
+    plan = TeacherPlan(args, kind, kd_config, teacher_model, routes, members, xtok, offline,
+                       True in prompt_kinds, tokenizer)  # fmt: skip
     both_kinds = len(prompt_kinds) > 1  # prompt rows and token rows: each batch collated by its kind
     kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows, both_kinds)
     plan.columns = kept_columns(plan)
@@ -211,7 +236,7 @@ def teacher_collator(plan: TeacherPlan, given: Any, rows: Any, both_kinds: bool 
     if prompts is not None and both_kinds:
         given = PromptOrTokenCollator(prompts, given)
     # each row's 'teacher' / 'teacher_weights' become the batch's mixture
-    return plan.teacher_set.collator(given) if plan.teacher_set is not None else given
+    return plan.routes.collator(given) if plan.routes is not None else given
 
 
 def kept_columns(plan: TeacherPlan) -> list[str]:
@@ -219,7 +244,7 @@ def kept_columns(plan: TeacherPlan) -> list[str]:
     teacher's collator reads."""
     extra = [*TEACHER_DATA_COLUMNS, POSITION_IDS, *(CROSS_TOKENIZER_COLUMNS if plan.xtok is not None else ())]
     extra += list(PROMPT_COLUMNS) if plan.prompt_rows else []
-    extra += list(ROUTING_COLUMNS) if plan.teacher_set is not None else []
+    extra += list(ROUTING_COLUMNS) if plan.routes is not None else []
     extra += list(PRIVILEGED_COLUMNS)
     extra += list(plan.offline.columns) if plan.offline is not None else []  # a rollout store's log-probs
     return extra

@@ -24,13 +24,15 @@ logger = logging.get_logger(__name__)
 
 
 def checked_teacher_client(
-    args: KDTrainingArguments, *, vocab_size: int, keys: tuple[str, str] | None = None, tokenizer: Any = None
-) -> TeacherClient:
-    """The client of the one served top-k (or sampled) teacher at args.kd_teacher_url (KDTrainingArguments'
-    kd_teacher_* fields), the server asked what it serves first (check_teacher_server): when the first DataLoader is
-    made, before the first step. `keys`: CROSS_TOKENIZER_KEYS when it is asked about the teacher's own tokens."""
+    args: KDTrainingArguments, *, vocab_size: int, keys: tuple[str, str] | None = None, tokenizer: Any = None,
+    url: str | None = None, protocol: str | None = None,
+) -> TeacherClient:  # fmt: skip
+    """The client of a served top-k (or sampled) teacher at `url` with `protocol` (default: args.kd_teacher_url and
+    kd_teacher_protocol; KDTrainingArguments' other kd_teacher_* fields), the server asked what it serves first
+    (check_teacher_server): when the first DataLoader is made, before the first step. `keys`: CROSS_TOKENIZER_KEYS
+    when it is asked about the teacher's own tokens."""
     client = teacher_client(
-        args, args.kd_teacher_url, args.kd_teacher_protocol, vocab_size=vocab_size,
+        args, url or args.kd_teacher_url, protocol or args.kd_teacher_protocol, vocab_size=vocab_size,
         samples=args.kd_teacher_samples, sample_seed=args.kd_teacher_sample_seed,
         sample_temperature=args.kd_temperature,  # drawn at the training temperature: the estimate is then exact
     )  # fmt: skip
@@ -120,7 +122,7 @@ def check_served_vocabulary(
 def check_teacher_protocol(args: KDTrainingArguments) -> None:
     """kd_teacher_protocol, validated here alone when the arguments are made: one protocol (str) for a served
     teacher, or {name: protocol} naming each of kd_teacher_url's served teachers. The kinds it chooses are
-    teachers/plan.py's (served.py, served_hidden.py, served_several.py)."""
+    teachers/plan.py's (served.py, served_hidden.py; several: member_set.py, set_fetch.py)."""
     protocol, urls, known = args.kd_teacher_protocol, args.kd_teacher_url, (AUTO_PROTOCOL, *PROTOCOLS, HIDDEN_PROTOCOL)
     if isinstance(protocol, Mapping):
         if not isinstance(urls, Mapping):
@@ -142,7 +144,7 @@ def check_served_teacher_args(args: KDTrainingArguments) -> None:
     arguments are made."""
     if not args.kd_teacher_url or args.kd_teacher_protocol == HIDDEN_PROTOCOL:  # the exact one: served_hidden.py
         return
-    if isinstance(args.kd_teacher_protocol, Mapping):  # one per served teacher: served_several.py checks them
+    if isinstance(args.kd_teacher_protocol, Mapping):  # one per served teacher: set_fetch.py checks them
         return
     if args.kd_teacher_samples is not None:
         check_served_samples_args(args)
@@ -207,17 +209,32 @@ def check_served_samples_args(args: KDTrainingArguments) -> None:
 
 
 class ServedTeacher(TeacherSource):
-    """One teacher behind kd_teacher_url: each batch's top-k (and / or samples) asked of the server `depth` batches
-    ahead by a TeacherPrefetcher wrapping the DataLoader (the fetch, here), the rows then scored by the stored
-    member (`rows`), as a store's rows are."""
+    """A teacher behind `url` (default kd_teacher_url): each batch's top-k (and / or samples) asked of the server
+    `depth` batches ahead by a TeacherPrefetcher wrapping the DataLoader (the fetch, here), the rows then scored by
+    the stored member (`rows`), as a store's rows are. In a set, the set asks it about its own rows (set_fetch.py)."""
 
     from_rows = False  # the server is asked about every batch, evaluation's too
+    fetches = True
 
-    def __init__(self, args: KDTrainingArguments, fused: bool) -> None:
+    def __init__(self, args: KDTrainingArguments, fused: bool, url: str | None = None,
+                 protocol: str | None = None) -> None:  # fmt: skip
         super().__init__(fused)
         self.args = args
+        self.url, self.protocol = url or args.kd_teacher_url, protocol or args.kd_teacher_protocol
+        self.keys: tuple[str, str] | None = None  # the student's tokens; CROSS_TOKENIZER_KEYS: the teacher's own
+        self.own_vocab_size: int | None = None  # the ids of the teacher's own tokenizer, asked about its own tokens
         self.client: TeacherClient | None = None  # made, and the server checked, for the first DataLoader
         self.rows = StoredTeacher(fused)  # a batch with the server's reply attached carries its teacher's data
+
+    def ask_about_own_tokens(self, vocab_size: int) -> None:
+        """Ask the server about the teacher's own tokenization of each row, over its own `vocab_size` ids (a
+        teacher of another tokenizer: other_tokenizer.py wraps this member)."""
+        self.keys, self.own_vocab_size = CROSS_TOKENIZER_KEYS, vocab_size
+
+    def checked_client(self, student_vocab_size: int) -> TeacherClient:
+        """Its client, the server checked (checked_teacher_client) over the ids of the loss."""
+        return checked_teacher_client(self.args, vocab_size=self.own_vocab_size or student_vocab_size, keys=self.keys,
+                                      url=self.url, protocol=self.protocol)  # fmt: skip
 
     def dataloader(self, dataloader, student_vocab_size):
         self.prefetcher = self.asking(dataloader, student_vocab_size)
@@ -229,8 +246,8 @@ class ServedTeacher(TeacherSource):
 
     def asking(self, dataloader, student_vocab_size, ahead: bool = True) -> TeacherPrefetcher:
         if self.client is None:
-            self.client = checked_teacher_client(self.args, vocab_size=student_vocab_size())
-        return prefetched(dataloader, self.client, ahead=ahead)
+            self.client = self.checked_client(student_vocab_size())
+        return prefetched(dataloader, self.client, keys=self.keys, ahead=ahead)
 
     def prepare(self, inputs: dict) -> dict:
         return self.rows.prepare(inputs)

@@ -39,7 +39,7 @@ def check_served_hidden_args(args: KDTrainingArguments) -> None:
     protocols' checks are teachers/served.py's)."""
     if not args.kd_teacher_url or args.kd_teacher_protocol != HIDDEN_PROTOCOL:
         return
-    if isinstance(args.kd_teacher_url, Mapping):  # several served teachers: served_several.py checks them
+    if isinstance(args.kd_teacher_url, Mapping):  # several served teachers: set_fetch.py checks them
         return
     check_hidden_dtype(args)
     check_client_timing(args)
@@ -104,12 +104,15 @@ class HeadOnDevice:
 
 
 class ServedHiddenTeacher(TeacherSource):
-    """One teacher served as hidden states (see the module docstring). `vocab_size`: the vocabulary read from the
-    served head when the dataloader is made (None: the Trainer's kd_config decides, heads of one size)."""
+    """A teacher served as hidden states at `url` (default kd_teacher_url; see the module docstring). `vocab_size`:
+    the vocabulary read from the served head when the dataloader is made (None: the Trainer's kd_config decides,
+    heads of one size). In a set, the set asks it about its own rows (set_fetch.py) and puts its head (`head`)."""
 
-    def __init__(self, args: KDTrainingArguments, tokenizer: Any, fused: bool) -> None:
+    fetches = True
+
+    def __init__(self, args: KDTrainingArguments, tokenizer: Any, fused: bool, url: str | None = None) -> None:
         super().__init__(fused)
-        self.args, self.tokenizer = args, tokenizer
+        self.args, self.tokenizer, self.url = args, tokenizer, url or args.kd_teacher_url
         self.client: HiddenClient | None = None
         self.head = HeadOnDevice()
 
@@ -129,7 +132,7 @@ class ServedHiddenTeacher(TeacherSource):
         """`dataloader` (training's or evaluation's) wrapped to fetch each batch's hidden states; the client made,
         and the served head read, for the first DataLoader (the head then cached, fetched again for new weights)."""
         if self.client is None:
-            self.client = teacher_client(self.args, self.args.kd_teacher_url, HIDDEN_PROTOCOL)
+            self.client = teacher_client(self.args, self.url, HIDDEN_PROTOCOL)
             self.vocab_size = self.served_vocab_size(student_vocab_size())
         return prefetched(dataloader, self.client, depth=depth, kind=HiddenPrefetcher, ahead=ahead)
 
@@ -153,7 +156,7 @@ class ServedHiddenTeacher(TeacherSource):
     def prepare(self, inputs: dict) -> dict:
         if not carries_hidden(inputs):
             raise ValueError(
-                f"no teacher: the batch has no {TEACHER_HIDDEN_STATES} from kd_teacher_url={self.args.kd_teacher_url} "
+                f"no teacher: the batch has no {TEACHER_HIDDEN_STATES} from kd_teacher_url={self.url} "
                 f"(kd_teacher_protocol='hidden'), which the training and evaluation DataLoaders' batches and generated "
                 f"rows are asked for; score other batches with an in-process teacher_model"
             )

@@ -1,21 +1,22 @@
-"""Several teachers whose tokenizers differ from the student's and from each other's: `KDTrainer(teacher_model=
-{"math": m1, "code": m2}, teacher_tokenizer={"code": code_tok})` (or `kd_teacher_tokenizer={"code": "path"}`,
-loaded with AutoTokenizer); a teacher left out, or given None, shares the student's tokenizer.
+"""The text rows of a teacher set whose in-process members have tokenizers of their own (other_tokenizer.py wraps
+each such member): `KDTrainer(teacher_model={"math": m1, "code": m2}, teacher_tokenizer={"code": code_tok})` (or
+`kd_teacher_tokenizer={"code": "path"}`, loaded with AutoTokenizer); a member left out, or given None, shares the
+student's tokenizer.
 
 Rows are text (TRL's prompt / completion, or messages): only text can be tokenized both ways. Each row's student
-tokens come from the student's tokenizer once (align.CrossTokenizerCollator.student_tokens); each teacher of another
+tokens come from the student's tokenizer once (align.CrossTokenizerCollator.student_tokens); each member of another
 tokenizer tokenizes and aligns the rows that give it a weight > 0 (its own CrossTokenizerCollator), under the
-batch's TOKENIZER_TEACHERS: {name: its columns}. The loss (several_tokenizers_loss.py) runs the student once and scores
-every row by its own teachers, each part weighted per row by its share of the row's weights w_r:
+batch's TOKENIZER_TEACHERS: {name: its columns}. The loss (mixture_loss.py) runs the student once and scores every
+row by its own members, each part weighted per row by its share of the row's weights w_r:
 
-    share_same(r) = sum of w_rj over the teachers of the student's tokenizer      (the fused several-teacher loss)
-    share_j(r)    = w_rj for a teacher j of another tokenizer                     (the fused cross-tokenizer loss)
+    share_same(r) = sum of w_rj over the members of the student's tokenizer      (the fused several-teacher loss)
+    share_j(r)    = w_rj for a member j of another tokenizer                     (the fused cross-tokenizer loss)
 
-A routed row (one-hot w_r) is then exactly its own teacher's loss; with kd_teacher_mixture="loss" a mixed row is
+A routed row (one-hot w_r) is then exactly its own member's loss; with kd_teacher_mixture="loss" a mixed row is
 sum_j w_rj D_j(r) + CE(r) (CE counted once: the shares sum to 1). The mixture of distributions P = sum_j w_j P_j is
 not defined across vocabularies (the P_j live on different ids; projecting them is another objective), so under
-kd_teacher_mixture="distribution" a row weighing a teacher of another tokenizer together with any other teacher is
-refused; a mixture among the student-tokenizer teachers stays a mixture of their distributions.
+kd_teacher_mixture="distribution" a row weighing a member of another tokenizer together with any other member is
+refused; a mixture among the student-tokenizer members stays a mixture of their distributions.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ...batch.columns import (
     TEACHER_TOKEN_IDS,
     TOKENIZER_TEACHERS,
 )
+from .base import Member
 from .other_tokenizer import CrossTokenizerSetup
 
 # a teacher's own columns, from its CrossTokenizerCollator (on its rows only)
@@ -75,7 +77,7 @@ def given_tokenizers(names: Sequence[str], args: Any, teacher_tokenizer: Any) ->
 
 
 class TokenizerTeachers:
-    """The several-teacher run's teachers of other tokenizers (`cross`: name -> CrossTokenizerSetup, its vocabulary
+    """The set's members of other tokenizers (`cross`: name -> CrossTokenizerSetup, its vocabulary
     map, collator and loss options); the other teachers (`same`: their indices) share the student's tokenizer."""
 
     def __init__(self, names: Sequence[str], cross: dict[str, CrossTokenizerSetup], mixture: str) -> None:
@@ -85,10 +87,12 @@ class TokenizerTeachers:
 
     @classmethod
     def build(
-        cls, names: Sequence[str], models: Mapping[str, nn.Module], args: Any, teacher_tokenizer: Any,
-        student_model: nn.Module | None, student_tokenizer: Any,
+        cls, members: Mapping[str, Member], args: Any, teacher_tokenizer: Any, student_model: nn.Module | None,
+        student_tokenizer: Any,
     ) -> TokenizerTeachers | None:  # fmt: skip
-        """None when every teacher shares the student's tokenizer (the plain several-teacher path)."""
+        """The set's members of other tokenizers, each in-process `members[name]` given its CrossTokenizerSetup
+        (`xtok`: the wrapper's); None when every member shares the student's tokenizer."""
+        names = list(members)
         tokenizers = given_tokenizers(names, args, teacher_tokenizer)
         if not tokenizers:
             return None
@@ -103,11 +107,10 @@ class TokenizerTeachers:
                 f"(world_size is {args.world_size}): the student's decoder is called outside its forward, where "
                 f"DDP syncs no gradient and FSDP gathers no weight. Train in one process, or with one teacher"
             )
-        cross = {
-            name: CrossTokenizerSetup.build(args, student_tokenizer, student_model, models[name], teacher_tokenizer=tok)
-            for name, tok in tokenizers.items()
-        }
-        return cls(names, cross, args.kd_teacher_mixture)
+        for name, tok in tokenizers.items():
+            members[name].xtok = CrossTokenizerSetup.build(args, student_tokenizer, student_model, members[name].model,
+                                                           teacher_tokenizer=tok)  # fmt: skip
+        return cls(names, {name: members[name].xtok for name in tokenizers}, args.kd_teacher_mixture)
 
     def index(self, name: str) -> int:
         return self.names.index(name)

@@ -1,17 +1,21 @@
-"""The loss of a batch from TokenizerTeachers.collate: the student once, each row against its own teachers, the
-student-tokenizer teachers' share through losses.fused_linear_multi_teacher_jsd and each other-tokenizer teacher's
-through the fused cross-tokenizer loss (other_tokenizer_loss.live_teacher_loss), one denominator for all.
+"""The loss of a teacher set's members in process, each row scored against its own members (routed: one; mixed:
+their weights, the batch's `teacher_mixture`), the student run once. Members of the student's tokenizer go through
+the fused several-teacher loss (models.teachers.TeacherSet: the mixture of distributions by default,
+kd_teacher_mixture="loss" for the mixture of losses), through the patched forward (fused) or on materialised logits.
 
-As with one teacher of another tokenizer, the models' decoders are called directly (not the patched forward), so
-the path suits DDP / single-device runs; use_kd_patch does not change it (both parts are fused, no logits).
+With members of other tokenizers (set_text_rows.py collates their rows) the student-tokenizer members' share goes
+through losses.fused_linear_multi_teacher_jsd and each other-tokenizer member's through the fused cross-tokenizer
+loss (other_tokenizer_loss.live_teacher_loss), one denominator for all. As with one teacher of another tokenizer,
+the models' decoders are called directly (not the patched forward), so that path suits DDP / single-device runs;
+use_kd_patch does not change it (both parts are fused, no logits).
 
-Logged per teacher on logging steps: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>`. A student-tokenizer
-teacher's are models.teachers.per_teacher_metrics' (up to 256 of its rows). A teacher of another tokenizer's
+Logged per member on logging steps: `kd_soft_loss/<name>` and `kd_top1_agreement/<name>`. A student-tokenizer
+member's are models.teachers.per_teacher_metrics' (up to 256 of its rows). A member of another tokenizer's
 `kd_soft_loss/<name>` is its cross-tokenizer loss per labelled student token of its rows (each row weighted by
-its weight for that teacher: routed rows, the plain mean), read off the training call; its top-1 agreement is
+its weight for that member: routed rows, the plain mean), read off the training call; its top-1 agreement is
 measured on up to 256 one-to-one groups (one token each side, the same text span after the same text), where the
 two most likely tokens agree if they are the same string (the vocabulary map's pair; a token outside the map
-never agrees). A teacher no row of the batch uses logs 0 for both.
+never agrees). A member no row of the batch uses logs 0 for both.
 """
 
 from __future__ import annotations
@@ -21,23 +25,63 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...batch.columns import ALIGN_EXACT_OK, STUDENT_ALIGN_GROUPS, TEACHER_ALIGN_GROUPS, TOKENIZER_TEACHERS
+from ...batch.columns import (
+    ALIGN_EXACT_OK,
+    STUDENT_ALIGN_GROUPS,
+    TEACHER_ALIGN_GROUPS,
+    TEACHER_INPUT_IDS,
+    TEACHER_SAMPLE_IDS,
+    TEACHER_TOKEN_IDS,
+    TOKENIZER_TEACHERS,
+)
 from ...config import KDLossConfig
 from ...losses import fused_linear_multi_teacher_jsd
 from ...models import unwrap_model
-from ...models.kd_io import KDCausalLMOutput, shift_labels
+from ...models.kd_io import KDCausalLMOutput, shift_labels, targets_of
+from ...models.materialised import materialised_kd
 from ...models.registry import softcap_of
+from ...models.signals import Scored, TeacherMix
 from ...models.teachers import METRIC_ROWS, TeacherSet, head_logits, per_teacher_metrics
 from .other_tokenizer_loss import last_hidden_and_head, live_teacher_loss, model_head_inputs
-from .several_tokenizers import TokenizerTeachers
+from .set_text_rows import TokenizerTeachers
+
+
+def live_set_loss(model: nn.Module, teachers: dict[str, nn.Module], tokenizers: TokenizerTeachers | None,
+                  mixture: str, inputs: dict, weights: torch.Tensor, num_items_in_batch, cfg: KDLossConfig,
+                  fused: bool, log: bool) -> KDCausalLMOutput:  # fmt: skip
+    """The KD forward against the in-process members `teachers` (name -> model, in the set's order), `weights` the
+    batch's (B, J) mixture: fused through the patched model, else on materialised logits; with members of other
+    tokenizers (`tokenizers`), tokenizer_teachers_loss."""
+    if tokenizers is not None:  # some members have their own tokenizers
+        return tokenizer_teachers_loss(model, teachers, tokenizers, inputs, weights, num_items_in_batch, cfg, log)
+    if inputs.get(TEACHER_INPUT_IDS) is not None:  # a teacher's own tokens (other prompt or tokenizer)
+        raise ValueError(
+            "the batch carries teacher_input_ids (a teacher's own prompt or tokenization), which several "
+            "in-process teachers do not read yet: every teacher here scores the student's input_ids"
+        )
+    if inputs.get(TEACHER_TOKEN_IDS) is not None or inputs.get(TEACHER_SAMPLE_IDS) is not None:
+        raise ValueError(
+            "batches with teacher_token_ids / teacher_sample_ids (offline data) and several live teachers: pass "
+            "one or the other. "
+            "Offline rows routed to several teachers are one store whose rows hold each its own teacher's top-k"
+        )
+    chosen = TeacherSet(teachers, weights, mixture)
+    if fused:
+        return model(
+            **inputs, kd_teacher_set=chosen, num_items_in_batch=num_items_in_batch, kd_log_agreement=log,
+            kd_config=cfg,
+        )  # fmt: skip
+    targets = targets_of(inputs.pop("labels"), inputs.pop("shift_labels", None), cfg.ignore_index)
+    scored = Scored(targets, cfg, num_items_in_batch, log)
+    return materialised_kd(unwrap_model(model), model, TeacherMix(chosen), scored, inputs)
 
 
 def tokenizer_teachers_loss(
     model: nn.Module, teachers: dict[str, nn.Module], setup: TokenizerTeachers, inputs: dict, weights: torch.Tensor,
     num_items_in_batch, cfg: KDLossConfig, log: bool,
 ) -> KDCausalLMOutput:  # fmt: skip
-    """soft_weight * KD + hard_weight * CE of the batch, each row against its own teachers (the module docstring
-    of several_tokenizers.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
+    """soft_weight * KD + hard_weight * CE of the batch, each row against its own members (the module docstring
+    of set_text_rows.py); `weights` (B, J) in the order of `setup.names`. The output carries the loss, the two
     terms (detached) and, on logging steps, the per-teacher figures, as the patched forward's."""
     parts = inputs.pop(TOKENIZER_TEACHERS)
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
