@@ -24,7 +24,7 @@ for what in "${@:-all}"; do
     tests|all)
       # one thread a worker (16 workers x torch's 16 threads starved the servers the tests start: timeouts), each
       # slow phase and failure written as it ends (KD_TEST_TIMES; a cut run still names them); KD_TEST_ORDER=<an
-      # earlier run's times file> runs the slowest first (default: tests/gpu_durations.txt, an H200 run's)
+      # earlier run's times file> runs the slowest first (default: tests/gpu_durations.txt, a GPU run's)
       OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 KD_TEST_TIMES="$OUT/test_times.txt" \
         KD_TEST_ORDER="${KD_TEST_ORDER:-tests/gpu_durations.txt}" python3 -m pytest \
         -n "${WORKERS:-16}" --dist "${DIST:-worksteal}" -rfE --durations=30 -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
