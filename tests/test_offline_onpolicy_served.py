@@ -274,3 +274,22 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, dirs, engine, 
     assert len(err.splitlines()) == 1 and needle.format(port=port) in err, err
     assert KEY not in err
     assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_own_token_logprobs_of_json_replies():
+    """The teacher's log-prob of each sequence's own next token, read off vLLM's prompt_logprobs (the token's own
+    entry, outside the top-k too) and SGLang's input_token_logprobs; anything else is refused naming the token."""
+    from liger_patch_kd.wire.protocols import TeacherReplyError, own_token_logprobs
+
+    seq = [5, 7, 9]
+    vllm = {"choices": [{"index": 0, "prompt_logprobs": [
+        None, {"3": {"logprob": -0.1, "rank": 1}, "7": {"logprob": -4.5, "rank": 9}},
+        {"9": {"logprob": -0.25, "rank": 1}},
+    ]}]}  # fmt: skip
+    sglang = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-4.5, 7, None], [-0.25, 9, None]]}}
+    for protocol, reply in (("vllm", vllm), ("sglang", sglang)):
+        (got,) = own_token_logprobs(protocol, reply, [seq], request="r")
+        assert got.tolist() == [-4.5, -0.25, float("-inf")], protocol
+    vllm["choices"][0]["prompt_logprobs"][2]["9"]["logprob"] = 0.5
+    with pytest.raises(TeacherReplyError, match="the log-prob of token 2 \\(9\\) is '0.5'"):
+        own_token_logprobs("vllm", vllm, [seq], request="r")

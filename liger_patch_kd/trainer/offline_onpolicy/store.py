@@ -1,6 +1,8 @@
 """Writing a rollout store: the student's own completions to a set of prompts, sampled once, scored by the teacher
 once, written as a resumable, checksummed store (teacher/store/rollouts.py is the format) that KDTrainer trains on
-like any store, with the on-policy losses too (kd_onpolicy_loss k1 / pg read the stored log-probs).
+like any store, with the on-policy losses too (kd_onpolicy_loss k1 / pg read the stored log-probs). The student may
+be an engine at a URL (engine_student.EngineStudent: its completions and behaviour log-probs asked of it) and the
+teacher a server (served_teacher.ServedTeacher); the manifest then names them by URL and model.
 
 Prompts are generated from in fixed calls of `prompts_per_call` prompts: call c holds prompts [c * B, (c + 1) * B)
 and samples exactly what an in-process on-policy step c would sample from them with this seed
