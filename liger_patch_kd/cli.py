@@ -87,52 +87,89 @@ def _precompute(args) -> None:
 
 
 def _precompute_rollouts(args) -> None:
-    """--rollouts-from: the student's rollouts, scored by the teacher (trainer/offline_onpolicy/store.py). Every
-    input is checked against the tokenizers and configs before either model's weights load."""
+    """--rollouts-from: the student's rollouts, scored by the teacher (trainer/offline_onpolicy/store.py). The
+    student runs here or is served (an engine URL), the teacher runs here or is served (--teacher-url). Every input
+    is checked against the tokenizers, the configs and what the servers list before any model's weights load."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from .cli_checks import is_url
     from .teacher import tokenizer_fingerprint
     from .teacher.precompute import check_precompute_args, file_fingerprint
     from .teacher.store import check_store_folder
     from .trainer.offline_onpolicy import ScoreOptions, precompute_rollouts
-    from .trainer.offline_onpolicy.store import check_rollout_inputs, read_prompt_rows
+    from .trainer.offline_onpolicy.engine_student import EngineStudent
+    from .trainer.offline_onpolicy.served_teacher import ServedTeacher
+    from .trainer.offline_onpolicy.store import check_rollout_inputs, check_vocabularies, read_prompt_rows
     from .trainer.rollouts.generate import RolloutSettings
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.rollouts_from)
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(args.teacher)
-    except (OSError, ValueError):
-        teacher_tokenizer = None  # a teacher folder without one: it is taken to share the student's
-    if teacher_tokenizer is not None and tokenizer_fingerprint(teacher_tokenizer) != tokenizer_fingerprint(tokenizer):
-        raise ValueError(
-            f"--teacher {args.teacher} has another tokenizer than --rollouts-from {args.rollouts_from}: a rollout "
-            f"store pairs the teacher's log-probs with the student's tokens one for one; score with a teacher of the "
-            f"student's tokenizer (across tokenizers, train on-policy online with kd_teacher_tokenizer)"
-        )
-    configs = [AutoConfig.from_pretrained(m).get_text_config() for m in (args.rollouts_from, args.teacher)]
-    check_precompute_args(configs[1].vocab_size, top_k=args.top_k, temperature=args.temperature,
-                          shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding,
-                          samples=args.samples)  # fmt: skip
+    connection = {"timeout": 600.0 if args.url_timeout is None else args.url_timeout,
+                  "retries": 3 if args.url_retries is None else args.url_retries}  # fmt: skip
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = EngineStudent(args.rollouts_from, **connection) if is_url(args.rollouts_from) else None
+    served = None
+    if args.teacher_url:
+        served = ServedTeacher(args.teacher_url, args.teacher_protocol or "auto", device=device, **connection)
+    student_flag = f"--rollouts-from {args.rollouts_from}"
+    tokenizer_from = args.tokenizer or (args.teacher if engine is not None else args.rollouts_from)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if args.teacher:
+        try:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(args.teacher)
+        except (OSError, ValueError):
+            teacher_tokenizer = None  # a teacher folder without one: it is taken to share the student's
+        if teacher_tokenizer is not None and tokenizer_fingerprint(teacher_tokenizer) != tokenizer_fingerprint(
+            tokenizer
+        ):
+            raise ValueError(
+                f"--teacher {args.teacher} has another tokenizer than {student_flag}"
+                f"{f' (--tokenizer {args.tokenizer})' if args.tokenizer else ''}: a rollout store pairs the teacher's "
+                f"log-probs with the student's tokens one for one; score with a teacher of the student's tokenizer "
+                f"(across tokenizers, train on-policy online with kd_teacher_tokenizer)"
+            )
+    local = [m for m in (None if engine else args.rollouts_from, args.teacher) if m]
+    configs = {m: AutoConfig.from_pretrained(m).get_text_config() for m in local}
+    student_vocab = engine.vocab_size if engine else configs[args.rollouts_from].vocab_size
+    teacher_vocab = served.vocab_size if served else configs[args.teacher].vocab_size
+    check_vocabularies(student_vocab, teacher_vocab, tokenizer, student_flag,
+                       f"--teacher-url {served.url}" if served else f"--teacher {args.teacher}")  # fmt: skip
+    store_vocab = teacher_vocab or student_vocab or len(tokenizer)
+    score = ScoreOptions(top_k=args.top_k, samples=args.samples, temperature=args.temperature, seed=args.seed)
+    check_precompute_args(store_vocab, top_k=args.top_k, temperature=args.temperature, shard_size=args.shard_size,
+                          logprob_dtype=args.dtype, encoding=args.encoding, samples=args.samples)  # fmt: skip
+    if served is not None:
+        served.check(score, store_vocab)
     check_store_folder(args.out)
     settings = RolloutSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.generation_temperature, top_p=args.top_p,
         top_k=args.generation_top_k, num_generations=args.num_generations, seed=args.seed,
     )  # fmt: skip
     prompts = read_prompt_rows(args.data, tokenizer)
-    contexts = [c for c in (getattr(cfg, "max_position_embeddings", None) for cfg in configs) if isinstance(c, int)]
-    check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size, context=min(contexts, default=None),
-                         vocab_size=min(cfg.vocab_size for cfg in configs))  # fmt: skip
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    student = AutoModelForCausalLM.from_pretrained(args.rollouts_from, dtype="auto").to(device)
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto").to(device)
-    out = precompute_rollouts(
-        student, teacher, prompts, args.out, settings=settings, prompts_per_call=args.batch_size,
-        score=ScoreOptions(top_k=args.top_k, samples=args.samples, temperature=args.temperature, seed=args.seed),
-        shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding, tokenizer=tokenizer,
-        student_name=args.rollouts_from, teacher_name=args.teacher, tokenizer_fp=tokenizer_fingerprint(tokenizer),
-        inputs={"data file": file_fingerprint(args.data)},
-    )  # fmt: skip
+    contexts = [getattr(cfg, "max_position_embeddings", None) for cfg in configs.values()]
+    contexts += [m.context for m in (engine, served) if m is not None]
+    vocabs = [v for v in (student_vocab, teacher_vocab) if v is not None] or [store_vocab]
+    check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size,
+                         context=min((c for c in contexts if isinstance(c, int)), default=None),
+                         vocab_size=min(vocabs))  # fmt: skip
+    generation_config = None
+    if engine is not None:
+        try:  # the student's EOS ids, as the in-process path reads them (else the tokenizer's)
+            generation_config = GenerationConfig.from_pretrained(tokenizer_from)
+        except (OSError, ValueError):
+            generation_config = None
+    student = engine or AutoModelForCausalLM.from_pretrained(args.rollouts_from, dtype="auto").to(device)
+    teacher = served or AutoModelForCausalLM.from_pretrained(args.teacher, dtype="auto").to(device)
+    try:
+        out = precompute_rollouts(
+            student, teacher, prompts, args.out, settings=settings, prompts_per_call=args.batch_size, score=score,
+            shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding, tokenizer=tokenizer,
+            student_name=engine.url if engine else args.rollouts_from,
+            teacher_name=served.url if served else args.teacher, tokenizer_fp=tokenizer_fingerprint(tokenizer),
+            inputs={"data file": file_fingerprint(args.data)}, generation_config=generation_config,
+        )  # fmt: skip
+    finally:
+        if served is not None:
+            served.close()
     print(f"wrote {out} ({len(prompts) * args.num_generations} rollouts of {len(prompts)} prompts)")
 
 
@@ -211,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",
                          formatter_class=fmt)  # fmt: skip
-    pre.add_argument("--teacher", required=True, help="HF model path or name (required)")
+    pre.add_argument("--teacher", default=None,
+                     help="HF model path or name; with --rollouts-from, --teacher-url instead scores with a served "
+                          "teacher (one of the two is required)")  # fmt: skip
     pre.add_argument("--data", required=True,
                      help="JSONL, a row a line: 'text', 'input_ids', or TRL's 'prompt' + 'completion' (text or "
                           "messages) or 'messages' rows, tokenized as KDTrainer tokenizes them (the chat template; "
@@ -251,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
         "TRL's formats); the student samples completions once, the teacher scores them (top-k / --samples, and its "
         "log-prob of every sampled token), and the store keeps the student's log-prob of each sampled token too")
     roll.add_argument("--rollouts-from", default=None,
-                      help="HF model path or name of the student that samples the completions; None: a store of "
-                           "the --data sequences")  # fmt: skip
+                      help="HF model path or name of the student that samples the completions, or the http(s) URL "
+                           "of an engine serving it (vLLM, SGLang, liger-kd serve: /v1/completions; its log-probs of "
+                           "the sampled tokens are the behaviour log-probs); None: a store of the --data "
+                           "sequences")  # fmt: skip
     roll.add_argument("--num-generations", type=int, default=None, help="completions per prompt; None: 1")
     roll.add_argument("--max-new-tokens", type=int, default=None,
                       help="the longest completion (it ends at EOS or here); None: 128")  # fmt: skip
@@ -263,6 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     roll.add_argument("--generation-top-k", type=int, default=None,
                       help="sample from the student's k most likely tokens; None: 0 (off; --top-k is the "
                            "teacher's slots)")  # fmt: skip
+    roll.add_argument("--teacher-url", default=None,
+                      help="score the rollouts with the teacher served at this http(s) URL instead of a --teacher "
+                           "run here")  # fmt: skip
+    roll.add_argument("--teacher-protocol", default=None, choices=["auto", "topk", "sampled", "hidden"],
+                      help="how --teacher-url is asked: topk (vLLM, SGLang, liger-kd serve), sampled (--samples, "
+                           "liger-kd serve), hidden (liger-kd serve's hidden states and head: the exact teacher), or "
+                           "auto (sampled with --samples on liger-kd serve, else topk); None: auto")  # fmt: skip
+    roll.add_argument("--url-timeout", type=float, default=None,
+                      help="seconds a served student or teacher may take to answer one request; None: 600")
+    roll.add_argument("--url-retries", type=int, default=None,
+                      help="retries of a request to a served student or teacher on a connection error or a 5xx "
+                           "(waits from 0.5 s, doubling); None: 3")  # fmt: skip
     pre.set_defaults(func=_precompute)
 
     conv = sub.add_parser("convert", help="teacher data between a store and other tools' formats", formatter_class=fmt)

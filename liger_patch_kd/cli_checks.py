@@ -148,11 +148,48 @@ def check_rollout_options(args) -> None:
         raise ValueError(f"--generation-temperature {args.generation_temperature:g}: must be a finite number > 0")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p:g}: must be in (0, 1] (1: no nucleus truncation)")
-    check_model(args, "rollouts_from")
+    if not is_url(args.rollouts_from):  # a URL is checked when its engine is asked what it serves
+        check_model(args, "rollouts_from")
+
+
+def is_url(name: str | None) -> bool:
+    """An engine's or a server's address rather than a model's path or hub name."""
+    return isinstance(name, str) and name.lower().startswith(("http://", "https://"))
+
+
+def check_served_options(args) -> None:
+    """Who generates and who scores (--rollouts-from a model or a URL, --teacher or --teacher-url), and the
+    connection options, before any model loads or any request."""
+    teacher, url = getattr(args, "teacher", None), getattr(args, "teacher_url", None)
+    if teacher and url:
+        raise ValueError(f"--teacher {teacher} and --teacher-url {url} both name the teacher: give one (--teacher: "
+                         f"a model run here; --teacher-url: a served one)")  # fmt: skip
+    if not teacher and not url:
+        raise ValueError("no teacher: give --teacher (a model path or hub name), or with --rollouts-from a served "
+                         "one, --teacher-url")  # fmt: skip
+    if url and not getattr(args, "rollouts_from", None):
+        raise ValueError(f"--teacher-url {url} scores rollouts (--rollouts-from STUDENT); a store of --data "
+                         f"sequences is scored by a --teacher in this process")  # fmt: skip
+    if getattr(args, "teacher_protocol", None) is not None and not url:
+        raise ValueError(f"--teacher-protocol {args.teacher_protocol} says how to ask a served teacher, and none is "
+                         f"given: add --teacher-url, or drop --teacher-protocol")  # fmt: skip
+    if url and is_url(args.rollouts_from) and not args.tokenizer:
+        raise ValueError("--rollouts-from and --teacher-url are both served, and the prompts are tokenized here: "
+                         "give --tokenizer (the student's tokenizer, e.g. its model folder)")  # fmt: skip
+    served = url or is_url(getattr(args, "rollouts_from", None))
+    for dest in ("url_timeout", "url_retries"):
+        if getattr(args, dest, None) is not None and not served:
+            raise ValueError(f"{option(dest)} applies to a served student or teacher (--rollouts-from URL, "
+                             f"--teacher-url): drop it")  # fmt: skip
+    timeout = getattr(args, "url_timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"--url-timeout {args.url_timeout:g}: must be a finite number of seconds > 0")
+    at_least(args, "url_retries", 0)
 
 
 def check_precompute(args) -> None:
     check_rollout_options(args)
+    check_served_options(args)
     check_exists(args, "data", "file")
     check_folder_out(args.out, "precompute writes a store folder")
     at_least(args, "samples", 0, 255)

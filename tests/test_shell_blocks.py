@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -155,16 +156,24 @@ PRELUDE = """\
 set -euo pipefail
 pip() { echo "(shell test: pip $* skipped: the test environment is installed)"; }
 python() { "$SHELL_TEST_PYTHON" "$@"; }
-liger-kd() { "$SHELL_TEST_PYTHON" -m liger_patch_kd.cli "$@"; }
 """
+# `liger-kd` is a program on PATH, not a shell function: `liger-kd serve ... &` is then the server's own process,
+# which a block's `kill $(jobs -p)` stops (a function would run in a subshell, and killing it would leave the server
+# holding the block's output open)
+SHIM = '#!/bin/sh\nexec "$SHELL_TEST_PYTHON" -m liger_patch_kd.cli "$@"\n'
 
 
 def run_block(code: str, workdir: Path, where: str) -> None:
-    env = {**os.environ, "SHELL_TEST_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-           os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    done = subprocess.run(["bash", "-c", PRELUDE + code], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)  # fmt: skip
+    with tempfile.TemporaryDirectory() as bin_dir:
+        shim = Path(bin_dir) / "liger-kd"
+        shim.write_text(SHIM)
+        shim.chmod(0o755)
+        env = {**os.environ, "SHELL_TEST_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+               os.environ.get("PYTHONPATH")])),
+               "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}  # fmt: skip
+        done = subprocess.run(["bash", "-c", PRELUDE + code], cwd=workdir, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, f"{where} exited {done.returncode}:\n{code}\n--- stdout\n{done.stdout[-4000:]}" \
                                  f"\n--- stderr\n{done.stderr[-4000:]}"  # fmt: skip
 

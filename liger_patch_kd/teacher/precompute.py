@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,7 @@ def teacher_topk(
     """Top-k of a teacher batch (B, T) -> (B, T, k) ids and log-probs, from last hidden states a chunk of rows
     at a time, so the (B x T x V) logits are never held at once. Soft-capping is applied as the model does."""
     ids, values = [], []
-    for _, _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk):
+    for _, _, logprobs in model_chunks(teacher, input_ids, attention_mask, rows_per_chunk)(temperature, None):
         v, i = logprobs.topk(k, dim=-1)
         ids.append(i)
         values.append(v)
@@ -52,9 +52,15 @@ def teacher_topk_and_next(
     """teacher_topk at temperature 1, plus at each position the log-prob of the next input token and its rank
     (1 = most likely), as vLLM's prompt_logprobs report it: (B, T, k) ids, (B, T, k) log-probs, (B, T) next-token
     log-probs and (B, T) ranks (the last position, with no next token, gets -inf and 0)."""
+    return topk_and_next_of(model_chunks(teacher, input_ids, attention_mask, rows_per_chunk), input_ids, k)
+
+
+def topk_and_next_of(chunks: LogprobChunks, input_ids: torch.Tensor, k: int):
+    """teacher_topk_and_next of the log-probs `chunks` yields (a model's, or a served teacher's hidden states and
+    head: hidden_chunks), the one computation for both."""
     following = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
     ids, values, next_lp, ranks = [], [], [], []
-    for _, rows, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, 1.0, rows_per_chunk):
+    for _, rows, logprobs in chunks(1.0, None):
         v, i = logprobs.topk(k, dim=-1)
         own = logprobs.gather(-1, following[rows, None]).squeeze(-1)
         ids.append(i)
@@ -77,11 +83,20 @@ def teacher_samples(
     log-probs, every log-prob at `temperature`. Row b (right-padded: its first attention_mask[b].sum() positions)
     draws with generators[b] alone, chunk by chunk from its own start, so its draws do not depend on the rows
     batched with it; padding positions are padding (id -1, count 0, log-prob -inf)."""
+    chunks = model_chunks(teacher, input_ids, attention_mask, rows_per_chunk)
+    return samples_of_chunks(chunks, input_ids, attention_mask, samples, top_k, temperature, generators)
+
+
+def samples_of_chunks(
+    chunks: LogprobChunks, input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: int, top_k: int,
+    temperature: float, generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """teacher_samples of the log-probs `chunks` yields (a model's, or hidden_chunks'), the one computation."""
     b, t = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     spans = [(row * t, row * t + n) for row, n in enumerate(lengths)]
     parts: list = [[] for _ in range(b)]
-    for span, _, logprobs in _logprob_chunks(teacher, input_ids, attention_mask, temperature, rows_per_chunk, spans):
+    for span, _, logprobs in chunks(temperature, spans):
         parts[span].append(sample_teacher_tokens(logprobs, samples, top_k=top_k, generator=generators[span]))
     widths = (samples, samples, samples, top_k, top_k)
     fills = (-1, 0, -math.inf, -1, -math.inf)
@@ -95,27 +110,51 @@ def teacher_samples(
     return tuple(out)
 
 
-def _logprob_chunks(teacher, input_ids, attention_mask, temperature: float, rows_per_chunk: int, spans=None):
-    """(span index, rows slice, fp32 log-softmax of those rows' logits) over the flattened (B * T) positions, chunk
-    by chunk from the start of each span (start, stop) of them (default: one span, all of them)."""
-    from ..conventions import apply_softcap
+# (temperature, spans or None) -> (span index, rows slice, fp32 log-softmax of those rows' logits) over the flattened
+# (B * T) positions, chunk by chunk from the start of each span (start, stop) of them (None: one span, all of them)
+LogprobChunks = Callable[[float, Sequence[tuple[int, int]] | None], Iterator[tuple[int, slice, torch.Tensor]]]
+
+
+def model_chunks(teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 rows_per_chunk: int = 1024) -> LogprobChunks:  # fmt: skip
+    """The log-prob chunks of a teacher model run over (B, T) ids: its backbone once per pass, then its head (the
+    model's logit scale and soft-cap applied as the model does)."""
     from ..models import unwrap_model
     from ..models.backbone import run_backbone
     from ..models.heads import output_head
     from ..models.registry import softcap_of
     from ..models.transforms import scaled_head_inputs
 
-    model = unwrap_model(teacher)
-    hidden = run_backbone(model, input_ids, attention_mask, {}).last_hidden_state
-    head = output_head(model, "teacher")
-    hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
-    flat = hidden.reshape(-1, hidden.shape[-1])
+    def chunks(temperature: float, spans=None):
+        model = unwrap_model(teacher)
+        hidden = run_backbone(model, input_ids, attention_mask, {}).last_hidden_state
+        head = output_head(model, "teacher")
+        hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        yield from head_chunks(flat, head.weight, bias, softcap_of(model.config), temperature, rows_per_chunk, spans)
+
+    return chunks
+
+
+def hidden_chunks(flat_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None,
+                  rows_per_chunk: int = 1024) -> LogprobChunks:  # fmt: skip
+    """The log-prob chunks of final hidden states (B * T, H) already computed (a served teacher's, with its head:
+    the logit scale folded into them and the bias), through the same head code as model_chunks."""
+
+    def chunks(temperature: float, spans=None):
+        yield from head_chunks(flat_hidden, weight, bias, softcap, temperature, rows_per_chunk, spans)
+
+    return chunks
+
+
+def head_chunks(flat, weight, bias, softcap, temperature: float, rows_per_chunk: int, spans=None):
+    """(span, rows, fp32 log-softmax of cap(h W^T + b) / temperature) a chunk of rows at a time."""
+    from ..conventions import apply_softcap
+
     for span, (first, stop) in enumerate(spans if spans is not None else [(0, flat.shape[0])]):
         for start in range(first, stop, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, stop))
-            logits = apply_softcap(
-                F.linear(flat[rows].to(head.weight.dtype), head.weight, bias).float(), softcap_of(model.config)
-            )
+            logits = apply_softcap(F.linear(flat[rows].to(weight.dtype), weight, bias).float(), softcap)
             yield span, rows, torch.log_softmax(logits / temperature, dim=-1)
 
 

@@ -309,6 +309,44 @@ def _by_logprob_then_rank(entry: tuple[int, float, int | None]) -> tuple[float, 
     return (-math.inf if math.isnan(lp) else -lp, math.inf if entry[2] is None else entry[2])
 
 
+def own_token_logprobs(
+    protocol: str, reply: Any, sequences: Sequence[Sequence[int]], *, request: str
+) -> list[torch.Tensor]:  # fmt: skip
+    """Per sequence, (T,) float32 log-probs of each sequence's own next token, row-aligned like a TopK (row t: the
+    log-prob of token t + 1; the last row -inf), from a JSON reply already checked by the protocol's parse_reply:
+    vLLM's prompt_logprobs always hold the prompt token's own entry (vllm_request; `liger-kd serve` answers the
+    JSON request alike), SGLang's meta_info.input_token_logprobs its [logprob, id, text]. The binary top-k reply
+    names each row's token but not its log-prob: ask these in JSON."""
+    if protocol == "sglang":
+        items = reply if isinstance(reply, list) else [reply]
+        entries = [
+            _prompt_positions((item.get("meta_info") or {}).get("input_token_logprobs"), len(seq),
+                              f"{request} prompt {i}", "input_token_logprobs", first=False)[1:]
+            for i, (item, seq) in enumerate(zip(items, sequences))
+        ]  # fmt: skip
+        values = [[e[0] if isinstance(e, (list, tuple)) and e else None for e in row] for row in entries]
+    else:
+        choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
+        values = []
+        for choice, seq in zip(choices, sequences):
+            positions = choice["prompt_logprobs"][1:]
+            row = []
+            for t, entry in enumerate(positions, 1):
+                v = entry.get(str(seq[t]))
+                row.append(v.get("logprob") if isinstance(v, dict) else v)
+            values.append(row)
+    out = []
+    for n, (row, seq) in enumerate(zip(values, sequences)):
+        numbers = [_number(v) for v in row]
+        bad = next((t for t, v in enumerate(numbers) if v is None or math.isnan(v) or v > 0), None)
+        if bad is not None:
+            raise TeacherReplyError(f"{request} prompt {n}: the log-prob of token {bad + 1} ({seq[bad + 1]}) is "
+                                    f"{str(row[bad])[:40]!r}, not a log-prob <= 0")  # fmt: skip
+        lp = [-math.inf if v <= LOGPROB_PLACEHOLDER else v for v in numbers]
+        out.append(torch.tensor([*lp, -math.inf], dtype=torch.float32))
+    return out
+
+
 # ------------------------------------------------------------------------------------------- binary replies
 def encode_binary(topks: Sequence[TopK], sequences: Sequence[Sequence[int]] | None = None) -> bytes:
     """Row-aligned top-k of several sequences -> bytes: header (magic, n, K), n uint32 lengths, then all ids (int32)

@@ -57,6 +57,9 @@ def _check_store_options(meta: dict) -> None:
 
 # the precompute flag that sets a store input, by its place in the manifest (a dotted path into nested sections)
 SET_BY = {"rollouts.teacher_fingerprint": "--teacher", "rollouts.generator_fingerprint": "--rollouts-from",
+          "rollouts.generator_engine.url": "--rollouts-from", "rollouts.generator_engine.model": "--rollouts-from",
+          "rollouts.teacher_server.url": "--teacher-url", "rollouts.teacher_server.model": "--teacher-url",
+          "rollouts.teacher_server.protocol": "--teacher-protocol",
           "rollouts.max_new_tokens": "--max-new-tokens", "rollouts.num_generations": "--num-generations",
           "rollouts.prompts_per_call": "--batch-size", "rollouts.num_prompts": "--data",
           "rollouts.sampling.temperature": "--generation-temperature", "rollouts.sampling.top_p": "--top-p",

@@ -4,6 +4,8 @@ many times (Lightning OPD), with an optional refresh of part of them by the curr
 - scoring.py: rollouts scored as a rollout store holds them (teacher top-k / samples, teacher and behaviour
   log-probs of the sampled tokens);
 - store.py: precompute_rollouts, writing a resumable rollout store (`liger-kd precompute --rollouts-from`);
+  engine_student.py: its completions and behaviour log-probs from an engine serving the student (a URL);
+  served_teacher.py: its scores from a served teacher (top-k, sampled tokens or hidden states);
 - source.py: the teacher source of such rows (the divergence, or the sampled-token estimators on stored log-probs;
   kd_behaviour_kl); their batches are batch/rollout_store.py's; refresh.py: part of a step's rows regenerated in
   memory;
@@ -12,17 +14,21 @@ many times (Lightning OPD), with an optional refresh of part of them by the curr
 
 from ...batch.rollout_store import RolloutStoreCollator
 from ..rollouts.generate import RolloutSettings
+from .engine_student import EngineStudent
 from .scoring import ScoreOptions, score_rollouts
+from .served_teacher import ServedTeacher
 from .setup import OfflineRollouts
 from .source import BEHAVIOUR_KL, StoredRolloutsTeacher
 from .store import precompute_rollouts
 
 __all__ = [
     "BEHAVIOUR_KL",
+    "EngineStudent",
     "OfflineRollouts",
     "RolloutSettings",
     "RolloutStoreCollator",
     "ScoreOptions",
+    "ServedTeacher",
     "StoredRolloutsTeacher",
     "precompute_rollouts",
     "score_rollouts",

@@ -29,7 +29,16 @@ def check_refresh_args(args: Any) -> None:
 def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
     """A rollout store was scored by one teacher; a different teacher_model for its rows (refreshed rows scored by
     one, stored rows by another) would mix two objectives: refused in one line."""
-    scored_by = rollouts_of(meta)["teacher_fingerprint"]
+    section = rollouts_of(meta)
+    scored_by = section.get("teacher_fingerprint")
+    if scored_by is None:  # a served teacher's: its weights were never read here
+        server = section.get("teacher_server") or {}
+        raise ValueError(
+            f"the rollout store was scored by the served teacher {server.get('model', '?')!r} at "
+            f"{server.get('url', '?')}, whose weights this run cannot compare with teacher_model's: pass no "
+            f"teacher_model (and kd_store_refresh_steps=0), or make a store scored in process (liger-kd precompute "
+            f"--rollouts-from ... --teacher ...)"
+        )
     given = teacher_fingerprint(teacher_model)
     if given != scored_by:
         raise ValueError(

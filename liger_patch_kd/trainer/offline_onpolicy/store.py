@@ -1,6 +1,8 @@
 """Writing a rollout store: the student's own completions to a set of prompts, sampled once, scored by the teacher
 once, written as a resumable, checksummed store (teacher/store/rollouts.py is the format) that KDTrainer trains on
-like any store, with the on-policy losses too (kd_onpolicy_loss k1 / pg read the stored log-probs).
+like any store, with the on-policy losses too (kd_onpolicy_loss k1 / pg read the stored log-probs). The student may
+be an engine at a URL (engine_student.EngineStudent: its completions and behaviour log-probs asked of it) and the
+teacher a server (served_teacher.ServedTeacher); the manifest then names them by URL and model.
 
 Prompts are generated from in fixed calls of `prompts_per_call` prompts: call c holds prompts [c * B, (c + 1) * B)
 and samples exactly what an in-process on-policy step c would sample from them with this seed
@@ -16,10 +18,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ...batch.prompts import tokenize_prompt_row
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
@@ -27,7 +31,9 @@ from ...teacher.store import StoreWriter, check_store_folder
 from ...utils.text_files import read_utf8
 from ..rollouts.generate import RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
+from .engine_student import EngineStudent
 from .scoring import ScoreOptions, score_rollouts
+from .served_teacher import ServedTeacher
 
 
 def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: int) -> int:
@@ -81,13 +87,17 @@ def check_rollout_inputs(prompts: Sequence[Sequence[int]], settings: RolloutSett
         )
 
 
-def rollout_section(settings: RolloutSettings, generator_fp: str, teacher_fp: str, prompts_per_call: int,
+def rollout_section(settings: RolloutSettings, generator: dict, teacher: dict, prompts_per_call: int,
                     score: ScoreOptions, num_prompts: int) -> dict:  # fmt: skip
-    """The manifest's `rollouts` section: who generated and scored (weights fingerprints) and how (compared on a
-    resume: another value there is another store)."""
+    """The manifest's `rollouts` section: who generated and scored and how (compared on a resume: another value
+    there is another store). `generator` / `teacher`: {"generator_fingerprint": weights fingerprint} of a model in
+    this process, or {"generator_engine": {url, model}} / {"teacher_server": {url, model, protocol}} of a served one
+    (its weights unknown here: teacher_fingerprint None)."""
     return {
-        "generator_fingerprint": generator_fp,
-        "teacher_fingerprint": teacher_fp,
+        "generator_fingerprint": None,
+        "teacher_fingerprint": None,
+        **generator,
+        **teacher,
         "sampling": {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
                      "seed": settings.seed},  # fmt: skip
         "num_generations": settings.num_generations,
@@ -98,9 +108,41 @@ def rollout_section(settings: RolloutSettings, generator_fp: str, teacher_fp: st
     }
 
 
+def head_rows(model: nn.Module | EngineStudent | ServedTeacher) -> int | None:
+    """The rows of a model's head (its vocabulary, padding included); a served one's as its server lists them."""
+    if isinstance(model, nn.Module):
+        return model.get_output_embeddings().weight.shape[0]
+    return model.vocab_size
+
+
+def context_of(model: nn.Module | EngineStudent | ServedTeacher) -> int | None:
+    if isinstance(model, nn.Module):
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        return context if isinstance(context, int) else None
+    return model.context
+
+
+def check_vocabularies(student_rows: int | None, teacher_rows: int | None, tokenizer: Any, student_name: str,
+                       teacher_name: str) -> None:  # fmt: skip
+    """The generator's and the teacher's heads must be one tokenizer's: equal, or both at least the tokenizer's
+    length (rows past it are padding, never sampled). A ValueError naming both otherwise; a head whose rows are not
+    listed (vLLM's /v1/models) passes, its ids checked in each reply."""
+    if student_rows is None or teacher_rows is None or student_rows == teacher_rows:
+        return
+    size = len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None
+    if size is not None and min(student_rows, teacher_rows) >= size:
+        return
+    raise ValueError(
+        f"the generator {student_name} has a vocabulary of {student_rows} ids and the teacher {teacher_name} "
+        f"{teacher_rows}" + (f", and the tokenizer {size}" if size is not None else "") + ": a rollout store pairs "
+        "the teacher's log-probs with the generator's tokens one for one, so both must be models of one tokenizer; "
+        "point --rollouts-from and --teacher (--teacher-url) at models of the same tokenizer"
+    )
+
+
 def precompute_rollouts(
-    student: nn.Module,
-    teacher: nn.Module,
+    student: nn.Module | EngineStudent,
+    teacher: nn.Module | ServedTeacher,
     prompts: Sequence[Sequence[int]],
     out_dir: str | Path,
     *,
@@ -116,12 +158,15 @@ def precompute_rollouts(
     tokenizer_fp: str | None = None,
     inputs: dict | None = None,
     progress: bool = True,
+    generation_config: Any = None,
 ) -> Path:
     """Sample settings.num_generations completions per prompt from `student`, score them with `teacher`, write a
     rollout store to `out_dir`; resumes an interrupted one (refusing, by name, any input that differs).
 
     Args:
-        student / teacher: Hugging Face causal LMs of one tokenizer (the teacher's head may be padded past it).
+        student / teacher: Hugging Face causal LMs of one tokenizer (the teacher's head may be padded past it); or
+            the student served by an engine (EngineStudent: its completions and behaviour log-probs asked of it)
+            and / or the teacher served (ServedTeacher: its scores asked of it).
         prompts: token ids per prompt (an empty prompt starts from BOS).
         settings: how to sample (max_new_tokens, temperature, top_p, top_k, num_generations, seed, cache).
         score: the teacher signal per position (ScoreOptions: top_k, samples, temperature, seed).
@@ -130,22 +175,32 @@ def precompute_rollouts(
         logprob_dtype / encoding: as `precompute`'s (the store's top-k / samples).
         tokenizer: the student's, for its pad / EOS ids (else its generation config's).
         inputs: more fingerprints that shape the store (the CLI adds the data file's hash).
+        generation_config: an engine student's (its EOS ids; None: the tokenizer's).
     """
     score = score or ScoreOptions()
-    vocab = teacher.get_output_embeddings().weight.shape[0]
-    student_vocab = student.get_output_embeddings().weight.shape[0]
+    vocab, student_vocab = head_rows(teacher), head_rows(student)
+    if vocab is None:  # a served top-k teacher that does not list its vocabulary (vLLM): the generator's ids
+        vocab = student_vocab if student_vocab is not None else len(tokenizer)
+    student_vocab = vocab if student_vocab is None else student_vocab
+    check_vocabularies(head_rows(student), head_rows(teacher), tokenizer, student_name or "(student)",
+                       teacher_name or "(teacher)")  # fmt: skip
     check_precompute_args(vocab, top_k=score.top_k, temperature=score.temperature, shard_size=shard_size,
                           logprob_dtype=logprob_dtype, encoding=encoding, samples=score.samples)  # fmt: skip
     real = min(vocab, student_vocab)  # a head padded past the other's rows: those ids are never sampled
     settings = replace(settings, batch_size=None, vocab_size=real if real < student_vocab else settings.vocab_size)
-    context = [getattr(m.config.get_text_config(), "max_position_embeddings", None) for m in (student, teacher)]
-    context = min((c for c in context if isinstance(c, int)), default=None)
+    context = [context_of(m) for m in (student, teacher)]
+    context = min((c for c in context if c is not None), default=None)
     check_rollout_inputs(prompts, settings, prompts_per_call=prompts_per_call, context=context, vocab_size=real)
+    if isinstance(teacher, ServedTeacher):
+        teacher.check(score, vocab)
     check_store_folder(out_dir)
     per_shard = prompts_per_shard(shard_size, settings.num_generations, prompts_per_call)
     fingerprints = {"prompts": sequences_fingerprint([list(p) for p in prompts]), **(inputs or {})}
-    section = rollout_section(settings, teacher_fingerprint(student), teacher_fingerprint(teacher), prompts_per_call,
-                              score, len(prompts))  # fmt: skip
+    generator = ({"generator_engine": student.section()} if isinstance(student, EngineStudent)
+                 else {"generator_fingerprint": teacher_fingerprint(student)})  # fmt: skip
+    scorer = ({"teacher_server": teacher.section()} if isinstance(teacher, ServedTeacher)
+              else {"teacher_fingerprint": teacher_fingerprint(teacher)})  # fmt: skip
+    section = rollout_section(settings, generator, scorer, prompts_per_call, score, len(prompts))
     writer = StoreWriter.open(
         out_dir, teacher=teacher_name, generator=student_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp,
         top_k=score.top_k, logprob_dtype=logprob_dtype, temperature=score.temperature,
@@ -153,10 +208,13 @@ def precompute_rollouts(
         encoding=encoding, inputs=fingerprints, rollouts=section,
         **({"samples": score.samples, "sample_seed": score.seed} if score.samples else {}),
     )  # fmt: skip
-    pad, eos_ids, start = special_ids(student, tokenizer)
+    if isinstance(student, EngineStudent):
+        pad, eos_ids, start = engine_special_ids(tokenizer, generation_config)
+    else:
+        pad, eos_ids, start = special_ids(student, tokenizer)
     try:
         _write_shards(student, teacher, prompts, writer, settings, score, prompts_per_call, per_shard,
-                      (pad, eos_ids, start), progress)  # fmt: skip
+                      (pad, eos_ids, start), progress, real)  # fmt: skip
     except BaseException:
         if writer.created_manifest and writer.done_shards() == 0:
             writer.abort()  # nothing was finished: leave no store behind that a corrected rerun would trip on
@@ -164,11 +222,25 @@ def precompute_rollouts(
     return writer.finish()
 
 
+def engine_special_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, set[int], int]:
+    """(pad, EOS ids, the token an empty prompt starts with) for an engine's rollouts, as the in-process student's
+    are found (generation/special_tokens.py): its generation config (`generation_config`, e.g. read from the
+    student's folder) first, then the tokenizer. No EOS at all is refused: a completion would never end."""
+    pad, eos_ids, start = special_ids(SimpleNamespace(generation_config=generation_config or GenerationConfig()),
+                                      tokenizer)  # fmt: skip
+    if not eos_ids:
+        raise ValueError("the engine's student has no EOS id (neither its generation config nor the tokenizer "
+                         "names one): give a --tokenizer that has an eos_token")  # fmt: skip
+    return pad, eos_ids, start
+
+
 def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: RolloutSettings, score: ScoreOptions,
-                  prompts_per_call: int, per_shard: int, ids: tuple, progress: bool) -> None:  # fmt: skip
+                  prompts_per_call: int, per_shard: int, ids: tuple, progress: bool,
+                  vocab_size: int) -> None:  # fmt: skip
     from tqdm.auto import tqdm
 
     pad, eos_ids, start = ids
+    engine = isinstance(student, EngineStudent)
     n_shards = math.ceil(len(prompts) / per_shard)
     done = min(len(prompts), writer.done_shards() * per_shard)
     with tqdm(total=len(prompts), initial=done, desc="rollouts", unit="prompt", disable=not progress) as bar:
@@ -176,9 +248,14 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
             rows = []
             for first in range(shard * per_shard, min((shard + 1) * per_shard, len(prompts)), prompts_per_call):
                 chunk = [list(p) for p in prompts[first : first + prompts_per_call]]
-                rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids, start_id=start,
-                                             step=first // prompts_per_call)  # fmt: skip
-                rows += score_rollouts(student, teacher, rollouts, score)
+                call = first // prompts_per_call
+                if engine:  # the behaviour log-probs are the engine's: no student runs here
+                    rollouts = student.generate(chunk, settings, eos_ids=eos_ids, start_id=start, call=call,
+                                                vocab_size=vocab_size)  # fmt: skip
+                else:
+                    rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids,
+                                                 start_id=start, step=call)  # fmt: skip
+                rows += score_rollouts(None if engine else student, teacher, rollouts, score)
                 bar.update(len(chunk))
             samples = None
             if score.samples:
@@ -187,4 +264,3 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
             writer.write_shard([r.input_ids for r in rows], torch.cat([r.topk_ids for r in rows]),
                                torch.cat([r.topk_logprobs for r in rows]), samples=samples,
                                rollouts=columns)  # fmt: skip
-
