@@ -33,6 +33,7 @@ from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
 from .forward_options import decode_forward_options
 from .fused_projections import FusedProjections
+from .kernel_twin import kernel_twin
 from .kv_cache import SlotCache
 from .model_config import text_config
 from .padding import self_visible_causal
@@ -54,6 +55,7 @@ class SessionKey:
     capture: str
     logprobs: bool
     fuse: bool  # q/k/v and gate/up as one product each (fused_projections.py)
+    kernels: bool  # the step runs the project's RMSNorm / RoPE / gated-MLP kernels (kernel_twin.py)
     key_dtype: torch.dtype | None  # the autocast dtype in force (None: none), which sets the cache's dtype
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
 
@@ -74,8 +76,9 @@ def left_padded(
 
 
 def cache_keyword(model: nn.Module) -> str:
-    """The name the model's forward takes its KV cache by (transformers 5.2x renamed past_key_values to cache)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    """The name the forward that `model(...)` runs takes its KV cache by (transformers 5.2x renamed
+    past_key_values to cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def decode_applies(model: nn.Module) -> str | None:
@@ -102,7 +105,10 @@ class DecodeSession:
     """The buffers, cache and captured step of one bucket: `rows` rows, `length` cache columns."""
 
     def __init__(self, model: nn.Module, key: SessionKey, device: torch.device) -> None:
-        self.model, self.key, self.device = model, key, device
+        # the twin (the model's own parameters, the kernels bound on its modules) or, without kernels, the model's
+        # own forward: the KD forward of a patched model gives way to transformers' either way
+        self.model = kernel_twin(model) if key.kernels else model
+        self.key, self.device = key, device
         rows, length = key.rows, key.length
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(rows, 1, **long)  # the step's input ids
@@ -117,11 +123,11 @@ class DecodeSession:
         self.out_logprobs = torch.zeros(rows, length, dtype=torch.float32, device=device) if key.logprobs else None
         self.eos = torch.tensor(key.eos_ids, **long)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, rows, length, self.slot)
-        self.cache_keyword = cache_keyword(model)
+        self.cache_keyword = cache_keyword(self.model)
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.fused = FusedProjections(model) if key.fuse else None
+        self.fused = FusedProjections(self.model) if key.fuse else None
 
     def nbytes(self) -> int:
         """The memory the session holds between calls: KV cache, fused weights, output buffers."""
@@ -301,6 +307,7 @@ def decode(
     logprobs: bool = False,
     check_every: int = CHECK_EVERY,
     fuse_projections: bool = False,
+    kernels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
@@ -316,6 +323,9 @@ def decode(
         fuse_projections: q/k/v and gate/up each as one product over a copy of their weights concatenated
             (fused_projections.py: fewer, fuller kernels a step; the copy costs those weights' bytes in memory and is
             refreshed at each call, so in-place updates are seen).
+        kernels: run the step (and the prefill) through the project's RMSNorm / RoPE / gated-MLP kernels, whether
+            or not the model is patched (kernel_twin.py: a twin of the module tree over the same parameters; the
+            model itself is left as it is); False: the model's modules as they are.
 
     Returns:
         ((rows, n) int64 sampled ids, (rows, n) float32 log-probs or None); n <= max_new_tokens, fewer when every
@@ -336,7 +346,8 @@ def decode(
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
-    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
+    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), bool(kernels),
+                     autocast, storage)
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)
