@@ -12,7 +12,8 @@ from transformers import GenerationConfig
 from liger_patch_kd.generation import Sampling, decode, decode_applies, decode_forward_options, release_sessions
 from liger_patch_kd.generation.engine import session_of
 from liger_patch_kd.generation.kernel_twin import kernel_twin
-from liger_patch_kd.models import apply_kd_patch, patch as patch_module
+from liger_patch_kd.models import apply_kd_patch
+from liger_patch_kd.models import patch as patch_module
 from liger_patch_kd.models.registry import REGISTRY
 
 from .tiny_models import ALL_ARCHS, tiny_model
@@ -59,8 +60,9 @@ def _forward_logprobs(model, ids, mask, tokens):
     full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
     positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=positions,
-                       **decode_forward_options(model)).logits
+        logits = model(
+            input_ids=full, attention_mask=full_mask, position_ids=positions, **decode_forward_options(model)
+        ).logits
     steps = logits[:, ids.shape[1] - 1 : -1].double().log_softmax(-1)
     return steps.gather(-1, tokens[..., None])[..., 0]
 
@@ -112,8 +114,9 @@ def test_the_engine_decodes_what_the_unpatched_model_decodes_through_the_kernels
     config = GenerationConfig(do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None,
                               bos_token_id=None)  # fmt: skip
     with torch.no_grad():
-        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                              **decode_forward_options(model))[:, ids.shape[1] :]
+        want = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, **decode_forward_options(model)
+        )[:, ids.shape[1] :]
     calls = KernelCalls(monkeypatch)
     got, logprobs = decode(model, ids, mask, max_new_tokens=new, sampling=Sampling(temperature=0.0), pad_id=0,
                            logprobs=True, capture="eager")  # fmt: skip

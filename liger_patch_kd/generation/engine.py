@@ -9,6 +9,10 @@ Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kern
 op by op: what a CPU runs, and the reference of the graph). Prefill runs eagerly through the model's own attention
 over the prompt (not captured: one call per width).
 
+The session runs a twin of the model (kernel_twin.py: the same parameters, its own module tree) whose RMSNorm, RoPE
+and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
+decode at the same speed, and the model itself (its training forward) is left as it is.
+
 A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
 bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
 optimizers do) is what the next call samples from. Parameters moved to new storage (a new model, a reload) change
@@ -346,8 +350,8 @@ def decode(
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
-    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), bool(kernels),
-                     autocast, storage)
+    fuse, kernels = bool(fuse_projections), bool(kernels)
+    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, fuse, kernels, autocast, storage)
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

@@ -98,7 +98,9 @@ def _copy_tree(module: nn.Module, pairs: dict[int, tuple[nn.Module, nn.Module]])
     # own dicts: a parameter the user's module is given later (new storage) is no part of the session's twin
     twin._parameters = dict(module._parameters)
     twin._buffers = dict(module._buffers)
-    twin._modules = {name: None if child is None else _copy_tree(child, pairs) for name, child in module._modules.items()}
+    twin._modules = {
+        name: None if child is None else _copy_tree(child, pairs) for name, child in module._modules.items()
+    }
     return twin
 
 

@@ -55,6 +55,7 @@ def _set(owner: Any, name: str, value: Any) -> None:
 # ------------------------------------------------------------------------------------------ patched methods
 def rms_norm_kernel_forward(spec: ArchSpec):
     """The RMSNorm forward through the kernel, as `spec`'s norm computes it (to bind on a norm module)."""
+
     def forward(self, hidden_states):
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
         if self.__dict__.get(FP8_OUTPUT_ATTR) and not torch.is_grad_enabled():  # an FP8 teacher's: see state.py
@@ -104,6 +105,7 @@ _gated_mlp_forward.__liger_kd__ = _fused_gate_up_mlp_forward.__liger_kd__ = True
 
 def rope_kernel_function(original):
     """apply_rotary_pos_emb through the kernel; `original` (the module's own function) takes partial rotary."""
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # (q, k, cos, sin, unsqueeze_dim=1) in transformers 5, (..., position_ids=None, unsqueeze_dim=1) before
