@@ -198,3 +198,19 @@ def test_a_forward_bound_on_the_users_module_is_bound_to_its_twin():
     with torch.no_grad():
         twin(input_ids=ids, attention_mask=mask)
     assert seen == [twin] and model.forward.__self__ is model
+
+
+def test_the_students_benchmark_runs_its_smoke_mode(tmp_path, monkeypatch):
+    """benchmarks/onpolicy/bench_decode_students --smoke: every student row at the rows asked, in one table and its
+    JSON, the unpatched ones before the patch (which is reverted at the end)."""
+    import json
+    import sys
+
+    from benchmarks.onpolicy import bench_decode_students
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--rows", "2", "--out", str(out)])
+    bench_decode_students.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["student"], r["rows"]) for r in rows] == [(s, 2) for s in bench_decode_students.STUDENTS]
+    assert all(r["ms_per_step"] > 0 and r["of_patched"] > 0 for r in rows)

@@ -19,6 +19,10 @@ What the twin shares and what it owns:
     classes are, and RoPE into a copy of each attention forward whose `apply_rotary_pos_emb` is the kernel's
     (the function itself, and transformers' module, unchanged). An architecture without an entry runs as it is.
 
+The twin is made with its decode session and kept with it: what a module keeps in plain attributes and the user
+changes later (PEFT's adapter switches, say) is not in a kept session's step, as a captured graph would not hold it
+either; `release_sessions(model)` after such a change. Parameters replaced by new tensors make a new session anyway.
+
 The kernels compute the model's maths to rounding (each is tested against transformers' module on its own), so the
 twin decodes what the model decodes; tests/test_generation.py checks tokens and log-probs against the model.
 """
