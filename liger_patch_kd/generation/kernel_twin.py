@@ -40,7 +40,6 @@ from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
-BOUND_NAMES = ("forward", "_original_forward")  # instance-level callables a twin rebinds (accelerate keeps both)
 
 
 def kernel_twin(model: nn.Module) -> nn.Module:
@@ -109,11 +108,11 @@ def _copy_tree(module: nn.Module, pairs: dict[int, tuple[nn.Module, nn.Module]])
 
 
 def _rebind(original: nn.Module, twin: nn.Module) -> None:
-    """Methods bound on the user's instance, bound to its twin instead (others left as they are)."""
-    for name in BOUND_NAMES:
-        own = twin.__dict__.get(name)
+    """Methods bound on the user's instance (accelerate's forward and `_original_forward`, a cached bound forward),
+    bound to its twin instead: none of the twin's attributes calls into the user's module. Others stay as they are."""
+    for name, own in list(twin.__dict__.items()):
         if isinstance(own, types.MethodType) and own.__self__ is original:
-            setattr(twin, name, types.MethodType(own.__func__, twin))
+            twin.__dict__[name] = types.MethodType(own.__func__, twin)
     if _is_kernel(twin.__dict__.get("forward")):  # apply_kd_patch's kernel or KD forward: bound anew below
         del twin.__dict__["forward"]
 
