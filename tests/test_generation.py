@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from liger_patch_kd.generation import Sampling, decode, release_sessions
-from liger_patch_kd.generation.engine import CAPTURES, session_for
+from liger_patch_kd.generation.engine import CAPTURES, session_for, session_of
 from liger_patch_kd.generation.sampling import draw, filtered_scores
 
 from .tiny_models import tiny_model
@@ -381,3 +381,45 @@ def test_a_session_heavier_than_a_tenth_of_the_run_is_released_after_a_call(monk
     assert not release_if_large(model) and session_of(model) is session  # exactly a tenth: kept
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held + 10 * held - 1)
     assert release_if_large(model) and session_of(model) is None
+
+
+def test_the_servers_top_logprobs_through_the_engine_are_the_plain_loops():
+    """logprobs K > 0 (top-K lists) through the engine's step: greedy, the same reply as the server's plain loop
+    (tokens, finish reasons, each position's entries: the chosen token first, then the K most likely ids with the
+    model's own log-probs, float64 model, float32 log-probs: equal to float32's rounding)."""
+    from liger_patch_kd.server.generation import GenerationEngine, GenerationRequest
+
+    model = _model("llama", torch.float64, seed=10)
+    request = GenerationRequest(prompts=[[5, 6, 7], [8, 9]], n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=5,
+                                seed=3, logprobs=3, stop_ids=tuple(range(3, 60)), return_token_ids=True, model=None,
+                                allowed=250)  # fmt: skip
+    replies = {}
+    for captured in (True, False):
+        engine = GenerationEngine(model, "m")
+        engine.captured = captured  # True: what a CUDA device sets (here the same step runs eagerly)
+        replies[captured] = engine.complete(request)["choices"]
+    assert session_of(model) is not None and session_of(model).key.top_logprobs == 3  # the engine took it
+    for got, want in zip(replies[True], replies[False]):
+        assert got["token_ids"] == want["token_ids"] and got["finish_reason"] == want["finish_reason"]
+        tops_got, tops_want = got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"]
+        assert [list(e) for e in tops_got] == [list(e) for e in tops_want] and all(len(e) >= 3 for e in tops_got)
+        for entry_got, entry_want in zip(tops_got, tops_want):
+            torch.testing.assert_close(torch.tensor(list(entry_got.values())), torch.tensor(list(entry_want.values())),
+                                       rtol=0, atol=1e-6)  # fmt: skip
+    release_sessions(model)
+
+
+def test_top_logprobs_out_of_range_are_refused():
+    model = _model("llama", torch.float64)
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=2, sampling=Sampling(vocab_limit=20), pad_id=0)
+    with pytest.raises(ValueError, match="top_logprobs must be an int >= 0"):
+        decode(model, ids, mask, logprobs=True, top_logprobs=-1, **options)
+    with pytest.raises(ValueError, match="pass logprobs=True with it"):
+        decode(model, ids, mask, top_logprobs=2, **options)
+    with pytest.raises(ValueError, match="more than the 20 ids that may be drawn"):
+        decode(model, ids, mask, logprobs=True, top_logprobs=21, **options)
+    tokens, logprobs, (top_ids, top_values) = decode(model, ids, mask, logprobs=True, top_logprobs=20, **options)
+    assert top_ids.shape == (5, 2, 20) and bool((top_ids < 20).all())
+    torch.testing.assert_close(top_values.exp().sum(-1), torch.ones(5, 2), rtol=0, atol=1e-5)  # all 20: the whole
+    release_sessions(model)

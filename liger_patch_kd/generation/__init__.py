@@ -6,6 +6,8 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   sampling          temperature / top-k / top-p and a Gumbel-max draw as fixed-shape tensors (capturable)
   kv_cache          SlotCache: a static KV cache written at one device-side slot
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
+  kernel_twin       the model a session runs: its module tree copied over the same parameters, the project's
+                    RMSNorm / RoPE / gated-MLP kernels bound on the copies (patched or not, the same step)
   model_config      text_config: the language model's config (a VLM's text config)
   forward_options   decode_forward_options: router outputs off in decode forwards (MoE configs that ask)
   special_tokens    special_ids: a generator's pad id, EOS ids and start token (generation config, then tokenizer)

@@ -9,6 +9,10 @@ Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kern
 op by op: what a CPU runs, and the reference of the graph). Prefill runs eagerly through the model's own attention
 over the prompt (not captured: one call per width).
 
+The session runs a twin of the model (kernel_twin.py: the same parameters, its own module tree) whose RMSNorm, RoPE
+and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
+decode at the same speed, and the model itself (its training forward) is left as it is.
+
 A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
 bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
 optimizers do) is what the next call samples from. Parameters moved to new storage (a new model, a reload) change
@@ -33,6 +37,7 @@ from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
 from .forward_options import decode_forward_options
 from .fused_projections import FusedProjections
+from .kernel_twin import kernel_twin
 from .kv_cache import SlotCache
 from .model_config import text_config
 from .padding import self_visible_causal
@@ -53,7 +58,9 @@ class SessionKey:
     eos_ids: tuple[int, ...]
     capture: str
     logprobs: bool
+    top_logprobs: int  # also the K most likely ids and their log-probs at each step (0: none)
     fuse: bool  # q/k/v and gate/up as one product each (fused_projections.py)
+    kernels: bool  # the step runs the project's RMSNorm / RoPE / gated-MLP kernels (kernel_twin.py)
     key_dtype: torch.dtype | None  # the autocast dtype in force (None: none), which sets the cache's dtype
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
 
@@ -74,8 +81,9 @@ def left_padded(
 
 
 def cache_keyword(model: nn.Module) -> str:
-    """The name the model's forward takes its KV cache by (transformers 5.2x renamed past_key_values to cache)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    """The name the forward that `model(...)` runs takes its KV cache by (transformers 5.2x renamed
+    past_key_values to cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def decode_applies(model: nn.Module) -> str | None:
@@ -102,7 +110,10 @@ class DecodeSession:
     """The buffers, cache and captured step of one bucket: `rows` rows, `length` cache columns."""
 
     def __init__(self, model: nn.Module, key: SessionKey, device: torch.device) -> None:
-        self.model, self.key, self.device = model, key, device
+        # the twin (the model's own parameters, the kernels bound on its modules) or, without kernels, the model's
+        # own forward: the KD forward of a patched model gives way to transformers' either way
+        self.model = kernel_twin(model) if key.kernels else model
+        self.key, self.device = key, device
         rows, length = key.rows, key.length
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(rows, 1, **long)  # the step's input ids
@@ -115,17 +126,21 @@ class DecodeSession:
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(rows, length, **long)
         self.out_logprobs = torch.zeros(rows, length, dtype=torch.float32, device=device) if key.logprobs else None
+        top = (rows, length, key.top_logprobs)
+        self.out_top = (torch.zeros(top, **long), torch.zeros(top, dtype=torch.float32, device=device)) \
+            if key.top_logprobs else None  # fmt: skip
         self.eos = torch.tensor(key.eos_ids, **long)
         self.cache = SlotCache(model.config.get_text_config().num_hidden_layers, rows, length, self.slot)
-        self.cache_keyword = cache_keyword(model)
+        self.cache_keyword = cache_keyword(self.model)
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.fused = FusedProjections(model) if key.fuse else None
+        self.fused = FusedProjections(self.model) if key.fuse else None
 
     def nbytes(self) -> int:
         """The memory the session holds between calls: KV cache, fused weights, output buffers."""
         buffers = [self.out, self.valid] + ([self.out_logprobs] if self.out_logprobs is not None else [])
+        buffers += list(self.out_top or ())
         held = self.cache.nbytes() + sum(t.numel() * t.element_size() for t in buffers)
         return held + (self.fused.nbytes() if self.fused is not None else 0)
 
@@ -139,8 +154,12 @@ class DecodeSession:
         else:
             tokens = draw(filtered_scores(logits, sampling), sampling)
         if self.out_logprobs is not None:  # the model's own log-prob of the token (temperature 1, unfiltered)
-            own = allowed_logits(logits, sampling).log_softmax(-1).gather(-1, tokens[:, None])
-            self.out_logprobs.index_copy_(1, self.count, own)
+            own_logprobs = allowed_logits(logits, sampling).log_softmax(-1)
+            self.out_logprobs.index_copy_(1, self.count, own_logprobs.gather(-1, tokens[:, None]))
+            if self.out_top is not None:  # and the K most likely ids under it, with theirs
+                top = own_logprobs.topk(self.key.top_logprobs, dim=-1)
+                self.out_top[0].index_copy_(1, self.count, top.indices[:, None])
+                self.out_top[1].index_copy_(1, self.count, top.values[:, None])
         if len(self.key.eos_ids):
             tokens = torch.where(self.done, self.key.pad_id, tokens)
             self.used.copy_(torch.where(self.done.all(), self.used, self.count + 1))  # some row was still going
@@ -231,6 +250,8 @@ class DecodeSession:
                 self.run_step()
         n = int(self.used)  # columns after the last row ended (up to check_every - 1 of them) are padding: cut
         logprobs = None if self.out_logprobs is None else self.out_logprobs[:, :n].clone()
+        if self.out_top is not None:
+            return self.out[:, :n].clone(), logprobs, tuple(t[:, :n].clone() for t in self.out_top)
         return self.out[:, :n].clone(), logprobs
 
 
@@ -299,9 +320,11 @@ def decode(
     eos_ids: tuple[int, ...] | list[int] = (),
     capture: str = "graph",
     logprobs: bool = False,
+    top_logprobs: int = 0,
     check_every: int = CHECK_EVERY,
     fuse_projections: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kernels: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
     Args:
@@ -312,22 +335,37 @@ def decode(
         capture: one of CAPTURES (on a CPU every capture runs "eager": no graphs there).
         logprobs: also return each sampled token's log-prob under the model's own distribution (temperature 1,
             unfiltered, over the first vocab_limit ids).
+        top_logprobs: with `logprobs`, also the K most likely ids at each step under that distribution and their
+            log-probs (what an OpenAI reply's top_logprobs lists); 0: none.
         check_every: decode steps between the host's checks that some row is still going.
         fuse_projections: q/k/v and gate/up each as one product over a copy of their weights concatenated
             (fused_projections.py: fewer, fuller kernels a step; the copy costs those weights' bytes in memory and is
             refreshed at each call, so in-place updates are seen).
+        kernels: run the step (and the prefill) through the project's RMSNorm / RoPE / gated-MLP kernels, whether
+            or not the model is patched (kernel_twin.py: a twin of the module tree over the same parameters; the
+            model itself is left as it is); False: the model's modules as they are.
 
     Returns:
         ((rows, n) int64 sampled ids, (rows, n) float32 log-probs or None); n <= max_new_tokens, fewer when every
-        row ended (at the step where the last one did, as generate() stops).
+        row ended (at the step where the last one did, as generate() stops). With top_logprobs = K > 0 a third
+        element: ((rows, n, K) int64 ids, (rows, n, K) float32 log-probs), most likely first.
     """
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {CAPTURES}; got {capture!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be an int >= 0 (0: none); got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise ValueError(f"top_logprobs={top_logprobs} lists log-probs: pass logprobs=True with it")
     reason = decode_applies(model)
     if reason is not None:
         raise ValueError(f"the decode engine cannot run this model: {reason}; use generate() (cache 'dynamic')")
     check_decode_arguments(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_id=pad_id,
                            eos_ids=tuple(eos_ids), check_every=check_every)  # fmt: skip
+    vocab = getattr(text_config(model), "vocab_size", None)
+    allowed = min(sampling.vocab_limit or vocab, vocab) if isinstance(vocab, int) else sampling.vocab_limit
+    if allowed is not None and top_logprobs > allowed:
+        raise ValueError(f"top_logprobs={top_logprobs} is more than the {allowed} ids that may be drawn: ask for "
+                         f"at most {allowed}")  # fmt: skip
     device = input_ids.device
     if device.type != "cuda":
         capture = "eager"
@@ -336,7 +374,9 @@ def decode(
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
-    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, bool(fuse_projections), autocast, storage)
+    fuse, kernels = bool(fuse_projections), bool(kernels)
+    key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, top_logprobs, fuse, kernels, autocast,
+                     storage)  # fmt: skip
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every)

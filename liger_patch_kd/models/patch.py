@@ -53,7 +53,9 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ patched methods
-def _make_rms_norm_forward(spec: ArchSpec):
+def rms_norm_kernel_forward(spec: ArchSpec):
+    """The RMSNorm forward through the kernel, as `spec`'s norm computes it (to bind on a norm module)."""
+
     def forward(self, hidden_states):
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
         if self.__dict__.get(FP8_OUTPUT_ATTR) and not torch.is_grad_enabled():  # an FP8 teacher's: see state.py
@@ -101,7 +103,9 @@ def _fused_gate_up_mlp_forward(self, x):
 _gated_mlp_forward.__liger_kd__ = _fused_gate_up_mlp_forward.__liger_kd__ = True
 
 
-def _make_rope(original):
+def rope_kernel_function(original):
+    """apply_rotary_pos_emb through the kernel; `original` (the module's own function) takes partial rotary."""
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # (q, k, cos, sin, unsqueeze_dim=1) in transformers 5, (..., position_ids=None, unsqueeze_dim=1) before
@@ -166,7 +170,7 @@ def apply_kd_patch(
             f"{[s.causal_lm for s in specs_for(model_type)]}. Pass such a model, or call apply_kd_patch(model=...)"
         )
     _patch_rope(spec, rope)
-    norm_forward, mlp_forward = _make_rms_norm_forward(spec), _mlp_forward(spec)
+    norm_forward, mlp_forward = rms_norm_kernel_forward(spec), gated_mlp_kernel_forward(spec)
     norm_classes, mlp_classes = tuple(spec.classes(spec.rms_norm)), tuple(spec.classes(spec.mlp))
     for sub in inner.modules():
         if rms_norm and isinstance(sub, norm_classes):
@@ -207,10 +211,12 @@ def _patch_rope(spec: ArchSpec, rope: bool) -> None:
     if rope and spec.rope and hasattr(module, "apply_rotary_pos_emb"):
         current = module.apply_rotary_pos_emb
         if not getattr(current, "__liger_kd__", False):
-            _set(module, "apply_rotary_pos_emb", _make_rope(current))
+            _set(module, "apply_rotary_pos_emb", rope_kernel_function(current))
 
 
-def _mlp_forward(spec: ArchSpec):
+def gated_mlp_kernel_forward(spec: ArchSpec):
+    """The gated-MLP forward through the kernel for `spec`'s MLP classes (to bind on an MLP module); an
+    activation the kernel does not know runs the class's own forward."""
     for mlp_cls in spec.classes(spec.mlp):
         if not hasattr(mlp_cls, "__liger_kd_original_forward__"):
             mlp_cls.__liger_kd_original_forward__ = mlp_cls.forward
@@ -219,10 +225,10 @@ def _mlp_forward(spec: ArchSpec):
 
 def _patch_classes(spec: ArchSpec, config: KDLossConfig, *, rope: bool, swiglu: bool, rms_norm: bool, fused: bool):
     _patch_rope(spec, rope)
-    mlp_forward = _mlp_forward(spec)
+    mlp_forward = gated_mlp_kernel_forward(spec)
     if rms_norm:
         for norm_cls in spec.classes(spec.rms_norm):
-            _set(norm_cls, "forward", _make_rms_norm_forward(spec))
+            _set(norm_cls, "forward", rms_norm_kernel_forward(spec))
     if swiglu:
         for mlp_cls in spec.classes(spec.mlp):
             _set(mlp_cls, "forward", mlp_forward)

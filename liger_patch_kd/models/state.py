@@ -19,7 +19,7 @@ from ..config import KDLossConfig
 
 __all__ = [
     "CLASS_STATE", "FP8_OUTPUT_ATTR", "INSTANCE_ATTR", "ORIGINAL_BOUND_ATTR", "PATCHED_INSTANCES", "PatchState",
-    "original_forward", "patch_state", "unwrap_model",
+    "original_forward", "patch_state", "transformers_forward", "unwrap_model",
 ]  # fmt: skip
 
 
@@ -78,24 +78,35 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def transformers_forward(model: nn.Module) -> Callable | None:
+    """The function of a patched *ForCausalLM's own, unpatched forward (transformers' code, to bind to `model` or
+    to a module standing in for it), or None when the model does not run the KD forward (not patched, or its
+    instance forward is a wrapper such as accelerate's autocast)."""
+    state = model.__dict__.get(INSTANCE_ATTR) or class_state(type(model))
+    own = model.__dict__.get("forward")  # apply_kd_patch(model=...) installs the KD forward on the instance
+    # a bound method's function, a partial's (functools.partial(kd_causal_lm_forward, model)), or the class's
+    current = type(model).forward if own is None else getattr(own, "__func__", getattr(own, "func", own))
+    if state is None or not getattr(current, "__liger_kd__", False):
+        return None
+    return state.original_forward
+
+
 @contextlib.contextmanager
 def original_forward(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, a patched *ForCausalLM runs its own, unpatched forward; any other model (not patched, or
     whose instance forward is a wrapper such as accelerate's autocast) is left as it is. For generate(): the static
     cache then compiles the model's own code, not the KD forward's dispatch (the KD forward also names
     `logits_to_keep`, so generate() asks for the last position's logits at prefill either way)."""
-    state = model.__dict__.get(INSTANCE_ATTR) or class_state(type(model))
     own = model.__dict__.get("forward")  # apply_kd_patch(model=...) installs the KD forward on the instance
-    # a bound method's function, a partial's (functools.partial(kd_causal_lm_forward, model)), or the class's
-    current = type(model).forward if own is None else getattr(own, "__func__", getattr(own, "func", own))
-    if state is None or not getattr(current, "__liger_kd__", False):
+    unpatched = transformers_forward(model)
+    if unpatched is None:
         yield model
         return
     # The same bound method every time: torch.compile (the static cache's compiled decode step) guards on the
     # identity of `model.forward`, and a fresh MethodType per call would recompile every generation call.
     bound = model.__dict__.get(ORIGINAL_BOUND_ATTR)
-    if bound is None or bound.__func__ is not state.original_forward:
-        bound = types.MethodType(state.original_forward, model)
+    if bound is None or bound.__func__ is not unpatched:
+        bound = types.MethodType(unpatched, model)
         model.__dict__[ORIGINAL_BOUND_ATTR] = bound
     model.forward = bound
     try:

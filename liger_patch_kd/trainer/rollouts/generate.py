@@ -29,7 +29,7 @@ from ...generation import (
     release_if_large,
     text_config,
 )
-from ...models import original_forward, transformers_code, unwrap_model
+from ...models import transformers_code, unwrap_model
 from ...teacher import TeacherDataCollator
 from ..arguments import checks_arguments
 from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens, weights_precision
@@ -219,9 +219,11 @@ def generate_rollouts(
         one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
 
     Runs under no_grad with the generator in eval mode (dropout off, as sampling from the policy means) and puts it
-    back in the mode it was in; a patched model generates with transformers' own code (models.transformers_code:
-    its forward and kernels). On a CPU, with the dynamic cache and plain sampling, decode.sample_tokens makes the
-    same tokens as generate() with less work per step; otherwise generate() runs. Prompts are sorted by length
+    back in the mode it was in; through generate(), a patched model generates with transformers' own code
+    (models.transformers_code: its forward and kernels); the decode engine (cache "graph") runs the project's kernels
+    for a patched and an unpatched model alike (generation/kernel_twin.py). On a CPU, with the dynamic cache and
+    plain sampling, decode.sample_tokens makes the same tokens as generate() with less work per step; otherwise
+    generate() runs. Prompts are sorted by length
     before batching (less padding) and the output put back in order; each call is seeded from (seed, step, call),
     so results do not depend on the global RNG.
     """
@@ -257,9 +259,10 @@ def generate_rollouts(
                     top_k=settings.top_k, pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None,
                     **({"suppress_tokens": padding} if padding else {}),
                 )  # fmt: skip
-                # the model's own forward (last-position logits) and, for generate(), its own kernels (compilable);
-                # the captured step keeps the patched kernels: fewer launches a step
-                code = original_forward(unwrap_model(generator)) if cache == "graph" else transformers_code(generator)
+                # generate() and the lean loop: transformers' own forward and modules (compilable); the captured
+                # step runs its own twin of the model, through the kernels whether or not it is patched
+                # (generation/kernel_twin.py), and leaves the model as it is
+                code = contextlib.nullcontext() if cache == "graph" else transformers_code(generator)
                 # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
                 # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)
                 precision = weights_precision(generator, device) if cache == "static" else contextlib.nullcontext()

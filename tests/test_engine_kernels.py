@@ -1,0 +1,217 @@
+"""The decode engine runs the project's RMSNorm / RoPE / gated-MLP kernels whether or not the model is patched
+(generation/kernel_twin.py), and decodes what the model decodes: for every registry architecture with a tiny config
+that the engine can run, greedy tokens equal transformers' generate() and each token's log-prob equals the model's
+own forward's, in float64 (the kernels' PyTorch paths) and in float32 through the Triton kernels (the interpreter).
+The user's model is left as it was: no forward bound on it, transformers' RoPE function unchanged, the same
+training forward."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from liger_patch_kd.generation import Sampling, decode, decode_applies, decode_forward_options, release_sessions
+from liger_patch_kd.generation.engine import session_of
+from liger_patch_kd.generation.kernel_twin import kernel_twin
+from liger_patch_kd.models import apply_kd_patch
+from liger_patch_kd.models import patch as patch_module
+from liger_patch_kd.models.registry import REGISTRY
+
+from .tiny_models import ALL_ARCHS, tiny_model
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+# Mistral's window off, as its later checkpoints have it (the engine refuses a sliding window; Gemma-2/3, Cohere-2
+# and GPT-OSS always have one, and transformers' own masks need it set)
+FULL_ATTENTION = {"mistral": dict(sliding_window=None)}
+
+
+def _engine_model(arch: str, dtype: torch.dtype, seed: int = 0):
+    """The tiny model of `arch` with SDPA attention and full attention, or None where the engine cannot run it (no
+    SDPA in transformers, or decode_applies refuses it for another reason)."""
+    try:
+        model = tiny_model(arch, dtype=dtype, seed=seed, **FULL_ATTENTION.get(arch, {}))
+        model.set_attn_implementation("sdpa")
+    except (ValueError, TypeError):  # no SDPA for this class in transformers, or a config it does not take
+        return None
+    model.generation_config.eos_token_id = None  # generate() runs every row to max_new_tokens, as decode() does
+    return model.eval() if decode_applies(model) is None else None
+
+
+ENGINE_ARCHS = [arch for arch in ALL_ARCHS if _engine_model(arch, torch.float64) is not None]
+
+
+def test_the_engine_covers_most_of_the_registry():
+    """The list below is what decode_applies takes on the tiny configs: an architecture dropping out is a change
+    to look at, not a test to skip."""
+    assert set(ENGINE_ARCHS) >= {"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "glm4", "phi3", "gemma",
+                                 "granite", "cohere", "mixtral", "qwen3_moe", "qwen2_5_vl", "qwen3_vl"}  # fmt: skip
+
+
+def _prompts():
+    ids = torch.randint(5, 200, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _forward_logprobs(model, ids, mask, tokens):
+    """Each new token's log-prob under the model's own forward over prompt + tokens (no cache)."""
+    full = torch.cat([ids, tokens], 1)
+    full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(
+            input_ids=full, attention_mask=full_mask, position_ids=positions, **decode_forward_options(model)
+        ).logits
+    steps = logits[:, ids.shape[1] - 1 : -1].double().log_softmax(-1)
+    return steps.gather(-1, tokens[..., None])[..., 0]
+
+
+class KernelCalls:
+    """Counts the kernels' calls from the bound forwards (models/patch.py's names for them)."""
+
+    def __init__(self, monkeypatch):
+        self.counts = {"rms_norm": 0, "rope": 0, "gated_act": 0}
+        for name, attr in (("rms_norm", "rms_norm_kernel"), ("rope", "rope_kernel"), ("gated_act", "gated_act")):
+            original = getattr(patch_module, attr)
+            monkeypatch.setattr(patch_module, attr, self._counted(name, original))
+
+    def _counted(self, name, original):
+        def wrapper(*args, **kwargs):
+            self.counts[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+
+def _expected_kernels(arch: str) -> set[str]:
+    spec = REGISTRY[arch]
+    kernels = set()
+    if spec.rms_norm:
+        kernels.add("rms_norm")
+    if spec.mlp:
+        kernels.add("gated_act")
+    if spec.rope:
+        kernels.add("rope")
+    return kernels
+
+
+# The engine returns float32 log-probs, a float32 log-softmax over 257 logits of magnitude < 8: a few float32 ulps
+# there (2**-21 ~ 4.8e-7 each). float64 models, the kernels' PyTorch paths: the same ops in the same order as
+# transformers, so that float32 step is the whole difference (3e-7 measured). float32 models through the Triton
+# kernels: each op's rounding (2**-24 relative) besides, through two layers and the head: still a few ulps of the
+# log-probs (4e-7 measured), so 10x that leaves room for another CPU's BLAS and nothing for a wrong formula.
+TOLERANCE = {torch.float64: 2e-6, torch.float32: 5e-6}
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_engine_decodes_what_the_unpatched_model_decodes_through_the_kernels(arch, dtype, monkeypatch):
+    if dtype == torch.float32:
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")  # the Triton kernels, through the interpreter on a CPU
+    model = _engine_model(arch, dtype, seed=2)
+    ids, mask = _prompts()
+    new = 6
+    config = GenerationConfig(do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None,
+                              bos_token_id=None)  # fmt: skip
+    with torch.no_grad():
+        want = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, **decode_forward_options(model)
+        )[:, ids.shape[1] :]
+    calls = KernelCalls(monkeypatch)
+    got, logprobs = decode(model, ids, mask, max_new_tokens=new, sampling=Sampling(temperature=0.0), pad_id=0,
+                           logprobs=True, capture="eager")  # fmt: skip
+    assert {name for name, count in calls.counts.items() if count} == _expected_kernels(arch)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logprobs.double(), _forward_logprobs(model, ids, mask, got), rtol=0,
+                               atol=TOLERANCE[dtype])  # fmt: skip
+    release_sessions(model)
+
+
+def _instance_forwards(model):
+    return {name for name, module in model.named_modules() if "forward" in module.__dict__}
+
+
+def test_the_users_model_is_left_as_it_was():
+    model = _engine_model("llama", torch.float64, seed=3)
+    from transformers.models.llama import modeling_llama
+
+    rope, norm_forward = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm.forward
+    ids, mask = _prompts()
+    model.train()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    model.eval()
+    decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0, fuse_projections=True)
+    twin = session_of(model).model
+    assert twin is not model and _instance_forwards(twin) and not _instance_forwards(model)
+    assert modeling_llama.apply_rotary_pos_emb is rope and modeling_llama.LlamaRMSNorm.forward is norm_forward
+    twin_params = dict(twin.named_parameters())
+    assert all(twin_params[name] is p for name, p in model.named_parameters())  # shared, not copied
+    model.train()
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, before, rtol=0, atol=0)
+    release_sessions(model)
+
+
+def test_a_patched_and_an_unpatched_model_decode_the_same_tokens_and_the_patch_stays():
+    ids, mask = _prompts()
+    sampling = Sampling(temperature=0.8, top_k=40)
+    runs = []
+    for patched in (False, True):
+        model = _engine_model("qwen3", torch.float64, seed=4)
+        if patched:
+            apply_kd_patch(model=model)
+        forwards = _instance_forwards(model)
+        torch.manual_seed(5)
+        runs.append(decode(model, ids, mask, max_new_tokens=6, sampling=sampling, pad_id=0, logprobs=True))
+        assert _instance_forwards(model) == forwards  # a patched model keeps its KD forward and kernels
+        release_sessions(model)
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=TOLERANCE[torch.float64])
+
+
+def test_without_kernels_the_step_runs_the_models_own_modules(monkeypatch):
+    model = _engine_model("llama", torch.float64, seed=6)
+    ids, mask = _prompts()
+    calls = KernelCalls(monkeypatch)
+    greedy = Sampling(temperature=0.0)
+    plain, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0, kernels=False)
+    assert not any(calls.counts.values()) and session_of(model).model is model
+    fused, _ = decode(model, ids, mask, max_new_tokens=5, sampling=greedy, pad_id=0)
+    assert all(calls.counts.values()) and torch.equal(plain, fused)
+    release_sessions(model)
+
+
+def test_a_forward_bound_on_the_users_module_is_bound_to_its_twin():
+    """accelerate's mixed-precision wrapper is a method bound on the model instance: the twin's runs on the twin
+    (the kernels), and the user's stays bound to the user's model."""
+    import types
+
+    model = _engine_model("llama", torch.float64, seed=7)
+    seen = []
+
+    def wrapped_forward(self, *args, **kwargs):
+        seen.append(self)
+        return type(self).forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(wrapped_forward, model)
+    twin = kernel_twin(model)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        twin(input_ids=ids, attention_mask=mask)
+    assert seen == [twin] and model.forward.__self__ is model
+
+
+def test_the_students_benchmark_runs_its_smoke_mode(tmp_path, monkeypatch):
+    """benchmarks/onpolicy/bench_decode_students --smoke: every student row at the rows asked, in one table and its
+    JSON, the unpatched ones before the patch (which is reverted at the end)."""
+    import json
+    import sys
+
+    from benchmarks.onpolicy import bench_decode_students
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--rows", "2", "--out", str(out)])
+    bench_decode_students.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["student"], r["rows"]) for r in rows] == [(s, 2) for s in bench_decode_students.STUDENTS]
+    assert all(r["ms_per_step"] > 0 and r["of_patched"] > 0 for r in rows)
