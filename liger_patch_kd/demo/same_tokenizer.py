@@ -303,10 +303,12 @@ def _arithmetic_rows(sizes: ArithmeticDemoSizes, seeds, out: Path, dev, began: f
     w = 16 if len(seeds) > 1 else 12
     print(f"\n  exact match: the fraction of {run['held_out']} held-out problems whose greedy answer is right; teacher "
           f"{run['teacher_accuracy']:.3f}, the students' shared start (after {sizes.format_steps} format steps) "
-          f"{_figure(run['start_accuracy_by_seed'], 3, 0)}; {time.perf_counter() - began:.0f} s so far")  # fmt: skip
-    print(f"{'recipe (' + str(sizes.steps) + ' steps each)':34}{'exact match':>{w}}")
+          f"{_figure(run['start_accuracy_by_seed'], 3, 0)}.\n  train s: the recipe's training seconds (the KD rows run "
+          f"the teacher too, the on-policy row generates); {time.perf_counter() - began:.0f} s so far")  # fmt: skip
+    print(f"{'recipe (' + str(sizes.steps) + ' steps each)':34}{'exact match':>{w}}{'train s':>10}")
     for r in rows:
-        print(f"{r['recipe']:34}{_figure(r['exact_match_by_seed'], 3, w)}")
+        seconds = _mean_spread(r["seconds_by_seed"])[0]
+        print(f"{r['recipe']:34}{_figure(r['exact_match_by_seed'], 3, w)}{seconds:10.1f}")
     return rows
 
 
