@@ -139,10 +139,10 @@ def run_demo(
     seeds: tuple[int, ...] | None = None, arithmetic: bool | ArithmeticDemoSizes = True,
 ) -> list[dict]:  # fmt: skip
     """The rows of step 4, then step 5's (with `arithmetic`: True for ArithmeticDemoSizes(), or the sizes to use;
-    False skips it): {"recipe", "exact_match": the mean over seeds, "exact_match_by_seed", "teacher_exact_match",
-    "start_exact_match_by_seed", "held_out": how many problems, "arithmetic": True}, then (with `cross_tokenizer`;
-    None: in the full run only) step 6's: {"recipe": "BPE student: ...", "held_out_ce": nats/char (mean over
-    inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
+    False skips it): {"recipe", "exact_match": the mean over seeds, "exact_match_by_seed", "seconds_by_seed"
+    (training), "teacher_exact_match", "start_exact_match_by_seed", "held_out": how many problems, "arithmetic":
+    True}, then (with `cross_tokenizer`; None: in the full run only) step 6's: {"recipe": "BPE student: ...",
+    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
 
     `quick` (the default, as `liger-kd demo`'s): DemoSizes.quick() and one seed; False: full sizes, three seeds.
     Each student recipe is trained from `seeds` (seed s: student init s, data order s - 1; default 1, 2, 3, or 1
