@@ -34,7 +34,7 @@ def _demo(args) -> None:
         return
     from .demo import run_demo
 
-    run_demo(quick=not args.full, device=args.device)
+    run_demo(quick=not args.full, device=args.device, arithmetic=not args.no_arithmetic)
 
 
 def _precompute(args) -> None:
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true",
                       help="--several-teachers / --context: fewer steps, one seed (CI); the plain demo is short "
                            "already (this flag changes nothing there)")  # fmt: skip
+    demo.add_argument("--no-arithmetic", action="store_true",
+                      help="skip the step that scores students on held-out arithmetic problems")  # fmt: skip
     demo.add_argument("--device", default=None, help="torch device; None: cuda when available, else cpu")
     demo.add_argument("--several-teachers", action="store_true",
                       help="instead: two specialist teachers, one student routed between them")  # fmt: skip

@@ -116,6 +116,10 @@ def check_demo(args) -> None:
     if args.quick and args.full:
         raise ValueError("--quick and --full ask for the short and the long run: give one (the plain demo is short "
                          "without either)")  # fmt: skip
+    other = "--several-teachers" if args.several_teachers else "--context" if args.context else None
+    if args.no_arithmetic and other:
+        raise ValueError(f"--no-arithmetic skips a step of the plain demo, and {other} runs another demo that has "
+                         f"no such step: drop one of the two")  # fmt: skip
 
 
 ROLLOUT_OPTIONS = {"num_generations": 1, "max_new_tokens": 128, "generation_temperature": 1.0, "top_p": 1.0,

@@ -1,6 +1,7 @@
 """`liger-kd demo`: distillation from nothing, on whatever machine this is. The toys (toys.py: a character
 tokenizer, the packaged corpus, small Llama models), the same-tokenizer demo (same_tokenizer.py: the loss alone,
-then online / offline / on-policy students against CE alone, scored on held-out and on sampled text: samples.py)
+then online / offline / on-policy students against CE alone, scored on held-out and on sampled text: samples.py;
+then students scored by exact match on held-out arithmetic problems: arithmetic_students.py, on arithmetic.py's task)
 and the cross-tokenizer one (cross_tokenizer.py; `python -m liger_patch_kd.demo.cross_tokenizer --quick` runs it
 alone)."""
 

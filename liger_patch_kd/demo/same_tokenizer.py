@@ -8,7 +8,10 @@
 4. a table: held-out CE, KL(teacher || student) per token on held-out text and on sampled text (every student's
    samples pooled: one set of contexts for all, demo/samples.py), the teacher's NLL of each student's own
    samples, tokens/s, peak memory;
-5. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
+5. a task with a right answer (demo.arithmetic_students): small arithmetic problems, a teacher trained on them,
+   students trained from one start by SFT on the ground truth, off-policy KD and on-policy KD, and each one's
+   exact-match accuracy on held-out problems beside the teacher's;
+6. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
 
 The default is the short run (`quick`: smaller sizes, one seed); `--full` the
@@ -30,6 +33,7 @@ from .. import reference
 from ..losses import fused_linear_jsd
 from ..models import revert_kd_patch
 from ..utils.memory import PeakMemory, peak_memory_meaning
+from .arithmetic_students import ArithmeticDemoSizes, run_arithmetic_students
 from .samples import sample_continuations, score_on_samples, teacher_nll
 from .toys import (
     PAD,
@@ -69,7 +73,7 @@ def evaluate(student, teacher, windows: list[list[int]], device) -> tuple[float,
     return float(ce), float(kl)
 
 
-def loss_memory_demo(device, heading: str = "[1/5] the loss alone") -> None:
+def loss_memory_demo(device, heading: str = "[1/6] the loss alone") -> None:
     """Step 1 (and `liger-kd bench`, under its own `heading`): one batch of the fused loss against the loss on
     materialised logits."""
     n, hidden, vocab = (1024, 128, 32000) if device.type == "cpu" else (8192, 2048, 128256)
@@ -132,10 +136,13 @@ def _figure(values: list[float], digits: int, width: int) -> str:
 
 def run_demo(
     quick: bool = True, device: str | None = None, cross_tokenizer: bool | None = None,
-    seeds: tuple[int, ...] | None = None,
+    seeds: tuple[int, ...] | None = None, arithmetic: bool | ArithmeticDemoSizes = True,
 ) -> list[dict]:  # fmt: skip
-    """The rows of step 4, then (with `cross_tokenizer`; None: in the full run only) step 5's: {"recipe": "BPE
-    student: ...", "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
+    """The rows of step 4, then step 5's (with `arithmetic`: True for ArithmeticDemoSizes(), or the sizes to use;
+    False skips it): {"recipe", "exact_match": the mean over seeds, "exact_match_by_seed", "seconds_by_seed"
+    (training), "teacher_exact_match", "start_exact_match_by_seed", "held_out": how many problems, "arithmetic":
+    True}, then (with `cross_tokenizer`; None: in the full run only) step 6's: {"recipe": "BPE student: ...",
+    "held_out_ce": nats/char (mean over inits), "held_out_ce_by_seed", "cross_tokenizer": True}.
 
     `quick` (the default, as `liger-kd demo`'s): DemoSizes.quick() and one seed; False: full sizes, three seeds.
     Each student recipe is trained from `seeds` (seed s: student init s, data order s - 1; default 1, 2, 3, or 1
@@ -144,9 +151,14 @@ def run_demo(
     standard deviation over the seeds: float32 results differ between CPUs (BLAS kernels, thread counts), and such
     differences move the figures by about that spread. On a CPU it runs on one thread unless OMP_NUM_THREADS is set
     (toys.demo_threads). Everything is written to a temporary folder, removed at the end."""
+    if not isinstance(arithmetic, (bool, ArithmeticDemoSizes)):
+        raise ValueError(f"run_demo(arithmetic={arithmetic!r}): give True (the default sizes), False (skip the "
+                         f"arithmetic step) or an ArithmeticDemoSizes")  # fmt: skip
+    sizes = ArithmeticDemoSizes() if arithmetic is True else arithmetic or None
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with tempfile.TemporaryDirectory(prefix="liger_kd_demo_") as work, demo_threads(dev):
-        return _run_demo(Path(work), quick, dev, not quick if cross_tokenizer is None else cross_tokenizer, seeds)
+        return _run_demo(Path(work), quick, dev, not quick if cross_tokenizer is None else cross_tokenizer, seeds,
+                         sizes)  # fmt: skip
 
 
 def demo_data(sizes: DemoSizes):
@@ -195,7 +207,8 @@ def _train_student(recipe: dict | None, seed: int, vocab: int, sizes: DemoSizes,
     return student.eval(), dict(tokens_per_s=tokens / seconds, peak_mib=mem.peak_mib, seconds=seconds)
 
 
-def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool, seeds) -> list[dict]:
+def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool, seeds,
+              arithmetic: ArithmeticDemoSizes | None) -> list[dict]:  # fmt: skip
     from .. import teacher as TD
 
     began = time.perf_counter()
@@ -206,7 +219,7 @@ def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool,
     tok, train, held_out, dataset, collator = demo_data(sizes)
     vocab = len(tok)
 
-    print(f"\n[2/5] teacher: Llama 4 x 128, {sizes.teacher_steps} steps on {len(train)} windows of {sizes.seq} "
+    print(f"\n[2/6] teacher: Llama 4 x 128, {sizes.teacher_steps} steps on {len(train)} windows of {sizes.seq} "
           f"characters ({vocab} symbols) ...", flush=True)  # fmt: skip
     start = time.perf_counter()
     teacher = train_teacher(dataset, collator, vocab, sizes, work / "teacher", dev)
@@ -214,7 +227,7 @@ def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool,
     print(f"  teacher held-out CE {ce:.3f} nats/char ({time.perf_counter() - start:.0f} s)")
 
     recipes_named = "CE only, online KD, offline top-k, on-policy"
-    print(f"\n[3/5] students: Llama 2 x 64, {sizes.student_steps} steps each ({recipes_named}), seeds {list(seeds)} "
+    print(f"\n[3/6] students: Llama 2 x 64, {sizes.student_steps} steps each ({recipes_named}), seeds {list(seeds)} "
           f"(init, data order)", flush=True)  # fmt: skip
     store = TD.precompute(teacher, train, work / "store", top_k=sizes.top_k, batch_size=32,
                           tokenizer_fp=TD.tokenizer_fingerprint(tok), progress=False)  # fmt: skip
@@ -250,17 +263,21 @@ def _run_demo(work: Path, quick: bool, dev: torch.device, cross_tokenizer: bool,
     teacher_own = teacher_nll(teacher, sample_continuations(teacher, held_out, dev))
     _print_table(results, seeds, dev, teacher_own, time.perf_counter() - began)
     assert all(math.isfinite(r["kl_to_teacher"]) for r in results)
+    if arithmetic is not None:
+        results += _arithmetic_rows(arithmetic, seeds, work / "arithmetic", dev, began)
+    else:
+        print("\n[5/6] a task with a right answer: skipped")
     if cross_tokenizer:
         results += _cross_tokenizer_rows(teacher, quick, dev)
     else:
-        print("\n[5/5] across tokenizers (a student with its own BPE tokenizer): `liger-kd demo --full` runs it, or "
+        print("\n[6/6] across tokenizers (a student with its own BPE tokenizer): `liger-kd demo --full` runs it, or "
               "alone: python -m liger_patch_kd.demo.cross_tokenizer --quick")  # fmt: skip
     return results
 
 
 def _print_table(results: list[dict], seeds, dev, teacher_own: float, seconds: float) -> None:
     spread = f"mean ± standard deviation over student seeds {list(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    print(f"\n[4/5] the students ({spread}; {seconds:.0f} s so far)")
+    print(f"\n[4/6] the students ({spread}; {seconds:.0f} s so far)")
     print("  CE: held-out nats/char. KL text: KL(teacher || student) per token on held-out text. KL samples: the same "
           "on\n  sampled text, every student's continuations of the held-out prompts pooled (one set of contexts for "
           f"all).\n  teacher NLL: the teacher's nats per token of the student's own samples (of its own: "
@@ -274,13 +291,34 @@ def _print_table(results: list[dict], seeds, dev, teacher_own: float, seconds: f
         print(f"{r['recipe']:28}{''.join(cells)}{r['tokens_per_s']:10.0f}{r['peak_mib']:10.1f}")
 
 
+def _arithmetic_rows(sizes: ArithmeticDemoSizes, seeds, out: Path, dev, began: float) -> list[dict]:
+    """Step 5: arithmetic_students' run for the demo's student seeds, printed as a second table."""
+    print("\n[5/6] a task with a right answer: exact match on held-out arithmetic problems (greedy decoding)",
+          flush=True)  # fmt: skip
+    run = run_arithmetic_students(sizes, seeds, out, dev)
+    rows = [dict(recipe=r["recipe"], exact_match=_mean_spread(r["exact_match_by_seed"])[0],
+                 exact_match_by_seed=r["exact_match_by_seed"], seconds_by_seed=r["seconds_by_seed"],
+                 teacher_exact_match=run["teacher_accuracy"], start_exact_match_by_seed=run["start_accuracy_by_seed"],
+                 held_out=run["held_out"], arithmetic=True) for r in run["rows"]]  # fmt: skip
+    w = 16 if len(seeds) > 1 else 12
+    print(f"\n  exact match: the fraction of {run['held_out']} held-out problems whose greedy answer is right; teacher "
+          f"{run['teacher_accuracy']:.3f}, the students' shared start (after {sizes.format_steps} format steps) "
+          f"{_figure(run['start_accuracy_by_seed'], 3, 0)}.\n  train s: the recipe's training seconds (the KD rows run "
+          f"the teacher too, the on-policy row generates); {time.perf_counter() - began:.0f} s so far")  # fmt: skip
+    print(f"{'recipe (' + str(sizes.steps) + ' steps each)':34}{'exact match':>{w}}{'train s':>10}")
+    for r in rows:
+        seconds = _mean_spread(r["seconds_by_seed"])[0]
+        print(f"{r['recipe']:34}{_figure(r['exact_match_by_seed'], 3, w)}{seconds:10.1f}")
+    return rows
+
+
 def _cross_tokenizer_rows(teacher, quick: bool, device) -> list[dict]:
-    """Step 5 on the demo's teacher (trained on the same 90 % of the corpus): cross_tokenizer.py's quick sizes, one
+    """Step 6 on the demo's teacher (trained on the same 90 % of the corpus): cross_tokenizer.py's quick sizes, one
     student init under --quick."""
     from .cross_tokenizer import QUICK_RECIPES, CrossTokenizerDemoSizes, run_cross_tokenizer_demo
 
     sizes = CrossTokenizerDemoSizes.quick()
-    print("\n[5/5] across tokenizers: the same teacher into a student with its own byte-level BPE tokenizer")
+    print("\n[6/6] across tokenizers: the same teacher into a student with its own byte-level BPE tokenizer")
     out = run_cross_tokenizer_demo(teacher, device=str(device), recipes=QUICK_RECIPES,
                                    sizes=replace(sizes, seeds=(1,)) if quick else sizes)  # fmt: skip
     return [dict(recipe=f"BPE student: {name}", held_out_ce=r["ce_per_char"],

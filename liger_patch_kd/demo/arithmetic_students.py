@@ -1,0 +1,181 @@
+"""The demo's students on a task with a right answer: how many held-out problems each recipe's student answers.
+
+The task is arithmetic.py's at a size a CPU trains in seconds: three one-digit numbers joined by + and -, with
+worked steps (`Q: 3+5-2=? A: 3+5=8; 8-2=6. #### 6`). One prompt in ten is held out by a stable hash, so every
+held-out problem is a new combination of sums the training problems show. A teacher (Llama 3 x 96) learns it from
+the ground truth with arithmetic.fit_on_ground_truth; a student (Llama 2 x 64) gets a short fine-tune on the
+task's format, the start GKD assumes (on-policy samples of a random student are noise); then every recipe
+continues from a copy of that student for the same steps of the same batch size through the demo's
+KDTrainingArguments (toys.training_args): SFT on the ground truth (the Trainer's cross-entropy, no teacher),
+off-policy KD (forward KL to the teacher on the dataset's completions) and on-policy KD (GKD: half of the steps on
+the student's own completions). Each is scored by arithmetic.exact_match: greedy decoding of the held-out prompts,
+the final answer checked exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ..models import revert_kd_patch
+from .arithmetic import (
+    ArithmeticTask,
+    ModelShape,
+    Problem,
+    build_tokenizer,
+    completion_batch,
+    exact_match,
+    fit_on_ground_truth,
+    prompt_rows,
+    tokenized,
+)
+from .toys import quiet, training_args
+
+SFT = "SFT on ground truth"
+OFF_POLICY = "off-policy KD (beta 0)"
+ON_POLICY = "on-policy KD (GKD, lmbda 0.5)"
+
+
+@dataclass(frozen=True)
+class ArithmeticDemoSizes:
+    """The arithmetic part's sizes: the task, the models and every training budget."""
+
+    operands: int = 3
+    digits: int = 1
+    held_out_every: int = 10
+    train_problems: int = 3000  # drawn with repeats: about 1,350 different ones
+    held_out: int = 150  # all different, of the 180 or so the split holds out
+    teacher_hidden: int = 96
+    teacher_layers: int = 3
+    teacher_steps: int = 350
+    teacher_lr: float = 3e-3
+    student_hidden: int = 64
+    student_layers: int = 2
+    format_steps: int = 120  # the shared start: SFT on the ground truth, before the recipes part ways
+    format_lr: float = 5e-3
+    steps: int = 100  # each recipe's, from the shared start, at toys.training_args' learning rate
+    batch: int = 32
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise ValueError(f"ArithmeticDemoSizes.{f.name}={value!r}: a learning rate must be a number > 0")
+                continue
+            least = 0 if f.name == "format_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"ArithmeticDemoSizes.{f.name}={value!r}: it must be a whole number >= {least}")
+        # the task's own checks (operands >= 2, held_out_every >= 2), named by the task
+        ArithmeticTask(self.operands, self.digits, self.held_out_every)
+
+    @classmethod
+    def tiny(cls) -> ArithmeticDemoSizes:
+        """The pipeline only (tests): a few steps of each, nothing learnt."""
+        return cls(train_problems=200, held_out=8, teacher_hidden=32, teacher_layers=1, teacher_steps=2,
+                   student_hidden=32, student_layers=1, format_steps=1, steps=2, batch=4)  # fmt: skip
+
+
+def distinct_held_out(task: ArithmeticTask, n: int, seed: int) -> list[Problem]:
+    """`n` different held-out problems, in the order random.Random(seed) draws them: a small task repeats problems
+    often, and a repeated one would count twice."""
+    seen: dict[str, Problem] = {}
+    for problem in task.problems(20 * n, seed=seed, held_out=True):
+        seen.setdefault(problem.prompt, problem)
+        if len(seen) == n:
+            return list(seen.values())
+    raise ValueError(f"ArithmeticDemoSizes.held_out={n}: the task (operands={task.operands}, digits={task.digits}, "
+                     f"held_out_every={task.held_out_every}) gave only {len(seen)} different held-out problems in "
+                     f"{20 * n} draws; ask for fewer, or a larger task (more digits or operands, a smaller "
+                     f"held_out_every)")  # fmt: skip
+
+
+def task_data(sizes: ArithmeticDemoSizes) -> dict:
+    """The training problems (seed 0), `held_out` different held-out ones (seed 1), the tokenizer trained on the
+    training text, and the rows each recipe reads."""
+    task = ArithmeticTask(sizes.operands, sizes.digits, sizes.held_out_every)
+    held_out = distinct_held_out(task, sizes.held_out, seed=1)
+    train = task.problems(sizes.train_problems, seed=0)
+    tokenizer = build_tokenizer(train)
+    prompts, completions = tokenized(tokenizer, train)
+    return dict(tokenizer=tokenizer, prompts=prompts, completions=completions, rows=prompt_rows(train),
+                token_rows=[dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, completions)],
+                held_out=held_out, max_new_tokens=max(map(len, completions)) + 1)  # fmt: skip
+
+
+def recipes(sizes: ArithmeticDemoSizes, max_new_tokens: int) -> dict[str, dict | None]:
+    """name -> the KDTrainingArguments options of its KDTrainer (None: the plain Trainer's cross-entropy). Beta 0
+    (forward KL) in both KD rows, as in the demo's table. The on-policy row samples half of its steps' completions
+    from the student (kd_lmbda 0.5), each up to the longest training completion."""
+    return {
+        SFT: None,
+        OFF_POLICY: dict(use_kd_patch=True, kd_beta=0.0),
+        ON_POLICY: dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=0.5, kd_max_new_tokens=max_new_tokens),
+    }
+
+
+def _format_tuned_student(sizes: ArithmeticDemoSizes, data: dict, seed: int, device):
+    student = ModelShape(sizes.student_hidden, sizes.student_layers).build(len(data["tokenizer"]), seed, device)
+    if sizes.format_steps:
+        fit_on_ground_truth(student, data["prompts"], data["completions"], steps=sizes.format_steps,
+                            batch=sizes.batch, lr=sizes.format_lr, seed=seed, device=device)  # fmt: skip
+    return student
+
+
+def _train_recipe(kd: dict | None, student, teacher, data: dict, sizes: ArithmeticDemoSizes, seed: int, out: Path,
+                  device) -> float:  # fmt: skip
+    """Train `student` in place with one recipe; its training seconds."""
+    from transformers import Trainer
+
+    from ..trainer import KDTrainer
+
+    # seed s: student init s, data order (and on-policy sampling) s - 1, as in the demo's table
+    if kd is None:
+        args = training_args(out, sizes.steps, sizes.batch, device, seed=seed - 1, remove_unused_columns=False)
+        trainer = Trainer(model=student, args=args, train_dataset=data["token_rows"], data_collator=lambda rows: (
+            completion_batch([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows], "cpu")))  # fmt: skip
+    else:
+        args = training_args(out, sizes.steps, sizes.batch, device, seed=seed - 1, **kd)
+        trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data["rows"],
+                            processing_class=data["tokenizer"])  # fmt: skip
+    start = time.perf_counter()
+    quiet(trainer).train()
+    seconds = time.perf_counter() - start
+    revert_kd_patch(model=student)
+    return seconds
+
+
+def run_arithmetic_students(sizes: ArithmeticDemoSizes, seeds: tuple[int, ...], out: Path, device) -> dict:
+    """Train the teacher and, per seed, the shared start and every recipe's student; score each on the held-out
+    problems. Returns {"teacher_accuracy", "start_accuracy_by_seed", "held_out", "rows": [{"recipe",
+    "exact_match_by_seed", "seconds_by_seed"}]}. Prints a line per phase."""
+    device = torch.device(device)
+    data = task_data(sizes)
+    tok, held_out, longest = data["tokenizer"], data["held_out"], data["max_new_tokens"]
+    print(f"  task: {sizes.operands} numbers of {sizes.digits} digit(s), + and -, worked steps; "
+          f"{len(data['rows'])} training problems, {len(held_out)} held out; teacher Llama {sizes.teacher_layers} x "
+          f"{sizes.teacher_hidden}, {sizes.teacher_steps} steps of {sizes.batch} ...", flush=True)  # fmt: skip
+    start = time.perf_counter()
+    teacher = ModelShape(sizes.teacher_hidden, sizes.teacher_layers).build(len(tok), seed=0, device=device)
+    fit_on_ground_truth(teacher, data["prompts"], data["completions"], steps=sizes.teacher_steps, batch=sizes.batch,
+                        lr=sizes.teacher_lr, seed=0, device=device)  # fmt: skip
+    teacher_accuracy = exact_match(teacher, tok, held_out, longest)
+    print(f"  teacher exact match {teacher_accuracy:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    chosen = recipes(sizes, longest)
+    result = dict(teacher_accuracy=teacher_accuracy, start_accuracy_by_seed=[], held_out=len(held_out),
+                  rows=[dict(recipe=name, exact_match_by_seed=[], seconds_by_seed=[]) for name in chosen])  # fmt: skip
+    for seed in seeds:
+        start_student = _format_tuned_student(sizes, data, seed, device)
+        result["start_accuracy_by_seed"].append(exact_match(start_student, tok, held_out, longest))
+        for row, kd in zip(result["rows"], chosen.values()):
+            student = copy.deepcopy(start_student)
+            seconds = _train_recipe(kd, student, teacher, data, sizes, seed, out, device)
+            row["exact_match_by_seed"].append(exact_match(student, tok, held_out, longest))
+            row["seconds_by_seed"].append(seconds)
+            print(f"  {row['recipe']}, seed {seed}: exact match {row['exact_match_by_seed'][-1]:.3f} "
+                  f"({seconds:.0f} s)", flush=True)  # fmt: skip
+    return result
