@@ -165,11 +165,12 @@ def test_the_readmes_yaml_files_are_accepted(tmp_path):
 
 
 def shell_commands(code: str) -> list[list[str]]:
-    """The commands of a ```bash block: continuation lines joined, comments dropped, `&&` chains split."""
+    """The commands of a ```bash block: continuation lines joined, comments dropped, `&&` chains and background
+    `&` split."""
     commands, current = [], []
     for line in code.replace("\\\n", " ").splitlines():
         for word in shlex.split(line, comments=True):
-            if word in ("&&", "||", ";"):
+            if word in ("&&", "||", ";", "&"):
                 commands.append(current)
                 current = []
             else:

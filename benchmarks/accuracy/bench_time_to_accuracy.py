@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_time_to_accuracy.json")
     p.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check of the pipeline")
+    p.add_argument("--summarize", metavar="JSON", default=None, help="print and store the summary of a results "
+                   "JSON whose run was cut short (a device call's limit): its recipes and seeds as far as they "
+                   "got")  # fmt: skip
     p.add_argument("--device", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
@@ -353,6 +356,8 @@ def task_data(a) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parser().parse_args(argv)
+    if a.summarize:
+        return summarize_file(a.summarize)
     if a.smoke:
         for key, value in SMOKE.items():
             setattr(a, key, value)
@@ -447,6 +452,20 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     return payload
 
 
+def summarize_file(path: str) -> dict:
+    """The summary of the results in `path`, written back into it: a run cut before its end keeps every finished
+    recipe and seed (written as each ended) but not the summary, which needs only those."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    runs = {name: r for name, r in payload["runs"].items() if r}
+    payload["summary"] = summarize(runs, payload["target"], payload["teacher"]["accuracy"], payload["config"]["steps"])
+    payload["summary"]["cut_short"] = "total_seconds" not in payload  # a finished run records its total
+    write_json(path, payload)
+    return payload
+
+
 def fig(pair: tuple[float | None, float | None], digits: int = 3) -> str | None:
     """`mean ± std` (the mean alone for one seed), None for no value."""
     mean, spread = pair
@@ -514,9 +533,12 @@ def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
     other = [t if t is not None else r["curve"][-1]["seconds"] for t, r in zip(other, theirs)]
     mine_mean, other_mean = mean_std([t for t in mine if t is not None])[0], mean_std(other)[0]
     ratio = other_mean / mine_mean if mine_mean and other_mean else None
-    nan = float("nan")
-    text = (f"accuracy {level:.3f} in {nan if mine_mean is None else mine_mean:.1f} s against {other_mean:.1f} s: "
-            f"{'>= ' if bound else ''}{nan if ratio is None else ratio:.1f}x")  # fmt: skip
+    if not mine_mean or not other_mean:  # 0 s: the starting students already have that accuracy; None: never
+        text = (f"accuracy {level:.3f}: undecided (" + ("our runs never reach it)" if mine_mean is None else
+                "the starting students already have it: neither trainer moved them in its seconds)"))  # fmt: skip
+    else:
+        text = (f"accuracy {level:.3f} in {mine_mean:.1f} s against {other_mean:.1f} s: "
+                f"{'>= ' if bound else ''}{ratio:.1f}x")  # fmt: skip
     return dict(accuracy=level, ours_seconds=mine_mean, trl_seconds=other_mean, ratio=ratio, lower_bound=bound,
                 text=text)  # fmt: skip
 

@@ -45,8 +45,10 @@ def plot(payload: dict, out: Path) -> None:
             xs, means, stds = mean_curve(runs, key)
             style = "--" if name.startswith("TRL") else "-"
             (line,) = ax.plot(xs, means, style, marker="o", markersize=3, label=name)
-            ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
-                            color=line.get_color(), alpha=0.15)  # fmt: skip
+            # the band clipped to what an accuracy can be: two seeds either side of a jump spread past 0 and 1
+            low = [max(0.0, m - s) for m, s in zip(means, stds)]
+            high = [min(1.0, m + s) for m, s in zip(means, stds)]
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
         ax.axhline(payload["teacher"]["accuracy"], color="black", linestyle=":", linewidth=1, label="teacher")
         ax.axhline(payload["target"], color="gray", linestyle="--", linewidth=1, label="target (90 % of teacher)")
         ax.set_xlabel(label)
@@ -57,8 +59,11 @@ def plot(payload: dict, out: Path) -> None:
     for ax in axes:
         ax.set_xlim(left=0)  # no negative seconds or steps: symlog would otherwise pad to the left of 0
     gpu = payload.get("environment", {}).get("gpu", "CPU")
-    seeds = payload.get("config", {}).get("seeds")
-    fig.suptitle(f"Student exact match on 3-operand arithmetic, mean ± std over seeds {seeds} ({gpu})")
+    seeds = sorted({r["seed"] for runs in payload["runs"].values() for r in runs})  # those that ran, not those asked
+    config = payload.get("config", {})
+    task = f"{config.get('operands', 3)} numbers of {config.get('digits', 2)} digits"
+    cut = " (cut short)" if payload.get("summary", {}).get("cut_short") else ""
+    fig.suptitle(f"Student exact match, arithmetic on {task}, mean ± std over seeds {seeds} ({gpu}){cut}")
     axes[1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
