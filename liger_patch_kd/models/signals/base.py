@@ -61,8 +61,15 @@ class TeacherSignal:
         raise NotImplementedError
 
     def with_behaviour(self, behaviour: torch.Tensor) -> TeacherSignal:
-        """The "pg" estimator's behaviour log-probs (row-aligned): kept by the kinds whose loss weighs them."""
-        return self
+        """The "pg" estimator's behaviour log-probs (row-aligned), kept by the kinds whose loss weighs them (a live
+        teacher, hidden states). Any other kind refuses them: dropping them would train the uncorrected objective
+        on an engine's stale samples without a word."""
+        raise ValueError(
+            f"kd_behaviour_logprobs (the engine's log-probs of its samples: kd_generation_url with "
+            f"kd_onpolicy_loss='pg') importance-correct the policy gradient against one full teacher, and a "
+            f"{type(self).__name__} signal cannot weigh them: use one teacher_model or kd_teacher_protocol='hidden', "
+            f"or kd_onpolicy_loss='divergence' / 'k1'"
+        )
 
     def fused(self, student: HeadInputs, scored: Scored, rows: StudentRows) -> Terms:
         raise NotImplementedError

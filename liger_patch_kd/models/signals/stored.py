@@ -82,7 +82,7 @@ class SampledTeacher(TeacherSignal):
         return replace(stored_paired(self, names, privileged, targets, ignore_index), topk=topk)
 
     def with_behaviour(self, behaviour):
-        return self if self.topk is None else self.topk.with_behaviour(behaviour)
+        return super().with_behaviour(behaviour) if self.topk is None else self.topk.with_behaviour(behaviour)
 
     def _topk(self) -> dict:
         if self.topk is None:
