@@ -59,3 +59,4 @@ def test_a_live_teacher_and_hidden_states_keep_behaviour():
         assert isinstance(bound, (LiveTeacher, HiddenTeacher))
         # label-aligned in, row-aligned kept: the log-prob of label t+1 sits on row t
         torch.testing.assert_close(bound.behaviour[:, :-1], behaviour[:, 1:], rtol=0, atol=0)
+
