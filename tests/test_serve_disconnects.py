@@ -61,9 +61,8 @@ def test_generations_of_clients_that_hung_up_stop_and_release_the_model(monkeypa
 
     model = tiny_model("llama", dtype=torch.float32, seed=1).eval()
     model.set_attn_implementation("sdpa")  # what the engine's masks need (the plain loop takes any)
-    if path == "plain":
-        model.register_forward_pre_hook(lambda m, a, k: step_taken() if k.get("use_cache") else None,
-                                        with_kwargs=True)  # generation forwards only (scoring uses no cache)
+    if path == "plain":  # generation forwards only (scoring uses no cache)
+        model.register_forward_pre_hook(lambda m, a, k: step_taken() if k.get("use_cache") else None, with_kwargs=True)
     else:
         run_step = DecodeSession.run_step
         monkeypatch.setattr(DecodeSession, "run_step", lambda self: (step_taken(), run_step(self)))

@@ -21,11 +21,13 @@ so a reply equals the prompt's reply alone only to float32 rounding (~1e-6 for l
 --batch-invariant runs every prompt alone (no padding) and its reply is then bit-identical whatever else was asked.
 
 A request is checked whole before any teacher work (validation.py): a bad one gets a 400 (413 over
---max-request-tokens) with {"error": "..."} naming the field. A request whose client hangs up is dropped: a generation
-stops at its next decode step (or never starts, if it was waiting for the model), a scoring request leaves the
-batches it has not reached yet (disconnects.py), so no departed client keeps the model from the others. With --api-key (or LIGER_KD_API_KEY) every endpoint
+--max-request-tokens) with {"error": "..."} naming the field. With --api-key (or LIGER_KD_API_KEY) every endpoint
 but /health wants `Authorization: Bearer <key>` (401 otherwise), as vLLM's --api-key. FastAPI and uvicorn are the
 optional extra `serve`.
+
+A request whose client hangs up is dropped: a generation stops at its next decode step (or never starts, if it was
+waiting for the model), a scoring request leaves the batches it has not reached yet (disconnects.py), so no
+departed client keeps the model from the others.
 """
 
 import asyncio  # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
