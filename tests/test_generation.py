@@ -423,3 +423,48 @@ def test_top_logprobs_out_of_range_are_refused():
     assert top_ids.shape == (5, 2, 20) and bool((top_ids < 20).all())
     torch.testing.assert_close(top_values.exp().sum(-1), torch.ones(5, 2), rtol=0, atol=1e-5)  # all 20: the whole
     release_sessions(model)
+
+
+@pytest.mark.parametrize("eos", [(), tuple(range(2, 5))])
+def test_a_cancelled_decode_stops_at_the_next_step_and_the_next_call_is_unchanged(monkeypatch, eos):
+    """decode(cancel=event): an event set during step 3 ends the call before step 4 runs (Cancelled, nothing
+    returned); set before the call, not even the prefill runs. The session it leaves samples the next call exactly
+    as a fresh session does (the same seed, the same tokens and log-probs)."""
+    import threading
+
+    from liger_patch_kd.generation import Cancelled
+    from liger_patch_kd.generation.engine import DecodeSession
+
+    model = _model("llama", torch.float64, seed=12)
+    ids, mask = _prompts()
+    options = dict(max_new_tokens=40, sampling=Sampling(), pad_id=0, eos_ids=eos, logprobs=True)
+    torch.manual_seed(5)
+    fresh = decode(model, ids, mask, **options)
+    release_sessions(model)
+
+    steps, prefills, cancel = [], [], threading.Event()
+    run_step, prefill = DecodeSession.run_step, DecodeSession.prefill
+
+    def counted_step(self):
+        steps.append(1)
+        if len(steps) == 3:
+            cancel.set()  # as the server's event loop sets it, while the step runs
+        run_step(self)
+
+    def counted_prefill(self, *args):
+        prefills.append(1)
+        prefill(self, *args)
+
+    monkeypatch.setattr(DecodeSession, "run_step", counted_step)
+    monkeypatch.setattr(DecodeSession, "prefill", counted_prefill)
+    with pytest.raises(Cancelled):
+        decode(model, ids, mask, cancel=cancel, **options)
+    assert len(steps) == 3 and len(prefills) == 1  # of 39 steps: none after the event was set
+    with pytest.raises(Cancelled):
+        decode(model, ids, mask, cancel=cancel, **options)  # already set: nothing runs
+    assert len(steps) == 3 and len(prefills) == 1
+    torch.manual_seed(5)
+    again = decode(model, ids, mask, cancel=threading.Event(), **options)  # the cut-short session, reused
+    assert len(prefills) == 2
+    assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
+    release_sessions(model)

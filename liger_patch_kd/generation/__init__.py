@@ -13,9 +13,11 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   special_tokens    special_ids: a generator's pad id, EOS ids and start token (generation config, then tokenizer)
   padding           prefill_mask: a left-padded prefill's mask without fully masked rows (eager float64's NaN)
   checks            decode()'s arguments refused before any work (one-line errors)
+  cancellation      Cancelled: a decode loop stopped part-way by an event another thread sets (a client gone)
   engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
 """
 
+from .cancellation import Cancelled, stop_if_cancelled
 from .decode_attention import packed_decode_attention
 from .engine import CAPTURES, decode, decode_applies, left_padded, release_if_large, release_sessions
 from .forward_options import decode_forward_options
@@ -25,6 +27,7 @@ from .sampling import Sampling, filtered_scores
 
 __all__ = [
     "CAPTURES",
+    "Cancelled",
     "Sampling",
     "decode",
     "decode_applies",
@@ -36,5 +39,6 @@ __all__ = [
     "prefill_mask",
     "release_if_large",
     "release_sessions",
+    "stop_if_cancelled",
     "text_config",
 ]

@@ -19,12 +19,18 @@ optimizers do) is what the next call samples from. Parameters moved to new stora
 the session's key and a new one is built; a call of another bucket releases the one before (one session per model),
 and `release_sessions` frees them all; `release_if_large` frees one that would weigh on a training step's peak (the
 Trainer's in-process rollouts call it after each generation).
+
+A call given a `cancel` event (cancellation.py) reads it before the prefill and before each replay of the step, on
+the host, with no sync added: a set event ends the call with Cancelled. On CUDA the host runs ahead of the device by
+at most `check_every` queued steps when there are EOS ids (their check is a sync), so at most that many run after
+the event is seen; the next call's prefill resets everything the cut-short call left in the session.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import select_backend
+from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
 from .forward_options import decode_forward_options
@@ -239,14 +246,20 @@ class DecodeSession:
         with self.fused.installed():
             yield
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, check_every: int):
-        """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None."""
+    def run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, check_every: int,
+        cancel: threading.Event | None = None,
+    ):  # fmt: skip
+        """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None;
+        Cancelled once `cancel` is set (read before the prefill and each step)."""
+        stop_if_cancelled(cancel)
         with self.projections():
             self.prefill(input_ids, attention_mask)
             checks = len(self.key.eos_ids) > 0
             for step in range(1, max_new_tokens):
                 if checks and step % check_every == 0 and not bool((~self.done).any()):
                     break  # the only host sync of the loop
+                stop_if_cancelled(cancel)  # a flag read on the host: no sync
                 self.run_step()
         n = int(self.used)  # columns after the last row ended (up to check_every - 1 of them) are padding: cut
         logprobs = None if self.out_logprobs is None else self.out_logprobs[:, :n].clone()
@@ -324,6 +337,7 @@ def decode(
     check_every: int = CHECK_EVERY,
     fuse_projections: bool = False,
     kernels: bool = True,
+    cancel: threading.Event | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Sample up to `max_new_tokens` after left-padded prompts.
 
@@ -344,6 +358,8 @@ def decode(
         kernels: run the step (and the prefill) through the project's RMSNorm / RoPE / gated-MLP kernels, whether
             or not the model is patched (kernel_twin.py: a twin of the module tree over the same parameters; the
             model itself is left as it is); False: the model's modules as they are.
+        cancel: an event another thread may set to stop the call: read before the prefill and before each step
+            (no device sync), it ends the call with cancellation.Cancelled, returning nothing; None: runs to the end.
 
     Returns:
         ((rows, n) int64 sampled ids, (rows, n) float32 log-probs or None); n <= max_new_tokens, fewer when every
@@ -379,4 +395,4 @@ def decode(
                      storage)  # fmt: skip
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
-        return session.run(input_ids, attention_mask, max_new_tokens, check_every)
+        return session.run(input_ids, attention_mask, max_new_tokens, check_every, cancel)

@@ -24,6 +24,10 @@ A request is checked whole before any teacher work (validation.py): a bad one ge
 --max-request-tokens) with {"error": "..."} naming the field. With --api-key (or LIGER_KD_API_KEY) every endpoint
 but /health wants `Authorization: Bearer <key>` (401 otherwise), as vLLM's --api-key. FastAPI and uvicorn are the
 optional extra `serve`.
+
+A request whose client hangs up is dropped: a generation stops at its next decode step (or never starts, if it was
+waiting for the model), a scoring request leaves the batches it has not reached yet (disconnects.py), so no
+departed client keeps the model from the others.
 """
 
 import asyncio  # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -33,6 +37,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager, nullcontext
@@ -40,12 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..generation import Cancelled
 from ..teacher.precompute import teacher_samples, teacher_topk_and_next
 from ..teacher.sampling import sequence_generator
 from ..wire.conventions import API_KEY_ENV
 from ..wire.protocols import BINARY_MEDIA_TYPE, TopK, encode_binary
 from ..wire.sampled_tokens import SampledTokens
 from ..wire.sampled_wire import SampleAsk, encode_sampled
+from .disconnects import ClientGone, unless_hung_up
 from .generation import GenerationEngine, add_generation_routes, validated_generation, wants_generation
 from .hidden_server import add_hidden_routes
 from .request_fields import check_fields
@@ -65,6 +72,7 @@ from .validation import (
 JSON_NEG_INF = -9999.0  # JSON has no -inf; vLLM writes this (protocols maps it back)
 GRACEFUL_SHUTDOWN_S = 5  # after SIGTERM, how long requests in flight may still finish
 DEFAULT_MAX_REQUEST_TOKENS = 262144  # prompt tokens in one request (413 above): 64 sequences of 4096
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left: what the (unread) reply carries
 log = logging.getLogger("liger_patch_kd.serve")
 
 
@@ -269,7 +277,7 @@ def build_app(
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "batches_run": batcher.batches_run, "forwards_run": batcher.forwards_run,
-                **engine.weights_fields()}  # fmt: skip
+                **engine.health_fields()}  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -278,9 +286,12 @@ def build_app(
              "vocab_size": vocab, "max_model_len": max_context, "sample_temperature": limits.sample_temperature}
         ]}  # fmt: skip
 
-    async def generate(req) -> Response:
+    async def generate(req, request: Request) -> Response:
+        cancel = threading.Event()  # set when the client hangs up: the decode loop stops at its next step
         try:
-            reply = await asyncio.to_thread(engine.complete, req)
+            reply = await unless_hung_up(request, asyncio.to_thread(engine.complete, req, cancel), cancel)
+        except (ClientGone, Cancelled):  # nobody is left to read a reply
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except RequestError as e:  # checked under the engine's lock: a model (adapter) that is not loaded
             return error(e.status, e.message)
         except Exception as e:  # a fault of the server: 500, which clients retry
@@ -293,7 +304,7 @@ def build_app(
         try:  # the whole request is checked before any teacher work
             body = parse_body(await read_body(request, limits.max_body_bytes))  # bounded: no client OOMs us
             if wants_generation(body):  # no prompt_logprobs: sample completions (generation.py)
-                return await generate(validated_generation(body, limits))
+                return await generate(validated_generation(body, limits), request)
             sequences, k = validated_completion(body, limits)
             check_fields(body, scoring=True)  # request_fields.py: an allow-list
             adapter = engine.adapter_of(body.get("model"))  # 404 for a model not served, as generation answers
@@ -303,9 +314,11 @@ def build_app(
             return error(e.status, e.message)
         try:
             if ask is not None:  # sampled teacher tokens (wire/sampled_wire.py), binary only
-                drawn = await batcher.draw(sequences, ask, adapter)
+                drawn = await unless_hung_up(request, batcher.draw(sequences, ask, adapter))
                 return Response(encode_sampled(drawn, sequences, ask), media_type=BINARY_MEDIA_TYPE)
-            scored = await batcher.score(sequences, k, adapter)
+            scored = await unless_hung_up(request, batcher.score(sequences, k, adapter))
+        except ClientGone:  # its sequences still waiting are skipped by the batcher (their futures are cancelled)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except RequestError as e:  # its adapter was unloaded while it waited: 404 (never the base model instead)
             return error(e.status, e.message)
         except Exception as e:  # a fault of the server (out of memory, ...): 500, which clients retry

@@ -18,8 +18,9 @@ import torch
 from ..generation import Sampling, decode, decode_applies, left_padded
 
 
-def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, list] | None:
-    """(tokens, log-probs, top entries) per row as GenerationEngine._sample returns them, or None (not taken)."""
+def captured_sample(engine, rows: list[list[int]], req, cancel=None) -> tuple[list, list, list] | None:
+    """(tokens, log-probs, top entries) per row as GenerationEngine._sample returns them, or None (not taken);
+    `cancel` (a threading.Event) set: the engine's decode stops between two steps with generation.Cancelled."""
     if not getattr(engine, "captured", engine.device.type == "cuda"):
         return None
     if engine.peft is not None or decode_applies(engine.model) is not None:
@@ -33,7 +34,8 @@ def captured_sample(engine, rows: list[list[int]], req) -> tuple[list, list, lis
             torch.manual_seed(req.seed)
         decoded = decode(engine.model, ids.to(engine.device), mask.to(engine.device), logprobs=True,
                          top_logprobs=req.logprobs or 0, max_new_tokens=req.max_tokens, sampling=sampling,
-                         pad_id=engine.pad_id, eos_ids=stop, fuse_projections=engine.fuse_projections)  # fmt: skip
+                         pad_id=engine.pad_id, eos_ids=stop, fuse_projections=engine.fuse_projections,
+                         cancel=cancel)  # fmt: skip
     tokens, logprobs = decoded[0].tolist(), decoded[1].tolist()
     top_ids, top_values = (t.tolist() for t in decoded[2]) if req.logprobs else ([[]] * len(tokens),) * 2
     stops = set(stop)

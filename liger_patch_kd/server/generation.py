@@ -36,6 +36,10 @@ served model's name or none; another name is a 404, as in vLLM, on every route (
 model is used by one request at a time (a lock shared with the teacher scoring, which runs with the adapter its
 `model` names on, or with adapters off: GenerationEngine.using). A reply never carries a NaN or infinite log-prob:
 the model's output that holds one is a 500 naming it (validation.nonfinite_output), not tokens drawn from NaN.
+
+A generation whose client has hung up stops: the endpoint sets the request's cancellation event (disconnects.py)
+and the decode loop, plain or captured, ends at its next step with generation.Cancelled, releasing the lock; a
+request still waiting for the lock when its client leaves never runs. /health counts them (generations_cancelled).
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the endpoint annotations
@@ -53,12 +57,14 @@ from typing import Any
 import torch
 
 from ..generation import (
+    Cancelled,
     Sampling,
     decode_forward_options,
     filtered_scores,
     left_padded,
     packed_decode_attention,
     prefill_mask,
+    stop_if_cancelled,
 )
 from ..wire.conventions import is_int
 from .adapters import attach_adapter, read_adapter
@@ -68,6 +74,7 @@ from .validation import Limits, RequestError, check_prompts, check_sampling, non
 from .weight_updates import check_finite, check_update, read_safetensors
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LOCK_POLL_S = 0.05  # how often a request waiting for the model looks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,8 @@ class GenerationEngine:
         # in-process rollouts run: a copy of those weights kept with the decode session, refreshed every request
         self.fuse_projections = fuse_projections
         self.lock = lock or threading.Lock()
+        self.generations_cancelled = 0  # generations stopped or never run because their client hung up
+        self.counter_lock = threading.Lock()  # the count is bumped from worker threads, some outside `lock`
         self.device = next(model.parameters()).device
         self.adapters: dict[str, str] = {}  # lora_name -> lora_path
         self.peft = None  # the PeftModel around `model` while adapters are loaded (its layers sit in `model`)
@@ -187,6 +196,10 @@ class GenerationEngine:
         forward; 2**32 updates would wrap the version, which no run makes."""
         return self.instance << 32 | self.weight_version & 0xFFFFFFFF
 
+    def health_fields(self) -> dict[str, int]:
+        """What /health reports of the engine: the weights served and the generations cancelled."""
+        return {**self.weights_fields(), "generations_cancelled": self.generations_cancelled}
+
     def weights_fields(self, weights_id: int | None = None) -> dict[str, int]:
         """`weight_version` and `weights_id` as the replies name them: those of `weights_id` (an update's, read under
         the lock with it), else of the current weights, read once so that both fields name the same weights."""
@@ -194,13 +207,22 @@ class GenerationEngine:
         return {"weight_version": weights_id & 0xFFFFFFFF, "weights_id": weights_id}
 
     @contextmanager
-    def using(self, adapter: str | None = None):
+    def using(self, adapter: str | None = None, cancel: threading.Event | None = None):
         """The model to itself, with `adapter` on (None: adapters off): the teacher scoring path's guard. An
-        adapter unloaded since the request was checked is a 404 here, under the lock (never the base instead)."""
-        with self.lock:
+        adapter unloaded since the request was checked is a 404 here, under the lock (never the base instead).
+        `cancel` set while waiting for the lock (the client hung up): Cancelled, and the model is not taken."""
+        if cancel is None:
+            self.lock.acquire()
+        else:
+            while not self.lock.acquire(timeout=LOCK_POLL_S):
+                stop_if_cancelled(cancel)
+        try:
+            stop_if_cancelled(cancel)  # set while this request waited: nothing of it runs
             self.adapter_of(adapter)
             self._select(adapter)
             yield
+        finally:
+            self.lock.release()
 
     def _select(self, adapter: str | None) -> None:
         """Turn the LoRA layers PEFT injected into the model on (with `adapter` active) or off."""
@@ -213,16 +235,22 @@ class GenerationEngine:
             self.peft.set_adapter(adapter)
 
     # ------------------------------------------------------------------------------------------- sampling
-    def complete(self, req: GenerationRequest) -> dict[str, Any]:
-        """The /v1/completions reply for `req` (runs in a worker thread)."""
+    def complete(self, req: GenerationRequest, cancel: threading.Event | None = None) -> dict[str, Any]:
+        """The /v1/completions reply for `req` (runs in a worker thread); Cancelled, the lock released, once
+        `cancel` is set (the client hung up): before the model is taken, or at the next decode step."""
         adapter = self.adapter_of(req.model)
-        with self.using(adapter), torch.no_grad(), packed_decode_attention():  # no grouped-query copy per step
-            rows = [p for p in req.prompts for _ in range(req.n)]
-            generator = None
-            if req.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(req.seed)
-            tokens, logprobs, tops = self._sample(rows, req, generator)
-            weights_id = self.weights_id  # the weights that sampled: the trainer checks them against its push
+        try:
+            with self.using(adapter, cancel), torch.no_grad(), packed_decode_attention():  # no grouped-query copy
+                rows = [p for p in req.prompts for _ in range(req.n)]
+                generator = None
+                if req.seed is not None:
+                    generator = torch.Generator(self.device).manual_seed(req.seed)
+                tokens, logprobs, tops = self._sample(rows, req, generator, cancel)
+                weights_id = self.weights_id  # the weights that sampled: the trainer checks them against its push
+        except Cancelled:
+            with self.counter_lock:
+                self.generations_cancelled += 1
+            raise
         values = [v for row in logprobs for v in row] + [v for row in tops for entry in row for v in entry.values()]
         if not all(map(math.isfinite, values)):  # NaN logits: greedy picks id 0 from them, and JSON cannot carry NaN
             raise nonfinite_output("the model's log-probs of the sampled tokens")
@@ -249,10 +277,14 @@ class GenerationEngine:
                       "total_tokens": prompt_tokens + completion_tokens},
         }  # fmt: skip
 
-    def _sample(self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None):
+    def _sample(
+        self, rows: list[list[int]], req: GenerationRequest, generator: torch.Generator | None,
+        cancel: threading.Event | None = None,
+    ):  # fmt: skip
         """Left-padded rows decoded together with the model's KV cache; per row the sampled tokens (up to and with
-        the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position."""
-        if (captured := captured_sample(self, rows, req)) is not None:  # the captured decode step (on CUDA)
+        the first stop id), their raw log-probs and, when asked, the top-`req.logprobs` of each position.
+        Cancelled at the first step that finds `cancel` set (the cache is this call's own: nothing to undo)."""
+        if (captured := captured_sample(self, rows, req, cancel)) is not None:  # the captured decode step (on CUDA)
             return captured
         ids, mask = left_padded(rows, self.pad_id, device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -261,6 +293,7 @@ class GenerationEngine:
         tokens, logprobs, tops = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
         past, step_ids = None, ids
         for _ in range(req.max_tokens):
+            stop_if_cancelled(cancel)
             # the prefill's mask leaves no padding row fully masked (eager float64: NaN otherwise; generation/padding)
             step_mask = prefill_mask(self.model, mask) if past is None else mask
             out = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, use_cache=True,
