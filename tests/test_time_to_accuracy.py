@@ -181,3 +181,23 @@ def test_benchmark_smoke_writes_its_json(tmp_path):
     if SERVED_GKD in recipes:
         assert written["runs"][SERVED_GKD][0]["served_tokens"] > 0
     assert 0.0 <= written["teacher"]["accuracy"] <= 1.0
+
+
+def test_the_benchmark_splits_over_calls_with_resume(tmp_path):
+    """--resume keeps the runs of an earlier call (same options) and runs only the recipe and seed pairs it lacks;
+    the SFT row, run in the second call, runs as long as the first call's longest distillation row of its seed;
+    a file written with other options is refused before anything trains; --summarize rebuilds the table."""
+    from benchmarks.accuracy.bench_time_to_accuracy import OURS_GKD, SFT, main
+
+    out, teacher = tmp_path / "tta.json", tmp_path / "teacher"
+    first = main(["--smoke", "--out", str(out), "--teacher-dir", str(teacher), "--recipes", "off-policy KD, JSD"])
+    kept = first["runs"]["off-policy KD, JSD (beta 0.5)"][0]
+    second = main(["--smoke", "--out", str(out), "--teacher-dir", str(teacher), "--resume", "--recipes",
+                   "off-policy KD, JSD", OURS_GKD, SFT])  # fmt: skip
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["off-policy KD, JSD (beta 0.5)"] == [kept]  # not run again
+    assert [len(runs[name]) for name in (OURS_GKD, SFT)] == [1, 1]
+    assert set(second["summary"]["recipes"]) == {"off-policy KD, JSD (beta 0.5)", OURS_GKD, SFT}
+    with pytest.raises(SystemExit, match="digits: 2 there, 3 here"):
+        main(["--smoke", "--out", str(out), "--resume", "--digits", "3", "--recipes", SFT])
+    assert main(["--summarize", str(out)])["summary"]["cut_short"] is False

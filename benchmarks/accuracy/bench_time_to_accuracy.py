@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--summarize", metavar="JSON", default=None, help="print and store the summary of a results "
                    "JSON whose run was cut short (a device call's limit): its recipes and seeds as far as they "
                    "got")  # fmt: skip
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out (an earlier device call's, "
+                   "same options) and run only the recipe and seed pairs it lacks: the benchmark split over calls, "
+                   "the teacher kept in --teacher-dir between them")  # fmt: skip
     p.add_argument("--device", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
@@ -374,6 +377,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     from liger_patch_kd.demo.arithmetic import ModelShape, exact_match, fit_on_ground_truth
 
     names = selected(a.recipes)
+    earlier = earlier_runs(a) if a.resume else {}  # refused here, before anything trains, if it is another run's
     began = time.perf_counter()
     data = task_data(a)
     tok, held_out = data["tokenizer"], data["held_out"]
@@ -416,20 +420,24 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
             failed[name] = f"{type(error).__name__}: {error}"[:500]
             return None
 
+    todo = {(name, seed) for name in names for seed in a.seeds
+            if not any(r["seed"] == seed for r in earlier.get(name, []))}  # fmt: skip
     if not a.smoke:  # compile the kernels and capture the graphs once, outside every timed run
         for name in names:
-            if name not in failed:
+            if name not in failed and any(n == name for n, _ in todo):
                 attempt(name, a.seeds[0], steps=3, cap=1e9, every=10**9, base_accuracy=0.0)
         print(f"warm-up done ({time.perf_counter() - began:.0f} s)", flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    runs: dict[str, list[dict]] = {**earlier, **{name: list(earlier.get(name, [])) for name in names}}
     payload = dict(environment=environment(), config=vars(a), vocab=len(tok), teacher=dict(
         accuracy=teacher_accuracy, parameters=params(teacher), train_seconds=teacher_seconds), target=target,
         student=dict(parameters=params(students[a.seeds[0]]), format_accuracy=base), runs=runs,
         failed=failed)  # fmt: skip
     for seed in a.seeds:
-        longest = 0.0
+        # the longest distillation row of this seed so far (an earlier call's rows count too)
+        longest = max([r["curve"][-1]["seconds"] for name, rs in runs.items() if name not in (*TRL_RECIPES, SFT)
+                       for r in rs if r["seed"] == seed] or [0.0])  # fmt: skip
         for name in sorted(names, key=lambda n: n == SFT):  # SFT last: it runs as long as the longest
-            if name in failed:
+            if name in failed or (name, seed) not in todo:
                 continue
             sft = name == SFT
             steps = a.steps * (2 if a.smoke else 20) if sft else a.steps
@@ -450,6 +458,31 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     payload["total_seconds"] = time.perf_counter() - began
     write_json(a.out, payload)
     return payload
+
+
+# the options that define what a run measures: an earlier call's runs are kept only when these are the same
+SAME_EXPERIMENT = ("operands", "digits", "train_problems", "held_out", "teacher_shape", "student_shape",
+                   "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "steps", "batch", "lr",
+                   "checkpoints", "cap_seconds", "trl_cap_seconds", "store_generations", "store_top_k")  # fmt: skip
+
+
+def earlier_runs(a) -> dict[str, list[dict]]:
+    """--resume: the runs already in a.out, by recipe (none when the file is absent); a file written with other
+    SAME_EXPERIMENT options is refused in one line before anything trains."""
+    import json
+    from pathlib import Path
+
+    if not Path(a.out).exists():
+        return {}
+    payload = json.loads(Path(a.out).read_text())
+    mine = vars(a)
+    differ = [k for k in SAME_EXPERIMENT if payload.get("config", {}).get(k) != mine.get(k)]
+    if differ:
+        theirs = payload["config"]
+        listed = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+        raise SystemExit(f"--resume: {a.out} was written with other options ({listed}); run with the same options "
+                         f"or another --out")  # fmt: skip
+    return {name: list(r) for name, r in payload.get("runs", {}).items() if r}
 
 
 def summarize_file(path: str) -> dict:
