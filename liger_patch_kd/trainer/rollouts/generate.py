@@ -282,8 +282,9 @@ def generate_rollouts(
                             input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache,
                             **options, **decode_forward_options(generator),
                         )
+                tails = generated[:, width:].tolist()  # one copy off the device for the call, not one per row
                 for row, index in enumerate(chunk):
-                    completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
+                    completion, finished = _cut_at_eos(tails[row], eos_ids)
                     out[index] = Rollout(rows[index], completion, finished)
                 del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
         # the training step that follows gets a large session's memory back (the calls of one step share it)
