@@ -8,8 +8,8 @@ The models and data of the time-to-accuracy benchmark (benchmarks/accuracy): lig
 task (3 two-digit operands) and BPE tokenizer (264 ids), a Llama student (`--student-shape`, default 96 x 2: about
 0.25M parameters) and teacher (`--teacher-shape`, default 320 x 8: about 10M), random weights in float32, so the
 completions run to about `--max-new-tokens` (random weights rarely sample EOS). The store holds `--prompts`
-completions (one per prompt), generated in calls of `--prompts-per-call` prompts, scored by the teacher's top
-`--top-k`, in shards of `--shard-size`. Rows:
+completions (one per prompt), generated in calls of `--prompts-per-call` prompts (with `--cache`), scored by the
+teacher's top `--top-k`, in shards of `--shard-size`. Rows:
 
   store                  precompute_rollouts end to end (generation, the teacher's and the student's scoring, the
                          rows' assembly, the shards and manifests written), into a temporary folder removed after
@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=30)
     p.add_argument("--student-shape", type=int, nargs=2, default=[96, 2], metavar=("HIDDEN", "LAYERS"))
     p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
+    p.add_argument("--cache", default="auto", help="the store's generation cache (RolloutSettings.cache; 'auto' "
+                   "takes the dynamic cache above 256 rows on CUDA, 'graph' the decode engine at any size)")
     p.add_argument("--live-batch", type=int, default=256, help="prompts per live on-policy step")
     p.add_argument("--live-steps", type=int, default=8)
     p.add_argument("--smoke", action="store_true", help="tiny sizes on a CPU: checks the script runs")
@@ -102,7 +104,7 @@ def build_store(student, teacher, prompts, tok, a, device) -> float:
 
     folder = tempfile.mkdtemp(prefix="bench_rollout_store_")
     try:
-        settings = RolloutSettings(max_new_tokens=a.max_new_tokens, seed=0)
+        settings = RolloutSettings(max_new_tokens=a.max_new_tokens, cache=a.cache, seed=0)
         sync(device)
         began = time.perf_counter()
         precompute_rollouts(student, teacher, prompts, f"{folder}/store", settings=settings,
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows, ["row", "completions", "seconds", "completions_per_s", "generate_s", "teacher_s", "student_s",
                        "assembly_s", "write_s", "other_s"])  # fmt: skip
     print("(split columns: seconds per 1,000 completions)")
+    ratio = rows[2]["completions_per_s"] / rows[0]["completions_per_s"]
+    print(f"store build rate / live generation rate: {ratio:.2f}")
     payload = dict(environment=environment(), device=str(device), args=vars(a), rows=rows)
     if a.out:
         write_json(a.out, payload)

@@ -21,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import GenerationConfig
 
