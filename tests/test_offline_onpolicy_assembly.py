@@ -200,3 +200,18 @@ def test_a_bad_id_among_tensor_sequences_names_its_sequence(tmp_path):
         writer.write_shard([good[0], torch.tensor([10])], torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1))
     writer.write_shard(good, torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1))
     assert writer.finish().is_dir() and writer.done_shards() == 1
+
+
+def test_the_store_benchmark_runs_and_reports_every_phase(tmp_path):
+    """benchmarks/teachers/bench_rollout_store --smoke: the live rows, the store and its split, in the JSON."""
+    import json
+
+    from benchmarks.teachers import bench_rollout_store
+
+    bench_rollout_store.main(["--smoke", "--out", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["row"] for r in rows] == ["live generation", "live scoring", "store", "store, split"]
+    split = rows[-1]
+    phases = ("generate_s", "teacher_s", "student_s", "assembly_s", "write_s", "other_s")
+    assert all(split[k] >= 0 for k in phases[:-1]) and all(r["completions_per_s"] > 0 for r in rows)
+    assert sum(split[k] for k in phases) == pytest.approx(1000 * split["seconds"] / split["completions"])
