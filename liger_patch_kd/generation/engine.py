@@ -77,13 +77,14 @@ def left_padded(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask), both (rows, width) int64: each prompt at the right end of its row (decoding appends
     every row's next token at the same column), `pad_id` and mask 0 before it; width: the longest prompt's."""
-    width = max(map(len, prompts), default=0) if width is None else width
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
+    lengths = [len(p) for p in prompts]
+    width = max(lengths, default=0) if width is None else width
+    if any(n > width for n in lengths):
+        raise ValueError(f"left_padded: a prompt of {max(lengths)} tokens does not fit width {width}")
+    # one tensor built from the padded rows: no tensor op per row
+    ids = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], dtype=torch.long)
+    ids = ids.reshape(len(prompts), width)
+    mask = (torch.arange(width)[None] >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).long()
     return ids.to(device), mask.to(device)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -324,8 +326,20 @@ def _run(teacher, sequences, writer: StoreWriter, top_k, batch_size, shard_size,
 
 
 def sequences_fingerprint(sequences: Sequence[Sequence[int]]) -> str:
-    """sha256 of the token ids (lengths included), so a resume with other data or truncation is caught."""
+    """sha256 of the token ids (lengths included), so a resume with other data or truncation is caught: each
+    sequence's length (8 bytes, little-endian), then its ids as int64."""
     digest = hashlib.sha256()
+    if sys.byteorder == "little" and all(isinstance(seq, list) for seq in sequences):
+        # the same bytes laid out at once: one array of [length, ids...] per sequence, no tensor per sequence
+        lengths = [len(seq) for seq in sequences]
+        flat = torch.as_tensor([t for seq in sequences for t in seq], dtype=torch.int64).numpy()
+        out = np.empty(len(flat) + len(lengths), dtype=np.int64)
+        at = np.cumsum([0, *lengths[:-1]], dtype=np.int64) + np.arange(len(lengths))
+        keep = np.ones(len(out), dtype=bool)
+        keep[at] = False
+        out[at], out[keep] = lengths, flat
+        digest.update(out.tobytes())
+        return digest.hexdigest()[:16]
     for seq in sequences:
         ids = torch.as_tensor(seq, dtype=torch.int64)
         digest.update(len(ids).to_bytes(8, "little"))

@@ -191,7 +191,7 @@ class StoreWriter:
         index = self.done_shards()
         k, vocab = self.meta["top_k"], self.meta["vocab_size"]
         where = f"shard {index}"
-        seqs = [token_ids(s, f"{where}, sequence {j}: input_ids", vocab_size=vocab) for j, s in enumerate(sequences)]
+        seqs = _checked_sequences(sequences, where, vocab)
         if any(s.ndim != 1 for s in seqs):
             raise ValueError(f"{where}: every sequence must be a flat list of token ids")
         lengths = np.array([len(s) for s in seqs], dtype=np.int64)
@@ -270,6 +270,22 @@ class StoreWriter:
             write_manifest(self.out_dir, self.meta)
             self.pending.clear()  # the manifest lists it now
             write_pending(self.out_dir, self.pending)
+
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _checked_sequences(sequences: Sequence[Any], where: str, vocab: int) -> list[np.ndarray]:
+    """Each sequence's ids as int64 (token_ids), checked in one pass when all are 1-d integer tensors (what the
+    rollout writer passes: no work per sequence), else one by one; an error names the sequence either way."""
+    if len(sequences) and all(torch.is_tensor(s) and s.ndim == 1 and s.dtype in _INTEGER_DTYPES for s in sequences):
+        try:
+            flat = token_ids(torch.cat(list(sequences)), where, vocab_size=vocab)
+        except ValueError:
+            pass  # the check one sequence at a time names the sequence
+        else:
+            return np.split(flat, np.cumsum([len(s) for s in sequences])[:-1])
+    return [token_ids(s, f"{where}, sequence {j}: input_ids", vocab_size=vocab) for j, s in enumerate(sequences)]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:

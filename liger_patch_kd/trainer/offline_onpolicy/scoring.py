@@ -7,6 +7,7 @@ is refreshed during training, so the two cannot drift apart."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,11 +54,56 @@ class ScoredRow:
 
 
 @dataclass
+class ScoredRollouts:
+    """Scored rollouts as a store's shard holds them: the rows' positions end to end (N, the sum of their lengths),
+    row b at positions [offsets[b], offsets[b + 1]), each array as ScoredRow has it for one row. Built and written a
+    call at a time as whole tensors (no work per row); a ScoredRow of one row is a view (`rows[b]`, iteration)."""
+
+    offsets: torch.Tensor  # (B + 1,) int64
+    input_ids: torch.Tensor  # (N,) int64
+    topk_ids: torch.Tensor  # (N, k) int64
+    topk_logprobs: torch.Tensor  # (N, k) float32
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (N, m) each
+    columns: dict[str, torch.Tensor]  # (N,) each
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, row: int) -> ScoredRow:
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"row {row} of {len(self)} scored rollouts")
+        row %= len(self)
+        at = slice(int(self.offsets[row]), int(self.offsets[row + 1]))
+        samples = None if self.samples is None else tuple(d[at] for d in self.samples)
+        return ScoredRow(self.input_ids[at], self.topk_ids[at], self.topk_logprobs[at], samples,
+                         {name: column[at] for name, column in self.columns.items()})  # fmt: skip
+
+    def __iter__(self) -> Iterator[ScoredRow]:
+        return (self[row] for row in range(len(self)))
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.offsets.diff().tolist()
+
+    @classmethod
+    def cat(cls, parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
+        """The rows of `parts`, in order, as one."""
+        ends = torch.cat([p.offsets[1:] + p.offsets.new_tensor(sum(len(q.input_ids) for q in parts[:i]))
+                          for i, p in enumerate(parts)])  # fmt: skip
+        samples = None
+        if parts[0].samples is not None:
+            samples = tuple(torch.cat([p.samples[i] for p in parts]) for i in range(3))
+        return cls(torch.cat([ends.new_zeros(1), ends]), torch.cat([p.input_ids for p in parts]),
+                   torch.cat([p.topk_ids for p in parts]), torch.cat([p.topk_logprobs for p in parts]), samples,
+                   {name: torch.cat([p.columns[name] for p in parts]) for name in parts[0].columns})  # fmt: skip
+
+
+@dataclass
 class RowScores:
     """What a teacher says about one sequence of n tokens: (n, k) top-k ids and log-probs at the options'
     temperature, the samples' (n, m) ids, counts and log-probs or None, and (n,) the log-prob at temperature 1 of
-    the token after each position (row t: token t + 1; the last row -inf). In process (teacher_rows) or served
-    (served_teacher.py)."""
+    the token after each position (row t: token t + 1; the last row is never read). A served teacher's replies
+    (served_teacher.py), one per sequence; TeacherScores.of_rows joins them."""
 
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
@@ -65,13 +111,32 @@ class RowScores:
     next_logprobs: torch.Tensor
 
 
+@dataclass
+class TeacherScores:
+    """RowScores of B sequences with their positions end to end (N, the sum of their lengths, in sequence order):
+    (N, k) top-k ids and log-probs, the samples' (N, m) arrays or None, (N,) next-token log-probs. In process
+    (teacher_rows) or served (served_teacher.py)."""
+
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    next_logprobs: torch.Tensor
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[RowScores]) -> TeacherScores:
+        samples = None
+        if rows[0].samples is not None:
+            samples = tuple(torch.cat([r.samples[i] for r in rows]) for i in range(3))
+        return cls(torch.cat([r.topk_ids for r in rows]), torch.cat([r.topk_logprobs for r in rows]), samples,
+                   torch.cat([r.next_logprobs for r in rows]))  # fmt: skip
+
+
 def right_padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) ids right-padded with 0 (never read: masked) and their attention mask."""
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-    mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in sequences])[:, None]).long()
+    lengths = [len(s) for s in sequences]
+    width = max(lengths)
+    ids = torch.tensor([list(s) + [0] * (width - n) for s, n in zip(sequences, lengths)], dtype=torch.long)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
     return ids.to(device), mask.to(device)
 
 
@@ -80,10 +145,18 @@ def label_aligned(next_logprobs: torch.Tensor) -> torch.Tensor:
     return F.pad(next_logprobs[..., :-1], (1, 0), value=0.0)
 
 
-def rows_of_chunks(chunks: LogprobChunks, sequences: list[list[int]], ids: torch.Tensor, mask: torch.Tensor,
-                   options: ScoreOptions) -> list[RowScores]:  # fmt: skip
-    """The teacher's RowScores of right-padded (B, T) `ids` from its log-prob chunks (a model's, or a served
-    teacher's hidden states and head): one computation for both, so the two give the same store."""
+def flat_label_aligned(next_logprobs: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """label_aligned of each row of rows laid end to end ((N,), rows beginning at `starts`)."""
+    out = F.pad(next_logprobs[:-1], (1, 0), value=0.0)
+    out[starts] = 0.0
+    return out
+
+
+def rows_of_chunks(chunks: LogprobChunks, ids: torch.Tensor, mask: torch.Tensor, options: ScoreOptions,
+                   sequences: list[list[int]] | None = None) -> TeacherScores:  # fmt: skip
+    """The teacher's TeacherScores of right-padded (B, T) `ids` (`sequences` unpadded: the samples' seeds) from its
+    log-prob chunks (a model's, or a served teacher's hidden states and head): one computation for both, so the two
+    give the same store. Each array leaves the device once, its padding dropped there."""
     k = options.top_k
     draws = None
     if options.samples:
@@ -96,13 +169,9 @@ def rows_of_chunks(chunks: LogprobChunks, sequences: list[list[int]], ids: torch
     else:
         top_ids, top_lp = tempered_topk_of(chunks, k, options.temperature, ids.shape)
         _, _, teacher_next, _ = topk_and_next_of(chunks, ids, 1)
-    out = []
-    for row, seq in enumerate(sequences):
-        n = len(seq)
-        samples = None if draws is None else tuple(d[row, :n].cpu() for d in draws)
-        out.append(RowScores(top_ids[row, :n].cpu(), top_lp[row, :n].cpu().float(), samples,
-                             teacher_next[row, :n].cpu().float()))  # fmt: skip
-    return out
+    kept = mask.bool()
+    samples = None if draws is None else tuple(d[kept].cpu() for d in draws)
+    return TeacherScores(top_ids[kept].cpu(), top_lp[kept].float().cpu(), samples, teacher_next[kept].float().cpu())
 
 
 def tempered_topk_of(chunks: LogprobChunks, k: int, temperature: float, shape: torch.Size):
@@ -116,13 +185,16 @@ def tempered_topk_of(chunks: LogprobChunks, k: int, temperature: float, shape: t
 
 
 @torch.no_grad()
-def teacher_rows(teacher: nn.Module, sequences: list[list[int]], options: ScoreOptions) -> list[RowScores]:
-    """An in-process teacher's RowScores of `sequences`, in eval mode (put back in its mode after)."""
+def teacher_rows(teacher: nn.Module, sequences: list[list[int]], options: ScoreOptions,
+                 padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> TeacherScores:  # fmt: skip
+    """An in-process teacher's TeacherScores of `sequences` (`padded`: their right_padded ids and mask, on any
+    device), in eval mode (put back in its mode after)."""
     mode = teacher.training
     teacher.eval()
     try:
-        ids, mask = right_padded(sequences, next(teacher.parameters()).device)
-        return rows_of_chunks(model_chunks(teacher, ids, mask), sequences, ids, mask, options)
+        device = next(teacher.parameters()).device
+        ids, mask = right_padded(sequences, device) if padded is None else (t.to(device) for t in padded)
+        return rows_of_chunks(model_chunks(teacher, ids, mask), ids, mask, options, sequences)
     finally:
         teacher.train(mode)
 
@@ -130,55 +202,59 @@ def teacher_rows(teacher: nn.Module, sequences: list[list[int]], options: ScoreO
 @torch.no_grad()
 def score_rollouts(
     student: nn.Module | None, teacher: nn.Module | TeacherRows, rollouts: list[Rollout], options: ScoreOptions
-) -> list[ScoredRow]:
+) -> ScoredRollouts:
     """Each rollout scored by `teacher` (top-k / samples and its log-prob of every completion token), in process or
     served (a TeacherRows: served_teacher.ServedTeacher), and by `student` (the behaviour log-prob of every
     completion token: the log-prob under the weights that sampled it, when they are the ones passed); with no
     `student`, the behaviour log-probs are the rollouts' own, an engine's (Rollout.logprobs). A model runs in eval
-    mode and is put back in its mode."""
+    mode and is put back in its mode. The rows come back together (ScoredRollouts; a row of it is a ScoredRow)."""
     sequences = [list(r.prompt) + list(r.completion) for r in rollouts]
+    lengths = [len(s) for s in sequences]
+    padded = right_padded(sequences, torch.device("cpu"))
     if isinstance(teacher, nn.Module):
-        rows = teacher_rows(teacher, sequences, options)
+        scores = teacher_rows(teacher, sequences, options, padded)
     else:
-        rows = teacher.rows(sequences, options)
+        scores = teacher.rows(sequences, options)
+    ends = torch.tensor(lengths).cumsum(0)
+    starts, last = ends - torch.tensor(lengths), ends - 1
+    offsets = F.pad(ends, (1, 0))
+    within = torch.arange(int(ends[-1])) - starts.repeat_interleave(torch.tensor(lengths))
+    completion = within >= torch.tensor([len(r.prompt) for r in rollouts]).repeat_interleave(torch.tensor(lengths))
+    kept = padded[1].bool()
+    input_ids = padded[0][kept]
     if student is not None:
         mode = student.training
         student.eval()
         try:
-            s_ids, s_mask = right_padded(sequences, next(student.parameters()).device)
-            _, _, student_next, _ = teacher_topk_and_next(student, s_ids, s_mask, 1)
+            device = next(student.parameters()).device
+            _, _, student_next, _ = teacher_topk_and_next(student, *(t.to(device) for t in padded), 1)
         finally:
             student.train(mode)
-        student_own = label_aligned(student_next).cpu()
-    out = []
-    for row, (r, seq, scores) in enumerate(zip(rollouts, sequences, rows)):
-        n, p = len(seq), len(r.prompt)
-        labels = torch.tensor([IGNORE_INDEX] * p + list(r.completion), dtype=torch.int32)
-        completion = labels != IGNORE_INDEX
-        if student is not None:
-            behaviour = student_own[row, :n]
-        elif r.logprobs is not None and len(r.logprobs) == n - p:
-            behaviour = torch.tensor([0.0] * p + list(r.logprobs), dtype=torch.float64)
-        else:
-            raise ValueError(f"rollout {row} carries no log-prob of each of its {n - p} tokens (Rollout.logprobs), "
-                             f"and no student was given to compute them: pass the student that sampled it")
-        columns = {
-            "labels": labels,
-            BEHAVIOUR_LOGPROBS: torch.where(completion, behaviour, 0.0).float(),
-            TEACHER_TOKEN_LOGPROBS: torch.where(completion, label_aligned(scores.next_logprobs), 0.0).float(),
-        }
-        top_i, top_v = scores.topk_ids.clone(), scores.topk_logprobs.float().clone()
-        top_i[-1], top_v[-1] = -1, -math.inf  # the last position predicts nothing in this sequence
-        samples = None
-        if options.samples:
-            d_ids, d_counts, d_lp = (d.clone() for d in scores.samples)
-            d_ids[-1], d_counts[-1], d_lp[-1] = -1, 0, -math.inf
-            samples = (d_ids, d_counts, d_lp)
-        out.append(ScoredRow(torch.tensor(seq, dtype=torch.long), top_i.long(), top_v, samples, columns))
-    return out
+        behaviour = label_aligned(student_next)[kept.to(student_next.device)].cpu()
+    else:
+        for row, (r, n) in enumerate(zip(rollouts, lengths)):
+            if r.logprobs is None or len(r.logprobs) != n - len(r.prompt):
+                raise ValueError(f"rollout {row} carries no log-prob of each of its {n - len(r.prompt)} tokens "
+                                 f"(Rollout.logprobs), and no student was given to compute them: pass the student "
+                                 f"that sampled it")  # fmt: skip
+        behaviour = torch.zeros(len(input_ids), dtype=torch.float64)
+        behaviour[completion] = torch.tensor([v for r in rollouts for v in r.logprobs], dtype=torch.float64)
+    columns = {
+        "labels": torch.where(completion, input_ids, IGNORE_INDEX).to(torch.int32),
+        BEHAVIOUR_LOGPROBS: torch.where(completion, behaviour, 0.0).float(),
+        TEACHER_TOKEN_LOGPROBS: torch.where(completion, flat_label_aligned(scores.next_logprobs, starts), 0.0).float(),
+    }
+    top_i, top_v = scores.topk_ids.long().clone(), scores.topk_logprobs.float().clone()
+    top_i[last], top_v[last] = -1, -math.inf  # a row's last position predicts nothing in its sequence
+    samples = None
+    if options.samples:
+        d_ids, d_counts, d_lp = (d.clone() for d in scores.samples)
+        d_ids[last], d_counts[last], d_lp[last] = -1, 0, -math.inf
+        samples = (d_ids, d_counts, d_lp)
+    return ScoredRollouts(offsets, input_ids, top_i, top_v, samples, columns)
 
 
 class TeacherRows(Protocol):
     """A teacher that is no model of this process (served_teacher.ServedTeacher): its RowScores of sequences."""
 
-    def rows(self, sequences: list[list[int]], options: ScoreOptions) -> list[RowScores]: ...
+    def rows(self, sequences: list[list[int]], options: ScoreOptions) -> TeacherScores: ...

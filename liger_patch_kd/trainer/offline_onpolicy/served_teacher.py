@@ -31,7 +31,7 @@ from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.token_client import TopKTokenClient
 from ...teacher.precompute import hidden_chunks
 from ...wire.conventions import API_KEY_ENV, is_int
-from .scoring import RowScores, ScoreOptions, right_padded, rows_of_chunks
+from .scoring import RowScores, ScoreOptions, TeacherScores, right_padded, rows_of_chunks
 
 TOPK, SAMPLED = "topk", "sampled"
 SERVED_PROTOCOLS = (AUTO_PROTOCOL, TOPK, SAMPLED, HIDDEN_PROTOCOL)
@@ -122,24 +122,24 @@ class ServedTeacher:
         """The manifest's name of this teacher: where it is served, its model, the protocol (never a key)."""
         return {"url": self.url, "model": self.name, "protocol": self.protocol}
 
-    def rows(self, sequences: list[list[int]], options: ScoreOptions) -> list[RowScores]:
-        """The teacher's RowScores of `sequences` (scoring.TeacherRows)."""
+    def rows(self, sequences: list[list[int]], options: ScoreOptions) -> TeacherScores:
+        """The teacher's TeacherScores of `sequences` (scoring.TeacherRows)."""
         if self.protocol is None:
             raise ValueError("ServedTeacher.check(options, vocab_size) runs before rows(): it chooses the protocol")
         if self.protocol == HIDDEN_PROTOCOL:
             return self.hidden_rows(sequences, options)
         own = self.client("own", top_k=max(options.top_k, 1) if self.protocol == TOPK else 1).fetch(sequences)
         if self.protocol == TOPK:
-            return [RowScores(ids.long(), lp, None, next_lp) for (ids, lp), next_lp in own]
+            return TeacherScores.of_rows([RowScores(ids.long(), lp, None, next_lp) for (ids, lp), next_lp in own])
         drawn = self.client("samples", options=options).fetch(sequences)
         out = []
         for s, (_, next_lp) in zip(drawn, own):
             top_ids = s.topk_ids if s.topk_ids is not None else torch.zeros(len(next_lp), 0, dtype=torch.long)
             top_lp = s.topk_logprobs if s.topk_logprobs is not None else torch.zeros(len(next_lp), 0)
             out.append(RowScores(top_ids.long(), top_lp.float(), (s.ids, s.counts, s.logprobs), next_lp))
-        return out
+        return TeacherScores.of_rows(out)
 
-    def hidden_rows(self, sequences: list[list[int]], options: ScoreOptions) -> list[RowScores]:
+    def hidden_rows(self, sequences: list[list[int]], options: ScoreOptions) -> TeacherScores:
         replies = self.client("hidden").fetch(sequences)
         heads = {head.version for _, head in replies}
         if len(heads) != 1:  # the server's weights changed between the requests of one call: one teacher per row set
@@ -153,7 +153,7 @@ class ServedTeacher:
         weight = head.weight.to(self.device)
         bias = None if head.bias is None else head.bias.to(self.device)
         chunks = hidden_chunks(states.reshape(-1, states.shape[-1]), weight, bias, head.softcap)
-        return rows_of_chunks(chunks, sequences, ids, mask, options)
+        return rows_of_chunks(chunks, ids, mask, options, sequences)
 
     def client(self, kind: str, top_k: int = 1, options: ScoreOptions | None = None):
         key = (kind, top_k, options)

@@ -21,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import GenerationConfig
 
@@ -32,7 +31,7 @@ from ...utils.text_files import read_utf8
 from ..rollouts.generate import RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
 from .engine_student import EngineStudent
-from .scoring import ScoreOptions, score_rollouts
+from .scoring import ScoredRollouts, ScoreOptions, score_rollouts
 from .served_teacher import ServedTeacher
 
 
@@ -245,7 +244,7 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
     done = min(len(prompts), writer.done_shards() * per_shard)
     with tqdm(total=len(prompts), initial=done, desc="rollouts", unit="prompt", disable=not progress) as bar:
         for shard in range(writer.done_shards(), n_shards):
-            rows = []
+            calls = []
             for first in range(shard * per_shard, min((shard + 1) * per_shard, len(prompts)), prompts_per_call):
                 chunk = [list(p) for p in prompts[first : first + prompts_per_call]]
                 call = first // prompts_per_call
@@ -255,12 +254,8 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
                 else:
                     rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids,
                                                  start_id=start, step=call)  # fmt: skip
-                rows += score_rollouts(None if engine else student, teacher, rollouts, score)
+                calls.append(score_rollouts(None if engine else student, teacher, rollouts, score))
                 bar.update(len(chunk))
-            samples = None
-            if score.samples:
-                samples = tuple(torch.cat([r.samples[i] for r in rows]) for i in range(3))
-            columns = {name: torch.cat([r.columns[name] for r in rows]) for name in rows[0].columns}
-            writer.write_shard([r.input_ids for r in rows], torch.cat([r.topk_ids for r in rows]),
-                               torch.cat([r.topk_logprobs for r in rows]), samples=samples,
-                               rollouts=columns)  # fmt: skip
+            rows = ScoredRollouts.cat(calls)
+            writer.write_shard(rows.input_ids.split(rows.lengths), rows.topk_ids, rows.topk_logprobs,
+                               samples=rows.samples, rollouts=rows.columns)  # fmt: skip

@@ -186,11 +186,15 @@ def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens
     )
 
 
-def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[: i + 1], True
-    return tokens, False
+def eos_cuts(tokens: torch.Tensor, eos_ids: set[int]) -> tuple[list[int], list[bool]]:
+    """For (B, n) sampled ids: each row's completion length (up to and including its first EOS, else n) and whether
+    it ended at EOS."""
+    if tokens.shape[1] == 0:
+        return [0] * len(tokens), [False] * len(tokens)
+    hits = torch.isin(tokens, torch.tensor(sorted(eos_ids), dtype=tokens.dtype))
+    ended = hits.any(dim=1)
+    first = hits.to(torch.uint8).argmax(dim=1)  # the first maximum: the first EOS
+    return torch.where(ended, first + 1, tokens.shape[1]).tolist(), ended.tolist()
 
 
 @torch.no_grad()
@@ -282,9 +286,10 @@ def generate_rollouts(
                             input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache,
                             **options, **decode_forward_options(generator),
                         )
-                for row, index in enumerate(chunk):
-                    completion, finished = _cut_at_eos(generated[row, width:].tolist(), eos_ids)
-                    out[index] = Rollout(rows[index], completion, finished)
+                tails = generated[:, width:].cpu()  # one copy off the device for the call, not one per row
+                ends, finished = eos_cuts(tails, eos_ids)
+                for row, (index, tail, end, done) in enumerate(zip(chunk, tails.tolist(), ends, finished)):
+                    out[index] = Rollout(rows[index], tail[:end], done)
                 del generated, ids, mask  # the KV cache went with generate(); nothing of the call outlives it
         # the training step that follows gets a large session's memory back (the calls of one step share it)
         release_if_large(generator)
