@@ -125,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
                    "rollout store (which holds --steps x --batch completions)")  # fmt: skip
     p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
     p.add_argument("--store-batch", type=int, default=None, help="prompts per generation call while the rollout "
-                   "store is made (default: --batch, a live step's)")  # fmt: skip
+                   "store is made (default: --batch, a live step's; past 256 rows the store is sampled through "
+                   "transformers' generate() instead of the captured decode engine)")  # fmt: skip
     return p
 
 
