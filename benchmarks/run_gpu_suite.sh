@@ -9,6 +9,7 @@
 #   sampled: the sampled loss's tests with its Triton kernel compiled (failures with their reason), then
 #   bench_sampled_kd's 189M-teacher tables and bench_fp8_teacher's fidelity on the BPE vocabulary (~4 minutes;
 #   TRAIN_SECONDS, default 30, trains each teacher)
+#   tta-1 / tta-2: the time-to-accuracy benchmark over two calls; rollout-store, decode-students: their benchmarks
 set -uo pipefail
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -87,6 +88,29 @@ for what in "${@:-all}"; do
       python3 -m benchmarks.loss.bench_fused_linear_jsd --out "$OUT/bench_fused_linear_jsd.json" 2>&1 | tee "$OUT/bench_kernel.log" | grep -v "^{" ;;&
     bench-step|all)
       python3 -m benchmarks.training.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
+    tta-1|tta-2)
+      # time to accuracy over two device calls (docs/benchmarks.md): tta-1 trains the teacher into $OUT/teacher and
+      # runs the on-policy rows beside TRL's; tta-2 (carry tta/ back: TTA_DIR=<the first call's files>) resumes
+      # with every other recipe, the ground-truth SFT row last. Each is cut at 560 s; the JSON keeps what it reached.
+      dir=${TTA_DIR:-$OUT}
+      opts=(--student-shape 96 2 --format-steps 650 --steps 400 --checkpoints 10 --cap-seconds 18 --trl-cap-seconds 18
+            --teacher-steps 1500 --store-top-k 8 --teacher-dir "$dir/teacher" --out "$dir/tta.json")
+      if [ "$what" = tta-1 ]; then
+        opts+=(--recipes "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
+      else
+        opts+=(--resume)
+      fi
+      timeout 560 python3 -m benchmarks.accuracy.bench_time_to_accuracy "${opts[@]}" 2>&1 | tee "$OUT/$what.log" \
+        | grep -v "^wrote\|^    step"
+      [ "$dir" = "$OUT" ] || cp -r "$dir/tta.json" "$OUT/" ;;
+    rollout-store)  # a store's build by phase against the live step's generation rate, through generate() and the engine
+      python3 -m benchmarks.teachers.bench_rollout_store --prompts 102400 --prompts-per-call 1024 \
+        --out "$OUT/bench_rollout_store.json" 2>&1 | tee "$OUT/bench_rollout_store.log" | grep -v "^{"
+      python3 -m benchmarks.teachers.bench_rollout_store --prompts 102400 --prompts-per-call 256 --cache graph \
+        --out "$OUT/bench_rollout_store_graph.json" 2>&1 | tee -a "$OUT/bench_rollout_store.log" | grep -v "^{" ;;
+    decode-students)  # a patched against an unpatched student's decode (the engine's kernels on and off)
+      python3 -m benchmarks.onpolicy.bench_decode_students --out "$OUT/bench_decode_students.json" 2>&1 \
+        | tee "$OUT/bench_decode_students.log" | grep -v "^{" ;;
   esac
 done
 exit $status
