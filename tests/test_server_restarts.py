@@ -132,8 +132,8 @@ def test_a_reply_naming_no_weights_is_not_trusted_once_the_engine_named_them(tmp
     """/health and the update name a weights_id, the completion replies none (a gateway keeping vLLM's fields only):
     a restart behind it would go unseen, so the run stops with the fix instead of training on unknown weights."""
     complete = GenerationEngine.complete
-    monkeypatch.setattr(GenerationEngine, "complete", lambda self, req: {
-        k: v for k, v in complete(self, req).items() if k != "weights_id"})  # fmt: skip
+    monkeypatch.setattr(GenerationEngine, "complete", lambda self, req, *cancel: {
+        k: v for k, v in complete(self, req, *cancel).items() if k != "weights_id"})  # fmt: skip
     port = free_port()
     source = _engine_source(tmp_path, port)
     try:
