@@ -198,8 +198,10 @@ def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_pat
     assert trainer.evaluate()["eval_loss"] >= 0  # rows held out of the store are scored as stored rollouts
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
-    whole = _store(tmp_path / "whole", models, tokenizer)
+def resumed_store_is_the_uninterrupted_one(build, tmp_path: Path, monkeypatch) -> Path:
+    """`build(out)` writes a store into `out`: once whole, once killed while scoring its second shard (one shard
+    kept) and resumed; the two folders must hold the same files, byte for byte. Returns the whole store's folder."""
+    whole = Path(build(tmp_path / "whole"))
     calls, real = [], rollout_store.score_rollouts
 
     def dies_in_the_second_shard(*a, **k):
@@ -210,14 +212,19 @@ def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, token
 
     monkeypatch.setattr(rollout_store, "score_rollouts", dies_in_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
-        _store(tmp_path / "cut", models, tokenizer)
+        build(tmp_path / "cut")
     assert len(read_manifest(tmp_path / "cut")["shards"]) == 1
     monkeypatch.setattr(rollout_store, "score_rollouts", real)
-    _store(tmp_path / "cut", models, tokenizer)
-    names = sorted(p.name for p in Path(whole).iterdir())
+    build(tmp_path / "cut")
+    names = sorted(p.name for p in whole.iterdir())
     assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
     for name in names:
-        assert (Path(whole) / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
+        assert (whole / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
+    return whole
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
+    resumed_store_is_the_uninterrupted_one(lambda out: _store(out, models, tokenizer), tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="other inputs") as e:  # another seed is another store
         _store(tmp_path / "cut", models, tokenizer, settings=RolloutSettings(max_new_tokens=5, num_generations=2))
     # only the fields that differ, with the flag that sets them (not the whole rollouts section, twice)

@@ -8,7 +8,6 @@ by `liger-kd serve` in a subprocess (test_teacher_server.Server)."""
 import json
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +21,11 @@ from liger_patch_kd.cli import main  # noqa: E402
 from liger_patch_kd.teacher import TeacherLogprobsDataset  # noqa: E402
 from liger_patch_kd.teacher.store import read_manifest  # noqa: E402
 from liger_patch_kd.trainer.offline_onpolicy import ScoreOptions, precompute_rollouts  # noqa: E402
-from liger_patch_kd.trainer.offline_onpolicy import store as rollout_store  # noqa: E402
 from liger_patch_kd.trainer.offline_onpolicy.engine_student import EngineStudent  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings  # noqa: E402
 
 from .test_generation_server import running  # noqa: E402
-from .test_offline_onpolicy import PROMPTS, _prompts, _tokenizer  # noqa: E402
+from .test_offline_onpolicy import PROMPTS, _prompts, _tokenizer, resumed_store_is_the_uninterrupted_one  # noqa: E402
 from .tiny_models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -180,25 +178,7 @@ def test_a_killed_run_over_an_engine_resumes_to_the_uninterrupted_store(tmp_path
                                    score=ScoreOptions(top_k=TOP_K), prompts_per_call=2, shard_size=4,
                                    tokenizer=tokenizer, progress=False)  # fmt: skip
 
-    whole = store(tmp_path / "whole")
-    calls, real = [], rollout_store.score_rollouts
-
-    def dies_in_the_second_shard(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(rollout_store, "score_rollouts", dies_in_the_second_shard)
-    with pytest.raises(KeyboardInterrupt):
-        store(tmp_path / "cut")
-    assert len(read_manifest(tmp_path / "cut")["shards"]) == 1
-    monkeypatch.setattr(rollout_store, "score_rollouts", real)
-    store(tmp_path / "cut")
-    names = sorted(p.name for p in Path(whole).iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "cut").iterdir())
-    for name in names:
-        assert (Path(whole) / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
+    whole = resumed_store_is_the_uninterrupted_one(store, tmp_path, monkeypatch)
     completions = {tuple(item["input_ids"].tolist()) for item in _items(whole)}
     assert len(completions) > len(PROMPTS)  # sampled: a prompt's two completions differ somewhere
 
