@@ -38,10 +38,6 @@ class TopKTeacher(TeacherSignal):
         names = {"token_ids": TEACHER_TOKEN_IDS, "logprobs": TEACHER_LOGPROBS}
         return stored_paired(self, names, privileged, targets, ignore_index)
 
-    def with_behaviour(self, behaviour):
-        raise ValueError("kd_behaviour_logprobs weigh the sampled-token policy gradient, which needs a full teacher "
-                         "(teacher_model or hidden states), not top-k teacher_token_ids")  # fmt: skip
-
     def top1(self):
         """rows -> the teacher's most likely token on those rows."""
         k = self.token_ids.shape[-1]
@@ -80,9 +76,6 @@ class SampledTeacher(TeacherSignal):
                  "sample_logprobs": TEACHER_SAMPLE_LOGPROBS}  # fmt: skip
         topk = None if self.topk is None else self.topk.paired(privileged, targets, ignore_index)
         return replace(stored_paired(self, names, privileged, targets, ignore_index), topk=topk)
-
-    def with_behaviour(self, behaviour):
-        return super().with_behaviour(behaviour) if self.topk is None else self.topk.with_behaviour(behaviour)
 
     def _topk(self) -> dict:
         if self.topk is None:
