@@ -1,6 +1,7 @@
 """The headline charts of the benchmarks page, drawn from the results JSON so a reader sees the distances before the
-numbers: the loss as a multiple of its matmul floor beside its extra memory, per method and N; and the decode step
-against one read of the weights, per row count.
+numbers: the loss as a multiple of its matmul floor beside its extra memory, per method and N (Liger's methods; and
+every method with TRL's divergence kernel, from another run); and the decode step against one read of the weights,
+per row count.
 
     python -m benchmarks.plot_headlines            # reads benchmarks/results/, writes docs/images/*.png
 
@@ -86,9 +87,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_loss(json.loads((args.results / "bench_fused_linear_jsd.json").read_text()), args.out / "loss_vs_floor.png")
-    plot_decode(json.loads((args.results / "bench_rollouts_graph.json").read_text()), args.out / "decode_vs_floor.png")
-    print(f"wrote {args.out / 'loss_vs_floor.png'} and {args.out / 'decode_vs_floor.png'}")
+    charts = {  # results file -> (chart, drawing)
+        "bench_fused_linear_jsd.json": ("loss_vs_floor.png", plot_loss),
+        "bench_fused_linear_jsd_trl.json": ("loss_vs_floor_trl.png", plot_loss),  # every method, TRL's kernel too
+        "bench_rollouts_graph.json": ("decode_vs_floor.png", plot_decode),
+    }
+    for results, (chart, draw) in charts.items():
+        draw(json.loads((args.results / results).read_text()), args.out / chart)
+        print(f"wrote {args.out / chart}")
 
 
 if __name__ == "__main__":

@@ -89,14 +89,16 @@ for what in "${@:-all}"; do
     bench-step|all)
       python3 -m benchmarks.training.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
     tta-1|tta-2)
-      # time to accuracy over two device calls (docs/benchmarks.md): tta-1 trains the teacher into $OUT/teacher and
-      # runs the on-policy rows beside TRL's; tta-2 (carry tta/ back: TTA_DIR=<the first call's files>) resumes
-      # with every other recipe, the ground-truth SFT row last. Each is cut at 560 s; the JSON keeps what it reached.
+      # time to accuracy over two device calls (docs/benchmarks.md): tta-1 trains the teacher into $OUT/teacher (or
+      # loads it from TTA_DIR/teacher) and runs SFT on the ground truth and the on-policy rows beside TRL's; tta-2
+      # (carry the first call's files back: TTA_DIR=<them>) resumes with every other recipe. Each is cut at 560 s;
+      # the JSON keeps what it reached.
       dir=${TTA_DIR:-$OUT}
-      opts=(--student-shape 96 2 --format-steps 650 --steps 400 --checkpoints 10 --cap-seconds 18 --trl-cap-seconds 18
-            --teacher-steps 1500 --store-top-k 8 --teacher-dir "$dir/teacher" --out "$dir/tta.json")
+      opts=(--student-shape 96 2 --format-steps 1000 --steps 500 --checkpoints 20 --cap-seconds 15
+            --trl-cap-seconds 15 --teacher-steps 1500 --store-steps 100 --store-top-k 8 --teacher-dir "$dir/teacher"
+            --out "$dir/tta.json")
       if [ "$what" = tta-1 ]; then
-        opts+=(--recipes "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
+        opts+=(--recipes "SFT on ground" "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
       else
         opts+=(--resume)
       fi

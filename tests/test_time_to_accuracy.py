@@ -201,3 +201,39 @@ def test_the_benchmark_splits_over_calls_with_resume(tmp_path):
     with pytest.raises(SystemExit, match="digits: 2 there, 3 here"):
         main(["--smoke", "--out", str(out), "--resume", "--digits", "3", "--recipes", SFT])
     assert main(["--summarize", str(out)])["summary"]["cut_short"] is False
+
+
+def test_store_steps_sizes_the_store_and_the_offline_pass(tmp_path):
+    from benchmarks.accuracy.bench_time_to_accuracy import OFFLINE, SFT, main
+
+    out = tmp_path / "tta.json"
+    main(["--smoke", "--out", str(out), "--recipes", SFT, OFFLINE, "--store-steps", "2"])
+    run = json.loads(out.read_text())["runs"][OFFLINE][0]
+    assert run["store"]["completions"] == 2 * 8  # --store-steps x --batch, not --steps (4) x --batch
+    assert run["curve"][-1]["step"] == 2  # one pass over the store
+
+
+def test_format_tuned_students_are_kept_beside_the_teacher(tmp_path, monkeypatch):
+    """A resumed call must start its recipes from the first call's very students, not from a new fine-tune."""
+    import liger_patch_kd.demo.arithmetic as arithmetic
+    from benchmarks.accuracy.bench_time_to_accuracy import SMOKE, format_tuned_student, parser, task_data
+
+    a = parser().parse_args(["--smoke", "--teacher-dir", str(tmp_path / "models")])
+    for key, value in SMOKE.items():
+        setattr(a, key, value)
+    data = task_data(a)
+    first = format_tuned_student(a, data, 1, torch.device("cpu"))
+    (kept,) = (tmp_path / "models").iterdir()
+    assert kept.name == "student_seed1_32x2_format10_lr0.001"
+    fit = arithmetic.fit_on_ground_truth
+
+    def no_fine_tune(*args, **kwargs):
+        raise AssertionError("the kept student should have been loaded, not fine-tuned again")
+
+    monkeypatch.setattr(arithmetic, "fit_on_ground_truth", no_fine_tune)
+    loaded = format_tuned_student(a, data, 1, torch.device("cpu"))
+    assert all(torch.equal(p, q) for p, q in zip(first.state_dict().values(), loaded.state_dict().values()))
+    monkeypatch.setattr(arithmetic, "fit_on_ground_truth", fit)
+    a.format_steps += 1  # other format options: another student, fine-tuned anew and kept under its own name
+    format_tuned_student(a, data, 1, torch.device("cpu"))
+    assert len(list((tmp_path / "models").iterdir())) == 2

@@ -22,21 +22,22 @@ capped at `--trl-cap-seconds`.
 
 The offline on-policy rows (FROM_STORE) train on a rollout store made, for each seed, from that seed's format-tuned
 student through precompute_rollouts (what `liger-kd precompute --rollouts-from` runs), into a temporary folder
-removed after the run. The store holds `--steps` x `--batch` completions, as many as the live on-policy GKD row
-samples over its steps: `--store-generations` per prompt (default 1, so its prompts are as many and as varied as the
-live row's) from `--steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at
-temperature 1 in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top
-`--store-top-k` log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail
-bucket). Its seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a second
-step-0 point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5
-divergence, on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one pass
-over the store (`--steps` steps): the same objective on the same number of samples, so the two differ only in whose
-samples they are (the starting student's rather than the current one's) and in what they cost. The `pg` / k1
-estimators would match the live reverse-KL row instead, not the GKD row the comparison is about. The refresh row
-regenerates a quarter of every step's rows with the current student and rescores them (`kd_store_refresh_steps=1`,
-`kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows). The summary asks, for each of
-them, whether it reaches the live GKD row's final accuracy (less its seed spread) in at most half the GPU-seconds the
-live row takes to reach it.
+removed after the run. The store holds `--store-steps` (default `--steps`) x `--batch` completions, as many as the
+live on-policy GKD row samples over that many steps (set it to what the live row reaches in its cap):
+`--store-generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from
+`--store-steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1
+in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k`
+log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its
+seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0
+point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence,
+on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the
+store (`--store-steps` steps): the same objective on as many samples as the live row sees in that many steps, so
+the two differ only in whose samples they are (the starting student's rather than the current one's) and in what
+they cost. The `pg` / k1 estimators would match the live reverse-KL row instead, not the GKD row the comparison is
+about. The refresh row regenerates a quarter of every step's rows with the current student and rescores them
+(`kd_store_refresh_steps=1`, `kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows).
+The summary asks, for each of them, whether it reaches the live GKD row's final accuracy (less its seed spread) in
+at most half the GPU-seconds the live row takes to reach it.
 
 The served row (SERVED_GKD) is the live GKD row with its teacher behind `liger-kd serve`'s app, started in this
 process on a loopback port (a copy of the teacher, in bf16 on a GPU as `liger-kd serve` loads it) and asked for
@@ -100,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
                    "got")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out (an earlier device call's, "
                    "same options) and run only the recipe and seed pairs it lacks: the benchmark split over calls, "
-                   "the teacher kept in --teacher-dir between them")  # fmt: skip
+                   "the teacher and the format-tuned students kept in --teacher-dir between them")  # fmt: skip
     p.add_argument("--device", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
@@ -120,9 +121,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoints", type=int, default=5)
     p.add_argument("--cap-seconds", type=float, default=40.0)
     p.add_argument("--trl-cap-seconds", type=float, default=15.0)
-    p.add_argument("--teacher-dir", default=None, help="load the teacher from here if it holds one, else save it")
+    p.add_argument("--teacher-dir", default=None, help="load the teacher (and each seed's "
+                   "format-tuned student) from here if it holds them, else save them there")  # fmt: skip
+    p.add_argument("--store-steps", type=int, default=None, help="the offline rows' store holds this many steps' "
+                   "rows (x --batch completions) and they train one pass over it (default: --steps)")  # fmt: skip
     p.add_argument("--store-generations", type=int, default=1, help="completions per prompt in the offline rows' "
-                   "rollout store (which holds --steps x --batch completions)")  # fmt: skip
+                   "rollout store (which holds --store-steps x --batch completions)")  # fmt: skip
     p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
     p.add_argument("--store-batch", type=int, default=None, help="prompts per generation call while the rollout "
                    "store is made (default: --batch, a live step's; past 256 rows the store is sampled through "
@@ -170,6 +174,29 @@ def trained_teacher(a, task_data, device):
         teacher.to(torch.bfloat16).save_pretrained(folder, max_shard_size="12MB")
         teacher.to(torch.float32)
     return teacher, fit["seconds"]
+
+
+def format_tuned_student(a, task_data: dict, seed: int, device):
+    """Seed `seed`'s student after its format fine-tune, kept in --teacher-dir beside the teacher (loaded from there
+    when it holds one made with these student options): GPU training is not bitwise repeatable, and near the
+    student's sudden jump in accuracy two fine-tunes of one seed can start the recipes 0.1 and 0.7 apart, so a
+    resumed run's recipes must start from the very students of the first call's."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from liger_patch_kd.demo.arithmetic import ModelShape, fit_on_ground_truth
+
+    name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{a.lr:g}"
+    folder = Path(a.teacher_dir) / name if a.teacher_dir else None
+    if folder is not None and (folder / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    student = ModelShape(*a.student_shape).build(len(task_data["tokenizer"]), seed=seed, device=device)
+    fit_on_ground_truth(student, task_data["prompts"], task_data["completions"], steps=a.format_steps,
+                        batch=a.batch, lr=a.lr, seed=seed, device=device)  # fmt: skip
+    if folder is not None:  # fp32, as trained: the loaded student is this same one
+        student.save_pretrained(folder)
+    return student
 
 
 def shared_args(a, device, seed: int, steps: int, overrides: dict) -> dict:
@@ -243,6 +270,7 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
                             base_accuracy=base_accuracy, teacher_url=teacher_url)  # fmt: skip
     import shutil
 
+    steps = min(steps, a.store_steps) if a.store_steps else steps  # one pass over the store
     folder = tempfile.mkdtemp(prefix="tta_store_")  # this run's own folder: removed with what it wrote
     try:
         before = fresh_memory(device)
@@ -375,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
-    from liger_patch_kd.demo.arithmetic import ModelShape, exact_match, fit_on_ground_truth
+    from liger_patch_kd.demo.arithmetic import exact_match
 
     names = selected(a.recipes)
     earlier = earlier_runs(a) if a.resume else {}  # refused here, before anything trains, if it is another run's
@@ -404,9 +432,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
             failed[SERVED_GKD] = f"{type(error).__name__}: {error}"[:500]
     students, base = {}, {}
     for seed in a.seeds:
-        students[seed] = ModelShape(*a.student_shape).build(len(tok), seed=seed, device=device)
-        fit_on_ground_truth(students[seed], data["prompts"], data["completions"], steps=a.format_steps,
-                            batch=a.batch, lr=a.lr, seed=seed, device=device)  # fmt: skip
+        students[seed] = format_tuned_student(a, data, seed, device)
         base[seed] = exact_match(students[seed], tok, held_out, data["max_new_tokens"])
     print(f"students: {params(students[a.seeds[0]]) / 1e6:.2f}M parameters, after {a.format_steps} format steps: "
           f"{ {s: round(v, 3) for s, v in base.items()} }", flush=True)  # fmt: skip
@@ -464,7 +490,8 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
 # the options that define what a run measures: an earlier call's runs are kept only when these are the same
 SAME_EXPERIMENT = ("operands", "digits", "train_problems", "held_out", "teacher_shape", "student_shape",
                    "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "steps", "batch", "lr",
-                   "checkpoints", "cap_seconds", "trl_cap_seconds", "store_generations", "store_top_k")  # fmt: skip
+                   "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps", "store_generations",
+                   "store_top_k")  # fmt: skip
 
 
 def earlier_runs(a) -> dict[str, list[dict]]:

@@ -4,6 +4,7 @@ spread (± one standard deviation) shaded, the teacher and the target dashed.
 
     python -m benchmarks.accuracy.plot_time_to_accuracy                     # results JSON -> docs/images PNG
     python -m benchmarks.accuracy.plot_time_to_accuracy --json runs/bench_time_to_accuracy.json --out x.png
+    python -m benchmarks.accuracy.plot_time_to_accuracy --small    # the README's: GPU-seconds only, SMALL_RECIPES
 
 Seeds stop at different checkpoints (a run capped by its seconds, or the ground-truth SFT row that runs as long
 as the longest): a checkpoint index is plotted while every seed has it; its x is the seeds' mean.
@@ -30,17 +31,28 @@ def mean_curve(runs: list[dict], key: str) -> tuple[list[float], list[float], li
     return xs, means, stds
 
 
-def plot(payload: dict, out: Path) -> None:
+# the README's small figure: the ground-truth baseline, one off-policy and one on-policy recipe of ours, the offline
+# row and TRL's two trainers on the on-policy objective (prefixes of the benchmark's recipe names)
+SMALL_RECIPES = ("SFT on ground truth", "off-policy KD, JSD", "on-policy GKD (lmbda 1", "offline on-policy (",
+                 "TRL GKDTrainer", "TRL DistillationTrainer")  # fmt: skip
+
+
+def plot(payload: dict, out: Path, *, small: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
-    for ax, key, label in ((axes[0], "seconds", "training GPU-seconds (scoring excluded)"),
-                           (axes[1], "step", "optimizer steps")):  # fmt: skip
+    if small:
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        axes = [ax]
+        panels = ((ax, "seconds", "training GPU-seconds (scoring excluded)"),)
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
+        panels = ((axes[0], "seconds", "training GPU-seconds (scoring excluded)"), (axes[1], "step", "optimizer steps"))
+    for ax, key, label in panels:
         for name, runs in payload["runs"].items():
-            if not runs:
+            if not runs or (small and not name.startswith(SMALL_RECIPES)):
                 continue
             xs, means, stds = mean_curve(runs, key)
             style = "--" if name.startswith("TRL") else "-"
@@ -54,8 +66,9 @@ def plot(payload: dict, out: Path) -> None:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("exact match, held-out problems (greedy)")
-    axes[0].set_xscale("symlog", linthresh=1.0)
-    axes[1].set_xscale("symlog", linthresh=10.0)
+    if not small:  # the small figure's seconds stay linear: its rows share one cap
+        axes[0].set_xscale("symlog", linthresh=1.0)
+        axes[1].set_xscale("symlog", linthresh=10.0)
     for ax in axes:
         ax.set_xlim(left=0)  # no negative seconds or steps: symlog would otherwise pad to the left of 0
     gpu = payload.get("environment", {}).get("gpu", "CPU")
@@ -63,8 +76,11 @@ def plot(payload: dict, out: Path) -> None:
     config = payload.get("config", {})
     task = f"{config.get('operands', 3)} numbers of {config.get('digits', 2)} digits"
     cut = " (cut short)" if payload.get("summary", {}).get("cut_short") else ""
-    fig.suptitle(f"Student exact match, arithmetic on {task}, mean ± std over seeds {seeds} ({gpu}){cut}")
-    axes[1].legend(fontsize=7, loc="lower right")
+    if small:
+        fig.suptitle(f"Student exact match on arithmetic, mean ± std over seeds {seeds} ({gpu}){cut}", fontsize=9)
+    else:
+        fig.suptitle(f"Student exact match, arithmetic on {task}, mean ± std over seeds {seeds} ({gpu}){cut}")
+    axes[-1].legend(fontsize=6 if small else 7, loc="upper left" if small else "lower right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -74,9 +90,11 @@ def plot(payload: dict, out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="benchmarks/results/bench_time_to_accuracy.json")
-    p.add_argument("--out", default="docs/images/time_to_accuracy.png")
+    p.add_argument("--out", default=None, help="default: docs/images/time_to_accuracy.png (_small with --small)")
+    p.add_argument("--small", action="store_true", help="one panel (GPU-seconds) and six recipes, for the README")
     a = p.parse_args()
-    plot(json.loads(Path(a.json).read_text()), Path(a.out))
+    out = a.out or f"docs/images/time_to_accuracy{'_small' if a.small else ''}.png"
+    plot(json.loads(Path(a.json).read_text()), Path(out), small=a.small)
 
 
 if __name__ == "__main__":
