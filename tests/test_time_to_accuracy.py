@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import statistics
 
 import pytest
 import torch
@@ -126,14 +127,16 @@ def curve(*points):
 def test_offline_against_live_at_half_the_seconds():
     from benchmarks.common.accuracy import within_fraction_of_seconds
 
-    live = [curve((0, 0.2), (10, 0.6), (20, 0.8)), curve((0, 0.2), (10, 0.5), (20, 0.6))]  # final 0.7 ± 0.1414
-    level = 0.7 - 0.1 * 2**0.5
+    live = [curve((0, 0.2), (10, 0.6), (20, 0.8)), curve((0, 0.2), (10, 0.5), (20, 0.6))]
+    spread = 0.1 * 2**0.5  # the standard deviation of what training added: 0.6 and 0.4
+    levels = [0.8 - spread, 0.6 - spread]  # each seed's own final, less the spread
     fast = [curve((0, 0.2), (2, 0.2), (4, 0.8)), curve((0, 0.2), (3, 0.2), (5, 0.8))]
     verdict = within_fraction_of_seconds(fast, live)
-    # the live runs reach the level (0.559) between their first two and their last two checkpoints
-    live_seconds = (10 * (level - 0.2) / 0.4 + 10 + 10 * (level - 0.5) / 0.1) / 2
-    own_seconds = (2 + 2 * (level - 0.2) / 0.6 + 3 + 2 * (level - 0.2) / 0.6) / 2
-    assert verdict["accuracy"] == pytest.approx(level)
+    # live seed 0 reaches its level between its last two checkpoints, seed 1 between its first two
+    live_seconds = (10 + 10 * (levels[0] - 0.6) / 0.2 + 10 * (levels[1] - 0.2) / 0.3) / 2
+    own_seconds = (2 + 2 * (levels[0] - 0.2) / 0.6 + 3 + 2 * (levels[1] - 0.2) / 0.6) / 2
+    assert verdict["spread"] == pytest.approx(spread)
+    assert verdict["levels"] == pytest.approx(levels)
     assert verdict["reference_seconds"] == pytest.approx(live_seconds)
     assert verdict["seconds"] == pytest.approx(own_seconds)
     assert verdict["answer"] is True and verdict["reached"] == "2/2" and verdict["text"].endswith("yes")
@@ -145,6 +148,30 @@ def test_offline_against_live_at_half_the_seconds():
     started = [curve((0, 0.9), (10, 0.9))]  # the starting student already has it: nothing to compare
     assert within_fraction_of_seconds(fast, started)["answer"] is None
     assert within_fraction_of_seconds([], live)["answer"] is None
+
+
+def test_offline_against_live_pairs_runs_by_seed():
+    """Seeds start from different students: each candidate run is held to its own seed's reference run, and a seed
+    whose reference never rose above its start is left out."""
+    from benchmarks.common.accuracy import within_fraction_of_seconds
+
+    def seeded(seed, *points):
+        return {**curve(*points), "seed": seed}
+
+    live = [seeded(1, (0, 0.1), (10, 0.3), (20, 0.5)), seeded(2, (0, 0.7), (10, 0.6), (20, 0.6)),
+            seeded(3, (0, 0.1), (10, 0.3), (20, 0.5))]  # fmt: skip
+    spread = statistics.stdev([0.4, -0.1, 0.4])  # what training added on each seed
+    # listed in another order than the reference; seed 2's live run fell, so it says nothing
+    offline = [seeded(3, (0, 0.1), (4, 0.5)), seeded(2, (0, 0.7), (1, 0.1)), seeded(1, (0, 0.1), (4, 0.5))]
+    verdict = within_fraction_of_seconds(offline, live)
+    level = 0.5 - spread
+    assert verdict["levels"] == pytest.approx([level, level])  # seeds 3 and 1 only
+    assert verdict["seconds"] == pytest.approx(4 * (level - 0.1) / 0.4)
+    assert verdict["reference_seconds"] == pytest.approx(10 * (level - 0.1) / 0.2)
+    assert verdict["answer"] is True and verdict["reached"] == "2/2"
+    fell = [seeded(2, (0, 0.7), (10, 0.6))]  # no seed where the reference rose: undecided, and it says why
+    verdict = within_fraction_of_seconds(fell, [live[1]])
+    assert verdict["answer"] is None and verdict["text"].startswith("undecided")
 
 
 def test_benchmark_smoke_writes_its_json(tmp_path):

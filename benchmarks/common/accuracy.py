@@ -144,31 +144,45 @@ def within_fraction_of_seconds(candidate: list[dict], reference: list[dict], fra
     `reference` takes to reach it? (Offline on-policy against live on-policy: the candidate's curves include its
     one-time cost.)
 
-    The accuracy: the reference's final accuracy, mean over its seeds, less its standard deviation over them (none
-    for one seed). The seconds: each run's time to that accuracy (time_to), mean over seeds on each side; a
-    reference seed that never reaches it counts with its final seconds (`reference_bound`: its mean is then a lower
-    bound, which only makes the test harder to pass). `answer` is True when every candidate seed reaches it and the
-    candidate's mean is <= fraction x the reference's; False otherwise; None without runs on either side, or when
-    the reference's starting students already have that accuracy (0 seconds: nothing to compare)."""
+    Seed by seed (runs pair by their "seed", else by position), since each seed's recipes start from that seed's
+    student and students of different seeds can start far apart: a seed's accuracy level is its reference run's
+    final accuracy less the seed spread, the standard deviation over the reference's seeds of what training added
+    (final less starting accuracy; none for one seed). Each side's time to that level is time_to's; a reference run
+    that never reaches it counts with its final seconds (`reference_bound`: the mean is then a lower bound, which only
+    makes the test harder to pass). A seed whose reference run starts at or above its level says nothing (training
+    never took it there) and is left out. `answer` is True when the candidate reaches the level on every seed left
+    and its mean seconds are <= fraction x the reference's; False otherwise; None without runs on either side or
+    without a seed left."""
     if not candidate or not reference:
         return dict(accuracy=None, answer=None, text="no runs to compare")
-    mean, spread = mean_std([r["curve"][-1]["accuracy"] for r in reference])
-    level = mean - (spread or 0.0)
-    own = [time_to(r["curve"], level) for r in candidate]
-    theirs = [time_to(r["curve"], level) for r in reference]
-    bound = any(t is None for t in theirs)
-    theirs = [t if t is not None else r["curve"][-1]["seconds"] for t, r in zip(theirs, reference)]
+    theirs_by_seed = {r.get("seed", i): r for i, r in enumerate(reference)}
+    pairs = [(r, theirs_by_seed[r.get("seed", i)]) for i, r in enumerate(candidate)
+             if r.get("seed", i) in theirs_by_seed]  # fmt: skip
+    gains = [r["curve"][-1]["accuracy"] - r["curve"][0]["accuracy"] for r in reference]
+    spread = mean_std(gains)[1] or 0.0
+    levels, own, theirs, bound = [], [], [], False
+    for mine, ref in pairs:
+        level = ref["curve"][-1]["accuracy"] - spread
+        if ref["curve"][0]["accuracy"] >= level:  # the starting student already has it: nothing to compare
+            continue
+        reached = time_to(ref["curve"], level)
+        bound |= reached is None
+        levels.append(level)
+        own.append(time_to(mine["curve"], level))
+        theirs.append(reached if reached is not None else ref["curve"][-1]["seconds"])
+    if not levels:
+        return dict(accuracy=None, spread=spread, seeds=0, answer=None,
+                    text=f"undecided: on no seed did the reference rise above its starting student by more than "
+                         f"the seed spread ({spread:.3f}), so there is no time to accuracy to compare")  # fmt: skip
     reached = [t for t in own if t is not None]
     own_mean, their_mean = mean_std(reached)[0], mean_std(theirs)[0]
-    every_seed = len(reached) == len(candidate)
-    answer = (every_seed and own_mean <= fraction * their_mean) if their_mean else None
+    answer = len(reached) == len(own) and own_mean <= fraction * their_mean
     ratio = own_mean / their_mean if own_mean is not None and their_mean else None
     seconds = "never" if own_mean is None else f"{own_mean:.1f} s"
     share = "" if ratio is None else f", {ratio:.2f} of its GPU-seconds"
-    verdict = {True: "yes", False: "no", None: "undecided (the reference's starting students have it)"}[answer]
-    text = (f"accuracy {level:.3f} (its final {mean:.3f} less the seed spread {spread or 0.0:.3f}) in {seconds} "
-            f"against {'>= ' if bound else ''}{their_mean:.1f} s{share}; {len(reached)}/{len(candidate)} seeds "
-            f"reach it: {verdict}")  # fmt: skip
-    return dict(accuracy=level, reference_final=(mean, spread), seconds=own_mean, reference_seconds=their_mean,
-                ratio=ratio, reached=f"{len(reached)}/{len(candidate)}", reference_bound=bound, fraction=fraction,
-                answer=answer, text=text)  # fmt: skip
+    text = (f"accuracy {mean_std(levels)[0]:.3f} (mean over {len(levels)} seed(s) of the reference's final less the "
+            f"seed spread {spread:.3f}) in {seconds} against {'>= ' if bound else ''}{their_mean:.1f} s{share}; "
+            f"{len(reached)}/{len(own)} seeds reach it: {'yes' if answer else 'no'}")  # fmt: skip
+    return dict(accuracy=mean_std(levels)[0], levels=levels, spread=spread, seconds=own_mean,
+                reference_seconds=their_mean, ratio=ratio, reached=f"{len(reached)}/{len(own)}",
+                reference_bound=bound, fraction=fraction, answer=answer, text=text)  # fmt: skip
