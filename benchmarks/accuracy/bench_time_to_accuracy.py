@@ -117,7 +117,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format-steps", type=int, default=200)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="every recipe's learning rate (pg's is its own)")
+    p.add_argument("--format-lr", type=float, default=None, help="the format fine-tune's learning rate (default: "
+                   "--lr); a lower --lr than this continues the students more gently")  # fmt: skip
     p.add_argument("--checkpoints", type=int, default=5)
     p.add_argument("--cap-seconds", type=float, default=40.0)
     p.add_argument("--trl-cap-seconds", type=float, default=15.0)
@@ -187,13 +189,14 @@ def format_tuned_student(a, task_data: dict, seed: int, device):
 
     from liger_patch_kd.demo.arithmetic import ModelShape, fit_on_ground_truth
 
-    name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{a.lr:g}"
+    lr = a.format_lr or a.lr
+    name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{lr:g}"
     folder = Path(a.teacher_dir) / name if a.teacher_dir else None
     if folder is not None and (folder / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     student = ModelShape(*a.student_shape).build(len(task_data["tokenizer"]), seed=seed, device=device)
     fit_on_ground_truth(student, task_data["prompts"], task_data["completions"], steps=a.format_steps,
-                        batch=a.batch, lr=a.lr, seed=seed, device=device)  # fmt: skip
+                        batch=a.batch, lr=lr, seed=seed, device=device)  # fmt: skip
     if folder is not None:  # fp32, as trained: the loaded student is this same one
         student.save_pretrained(folder)
     return student
@@ -489,7 +492,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
 
 # the options that define what a run measures: an earlier call's runs are kept only when these are the same
 SAME_EXPERIMENT = ("operands", "digits", "train_problems", "held_out", "teacher_shape", "student_shape",
-                   "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "steps", "batch", "lr",
+                   "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "format_lr", "steps", "batch", "lr",
                    "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps", "store_generations",
                    "store_top_k")  # fmt: skip
 
