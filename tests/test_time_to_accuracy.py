@@ -263,4 +263,8 @@ def test_format_tuned_students_are_kept_beside_the_teacher(tmp_path, monkeypatch
     monkeypatch.setattr(arithmetic, "fit_on_ground_truth", fit)
     a.format_steps += 1  # other format options: another student, fine-tuned anew and kept under its own name
     format_tuned_student(a, data, 1, torch.device("cpu"))
-    assert len(list((tmp_path / "models").iterdir())) == 2
+    a.format_lr = 0.01  # its own learning rate: another student again
+    format_tuned_student(a, data, 1, torch.device("cpu"))
+    names = sorted(p.name for p in (tmp_path / "models").iterdir())
+    assert names == ["student_seed1_32x2_format10_lr0.001", "student_seed1_32x2_format11_lr0.001",
+                     "student_seed1_32x2_format11_lr0.01"]  # fmt: skip
