@@ -268,3 +268,21 @@ def test_format_tuned_students_are_kept_beside_the_teacher(tmp_path, monkeypatch
     names = sorted(p.name for p in (tmp_path / "models").iterdir())
     assert names == ["student_seed1_32x2_format10_lr0.001", "student_seed1_32x2_format11_lr0.001",
                      "student_seed1_32x2_format11_lr0.01"]  # fmt: skip
+
+
+def test_speedup_against_trl_pairs_seeds_and_leaves_out_students_already_there():
+    from benchmarks.accuracy.bench_time_to_accuracy import speedup
+
+    def seeded(seed, *points):
+        return {**curve(*points), "seed": seed}
+
+    ours = [seeded(1, (0, 0.1), (5, 0.9)), seeded(2, (0, 0.8), (5, 0.7)), seeded(3, (0, 0.1), (2, 0.5))]
+    theirs = [seeded(3, (0, 0.1), (10, 0.5)), seeded(1, (0, 0.1), (20, 0.9)), seeded(2, (0, 0.8), (20, 0.9))]
+    verdict = speedup(ours, theirs, target=0.9)
+    # seed 1 at the target (5 s against 20), seed 3 at the lower final 0.5 (2 s against 10); seed 2 fell below its
+    # start on our side, so its level (0.7) is one its student had before either trainer ran: left out
+    assert verdict["levels"] == pytest.approx([0.9, 0.5])
+    assert verdict["ours_seconds"] == pytest.approx(3.5) and verdict["trl_seconds"] == pytest.approx(15.0)
+    assert verdict["ratio"] == pytest.approx(15.0 / 3.5)
+    fell = speedup([ours[1]], [theirs[2]], target=0.9)
+    assert fell["ratio"] is None and fell["text"].startswith("undecided")

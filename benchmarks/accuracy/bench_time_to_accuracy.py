@@ -586,25 +586,32 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
 
 
 def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
-    """Training seconds to one accuracy, ours against TRL's: the target if both reach it, else the lower of the
-    target and the accuracy TRL's runs reach at their end (mean over seeds); a TRL run that never reaches it
-    counts with its final seconds, which makes the ratio a lower bound."""
-    level = min(target, mean_std([r["curve"][-1]["accuracy"] for r in theirs])[0],
-                mean_std([r["curve"][-1]["accuracy"] for r in ours])[0])  # fmt: skip
-    mine = [time_to(r["curve"], level) for r in ours]
-    other = [time_to(r["curve"], level) for r in theirs]
-    bound = any(t is None for t in other)
-    other = [t if t is not None else r["curve"][-1]["seconds"] for t, r in zip(other, theirs)]
-    mine_mean, other_mean = mean_std([t for t in mine if t is not None])[0], mean_std(other)[0]
-    ratio = other_mean / mine_mean if mine_mean and other_mean else None
-    if not mine_mean or not other_mean:  # 0 s: the starting students already have that accuracy; None: never
-        text = (f"accuracy {level:.3f}: undecided (" + ("our runs never reach it)" if mine_mean is None else
-                "the starting students already have it: neither trainer moved them in its seconds)"))  # fmt: skip
-    else:
-        text = (f"accuracy {level:.3f} in {mine_mean:.1f} s against {other_mean:.1f} s: "
-                f"{'>= ' if bound else ''}{ratio:.1f}x")  # fmt: skip
-    return dict(accuracy=level, ours_seconds=mine_mean, trl_seconds=other_mean, ratio=ratio, lower_bound=bound,
-                text=text)  # fmt: skip
+    """Training seconds to one accuracy, ours against TRL's, seed by seed (both trainers of a seed start from that
+    seed's student; runs pair by "seed"): the level is the target, or the lower final accuracy of the two runs where
+    either ends below it, so both runs reach it. A seed whose starting student already has that level says nothing
+    (neither trainer moved it there) and is left out; the ratio is TRL's mean seconds over ours."""
+    by_seed = {r["seed"]: r for r in theirs}
+    levels, mine, other = [], [], []
+    for run in ours:
+        their = by_seed.get(run["seed"])
+        if their is None:
+            continue
+        level = min(target, run["curve"][-1]["accuracy"], their["curve"][-1]["accuracy"])
+        if run["curve"][0]["accuracy"] >= level:
+            continue
+        levels.append(level)
+        mine.append(time_to(run["curve"], level))
+        other.append(time_to(their["curve"], level))
+    if not levels:
+        text = "undecided: on no seed did both trainers take the starting student above where it began"
+        return dict(accuracy=None, seeds=0, ours_seconds=None, trl_seconds=None, ratio=None, text=text)
+    mine_mean, other_mean = mean_std(mine)[0], mean_std(other)[0]
+    ratio = other_mean / mine_mean if mine_mean else None
+    level = mean_std(levels)[0]
+    text = (f"accuracy {level:.3f} (mean over {len(levels)} seed(s)) in {mine_mean:.1f} s against {other_mean:.1f} s"
+            + (f": {ratio:.1f}x" if ratio else ""))  # fmt: skip
+    return dict(accuracy=level, levels=levels, seeds=len(levels), ours_seconds=mine_mean, trl_seconds=other_mean,
+                ratio=ratio, text=text)  # fmt: skip
 
 
 if __name__ == "__main__":
