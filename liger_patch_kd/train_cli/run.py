@@ -8,6 +8,7 @@ from typing import Any
 
 from ..teacher.store import store_meta
 from ..teacher.store.rollouts import rollouts_of
+from ..trainer.dataset_setup import check_chat_template
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
@@ -62,12 +63,19 @@ def train(argv: list[str] | None = None):
         check_same_tokenizer(tokenizer, teacher_tokenizer, model)
 
     def open_store(path: Path):
-        from ..teacher import TeacherLogprobsDataset
+        from ..teacher import TeacherLogprobsDataset, TeacherStoreError
 
-        return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        try:
+            return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        except TeacherStoreError as e:  # the store's own words, said of the options that chose it and the student
+            raise ValueError(f"--dataset_name {script.dataset_name} (a teacher store) and --model_name_or_path "
+                             f"{student_name}: {e}") from None  # fmt: skip
 
     splits = load_splits(script, training.seed, open_store)
     check_teacher(model, training, splits.store, splits.train)
+    check_chat_template(tokenizer, {f"--dataset_name {script.dataset_name} (split {name})": rows
+                                    for name, rows in (("train", splits.train), ("evaluation", splits.evaluation))},
+                        f"--model_name_or_path {student_name}'s tokenizer")  # KDTrainer's check, before the weights
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:
         raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "
