@@ -1,7 +1,8 @@
 """Mistakes a user coming from TRL makes on a first run, each refused in one line naming the option and the fix
 before any weights load or any step runs: conversations for a tokenizer without a chat template, bf16 on a machine
-without a bfloat16 GPU, batch sizes of 0, Liger-Kernel's flag beside ours, a store of another tokenizer, and a
-misspelt option (answered with the option it most likely means)."""
+without a bfloat16 GPU, batch sizes of 0, Liger-Kernel's flag beside ours, a store of another tokenizer, a
+--report_to whose package is missing, a hub dataset that does not load, and a misspelt option (answered with the
+option it most likely means)."""
 
 import json
 from pathlib import Path
@@ -140,3 +141,31 @@ def test_a_misspelt_option_is_answered_with_the_one_it_most_likely_means(tmp_pat
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == ("liger-kd precompute: error: unrecognized arguments: --topk 3 (did you mean "
                                          "--top-k? see liger-kd precompute --help)"), err  # fmt: skip
+
+
+def test_a_report_to_whose_package_is_missing_is_one_line_before_the_weights_load(pair, tmp_path, capsys,
+                                                                                  no_model_loads):  # fmt: skip
+    from transformers.integrations import get_available_reporting_integrations
+
+    missing = [n for n in ("wandb", "swanlab", "dvclive", "trackio") if n not in get_available_reporting_integrations()]
+    if not missing:
+        pytest.skip("every integration this test could name is installed")
+    line = one_line_error(capsys, [*train_argv(pair, "text", tmp_path), "--report_to", missing[0]])
+    assert f"--report_to {missing[0]}: " in line and "install" in line and "--report_to none" in line, line
+    line = one_line_error(capsys, [*train_argv(pair, "text", tmp_path), "--report_to", "wandbb"])
+    assert "--report_to wandbb: wandbb is not supported" in line, line
+
+
+def test_a_hub_dataset_that_does_not_load_names_the_option(pair, tmp_path, capsys, no_model_loads, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def unreachable(name, config=None):  # what load_dataset raises offline (ConnectionError is an OSError)
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    argv = train_argv(pair, "text", tmp_path)
+    argv[argv.index("--dataset_name") + 1] = "my-org/no-such-rows"
+    line = one_line_error(capsys, argv)
+    needles = ["--dataset_name my-org/no-such-rows: no local file or folder of that name", "Couldn't reach",
+               "check the name"]  # fmt: skip
+    assert all(n in line for n in needles), line

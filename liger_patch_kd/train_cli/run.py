@@ -39,6 +39,19 @@ def check_teacher(model: Any, training: Any, store: Path | None, train_rows: Any
         raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
 
 
+def check_reporting(report_to: list[str] | None) -> None:
+    """--report_to's integrations, made once here as the Trainer makes them: one whose package is missing (or a
+    name transformers does not know) is one line now, not a traceback once the weights have loaded."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        for callback in get_reporting_integration_callbacks(report_to):
+            callback()  # each checks its package and imports it, nothing more (the run starts in on_train_begin)
+    except (ImportError, RuntimeError, ValueError) as e:
+        raise ValueError(f"--report_to {' '.join(report_to or [])}: {' '.join(str(e).split())} (or --report_to "
+                         f"none)") from None  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """`liger-kd train ARGV`: 0 once the student is saved (a mistake is an exception: cli.main makes it one line)."""
     train(argv)
@@ -51,6 +64,7 @@ def train(argv: list[str] | None = None):
     check_model_options(model)
     check_dataset_name(script)
     check_resume(training.resume_from_checkpoint)
+    check_reporting(training.report_to)
     check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
     check_output_dir(training.output_dir, {"--model_name_or_path": model.model_name_or_path,
                                            "--teacher_model_name_or_path": model.teacher_model_name_or_path},
