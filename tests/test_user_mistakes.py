@@ -124,7 +124,8 @@ def test_a_store_of_another_tokenizer_names_both_options_and_the_fix(pair, tmp_p
     line = one_line_error(capsys, ["train", "--model_name_or_path", str(pair["other"]), "--dataset_name", str(store),
                                    "--output_dir", str(tmp_path / "o"), *FAST])  # fmt: skip
     needles = [f"--dataset_name {store} (a teacher store) and --model_name_or_path {pair['other']}",
-               "mean other tokens", "liger-kd precompute --tokenizer", f"the store's teacher: {pair['teacher']}"]
+               "mean other tokens", "liger-kd precompute --tokenizer",
+               f"the store's teacher: {pair['teacher']}"]  # fmt: skip
     assert all(n in line for n in needles), line
 
 
@@ -168,4 +169,21 @@ def test_a_hub_dataset_that_does_not_load_names_the_option(pair, tmp_path, capsy
     line = one_line_error(capsys, argv)
     needles = ["--dataset_name my-org/no-such-rows: no local file or folder of that name", "Couldn't reach",
                "check the name"]  # fmt: skip
+    assert all(n in line for n in needles), line
+
+
+@pytest.mark.parametrize(
+    "rows, options, needles",
+    [
+        ([{"text": TEXT[:60]}] * 4, ["--kd_lmbda", "0.5"], ["(split train) has {'text': ...} rows", "kd_lmbda=0.5"]),
+        ([{"prompt": TEXT[:30]}] * 4, [], ["kd_lmbda=0.0", "prompts without a completion"]),
+    ],
+)
+def test_rows_the_run_cannot_train_on_are_one_line_before_the_weights_load(pair, tmp_path, capsys, no_model_loads,
+                                                                           rows, options, needles):  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = train_argv(pair, "text", tmp_path)
+    argv[argv.index("--dataset_name") + 1] = str(data)
+    line = one_line_error(capsys, [*argv, *options])
     assert all(n in line for n in needles), line

@@ -8,7 +8,12 @@ from typing import Any
 
 from ..teacher.store import store_meta
 from ..teacher.store.rollouts import rollouts_of
-from ..trainer.dataset_setup import check_chat_template
+from ..trainer.dataset_setup import (
+    check_chat_template,
+    check_completions_for_off_policy,
+    check_no_text_rows_to_generate_from,
+    first_row_of,
+)
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
@@ -87,9 +92,13 @@ def train(argv: list[str] | None = None):
 
     splits = load_splits(script, training.seed, open_store)
     check_teacher(model, training, splits.store, splits.train)
-    check_chat_template(tokenizer, {f"--dataset_name {script.dataset_name} (split {name})": rows
-                                    for name, rows in (("train", splits.train), ("evaluation", splits.evaluation))},
-                        f"--model_name_or_path {student_name}'s tokenizer")  # KDTrainer's check, before the weights
+    # KDTrainer's checks of the rows, made before the weights load
+    train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
+    check_no_text_rows_to_generate_from(training, splits.train, train_rows)
+    check_completions_for_off_policy(training, first_row_of(splits.train))
+    check_chat_template(tokenizer, {train_rows: splits.train,
+                                    f"--dataset_name {script.dataset_name} (evaluation rows)": splits.evaluation},
+                        f"--model_name_or_path {student_name}'s tokenizer")  # fmt: skip
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:
         raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "

@@ -169,17 +169,18 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
                 )
 
 
-def check_no_text_rows_to_generate_from(args: Any, dataset: Any) -> None:
+def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "train_dataset") -> None:
     """Generated steps (kd_lmbda > 0, kd_seq_kd) sample a completion after each row's prompt; a {"text": ...} row
     names none (tokenized whole, every token is scored, so its prompt would be empty and its text unused): refused
-    when KDTrainer is built."""
+    when KDTrainer is built (and by `liger-kd train` before the weights load; `name`: how the caller names the
+    rows)."""
     row = first_row_of(dataset)
     if not (args.kd_lmbda > 0 or args.kd_seq_kd) or not isinstance(row, Mapping) or "text" not in row:
         return
     if any(c in row for c in ("input_ids", "prompt", "messages")):  # the text is not what trains
         return
     raise ValueError(
-        f"train_dataset has {{'text': ...}} rows, and kd_lmbda={args.kd_lmbda} (kd_seq_kd={args.kd_seq_kd}) "
+        f"{name} has {{'text': ...}} rows, and kd_lmbda={args.kd_lmbda} (kd_seq_kd={args.kd_seq_kd}) "
         f"generates completions after each row's prompt, which a text row does not name: give rows of "
         f"{{'prompt': ..., 'completion': ...}} (or {{'messages': [...]}}), or set kd_lmbda=0 and kd_seq_kd=False to "
         f"train on the text as it is"
