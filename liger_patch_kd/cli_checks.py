@@ -30,7 +30,12 @@ FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".safetensors")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is the CLI's one line (no usage block)."""
+    """argparse, but a usage error is the CLI's one line (no usage block), and a shortened option is a mistake
+    (`liger-kd demo --ful` names --full instead of starting the full demo's minutes; `liger-kd train` does the same)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -187,3 +187,17 @@ def test_rows_the_run_cannot_train_on_are_one_line_before_the_weights_load(pair,
     argv[argv.index("--dataset_name") + 1] = str(data)
     line = one_line_error(capsys, [*argv, *options])
     assert all(n in line for n in needles), line
+
+
+def test_a_shortened_option_is_a_mistake_not_the_option_it_starts(capsys, monkeypatch):
+    """`liger-kd demo --ful` would start the full demo's minutes under argparse's prefix matching."""
+
+    def started(args):
+        raise AssertionError(f"--ful was read as --full={args.full} and the demo started")
+
+    monkeypatch.setattr(cli, "_demo", started)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--ful"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == ("liger-kd demo: error: unrecognized arguments: --ful (did you mean --full? "
+                                         "see liger-kd demo --help)"), err  # fmt: skip
