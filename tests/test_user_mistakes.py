@@ -201,3 +201,10 @@ def test_a_shortened_option_is_a_mistake_not_the_option_it_starts(capsys, monkey
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == ("liger-kd demo: error: unrecognized arguments: --ful (did you mean --full? "
                                          "see liger-kd demo --help)"), err  # fmt: skip
+
+
+def test_a_run_of_no_step_is_refused_rather_than_saving_the_student_untrained(pair, tmp_path, capsys, no_model_loads):
+    argv = train_argv(pair, "text", tmp_path)
+    argv[argv.index("--max_steps") + 1] = "-1"  # transformers' default: the epochs decide
+    line = one_line_error(capsys, [*argv, "--num_train_epochs", "0"])
+    assert "--num_train_epochs 0: no training step would run" in line and "--max_steps > 0" in line, line

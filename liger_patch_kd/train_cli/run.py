@@ -44,6 +44,16 @@ def check_teacher(model: Any, training: Any, store: Path | None, train_rows: Any
         raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
 
 
+def check_trains(training: Any) -> None:
+    """A run of no step would save the student untouched as if distilled: --num_train_epochs 0 (or below) is
+    refused unless --max_steps (which overrides it when > 0) sets the steps."""
+    if training.max_steps <= 0 and training.num_train_epochs <= 0:
+        raise ValueError(
+            f"--num_train_epochs {training.num_train_epochs:g}: no training step would run, and the student would be "
+            "saved untrained; give --num_train_epochs > 0 or --max_steps > 0"
+        )
+
+
 def check_reporting(report_to: list[str] | None) -> None:
     """--report_to's integrations, made once here as the Trainer makes them: one whose package is missing (or a
     name transformers does not know) is one line now, not a traceback once the weights have loaded."""
@@ -70,6 +80,7 @@ def train(argv: list[str] | None = None):
     check_dataset_name(script)
     check_resume(training.resume_from_checkpoint)
     check_reporting(training.report_to)
+    check_trains(training)
     check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
     check_output_dir(training.output_dir, {"--model_name_or_path": model.model_name_or_path,
                                            "--teacher_model_name_or_path": model.teacher_model_name_or_path},
