@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,7 +63,7 @@ def check_batch_counts(args: TrainingArguments) -> None:
     division by zero once training starts."""
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} (--{name}) must be an integer >= 1; got {value!r}")
 
 
