@@ -18,6 +18,8 @@ from .cli_checks import (
     ENCODINGS,
     FORMATS,
     Parser,
+    option_names,
+    suggestions,
 )
 
 
@@ -447,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's parser: "liger-kd demo: error: unrecognized arguments: ..."
-        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        prog, hint = args.parser.prog, suggestions(unknown, option_names(args.parser))
+        args.parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(unknown)} ({hint}see {prog} --help)\n")
 
     def run() -> int:
         args.check(args)  # every option before any work

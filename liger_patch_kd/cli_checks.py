@@ -4,6 +4,7 @@ tables --help shows. Standard library only: --help and argument errors import no
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 from pathlib import Path
@@ -29,7 +30,12 @@ FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".safetensors")
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is the CLI's one line (no usage block)."""
+    """argparse, but a usage error is the CLI's one line (no usage block), and a shortened option is a mistake
+    (`liger-kd demo --ful` names --full instead of starting the full demo's minutes; `liger-kd train` does the same)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -59,6 +65,22 @@ def check_encoding(spec: str) -> None:
     bits = spec[len("packed") :] if spec.startswith("packed") else ""
     if not (bits.isdigit() and int(bits) in PACKED_BITS):
         raise ValueError(f"--encoding {spec}: not an encoding; valid: {ENCODINGS}")
+
+
+def option_names(parser: argparse.ArgumentParser) -> list[str]:
+    """Every --name the parser takes, without the dashes (both spellings where it has two: kd_beta, kd-beta)."""
+    return sorted({o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")})
+
+
+def suggestions(words: list[str], names: list[str], dashes: str = "--") -> str:
+    """For unknown option names (or a command line's leftover words, values among them), "did you mean --kd_beta? "
+    naming the option each most likely misspells, when one is close; else "". `dashes`: the prefix of a name in
+    `words` and in the answer ("" for a YAML file's keys)."""
+    close = []
+    for word in words:
+        name = word[len(dashes) :].split("=", 1)[0] if word.startswith(dashes) else None
+        close += [dashes + c for c in (difflib.get_close_matches(name, names, n=1, cutoff=0.8) if name else ())]
+    return f"did you mean {', '.join(close)}? " if close else ""
 
 
 def looks_like_path(name: str) -> bool:

@@ -35,6 +35,16 @@ def _is_conversation(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
+def conversation_column(row: Any) -> str | None:
+    """The column that makes `row` a conversation the tokenizer's chat template renders ('messages', or a
+    conversational 'prompt'), or None for a row of text or token ids."""
+    if not isinstance(row, dict):
+        return None
+    if "messages" in row:
+        return "messages"
+    return "prompt" if _is_conversation(row.get("prompt")) and row.get("prompt") else None
+
+
 def encode(tokenizer, text: str, *, special_tokens: bool) -> list[int]:
     """Token ids of `text`: a Hugging Face tokenizer's own call (with or without its special tokens, e.g. BOS), or
     a plain tokenizer's `encode(text)` (such as the demo's character tokenizer, which has none)."""

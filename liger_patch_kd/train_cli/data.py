@@ -112,7 +112,12 @@ def _hub_splits(name: str, config: str | None) -> dict[str, Any]:
     except ImportError:
         raise ValueError(f"--dataset_name {name}: reading a hub dataset needs the datasets package: {FORMATS_EXTRA} "
                          "(or give a local .jsonl / .json / .parquet file or folder)") from None  # fmt: skip
-    return dict(datasets.load_dataset(name, config))
+    try:
+        return dict(datasets.load_dataset(name, config))
+    except (OSError, ValueError) as e:  # not found, or not reachable (ConnectionError is an OSError)
+        raise ValueError(f"--dataset_name {name}: no local file or folder of that name, and the hub dataset did not "
+                         f"load ({' '.join(str(e).split())[:300]}); check the name, or give a local .jsonl / .json / "
+                         f".parquet file or folder") from None  # fmt: skip
 
 
 def _rows(split: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
+from ..cli_checks import option_names, suggestions
 from ..trainer import KDTrainingArguments
 from .arguments import TRL_ALIASES, TRL_AMBIGUOUS, TRL_WITHOUT_OPTION, ModelArguments, ScriptArguments
 
@@ -105,13 +106,14 @@ def trl_problem(name: str) -> str | None:
     return TRL_AMBIGUOUS.get(name) or TRL_WITHOUT_OPTION.get(name)
 
 
-def refuse_trl_names(problems: dict[str, str], where: str, others: list[str] = ()) -> None:
-    """One ValueError naming every TRL-only name (with what to give instead) and any other unknown name."""
+def refuse_trl_names(problems: dict[str, str], where: str, others: list[str] = (), hint: str = "") -> None:
+    """One ValueError naming every TRL-only name (with what to give instead) and any other unknown name (`hint`:
+    the options those most likely misspell, cli_checks.suggestions)."""
     if not problems and not others:
         return
     parts = [f"--{name}: {fix}" for name, fix in problems.items()]
     if others:
-        parts.append(f"no option {', '.join(others)} (see {PROG} --help)")
+        parts.append(f"no option {', '.join(others)} ({hint}see {PROG} --help)")
     what = "TRL names that are not options here" if problems else "unknown names"
     raise ValueError(f"{where} holds {what}: " + "; ".join(parts))
 
@@ -171,7 +173,7 @@ def read_config(path: str, known: frozenset[str] | None = None) -> dict[str, Any
     renamed, problems = renamed_trl_names([f"--{key}" for key in config], where=f"--config {path}")
     others = sorted(k for k in config if known is not None and k not in known and not trl_problem(str(k)))
     others = [str(k) for k in others if TRL_ALIASES.get(str(k)) not in (known or ())]
-    refuse_trl_names(problems, f"--config {path}", others)
+    refuse_trl_names(problems, f"--config {path}", others, suggestions(others, sorted(known or ()), dashes=""))
     for key, value in env.items():
         os.environ[str(key)] = str(value)
     return {name[2:]: value for name, value in zip(renamed, config.values())}
@@ -212,5 +214,6 @@ def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArgument
         args=with_our_names(argv, takes_value=one_value_options(parser)), return_remaining_strings=True
     )
     if unknown:
-        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (see {PROG} --help)")
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} ({suggestions(unknown, option_names(parser))}"
+                         f"see {PROG} --help)")  # fmt: skip
     return script, model, training

@@ -8,6 +8,12 @@ from typing import Any
 
 from ..teacher.store import store_meta
 from ..teacher.store.rollouts import rollouts_of
+from ..trainer.dataset_setup import (
+    check_chat_template,
+    check_completions_for_off_policy,
+    check_no_text_rows_to_generate_from,
+    first_row_of,
+)
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
@@ -38,6 +44,29 @@ def check_teacher(model: Any, training: Any, store: Path | None, train_rows: Any
         raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
 
 
+def check_trains(training: Any) -> None:
+    """A run of no step would save the student untouched as if distilled: --num_train_epochs 0 (or below) is
+    refused unless --max_steps (which overrides it when > 0) sets the steps."""
+    if training.max_steps <= 0 and training.num_train_epochs <= 0:
+        raise ValueError(
+            f"--num_train_epochs {training.num_train_epochs:g}: no training step would run, and the student would be "
+            "saved untrained; give --num_train_epochs > 0 or --max_steps > 0"
+        )
+
+
+def check_reporting(report_to: list[str] | None) -> None:
+    """--report_to's integrations, made once here as the Trainer makes them: one whose package is missing (or a
+    name transformers does not know) is one line now, not a traceback once the weights have loaded."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        for callback in get_reporting_integration_callbacks(report_to):
+            callback()  # each checks its package and imports it, nothing more (the run starts in on_train_begin)
+    except (ImportError, RuntimeError, ValueError) as e:
+        raise ValueError(f"--report_to {' '.join(report_to or [])}: {' '.join(str(e).split())} (or --report_to "
+                         f"none)") from None  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """`liger-kd train ARGV`: 0 once the student is saved (a mistake is an exception: cli.main makes it one line)."""
     train(argv)
@@ -50,6 +79,8 @@ def train(argv: list[str] | None = None):
     check_model_options(model)
     check_dataset_name(script)
     check_resume(training.resume_from_checkpoint)
+    check_reporting(training.report_to)
+    check_trains(training)
     check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
     check_output_dir(training.output_dir, {"--model_name_or_path": model.model_name_or_path,
                                            "--teacher_model_name_or_path": model.teacher_model_name_or_path},
@@ -62,12 +93,23 @@ def train(argv: list[str] | None = None):
         check_same_tokenizer(tokenizer, teacher_tokenizer, model)
 
     def open_store(path: Path):
-        from ..teacher import TeacherLogprobsDataset
+        from ..teacher import TeacherLogprobsDataset, TeacherStoreError
 
-        return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        try:
+            return TeacherLogprobsDataset(path, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        except TeacherStoreError as e:  # the store's own words, said of the options that chose it and the student
+            raise ValueError(f"--dataset_name {script.dataset_name} (a teacher store) and --model_name_or_path "
+                             f"{student_name}: {e}") from None  # fmt: skip
 
     splits = load_splits(script, training.seed, open_store)
     check_teacher(model, training, splits.store, splits.train)
+    # KDTrainer's checks of the rows, made before the weights load
+    train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
+    check_no_text_rows_to_generate_from(training, splits.train, train_rows)
+    check_completions_for_off_policy(training, first_row_of(splits.train))
+    check_chat_template(tokenizer, {train_rows: splits.train,
+                                    f"--dataset_name {script.dataset_name} (evaluation rows)": splits.evaluation},
+                        f"--model_name_or_path {student_name}'s tokenizer")  # fmt: skip
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:
         raise ValueError(f"--eval_strategy {strategy}: there are no evaluation rows (the dataset has no test split, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,41 @@ def checks_arguments(rank: int) -> Callable[[Callable[[Any], None]], Callable[[A
         return check
 
     return register
+
+
+def check_bf16_has_a_device(args: TrainingArguments) -> None:
+    """bf16 mixed precision where TrainingArguments would refuse it (no GPU computing in bfloat16, use_cpu off):
+    refused here in one line that names the option and both ways out."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    named = [name for name in ("bf16", "bf16_full_eval") if getattr(args, name)]
+    if not named or args.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return
+    raise ValueError(
+        f"{named[0]}=True (--{named[0]}): this machine has no GPU that computes in bfloat16; leave {named[0]} out to "
+        f"train in float32, or also set use_cpu=True (--use_cpu) for bfloat16 autocast on the CPU"
+    )
+
+
+def check_batch_counts(args: TrainingArguments) -> None:
+    """Batch sizes and accumulation of 0 pass TrainingArguments and fail later: at the first evaluation, or as a
+    division by zero once training starts."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} (--{name}) must be an integer >= 1; got {value!r}")
+
+
+def check_no_liger_kernel(args: TrainingArguments) -> None:
+    """Liger-Kernel's patch replaces the student's forward with its own fused cross-entropy, which returns no
+    logits while training on labels: it would undo use_kd_patch's forward, or leave the unpatched path's loss
+    without the logits it reads."""
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True (--use_liger_kernel) applies Liger-Kernel's patch, which replaces the student's "
+            "forward that the distillation loss runs through; use_kd_patch=True (--use_kd_patch) is this package's "
+            "patch (RMSNorm, RoPE, SwiGLU kernels and the fused distillation loss): leave use_liger_kernel out"
+        )
 
 
 @dataclass
@@ -271,7 +307,10 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
 
     def __post_init__(self):
+        check_bf16_has_a_device(self)  # before TrainingArguments' own refusal, which names neither option nor fix
         super().__post_init__()
+        check_batch_counts(self)
+        check_no_liger_kernel(self)
         if not 0.0 <= self.kd_lmbda <= 1.0:
             raise ValueError(f"kd_lmbda must be in [0, 1] (a fraction of steps); got {self.kd_lmbda}")
         self.onpolicy_warmup(1)  # validates kd_onpolicy_warmup_steps now

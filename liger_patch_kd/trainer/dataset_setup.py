@@ -10,7 +10,7 @@ from torch import nn
 
 from ..align.collator import has_completion
 from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
-from ..batch.prompts import is_prompt_row
+from ..batch.prompts import conversation_column, is_prompt_row
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
@@ -37,6 +37,23 @@ def first_row_of(dataset: Any) -> Any:
         return dataset[0]
     except Exception:  # an iterable dataset, or none: the collator given decides
         return None
+
+
+def check_chat_template(tokenizer: Any, datasets: Mapping[str, Any], whose: str = "processing_class") -> None:
+    """Conversations ('messages', or a conversational 'prompt') are rendered by the tokenizer's chat template when
+    their batches are made: a tokenizer without one is refused now, naming the rows, not at the first batch after
+    the models loaded. `datasets`: {how the caller names it: dataset}; `whose`: how the caller names the tokenizer."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is not None:
+        return
+    for name, dataset in datasets.items():
+        column = conversation_column(first_row_of(dataset)) if dataset is not None else None
+        if column is not None:
+            raise ValueError(
+                f"{name}: its rows are conversations ('{column}': a list of role / content turns), which the "
+                f"tokenizer's chat template renders, and {whose} has none (tokenizer.chat_template is None): use a "
+                f"chat model's tokenizer, set tokenizer.chat_template, or give text rows ('text', or a text "
+                f"'prompt' + 'completion')"
+            )
 
 
 # teacher columns a row may carry that a collator must pass on (a generic one drops what it does not know)
@@ -152,17 +169,18 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
                 )
 
 
-def check_no_text_rows_to_generate_from(args: Any, dataset: Any) -> None:
+def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "train_dataset") -> None:
     """Generated steps (kd_lmbda > 0, kd_seq_kd) sample a completion after each row's prompt; a {"text": ...} row
     names none (tokenized whole, every token is scored, so its prompt would be empty and its text unused): refused
-    when KDTrainer is built."""
+    when KDTrainer is built (and by `liger-kd train` before the weights load; `name`: how the caller names the
+    rows)."""
     row = first_row_of(dataset)
     if not (args.kd_lmbda > 0 or args.kd_seq_kd) or not isinstance(row, Mapping) or "text" not in row:
         return
     if any(c in row for c in ("input_ids", "prompt", "messages")):  # the text is not what trains
         return
     raise ValueError(
-        f"train_dataset has {{'text': ...}} rows, and kd_lmbda={args.kd_lmbda} (kd_seq_kd={args.kd_seq_kd}) "
+        f"{name} has {{'text': ...}} rows, and kd_lmbda={args.kd_lmbda} (kd_seq_kd={args.kd_seq_kd}) "
         f"generates completions after each row's prompt, which a text row does not name: give rows of "
         f"{{'prompt': ..., 'completion': ...}} (or {{'messages': [...]}}), or set kd_lmbda=0 and kd_seq_kd=False to "
         f"train on the text as it is"

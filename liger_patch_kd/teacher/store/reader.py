@@ -56,7 +56,9 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             if fp != self.meta["tokenizer_fingerprint"]:
                 raise TeacherStoreError(
                     f"tokenizer fingerprint {fp} differs from the store's {self.meta['tokenizer_fingerprint']}: the "
-                    f"ids in the store mean other tokens for this student"
+                    f"ids in the store mean other tokens for this student; precompute the store again with the "
+                    f"student's tokenizer (liger-kd precompute --tokenizer), or train a student of the tokenizer "
+                    f"that made it (the store's teacher: {self.meta.get('teacher', 'not recorded')})"
                 )
         counts = [s["num_sequences"] for s in self.meta["shards"]]
         expected = self.meta.get("num_sequences")

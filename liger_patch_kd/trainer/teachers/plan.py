@@ -42,6 +42,7 @@ from ...batch.prompts import PromptCollator, PromptOrTokenCollator
 from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
 from ..dataset_setup import (
+    check_chat_template,
     check_store_tokenizer,
     check_training_rows,
     first_row_is,
@@ -178,6 +179,7 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     data_collator is set to the teacher's (a given one kept, wrapped for routing when several teachers route rows).
     Every check of the teacher against the rows and the models runs here, before any long work."""
     tokenizer, rows = kwargs.get("processing_class"), kwargs.get("train_dataset")
+    own_collator = kwargs.get("data_collator") is not None  # a user's collator renders conversations its own way
     found = set_of((model, tokenizer), teacher_model, args, teacher_tokenizer, rows, first_row_of(rows))
     routes, members = found if found is not None else (None, None)  # several members by name (member_set.py)
     if isinstance(teacher_model, (Mapping, nn.ModuleDict)):  # the set's members hold the models
@@ -205,6 +207,10 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     elif not (routes is not None and routes.tokenizers):
         check_store_tokenizer(tokenizer, rows, evaluation)
     evaluations = list(evaluation.values()) if isinstance(evaluation, Mapping) else [evaluation]
+    if not own_collator:
+        named = evaluation.items() if isinstance(evaluation, Mapping) else [("eval_dataset", evaluation)]
+        check_chat_template(tokenizer, {"train_dataset": rows, **{n if n == "eval_dataset" else f"eval_dataset[{n!r}]":
+                                                                  d for n, d in named}})  # fmt: skip
     prompt_kinds = {first_row_is_prompt(d) for d in (rows, *evaluations) if d is not None}
     kind = "set" if members is not None else kind_of(args, offline if xtok is None else None, teacher_model)
     plan = TeacherPlan(args, kind, kd_config, teacher_model, routes, members, xtok, offline,
