@@ -229,3 +229,15 @@ def test_the_batch_is_read_only_when_some_model_would_drop_its_mask(monkeypatch,
     assert (spy.seen["student"][0] is None) == student_sdpa and (spy.seen["teacher"][0] is None) == teacher_sdpa
     torch.testing.assert_close(fused, ref, rtol=1e-9, atol=1e-12)
     assert rel_err(g_head, r_head) < 1e-9
+
+
+@pytest.mark.parametrize("name", ["position_ids", "past_key_values", "cache", "cache_position"])
+def test_anything_else_that_shapes_attention_keeps_the_mask(name):
+    """A KV cache under either of transformers' names for it (`past_key_values`, and `cache` from 5.2x on), position
+    ids or cache positions: the mask stays, whatever the padding looks like."""
+    from liger_patch_kd.models.backbone import trailing_padding_only
+
+    ids, mask, labels = right_padded()
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    assert trailing_padding_only(mask, targets, -100, {}) is True  # the padding alone would let it go
+    assert trailing_padding_only(mask, targets, -100, {name: object()}) is False

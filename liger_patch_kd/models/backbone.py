@@ -104,10 +104,10 @@ def trailing_padding_only(
 ) -> bool:
     """Whether `attention_mask` (B, T) is 1 then 0 along every row, 1 wherever `targets` (B, T, the label each
     position predicts) is scored, with nothing else shaping attention (no position_ids: with them and no mask
-    transformers would read packed sequences; no KV cache). One host sync."""
+    transformers would read packed sequences; no KV cache, under either of its names). One host sync."""
     if attention_mask is None or attention_mask.dim() != 2 or tuple(targets.shape) != tuple(attention_mask.shape):
         return False
-    if any(kwargs.get(k) is not None for k in ("position_ids", "past_key_values", "cache_position")):
+    if any(kwargs.get(k) is not None for k in ("position_ids", "past_key_values", "cache", "cache_position")):
         return False
     with torch.no_grad():
         ones = attention_mask == 1
