@@ -213,3 +213,18 @@ def test_prompt_rows_evaluate_beside_token_rows_or_alone(tmp_path, pair):
             trainer.model.load_state_dict(student.state_dict())
         # float32 steps against a float64 reference: rounding of a loss of order 1 (padding changes the order)
         assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("row", [0, 4])  # a `messages` row, a conversational `prompt` row
+def test_conversations_without_a_chat_template_are_the_tokenizers_fault_not_the_lines(tmp_path, pair, row):
+    """Every conversation of the file would fail alike: the error names the tokenizer and --tokenizer, and
+    --skip-bad-lines (which would skip them all) neither hides it nor is offered."""
+    tokenizer, _, _, rows = pair
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    path = _write_jsonl(tmp_path / "rows.jsonl", [rows[row], rows[5]])
+    for skip in (False, True):
+        with pytest.raises(ValueError, match="chat template.*--tokenizer") as caught:
+            read_jsonl_rows(path, tokenizer=plain, vocab_size=len(plain), skip_bad_lines=skip)
+        assert "skip-bad-lines" not in str(caught.value) and ":1:" in str(caught.value)
+    assert read_jsonl_rows(_write_jsonl(tmp_path / "text.jsonl", [rows[5]]), tokenizer=plain).sequences  # text rows

@@ -519,8 +519,14 @@ def _parse_line(line: str, tokenizer, max_length: int | None, max_prompt_length:
 
 def _prompt_row_tokens(record: dict, tokenizer, max_length, max_prompt_length, where: str, skip: str):
     """(input_ids, labels) of a TRL prompt row, as KDTrainer's PromptCollator tokenizes it for training."""
-    from ..batch.prompts import prompt_token_rows, tokenize_prompt_row
+    from ..batch.prompts import conversation_column, prompt_token_rows, tokenize_prompt_row
 
+    column = conversation_column(record)
+    if column is not None and getattr(tokenizer, "chat_template", None) is None:
+        # the tokenizer's, not the line's: skipping such lines would skip every conversation in the file
+        raise ValueError(f"{where}: a conversational '{column}' row needs a tokenizer with a chat template, and this "
+                         f"one has none (tokenizer.chat_template is None): pass --tokenizer with one (the student's "
+                         f"chat tokenizer), or give text prompts")  # fmt: skip
     try:
         prompt, completion = tokenize_prompt_row(tokenizer, record)
     except ValueError as e:
