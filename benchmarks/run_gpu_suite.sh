@@ -97,6 +97,8 @@ for what in "${@:-all}"; do
       opts=(--student-shape 96 2 --format-steps 1000 --steps 500 --checkpoints 20 --cap-seconds 15
             --trl-cap-seconds 15 --teacher-steps 1500 --store-steps 100 --store-top-k 8 --teacher-dir "$dir/teacher"
             --out "$dir/tta.json")
+      read -ra extra <<< "${TTA_EXTRA:-}"  # more options, e.g. TTA_EXTRA="--label-noise 0.3 --lr 3e-4 --format-lr 1e-3"
+      opts+=("${extra[@]}")
       if [ "$what" = tta-1 ]; then
         opts+=(--recipes "SFT on ground" "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
       else

@@ -286,3 +286,43 @@ def test_speedup_against_trl_pairs_seeds_and_leaves_out_students_already_there()
     assert verdict["ratio"] == pytest.approx(15.0 / 3.5)
     fell = speedup([ours[1]], [theirs[2]], target=0.9)
     assert fell["ratio"] is None and fell["text"].startswith("undecided")
+
+
+def test_wrong_answers_are_a_seeded_share_each_a_consistent_wrong_solution():
+    from liger_patch_kd.demo.arithmetic import with_wrong_answers
+
+    problems = ArithmeticTask(operands=3, digits=2).problems(2000, seed=0)
+    assert with_wrong_answers(problems, 0.0, seed=1) == problems
+    noisy = with_wrong_answers(problems, 0.3, seed=1)
+    assert noisy == with_wrong_answers(problems, 0.3, seed=1)  # the seed decides which, and how
+    wrong = [(p, n) for p, n in zip(problems, noisy) if n != p]
+    # a binomial share: 600 expected, 4 standard deviations (20.5 each) either side
+    assert abs(len(wrong) - 600) < 4 * (2000 * 0.3 * 0.7) ** 0.5
+    for right, given in wrong:
+        assert given.prompt == right.prompt and given.answer != right.answer and given.answer >= 0
+        assert 1 <= abs(given.answer - right.answer) <= 9
+        assert final_answer(given.completion) == given.answer  # it reads as one solution, wrong at its end
+        last_step = given.completion.rsplit(";", 1)[-1]
+        assert last_step.split("=")[0] == right.completion.rsplit(";", 1)[-1].split("=")[0]  # same operands
+        assert given.completion.rsplit(";", 1)[0] == right.completion.rsplit(";", 1)[0]  # earlier steps kept
+    assert all(n.answer != p.answer for p, n in zip(problems, with_wrong_answers(problems, 1.0, seed=1)))
+    with pytest.raises(ValueError, match="fraction"):
+        with_wrong_answers(problems, 1.5, seed=1)
+
+
+def test_label_noise_reaches_the_students_rows_and_not_the_teachers():
+    from benchmarks.accuracy.bench_time_to_accuracy import SMOKE, parser, task_data
+
+    a = parser().parse_args(["--smoke", "--label-noise", "0.5"])
+    for key, value in SMOKE.items():
+        setattr(a, key, value)
+    data = task_data(a)
+    tok, task = data["tokenizer"], data["task"]
+    right = task.problems(a.train_problems, seed=0)
+    decode = lambda ids: tok.decode([i for i in ids if i != EOS])  # noqa: E731
+    teacher_wrong = sum(final_answer(decode(c)) != p.answer for c, p in zip(data["completions"], right))
+    student_wrong = sum(final_answer(decode(c)) != p.answer for c, p in zip(data["labels"], right))
+    rows_wrong = sum(final_answer(r["completion"]) != p.answer for r, p in zip(data["rows"], right))
+    assert teacher_wrong == 0
+    assert student_wrong == rows_wrong and abs(student_wrong - 1000) < 4 * (2000 * 0.25) ** 0.5
+    assert [r["completion_ids"] for r in data["token_rows"]] == data["labels"]

@@ -16,7 +16,9 @@ longest distillation row's of the same seed, so every recipe can be compared wit
 Seconds are training seconds: the optimizer steps, the rollouts they generate and the teacher's forwards, with
 the GPU's queue drained at every step; scoring at checkpoints (greedy decode of every held-out prompt, every
 `--steps // --checkpoints` steps) is timed apart. A warm-up run of each recipe first compiles the kernels.
-The target is 90 % of the teacher's accuracy. Our recipes are KDTrainingArguments (RECIPES); TRL's GKDTrainer and
+`--label-noise F` gives the students' rows (their format fine-tune, the SFT row and every recipe's rows) a noisy
+ground truth: a share F of their answers wrong (arithmetic.with_wrong_answers), the teacher trained on the right
+ones. The target is 90 % of the teacher's accuracy. Our recipes are KDTrainingArguments (RECIPES); TRL's GKDTrainer and
 DistillationTrainer (trl >= 1.16) run the on-policy objective of our GKD row (lmbda 1, beta 0.5, temperature 1),
 capped at `--trl-cap-seconds`.
 
@@ -108,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--operands", type=int, default=3, help="numbers per problem (ArithmeticTask.operands)")
     p.add_argument("--digits", type=int, default=2, help="digits per number (ArithmeticTask.digits)")
     p.add_argument("--train-problems", type=int, default=150_000)
+    p.add_argument("--label-noise", type=float, default=0.0, help="the share of the students' training rows (their "
+                   "format fine-tune, SFT and every recipe's rows) whose answer is wrong "
+                   "(arithmetic.with_wrong_answers); the teacher is trained on the right ones, as a stronger model "
+                   "trained elsewhere knows better than a user's noisy labels")  # fmt: skip
     p.add_argument("--held-out", type=int, default=512)
     p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
     p.add_argument("--student-shape", type=int, nargs=2, default=[192, 4], metavar=("HIDDEN", "LAYERS"))
@@ -190,12 +196,13 @@ def format_tuned_student(a, task_data: dict, seed: int, device):
     from liger_patch_kd.demo.arithmetic import ModelShape, fit_on_ground_truth
 
     lr = a.format_lr or a.lr
-    name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{lr:g}"
+    noise = f"_noise{a.label_noise:g}" if a.label_noise else ""
+    name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{lr:g}{noise}"
     folder = Path(a.teacher_dir) / name if a.teacher_dir else None
     if folder is not None and (folder / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     student = ModelShape(*a.student_shape).build(len(task_data["tokenizer"]), seed=seed, device=device)
-    fit_on_ground_truth(student, task_data["prompts"], task_data["completions"], steps=a.format_steps,
+    fit_on_ground_truth(student, task_data["prompts"], task_data["labels"], steps=a.format_steps,
                         batch=a.batch, lr=lr, seed=seed, device=device)  # fmt: skip
     if folder is not None:  # fp32, as trained: the loaded student is this same one
         student.save_pretrained(folder)
@@ -376,17 +383,27 @@ def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
 
 
 def task_data(a) -> dict:
-    from liger_patch_kd.demo.arithmetic import ArithmeticTask, build_tokenizer, prompt_rows, tokenized
+    """The task's rows: `completions` the right ones (the teacher's training data), `labels` / `rows` / `token_rows`
+    what the students are given (the same, or with --label-noise of them ending in a wrong answer)."""
+    from liger_patch_kd.demo.arithmetic import (
+        ArithmeticTask,
+        build_tokenizer,
+        prompt_rows,
+        tokenized,
+        with_wrong_answers,
+    )
 
     task = ArithmeticTask(operands=a.operands, digits=a.digits)
     train = task.problems(a.train_problems, seed=0)
     held_out = task.problems(a.held_out, seed=1, held_out=True)
     tok = build_tokenizer(train[:20_000])
     prompts, completions = tokenized(tok, train)
-    token_rows = [dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, completions)]
-    return dict(task=task, tokenizer=tok, rows=prompt_rows(train), token_rows=token_rows, prompts=prompts,
-                completions=completions,
-                held_out=held_out, max_new_tokens=max(map(len, completions)) + 1)  # fmt: skip
+    given = with_wrong_answers(train, a.label_noise, seed=2) if a.label_noise else train
+    labels = tokenized(tok, given)[1] if a.label_noise else completions
+    token_rows = [dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, labels)]
+    return dict(task=task, tokenizer=tok, rows=prompt_rows(given), token_rows=token_rows, prompts=prompts,
+                completions=completions, labels=labels, held_out=held_out,
+                max_new_tokens=max(map(len, completions + labels)) + 1)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -491,10 +508,10 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
 
 
 # the options that define what a run measures: an earlier call's runs are kept only when these are the same
-SAME_EXPERIMENT = ("operands", "digits", "train_problems", "held_out", "teacher_shape", "student_shape",
-                   "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "format_lr", "steps", "batch", "lr",
-                   "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps", "store_generations",
-                   "store_top_k")  # fmt: skip
+SAME_EXPERIMENT = ("operands", "digits", "train_problems", "label_noise", "held_out", "teacher_shape",
+                   "student_shape", "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "format_lr",
+                   "steps", "batch", "lr", "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps",
+                   "store_generations", "store_top_k")  # fmt: skip
 
 
 def earlier_runs(a) -> dict[str, list[dict]]:
@@ -506,8 +523,8 @@ def earlier_runs(a) -> dict[str, list[dict]]:
     if not Path(a.out).exists():
         return {}
     payload = json.loads(Path(a.out).read_text())
-    mine = vars(a)
-    differ = [k for k in SAME_EXPERIMENT if payload.get("config", {}).get(k) != mine.get(k)]
+    mine, defaults = vars(a), vars(parser().parse_args([]))  # an option newer than the file: its default then
+    differ = [k for k in SAME_EXPERIMENT if payload.get("config", {}).get(k, defaults.get(k)) != mine.get(k)]
     if differ:
         theirs = payload["config"]
         listed = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)

@@ -79,6 +79,25 @@ class ArithmeticTask:
         return out
 
 
+def with_wrong_answers(problems: list[Problem], fraction: float, seed: int) -> list[Problem]:
+    """A copy of `problems` in which `fraction` of them (drawn with random.Random(seed)) end in a wrong answer: the
+    last step's result and the `####` number both moved by 1 to 9 (never below 0), so the worked steps still read
+    as one solution, wrong at its end. Each such Problem's `answer` is the number its completion writes (the label
+    the data holds). A noisy ground truth, for benchmarks in which a teacher knows better than the labels."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1]; got {fraction}")
+    rng, out = random.Random(seed), []
+    for problem in problems:
+        if rng.random() >= fraction:
+            out.append(problem)
+            continue
+        wrong = problem.answer + rng.choice([d for d in range(-9, 10) if d and problem.answer + d >= 0])
+        steps = problem.completion.rsplit(" #### ", 1)[0]
+        head, _ = steps.rsplit("=", 1)
+        out.append(Problem(problem.prompt, f"{head}={wrong}. #### {wrong}", wrong))
+    return out
+
+
 def final_answer(completion: str) -> int | None:
     """The number after the last `####` when the completion ends with it (spaces aside), else None."""
     found = list(ANSWER.finditer(completion))
