@@ -254,7 +254,8 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
                 else:
                     rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids,
                                                  start_id=start, step=call)  # fmt: skip
-                calls.append(score_rollouts(None if engine else student, teacher, rollouts, score))
+                calls.append(score_rollouts(None if engine else student, teacher, rollouts, score,
+                                            vocab_size=settings.vocab_size))  # fmt: skip
                 bar.update(len(chunk))
             rows = ScoredRollouts.cat(calls)
             writer.write_shard(rows.input_ids.split(rows.lengths), rows.topk_ids, rows.topk_logprobs,
