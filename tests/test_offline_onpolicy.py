@@ -430,3 +430,28 @@ def test_behaviour_log_probs_are_the_sampling_distribution_of_a_head_padded_past
             logits = student(input_ids=ids[None]).logits[0].double()
         real = torch.log_softmax(logits[:, :vocab], -1)[p - 1 : -1].gather(1, ids[p:, None])[:, 0]
         torch.testing.assert_close(refreshed["kd_behaviour_logprobs"][row, p:n].double(), real, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loss", ["k1", "k3", "pg"])
+def test_kd_temperature_beside_a_sampled_token_estimator_on_a_store_is_refused(tmp_path, models, tokenizer, loss):
+    """Every batch of a rollout store is scored by the estimator at temperature 1 (the stored teacher and behaviour
+    log-probs are at 1, the tokens were drawn at 1): a kd_temperature would never be used, so it is refused rather
+    than silently trained at 1."""
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=rf"kd_temperature=2.0 .* kd_onpolicy_loss='{loss}'") as e:
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", kd_onpolicy_loss=loss, kd_temperature=2.0))  # fmt: skip
+    assert "\n" not in str(e.value)
+
+
+def test_a_store_made_in_python_names_its_tokenizer_and_another_is_refused(tmp_path, models, tokenizer):
+    """precompute_rollouts is given the student's tokenizer (its EOS / pad ids): the manifest records its
+    fingerprint, so training with another tokenizer (whose ids mean other tokens) is refused, as for the command."""
+    from liger_patch_kd.teacher import tokenizer_fingerprint
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    assert read_manifest(tmp_path / "s")["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    other = _tokenizer(300, "lorem ipsum dolor sit amet. " * 20)
+    with pytest.raises(ValueError, match="precomputed with a tokenizer of fingerprint"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=other, train_dataset=data,
+                  args=_args(tmp_path / "t"))  # fmt: skip

@@ -113,6 +113,13 @@ class OfflineRollouts:
                 f"distribution, and the store was sampled with {section['sampling']}: make it with temperature 1, "
                 f"top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'"
             )
+        if args.kd_onpolicy_loss != "divergence" and args.kd_temperature != 1.0:
+            raise ValueError(
+                f"kd_temperature={args.kd_temperature} would never be used: kd_onpolicy_loss="
+                f"{args.kd_onpolicy_loss!r} scores every row of a rollout store at temperature 1 (its tokens were "
+                f"drawn, and its teacher and behaviour log-probs taken, at 1): set kd_temperature=1, or use "
+                f"kd_onpolicy_loss='divergence' to train the tempered divergence on the stored top-k"
+            )
         if teacher_model is not None:
             check_teacher_consistency(meta, teacher_model)
         elif args.kd_store_refresh_steps:
