@@ -392,3 +392,66 @@ def test_the_stored_estimator_loss_matches_the_reference_on_materialised_logits(
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     for got, want in zip(grads, torch.autograd.grad(expected, (hidden, weight))):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_behaviour_log_probs_are_the_sampling_distribution_of_a_head_padded_past_the_vocabulary(tmp_path, tokenizer):
+    """A student head with rows past the tokenizer's ids (the teacher's head is the tokenizer's) samples only the real
+    ids, so its behaviour log-prob of a token is normalised over them: the sampler trained on its own store, at its
+    own weights, has importance ratio 1 and kd_behaviour_kl 0; the head's extra rows must not enter the normaliser
+    (a random head gives them a fifth of the mass: ratios of ~1.2 and a KL far from 0 otherwise)."""
+    vocab = len(tokenizer)
+    student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=vocab + 41)
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2, vocab=vocab)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", (student, teacher), tokenizer))
+    for i in range(len(data)):
+        item = data[i]
+        ids, p = item["input_ids"].tolist(), int((item["labels"] != -100).nonzero()[0])
+        with torch.no_grad():
+            logits = student(input_ids=torch.tensor([ids])).logits[0].double()
+        real = torch.log_softmax(logits[:, :vocab], -1)[p - 1 : -1].gather(1, item["input_ids"][p:, None])[:, 0]
+        torch.testing.assert_close(item["behaviour_logprobs"][p:].double(), real, atol=1e-5, rtol=0)  # float32 store
+    # without kd_vocab_size the student would be normalised over its whole head, the behaviour over the ids sampled
+    with pytest.raises(ValueError, match=rf"set kd_vocab_size={vocab}") as e:
+        KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", kd_onpolicy_loss="pg"))  # fmt: skip
+    assert "\n" not in str(e.value)
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path / "t", kd_onpolicy_loss="pg", kd_vocab_size=vocab,
+                                                       max_steps=1, learning_rate=0.0, kd_store_refresh_steps=1,
+                                                       kd_store_refresh_fraction=1.0))  # fmt: skip
+    trainer.train()
+    assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-6  # float32 log-probs of the same weights
+    refreshed = trainer.offline.refreshed([trainer.offline.collator([data[0], data[1]])], trainer.model,
+                                          trainer.teacher_model, tokenizer=tokenizer, step=1, vocab_size=vocab)[0]
+    for row in range(2):
+        n, p = int(refreshed["attention_mask"][row].sum()), int((refreshed["labels"][row] != -100).nonzero()[0])
+        ids = refreshed["input_ids"][row, :n]
+        with torch.no_grad():
+            logits = student(input_ids=ids[None]).logits[0].double()
+        real = torch.log_softmax(logits[:, :vocab], -1)[p - 1 : -1].gather(1, ids[p:, None])[:, 0]
+        torch.testing.assert_close(refreshed["kd_behaviour_logprobs"][row, p:n].double(), real, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loss", ["k1", "k3", "pg"])
+def test_kd_temperature_beside_a_sampled_token_estimator_on_a_store_is_refused(tmp_path, models, tokenizer, loss):
+    """Every batch of a rollout store is scored by the estimator at temperature 1 (the stored teacher and behaviour
+    log-probs are at 1, the tokens were drawn at 1): a kd_temperature would never be used, so it is refused rather
+    than silently trained at 1."""
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=rf"kd_temperature=2.0 .* kd_onpolicy_loss='{loss}'") as e:
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", kd_onpolicy_loss=loss, kd_temperature=2.0))  # fmt: skip
+    assert "\n" not in str(e.value)
+
+
+def test_a_store_made_in_python_names_its_tokenizer_and_another_is_refused(tmp_path, models, tokenizer):
+    """precompute_rollouts is given the student's tokenizer (its EOS / pad ids): the manifest records its
+    fingerprint, so training with another tokenizer (whose ids mean other tokens) is refused, as for the command."""
+    from liger_patch_kd.teacher import tokenizer_fingerprint
+
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    assert read_manifest(tmp_path / "s")["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    other = _tokenizer(300, "lorem ipsum dolor sit amet. " * 20)
+    with pytest.raises(ValueError, match="precomputed with a tokenizer of fingerprint"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=other, train_dataset=data,
+                  args=_args(tmp_path / "t"))  # fmt: skip

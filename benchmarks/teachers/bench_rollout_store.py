@@ -74,7 +74,7 @@ def phase_timers(device: torch.device, totals: dict):
     from liger_patch_kd.trainer.offline_onpolicy import scoring, store
 
     wrapped = [(store, "generate_rollouts", "generate_s"), (store, "score_rollouts", "scoring_s"),
-               (scoring, "teacher_rows", "teacher_s"), (scoring, "teacher_topk_and_next", "student_s"),
+               (scoring, "teacher_rows", "teacher_s"), (scoring, "student_next_logprobs", "student_s"),
                (StoreWriter, "write_shard", "write_s")]  # fmt: skip
     saved = []
     for owner, name, key in wrapped:

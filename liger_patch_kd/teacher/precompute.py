@@ -118,9 +118,10 @@ LogprobChunks = Callable[[float, Sequence[tuple[int, int]] | None], Iterator[tup
 
 
 def model_chunks(teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 rows_per_chunk: int = 1024) -> LogprobChunks:  # fmt: skip
+                 rows_per_chunk: int = 1024, vocab_size: int | None = None) -> LogprobChunks:  # fmt: skip
     """The log-prob chunks of a teacher model run over (B, T) ids: its backbone once per pass, then its head (the
-    model's logit scale and soft-cap applied as the model does)."""
+    model's logit scale and soft-cap applied as the model does); `vocab_size`: only the head's first rows, the ids a
+    model whose head is padded past its tokenizer samples from, are normalised over."""
     from ..models import unwrap_model
     from ..models.backbone import run_backbone
     from ..models.heads import output_head
@@ -133,7 +134,8 @@ def model_chunks(teacher: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         head = output_head(model, "teacher")
         hidden, bias = scaled_head_inputs(model, hidden, head.bias)  # the model's logit scale (Granite, Cohere)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        yield from head_chunks(flat, head.weight, bias, softcap_of(model.config), temperature, rows_per_chunk, spans)
+        weight, bias = head.weight[:vocab_size], None if bias is None else bias[:vocab_size]
+        yield from head_chunks(flat, weight, bias, softcap_of(model.config), temperature, rows_per_chunk, spans)
 
     return chunks
 

@@ -66,7 +66,7 @@ class StoreRefresh:
         settings = replace(self.settings, vocab_size=vocab_size)
         rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
                                                     start_id=start, step=step)  # fmt: skip
-        scored = iter(score_rollouts(generator, teacher, rollouts, self.score))
+        scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size))
         out = []
         for batch, own, n in zip(batches, rows, counts):
             items = [self.item(next(scored)) for _ in range(n)] + own[n:]

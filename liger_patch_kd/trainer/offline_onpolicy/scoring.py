@@ -20,7 +20,6 @@ from ...teacher.precompute import (
     LogprobChunks,
     model_chunks,
     samples_of_chunks,
-    teacher_topk_and_next,
     topk_and_next_of,
 )
 from ...teacher.sampling import sequence_generator
@@ -200,14 +199,32 @@ def teacher_rows(teacher: nn.Module, sequences: list[list[int]], options: ScoreO
 
 
 @torch.no_grad()
+def student_next_logprobs(student: nn.Module, padded: tuple[torch.Tensor, torch.Tensor],
+                          vocab_size: int | None) -> torch.Tensor:  # fmt: skip
+    """(B, T) the student's log-prob of each next token of right-padded `padded` (ids, mask), at temperature 1 over
+    its head's first `vocab_size` rows (the ids it samples from; None: all), in eval mode (put back after)."""
+    mode = student.training
+    student.eval()
+    try:
+        device = next(student.parameters()).device
+        ids, mask = (t.to(device) for t in padded)
+        return topk_and_next_of(model_chunks(student, ids, mask, vocab_size=vocab_size), ids, 1)[2]
+    finally:
+        student.train(mode)
+
+
+@torch.no_grad()
 def score_rollouts(
-    student: nn.Module | None, teacher: nn.Module | TeacherRows, rollouts: list[Rollout], options: ScoreOptions
+    student: nn.Module | None, teacher: nn.Module | TeacherRows, rollouts: list[Rollout], options: ScoreOptions,
+    vocab_size: int | None = None,
 ) -> ScoredRollouts:
     """Each rollout scored by `teacher` (top-k / samples and its log-prob of every completion token), in process or
     served (a TeacherRows: served_teacher.ServedTeacher), and by `student` (the behaviour log-prob of every
     completion token: the log-prob under the weights that sampled it, when they are the ones passed); with no
     `student`, the behaviour log-probs are the rollouts' own, an engine's (Rollout.logprobs). A model runs in eval
-    mode and is put back in its mode. The rows come back together (ScoredRollouts; a row of it is a ScoredRow)."""
+    mode and is put back in its mode. The rows come back together (ScoredRollouts; a row of it is a ScoredRow).
+    `vocab_size`: the ids the student sampled from (RolloutSettings.vocab_size, a head padded past its tokenizer:
+    its extra rows are never drawn), so the behaviour log-probs are normalised over those alone."""
     sequences = [list(r.prompt) + list(r.completion) for r in rollouts]
     lengths = [len(s) for s in sequences]
     padded = right_padded(sequences, torch.device("cpu"))
@@ -223,13 +240,7 @@ def score_rollouts(
     kept = padded[1].bool()
     input_ids = padded[0][kept]
     if student is not None:
-        mode = student.training
-        student.eval()
-        try:
-            device = next(student.parameters()).device
-            _, _, student_next, _ = teacher_topk_and_next(student, *(t.to(device) for t in padded), 1)
-        finally:
-            student.train(mode)
+        student_next = student_next_logprobs(student, padded, vocab_size)
         behaviour = label_aligned(student_next)[kept.to(student_next.device)].cpu()
     else:
         for row, (r, n) in enumerate(zip(rollouts, lengths)):

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...batch.columns import ROLLOUT_LOGPROB_COLUMNS
 from ...batch.rollout_store import RolloutStoreCollator
+from ...models import unwrap_model
 from ...teacher.precompute import teacher_fingerprint
 from ...teacher.store import store_meta
 from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
@@ -48,6 +49,23 @@ def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
         )
 
 
+def check_sampled_vocabulary(meta: dict, vocab_size: int | None, student: Any) -> None:
+    """A rollout store's tokens were drawn from the ids both heads have (its vocab_size, when the generator's head
+    has more rows), and its behaviour log-probs are normalised over them: a student normalised over another number
+    of rows (its whole padded head, kd_vocab_size unset) would give every token a ratio to its behaviour that is no
+    staleness. Refused in one line, naming the kd_vocab_size to set."""
+    stored = meta.get("vocab_size")
+    head = getattr(student.get_output_embeddings(), "out_features", None) if student is not None else None
+    if not isinstance(stored, int) or not isinstance(head, int) or head <= stored:
+        return
+    if (vocab_size or head) != stored:
+        raise ValueError(
+            f"the rollout store was sampled from ids [0, {stored}) (its manifest's vocab_size: the scoring teacher's "
+            f"head) and the student's head has {head} rows, so the student must be normalised over those {stored} "
+            f"ids as its behaviour log-probs are (kd_vocab_size is {vocab_size}): set kd_vocab_size={stored}"
+        )
+
+
 def check_evaluation_is_rollouts(eval_dataset: Any) -> None:
     """A run on a rollout store scores every batch, evaluation's too, as stored rollouts (their teacher log-probs,
     the rollout collator): an evaluation dataset that is not one is refused when the Trainer is built, not at the
@@ -73,8 +91,8 @@ class OfflineRollouts:
         self.refresh = StoreRefresh(meta, args, collator) if args.kd_store_refresh_steps else None
 
     @classmethod
-    def setup(cls, args: Any, dataset: Any, teacher_model: Any, tokenizer: Any, eval_dataset: Any = None
-              ) -> OfflineRollouts | None:  # fmt: skip
+    def setup(cls, args: Any, dataset: Any, teacher_model: Any, tokenizer: Any, eval_dataset: Any = None,
+              student: Any = None, vocab_size: int | None = None) -> OfflineRollouts | None:  # fmt: skip
         meta = store_meta(dataset)
         section = rollouts_of(meta) if meta is not None else None
         if section is None:
@@ -95,11 +113,19 @@ class OfflineRollouts:
                 f"distribution, and the store was sampled with {section['sampling']}: make it with temperature 1, "
                 f"top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'"
             )
+        if args.kd_onpolicy_loss != "divergence" and args.kd_temperature != 1.0:
+            raise ValueError(
+                f"kd_temperature={args.kd_temperature} would never be used: kd_onpolicy_loss="
+                f"{args.kd_onpolicy_loss!r} scores every row of a rollout store at temperature 1 (its tokens were "
+                f"drawn, and its teacher and behaviour log-probs taken, at 1): set kd_temperature=1, or use "
+                f"kd_onpolicy_loss='divergence' to train the tempered divergence on the stored top-k"
+            )
         if teacher_model is not None:
             check_teacher_consistency(meta, teacher_model)
         elif args.kd_store_refresh_steps:
             raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} rescores regenerated rows with "
                              f"the teacher: pass teacher_model (the one that scored the store)")  # fmt: skip
+        check_sampled_vocabulary(meta, vocab_size, None if student is None else unwrap_model(student))
         check_evaluation_is_rollouts(eval_dataset)
         pad = getattr(tokenizer, "pad_token_id", None)
         return cls(meta, args, RolloutStoreCollator(pad_token_id=0 if pad is None else pad))

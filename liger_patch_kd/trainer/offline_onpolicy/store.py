@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 
 from ...batch.prompts import tokenize_prompt_row
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
-from ...teacher.store import StoreWriter, check_store_folder
+from ...teacher.store import StoreWriter, check_store_folder, tokenizer_fingerprint
 from ...utils.text_files import read_utf8
 from ..rollouts.generate import RolloutSettings, generate_rollouts
 from ..rollouts.onpolicy import special_ids
@@ -172,11 +172,14 @@ def precompute_rollouts(
         prompts_per_call: prompts per generation call (rows per call: this times num_generations).
         shard_size: about this many sequences a shard (a whole number of calls).
         logprob_dtype / encoding: as `precompute`'s (the store's top-k / samples).
-        tokenizer: the student's, for its pad / EOS ids (else its generation config's).
+        tokenizer: the student's, for its pad / EOS ids (else its generation config's); its fingerprint is the
+            manifest's tokenizer_fingerprint unless `tokenizer_fp` is given, so training with another is refused.
         inputs: more fingerprints that shape the store (the CLI adds the data file's hash).
         generation_config: an engine student's (its EOS ids; None: the tokenizer's).
     """
     score = score or ScoreOptions()
+    if tokenizer_fp is None and callable(getattr(tokenizer, "get_vocab", None)):
+        tokenizer_fp = tokenizer_fingerprint(tokenizer)
     vocab, student_vocab = head_rows(teacher), head_rows(student)
     if vocab is None:  # a served top-k teacher that does not list its vocabulary (vLLM): the generator's ids
         vocab = student_vocab if student_vocab is not None else len(tokenizer)
@@ -254,7 +257,8 @@ def _write_shards(student, teacher, prompts, writer: StoreWriter, settings: Roll
                 else:
                     rollouts = generate_rollouts(student, chunk, settings, pad_id=pad, eos_ids=eos_ids,
                                                  start_id=start, step=call)  # fmt: skip
-                calls.append(score_rollouts(None if engine else student, teacher, rollouts, score))
+                calls.append(score_rollouts(None if engine else student, teacher, rollouts, score,
+                                            vocab_size=settings.vocab_size))  # fmt: skip
                 bar.update(len(chunk))
             rows = ScoredRollouts.cat(calls)
             writer.write_shard(rows.input_ids.split(rows.lengths), rows.topk_ids, rows.topk_logprobs,

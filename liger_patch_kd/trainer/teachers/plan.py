@@ -198,7 +198,7 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
                 kd_config = with_vocab_size(kd_config, model, member.model, tokenizer)
     # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
     evaluation = kwargs.get("eval_dataset")
-    offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer, evaluation)
+    offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer, evaluation, model, kd_config.vocab_size)
     if offline is not None and kwargs.get("data_collator") is None:
         kwargs["data_collator"] = offline.collator
     check_training_rows(args, kd_config, rows, kwargs.get("data_collator"), teacher_model, evaluation)
