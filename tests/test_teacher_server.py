@@ -599,3 +599,20 @@ def test_evaluation_against_the_server_equals_evaluation_from_a_store(tmp_path, 
     served.train()
     evaluated = [h["eval_loss"] for h in served.state.log_history if "eval_loss" in h]
     assert len(evaluated) == 2 and all(math.isfinite(x) for x in evaluated)
+
+
+def test_a_calls_sequences_fill_requests_of_one_server_batch():
+    """A step's rows go out in requests of up to tokens_per_request padded tokens (the longest times their number),
+    in order, at least one sequence each (a longer one alone), so they fill the server's forwards instead of
+    arriving four at a time; sequences_per_request fixes the count instead."""
+    client = TD.TeacherClient("http://127.0.0.1:9", "liger", top_k=1, vocab_size=10, tokens_per_request=1000)
+    seqs = [[1] * n for n in (100, 100, 300, 50, 2000, 10, 10)]
+    chunks = client.requests_of(seqs)
+    assert [len(c) for c in chunks] == [3, 1, 1, 2]  # 3 x 300 <= 1000 < 4 x 300; 2000 alone; 2 x 10
+    assert [s for c in chunks for s in c] == seqs
+    assert all(max(map(len, c)) * len(c) <= 1000 for c in chunks if len(c) > 1)
+    fixed = TD.TeacherClient("http://127.0.0.1:9", "liger", top_k=1, vocab_size=10, sequences_per_request=2)
+    assert [len(c) for c in fixed.requests_of(seqs)] == [2, 2, 2, 1]
+    for bad in (dict(sequences_per_request=0), dict(tokens_per_request=0)):
+        with pytest.raises(ValueError, match="sequences_per_request >= 1"):
+            TD.TeacherClient("http://127.0.0.1:9", "liger", top_k=1, vocab_size=10, **bad)

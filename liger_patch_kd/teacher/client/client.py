@@ -52,7 +52,7 @@ AUTO_PROTOCOL = "auto"  # the protocol the server offers that is best: asked of 
 _OWNERS = {"liger-kd": "liger", "sglang": "sglang"}
 _HINTS = {
     401: " (set kd_teacher_api_key, or LIGER_KD_API_KEY, to the server's --api-key)",
-    413: " (lower sequences_per_request, or raise the server's --max-request-tokens)",
+    413: " (lower tokens_per_request or sequences_per_request, or raise the server's --max-request-tokens)",
 }
 
 
@@ -80,8 +80,11 @@ class TeacherClient:
     protocol: "vllm" (vLLM's /v1/completions with prompt_logprobs; also `trl vllm-serve`, which runs vLLM's server;
     start vLLM with --max-logprobs >= top_k), "sglang" (/generate with input_top_logprobs), "liger"
     (`liger-kd serve`, binary replies), or "auto": the server is asked before the first request (resolve_protocol:
-    "liger" for `liger-kd serve`, "sglang" for SGLang, "vllm" for any other). `sequences_per_request` sequences go
-    in one request and up to `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the
+    "liger" for `liger-kd serve`, "sglang" for SGLang, "vllm" for any other). A call's sequences go out in requests of
+    up to `tokens_per_request` padded tokens (the longest sequence times their number; at least one sequence
+    each), the size of one of `liger-kd serve`'s forwards (its --max-batch-tokens default), so a step's rows fill
+    the server's batches instead of trickling in a few at a time; `sequences_per_request` fixes the count instead.
+    Up to `max_in_flight` requests run at once. `vocab_size` (the student's) bounds the ids the
     server may return. `api_key` (default: the LIGER_KD_API_KEY environment variable) is sent as `Authorization:
     Bearer <api_key>`.
 
@@ -92,7 +95,8 @@ class TeacherClient:
 
     def __init__(
         self, url: str, protocol: str = AUTO_PROTOCOL, *, top_k: int, vocab_size: int, timeout: float = 120.0,
-        retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int = 4,
+        retries: int = 5, model: str | None = None, max_in_flight: int = 8, sequences_per_request: int | None = None,
+        tokens_per_request: int = 16384,
         backoff: float = 0.5, api_key: str | None = None, samples: int | None = None, sample_seed: int = 0,
         sample_temperature: float = 1.0,
     ) -> None:  # fmt: skip
@@ -104,15 +108,23 @@ class TeacherClient:
         if top_k < (0 if samples is not None else 1) or vocab_size < 1:
             raise ValueError(f"top_k and vocab_size must be >= 1 (top_k >= 0 with samples); got top_k={top_k}, "
                              f"vocab_size={vocab_size}")  # fmt: skip
-        if timeout <= 0 or retries < 0 or max_in_flight < 1 or sequences_per_request < 1:
+        fixed_count = sequences_per_request is not None
+        if (
+            timeout <= 0
+            or retries < 0
+            or max_in_flight < 1
+            or (fixed_count and sequences_per_request < 1)
+            or (tokens_per_request < 1)
+        ):
             raise ValueError(
-                f"need timeout > 0, retries >= 0, max_in_flight >= 1, sequences_per_request >= 1; got {timeout}, "
-                f"{retries}, {max_in_flight}, {sequences_per_request}"
+                f"need timeout > 0, retries >= 0, max_in_flight >= 1, sequences_per_request >= 1 (or None), "
+                f"tokens_per_request >= 1; got {timeout}, {retries}, {max_in_flight}, {sequences_per_request}, "
+                f"{tokens_per_request}"
             )
         self.url = url.rstrip("/")
         self.protocol, self.top_k, self.vocab_size = protocol, top_k, vocab_size
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        self.sequences_per_request = sequences_per_request
+        self.sequences_per_request, self.tokens_per_request = sequences_per_request, tokens_per_request
         self._model = model
         self.ask = None if samples is None else checked_ask(samples, top_k, sample_seed, sample_temperature)
         self._http = HttpEndpoint(
@@ -181,8 +193,23 @@ class TeacherClient:
         for n, s in enumerate(seqs):
             if len(s) < 1:
                 raise ValueError(f"sequence {n} is empty: nothing to score")
-        chunks = [seqs[i : i + self.sequences_per_request] for i in range(0, len(seqs), self.sequences_per_request)]
-        return PendingTopK([self._pool.submit(self._request, chunk) for chunk in chunks])
+        return PendingTopK([self._pool.submit(self._request, chunk) for chunk in self.requests_of(seqs)])
+
+    def requests_of(self, seqs: list[list[int]]) -> list[list[list[int]]]:
+        """`seqs` in order, cut into the requests that carry them (see the class docstring)."""
+        if self.sequences_per_request is not None:
+            step = self.sequences_per_request
+            return [seqs[i : i + step] for i in range(0, len(seqs), step)]
+        chunks: list[list[list[int]]] = []
+        longest = 0
+        for s in seqs:
+            if chunks and max(longest, len(s)) * (len(chunks[-1]) + 1) <= self.tokens_per_request:
+                chunks[-1].append(s)
+                longest = max(longest, len(s))
+            else:
+                chunks.append([s])
+                longest = len(s)
+        return chunks
 
     def fetch(self, sequences: Sequence[Sequence[int]]) -> list[P.TopK]:
         """Row-aligned (ids (T, K) int32, log-probs (T, K) float32) per sequence; waits for the replies."""
