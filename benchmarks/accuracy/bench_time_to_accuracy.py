@@ -65,6 +65,7 @@ from ..common.accuracy import (
     gkd_columns,
     mean_std,
     recipe_summary,
+    seed_pairs,
     sync,
     time_to,
     within_fraction_of_seconds,
@@ -604,15 +605,11 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
 
 def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
     """Training seconds to one accuracy, ours against TRL's, seed by seed (both trainers of a seed start from that
-    seed's student; runs pair by "seed"): the level is the target, or the lower final accuracy of the two runs where
+    seed's student; seed_pairs): the level is the target, or the lower final accuracy of the two runs where
     either ends below it, so both runs reach it. A seed whose starting student already has that level says nothing
     (neither trainer moved it there) and is left out; the ratio is TRL's mean seconds over ours."""
-    by_seed = {r["seed"]: r for r in theirs}
     levels, mine, other = [], [], []
-    for run in ours:
-        their = by_seed.get(run["seed"])
-        if their is None:
-            continue
+    for run, their in seed_pairs(ours, theirs):
         level = min(target, run["curve"][-1]["accuracy"], their["curve"][-1]["accuracy"])
         if run["curve"][0]["accuracy"] >= level:
             continue

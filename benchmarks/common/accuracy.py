@@ -131,12 +131,19 @@ def recipe_summary(runs: list[dict], target: float, reference: list[dict] | None
         extra_mib=mean_std([r["extra_mib"] for r in runs if r.get("extra_mib") is not None]),
     )
     if reference is not None:
-        by_seed = {r["seed"]: r for r in reference}
-        sft = [accuracy_at(by_seed[r["seed"]]["curve"], f["seconds"]) if r["seed"] in by_seed else None
-               for r, f in zip(runs, finals)]  # fmt: skip
+        sft = [accuracy_at(ref["curve"], run["curve"][-1]["seconds"]) for run, ref in seed_pairs(runs, reference)]
         out["sft_accuracy_at_same_seconds"] = mean_std([a for a in sft if a is not None])
         out["sft_compared_seeds"] = sum(a is not None for a in sft)
     return out
+
+
+def seed_pairs(runs: list[dict], reference: list[dict]) -> list[tuple[dict, dict]]:
+    """(run, the reference's run of its seed) for each run whose seed the reference has, in the runs' order: each
+    seed's recipes start from that seed's student, so runs compare seed with seed (runs without a "seed" pair by
+    position)."""
+    seed = lambda i, r: r.get("seed", i)  # noqa: E731
+    theirs = {seed(i, r): r for i, r in enumerate(reference)}
+    return [(r, theirs[seed(i, r)]) for i, r in enumerate(runs) if seed(i, r) in theirs]
 
 
 def within_fraction_of_seconds(candidate: list[dict], reference: list[dict], fraction: float = 0.5) -> dict:
@@ -144,7 +151,7 @@ def within_fraction_of_seconds(candidate: list[dict], reference: list[dict], fra
     `reference` takes to reach it? (Offline on-policy against live on-policy: the candidate's curves include its
     one-time cost.)
 
-    Seed by seed (runs pair by their "seed", else by position), since each seed's recipes start from that seed's
+    Seed by seed (seed_pairs), since each seed's recipes start from that seed's
     student and students of different seeds can start far apart: a seed's accuracy level is its reference run's
     final accuracy less the seed spread, the standard deviation over the reference's seeds of what training added
     (final less starting accuracy; none for one seed). Each side's time to that level is time_to's; a reference run
@@ -155,13 +162,10 @@ def within_fraction_of_seconds(candidate: list[dict], reference: list[dict], fra
     without a seed left."""
     if not candidate or not reference:
         return dict(accuracy=None, answer=None, text="no runs to compare")
-    theirs_by_seed = {r.get("seed", i): r for i, r in enumerate(reference)}
-    pairs = [(r, theirs_by_seed[r.get("seed", i)]) for i, r in enumerate(candidate)
-             if r.get("seed", i) in theirs_by_seed]  # fmt: skip
     gains = [r["curve"][-1]["accuracy"] - r["curve"][0]["accuracy"] for r in reference]
     spread = mean_std(gains)[1] or 0.0
     levels, own, theirs, bound = [], [], [], False
-    for mine, ref in pairs:
+    for mine, ref in seed_pairs(candidate, reference):
         level = ref["curve"][-1]["accuracy"] - spread
         if ref["curve"][0]["accuracy"] >= level:  # the starting student already has it: nothing to compare
             continue

@@ -108,13 +108,12 @@ class TeacherClient:
         if top_k < (0 if samples is not None else 1) or vocab_size < 1:
             raise ValueError(f"top_k and vocab_size must be >= 1 (top_k >= 0 with samples); got top_k={top_k}, "
                              f"vocab_size={vocab_size}")  # fmt: skip
-        fixed_count = sequences_per_request is not None
         if (
             timeout <= 0
             or retries < 0
             or max_in_flight < 1
-            or (fixed_count and sequences_per_request < 1)
-            or (tokens_per_request < 1)
+            or tokens_per_request < 1
+            or (sequences_per_request is not None and sequences_per_request < 1)
         ):
             raise ValueError(
                 f"need timeout > 0, retries >= 0, max_in_flight >= 1, sequences_per_request >= 1 (or None), "
