@@ -6,6 +6,7 @@ is refreshed during training, so the two cannot drift apart."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -183,19 +184,26 @@ def tempered_topk_of(chunks: LogprobChunks, k: int, temperature: float, shape: t
     return torch.cat(ids).reshape(*shape, k), torch.cat(values).reshape(*shape, k)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[torch.device]:
+    """`model` in eval mode (dropout off: its log-probs are the policy's own) for the block, then put back in the
+    mode it was in; yields the device of its weights."""
+    mode = model.training
+    model.eval()
+    try:
+        yield next(model.parameters()).device
+    finally:
+        model.train(mode)
+
+
 @torch.no_grad()
 def teacher_rows(teacher: nn.Module, sequences: list[list[int]], options: ScoreOptions,
                  padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> TeacherScores:  # fmt: skip
     """An in-process teacher's TeacherScores of `sequences` (`padded`: their right_padded ids and mask, on any
     device), in eval mode (put back in its mode after)."""
-    mode = teacher.training
-    teacher.eval()
-    try:
-        device = next(teacher.parameters()).device
+    with _eval_mode(teacher) as device:
         ids, mask = right_padded(sequences, device) if padded is None else (t.to(device) for t in padded)
         return rows_of_chunks(model_chunks(teacher, ids, mask), ids, mask, options, sequences)
-    finally:
-        teacher.train(mode)
 
 
 @torch.no_grad()
@@ -203,14 +211,9 @@ def student_next_logprobs(student: nn.Module, padded: tuple[torch.Tensor, torch.
                           vocab_size: int | None) -> torch.Tensor:  # fmt: skip
     """(B, T) the student's log-prob of each next token of right-padded `padded` (ids, mask), at temperature 1 over
     its head's first `vocab_size` rows (the ids it samples from; None: all), in eval mode (put back after)."""
-    mode = student.training
-    student.eval()
-    try:
-        device = next(student.parameters()).device
+    with _eval_mode(student) as device:
         ids, mask = (t.to(device) for t in padded)
         return topk_and_next_of(model_chunks(student, ids, mask, vocab_size=vocab_size), ids, 1)[2]
-    finally:
-        student.train(mode)
 
 
 @torch.no_grad()
