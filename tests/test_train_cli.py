@@ -3,6 +3,7 @@ evaluates on the test split, saves a student that reloads with the same logits; 
 overrides, TRL's option names, LoRA flags; every mistake one line before any model loads."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,8 @@ def _other_teacher(root: Path) -> str:
         ({"--lora_task_type": "BOGUS"}, ["--lora_task_type BOGUS", "CAUSAL_LM"]),
         ({"--resume_from_checkpoint": "missing/ckpt"}, ["--resume_from_checkpoint missing/ckpt", "no such folder"]),
         ({"--resume_from_checkpoint": "."}, ["--resume_from_checkpoint .", "not a checkpoint", "trainer_state.json"]),
+        ({"--resume_from_checkpoint": "latest"}, ["--resume_from_checkpoint latest", "holds no checkpoint"]),
+        ({"--resume_from_checkpoint": "True"}, ["--resume_from_checkpoint True", "holds no checkpoint"]),
         ({"--kd_store_refresh_steps": "2"}, ["--kd_store_refresh_steps 2", "rollout store"]),
         ({"--save_total_limit": "1", "--save_strategy": "steps", "--output_dir": "CKPT"},
          ["output_dir", "checkpoint-3", "save_total_limit=1", "another output_dir"]),
@@ -487,3 +490,22 @@ def test_a_later_run_into_one_output_dir_leaves_none_of_the_earlier_runs_files(i
         torch.testing.assert_close(logits(reloaded, ids), logits(trainer.model, ids), rtol=1e-6, atol=1e-6)
         for p in out.iterdir():
             p.unlink() if p.is_file() else None
+
+
+def test_resume_from_checkpoint_latest_continues_from_the_newest_checkpoint(in_standins, tmp_path, capsys):
+    """`--resume_from_checkpoint latest` (or `true`, as the Trainer's True means) continues from the newest
+    checkpoint in --output_dir: the resumed run ends where an uninterrupted one of the same steps ends."""
+    out = tmp_path / "out"
+    options = [*PAIR, "--use_kd_patch", "--learning_rate", "1e-2", "--seed", "3",
+               *[w for w in FAST if w not in ("--save_strategy", "no")], "--save_strategy", "steps",
+               "--save_steps", "1", "--dataset_test_split", "none"]  # fmt: skip
+    whole = train_run.train([*options, "--output_dir", str(tmp_path / "whole"), "--max_steps", "3"])
+    for step in (1, 2):  # a run of the same options stopped after its second step
+        shutil.copytree(tmp_path / "whole" / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    resumed = train_run.train([*options, "--output_dir", str(out), "--max_steps", "3",
+                               "--resume_from_checkpoint", "latest"])  # fmt: skip
+    assert resumed.state.global_step == 3
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(resumed)[-1] == pytest.approx(losses(whole)[-1], rel=1e-4)  # step 3 of the same run
+    for name, p in whole.model.named_parameters():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-4, atol=1e-6)

@@ -1,7 +1,7 @@
 """Where `liger-kd train` writes: --output_dir checked before any model loads (it must not be a model's own folder
 nor hold model files another run or a download left there, unless --overwrite_output_dir), the record of the files
 a run saved there (so the next run into the same folder may replace them), and --resume_from_checkpoint checked to
-be a checkpoint."""
+be a checkpoint (`latest`, or `true` as the Trainer's own True means: the newest one in --output_dir)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "
                "tokenizer.model", "chat_template.jinja", "training_args.bin")  # fmt: skip
 MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "adapter_model*.bin")
 CHECKPOINT_STATE = "trainer_state.json"  # every checkpoint the Trainer saves holds it
+LATEST = ("latest", "true")  # --resume_from_checkpoint words for the newest checkpoint in --output_dir
 
 
 def model_files(folder: Path) -> list[str]:
@@ -78,17 +79,29 @@ def record_saved(output_dir: str) -> None:
     (out / RECORD).write_text(json.dumps({"written_by": "liger-kd train", "files": model_files(out)}, indent=1))
 
 
-def check_resume(value: Any) -> None:
-    """--resume_from_checkpoint names a checkpoint folder (the Trainer's own message comes only after the models
-    load)."""
+def checked_resume(value: Any, output_dir: str) -> Any:
+    """--resume_from_checkpoint as the Trainer takes it: a checkpoint folder, checked here (the Trainer's own message
+    comes only after the models load); `latest` or `true` (any case) the newest checkpoint in --output_dir, which
+    must hold one; None or a bool unchanged."""
     if value is None or isinstance(value, bool):
-        return
+        return value
+    if str(value).strip().lower() in LATEST:
+        saved = sorted((p for p in Path(output_dir).glob("checkpoint-*") if (p / CHECKPOINT_STATE).is_file()
+                        and p.name.removeprefix("checkpoint-").isdigit()),
+                       key=lambda p: int(p.name.removeprefix("checkpoint-")))  # fmt: skip
+        if not saved:
+            raise ValueError(f"--resume_from_checkpoint {value}: --output_dir {output_dir} holds no checkpoint "
+                             "(checkpoint-STEP with trainer_state.json) to resume from; leave the option out to start "
+                             "afresh, or name the checkpoint folder")  # fmt: skip
+        return str(saved[-1])
     path = Path(str(value)).expanduser()
     if not path.is_dir():
         raise ValueError(f"--resume_from_checkpoint {value}: no such folder; name a checkpoint folder a run saved "
-                         "(OUTPUT_DIR/checkpoint-STEP), or leave the option out to start afresh")  # fmt: skip
+                         "(OUTPUT_DIR/checkpoint-STEP) or `latest` (the newest in --output_dir), or leave the option "
+                         "out to start afresh")  # fmt: skip
     if not (path / CHECKPOINT_STATE).is_file():
         inside = sorted(p.name for p in path.glob("checkpoint-*") if (p / CHECKPOINT_STATE).is_file())
-        hint = f" (it holds {', '.join(inside)}: name one of them)" if inside else ""
+        hint = f" (it holds {', '.join(inside)}: name one of them, or `latest`)" if inside else ""
         raise ValueError(f"--resume_from_checkpoint {value}: not a checkpoint, it has no {CHECKPOINT_STATE}{hint}; "
                          "name a checkpoint folder a run saved (OUTPUT_DIR/checkpoint-STEP)")  # fmt: skip
+    return value

@@ -17,7 +17,7 @@ from ..trainer.dataset_setup import (
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
-from .output import check_output_dir, check_resume, drop_stale, earlier_saves, record_saved
+from .output import check_output_dir, checked_resume, drop_stale, earlier_saves, record_saved
 from .parser import parse
 
 
@@ -78,7 +78,7 @@ def train(argv: list[str] | None = None):
     script, model, training = parse(argv)
     check_model_options(model)
     check_dataset_name(script)
-    check_resume(training.resume_from_checkpoint)
+    training.resume_from_checkpoint = checked_resume(training.resume_from_checkpoint, training.output_dir)
     check_reporting(training.report_to)
     check_trains(training)
     check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
