@@ -326,3 +326,37 @@ def test_label_noise_reaches_the_students_rows_and_not_the_teachers():
     assert teacher_wrong == 0
     assert student_wrong == rows_wrong and abs(student_wrong - 1000) < 4 * (2000 * 0.25) ** 0.5
     assert [r["completion_ids"] for r in data["token_rows"]] == data["labels"]
+
+
+def test_labelled_gives_the_students_few_solutions_and_every_prompt():
+    """--labelled N: the rows that need a solution hold the first N problems' (right ones), the prompt-only rows
+    every training prompt with no solution in them; the teacher's data stays whole. Without it both are the same."""
+    from benchmarks.accuracy.bench_time_to_accuracy import SMOKE, parser, task_data
+
+    a = parser().parse_args(["--smoke", "--labelled", "100"])
+    for key, value in SMOKE.items():
+        setattr(a, key, value)
+    data = task_data(a)
+    right = data["task"].problems(a.train_problems, seed=0)
+    assert len(data["completions"]) == len(data["prompts"]) == a.train_problems  # the teacher's: every solution
+    assert len(data["rows"]) == len(data["token_rows"]) == len(data["labels"]) == len(data["labelled_prompts"]) == 100
+    assert [r["completion"] for r in data["rows"]] == [p.completion for p in right[:100]]
+    assert data["labels"] == data["completions"][:100] and data["labelled_prompts"] == data["prompts"][:100]
+    assert [r["prompt"] for r in data["prompt_rows"]] == [p.prompt for p in right]
+    assert all(set(r) == {"prompt"} for r in data["prompt_rows"])
+    assert all(r["completion_ids"] == [] for r in data["prompt_token_rows"])
+    a.labelled = 0
+    whole = task_data(a)
+    assert whole["prompt_rows"] is whole["rows"] and len(whole["rows"]) == a.train_problems
+    a.labelled = a.train_problems + 1
+    with pytest.raises(SystemExit, match=r"--labelled 2001: give 0 \(every problem labelled\) up to"):
+        task_data(a)
+
+
+def test_labelled_runs_prompt_only_recipes_on_every_prompt(tmp_path):
+    from benchmarks.accuracy.bench_time_to_accuracy import OURS_GKD, SFT, main
+
+    out = tmp_path / "tta.json"
+    payload = main(["--smoke", "--out", str(out), "--labelled", "50", "--recipes", SFT, OURS_GKD])
+    assert payload["failed"] == {} and payload["config"]["labelled"] == 50
+    assert all(len(payload["runs"][name]) == 1 for name in (SFT, OURS_GKD))

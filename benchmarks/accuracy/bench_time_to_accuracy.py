@@ -18,9 +18,13 @@ the GPU's queue drained at every step; scoring at checkpoints (greedy decode of 
 `--steps // --checkpoints` steps) is timed apart. A warm-up run of each recipe first compiles the kernels.
 `--label-noise F` gives the students' rows (their format fine-tune, the SFT row and every recipe's rows) a noisy
 ground truth: a share F of their answers wrong (arithmetic.with_wrong_answers), the teacher trained on the right
-ones. The target is 90 % of the teacher's accuracy. Our recipes are KDTrainingArguments (RECIPES); TRL's GKDTrainer and
-DistillationTrainer (trl >= 1.16) run the on-policy objective of our GKD row (lmbda 1, beta 0.5, temperature 1),
-capped at `--trl-cap-seconds`.
+ones. `--labelled N` gives the students worked solutions for the first N training problems only, and the prompts of
+all of them (a user's usual position: many prompts, few solutions): the rows that need a solution (the format
+fine-tune, SFT, off-policy KD, the GKD mix) train on those N; the rows that need only prompts (PROMPTS_ONLY:
+sequence KD, on-policy GKD and pg, the offline store, the served row, TRL's two trainers) on every prompt. The
+teacher learns from every solution. The target is 90 % of the teacher's accuracy. Our recipes are
+KDTrainingArguments (RECIPES); TRL's GKDTrainer and DistillationTrainer (trl >= 1.16) run the on-policy
+objective of our GKD row (lmbda 1, beta 0.5, temperature 1), capped at `--trl-cap-seconds`.
 
 The offline on-policy rows (FROM_STORE) train on a rollout store made, for each seed, from that seed's format-tuned
 student through precompute_rollouts (what `liger-kd precompute --rollouts-from` runs), into a temporary folder
@@ -93,6 +97,9 @@ SERVED_GKD = "on-policy GKD, served teacher (hidden states)"
 RECIPES[SERVED_GKD] = dict(kd_lmbda=1.0, kd_beta=0.5, kd_teacher_protocol="hidden")
 TRL_GKD, TRL_DISTILL = "TRL GKDTrainer (lmbda 1, beta 0.5)", "TRL DistillationTrainer (beta 0.5)"
 TRL_RECIPES = (TRL_GKD, TRL_DISTILL)
+# the recipes that need no solution, only prompts: the student or the teacher writes the completions they train on
+PROMPTS_ONLY = ("SFT on teacher samples (seq KD)", OURS_GKD, "on-policy reverse KL (pg)", SERVED_GKD, *FROM_STORE,
+                *TRL_RECIPES)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,7 +122,13 @@ def parser() -> argparse.ArgumentParser:
                    "format fine-tune, SFT and every recipe's rows) whose answer is wrong "
                    "(arithmetic.with_wrong_answers); the teacher is trained on the right ones, as a stronger model "
                    "trained elsewhere knows better than a user's noisy labels")  # fmt: skip
-    p.add_argument("--held-out", type=int, default=512)
+    p.add_argument("--labelled", type=int, default=0, help="only the first N training problems carry a worked "
+                   "solution the students see (0: all): the rows that need one (format fine-tune, SFT, off-policy "
+                   "KD, the GKD mix) train on those, the rows that need only prompts (PROMPTS_ONLY) on every "
+                   "prompt; the teacher learns from every solution")  # fmt: skip
+    p.add_argument("--held-out", type=int, default=512, help="different held-out problems scored")
+    p.add_argument("--held-out-every", type=int, default=50, help="one prompt in this many is held out "
+                   "(ArithmeticTask.held_out_every; the demo's one-digit task takes 10)")  # fmt: skip
     p.add_argument("--teacher-shape", type=int, nargs=2, default=[320, 8], metavar=("HIDDEN", "LAYERS"))
     p.add_argument("--student-shape", type=int, nargs=2, default=[192, 4], metavar=("HIDDEN", "LAYERS"))
     p.add_argument("--teacher-steps", type=int, default=3000)
@@ -198,12 +211,13 @@ def format_tuned_student(a, task_data: dict, seed: int, device):
 
     lr = a.format_lr or a.lr
     noise = f"_noise{a.label_noise:g}" if a.label_noise else ""
+    noise += f"_labelled{a.labelled}" if a.labelled else ""
     name = f"student_seed{seed}_{a.student_shape[0]}x{a.student_shape[1]}_format{a.format_steps}_lr{lr:g}{noise}"
     folder = Path(a.teacher_dir) / name if a.teacher_dir else None
     if folder is not None and (folder / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
     student = ModelShape(*a.student_shape).build(len(task_data["tokenizer"]), seed=seed, device=device)
-    fit_on_ground_truth(student, task_data["prompts"], task_data["labels"], steps=a.format_steps,
+    fit_on_ground_truth(student, task_data["labelled_prompts"], task_data["labels"], steps=a.format_steps,
                         batch=a.batch, lr=lr, seed=seed, device=device)  # fmt: skip
     if folder is not None:  # fp32, as trained: the loaded student is this same one
         student.save_pretrained(folder)
@@ -338,8 +352,9 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
             kd["kd_teacher_url"] = teacher_url
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
                                    kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
+        rows = data["prompt_rows"] if name in PROMPTS_ONLY else data["rows"]
         trainer = KDTrainer(model=student, teacher_model=None if name == SERVED_GKD else teacher, args=args,
-                            train_dataset=data["rows"], processing_class=tok, callbacks=[clock])  # fmt: skip
+                            train_dataset=rows, processing_class=tok, callbacks=[clock])  # fmt: skip
     peak = extra = None
     before = fresh_memory(device)  # both teachers and this student's weights
     began = time.perf_counter()
@@ -371,21 +386,23 @@ def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
         args = GKDConfig(**options, lmbda=1.0, beta=0.5, temperature=1.0, max_new_tokens=data["max_new_tokens"])
-        rows = Dataset.from_list(data["token_rows"])
+        rows = Dataset.from_list(data["prompt_token_rows"])  # lmbda 1: every completion is generated
         return GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
                           processing_class=data["tokenizer"], data_collator=gkd_columns(data["tokenizer"].pad_token_id),
                           callbacks=[clock])  # fmt: skip
     from trl import DistillationConfig, DistillationTrainer
 
     args = DistillationConfig(**options, beta=0.5, temperature=1.0, max_completion_length=data["max_new_tokens"])
-    rows = Dataset.from_dict({"prompt": [r["prompt"] for r in data["rows"]]})
+    rows = Dataset.from_dict({"prompt": [r["prompt"] for r in data["prompt_rows"]]})
     return DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
                                processing_class=data["tokenizer"], callbacks=[clock])  # fmt: skip
 
 
 def task_data(a) -> dict:
-    """The task's rows: `completions` the right ones (the teacher's training data), `labels` / `rows` / `token_rows`
-    what the students are given (the same, or with --label-noise of them ending in a wrong answer)."""
+    """The task's rows: `prompts` / `completions` every training problem's, right (the teacher's training data);
+    `labelled_prompts` / `labels` / `rows` / `token_rows` what the students are given with a solution (the first
+    --labelled problems, or all; with --label-noise a share of them ending in a wrong answer); `prompt_rows` /
+    `prompt_token_rows` every prompt, for PROMPTS_ONLY (with --labelled: no solution in them)."""
     from liger_patch_kd.demo.arithmetic import (
         ArithmeticTask,
         build_tokenizer,
@@ -393,17 +410,29 @@ def task_data(a) -> dict:
         tokenized,
         with_wrong_answers,
     )
+    from liger_patch_kd.demo.arithmetic_students import distinct_held_out
 
-    task = ArithmeticTask(operands=a.operands, digits=a.digits)
+    if not 0 <= a.labelled <= a.train_problems:
+        raise SystemExit(f"--labelled {a.labelled}: give 0 (every problem labelled) up to --train-problems "
+                         f"{a.train_problems}")  # fmt: skip
+    task = ArithmeticTask(operands=a.operands, digits=a.digits, held_out_every=a.held_out_every)
     train = task.problems(a.train_problems, seed=0)
-    held_out = task.problems(a.held_out, seed=1, held_out=True)
+    held_out = distinct_held_out(task, a.held_out, seed=1)  # a problem drawn twice would count twice
     tok = build_tokenizer(train[:20_000])
     prompts, completions = tokenized(tok, train)
-    given = with_wrong_answers(train, a.label_noise, seed=2) if a.label_noise else train
-    labels = tokenized(tok, given)[1] if a.label_noise else completions
+    labelled = train[: a.labelled or len(train)]
+    given = with_wrong_answers(labelled, a.label_noise, seed=2) if a.label_noise else labelled
+    labels = tokenized(tok, given)[1] if a.label_noise else completions[: len(labelled)]
     token_rows = [dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, labels)]
-    return dict(task=task, tokenizer=tok, rows=prompt_rows(given), token_rows=token_rows, prompts=prompts,
-                completions=completions, labels=labels, held_out=held_out,
+    rows = prompt_rows(given)
+    if a.labelled:  # the unlabelled prompts: no completion in them at all
+        only_prompts = [{"prompt": p.prompt} for p in train]
+        only_prompt_tokens = [dict(prompt_ids=p, completion_ids=[]) for p in prompts]
+    else:
+        only_prompts, only_prompt_tokens = rows, token_rows
+    return dict(task=task, tokenizer=tok, rows=rows, token_rows=token_rows, prompts=prompts,
+                completions=completions, labelled_prompts=prompts[: len(labelled)], labels=labels,
+                prompt_rows=only_prompts, prompt_token_rows=only_prompt_tokens, held_out=held_out,
                 max_new_tokens=max(map(len, completions + labels)) + 1)  # fmt: skip
 
 
@@ -509,9 +538,9 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
 
 
 # the options that define what a run measures: an earlier call's runs are kept only when these are the same
-SAME_EXPERIMENT = ("operands", "digits", "train_problems", "label_noise", "held_out", "teacher_shape",
-                   "student_shape", "teacher_steps", "teacher_batch", "teacher_lr", "format_steps", "format_lr",
-                   "steps", "batch", "lr", "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps",
+SAME_EXPERIMENT = ("operands", "digits", "train_problems", "label_noise", "labelled", "held_out", "held_out_every",
+                   "teacher_shape", "student_shape", "teacher_steps", "teacher_batch", "teacher_lr", "format_steps",
+                   "format_lr", "steps", "batch", "lr", "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps",
                    "store_generations", "store_top_k")  # fmt: skip
 
 

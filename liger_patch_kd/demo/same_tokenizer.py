@@ -8,9 +8,10 @@
 4. a table: held-out CE, KL(teacher || student) per token on held-out text and on sampled text (every student's
    samples pooled: one set of contexts for all, demo/samples.py), the teacher's NLL of each student's own
    samples, tokens/s, peak memory;
-5. a task with a right answer (demo.arithmetic_students): small arithmetic problems, a teacher trained on them,
-   students trained from one start by SFT on the ground truth, off-policy KD and on-policy KD, and each one's
-   exact-match accuracy on held-out problems beside the teacher's;
+5. a task with a right answer (demo.arithmetic_students): small arithmetic problems, a teacher that knows them, and
+   a student given worked solutions for a few of them and the prompts of all, trained from one start by SFT on
+   the labelled problems (for as many steps, and for as many seconds as on-policy KD), off-policy KD on them and
+   on-policy KD on every prompt; each one's exact-match accuracy on held-out problems beside the teacher's;
 6. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
 
@@ -293,22 +294,26 @@ def _print_table(results: list[dict], seeds, dev, teacher_own: float, seconds: f
 
 def _arithmetic_rows(sizes: ArithmeticDemoSizes, seeds, out: Path, dev, began: float) -> list[dict]:
     """Step 5: arithmetic_students' run for the demo's student seeds, printed as a second table."""
-    print("\n[5/6] a task with a right answer: exact match on held-out arithmetic problems (greedy decoding)",
-          flush=True)  # fmt: skip
+    print("\n[5/6] a task with a right answer, few solutions, many prompts: exact match on held-out arithmetic "
+          "problems (greedy decoding)", flush=True)  # fmt: skip
     run = run_arithmetic_students(sizes, seeds, out, dev)
     rows = [dict(recipe=r["recipe"], exact_match=_mean_spread(r["exact_match_by_seed"])[0],
                  exact_match_by_seed=r["exact_match_by_seed"], seconds_by_seed=r["seconds_by_seed"],
-                 teacher_exact_match=run["teacher_accuracy"], start_exact_match_by_seed=run["start_accuracy_by_seed"],
-                 held_out=run["held_out"], arithmetic=True) for r in run["rows"]]  # fmt: skip
+                 steps_by_seed=r["steps_by_seed"], teacher_exact_match=run["teacher_accuracy"],
+                 start_exact_match_by_seed=run["start_accuracy_by_seed"], held_out=run["held_out"],
+                 labelled=run["labelled"], arithmetic=True) for r in run["rows"]]  # fmt: skip
     w = 16 if len(seeds) > 1 else 12
     print(f"\n  exact match: the fraction of {run['held_out']} held-out problems whose greedy answer is right; teacher "
           f"{run['teacher_accuracy']:.3f}, the students' shared start (after {sizes.format_steps} format steps) "
-          f"{_figure(run['start_accuracy_by_seed'], 3, 0)}.\n  train s: the recipe's training seconds (the KD rows run "
-          f"the teacher too, the on-policy row generates); {time.perf_counter() - began:.0f} s so far")  # fmt: skip
-    print(f"{'recipe (' + str(sizes.steps) + ' steps each)':34}{'exact match':>{w}}{'train s':>10}")
+          f"{_figure(run['start_accuracy_by_seed'], 3, 0)}.\n  labelled: the {run['labelled']} problems with a worked "
+          f"solution; all prompts: the {run['train_problems']} training prompts, no solutions needed (the student "
+          f"writes,\n  the teacher grades every token). train s: training seconds (the KD rows run the teacher too, "
+          f"the on-policy row generates);\n  the last row is SFT given the on-policy row's seconds. "
+          f"{time.perf_counter() - began:.0f} s so far")  # fmt: skip
+    print(f"{'recipe':36}{'exact match':>{w}}{'steps':>8}{'train s':>10}")
     for r in rows:
-        seconds = _mean_spread(r["seconds_by_seed"])[0]
-        print(f"{r['recipe']:34}{_figure(r['exact_match_by_seed'], 3, w)}{seconds:10.1f}")
+        seconds, steps = _mean_spread(r["seconds_by_seed"])[0], _mean_spread(r["steps_by_seed"])[0]
+        print(f"{r['recipe']:36}{_figure(r['exact_match_by_seed'], 3, w)}{steps:8.0f}{seconds:10.1f}")
     return rows
 
 
