@@ -427,7 +427,11 @@ def task_data(a) -> dict:
     rows = prompt_rows(given)
     if a.labelled:  # the unlabelled prompts: no completion in them at all
         only_prompts = [{"prompt": p.prompt} for p in train]
-        only_prompt_tokens = [dict(prompt_ids=p, completion_ids=[]) for p in prompts]
+        # TRL's GKDTrainer (lmbda 1) trains on generated completions only, but divides its loss by the Trainer's
+        # num_items_in_batch, counted on the batch's own labels before it generates (none: a division by zero):
+        # a placeholder of each problem's solution length keeps its normaliser what it is with every solution given
+        only_prompt_tokens = [dict(prompt_ids=p, completion_ids=[tok.eos_token_id] * len(c))
+                              for p, c in zip(prompts, completions)]
     else:
         only_prompts, only_prompt_tokens = rows, token_rows
     return dict(task=task, tokenizer=tok, rows=rows, token_rows=token_rows, prompts=prompts,
