@@ -43,13 +43,15 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    gpu = payload.get("environment", {}).get("gpu")
+    seconds = f"training {'GPU' if gpu else 'CPU'}-seconds (scoring excluded)"
     if small:
         fig, ax = plt.subplots(figsize=(7, 3.8))
         axes = [ax]
-        panels = ((ax, "seconds", "training GPU-seconds (scoring excluded)"),)
+        panels = ((ax, "seconds", seconds),)
     else:
         fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
-        panels = ((axes[0], "seconds", "training GPU-seconds (scoring excluded)"), (axes[1], "step", "optimizer steps"))
+        panels = ((axes[0], "seconds", seconds), (axes[1], "step", "optimizer steps"))
     for ax, key, label in panels:
         for name, runs in payload["runs"].items():
             if not runs or (small and not name.startswith(SMALL_RECIPES)):
@@ -71,10 +73,12 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
         axes[1].set_xscale("symlog", linthresh=10.0)
     for ax in axes:
         ax.set_xlim(left=0)  # no negative seconds or steps: symlog would otherwise pad to the left of 0
-    gpu = payload.get("environment", {}).get("gpu", "CPU")
+    gpu = gpu or "CPU"
     seeds = sorted({r["seed"] for runs in payload["runs"].values() for r in runs})  # those that ran, not those asked
     config = payload.get("config", {})
-    task = f"{config.get('operands', 3)} numbers of {config.get('digits', 2)} digits"
+    task = f"{config.get('operands', 3)} numbers of {config.get('digits', 2)} digit(s)"
+    if config.get("labelled"):
+        task += f", solutions for {config['labelled']} of {config.get('train_problems')} problems"
     cut = " (cut short)" if payload.get("summary", {}).get("cut_short") else ""
     if small:
         fig.suptitle(f"Student exact match on arithmetic, mean ± std over seeds {seeds} ({gpu}){cut}", fontsize=9)
