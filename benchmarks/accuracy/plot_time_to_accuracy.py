@@ -84,7 +84,7 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
         fig.suptitle(f"Student exact match on arithmetic, mean ± std over seeds {seeds} ({gpu}){cut}", fontsize=9)
     else:
         fig.suptitle(f"Student exact match, arithmetic on {task}, mean ± std over seeds {seeds} ({gpu}){cut}")
-    axes[-1].legend(fontsize=6 if small else 7, loc="upper left" if small else "lower right")
+    axes[-1].legend(fontsize=6 if small else 7, loc="upper left" if small else "best")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
