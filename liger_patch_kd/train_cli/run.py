@@ -110,10 +110,11 @@ def train(argv: list[str] | None = None):
     check_no_text_rows_to_generate_from(training, splits.train, train_rows)
     check_messages_end_with_the_completion(first_row_of(splits.train), train_rows)
     check_completions_for_off_policy(training, first_row_of(splits.train))
-    check_evaluation_scores_completions(splits.evaluation, f"--dataset_name {script.dataset_name} (evaluation rows)",
-                                        "evaluate on none: --dataset_test_split none, without --eval_fraction")
+    evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"
+    check_evaluation_scores_completions(splits.evaluation, evaluation_rows,
+                                        "evaluate on none: --dataset_test_split none, no --eval_fraction")  # fmt: skip
     check_chat_template(tokenizer, {train_rows: splits.train,
-                                    f"--dataset_name {script.dataset_name} (evaluation rows)": splits.evaluation},
+                                    evaluation_rows: splits.evaluation},
                         f"--model_name_or_path {student_name}'s tokenizer")  # fmt: skip
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:
