@@ -223,3 +223,44 @@ def test_a_patched_student_generates_with_its_own_forward():
     kw = dict(pad_id=0, eos_ids={2}, start_id=1)
     prompts = [[5, 6], [7]]
     assert generate_rollouts(patched, prompts, settings, **kw) == generate_rollouts(plain, prompts, settings, **kw)
+
+
+def test_evaluation_rows_without_a_completion_are_refused_not_scored_as_zero(tmp_path, tokenizer):
+    """Evaluation scores the rows' completions and generates none: prompt-only evaluation rows (which on-policy
+    training takes) would give eval_loss 0. Refused by index when KDTrainer is built; a prompt-only dataset given to
+    evaluate() later is refused at its first batch; rows with a completion evaluate to a positive loss."""
+    from datasets import Dataset
+
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2)
+    build = lambda evaluation: KDTrainer(  # noqa: E731
+        model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher, processing_class=tokenizer,
+        args=_args(tmp_path), train_dataset=PROMPTS, eval_dataset=evaluation,
+    )  # fmt: skip
+    completed = [{**p, "completion": " sat on the mat."} for p in PROMPTS[:4]]
+    for evaluation, where in ((PROMPTS[:4], r"eval_dataset\[0\]"), ([*completed, PROMPTS[0]], r"eval_dataset\[4\]"),
+                              ({"held": CHATS[:2]}, r"eval_dataset\['held'\]\[0\]"),
+                              (Dataset.from_list(PROMPTS[:4]), r"eval_dataset\[0\]"),
+                              (Dataset.from_list([*completed[:2], PROMPTS[0]]), r"eval_dataset\[2\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=where + " is a prompt without a completion.*eval_loss would be 0"):
+            build(evaluation)
+    trainer = build(completed)
+    assert trainer.evaluate()["eval_loss"] > 0
+    with pytest.raises(ValueError, match="evaluation batch holds prompts without a completion"):
+        trainer.evaluate(eval_dataset=PROMPTS[:2])
+
+
+def test_messages_rows_ending_with_the_users_turn_are_refused_with_the_prompt_form(tmp_path, tokenizer):
+    """A conversation ending in the user's turn has no completion; the prompt-only form is {'prompt': [turns]}:
+    said when KDTrainer is built (the first batch comes only once training started), for training rows and
+    evaluation rows."""
+    asked = [{"messages": [{"role": "user", "content": p["prompt"]}]} for p in PROMPTS]
+    build = lambda train, evaluation=None: KDTrainer(  # noqa: E731
+        model=tiny_model("llama", dtype=torch.float32, seed=1), processing_class=tokenizer, args=_args(tmp_path),
+        teacher_model=tiny_model("llama", dtype=torch.float32, seed=2), train_dataset=train, eval_dataset=evaluation,
+    )  # fmt: skip
+    for train, evaluation, where in ((asked, None, "train_dataset"), (PROMPTS, asked, "eval_dataset")):
+        with pytest.raises(ValueError, match=f"{where}: its 'messages' rows end with the 'user' turn.*'prompt'"):
+            build(train, evaluation)
+    with pytest.raises(ValueError, match=r"for a prompt alone give \{'prompt': \[turns\]\}"):
+        tokenize_prompt_row(tokenizer, asked[0])
+    build(CHATS)  # the prompt-only form of the same conversations

@@ -355,10 +355,12 @@ def test_labelled_gives_the_students_few_solutions_and_every_prompt():
         task_data(a)
 
 
-def test_labelled_runs_prompt_only_recipes_on_every_prompt(tmp_path):
+def test_labelled_runs_prompt_only_recipes_on_every_prompt(tmp_path, capsys):
     from benchmarks.accuracy.bench_time_to_accuracy import OURS_GKD, SFT, main
 
     out = tmp_path / "tta.json"
     payload = main(["--smoke", "--out", str(out), "--labelled", "50", "--recipes", SFT, OURS_GKD])
+    task = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("task: "))
+    assert task.startswith("task: 2000 training problems (50 with a worked solution), 24 held out"), task
     assert payload["failed"] == {} and payload["config"]["labelled"] == 50
     assert all(len(payload["runs"][name]) == 1 for name in (SFT, OURS_GKD))

@@ -509,3 +509,26 @@ def test_resume_from_checkpoint_latest_continues_from_the_newest_checkpoint(in_s
     assert losses(resumed)[-1] == pytest.approx(losses(whole)[-1], rel=1e-4)  # step 3 of the same run
     for name, p in whole.model.named_parameters():
         torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-4, atol=1e-6)
+
+
+def test_prompt_only_rows_train_on_policy_and_their_evaluation_is_refused_before_any_model_loads(
+    in_standins, tmp_path, capsys, no_model_loads
+):
+    """The on-policy recipe takes a file of prompts alone; evaluation rows held out of it have no completion to
+    score (eval_loss would be 0), and conversations ending in the user's turn are no prompt-only form: each one
+    line before any model loads, naming the fix."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(8)))
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                             for i in range(8)))  # fmt: skip
+    for data, extra, needles in (
+        (prompts, ["--eval_fraction", "0.25"], ["(evaluation rows)[0] is a prompt without a completion",
+                                                "--dataset_test_split none"]),
+        (asked, [], ["its 'messages' rows end with the 'user' turn", "{'prompt': [turns]}"]),
+    ):  # fmt: skip
+        rc = cli.main(["train", *FAST, *PAIR[:4], "--dataset_name", str(data), "--kd_lmbda", "1",
+                       "--output_dir", str(tmp_path / "o"), *extra])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err and err[-1].startswith("liger-kd train: error: "), err
+        assert all(n in err[-1] for n in needles), err[-1]

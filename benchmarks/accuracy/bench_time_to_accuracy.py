@@ -464,7 +464,8 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     began = time.perf_counter()
     data = task_data(a)
     tok, held_out = data["tokenizer"], data["held_out"]
-    print(f"task: {len(data['rows'])} training problems, {len(held_out)} held out, vocabulary {len(tok)} "
+    solved = f" ({len(data['rows'])} with a worked solution)" if a.labelled else ""
+    print(f"task: {len(data['prompts'])} training problems{solved}, {len(held_out)} held out, vocabulary {len(tok)} "
           f"({time.perf_counter() - began:.0f} s)", flush=True)  # fmt: skip
     teacher, teacher_seconds = trained_teacher(a, data, device)
     teacher_accuracy = exact_match(teacher, tok, held_out, data["max_new_tokens"])

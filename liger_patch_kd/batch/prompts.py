@@ -69,8 +69,9 @@ def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list
         messages = row["messages"]
         if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
             raise ValueError(
-                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's; got "
-                f"{str(messages)[:80]}"
+                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's (its "
+                f"completion); got {str(messages)[:80]}; for a prompt alone give {{'prompt': [turns]}} (a "
+                "conversational prompt)"
             )
         row = {"prompt": messages[:-1], "completion": messages[-1:]}
     prompt, completion = row.get("prompt"), row.get("completion")

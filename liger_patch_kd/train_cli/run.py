@@ -11,6 +11,8 @@ from ..teacher.store.rollouts import rollouts_of
 from ..trainer.dataset_setup import (
     check_chat_template,
     check_completions_for_off_policy,
+    check_evaluation_scores_completions,
+    check_messages_end_with_the_completion,
     check_no_text_rows_to_generate_from,
     first_row_of,
 )
@@ -106,9 +108,13 @@ def train(argv: list[str] | None = None):
     # KDTrainer's checks of the rows, made before the weights load
     train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
     check_no_text_rows_to_generate_from(training, splits.train, train_rows)
+    check_messages_end_with_the_completion(first_row_of(splits.train), train_rows)
     check_completions_for_off_policy(training, first_row_of(splits.train))
+    evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"
+    check_evaluation_scores_completions(splits.evaluation, evaluation_rows,
+                                        "evaluate on none: --dataset_test_split none, no --eval_fraction")  # fmt: skip
     check_chat_template(tokenizer, {train_rows: splits.train,
-                                    f"--dataset_name {script.dataset_name} (evaluation rows)": splits.evaluation},
+                                    evaluation_rows: splits.evaluation},
                         f"--model_name_or_path {student_name}'s tokenizer")  # fmt: skip
     strategy = getattr(training.eval_strategy, "value", training.eval_strategy)
     if strategy != "no" and splits.evaluation is None:

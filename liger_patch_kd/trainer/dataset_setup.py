@@ -200,6 +200,62 @@ def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
         )
 
 
+def check_messages_end_with_the_completion(row: Any, name: str) -> None:
+    """A 'messages' row's last turn is its completion, so it must be the assistant's: a conversation ending in the
+    user's turn (a prompt alone, as on-policy rows are) is refused now with the column that holds one, not when its
+    first batch is made after the models loaded. `name`: how the caller names the rows."""
+    turns = row.get("messages") if isinstance(row, Mapping) else None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[-1], Mapping):
+        return  # not a conversation of turns: the collator's own message
+    role = turns[-1].get("role")
+    if role != "assistant":
+        raise ValueError(
+            f"{name}: its 'messages' rows end with the {role!r} turn, and a 'messages' row's last turn is the "
+            f"completion (the assistant's): for prompts alone give {{'prompt': [turns]}} rows (a conversational "
+            f"prompt, whose completion kd_lmbda=1 generates), or end each conversation with the assistant's turn"
+        )
+
+
+def first_prompt_without_completion(dataset: Any) -> int | None:
+    """The index of the first row that is a prompt with no completion ('prompt' and no 'completion', or a null
+    one), in a list of rows or a datasets.Dataset (read as one arrow column); None when there is none or the
+    dataset is neither (a store, an iterable)."""
+    if isinstance(dataset, (list, tuple)):
+        return next((i for i, row in enumerate(dataset) if isinstance(row, Mapping) and "prompt" in row
+                     and "messages" not in row and row.get("completion") is None), None)  # fmt: skip
+    if type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"):
+        columns = dataset.column_names or ()
+        if "prompt" not in columns or "messages" in columns or len(dataset) == 0:
+            return None
+        if "completion" not in columns:
+            return 0
+        import pyarrow.compute as pc  # datasets' own dependency
+
+        missing = pc.index(pc.is_null(dataset.with_format("arrow")[:]["completion"]), True).as_py()
+        return None if missing < 0 else missing
+    return None
+
+
+def check_evaluation_scores_completions(eval_dataset: Any, name: str = "eval_dataset",
+                                        fix: str = "leave eval_dataset out") -> None:  # fmt: skip
+    """Evaluation scores each row's completion and generates none: a prompt row without one has no token to score,
+    so eval_loss would be 0 for it (and an average with the others' would be too low). Refused by index, before
+    training. `name`: how the caller names the rows; `fix`: how the caller evaluates on none."""
+    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(name, eval_dataset)]
+    for where, rows in named:
+        if rows is None:
+            continue
+        where = where if where == name else f"{name}[{where!r}]"
+        check_messages_end_with_the_completion(first_row_of(rows), where)
+        missing = first_prompt_without_completion(rows)
+        if missing is not None:
+            raise ValueError(
+                f"{where}[{missing}] is a prompt without a completion, and evaluation scores the rows' completions "
+                f"(it generates none), so its eval_loss would be 0 for such rows: give every evaluation row a "
+                f"'completion' (a reference answer), or {fix}"
+            )
+
+
 def check_not_empty(dataset: Any) -> None:
     """A train_dataset of 0 rows: refused by name (torch's sampler would say `num_samples=0` at train())."""
     try:
@@ -247,13 +303,15 @@ def check_training_rows(
 ) -> None:
     """The first row's checks before any training: the dataset has rows, the collator keeps its teacher columns,
     sampled teacher tokens can train the objective (beta 0, their draw temperature), a live teacher has steps to
-    score, and off-policy steps have completions to train on."""
+    score, off-policy steps have completions to train on, and so has evaluation."""
     check_not_empty(dataset)
     check_no_empty_rows(dataset, "train_dataset")
     if eval_dataset is not None:
         check_no_empty_rows(eval_dataset, "eval_dataset")
+        check_evaluation_scores_completions(eval_dataset)
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
+    check_messages_end_with_the_completion(first_row, "train_dataset")
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
     check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)

@@ -202,7 +202,14 @@ class KDTrainer(Trainer):
         source) -> the source's teacher signal and the one loss call -> the logged figures."""
         inputs = dict(inputs)
         generated = inputs.pop(GENERATED, False)
-        inputs.pop(HAS_COMPLETION, None)
+        completed = inputs.pop(HAS_COMPLETION, None)
+        if not model.training and completed is not None and not bool(completed.all()):
+            # a dataset given to evaluate() later, or an iterable one, that the checks at construction did not see
+            raise ValueError(
+                "an evaluation batch holds prompts without a completion; evaluation scores the rows' completions "
+                "(it generates none), so their eval_loss would be 0: give every evaluation row a 'completion' (a "
+                "reference answer), or evaluate on rows that have one"
+            )
         behaviour = inputs.pop(BEHAVIOUR, None)  # an engine's log-probs of the sampled tokens (pg only)
         if inputs.get("labels") is None:
             raise ValueError(
