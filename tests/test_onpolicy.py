@@ -264,3 +264,23 @@ def test_messages_rows_ending_with_the_users_turn_are_refused_with_the_prompt_fo
     with pytest.raises(ValueError, match=r"for a prompt alone give \{'prompt': \[turns\]\}"):
         tokenize_prompt_row(tokenizer, asked[0])
     build(CHATS)  # the prompt-only form of the same conversations
+
+
+def test_a_prompt_without_a_completion_anywhere_in_the_rows_is_refused_before_training_off_policy_steps():
+    """Rows mixing prompt + completion and prompts alone, with off-policy steps (kd_lmbda < 1): refused when the
+    trainer is built, naming the first prompt alone, not at the first off-policy step that meets it."""
+    from liger_patch_kd.trainer.dataset_setup import check_completions_for_off_policy
+
+    class Args:
+        generates_every_step, kd_lmbda, kd_onpolicy_warmup_steps = False, 0.5, 0
+
+    rows = [{"prompt": "a", "completion": " b"}] * 3 + [{"prompt": "c"}] + [{"prompt": "d", "completion": " e"}]
+    with pytest.raises(ValueError, match=r"kd_lmbda=0.5 .* prompts without a completion \(row 3 the first\)"):
+        check_completions_for_off_policy(Args(), rows)
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"\(row 3 the first\)"):
+        check_completions_for_off_policy(Args(), datasets.Dataset.from_list(
+            [{"prompt": r["prompt"], "completion": r.get("completion")} for r in rows]))
+    check_completions_for_off_policy(Args(), rows[:3])  # every row completed
+    Args.generates_every_step = True
+    check_completions_for_off_policy(Args(), rows)  # every step generated: completions never read

@@ -532,3 +532,11 @@ def test_prompt_only_rows_train_on_policy_and_their_evaluation_is_refused_before
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and err and err[-1].startswith("liger-kd train: error: "), err
         assert all(n in err[-1] for n in needles), err[-1]
+
+
+@pytest.mark.parametrize("word", ["false", "False", "none", " ", ""])
+def test_resume_from_checkpoint_false_or_none_starts_afresh(tmp_path, word):
+    from liger_patch_kd.train_cli.output import checked_resume
+
+    assert checked_resume(word, str(tmp_path)) is None  # the Trainer's own False / None, not a folder named so
+    assert checked_resume(None, str(tmp_path)) is None and checked_resume(False, str(tmp_path)) is False

@@ -16,6 +16,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "
 MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "adapter_model*.bin")
 CHECKPOINT_STATE = "trainer_state.json"  # every checkpoint the Trainer saves holds it
 LATEST = ("latest", "true")  # --resume_from_checkpoint words for the newest checkpoint in --output_dir
+AFRESH = ("false", "none", "")  # and for none: the Trainer's own False / None
 
 
 def model_files(folder: Path) -> list[str]:
@@ -82,9 +83,11 @@ def record_saved(output_dir: str) -> None:
 def checked_resume(value: Any, output_dir: str) -> Any:
     """--resume_from_checkpoint as the Trainer takes it: a checkpoint folder, checked here (the Trainer's own message
     comes only after the models load); `latest` or `true` (any case) the newest checkpoint in --output_dir, which
-    must hold one; None or a bool unchanged."""
+    must hold one; `false`, `none` or nothing: None (start afresh); None or a bool unchanged."""
     if value is None or isinstance(value, bool):
         return value
+    if str(value).strip().lower() in AFRESH:
+        return None
     if str(value).strip().lower() in LATEST:
         saved = sorted((p for p in Path(output_dir).glob("checkpoint-*") if (p / CHECKPOINT_STATE).is_file()
                         and p.name.removeprefix("checkpoint-").isdigit()),

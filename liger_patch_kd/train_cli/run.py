@@ -109,7 +109,7 @@ def train(argv: list[str] | None = None):
     train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
     check_no_text_rows_to_generate_from(training, splits.train, train_rows)
     check_messages_end_with_the_completion(first_row_of(splits.train), train_rows)
-    check_completions_for_off_policy(training, first_row_of(splits.train))
+    check_completions_for_off_policy(training, splits.train)
     evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"
     check_evaluation_scores_completions(splits.evaluation, evaluation_rows,
                                         "evaluate on none: --dataset_test_split none, no --eval_fraction")  # fmt: skip

@@ -187,17 +187,24 @@ def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "tr
     )
 
 
-def check_completions_for_off_policy(args: Any, first_row: Any) -> None:
+def check_completions_for_off_policy(args: Any, dataset: Any) -> None:
     """Prompt-only rows with steps that train on the dataset's completions (kd_lmbda < 1, no kd_seq_kd): refused
-    now, not at the first such step (onpolicy.require_completions, which a later row can still meet)."""
-    if args.generates_every_step or not isinstance(first_row, dict) or not is_prompt_row(first_row):
+    now, by the first such row's index where the rows can be read (a list, a datasets.Dataset; else the first row),
+    not at the first off-policy step that meets one (onpolicy.require_completions)."""
+    if args.generates_every_step:
         return
-    if not has_completion(first_row):
-        raise ValueError(
-            f"kd_lmbda={args.kd_lmbda} (kd_onpolicy_warmup_steps={args.kd_onpolicy_warmup_steps}) trains some steps "
-            f"on the dataset's completions, but the rows are prompts without a completion; give every row a "
-            f"'completion', or set kd_lmbda=1 (every step generated) or kd_seq_kd=True, with no warm-up"
-        )
+    missing = first_prompt_without_completion(dataset)
+    if missing is None:
+        first = first_row_of(dataset)
+        if not isinstance(first, dict) or not is_prompt_row(first) or has_completion(first):
+            return
+        missing = 0
+    raise ValueError(
+        f"kd_lmbda={args.kd_lmbda} (kd_onpolicy_warmup_steps={args.kd_onpolicy_warmup_steps}) trains some steps "
+        f"on the dataset's completions, but the rows hold prompts without a completion (row {missing} the first); "
+        f"give every row a "
+        f"'completion', or set kd_lmbda=1 (every step generated) or kd_seq_kd=True, with no warm-up"
+    )
 
 
 def check_messages_end_with_the_completion(row: Any, name: str) -> None:
@@ -315,4 +322,4 @@ def check_training_rows(
     check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
     check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
-    check_completions_for_off_policy(args, first_row)
+    check_completions_for_off_policy(args, dataset)
