@@ -163,6 +163,9 @@ def test_arithmetic_step_refuses_what_it_cannot_do_before_any_work(tmp_path, mon
     # one digit, one prompt in ten held out: fewer than 500 different held-out problems exist
     with pytest.raises(ValueError, match=r"ArithmeticDemoSizes.held_out=500: the task .* gave only \d+ different"):
         AS.run_arithmetic_students(AS.ArithmeticDemoSizes(held_out=500), (1,), tmp_path, "cpu")
+    for seeds in ((0,), (), (1, 2.0)):
+        with pytest.raises(ValueError, match=r"seeds=.*: give whole numbers >= 1"):
+            AS.run_arithmetic_students(AS.ArithmeticDemoSizes(), seeds, tmp_path, "cpu")
     monkeypatch.setattr("liger_patch_kd.demo.same_tokenizer.loss_memory_demo", lambda *a: pytest.fail("ran"))
     with pytest.raises(ValueError, match=r"run_demo\(arithmetic='yes'\): give True"):
         run_demo(device="cpu", arithmetic="yes")

@@ -536,7 +536,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
                   f"{end['accuracy']:.3f} (eval {run['eval_seconds']:.1f} s; {time.perf_counter() - began:.0f} s "
                   f"so far)", flush=True)  # fmt: skip
             write_json(a.out, payload)  # a run cut short keeps what it reached
-    payload["summary"] = summarize(runs, target, teacher_accuracy, a.steps)
+    payload["summary"] = summarize(runs, target, teacher_accuracy, a.steps, "GPU" if device.type == "cuda" else "CPU")
     payload["total_seconds"] = time.perf_counter() - began
     write_json(a.out, payload)
     return payload
@@ -576,7 +576,9 @@ def summarize_file(path: str) -> dict:
     with open(path) as f:
         payload = json.load(f)
     runs = {name: r for name, r in payload["runs"].items() if r}
-    payload["summary"] = summarize(runs, payload["target"], payload["teacher"]["accuracy"], payload["config"]["steps"])
+    clock = "GPU" if payload.get("environment", {}).get("gpu") else "CPU"
+    payload["summary"] = summarize(runs, payload["target"], payload["teacher"]["accuracy"], payload["config"]["steps"],
+                                   clock)  # fmt: skip
     payload["summary"]["cut_short"] = "total_seconds" not in payload  # a finished run records its total
     write_json(path, payload)
     return payload
@@ -590,8 +592,10 @@ def fig(pair: tuple[float | None, float | None], digits: int = 3) -> str | None:
     return f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if spread else "")
 
 
-def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: float, steps: int) -> dict:
-    """The table (printed) and its figures: per recipe, and the two comparisons the benchmark is for."""
+def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: float, steps: int,
+              clock: str = "GPU") -> dict:  # fmt: skip
+    """The table (printed) and its figures: per recipe, and the two comparisons the benchmark is for. `clock`: "GPU"
+    or "CPU", what the seconds were counted on (the table's column names say it)."""
     reference = runs.get(SFT)
     recipes = {name: recipe_summary(r, target, reference if name != SFT else None) for name, r in runs.items() if r}
     for name in FROM_STORE:  # the one-time cost: in their GPU-seconds, apart from their seconds per step
@@ -602,12 +606,13 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
                 for r in runs[name]])  # fmt: skip
     rows = []
     for name, s in recipes.items():
-        rows.append({"recipe": name, "steps": fig(s["final_step"], 0), "GPU-s": fig(s["train_seconds"], 1),
+        rows.append({"recipe": name, "steps": fig(s["final_step"], 0), f"{clock}-s": fig(s["train_seconds"], 1),
                      "of which store": fig(s.get("store_seconds", (None, None)), 1),
                      "ms/step": None if s["seconds_per_step"][0] is None else f"{1000 * s['seconds_per_step'][0]:.0f}",
-                     "exact match": fig(s["final_accuracy"]), "SFT at same GPU-s": fig(
+                     "exact match": fig(s["final_accuracy"]), f"SFT at same {clock}-s": fig(
                          s.get("sft_accuracy_at_same_seconds", (None, None))),
-                     "GPU-s to target": fig(s["seconds_to_target"], 1), "steps to target": fig(s["steps_to_target"], 0),
+                     f"{clock}-s to target": fig(s["seconds_to_target"], 1),
+                     "steps to target": fig(s["steps_to_target"], 0),
                      "reached": s["reached_target"], "peak MiB": fig(s["peak_mib"], 0),
                      "MiB beyond weights": fig(s["extra_mib"], 0)})  # fmt: skip
     print(f"\nteacher exact match {teacher_accuracy:.3f}; target (90 % of it) {target:.3f}; mean ± std over seeds")
@@ -631,7 +636,7 @@ def summarize(runs: dict[str, list[dict]], target: float, teacher_accuracy: floa
         if runs.get(name) and runs.get(OURS_GKD):
             verdict = within_fraction_of_seconds(runs[name], runs[OURS_GKD], fraction=0.5)
             verdict["question"] = (f"{name} reaches {OURS_GKD}'s accuracy (within the seed spread) at <= half its "
-                                   f"GPU-seconds?")  # fmt: skip
+                                   f"{clock}-seconds?")  # fmt: skip
             out["offline_vs_live"][name] = verdict
             print(f"{verdict['question']} {verdict['text']}")
     return out

@@ -175,6 +175,10 @@ def run_arithmetic_students(sizes: ArithmeticDemoSizes, seeds: tuple[int, ...], 
     problems. Returns {"teacher_accuracy", "start_accuracy_by_seed", "held_out", "labelled" (how many labelled
     problems, "labelled_distinct" of them different), "train_problems", "rows": [{"recipe", "exact_match_by_seed",
     "seconds_by_seed", "steps_by_seed"}]}. Prints a line per phase."""
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if not seeds or bad:
+        raise ValueError(f"seeds={tuple(seeds)!r}: give whole numbers >= 1 (seed s initialises the student with s and "
+                         f"orders its data with s - 1)")  # fmt: skip
     device = torch.device(device)
     data = task_data(sizes)
     tok, held_out, longest = data["tokenizer"], data["held_out"], data["max_new_tokens"]
