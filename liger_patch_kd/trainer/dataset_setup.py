@@ -202,8 +202,7 @@ def check_completions_for_off_policy(args: Any, dataset: Any) -> None:
     raise ValueError(
         f"kd_lmbda={args.kd_lmbda} (kd_onpolicy_warmup_steps={args.kd_onpolicy_warmup_steps}) trains some steps "
         f"on the dataset's completions, but the rows hold prompts without a completion (row {missing} the first); "
-        f"give every row a "
-        f"'completion', or set kd_lmbda=1 (every step generated) or kd_seq_kd=True, with no warm-up"
+        f"give every row a 'completion', or set kd_lmbda=1 (every step generated) or kd_seq_kd=True, with no warm-up"
     )
 
 
