@@ -406,18 +406,18 @@ def task_data(a) -> dict:
     from liger_patch_kd.demo.arithmetic import (
         ArithmeticTask,
         build_tokenizer,
+        distinct_held_out,
         prompt_rows,
         tokenized,
         with_wrong_answers,
     )
-    from liger_patch_kd.demo.arithmetic_students import distinct_held_out
 
     if not 0 <= a.labelled <= a.train_problems:
         raise SystemExit(f"--labelled {a.labelled}: give 0 (every problem labelled) up to --train-problems "
                          f"{a.train_problems}")  # fmt: skip
     task = ArithmeticTask(operands=a.operands, digits=a.digits, held_out_every=a.held_out_every)
     train = task.problems(a.train_problems, seed=0)
-    held_out = distinct_held_out(task, a.held_out, seed=1)  # a problem drawn twice would count twice
+    held_out = distinct_held_out(task, a.held_out, seed=1, name="--held-out")  # none counted twice
     tok = build_tokenizer(train[:20_000])
     prompts, completions = tokenized(tok, train)
     labelled = train[: a.labelled or len(train)]

@@ -79,6 +79,21 @@ class ArithmeticTask:
         return out
 
 
+def distinct_held_out(task: ArithmeticTask, n: int, seed: int, name: str) -> list[Problem]:
+    """`n` different held-out problems, in the order random.Random(seed) draws them: a small task repeats problems
+    often, and a repeated one would count twice. `name`: the caller's option that asked for `n`, for the error when
+    the task holds out fewer."""
+    seen: dict[str, Problem] = {}
+    for problem in task.problems(20 * n, seed=seed, held_out=True):
+        seen.setdefault(problem.prompt, problem)
+        if len(seen) == n:
+            return list(seen.values())
+    raise ValueError(f"{name}={n}: the task (operands={task.operands}, digits={task.digits}, "
+                     f"held_out_every={task.held_out_every}) gave only {len(seen)} different held-out problems in "
+                     f"{20 * n} draws; ask for fewer, or a larger task (more digits or operands, a smaller "
+                     f"held_out_every)")  # fmt: skip
+
+
 def with_wrong_answers(problems: list[Problem], fraction: float, seed: int) -> list[Problem]:
     """A copy of `problems` in which `fraction` of them (drawn with random.Random(seed)) end in a wrong answer: the
     last step's result and the `####` number both moved by 1 to 9 (never below 0), so the worked steps still read

@@ -31,9 +31,9 @@ from ..models import revert_kd_patch
 from .arithmetic import (
     ArithmeticTask,
     ModelShape,
-    Problem,
     build_tokenizer,
     completion_batch,
+    distinct_held_out,
     exact_match,
     fit_on_ground_truth,
     prompt_rows,
@@ -90,26 +90,12 @@ class ArithmeticDemoSizes:
                    student_hidden=32, student_layers=1, format_steps=1, steps=2, batch=4)  # fmt: skip
 
 
-def distinct_held_out(task: ArithmeticTask, n: int, seed: int) -> list[Problem]:
-    """`n` different held-out problems, in the order random.Random(seed) draws them: a small task repeats problems
-    often, and a repeated one would count twice."""
-    seen: dict[str, Problem] = {}
-    for problem in task.problems(20 * n, seed=seed, held_out=True):
-        seen.setdefault(problem.prompt, problem)
-        if len(seen) == n:
-            return list(seen.values())
-    raise ValueError(f"ArithmeticDemoSizes.held_out={n}: the task (operands={task.operands}, digits={task.digits}, "
-                     f"held_out_every={task.held_out_every}) gave only {len(seen)} different held-out problems in "
-                     f"{20 * n} draws; ask for fewer, or a larger task (more digits or operands, a smaller "
-                     f"held_out_every)")  # fmt: skip
-
-
 def task_data(sizes: ArithmeticDemoSizes) -> dict:
     """The training problems (seed 0; the teacher's data), the labelled ones among them (the students'), `held_out`
     different held-out ones (seed 1), the tokenizer trained on the training text, and the rows each recipe reads:
     `labelled_rows` prompt + completion, `prompt_rows` every training prompt alone."""
     task = ArithmeticTask(sizes.operands, sizes.digits, sizes.held_out_every)
-    held_out = distinct_held_out(task, sizes.held_out, seed=1)
+    held_out = distinct_held_out(task, sizes.held_out, seed=1, name="ArithmeticDemoSizes.held_out")
     train = task.problems(sizes.train_problems, seed=0)
     labelled = train[: sizes.labelled or len(train)]
     tokenizer = build_tokenizer(train)
@@ -126,14 +112,15 @@ def task_data(sizes: ArithmeticDemoSizes) -> dict:
 
 def recipes(sizes: ArithmeticDemoSizes, max_new_tokens: int) -> dict[str, tuple[dict | None, str]]:
     """name -> (the KDTrainingArguments options of its KDTrainer, or None for the plain Trainer's cross-entropy;
-    the task_data rows it trains on: "labelled_rows" or "prompt_rows"). The on-policy row (beta 0, forward KL, as in
-    the demo's first table) samples every completion from the student (kd_lmbda 1), each up to the longest
-    training completion; SFT_SAME_SECONDS, run after the others, is the SFT row given the on-policy row's seconds."""
+    the task_data rows it trains on: the labelled problems' tokens for SFT, "prompt_rows" for on-policy KD). The
+    on-policy row (beta 0, forward KL, as in the demo's first table) samples every completion from the student
+    (kd_lmbda 1), each up to the longest training completion; SFT_SAME_SECONDS, run after the others, is the SFT row
+    given the on-policy row's seconds."""
     return {
-        SFT: (None, "labelled_rows"),
+        SFT: (None, "labelled_token_rows"),
         ON_POLICY: (dict(use_kd_patch=True, kd_beta=0.0, kd_lmbda=1.0, kd_max_new_tokens=max_new_tokens),
                     "prompt_rows"),
-        SFT_SAME_SECONDS: (None, "labelled_rows"),
+        SFT_SAME_SECONDS: (None, "labelled_token_rows"),
     }
 
 
@@ -147,8 +134,7 @@ def _format_tuned_student(sizes: ArithmeticDemoSizes, data: dict, seed: int, dev
 
 def _train_recipe(kd: dict | None, rows: str, student, teacher, data: dict, sizes: ArithmeticDemoSizes, seed: int,
                   out: Path, device, steps: int) -> float:  # fmt: skip
-    """Train `student` in place with one recipe for `steps` steps; its training seconds. The SFT rows (`kd` None)
-    train on the labelled problems' tokens, a KD row on task_data[`rows`]."""
+    """Train `student` in place with one recipe for `steps` steps on task_data[`rows`]; its training seconds."""
     from transformers import Trainer
 
     from ..trainer import KDTrainer
@@ -156,7 +142,7 @@ def _train_recipe(kd: dict | None, rows: str, student, teacher, data: dict, size
     # seed s: student init s, data order (and on-policy sampling) s - 1, as in the demo's table
     if kd is None:
         args = training_args(out, steps, sizes.batch, device, seed=seed - 1, remove_unused_columns=False)
-        trainer = Trainer(model=student, args=args, train_dataset=data["labelled_token_rows"],
+        trainer = Trainer(model=student, args=args, train_dataset=data[rows],
                           data_collator=lambda got: completion_batch(
                               [r["prompt_ids"] for r in got], [r["completion_ids"] for r in got], "cpu"))  # fmt: skip
     else:

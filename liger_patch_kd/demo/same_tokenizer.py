@@ -10,8 +10,8 @@
    samples, tokens/s, peak memory;
 5. a task with a right answer (demo.arithmetic_students): small arithmetic problems, a teacher that knows them, and
    a student given worked solutions for a few of them and the prompts of all, trained from one start by SFT on
-   the labelled problems (for as many steps, and for as many seconds as on-policy KD), off-policy KD on them and
-   on-policy KD on every prompt; each one's exact-match accuracy on held-out problems beside the teacher's;
+   the labelled problems (for as many steps, and for as many seconds as on-policy KD) and by on-policy KD on every
+   prompt; each one's exact-match accuracy on held-out problems beside the teacher's;
 6. across tokenizers (demo.cross_tokenizer): a student with its own byte-level BPE tokenizer, on 10 % of the training
    text, on CE only and on CE + byte-chain KD from the same character teacher (held-out nats/char).
 
