@@ -69,6 +69,7 @@ from ..common.accuracy import (
     gkd_columns,
     mean_std,
     recipe_summary,
+    seconds_clock,
     seed_pairs,
     sync,
     time_to,
@@ -536,7 +537,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
                   f"{end['accuracy']:.3f} (eval {run['eval_seconds']:.1f} s; {time.perf_counter() - began:.0f} s "
                   f"so far)", flush=True)  # fmt: skip
             write_json(a.out, payload)  # a run cut short keeps what it reached
-    payload["summary"] = summarize(runs, target, teacher_accuracy, a.steps, "GPU" if device.type == "cuda" else "CPU")
+    payload["summary"] = summarize(runs, target, teacher_accuracy, a.steps, seconds_clock(payload))
     payload["total_seconds"] = time.perf_counter() - began
     write_json(a.out, payload)
     return payload
@@ -576,9 +577,8 @@ def summarize_file(path: str) -> dict:
     with open(path) as f:
         payload = json.load(f)
     runs = {name: r for name, r in payload["runs"].items() if r}
-    clock = "GPU" if payload.get("environment", {}).get("gpu") else "CPU"
     payload["summary"] = summarize(runs, payload["target"], payload["teacher"]["accuracy"], payload["config"]["steps"],
-                                   clock)  # fmt: skip
+                                   seconds_clock(payload))  # fmt: skip
     payload["summary"]["cut_short"] = "total_seconds" not in payload  # a finished run records its total
     write_json(path, payload)
     return payload

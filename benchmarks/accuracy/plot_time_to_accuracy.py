@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..common.accuracy import mean_std
+from ..common.accuracy import mean_std, seconds_clock
 
 
 def mean_curve(runs: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
@@ -43,8 +43,7 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpu = payload.get("environment", {}).get("gpu")
-    seconds = f"training {'GPU' if gpu else 'CPU'}-seconds (scoring excluded)"
+    seconds = f"training {seconds_clock(payload)}-seconds (scoring excluded)"
     if small:
         fig, ax = plt.subplots(figsize=(7, 3.8))
         axes = [ax]
@@ -73,7 +72,7 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
         axes[1].set_xscale("symlog", linthresh=10.0)
     for ax in axes:
         ax.set_xlim(left=0)  # no negative seconds or steps: symlog would otherwise pad to the left of 0
-    gpu = gpu or "CPU"
+    gpu = payload.get("environment", {}).get("gpu") or "CPU"
     seeds = sorted({r["seed"] for runs in payload["runs"].values() for r in runs})  # those that ran, not those asked
     config = payload.get("config", {})
     task = f"{config.get('operands', 3)} numbers of {config.get('digits', 2)} digit(s)"

@@ -80,6 +80,15 @@ def gkd_columns(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     return collate
 
 
+def seconds_clock(payload: dict) -> str:
+    """"GPU" or "CPU": what a results payload's seconds were counted on: the device its config asked for, else (the
+    device chosen by what the machine has) whether its environment names a GPU."""
+    device = payload.get("config", {}).get("device")
+    if device:
+        return "GPU" if str(device).startswith("cuda") else "CPU"
+    return "GPU" if payload.get("environment", {}).get("gpu") else "CPU"
+
+
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (0 for one value; None, None for none)."""
     if not values:
