@@ -156,7 +156,7 @@ def test_history_in_code_tests_and_docs_is_reported_and_things_named_session_are
         "docs/page.md": (
             f"Added in {WAVE} 5, fixed in the third {SESSION}.\n"
             f"TRL #3055 and [trl {ISSUE} 3055](https://github.com/huggingface/trl/issues/3055) are another project's.\n"
-            f"Values round 2 decimals; a {SESSION} 2 later.\n"
+            f"Values {ROUND} 2 decimals; a {SESSION} 2 later.\n"
         ),
     })  # fmt: skip
     problems = _check_layout().history_problems(tmp_path)
