@@ -8,7 +8,6 @@ from typing import Any
 
 from torch import nn
 
-from ..align.collator import has_completion
 from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
 from ..batch.prompts import conversation_column, is_prompt_row
 from ..config import KDLossConfig
@@ -195,8 +194,7 @@ def check_completions_for_off_policy(args: Any, dataset: Any) -> None:
         return
     missing = first_prompt_without_completion(dataset)
     if missing is None:
-        first = first_row_of(dataset)
-        if not isinstance(first, dict) or not is_prompt_row(first) or has_completion(first):
+        if not is_prompt_alone(first_row_of(dataset)):
             return
         missing = 0
     raise ValueError(
@@ -222,13 +220,17 @@ def check_messages_end_with_the_completion(row: Any, name: str) -> None:
         )
 
 
+def is_prompt_alone(row: Any) -> bool:
+    """A row that is a prompt with no completion: 'prompt' and no 'completion', or a null one (how a
+    datasets.Dataset holds a row without it), and no 'messages'."""
+    return isinstance(row, Mapping) and "prompt" in row and "messages" not in row and row.get("completion") is None
+
+
 def first_prompt_without_completion(dataset: Any) -> int | None:
-    """The index of the first row that is a prompt with no completion ('prompt' and no 'completion', or a null
-    one), in a list of rows or a datasets.Dataset (read as one arrow column); None when there is none or the
-    dataset is neither (a store, an iterable)."""
+    """The index of the first row that is_prompt_alone, in a list of rows or a datasets.Dataset (read as one arrow
+    column); None when there is none or the dataset is neither (a store, an iterable)."""
     if isinstance(dataset, (list, tuple)):
-        return next((i for i, row in enumerate(dataset) if isinstance(row, Mapping) and "prompt" in row
-                     and "messages" not in row and row.get("completion") is None), None)  # fmt: skip
+        return next((i for i, row in enumerate(dataset) if is_prompt_alone(row)), None)
     if type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"):
         columns = dataset.column_names or ()
         if "prompt" not in columns or "messages" in columns or len(dataset) == 0:
