@@ -18,6 +18,7 @@ from liger_patch_kd.demo.arithmetic import (
     exact_match,
     final_answer,
     is_correct,
+    split_task,
     tokenized,
 )
 from liger_patch_kd.demo.toys import EOS, PAD
@@ -353,6 +354,28 @@ def test_labelled_gives_the_students_few_solutions_and_every_prompt():
     a.labelled = a.train_problems + 1
     with pytest.raises(SystemExit, match=r"--labelled 2001: give 0 \(every problem labelled\) up to"):
         task_data(a)
+
+
+def test_the_demo_and_the_benchmark_split_the_task_alike():
+    """One builder (arithmetic.split_task) behind both: at the same sizes the demo's rows and the benchmark's are the
+    same problems and ids; labelled past the training problems is refused naming both counts."""
+    import liger_patch_kd.demo.arithmetic_students as AS
+    from benchmarks.accuracy.bench_time_to_accuracy import SMOKE, parser, task_data
+
+    sizes = AS.ArithmeticDemoSizes.tiny()
+    demo = AS.task_data(sizes)
+    a = parser().parse_args(["--smoke"])
+    for key, value in SMOKE.items():
+        setattr(a, key, value)
+    a.operands, a.digits, a.held_out_every = sizes.operands, sizes.digits, sizes.held_out_every
+    a.train_problems, a.labelled, a.held_out = sizes.train_problems, sizes.labelled, sizes.held_out
+    bench = task_data(a)
+    assert demo["prompts"] == bench["prompts"] and demo["completions"] == bench["completions"]
+    assert demo["labelled_token_rows"] == bench["token_rows"] and demo["labelled_rows"] == bench["rows"]
+    assert demo["prompt_rows"] == bench["prompt_rows"] and demo["held_out"] == bench["held_out"]
+    assert demo["max_new_tokens"] == bench["max_new_tokens"] == max(map(len, demo["completions"])) + 1
+    with pytest.raises(ValueError, match=r"labelled=201: give 0 \(every problem labelled\) up to train_problems=200"):
+        split_task(ArithmeticTask(), 200, 201, 8, held_out_name="n")
 
 
 def test_labelled_runs_prompt_only_recipes_on_every_prompt(tmp_path, capsys):

@@ -400,45 +400,34 @@ def trl_trainer(name: str, a, data, student, teacher, options: dict, clock):
 
 
 def task_data(a) -> dict:
-    """The task's rows: `prompts` / `completions` every training problem's, right (the teacher's training data);
-    `labelled_prompts` / `labels` / `rows` / `token_rows` what the students are given with a solution (the first
-    --labelled problems, or all; with --label-noise a share of them ending in a wrong answer); `prompt_rows` /
-    `prompt_token_rows` every prompt, for PROMPTS_ONLY (with --labelled: no solution in them)."""
-    from liger_patch_kd.demo.arithmetic import (
-        ArithmeticTask,
-        build_tokenizer,
-        distinct_held_out,
-        prompt_rows,
-        tokenized,
-        with_wrong_answers,
-    )
+    """arithmetic.split_task at the options' sizes, as the recipes read it: `prompts` / `completions` every training
+    problem's, right (the teacher's training data); `labelled_prompts` / `labels` / `rows` / `token_rows` what the
+    students are given with a solution (the first --labelled problems, or all; with --label-noise a share of them
+    ending in a wrong answer); `prompt_rows` / `prompt_token_rows` every prompt, for PROMPTS_ONLY (with
+    --labelled: no solution in them)."""
+    from liger_patch_kd.demo.arithmetic import ArithmeticTask, split_task
 
     if not 0 <= a.labelled <= a.train_problems:
         raise SystemExit(f"--labelled {a.labelled}: give 0 (every problem labelled) up to --train-problems "
                          f"{a.train_problems}")  # fmt: skip
     task = ArithmeticTask(operands=a.operands, digits=a.digits, held_out_every=a.held_out_every)
-    train = task.problems(a.train_problems, seed=0)
-    held_out = distinct_held_out(task, a.held_out, seed=1, name="--held-out")  # none counted twice
-    tok = build_tokenizer(train[:20_000])
-    prompts, completions = tokenized(tok, train)
-    labelled = train[: a.labelled or len(train)]
-    given = with_wrong_answers(labelled, a.label_noise, seed=2) if a.label_noise else labelled
-    labels = tokenized(tok, given)[1] if a.label_noise else completions[: len(labelled)]
-    token_rows = [dict(prompt_ids=p, completion_ids=c) for p, c in zip(prompts, labels)]
-    rows = prompt_rows(given)
+    split = split_task(task, a.train_problems, a.labelled, a.held_out, held_out_name="--held-out",
+                       label_noise=a.label_noise)  # fmt: skip
+    rows, token_rows = split.labelled_rows(), split.labelled_token_rows()
     if a.labelled:  # the unlabelled prompts: no completion in them at all
-        only_prompts = [{"prompt": p.prompt} for p in train]
+        only_prompts = split.prompt_only_rows()
         # TRL's GKDTrainer (lmbda 1) trains on generated completions only, but divides its loss by the Trainer's
         # num_items_in_batch, counted on the batch's own labels before it generates (none: a division by zero):
         # a placeholder of each problem's solution length keeps its normaliser what it is with every solution given
-        only_prompt_tokens = [dict(prompt_ids=p, completion_ids=[tok.eos_token_id] * len(c))
-                              for p, c in zip(prompts, completions)]
+        eos = split.tokenizer.eos_token_id
+        only_prompt_tokens = [dict(prompt_ids=p, completion_ids=[eos] * len(c))
+                              for p, c in zip(split.prompts, split.completions)]  # fmt: skip
     else:
         only_prompts, only_prompt_tokens = rows, token_rows
-    return dict(task=task, tokenizer=tok, rows=rows, token_rows=token_rows, prompts=prompts,
-                completions=completions, labelled_prompts=prompts[: len(labelled)], labels=labels,
-                prompt_rows=only_prompts, prompt_token_rows=only_prompt_tokens, held_out=held_out,
-                max_new_tokens=max(map(len, completions + labels)) + 1)  # fmt: skip
+    return dict(task=task, tokenizer=split.tokenizer, rows=rows, token_rows=token_rows, prompts=split.prompts,
+                completions=split.completions, labelled_prompts=split.labelled_prompts, labels=split.labels,
+                prompt_rows=only_prompts, prompt_token_rows=only_prompt_tokens, held_out=split.held_out,
+                max_new_tokens=split.max_new_tokens)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -162,6 +162,58 @@ def prompt_rows(problems: list[Problem]) -> list[dict[str, str]]:
 
 
 @dataclass(frozen=True)
+class TaskSplit:
+    """One draw of the task for a teacher and its students, built by `split_task`: the teacher learns every training
+    problem's solution, the students are given solutions for the first few only (`given`) and every prompt."""
+
+    task: ArithmeticTask
+    tokenizer: object  # build_tokenizer's, trained on the first 20,000 training problems
+    train: list[Problem]  # every training problem, right (the teacher's data)
+    held_out: list[Problem]  # different held-out problems, none counted twice
+    prompts: list[list[int]]  # every training prompt's ids
+    completions: list[list[int]]  # every training solution's ids + EOS
+    given: list[Problem]  # the problems the students get a solution for (some answers wrong with label noise)
+    labels: list[list[int]]  # their completions' ids + EOS
+
+    @property
+    def labelled_prompts(self) -> list[list[int]]:
+        return self.prompts[: len(self.given)]
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Room for the longest solution either side holds, and one token more (an EOS a model may add)."""
+        return max(map(len, self.completions + self.labels)) + 1
+
+    def labelled_rows(self) -> list[dict[str, str]]:
+        """TRL-style {"prompt", "completion"} rows of the given solutions."""
+        return prompt_rows(self.given)
+
+    def labelled_token_rows(self) -> list[dict[str, list[int]]]:
+        return [dict(prompt_ids=p, completion_ids=c) for p, c in zip(self.labelled_prompts, self.labels)]
+
+    def prompt_only_rows(self) -> list[dict[str, str]]:
+        """Every training prompt with no solution in it: the rows of recipes that need none (on-policy KD)."""
+        return [{"prompt": p.prompt} for p in self.train]
+
+
+def split_task(task: ArithmeticTask, train_problems: int, labelled: int, held_out: int, *, held_out_name: str,
+               label_noise: float = 0.0) -> TaskSplit:  # fmt: skip
+    """`train_problems` training problems (seed 0), solutions given for the first `labelled` (0: all of them; with
+    `label_noise` a share of those answers wrong, seed 2: with_wrong_answers), `held_out` different held-out
+    problems (seed 1; `held_out_name` is the caller's option for that count, named in distinct_held_out's error)."""
+    if not 0 <= labelled <= train_problems:
+        raise ValueError(f"labelled={labelled}: give 0 (every problem labelled) up to train_problems={train_problems}")
+    train = task.problems(train_problems, seed=0)
+    held = distinct_held_out(task, held_out, seed=1, name=held_out_name)
+    tokenizer = build_tokenizer(train[:20_000])
+    prompts, completions = tokenized(tokenizer, train)
+    right = train[: labelled or len(train)]
+    given = with_wrong_answers(right, label_noise, seed=2) if label_noise else right
+    labels = tokenized(tokenizer, given)[1] if label_noise else completions[: len(given)]
+    return TaskSplit(task, tokenizer, train, held, prompts, completions, given, labels)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden: int
     layers: int

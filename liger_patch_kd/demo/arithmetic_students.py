@@ -31,13 +31,10 @@ from ..models import revert_kd_patch
 from .arithmetic import (
     ArithmeticTask,
     ModelShape,
-    build_tokenizer,
     completion_batch,
-    distinct_held_out,
     exact_match,
     fit_on_ground_truth,
-    prompt_rows,
-    tokenized,
+    split_task,
 )
 from .toys import quiet, training_args
 
@@ -91,23 +88,16 @@ class ArithmeticDemoSizes:
 
 
 def task_data(sizes: ArithmeticDemoSizes) -> dict:
-    """The training problems (seed 0; the teacher's data), the labelled ones among them (the students'), `held_out`
-    different held-out ones (seed 1), the tokenizer trained on the training text, and the rows each recipe reads:
-    `labelled_rows` prompt + completion, `prompt_rows` every training prompt alone."""
+    """arithmetic.split_task at the demo's sizes, as the rows each recipe reads: `labelled_rows` prompt + completion
+    and `labelled_token_rows` their ids (the labelled problems'), `prompt_rows` every training prompt alone."""
     task = ArithmeticTask(sizes.operands, sizes.digits, sizes.held_out_every)
-    held_out = distinct_held_out(task, sizes.held_out, seed=1, name="ArithmeticDemoSizes.held_out")
-    train = task.problems(sizes.train_problems, seed=0)
-    labelled = train[: sizes.labelled or len(train)]
-    tokenizer = build_tokenizer(train)
-    prompts, completions = tokenized(tokenizer, train)
-    labelled_prompts, labelled_completions = prompts[: len(labelled)], completions[: len(labelled)]
-    return dict(tokenizer=tokenizer, prompts=prompts, completions=completions, held_out=held_out,
-                labelled_prompts=labelled_prompts, labelled_completions=labelled_completions,
-                labelled_distinct=len({p.prompt for p in labelled}), labelled_rows=prompt_rows(labelled),
-                labelled_token_rows=[dict(prompt_ids=p, completion_ids=c)
-                                     for p, c in zip(labelled_prompts, labelled_completions)],
-                prompt_rows=[{"prompt": p.prompt} for p in train],
-                max_new_tokens=max(map(len, completions)) + 1)  # fmt: skip
+    split = split_task(task, sizes.train_problems, sizes.labelled, sizes.held_out,
+                       held_out_name="ArithmeticDemoSizes.held_out")  # fmt: skip
+    return dict(tokenizer=split.tokenizer, prompts=split.prompts, completions=split.completions,
+                held_out=split.held_out, labelled_prompts=split.labelled_prompts, labelled_completions=split.labels,
+                labelled_distinct=len({p.prompt for p in split.given}), labelled_rows=split.labelled_rows(),
+                labelled_token_rows=split.labelled_token_rows(), prompt_rows=split.prompt_only_rows(),
+                max_new_tokens=split.max_new_tokens)  # fmt: skip
 
 
 def recipes(sizes: ArithmeticDemoSizes, max_new_tokens: int) -> dict[str, tuple[dict | None, str]]:
