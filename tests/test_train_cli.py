@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -540,3 +541,22 @@ def test_resume_from_checkpoint_false_or_none_starts_afresh(tmp_path, word):
 
     assert checked_resume(word, str(tmp_path)) is None  # the Trainer's own False / None, not a folder named so
     assert checked_resume(None, str(tmp_path)) is None and checked_resume(False, str(tmp_path)) is False
+
+
+def test_resume_latest_passes_over_an_unfinished_save_and_says_so(tmp_path):
+    """A newer checkpoint folder without trainer_state.json (a save cut short by a kill) is not resumed from: the
+    newest complete one is, with a warning naming the one passed over."""
+    from liger_patch_kd.train_cli.output import checked_resume
+
+    for step, complete in ((2, True), (10, True), (12, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    with pytest.warns(UserWarning, match=r"resuming from checkpoint-10; the newer checkpoint-12 has no "
+                                         r"trainer_state.json"):  # fmt: skip
+        assert checked_resume("latest", str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    (tmp_path / "checkpoint-12" / "trainer_state.json").write_text("{}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checked_resume("true", str(tmp_path)) == str(tmp_path / "checkpoint-12")

@@ -6,6 +6,7 @@ be a checkpoint (`latest`, or `true` as the Trainer's own True means: the newest
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,8 @@ def record_saved(output_dir: str) -> None:
 def checked_resume(value: Any, output_dir: str) -> Any:
     """--resume_from_checkpoint as the Trainer takes it: a checkpoint folder, checked here (the Trainer's own message
     comes only after the models load); `latest` or `true` (any case) the newest checkpoint in --output_dir, which
-    must hold one; `false`, `none` or nothing: None (start afresh); None or a bool unchanged."""
+    must hold one (a newer folder without trainer_state.json, a save cut short, is passed over with a warning);
+    `false`, `none` or nothing: None (start afresh); None or a bool unchanged."""
     if value is None or isinstance(value, bool):
         return value
     if str(value).strip().lower() in AFRESH:
@@ -96,7 +98,15 @@ def checked_resume(value: Any, output_dir: str) -> Any:
             raise ValueError(f"--resume_from_checkpoint {value}: --output_dir {output_dir} holds no checkpoint "
                              "(checkpoint-STEP with trainer_state.json) to resume from; leave the option out to start "
                              "afresh, or name the checkpoint folder")  # fmt: skip
-        return str(saved[-1])
+        newest = saved[-1]
+        unfinished = sorted(p.name for p in Path(output_dir).glob("checkpoint-*")
+                            if p.name.removeprefix("checkpoint-").isdigit() and not (p / CHECKPOINT_STATE).is_file()
+                            and int(p.name.removeprefix("checkpoint-")) > int(newest.name.removeprefix("checkpoint-")))
+        if unfinished:  # a save cut short (a killed run) is passed over, and the user hears which one
+            warnings.warn(f"--resume_from_checkpoint {value}: resuming from {newest.name}; the newer "
+                          f"{', '.join(unfinished)} has no {CHECKPOINT_STATE} (a save that did not finish) and is "
+                          "passed over", stacklevel=2)  # fmt: skip
+        return str(newest)
     path = Path(str(value)).expanduser()
     if not path.is_dir():
         raise ValueError(f"--resume_from_checkpoint {value}: no such folder; name a checkpoint folder a run saved "
