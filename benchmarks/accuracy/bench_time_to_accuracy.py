@@ -29,21 +29,22 @@ objective of our GKD row (lmbda 1, beta 0.5, temperature 1), capped at `--trl-ca
 The offline on-policy rows (FROM_STORE) train on a rollout store made, for each seed, from that seed's format-tuned
 student through precompute_rollouts (what `liger-kd precompute --rollouts-from` runs), into a temporary folder
 removed after the run. The store holds `--store-steps` (default `--steps`) x `--batch` completions, as many as the
-live on-policy GKD row samples over that many steps (set it to what the live row reaches in its cap):
-`--store-generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from
-`--store-steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1
-in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k`
-log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its
-seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0
-point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence,
-on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the
-store (`--store-steps` steps): the same objective on as many samples as the live row sees in that many steps, so
-the two differ only in whose samples they are (the starting student's rather than the current one's) and in what
-they cost. The `pg` / k1 estimators would match the live reverse-KL row instead, not the GKD row the comparison is
-about. The refresh row regenerates a quarter of every step's rows with the current student and rescores them
-(`kd_store_refresh_steps=1`, `kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows).
-The summary asks, for each of them, whether it reaches the live GKD row's final accuracy (less its seed spread) in
-at most half the GPU-seconds the live row takes to reach it.
+live on-policy GKD row samples over that many steps (set it to what the live row reaches in its cap): `--store-
+generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from `--store-
+steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1 in calls
+of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k` log-
+probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its seconds
+(generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0 point there,
+and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence, on the stored
+top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the store (`--store-
+steps` steps; `--store-epochs E`: E passes, the store scored once and trained on E times): the same objective on as
+many samples as the live row sees in that many steps, so the two differ only in whose samples they are (the
+starting student's rather than the current one's) and in what they cost. The `pg` / k1 estimators would match the
+live reverse-KL row instead, not the GKD row the comparison is about. The refresh row regenerates a quarter of
+every step's rows with the current student and rescores them (`kd_store_refresh_steps=1`,
+`kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows). The summary asks, for each of
+them, whether it reaches the live GKD row's final accuracy (less its seed spread) in at most half the GPU-seconds
+the live row takes to reach it.
 
 The served row (SERVED_GKD) is the live GKD row with its teacher behind `liger-kd serve`'s app, started in this
 process on a loopback port (a copy of the teacher, in bf16 on a GPU as `liger-kd serve` loads it) and asked for
@@ -103,6 +104,13 @@ PROMPTS_ONLY = ("SFT on teacher samples (seq KD)", OURS_GKD, "on-policy reverse 
                 *TRL_RECIPES)
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a whole number >= 1")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_time_to_accuracy.json")
@@ -148,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
                    "format-tuned student) from here if it holds them, else save them there")  # fmt: skip
     p.add_argument("--store-steps", type=int, default=None, help="the offline rows' store holds this many steps' "
                    "rows (x --batch completions) and they train one pass over it (default: --steps)")  # fmt: skip
+    p.add_argument("--store-epochs", type=positive_int, default=1, help="passes the offline rows make over their store "
+                   "(scored once, trained this many times): they train --store-steps x this many steps, at most "
+                   "--steps")  # fmt: skip
     p.add_argument("--store-generations", type=int, default=1, help="completions per prompt in the offline rows' "
                    "rollout store (which holds --store-steps x --batch completions)")  # fmt: skip
     p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
@@ -296,11 +307,12 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
                             base_accuracy=base_accuracy, teacher_url=teacher_url)  # fmt: skip
     import shutil
 
-    steps = min(steps, a.store_steps) if a.store_steps else steps  # one pass over the store
+    store_steps = min(steps, a.store_steps or steps)
+    steps = min(steps, store_steps * a.store_epochs)  # --store-epochs passes over the store
     folder = tempfile.mkdtemp(prefix="tta_store_")  # this run's own folder: removed with what it wrote
     try:
         before = fresh_memory(device)
-        store = rollout_store(a, data, student, teacher, seed, steps, device, folder)
+        store = rollout_store(a, data, student, teacher, seed, store_steps, device, folder)
         store_peak = None if before is None else torch.cuda.max_memory_allocated() / 2**20
         run = train_recipe(name, a, data, student, teacher, seed, device, steps=steps, cap=cap, every=every,
                            base_accuracy=base_accuracy, store=(folder, store["seconds"]))  # fmt: skip
@@ -536,7 +548,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
 SAME_EXPERIMENT = ("operands", "digits", "train_problems", "label_noise", "labelled", "held_out", "held_out_every",
                    "teacher_shape", "student_shape", "teacher_steps", "teacher_batch", "teacher_lr", "format_steps",
                    "format_lr", "steps", "batch", "lr", "checkpoints", "cap_seconds", "trl_cap_seconds", "store_steps",
-                   "store_generations", "store_top_k")  # fmt: skip
+                   "store_epochs", "store_generations", "store_top_k")  # fmt: skip
 
 
 def earlier_runs(a) -> dict[str, list[dict]]:

@@ -80,9 +80,13 @@ def plot(payload: dict, out: Path, *, small: bool = False) -> None:
         task += f", solutions for {config['labelled']} of {config.get('train_problems')} problems"
     cut = " (cut short)" if payload.get("summary", {}).get("cut_short") else ""
     if small:
-        fig.suptitle(f"Student exact match on arithmetic, mean ± std over seeds {seeds} ({gpu}){cut}", fontsize=9)
+        share = f" (solutions for {config['labelled']:,} of {config.get('train_problems'):,} problems)" if config.get(
+            "labelled") else ""
+        fig.suptitle(f"Student exact match on arithmetic{share},\nmean ± std over seeds {seeds} ({gpu}){cut}",
+                     fontsize=9)  # fmt: skip
     else:
-        fig.suptitle(f"Student exact match, arithmetic on {task}, mean ± std over seeds {seeds} ({gpu}){cut}")
+        # two lines: a task line and a labelled share together outrun the figure's width
+        fig.suptitle(f"Student exact match, arithmetic on {task},\nmean ± std over seeds {seeds} ({gpu}){cut}")
     axes[-1].legend(fontsize=6 if small else 7, loc="upper left" if small else "best")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
