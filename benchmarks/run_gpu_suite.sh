@@ -89,24 +89,37 @@ for what in "${@:-all}"; do
     bench-step|all)
       python3 -m benchmarks.training.bench_train_step --out "$OUT/bench_train_step.json" ${STEP_ARGS:-} 2>&1 | tee "$OUT/bench_step.log" | grep -v "^{" ;;
     tta-1|tta-2)
-      # time to accuracy over two device calls (docs/benchmarks.md): tta-1 trains the teacher into $OUT/teacher (or
-      # loads it from TTA_DIR/teacher) and runs SFT on the ground truth and the on-policy rows beside TRL's; tta-2
-      # (carry the first call's files back: TTA_DIR=<them>) resumes with every other recipe. Each is cut at 560 s;
-      # the JSON keeps what it reached.
+      # time to accuracy over two device calls (docs/benchmarks.md): tta-1 trains the teacher and each seed's
+      # format-tuned student into $OUT/teacher and runs SFT on the ground truth and the on-policy rows beside TRL's
+      # (TTA_RECIPES: other recipe names); tta-2 (carry the first call's files back: TTA_DIR=<them>) resumes with
+      # every other recipe from the very same teacher and students. A call hands back at most 8 files of 16 MiB,
+      # so tta-1 packs the teacher folder into parts of 15 MiB (teacher.tar.part-*) that tta-2 unpacks. Each is
+      # cut at 560 s; the JSON keeps what it reached.
       dir=${TTA_DIR:-$OUT}
+      if [ ! -d "$dir/teacher" ] && compgen -G "$dir/teacher.tar.part-*" >/dev/null; then
+        cat "$dir"/teacher.tar.part-* | tar -x -C "$dir"
+      fi
       opts=(--student-shape 96 2 --format-steps 1000 --steps 500 --checkpoints 20 --cap-seconds 15
             --trl-cap-seconds 15 --teacher-steps 1500 --store-steps 100 --store-top-k 8 --teacher-dir "$dir/teacher"
             --out "$dir/tta.json")
-      read -ra extra <<< "${TTA_EXTRA:-}"  # more options, e.g. TTA_EXTRA="--label-noise 0.3 --lr 3e-4 --format-lr 1e-3"
+      read -ra extra <<< "${TTA_EXTRA:-}"  # more options, e.g. TTA_EXTRA="--labelled 2000 --cap-seconds 22"
       opts+=("${extra[@]}")
       if [ "$what" = tta-1 ]; then
-        opts+=(--recipes "SFT on ground" "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
+        if [ -n "${TTA_RECIPES:-}" ]; then
+          eval "recipes=(${TTA_RECIPES})"  # quoted names, as on a command line
+        else
+          recipes=("SFT on ground" "off-policy KD, JSD" "on-policy GKD (" "TRL GKD" "TRL Dist")
+        fi
+        opts+=(--recipes "${recipes[@]}")
       else
         opts+=(--resume)
       fi
       timeout 560 python3 -m benchmarks.accuracy.bench_time_to_accuracy "${opts[@]}" 2>&1 | tee "$OUT/$what.log" \
         | grep -v "^wrote\|^    step"
-      [ "$dir" = "$OUT" ] || cp -r "$dir/tta.json" "$OUT/" ;;
+      [ "$dir" = "$OUT" ] || cp -r "$dir/tta.json" "$OUT/"
+      if [ "$what" = tta-1 ] && [ -d "$OUT/teacher" ]; then
+        tar -c -C "$OUT" teacher | split -b 15M - "$OUT/teacher.tar.part-" && rm -rf "$OUT/teacher"
+      fi ;;
     rollout-store)  # a store's build by phase against the live step's generation rate, through generate() and the engine
       python3 -m benchmarks.teachers.bench_rollout_store --prompts 102400 --prompts-per-call 1024 \
         --out "$OUT/bench_rollout_store.json" 2>&1 | tee "$OUT/bench_rollout_store.log" | grep -v "^{"
