@@ -543,7 +543,7 @@ def test_resume_from_checkpoint_false_or_none_starts_afresh(tmp_path, word):
     assert checked_resume(None, str(tmp_path)) is None and checked_resume(False, str(tmp_path)) is False
 
 
-def test_resume_latest_passes_over_an_unfinished_save_and_says_so(tmp_path):
+def test_resume_latest_passes_over_an_unfinished_save_and_says_so(tmp_path, monkeypatch):
     """A newer checkpoint folder without trainer_state.json (a save cut short by a kill) is not resumed from: the
     newest complete one is, with a warning naming the one passed over."""
     from liger_patch_kd.train_cli.output import checked_resume
@@ -560,3 +560,9 @@ def test_resume_latest_passes_over_an_unfinished_save_and_says_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert checked_resume("true", str(tmp_path)) == str(tmp_path / "checkpoint-12")
+    # a checkpoint folder itself named `latest` is reached as a path, the keyword still means the newest
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "trainer_state.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert checked_resume("./latest", str(tmp_path)) == "./latest"
+    assert checked_resume("latest", str(tmp_path)) == str(tmp_path / "checkpoint-12")
