@@ -455,3 +455,28 @@ def test_a_store_made_in_python_names_its_tokenizer_and_another_is_refused(tmp_p
     with pytest.raises(ValueError, match="precomputed with a tokenizer of fingerprint"):
         KDTrainer(model=copy.deepcopy(models[0]), processing_class=other, train_dataset=data,
                   args=_args(tmp_path / "t"))  # fmt: skip
+
+
+@pytest.mark.parametrize("use_kd_patch", [True, False])
+def test_bf16_autocast_scores_the_stored_tokens_to_the_rounding_of_the_products_inputs(tmp_path, models, tokenizer,
+                                                                                        use_kd_patch):  # fmt: skip
+    """bf16=True with fp32 weights (accelerate's autocast around the forward), the sampler training on its own store:
+    its log-probs now are the stored behaviour log-probs up to bf16's rounding of the products (|d| < 1e-3 nats on
+    these logits), so kd_behaviour_kl (~d^2 / 2) logs 0 at step 0 and the pg loss is the float64 one to 1e-3. A
+    log-sum-exp over logits rounded to bf16 (errors of ~2e-2 nats) logged a staleness of 1e-4 before any step."""
+    student, _ = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    terms = []
+    for i in range(len(data)):
+        item = data[i]
+        p = int((item["labels"] != -100).nonzero()[0])
+        log_q = _logprobs(student, item["input_ids"].tolist())[p - 1 : -1].gather(1, item["input_ids"][p:, None])[:, 0]
+        # pg's value at ratio 1 (the sampler's own weights): -(log p - log q), the k1 estimate
+        terms.append(log_q - item["teacher_token_logprobs"][p:].double())
+    expected = float(torch.cat(terms).mean())
+    trainer = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss="pg", bf16=True, use_kd_patch=use_kd_patch,
+                                   gradient_accumulation_steps=4, max_steps=1, learning_rate=0.0))  # fmt: skip
+    trainer.train()
+    assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-5
+    assert _losses(trainer)[0] == pytest.approx(expected, abs=1e-3)
