@@ -480,3 +480,19 @@ def test_bf16_autocast_scores_the_stored_tokens_to_the_rounding_of_the_products_
     trainer.train()
     assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-5
     assert _losses(trainer)[0] == pytest.approx(expected, abs=1e-3)
+
+
+def test_a_join_of_rollout_stores_is_refused_not_trained_as_plain_teacher_rows(tmp_path, models, tokenizer):
+    """A ConcatDataset of two rollout stores (under a Subset too) has no one manifest: it trained as plain top-k
+    rows, the divergence in place of kd_onpolicy_loss='pg', no kd_behaviour_kl, no teacher checked. Refused in one
+    line, naming the fix."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    first = TeacherLogprobsDataset(_store(tmp_path / "a", models, tokenizer))
+    second = TeacherLogprobsDataset(_store(tmp_path / "b", models, tokenizer, settings=RolloutSettings(
+        max_new_tokens=5, num_generations=2, seed=4)))  # fmt: skip
+    for joined in (ConcatDataset([first, second]), Subset(ConcatDataset([first, second]), range(10))):
+        with pytest.raises(ValueError, match=r"train_dataset joins 2 rollout stores .*one store") as e:
+            KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=joined,
+                      args=_args(tmp_path / "t", kd_onpolicy_loss="pg"))  # fmt: skip
+        assert "\n" not in str(e.value)

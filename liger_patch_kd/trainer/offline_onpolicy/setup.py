@@ -82,6 +82,34 @@ def check_evaluation_is_rollouts(eval_dataset: Any) -> None:
             )
 
 
+def joined_rollout_stores(dataset: Any) -> int:
+    """How many rollout stores a join of datasets holds (torch's ConcatDataset, its `datasets`, under any Subset):
+    0 for anything else."""
+    for _ in range(8):
+        parts = getattr(dataset, "datasets", None)
+        if parts is not None:
+            return sum(1 if rollouts_of(store_meta(part) or {}) is not None else joined_rollout_stores(part)
+                       for part in parts)  # fmt: skip
+        if not hasattr(dataset, "dataset"):
+            return 0
+        dataset = dataset.dataset
+    return 0
+
+
+def check_not_a_join_of_rollout_stores(dataset: Any, onpolicy_loss: str) -> None:
+    """A join of rollout stores has no one manifest, so it would train as plain teacher rows: the divergence on
+    their top-k whatever kd_onpolicy_loss says, no kd_behaviour_kl, no teacher checked. Refused in one line."""
+    stores = joined_rollout_stores(dataset)
+    if stores:
+        joined = f"{stores} rollout store{'s' if stores > 1 else ''} ({type(dataset).__name__})"
+        raise ValueError(
+            f"train_dataset joins {joined}, and a run on rollouts reads one store's manifest (its scoring teacher, "
+            f"sampling and behaviour log-probs): joined, they would train as plain teacher rows (kd_onpolicy_loss="
+            f"{onpolicy_loss!r} unused, no kd_behaviour_kl, no teacher check). Make one store of all the prompts "
+            f"(liger-kd precompute --rollouts-from ... --data with every prompt), or train on one store at a time"
+        )
+
+
 class OfflineRollouts:
     """What a run on a rollout store adds to KDTrainer; `setup` returns None for any other dataset."""
 
@@ -96,6 +124,7 @@ class OfflineRollouts:
         meta = store_meta(dataset)
         section = rollouts_of(meta) if meta is not None else None
         if section is None:
+            check_not_a_join_of_rollout_stores(dataset, args.kd_onpolicy_loss)
             if args.kd_store_refresh_steps:
                 raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} regenerates rows of a "
                                  f"rollout store (liger-kd precompute --rollouts-from), and train_dataset is not one: "
