@@ -496,3 +496,30 @@ def test_a_join_of_rollout_stores_is_refused_not_trained_as_plain_teacher_rows(t
             KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=joined,
                       args=_args(tmp_path / "t", kd_onpolicy_loss="pg"))  # fmt: skip
         assert "\n" not in str(e.value)
+
+
+def test_an_evaluation_store_scored_by_another_teacher_or_sampled_otherwise_is_refused(tmp_path, models, tokenizer):
+    """eval_loss is the run's estimator on held-out rollouts against their stored teacher log-probs: a store scored by
+    another teacher than training's reported the distance to that teacher as the run's eval_loss (and beside a
+    teacher_model, whose check covered only the training store, mixed two teachers in one run); one sampled at
+    another temperature fed the sampled-token estimators tokens they do not assume. Each refused in one line."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    other = TeacherLogprobsDataset(_store(tmp_path / "o", (student, tiny_model("llama", dtype=torch.float32, seed=7)),
+                                          tokenizer))  # fmt: skip
+    for teacher_model, extra in ((None, {}), (teacher, {"kd_store_refresh_steps": 2})):
+        with pytest.raises(ValueError, match=r"eval_dataset's rollout store was scored by teacher .* train_dataset's "
+                                             r"by .*fingerprint") as e:  # fmt: skip
+            KDTrainer(model=copy.deepcopy(student), teacher_model=teacher_model, processing_class=tokenizer,
+                      train_dataset=data, eval_dataset=other, args=_args(tmp_path / "t", kd_onpolicy_loss="pg",
+                                                                         **extra))  # fmt: skip
+        assert "\n" not in str(e.value)
+    hot = TeacherLogprobsDataset(_store(tmp_path / "hot", models, tokenizer, settings=RolloutSettings(
+        max_new_tokens=5, num_generations=1, seed=5, temperature=0.7)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_dataset\['hot'\]: kd_onpolicy_loss='k1' .* sampled with") as e:
+        KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                  eval_dataset={"hot": hot}, args=_args(tmp_path / "t", kd_onpolicy_loss="k1"))  # fmt: skip
+    assert "\n" not in str(e.value)
+    # the divergence on a hot store, and a store of the same teacher, evaluate as before
+    KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data, eval_dataset=hot,
+              args=_args(tmp_path / "t"))  # fmt: skip
