@@ -523,3 +523,19 @@ def test_an_evaluation_store_scored_by_another_teacher_or_sampled_otherwise_is_r
     # the divergence on a hot store, and a store of the same teacher, evaluate as before
     KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data, eval_dataset=hot,
               args=_args(tmp_path / "t"))  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["k1", "pg"])
+def test_a_sampled_token_estimator_on_a_store_of_teacher_samples_needs_no_kd_beta(tmp_path, models, tokenizer, loss):
+    """The estimators score a rollout store's sampled tokens against the stored teacher log-probs; its teacher samples
+    (--samples) go unused, so the samples' beta-0 rule does not apply: the default kd_beta 0.5 was refused with "set
+    beta=0", an option pg never reads. The divergence, which trains on the samples, keeps the rule."""
+    score = ScoreOptions(top_k=0, samples=4)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer, score=score))
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss=loss, max_steps=1))  # fmt: skip
+    trainer.train()
+    assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-6  # the sampler's own store: ratio 1
+    with pytest.raises(ValueError, match="kd_beta: the training store holds sampled teacher tokens"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t"))  # fmt: skip
