@@ -539,3 +539,16 @@ def test_a_sampled_token_estimator_on_a_store_of_teacher_samples_needs_no_kd_bet
     with pytest.raises(ValueError, match="kd_beta: the training store holds sampled teacher tokens"):
         KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
                   args=_args(tmp_path / "t"))  # fmt: skip
+
+
+def test_the_scoring_teacher_in_another_dtype_is_refused_saying_so(tmp_path, models, tokenizer):
+    """The fingerprint covers every weight in its dtype, so the very checkpoint that scored the store, loaded in
+    bfloat16 for the refresh (its rescored rows would be another teacher's, to bf16's rounding), is refused; the
+    message says the dtype is what may differ, not just two fingerprints."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=r"teacher_model has fingerprint .* torch\.bfloat16.* another dtype") as e:
+        KDTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher).to(torch.bfloat16),
+                  processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", kd_store_refresh_steps=1))  # fmt: skip
+    assert "\n" not in str(e.value)

@@ -42,10 +42,14 @@ def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
         )
     given = teacher_fingerprint(teacher_model)
     if given != scored_by:
+        dtypes = sorted({str(p.dtype) for p in teacher_model.parameters()})
         raise ValueError(
             f"the rollout store was scored by teacher {meta.get('teacher') or '?'} (weights fingerprint {scored_by}) "
-            f"but teacher_model has fingerprint {given}: pass the teacher that scored it, or make a store scored by "
-            f"this one (liger-kd precompute --rollouts-from ... --teacher ...)"
+            f"but teacher_model has fingerprint {given} (weights in {', '.join(dtypes)}; the fingerprint covers the "
+            f"config and every weight in its dtype, so the same checkpoint loaded in another dtype than the scoring "
+            f"run's differs too): pass the teacher that scored it, as it was loaded then (liger-kd precompute loads "
+            f"it in the checkpoint's dtype), or make a store scored by this one (liger-kd precompute --rollouts-from "
+            f"... --teacher ...)"
         )
 
 
