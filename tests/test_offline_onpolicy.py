@@ -552,3 +552,32 @@ def test_the_scoring_teacher_in_another_dtype_is_refused_saying_so(tmp_path, mod
                   processing_class=tokenizer, train_dataset=data,
                   args=_args(tmp_path / "t", kd_store_refresh_steps=1))  # fmt: skip
     assert "\n" not in str(e.value)
+
+
+def test_a_resume_in_the_second_pass_with_a_refresh_due_continues_as_the_uninterrupted_run(tmp_path, models,
+                                                                                           tokenizer):  # fmt: skip
+    """Three passes over an 8-row store (4 steps each), a refresh every 3 steps, a checkpoint at step 6 (the middle
+    of the second pass, a refresh due at its first step): the resumed run skips the rows step 4-5 trained, regenerates
+    the rows step 6 regenerated (seeded from seed and step, not the global RNG) and ends on the same weights, its
+    steps' losses and kd_behaviour_kl those of the run that never stopped."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    options = dict(kd_onpolicy_loss="pg", max_steps=-1, num_train_epochs=3, learning_rate=3e-2, save_strategy="steps",
+                   save_steps=6, kd_store_refresh_steps=3, kd_store_refresh_fraction=0.5)  # fmt: skip
+
+    def run(out, resume=None):
+        trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                            train_dataset=data, args=_args(out, **options))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        logged = {h["step"]: (h["loss"], h["kd_behaviour_kl"]) for h in trainer.state.log_history if "loss" in h}
+        return trainer, logged
+
+    whole, logged = run(tmp_path / "whole")
+    assert whole.state.global_step == 12 and whole.offline.refresh.refreshed_steps == [3, 6, 9]
+    resumed, logged_after = run(tmp_path / "cut", resume=str(tmp_path / "whole" / "out" / "checkpoint-6"))
+    assert resumed.offline.refresh.refreshed_steps == [6, 9]
+    # the same computation replayed on this machine: equal but for nondeterministic reduction order
+    for step in range(7, 13):
+        assert logged_after[step] == pytest.approx(logged[step], rel=1e-6, abs=1e-9), step
+    for name, p in whole.model.named_parameters():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
