@@ -581,3 +581,80 @@ def test_a_resume_in_the_second_pass_with_a_refresh_due_continues_as_the_uninter
         assert logged_after[step] == pytest.approx(logged[step], rel=1e-6, abs=1e-9), step
     for name, p in whole.model.named_parameters():
         torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("loss", ["pg", "divergence"])
+def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64_loss(tmp_path, models, tokenizer,
+                                                                                     loss):  # fmt: skip
+    """Three passes over an 8-row store in steps of 2 x 2 accumulated rows, half of each micro-batch refreshed every
+    second step: each pass trains every stored row once (a refreshed row in place of its own prompt's, never carried
+    into the next pass), and each step's logged loss is the float64 loss of its rows at the step's starting weights,
+    from the stored top-k / teacher / behaviour log-probs (a refreshed row: the teacher's and the student's own, in
+    float64), normalised by the step's completion tokens. float32 products of O(1) logits: 1e-5."""
+    from transformers import TrainerCallback
+
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path / "t", kd_onpolicy_loss=loss, max_steps=-1,
+                                                       num_train_epochs=3, gradient_accumulation_steps=2,
+                                                       learning_rate=3e-2, kd_store_refresh_steps=2,
+                                                       kd_store_refresh_fraction=0.5))  # fmt: skip
+    weights, seen, real = [], [], trainer.offline.refreshed
+
+    class Weights(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **_):
+            weights.append({k: v.detach().double().clone() for k, v in model.state_dict().items()})
+
+    def refreshed(batches, *a, **k):
+        out = real(batches, *a, **k)
+        seen.append([(before, after) for b, o in zip(batches, out) for before, after in zip(rows_of(b), rows_of(o))])
+        return out
+
+    from liger_patch_kd.batch.rollout_store import rows_of
+
+    trainer.add_callback(Weights())
+    trainer.offline.refreshed = refreshed
+    trainer.train()
+    stored = {tuple(data[i]["input_ids"].tolist()): data[i] for i in range(len(data))}
+    assert len(stored) == len(data) and len(seen) == 6  # distinct rows; 2 steps a pass
+    for epoch in (0, 1, 2):  # every stored row once a pass, before any refresh
+        trained = sorted(tuple(before["input_ids"].tolist()) for step in seen[2 * epoch : 2 * epoch + 2]
+                         for before, _ in step)  # fmt: skip
+        assert trained == sorted(stored)
+    logged, fresh = _losses(trainer), []
+    for step, rows in enumerate(seen):
+        model = copy.deepcopy(student).double()
+        model.load_state_dict(weights[step])
+        total, count = 0.0, 0
+        for before, after in rows:
+            ids = after["input_ids"].tolist()
+            p = int((after["labels"] != -100).nonzero()[0])
+            assert ids[:p] == before["input_ids"][:p].tolist()  # the same prompt
+            item = stored.get(tuple(ids))
+            with torch.no_grad():
+                log_q = _logprobs(model, ids)[p - 1 : -1]
+                log_t = _logprobs(teacher, ids)[p - 1 : -1]
+            own = torch.tensor(ids[p:])
+            if item is None:  # refreshed: the teacher's top-k and the student's own behaviour, float64
+                assert step in (2, 4), step  # the steps due (every second, the first never)
+                fresh.append(step)
+                top_p, top_i = log_t.topk(8, -1)
+                teacher_token, behaviour = log_t.gather(1, own[:, None])[:, 0], log_q.gather(1, own[:, None])[:, 0]
+            else:
+                top_p, top_i = item["teacher_logprobs"][p - 1 : -1].double(), item["teacher_token_ids"][p - 1 : -1]
+                teacher_token = item["teacher_token_logprobs"][p:].double()
+                behaviour = item["behaviour_logprobs"][p:].double()
+            q = log_q.gather(1, own[:, None])[:, 0]
+            if loss == "pg":  # value: -min(q / b, 3) (log p - log q)
+                total += float((-(q - behaviour).exp().clamp(max=3.0) * (teacher_token - q)).sum())
+            else:  # beta 0.5 JSD over the top-8 and the tail bucket
+                pk, sk = top_p.exp(), log_q.gather(1, top_i.long()).exp()
+                pa = torch.cat([pk, (1 - pk.sum(-1, keepdim=True)).clamp(min=0)], -1)
+                sa = torch.cat([sk, 1 - sk.sum(-1, keepdim=True)], -1)
+                m = (pa + sa) / 2
+                kl = lambda a, b: torch.where(a > 0, a * (a.clamp(min=1e-300).log() - b.log()), 0.0).sum()  # noqa: E731
+                total += float(0.5 * kl(pa, m) + 0.5 * kl(sa, m))
+            count += len(own)
+        assert logged[step] == pytest.approx(total / count, rel=1e-5, abs=1e-7), step
+    assert sorted(set(fresh)) == [2, 4] and len(fresh) == 4  # the first row of each micro-batch of those steps
