@@ -658,3 +658,33 @@ def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64
             count += len(own)
         assert logged[step] == pytest.approx(total / count, rel=1e-5, abs=1e-7), step
     assert sorted(set(fresh)) == [2, 4] and len(fresh) == 4  # the first row of each micro-batch of those steps
+
+
+def test_the_train_command_resumes_the_second_pass_over_a_store_from_latest(tmp_path, checkpoints):
+    """`liger-kd train --dataset_name STORE --num_train_epochs 2`, rows held out for evaluation and a refresh every 2
+    steps rescored by the scoring teacher: stopped after step 4 (the second pass's first, of 3 a pass), `latest`
+    resumes it to the weights, losses and evaluations of the run that never stopped."""
+    import shutil
+
+    from liger_patch_kd.models import revert_kd_patch
+    from liger_patch_kd.train_cli import run as train_run
+
+    assert main(_command(checkpoints, tmp_path / "store")) == 0
+    options = ["--model_name_or_path", str(checkpoints / "student"), "--teacher_model_name_or_path",
+               str(checkpoints / "teacher"), "--dataset_name", str(tmp_path / "store"), "--eval_fraction", "0.25",
+               "--use_kd_patch", "--kd_onpolicy_loss", "pg", "--kd_store_refresh_steps", "2",
+               "--kd_store_refresh_fraction", "0.5", "--learning_rate", "3e-2", "--per_device_train_batch_size", "2",
+               "--num_train_epochs", "2", "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "3",
+               "--save_strategy", "steps", "--save_steps", "4", "--report_to", "none", "--use_cpu",
+               "--disable_tqdm", "true", "--seed", "5"]  # fmt: skip
+    whole = train_run.train([*options, "--output_dir", str(tmp_path / "whole")])
+    revert_kd_patch()
+    assert whole.state.global_step == 6 and whole.offline.refresh.refreshed_steps == [2, 4]  # 6 rows: 3 steps a pass
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", tmp_path / "cut" / "checkpoint-4")
+    resumed = train_run.train([*options, "--output_dir", str(tmp_path / "cut"), "--resume_from_checkpoint", "latest"])
+    assert resumed.state.global_step == 6 and resumed.offline.refresh.refreshed_steps == [4]
+    for key in ("loss", "eval_loss"):
+        seen = [[(h["step"], h[key]) for h in t.state.log_history if key in h] for t in (whole, resumed)]
+        assert len(seen[0]) == len(seen[1]) and all(a == pytest.approx(b, rel=1e-6) for a, b in zip(*seen)), key
+    for name, p in whole.model.named_parameters():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
