@@ -688,3 +688,26 @@ def test_the_train_command_resumes_the_second_pass_over_a_store_from_latest(tmp_
         assert len(seen[0]) == len(seen[1]) and all(a == pytest.approx(b, rel=1e-6) for a, b in zip(*seen)), key
     for name, p in whole.model.named_parameters():
         torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
+
+
+def test_the_refreshed_share_is_of_the_steps_rows_whatever_the_micro_batches(tmp_path, models, tokenizer):
+    """kd_store_refresh_fraction f regenerates ceil(f x the step's rows) rows, the first rows of its micro-batches:
+    per_device_train_batch_size 1 with 4 accumulated micro-batches and f = 0.25 refreshed every row (ceil(0.25 x 1)
+    in each), four times the share asked; 2 micro-batches of 3 and f = 0.5 refreshed 4 of 6."""
+    from liger_patch_kd.batch.rollout_store import rows_of
+
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    for size, micro, fraction, counts in ((1, 4, 0.25, [1, 0, 0, 0]), (3, 2, 0.5, [2, 1]), (2, 2, 0.5, [1, 1])):
+        trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                            train_dataset=data, args=_args(tmp_path / "t", kd_store_refresh_steps=1,
+                                                           kd_store_refresh_fraction=fraction))  # fmt: skip
+        offline = trainer.offline
+        batches = [offline.collator([data[size * b + r] for r in range(size)]) for b in range(micro)]
+        out = offline.refreshed(batches, trainer.model, trainer.teacher_model, tokenizer=tokenizer, step=1,
+                                vocab_size=None)  # fmt: skip
+        changed = []
+        for before, after in zip(batches, out):
+            rows = zip(rows_of(before), rows_of(after))
+            changed.append(sum(not torch.equal(b["input_ids"], a["input_ids"]) for b, a in rows))
+        assert changed == counts, (size, micro, fraction, changed)
