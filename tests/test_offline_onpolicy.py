@@ -590,7 +590,8 @@ def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64
     second step: each pass trains every stored row once (a refreshed row in place of its own prompt's, never carried
     into the next pass), and each step's logged loss is the float64 loss of its rows at the step's starting weights,
     from the stored top-k / teacher / behaviour log-probs (a refreshed row: the teacher's and the student's own, in
-    float64), normalised by the step's completion tokens. float32 products of O(1) logits: 1e-5."""
+    float64), normalised by the step's completion tokens, and its kd_behaviour_kl the float64 staleness of those rows
+    (a refreshed row's behaviour is the student's own). float32 products of O(1) logits: 1e-5."""
     from transformers import TrainerCallback
 
     student, teacher = models
@@ -622,11 +623,11 @@ def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64
         trained = sorted(tuple(before["input_ids"].tolist()) for step in seen[2 * epoch : 2 * epoch + 2]
                          for before, _ in step)  # fmt: skip
         assert trained == sorted(stored)
-    logged, fresh = _losses(trainer), []
+    logged, staleness, fresh = _losses(trainer), _losses(trainer, "kd_behaviour_kl"), []
     for step, rows in enumerate(seen):
         model = copy.deepcopy(student).double()
         model.load_state_dict(weights[step])
-        total, count = 0.0, 0
+        total, count, stale = 0.0, 0, 0.0
         for before, after in rows:
             ids = after["input_ids"].tolist()
             p = int((after["labels"] != -100).nonzero()[0])
@@ -646,6 +647,7 @@ def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64
                 teacher_token = item["teacher_token_logprobs"][p:].double()
                 behaviour = item["behaviour_logprobs"][p:].double()
             q = log_q.gather(1, own[:, None])[:, 0]
+            stale += float(((q - behaviour).exp() - 1 - (q - behaviour)).sum())  # a refreshed row's behaviour: q itself
             if loss == "pg":  # value: -min(q / b, 3) (log p - log q)
                 total += float((-(q - behaviour).exp().clamp(max=3.0) * (teacher_token - q)).sum())
             else:  # beta 0.5 JSD over the top-8 and the tail bucket
@@ -657,6 +659,7 @@ def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64
                 total += float(0.5 * kl(pa, m) + 0.5 * kl(sa, m))
             count += len(own)
         assert logged[step] == pytest.approx(total / count, rel=1e-5, abs=1e-7), step
+        assert staleness[step] == pytest.approx(stale / count, rel=1e-4, abs=1e-6), step  # logged to 6 decimals
     assert sorted(set(fresh)) == [2, 4] and len(fresh) == 4  # the first row of each micro-batch of those steps
 
 
