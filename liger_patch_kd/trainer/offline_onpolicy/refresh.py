@@ -86,9 +86,9 @@ class StoreRefresh:
         counts, done, seen = [], 0, 0
         for size in sizes:
             seen += size
-            due = min(seen, math.ceil(self.fraction * seen - 1e-9))
-            counts.append(max(0, min(size, due - done)))
-            done += counts[-1]
+            due = math.ceil(self.fraction * seen - 1e-9)  # fraction <= 1: at most `size` more than before
+            counts.append(due - done)
+            done = due
         return counts
 
     def item(self, row: ScoredRow) -> dict[str, torch.Tensor]:
