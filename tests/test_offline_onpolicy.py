@@ -455,3 +455,262 @@ def test_a_store_made_in_python_names_its_tokenizer_and_another_is_refused(tmp_p
     with pytest.raises(ValueError, match="precomputed with a tokenizer of fingerprint"):
         KDTrainer(model=copy.deepcopy(models[0]), processing_class=other, train_dataset=data,
                   args=_args(tmp_path / "t"))  # fmt: skip
+
+
+@pytest.mark.parametrize("use_kd_patch", [True, False])
+def test_bf16_autocast_scores_the_stored_tokens_to_the_rounding_of_the_products_inputs(tmp_path, models, tokenizer,
+                                                                                        use_kd_patch):  # fmt: skip
+    """bf16=True with fp32 weights (accelerate's autocast around the forward), the sampler training on its own store:
+    its log-probs now are the stored behaviour log-probs up to bf16's rounding of the products (|d| < 1e-3 nats on
+    these logits), so kd_behaviour_kl (~d^2 / 2) logs 0 at step 0 and the pg loss is the float64 one to 1e-3. A
+    log-sum-exp over logits rounded to bf16 (errors of ~2e-2 nats) logged a staleness of 1e-4 before any step."""
+    student, _ = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    terms = []
+    for i in range(len(data)):
+        item = data[i]
+        p = int((item["labels"] != -100).nonzero()[0])
+        log_q = _logprobs(student, item["input_ids"].tolist())[p - 1 : -1].gather(1, item["input_ids"][p:, None])[:, 0]
+        # pg's value at ratio 1 (the sampler's own weights): -(log p - log q), the k1 estimate
+        terms.append(log_q - item["teacher_token_logprobs"][p:].double())
+    expected = float(torch.cat(terms).mean())
+    trainer = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss="pg", bf16=True, use_kd_patch=use_kd_patch,
+                                   gradient_accumulation_steps=4, max_steps=1, learning_rate=0.0))  # fmt: skip
+    trainer.train()
+    assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-5
+    assert _losses(trainer)[0] == pytest.approx(expected, abs=1e-3)
+
+
+def test_a_join_of_rollout_stores_is_refused_not_trained_as_plain_teacher_rows(tmp_path, models, tokenizer):
+    """A ConcatDataset of two rollout stores (under a Subset too) has no one manifest: it trained as plain top-k
+    rows, the divergence in place of kd_onpolicy_loss='pg', no kd_behaviour_kl, no teacher checked. Refused in one
+    line, naming the fix."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    first = TeacherLogprobsDataset(_store(tmp_path / "a", models, tokenizer))
+    second = TeacherLogprobsDataset(_store(tmp_path / "b", models, tokenizer, settings=RolloutSettings(
+        max_new_tokens=5, num_generations=2, seed=4)))  # fmt: skip
+    for joined in (ConcatDataset([first, second]), Subset(ConcatDataset([first, second]), range(10))):
+        with pytest.raises(ValueError, match=r"train_dataset joins 2 rollout stores .*one store") as e:
+            KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=joined,
+                      args=_args(tmp_path / "t", kd_onpolicy_loss="pg"))  # fmt: skip
+        assert "\n" not in str(e.value)
+
+
+def test_an_evaluation_store_scored_by_another_teacher_or_sampled_otherwise_is_refused(tmp_path, models, tokenizer):
+    """eval_loss is the run's estimator on held-out rollouts against their stored teacher log-probs: a store scored by
+    another teacher than training's reported the distance to that teacher as the run's eval_loss (and beside a
+    teacher_model, whose check covered only the training store, mixed two teachers in one run); one sampled at
+    another temperature fed the sampled-token estimators tokens they do not assume. Each refused in one line."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    other = TeacherLogprobsDataset(_store(tmp_path / "o", (student, tiny_model("llama", dtype=torch.float32, seed=7)),
+                                          tokenizer))  # fmt: skip
+    for teacher_model, extra in ((None, {}), (teacher, {"kd_store_refresh_steps": 2})):
+        with pytest.raises(ValueError, match=r"eval_dataset's rollout store was scored by teacher .* train_dataset's "
+                                             r"by .*fingerprint") as e:  # fmt: skip
+            KDTrainer(model=copy.deepcopy(student), teacher_model=teacher_model, processing_class=tokenizer,
+                      train_dataset=data, eval_dataset=other, args=_args(tmp_path / "t", kd_onpolicy_loss="pg",
+                                                                         **extra))  # fmt: skip
+        assert "\n" not in str(e.value)
+    hot = TeacherLogprobsDataset(_store(tmp_path / "hot", models, tokenizer, settings=RolloutSettings(
+        max_new_tokens=5, num_generations=1, seed=5, temperature=0.7)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_dataset\['hot'\]: kd_onpolicy_loss='k1' .* sampled with") as e:
+        KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                  eval_dataset={"hot": hot}, args=_args(tmp_path / "t", kd_onpolicy_loss="k1"))  # fmt: skip
+    assert "\n" not in str(e.value)
+    # the divergence on a hot store, and a store of the same teacher, evaluate as before
+    KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data, eval_dataset=hot,
+              args=_args(tmp_path / "t"))  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["k1", "pg"])
+def test_a_sampled_token_estimator_on_a_store_of_teacher_samples_needs_no_kd_beta(tmp_path, models, tokenizer, loss):
+    """The estimators score a rollout store's sampled tokens against the stored teacher log-probs; its teacher samples
+    (--samples) go unused, so the samples' beta-0 rule does not apply: the default kd_beta 0.5 was refused with "set
+    beta=0", an option pg never reads. The divergence, which trains on the samples, keeps the rule."""
+    score = ScoreOptions(top_k=0, samples=4)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer, score=score))
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "t", kd_onpolicy_loss=loss, max_steps=1))  # fmt: skip
+    trainer.train()
+    assert _losses(trainer, "kd_behaviour_kl")[0] < 1e-6  # the sampler's own store: ratio 1
+    with pytest.raises(ValueError, match="kd_beta: the training store holds sampled teacher tokens"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t"))  # fmt: skip
+
+
+def test_the_scoring_teacher_in_another_dtype_is_refused_saying_so(tmp_path, models, tokenizer):
+    """The fingerprint covers every weight in its dtype, so the very checkpoint that scored the store, loaded in
+    bfloat16 for the refresh (its rescored rows would be another teacher's, to bf16's rounding), is refused; the
+    message says the dtype is what may differ, not just two fingerprints."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=r"teacher_model has fingerprint .* torch\.bfloat16.* another dtype") as e:
+        KDTrainer(model=copy.deepcopy(student), teacher_model=copy.deepcopy(teacher).to(torch.bfloat16),
+                  processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", kd_store_refresh_steps=1))  # fmt: skip
+    assert "\n" not in str(e.value)
+
+
+def test_a_resume_in_the_second_pass_with_a_refresh_due_continues_as_the_uninterrupted_run(tmp_path, models,
+                                                                                           tokenizer):  # fmt: skip
+    """Three passes over an 8-row store (4 steps each), a refresh every 3 steps, a checkpoint at step 6 (the middle
+    of the second pass, a refresh due at its first step): the resumed run skips the rows step 4-5 trained, regenerates
+    the rows step 6 regenerated (seeded from seed and step, not the global RNG) and ends on the same weights, its
+    steps' losses and kd_behaviour_kl those of the run that never stopped."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    options = dict(kd_onpolicy_loss="pg", max_steps=-1, num_train_epochs=3, learning_rate=3e-2, save_strategy="steps",
+                   save_steps=6, kd_store_refresh_steps=3, kd_store_refresh_fraction=0.5)  # fmt: skip
+
+    def run(out, resume=None):
+        trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                            train_dataset=data, args=_args(out, **options))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        logged = {h["step"]: (h["loss"], h["kd_behaviour_kl"]) for h in trainer.state.log_history if "loss" in h}
+        return trainer, logged
+
+    whole, logged = run(tmp_path / "whole")
+    assert whole.state.global_step == 12 and whole.offline.refresh.refreshed_steps == [3, 6, 9]
+    resumed, logged_after = run(tmp_path / "cut", resume=str(tmp_path / "whole" / "out" / "checkpoint-6"))
+    assert resumed.offline.refresh.refreshed_steps == [6, 9]
+    # the same computation replayed on this machine: equal but for nondeterministic reduction order
+    for step in range(7, 13):
+        assert logged_after[step] == pytest.approx(logged[step], rel=1e-6, abs=1e-9), step
+    for name, p in whole.model.named_parameters():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("loss", ["pg", "divergence"])
+def test_passes_over_a_refreshed_store_train_each_row_once_a_pass_on_the_float64_loss(tmp_path, models, tokenizer,
+                                                                                     loss):  # fmt: skip
+    """Three passes over an 8-row store in steps of 2 x 2 accumulated rows, half of each micro-batch refreshed every
+    second step: each pass trains every stored row once (a refreshed row in place of its own prompt's, never carried
+    into the next pass), and each step's logged loss is the float64 loss of its rows at the step's starting weights,
+    from the stored top-k / teacher / behaviour log-probs (a refreshed row: the teacher's and the student's own, in
+    float64), normalised by the step's completion tokens, and its kd_behaviour_kl the float64 staleness of those rows
+    (a refreshed row's behaviour is the student's own). float32 products of O(1) logits: 1e-5."""
+    from transformers import TrainerCallback
+
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path / "t", kd_onpolicy_loss=loss, max_steps=-1,
+                                                       num_train_epochs=3, gradient_accumulation_steps=2,
+                                                       learning_rate=3e-2, kd_store_refresh_steps=2,
+                                                       kd_store_refresh_fraction=0.5))  # fmt: skip
+    weights, seen, real = [], [], trainer.offline.refreshed
+
+    class Weights(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **_):
+            weights.append({k: v.detach().double().clone() for k, v in model.state_dict().items()})
+
+    def refreshed(batches, *a, **k):
+        out = real(batches, *a, **k)
+        seen.append([(before, after) for b, o in zip(batches, out) for before, after in zip(rows_of(b), rows_of(o))])
+        return out
+
+    from liger_patch_kd.batch.rollout_store import rows_of
+
+    trainer.add_callback(Weights())
+    trainer.offline.refreshed = refreshed
+    trainer.train()
+    stored = {tuple(data[i]["input_ids"].tolist()): data[i] for i in range(len(data))}
+    assert len(stored) == len(data) and len(seen) == 6  # distinct rows; 2 steps a pass
+    for epoch in (0, 1, 2):  # every stored row once a pass, before any refresh
+        trained = sorted(tuple(before["input_ids"].tolist()) for step in seen[2 * epoch : 2 * epoch + 2]
+                         for before, _ in step)  # fmt: skip
+        assert trained == sorted(stored)
+    logged, staleness, fresh = _losses(trainer), _losses(trainer, "kd_behaviour_kl"), []
+    for step, rows in enumerate(seen):
+        model = copy.deepcopy(student).double()
+        model.load_state_dict(weights[step])
+        total, count, stale = 0.0, 0, 0.0
+        for before, after in rows:
+            ids = after["input_ids"].tolist()
+            p = int((after["labels"] != -100).nonzero()[0])
+            assert ids[:p] == before["input_ids"][:p].tolist()  # the same prompt
+            item = stored.get(tuple(ids))
+            with torch.no_grad():
+                log_q = _logprobs(model, ids)[p - 1 : -1]
+                log_t = _logprobs(teacher, ids)[p - 1 : -1]
+            own = torch.tensor(ids[p:])
+            if item is None:  # refreshed: the teacher's top-k and the student's own behaviour, float64
+                assert step in (2, 4), step  # the steps due (every second, the first never)
+                fresh.append(step)
+                top_p, top_i = log_t.topk(8, -1)
+                teacher_token, behaviour = log_t.gather(1, own[:, None])[:, 0], log_q.gather(1, own[:, None])[:, 0]
+            else:
+                top_p, top_i = item["teacher_logprobs"][p - 1 : -1].double(), item["teacher_token_ids"][p - 1 : -1]
+                teacher_token = item["teacher_token_logprobs"][p:].double()
+                behaviour = item["behaviour_logprobs"][p:].double()
+            q = log_q.gather(1, own[:, None])[:, 0]
+            stale += float(((q - behaviour).exp() - 1 - (q - behaviour)).sum())  # a refreshed row's behaviour: q itself
+            if loss == "pg":  # value: -min(q / b, 3) (log p - log q)
+                total += float((-(q - behaviour).exp().clamp(max=3.0) * (teacher_token - q)).sum())
+            else:  # beta 0.5 JSD over the top-8 and the tail bucket
+                pk, sk = top_p.exp(), log_q.gather(1, top_i.long()).exp()
+                pa = torch.cat([pk, (1 - pk.sum(-1, keepdim=True)).clamp(min=0)], -1)
+                sa = torch.cat([sk, 1 - sk.sum(-1, keepdim=True)], -1)
+                m = (pa + sa) / 2
+                kl = lambda a, b: torch.where(a > 0, a * (a.clamp(min=1e-300).log() - b.log()), 0.0).sum()  # noqa: E731
+                total += float(0.5 * kl(pa, m) + 0.5 * kl(sa, m))
+            count += len(own)
+        assert logged[step] == pytest.approx(total / count, rel=1e-5, abs=1e-7), step
+        assert staleness[step] == pytest.approx(stale / count, rel=1e-4, abs=1e-6), step  # logged to 6 decimals
+    assert sorted(set(fresh)) == [2, 4] and len(fresh) == 4  # the first row of each micro-batch of those steps
+
+
+def test_the_train_command_resumes_the_second_pass_over_a_store_from_latest(tmp_path, checkpoints):
+    """`liger-kd train --dataset_name STORE --num_train_epochs 2`, rows held out for evaluation and a refresh every 2
+    steps rescored by the scoring teacher: stopped after step 4 (the second pass's first, of 3 a pass), `latest`
+    resumes it to the weights, losses and evaluations of the run that never stopped."""
+    import shutil
+
+    from liger_patch_kd.models import revert_kd_patch
+    from liger_patch_kd.train_cli import run as train_run
+
+    assert main(_command(checkpoints, tmp_path / "store")) == 0
+    options = ["--model_name_or_path", str(checkpoints / "student"), "--teacher_model_name_or_path",
+               str(checkpoints / "teacher"), "--dataset_name", str(tmp_path / "store"), "--eval_fraction", "0.25",
+               "--use_kd_patch", "--kd_onpolicy_loss", "pg", "--kd_store_refresh_steps", "2",
+               "--kd_store_refresh_fraction", "0.5", "--learning_rate", "3e-2", "--per_device_train_batch_size", "2",
+               "--num_train_epochs", "2", "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "3",
+               "--save_strategy", "steps", "--save_steps", "4", "--report_to", "none", "--use_cpu",
+               "--disable_tqdm", "true", "--seed", "5"]  # fmt: skip
+    whole = train_run.train([*options, "--output_dir", str(tmp_path / "whole")])
+    revert_kd_patch()
+    assert whole.state.global_step == 6 and whole.offline.refresh.refreshed_steps == [2, 4]  # 6 rows: 3 steps a pass
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", tmp_path / "cut" / "checkpoint-4")
+    resumed = train_run.train([*options, "--output_dir", str(tmp_path / "cut"), "--resume_from_checkpoint", "latest"])
+    assert resumed.state.global_step == 6 and resumed.offline.refresh.refreshed_steps == [4]
+    for key in ("loss", "eval_loss"):
+        seen = [[(h["step"], h[key]) for h in t.state.log_history if key in h] for t in (whole, resumed)]
+        assert len(seen[0]) == len(seen[1]) and all(a == pytest.approx(b, rel=1e-6) for a, b in zip(*seen)), key
+    for name, p in whole.model.named_parameters():
+        torch.testing.assert_close(dict(resumed.model.named_parameters())[name], p, rtol=1e-6, atol=1e-8)
+
+
+def test_the_refreshed_share_is_of_the_steps_rows_whatever_the_micro_batches(tmp_path, models, tokenizer):
+    """kd_store_refresh_fraction f regenerates ceil(f x the step's rows) rows, the first rows of its micro-batches:
+    per_device_train_batch_size 1 with 4 accumulated micro-batches and f = 0.25 refreshed every row (ceil(0.25 x 1)
+    in each), four times the share asked; 2 micro-batches of 3 and f = 0.5 refreshed 4 of 6."""
+    from liger_patch_kd.batch.rollout_store import rows_of
+
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    for size, micro, fraction, counts in ((1, 4, 0.25, [1, 0, 0, 0]), (3, 2, 0.5, [2, 1]), (2, 2, 0.5, [1, 1])):
+        trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                            train_dataset=data, args=_args(tmp_path / "t", kd_store_refresh_steps=1,
+                                                           kd_store_refresh_fraction=fraction))  # fmt: skip
+        offline = trainer.offline
+        batches = [offline.collator([data[size * b + r] for r in range(size)]) for b in range(micro)]
+        out = offline.refreshed(batches, trainer.model, trainer.teacher_model, tokenizer=tokenizer, step=1,
+                                vocab_size=None)  # fmt: skip
+        changed = []
+        for before, after in zip(batches, out):
+            rows = zip(rows_of(before), rows_of(after))
+            changed.append(sum(not torch.equal(b["input_ids"], a["input_ids"]) for b, a in rows))
+        assert changed == counts, (size, micro, fraction, changed)

@@ -241,6 +241,44 @@ def test_store_steps_sizes_the_store_and_the_offline_pass(tmp_path):
     assert run["curve"][-1]["step"] == 2  # one pass over the store
 
 
+def test_store_epochs_trains_that_many_passes_and_resume_refuses_another_count(tmp_path):
+    """--store-epochs E: the offline row trains E whole passes over its store (E x its steps), not one; a store of
+    16 completions in prompts of 16 (--store-generations above --batch) is two steps a pass. --resume refuses a file
+    written with another --store-epochs before anything trains."""
+    from benchmarks.accuracy.bench_time_to_accuracy import OFFLINE, main
+
+    out = tmp_path / "tta.json"
+    main(["--smoke", "--out", str(out), "--recipes", OFFLINE, "--store-steps", "2", "--store-epochs", "2"])
+    run = json.loads(out.read_text())["runs"][OFFLINE][0]
+    assert run["store"]["completions"] == 2 * 8 and run["curve"][-1]["step"] == 4  # 2 passes of 2 steps
+    with pytest.raises(SystemExit, match="store_epochs: 2 there, 1 here"):
+        main(["--smoke", "--out", str(out), "--resume", "--recipes", OFFLINE, "--store-steps", "2"])
+    main(["--smoke", "--out", str(tmp_path / "g.json"), "--recipes", OFFLINE, "--store-steps", "1",
+          "--store-generations", "16"])  # fmt: skip
+    run = json.loads((tmp_path / "g.json").read_text())["runs"][OFFLINE][0]
+    assert run["store"]["completions"] == 16 and run["curve"][-1]["step"] == 2  # one whole pass of 2 steps
+
+
+@pytest.mark.parametrize("options,needles", [
+    (["--store-epochs", "2"], ["--store-epochs 2", "8 steps", "--steps 4", "--store-steps 2"]),
+    (["--store-steps", "3", "--store-epochs", "2"], ["--store-epochs 2", "6 steps", "--steps 4", "--store-steps 2"]),
+    (["--store-steps", "6"], ["--store-steps 6", "6 steps", "--steps 4"]),
+])  # fmt: skip
+def test_passes_over_the_store_that_do_not_fit_the_steps_are_refused_before_anything_trains(tmp_path, options,
+                                                                                           needles):  # fmt: skip
+    """--store-epochs E over a store of S steps' rows trains S x E steps; past --steps the row was cut to --steps
+    (with the default --store-steps, --steps, every E trained one pass, the JSON saying E): refused in one line,
+    naming the fix, before the task or the teacher is made."""
+    from benchmarks.accuracy import bench_time_to_accuracy as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--smoke", "--out", str(tmp_path / "tta.json"), "--recipes", bench.OFFLINE, *options])
+    message = str(e.value)
+    assert "\n" not in message and all(n in message for n in needles), message
+    assert not (tmp_path / "tta.json").exists()
+    bench.main(["--smoke", "--out", str(tmp_path / "sft.json"), "--recipes", bench.SFT, *options])  # no store row
+
+
 def test_format_tuned_students_are_kept_beside_the_teacher(tmp_path, monkeypatch):
     """A resumed call must start its recipes from the first call's very students, not from a new fine-tune."""
     import liger_patch_kd.demo.arithmetic as arithmetic

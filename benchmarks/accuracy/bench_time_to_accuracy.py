@@ -157,8 +157,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-steps", type=int, default=None, help="the offline rows' store holds this many steps' "
                    "rows (x --batch completions) and they train one pass over it (default: --steps)")  # fmt: skip
     p.add_argument("--store-epochs", type=positive_int, default=1, help="passes the offline rows make over their store "
-                   "(scored once, trained this many times): they train --store-steps x this many steps, at most "
-                   "--steps")  # fmt: skip
+                   "(scored once, trained this many times): they train --store-steps x this many steps, which must "
+                   "fit in --steps")  # fmt: skip
     p.add_argument("--store-generations", type=int, default=1, help="completions per prompt in the offline rows' "
                    "rollout store (which holds --store-steps x --batch completions)")  # fmt: skip
     p.add_argument("--store-top-k", type=int, default=32, help="teacher log-probs per position in the rollout store")
@@ -262,6 +262,39 @@ def fresh_memory(device) -> int | None:
     return torch.cuda.memory_allocated()
 
 
+def store_prompts(a, steps: int) -> int:
+    """The prompts of an offline row's store of `steps` steps' rows: steps x --batch completions in whole prompts of
+    --store-generations each, at least one."""
+    return max(1, steps * a.batch // a.store_generations)
+
+
+def store_pass_steps(a, steps: int) -> int:
+    """Optimizer steps of one pass over that store: its completions in batches of --batch (more than `steps` where
+    one prompt's --store-generations outnumber a step's rows)."""
+    return -(-store_prompts(a, steps) * a.store_generations // a.batch)
+
+
+def check_store_passes(a, names: list[str]) -> None:
+    """The offline rows train --store-epochs whole passes over a store of --store-steps steps' rows: a count that
+    does not fit in --steps (which would cut the passes short, the JSON still saying --store-epochs) is refused in
+    one line before anything is made."""
+    if not any(name in FROM_STORE for name in names):
+        return
+    store_steps = a.store_steps or a.steps
+    wanted = store_pass_steps(a, store_steps) * a.store_epochs
+    if wanted <= a.steps:
+        return
+    given = f"--store-steps {a.store_steps}" if a.store_steps else f"--store-steps {store_steps} (--steps, its default)"
+    if a.store_epochs == 1:
+        raise SystemExit(f"{given}: one pass over the offline rows' store takes {wanted} steps, more than --steps "
+                         f"{a.steps}, which would cut it short: give --store-steps {a.steps} or less, or --steps "
+                         f"{wanted}")  # fmt: skip
+    fits = a.steps // a.store_epochs
+    fix = f"--store-steps {fits} or less, or --steps {wanted}" if fits else f"--steps {wanted}"
+    raise SystemExit(f"--store-epochs {a.store_epochs}: that many passes over the offline rows' store of {given} "
+                     f"take {wanted} steps, more than --steps {a.steps}, which would cut them short: give {fix}")
+
+
 def rollout_store(a, data, student, teacher, seed: int, steps: int, device, folder: str) -> dict:
     """An offline row's rollout store, written to `folder` by precompute_rollouts (what `liger-kd precompute
     --rollouts-from` runs) from this seed's format-tuned `student`, scored by `teacher`: steps x batch completions,
@@ -274,7 +307,7 @@ def rollout_store(a, data, student, teacher, seed: int, steps: int, device, fold
     from liger_patch_kd.trainer.offline_onpolicy import RolloutSettings, ScoreOptions, precompute_rollouts
 
     generations = a.store_generations
-    wanted = max(1, steps * a.batch // generations)
+    wanted = store_prompts(a, steps)
     if wanted > len(data["prompts"]):
         raise ValueError(f"--store-generations {generations}: a store of {steps} x {a.batch} completions needs "
                          f"{wanted} prompts, and --train-problems is {len(data['prompts'])}: raise --train-problems "
@@ -307,8 +340,8 @@ def run_recipe(name: str, a, data, student, teacher, seed: int, device, *, steps
                             base_accuracy=base_accuracy, teacher_url=teacher_url)  # fmt: skip
     import shutil
 
-    store_steps = min(steps, a.store_steps or steps)
-    steps = min(steps, store_steps * a.store_epochs)  # --store-epochs passes over the store
+    store_steps = min(steps, a.store_steps or steps)  # the warm-up's few steps: a store of that many (run checks)
+    steps = min(steps, store_pass_steps(a, store_steps) * a.store_epochs)  # --store-epochs whole passes
     folder = tempfile.mkdtemp(prefix="tta_store_")  # this run's own folder: removed with what it wrote
     try:
         before = fresh_memory(device)
@@ -462,6 +495,7 @@ def run(a, device: torch.device, servers: contextlib.ExitStack) -> dict:
     from liger_patch_kd.demo.arithmetic import exact_match
 
     names = selected(a.recipes)
+    check_store_passes(a, names)
     earlier = earlier_runs(a) if a.resume else {}  # refused here, before anything trains, if it is another run's
     began = time.perf_counter()
     data = task_data(a)

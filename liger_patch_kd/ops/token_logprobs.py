@@ -12,11 +12,28 @@ the divergence losses would buy little here).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..conventions import apply_softcap
 from .backend import logits_fp32
 from .chunked import choose_chunk_size
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs products in on `device`, or None where it is off."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off: under it even an fp32 product returns the autocast dtype, which would round the logits before
+    the log-sum-exp."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _chunk_logits(h, weight, bias, temperature, softcap):
@@ -48,6 +65,12 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        hidden = ctx.saved_tensors[0]
+        with _no_autocast(hidden.device):  # a backward called under autocast: the recomputed logits stay fp32
+            return LinearTokenLogprobsFunction.gradients(ctx, grad_out)
+
+    @staticmethod
+    def gradients(ctx, grad_out):
         hidden, weight, bias, rows, ids, lse = ctx.saved_tensors
         temperature, softcap, chunk = ctx.options
         needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
@@ -89,6 +112,9 @@ def linear_token_logprobs(
 ) -> torch.Tensor:
     """log softmax(cap(hidden Wᵀ + b) / T)[ids], one chunk of logits at a time.
 
+    Under autocast the products run in the autocast dtype, as nn.Linear's would (the inputs are cast to it), and
+    their logits come out in fp32 for the softmax, as every fused loss's do.
+
     Args:
         hidden: (N, H) last hidden states (any float dtype; products run in it, softmax in fp32).
         weight: (V, H) lm_head weight; pass a row view `weight[:vocab_size]` to drop padding rows.
@@ -113,4 +139,9 @@ def linear_token_logprobs(
     # a chunk holds its fp32 logits and, in the backward, their gradient: 8 bytes per logit
     chunk = chunk_size or choose_chunk_size(rows, weight.shape[0], hidden.device, bytes_per_logit=8)
     chunk = max(1, min(rows, chunk))
-    return LinearTokenLogprobsFunction.apply(hidden, weight, bias, ids.long(), float(temperature), softcap, chunk)
+    dtype = _autocast_dtype(hidden.device)
+    if dtype is not None:
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with _no_autocast(hidden.device):
+        return LinearTokenLogprobsFunction.apply(hidden, weight, bias, ids.long(), float(temperature), softcap, chunk)

@@ -186,8 +186,8 @@ class KDTrainingArguments(TrainingArguments):
     )  # fmt: skip
     kd_store_refresh_fraction: float = field(
         default=1.0,
-        metadata={"help": "The share of a refreshed step's rows regenerated (the first ceil(fraction x rows) of each "
-                  "micro-batch), in (0, 1]."},
+        metadata={"help": "The share of a refreshed step's rows regenerated (ceil(fraction x the step's rows) in "
+                  "all, the first rows of its micro-batches), in (0, 1]."},
     )  # fmt: skip
     kd_max_prompt_length: int | None = field(
         default=None, metadata={"help": "Prompt datasets: keep a prompt's last N tokens (None: all)."}

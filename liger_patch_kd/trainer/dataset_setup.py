@@ -13,6 +13,7 @@ from ..batch.prompts import conversation_column, is_prompt_row
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
+from ..teacher.store.rollouts import rollouts_of
 from .teachers.other_tokenizer import padded_vocab_size
 from .teachers.sampled_data import check_sampled_dataset
 from .teachers.self_distill import is_self_teacher
@@ -306,6 +307,12 @@ def check_no_empty_rows(dataset: Any, name: str) -> None:
                              f"dataset.filter(lambda row: len(row['input_ids']) > 0))")  # fmt: skip
 
 
+def scores_sampled_tokens_only(args: Any, dataset: Any) -> bool:
+    """A rollout store under a sampled-token estimator (kd_onpolicy_loss k1, k3, pg): every batch is scored on its
+    sampled tokens against the stored teacher log-probs, and the store's teacher top-k / samples go unused."""
+    return args.kd_onpolicy_loss != "divergence" and rollouts_of(store_meta(dataset) or {}) is not None
+
+
 def check_training_rows(
     args: Any, cfg: KDLossConfig, dataset: Any, collator: Any, teacher_model: Any, eval_dataset: Any = None
 ) -> None:
@@ -320,7 +327,8 @@ def check_training_rows(
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_messages_end_with_the_completion(first_row, "train_dataset")
-    check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
+    if not scores_sampled_tokens_only(args, dataset):  # the estimators on a rollout store never read its samples
+        check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
     check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
     check_completions_for_off_policy(args, dataset)

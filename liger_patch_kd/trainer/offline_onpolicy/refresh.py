@@ -1,8 +1,8 @@
 """Refreshing a rollout store while training on it: every `kd_store_refresh_steps` optimizer steps, a
-`kd_store_refresh_fraction` of that step's rows (the first ceil(fraction x rows) rows of each micro-batch) get a new
-completion sampled by the current student from the same prompt, with the store's sampling settings, and are
-rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of the
-new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
+`kd_store_refresh_fraction` of that step's rows (ceil(fraction x rows) in all, the first rows of its micro-batches)
+get a new completion sampled by the current student from the same prompt, with the store's sampling settings, and
+are rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of
+the new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
 rewritten. Steps 0 apart, every 1 with fraction 1 is fully online (every step on the current student's samples);
 none (0) is fully offline."""
 
@@ -59,7 +59,7 @@ class StoreRefresh:
         if not batches or not self.due(step):
             return batches
         rows = [rows_of(batch) for batch in batches]
-        counts = [math.ceil(self.fraction * len(r) - 1e-9) for r in rows]
+        counts = self.counts([len(r) for r in rows])
         prompts = [prompt_of(item) for r, n in zip(rows, counts) for item in r[:n]]
         generator = unwrap_model(student)
         pad, eos_ids, start = special_ids(generator, tokenizer)
@@ -69,12 +69,27 @@ class StoreRefresh:
         scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size))
         out = []
         for batch, own, n in zip(batches, rows, counts):
+            if n == 0:  # none of its rows due: the batch as it came
+                out.append(batch)
+                continue
             items = [self.item(next(scored)) for _ in range(n)] + own[n:]
             fresh = self.collator(items)
             device = batch["input_ids"].device
             out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in fresh.items()})
         self.refreshed_steps.append(step)
         return out
+
+    def counts(self, sizes: list[int]) -> list[int]:
+        """Rows refreshed in each micro-batch of `sizes` rows: ceil(fraction x the step's rows) in all, the first
+        rows of each micro-batch, spread as the running total ceil(fraction x rows so far) says (a micro-batch of
+        one row does not round the share up to all of it)."""
+        counts, done, seen = [], 0, 0
+        for size in sizes:
+            seen += size
+            due = math.ceil(self.fraction * seen - 1e-9)  # fraction <= 1: at most `size` more than before
+            counts.append(due - done)
+            done = due
+        return counts
 
     def item(self, row: ScoredRow) -> dict[str, torch.Tensor]:
         """A scored rollout as a store item (the store's dtypes, so refreshed rows train as stored ones do)."""

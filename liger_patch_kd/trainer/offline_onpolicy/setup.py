@@ -42,10 +42,14 @@ def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
         )
     given = teacher_fingerprint(teacher_model)
     if given != scored_by:
+        dtypes = sorted({str(p.dtype) for p in teacher_model.parameters()})
         raise ValueError(
             f"the rollout store was scored by teacher {meta.get('teacher') or '?'} (weights fingerprint {scored_by}) "
-            f"but teacher_model has fingerprint {given}: pass the teacher that scored it, or make a store scored by "
-            f"this one (liger-kd precompute --rollouts-from ... --teacher ...)"
+            f"but teacher_model has fingerprint {given} (weights in {', '.join(dtypes)}; the fingerprint covers the "
+            f"config and every weight in its dtype, so the same checkpoint loaded in another dtype than the scoring "
+            f"run's differs too): pass the teacher that scored it, as it was loaded then (liger-kd precompute loads "
+            f"it in the checkpoint's dtype), or make a store scored by this one (liger-kd precompute --rollouts-from "
+            f"... --teacher ...)"
         )
 
 
@@ -66,20 +70,69 @@ def check_sampled_vocabulary(meta: dict, vocab_size: int | None, student: Any) -
         )
 
 
-def check_evaluation_is_rollouts(eval_dataset: Any) -> None:
+def check_evaluation_is_rollouts(eval_dataset: Any, train_meta: dict | None = None, onpolicy_loss: str = "divergence"
+                                 ) -> None:  # fmt: skip
     """A run on a rollout store scores every batch, evaluation's too, as stored rollouts (their teacher log-probs,
     the rollout collator): an evaluation dataset that is not one is refused when the Trainer is built, not at the
-    first evaluation."""
+    first evaluation. Its eval_loss is the run's objective only against the training store's teacher, and with a
+    sampled-token estimator only on tokens sampled from the student's own distribution: an evaluation store scored by
+    another teacher (weights fingerprints that differ), or sampled otherwise, is refused too."""
     named = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    scored_by = (rollouts_of(train_meta) or {}).get("teacher_fingerprint") if train_meta else None
     for name, dataset in named:
-        if dataset is not None and rollouts_of(store_meta(dataset) or {}) is None:
-            where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
+        if dataset is None:
+            continue
+        where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
+        section = rollouts_of(store_meta(dataset) or {})
+        if section is None:
             raise ValueError(
                 f"{where} is not a rollout store ({type(dataset).__name__}), and train_dataset is one: the run scores "
                 f"every batch as stored rollouts. Evaluate on a rollout store too (liger-kd precompute "
                 f"--rollouts-from on held-out prompts, or rows held out of this store), or on this dataset in "
                 f"another run"
             )
+        theirs = section.get("teacher_fingerprint")
+        if scored_by and theirs and theirs != scored_by:
+            raise ValueError(
+                f"{where}'s rollout store was scored by teacher {store_meta(dataset).get('teacher') or '?'} (weights "
+                f"fingerprint {theirs}) and train_dataset's by {train_meta.get('teacher') or '?'} (fingerprint "
+                f"{scored_by}): its eval_loss would measure the distance to another teacher. Evaluate on a store "
+                f"scored by the training store's teacher (or rows held out of it), or on this one in another run"
+            )
+        if onpolicy_loss != "divergence" and not sampling_is_the_policy(section):
+            raise ValueError(
+                f"{where}: kd_onpolicy_loss={onpolicy_loss!r} estimates the KL on tokens sampled from the student's "
+                f"own distribution, and this evaluation store was sampled with {section['sampling']}: evaluate on a "
+                f"store made with temperature 1, top-p 1, top-k 0, or use kd_onpolicy_loss='divergence'"
+            )
+
+
+def joined_rollout_stores(dataset: Any) -> int:
+    """How many rollout stores a join of datasets holds (torch's ConcatDataset, its `datasets`, under any Subset):
+    0 for anything else."""
+    for _ in range(8):
+        parts = getattr(dataset, "datasets", None)
+        if parts is not None:
+            return sum(1 if rollouts_of(store_meta(part) or {}) is not None else joined_rollout_stores(part)
+                       for part in parts)  # fmt: skip
+        if not hasattr(dataset, "dataset"):
+            return 0
+        dataset = dataset.dataset
+    return 0
+
+
+def check_not_a_join_of_rollout_stores(dataset: Any, onpolicy_loss: str) -> None:
+    """A join of rollout stores has no one manifest, so it would train as plain teacher rows: the divergence on
+    their top-k whatever kd_onpolicy_loss says, no kd_behaviour_kl, no teacher checked. Refused in one line."""
+    stores = joined_rollout_stores(dataset)
+    if stores:
+        joined = f"{stores} rollout store{'s' if stores > 1 else ''} ({type(dataset).__name__})"
+        raise ValueError(
+            f"train_dataset joins {joined}, and a run on rollouts reads one store's manifest (its scoring teacher, "
+            f"sampling and behaviour log-probs): joined, they would train as plain teacher rows (kd_onpolicy_loss="
+            f"{onpolicy_loss!r} unused, no kd_behaviour_kl, no teacher check). Make one store of all the prompts "
+            f"(liger-kd precompute --rollouts-from ... --data with every prompt), or train on one store at a time"
+        )
 
 
 class OfflineRollouts:
@@ -96,6 +149,7 @@ class OfflineRollouts:
         meta = store_meta(dataset)
         section = rollouts_of(meta) if meta is not None else None
         if section is None:
+            check_not_a_join_of_rollout_stores(dataset, args.kd_onpolicy_loss)
             if args.kd_store_refresh_steps:
                 raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} regenerates rows of a "
                                  f"rollout store (liger-kd precompute --rollouts-from), and train_dataset is not one: "
@@ -126,7 +180,7 @@ class OfflineRollouts:
             raise ValueError(f"kd_store_refresh_steps={args.kd_store_refresh_steps} rescores regenerated rows with "
                              f"the teacher: pass teacher_model (the one that scored the store)")  # fmt: skip
         check_sampled_vocabulary(meta, vocab_size, None if student is None else unwrap_model(student))
-        check_evaluation_is_rollouts(eval_dataset)
+        check_evaluation_is_rollouts(eval_dataset, meta, args.kd_onpolicy_loss)
         pad = getattr(tokenizer, "pad_token_id", None)
         return cls(meta, args, RolloutStoreCollator(pad_token_id=0 if pad is None else pad))
 
