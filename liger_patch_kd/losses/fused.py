@@ -5,7 +5,6 @@ about models."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -15,7 +14,7 @@ from ..config import KDLossConfig, require_full_teacher
 from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
-from ..ops.backend import eager, logits_fp32, select_backend
+from ..ops.backend import eager, logits_fp32, no_autocast, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
@@ -86,10 +85,6 @@ def check_fp8_request(
             check_fp8_hidden(x.shape[-1], option)
 
 
-def _no_autocast(device: torch.device):
-    return torch.autocast(device.type, enabled=False) if device.type in ("cuda", "cpu") else contextlib.nullcontext()
-
-
 def run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
     return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None, row_scale=None,
@@ -123,7 +118,7 @@ def run_fused(
     row_weight = _row_weight(flat_labels, cfg, num_items_in_batch, dtype)
     if row_scale is not None:
         row_weight = row_weight * row_scale.reshape(-1).to(row_weight.dtype)
-    with _no_autocast(device):
+    with no_autocast(device):
         loss, soft, hard = FusedLinearKDFunction.apply(h_s, w_s, student_bias, flat_labels, row_weight, plan)
     if cfg.reduction == "none":
         loss, soft, hard = (t.reshape(leading) for t in (loss, soft, hard))

@@ -1,7 +1,9 @@
-"""Which implementation of a per-chunk kernel runs, and the fp32-output products the chunks need."""
+"""Which implementation of a per-chunk kernel runs, the fp32-output products the chunks need, and autocast switched
+off around them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -32,6 +34,14 @@ def eager(fn: F) -> F:
         return disabled[0](*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def no_autocast(device: torch.device):
+    """Autocast off on `device`: under it even an fp32 product returns the autocast dtype, which would round the
+    logits before a log-sum-exp (the fused losses cast their inputs to the autocast dtype themselves)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def triton_available() -> bool:

@@ -12,12 +12,10 @@ the divergence losses would buy little here).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..conventions import apply_softcap
-from .backend import logits_fp32
+from .backend import logits_fp32, no_autocast
 from .chunked import choose_chunk_size
 
 
@@ -26,14 +24,6 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
-
-
-def _no_autocast(device: torch.device):
-    """Autocast off: under it even an fp32 product returns the autocast dtype, which would round the logits before
-    the log-sum-exp."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _chunk_logits(h, weight, bias, temperature, softcap):
@@ -66,7 +56,7 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden = ctx.saved_tensors[0]
-        with _no_autocast(hidden.device):  # a backward called under autocast: the recomputed logits stay fp32
+        with no_autocast(hidden.device):  # a backward called under autocast: the recomputed logits stay fp32
             return LinearTokenLogprobsFunction.gradients(ctx, grad_out)
 
     @staticmethod
@@ -143,5 +133,5 @@ def linear_token_logprobs(
     if dtype is not None:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    with _no_autocast(hidden.device):
+    with no_autocast(hidden.device):
         return LinearTokenLogprobsFunction.apply(hidden, weight, bias, ids.long(), float(temperature), softcap, chunk)
