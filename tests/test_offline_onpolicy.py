@@ -714,3 +714,29 @@ def test_the_refreshed_share_is_of_the_steps_rows_whatever_the_micro_batches(tmp
             rows = zip(rows_of(before), rows_of(after))
             changed.append(sum(not torch.equal(b["input_ids"], a["input_ids"]) for b, a in rows))
         assert changed == counts, (size, micro, fraction, changed)
+
+
+def test_a_bf16_pair_stores_log_probs_of_fp32_logits_as_training_reads_them(tmp_path, tokenizer):
+    """bf16 weights (the usual GPU store): the behaviour and teacher log-probs of the sampled tokens are the log-softmax
+    of the products' fp32 output, as the fused losses compute the student's log-probs in training, not of logits
+    rounded to bf16 first (2^-9 of each logit: ~1e-3 nats on these tiny models' logits, a staleness before any
+    step). Reference: the models' own bf16 hidden states and heads, multiplied and normalised in float64."""
+    student = tiny_model("llama", dtype=torch.bfloat16, seed=1)
+    teacher = tiny_model("llama", dtype=torch.bfloat16, seed=2)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", (student, teacher), tokenizer))
+
+    def reference(model, ids):
+        with torch.no_grad():
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            return torch.log_softmax(hidden.double() @ model.lm_head.weight.double().T, -1)
+
+    worst = {"behaviour_logprobs": 0.0, "teacher_token_logprobs": 0.0}
+    for i in range(len(data)):
+        item = data[i]
+        ids = item["input_ids"].tolist()
+        p = int((item["labels"] != -100).nonzero()[0])
+        for key, model in (("behaviour_logprobs", student), ("teacher_token_logprobs", teacher)):
+            want = reference(model, ids)[p - 1 : -1].gather(1, item["input_ids"][p:, None])[:, 0]
+            worst[key] = max(worst[key], float((item[key][p:].double() - want).abs().max()))
+    # fp32 products of bf16 operands, stored as fp32: a few fp32 ulps of the log-probs, far under bf16's 2^-9
+    assert worst["behaviour_logprobs"] < 1e-5 and worst["teacher_token_logprobs"] < 1e-5, worst

@@ -179,9 +179,14 @@ def test_fp8_server_serves_the_quantised_teacher(teacher_dir, precision):
     apply_teacher_precision(fp8, precision)
     for seq, (ids, values) in zip(seqs, served):
         with torch.no_grad():
-            logp = {m: torch.log_softmax(m(torch.tensor([seq])).logits[0].float(), -1) for m in (bf16, fp8)}
+            logits = {m: m(torch.tensor([seq])).logits[0].float() for m in (bf16, fp8)}
+        logp = {m: torch.log_softmax(z, -1) for m, z in logits.items()}
         top = logp[fp8].topk(TOP_K, -1)
-        assert (ids[:-1, 0] == top.indices[:-1, 0]).float().mean() >= 0.9  # bf16 logits of the x40 head can tie
+        # the server takes its head's products in fp32, the model's own logits (the reference) are rounded to bf16:
+        # the served first choice is the reference's best up to that rounding (ties of the x40 head break either way)
+        served_first = logp[fp8].gather(-1, ids[:-1, :1].clamp_min(0))[:, 0]
+        rounding = 2.0**-8 * float(logits[fp8].abs().max())
+        assert bool((top.values[:-1, 0] - served_first <= rounding).all()), (top.values[:-1, 0] - served_first)
         near = (values[:-1, 0] - top.values[:-1, 0]).abs().max()
         far = (values[:-1, 0] - logp[bf16].gather(-1, ids[:-1, :1].clamp_min(0))[:, 0]).abs().max()
         assert near < far, (near, far)

@@ -154,11 +154,14 @@ def hidden_chunks(flat_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def head_chunks(flat, weight, bias, softcap, temperature: float, rows_per_chunk: int, spans=None):
     """(span, rows, fp32 log-softmax of cap(h W^T + b) / temperature) a chunk of rows at a time."""
     from ..conventions import apply_softcap
+    from ..ops.backend import logits_fp32
 
     for span, (first, stop) in enumerate(spans if spans is not None else [(0, flat.shape[0])]):
         for start in range(first, stop, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, stop))
-            logits = apply_softcap(F.linear(flat[rows].to(weight.dtype), weight, bias).float(), softcap)
+            # fp32 out of the product, as the fused losses take their logits: a bf16 head's logits are not rounded
+            # to bf16 before the softmax, so stored log-probs are the ones training computes for the same tokens
+            logits = apply_softcap(logits_fp32(flat[rows].to(weight.dtype), weight, bias), softcap)
             yield span, rows, torch.log_softmax(logits / temperature, dim=-1)
 
 
