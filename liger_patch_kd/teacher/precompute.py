@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..batch.columns import TEACHER_PROMPT
 from ..utils.text_files import read_utf8
