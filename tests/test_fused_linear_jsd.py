@@ -166,6 +166,43 @@ def test_autocast_casts_like_linear():
     assert abs(loss.item() - ref.item()) < 2e-2 * ref.item()
 
 
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_bf16_autocast_reduction_none_gradients_see_fp32_logits_whatever_autocast_holds_at_backward(
+    backward_under_autocast,
+):
+    """reduction="none" recomputes the chunks in the backward. A backward called inside the autocast block (fp32
+    weights, bf16=True) must not take the recomputed logits in bf16: rounding them before the softmax loses 8 bits
+    (errors of ~1e-2 in every probability's gradient). The gradient products run in bf16 as nn.Linear's would, so
+    against the float64 gradients of the bf16-rounded inputs the error is bf16's rounding of those products (1 % of
+    the largest entry bounds it); the stricter check is that the backward gives the same gradients whether or not
+    autocast is on when it runs."""
+    pair = make_pair(n=24, h_s=32, h_t=32, vocab=1000, dtype=torch.float32, scale=3.0, ignore_every=5)
+    cfg = KDLossConfig(beta=0.5, reduction="none", chunk_size=8)
+    upstream = torch.randn(24)
+
+    def run(under_autocast: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fused_linear_jsd(
+                pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, pair.labels,
+                config=cfg,
+            )  # fmt: skip
+            if under_autocast:
+                return loss, grads((loss * upstream).sum(), pair.params())
+        return loss, grads((loss * upstream).sum(), pair.params())
+
+    loss_outside, outside = run(False)
+    loss, got = run(backward_under_autocast)
+    rounded = [t.detach().bfloat16().double().requires_grad_() for t in pair.params()]
+    h_t, w_t = (t.detach().bfloat16().double() for t in (pair.teacher_input, pair.teacher_weight))
+    want_loss = R.kd_loss(rounded[0] @ rounded[1].T, h_t @ w_t.T, pair.labels, cfg)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=0, atol=1e-5)
+    want = grads((want_loss * upstream.double()).sum(), rounded)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-2 * float(w.abs().max()))
+    for g, o in zip(got, outside):
+        assert torch.equal(g, o)
+
+
 def test_peak_memory_is_one_chunk_not_n_by_v():
     """The largest tensor any op creates holds one chunk of logits, whatever N is."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..conventions import column_bias
-from .backend import logits_fp32
+from .backend import logits_fp32, no_autocast
 from .scale import scale_
 
 # (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
@@ -256,9 +256,11 @@ class FusedLinearKDFunction(torch.autograd.Function):
             grads = tuple(None if g is None else scale_(g, grad_loss) for g in grads)
         else:
             student_input, student_weight, student_bias, labels, row_weight, _ = ctx.saved_tensors
-            result = _run(
-                ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss, ctx.needs_grad
-            )
+            with no_autocast(student_input.device):  # a backward called under autocast: the logits stay fp32
+                result = _run(
+                    ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss,
+                    ctx.needs_grad,
+                )
             grads = (result.grad_input, result.grad_weight, result.grad_bias)
         # an fp32-accumulated weight grad is cast to the weight's dtype by autograd itself
         return (*grads, None, None, None)
