@@ -258,7 +258,12 @@ class FusedLinearKDFunction(torch.autograd.Function):
             student_input, student_weight, student_bias, labels, row_weight, _ = ctx.saved_tensors
             with no_autocast(student_input.device):  # a backward called under autocast: the logits stay fp32
                 result = _run(
-                    ctx.plan, student_input, student_weight, student_bias, labels, row_weight * grad_loss,
+                    ctx.plan,
+                    student_input,
+                    student_weight,
+                    student_bias,
+                    labels,
+                    row_weight * grad_loss,
                     ctx.needs_grad,
                 )
             grads = (result.grad_input, result.grad_weight, result.grad_bias)
