@@ -210,3 +210,29 @@ def test_reduction_none_recomputes_every_teacher_in_its_backward(backend):
     params = [p for p in student if p is not None]
     for a, b in zip(grads((fused * upstream).sum(), params), grads((ref * upstream).sum(), params)):
         assert rel_err(a, b) < 1e-9
+
+
+@pytest.mark.parametrize("setup", ["bf16 weights", "fp32 weights under bf16 autocast"])
+def test_per_teacher_figures_take_fp32_logits_of_the_products_the_loss_takes(setup):
+    """The logged kd_soft_loss/<name> of several teachers is a divergence of logits from models.teachers.head_logits.
+    Rounded to bf16 before the softmax (a bf16 product's output, or any product under bf16 autocast), the figure
+    differs from the loss's own term by ~1e-2 nats; the loss takes the product of the bf16 (or autocast-rounded)
+    inputs with an fp32 output. Against the float64 product of the rounded inputs the error is fp32 rounding of
+    logits of size ~10 (1e-6 of them; 1e-5 allowed)."""
+    from liger_patch_kd.models.teachers import head_logits
+
+    torch.manual_seed(3)
+    n, hdim, v = 12, 32, 1000
+    hidden = torch.randn(2, n, hdim)
+    weight = torch.randn(v, hdim) * 3 / hdim**0.5
+    bias = (torch.randn(v) * 0.5).bfloat16().float()  # exact in bf16: a bias rounded or not, the same logits
+    rows = torch.tensor([0, 3, 5, 13, 20])
+    flat = hidden.reshape(-1, hdim)[rows]
+    want = flat.bfloat16().double() @ weight.bfloat16().double().T + bias.double()
+    if setup == "bf16 weights":
+        got = head_logits(hidden.bfloat16(), weight.bfloat16(), bias.bfloat16(), rows)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = head_logits(hidden, weight, bias, rows)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)

@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import reference
 from ..config import KDLossConfig
 from ..conventions import apply_softcap
+from ..losses.fused import compute_dtype
+from ..ops.backend import logits_fp32, no_autocast
 
 __all__ = ["TeacherSet", "head_logits", "per_teacher_metrics"]
 
@@ -59,8 +60,12 @@ class TeacherSet:
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of `rows`, as the fused losses take them: the product in the hidden states' dtype (the autocast dtype
+    under autocast) with an fp32 output, never rounded to bf16 before a softmax."""
     flat = hidden.reshape(-1, hidden.shape[-1])[rows]
-    return F.linear(flat.to(weight.dtype), weight, bias).float()
+    dtype = compute_dtype(flat.device, flat)
+    with no_autocast(flat.device):
+        return logits_fp32(flat.to(dtype), weight.to(dtype), bias).float()
 
 
 @torch.no_grad()
