@@ -172,3 +172,22 @@ def test_precompute_command_line(tmp_path):
     store = TD.TeacherLogprobsDataset(tmp_path / "store", vocab_size=VOCAB)
     assert len(store) == 5 and store.top_k == 4
     assert json.loads((tmp_path / "store" / TD.MANIFEST).read_text())["teacher"] == str(tmp_path / "teacher")
+
+
+def test_teacher_topk_under_bf16_autocast_normalises_fp32_logits_of_bf16_products():
+    """teacher.teacher_topk (and precompute, the server, rollout scoring: one head_chunks) called inside a bf16
+    autocast block with an fp32 teacher: the products run on the bf16-rounded inputs, as the fused losses take them
+    under autocast, but the log-softmax must see their fp32 output. Under autocast the fp32 product came back in bf16
+    and the stored log-probs were bf16 too (2^-9 of each logit and of each log-prob: ~1e-2 nats). Reference: the
+    model's own hidden states (its backbone under the same autocast) and head rounded to bf16, multiplied and
+    normalised in float64; fp32 rounding of logits of size ~10 leaves 1e-5."""
+    teacher = tiny_model("llama", seed=2, dtype=torch.float32)
+    ids = torch.tensor(random_sequences(VOCAB, n=2, seed=3, lengths=(9, 10))[:1] * 2)
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        top_ids, top_lp = TD.teacher_topk(teacher, ids, mask, k=8)
+        hidden = teacher.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert top_lp.dtype == torch.float32
+    weight = teacher.lm_head.weight.detach().bfloat16().double()
+    want = torch.log_softmax(hidden.bfloat16().double() @ weight.T, -1).gather(-1, top_ids)
+    torch.testing.assert_close(top_lp.double(), want, rtol=0, atol=1e-5)

@@ -153,15 +153,21 @@ def hidden_chunks(flat_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def head_chunks(flat, weight, bias, softcap, temperature: float, rows_per_chunk: int, spans=None):
     """(span, rows, fp32 log-softmax of cap(h W^T + b) / temperature) a chunk of rows at a time."""
     from ..conventions import apply_softcap
-    from ..ops.backend import logits_fp32
+    from ..losses.fused import compute_dtype
+    from ..ops.backend import logits_fp32, no_autocast
 
+    # under autocast the product runs in its dtype (as nn.Linear's would), autocast off around it
+    dtype = compute_dtype(flat.device, weight)
+    weight = weight.to(dtype)
     for span, (first, stop) in enumerate(spans if spans is not None else [(0, flat.shape[0])]):
         for start in range(first, stop, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, stop))
             # fp32 out of the product, as the fused losses take their logits: a bf16 head's logits are not rounded
             # to bf16 before the softmax, so stored log-probs are the ones training computes for the same tokens
-            logits = apply_softcap(logits_fp32(flat[rows].to(weight.dtype), weight, bias), softcap)
-            yield span, rows, torch.log_softmax(logits / temperature, dim=-1)
+            with no_autocast(flat.device):  # not held across the yield: the caller's code keeps its autocast
+                logits = apply_softcap(logits_fp32(flat[rows].to(dtype), weight, bias), softcap)
+                logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            yield span, rows, logprobs
 
 
 def precompute(
