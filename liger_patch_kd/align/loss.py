@@ -14,7 +14,8 @@ import torch
 from ..batch.columns import TEACHER_LABELS
 from ..conventions import TAIL_FLOOR, apply_softcap, dense_topk_teacher
 from ..losses.checks import check_topk_shapes, run_device_checks, topk_checks
-from ..ops.backend import eager, logits_fp32
+from ..losses.fused import compute_dtype
+from ..ops.backend import eager, logits_fp32, no_autocast
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.divergence import softmax_grad, terms_and_a
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log
@@ -243,7 +244,7 @@ def fused_linear_cross_tokenizer_kd(
     _check_head_input("teacher", teacher_input, teacher_weight)
     _check(TEACHER_LABELS, teacher_labels, teacher_input.shape[:-1])
     _check("teacher_groups", teacher_groups, teacher_input.shape[:-1])
-    dtype = _compute_dtype(student_input)
+    dtype = compute_dtype(student_input.device, student_input)
     h_t = teacher_input.reshape(-1, teacher_input.shape[-1]).detach().to(dtype)
     b_t = None if teacher_bias is None else teacher_bias.detach()
     teacher = _model_teacher(h_t, teacher_weight.detach().to(dtype), b_t, cfg)
@@ -310,11 +311,6 @@ def fused_linear_cross_tokenizer_topk_kd(
     )  # fmt: skip
 
 
-def _compute_dtype(student_input: torch.Tensor) -> torch.dtype:
-    device = student_input.device
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else student_input.dtype
-
-
 def _fused_loss(
     student_input, student_weight, student_bias, student_labels, student_groups, teacher_log_probs,
     teacher_vocab: int, teacher_labels, teacher_groups, vocab_map, exact_ok, cfg, num_items_in_batch,
@@ -326,7 +322,7 @@ def _fused_loss(
         vocab_map.check(student_weight.shape[0], teacher_vocab)
         vocab_map = vocab_map.to(student_input.device)
     device = student_input.device
-    dtype = _compute_dtype(student_input)
+    dtype = compute_dtype(device, student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1])
     s_labels = student_labels.reshape(-1).to(device)
     s_valid = s_labels != cfg.ignore_index
@@ -369,7 +365,7 @@ def _fused_loss(
         hard_weight=cfg.hard_weight,
         vocab=student_weight.shape[0],  # the student's whole head: its rows map through vocab_map
     )
-    with torch.autocast(device.type, enabled=False):
+    with no_autocast(device):
         loss, soft, hard = FusedLinearKDFunction.apply(
             h_layout, student_weight.to(dtype), student_bias, labels_layout, row_weight, plan
         )
