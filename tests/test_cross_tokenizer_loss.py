@@ -290,3 +290,19 @@ def test_chain_loss_is_zero_when_the_student_matches_the_teacher():
         vocab_map, config=CrossTokenizerConfig(kind="chain", reduction="sum"),
     )  # fmt: skip
     assert float(off) > 0.01
+
+
+def test_reduction_none_backward_under_bf16_autocast_is_the_backward_outside_it():
+    """reduction="none" recomputes the chunks in the backward: called inside the autocast block (fp32 weights,
+    bf16=True), the recomputed student logits must stay fp32 as the forward's were (they were rounded to bf16
+    before the softmax, ~1e-2 of every probability's gradient). Same gradients, bit for bit, either way."""
+    c = random_case(dtype=torch.float32)
+    for k in ("h_s", "w_s"):
+        c[k] = (c[k] * 0.8).detach().requires_grad_()
+    cfg = CrossTokenizerConfig(kind="uld", reduction="none")
+    upstream = torch.randn(c["s_labels"].shape)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = grads(fused_loss(c, cfg), c, upstream)
+        loss = fused_loss(c, cfg)
+    outside = grads(loss, c, upstream)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
