@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...generation import decode_forward_options, prefill_mask
+from ...ops.backend import no_autocast
 
 # generation-config entries that change nothing here: special ids, bookkeeping, and what rollouts pass explicitly
 NEUTRAL_GENERATION_KEYS = frozenset({
@@ -47,10 +48,7 @@ def weights_precision(model: nn.Module, device: torch.device) -> Iterator[None]:
     if own is not None and unwrapped is not None:
         model.forward = unwrapped
     try:
-        if torch.amp.is_autocast_available(device.type):
-            with torch.autocast(device.type, enabled=False):
-                yield
-        else:
+        with no_autocast(device):
             yield
     finally:
         if own is not None and unwrapped is not None:
