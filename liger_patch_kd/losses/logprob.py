@@ -82,7 +82,10 @@ def kl_estimator(
             if values is not None and values.shape == student_logprobs.shape:
                 checks.append(((values.isneginf() & selected).any(), _sampled_neginf(name)))
         run_device_checks(checks)
-    student_logprobs, teacher_logprobs = zero_rows(student_logprobs, selected), zero_rows(teacher_logprobs, selected)
+    # the estimators in fp32 at least: 16-bit log-probs are upcast (their gradients come back in their dtype)
+    student_logprobs, teacher_logprobs = (
+        reference.upcast_logits(zero_rows(t, selected)) for t in (student_logprobs, teacher_logprobs)
+    )
     if behaviour_logprobs is not None:
         if kind != "pg":
             raise ValueError(f"behaviour_logprobs importance-correct the policy gradient: pass kind='pg', not {kind!r}")
@@ -91,9 +94,8 @@ def kl_estimator(
                 f"behaviour_logprobs {tuple(behaviour_logprobs.shape)} must have student_logprobs' shape "
                 f"{tuple(student_logprobs.shape)}"
             )
-        terms = reference.policy_gradient_terms(
-            student_logprobs, teacher_logprobs, zero_rows(behaviour_logprobs, selected), clamp, importance_cap
-        )
+        behaviour = reference.upcast_logits(zero_rows(behaviour_logprobs, selected))
+        terms = reference.policy_gradient_terms(student_logprobs, teacher_logprobs, behaviour, clamp, importance_cap)
     else:
         terms = reference.kl_estimator_terms(student_logprobs, teacher_logprobs, kind, clamp)
     return _masked_reduce(terms, mask, reduction)
@@ -152,7 +154,7 @@ def topk_kd_from_logprobs(
         & (teacher_logprobs > reference.LOGPROB_PLACEHOLDER)
         & torch.isfinite(teacher_logprobs)
     )
-    log_s = torch.where(present, student_logprobs, -math.inf)
+    log_s = torch.where(present, reference.upcast_logits(student_logprobs), -math.inf)  # the math in fp32 at least
     log_p = torch.where(present, teacher_logprobs.to(log_s.dtype), -math.inf)
     if tail == "renormalize":
         log_s = torch.where(present, log_s - torch.logsumexp(log_s, -1, keepdim=True), -math.inf)
