@@ -29,19 +29,19 @@ objective of our GKD row (lmbda 1, beta 0.5, temperature 1), capped at `--trl-ca
 The offline on-policy rows (FROM_STORE) train on a rollout store made, for each seed, from that seed's format-tuned
 student through precompute_rollouts (what `liger-kd precompute --rollouts-from` runs), into a temporary folder
 removed after the run. The store holds `--store-steps` (default `--steps`) x `--batch` completions, as many as the
-live on-policy GKD row samples over that many steps (set it to what the live row reaches in its cap): `--store-
-generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from `--store-
-steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1 in calls
-of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k` log-
-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its seconds
-(generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0 point there,
-and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence, on the stored
-top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the store (`--store-
-steps` steps; `--store-epochs E`: E passes, the store scored once and trained on E times): the same objective on as
-many samples as the live row sees in that many steps, so the two differ only in whose samples they are (the
-starting student's rather than the current one's) and in what they cost. The `pg` / k1 estimators would match the
-live reverse-KL row instead, not the GKD row the comparison is about. The refresh row regenerates a quarter of
-every step's rows with the current student and rescores them (`kd_store_refresh_steps=1`,
+live on-policy GKD row samples over that many steps (set it to what the live row reaches in its cap):
+`--store-generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from
+`--store-steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1
+in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k`
+log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its
+seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0
+point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence,
+on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the
+store (`--store-steps` steps; `--store-epochs E`: E passes, the store scored once and trained on E times): the same
+objective on as many samples as the live row sees in that many steps, so the two differ only in whose samples they
+are (the starting student's rather than the current one's) and in what they cost. The `pg` / k1 estimators would
+match the live reverse-KL row instead, not the GKD row the comparison is about. The refresh row regenerates a
+quarter of every step's rows with the current student and rescores them (`kd_store_refresh_steps=1`,
 `kd_store_refresh_fraction=0.25`; it keeps the teacher in the loop for those rows). The summary asks, for each of
 them, whether it reaches the live GKD row's final accuracy (less its seed spread) in at most half the GPU-seconds
 the live row takes to reach it.

@@ -14,8 +14,7 @@ import torch
 from ..batch.columns import TEACHER_LABELS
 from ..conventions import TAIL_FLOOR, apply_softcap, dense_topk_teacher
 from ..losses.checks import check_topk_shapes, run_device_checks, topk_checks
-from ..losses.fused import compute_dtype
-from ..ops.backend import eager, logits_fp32, no_autocast
+from ..ops.backend import compute_dtype, eager, logits_fp32, no_autocast
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size, finish_chunk
 from ..ops.divergence import softmax_grad, terms_and_a
 from .chain import allowed_classes, chain_pairs, continuation_masses, restricted_log

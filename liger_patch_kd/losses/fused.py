@@ -14,7 +14,7 @@ from ..config import KDLossConfig, require_full_teacher
 from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
-from ..ops.backend import eager, logits_fp32, no_autocast, select_backend
+from ..ops.backend import compute_dtype, eager, logits_fp32, no_autocast, select_backend
 from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
@@ -41,14 +41,6 @@ class KDLossOutput(NamedTuple):
     loss: torch.Tensor  # soft_weight * soft + hard_weight * hard, differentiable
     soft: torch.Tensor  # the KD term alone (detached), same reduction
     hard: torch.Tensor  # the CE term alone (detached; zeros when hard_weight == 0)
-
-
-def compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
-    """Under autocast the products run in the autocast dtype, as nn.Linear's would; otherwise in the dtype of
-    the hidden states (a weight of another dtype, e.g. fp32 master weights, is cast to it)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return hidden.dtype
 
 
 def _row_weight(labels: torch.Tensor, cfg: KDLossConfig, num_items_in_batch, dtype: torch.dtype) -> torch.Tensor:

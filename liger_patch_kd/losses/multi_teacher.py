@@ -21,11 +21,11 @@ from ..config import KDLossConfig
 from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import mixture as mixture_op
-from ..ops.backend import eager, logits_fp32, select_backend
+from ..ops.backend import compute_dtype, eager, logits_fp32, select_backend
 from ..reference import MIXTURES
 from .checks import check_linear, counted_rows, flatten_labels, label_check, loss_config, run_device_checks, zero_rows
 from .docs import args_section, shared_docs
-from .fused import KDLossOutput, check_fp8_request, compute_dtype, run_fused
+from .fused import KDLossOutput, check_fp8_request, run_fused
 
 __all__ = ["fused_linear_multi_teacher_jsd", "mixture_weight_checks"]
 

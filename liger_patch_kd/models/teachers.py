@@ -20,8 +20,7 @@ from torch import nn
 from .. import reference
 from ..config import KDLossConfig
 from ..conventions import apply_softcap
-from ..losses.fused import compute_dtype
-from ..ops.backend import logits_fp32, no_autocast
+from ..ops.backend import compute_dtype, logits_fp32, no_autocast
 
 __all__ = ["TeacherSet", "head_logits", "per_teacher_metrics"]
 

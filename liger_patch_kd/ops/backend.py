@@ -36,6 +36,14 @@ def eager(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
+    """Under autocast the products run in the autocast dtype, as nn.Linear's would; otherwise in the dtype of
+    the hidden states (a weight of another dtype, e.g. fp32 master weights, is cast to it)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return hidden.dtype
+
+
 def no_autocast(device: torch.device):
     """Autocast off on `device`: under it even an fp32 product returns the autocast dtype, which would round the
     logits before a log-sum-exp (the fused losses cast their inputs to the autocast dtype themselves)."""

@@ -153,8 +153,7 @@ def hidden_chunks(flat_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 def head_chunks(flat, weight, bias, softcap, temperature: float, rows_per_chunk: int, spans=None):
     """(span, rows, fp32 log-softmax of cap(h W^T + b) / temperature) a chunk of rows at a time."""
     from ..conventions import apply_softcap
-    from ..losses.fused import compute_dtype
-    from ..ops.backend import logits_fp32, no_autocast
+    from ..ops.backend import compute_dtype, logits_fp32, no_autocast
 
     # under autocast the product runs in its dtype (as nn.Linear's would), autocast off around it
     dtype = compute_dtype(flat.device, weight)

@@ -91,17 +91,15 @@ def checked_resume(value: Any, output_dir: str) -> Any:
     if str(value).strip().lower() in AFRESH:
         return None
     if str(value).strip().lower() in LATEST:
-        saved = sorted((p for p in Path(output_dir).glob("checkpoint-*") if (p / CHECKPOINT_STATE).is_file()
-                        and p.name.removeprefix("checkpoint-").isdigit()),
-                       key=lambda p: int(p.name.removeprefix("checkpoint-")))  # fmt: skip
+        numbered = {int(p.name.removeprefix("checkpoint-")): p for p in Path(output_dir).glob("checkpoint-*")
+                    if p.name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
+        saved = sorted(step for step, p in numbered.items() if (p / CHECKPOINT_STATE).is_file())
         if not saved:
             raise ValueError(f"--resume_from_checkpoint {value}: --output_dir {output_dir} holds no checkpoint "
                              "(checkpoint-STEP with trainer_state.json) to resume from; leave the option out to start "
                              "afresh, or name the checkpoint folder")  # fmt: skip
-        newest = saved[-1]
-        unfinished = sorted(p.name for p in Path(output_dir).glob("checkpoint-*")
-                            if p.name.removeprefix("checkpoint-").isdigit() and not (p / CHECKPOINT_STATE).is_file()
-                            and int(p.name.removeprefix("checkpoint-")) > int(newest.name.removeprefix("checkpoint-")))
+        newest = numbered[saved[-1]]
+        unfinished = [numbered[step].name for step in sorted(numbered) if step > saved[-1]]
         if unfinished:  # a save cut short (a killed run) is passed over, and the user hears which one
             warnings.warn(f"--resume_from_checkpoint {value}: resuming from {newest.name}; the newer "
                           f"{', '.join(unfinished)} has no {CHECKPOINT_STATE} (a save that did not finish) and is "
