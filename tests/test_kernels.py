@@ -4,6 +4,8 @@ twins, forward and backward, in the dtypes models run in."""
 import pytest
 import torch
 
+from liger_patch_kd import KDLossConfig
+from liger_patch_kd.ops.backend import triton_available
 from liger_patch_kd.ops.rms_norm import rms_norm, rms_norm_torch
 from liger_patch_kd.ops.rope import rope, rope_torch
 from liger_patch_kd.ops.swiglu import gated_act, gated_act_torch
@@ -169,3 +171,29 @@ def test_scale_by_a_device_factor(dtype, factor):
     # the interpreter casts fp32 to bf16 by truncation (one ulp off half the time); the GPU rounds, exactly
     interpreted_bf16 = DEVICE.type == "cpu" and dtype == torch.bfloat16
     torch.testing.assert_close(x, expected, rtol=2**-7 if interpreted_bf16 else 0, atol=0)
+
+
+@pytest.mark.skipif(not triton_available(), reason="the Triton JSD kernel's walk order")
+@pytest.mark.parametrize("reverse_middle", [False, True])
+@pytest.mark.parametrize("l2_hints", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_jsd_kernel_walk_orders_agree_with_float64_math(reverse_middle, l2_hints, beta):
+    """Every JSDLaunch (pass 2 right to left, L2 eviction hints) gives the float64 result over a row of several
+    vocabulary tiles with a partial last one (4096-wide tiles: V = 2 * 4096 + 300), the gradient written in place
+    over the teacher logits as in training. Float64 rows: the kernel's scalars are exact pairs, so the only
+    difference is the order of the partial sums (rounding, 1e-12)."""
+    from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch, jsd_chunk_torch, jsd_chunk_triton
+
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 3, 2 * 4096 + 300
+    zs = (torch.randn(rows, vocab, generator=g) * 3).double()
+    zt = (torch.randn(rows, vocab, generator=g) * 4).double()
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    w = torch.tensor([0.5, 0.0, 1.25], dtype=torch.float64)
+    cfg = KDLossConfig(beta=beta, temperature=1.7, hard_weight=0.3)
+    want = jsd_chunk_torch(zs, zt, labels, w, w, torch.float64, cfg)
+    launch = JSDLaunch(reverse_middle=reverse_middle, l2_hints=l2_hints)
+    args = (t.to(DEVICE) for t in (zs, zt.clone(), labels, w, w))
+    got = [t.cpu() for t in jsd_chunk_triton(*args, torch.float64, cfg, launch=launch)]
+    for name, a, b in zip(("soft", "hard", "grad"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")

@@ -15,6 +15,8 @@ and dL/dz = dL/du / T * cap'(z), cap'(z) = 1 - (cap(z) / c)^2. The hard term add
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -104,6 +106,9 @@ if triton_available():
         COMPUTE_GRAD: tl.constexpr,
         PAIR: tl.constexpr,  # float64 rows: the options' low halves count
         BLOCK: tl.constexpr,  # vocabulary tile
+        REVERSE_MIDDLE: tl.constexpr,  # pass 2 walks the row right to left (see JSDLaunch)
+        KEEP: tl.constexpr,  # eviction hint of the loads passes 1 and 2 read again ("" or "evict_last")
+        DROP: tl.constexpr,  # eviction hint of pass 3's loads, the row's last read ("" or "evict_first")
     ):
         """One program per row. Pass 1: both log-sum-exps (and the T=1 one for CE). Pass 2 (reverse KL and
         JSD only): the loss and sum(S * g) the gradient needs. Pass 3: gradient (and the forward-KL loss).
@@ -120,8 +125,9 @@ if triton_available():
         m_s, d_s, m_t, d_t, m_1, d_1 = neg_inf, zero, neg_inf, zero, neg_inf, zero
         for off in range(0, V, BLOCK):
             mask = off + cols < V
-            xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
-            xt = softcap(tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty), cap_t, CAP_T)
+            xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0, eviction_policy=KEEP), cap_s, CAP_S)
+            xt = tl.load(zt_row + off + cols, mask=mask, other=0.0, eviction_policy=KEEP)
+            xt = softcap(xt.to(acc_ty), cap_t, CAP_T)
             m_s, d_s = online_lse_update(m_s, d_s, tl.where(mask, scale_exact(xs, inv_hi, inv_lo, PAIR), float("-inf")))
             m_t, d_t = online_lse_update(m_t, d_t, tl.where(mask, scale_exact(xt, inv_hi, inv_lo, PAIR), float("-inf")))
             if HAS_HARD and not UNIT_TEMP:
@@ -143,11 +149,13 @@ if triton_available():
         loss = tl.zeros([BLOCK], acc_ty)
         sum_sg = tl.zeros([BLOCK], acc_ty)
         if MODE != 0:
-            for off in range(0, V, BLOCK):
+            n_tiles = tl.cdiv(V, BLOCK)
+            for i in range(0, n_tiles):
+                off = (n_tiles - 1 - i) * BLOCK if REVERSE_MIDDLE else i * BLOCK
                 mask = off + cols < V
-                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0, eviction_policy=KEEP), cap_s, CAP_S)
                 log_s = scale_exact(xs, inv_hi, inv_lo, PAIR) - lse_s
-                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
+                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
                 log_p = scale_exact(softcap(zt, cap_t, CAP_T), inv_hi, inv_lo, PAIR) - lse_t
                 s = tl.exp(log_s)
                 if MODE == 1:
@@ -169,9 +177,9 @@ if triton_available():
             soft_scale = scale_exact(w_soft, inv_hi, inv_lo, PAIR)
             for off in range(0, V, BLOCK):
                 mask = off + cols < V
-                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0), cap_s, CAP_S)
+                xs = softcap(tl.load(zs_row + off + cols, mask=mask, other=0.0, eviction_policy=DROP), cap_s, CAP_S)
                 log_s = scale_exact(xs, inv_hi, inv_lo, PAIR) - lse_s
-                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0).to(acc_ty)
+                zt = tl.load(zt_row + off + cols, mask=mask, other=0.0, eviction_policy=DROP).to(acc_ty)
                 log_p = scale_exact(softcap(zt, cap_t, CAP_T), inv_hi, inv_lo, PAIR) - lse_t
                 s = tl.exp(log_s)
                 if MODE == 0:
@@ -215,6 +223,27 @@ def _grad_view_of(teacher_logits: torch.Tensor, grad_dtype: torch.dtype) -> torc
     return teacher_logits.view(grad_dtype)[:, : teacher_logits.shape[1]]
 
 
+@dataclass(frozen=True)
+class JSDLaunch:
+    """How `_jsd_chunk_kernel` walks a row, for the L2 cache's sake (the passes are bound by memory traffic).
+
+    `reverse_middle`: pass 2 walks right to left, so it starts on the tiles pass 1 read last, the ones most
+    likely still in L2 (pass 3 then starts where pass 2 ended); pass 3 itself must walk left to right, as its
+    gradient may overwrite teacher bytes only behind its reads (`_grad_view_of`). `l2_hints`: passes 1 and 2 ask
+    L2 to keep what they load, pass 3 (the last read) to drop it first. Either leaves the results bit for bit
+    as they were: only the order of independent loads and the order of pass 2's partial sums change (the sums in
+    float64 tests agree to rounding). The defaults are what benchmarks/loss/probe_jsd_order.py measured faster.
+    """
+
+    reverse_middle: bool = False
+    l2_hints: bool = False
+    block: int | None = None  # vocabulary tile and warps per program; None: row_launch_config's
+    num_warps: int | None = None
+
+
+JSD_LAUNCH = JSDLaunch()
+
+
 def row_launch_config(vocab: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of the kernels that stream one row of logits per program (the JSD chunk, the teacher
     fold): 4096-wide tiles keep 16 fp32 values per thread at 8 warps, enough loads in flight to stream a row at
@@ -231,13 +260,17 @@ def jsd_chunk_triton(
     w_hard: torch.Tensor,
     grad_dtype: torch.dtype | None,
     cfg: KDLossConfig,
+    launch: JSDLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch`."""
+    """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch` (`launch`: JSD_LAUNCH unless given)."""
+    launch = JSD_LAUNCH if launch is None else launch
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
     grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
     block, num_warps = row_launch_config(vocab)
+    block = min(block, launch.block) if launch.block else block
+    num_warps = launch.num_warps or num_warps
     teacher_cap = cfg.teacher_softcap
     _jsd_chunk_kernel[(rows,)](
         # pointers
@@ -250,7 +283,9 @@ def jsd_chunk_triton(
         # meta-parameters
         MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
         CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        PAIR=student_logits.dtype == torch.float64, BLOCK=block, num_warps=num_warps,
+        PAIR=student_logits.dtype == torch.float64, BLOCK=block, REVERSE_MIDDLE=launch.reverse_middle,
+        KEEP="evict_last" if launch.l2_hints else "", DROP="evict_first" if launch.l2_hints else "",
+        num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
 
