@@ -1,5 +1,5 @@
-"""What the loss benchmarks share (bench_fused_linear_jsd, bench_loss_breakdown, bench_loss_floor): inputs of a Llama-
-shaped loss, Liger's and TRL's methods, the relative error."""
+"""What the loss benchmarks share (bench_fused_linear_jsd, bench_loss_breakdown, bench_loss_floor, probe_jsd_order):
+inputs of a Llama-shaped loss, the floor's products, Liger's and TRL's methods, the relative error."""
 
 from __future__ import annotations
 
@@ -26,6 +26,26 @@ def make_inputs(n: int, hidden: int, vocab: int, seed: int = 0, teacher_vocab: i
         w_t=rand(teacher_vocab or vocab, hidden, scale=2.5 / hidden**0.5),
         labels=torch.randint(0, vocab, (n,), device="cuda", generator=g),
     )
+
+
+def floor_products(x: dict) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The loss's floor as two callables over `make_inputs`-style tensors: (the two bf16 logit products, the two
+    bf16 gradient products) into buffers made here; run back to back they are the four N x H x V products any
+    method must do (the FP8 floor swaps in its own logit products)."""
+    n, vocab = x["h_s"].shape[0], x["w_s"].shape[0]
+    logits = torch.empty(n, vocab, device=x["h_s"].device, dtype=torch.bfloat16)
+    g_in, g_w = torch.empty_like(x["h_s"]), torch.empty_like(x["w_s"])
+    h_s, w_s, h_t, w_t = (x[k].detach() for k in ("h_s", "w_s", "h_t", "w_t"))
+
+    def logit_products():
+        torch.mm(h_s, w_s.T, out=logits)
+        torch.mm(h_t, w_t.T, out=logits)
+
+    def grad_products():
+        torch.mm(logits, w_s, out=g_in)
+        torch.mm(logits.T, h_s, out=g_w)
+
+    return logit_products, grad_products
 
 
 def liger_methods(cfg: KDLossConfig) -> tuple[dict[str, Callable], str | None]:

@@ -35,7 +35,7 @@ from liger_patch_kd.ops.fp8 import fp8_available, quantize_rows
 from liger_patch_kd.ops.fp8_logits import forget_quantized_head, fp8_logits, quantize_head
 
 from ..common import cuda_time_ms, environment, print_table, write_json
-from ..common.losses import LLAMA_V, liger_methods, rel_err
+from ..common.losses import LLAMA_V, floor_products, liger_methods, rel_err
 
 OURS = "liger_patch_kd"
 VARIANTS = {
@@ -77,18 +77,11 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int = 2, reps: int = 
 
 def floors(x: dict, device: str, with_fp8: bool) -> dict[str, float]:
     """The four products (bf16), and the same with the two logit products in FP8 on pre-quantised operands."""
-    n, vocab = x["h_s"].shape[0], x["w_s"].shape[0]
-    logits = torch.empty(n, vocab, device=device, dtype=torch.bfloat16)
-    g_in, g_w = torch.empty_like(x["h_s"]), torch.empty_like(x["w_s"])
+    logit_products, grad_products = floor_products(x)
     h_s, w_s, h_t, w_t = (x[k].detach() for k in ("h_s", "w_s", "h_t", "w_t"))
 
-    def grad_products():
-        torch.mm(logits, w_s, out=g_in)
-        torch.mm(logits.T, h_s, out=g_w)
-
     def bf16():
-        torch.mm(h_s, w_s.T, out=logits)
-        torch.mm(h_t, w_t.T, out=logits)
+        logit_products()
         grad_products()
 
     out = {"matmul floor (4 bf16 products)": time_ms(bf16, device)}

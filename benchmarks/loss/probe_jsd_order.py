@@ -9,7 +9,8 @@ pass 3's, and change the tile width and warps. This probe times each variant twi
   the gradient overwrites, also timed alone, so "kernel ms" is the difference), with its largest difference
   from the default launch (loss, bf16 gradient);
 - the whole fused loss, forward and backward, at N = 2048 and 8192 (H 4096, V 128256, bf16, beta 0.5), beside
-  the four-product floor of bench_loss_floor, with the variant set as ops.fused_linear_jsd.JSD_LAUNCH.
+  the four-product floor (benchmarks/common/losses.floor_products), with the variant set as
+  ops.fused_linear_jsd.JSD_LAUNCH.
 
     python -m benchmarks.loss.probe_jsd_order --out $OUT/probe_jsd_order.json
 """
@@ -24,8 +25,7 @@ from liger_patch_kd import KDLossConfig, fused_linear_jsd
 from liger_patch_kd.ops import fused_linear_jsd as jsd_op
 
 from ..common import cuda_time_ms, environment, print_table, write_json
-from ..common.losses import LLAMA_V
-from .bench_loss_floor import floors, make_inputs
+from ..common.losses import LLAMA_V, floor_products, make_inputs
 
 VARIANTS = {
     "default": jsd_op.JSDLaunch(),
@@ -70,8 +70,9 @@ def kernel_rows(rows: int, vocab: int, betas: list[float]) -> list[dict]:
 def loss_rows(ns: list[int], hidden: int) -> list[dict]:
     out = []
     for n in ns:
-        x = make_inputs(n, hidden, LLAMA_V, "cuda")
-        floor = next(iter(floors(x, "cuda", with_fp8=False).values()))
+        x = make_inputs(n, hidden, LLAMA_V)
+        logit_products, grad_products = floor_products(x)
+        floor = cuda_time_ms(lambda: (logit_products(), grad_products()))
         out.append(dict(stage="loss", N=n, variant="matmul floor", ms=floor, x_floor=1.0))
         cfg = KDLossConfig(beta=0.5)
 
