@@ -9,7 +9,7 @@ pass 3's, and change the tile width and warps. This probe times each variant twi
   the gradient overwrites, also timed alone, so "kernel ms" is the difference), with its largest difference
   from the default launch (loss, bf16 gradient);
 - the whole fused loss, forward and backward, at N = 2048 and 8192 (H 4096, V 128256, bf16, beta 0.5), beside
-  the four-product floor (benchmarks/common/losses.floor_products), with the variant set as
+  the four-product floor (`floor_products` of benchmarks/common/losses.py), with the variant set as
   ops.fused_linear_jsd.JSD_LAUNCH.
 
     python -m benchmarks.loss.probe_jsd_order --out $OUT/probe_jsd_order.json
