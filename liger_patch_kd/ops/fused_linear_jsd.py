@@ -232,7 +232,9 @@ class JSDLaunch:
     gradient may overwrite teacher bytes only behind its reads (`_grad_view_of`). `l2_hints`: passes 1 and 2 ask
     L2 to keep what they load, pass 3 (the last read) to drop it first. Either leaves the results bit for bit
     as they were: only the order of independent loads and the order of pass 2's partial sums change (the sums in
-    float64 tests agree to rounding). The defaults are what benchmarks/loss/probe_jsd_order.py measured faster.
+    float64 tests agree to rounding). The defaults are today's walk: benchmarks/loss/probe_jsd_order.py found no
+variant faster in the whole loss on a Hopper GPU, whose L2 holds too little of the rows in flight; the knobs stay
+so the probe can ask again on GPUs with a larger L2.
     """
 
     reverse_middle: bool = False
