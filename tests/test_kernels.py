@@ -197,3 +197,14 @@ def test_jsd_kernel_walk_orders_agree_with_float64_math(reverse_middle, l2_hints
     got = [t.cpu() for t in jsd_chunk_triton(*args, torch.float64, cfg, launch=launch)]
     for name, a, b in zip(("soft", "hard", "grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "options,needle",
+    [(dict(block=100), "power of two"), (dict(block=8), "power of two"), (dict(num_warps=3), "one of")],
+)
+def test_jsd_launch_refuses_a_tile_or_warp_count_triton_cannot_launch(options, needle):
+    from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch
+
+    with pytest.raises(ValueError, match=needle):
+        JSDLaunch(**options)

@@ -230,17 +230,22 @@ class JSDLaunch:
     `reverse_middle`: pass 2 walks right to left, so it starts on the tiles pass 1 read last, the ones most
     likely still in L2 (pass 3 then starts where pass 2 ended); pass 3 itself must walk left to right, as its
     gradient may overwrite teacher bytes only behind its reads (`_grad_view_of`). `l2_hints`: passes 1 and 2 ask
-    L2 to keep what they load, pass 3 (the last read) to drop it first. Either leaves the results bit for bit
-    as they were: only the order of independent loads and the order of pass 2's partial sums change (the sums in
-    float64 tests agree to rounding). The defaults are today's walk: benchmarks/loss/probe_jsd_order.py found no
-variant faster in the whole loss on a Hopper GPU, whose L2 holds too little of the rows in flight; the knobs stay
-so the probe can ask again on GPUs with a larger L2.
+    L2 to keep what they load, pass 3 (the last read) to drop it first. Neither changes what is computed, only the
+    order of independent loads and of pass 2's partial sums (equal to rounding). The defaults are today's walk:
+    benchmarks/loss/probe_jsd_order.py found no variant faster in the whole loss on a Hopper GPU, whose L2 holds
+    too little of the rows in flight; the knobs stay so the probe can ask again on GPUs with a larger L2.
     """
 
     reverse_middle: bool = False
     l2_hints: bool = False
     block: int | None = None  # vocabulary tile and warps per program; None: row_launch_config's
     num_warps: int | None = None
+
+    def __post_init__(self):
+        if self.block is not None and (self.block < 16 or self.block & (self.block - 1)):
+            raise ValueError(f"JSDLaunch.block must be a power of two >= 16 (a Triton tile); got {self.block}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"JSDLaunch.num_warps must be one of 1, 2, 4, 8, 16, 32; got {self.num_warps}")
 
 
 JSD_LAUNCH = JSDLaunch()
