@@ -10,6 +10,7 @@
 #   bench_sampled_kd's 189M-teacher tables and bench_fp8_teacher's fidelity on the BPE vocabulary (~4 minutes;
 #   TRAIN_SECONDS, default 30, trains each teacher)
 #   tta-1 / tta-2: the time-to-accuracy benchmark over two calls; rollout-store, decode-students: their benchmarks
+#   probe-jsd-order: how the JSD kernel walks a row (benchmarks/loss/probe_jsd_order.py) and its tests compiled
 set -uo pipefail
 OUT=${OUT:-runs}
 mkdir -p "$OUT"
@@ -45,6 +46,13 @@ for what in "${@:-all}"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m benchmarks.training.bench_multi_teacher --ns 4096 8192 16384 --out "$OUT/bench_multi_teacher.json" 2>&1 \
         | tee "$OUT/bench_multi_teacher.log" | grep -v "^{" ;;&
+    probe-jsd-order)
+      # the JSD kernel's walk order, hints, tile and warps, alone and in the whole loss beside the floor (~2 minutes),
+      # then its float64 tests compiled
+      python3 -m benchmarks.loss.probe_jsd_order --out "$OUT/probe_jsd_order.json" 2>&1 | tee "$OUT/probe_jsd_order.log" \
+        | grep -v "^{"
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k jsd 2>&1 | tee "$OUT/tests_jsd_launch.log" | tail -3
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-padded)
       python3 -m benchmarks.loss.bench_fused_linear_jsd --only padded --out "$OUT/bench_padded_vocab.json" 2>&1 \
         | tee "$OUT/bench_padded.log" | grep -v "^{" ;;

@@ -13,6 +13,7 @@ pass 3's, and change the tile width and warps. This probe times each variant twi
   ops.fused_linear_jsd.JSD_LAUNCH.
 
     python -m benchmarks.loss.probe_jsd_order --out $OUT/probe_jsd_order.json
+    bash benchmarks/run_gpu_suite.sh probe-jsd-order     # the same, then the kernel's float64 tests compiled
 """
 
 from __future__ import annotations
