@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops.backend import select_backend
+from ..ops.backend import autocast_dtype, select_backend
 from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
@@ -388,7 +388,7 @@ def decode(
         capture = "eager"
     rows, width = input_ids.shape
     length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    autocast = autocast_dtype(device)
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     eos = tuple(sorted(set(eos_ids)))
     fuse, kernels = bool(fuse_projections), bool(kernels)

@@ -36,12 +36,17 @@ def eager(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs products in on `device`, or None where it is off (or unknown to autocast)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 def compute_dtype(device: torch.device, hidden: torch.Tensor) -> torch.dtype:
     """Under autocast the products run in the autocast dtype, as nn.Linear's would; otherwise in the dtype of
     the hidden states (a weight of another dtype, e.g. fp32 master weights, is cast to it)."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return hidden.dtype
+    return autocast_dtype(device) or hidden.dtype
 
 
 def no_autocast(device: torch.device):

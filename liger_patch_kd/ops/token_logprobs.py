@@ -15,15 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..conventions import apply_softcap
-from .backend import logits_fp32, no_autocast
+from .backend import autocast_dtype, logits_fp32, no_autocast
 from .chunked import choose_chunk_size
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast runs products in on `device`, or None where it is off."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
 
 
 def _chunk_logits(h, weight, bias, temperature, softcap):
@@ -129,7 +122,7 @@ def linear_token_logprobs(
     # a chunk holds its fp32 logits and, in the backward, their gradient: 8 bytes per logit
     chunk = chunk_size or choose_chunk_size(rows, weight.shape[0], hidden.device, bytes_per_logit=8)
     chunk = max(1, min(rows, chunk))
-    dtype = _autocast_dtype(hidden.device)
+    dtype = autocast_dtype(hidden.device)
     if dtype is not None:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
