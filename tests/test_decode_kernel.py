@@ -53,6 +53,28 @@ def test_kernel_is_attention_over_the_repeated_cache_in_float64(batch, heads, kv
     torch.testing.assert_close(out.double(), want, **TIGHT)  # accumulation in the inputs' dtype: rounding only
 
 
+@pytest.mark.parametrize("batch, length, merged", [(4, BLOCK_N, False), (1, 3 * BLOCK_N, True)])  # on any GPU too
+def test_one_split_writes_the_output_without_a_merge(monkeypatch, batch, length, merged):
+    """With one split per (row, head) the split kernel writes the output and no merge is launched; with several the
+    merge runs; both equal attention in float64."""
+    import liger_patch_kd.generation.decode_kernel as kernel_module
+
+    merges = []
+    merge = kernel_module._merge_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return merge[grid]
+
+    monkeypatch.setattr(kernel_module, "_merge_kernel", Counting())
+    q, k, v, attend = _case(batch, 8, 2, 16, length, seed=5)
+    assert (split_count(batch * 2, length, q.device) > 1) == merged
+    out = decode_attention(q, k, v, attend, scale=0.25)
+    assert bool(merges) == merged
+    torch.testing.assert_close(out.double(), _exact(q, k, v, attend[:, None, None, :], 0.25), **TIGHT)
+
+
 def test_splits_that_read_nothing_and_strided_caches_merge_exactly():
     """A split whose columns nobody attends to (running max -inf) weighs nothing; the cache a slot cache hands over
     is a view of a longer one (strides of the longer cache)."""

@@ -149,6 +149,37 @@ def test_the_cache_takes_the_dtype_keys_have_under_autocast(monkeypatch):
         cache.update(keys[:, :, :1].float(), keys[:, :, :1].float(), 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_key_and_value_land_in_the_slot_in_one_launch(monkeypatch, dtype):
+    """kv_cache.write_slot through the Triton kernel (the interpreter here) writes exactly what index_copy_ writes:
+    the slot's column of every (row, head), nothing else; strided inputs (a transposed projection) and caches
+    (a view of a longer one) read and written through their strides; one launch for keys and values."""
+    import liger_patch_kd.generation.kv_cache as kv_cache
+
+    launches = []
+    kernel = kv_cache._slot_write_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(kv_cache, "_slot_write_kernel", Counting())
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    g = torch.Generator().manual_seed(7)
+    long_keys, long_values = (torch.randn(3, 2, 12, 5, generator=g).to(DEVICE, dtype) for _ in range(2))
+    keys, values = long_keys[:, :, :9], long_values[:, :, :9]  # a view: strides of the longer cache
+    key = torch.randn(3, 1, 2, 5, generator=g).to(DEVICE, dtype).transpose(1, 2)  # (rows, heads, 1, dim), strided
+    value = torch.randn(3, 2, 1, 5, generator=g).to(DEVICE, dtype)
+    slot = torch.tensor([4], device=DEVICE)
+    want_keys, want_values = keys.clone().index_copy_(2, slot, key), values.clone().index_copy_(2, slot, value)
+    before = long_keys.clone()
+    kv_cache.write_slot(keys, values, key, value, slot)
+    assert len(launches) == 1
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert torch.equal(long_keys[:, :, 9:], before[:, :, 9:])  # past the view: untouched
+
+
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = probs > 0
     assert counts[~keep].sum() == 0  # nothing drawn outside the support

@@ -66,6 +66,44 @@ def test_rope_q_and_k_in_one_kernel(dtype, batch_cos):
     )
 
 
+@pytest.mark.parametrize("heads,kv_heads,seq", [(6, 3, 1), (5, 1, 4)])
+def test_rope_launches_once_for_q_and_k_forward_and_backward(monkeypatch, heads, kv_heads, seq):
+    """q and k in one launch each way (a decode step is bound by launches), head counts that are not powers of two,
+    the decode shape (one position), against the torch rotation in float64."""
+    import liger_patch_kd.ops.rope as rope_module
+
+    launches = []
+    kernel = rope_module._rope_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rope_module, "_rope_kernel", Counting())
+    q = torch.randn(3, seq, heads, 8, device=DEVICE, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(3, seq, kv_heads, 8, device=DEVICE, dtype=torch.float64).transpose(1, 2)
+    angles = torch.randn(3, seq, 4, device=DEVICE, dtype=torch.float64)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    _compare(
+        lambda q, k: rope(q, k, cos, sin, backend="triton"), lambda q, k: rope_torch(q, k, cos, sin), [q, k],
+        torch.float64,
+    )  # fmt: skip
+    assert len(launches) == 2  # one forward, one backward
+
+
+def test_rope_takes_the_torch_path_for_a_k_it_cannot_pair_with():
+    """A k of another dtype than q's (each rotated in its own dtype by the torch path) is not put in q's launch."""
+    q = torch.randn(1, 2, 3, 8, device=DEVICE, dtype=torch.float64)
+    k = torch.randn(1, 1, 3, 8, device=DEVICE, dtype=torch.float32)
+    cos, sin = torch.randn(1, 3, 8, device=DEVICE, dtype=torch.float64), torch.randn(1, 3, 8, device=DEVICE,
+                                                                                     dtype=torch.float64)  # fmt: skip
+    got, want = rope(q, k, cos, sin, backend="triton"), rope_torch(q, k, cos, sin)
+    assert got[1].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 def test_rope_backward_with_unequal_halves():
     """The backward is the transposed rotation: right even when cos/sin halves differ (not HF's layout)."""
     q = torch.randn(1, 3, 2, 8, device=DEVICE).transpose(1, 2)  # (B, heads=2, T=3, D)

@@ -15,9 +15,9 @@ warp, stage and split variants timed as CUDA-graph replays, the branch-free loop
 
 Grid: (rows x key/value heads, splits). A program holds the G query heads of one key/value head (padded to 16 rows:
 tensor-core products need 16) and runs the online softmax over its split's columns; a second kernel merges the
-splits' (running max, sum, weighted values). Products accumulate in float32 (float64 for float64 inputs, so the CPU
-tests compare against float64 SDPA at float64 rounding); the probabilities are cast to the values' dtype before their
-product, as flash attention does.
+splits' (running max, sum, weighted values); with one split the program writes the output itself and no merge is
+launched. Products accumulate in float32 (float64 for float64 inputs, so the CPU tests compare against float64 SDPA at
+float64 rounding); the probabilities are cast to the values' dtype before their product, as flash attention does.
 """
 
 from __future__ import annotations
@@ -44,14 +44,15 @@ if triton_available():
     @triton.jit
     def _split_kernel(
         # pointers
-        q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr,
         # shapes
         kv_heads, length, split_len, scale,
         # strides
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
+        stride_ob, stride_oh,
         # meta-parameters
         GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK: tl.constexpr, MASK_BLOCK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK: tl.constexpr, MASK_BLOCK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         pair, split = tl.program_id(0), tl.program_id(1)
         splits = tl.num_programs(1)
@@ -100,6 +101,11 @@ if triton_available():
                 p, v = p.to(ACC), v.to(ACC)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee", out_dtype=ACC)
             running_max = new_max
+        if DIRECT:  # one split: the output itself, what the merge would compute from it (its weight is 1)
+            out = acc / total[:, None]
+            tl.store(out_ptr + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+            return
         row = (pair * splits + split) * GROUP + g
         tl.store(max_ptr + row, running_max, mask=g_ok)
         tl.store(sum_ptr + row, total, mask=g_ok)
@@ -191,20 +197,25 @@ def decode_attention(
     splits = split_count(pairs, length, query.device)
     split_len = math.ceil(math.ceil(length / splits) / BLOCK_N) * BLOCK_N
     splits = math.ceil(length / split_len)
-    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    acc = torch.empty(pairs * splits * group, dim, dtype=acc_dtype, device=query.device)
-    maxima = torch.empty(pairs * splits * group, dtype=acc_dtype, device=query.device)
-    sums = torch.empty_like(maxima)
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
+    direct = splits == 1  # a split per (row, head): it writes the output, no merge launched (64 rows on an H100)
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scratch = 0 if direct else pairs * splits * group
+    acc = torch.empty(scratch, dim, dtype=acc_dtype, device=query.device)
+    maxima = torch.empty(scratch, dtype=acc_dtype, device=query.device)
+    sums = torch.empty_like(maxima)
     block_d = max(16, triton.next_power_of_2(dim))
     _split_kernel[(pairs, splits)](
-        query, key, value, mask, acc, maxima, sums,
+        query, key, value, mask, acc, maxima, sums, out,
         kv_heads, length, split_len, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1),
+        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1), out.stride(0), out.stride(2),
         GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
-        MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), num_warps=4, num_stages=2,
+        MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct, num_warps=4,
+        num_stages=2,
     )  # fmt: skip
+    if direct:
+        return out
     _merge_kernel[(pairs, group)](
         acc, maxima, sums, out,
         kv_heads, splits,

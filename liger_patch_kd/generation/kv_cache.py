@@ -8,12 +8,57 @@ columns hold a row's prompt; transformers returns a 4D mask as it is, so nothing
 The tensors are allocated at the first write of each layer, in the dtype the keys arrive in: a float32 model under
 bfloat16 autocast writes bfloat16 keys, and its cache is bfloat16 (allocating by the weights' dtype gave
 `index_copy_(): ... Float and BFloat16`).
+
+A decode step writes a layer's new key and value columns in one Triton launch where the backend is Triton (two
+`index_copy_` kernels otherwise): a step of a few rows is bound by how many kernels it launches.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+
+from ..ops.backend import select_backend, triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _slot_write_kernel(
+        key_ptr, value_ptr, keys_ptr, values_ptr, slot_ptr, kv_heads, length,
+        s_kb, s_kh, s_vb, s_vh, s_ksb, s_ksh, s_ksn, s_vsb, s_vsh, s_vsn,
+        DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (row, key/value head): its key and value, (dim,) each, into column `slot` of the cache."""
+        pair = tl.program_id(0)
+        b, h = (pair // kv_heads).to(tl.int64), (pair % kv_heads).to(tl.int64)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        # the engine never steps past its cache; were it asked to, nothing is written outside it
+        ok = d < tl.where(slot < length, DIM, 0)
+        key = tl.load(key_ptr + b * s_kb + h * s_kh + d, mask=ok)
+        value = tl.load(value_ptr + b * s_vb + h * s_vh + d, mask=ok)
+        tl.store(keys_ptr + b * s_ksb + h * s_ksh + slot * s_ksn + d, key, mask=ok)
+        tl.store(values_ptr + b * s_vsb + h * s_vsh + slot * s_vsn + d, value, mask=ok)
+
+
+def write_slot(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor):
+    """keys[:, :, slot] = key[:, :, 0] and values[:, :, slot] = value[:, :, 0]; `slot` a one-element device tensor
+    (read by the kernel: one graph serves every step), key / value (rows, kv heads, 1, dim)."""
+    single = key.shape[2] == 1 and key.shape == value.shape and key.shape[:2] + key.shape[3:] == keys.shape[:2] + \
+        keys.shape[3:] and keys.shape == values.shape  # fmt: skip
+    if not single or select_backend(key.device) != "triton" or key.stride(-1) != 1 or value.stride(-1) != 1 \
+            or keys.stride(-1) != 1 or values.stride(-1) != 1:  # fmt: skip
+        keys.index_copy_(2, slot, key)
+        values.index_copy_(2, slot, value)
+        return
+    rows, kv_heads, _, dim = key.shape
+    _slot_write_kernel[(rows * kv_heads,)](
+        key, value, keys, values, slot, kv_heads, keys.shape[2],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *keys.stride()[:3], *values.stride()[:3], DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+    )  # fmt: skip
 
 
 class SlotCache(Cache):
@@ -48,8 +93,7 @@ class SlotCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self._tensors(layer_idx, key_states, value_states)
         if self.decoding:
-            keys.index_copy_(2, self.slot, key_states)
-            values.index_copy_(2, self.slot, value_states)
+            write_slot(keys, values, key_states, value_states, self.slot)
             return keys, values
         width = key_states.shape[-2]
         keys[:, :, :width].copy_(key_states)

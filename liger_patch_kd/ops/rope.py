@@ -30,24 +30,12 @@ if triton_available():
     from .triton_utils import acc_type
 
     @triton.jit
-    def _rope_kernel(
-        x_ptr, out_ptr, cos_ptr, sin_ptr, sxb, sxh, sxt, sob, soh, sot, scb, sct, T, n_heads,
-        BACKWARD: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        """One program per (batch, position): all heads of one tensor, both halves of the rotation.
-        The backward applies the transposed rotation: sin halves swapped and negated."""
-        pid = tl.program_id(0)
-        b = (pid // T).to(tl.int64)
-        t = (pid % T).to(tl.int64)
+    def _rotate_heads(x_ptr, out_ptr, b, t, sxb, sxh, sxt, sob, soh, sot, n_heads, cos1, cos2, sin1, sin2,
+                      ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+        """Both halves of the rotation for every head of one (batch, position) of one tensor."""
         d = tl.arange(0, HALF)
         heads = tl.arange(0, BLOCK_H)
         hmask = heads[:, None] < n_heads
-        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(ACC)
-        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(ACC)
-        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(ACC)
-        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(ACC)
-        if BACKWARD:
-            sin1, sin2 = -sin2, -sin1
         base = x_ptr + b * sxb + t * sxt + heads[:, None] * sxh
         x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(ACC)
         x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(ACC)
@@ -57,16 +45,45 @@ if triton_available():
             out + HALF + d[None, :], (x2 * cos2[None, :] + x1 * sin2[None, :]).to(out_ptr.dtype.element_ty), mask=hmask
         )
 
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-        bsz, heads, seq, dim = x.shape
-        out = torch.empty((bsz, seq, heads, dim), dtype=x.dtype, device=x.device).transpose(1, 2)  # HF's layout
+    @triton.jit
+    def _rope_kernel(
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+        sqb, sqh, sqt, skb, skh, skt, soqb, soqh, soqt, sokb, sokh, sokt, scb, sct, T, q_heads, k_heads,
+        BACKWARD: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
+        BLOCK_KH: tl.constexpr,
+    ):  # fmt: skip
+        """One program per (batch, position): every head of q and of k, cos / sin read once for both (one launch:
+        a decode step's few rows are bound by launches, not bytes). The backward applies the transposed rotation:
+        sin halves swapped and negated."""
+        pid = tl.program_id(0)
+        b = (pid // T).to(tl.int64)
+        t = (pid % T).to(tl.int64)
+        d = tl.arange(0, HALF)
+        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(ACC)
+        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(ACC)
+        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(ACC)
+        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(ACC)
+        if BACKWARD:
+            sin1, sin2 = -sin2, -sin1
+        _rotate_heads(q_ptr, q_out_ptr, b, t, sqb, sqh, sqt, soqb, soqh, soqt, q_heads, cos1, cos2, sin1, sin2,
+                      ACC, HALF, BLOCK_QH)  # fmt: skip
+        _rotate_heads(k_ptr, k_out_ptr, b, t, skb, skh, skt, sokb, sokh, sokt, k_heads, cos1, cos2, sin1, sin2,
+                      ACC, HALF, BLOCK_KH)  # fmt: skip
+
+    def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
+        bsz, q_heads, seq, dim = q.shape
+        k_heads = k.shape[1]
+        # outputs in transformers' layout: (B, T, heads, D) storage seen as (B, heads, T, D)
+        q_out = torch.empty((bsz, seq, q_heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+        k_out = torch.empty((bsz, seq, k_heads, dim), dtype=k.dtype, device=k.device).transpose(1, 2)
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
         _rope_kernel[(bsz * seq,)](
-            x, out, cos, sin, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            cb, cos.stride(1), seq, heads, BACKWARD=backward, ACC=acc_type(x.dtype), HALF=dim // 2,
-            BLOCK_H=triton.next_power_of_2(heads),
+            q, k, q_out, k_out, cos, sin,
+            *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3], cb, cos.stride(1),
+            seq, q_heads, k_heads, BACKWARD=backward, ACC=acc_type(q.dtype), HALF=dim // 2,
+            BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
         )  # fmt: skip
-        return out
+        return q_out, k_out
 
 
 class RoPEFunction(torch.autograd.Function):
@@ -74,12 +91,13 @@ class RoPEFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         cos, sin = cos.contiguous(), sin.contiguous()
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+        return _rotate(q, k, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True), None, None
+        dq, dk = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk))  # the kernel reads dim as contiguous
+        return (*_rotate(dq, dk, cos, sin, True), None, None)
 
 
 def _triton_can_take(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> bool:
@@ -95,10 +113,16 @@ def _triton_can_take(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> 
     )
 
 
+def _pairs_with(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k can be rotated in q's launch: the same batch, positions, head size and dtype, its last dim contiguous."""
+    return k.dim() == 4 and k.shape[::2] == q.shape[::2] and k.shape[-1] == q.shape[-1] and k.dtype == q.dtype \
+        and k.stride(-1) == 1  # fmt: skip
+
+
 def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, backend: str | None = None):
     """Drop-in for transformers' apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)."""
     if select_backend(q.device, backend) == "torch" or not (
-        _triton_can_take(q, cos, unsqueeze_dim) and k.stride(-1) == 1
+        _triton_can_take(q, cos, unsqueeze_dim) and _pairs_with(q, k)
     ):
         return rope_torch(q, k, cos, sin, unsqueeze_dim)
     return RoPEFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))
