@@ -198,7 +198,7 @@ def decode_attention(
     split_len = math.ceil(math.ceil(length / splits) / BLOCK_N) * BLOCK_N
     splits = math.ceil(length / split_len)
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
-    direct = splits == 1  # a split per (row, head): it writes the output, no merge launched (64 rows on an H100)
+    direct = splits == 1  # a split per (row, head), as many rows on a large GPU: it writes the output, no merge
     acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     scratch = 0 if direct else pairs * splits * group
     acc = torch.empty(scratch, dim, dtype=acc_dtype, device=query.device)
