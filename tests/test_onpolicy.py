@@ -161,6 +161,28 @@ def test_prompt_rows_tokenize_as_trl_does(tokenizer):
         tokenize_prompt_row(tokenizer, {"messages": [{"role": "user", "content": "x"}]})
 
 
+def test_a_batch_of_rows_tokenizes_in_one_call_as_row_by_row(tokenizer, monkeypatch):
+    """tokenize_prompt_rows: text prompts (with BOS), text completions (EOS added once), conversational rows and
+    messages in one batch give each row what tokenize_prompt_row gives it alone, with the text prompts in one
+    tokenizer call and the completions in another."""
+    from liger_patch_kd.batch.prompts import tokenize_prompt_rows
+
+    chat = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}]}
+    rows = [{"prompt": "the cat"}, {"prompt": "a dog", "completion": " ran to the park"}, chat,
+            {"prompt": [{"role": "user", "content": "the sun"}]}, {"prompt": "", "completion": ""},
+            {"prompt": "the mat", "completion": " warm</s>"}]  # fmt: skip
+    alone = [tokenize_prompt_row(tokenizer, row) for row in rows]
+    calls = []
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(
+        type(tokenizer), "__call__", lambda self, text, **kw: calls.append(text) or original(self, text, **kw)
+    )
+    assert tokenize_prompt_rows(tokenizer, rows) == alone
+    text_calls = [c for c in calls if isinstance(c, list) and len(c) > 1]
+    assert text_calls == [["the cat", "a dog", "", "the mat"], [" ran to the park", "", " warm</s>"]]
+    assert alone[5][1].count(tokenizer.eos_token_id) == 1 and alone[4][1] == [tokenizer.eos_token_id]
+
+
 @pytest.mark.parametrize("loss", ["pg", "k1", "k3", "divergence"])
 def test_onpolicy_losses_fused_equal_materialised_on_the_same_rollouts(tmp_path, tokenizer, loss):
     student = tiny_model("qwen3", seed=1)  # float64

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .columns import HAS_COMPLETION, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_PROMPT
 from .privileged import PrivilegedCollator
@@ -48,9 +49,19 @@ def conversation_column(row: Any) -> str | None:
 def encode(tokenizer, text: str, *, special_tokens: bool) -> list[int]:
     """Token ids of `text`: a Hugging Face tokenizer's own call (with or without its special tokens, e.g. BOS), or
     a plain tokenizer's `encode(text)` (such as the demo's character tokenizer, which has none)."""
-    if callable(tokenizer):
-        return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
-    return list(tokenizer.encode(text))
+    return encode_many(tokenizer, [text], special_tokens=special_tokens)[0]
+
+
+def encode_many(tokenizer, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
+    """encode() of each text, a Hugging Face tokenizer called once for them all (a fast tokenizer encodes a list
+    in one call into its Rust code: a batch of a few hundred prompts costs a step's milliseconds one by one)."""
+    if not texts:
+        return []
+    if isinstance(tokenizer, PreTrainedTokenizerBase):  # takes a list: one call
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]]
+    if callable(tokenizer):  # another callable tokenizer: text by text, as it is documented to take
+        return [list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"]) for text in texts]
+    return [list(tokenizer.encode(text)) for text in texts]
 
 
 def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
@@ -65,41 +76,59 @@ def _template_ids(tokenizer, messages: list[dict], *, add_generation_prompt: boo
 
 def tokenize_prompt_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int] | None]:
     """(prompt ids, completion ids or None when the row has no completion) for one row."""
-    if "messages" in row:
-        messages = row["messages"]
-        if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
-            raise ValueError(
-                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's (its "
-                f"completion); got {str(messages)[:80]}; for a prompt alone give {{'prompt': [turns]}} (a "
-                "conversational prompt)"
-            )
-        row = {"prompt": messages[:-1], "completion": messages[-1:]}
-    prompt, completion = row.get("prompt"), row.get("completion")
-    if _is_conversation(prompt):
-        prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
-        if completion is None:
-            return prompt_ids, None
-        if not _is_conversation(completion):
-            raise ValueError("a conversational prompt takes a conversational completion (a list of messages)")
-        full = _template_ids(tokenizer, prompt + completion, add_generation_prompt=False)
-        if full[: len(prompt_ids)] != prompt_ids:
-            raise ValueError(
-                "the chat template renders the prompt differently alone and followed by the completion, so the "
-                "completion's tokens cannot be told apart; use a template whose prompt is a prefix of the whole"
-            )
-        return prompt_ids, full[len(prompt_ids) :]
-    if not isinstance(prompt, str):
-        raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
-    prompt_ids = encode(tokenizer, prompt, special_tokens=True)
+    return tokenize_prompt_rows(tokenizer, [row])[0]
+
+
+def tokenize_prompt_rows(tokenizer, rows: list[dict[str, Any]]) -> list[tuple[list[int], list[int] | None]]:
+    """tokenize_prompt_row of each row; the text prompts of all rows encoded in one tokenizer call, and their text
+    completions in another (the same ids as one by one)."""
+    out: list = [None] * len(rows)
+    texts: list[tuple[int, str, str | None]] = []  # (row, prompt, completion or None) of the text rows
+    for index, row in enumerate(rows):
+        if "messages" in row:
+            messages = row["messages"]
+            if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
+                raise ValueError(
+                    "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's (its "
+                    f"completion); got {str(messages)[:80]}; for a prompt alone give {{'prompt': [turns]}} (a "
+                    "conversational prompt)"
+                )
+            row = {"prompt": messages[:-1], "completion": messages[-1:]}
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if _is_conversation(prompt):
+            out[index] = _conversation_ids(tokenizer, prompt, completion)
+            continue
+        if not isinstance(prompt, str):
+            raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
+        if completion is not None and not isinstance(completion, str):
+            raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
+        texts.append((index, prompt, completion))
+    prompts = encode_many(tokenizer, [prompt for _, prompt, _ in texts], special_tokens=True)
+    completed = [(index, completion) for index, _, completion in texts if completion is not None]
+    completions = dict(zip([index for index, _ in completed],
+                           encode_many(tokenizer, [c for _, c in completed], special_tokens=False)))  # fmt: skip
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for (index, _, _), prompt_ids in zip(texts, prompts):
+        completion_ids = completions.get(index)
+        if completion_ids is not None and eos is not None and (not completion_ids or completion_ids[-1] != eos):
+            completion_ids = completion_ids + [eos]
+        out[index] = (prompt_ids, completion_ids)
+    return out
+
+
+def _conversation_ids(tokenizer, prompt: list[dict], completion: Any) -> tuple[list[int], list[int] | None]:
+    prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
     if completion is None:
         return prompt_ids, None
-    if not isinstance(completion, str):
-        raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
-    completion_ids = encode(tokenizer, completion, special_tokens=False)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None and (not completion_ids or completion_ids[-1] != eos):
-        completion_ids = completion_ids + [eos]
-    return prompt_ids, completion_ids
+    if not _is_conversation(completion):
+        raise ValueError("a conversational prompt takes a conversational completion (a list of messages)")
+    full = _template_ids(tokenizer, prompt + completion, add_generation_prompt=False)
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            "the chat template renders the prompt differently alone and followed by the completion, so the "
+            "completion's tokens cannot be told apart; use a template whose prompt is a prefix of the whole"
+        )
+    return prompt_ids, full[len(prompt_ids) :]
 
 
 @dataclass
@@ -125,8 +154,8 @@ class PromptCollator:
         pad = getattr(self.tokenizer, "eos_token_id", None) if pad is None else pad
         features, has_completion = [], []
         privileged = any(TEACHER_PROMPT in row for row in examples)
-        for index, row in enumerate(examples):
-            prompt, completion = tokenize_prompt_row(self.tokenizer, row)
+        for index, (row, (prompt, completion)) in enumerate(zip(examples, tokenize_prompt_rows(self.tokenizer,
+                                                                                               examples))):  # fmt: skip
             if self.max_prompt_length is not None:
                 prompt = prompt[-self.max_prompt_length :]
             tokens = prompt + (completion or [])
