@@ -83,6 +83,43 @@ def test_prompts_of_splits_packed_rows_and_keeps_padded_ones():
     assert prompts_of(padded) == [[5, 6], [8, 9, 10]]
 
 
+def _prompts_by_tensors(batch, ignore_index=-100):
+    """prompts_of written with tensor ops row by row (its earlier form): the reference of the list version."""
+    out = []
+    for row in range(batch["input_ids"].shape[0]):
+        mask = batch.get("attention_mask")
+        keep = mask[row].bool() if mask is not None else torch.ones_like(batch["input_ids"][row], dtype=torch.bool)
+        ids, lab = batch["input_ids"][row][keep], batch["labels"][row][keep]
+        positions = batch.get("position_ids")
+        starts = [0] if positions is None else (positions[row][keep] == 0).nonzero().flatten().tolist()
+        starts = starts if starts[:1] == [0] else [0, *starts]
+        for begin, end in zip(starts, [*starts[1:], len(ids)]):
+            scored = (lab[begin:end] != ignore_index).nonzero()
+            out.append(ids[begin : begin + (int(scored[0]) if len(scored) else end - begin)].tolist())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompts_of_equals_the_row_by_row_tensor_reading(seed):
+    """Random batches: left and right padding (float and int masks), rows scored nowhere, packed rows with
+    position ids, one not starting at position 0."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 5, 12
+    ids = torch.randint(3, 50, (rows, width), generator=g)
+    labels = torch.where(torch.rand(rows, width, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    labels[0] = -100  # scored nowhere: the whole row is its prompt
+    batch = {"input_ids": ids, "labels": labels}
+    if seed % 3 != 2:
+        mask = (torch.rand(rows, width, generator=g) < 0.8).long()
+        mask[1, :4] = 0  # left padding
+        batch["attention_mask"] = mask.float() if seed % 2 else mask
+    if seed % 3 != 0:
+        positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(rows, 1)
+        positions[2] += 1  # a row that does not start at position 0
+        batch["position_ids"] = positions
+    assert prompts_of(batch) == _prompts_by_tensors(batch)
+
+
 # ----------------------------------------------------------------------------- a resumed schedule (item 6)
 def _mix_rows():
     return [{"input_ids": [5 + i, 6, 7, 30, 31], "labels": [-100, -100, -100, 30, 31]} for i in range(8)]

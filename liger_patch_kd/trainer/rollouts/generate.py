@@ -150,18 +150,19 @@ def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list
     """Each sequence's prompt: its attended tokens before its first scored label (all of them when none is scored).
     A row is one sequence, or several packed end to end (DataCollatorWithFlattening, PrivilegedCollator(packing=
     True)): its position_ids restart at 0 where each begins, and each gives its own prompt, in order."""
-    input_ids, labels = batch["input_ids"], batch["labels"]
-    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    # as lists, one copy each off the device: per-row tensor ops on a GPU batch cost launches and a sync per row
+    input_ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+    mask, positions = (None if batch.get(name) is None else batch[name].tolist()
+                       for name in ("attention_mask", "position_ids"))  # fmt: skip
     prompts = []
-    for row in range(input_ids.shape[0]):
-        keep = mask[row].bool() if mask is not None else torch.ones_like(input_ids[row], dtype=torch.bool)
-        ids, lab = input_ids[row][keep], labels[row][keep]
-        starts = [0] if positions is None else (positions[row][keep] == 0).nonzero().flatten().tolist()
+    for row in range(len(input_ids)):
+        keep = [i for i, m in enumerate(mask[row]) if m] if mask is not None else range(len(input_ids[row]))
+        ids, lab = [input_ids[row][i] for i in keep], [labels[row][i] for i in keep]
+        starts = [0] if positions is None else [j for j, i in enumerate(keep) if positions[row][i] == 0]
         starts = starts if starts[:1] == [0] else [0, *starts]  # a row that does not start at position 0: one more
         for begin, end in zip(starts, [*starts[1:], len(ids)]):
-            scored = (lab[begin:end] != ignore_index).nonzero()
-            cut = int(scored[0]) if len(scored) else end - begin
-            prompts.append(ids[begin : begin + cut].tolist())
+            cut = next((j for j in range(begin, end) if lab[j] != ignore_index), end) - begin
+            prompts.append(ids[begin : begin + cut])
     return prompts
 
 
