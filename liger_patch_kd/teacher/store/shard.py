@@ -148,6 +148,9 @@ class ShardReader:
                 raise ShardDamaged(f"it has no {ndim}-d {dtype} array {name!r}: not a teacher store shard")
         self.offsets = self._whole("offsets")
         self.checksums = self._whole("checksums") if "checksums" in self.arrays else None
+        # per array of a sequence, in checksum order: (name, first byte, bytes a position), worked out once (a
+        # training step reads hundreds of sequences, each of every array)
+        self._rows = [(name, self.arrays[name][3], self.row_bytes(name)) for name in ARRAY_ORDER if name in self.arrays]
         if "index_crc32" in entry and index_checksum(raw, self.offsets, self.checksums) != entry["index_crc32"]:
             raise ShardDamaged("its index (header, offsets, checksums) fails its checksum")
         if len(self.offsets) != entry["num_sequences"] + 1:
@@ -200,11 +203,7 @@ class ShardReader:
         """Raw bytes of sequence j in every array (uint8, rows x row_bytes), checksum verified."""
         lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
         out, crc = {}, 0
-        for name in ARRAY_ORDER:
-            if name not in self.arrays:
-                continue
-            _, _, shape, start = self.arrays[name]
-            width = self.row_bytes(name)
+        for name, start, width in self._rows:
             out[name] = self._pread(start + lo * width, (hi - lo) * width).reshape(hi - lo, width)
             if self.checksums is not None:
                 crc = zlib.crc32(out[name], crc)
