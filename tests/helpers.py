@@ -14,6 +14,20 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def count_launches(monkeypatch, module, name: str) -> list:
+    """Record every launch of the Triton kernel `module.<name>` (its grid per `kernel[grid](...)`), still launching
+    it: how a test checks that a step runs as few kernels as it says."""
+    launches, kernel = [], getattr(module, name)
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Counting())
+    return launches
+
+
 def backends() -> list[str]:
     """Backends worth testing here: torch always; triton when installed (compiled on GPU, interpreted on CPU)."""
     from liger_patch_kd.ops.backend import triton_available

@@ -10,7 +10,7 @@ from liger_patch_kd.generation.decode_attention import decode_kernel, packed_gqa
 from liger_patch_kd.generation.decode_kernel import BLOCK_N, decode_attention, split_count
 from liger_patch_kd.generation.sampling_kernel import gumbel_argmax
 
-from .helpers import DEVICE
+from .helpers import DEVICE, count_launches
 from .test_decode_attention import _reference
 from .test_generation import _model, decodes_as_the_reference
 
@@ -59,15 +59,7 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch, batch, length,
     merge runs; both equal attention in float64."""
     import liger_patch_kd.generation.decode_kernel as kernel_module
 
-    merges = []
-    merge = kernel_module._merge_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return merge[grid]
-
-    monkeypatch.setattr(kernel_module, "_merge_kernel", Counting())
+    merges = count_launches(monkeypatch, kernel_module, "_merge_kernel")
     q, k, v, attend = _case(batch, 8, 2, 16, length, seed=5)
     assert (split_count(batch * 2, length, q.device) > 1) == merged
     out = decode_attention(q, k, v, attend, scale=0.25)

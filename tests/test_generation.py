@@ -156,15 +156,9 @@ def test_a_decode_steps_key_and_value_land_in_the_slot_in_one_launch(monkeypatch
     (a view of a longer one) read and written through their strides; one launch for keys and values."""
     import liger_patch_kd.generation.kv_cache as kv_cache
 
-    launches = []
-    kernel = kv_cache._slot_write_kernel
+    from .helpers import count_launches
 
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(kv_cache, "_slot_write_kernel", Counting())
+    launches = count_launches(monkeypatch, kv_cache, "_slot_write_kernel")
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
     g = torch.Generator().manual_seed(7)
     long_keys, long_values = (torch.randn(3, 2, 12, 5, generator=g).to(DEVICE, dtype) for _ in range(2))

@@ -10,7 +10,7 @@ from liger_patch_kd.ops.rms_norm import rms_norm, rms_norm_torch
 from liger_patch_kd.ops.rope import rope, rope_torch
 from liger_patch_kd.ops.swiglu import gated_act, gated_act_torch
 
-from .helpers import DEVICE
+from .helpers import DEVICE, count_launches
 
 TOL = {
     torch.float64: dict(rtol=1e-12, atol=1e-12),  # RoPE and the gated MLP compute fp64 inputs in fp64, as HF does
@@ -72,15 +72,7 @@ def test_rope_launches_once_for_q_and_k_forward_and_backward(monkeypatch, heads,
     the decode shape (one position), against the torch rotation in float64."""
     import liger_patch_kd.ops.rope as rope_module
 
-    launches = []
-    kernel = rope_module._rope_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(rope_module, "_rope_kernel", Counting())
+    launches = count_launches(monkeypatch, rope_module, "_rope_kernel")
     q = torch.randn(3, seq, heads, 8, device=DEVICE, dtype=torch.float64).transpose(1, 2)
     k = torch.randn(3, seq, kv_heads, 8, device=DEVICE, dtype=torch.float64).transpose(1, 2)
     angles = torch.randn(3, seq, 4, device=DEVICE, dtype=torch.float64)
