@@ -191,3 +191,40 @@ def test_teacher_topk_under_bf16_autocast_normalises_fp32_logits_of_bf16_product
     weight = teacher.lm_head.weight.detach().bfloat16().double()
     want = torch.log_softmax(hidden.bfloat16().double() @ weight.T, -1).gather(-1, top_ids)
     torch.testing.assert_close(top_lp.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_collator_reads_tensor_rows_together_as_it_reads_lists_row_by_row(dtype):
+    """TeacherDataCollator and RolloutStoreCollator over items whose columns are tensors (a store's: one
+    concatenation per column) give exactly what they give for the same rows as lists (row by row): lengths 0, 1
+    and more, bf16's -inf padding, labels on every row or on some, behaviour log-probs as tensors or lists."""
+    from liger_patch_kd.batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
+    from liger_patch_kd.batch.rollout_store import RolloutStoreCollator
+    from liger_patch_kd.batch.teacher_data import TeacherDataCollator
+
+    g = torch.Generator().manual_seed(3)
+    lengths, k = [3, 0, 1, 5], 4
+    items = []
+    for n in lengths:
+        items.append({"input_ids": torch.randint(0, 50, (n,), generator=g),
+                      "labels": torch.where(torch.rand(n, generator=g) < 0.5, -100, torch.randint(0, 50, (n,))),
+                      TEACHER_TOKEN_IDS: torch.randint(0, 50, (n, k), generator=g, dtype=torch.int32),
+                      TEACHER_LOGPROBS: torch.randn(n, k, generator=g).to(dtype),
+                      "behaviour_logprobs": -torch.rand(n, generator=g),
+                      "teacher_token_logprobs": -torch.rand(n, generator=g)})  # fmt: skip
+    as_lists = [{key: value.float().tolist() if value.is_floating_point() else value.tolist()
+                 for key, value in item.items()} for item in items]  # fmt: skip
+    for collate in (TeacherDataCollator(pad_token_id=7), RolloutStoreCollator(pad_token_id=7)):
+        together, by_row = collate(items), collate(as_lists)
+        assert together.keys() == by_row.keys()
+        for key, value in together.items():
+            if torch.is_tensor(value):  # lists of floats are float32: the same values, exactly
+                assert torch.equal(value, by_row[key].to(value.dtype)), key
+        assert together[TEACHER_LOGPROBS].dtype == dtype and torch.isneginf(together[TEACHER_LOGPROBS][1]).all()
+    some_labelled = [dict(item) for item in items]
+    del some_labelled[0]["labels"]  # a row without labels trains on its input ids
+    batch = TeacherDataCollator()(some_labelled)
+    assert torch.equal(batch["labels"][0, :3], items[0]["input_ids"])
+    assert torch.equal(batch["labels"][3, :5], items[3]["labels"])
+    with pytest.raises(ValueError, match="row 1 of this batch: input_ids holds 2.5"):
+        TeacherDataCollator()([{"input_ids": torch.tensor([1.0, 2.0])}, {"input_ids": torch.tensor([2.5])}])

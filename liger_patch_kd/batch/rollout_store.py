@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
-from .teacher_data import TeacherDataCollator
+from .teacher_data import TeacherDataCollator, host_rows
 
 
 @dataclass
@@ -28,8 +28,8 @@ class RolloutStoreCollator:
         length = batch["input_ids"].shape[1]
         for column, key in ROLLOUT_LOGPROB_COLUMNS.items():  # numpy copies, one thread (TeacherDataCollator's why)
             values = np.zeros((len(features), length), dtype=np.float32)
-            for row, f in enumerate(features):
-                own = np.asarray(f[column], dtype=np.float32)
+            for row, own in enumerate(host_rows([f[column] for f in features], torch.float32)):
+                own = np.asarray(own, dtype=np.float32)
                 values[row, : own.shape[0]] = own
             batch[key] = torch.from_numpy(values)
         batch[GENERATED] = True

@@ -30,22 +30,28 @@ class TeacherDataCollator:
 
     The teacher arrays are filled with numpy copies: a few large memcpys per batch, on one thread. (torch's
     element-wise copies on CPU use every intra-op thread and, on a busy 2-core host, made this collator the
-    slowest step of reading a store in the main process.)
+    slowest step of reading a store in the main process.) A column whose rows are all tensors (a store's items)
+    leaves torch in one concatenation, not row by row: each tensor -> numpy conversion is several dispatched ops,
+    which at hundreds of rows a step cost more than the copies.
     """
 
     pad_token_id: int = 0
     ignore_index: int = -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [token_ids_of(f["input_ids"], "input_ids", row) for row, f in enumerate(features)]
+        seqs = [token_ids_of(ids, "input_ids", row) for row, ids in enumerate(host_rows([f["input_ids"]
+                                                                                           for f in features]))]
         length, batch = max(len(s) for s in seqs), len(features)
         input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
         attention = np.zeros((batch, length), dtype=np.int64)
         labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
-        for row, (f, seq) in enumerate(zip(features, seqs)):
+        # a row without labels is trained on its input ids; rows that have them are read together when all do
+        everyone = all("labels" in f for f in features)
+        given = host_rows([f["labels"] for f in features]) if everyone else [f.get("labels") for f in features]
+        for row, (f, seq, own) in enumerate(zip(features, seqs, given)):
             input_ids[row, : len(seq)] = seq
             attention[row, : len(seq)] = 1
-            labels[row, : len(seq)] = token_ids_of(f["labels"], "labels", row) if "labels" in f else seq
+            labels[row, : len(seq)] = token_ids_of(own, "labels", row) if "labels" in f else seq
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
@@ -80,15 +86,33 @@ def token_ids_of(values: Any, column: str, row: int) -> np.ndarray:
                      f"the vocabulary size)); tokenize the row with the student's tokenizer")
 
 
+def host_rows(rows: list[Any], dtype: torch.dtype | None = None) -> list[Any]:
+    """`rows` as numpy arrays when every row is a tensor with the same trailing dims: one torch.cat, one conversion
+    (bfloat16 as its 16-bit patterns), split back into per-row views; cast to `dtype` first when given. Any other
+    rows (lists, numpy, mixed) come back as they are."""
+    if not rows or not all(torch.is_tensor(r) and r.dim() >= 1 and r.shape[1:] == rows[0].shape[1:] for r in rows):
+        return rows
+    joined = torch.cat(rows).detach().cpu()
+    if dtype is not None:
+        joined = joined.to(dtype)
+    bits = _BITS_OF.get(joined.dtype)
+    array = joined.view(torch.int16).numpy().view(bits) if bits else joined.numpy()
+    return np.split(array, np.cumsum([r.shape[0] for r in rows])[:-1])
+
+
 def _pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
     """(batch, length, k) of `dtype`: each item's (n, k) rows, then `fill`."""
-    tensors = [torch.as_tensor(r).to(dtype) for r in rows]
-    k = tensors[0].shape[-1]
     bits = _BITS_OF.get(dtype)
-    fill_bits = torch.tensor(fill, dtype=dtype).view(torch.int16 if bits else dtype) if bits else None
     np_dtype = bits or torch.empty(0, dtype=dtype).numpy().dtype
-    out = np.full((len(tensors), length, k), fill_bits.item() & 0xFFFF if bits else fill, dtype=np_dtype)
-    for row, t in enumerate(tensors):
-        out[row, : t.shape[0]] = (t.view(torch.int16) if bits else t).numpy().view(np_dtype)
+    arrays = host_rows(rows, dtype)
+    if arrays is rows:  # not all tensors of one shape: row by row
+        arrays = [(t.view(torch.int16) if bits else t).numpy().view(np_dtype)
+                  for t in (torch.as_tensor(r).to(dtype) for r in rows)]  # fmt: skip
+    k = next((a.shape[-1] for a in arrays if a.ndim == 2), 0)  # an empty row given as a list is shape (0,)
+    fill_bits = torch.tensor(fill, dtype=dtype).view(torch.int16).item() & 0xFFFF if bits else None
+    out = np.full((len(arrays), length, k), fill_bits if bits else fill, dtype=np_dtype)
+    for row, a in enumerate(arrays):
+        if a.size:
+            out[row, : a.shape[0]] = a
     result = torch.from_numpy(out)
     return result.view(dtype) if bits else result

@@ -20,6 +20,7 @@ from .samples import sample_item, sample_layout, samples_of
 from .shard import ShardDamaged, ShardReader, sha256_file
 
 _TORCH_OF_SAFETENSORS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_NUMPY_BITS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.int32}  # viewed as the dtype
 
 
 class TeacherLogprobsDataset(torch.utils.data.Dataset):
@@ -141,7 +142,9 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
             name = self.meta["shards"][shard]["file"]
             raise TeacherStoreError(f"shard {name} in {self.dir} is damaged: {e}; recompute it") from None
         n, k = raw["input_ids"].shape[0], self.top_k
-        item = {"input_ids": torch.from_numpy(raw["input_ids"].view(np.int32).reshape(n)).long()}
+        # each column built in numpy and handed to torch once: a step reads hundreds of items, and every torch op
+        # on one is a dispatch
+        item = {"input_ids": torch.from_numpy(raw["input_ids"].view(np.int32).reshape(n).astype(np.int64))}
         if samples_of(self.meta):
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("sample_logprobs")] if self._codec is None else None
             item.update(sample_item(self.meta, self._codec, raw, dtype, n))
@@ -152,7 +155,8 @@ class TeacherLogprobsDataset(torch.utils.data.Dataset):
         elif self._codec is None:
             item[TEACHER_TOKEN_IDS] = torch.from_numpy(raw["topk_ids"].view(np.int32).reshape(n, k))
             dtype = _TORCH_OF_SAFETENSORS[reader.dtype_name("topk_logprobs")]
-            item[TEACHER_LOGPROBS] = torch.from_numpy(raw["topk_logprobs"]).view(dtype).reshape(n, k)
+            logprobs = raw["topk_logprobs"].view(_NUMPY_BITS[dtype]).reshape(n, k)
+            item[TEACHER_LOGPROBS] = torch.from_numpy(logprobs).view(dtype)  # bf16: its 16-bit patterns
         else:
             ids, lp = self._codec.decode(raw["topk_packed"])
             item[TEACHER_TOKEN_IDS], item[TEACHER_LOGPROBS] = torch.from_numpy(ids), torch.from_numpy(lp)
