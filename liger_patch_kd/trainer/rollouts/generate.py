@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -316,9 +317,9 @@ def rollout_batch(
 def behaviour_logprobs(rollouts: list[Rollout], shape: torch.Size) -> torch.Tensor:
     """(B, T) float32 for right-padded rows prompt + completion: each completion token's log-prob under the policy
     that sampled it, at the token's own position like its label (0 elsewhere)."""
-    values = torch.zeros(shape, dtype=torch.float32)
+    values = np.zeros(tuple(shape), dtype=np.float32)  # numpy: no torch dispatch per row
     for row, r in enumerate(rollouts):
         if r.logprobs is None or len(r.logprobs) != len(r.completion):
             raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
-        values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
-    return values
+        values[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = np.asarray(r.logprobs, dtype=np.float32)
+    return torch.from_numpy(values)
