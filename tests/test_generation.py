@@ -174,6 +174,31 @@ def test_a_decode_steps_key_and_value_land_in_the_slot_in_one_launch(monkeypatch
     assert torch.equal(long_keys[:, :, 9:], before[:, :, 9:])  # past the view: untouched
 
 
+@pytest.mark.parametrize("slot", [-1, -3, 9, 10])
+def test_a_slot_outside_the_cache_writes_nothing_anywhere(monkeypatch, slot):
+    """kv_cache.write_slot with a slot before the cache's first column or past its last (the engine never asks for
+    one) writes nothing: not the cache, and not the memory around it (a negative slot once wrote before it)."""
+    from liger_patch_kd.generation.kv_cache import write_slot
+
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    long_keys, long_values = (torch.zeros(2, 3, 16, 8, device=DEVICE) for _ in range(2))
+    keys, values = long_keys[:, :, 4:13], long_values[:, :, 4:13]  # columns 4..12 of longer buffers
+    key, value = (torch.ones(2, 3, 1, 8, device=DEVICE) for _ in range(2))
+    write_slot(keys, values, key, value, torch.tensor([slot], device=DEVICE))
+    assert not long_keys.any() and not long_values.any()
+
+
+def test_a_key_of_another_dtype_than_the_cache_is_refused_not_cast(monkeypatch):
+    """write_slot keeps index_copy_'s contract: a float32 key into a bfloat16 cache is an error, not a silent cast."""
+    from liger_patch_kd.generation.kv_cache import write_slot
+
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    keys, values = (torch.zeros(2, 3, 4, 8, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    key = torch.randn(2, 3, 1, 8, device=DEVICE)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        write_slot(keys, values, key, key, torch.tensor([1], device=DEVICE))
+
+
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = probs > 0
     assert counts[~keep].sum() == 0  # nothing drawn outside the support

@@ -215,3 +215,29 @@ def test_the_store_benchmark_runs_and_reports_every_phase(tmp_path):
     phases = ("generate_s", "teacher_s", "student_s", "assembly_s", "write_s", "other_s")
     assert all(split[k] >= 0 for k in phases[:-1]) and all(r["completions_per_s"] > 0 for r in rows)
     assert sum(split[k] for k in phases) == pytest.approx(1000 * split["seconds"] / split["completions"])
+
+
+def test_the_rollout_collator_takes_log_probs_as_lists_arrays_and_tensors_of_any_float_dtype():
+    """RolloutStoreCollator pads behaviour / teacher-token log-probs given as lists, numpy arrays, or tensors in
+    bfloat16 or needing grad (numpy has no bfloat16) to what float32 tensors give: 0 past each row."""
+    from liger_patch_kd.batch.columns import BEHAVIOUR, BEHAVIOUR_LOGPROBS, TEACHER_TOKEN, TEACHER_TOKEN_LOGPROBS
+    from liger_patch_kd.batch.rollout_store import RolloutStoreCollator
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (0, 1, 5):
+        lp = -torch.rand(2, n, generator=g).bfloat16().float()  # exact in bfloat16
+        rows.append({"input_ids": list(range(3, 3 + n)), "labels": [-100] * (n // 2) + list(range(3 + n // 2, 3 + n)),
+                     BEHAVIOUR_LOGPROBS: lp[0], TEACHER_TOKEN_LOGPROBS: lp[1]})  # fmt: skip
+    want = RolloutStoreCollator()(rows)
+    for convert in (lambda t: t.tolist(), lambda t: t.numpy(), lambda t: t.bfloat16(), lambda t: t.double(),
+                    lambda t: t.clone().requires_grad_()):  # fmt: skip
+        given = [{**r, BEHAVIOUR_LOGPROBS: convert(r[BEHAVIOUR_LOGPROBS]),
+                  TEACHER_TOKEN_LOGPROBS: convert(r[TEACHER_TOKEN_LOGPROBS])} for r in rows]  # fmt: skip
+        got = RolloutStoreCollator()(given)
+        for key in (BEHAVIOUR, TEACHER_TOKEN):
+            assert got[key].dtype == torch.float32 and torch.equal(got[key], want[key])
+    mixed = [{**r, BEHAVIOUR_LOGPROBS: r[BEHAVIOUR_LOGPROBS].bfloat16() if i % 2 else r[BEHAVIOUR_LOGPROBS].tolist()}
+             for i, r in enumerate(rows)]  # fmt: skip
+    assert torch.equal(RolloutStoreCollator()(mixed)[BEHAVIOUR], want[BEHAVIOUR])  # row by row, each as it comes
+    assert want[BEHAVIOUR].shape == (3, 5) and not want[BEHAVIOUR][:2, 1:].any()

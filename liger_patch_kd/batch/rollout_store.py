@@ -29,7 +29,10 @@ class RolloutStoreCollator:
         for column, key in ROLLOUT_LOGPROB_COLUMNS.items():  # numpy copies, one thread (TeacherDataCollator's why)
             values = np.zeros((len(features), length), dtype=np.float32)
             for row, own in enumerate(host_rows([f[column] for f in features], torch.float32)):
-                own = np.asarray(own, dtype=np.float32)
+                # rows of mixed kinds come back as given: a tensor through torch (numpy has no bfloat16 and refuses
+                # one that needs grad)
+                own = own.detach().to("cpu", torch.float32).numpy() if torch.is_tensor(own) else \
+                    np.asarray(own, dtype=np.float32)  # fmt: skip
                 values[row, : own.shape[0]] = own
             batch[key] = torch.from_numpy(values)
         batch[GENERATED] = True

@@ -35,8 +35,9 @@ if triton_available():
         b, h = (pair // kv_heads).to(tl.int64), (pair % kv_heads).to(tl.int64)
         slot = tl.load(slot_ptr).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
-        # the engine never steps past its cache; were it asked to, nothing is written outside it
-        ok = d < tl.where(slot < length, DIM, 0)
+        # the engine never steps past its cache; were it asked to (or given a negative slot), nothing is written
+        # outside it
+        ok = d < tl.where((slot >= 0) & (slot < length), DIM, 0)
         key = tl.load(key_ptr + b * s_kb + h * s_kh + d, mask=ok)
         value = tl.load(value_ptr + b * s_vb + h * s_vh + d, mask=ok)
         tl.store(keys_ptr + b * s_ksb + h * s_ksh + slot * s_ksn + d, key, mask=ok)
@@ -46,8 +47,10 @@ if triton_available():
 def write_slot(keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot: torch.Tensor):
     """keys[:, :, slot] = key[:, :, 0] and values[:, :, slot] = value[:, :, 0]; `slot` a one-element device tensor
     (read by the kernel: one graph serves every step), key / value (rows, kv heads, 1, dim)."""
+    # one dtype too: index_copy_ refuses another, where the kernel's store would cast it silently
     single = key.shape[2] == 1 and key.shape == value.shape and key.shape[:2] + key.shape[3:] == keys.shape[:2] + \
-        keys.shape[3:] and keys.shape == values.shape  # fmt: skip
+        keys.shape[3:] and keys.shape == values.shape and \
+        key.dtype == value.dtype == keys.dtype == values.dtype  # fmt: skip
     if not single or select_backend(key.device) != "triton" or key.stride(-1) != 1 or value.stride(-1) != 1 \
             or keys.stride(-1) != 1 or values.stride(-1) != 1:  # fmt: skip
         keys.index_copy_(2, slot, key)
