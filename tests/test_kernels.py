@@ -96,6 +96,16 @@ def test_rope_takes_the_torch_path_for_a_k_it_cannot_pair_with():
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cos_batch,cos_seq", [(2, 5), (4, 3)])
+def test_rope_tables_that_do_not_cover_q_are_refused_not_read_past(cos_batch, cos_seq):
+    """cos / sin of another batch (not 1) or fewer positions than q: the torch path's broadcasting error, not the
+    kernel reading past the tables."""
+    q, k = torch.randn(4, 2, 5, 8, device=DEVICE), torch.randn(4, 1, 5, 8, device=DEVICE)
+    cos = sin = torch.randn(cos_batch, cos_seq, 8, device=DEVICE)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        rope(q, k, cos, sin, backend="triton")
+
+
 def test_rope_backward_with_unequal_halves():
     """The backward is the transposed rotation: right even when cos/sin halves differ (not HF's layout)."""
     q = torch.randn(1, 3, 2, 8, device=DEVICE).transpose(1, 2)  # (B, heads=2, T=3, D)

@@ -181,6 +181,8 @@ def test_a_batch_of_rows_tokenizes_in_one_call_as_row_by_row(tokenizer, monkeypa
     text_calls = [c for c in calls if isinstance(c, list) and len(c) > 1]
     assert text_calls == [["the cat", "a dog", "", "the mat"], [" ran to the park", "", " warm</s>"]]
     assert alone[5][1].count(tokenizer.eos_token_id) == 1 and alone[4][1] == [tokenizer.eos_token_id]
+    with pytest.raises(ValueError, match=r"^prompt row 2 of this batch: 'prompt' must be a string"):
+        tokenize_prompt_rows(tokenizer, [rows[0], rows[1], {"prompt": 5}])
 
 
 @pytest.mark.parametrize("loss", ["pg", "k1", "k3", "divergence"])

@@ -85,24 +85,14 @@ def tokenize_prompt_rows(tokenizer, rows: list[dict[str, Any]]) -> list[tuple[li
     out: list = [None] * len(rows)
     texts: list[tuple[int, str, str | None]] = []  # (row, prompt, completion or None) of the text rows
     for index, row in enumerate(rows):
-        if "messages" in row:
-            messages = row["messages"]
-            if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
-                raise ValueError(
-                    "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's (its "
-                    f"completion); got {str(messages)[:80]}; for a prompt alone give {{'prompt': [turns]}} (a "
-                    "conversational prompt)"
-                )
-            row = {"prompt": messages[:-1], "completion": messages[-1:]}
-        prompt, completion = row.get("prompt"), row.get("completion")
-        if _is_conversation(prompt):
-            out[index] = _conversation_ids(tokenizer, prompt, completion)
-            continue
-        if not isinstance(prompt, str):
-            raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
-        if completion is not None and not isinstance(completion, str):
-            raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
-        texts.append((index, prompt, completion))
+        try:
+            prompt, completion = _prompt_and_completion(row)
+            if _is_conversation(prompt):
+                out[index] = _conversation_ids(tokenizer, prompt, completion)
+            else:
+                texts.append((index, prompt, completion))
+        except ValueError as e:  # which row: a batch holds hundreds
+            raise ValueError(f"prompt row {index} of this batch: {e}") from None
     prompts = encode_many(tokenizer, [prompt for _, prompt, _ in texts], special_tokens=True)
     completed = [(index, completion) for index, _, completion in texts if completion is not None]
     completions = dict(zip([index for index, _ in completed],
@@ -114,6 +104,28 @@ def tokenize_prompt_rows(tokenizer, rows: list[dict[str, Any]]) -> list[tuple[li
             completion_ids = completion_ids + [eos]
         out[index] = (prompt_ids, completion_ids)
     return out
+
+
+def _prompt_and_completion(row: dict[str, Any]) -> tuple[Any, Any]:
+    """A row's (prompt, completion or None), checked: messages as a conversational prompt and its last turn, or
+    text."""
+    if "messages" in row:
+        messages = row["messages"]
+        if not _is_conversation(messages) or not messages or messages[-1]["role"] != "assistant":
+            raise ValueError(
+                "a 'messages' row must be a list of {'role', 'content'} turns ending with the assistant's (its "
+                f"completion); got {str(messages)[:80]}; for a prompt alone give {{'prompt': [turns]}} (a "
+                "conversational prompt)"
+            )
+        row = {"prompt": messages[:-1], "completion": messages[-1:]}
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if _is_conversation(prompt):
+        return prompt, completion
+    if not isinstance(prompt, str):
+        raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
+    if completion is not None and not isinstance(completion, str):
+        raise ValueError(f"a text prompt takes a text completion; got {type(completion).__name__}")
+    return prompt, completion
 
 
 def _conversation_ids(tokenizer, prompt: list[dict], completion: Any) -> tuple[list[int], list[int] | None]:

@@ -119,10 +119,16 @@ def _pairs_with(q: torch.Tensor, k: torch.Tensor) -> bool:
         and k.stride(-1) == 1  # fmt: skip
 
 
+def _tables_fit(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """cos / sin cover q's positions, for its batch or for all (the kernel reads them by q's indices: a smaller
+    table would be read past its end; the torch path raises on it instead)."""
+    return cos.shape == sin.shape and cos.shape[1] == q.shape[2] and cos.shape[0] in (1, q.shape[0])
+
+
 def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, backend: str | None = None):
     """Drop-in for transformers' apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)."""
     if select_backend(q.device, backend) == "torch" or not (
-        _triton_can_take(q, cos, unsqueeze_dim) and _pairs_with(q, k)
+        _triton_can_take(q, cos, unsqueeze_dim) and _pairs_with(q, k) and _tables_fit(q, cos, sin)
     ):
         return rope_torch(q, k, cos, sin, unsqueeze_dim)
     return RoPEFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))
