@@ -69,6 +69,79 @@ def test_codec_specs_are_validated():
         PackedCodec(10, 2, 20)
 
 
+def _written_store(out, shard_lengths, encoding, samples=0, rollouts=False, k=4, vocab=50, **options):
+    """A store written by StoreWriter itself, one shard per list of sequence lengths: random top-k rows (and draws
+    from outside them, and rollout columns) for each position, read back as a TeacherLogprobsDataset."""
+    g = torch.Generator().manual_seed(len(shard_lengths))
+    extra = {"samples": samples} if samples else {}
+    if rollouts:
+        extra["rollouts"] = {"generator_fingerprint": "g", "teacher_fingerprint": "t"}
+    writer = TD.StoreWriter.open(out, vocab_size=vocab, top_k=k, encoding=encoding, **extra, **options)
+    for lengths in shard_lengths:
+        rows = sum(lengths)
+        seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+        lp, ids = torch.log_softmax(torch.randn(rows, vocab, generator=g), -1).topk(k + samples, -1)
+        draws = (ids[:, k:], torch.ones(rows, samples, dtype=torch.int32), lp[:, k:]) if samples else None
+        columns = {"labels": torch.cat(seqs) if rows else torch.zeros(0, dtype=torch.long),
+                   "behaviour_logprobs": -torch.rand(rows, generator=g),
+                   "teacher_token_logprobs": -torch.rand(rows, generator=g)} if rollouts else None  # fmt: skip
+        writer.write_shard(seqs, ids[:, :k], lp[:, :k], samples=draws, rollouts=columns)
+    writer.finish()
+    return TD.TeacherLogprobsDataset(out, vocab_size=vocab)
+
+
+def _assert_empty_item(item, k=4, samples=0):
+    assert item["input_ids"].shape == (0,) and item["input_ids"].dtype == torch.int64
+    assert item["teacher_token_ids"].shape == item["teacher_logprobs"].shape == (0, k)
+    assert item["teacher_token_ids"].dtype == torch.int32 and item["teacher_logprobs"].dtype == torch.float32
+    for name in ("teacher_sample_ids", "teacher_sample_counts", "teacher_sample_logprobs") if samples else ():
+        assert item[name].shape == (0, samples)
+
+
+@pytest.mark.parametrize("samples", [0, 2])
+def test_a_packed_store_reads_an_empty_sequence_as_the_plain_one_does(tmp_path, samples):
+    codec = PackedCodec(50, 4, 10)
+    ids, lp = codec.decode(codec.encode(np.zeros((0, 4), np.int32), np.zeros((0, 4), np.float32)))
+    assert ids.shape == lp.shape == (0, 4) and ids.dtype == np.int32 and lp.dtype == np.float32
+    lengths = [[3, 0, 2]]
+    plain = _written_store(tmp_path / "plain", lengths, "plain", samples, logprob_dtype="float32")
+    packed = _written_store(tmp_path / "packed", lengths, "packed10", samples, logprob_dtype="float32")
+    _assert_empty_item(packed[1], samples=samples)
+    for i in range(len(plain)):
+        want, got = plain[i], packed[i]
+        assert want.keys() == got.keys()
+        for name in want:
+            assert (got[name].shape, got[name].dtype) == (want[name].shape, want[name].dtype), (i, name)
+        for name in ("input_ids", "teacher_token_ids") + (("teacher_sample_ids",) if samples else ()):
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+        for name in ("teacher_logprobs",) + (("teacher_sample_logprobs",) if samples else ()):
+            if want[name].numel():  # packed10: at most half a step, the row's span / 1022, off (plus fp32 rounding)
+                bound = (want[name].amax(-1) - want[name].amin(-1)).max() / (2 * 1022) + 1e-5
+                assert (got[name] - want[name]).abs().max() <= bound
+
+
+@pytest.mark.parametrize("encoding,samples,rollouts",
+                         [("plain", 0, False), ("packed10", 0, False), ("plain", 2, False), ("packed10", 2, False),
+                          ("plain", 0, True)])  # fmt: skip
+def test_a_shard_of_empty_sequences_is_written_and_read_back(tmp_path, encoding, samples, rollouts):
+    data = _written_store(tmp_path / "s", [[0, 0], [2, 0]], encoding, samples, rollouts, logprob_dtype="float32")
+    assert len(data) == 4 and TD.verify_store(tmp_path / "s").sequences == 4
+    for i in (0, 1, 3):
+        _assert_empty_item(data[i], samples=samples)
+        if rollouts:
+            assert all(data[i][name].shape == (0,) for name in ("labels", "behaviour_logprobs"))
+    assert data[2]["input_ids"].shape == (2,) and data[2]["teacher_token_ids"].shape == (2, 4)
+
+
+@pytest.mark.parametrize("top_k,samples", [(0, 2), (2, 2), (2, 0)])
+def test_a_store_opened_without_logprob_dtype_writes_float32(tmp_path, top_k, samples):
+    data = _written_store(tmp_path / "s", [[3, 2]], "plain", samples, k=top_k)  # the option check's default
+    columns = {"teacher_logprobs": top_k, "teacher_sample_logprobs": samples}
+    for name, slots in columns.items():
+        if slots:
+            assert data[0][name].dtype == torch.float32 and data[0][name].shape == (3, slots)
+
+
 def test_packed_store_trains_like_the_plain_one(tmp_path):
     teacher = tiny_model("llama", seed=3, dtype=torch.float32)
     seqs = _sequences(9)

@@ -117,7 +117,7 @@ class PackedCodec:
                 body[:, (m * fb) // 8 :], shape=(t, groups, 8), strides=(body.strides[0], fb, 1)
             )
             fields[:, :, m] = np.ascontiguousarray(window).view(np.uint64)[..., 0] >> np.uint64((m * fb) % 8)
-        fields = fields.reshape(t, -1)[:, : self.top_k] & np.uint64((1 << fb) - 1)
+        fields = fields.reshape(t, groups * 8)[:, : self.top_k] & np.uint64((1 << fb) - 1)  # t may be 0
         ids = (fields & np.uint64((1 << self.id_bits) - 1)).astype(np.int32)
         codes = (fields >> np.uint64(self.id_bits)).astype(np.int32)
         ids[ids == (1 << self.id_bits) - 1] = -1

@@ -217,9 +217,9 @@ class StoreWriter:
         input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int32) if seqs else np.zeros(0, np.int32))
         tensors = {"input_ids": input_ids, "offsets": torch.from_numpy(offsets)}
         codec = codec_from_manifest(self.meta)
+        logprob_dtype = LOGPROB_DTYPES[self.meta.get("logprob_dtype", "float32")]  # _check_store_options' default
         if samples_of(self.meta):
-            dtype = LOGPROB_DTYPES[self.meta["logprob_dtype"]]
-            tensors.update(sample_tensors(self.meta, codec, int(offsets[-1]), samples, dtype, where))
+            tensors.update(sample_tensors(self.meta, codec, int(offsets[-1]), samples, logprob_dtype, where))
             sampled = torch.as_tensor(samples[0])
             max_id = max(max_id, int(sampled.max()) if sampled.numel() else -1)
         elif samples is not None:
@@ -236,7 +236,7 @@ class StoreWriter:
             pass  # sampled tokens alone: no top-k arrays
         elif codec is None:
             tensors["topk_ids"] = topk_ids.to(torch.int32).contiguous()
-            tensors["topk_logprobs"] = topk_logprobs.to(LOGPROB_DTYPES[self.meta["logprob_dtype"]]).contiguous()
+            tensors["topk_logprobs"] = topk_logprobs.to(logprob_dtype).contiguous()
         else:
             rows = codec.encode(topk_ids.numpy(), lp.numpy()) if packed_rows is None else np.asarray(packed_rows)
             if rows.shape != (int(offsets[-1]), codec.row_bytes):
@@ -290,5 +290,5 @@ def _checked_sequences(sequences: Sequence[Any], where: str, vocab: int) -> list
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
     """A tensor's rows as raw bytes (rows x row_bytes uint8), bf16 included (numpy has no bf16)."""
-    flat = t.contiguous().reshape(t.shape[0], -1)
+    flat = t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:]))  # not -1: a shard may hold no positions
     return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros((t.shape[0], 0), dtype=np.uint8)
