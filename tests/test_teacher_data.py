@@ -228,3 +228,23 @@ def test_the_collator_reads_tensor_rows_together_as_it_reads_lists_row_by_row(dt
     assert torch.equal(batch["labels"][3, :5], items[3]["labels"])
     with pytest.raises(ValueError, match="row 1 of this batch: input_ids holds 2.5"):
         TeacherDataCollator()([{"input_ids": torch.tensor([1.0, 2.0])}, {"input_ids": torch.tensor([2.5])}])
+
+
+@pytest.mark.parametrize("given", ["tensor", "list"])
+def test_teacher_ids_past_int32_or_fractional_are_refused_not_wrapped(given):
+    """A teacher id that int32 cannot hold (a cast wraps 2**32 + 5 to 5, a valid-looking id) or a fraction (a cast
+    truncates 5.5 to 5) is a one-line error naming the column; whole numbers stored as floats are taken exactly."""
+    from liger_patch_kd.batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
+    from liger_patch_kd.batch.teacher_data import TeacherDataCollator
+
+    def rows(ids):
+        ids = torch.tensor(ids)
+        value = ids if given == "tensor" else ids.tolist()
+        return [{"input_ids": [1, 2], TEACHER_TOKEN_IDS: value, TEACHER_LOGPROBS: torch.zeros(2, 2)}]
+
+    with pytest.raises(ValueError, match=f"{TEACHER_TOKEN_IDS} holds {2**32 + 5}, outside int32"):
+        TeacherDataCollator()(rows([[3, 2**32 + 5], [1, -1]]))
+    with pytest.raises(ValueError, match="5.5"):
+        TeacherDataCollator()(rows([[3.0, 5.5], [1.0, -1.0]]))
+    batch = TeacherDataCollator()(rows([[3.0, 5.0], [1.0, -1.0]]))
+    assert batch[TEACHER_TOKEN_IDS].dtype == torch.int32 and batch[TEACHER_TOKEN_IDS].tolist() == [[[3, 5], [1, -1]]]

@@ -55,16 +55,15 @@ class TeacherDataCollator:
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
-            out[TEACHER_TOKEN_IDS] = _pad_rows([f[TEACHER_TOKEN_IDS] for f in features], length, -1, torch.int32)
+            out[TEACHER_TOKEN_IDS] = _pad_ids([f[TEACHER_TOKEN_IDS] for f in features], length, -1, TEACHER_TOKEN_IDS)
             dtype = torch.as_tensor(features[0][TEACHER_LOGPROBS]).dtype
             out[TEACHER_LOGPROBS] = _pad_rows([f[TEACHER_LOGPROBS] for f in features], length, -math.inf, dtype)
         if TEACHER_SAMPLE_IDS in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
-            for name, fill, dtype in (
-                (TEACHER_SAMPLE_IDS, -1, torch.int32),
-                (TEACHER_SAMPLE_COUNTS, 0, torch.int32),
-                (TEACHER_SAMPLE_LOGPROBS, -math.inf, torch.as_tensor(features[0][TEACHER_SAMPLE_LOGPROBS]).dtype),
-            ):
-                out[name] = _pad_rows([f[name] for f in features], length, fill, dtype)
+            for name, fill in ((TEACHER_SAMPLE_IDS, -1), (TEACHER_SAMPLE_COUNTS, 0)):
+                out[name] = _pad_ids([f[name] for f in features], length, fill, name)
+            dtype = torch.as_tensor(features[0][TEACHER_SAMPLE_LOGPROBS]).dtype
+            out[TEACHER_SAMPLE_LOGPROBS] = _pad_rows([f[TEACHER_SAMPLE_LOGPROBS] for f in features], length,
+                                                     -math.inf, dtype)  # fmt: skip
         return out
 
 
@@ -98,6 +97,25 @@ def host_rows(rows: list[Any], dtype: torch.dtype | None = None) -> list[Any]:
     bits = _BITS_OF.get(joined.dtype)
     array = joined.view(torch.int16).numpy().view(bits) if bits else joined.numpy()
     return np.split(array, np.cumsum([r.shape[0] for r in rows])[:-1])
+
+
+def _pad_ids(rows: list[Any], length: int, fill: int, column: str) -> torch.Tensor:
+    """(batch, length, k) int32: each item's (n, k) ids or counts, then `fill`; whole numbers within int32 only (a
+    cast would wrap a larger one, or truncate a fraction, into some valid-looking id)."""
+    arrays = host_rows(rows)
+    if arrays is rows or arrays[0].dtype.kind not in "iu":  # lists, or float tensors: each row checked
+        arrays = [token_ids_of(a, column, row) for row, a in enumerate(arrays)]
+    k = next((a.shape[-1] for a in arrays if a.ndim == 2), 0)
+    out = np.full((len(arrays), length, k), fill, dtype=np.int64)
+    for row, a in enumerate(arrays):
+        if a.size:
+            out[row, : a.shape[0]] = a
+    info = np.iinfo(np.int32)
+    if out.size and (out.max() > info.max or out.min() < info.min):
+        bad = int(out.max()) if out.max() > info.max else int(out.min())
+        raise ValueError(f"{column} holds {bad}, outside int32: not a token id (or count) of any vocabulary; check "
+                         f"the rows' {column} column")  # fmt: skip
+    return torch.from_numpy(out.astype(np.int32))
 
 
 def _pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
