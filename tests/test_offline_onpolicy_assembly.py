@@ -241,3 +241,37 @@ def test_the_rollout_collator_takes_log_probs_as_lists_arrays_and_tensors_of_any
              for i, r in enumerate(rows)]  # fmt: skip
     assert torch.equal(RolloutStoreCollator()(mixed)[BEHAVIOUR], want[BEHAVIOUR])  # row by row, each as it comes
     assert want[BEHAVIOUR].shape == (3, 5) and not want[BEHAVIOUR][:2, 1:].any()
+
+
+def test_reading_and_collating_a_rollout_store_costs_a_few_torch_dispatches_a_row(tmp_path):
+    """A training step reads hundreds of store rows on the host: the reader builds each column in numpy and hands it
+    to torch once, and the collator takes tensor columns out of torch in one concatenation, so a row costs a few
+    dispatched torch ops (one per column it returns), not several per column (37 a row when each column went
+    tensor -> numpy alone). Counted with torch's profiler: a count, not a time."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from liger_patch_kd.batch.rollout_store import RolloutStoreCollator
+    from liger_patch_kd.teacher import TeacherLogprobsDataset
+    from liger_patch_kd.trainer.offline_onpolicy import precompute_rollouts
+    from liger_patch_kd.trainer.rollouts.generate import RolloutSettings
+
+    student, teacher = (tiny_model("llama", dtype=torch.float32, seed=seed) for seed in (1, 2))
+    prompts = [[5 + i % 7, 9, 11 + i % 3] for i in range(48)]
+    path = precompute_rollouts(student, teacher, prompts, tmp_path / "s", settings=RolloutSettings(max_new_tokens=6,
+                               seed=3), score=ScoreOptions(top_k=4), prompts_per_call=48, progress=False)  # fmt: skip
+    store, collate = TeacherLogprobsDataset(path), RolloutStoreCollator()
+    collate([store[i] for i in range(len(store))])  # warm: shards opened
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batch = collate([store[i] for i in range(len(store))])
+    ops = collections.Counter()
+    for event in prof.events():  # dispatches from Python: aten ops not called by another aten op
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            ops[event.name] += 1
+    columns = sum(1 for _ in store[0])
+    assert batch["input_ids"].shape[0] == len(store) == 48
+    assert sum(ops.values()) <= (columns + 1) * len(store) + 64, ops.most_common(8)  # + per batch: the collation
