@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
-from .teacher_data import TeacherDataCollator, host_rows
+from .teacher_data import TeacherDataCollator, pad_rows
 
 
 @dataclass
@@ -26,15 +25,8 @@ class RolloutStoreCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)(features)
         length = batch["input_ids"].shape[1]
-        for column, key in ROLLOUT_LOGPROB_COLUMNS.items():  # numpy copies, one thread (TeacherDataCollator's why)
-            values = np.zeros((len(features), length), dtype=np.float32)
-            for row, own in enumerate(host_rows([f[column] for f in features], torch.float32)):
-                # rows of mixed kinds come back as given: a tensor through torch (numpy has no bfloat16 and refuses
-                # one that needs grad)
-                own = own.detach().to("cpu", torch.float32).numpy() if torch.is_tensor(own) else \
-                    np.asarray(own, dtype=np.float32)  # fmt: skip
-                values[row, : own.shape[0]] = own
-            batch[key] = torch.from_numpy(values)
+        for column, key in ROLLOUT_LOGPROB_COLUMNS.items():
+            batch[key] = pad_rows([f[column] for f in features], length, 0.0, torch.float32, ndim=1)
         batch[GENERATED] = True
         return batch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -57,12 +58,12 @@ class TeacherDataCollator:
         if TEACHER_TOKEN_IDS in features[0]:
             out[TEACHER_TOKEN_IDS] = _pad_ids([f[TEACHER_TOKEN_IDS] for f in features], length, -1, TEACHER_TOKEN_IDS)
             dtype = torch.as_tensor(features[0][TEACHER_LOGPROBS]).dtype
-            out[TEACHER_LOGPROBS] = _pad_rows([f[TEACHER_LOGPROBS] for f in features], length, -math.inf, dtype)
+            out[TEACHER_LOGPROBS] = pad_rows([f[TEACHER_LOGPROBS] for f in features], length, -math.inf, dtype)
         if TEACHER_SAMPLE_IDS in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
             for name, fill in ((TEACHER_SAMPLE_IDS, -1), (TEACHER_SAMPLE_COUNTS, 0)):
                 out[name] = _pad_ids([f[name] for f in features], length, fill, name)
             dtype = torch.as_tensor(features[0][TEACHER_SAMPLE_LOGPROBS]).dtype
-            out[TEACHER_SAMPLE_LOGPROBS] = _pad_rows([f[TEACHER_SAMPLE_LOGPROBS] for f in features], length,
+            out[TEACHER_SAMPLE_LOGPROBS] = pad_rows([f[TEACHER_SAMPLE_LOGPROBS] for f in features], length,
                                                      -math.inf, dtype)  # fmt: skip
         return out
 
@@ -105,11 +106,7 @@ def _pad_ids(rows: list[Any], length: int, fill: int, column: str) -> torch.Tens
     arrays = host_rows(rows)
     if arrays is rows or arrays[0].dtype.kind not in "iu":  # lists, or float tensors: each row checked
         arrays = [token_ids_of(a, column, row) for row, a in enumerate(arrays)]
-    k = next((a.shape[-1] for a in arrays if a.ndim == 2), 0)
-    out = np.full((len(arrays), length, k), fill, dtype=np.int64)
-    for row, a in enumerate(arrays):
-        if a.size:
-            out[row, : a.shape[0]] = a
+    out = _filled(arrays, length, fill, np.int64)
     info = np.iinfo(np.int32)
     if out.size and (out.max() > info.max or out.min() < info.min):
         bad = int(out.max()) if out.max() > info.max else int(out.min())
@@ -118,19 +115,32 @@ def _pad_ids(rows: list[Any], length: int, fill: int, column: str) -> torch.Tens
     return torch.from_numpy(out.astype(np.int32))
 
 
-def _pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
-    """(batch, length, k) of `dtype`: each item's (n, k) rows, then `fill`."""
+def pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype, *, ndim: int = 2) -> torch.Tensor:
+    """(batch, length, k) of `dtype` from each item's (n, k) rows (ndim 1: (batch, length) from (n,) rows), then
+    `fill`; rows may be tensors (any dtype, device, grad), numpy arrays or lists."""
     bits = _BITS_OF.get(dtype)
-    np_dtype = bits or torch.empty(0, dtype=dtype).numpy().dtype
+    np_dtype = bits or _numpy_dtype(dtype)
     arrays = host_rows(rows, dtype)
     if arrays is rows:  # not all tensors of one shape: row by row
         arrays = [(t.view(torch.int16) if bits else t).numpy().view(np_dtype)
-                  for t in (torch.as_tensor(r).to(dtype) for r in rows)]  # fmt: skip
-    k = next((a.shape[-1] for a in arrays if a.ndim == 2), 0)  # an empty row given as a list is shape (0,)
+                  for t in (torch.as_tensor(r).detach().to("cpu", dtype) for r in rows)]  # fmt: skip
     fill_bits = torch.tensor(fill, dtype=dtype).view(torch.int16).item() & 0xFFFF if bits else None
-    out = np.full((len(arrays), length, k), fill_bits if bits else fill, dtype=np_dtype)
+    result = torch.from_numpy(_filled(arrays, length, fill_bits if bits else fill, np_dtype, ndim))
+    return result.view(dtype) if bits else result
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for a torch dtype numpy has (asked once: a torch op per batch otherwise)."""
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _filled(arrays: list[np.ndarray], length: int, fill: float, np_dtype, ndim: int = 2) -> np.ndarray:
+    """(batch, length, *per position) of `np_dtype`: each array's rows at the start of its own, `fill` after (an
+    empty row given as a list is shape (0,), whatever the column's per-position shape)."""
+    per_position = next((a.shape[1:] for a in arrays if a.ndim == ndim), (0,) * (ndim - 1))
+    out = np.full((len(arrays), length, *per_position), fill, dtype=np_dtype)
     for row, a in enumerate(arrays):
         if a.size:
             out[row, : a.shape[0]] = a
-    result = torch.from_numpy(out)
-    return result.view(dtype) if bits else result
+    return out
