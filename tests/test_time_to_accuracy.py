@@ -211,6 +211,22 @@ def test_benchmark_smoke_writes_its_json(tmp_path):
     assert 0.0 <= written["teacher"]["accuracy"] <= 1.0
 
 
+def test_phases_time_the_steps_they_nest_in(tmp_path):
+    """--phases: per step, compute_loss is part of training_step and the teacher's forward part of compute_loss;
+    the on-policy row's rollouts are sampled in get_batch_samples, before training_step."""
+    from benchmarks.accuracy.bench_time_to_accuracy import OURS_GKD, main
+
+    out = tmp_path / "tta.json"
+    main(["--smoke", "--phases", "--out", str(out), "--recipes", OURS_GKD])
+    phases = json.loads(out.read_text())["runs"][OURS_GKD][0]["phases"]
+    assert phases["steps"] >= 1 and phases["step_ms"] > 0
+    ms = {name: p["ms_per_step"] for name, p in phases["phases"].items()}
+    assert {p["calls_per_step"] for p in phases["phases"].values()} == {1.0}  # one micro-batch a step
+    assert ms["teacher backbone forward"] <= ms["compute_loss"] <= ms["training_step"]
+    assert ms["student generate"] <= ms["get_batch_samples"]
+    assert ms["get_batch_samples"] + ms["training_step"] <= phases["step_ms"] * 1.05  # drained: they add up
+
+
 def test_the_benchmark_splits_over_calls_with_resume(tmp_path):
     """--resume keeps the runs of an earlier call (same options) and runs only the recipe and seed pairs it lacks;
     the SFT row, run in the second call, runs as long as the first call's longest distillation row of its seed;

@@ -76,6 +76,7 @@ from ..common.accuracy import (
     time_to,
     within_fraction_of_seconds,
 )
+from ..common.step_phases import PhaseTimer, print_summary
 
 SFT = "SFT on ground truth"
 OURS_GKD = "on-policy GKD (lmbda 1, beta 0.5)"
@@ -122,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
                    "same options) and run only the recipe and seed pairs it lacks: the benchmark split over calls, "
                    "the teacher and the format-tuned students kept in --teacher-dir between them")  # fmt: skip
     p.add_argument("--device", default=None)
+    p.add_argument("--phases", action="store_true", help="time each recipe's steps by phase (the batch and its "
+                   "rollouts, the teacher, the loss, backward; benchmarks/common/step_phases.py) and profile a few "
+                   "of them: a diagnosis, not a figure to compare (the device drained around each phase)")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--recipes", nargs="+", default=None, help="names (or unique prefixes) of the recipes to run")
     p.add_argument("--operands", type=int, default=3, help="numbers per problem (ArithmeticTask.operands)")
@@ -401,6 +405,7 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         rows = data["prompt_rows"] if name in PROMPTS_ONLY else data["rows"]
         trainer = KDTrainer(model=student, teacher_model=None if name == SERVED_GKD else teacher, args=args,
                             train_dataset=rows, processing_class=tok, callbacks=[clock])  # fmt: skip
+    phases = PhaseTimer(trainer, device).install() if a.phases else None
     peak = extra = None
     before = fresh_memory(device)  # both teachers and this student's weights
     began = time.perf_counter()
@@ -410,6 +415,9 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         extra = peak - before / 2**20
     out = dict(seed=seed, curve=clock.curve, peak_mib=peak, extra_mib=extra, eval_seconds=clock.eval_seconds,
                wall_seconds=time.perf_counter() - began)  # fmt: skip
+    if phases is not None:
+        out["phases"] = phases.summary()
+        print_summary(f"{name}, seed {seed}", out["phases"])
     offline = getattr(trainer, "offline", None)
     if name == SERVED_GKD:  # what the server sent: proof the row trained against it
         out["served_tokens"] = trainer.teacher_source.client.tokens_received
