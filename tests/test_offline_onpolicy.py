@@ -740,3 +740,17 @@ def test_a_bf16_pair_stores_log_probs_of_fp32_logits_as_training_reads_them(tmp_
             worst[key] = max(worst[key], float((item[key][p:].double() - want).abs().max()))
     # fp32 products of bf16 operands, stored as fp32: a few fp32 ulps of the log-probs, far under bf16's 2^-9
     assert worst["behaviour_logprobs"] < 1e-5 and worst["teacher_token_logprobs"] < 1e-5, worst
+
+
+def test_prompt_rows_are_read_in_tokenizer_batches_as_one_by_one_and_a_bad_line_is_named(tmp_path, tokenizer):
+    """read_prompt_rows encodes many rows per tokenizer call: the ids are one-by-one's (a completion ignored, a
+    conversation through the chat path), and a bad row in a later batch is still named by its line."""
+    rows = [*PROMPTS, {"prompt": "the park", "completion": " is warm"}, {"prompt": ""}] * 3
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    expected = [tokenize_prompt_row(tokenizer, {"prompt": r["prompt"]})[0] for r in rows]
+    assert rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4) == expected
+    assert rollout_store.read_prompt_rows(data, tokenizer) == expected
+    data.write_text("\n".join(json.dumps(r) for r in [*rows, {"prompt": 5}]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(data))}:{len(rows) + 1}: 'prompt' must be a string"):
+        rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4)

@@ -91,7 +91,9 @@ def tokenize_prompt_rows(tokenizer, rows: list[dict[str, Any]]) -> list[tuple[li
                 out[index] = _conversation_ids(tokenizer, prompt, completion)
             else:
                 texts.append((index, prompt, completion))
-        except ValueError as e:  # which row: a batch holds hundreds
+        except ValueError as e:  # which row: a batch holds hundreds (one row's caller names it itself)
+            if len(rows) == 1:
+                raise
             raise ValueError(f"prompt row {index} of this batch: {e}") from None
     prompts = encode_many(tokenizer, [prompt for _, prompt, _ in texts], special_tokens=True)
     completed = [(index, completion) for index, _, completion in texts if completion is not None]

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 from transformers import GenerationConfig
 
-from ...batch.prompts import tokenize_prompt_row
+from ...batch.prompts import tokenize_prompt_rows
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
 from ...teacher.store import StoreWriter, check_store_folder, tokenizer_fingerprint
 from ...utils.text_files import read_utf8
@@ -41,11 +41,12 @@ def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: i
     return max(per_call, (shard_size // num_generations) // per_call * per_call)
 
 
-def read_prompt_rows(path: str | Path, tokenizer: Any) -> list[list[int]]:
+def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1024) -> list[list[int]]:
     """Prompt token ids from a JSONL file of TRL's rows: {"prompt": text or messages} (a completion, if given, is
     not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
-    blank lines ignored. A line that is neither is a ValueError naming file:line."""
-    prompts = []
+    blank lines ignored. A line that is neither is a ValueError naming file:line. The text prompts are encoded
+    `rows_per_call` rows to a tokenizer call (the same ids as one by one)."""
+    numbered = []  # (line number, the row without its completion)
     for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
         if not line.strip():
             continue
@@ -56,10 +57,19 @@ def read_prompt_rows(path: str | Path, tokenizer: Any) -> list[list[int]]:
         if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
             raise ValueError(f"{path}:{line_no}: a rollout prompt row needs 'prompt' (text or messages) or "
                              f"'messages' (TRL's formats)")  # fmt: skip
+        numbered.append((line_no, {k: v for k, v in row.items() if k != "completion"}))
+    prompts = []
+    for first in range(0, len(numbered), rows_per_call):
+        part = numbered[first : first + rows_per_call]
         try:
-            prompts.append(tokenize_prompt_row(tokenizer, row)[0])
-        except ValueError as e:
-            raise ValueError(f"{path}:{line_no}: {e}") from None
+            prompts += [prompt for prompt, _ in tokenize_prompt_rows(tokenizer, [row for _, row in part])]
+        except ValueError:  # which line: the rows again one by one, the first bad one named
+            for line_no, row in part:
+                try:
+                    tokenize_prompt_rows(tokenizer, [row])
+                except ValueError as e:
+                    raise ValueError(f"{path}:{line_no}: {e}") from None
+            raise
     return prompts
 
 
