@@ -417,7 +417,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
                wall_seconds=time.perf_counter() - began)  # fmt: skip
     if phases is not None:
         out["phases"] = phases.summary()
-        print_summary(f"{name}, seed {seed}", out["phases"])
+        if out["phases"]["steps"]:  # the warm-up's few steps record none
+            print_summary(f"{name}, seed {seed}", out["phases"])
     offline = getattr(trainer, "offline", None)
     if name == SERVED_GKD:  # what the server sent: proof the row trained against it
         out["served_tokens"] = trainer.teacher_source.client.tokens_received
