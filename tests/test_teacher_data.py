@@ -248,3 +248,40 @@ def test_teacher_ids_past_int32_or_fractional_are_refused_not_wrapped(given):
         TeacherDataCollator()(rows([[3.0, 5.5], [1.0, -1.0]]))
     batch = TeacherDataCollator()(rows([[3.0, 5.0], [1.0, -1.0]]))
     assert batch[TEACHER_TOKEN_IDS].dtype == torch.int32 and batch[TEACHER_TOKEN_IDS].tolist() == [[[3, 5], [1, -1]]]
+
+
+@pytest.mark.parametrize("logprob_dtype", [torch.float32, torch.bfloat16])
+def test_tensor_rows_collate_in_one_pass_as_row_by_row_lists(logprob_dtype):
+    """A store's items (tensors) are padded column by column in one masked assignment; the same rows given as
+    lists take the row-by-row path: every column is equal, empty rows and rows of other lengths included."""
+    from liger_patch_kd.batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
+    from liger_patch_kd.batch.rollout_store import RolloutStoreCollator
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (5, 0, 9, 1, 9, 3):
+        rows.append({
+            "input_ids": torch.randint(0, 50, (n,), generator=g),
+            "labels": torch.where(torch.rand(n, generator=g) < 0.3, -100, torch.randint(0, 50, (n,), generator=g)),
+            TEACHER_TOKEN_IDS: torch.randint(0, 50, (n, 4), generator=g, dtype=torch.int32),
+            TEACHER_LOGPROBS: torch.randn(n, 4, generator=g).to(logprob_dtype),
+            "behaviour_logprobs": -torch.rand(n, generator=g),
+            "teacher_token_logprobs": -torch.rand(n, generator=g),
+        })  # fmt: skip
+    as_lists = [{k: v.tolist() if k in ("input_ids", "labels") else v.numpy() if v.dtype != torch.bfloat16 else
+                 v.float().numpy() for k, v in r.items()} for r in rows]  # fmt: skip
+    for collator in (TD.TeacherDataCollator(pad_token_id=7), RolloutStoreCollator(pad_token_id=7)):
+        fast, slow = collator(rows), collator(as_lists)
+        assert fast.keys() == slow.keys()
+        for key, value in fast.items():
+            if torch.is_tensor(value):
+                other = slow[key].to(value.dtype) if key == TEACHER_LOGPROBS else slow[key]
+                assert torch.equal(value, other), key
+        assert fast["input_ids"].shape == (6, 9) and (fast["input_ids"][1] == 7).all()
+        assert fast["attention_mask"].sum(1).tolist() == [5, 0, 9, 1, 9, 3]
+        assert torch.isneginf(fast[TEACHER_LOGPROBS][0, 5:]).all()
+        assert (fast[TEACHER_TOKEN_IDS][0, 5:] == -1).all()
+    # labels of another length than their ids: row by row (the ids' length pads both)
+    rows[0] = {**rows[0], "labels": rows[0]["labels"][:3]}
+    batch = TD.TeacherDataCollator()(rows)
+    assert batch["labels"][0, :3].tolist() == rows[0]["labels"].tolist() and (batch["labels"][0, 3:] == -100).all()

@@ -123,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
                    "same options) and run only the recipe and seed pairs it lacks: the benchmark split over calls, "
                    "the teacher and the format-tuned students kept in --teacher-dir between them")  # fmt: skip
     p.add_argument("--device", default=None)
+    p.add_argument("--dataloader-workers", type=int, default=0, help="every recipe's dataloader_num_workers (ours "
+                   "and TRL's alike): rows read, tokenized and collated beside the steps")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="time each recipe's steps by phase (the batch and its "
                    "rollouts, the teacher, the loss, backward; benchmarks/common/step_phases.py) and profile a few "
                    "of them: a diagnosis, not a figure to compare (the device drained around each phase)")  # fmt: skip
@@ -247,7 +249,8 @@ def shared_args(a, device, seed: int, steps: int, overrides: dict) -> dict:
         learning_rate=a.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=max(1, a.steps // 20),
         weight_decay=0.0, logging_steps=steps, report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
         use_cpu=device.type == "cpu", bf16=device.type == "cuda", dataloader_pin_memory=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=False, dataloader_num_workers=a.dataloader_workers,
+        dataloader_persistent_workers=a.dataloader_workers > 0,
     )  # fmt: skip
     options.update({k: v for k, v in overrides.items() if k == "learning_rate"})
     return options

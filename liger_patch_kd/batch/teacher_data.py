@@ -40,19 +40,30 @@ class TeacherDataCollator:
     ignore_index: int = -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [token_ids_of(ids, "input_ids", row) for row, ids in enumerate(host_rows([f["input_ids"]
-                                                                                           for f in features]))]
-        length, batch = max(len(s) for s in seqs), len(features)
-        input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
-        attention = np.zeros((batch, length), dtype=np.int64)
-        labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
+        joined = joined_rows([f["input_ids"] for f in features])
+        if joined is not None and joined.values.dtype.kind == "i":  # a store's items: whole columns at once
+            seqs, lengths = joined, joined.lengths
+        else:
+            given_ids = joined.split() if joined is not None else [f["input_ids"] for f in features]
+            seqs = [token_ids_of(ids, "input_ids", row) for row, ids in enumerate(given_ids)]
+            lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+        length, batch = int(lengths.max()), len(features)
+        input_ids = _filled(seqs, length, self.pad_token_id, np.int64, ndim=1)
+        attention = (np.arange(length) < lengths[:, None]).astype(np.int64)
         # a row without labels is trained on its input ids; rows that have them are read together when all do
-        everyone = all("labels" in f for f in features)
-        given = host_rows([f["labels"] for f in features]) if everyone else [f.get("labels") for f in features]
-        for row, (f, seq, own) in enumerate(zip(features, seqs, given)):
-            input_ids[row, : len(seq)] = seq
-            attention[row, : len(seq)] = 1
-            labels[row, : len(seq)] = token_ids_of(own, "labels", row) if "labels" in f else seq
+        if all("labels" in f for f in features):
+            given = joined_rows([f["labels"] for f in features])
+            if given is not None and given.values.dtype.kind == "i" and np.array_equal(given.lengths, lengths):
+                labels = _filled(given, length, self.ignore_index, np.int64, ndim=1)
+            else:
+                rows = given.split() if given is not None else [f["labels"] for f in features]
+                labels = _filled([token_ids_of(own, "labels", row) for row, own in enumerate(rows)], length,
+                                 self.ignore_index, np.int64, ndim=1)  # fmt: skip
+        else:
+            labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
+            ids = seqs.split() if isinstance(seqs, JoinedRows) else seqs
+            for row, (f, seq) in enumerate(zip(features, ids)):
+                labels[row, : len(seq)] = token_ids_of(f["labels"], "labels", row) if "labels" in f else seq
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
@@ -86,26 +97,40 @@ def token_ids_of(values: Any, column: str, row: int) -> np.ndarray:
                      f"the vocabulary size)); tokenize the row with the student's tokenizer")
 
 
-def host_rows(rows: list[Any], dtype: torch.dtype | None = None) -> list[Any]:
-    """`rows` as numpy arrays when every row is a tensor with the same trailing dims: one torch.cat, one conversion
-    (bfloat16 as its 16-bit patterns), split back into per-row views; cast to `dtype` first when given. Any other
-    rows (lists, numpy, mixed) come back as they are."""
+@dataclass(frozen=True)
+class JoinedRows:
+    """A column's rows as one array: row i is values[offsets[i] : offsets[i] + lengths[i]] (first dim)."""
+
+    values: np.ndarray
+    lengths: np.ndarray  # (rows,) int64
+
+    def split(self) -> list[np.ndarray]:
+        return np.split(self.values, np.cumsum(self.lengths)[:-1])
+
+
+def joined_rows(rows: list[Any], dtype: torch.dtype | None = None) -> JoinedRows | None:
+    """`rows` as one numpy array when every row is a tensor with the same trailing dims: one torch.cat, one
+    conversion (bfloat16 as its 16-bit patterns), cast to `dtype` first when given; None for any other rows (lists,
+    numpy, mixed), which are read row by row."""
     if not rows or not all(torch.is_tensor(r) and r.dim() >= 1 and r.shape[1:] == rows[0].shape[1:] for r in rows):
-        return rows
+        return None
     joined = torch.cat(rows).detach().cpu()
     if dtype is not None:
         joined = joined.to(dtype)
     bits = _BITS_OF.get(joined.dtype)
     array = joined.view(torch.int16).numpy().view(bits) if bits else joined.numpy()
-    return np.split(array, np.cumsum([r.shape[0] for r in rows])[:-1])
+    return JoinedRows(array, np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows)))
 
 
 def _pad_ids(rows: list[Any], length: int, fill: int, column: str) -> torch.Tensor:
     """(batch, length, k) int32: each item's (n, k) ids or counts, then `fill`; whole numbers within int32 only (a
     cast would wrap a larger one, or truncate a fraction, into some valid-looking id)."""
-    arrays = host_rows(rows)
-    if arrays is rows or arrays[0].dtype.kind not in "iu":  # lists, or float tensors: each row checked
-        arrays = [token_ids_of(a, column, row) for row, a in enumerate(arrays)]
+    joined = joined_rows(rows)
+    if joined is not None and joined.values.dtype.kind in "iu":
+        arrays = joined
+    else:  # lists, or float tensors: each row checked
+        given = joined.split() if joined is not None else rows
+        arrays = [token_ids_of(a, column, row) for row, a in enumerate(given)]
     out = _filled(arrays, length, fill, np.int64)
     info = np.iinfo(np.int32)
     if out.size and (out.max() > info.max or out.min() < info.min):
@@ -120,8 +145,8 @@ def pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype, *, n
     `fill`; rows may be tensors (any dtype, device, grad), numpy arrays or lists."""
     bits = _BITS_OF.get(dtype)
     np_dtype = bits or _numpy_dtype(dtype)
-    arrays = host_rows(rows, dtype)
-    if arrays is rows:  # not all tensors of one shape: row by row
+    arrays = joined_rows(rows, dtype)
+    if arrays is None:  # not all tensors of one shape: row by row
         arrays = [(t.view(torch.int16) if bits else t).numpy().view(np_dtype)
                   for t in (torch.as_tensor(r).detach().to("cpu", dtype) for r in rows)]  # fmt: skip
     fill_bits = torch.tensor(fill, dtype=dtype).view(torch.int16).item() & 0xFFFF if bits else None
@@ -135,9 +160,15 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def _filled(arrays: list[np.ndarray], length: int, fill: float, np_dtype, ndim: int = 2) -> np.ndarray:
+def _filled(arrays: list[np.ndarray] | JoinedRows, length: int, fill: float, np_dtype, ndim: int = 2) -> np.ndarray:
     """(batch, length, *per position) of `np_dtype`: each array's rows at the start of its own, `fill` after (an
-    empty row given as a list is shape (0,), whatever the column's per-position shape)."""
+    empty row given as a list is shape (0,), whatever the column's per-position shape). Joined rows are placed in
+    one masked assignment (row-major, as they were joined), not row by row."""
+    if isinstance(arrays, JoinedRows):
+        values = arrays.values
+        out = np.full((len(arrays.lengths), length, *values.shape[1:]), fill, dtype=np_dtype)
+        out[np.arange(length) < arrays.lengths[:, None]] = values
+        return out
     per_position = next((a.shape[1:] for a in arrays if a.ndim == ndim), (0,) * (ndim - 1))
     out = np.full((len(arrays), length, *per_position), fill, dtype=np_dtype)
     for row, a in enumerate(arrays):
