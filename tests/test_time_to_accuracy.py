@@ -225,6 +225,9 @@ def test_phases_time_the_steps_they_nest_in(tmp_path):
     assert ms["teacher backbone forward"] <= ms["compute_loss"] <= ms["training_step"]
     assert ms["student generate"] <= ms["get_batch_samples"]
     assert ms["get_batch_samples"] + ms["training_step"] <= phases["step_ms"] * 1.05  # drained: they add up
+    profiled = phases["kernels"]  # on a CPU: no kernels, the host's ops
+    assert profiled["kernels_per_step"] == 0 and profiled["wall_ms_per_step"] > 0
+    assert any(op["name"].startswith("aten::") and op["per_step"] >= 1 for op in profiled["host_top"])
 
 
 def test_the_benchmark_splits_over_calls_with_resume(tmp_path):

@@ -23,7 +23,7 @@ def drain(device: torch.device) -> None:
 
 
 class PhaseTimer:
-    def __init__(self, trainer, device: torch.device, *, skip: int = 10, steps: int = 20, profiled: int = 5):
+    def __init__(self, trainer, device: torch.device, *, skip: int = 5, steps: int = 10, profiled: int = 3):
         self.trainer, self.device = trainer, device
         self.skip, self.steps, self.profiled = skip, steps, profiled
         self.seconds: dict[str, float] = defaultdict(float)
@@ -58,6 +58,7 @@ class PhaseTimer:
         if t.args.max_steps > 0:  # a short run (a smoke check) still records some steps
             self.skip = min(self.skip, t.args.max_steps // 4)
             self.steps = min(self.steps, max(1, t.args.max_steps // 2))
+            self.profiled = min(self.profiled, max(1, t.args.max_steps - self.skip - self.steps))
         for name in ("get_batch_samples", "training_step", "compute_loss"):
             setattr(t, name, self._timed(name, getattr(t, name)))
         onpolicy = getattr(t, "onpolicy", None)  # ours: the sampler get_batch_samples calls (engine or eager)
@@ -91,10 +92,11 @@ class PhaseTimer:
             self.step_seconds.append(now - self._began)
         self._step += 1
         first_profiled = self.skip + self.steps
-        if self._step == first_profiled and self.device.type == "cuda":
+        if self._step == first_profiled:
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self._prof = profile(activities=[ProfilerActivity.CPU, *cuda])
             self._prof.__enter__()
             self._prof_began = time.perf_counter()
         elif self._prof is not None and self._step == first_profiled + self.profiled:
@@ -111,20 +113,26 @@ class PhaseTimer:
 
 
 def kernel_summary(prof, steps: int, wall: float, top: int = 15) -> dict:
-    """Per step: kernels launched, their summed time, the wall time (under the profiler, which slows the host), and
-    the kernels taking most time."""
+    """Per step: kernels launched, their summed time, the wall time (under the profiler, which slows the host), the
+    kernels taking most time and the host ops taking most of the host's own time."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type.name == "CUDA":
             entry = totals[e.name[:80]]
             entry[0] += 1
             entry[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.key_averages():
+        if e.device_type.name == "CPU":
+            host[e.key[:80]] = [e.count, e.self_cpu_time_total]
     launched = sum(v[0] for v in totals.values())
     busy_us = sum(v[1] for v in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
     return dict(kernels_per_step=launched / steps, kernel_ms_per_step=busy_us / steps / 1e3,
                 wall_ms_per_step=wall / steps * 1e3,
-                top=[dict(name=k, per_step=c / steps, ms_per_step=us / steps / 1e3) for k, (c, us) in ranked])
+                top=[dict(name=k, per_step=c / steps, ms_per_step=us / steps / 1e3) for k, (c, us) in ranked],
+                host_top=[dict(name=k, per_step=c / steps, self_ms_per_step=us / steps / 1e3)
+                          for k, (c, us) in sorted(host.items(), key=lambda kv: -kv[1][1])[:top]])  # fmt: skip
 
 
 def print_summary(label: str, s: dict) -> None:
@@ -137,3 +145,6 @@ def print_summary(label: str, s: dict) -> None:
               f"{k['wall_ms_per_step']:.1f} ms a step")  # fmt: skip
         for row in k["top"][:10]:
             print(f"    {row['ms_per_step']:7.3f} ms  x{row['per_step']:6.1f}  {row['name']}")
+        print("  host ops by their own time:")
+        for row in k["host_top"][:10]:
+            print(f"    {row['self_ms_per_step']:7.3f} ms  x{row['per_step']:6.1f}  {row['name']}")
