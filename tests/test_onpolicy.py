@@ -308,3 +308,29 @@ def test_a_prompt_without_a_completion_anywhere_in_the_rows_is_refused_before_tr
     check_completions_for_off_policy(Args(), rows[:3])  # every row completed
     Args.generates_every_step = True
     check_completions_for_off_policy(Args(), rows)  # every step generated: completions never read
+
+
+def test_rollout_rows_are_the_row_by_row_collation_of_prompt_plus_completion():
+    """rollout_batch builds its rows on the joined ids: the same batch as padding each row's prompt + completion
+    (labels: the completion) one by one, and each behaviour log-prob at its own token's position."""
+    from liger_patch_kd.batch.columns import BEHAVIOUR
+    from liger_patch_kd.teacher import TeacherDataCollator
+    from liger_patch_kd.trainer.rollouts.generate import Rollout, rollout_batch
+
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for prompt, completion in ((3, 4), (1, 0), (6, 2), (2, 7), (5, 1)):
+        p, c = torch.randint(1, 99, (prompt,), generator=g).tolist(), torch.randint(1, 99, (completion,), generator=g)
+        logprobs = tuple((-torch.rand(completion, generator=g)).tolist())
+        rollouts.append(Rollout(p, c.tolist(), completion % 2 == 1, logprobs))
+    got = rollout_batch(rollouts, pad_id=0, ignore_index=-7, behaviour=True)
+    rows = [{"input_ids": r.prompt + r.completion, "labels": [-7] * len(r.prompt) + r.completion} for r in rollouts]
+    expected = TeacherDataCollator(pad_token_id=0, ignore_index=-7)(rows)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(got[key], expected[key]), key
+    behaviour = torch.zeros(got["input_ids"].shape)
+    for row, r in enumerate(rollouts):
+        behaviour[row, len(r.prompt) : len(r.prompt) + len(r.completion)] = torch.tensor(r.logprobs)
+    assert torch.equal(got[BEHAVIOUR], behaviour)
+    with pytest.raises(ValueError, match="rollout 1 has no behaviour log-prob"):
+        rollout_batch([rollouts[0], Rollout([1], [2], False, None)], pad_id=0, behaviour=True)

@@ -160,15 +160,20 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
+def pad_joined(rows: JoinedRows, length: int, fill: float, np_dtype) -> np.ndarray:
+    """(rows, length, *per position) of `np_dtype`: each row's values at the start of its own, `fill` after, in one
+    masked assignment (row-major, as the rows were joined)."""
+    values = rows.values
+    out = np.full((len(rows.lengths), length, *values.shape[1:]), fill, dtype=np_dtype)
+    out[np.arange(length) < rows.lengths[:, None]] = values
+    return out
+
+
 def _filled(arrays: list[np.ndarray] | JoinedRows, length: int, fill: float, np_dtype, ndim: int = 2) -> np.ndarray:
     """(batch, length, *per position) of `np_dtype`: each array's rows at the start of its own, `fill` after (an
-    empty row given as a list is shape (0,), whatever the column's per-position shape). Joined rows are placed in
-    one masked assignment (row-major, as they were joined), not row by row."""
+    empty row given as a list is shape (0,), whatever the column's per-position shape); joined rows by pad_joined."""
     if isinstance(arrays, JoinedRows):
-        values = arrays.values
-        out = np.full((len(arrays.lengths), length, *values.shape[1:]), fill, dtype=np_dtype)
-        out[np.arange(length) < arrays.lengths[:, None]] = values
-        return out
+        return pad_joined(arrays, length, fill, np_dtype)
     per_position = next((a.shape[1:] for a in arrays if a.ndim == ndim), (0,) * (ndim - 1))
     out = np.full((len(arrays), length, *per_position), fill, dtype=np_dtype)
     for row, a in enumerate(arrays):
