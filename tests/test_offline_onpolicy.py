@@ -181,6 +181,27 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     assert logged[0] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize("option,value,needle", [
+    ("kd_max_new_tokens", 3, "kd_max_new_tokens=3 (the store's completions, and a refresh's, are at most 5 tokens"),
+    ("kd_generation_temperature", 0.5, "kd_generation_temperature=0.5 (the store was sampled, and a refresh samples, "
+                                       "at 1.0"),
+    ("kd_num_generations", 2, "kd_num_generations=2 (each stored row is one completion"),
+    ("kd_max_length", 4, "kd_max_length=4 (a store's rows are trained whole"),
+    ("kd_max_prompt_length", 2, "kd_max_prompt_length=2 (a store's rows are trained whole"),
+])  # fmt: skip
+def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, tokenizer, option, value, needle):
+    """Rows cut or sampled when the store was made: an option that would cut or sample them otherwise did nothing
+    (the rows trained whole, a refresh sampled with the store's settings); it is refused in one line. The store's own
+    value, or the default, passes."""
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path / "t", **{option: value}))  # fmt: skip
+    assert "\n" not in str(e.value) and "would never be used: leave it unset" in str(e.value)
+    KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+              args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens))  # the store's: no change
+
+
 def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_path, models, tokenizer):
     from torch.utils.data import Subset
 
@@ -284,12 +305,15 @@ def checkpoints(tmp_path_factory, models, tokenizer):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
     short = copy.deepcopy(models[0])
-    short.config.max_position_embeddings = 8
+    short.config.max_position_embeddings = 14  # the longest prompt (11 tokens) fits, + 4 new ones not
     short.save_pretrained(root / "short")
     tokenizer.save_pretrained(root / "short")
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     (root / "empty.jsonl").write_text("\n")
     (root / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    (root / "long.jsonl").write_text(json.dumps({"prompt": "the cat sat on the mat. " * 10}) + "\n")
+    privileged = {"prompt": "the cat", "teacher_prompt": "it sat. the cat"}
+    (root / "privileged.jsonl").write_text(json.dumps(privileged) + "\n")
     return root
 
 
@@ -315,6 +339,8 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
     ("--max-length", "--max-length applies to --data of text sequences"),
     ("--skip-bad-lines", "--skip-bad-lines applies to --data of text sequences"),
     ("not UTF-8", "--data "),
+    ("a prompt as long as the context", "leaves no room for a completion in the context of 14 tokens"),
+    ("a teacher prompt", "privileged.jsonl:1: the row has a 'teacher_prompt'"),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -332,6 +358,8 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "--max-length": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--max-length", "8"),
         "--skip-bad-lines": _command(checkpoints, out, "prompts.jsonl", "teacher", "student", "--skip-bad-lines"),
         "not UTF-8": _command(checkpoints, out, "latin.jsonl"),
+        "a prompt as long as the context": _command(checkpoints, out, "long.jsonl", "teacher", "short"),
+        "a teacher prompt": _command(checkpoints, out, "privileged.jsonl"),
     }[case]
     if case == "foreign files":
         out.mkdir()
@@ -343,6 +371,10 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         assert (out / "shard-00000.safetensors").read_bytes() == b"mine"
     if case == "not UTF-8":
         assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
+    if case == "past the context":
+        assert "prompt 3 has 11 tokens, and 11 + 4 exceeds the context of 14 tokens" in err and "<= 3 " in err
+    if case == "a prompt as long as the context":  # the fix names the prompt, never a --max-new-tokens of 0 or less
+        assert "shorten it to at most 13 tokens" in err and "--max-new-tokens <=" not in err
 
 
 def test_files_a_store_never_writes_are_left_in_out(tmp_path, checkpoints):

@@ -103,6 +103,21 @@ def test_a_yaml_config_sets_defaults_and_the_command_line_overrides_it(tmp_path)
     assert os.environ.pop("LIGER_KD_TEST_FROM_YAML") == "yes"
 
 
+def test_a_second_config_is_refused_in_one_line(tmp_path, capsys):
+    """Two files would each set every default: which one wins is no rule anyone should guess (argparse took the
+    second as an option and failed on an unpacking error naming nothing)."""
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text("output_dir: o\n")
+    a, b = str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml")
+    for argv in (["--config", a, "--config", b], [f"--config={a}", "--kd_beta", "0.3", f"--config={b}"]):
+        with pytest.raises(ValueError, match=rf"--config is given twice \({a}, {b}\): give one file") as e:
+            train_parser.parse(argv)
+        assert "\n" not in str(e.value)
+    assert cli.main(["train", "--config", a, "--config", b]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--config is given twice" in err, err
+
+
 def test_trl_names_map_to_ours_and_ambiguous_ones_are_refused():
     _, _, args = train_parser.parse(["--output_dir", "o", "--lmbda", "0.5", "--beta=0.2", "--max_new_tokens", "16",
                                      "--seq_kd"])  # fmt: skip

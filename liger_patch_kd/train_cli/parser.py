@@ -180,15 +180,23 @@ def read_config(path: str, known: frozenset[str] | None = None) -> dict[str, Any
 
 
 def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the --config path or None, argv without it)."""
+    """(the --config path or None, argv without it). A second --config is refused: one file sets the defaults."""
+    path, rest = None, list(argv)
     for i, word in enumerate(argv):
         if word == "--config":
             if i + 1 >= len(argv):
                 raise ValueError("--config: give the YAML file's path")
-            return argv[i + 1], argv[:i] + argv[i + 2 :]
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
+            break
         if word.startswith("--config="):
-            return word.split("=", 1)[1], argv[:i] + argv[i + 1 :]
-    return None, argv
+            path, rest = word.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+            break
+    if path is not None:
+        again, _ = split_config(rest)
+        if again is not None:
+            raise ValueError(f"--config is given twice ({path}, {again}): give one file, and the options that differ "
+                             f"from it on the command line (they override the file's)")  # fmt: skip
+    return path, rest
 
 
 def parse(argv: list[str] | None = None) -> tuple[ScriptArguments, ModelArguments, KDTrainingArguments]:

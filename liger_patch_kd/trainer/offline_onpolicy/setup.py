@@ -3,6 +3,7 @@ cannot apply), its collator, its teacher source and its optional refresh."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ...batch.columns import ROLLOUT_LOGPROB_COLUMNS
@@ -50,6 +51,36 @@ def check_teacher_consistency(meta: dict, teacher_model: Any) -> None:
             f"run's differs too): pass the teacher that scored it, as it was loaded then (liger-kd precompute loads "
             f"it in the checkpoint's dtype), or make a store scored by this one (liger-kd precompute --rollouts-from "
             f"... --teacher ...)"
+        )
+
+
+def check_options_a_store_fixes(args: Any, section: dict) -> None:
+    """A rollout store's rows were sampled and cut when it was made, and a refresh samples with the store's settings
+    (one completion per row, its max_new_tokens and sampling): options that would shape rollouts or cut rows do
+    nothing beside one. One that was set to another value than the store's is refused in one line, all named, rather
+    than silently unused (the defaults, and values equal to the store's, pass)."""
+    sampling = section.get("sampling") or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
+    stored_length, stored_temperature = section.get("max_new_tokens"), sampling.get("temperature", 1.0)
+    unused = []
+    if args.kd_max_new_tokens not in (defaults.get("kd_max_new_tokens"), stored_length):
+        unused.append(f"kd_max_new_tokens={args.kd_max_new_tokens} (the store's completions, and a refresh's, are at "
+                      f"most {stored_length} tokens: --max-new-tokens of liger-kd precompute)")  # fmt: skip
+    if args.kd_generation_temperature not in (1.0, stored_temperature):
+        unused.append(f"kd_generation_temperature={args.kd_generation_temperature} (the store was sampled, and a "
+                      f"refresh samples, at {stored_temperature}: --generation-temperature of liger-kd "
+                      f"precompute)")  # fmt: skip
+    if args.kd_num_generations != 1:
+        unused.append(f"kd_num_generations={args.kd_num_generations} (each stored row is one completion, and a "
+                      f"refresh replaces a row with one: --num-generations of liger-kd precompute)")  # fmt: skip
+    for name in ("kd_max_prompt_length", "kd_max_length"):
+        if getattr(args, name) is not None:
+            unused.append(f"{name}={getattr(args, name)} (a store's rows are trained whole, as they were scored)")
+    if unused:
+        raise ValueError(
+            f"train_dataset is a rollout store, whose rows were sampled and scored when it was made, so "
+            f"{'; '.join(unused)} would never be used: leave {'it' if len(unused) == 1 else 'them'} unset (the "
+            f"store's settings are its manifest's 'rollouts' section)"
         )
 
 
@@ -174,6 +205,7 @@ class OfflineRollouts:
                 f"drawn, and its teacher and behaviour log-probs taken, at 1): set kd_temperature=1, or use "
                 f"kd_onpolicy_loss='divergence' to train the tempered divergence on the stored top-k"
             )
+        check_options_a_store_fixes(args, section)
         if teacher_model is not None:
             check_teacher_consistency(meta, teacher_model)
         elif args.kd_store_refresh_steps:

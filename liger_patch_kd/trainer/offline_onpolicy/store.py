@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 from transformers import GenerationConfig
 
+from ...batch.columns import TEACHER_PROMPT
 from ...batch.prompts import tokenize_prompt_rows
 from ...teacher.precompute import check_precompute_args, sequences_fingerprint, teacher_fingerprint
 from ...teacher.store import StoreWriter, check_store_folder, tokenizer_fingerprint
@@ -44,7 +45,8 @@ def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: i
 def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1024) -> list[list[int]]:
     """Prompt token ids from a JSONL file of TRL's rows: {"prompt": text or messages} (a completion, if given, is
     not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
-    blank lines ignored. A line that is neither is a ValueError naming file:line. The text prompts are encoded
+    blank lines ignored. A line that is neither, or that has a 'teacher_prompt' (which the store could not honour),
+    is a ValueError naming file:line. The text prompts are encoded
     `rows_per_call` rows to a tokenizer call (the same ids as one by one)."""
     numbered = []  # (line number, the row without its completion)
     for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
@@ -57,6 +59,11 @@ def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1
         if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
             raise ValueError(f"{path}:{line_no}: a rollout prompt row needs 'prompt' (text or messages) or "
                              f"'messages' (TRL's formats)")  # fmt: skip
+        if TEACHER_PROMPT in row:  # the store scores the student's own sequence: the teacher's prompt would be lost
+            raise ValueError(f"{path}:{line_no}: the row has a '{TEACHER_PROMPT}', and a rollout store's teacher "
+                             f"scores the student's own prompt + completion, so the privileged prompt would be "
+                             f"dropped: remove the column, or distil with the teacher prompt on-policy online "
+                             f"(KDTrainer on these rows with kd_lmbda=1)")  # fmt: skip
         numbered.append((line_no, {k: v for k, v in row.items() if k != "completion"}))
     prompts = []
     for first in range(0, len(numbered), rows_per_call):
@@ -88,11 +95,17 @@ def check_rollout_inputs(prompts: Sequence[Sequence[int]], settings: RolloutSett
                              f"{vocab_size}): tokenize the prompts with the student's tokenizer")  # fmt: skip
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(len(prompts[longest]), 1)
+    if context is not None and size >= context:  # no --max-new-tokens fits: the prompt is the problem
+        raise ValueError(
+            f"{where} {longest} has {size} tokens, which leaves no room for a completion in the context of {context} "
+            f"tokens (max_position_embeddings): shorten it to at most {context - 1} tokens, leaving "
+            f"--max-new-tokens for the completion, or drop the row"
+        )
     if context is not None and size + settings.max_new_tokens > context:
         raise ValueError(
             f"--max-new-tokens {settings.max_new_tokens}: {where} {longest} has {size} tokens, and {size} + "
             f"{settings.max_new_tokens} exceeds the context of {context} tokens (max_position_embeddings); pass "
-            f"--max-new-tokens <= {max(context - size, 0)} or shorter prompts"
+            f"--max-new-tokens <= {context - size} or shorter prompts"
         )
 
 
