@@ -295,6 +295,21 @@ def test_the_output_dir_keeps_files_no_earlier_run_wrote(in_standins, tmp_path, 
         check_output_dir(str(foreign), {}, overwrite=False)
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_any_model_loads(in_standins, tmp_path, capsys,
+                                                                        no_model_loads):  # fmt: skip
+    """A file where the folder should be (or above it) failed only at the save, as a bare '[Errno 17] File exists';
+    it is one line naming --output_dir before any model loads, --overwrite_output_dir or not (it overwrites files
+    in a folder, never a file that is the folder)."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for out, extra, needle in ((mine, [], "is a file, not a folder"), (mine / "run", [], f"is under {mine}, a file"),
+                               (mine, ["--overwrite_output_dir"], "is a file, not a folder")):  # fmt: skip
+        assert cli.main(["train", *PAIR, "--output_dir", str(out), *FAST, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--output_dir {out}: {needle}" in err[0], err
+    assert mine.read_text() == "mine"
+
+
 def test_a_folder_holding_one_split_twice_is_refused(tmp_path):
     """train.jsonl beside train.json (or beside data/train.jsonl) would count the split's rows twice; a file that
     only starts with a split's name (train-old-backup.jsonl) is a split of its own, not a shard of 'train'."""

@@ -38,10 +38,16 @@ def _written_before(folder: Path) -> set[str]:
 
 def check_output_dir(output_dir: str, models: dict[str, str | None], overwrite: bool) -> None:
     """Refuse an --output_dir the save would overwrite files in that this tool did not write: a model's own folder
-    (`models`: option -> name or path), or a folder holding model or tokenizer files no `liger-kd train` run saved."""
+    (`models`: option -> name or path), or a folder holding model or tokenizer files no `liger-kd train` run saved.
+    A path that is a file (or under one) is no folder at all, overwrite or not: the save would fail after the run."""
+    out = Path(output_dir).expanduser()
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        what = "is a file" if blocking == out else f"is under {blocking}, a file"
+        raise ValueError(f"--output_dir {output_dir}: {what}, not a folder; give a folder's path (made if missing) "
+                         f"where the student and its checkpoints are saved")  # fmt: skip
     if overwrite:
         return
-    out = Path(output_dir).expanduser()
     fix = "give another --output_dir, or pass --overwrite_output_dir to overwrite them"
     for option, name in models.items():
         if name is not None and out.is_dir() and Path(name).expanduser().is_dir() and out.samefile(name):
