@@ -341,6 +341,7 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
     ("not UTF-8", "--data "),
     ("a prompt as long as the context", "leaves no room for a completion in the context of 14 tokens"),
     ("a teacher prompt", "privileged.jsonl:1: the row has a 'teacher_prompt'"),
+    ("--out under a file", "a file, so no folder can be made there"),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -360,7 +361,10 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "not UTF-8": _command(checkpoints, out, "latin.jsonl"),
         "a prompt as long as the context": _command(checkpoints, out, "long.jsonl", "teacher", "short"),
         "a teacher prompt": _command(checkpoints, out, "privileged.jsonl"),
+        "--out under a file": _command(checkpoints, out / "store"),  # was [Errno 20] once the models had run
     }[case]
+    if case == "--out under a file":
+        out.write_text("mine")
     if case == "foreign files":
         out.mkdir()
         (out / "shard-00000.safetensors").write_bytes(b"mine")
