@@ -97,10 +97,10 @@ def leftovers(out_dir: Path) -> tuple[list[Path], list[str]]:
 
 def check_store_folder(out_dir: str | Path) -> None:
     """Refuse, before any work, an `out_dir` a writer would write into without having started a store there: a
-    file (or a path under one), or a folder holding names it writes (shard-NNNNN.safetensors, temporaries, PENDING) that no run of this
-    tool left there and its manifest does not list: writing a shard would overwrite them. Recorded ones are an
-    interrupted run's, which a rerun starts over. A folder with a manifest is a store to resume: its manifest is
-    read here (a damaged one fails now)."""
+    file (or a path under one), or a folder holding names it writes (shard-NNNNN.safetensors, temporaries, PENDING)
+    that no run of this tool left there and its manifest does not list: writing a shard would overwrite them.
+    Recorded ones are an interrupted run's, which a rerun starts over. A folder with a manifest is a store to resume:
+    its manifest is read here (a damaged one fails now)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
