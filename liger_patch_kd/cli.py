@@ -115,6 +115,17 @@ def _precompute_rollouts(args) -> None:
     student_flag = f"--rollouts-from {args.rollouts_from}"
     tokenizer_from = args.tokenizer or (args.teacher if engine is not None else args.rollouts_from)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if engine is None and args.tokenizer:  # an in-process student's folder may hold its own: that one is the truth
+        try:
+            own = AutoTokenizer.from_pretrained(args.rollouts_from)
+        except (OSError, ValueError):
+            own = None  # a student folder without one: --tokenizer is its tokenizer
+        if own is not None and tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
+            raise ValueError(
+                f"--tokenizer {args.tokenizer} is not the tokenizer in {student_flag}'s folder ({len(tokenizer)} and "
+                f"{len(own)} tokens, other ids): the prompts would be encoded in another vocabulary than the student "
+                f"reads; leave --tokenizer out (the student's own is used), or point it at the student's tokenizer"
+            )
     if args.teacher:
         try:
             teacher_tokenizer = AutoTokenizer.from_pretrained(args.teacher)

@@ -304,6 +304,7 @@ def checkpoints(tmp_path_factory, models, tokenizer):
                              ("other", models[1], _tokenizer(300, "lorem ipsum dolor sit amet. " * 20))):  # fmt: skip
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
+    models[1].save_pretrained(root / "bare teacher")  # weights and config, no tokenizer
     short = copy.deepcopy(models[0])
     short.config.max_position_embeddings = 14  # the longest prompt (11 tokens) fits, + 4 new ones not
     short.save_pretrained(root / "short")
@@ -342,6 +343,7 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
     ("a prompt as long as the context", "leaves no room for a completion in the context of 14 tokens"),
     ("a teacher prompt", "privileged.jsonl:1: the row has a 'teacher_prompt'"),
     ("--out under a file", "a file, so no folder can be made there"),
+    ("--tokenizer not the student's", "is not the tokenizer in --rollouts-from"),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -362,6 +364,9 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "a prompt as long as the context": _command(checkpoints, out, "long.jsonl", "teacher", "short"),
         "a teacher prompt": _command(checkpoints, out, "privileged.jsonl"),
         "--out under a file": _command(checkpoints, out / "store"),  # was [Errno 20] once the models had run
+        # the teacher's folder without a tokenizer: nothing else would have compared --tokenizer with the student's
+        "--tokenizer not the student's": _command(checkpoints, out, "prompts.jsonl", "bare teacher", "student",
+                                                  "--tokenizer", str(checkpoints / "other")),
     }[case]
     if case == "--out under a file":
         out.write_text("mine")
