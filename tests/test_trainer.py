@@ -283,6 +283,18 @@ def test_bad_arguments(tmp_path):
         trainer.compute_loss(trainer.model, TD.TeacherDataCollator()(_dataset(2)))
 
 
+@pytest.mark.parametrize("option,value", [("kd_beta", 2.0), ("kd_temperature", 0.0), ("kd_soft_weight", -1.0),
+                                          ("kd_hard_weight", float("nan")), ("kd_top_k_tail", "foo"),
+                                          ("kd_vocab_size", 0)])  # fmt: skip
+def test_a_bad_loss_option_is_named_as_the_option_given(tmp_path, option, value):
+    """The loss options are checked by KDLossConfig, whose fields are beta, tail, ...: the error names kd_beta,
+    kd_top_k_tail, ... (what the user set, on the command line --kd_beta), not a field they never saw."""
+    with pytest.raises(ValueError) as e:
+        _args(tmp_path, **{option: value})
+    assert str(e.value).startswith(f"{option} must ") and f"got {option}=" in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("bf16,accumulation", [(False, 1), (True, 2)], ids=["fp32", "bf16-accumulated"])
 def test_selective_recompute_keeps_later_layers_and_the_same_training(tmp_path, bf16, accumulation):
     """kd_recompute_layers=1 on a 2-layer student: layer 0's attention runs twice per micro-batch (once more when

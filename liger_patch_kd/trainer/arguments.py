@@ -27,6 +27,19 @@ PATCH_TOGGLES = ("rope", "swiglu", "rms_norm", "fused_linear_jsd")
 ONPOLICY_LOSSES = ("divergence", "pg", "k1", "k3")
 SELF_DISTILL_MODES = (False, True, "adapter", "frozen")  # kd_self_distill (teachers/self_distill.py)
 SECRETS = ("kd_teacher_api_key", "kd_generation_api_key")
+LOSS_OPTIONS = {"beta": "kd_beta", "temperature": "kd_temperature", "soft_weight": "kd_soft_weight",
+                "hard_weight": "kd_hard_weight", "tail": "kd_top_k_tail", "vocab_size": "kd_vocab_size",
+                "teacher_logits_fp8": "kd_teacher_logits_fp8",
+                "student_logits_fp8": "kd_student_logits_fp8"}  # KDLossConfig field -> the option  # fmt: skip
+
+
+def loss_option_names(message: str) -> str:
+    """A KDLossConfig error about one of its fields ("beta must be ...; got beta=2.0"), with the field named as the
+    KDTrainingArguments option it came from (kd_beta); any other message as it is."""
+    for name, option in LOSS_OPTIONS.items():
+        if message.startswith(f"{name} must "):
+            return option + message[len(name) :].replace(f"got {name}=", f"got {option}=")
+    return message
 
 # (rank, check(args)) of the features, run by __post_init__ in rank order: rollout settings 0, several teachers 1
 # (before the served checks: kd_teacher_url as a dict is refused there), a served teacher 2, the engine 3
@@ -356,7 +369,10 @@ class KDTrainingArguments(TrainingArguments):
             )
         for name in ("model_init_kwargs", "teacher_model_init_kwargs"):  # dtype as a name: the arguments still save
             setattr(self, name, normalized_init_kwargs(getattr(self, name), name))
-        self.kd_loss_config()  # validates the loss options now, not at the first step
+        try:  # validates the loss options now, not at the first step
+            self.kd_loss_config()
+        except ValueError as e:  # KDLossConfig names its own fields (beta): say the option that was given (kd_beta)
+            raise ValueError(loss_option_names(str(e))) from None
         for _, check in FEATURE_CHECKS:  # the features' own checks (rollouts/, teachers/)
             check(self)
 
@@ -425,8 +441,4 @@ class KDTrainingArguments(TrainingArguments):
         return twin
 
     def kd_loss_config(self) -> KDLossConfig:
-        return KDLossConfig(
-            beta=self.kd_beta, temperature=self.kd_temperature, soft_weight=self.kd_soft_weight,
-            hard_weight=self.kd_hard_weight, tail=self.kd_top_k_tail, vocab_size=self.kd_vocab_size,
-            teacher_logits_fp8=self.kd_teacher_logits_fp8, student_logits_fp8=self.kd_student_logits_fp8,
-        )  # fmt: skip
+        return KDLossConfig(**{name: getattr(self, option) for name, option in LOSS_OPTIONS.items()})
