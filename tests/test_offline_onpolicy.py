@@ -344,6 +344,7 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
     ("a teacher prompt", "privileged.jsonl:1: the row has a 'teacher_prompt'"),
     ("--out under a file", "a file, so no folder can be made there"),
     ("--tokenizer not the student's", "is not the tokenizer in --rollouts-from"),
+    ("another tool's manifest", "not a teacher store's manifest (another tool's manifest.json?); give a folder"),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -364,12 +365,16 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "a prompt as long as the context": _command(checkpoints, out, "long.jsonl", "teacher", "short"),
         "a teacher prompt": _command(checkpoints, out, "privileged.jsonl"),
         "--out under a file": _command(checkpoints, out / "store"),  # was [Errno 20] once the models had run
+        "another tool's manifest": _command(checkpoints, out),
         # the teacher's folder without a tokenizer: nothing else would have compared --tokenizer with the student's
         "--tokenizer not the student's": _command(checkpoints, out, "prompts.jsonl", "bare teacher", "student",
                                                   "--tokenizer", str(checkpoints / "other")),
     }[case]
     if case == "--out under a file":
         out.write_text("mine")
+    if case == "another tool's manifest":
+        out.mkdir()
+        (out / "manifest.json").write_text('{"mine": 1}')
     if case == "foreign files":
         out.mkdir()
         (out / "shard-00000.safetensors").write_bytes(b"mine")
@@ -378,6 +383,8 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     assert len(err.splitlines()) == 1 and needle in err, err
     if case == "foreign files":
         assert (out / "shard-00000.safetensors").read_bytes() == b"mine"
+    if case == "another tool's manifest":
+        assert (out / "manifest.json").read_text() == '{"mine": 1}'  # left as it was
     if case == "not UTF-8":
         assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
     if case == "past the context":

@@ -66,7 +66,9 @@ def read_manifest(store_dir: str | Path) -> dict:
         ) from None
     missing = {"format_version", "vocab_size", "top_k", "shards"} - set(meta) if isinstance(meta, dict) else {"all"}
     if missing:
-        raise TeacherStoreError(f"{path} lacks {sorted(missing)}: not a teacher store manifest")
+        raise TeacherStoreError(f"{path} lacks {sorted(missing)}: not a teacher store's manifest (another tool's "
+                                f"{MANIFEST}?); give a folder `liger-kd precompute` wrote, or, for a new store, a "
+                                f"folder without this file")  # fmt: skip
     problem = _manifest_problem(meta)
     if problem:
         raise TeacherStoreError(f"{path}: {problem}")
