@@ -802,3 +802,21 @@ def test_prompt_rows_are_read_in_tokenizer_batches_as_one_by_one_and_a_bad_line_
     data.write_text("\n".join(json.dumps(r) for r in [*rows, {"prompt": 5}]))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(data))}:{len(rows) + 1}: 'prompt' must be a string"):
         rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4)
+
+
+def test_eval_fraction_holds_out_whole_prompts_of_a_rollout_store(tmp_path, models, tokenizer):
+    """--eval_fraction on a store of 2 completions a prompt: both completions of a prompt on one side (else the
+    evaluation scores completions of prompts the student trains on); a plain split is row by row as before."""
+    from liger_patch_kd.train_cli.arguments import ScriptArguments
+    from liger_patch_kd.train_cli.data import load_splits
+
+    folder = _store(tmp_path / "s", models, tokenizer)
+    for seed in range(6):
+        splits = load_splits(ScriptArguments(dataset_name=str(folder), eval_fraction=0.5), seed=seed,
+                             store_dataset=TeacherLogprobsDataset)  # fmt: skip
+        train, held = set(splits.train.indices), set(splits.evaluation.indices)
+        assert train | held == set(range(8)) and not train & held and len(held) == 4
+        assert all((i in held) == (i ^ 1 in held) for i in range(8)), (seed, sorted(held))
+    with pytest.raises(ValueError, match=r"holds out 4 of the train split's 4 prompts \(2 completions each\)"):
+        load_splits(ScriptArguments(dataset_name=str(folder), eval_fraction=0.99), seed=0,
+                    store_dataset=TeacherLogprobsDataset)  # fmt: skip

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_checks import looks_like_path
-from ..teacher.store import MANIFEST
+from ..teacher.store import MANIFEST, store_meta
+from ..teacher.store.rollouts import rollouts_of
 from ..trainer.text_rows import TRAINED_COLUMNS
 from ..utils.text_files import read_utf8
 from .arguments import NO_SPLIT, ScriptArguments
@@ -187,7 +188,11 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
         check_columns(evaluation, f"{where} (split {test})")
         description = f"evaluating on the split '{test}' ({len(evaluation)} rows)"
     elif fraction is not None:
-        train, evaluation = _hold_out(train, fraction, seed)
+        # a rollout store's completions of one prompt are adjacent rows: held out together, or the evaluation
+        # would score completions of prompts the student trains on
+        section = rollouts_of(store_meta(train) or {})
+        group = int(section.get("num_generations", 1)) if section else 1
+        train, evaluation = _hold_out(train, fraction, seed, group=group)
         description = f"evaluating on {len(evaluation)} rows held out of '{script.dataset_train_split}'"
     elif dropped:
         evaluation, description = None, f"no evaluation (--dataset_test_split {NO_SPLIT})"
@@ -196,16 +201,20 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
     return Splits(train, evaluation, store, description)
 
 
-def _hold_out(rows: Any, fraction: float, seed: int) -> tuple[Any, Any]:
-    """(train, held out): a seeded share of the rows, at least one each side."""
+def _hold_out(rows: Any, fraction: float, seed: int, group: int = 1) -> tuple[Any, Any]:
+    """(train, held out): a seeded share of the rows, at least one each side; `group` adjacent rows (a prompt's
+    completions) go to the same side."""
     n = len(rows)
-    held = max(1, round(n * fraction))
-    if held >= n:
-        raise ValueError(f"--eval_fraction {fraction}: holds out {held} of the train split's {n} rows, none left to "
-                         "train on")  # fmt: skip
-    order = list(range(n))
+    groups = -(-n // group)
+    held = max(1, round(groups * fraction))
+    if held >= groups:
+        what = "rows" if group == 1 else f"prompts ({group} completions each)"
+        raise ValueError(f"--eval_fraction {fraction}: holds out {held} of the train split's {groups} {what}, none "
+                         "left to train on")  # fmt: skip
+    order = list(range(groups))
     random.Random(seed).shuffle(order)
-    train_idx, eval_idx = sorted(order[held:]), sorted(order[:held])
+    rows_of = lambda chosen: sorted(i for g in chosen for i in range(g * group, min(n, (g + 1) * group)))  # noqa: E731
+    train_idx, eval_idx = rows_of(order[held:]), rows_of(order[:held])
     if hasattr(rows, "select"):  # a datasets.Dataset
         return rows.select(train_idx), rows.select(eval_idx)
     if isinstance(rows, list):
