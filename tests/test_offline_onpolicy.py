@@ -186,8 +186,6 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     ("kd_generation_temperature", 0.5, "kd_generation_temperature=0.5 (the store was sampled, and a refresh samples, "
                                        "at 1.0"),
     ("kd_num_generations", 2, "kd_num_generations=2 (each stored row is one completion"),
-    ("kd_max_length", 4, "kd_max_length=4 (a store's rows are trained whole"),
-    ("kd_max_prompt_length", 2, "kd_max_prompt_length=2 (a store's rows are trained whole"),
 ])  # fmt: skip
 def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, tokenizer, option, value, needle):
     """Rows cut or sampled when the store was made: an option that would cut or sample them otherwise did nothing
@@ -198,6 +196,29 @@ def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, to
         KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
                   args=_args(tmp_path / "t", **{option: value}))  # fmt: skip
     assert "\n" not in str(e.value) and "would never be used: leave it unset" in str(e.value)
+
+
+@pytest.mark.parametrize("options", [{"kd_max_length": 4}, {"kd_max_prompt_length": 2},
+                                     {"kd_max_length": 4, "kd_max_prompt_length": 2}])  # fmt: skip
+def test_length_options_beside_rows_that_come_tokenized_are_refused_not_ignored(tmp_path, models, tokenizer, options):
+    """kd_max_length / kd_max_prompt_length cut rows KDTrainer tokenizes: beside a store (rollout or plain) or
+    input_ids rows nothing cuts, so they are refused in one line naming each; text rows are still cut."""
+    from liger_patch_kd import teacher as TD
+
+    named = " and ".join(f"{k}={v}" for k, v in options.items())
+    rollouts = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    TD.precompute(models[1], [[3, 4, 5, 6, 7, 8]] * 2, tmp_path / "plain", top_k=4, progress=False)
+    plain = TeacherLogprobsDataset(tmp_path / "plain")
+    for data, kind in ((rollouts, "a teacher store's rows"), (plain, "a teacher store's rows"),
+                       ([{"input_ids": [3, 4, 5, 6, 7, 8]}] * 2, "rows given as input_ids")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(kind) + ".*" + re.escape(f"{named} would never be used")) as e:
+            KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                      args=_args(tmp_path / "t", **options))
+        assert "\n" not in str(e.value)
+    trainer = KDTrainer(model=copy.deepcopy(models[0]), teacher_model=models[1], processing_class=tokenizer,
+                        train_dataset=[{"text": "the cat sat on the mat. a dog ran to the park."}] * 2,
+                        args=_args(tmp_path / "t", kd_max_length=4))  # fmt: skip
+    assert len(trainer.train_dataset[0]["input_ids"]) == 4
     KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
               args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens))  # the store's: no change
 

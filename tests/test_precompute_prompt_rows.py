@@ -44,6 +44,10 @@ def _write_jsonl(path, rows):
     return path
 
 
+# a store's rows were cut when precompute made them: the trainer is given no length options beside it
+STORE_OPTIONS = {"kd_max_length": None, "kd_max_prompt_length": None}
+
+
 def _args(tmp_path, **overrides):
     return KDTrainingArguments(**{
         "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 6, "max_steps": 1, "report_to": "none",
@@ -81,7 +85,8 @@ def test_completion_only_labels_survive_the_store(tmp_path, pair):
         "labels"] == store[0]["labels"].tolist()  # fmt: skip
     # the trainer's collator of a store batches the stored labels (the prompt is not scored)
     student = tiny_model_copy(pair)
-    trainer = KDTrainer(model=student, args=_args(tmp_path), train_dataset=store, processing_class=tokenizer)
+    trainer = KDTrainer(model=student, args=_args(tmp_path, **STORE_OPTIONS), train_dataset=store,
+                        processing_class=tokenizer)  # fmt: skip
     from_store = trainer.data_collator([store[i] for i in range(len(store))])
     from_rows = collate(rows)
     for key in ("input_ids", "attention_mask", "labels"):
@@ -100,7 +105,8 @@ def test_a_store_of_messages_rows_trains_the_in_process_objective(tmp_path, pair
     for teacher_model, data in ((teacher, rows), (None, store)):
         student = tiny_model_copy(pair)
         trainer = KDTrainer(model=student, teacher_model=teacher_model, train_dataset=data, processing_class=tokenizer,
-                            args=_args(tmp_path, use_kd_patch=use_kd_patch))  # fmt: skip
+                            args=_args(tmp_path, use_kd_patch=use_kd_patch,
+                                       **(STORE_OPTIONS if data is store else {})))  # fmt: skip
         batch = trainer.data_collator([data[i] for i in range(len(data))])
         num_items = (batch["labels"][:, 1:] != -100).sum()
         losses.append(trainer.compute_loss(student, batch, num_items_in_batch=num_items).detach())

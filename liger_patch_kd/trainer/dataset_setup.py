@@ -169,6 +169,22 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
                 )
 
 
+def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset") -> None:
+    """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows: rows
+    that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
+    option set beside them would never be used. Refused in one line, before the rows are tokenized."""
+    given = [f"{option}={getattr(args, option)}" for option in ("kd_max_length", "kd_max_prompt_length")
+             if getattr(args, option, None) is not None]  # fmt: skip
+    row = first_row_of(dataset) if given else None
+    if not isinstance(row, Mapping) or "input_ids" not in row or "text" in row or is_prompt_row(row):
+        return
+    store = store_meta(dataset) is not None
+    kind = "a teacher store's rows, trained whole as they were scored" if store else "rows given as input_ids"
+    fix = "liger-kd precompute --max-length cuts a store's rows when it is made" if store else "cut the rows yourself"
+    raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(given)} would never be used; leave "
+                     f"{'it' if len(given) == 1 else 'them'} unset ({fix})")  # fmt: skip
+
+
 def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "train_dataset") -> None:
     """Generated steps (kd_lmbda > 0, kd_seq_kd) sample a completion after each row's prompt; a {"text": ...} row
     names none (tokenized whole, every token is scored, so its prompt would be empty and its text unused): refused

@@ -17,7 +17,11 @@ from ..batch.columns import BEHAVIOUR, GENERATED, HAS_COMPLETION, TEACHER_DATA_C
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
 from .arguments import KDTrainingArguments
-from .dataset_setup import check_evaluation_has_teacher, check_no_text_rows_to_generate_from
+from .dataset_setup import (
+    check_evaluation_has_teacher,
+    check_length_options_apply,
+    check_no_text_rows_to_generate_from,
+)
 from .model_loading import check_named_teachers_share_the_tokenizer, loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
 from .output_checkpoints import check_rotation_spares_others
@@ -71,6 +75,7 @@ class KDTrainer(Trainer):
         check_named_teachers_share_the_tokenizer(teacher_model, kwargs["processing_class"], across_tokenizers)
         model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
+        check_length_options_apply(args, kwargs.get("train_dataset"))
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # the teacher's kind, collator, columns, vocabulary and checks, chosen once (teachers/plan.py)
         self.teacher_plan = resolve_teacher(model, teacher_model, args, teacher_tokenizer, kwargs)

@@ -73,9 +73,6 @@ def check_options_a_store_fixes(args: Any, section: dict) -> None:
     if args.kd_num_generations != 1:
         unused.append(f"kd_num_generations={args.kd_num_generations} (each stored row is one completion, and a "
                       f"refresh replaces a row with one: --num-generations of liger-kd precompute)")  # fmt: skip
-    for name in ("kd_max_prompt_length", "kd_max_length"):
-        if getattr(args, name) is not None:
-            unused.append(f"{name}={getattr(args, name)} (a store's rows are trained whole, as they were scored)")
     if unused:
         raise ValueError(
             f"train_dataset is a rollout store, whose rows were sampled and scored when it was made, so "
