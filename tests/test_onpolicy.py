@@ -183,6 +183,12 @@ def test_a_batch_of_rows_tokenizes_in_one_call_as_row_by_row(tokenizer, monkeypa
     assert alone[5][1].count(tokenizer.eos_token_id) == 1 and alone[4][1] == [tokenizer.eos_token_id]
     with pytest.raises(ValueError, match=r"^prompt row 2 of this batch: 'prompt' must be a string"):
         tokenize_prompt_rows(tokenizer, [rows[0], rows[1], {"prompt": 5}])
+    # a conversation of the assistant's turn alone: no prompt turn to render, a one-line fix (was the template's
+    # "Cannot apply chat template to an empty conversation")
+    for row in ({"messages": [{"role": "assistant", "content": "sat"}]}, {"prompt": [], "completion": []}):
+        with pytest.raises(ValueError, match=r"^a conversational prompt needs at least one turn .*add the turn it "
+                                             r"answers, or give the text as \{'text': \.\.\.\}"):  # fmt: skip
+            tokenize_prompt_row(tokenizer, row)
 
 
 @pytest.mark.parametrize("loss", ["pg", "k1", "k3", "divergence"])

@@ -122,6 +122,12 @@ def _prompt_and_completion(row: dict[str, Any]) -> tuple[Any, Any]:
         row = {"prompt": messages[:-1], "completion": messages[-1:]}
     prompt, completion = row.get("prompt"), row.get("completion")
     if _is_conversation(prompt):
+        if not prompt:  # a chat template renders nothing from no turns: the completion would follow no prompt
+            raise ValueError(
+                "a conversational prompt needs at least one turn before the completion (a user or system turn); "
+                "a 'messages' row of the assistant's turn alone has none: add the turn it answers, or give the "
+                "text as {'text': ...} to train on all of it"
+            )
         return prompt, completion
     if not isinstance(prompt, str):
         raise ValueError(f"'prompt' must be a string or a list of messages; got {type(prompt).__name__}")
