@@ -118,6 +118,10 @@ def test_prompts_of_equals_the_row_by_row_tensor_reading(seed):
         positions[2] += 1  # a row that does not start at position 0
         batch["position_ids"] = positions
     assert prompts_of(batch) == _prompts_by_tensors(batch)
+    unpacked = {k: v for k, v in batch.items() if k != "position_ids"}  # one sequence a row: the array path
+    assert prompts_of(unpacked) == _prompts_by_tensors(unpacked)
+    bare = {"input_ids": ids, "labels": labels}  # no mask either
+    assert prompts_of(bare) == _prompts_by_tensors(bare)
 
 
 # ----------------------------------------------------------------------------- a resumed schedule (item 6)

@@ -152,6 +152,8 @@ def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list
     """Each sequence's prompt: its attended tokens before its first scored label (all of them when none is scored).
     A row is one sequence, or several packed end to end (DataCollatorWithFlattening, PrivilegedCollator(packing=
     True)): its position_ids restart at 0 where each begins, and each gives its own prompt, in order."""
+    if batch.get("position_ids") is None:  # one sequence a row: read in a few array operations
+        return unpacked_prompts(batch, ignore_index)
     # as lists, one copy each off the device: per-row tensor ops on a GPU batch cost launches and a sync per row
     input_ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
     mask, positions = (None if batch.get(name) is None else batch[name].tolist()
@@ -166,6 +168,22 @@ def prompts_of(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list
             cut = next((j for j in range(begin, end) if lab[j] != ignore_index), end) - begin
             prompts.append(ids[begin : begin + cut])
     return prompts
+
+
+def unpacked_prompts(batch: dict[str, torch.Tensor], ignore_index: int = -100) -> list[list[int]]:
+    """prompts_of for rows of one sequence each: a row's attended tokens before its first scored label (all of
+    them when none is scored), from one copy of each column off the device."""
+    ids = batch["input_ids"].cpu().numpy()
+    mask = np.ones(ids.shape, dtype=bool) if batch.get("attention_mask") is None else \
+        batch["attention_mask"].cpu().numpy().astype(bool)  # fmt: skip
+    scored = (batch["labels"].cpu().numpy() != ignore_index) & mask
+    attended = mask.sum(1)
+    # the attended tokens before the first scored one: its rank among the attended positions
+    before = np.cumsum(mask, axis=1) - mask
+    first = np.where(scored.any(1), before[np.arange(len(ids)), scored.argmax(1)], attended)
+    kept = ids[mask].tolist()  # every row's attended tokens, row after row
+    starts = np.concatenate([[0], np.cumsum(attended)[:-1]]).tolist()
+    return [kept[start : start + n] for start, n in zip(starts, first.tolist())]
 
 
 def check_context(generator: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
