@@ -1,6 +1,7 @@
 """precompute -> store -> dataset -> collator -> patched forward, and the store's failure modes."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -281,7 +282,169 @@ def test_tensor_rows_collate_in_one_pass_as_row_by_row_lists(logprob_dtype):
         assert fast["attention_mask"].sum(1).tolist() == [5, 0, 9, 1, 9, 3]
         assert torch.isneginf(fast[TEACHER_LOGPROBS][0, 5:]).all()
         assert (fast[TEACHER_TOKEN_IDS][0, 5:] == -1).all()
-    # labels of another length than their ids: row by row (the ids' length pads both)
+    # labels of another length than their ids would sit beside the wrong positions: refused, naming the row
     rows[0] = {**rows[0], "labels": rows[0]["labels"][:3]}
-    batch = TD.TeacherDataCollator()(rows)
-    assert batch["labels"][0, :3].tolist() == rows[0]["labels"].tolist() and (batch["labels"][0, 3:] == -100).all()
+    with pytest.raises(ValueError, match="row 0 of this batch: labels has 3 positions and input_ids 5"):
+        TD.TeacherDataCollator()(rows)
+
+
+@pytest.mark.parametrize("given", ["tensor", "list"])
+def test_a_row_whose_labels_or_teacher_columns_have_another_length_than_its_ids_is_refused(given):
+    """Padded as given, a row's labels or teacher columns of another length than its input_ids would sit beside
+    the wrong positions (labels of the completion alone score the prompt's positions; a teacher row one short
+    scores each position against a neighbour's top-k; a longer one scores padding): a one-line error naming the
+    row, the column and both lengths, whether the rows are a store's tensors or lists, all rows labelled or some."""
+    from liger_patch_kd.batch.columns import (
+        TEACHER_LOGPROBS,
+        TEACHER_SAMPLE_COUNTS,
+        TEACHER_SAMPLE_IDS,
+        TEACHER_SAMPLE_LOGPROBS,
+        TEACHER_TOKEN_IDS,
+    )
+    from liger_patch_kd.batch.rollout_store import RolloutStoreCollator
+
+    def item(n, **lengths):
+        most = 8  # each column drawn this long, then cut to its row's length (or the length under test)
+        columns = {"input_ids": torch.randint(0, 50, (most,)), "labels": torch.randint(0, 50, (most,)),
+                   TEACHER_TOKEN_IDS: torch.randint(0, 50, (most, 2), dtype=torch.int32),
+                   TEACHER_LOGPROBS: -torch.rand(most, 2),
+                   TEACHER_SAMPLE_IDS: torch.randint(0, 50, (most, 3)),
+                   TEACHER_SAMPLE_COUNTS: torch.ones(most, 3, dtype=torch.int32),
+                   TEACHER_SAMPLE_LOGPROBS: -torch.rand(most, 3), "behaviour_logprobs": -torch.rand(most),
+                   "teacher_token_logprobs": -torch.rand(most)}  # fmt: skip
+        cut = {key: value[: lengths.get(key, n)] for key, value in columns.items()}
+        return cut if given == "tensor" else {key: value.tolist() for key, value in cut.items()}
+
+    collate = RolloutStoreCollator()
+    collate([item(4), item(0), item(6)])  # every column as long as its ids
+    for column in ("labels", TEACHER_TOKEN_IDS, TEACHER_LOGPROBS, TEACHER_SAMPLE_IDS, TEACHER_SAMPLE_COUNTS,
+                   TEACHER_SAMPLE_LOGPROBS, "behaviour_logprobs", "teacher_token_logprobs"):  # fmt: skip
+        for other in (3, 5, 1):  # shorter, longer but within the batch's width, one (numpy would broadcast it)
+            # the other rows' lengths add up to the same total: joined, only each row's own length tells
+            rows = [item(6), item(4, **{column: other}), item(2, **{column: 6 - other})]
+            with pytest.raises(ValueError, match=f"row 1 of this batch: {column} has {other} positions and "
+                                                 f"input_ids 4"):  # fmt: skip
+                collate(rows)
+    some_labelled = [item(4), item(3, labels=1)]
+    del some_labelled[0]["labels"]
+    with pytest.raises(ValueError, match="row 1 of this batch: labels has 1 positions and input_ids 3"):
+        TD.TeacherDataCollator()(some_labelled)
+
+
+def test_uint64_teacher_ids_past_int32_are_refused_not_wrapped_to_padding():
+    """A uint64 tensor's 2**64 - 1 cast to int64 is -1, the padding id (the position would silently lose its
+    teacher): refused naming the row, as a numpy uint64 row is; smaller unsigned ids are read together."""
+    from liger_patch_kd.batch.columns import TEACHER_LOGPROBS, TEACHER_TOKEN_IDS
+
+    def rows(ids, dtype):
+        return [{"input_ids": [1], TEACHER_TOKEN_IDS: torch.tensor(ids, dtype=dtype),
+                 TEACHER_LOGPROBS: torch.zeros(1, 2)}]  # fmt: skip
+
+    with pytest.raises(ValueError, match=f"row 0 of this batch: {TEACHER_TOKEN_IDS} holds {2**64 - 1}"):
+        TD.TeacherDataCollator()(rows([[2**64 - 1, 3]], torch.uint64))
+    for dtype in (torch.uint8, torch.uint32, torch.uint64):
+        assert TD.TeacherDataCollator()(rows([[5, 3]], dtype))[TEACHER_TOKEN_IDS].tolist() == [[[5, 3]]]
+
+
+def _reference_collation(rows, pad, ignore):
+    """Each column padded row by row in plain Python (float64 values, bf16 / fp16 log-probs widened exactly)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    out = {"input_ids": [], "attention_mask": [], "labels": []}
+    for r in rows:
+        ids = [int(t) for t in torch.as_tensor(r["input_ids"]).tolist()]
+        labels = [int(t) for t in torch.as_tensor(r["labels"]).tolist()] if "labels" in r else ids
+        fill = width - len(ids)
+        out["input_ids"].append(ids + [pad] * fill)
+        out["attention_mask"].append([1] * len(ids) + [0] * fill)
+        out["labels"].append(labels + [ignore] * fill)
+    for key, fill in (("teacher_token_ids", -1), ("teacher_logprobs", -math.inf)):
+        if key in rows[0]:
+            k = rows[0][key].shape[1]  # the reference reads the tensor rows: (n, k) even when n is 0
+            out[key] = [torch.as_tensor(r[key]).double().tolist() + [[fill] * k] * (width - len(r["input_ids"]))
+                        for r in rows]  # fmt: skip
+    return out
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _batches(draw):
+    """Rows of 0..6 positions: ids of an integer / whole-float dtype, labels on all / some / no rows, a teacher's
+    top-k of any log-prob dtype; each column a tensor (contiguous, a strided view, requiring grad), numpy or a list."""
+    k = draw(st.integers(1, 3))
+    id_dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.float64]))
+    teacher_id_dtype = draw(st.sampled_from([torch.int32, torch.int64, torch.uint8, torch.float32]))
+    lp_dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]))
+    labelled = draw(st.sampled_from(["all", "some", "none"]))
+    teacher = draw(st.booleans())
+    rows = []
+    for n in draw(st.lists(st.integers(0, 6), min_size=1, max_size=5)):
+        ids = draw(st.lists(st.integers(0, 120), min_size=n, max_size=n))
+        row = {"input_ids": torch.tensor(ids, dtype=torch.int64).to(id_dtype)}
+        if labelled == "all" or (labelled == "some" and draw(st.booleans())):
+            row["labels"] = torch.tensor(draw(st.lists(st.sampled_from([-100, 3, 77]), min_size=n, max_size=n)),
+                                         dtype=torch.int64)  # fmt: skip
+        if teacher:
+            row["teacher_token_ids"] = (
+                torch.tensor(
+                    draw(st.lists(st.lists(st.integers(-1, 120), min_size=k, max_size=k), min_size=n, max_size=n)),
+                    dtype=torch.int64,
+                )
+                .view(n, k)
+                .to(teacher_id_dtype if teacher_id_dtype != torch.uint8 else torch.int64)
+            )
+            values = draw(st.lists(st.floats(-30, 0, width=16), min_size=n * k, max_size=n * k))
+            row["teacher_logprobs"] = torch.tensor(values, dtype=torch.float64).view(n, k).to(lp_dtype)
+        rows.append(row)
+    if teacher and teacher_id_dtype == torch.uint8:  # unsigned ids cannot hold the -1 of an empty slot
+        for row in rows:
+            row["teacher_token_ids"] = row["teacher_token_ids"].clamp(min=0).to(torch.uint8)
+    forms = {
+        key: draw(st.sampled_from(["tensor", "strided", "grad", "numpy", "list"]))
+        for key in ("input_ids", "labels", "teacher_token_ids", "teacher_logprobs")
+    }
+
+    def as_form(value, how):
+        if how == "strided":
+            return torch.stack([value, value], -1)[..., 0]
+        if how == "grad":
+            return value.clone().requires_grad_(True) if value.is_floating_point() else value
+        if how == "numpy":
+            return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        if how == "list":
+            return (value.float() if value.dtype == torch.bfloat16 else value).tolist()
+        return value
+
+    mixed = [{key: as_form(value, forms[key] if draw(st.booleans()) else "tensor") for key, value in row.items()}
+             for row in rows]  # fmt: skip
+    return rows, mixed
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_batches())
+def test_collation_of_any_row_kinds_equals_padding_each_row_in_python(batch):
+    """Property: a store's tensor rows (joined, one masked assignment a column) and the same rows as strided views,
+    tensors requiring grad, numpy arrays, lists or a mix (row by row) collate to the plain Python padding of each
+    row, the log-probs bit for bit in the first row's dtype."""
+    rows, mixed = batch
+    for given_rows in (rows, mixed):
+        got = TD.TeacherDataCollator(pad_token_id=5, ignore_index=-9)(given_rows)
+        want = _reference_collation(rows, 5, -9)
+        assert got.keys() == want.keys()
+        for key in ("input_ids", "attention_mask", "labels"):
+            assert got[key].dtype == torch.int64 and got[key].tolist() == want[key], key
+        if "teacher_token_ids" in got:
+            assert got["teacher_token_ids"].dtype == torch.int32
+            assert got["teacher_token_ids"].tolist() == [
+                [[int(v) for v in p] for p in r] for r in want["teacher_token_ids"]
+            ]
+            first = given_rows[0]["teacher_logprobs"]
+            dtype = first.dtype if torch.is_tensor(first) else torch.as_tensor(first).dtype
+            assert got["teacher_logprobs"].dtype == dtype
+            assert (
+                got["teacher_logprobs"].double().tolist()
+                == torch.tensor(want["teacher_logprobs"]).to(dtype).double().tolist()
+            )

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .columns import GENERATED, ROLLOUT_LOGPROB_COLUMNS
-from .teacher_data import TeacherDataCollator, pad_rows
+from .teacher_data import TeacherDataCollator, pad_rows, refuse_other_lengths
 
 
 @dataclass
@@ -25,7 +26,9 @@ class RolloutStoreCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = TeacherDataCollator(pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)(features)
         length = batch["input_ids"].shape[1]
+        lengths = np.fromiter((len(f["input_ids"]) for f in features), dtype=np.int64, count=len(features))
         for column, key in ROLLOUT_LOGPROB_COLUMNS.items():
+            refuse_other_lengths(column, [f[column] for f in features], lengths)
             batch[key] = pad_rows([f[column] for f in features], length, 0.0, torch.float32, ndim=1)
         batch[GENERATED] = True
         return batch

@@ -57,26 +57,49 @@ class TeacherDataCollator:
                 labels = _filled(given, length, self.ignore_index, np.int64, ndim=1)
             else:
                 rows = given.split() if given is not None else [f["labels"] for f in features]
+                refuse_other_lengths("labels", rows, lengths)
                 labels = _filled([token_ids_of(own, "labels", row) for row, own in enumerate(rows)], length,
                                  self.ignore_index, np.int64, ndim=1)  # fmt: skip
         else:
             labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
             ids = seqs.split() if isinstance(seqs, JoinedRows) else seqs
             for row, (f, seq) in enumerate(zip(features, ids)):
-                labels[row, : len(seq)] = token_ids_of(f["labels"], "labels", row) if "labels" in f else seq
+                if "labels" in f:
+                    own = token_ids_of(f["labels"], "labels", row)
+                    refuse_other_lengths("labels", [own], lengths[row : row + 1], first_row=row)
+                labels[row, : len(seq)] = own if "labels" in f else seq
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
+            for name in (TEACHER_TOKEN_IDS, TEACHER_LOGPROBS):
+                refuse_other_lengths(name, [f[name] for f in features], lengths)
             out[TEACHER_TOKEN_IDS] = _pad_ids([f[TEACHER_TOKEN_IDS] for f in features], length, -1, TEACHER_TOKEN_IDS)
             dtype = torch.as_tensor(features[0][TEACHER_LOGPROBS]).dtype
             out[TEACHER_LOGPROBS] = pad_rows([f[TEACHER_LOGPROBS] for f in features], length, -math.inf, dtype)
         if TEACHER_SAMPLE_IDS in features[0]:  # sampled teacher tokens (store/samples.py): id -1, count 0 padding
+            for name in (TEACHER_SAMPLE_IDS, TEACHER_SAMPLE_COUNTS, TEACHER_SAMPLE_LOGPROBS):
+                refuse_other_lengths(name, [f[name] for f in features], lengths)
             for name, fill in ((TEACHER_SAMPLE_IDS, -1), (TEACHER_SAMPLE_COUNTS, 0)):
                 out[name] = _pad_ids([f[name] for f in features], length, fill, name)
             dtype = torch.as_tensor(features[0][TEACHER_SAMPLE_LOGPROBS]).dtype
             out[TEACHER_SAMPLE_LOGPROBS] = pad_rows([f[TEACHER_SAMPLE_LOGPROBS] for f in features], length,
                                                      -math.inf, dtype)  # fmt: skip
         return out
+
+
+def refuse_other_lengths(column: str, rows: list[Any], lengths: np.ndarray, first_row: int = 0) -> None:
+    """ValueError naming the first row whose `column` has another number of positions than its input_ids
+    (`lengths`): padded as given, it would sit beside the wrong positions (labels of the completion alone score the
+    prompt's positions; a teacher row one short scores every position against its neighbour's top-k)."""
+    given = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    if np.array_equal(given, lengths):
+        return
+    row = int(np.flatnonzero(given != lengths)[0])
+    fix = "compute the row's teacher data on the very input_ids it is given with"
+    if column == "labels":
+        fix = "give ignore_index on the positions not scored (e.g. the prompt's) rather than the scored tokens alone"
+    raise ValueError(f"row {first_row + row} of this batch: {column} has {given[row]} positions and input_ids "
+                     f"{lengths[row]}, so its entries would sit beside the wrong positions; {fix}")  # fmt: skip
 
 
 def token_ids_of(values: Any, column: str, row: int) -> np.ndarray:
@@ -126,7 +149,8 @@ def _pad_ids(rows: list[Any], length: int, fill: int, column: str) -> torch.Tens
     """(batch, length, k) int32: each item's (n, k) ids or counts, then `fill`; whole numbers within int32 only (a
     cast would wrap a larger one, or truncate a fraction, into some valid-looking id)."""
     joined = joined_rows(rows)
-    if joined is not None and joined.values.dtype.kind in "iu":
+    kind = joined.values.dtype.kind if joined is not None else None
+    if kind == "i" or (kind == "u" and joined.values.dtype.itemsize < 8):  # uint64 would wrap in the int64 fill
         arrays = joined
     else:  # lists, or float tensors: each row checked
         given = joined.split() if joined is not None else rows
