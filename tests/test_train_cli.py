@@ -596,3 +596,37 @@ def test_resume_latest_passes_over_an_unfinished_save_and_says_so(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     assert checked_resume("./latest", str(tmp_path)) == "./latest"
     assert checked_resume("latest", str(tmp_path)) == str(tmp_path / "checkpoint-12")
+
+
+def test_length_options_beside_tokenized_rows_are_refused_before_any_model_loads(in_standins, tmp_path, capsys,
+                                                                                  no_model_loads):  # fmt: skip
+    """KDTrainer refuses kd_max_length / kd_max_prompt_length beside rows nothing cuts (input_ids rows, a store);
+    liger-kd train says so before the weights load, a recipe's YAML values included, naming how to drop them
+    there; the stand-in's conversation rows, which they cut, pass to the models' loading."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from liger_patch_kd.teacher import precompute
+    from liger_patch_kd.teacher.store import tokenizer_fingerprint
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"input_ids": [5, 17, 40, 99, 120, 7]}) + "\n" for _ in range(4)))
+    store = tmp_path / "store"
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(STUDENT_ID))
+    teacher = AutoModelForCausalLM.from_pretrained(TEACHER_ID)
+    precompute(teacher, [[5, 17, 40, 99, 120, 7]] * 4, store, top_k=4, tokenizer_fp=fingerprint, progress=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("kd_max_length: 1024\nkd_max_prompt_length: 768\n")
+    ids_options = ["--teacher_model_name_or_path", TEACHER_ID, "--kd_max_length", "4"]
+    for data, extra, needles in (
+        (ids, ids_options, ["rows given as input_ids", "kd_max_length=4 would never be used"]),
+        (store, ["--config", str(recipe)], ["a teacher store's rows", "kd_max_length=1024 and kd_max_prompt_length=768",
+                                            "drop them from the command line and from --config's YAML"]),
+    ):  # fmt: skip
+        rc = cli.main(["train", *FAST, "--output_dir", str(tmp_path / "o"), "--model_name_or_path", STUDENT_ID,
+                       "--dataset_name", str(data), *extra])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err and err[-1].startswith("liger-kd train: error: "), err
+        assert all(n in err[-1] for n in needles), err[-1]
+    with pytest.raises(AssertionError, match="a model was loaded"):  # every check passed: the weights would load
+        train_run.train([*PAIR, *FAST, "--output_dir", str(tmp_path / "o"), "--kd_max_length", "64",
+                         "--kd_max_prompt_length", "32"])  # fmt: skip

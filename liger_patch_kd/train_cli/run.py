@@ -12,6 +12,7 @@ from ..trainer.dataset_setup import (
     check_chat_template,
     check_completions_for_off_policy,
     check_evaluation_scores_completions,
+    check_length_options_apply,
     check_messages_end_with_the_completion,
     check_no_text_rows_to_generate_from,
     first_row_of,
@@ -108,6 +109,8 @@ def train(argv: list[str] | None = None):
     # KDTrainer's checks of the rows, made before the weights load
     train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
     check_no_text_rows_to_generate_from(training, splits.train, train_rows)
+    unset = "drop {} from the command line and from --config's YAML (a recipe sets them)"
+    check_length_options_apply(training, splits.train, train_rows, unset)
     check_messages_end_with_the_completion(first_row_of(splits.train), train_rows)
     check_completions_for_off_policy(training, splits.train)
     evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"

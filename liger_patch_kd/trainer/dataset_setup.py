@@ -169,10 +169,12 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
                 )
 
 
-def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset") -> None:
+def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset",
+                               unset: str = "leave {} unset") -> None:  # fmt: skip
     """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows: rows
     that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
-    option set beside them would never be used. Refused in one line, before the rows are tokenized."""
+    option set beside them would never be used. Refused in one line, before the rows are tokenized. `unset`: how
+    the caller's user drops the options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
     given = [f"{option}={getattr(args, option)}" for option in ("kd_max_length", "kd_max_prompt_length")
              if getattr(args, option, None) is not None]  # fmt: skip
     row = first_row_of(dataset) if given else None
@@ -181,8 +183,9 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
     store = store_meta(dataset) is not None
     kind = "a teacher store's rows, trained whole as they were scored" if store else "rows given as input_ids"
     fix = "liger-kd precompute --max-length cuts a store's rows when it is made" if store else "cut the rows yourself"
-    raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(given)} would never be used; leave "
-                     f"{'it' if len(given) == 1 else 'them'} unset ({fix})")  # fmt: skip
+    drop = unset.format("it" if len(given) == 1 else "them")
+    raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(given)} would never be used; {drop} "
+                     f"({fix})")  # fmt: skip
 
 
 def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "train_dataset") -> None:
