@@ -196,6 +196,8 @@ def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, to
         KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
                   args=_args(tmp_path / "t", **{option: value}))  # fmt: skip
     assert "\n" not in str(e.value) and "would never be used: leave it unset" in str(e.value)
+    KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+              args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens))  # the store's: no change
 
 
 @pytest.mark.parametrize("options", [{"kd_max_length": 4}, {"kd_max_prompt_length": 2},
@@ -219,8 +221,23 @@ def test_length_options_beside_rows_that_come_tokenized_are_refused_not_ignored(
                         train_dataset=[{"text": "the cat sat on the mat. a dog ran to the park."}] * 2,
                         args=_args(tmp_path / "t", kd_max_length=4))  # fmt: skip
     assert len(trainer.train_dataset[0]["input_ids"]) == 4
-    KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
-              args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens))  # the store's: no change
+
+
+def test_length_options_pass_beside_a_store_already_cut_to_them(tmp_path, models, tokenizer):
+    """A store made with --max-length M (and --max-prompt-length P) holds no longer rows: kd_max_length >= M (and
+    kd_max_prompt_length >= P) would cut nothing more, as a recipe beside a store made with its lengths; a shorter
+    one would, and is refused."""
+    from liger_patch_kd import teacher as TD
+
+    TD.precompute(models[1], [[3, 4, 5, 6, 7, 8]] * 2, tmp_path / "cut", top_k=4, progress=False,
+                  inputs={"max_length": 6, "max_prompt_length": 3})  # fmt: skip
+    store = TeacherLogprobsDataset(tmp_path / "cut")
+    for options in ({"kd_max_length": 6}, {"kd_max_length": 1024, "kd_max_prompt_length": 768}):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=store,
+                  args=_args(tmp_path / "t", **options))  # fmt: skip
+    with pytest.raises(ValueError, match=r"kd_max_prompt_length=2 would never be used"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=store,
+                  args=_args(tmp_path / "t", kd_max_length=1024, kd_max_prompt_length=2))  # fmt: skip
 
 
 def test_evaluation_beside_a_rollout_store_is_a_rollout_store_or_refused(tmp_path, models, tokenizer):

@@ -173,14 +173,23 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
                                unset: str = "leave {} unset") -> None:  # fmt: skip
     """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows: rows
     that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
-    option set beside them would never be used. Refused in one line, before the rows are tokenized. `unset`: how
+    option set beside them would never be used. Refused in one line, before the rows are tokenized, unless the
+    store was cut to at most that length when it was made (the option then has nothing left to cut). `unset`: how
     the caller's user drops the options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
-    given = [f"{option}={getattr(args, option)}" for option in ("kd_max_length", "kd_max_prompt_length")
-             if getattr(args, option, None) is not None]  # fmt: skip
+    options = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}
+    given = [option for option in options if getattr(args, option, None) is not None]
     row = first_row_of(dataset) if given else None
     if not isinstance(row, Mapping) or "input_ids" not in row or "text" in row or is_prompt_row(row):
         return
-    store = store_meta(dataset) is not None
+    meta = store_meta(dataset)
+    store = meta is not None
+    # a store cut when it was made (liger-kd precompute --max-length / --max-prompt-length) to at most the option's
+    # length: the option would cut nothing more, as a recipe's and its store's same lengths do
+    made = (meta or {}).get("inputs") or {}
+    given = [f"{option}={getattr(args, option)}" for option in given
+             if not (isinstance(made.get(options[option]), int) and made[options[option]] <= getattr(args, option))]
+    if not given:
+        return
     kind = "a teacher store's rows, trained whole as they were scored" if store else "rows given as input_ids"
     fix = "liger-kd precompute --max-length cuts a store's rows when it is made" if store else "cut the rows yourself"
     drop = unset.format("it" if len(given) == 1 else "them")
