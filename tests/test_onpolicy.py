@@ -340,3 +340,32 @@ def test_rollout_rows_are_the_row_by_row_collation_of_prompt_plus_completion():
     assert torch.equal(got[BEHAVIOUR], behaviour)
     with pytest.raises(ValueError, match="rollout 1 has no behaviour log-prob"):
         rollout_batch([rollouts[0], Rollout([1], [2], False, None)], pad_id=0, behaviour=True)
+
+
+@pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
+def test_a_kd_term_of_weight_zero_runs_no_teacher_and_trains_cross_entropy(tmp_path, tokenizer, use_kd_patch):
+    """kd_soft_weight=0 (sequence-level KD's cross-entropy): the teacher's forward never runs in a step, the loss is
+    the float64 cross-entropy of the completions on materialised logits, and neither kd_soft_loss nor
+    kd_top1_agreement is logged (a term against no teacher); kd_hard_loss is."""
+    import torch.nn.functional as F
+
+    student, teacher = tiny_model("llama", dtype=torch.float64, seed=1), tiny_model("llama", seed=2)
+    calls = []
+    teacher.register_forward_pre_hook(lambda *a: calls.append(1))
+    rows = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran to"}] * 4
+    args = _args(tmp_path, kd_lmbda=0.0, kd_soft_weight=0.0, kd_hard_weight=1.0, use_kd_patch=use_kd_patch,
+                 learning_rate=0.0, gradient_accumulation_steps=1)  # fmt: skip
+    trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, processing_class=tokenizer)
+    batch = trainer.data_collator(rows[:2])
+    scored = batch["labels"][:, 1:] != -100
+    loss = trainer.compute_loss(student, dict(batch), num_items_in_batch=scored.sum())
+    with torch.no_grad():
+        logits = copy.deepcopy(student).double()(input_ids=batch["input_ids"]).logits[:, :-1]
+    expected = F.cross_entropy(logits[scored], batch["labels"][:, 1:][scored], reduction="sum") / scored.sum()
+    # float64 weights: the fused chunks' fp32 log-softmax rounds a loss of order 5 to ~1e-6 relative
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    trainer.train()
+    assert calls == []
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged and all("kd_hard_loss" in h and "kd_soft_loss" not in h and "kd_top1_agreement" not in h
+                          for h in logged)  # fmt: skip

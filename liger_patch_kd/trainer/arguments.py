@@ -103,7 +103,12 @@ class KDTrainingArguments(TrainingArguments):
     )
     kd_beta: float = field(default=0.5, metadata={"help": "Generalized JSD beta: 0 forward KL, 1 reverse KL."})
     kd_temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both distributions."})
-    kd_soft_weight: float = field(default=1.0, metadata={"help": "Weight of the distillation term."})
+    kd_soft_weight: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the distillation term. 0 (sequence-level KD: cross-entropy on completions alone, "
+                  "e.g. the teacher's with kd_seq_kd) runs no teacher forward in the loss, and kd_soft_loss / "
+                  "kd_top1_agreement are not logged."},
+    )  # fmt: skip
     kd_hard_weight: float = field(default=0.0, metadata={"help": "Weight of the hard-label cross-entropy term."})
     kd_top_k_tail: str = field(
         default="bucket", metadata={"help": "Top-k teacher tail policy: bucket, renormalize, none."}

@@ -289,7 +289,10 @@ class KDTrainer(Trainer):
         if self._kd_count == 0:
             self._kd_first_step = self.state.global_step  # the optimizer step these terms start in
         self._kd_count += 1
-        for key, value in (("kd_soft_loss", soft), ("kd_hard_loss", hard)):
+        terms = (("kd_soft_loss", soft), ("kd_hard_loss", hard))
+        if self.kd_config.soft_weight == 0:  # a term of weight 0 is not computed against a teacher: not logged
+            terms = terms[1:]
+        for key, value in terms:
             self._kd_sums[key] = self._kd_sums.get(key, 0.0) + value.detach().float().mean()
         if agreement is not None:  # measured on logging steps only
             self._kd_agreement = agreement.detach().float()

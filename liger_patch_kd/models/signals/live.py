@@ -20,7 +20,11 @@ from .host import run_teacher_head, teacher_inputs
 
 @dataclass(frozen=True)
 class LiveTeacher(TeacherSignal):
-    """A teacher model run on this call's rows (or on its own, `privileged`, paired by `align`)."""
+    """A teacher model run on this call's rows (or on its own, `privileged`, paired by `align`).
+
+    With soft_weight 0 (sequence-level KD: cross-entropy on the teacher's own completions) the KD term weighs
+    nothing, so the teacher does not run: the student's own detached head inputs (or logits) stand in for its,
+    a finite term multiplied by 0, and the agreement is not measured (the student against itself)."""
 
     model: nn.Module
     privileged: PrivilegedInputs | None = None
@@ -34,6 +38,10 @@ class LiveTeacher(TeacherSignal):
         return replace(self, behaviour=behaviour)
 
     def fused(self, student, scored, rows):
+        if scored.cfg.soft_weight == 0:  # the KD term weighs nothing: no teacher forward (the class docstring)
+            bias = None if student.bias is None else student.bias.detach()
+            return linear_terms(student, replace(scored, log_agreement=False), None, None, student.hidden.detach(),
+                                student.head.weight.detach(), bias, scored.cfg.teacher_softcap)  # fmt: skip
         # completed inside the teacher's forward with its head inputs (h_t, w_t, b_t, soft-cap), its head gathered
         loss_on = functools.partial(linear_terms, student, scored, self.behaviour, self.align)
         if self.privileged is None:
@@ -43,6 +51,9 @@ class LiveTeacher(TeacherSignal):
         return run_teacher_head(self.model, own.input_ids, own.attention_mask, own.teacher_kwargs(), loss_on)
 
     def materialised(self, student_logits, scored, model_inputs):
+        if scored.cfg.soft_weight == 0:  # the KD term weighs nothing: no teacher forward (the class docstring)
+            terms = logits_terms(student_logits, student_logits.detach(), scored, scored.cfg, None)
+            return replace(terms, teacher_top1=None)  # no agreement of the student with itself
         if self.privileged is None:
             inputs = teacher_inputs(self.model, model_inputs)
         else:  # the teacher's own prompt: its own rows, nothing of the student's
