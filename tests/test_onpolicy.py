@@ -369,3 +369,17 @@ def test_a_kd_term_of_weight_zero_runs_no_teacher_and_trains_cross_entropy(tmp_p
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged and all("kd_hard_loss" in h and "kd_soft_loss" not in h and "kd_top1_agreement" not in h
                           for h in logged)  # fmt: skip
+
+
+def test_on_policy_steps_with_a_kd_term_of_weight_zero_run_no_teacher_under_every_estimator(tmp_path, tokenizer):
+    """The estimators (behaviour log-probs from the sampler) with kd_soft_weight=0: the steps train, on the
+    student's own completions, without a teacher forward."""
+    teacher = tiny_model("llama", seed=2)
+    calls = []
+    teacher.register_forward_pre_hook(lambda *a: calls.append(1))
+    for loss in ("pg", "k1", "divergence"):
+        args = _args(tmp_path, kd_onpolicy_loss=loss, kd_soft_weight=0.0, kd_hard_weight=1.0, max_steps=2)
+        trainer = KDTrainer(model=tiny_model("llama", seed=1), teacher_model=teacher, args=args,
+                            train_dataset=[{"prompt": "the cat"}, {"prompt": "a dog"}] * 4, processing_class=tokenizer)
+        trainer.train()
+        assert trainer.state.global_step == 2 and calls == [], loss

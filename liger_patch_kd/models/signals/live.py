@@ -40,7 +40,8 @@ class LiveTeacher(TeacherSignal):
     def fused(self, student, scored, rows):
         if scored.cfg.soft_weight == 0:  # the KD term weighs nothing: no teacher forward (the class docstring)
             bias = None if student.bias is None else student.bias.detach()
-            return linear_terms(student, replace(scored, log_agreement=False), None, None, student.hidden.detach(),
+            quiet = replace(scored, log_agreement=False)
+            return linear_terms(student, quiet, self.behaviour, None, student.hidden.detach(),
                                 student.head.weight.detach(), bias, scored.cfg.teacher_softcap)  # fmt: skip
         # completed inside the teacher's forward with its head inputs (h_t, w_t, b_t, soft-cap), its head gathered
         loss_on = functools.partial(linear_terms, student, scored, self.behaviour, self.align)
@@ -52,7 +53,7 @@ class LiveTeacher(TeacherSignal):
 
     def materialised(self, student_logits, scored, model_inputs):
         if scored.cfg.soft_weight == 0:  # the KD term weighs nothing: no teacher forward (the class docstring)
-            terms = logits_terms(student_logits, student_logits.detach(), scored, scored.cfg, None)
+            terms = logits_terms(student_logits, student_logits.detach(), scored, scored.cfg, self.behaviour)
             return replace(terms, teacher_top1=None)  # no agreement of the student with itself
         if self.privileged is None:
             inputs = teacher_inputs(self.model, model_inputs)
