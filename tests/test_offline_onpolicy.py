@@ -858,3 +858,17 @@ def test_eval_fraction_holds_out_whole_prompts_of_a_rollout_store(tmp_path, mode
     with pytest.raises(ValueError, match=r"holds out 4 of the train split's 4 prompts \(2 completions each\)"):
         load_splits(ScriptArguments(dataset_name=str(folder), eval_fraction=0.99), seed=0,
                     store_dataset=TeacherLogprobsDataset)  # fmt: skip
+
+
+def test_length_options_beside_a_tokenized_evaluation_set_are_refused(tmp_path, models, tokenizer):
+    """The evaluation rows are checked as the training rows are: a store given as eval_dataset (alone or in a
+    dict) beside kd_max_length, which would not cut it, is refused naming it."""
+    from liger_patch_kd import teacher as TD
+
+    TD.precompute(models[1], [[3, 4, 5, 6, 7, 8]] * 2, tmp_path / "plain", top_k=4, progress=False)
+    store = TeacherLogprobsDataset(tmp_path / "plain")
+    text = [{"text": "the cat sat on the mat. a dog ran to the park."}] * 2
+    for evaluation, name in ((store, "eval_dataset"), ({"held": store}, "eval_dataset['held']")):
+        with pytest.raises(ValueError, match=re.escape(f"{name} holds a teacher store's rows") + ".*kd_max_length=4"):
+            KDTrainer(model=copy.deepcopy(models[0]), teacher_model=models[1], processing_class=tokenizer,
+                      train_dataset=text, eval_dataset=evaluation, args=_args(tmp_path / "t", kd_max_length=4))
