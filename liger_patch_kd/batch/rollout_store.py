@@ -28,8 +28,9 @@ class RolloutStoreCollator:
         length = batch["input_ids"].shape[1]
         lengths = np.fromiter((len(f["input_ids"]) for f in features), dtype=np.int64, count=len(features))
         for column, key in ROLLOUT_LOGPROB_COLUMNS.items():
-            refuse_other_lengths(column, [f[column] for f in features], lengths)
-            batch[key] = pad_rows([f[column] for f in features], length, 0.0, torch.float32, ndim=1)
+            rows = [f[column] for f in features]
+            refuse_other_lengths(column, rows, lengths)
+            batch[key] = pad_rows(rows, length, 0.0, torch.float32, ndim=1)
         batch[GENERATED] = True
         return batch
 

@@ -63,11 +63,11 @@ class TeacherDataCollator:
         else:
             labels = np.full((batch, length), self.ignore_index, dtype=np.int64)
             ids = seqs.split() if isinstance(seqs, JoinedRows) else seqs
-            for row, (f, seq) in enumerate(zip(features, ids)):
+            for row, (f, own) in enumerate(zip(features, ids)):  # a row without labels is scored on its ids
                 if "labels" in f:
                     own = token_ids_of(f["labels"], "labels", row)
                     refuse_other_lengths("labels", [own], lengths[row : row + 1], first_row=row)
-                labels[row, : len(seq)] = own if "labels" in f else seq
+                labels[row, : len(own)] = own
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         out = {name: torch.from_numpy(a) for name, a in out.items()}
         if TEACHER_TOKEN_IDS in features[0]:
@@ -122,7 +122,8 @@ def token_ids_of(values: Any, column: str, row: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class JoinedRows:
-    """A column's rows as one array: row i is values[offsets[i] : offsets[i] + lengths[i]] (first dim)."""
+    """A column's rows as one array, end to end along its first dim: row i is the `lengths[i]` values after the
+    rows before it."""
 
     values: np.ndarray
     lengths: np.ndarray  # (rows,) int64
@@ -182,6 +183,11 @@ def pad_rows(rows: list[Any], length: int, fill: float, dtype: torch.dtype, *, n
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """numpy's dtype for a torch dtype numpy has (asked once: a torch op per batch otherwise)."""
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def positions_in_rows(lengths: np.ndarray) -> np.ndarray:
+    """For rows of `lengths` joined end to end, each value's position within its own row (0 at each row's start)."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 def pad_joined(rows: JoinedRows, length: int, fill: float, np_dtype) -> np.ndarray:

@@ -213,7 +213,10 @@ def _hold_out(rows: Any, fraction: float, seed: int, group: int = 1) -> tuple[An
                          "left to train on")  # fmt: skip
     order = list(range(groups))
     random.Random(seed).shuffle(order)
-    rows_of = lambda chosen: sorted(i for g in chosen for i in range(g * group, min(n, (g + 1) * group)))  # noqa: E731
+
+    def rows_of(chosen: list[int]) -> list[int]:
+        return sorted(i for g in chosen for i in range(g * group, min(n, (g + 1) * group)))
+
     train_idx, eval_idx = rows_of(order[held:]), rows_of(order[:held])
     if hasattr(rows, "select"):  # a datasets.Dataset
         return rows.select(train_idx), rows.select(eval_idx)

@@ -123,16 +123,22 @@ def check_teacher_is_used(args: Any, teacher_model: Any, first_row: Any, eval_da
         )
 
 
+def named_evaluations(eval_dataset: Any, name: str = "eval_dataset") -> list[tuple[str, Any]]:
+    """The evaluation datasets (one, or a dict of them) as (how a message names it: `name`, or name['key'] in a
+    dict, the dataset); None ones left out."""
+    if isinstance(eval_dataset, Mapping):
+        return [(f"{name}[{key!r}]", d) for key, d in eval_dataset.items() if d is not None]
+    return [] if eval_dataset is None else [(name, eval_dataset)]
+
+
 def check_evaluation_has_teacher(teacher_from_rows: bool, eval_dataset: Any) -> None:
     """With no teacher but the rows' own data (a store; `teacher_from_rows`), every evaluation dataset's rows must
     carry it too, or the first evaluation fails after training started: refused now, by name."""
     if not teacher_from_rows or eval_dataset is None:
         return
-    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
-    for name, dataset in named:
+    for where, dataset in named_evaluations(eval_dataset):
         row = first_row_of(dataset)
         if isinstance(row, Mapping) and not any(row.get(c) is not None for c in (*TOPK_COLUMNS, TEACHER_SAMPLE_IDS)):
-            where = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
             raise ValueError(
                 f"{where}'s rows carry no teacher data (columns {sorted(row)}) and the run's only teacher is the "
                 f"training rows' own (offline data, no teacher_model or kd_teacher_url): give the evaluation rows "
@@ -147,9 +153,7 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
     is refused now, not found when an id overflows the vocabulary (or never, when none does)."""
     if tokenizer is None or not callable(getattr(tokenizer, "get_vocab", None)):
         return
-    evaluations = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("eval_dataset", eval_dataset)]
-    datasets = {"train_dataset": train_dataset, **{n if n == "eval_dataset" else f"eval_dataset[{n!r}]": d
-                                                   for n, d in evaluations if d is not None}}  # fmt: skip
+    datasets = {"train_dataset": train_dataset, **dict(named_evaluations(eval_dataset))}
     ours = None
     for name, dataset in datasets.items():
         parts = [dataset, *(getattr(dataset, "stores", None) or ())]  # teacher.RoutedTeacherData: one per teacher
@@ -176,9 +180,10 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
     option set beside them would never be used. Refused in one line, before the rows are tokenized, unless the
     store was cut to at most that length when it was made (the option then has nothing left to cut). `unset`: how
     the caller's user drops the options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
-    options = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}
-    given = [option for option in options if getattr(args, option, None) is not None]
-    row = first_row_of(dataset) if given else None
+    made_as = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}  # precompute's inputs
+    asked = {option: getattr(args, option, None) for option in made_as}
+    asked = {option: value for option, value in asked.items() if value is not None}
+    row = first_row_of(dataset) if asked else None
     if not isinstance(row, Mapping) or "input_ids" not in row or "text" in row or is_prompt_row(row):
         return
     meta = store_meta(dataset)
@@ -186,14 +191,14 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
     # a store cut when it was made (liger-kd precompute --max-length / --max-prompt-length) to at most the option's
     # length: the option would cut nothing more, as a recipe's and its store's same lengths do
     made = (meta or {}).get("inputs") or {}
-    given = [f"{option}={getattr(args, option)}" for option in given
-             if not (isinstance(made.get(options[option]), int) and made[options[option]] <= getattr(args, option))]
-    if not given:
+    unused = [f"{option}={value}" for option, value in asked.items()
+              if not (isinstance(made.get(made_as[option]), int) and made[made_as[option]] <= value)]  # fmt: skip
+    if not unused:
         return
     kind = "a teacher store's rows, trained whole as they were scored" if store else "rows given as input_ids"
     fix = "liger-kd precompute --max-length cuts a store's rows when it is made" if store else "cut the rows yourself"
-    drop = unset.format("it" if len(given) == 1 else "them")
-    raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(given)} would never be used; {drop} "
+    drop = unset.format("it" if len(unused) == 1 else "them")
+    raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(unused)} would never be used; {drop} "
                      f"({fix})")  # fmt: skip
 
 
@@ -278,11 +283,7 @@ def check_evaluation_scores_completions(eval_dataset: Any, name: str = "eval_dat
     """Evaluation scores each row's completion and generates none: a prompt row without one has no token to score,
     so eval_loss would be 0 for it (and an average with the others' would be too low). Refused by index, before
     training. `name`: how the caller names the rows; `fix`: how the caller evaluates on none."""
-    named = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [(name, eval_dataset)]
-    for where, rows in named:
-        if rows is None:
-            continue
-        where = where if where == name else f"{name}[{where!r}]"
+    for where, rows in named_evaluations(eval_dataset, name):
         check_messages_end_with_the_completion(first_row_of(rows), where)
         missing = first_prompt_without_completion(rows)
         if missing is not None:

@@ -4,7 +4,6 @@ Face Trainer. The teacher side of each batch is its TeacherSource's (teachers/ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +21,7 @@ from .dataset_setup import (
     check_evaluation_has_teacher,
     check_length_options_apply,
     check_no_text_rows_to_generate_from,
+    named_evaluations,
 )
 from .model_loading import check_named_teachers_share_the_tokenizer, loaded_models, tokenizer_of_named
 from .nonfinite import check_logged, check_step_loss
@@ -76,10 +76,9 @@ class KDTrainer(Trainer):
         check_named_teachers_share_the_tokenizer(teacher_model, kwargs["processing_class"], across_tokenizers)
         model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
-        check_length_options_apply(args, kwargs.get("train_dataset"))
-        evaluation = kwargs.get("eval_dataset")
-        for name, rows in (evaluation.items() if isinstance(evaluation, Mapping) else [(None, evaluation)]):
-            check_length_options_apply(args, rows, "eval_dataset" if name is None else f"eval_dataset[{name!r}]")
+        training = [("train_dataset", kwargs.get("train_dataset"))]
+        for name, rows in training + named_evaluations(kwargs.get("eval_dataset")):
+            check_length_options_apply(args, rows, name)
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # the teacher's kind, collator, columns, vocabulary and checks, chosen once (teachers/plan.py)
         self.teacher_plan = resolve_teacher(model, teacher_model, args, teacher_tokenizer, kwargs)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...batch.columns import BEHAVIOUR
-from ...batch.teacher_data import JoinedRows, pad_joined
+from ...batch.teacher_data import JoinedRows, pad_joined, positions_in_rows
 from ...generation import (
     Sampling,
     decode,
@@ -328,19 +328,16 @@ def rollout_batch(
 
     Built on the rows joined end to end (numpy, no per-row copies): a step turns hundreds of rollouts into rows. The
     ids are whole numbers already: prompts read off a collated batch (prompts_of), completions drawn by a sampler."""
-    prompt_lengths = np.fromiter((len(r.prompt) for r in rollouts), dtype=np.int64, count=len(rollouts))
-    lengths = prompt_lengths + np.fromiter((len(r.completion) for r in rollouts), dtype=np.int64, count=len(rollouts))
-    total, width = int(lengths.sum()), int(lengths.max(initial=0))
+    lengths, completion = completion_positions(rollouts)
     ids = np.fromiter(chain.from_iterable(chain(r.prompt, r.completion) for r in rollouts), dtype=np.int64,
-                      count=total)  # fmt: skip
-    # each position's place in its own row, against its row's prompt length: the prompt is never scored
-    place = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    labels = np.where(place < np.repeat(prompt_lengths, lengths), ignore_index, ids)
+                      count=int(lengths.sum()))  # fmt: skip
+    width = int(lengths.max(initial=0))
     batch = {
         "input_ids": torch.from_numpy(pad_joined(JoinedRows(ids, lengths), width, pad_id, np.int64)),
         "attention_mask": torch.from_numpy((np.arange(width) < lengths[:, None]).astype(np.int64)),
-        "labels": torch.from_numpy(pad_joined(JoinedRows(labels, lengths), width, ignore_index, np.int64)),
-    }
+        "labels": torch.from_numpy(pad_joined(JoinedRows(np.where(completion, ids, ignore_index), lengths), width,
+                                              ignore_index, np.int64)),  # the prompt is never scored
+    }  # fmt: skip
     if behaviour:
         batch[BEHAVIOUR] = behaviour_logprobs(rollouts, batch["input_ids"].shape)
     return batch
@@ -352,12 +349,16 @@ def behaviour_logprobs(rollouts: list[Rollout], shape: torch.Size) -> torch.Tens
     for row, r in enumerate(rollouts):
         if r.logprobs is None or len(r.logprobs) != len(r.completion):
             raise ValueError(f"rollout {row} has no behaviour log-prob per completion token (from the engine)")
-    lengths = np.fromiter((len(r.completion) for r in rollouts), dtype=np.int64, count=len(rollouts))
-    starts = np.fromiter((len(r.prompt) for r in rollouts), dtype=np.int64, count=len(rollouts))
-    logprobs = np.fromiter(chain.from_iterable(r.logprobs for r in rollouts), dtype=np.float32,
-                           count=int(lengths.sum()))  # fmt: skip
-    rows = np.repeat(np.arange(len(rollouts)), lengths)
-    columns = np.repeat(starts, lengths) + np.arange(len(logprobs)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    values = np.zeros(tuple(shape), dtype=np.float32)  # numpy: no torch dispatch per row
-    values[rows, columns] = logprobs
-    return torch.from_numpy(values)
+    lengths, completion = completion_positions(rollouts)
+    values = np.zeros(int(lengths.sum()), dtype=np.float32)  # numpy: no torch dispatch per row
+    values[completion] = np.fromiter(chain.from_iterable(r.logprobs for r in rollouts), dtype=np.float32,
+                                     count=int(completion.sum()))  # fmt: skip
+    return torch.from_numpy(pad_joined(JoinedRows(values, lengths), shape[1], 0.0, np.float32))
+
+
+def completion_positions(rollouts: list[Rollout]) -> tuple[np.ndarray, np.ndarray]:
+    """(each rollout's length, prompt + completion; for the rollouts joined end to end, whether each position holds
+    a completion token)."""
+    prompts = np.fromiter((len(r.prompt) for r in rollouts), dtype=np.int64, count=len(rollouts))
+    lengths = prompts + np.fromiter((len(r.completion) for r in rollouts), dtype=np.int64, count=len(rollouts))
+    return lengths, positions_in_rows(lengths) >= np.repeat(prompts, lengths)
