@@ -3,6 +3,7 @@ completions scored up to and including EOS, seeded rollouts, and the sampled-tok
 materialised reference."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -342,19 +343,24 @@ def test_rollout_rows_are_the_row_by_row_collation_of_prompt_plus_completion():
         rollout_batch([rollouts[0], Rollout([1], [2], False, None)], pad_id=0, behaviour=True)
 
 
+@pytest.mark.parametrize("beta,temperature", [(0.5, 1.0), (0.0, 2.0), (1.0, 0.5)])
 @pytest.mark.parametrize("use_kd_patch", [True, False], ids=["fused", "materialised"])
-def test_a_kd_term_of_weight_zero_runs_no_teacher_and_trains_cross_entropy(tmp_path, tokenizer, use_kd_patch):
+def test_a_kd_term_of_weight_zero_runs_no_teacher_and_trains_cross_entropy(tmp_path, tokenizer, use_kd_patch, beta,
+                                                                          temperature):  # fmt: skip
     """kd_soft_weight=0 (sequence-level KD's cross-entropy): the teacher's forward never runs in a step, the loss is
-    the float64 cross-entropy of the completions on materialised logits, and neither kd_soft_loss nor
-    kd_top1_agreement is logged (a term against no teacher); kd_hard_loss is."""
+    the float64 cross-entropy of the completions on materialised logits whatever the KD term's beta and temperature
+    (0 on a batch with nothing scored, num_items_in_batch 0), and neither kd_soft_loss nor kd_top1_agreement is
+    logged (a term against no teacher); kd_hard_loss is. Trained with bf16 too: fp32 weights under bf16 autocast,
+    and bf16 weights."""
     import torch.nn.functional as F
 
     student, teacher = tiny_model("llama", dtype=torch.float64, seed=1), tiny_model("llama", seed=2)
     calls = []
     teacher.register_forward_pre_hook(lambda *a: calls.append(1))
     rows = [{"prompt": "the cat", "completion": " sat on the mat"}, {"prompt": "a dog", "completion": " ran to"}] * 4
-    args = _args(tmp_path, kd_lmbda=0.0, kd_soft_weight=0.0, kd_hard_weight=1.0, use_kd_patch=use_kd_patch,
-                 learning_rate=0.0, gradient_accumulation_steps=1)  # fmt: skip
+    options = dict(kd_lmbda=0.0, kd_soft_weight=0.0, kd_hard_weight=1.0, use_kd_patch=use_kd_patch, kd_beta=beta,
+                   kd_temperature=temperature, gradient_accumulation_steps=1)  # fmt: skip
+    args = _args(tmp_path, learning_rate=0.0, **options)
     trainer = KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows, processing_class=tokenizer)
     batch = trainer.data_collator(rows[:2])
     scored = batch["labels"][:, 1:] != -100
@@ -364,11 +370,19 @@ def test_a_kd_term_of_weight_zero_runs_no_teacher_and_trains_cross_entropy(tmp_p
     expected = F.cross_entropy(logits[scored], batch["labels"][:, 1:][scored], reduction="sum") / scored.sum()
     # float64 weights: the fused chunks' fp32 log-softmax rounds a loss of order 5 to ~1e-6 relative
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    unscored = dict(batch, labels=torch.full_like(batch["labels"], -100))
+    assert float(trainer.compute_loss(student, unscored, num_items_in_batch=torch.tensor(0)).detach()) == 0.0
     trainer.train()
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 autocast over fp32 weights, then bf16 weights
+        bf16 = KDTrainer(model=tiny_model("llama", dtype=dtype, seed=1), teacher_model=teacher, args=_args(
+            tmp_path, bf16=True, **options), train_dataset=rows, processing_class=tokenizer)  # fmt: skip
+        bf16.train()
+        assert all(math.isfinite(h["loss"]) for h in bf16.state.log_history if "loss" in h)
     assert calls == []
-    logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert logged and all("kd_hard_loss" in h and "kd_soft_loss" not in h and "kd_top1_agreement" not in h
-                          for h in logged)  # fmt: skip
+    for run in (trainer, bf16):
+        logged = [h for h in run.state.log_history if "loss" in h]
+        assert logged and all("kd_hard_loss" in h and "kd_soft_loss" not in h and "kd_top1_agreement" not in h
+                              for h in logged)  # fmt: skip
 
 
 def test_on_policy_steps_with_a_kd_term_of_weight_zero_run_no_teacher_under_every_estimator(tmp_path, tokenizer):
