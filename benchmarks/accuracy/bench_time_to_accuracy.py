@@ -125,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dataloader-workers", type=int, default=0, help="every recipe's dataloader_num_workers (ours "
                    "and TRL's alike): rows read, tokenized and collated beside the steps")  # fmt: skip
+    p.add_argument("--no-teacher-graphs", action="store_true", help="our in-process teacher runs eagerly "
+                   "(without it, on a GPU, kd_teacher_cuda_graphs replays its forward from CUDA graphs)")
     p.add_argument("--phases", action="store_true", help="time each recipe's steps by phase (the batch and its "
                    "rollouts, the teacher, the loss, backward; benchmarks/common/step_phases.py) and profile a few "
                    "of them: a diagnosis, not a figure to compare (the device drained around each phase)")  # fmt: skip
@@ -254,6 +256,12 @@ def shared_args(a, device, seed: int, steps: int, overrides: dict) -> dict:
     )  # fmt: skip
     options.update({k: v for k, v in overrides.items() if k == "learning_rate"})
     return options
+
+
+def teacher_graphs(a, device) -> bool:
+    """Our in-process teacher's forward replayed from CUDA graphs (kd_teacher_cuda_graphs): our best configuration
+    on a GPU, unless --no-teacher-graphs."""
+    return device.type == "cuda" and not a.no_teacher_graphs
 
 
 def fresh_memory(device) -> int | None:
@@ -393,6 +401,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         from liger_patch_kd.teacher import TeacherLogprobsDataset
 
         kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
+        if kd.get("kd_store_refresh_steps"):
+            kd["kd_teacher_cuda_graphs"] = teacher_graphs(a, device)
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True, **kd)
         trainer = KDTrainer(model=student, teacher_model=teacher if args.kd_store_refresh_steps else None, args=args,
                             train_dataset=TeacherLogprobsDataset(store[0]), processing_class=tok,
@@ -403,6 +413,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
         if name == SERVED_GKD:
             kd["kd_teacher_url"] = teacher_url
+        else:
+            kd["kd_teacher_cuda_graphs"] = teacher_graphs(a, device)
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
                                    kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
         rows = data["prompt_rows"] if name in PROMPTS_ONLY else data["rows"]

@@ -7,6 +7,7 @@ Modules, lowest first (imports point down only):
   spec           spec_for_model: picks an instance's entry and audits its forward (above registry and audit)
   transforms     logit scales folded into the head inputs (scaled_head_inputs)
   facts          what the KD forward knows of its model (entry, options with its soft-cap, logit scales), found once
+  captured_backbone  a frozen teacher's decoder replayed from CUDA graphs, one per batch shape
   moe, backbone  the router loss; running the backbone (text and VLM)
   heads, kd_io   lm_head weights (PEFT-aware) and gathered_head (the head inputs, ZeRO-3 gathered); label shifting,
                  the output type
@@ -24,6 +25,12 @@ Modules, lowest first (imports point down only):
 """
 
 from .backbone import run_backbone
+from .captured_backbone import (
+    CapturedBackbone,
+    captured_backbone_of,
+    disable_captured_backbone,
+    enable_captured_backbone,
+)
 from .fp8_teacher import (
     TEACHER_PRECISIONS,
     Fp8Linear,
@@ -78,6 +85,10 @@ from .teachers import TeacherSet
 from .transforms import scaled_head_inputs
 
 __all__ = [
+    "CapturedBackbone",
+    "captured_backbone_of",
+    "disable_captured_backbone",
+    "enable_captured_backbone",
     "Fp8Linear",
     "quantize_teacher_fp8",
     "apply_teacher_precision",

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .captured_backbone import replay_backbone
 from .registry import REGISTRY, ArchSpec
 from .spec import spec_for_model
 from .state import unwrap_model
@@ -96,6 +97,9 @@ def run_backbone(
         else spec.is_vlm and "labels" in inspect.signature(backbone.forward).parameters
     ):
         kwargs = {**kwargs, "labels": labels}
+    replayed = replay_backbone(model, backbone, input_ids, attention_mask, kwargs)  # captured_backbone.py
+    if replayed is not None:
+        return replayed
     return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 

@@ -307,6 +307,15 @@ class KDTrainingArguments(TrainingArguments):
                   "emulated on a CPU, for tests: no speed-up, logged); fp8_fast_accum: the same without the periodic "
                   "fp32 promotion of the products' sums (faster)."},
     )
+    kd_teacher_cuda_graphs: bool = field(
+        default=False,
+        metadata={"help": "Replay the in-process teacher's decoder from CUDA graphs, one per batch shape (lengths "
+                  "rounded up to 64): one launch instead of hundreds, for teachers small enough that the host, not "
+                  "the GPU, sets their speed. Applies where the teacher runs on the student's tokens alone (an SDPA "
+                  "teacher on right-padded rows, no packing); other batches run eagerly. Equal to the eager forward "
+                  "up to rounding. Not with FSDP / DeepSpeed (a sharded teacher gathers its weights in hooks); on a "
+                  "CPU it runs eagerly (logged)."},
+    )
     kd_teacher_logits_fp8: bool = field(
         default=False,
         metadata={"help": "The fused loss's teacher logit product in FP8 (e4m3, rowwise scales; Ada/Hopper GPUs; "

@@ -1,5 +1,6 @@
-"""How KDTrainer's in-process teacher computes: FP8 decoder products (`kd_teacher_precision`), refused with the
-reason where there is no in-process teacher to change."""
+"""How KDTrainer's in-process teacher computes: FP8 decoder products (`kd_teacher_precision`), its decoder replayed
+from CUDA graphs (`kd_teacher_cuda_graphs`); each refused with the reason where there is no in-process teacher to
+change."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from torch import nn
 from transformers.utils import logging
 
-from ...models import apply_teacher_precision
+from ...models import apply_teacher_precision, disable_captured_backbone, enable_captured_backbone
 
 logger = logging.get_logger(__name__)
 
@@ -31,3 +32,24 @@ def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None) -> None:
             precision, len(summary.quantized), len(summary.kept), ", ".join(sorted(set(summary.kept.values()))),
             summary.bytes_before / 2**30, summary.bytes_after / 2**30,
         )  # fmt: skip
+    if args.kd_teacher_cuda_graphs:
+        capture_teacher(args, teacher_model)
+    elif teacher_model is not None:  # a teacher another run captured runs eagerly here, as this run's options say
+        disable_captured_backbone(teacher_model)
+
+
+def capture_teacher(args: Any, teacher_model: nn.Module | None) -> None:
+    """kd_teacher_cuda_graphs: the frozen teacher's decoder replayed from CUDA graphs (models.captured_backbone)."""
+    if teacher_model is None or args.kd_self_distill:
+        raise ValueError(
+            "kd_teacher_cuda_graphs replays an in-process teacher_model's forward; this run has none (offline data, "
+            "a teacher server or self-distillation): pass teacher_model, or leave kd_teacher_cuda_graphs=False"
+        )
+    if args.fsdp or args.deepspeed:
+        raise ValueError(
+            "kd_teacher_cuda_graphs cannot replay a teacher sharded by FSDP / DeepSpeed (its weights are gathered "
+            "by hooks at every forward): leave kd_teacher_cuda_graphs=False with fsdp / deepspeed"
+        )
+    captured = enable_captured_backbone(teacher_model)
+    if captured.capture == "eager":
+        logger.warning("kd_teacher_cuda_graphs: the teacher is not on a CUDA device, its forward runs eagerly")

@@ -1,0 +1,179 @@
+"""A frozen teacher's decoder forward replayed from CUDA graphs, one per batch shape.
+
+A small teacher's forward is bound by the host, not the GPU: each of its few hundred small kernels costs a Python
+call, a dispatch and a launch, and the step waits on that rather than on the products. Captured once per shape and
+replayed, the whole decoder is one launch. The KD forward asks for it in `run_backbone` (backbone.py) when the
+teacher runs with no gradients and nothing but its tokens (no mask: models.backbone drops a mask that only pads the
+end of rows; no position ids, cache or vision inputs); anything else runs eagerly, as before.
+
+Shapes: the rows are captured as they come, the length is rounded up to `length_multiple` so that generated
+batches of every length share a few graphs. The padded tail holds valid ids and is never read back: attention is
+causal, so no real position sees it. The products then run on more rows than the batch has, which may round
+differently from the eager forward (cuBLAS picks its kernel by shape): equal to rounding, not to the bit.
+
+The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_)
+is what the next replay computes with. Parameters moved to new storage (`.to(dtype)`, a reload) are seen by their
+addresses and the graphs are captured again. Autocast is part of a graph's key, and its cast cache is off while
+capturing (a cached cast would be freed when the caller's autocast region ends, under the graph's feet).
+
+`capture="eager"` runs the same padded buffers op by op instead of replaying: what a CPU runs, and the reference
+the graph is tested against.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import logging
+
+from .state import unwrap_model
+
+logger = logging.get_logger(__name__)
+
+CAPTURES = ("graph", "eager")
+LENGTH_MULTIPLE = 64  # generated batches of every length share a graph per 64 positions
+MAX_GRAPHS = 8  # shapes kept; the least recently replayed goes first
+
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, CapturedBackbone] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Entry:
+    input_ids: torch.Tensor  # (rows, padded length): the static input the graph reads
+    hidden: torch.Tensor | None  # the static output the graph writes (None until captured)
+    graph: Any  # torch.cuda.CUDAGraph, or None for the eager capture
+
+
+class CapturedBackbone:
+    """The graphs of one model: `run(backbone, input_ids)` is `backbone(input_ids=...).last_hidden_state`."""
+
+    def __init__(self, capture: str = "graph", length_multiple: int = LENGTH_MULTIPLE, max_graphs: int = MAX_GRAPHS):
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {CAPTURES}; got capture={capture!r}")
+        if length_multiple < 1 or max_graphs < 1:
+            raise ValueError(
+                f"length_multiple and max_graphs must be >= 1; got length_multiple={length_multiple}, "
+                f"max_graphs={max_graphs}"
+            )
+        self.capture = capture
+        self.length_multiple = length_multiple
+        self.max_graphs = max_graphs
+        self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.parameters_at: tuple[int, ...] | None = None
+        self.captures = 0  # graphs captured so far (tests and logs read it)
+        self.refused: set[tuple] = set()  # keys whose capture failed: they run eagerly
+        self._pool = None
+
+    def run(self, model: nn.Module, backbone: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The last hidden states (rows, length, hidden) of `backbone` on `input_ids`, or None where this shape
+        cannot be captured (the caller then runs the backbone itself)."""
+        rows, length = input_ids.shape
+        padded = -(-length // self.length_multiple) * self.length_multiple
+        key = (rows, padded, input_ids.device, torch.is_autocast_enabled(input_ids.device.type),
+               torch.get_autocast_dtype(input_ids.device.type))  # fmt: skip
+        if key in self.refused:
+            return None
+        at = tuple(p.data_ptr() for p in model.parameters())
+        if at != self.parameters_at:  # parameters moved: every graph reads the old addresses
+            self.entries.clear()
+            self.parameters_at = at
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key, backbone, input_ids, padded)
+            if entry is None:
+                return None
+        self.entries.move_to_end(key)
+        entry.input_ids[:, :length].copy_(input_ids)
+        if entry.graph is None:
+            hidden = backbone(input_ids=entry.input_ids, attention_mask=None, use_cache=False).last_hidden_state
+        else:
+            entry.graph.replay()
+            hidden = entry.hidden
+        return hidden[:, :length]
+
+    def _new_entry(self, key: tuple, backbone: nn.Module, input_ids: torch.Tensor, padded: int) -> _Entry | None:
+        while len(self.entries) >= self.max_graphs:
+            self.entries.popitem(last=False)
+        static_ids = torch.zeros((input_ids.shape[0], padded), dtype=input_ids.dtype, device=input_ids.device)
+        static_ids[:, : input_ids.shape[1]].copy_(input_ids)
+        if self.capture == "eager":
+            entry = _Entry(static_ids, None, None)
+        else:
+            try:
+                graph, hidden = _capture(backbone, static_ids, self._graph_pool())
+            except RuntimeError as err:  # a host sync or another uncapturable op inside the model's forward
+                self.refused.add(key)
+                logger.warning("the teacher's forward could not be captured for shape %s (%s): it runs eagerly",
+                               tuple(static_ids.shape), str(err).splitlines()[0])  # fmt: skip
+                return None
+            entry = _Entry(static_ids, hidden, graph)
+        self.captures += 1
+        self.entries[key] = entry
+        return entry
+
+    def _graph_pool(self):
+        if self._pool is None:  # one memory pool for every shape's graph: they replay one at a time
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+
+def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, torch.Tensor]:
+    device = input_ids.device
+    kwargs = {"input_ids": input_ids, "attention_mask": None, "use_cache": False}
+    autocast = torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type),
+                              enabled=torch.is_autocast_enabled(device.type), cache_enabled=False)  # fmt: skip
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), autocast:  # warm-up: lazy initialisation, kernel compilation, library handles
+        for _ in range(2):
+            backbone(**kwargs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), autocast:
+        hidden = backbone(**kwargs).last_hidden_state
+    return graph, hidden
+
+
+def enable_captured_backbone(model: nn.Module, capture: str | None = None, **options) -> CapturedBackbone:
+    """Have `model`'s KD forward replay its decoder from CUDA graphs when it runs without gradients on tokens alone
+    (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given."""
+    inner = unwrap_model(model)
+    if capture is None:
+        devices = {p.device.type for p in inner.parameters()}
+        capture = "graph" if devices == {"cuda"} else "eager"
+    captured = CapturedBackbone(capture, **options)
+    _CAPTURED[inner] = captured
+    return captured
+
+
+def disable_captured_backbone(model: nn.Module) -> None:
+    """Back to the eager forward; the graphs and their memory are released."""
+    _CAPTURED.pop(unwrap_model(model), None)
+
+
+def captured_backbone_of(model: nn.Module) -> CapturedBackbone | None:
+    return _CAPTURED.get(model)
+
+
+def replay_backbone(model: nn.Module, backbone: nn.Module, input_ids, attention_mask, kwargs: dict):
+    """The backbone's output from `model`'s graphs, or None where they do not apply (the caller runs it eagerly):
+    no gradients, 2-D token ids, no mask and no keyword beyond `use_cache` off."""
+    captured = _CAPTURED.get(model)
+    if (
+        captured is None
+        or torch.is_grad_enabled()
+        or model.training
+        or attention_mask is not None
+        or not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or any(v is not None and not (k == "use_cache" and v is False) for k, v in kwargs.items())
+    ):
+        return None
+    hidden = captured.run(model, backbone, input_ids)
+    return None if hidden is None else BaseModelOutputWithPast(last_hidden_state=hidden)

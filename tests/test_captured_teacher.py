@@ -1,0 +1,178 @@
+"""kd_teacher_cuda_graphs: the teacher's decoder replayed from CUDA graphs (models/captured_backbone.py).
+
+On the CPU the same padded buffers run op by op (capture="eager"), which checks everything but the replay itself:
+the padding of the length, the keys, which calls it takes and which it leaves to the eager forward, the refusals.
+The GPU tests check the replay against the eager forward."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from liger_patch_kd.models import captured_backbone_of, disable_captured_backbone, enable_captured_backbone
+from liger_patch_kd.models.backbone import run_backbone
+from liger_patch_kd.trainer import KDTrainer
+from liger_patch_kd.trainer.teachers.compute import capture_teacher
+
+from .test_trainer import _args, _dataset, _losses
+from .tiny_models import VOCAB, tiny_model
+
+
+def _teacher(dtype=torch.float64, device="cpu"):
+    teacher = tiny_model("llama", dtype=dtype, seed=2, hidden=96).to(device).eval().requires_grad_(False)
+    teacher.set_attn_implementation("sdpa")  # a right-padded batch reaches an SDPA teacher without its mask
+    return teacher
+
+
+def _hidden(model, ids, **kwargs):
+    with torch.no_grad():
+        return run_backbone(model, ids, kwargs.pop("attention_mask", None), kwargs).last_hidden_state
+
+
+def test_padded_replay_is_the_forward_and_shapes_share_a_capture():
+    teacher = _teacher()
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randint(1, VOCAB, (3, n), generator=g) for n in (5, 7, 8, 9)}
+    want = {n: _hidden(teacher, ids) for n, ids in inputs.items()}
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    try:
+        for n, ids in inputs.items():
+            got = _hidden(teacher, ids)
+            assert got.shape == want[n].shape
+            # the padded tail changes nothing a real position computes (causal attention): the forward on the
+            # padded ids, to the bit, whatever the tail holds
+            padded = torch.cat([ids, torch.randint(1, VOCAB, (3, -n % 8), generator=g)], dim=1)
+            with torch.no_grad():
+                torch.testing.assert_close(got, teacher.model(padded, use_cache=False).last_hidden_state[:, :n],
+                                           rtol=0, atol=0)  # fmt: skip
+            # and the unpadded forward up to RoPE's angles, which transformers computes in fp32 whatever the
+            # dtype: a CPU's vectorised sin / cos may round a position differently in a row of another length
+            torch.testing.assert_close(got, want[n], rtol=1e-5, atol=1e-6)
+        assert captured.captures == 2  # lengths 5, 7, 8 share the 8-wide buffer; 9 takes a 16-wide one
+        _hidden(teacher, inputs[5][:2])  # other rows: a shape of its own
+        assert captured.captures == 3
+    finally:
+        disable_captured_backbone(teacher)
+    assert captured_backbone_of(teacher) is None
+
+
+def test_calls_it_cannot_replay_run_eagerly_and_equal():
+    teacher = _teacher()
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    captured = enable_captured_backbone(teacher, capture="eager")
+    try:
+        want = teacher.model(ids, mask).last_hidden_state
+        torch.testing.assert_close(_hidden(teacher, ids, attention_mask=mask), want)
+        _hidden(teacher, ids, position_ids=torch.arange(6).expand(2, 6))  # packed rows' positions: not replayed
+        with torch.enable_grad():
+            run_backbone(teacher, ids, None, {})  # a forward with gradients: the student's, never replayed
+        teacher.train()
+        _hidden(teacher, ids)  # dropout may run: not replayed
+        teacher.eval()
+        assert captured.captures == 0
+        _hidden(teacher, ids, use_cache=False)
+        assert captured.captures == 1
+    finally:
+        disable_captured_backbone(teacher)
+
+
+def test_keys_follow_the_parameters_and_at_most_max_graphs_are_kept():
+    teacher = _teacher()
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=4, max_graphs=2)
+    try:
+        g = torch.Generator().manual_seed(2)
+        for n in (3, 7, 11):  # three widths, two kept: the least recently used goes
+            _hidden(teacher, torch.randint(1, VOCAB, (2, n), generator=g))
+        assert len(captured.entries) == 2 and captured.captures == 3
+        ids = torch.randint(1, VOCAB, (2, 5), generator=g)
+        before = _hidden(teacher, ids).clone()
+        with torch.no_grad():  # an update in place (what an EMA teacher does) is what the next call computes with
+            teacher.model.norm.weight.mul_(2)
+        torch.testing.assert_close(_hidden(teacher, ids), 2 * before)
+        teacher.to(torch.float32)  # new storage: every kept buffer is dropped
+        _hidden(teacher, ids.clone())
+        assert len(captured.entries) == 1
+    finally:
+        disable_captured_backbone(teacher)
+
+
+def test_trainer_with_captured_teacher_trains_as_the_eager_one(tmp_path, caplog):
+    """Through KDTrainer.train(): right-padded batches (the collator pads, the SDPA teacher's mask is dropped) reach
+    the captured forward; on the CPU it runs eagerly, said once, and the losses are the eager teacher's."""
+    losses, captures = {}, {}
+    for graphs in (False, True):
+        teacher = _teacher(torch.float32)
+        with caplog.at_level("WARNING"):
+            trainer = KDTrainer(
+                model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
+                args=_args(tmp_path, use_kd_patch=True, max_steps=4, kd_teacher_cuda_graphs=graphs),
+                train_dataset=_dataset(),
+            )  # fmt: skip
+        trainer.train()
+        losses[graphs] = torch.tensor(_losses(trainer))
+        captured = captured_backbone_of(trainer.teacher_model)
+        captures[graphs] = None if captured is None else captured.captures
+        disable_captured_backbone(trainer.teacher_model)
+    assert captures[False] is None and captures[True] >= 1
+    assert any("not on a CUDA device, its forward runs eagerly" in r.getMessage() for r in caplog.records)
+    # fp32: the padded products may sum in another order on another shape, nothing more
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_refusals_name_the_option_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="kd_teacher_cuda_graphs replays an in-process teacher_model.*pass teacher_m"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=_dataset(),
+                  args=_args(tmp_path, use_kd_patch=True, kd_teacher_cuda_graphs=True))  # fmt: skip
+    sharded = SimpleNamespace(kd_self_distill=False, fsdp="full_shard", deepspeed=None)
+    with pytest.raises(ValueError, match="cannot replay a teacher sharded by FSDP / DeepSpeed"):
+        capture_teacher(sharded, _teacher())
+    with pytest.raises(ValueError, match="capture must be one of"):
+        enable_captured_backbone(_teacher(), capture="compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)])
+def test_graph_replay_is_the_eager_forward(dtype, autocast):
+    teacher = _teacher(dtype, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randint(1, VOCAB, (4, n), device="cuda", generator=g) for n in (17, 30, 64, 70, 17)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        want = [_hidden(teacher, ids) for ids in inputs]
+        captured = enable_captured_backbone(teacher)
+        try:
+            assert captured.capture == "graph"
+            got = [_hidden(teacher, ids).clone() for ids in inputs]
+            assert captured.captures == 2  # 17, 30, 64 share the 64-wide graph; 70 takes the 128-wide one
+            for a, b in zip(got, want):
+                # bf16 activations: the padded products may pick another kernel, one bf16 step at most apart
+                torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6)
+            with torch.no_grad():
+                teacher.model.norm.weight.mul_(2)  # read in place by the next replay
+            torch.testing.assert_close(_hidden(teacher, inputs[0]).float(), 2 * got[0].float(), rtol=2**-6, atol=2**-6)
+        finally:
+            disable_captured_backbone(teacher)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_trainer_bf16_with_captured_teacher_matches_the_eager_one(tmp_path):
+    losses = {}
+    for graphs in (False, True):
+        trainer = KDTrainer(
+            model=tiny_model("llama", dtype=torch.float32, seed=1).cuda(),
+            teacher_model=_teacher(torch.float32, "cuda"),
+            args=_args(tmp_path, use_kd_patch=True, max_steps=4, use_cpu=False, bf16=True,
+                       kd_teacher_cuda_graphs=graphs),
+            train_dataset=_dataset(),
+        )  # fmt: skip
+        trainer.train()
+        losses[graphs] = torch.tensor(_losses(trainer))
+        if graphs:
+            assert captured_backbone_of(trainer.teacher_model).captures >= 1
+            disable_captured_backbone(trainer.teacher_model)
+    torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=1e-3)
