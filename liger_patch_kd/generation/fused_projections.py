@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.few_rows_linear import few_rows_linear
-
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -50,7 +48,7 @@ class FusedGroup:
     def head_forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # the copy is no parameter: a forward with gradients takes the model's own
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
-        outputs = few_rows_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self.last = (x, _version(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
 
@@ -67,7 +65,7 @@ class FusedGroup:
             if taken is not None:
                 return taken
         lin = self.linears[index]
-        return few_rows_linear(x, lin.weight, lin.bias)
+        return F.linear(x, lin.weight, lin.bias)
 
 
 def _version(x: torch.Tensor) -> int | None:

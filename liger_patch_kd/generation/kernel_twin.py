@@ -4,11 +4,10 @@ RMSNorm, gated-MLP and RoPE kernels bound on the twin's modules, whether or not 
     twin = kernel_twin(model)   # twin(input_ids=..., ...) computes what model(...) computes, through the kernels
 
 Why a twin: a decode step is a few rows, bound by how many kernels it launches; transformers' RMSNorm is about six
-element-wise kernels, its RoPE about ten and its gated MLP's activation two, where the project's kernels are one each
-(ops/rms_norm.py, ops/rope.py, ops/swiglu.py); and its products are a few rows by a weight, which ops/few_rows_linear.py
-reads at the speed of one pass over the weight. An unpatched student's captured step ran transformers' ops, a patched
-one's the kernels. Binding the kernels on the user's modules would change its training forward (and, for RoPE, a module-
-level function every model of the architecture calls); the twin leaves the user's model as it was.
+element-wise kernels, its RoPE about ten and its gated MLP's activation two, where the project's kernels are one
+each (ops/rms_norm.py, ops/rope.py, ops/swiglu.py). An unpatched student's captured step ran transformers' ops, a
+patched one's the kernels. Binding the kernels on the user's modules would change its training forward (and, for
+RoPE, a module-level function every model of the architecture calls); the twin leaves the user's model as it was.
 
 What the twin shares and what it owns:
   - every module is a shallow copy: parameters, buffers, config and hooks are the user's objects (an optimizer's
@@ -39,7 +38,6 @@ from torch import nn
 from ..models.patch import gated_mlp_kernel_forward, rms_norm_kernel_forward, rope_kernel_function
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
-from ..ops.few_rows_linear import few_rows_linear
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
 
@@ -58,24 +56,7 @@ def kernel_twin(model: nn.Module) -> nn.Module:
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
     if spec is not None:
         bind_kernels(twin, spec)
-    bind_few_rows_linear(twin)
     return twin
-
-
-def bind_few_rows_linear(twin: nn.Module) -> int:
-    """Every plain nn.Linear of `twin` computes through ops/few_rows_linear.py (the kernel for a decode step's few
-    rows, F.linear otherwise); returns how many. A Linear subclass (LoRA, quantized) or one with a forward of
-    someone else's keeps its own."""
-    bound = 0
-    for sub in twin.modules():
-        if type(sub) is nn.Linear and "forward" not in sub.__dict__:
-            sub.forward = types.MethodType(_few_rows_forward, sub)
-            bound += 1
-    return bound
-
-
-def _few_rows_forward(self: nn.Linear, x):
-    return few_rows_linear(x, self.weight, self.bias)
 
 
 def bind_kernels(twin: nn.Module, spec: ArchSpec) -> int:
