@@ -14,7 +14,7 @@ import torch
 from liger_patch_kd.models import captured_backbone_of, disable_captured_backbone, enable_captured_backbone
 from liger_patch_kd.models.backbone import run_backbone
 from liger_patch_kd.trainer import KDTrainer
-from liger_patch_kd.trainer.teachers.compute import capture_teacher
+from liger_patch_kd.trainer.teachers.compute import capture_teachers
 
 from .test_trainer import _args, _dataset, _losses
 from .tiny_models import VOCAB, tiny_model
@@ -118,7 +118,8 @@ def test_trainer_with_captured_teacher_trains_as_the_eager_one(tmp_path, caplog)
         captures[graphs] = None if captured is None else captured.captures
         disable_captured_backbone(trainer.teacher_model)
     assert captures[False] is None and captures[True] >= 1
-    assert any("not on a CUDA device, its forward runs eagerly" in r.getMessage() for r in caplog.records)
+    assert any("1 of 1 teachers are not on a CUDA device: their forward runs eagerly" in r.getMessage()
+               for r in caplog.records)
     # fp32: the padded products may sum in another order on another shape, nothing more
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
 
@@ -129,7 +130,7 @@ def test_refusals_name_the_option_and_the_fix(tmp_path):
                   args=_args(tmp_path, use_kd_patch=True, kd_teacher_cuda_graphs=True))  # fmt: skip
     sharded = SimpleNamespace(kd_self_distill=False, fsdp="full_shard", deepspeed=None)
     with pytest.raises(ValueError, match="cannot replay a teacher sharded by FSDP / DeepSpeed"):
-        capture_teacher(sharded, _teacher())
+        capture_teachers(sharded, (_teacher(),))
     with pytest.raises(ValueError, match="capture must be one of"):
         enable_captured_backbone(_teacher(), capture="compiled")
 
@@ -176,3 +177,27 @@ def test_trainer_bf16_with_captured_teacher_matches_the_eager_one(tmp_path):
             assert captured_backbone_of(trainer.teacher_model).captures >= 1
             disable_captured_backbone(trainer.teacher_model)
     torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=1e-3)
+
+
+def test_every_in_process_member_of_a_teacher_set_is_captured(tmp_path):
+    """KDTrainer(teacher_model={"math": m1, "code": m2}): each member's forward goes through its own captures, and
+    the loss is the eager set's."""
+    from .test_multi_teacher_trainer import _args as set_args
+    from .test_multi_teacher_trainer import _models, _rows
+
+    losses, captured = {}, {}
+    for graphs in (False, True):
+        student, teachers = _models(torch.float32)
+        for teacher in teachers.values():
+            teacher.set_attn_implementation("sdpa")
+        trainer = KDTrainer(model=student, teacher_model=teachers, train_dataset=_rows(),
+                            args=set_args(tmp_path, use_kd_patch=True, max_steps=2, per_device_train_batch_size=2,
+                                          kd_teacher_cuda_graphs=graphs))  # fmt: skip
+        trainer.train()
+        losses[graphs] = torch.tensor(_losses(trainer))
+        captured[graphs] = {name: captured_backbone_of(m) for name, m in teachers.items()}
+        for m in teachers.values():
+            disable_captured_backbone(m)
+    assert all(c is None for c in captured[False].values())
+    assert all(c is not None and c.captures >= 1 for c in captured[True].values()), captured[True]
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)

@@ -14,10 +14,10 @@ from ...models import apply_teacher_precision, disable_captured_backbone, enable
 logger = logging.get_logger(__name__)
 
 
-def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None) -> None:
-    """Apply the teacher options of `args` to the frozen in-process teacher (`teacher_model`). A served teacher,
-    offline data or self-distillation has no teacher here to change: asking for FP8 then is an error, not a
-    no-op."""
+def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None, members: tuple[nn.Module, ...] = ()) -> None:
+    """Apply the teacher options of `args` to the frozen in-process teacher (`teacher_model`; the CUDA graphs also to
+    a teacher set's in-process `members`). A served teacher, offline data or self-distillation has no teacher here
+    to change: asking for FP8 or CUDA graphs then is an error, not a no-op."""
     precision = args.kd_teacher_precision
     if precision != "bf16":
         if teacher_model is None or args.kd_self_distill:
@@ -32,15 +32,18 @@ def prepare_teacher_compute(args: Any, teacher_model: nn.Module | None) -> None:
             precision, len(summary.quantized), len(summary.kept), ", ".join(sorted(set(summary.kept.values()))),
             summary.bytes_before / 2**30, summary.bytes_after / 2**30,
         )  # fmt: skip
+    models = tuple(m for m in (teacher_model, *members) if m is not None)
     if args.kd_teacher_cuda_graphs:
-        capture_teacher(args, teacher_model)
-    elif teacher_model is not None:  # a teacher another run captured runs eagerly here, as this run's options say
-        disable_captured_backbone(teacher_model)
+        capture_teachers(args, models)
+    else:  # a teacher another run captured runs eagerly here, as this run's options say
+        for model in models:
+            disable_captured_backbone(model)
 
 
-def capture_teacher(args: Any, teacher_model: nn.Module | None) -> None:
-    """kd_teacher_cuda_graphs: the frozen teacher's decoder replayed from CUDA graphs (models.captured_backbone)."""
-    if teacher_model is None or args.kd_self_distill:
+def capture_teachers(args: Any, models: tuple[nn.Module, ...]) -> None:
+    """kd_teacher_cuda_graphs: each frozen in-process teacher's decoder replayed from CUDA graphs
+    (models.captured_backbone)."""
+    if not models or args.kd_self_distill:
         raise ValueError(
             "kd_teacher_cuda_graphs replays an in-process teacher_model's forward; this run has none (offline data, "
             "a teacher server or self-distillation): pass teacher_model, or leave kd_teacher_cuda_graphs=False"
@@ -50,6 +53,7 @@ def capture_teacher(args: Any, teacher_model: nn.Module | None) -> None:
             "kd_teacher_cuda_graphs cannot replay a teacher sharded by FSDP / DeepSpeed (its weights are gathered "
             "by hooks at every forward): leave kd_teacher_cuda_graphs=False with fsdp / deepspeed"
         )
-    captured = enable_captured_backbone(teacher_model)
-    if captured.capture == "eager":
-        logger.warning("kd_teacher_cuda_graphs: the teacher is not on a CUDA device, its forward runs eagerly")
+    captures = [enable_captured_backbone(model).capture for model in models]
+    if "eager" in captures:
+        logger.warning("kd_teacher_cuda_graphs: %d of %d teachers are not on a CUDA device: their forward runs eagerly",
+                       captures.count("eager"), len(captures))  # fmt: skip

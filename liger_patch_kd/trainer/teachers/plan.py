@@ -101,7 +101,8 @@ class TeacherPlan:
             self.teacher_model = freeze(self.teacher_model)
         for member in (self.members or {}).values():
             member.model = None if member.model is None else freeze(member.model)
-        prepare_teacher_compute(args, self.teacher_model)
+        members = tuple(m.model for m in (self.members or {}).values() if m.model is not None)
+        prepare_teacher_compute(args, self.teacher_model, members)
         return self.member_source(self.kind, Member(self.teacher_model, args.kd_teacher_url,
                                                     args.kd_teacher_protocol, self.xtok))  # fmt: skip
 
