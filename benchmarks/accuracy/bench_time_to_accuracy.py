@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import tempfile
 import time
 import traceback
@@ -125,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dataloader-workers", type=int, default=0, help="every recipe's dataloader_num_workers (ours "
                    "and TRL's alike): rows read, tokenized and collated beside the steps")  # fmt: skip
+    p.add_argument("--kd-patch-config", type=json.loads, default=None, help="our students' kernel toggles, JSON "
+                   "(KDTrainingArguments.kd_patch_config), e.g. '{\"rope\": false, \"swiglu\": false, \"rms_norm\": "
+                   "false}': the fused loss without the small kernels, whose launches cost a tiny model's host more "
+                   "than they save")
     p.add_argument("--no-teacher-graphs", action="store_true", help="our in-process teacher runs eagerly "
                    "(without it, on a GPU, kd_teacher_cuda_graphs replays its forward from CUDA graphs)")
     p.add_argument("--phases", action="store_true", help="time each recipe's steps by phase (the batch and its "
@@ -391,7 +396,7 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
 
         from liger_patch_kd import KDTrainingArguments, apply_kd_patch
 
-        apply_kd_patch(model=student)
+        apply_kd_patch(model=student, **(a.kd_patch_config or {}))
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, {}), remove_unused_columns=False)
         trainer = Trainer(model=student, args=args, train_dataset=data["token_rows"], callbacks=[clock],
                           data_collator=lambda rows: completion_batch(
@@ -403,7 +408,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         kd = {k: v for k, v in RECIPES[name].items() if k != "learning_rate"}
         if kd.get("kd_store_refresh_steps"):
             kd["kd_teacher_cuda_graphs"] = teacher_graphs(a, device)
-        args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True, **kd)
+        args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
+                                   kd_patch_config=a.kd_patch_config, **kd)  # fmt: skip
         trainer = KDTrainer(model=student, teacher_model=teacher if args.kd_store_refresh_steps else None, args=args,
                             train_dataset=TeacherLogprobsDataset(store[0]), processing_class=tok,
                             callbacks=[clock])  # fmt: skip
@@ -416,7 +422,8 @@ def train_recipe(name: str, a, data, student, teacher, seed: int, device, *, ste
         else:
             kd["kd_teacher_cuda_graphs"] = teacher_graphs(a, device)
         args = KDTrainingArguments(**shared_args(a, device, seed, steps, RECIPES[name]), use_kd_patch=True,
-                                   kd_max_new_tokens=data["max_new_tokens"], **kd)  # fmt: skip
+                                   kd_max_new_tokens=data["max_new_tokens"], kd_patch_config=a.kd_patch_config,
+                                   **kd)  # fmt: skip
         rows = data["prompt_rows"] if name in PROMPTS_ONLY else data["rows"]
         trainer = KDTrainer(model=student, teacher_model=None if name == SERVED_GKD else teacher, args=args,
                             train_dataset=rows, processing_class=tok, callbacks=[clock])  # fmt: skip
