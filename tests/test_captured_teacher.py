@@ -19,6 +19,8 @@ from liger_patch_kd.trainer.teachers.compute import capture_teachers
 from .test_trainer import _args, _dataset, _losses
 from .tiny_models import VOCAB, tiny_model
 
+pytestmark = pytest.mark.usefixtures("clean_patches")  # KDTrainer(use_kd_patch=True) patches the student's classes
+
 
 def _teacher(dtype=torch.float64, device="cpu"):
     teacher = tiny_model("llama", dtype=dtype, seed=2, hidden=96).to(device).eval().requires_grad_(False)

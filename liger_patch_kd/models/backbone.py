@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .captured_backbone import replay_backbone
+from .captured_backbone import CAPTURED_ATTR
 from .registry import REGISTRY, ArchSpec
 from .spec import spec_for_model
 from .state import unwrap_model
@@ -97,9 +97,11 @@ def run_backbone(
         else spec.is_vlm and "labels" in inspect.signature(backbone.forward).parameters
     ):
         kwargs = {**kwargs, "labels": labels}
-    replayed = replay_backbone(model, backbone, input_ids, attention_mask, kwargs)  # captured_backbone.py
-    if replayed is not None:
-        return replayed
+    captured = model.__dict__.get(CAPTURED_ATTR)  # a teacher replayed from CUDA graphs (captured_backbone.py)
+    if captured is not None:
+        replayed = captured.replay(model, backbone, input_ids, attention_mask, kwargs)
+        if replayed is not None:
+            return replayed
     return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 

@@ -22,7 +22,6 @@ the graph is tested against.
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,9 @@ CAPTURES = ("graph", "eager")
 LENGTH_MULTIPLE = 64  # generated batches of every length share a graph per 64 positions
 MAX_GRAPHS = 8  # shapes kept; the least recently replayed goes first
 
-_CAPTURED: weakref.WeakKeyDictionary[nn.Module, CapturedBackbone] = weakref.WeakKeyDictionary()
+# The model instance's attribute holding its CapturedBackbone: read by run_backbone with a dict lookup, so the
+# forward of a model that has none takes no extra call.
+CAPTURED_ATTR = "__liger_kd_captured__"
 
 
 @dataclass
@@ -69,6 +70,21 @@ class CapturedBackbone:
         self.captures = 0  # graphs captured so far (tests and logs read it)
         self.refused: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self._pool = None
+
+    def replay(self, model: nn.Module, backbone: nn.Module, input_ids, attention_mask, kwargs: dict):
+        """The backbone's output from the graphs, or None where they do not apply (the caller runs it eagerly): no
+        gradients, the model in eval mode, 2-D token ids, no mask and no keyword beyond `use_cache` off."""
+        if (
+            torch.is_grad_enabled()
+            or model.training
+            or attention_mask is not None
+            or not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or any(v is not None and not (k == "use_cache" and v is False) for k, v in kwargs.items())
+        ):
+            return None
+        hidden = self.run(model, backbone, input_ids)
+        return None if hidden is None else BaseModelOutputWithPast(last_hidden_state=hidden)
 
     def run(self, model: nn.Module, backbone: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The last hidden states (rows, length, hidden) of `backbone` on `input_ids`, or None where this shape
@@ -148,32 +164,14 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
         devices = {p.device.type for p in inner.parameters()}
         capture = "graph" if devices == {"cuda"} else "eager"
     captured = CapturedBackbone(capture, **options)
-    _CAPTURED[inner] = captured
+    inner.__dict__[CAPTURED_ATTR] = captured  # not a submodule, not a parameter: state_dict and .to() ignore it
     return captured
 
 
 def disable_captured_backbone(model: nn.Module) -> None:
     """Back to the eager forward; the graphs and their memory are released."""
-    _CAPTURED.pop(unwrap_model(model), None)
+    unwrap_model(model).__dict__.pop(CAPTURED_ATTR, None)
 
 
 def captured_backbone_of(model: nn.Module) -> CapturedBackbone | None:
-    return _CAPTURED.get(model)
-
-
-def replay_backbone(model: nn.Module, backbone: nn.Module, input_ids, attention_mask, kwargs: dict):
-    """The backbone's output from `model`'s graphs, or None where they do not apply (the caller runs it eagerly):
-    no gradients, 2-D token ids, no mask and no keyword beyond `use_cache` off."""
-    captured = _CAPTURED.get(model)
-    if (
-        captured is None
-        or torch.is_grad_enabled()
-        or model.training
-        or attention_mask is not None
-        or not isinstance(input_ids, torch.Tensor)
-        or input_ids.dim() != 2
-        or any(v is not None and not (k == "use_cache" and v is False) for k, v in kwargs.items())
-    ):
-        return None
-    hidden = captured.run(model, backbone, input_ids)
-    return None if hidden is None else BaseModelOutputWithPast(last_hidden_state=hidden)
+    return unwrap_model(model).__dict__.get(CAPTURED_ATTR)
