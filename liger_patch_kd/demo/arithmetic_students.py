@@ -55,7 +55,7 @@ class ArithmeticDemoSizes:
     held_out: int = 150  # all different, of the 180 or so the split holds out
     teacher_hidden: int = 96
     teacher_layers: int = 3
-    teacher_steps: int = 350
+    teacher_steps: int = 500
     teacher_lr: float = 3e-3
     student_hidden: int = 64
     student_layers: int = 2
