@@ -203,3 +203,48 @@ def test_every_in_process_member_of_a_teacher_set_is_captured(tmp_path):
     assert all(c is None for c in captured[False].values())
     assert all(c is not None and c.captures >= 1 for c in captured[True].values()), captured[True]
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_a_forward_that_cannot_be_captured_runs_eagerly_and_leaves_the_device_usable(caplog):
+    """A forward that waits on the GPU while captured (a .item() in a hook; a hook that synchronises) fails its
+    capture, which must not leave torch's CUDA generator marked as capturing (every random op would fail after
+    it). Both run eagerly, to the bit, and a later capture works."""
+    teacher = _teacher(torch.bfloat16, "cuda")
+    ids = torch.randint(1, VOCAB, (2, 12), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    want = _hidden(teacher, ids).clone()
+    layer = teacher.model.layers[0]
+    def read_back(module, args):  # a host sync inside the forward (returns None: the inputs stay as they are)
+        float(args[0].sum())
+
+    hook = layer.register_forward_pre_hook(read_back)
+    captured = enable_captured_backbone(teacher)
+    try:
+        with caplog.at_level("WARNING"):
+            torch.testing.assert_close(_hidden(teacher, ids), want, rtol=0, atol=0)
+        assert captured.captures == 0 and len(captured.refused) == 1
+        assert any("could not be captured" in r.getMessage() for r in caplog.records)
+        torch.randint(0, 10, (4,), device="cuda")  # the generator works outside a capture again
+    finally:
+        hook.remove()
+
+    def sync_while_captured(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+
+    hook = layer.register_forward_pre_hook(sync_while_captured)
+    captured = enable_captured_backbone(teacher)
+    try:
+        torch.testing.assert_close(_hidden(teacher, ids), want, rtol=0, atol=0)
+        assert captured.captures == 0 and len(captured.refused) == 1
+        torch.randint(0, 10, (4,), device="cuda")  # the generator works outside a capture again
+        torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
+    finally:
+        hook.remove()
+    captured = enable_captured_backbone(teacher)  # and a later capture works
+    try:
+        torch.testing.assert_close(_hidden(teacher, ids).float(), want.float(), rtol=2**-6, atol=2**-6)
+        assert captured.captures == 1
+    finally:
+        disable_captured_backbone(teacher)

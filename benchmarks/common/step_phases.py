@@ -18,7 +18,9 @@ import torch
 
 
 def drain(device: torch.device) -> None:
-    if device.type == "cuda":
+    """Wait for the device, except inside a CUDA graph's capture (a teacher's, models.captured_backbone), where waiting
+    is not allowed: a phase there is timed undrained."""
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         torch.cuda.synchronize(device)
 
 

@@ -123,7 +123,7 @@ class CapturedBackbone:
         else:
             try:
                 graph, hidden = _capture(backbone, static_ids, self._graph_pool())
-            except RuntimeError as err:  # a host sync or another uncapturable op inside the model's forward
+            except RuntimeError as err:  # an op a capture refuses (a host sync in the forward or a hook, say)
                 self.refused.add(key)
                 logger.warning("the teacher's forward could not be captured for shape %s (%s): it runs eagerly",
                                tuple(static_ids.shape), str(err).splitlines()[0])  # fmt: skip
@@ -139,21 +139,41 @@ class CapturedBackbone:
         return self._pool
 
 
+def _autocast_as_now(device: torch.device):
+    """The caller's autocast, with its cast cache off (see the module docstring)."""
+    return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type),
+                          enabled=torch.is_autocast_enabled(device.type), cache_enabled=False)  # fmt: skip
+
+
 def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, torch.Tensor]:
     device = input_ids.device
-    kwargs = {"input_ids": input_ids, "attention_mask": None, "use_cache": False}
-    autocast = torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type),
-                              enabled=torch.is_autocast_enabled(device.type), cache_enabled=False)  # fmt: skip
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), autocast:  # warm-up: lazy initialisation, kernel compilation, library handles
+    with torch.cuda.stream(side), _autocast_as_now(device):  # warm-up: lazy initialisation, compilation, handles
         for _ in range(2):
-            backbone(**kwargs)
+            backbone(input_ids=input_ids, attention_mask=None, use_cache=False)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), autocast:
-        hidden = backbone(**kwargs).last_hidden_state
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), _autocast_as_now(device):
+            hidden = backbone(input_ids=input_ids, attention_mask=None, use_cache=False).last_hidden_state
+    except RuntimeError:
+        _end_generator_capture(device)
+        raise
     return graph, hidden
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """A capture that fails ends before torch's CUDA generator hears that it ended (capture_end raises first), and
+    every random op on the device fails after it ("Offset increment outside graph capture"). A capture that
+    succeeds, on a side stream, tells the generator it ended."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            torch.zeros(1, device=device)
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def enable_captured_backbone(model: nn.Module, capture: str | None = None, **options) -> CapturedBackbone:
