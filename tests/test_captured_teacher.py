@@ -248,3 +248,24 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_leaves_the_device_us
         assert captured.captures == 1
     finally:
         disable_captured_backbone(teacher)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "default"}])
+def test_lengths_are_not_padded_where_the_position_encoding_follows_them(rope):
+    """RoPE "dynamic" changes its frequencies past the trained length: a padded length would change every real
+    position's encoding, so such a model's lengths are captured as they are; no model's past its trained length."""
+    teacher = tiny_model("llama", seed=2, hidden=96, rope_scaling={**rope, "rope_theta": 10000.0}).eval()
+    teacher.config.max_position_embeddings = 20  # the trained length the tiny config leaves at its default
+    teacher.set_attn_implementation("sdpa")
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    try:
+        ids = torch.randint(1, VOCAB, (2, 18), generator=torch.Generator().manual_seed(3))
+        got = _hidden(teacher, ids)
+        width = next(iter(captured.entries.values())).input_ids.shape[1]
+        assert width == (18 if rope["rope_type"] == "dynamic" else 20)  # 24 would cross the trained length
+        with torch.no_grad():
+            torch.testing.assert_close(got, teacher.model(ids, use_cache=False).last_hidden_state, rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
+    finally:
+        disable_captured_backbone(teacher)
+

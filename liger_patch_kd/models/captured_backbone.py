@@ -9,7 +9,9 @@ end of rows; no position ids, cache or vision inputs); anything else runs eagerl
 Shapes: the rows are captured as they come, the length is rounded up to `length_multiple` so that generated
 batches of every length share a few graphs. The padded tail holds valid ids and is never read back: attention is
 causal, so no real position sees it. The products then run on more rows than the batch has, which may round
-differently from the eager forward (cuBLAS picks its kernel by shape): equal to rounding, not to the bit.
+differently from the eager forward (cuBLAS picks its kernel by shape): equal to rounding, not to the bit. Where
+the position encoding depends on the sequence's length (RoPE scaled "dynamic" or "longrope": the frequencies change
+past the trained length) the length is not padded, and it is never padded past the model's trained length.
 
 The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_)
 is what the next replay computes with. Parameters moved to new storage (`.to(dtype)`, a reload) are seen by their
@@ -38,6 +40,7 @@ logger = logging.get_logger(__name__)
 CAPTURES = ("graph", "eager")
 LENGTH_MULTIPLE = 64  # generated batches of every length share a graph per 64 positions
 MAX_GRAPHS = 8  # shapes kept; the least recently replayed goes first
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # RoPE scalings whose frequencies depend on the sequence's length
 
 # The model instance's attribute holding its CapturedBackbone: read by run_backbone with a dict lookup, so the
 # forward of a model that has none takes no extra call.
@@ -64,6 +67,7 @@ class CapturedBackbone:
             )
         self.capture = capture
         self.length_multiple = length_multiple
+        self.trained_length: int | None = None  # set by enable_captured_backbone from the model's config
         self.max_graphs = max_graphs
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.parameters_at: tuple[int, ...] | None = None
@@ -91,6 +95,8 @@ class CapturedBackbone:
         cannot be captured (the caller then runs the backbone itself)."""
         rows, length = input_ids.shape
         padded = -(-length // self.length_multiple) * self.length_multiple
+        if self.trained_length is not None:  # never across the trained length (the module docstring)
+            padded = max(length, min(padded, self.trained_length))
         key = (rows, padded, input_ids.device, torch.is_autocast_enabled(input_ids.device.type),
                torch.get_autocast_dtype(input_ids.device.type))  # fmt: skip
         if key in self.refused:
@@ -183,7 +189,16 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     if capture is None:
         devices = {p.device.type for p in inner.parameters()}
         capture = "graph" if devices == {"cuda"} else "eager"
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:  # its frequencies follow the length: no padding at all
+        options["length_multiple"] = 1
     captured = CapturedBackbone(capture, **options)
+    captured.trained_length = getattr(text, "original_max_position_embeddings", None) or getattr(
+        text, "max_position_embeddings", None
+    )
     inner.__dict__[CAPTURED_ATTR] = captured  # not a submodule, not a parameter: state_dict and .to() ignore it
     return captured
 
