@@ -269,3 +269,14 @@ def test_lengths_are_not_padded_where_the_position_encoding_follows_them(rope):
     finally:
         disable_captured_backbone(teacher)
 
+
+def test_a_model_that_attends_both_ways_is_not_padded():
+    teacher = _teacher()
+    teacher.config.use_bidirectional_attention = True  # the padded tail would be seen by every real position
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    try:
+        _hidden(teacher, torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4)))
+        assert next(iter(captured.entries.values())).input_ids.shape[1] == 5
+    finally:
+        disable_captured_backbone(teacher)
+

@@ -11,7 +11,8 @@ batches of every length share a few graphs. The padded tail holds valid ids and 
 causal, so no real position sees it. The products then run on more rows than the batch has, which may round
 differently from the eager forward (cuBLAS picks its kernel by shape): equal to rounding, not to the bit. Where
 the position encoding depends on the sequence's length (RoPE scaled "dynamic" or "longrope": the frequencies change
-past the trained length) the length is not padded, and it is never padded past the model's trained length.
+past the trained length), or attention is not causal, the length is not padded; it is never padded past the
+model's trained length.
 
 The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_)
 is what the next replay computes with. Parameters moved to new storage (`.to(dtype)`, a reload) are seen by their
@@ -193,7 +194,8 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type in LENGTH_DEPENDENT_ROPE:  # its frequencies follow the length: no padding at all
+    bidirectional = getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False
+    if rope_type in LENGTH_DEPENDENT_ROPE or bidirectional:  # the length shows in every position: no padding
         options["length_multiple"] = 1
     captured = CapturedBackbone(capture, **options)
     captured.trained_length = getattr(text, "original_max_position_embeddings", None) or getattr(
