@@ -130,11 +130,43 @@ def test_refusals_name_the_option_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="kd_teacher_cuda_graphs replays an in-process teacher_model.*pass teacher_m"):
         KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), train_dataset=_dataset(),
                   args=_args(tmp_path, use_kd_patch=True, kd_teacher_cuda_graphs=True))  # fmt: skip
-    sharded = SimpleNamespace(kd_self_distill=False, fsdp="full_shard", deepspeed=None)
+    sharded = SimpleNamespace(kd_self_distill=False, fsdp="full_shard", deepspeed=None, use_kd_patch=True,
+                              kd_patch_config=None)  # fmt: skip
     with pytest.raises(ValueError, match="cannot replay a teacher sharded by FSDP / DeepSpeed"):
         capture_teachers(sharded, (_teacher(),))
+    with pytest.raises(ValueError, match="kd_teacher_cuda_graphs replays the teacher's decoder inside the fused loss"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=_teacher(torch.float32),
+                  train_dataset=_dataset(), args=_args(tmp_path, kd_teacher_cuda_graphs=True))  # fmt: skip
+    with pytest.raises(ValueError, match="without it .use_kd_patch=False, or kd_patch_config fused_linear_jsd"):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=_teacher(torch.float32),
+                  train_dataset=_dataset(), args=_args(tmp_path, use_kd_patch=True, kd_teacher_cuda_graphs=True,
+                                                       kd_patch_config={"fused_linear_jsd": False}))  # fmt: skip
     with pytest.raises(ValueError, match="capture must be one of"):
         enable_captured_backbone(_teacher(), capture="compiled")
+    for bad in (None, 2.5, True, 0):
+        with pytest.raises(ValueError, match="length_multiple and max_graphs must be whole numbers >= 1"):
+            enable_captured_backbone(_teacher(), capture="eager", length_multiple=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"capture='graph' needs the model on a CUDA device.*\['cpu'\]"):
+            enable_captured_backbone(_teacher(), capture="graph")
+
+
+def test_inference_mode_and_no_grad_calls_keep_their_own_buffers():
+    """A call under inference_mode makes inference tensors; a later no_grad call of the same shape must not write
+    into them (torch refuses an in-place update of an inference tensor outside inference mode)."""
+    teacher = _teacher()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    want = _hidden(teacher, ids)
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    try:
+        with torch.inference_mode():
+            first = run_backbone(teacher, ids, None, {}).last_hidden_state
+        second = _hidden(teacher, ids)
+        assert captured.captures == 2
+        for got in (first, second):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        disable_captured_backbone(teacher)
 
 
 @pytest.mark.gpu

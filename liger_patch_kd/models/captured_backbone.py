@@ -14,10 +14,11 @@ the position encoding depends on the sequence's length (RoPE scaled "dynamic" or
 past the trained length), or attention is not causal, the length is not padded; it is never padded past the
 model's trained length.
 
-The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_)
-is what the next replay computes with. Parameters moved to new storage (`.to(dtype)`, a reload) are seen by their
-addresses and the graphs are captured again. Autocast is part of a graph's key, and its cast cache is off while
-capturing (a cached cast would be freed when the caller's autocast region ends, under the graph's feet).
+The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_) is
+what the next replay computes with. Parameters or buffers moved to new storage (`.to(dtype)`, a reload) are seen by
+their addresses and the graphs are captured again. A replay returns a view of the graph's output buffer, which the next
+replay of that shape overwrites: what the caller keeps, it clones. Autocast is part of a graph's key, and its cast cache
+is off while capturing (a cached cast would be freed when the caller's autocast region ends, under the graph's feet).
 
 `capture="eager"` runs the same padded buffers op by op instead of replaying: what a CPU runs, and the reference
 the graph is tested against.
@@ -61,10 +62,10 @@ class CapturedBackbone:
     def __init__(self, capture: str = "graph", length_multiple: int = LENGTH_MULTIPLE, max_graphs: int = MAX_GRAPHS):
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}; got capture={capture!r}")
-        if length_multiple < 1 or max_graphs < 1:
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (length_multiple, max_graphs)):
             raise ValueError(
-                f"length_multiple and max_graphs must be >= 1; got length_multiple={length_multiple}, "
-                f"max_graphs={max_graphs}"
+                f"length_multiple and max_graphs must be whole numbers >= 1; got length_multiple={length_multiple!r}, "
+                f"max_graphs={max_graphs!r}"
             )
         self.capture = capture
         self.length_multiple = length_multiple
@@ -93,17 +94,19 @@ class CapturedBackbone:
 
     def run(self, model: nn.Module, backbone: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The last hidden states (rows, length, hidden) of `backbone` on `input_ids`, or None where this shape
-        cannot be captured (the caller then runs the backbone itself)."""
+        cannot be captured (the caller then runs the backbone itself). From a graph they are a view of its output
+        buffer, which the next replay of that shape overwrites: clone them to keep them (the fused loss reads
+        them at once)."""
         rows, length = input_ids.shape
         padded = -(-length // self.length_multiple) * self.length_multiple
         if self.trained_length is not None:  # never across the trained length (the module docstring)
             padded = max(length, min(padded, self.trained_length))
         key = (rows, padded, input_ids.device, torch.is_autocast_enabled(input_ids.device.type),
-               torch.get_autocast_dtype(input_ids.device.type))  # fmt: skip
+               torch.get_autocast_dtype(input_ids.device.type), torch.is_inference_mode_enabled())  # fmt: skip
         if key in self.refused:
             return None
-        at = tuple(p.data_ptr() for p in model.parameters())
-        if at != self.parameters_at:  # parameters moved: every graph reads the old addresses
+        at = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+        if at != self.parameters_at:  # parameters or buffers moved: every graph reads the old addresses
             self.entries.clear()
             self.parameters_at = at
         entry = self.entries.get(key)
@@ -187,9 +190,14 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     """Have `model`'s KD forward replay its decoder from CUDA graphs when it runs without gradients on tokens alone
     (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given."""
     inner = unwrap_model(model)
+    devices = {p.device.type for p in inner.parameters()}
     if capture is None:
-        devices = {p.device.type for p in inner.parameters()}
         capture = "graph" if devices == {"cuda"} else "eager"
+    elif capture == "graph" and devices != {"cuda"}:
+        raise ValueError(
+            f"capture='graph' needs the model on a CUDA device; its parameters are on {sorted(devices)}: move it "
+            f"first, or leave capture=None (eager off CUDA)"
+        )
     config = getattr(inner, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}

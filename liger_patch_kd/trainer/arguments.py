@@ -313,8 +313,8 @@ class KDTrainingArguments(TrainingArguments):
                   "rounded up to 64): one launch instead of hundreds, for teachers small enough that the host, not "
                   "the GPU, sets their speed. Applies where the teacher runs on the student's tokens alone (an SDPA "
                   "teacher on right-padded rows, no packing); other batches run eagerly. Equal to the eager forward "
-                  "up to rounding. Not with FSDP / DeepSpeed (a sharded teacher gathers its weights in hooks); on a "
-                  "CPU it runs eagerly (logged)."},
+                  "up to rounding. Needs the fused loss (use_kd_patch=True); not with FSDP / DeepSpeed (a sharded "
+                  "teacher gathers its weights in hooks); on a CPU it runs eagerly (logged)."},
     )
     kd_teacher_logits_fp8: bool = field(
         default=False,

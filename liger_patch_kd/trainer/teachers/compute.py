@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 from transformers.utils import logging
 
+from ...distributed import spread_as
 from ...models import apply_teacher_precision, disable_captured_backbone, enable_captured_backbone
 
 logger = logging.get_logger(__name__)
@@ -48,10 +49,18 @@ def capture_teachers(args: Any, models: tuple[nn.Module, ...]) -> None:
             "kd_teacher_cuda_graphs replays an in-process teacher_model's forward; this run has none (offline data, "
             "a teacher server or self-distillation): pass teacher_model, or leave kd_teacher_cuda_graphs=False"
         )
-    if args.fsdp or args.deepspeed:
+    if not args.use_kd_patch or not (args.kd_patch_config or {}).get("fused_linear_jsd", True):
         raise ValueError(
-            "kd_teacher_cuda_graphs cannot replay a teacher sharded by FSDP / DeepSpeed (its weights are gathered "
-            "by hooks at every forward): leave kd_teacher_cuda_graphs=False with fsdp / deepspeed"
+            "kd_teacher_cuda_graphs replays the teacher's decoder inside the fused loss; without it (use_kd_patch="
+            "False, or kd_patch_config fused_linear_jsd=False) the teacher runs its own forward for its logits: set "
+            "use_kd_patch=True, or leave kd_teacher_cuda_graphs=False"
+        )
+    sharded = [spread_as(model) for model in models]
+    if args.fsdp or args.deepspeed or any(way in ("FSDP1", "FSDP2", "ZeRO-3") for way in sharded):
+        raise ValueError(
+            f"kd_teacher_cuda_graphs cannot replay a teacher sharded by FSDP / DeepSpeed (here: "
+            f"{[w for w in sharded if w] or 'fsdp / deepspeed options'}; its weights are gathered by hooks at every "
+            f"forward): leave kd_teacher_cuda_graphs=False with FSDP / DeepSpeed"
         )
     captures = [enable_captured_backbone(model).capture for model in models]
     if "eager" in captures:
