@@ -448,3 +448,13 @@ def test_collation_of_any_row_kinds_equals_padding_each_row_in_python(batch):
                 got["teacher_logprobs"].double().tolist()
                 == torch.tensor(want["teacher_logprobs"]).to(dtype).double().tolist()
             )
+
+
+def test_rows_packed_with_position_ids_are_refused_not_padded_as_one_sequence():
+    """A row holding several sequences (its position_ids restart at each) padded as one sequence would let every
+    token attend to the sequences before it: a different objective, silently. One line names the collator that
+    packs instead."""
+    rows = [{"input_ids": torch.tensor([5, 6, 7, 8]), "labels": torch.tensor([5, 6, 7, 8]),
+             "position_ids": torch.tensor([0, 1, 0, 1])}]  # fmt: skip
+    with pytest.raises(ValueError, match="carry position_ids.*DataCollatorWithFlattening"):
+        TD.TeacherDataCollator()(rows)

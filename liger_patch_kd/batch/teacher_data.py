@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .columns import (
+    POSITION_IDS,
     TEACHER_LOGPROBS,
     TEACHER_SAMPLE_COUNTS,
     TEACHER_SAMPLE_IDS,
@@ -40,6 +41,12 @@ class TeacherDataCollator:
     ignore_index: int = -100
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if features and POSITION_IDS in features[0]:  # dropping them would attend across the packed sequences
+            raise ValueError(
+                "TeacherDataCollator: the rows carry position_ids (sequences packed into one row); it pads rows "
+                "one sequence each and would attend across the packed ones: give unpacked rows with data_collator="
+                "DataCollatorWithFlattening(return_position_ids=True) (it packs them), or drop the column"
+            )
         joined = joined_rows([f["input_ids"] for f in features])
         if joined is not None and joined.values.dtype.kind == "i":  # a store's items: whole columns at once
             seqs, lengths = joined, joined.lengths
