@@ -52,14 +52,15 @@ CAPTURED_ATTR = "__liger_kd_captured__"
 @dataclass
 class _Entry:
     input_ids: torch.Tensor  # (rows, padded length): the static input the graph reads
-    hidden: torch.Tensor | None  # the static output the graph writes (None until captured)
+    hidden: torch.Tensor | None  # the static output the graph writes (None for the eager capture)
     graph: Any  # torch.cuda.CUDAGraph, or None for the eager capture
 
 
 class CapturedBackbone:
     """The graphs of one model: `run(backbone, input_ids)` is `backbone(input_ids=...).last_hidden_state`."""
 
-    def __init__(self, capture: str = "graph", length_multiple: int = LENGTH_MULTIPLE, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, capture: str = "graph", length_multiple: int = LENGTH_MULTIPLE, max_graphs: int = MAX_GRAPHS,
+                 trained_length: int | None = None):  # fmt: skip
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}; got capture={capture!r}")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (length_multiple, max_graphs)):
@@ -69,7 +70,7 @@ class CapturedBackbone:
             )
         self.capture = capture
         self.length_multiple = length_multiple
-        self.trained_length: int | None = None  # set by enable_captured_backbone from the model's config
+        self.trained_length = trained_length  # no padded length goes past it (the module docstring)
         self.max_graphs = max_graphs
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.parameters_at: tuple[int, ...] | None = None
@@ -205,10 +206,10 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     bidirectional = getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False
     if rope_type in LENGTH_DEPENDENT_ROPE or bidirectional:  # the length shows in every position: no padding
         options["length_multiple"] = 1
-    captured = CapturedBackbone(capture, **options)
-    captured.trained_length = getattr(text, "original_max_position_embeddings", None) or getattr(
+    trained_length = getattr(text, "original_max_position_embeddings", None) or getattr(
         text, "max_position_embeddings", None
     )
+    captured = CapturedBackbone(capture, trained_length=trained_length, **options)
     inner.__dict__[CAPTURED_ATTR] = captured  # not a submodule, not a parameter: state_dict and .to() ignore it
     return captured
 

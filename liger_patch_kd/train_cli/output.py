@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..utils.paths import file_in_the_way
+
 RECORD = "liger_kd_train.json"  # the files the last `liger-kd train` run saved in its --output_dir
 MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
@@ -41,7 +43,7 @@ def check_output_dir(output_dir: str, models: dict[str, str | None], overwrite: 
     (`models`: option -> name or path), or a folder holding model or tokenizer files no `liger-kd train` run saved.
     A path that is a file (or under one) is no folder at all, overwrite or not: the save would fail after the run."""
     out = Path(output_dir).expanduser()
-    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    blocking = file_in_the_way(out)
     if blocking is not None:
         what = "is a file" if blocking == out else f"is under {blocking}, a file"
         raise ValueError(f"--output_dir {output_dir}: {what}, not a folder; give a folder's path (made if missing) "

@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+from ...utils.paths import file_in_the_way
 from .manifest import MANIFEST, TeacherStoreError, read_manifest
 from .shard import sha256_file
 
@@ -102,12 +103,12 @@ def check_store_folder(out_dir: str | Path) -> None:
     Recorded ones are an interrupted run's, which a rerun starts over. A folder with a manifest is a store to resume:
     its manifest is read here (a damaged one fails now)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
+    blocking = file_in_the_way(out_dir)  # the folder could never be made: found now, not at the first shard
+    if blocking == out_dir:
         raise TeacherStoreError(f"--out {out_dir} is a file, not a folder: pass a folder for the store")
-    above = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
-    if above is not None:  # the folder could never be made: found now, not when the first shard is written
-        raise TeacherStoreError(f"--out {out_dir} is under {above}, a file, so no folder can be made there: pass a "
-                                f"folder for the store")  # fmt: skip
+    if blocking is not None:
+        raise TeacherStoreError(f"--out {out_dir} is under {blocking}, a file, so no folder can be made there: pass "
+                                f"a folder for the store")  # fmt: skip
     if not out_dir.is_dir():
         return
     _, taken = leftovers(out_dir)
