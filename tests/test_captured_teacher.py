@@ -312,3 +312,36 @@ def test_a_model_that_attends_both_ways_is_not_padded():
     finally:
         disable_captured_backbone(teacher)
 
+
+
+def _resumable_run(out, max_steps, device, resume=None, **overrides):
+    """A KDTrainer run with the captured teacher, saving every 2 steps; its logged losses."""
+    on_gpu = device == "cuda"
+    trainer = KDTrainer(
+        model=tiny_model("llama", dtype=torch.float32, seed=1).to(device),
+        teacher_model=_teacher(torch.float32, device),
+        args=_args(out, use_kd_patch=True, max_steps=max_steps, kd_teacher_cuda_graphs=True, save_strategy="steps",
+                   save_steps=2, use_cpu=not on_gpu, bf16=on_gpu, **overrides),
+        train_dataset=_dataset(),
+    )  # fmt: skip
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        assert captured_backbone_of(trainer.teacher_model).captures >= 1
+        return _losses(trainer)
+    finally:
+        disable_captured_backbone(trainer.teacher_model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")])])  # fmt: skip
+def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(tmp_path, device):
+    """4 steps in one run (saving at step 2), and a new Trainer resumed from its step-2 checkpoint to step 4: the
+    resumed run's teacher is captured afresh (a new Trainer's teacher) and its last steps log the uninterrupted
+    run's losses, up to fp32 rounding (the resumed student's weights come back from the checkpoint's file)."""
+    whole = _resumable_run(tmp_path / "whole", 4, device)
+    resumed = _resumable_run(tmp_path / "resumed", 4, device, resume=str(tmp_path / "whole" / "out" / "checkpoint-2"))
+    # the resumed run's history starts with the checkpoint's two logged steps
+    assert len(whole) == 4 and resumed[:2] == whole[:2] and len(resumed) == 4
+    # on the GPU, bf16 autocast and SDPA's backward (atomics) round differently from run to run
+    tolerance = dict(rtol=1e-5, atol=1e-7) if device == "cpu" else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(torch.tensor(resumed[2:]), torch.tensor(whole[2:]), **tolerance)
