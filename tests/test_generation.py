@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from liger_patch_kd.generation import Sampling, decode, release_sessions
-from liger_patch_kd.generation.engine import CAPTURES, session_for, session_of
+from liger_patch_kd.generation.engine import CAPTURES, session_of, sessions_of
 from liger_patch_kd.generation.sampling import draw, filtered_scores
 
 from .tiny_models import tiny_model
@@ -98,13 +98,39 @@ def test_without_eos_every_row_runs_to_max_new_tokens_and_sessions_are_reused():
     torch.manual_seed(0)
     first, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
     assert first.shape == (5, 6)
-    key_before = session_for.__globals__["_SESSIONS"][model].key
+    key_before = session_of(model).key
     torch.manual_seed(0)
     again, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
-    assert session_for.__globals__["_SESSIONS"][model].key == key_before  # the same bucket: the same session
+    assert session_of(model).key == key_before  # the same bucket: the same session
     assert torch.equal(first, again)  # a seed gives the same tokens, whatever the session held before
     release_sessions(model)
-    assert model not in session_for.__globals__["_SESSIONS"]
+    assert session_of(model) is None and sessions_of(model) == []
+
+
+def test_two_buckets_alternate_without_rebuilding_and_a_third_releases_the_oldest():
+    """A run's rollouts (sampling) and an evaluation's greedy decode between its steps keep a session each
+    (KEEP_SESSIONS = 2): alternating reuses both, the tokens are those of a fresh session; a third bucket releases
+    the least recently used; parameters moved to new storage drop the old storage's sessions."""
+    model = _model("llama", torch.float64, seed=2)
+    ids, mask = _prompts()
+    greedy = Sampling(temperature=0.0)
+    torch.manual_seed(0)
+    sampled, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
+    rollouts = session_of(model)
+    evaluation_tokens, _ = decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0)
+    evaluation = session_of(model)
+    assert evaluation is not rollouts and sessions_of(model) == [rollouts, evaluation]
+    torch.manual_seed(0)
+    again, _ = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0)
+    assert session_of(model) is rollouts and sessions_of(model) == [evaluation, rollouts]  # reused, now newest
+    assert torch.equal(again, sampled)  # what the session left from the other bucket's call changes nothing
+    assert torch.equal(decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0)[0], evaluation_tokens)
+    decode(model, ids[:3], mask[:3], max_new_tokens=6, sampling=greedy, pad_id=0)  # a third bucket: 3 rows
+    assert rollouts not in sessions_of(model) and sessions_of(model)[0] is evaluation  # the oldest went
+    model.to(torch.float32)  # new storage for every parameter
+    decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0)
+    assert len(sessions_of(model)) == 1 and session_of(model).key.storage[0] == next(model.parameters()).data_ptr()
+    release_sessions(model)
 
 
 def test_weights_updated_in_place_are_what_the_next_call_samples_from():
@@ -135,10 +161,10 @@ def test_the_cache_takes_the_dtype_keys_have_under_autocast(monkeypatch):
     ids, mask = _prompts()
     with torch.autocast("cpu", torch.bfloat16):
         tokens, _ = decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)
-    session = session_for.__globals__["_SESSIONS"][model]
+    session = session_of(model)
     assert tokens.shape == (5, 4) and session.cache.keys[0].dtype == seen[0] and session.key.key_dtype is torch.bfloat16
     decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0)  # no autocast: a new session
-    assert session_for.__globals__["_SESSIONS"][model].key.key_dtype is None
+    assert session_of(model).key.key_dtype is None
 
     cache = SlotCache(num_layers=1, rows=2, length=8, slot=torch.tensor([3]))
     keys = torch.randn(2, 1, 3, 4, dtype=torch.bfloat16)
@@ -330,7 +356,7 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
             decode(model, ids, mask, max_new_tokens=12, sampling=sampling, pad_id=0, capture=capture)[0]
         )
     assert torch.equal(runs["graph"][0], runs["eager"][0]) and torch.equal(runs["graph"][1], runs["eager"][0])
-    graph = session_for.__globals__["_SESSIONS"][model].graph
+    graph = session_of(model).graph
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -339,9 +365,9 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0).add_(torch.randn_like(p) * 0.3)
-    graph = session_for.__globals__["_SESSIONS"][model].graph
+    graph = session_of(model).graph
     got, _ = decode(model, ids, mask, max_new_tokens=12, sampling=greedy, pad_id=0, capture="graph")
-    assert session_for.__globals__["_SESSIONS"][model].graph is graph  # replayed, not recaptured
+    assert session_of(model).graph is graph  # replayed, not recaptured
     want, _ = reference(model, ids, mask, 12, greedy, 0, ())
     assert torch.equal(got, want)
     assert not math.isnan(float(got.sum()))

@@ -13,12 +13,14 @@ The session runs a twin of the model (kernel_twin.py: the same parameters, its o
 and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
 decode at the same speed, and the model itself (its training forward) is left as it is.
 
-A session (cache, buffers, graph) is kept per model for the latest bucket and reused by the next call of that
-bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
-optimizers do) is what the next call samples from. Parameters moved to new storage (a new model, a reload) change
-the session's key and a new one is built; a call of another bucket releases the one before (one session per model),
-and `release_sessions` frees them all; `release_if_large` frees one that would weigh on a training step's peak (the
-Trainer's in-process rollouts call it after each generation).
+Sessions (cache, buffers, graph) are kept per model for its latest KEEP_SESSIONS buckets and reused by the next
+call of a bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place
+(what optimizers do) is what the next call samples from. Two, so that a training run's rollouts and an evaluation's
+greedy decode between its steps alternate without either being built and captured again. Parameters moved to new
+storage (a new model, a reload) change the key: the sessions of the old storage are dropped and a new one is built;
+a call of a bucket beyond KEEP_SESSIONS releases the least recently used one first; `release_sessions` frees them
+all; `release_if_large` frees them when they would weigh on a training step's peak (the Trainer's in-process
+rollouts call it after each generation).
 
 A call given a `cancel` event (cancellation.py) reads it before the prefill and before each replay of the step, on
 the host, with no sync added: a set event ends the call with Cancelled. On CUDA the host runs ahead of the device by
@@ -32,6 +34,7 @@ import contextlib
 import inspect
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -279,47 +282,62 @@ def fused_draw_applies(key: SessionKey, device: torch.device) -> bool:
     return plain and select_backend(device) == "triton"
 
 
-_SESSIONS: weakref.WeakKeyDictionary[nn.Module, DecodeSession] = weakref.WeakKeyDictionary()
+KEEP_SESSIONS = 2  # buckets kept per model: a run's rollouts and an evaluation's decode between its steps
+# per model, its sessions by key, the least recently used first
+_SESSIONS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[SessionKey, DecodeSession]] = weakref.WeakKeyDictionary()
 
 
 def release_sessions(model: nn.Module | None = None) -> None:
-    """Free the KV cache and graph kept for `model` (every model's when None)."""
+    """Free the KV caches and graphs kept for `model` (every model's when None)."""
     if model is None:
         _SESSIONS.clear()
     else:
         _SESSIONS.pop(model, None)
 
 
-KEEP_FRACTION = 0.1  # a session kept between calls may hold this fraction of the memory the process holds beside it
+KEEP_FRACTION = 0.1  # a model's kept sessions may hold this fraction of the memory the process holds beside them
 
 
 def release_if_large(model: nn.Module, fraction: float = KEEP_FRACTION) -> bool:
-    """After a call between training steps: release `model`'s session when its KV cache, fused weights and buffers
-    exceed `fraction` of the CUDA memory allocated beside them, so that keeping it adds at most that fraction to the
-    training step's peak (which is at least that memory). Kept, the next call of the bucket replays the graph as it
-    is; released, it allocates and captures again (a small cost beside the call's generation). A 1B student at 64
-    rows of 1024 columns holds about a sixth of its run's memory: released; at 8 rows less than a tenth: kept.
-    Returns whether it released one."""
-    session = _SESSIONS.get(model)
-    if session is None or session.device.type != "cuda":
+    """After a call between training steps: release `model`'s sessions when their KV caches, fused weights and
+    buffers exceed `fraction` of the CUDA memory allocated beside them, so that keeping them adds at most that
+    fraction to the training step's peak (which is at least that memory). Kept, the next call of a bucket replays
+    its graph as it is; released, it allocates and captures again (a small cost beside the call's generation). A 1B
+    student at 64 rows of 1024 columns holds about a sixth of its run's memory: released; at 8 rows less than a
+    tenth: kept. Returns whether it released them."""
+    kept = [s for s in _SESSIONS.get(model, {}).values() if s.device.type == "cuda"]
+    if not kept:
         return False
-    held = session.nbytes()
-    if held <= fraction * (torch.cuda.memory_allocated(session.device) - held):
+    held = sum(s.nbytes() for s in kept)
+    if held <= fraction * (torch.cuda.memory_allocated(kept[0].device) - held):
         return False
     release_sessions(model)
     return True
 
 
 def session_of(model: nn.Module) -> DecodeSession | None:
-    """The session kept for `model` (its latest bucket), or None."""
-    return _SESSIONS.get(model)
+    """The session `model` used last, or None."""
+    kept = _SESSIONS.get(model)
+    return next(reversed(kept.values()), None) if kept else None
+
+
+def sessions_of(model: nn.Module) -> list[DecodeSession]:
+    """The sessions kept for `model`, the least recently used first."""
+    return list(_SESSIONS.get(model, {}).values())
 
 
 def session_for(model: nn.Module, key: SessionKey, device: torch.device) -> DecodeSession:
-    session = _SESSIONS.get(model)
-    if session is None or session.key != key:
-        _SESSIONS.pop(model, None)  # the former bucket's cache and graph go before the new ones are allocated
-        session = _SESSIONS[model] = DecodeSession(model, key, device)
+    """`model`'s session for `key`: the kept one, or a new one built after the sessions of other parameter storage
+    and those beyond KEEP_SESSIONS - 1 are released (their memory back before the new one allocates)."""
+    kept = _SESSIONS.setdefault(model, OrderedDict())
+    session = kept.pop(key, None)
+    if session is None:
+        for stale in [k for k in kept if k.storage != key.storage]:  # parameters moved: never replayed again
+            del kept[stale]
+        while len(kept) >= KEEP_SESSIONS:
+            kept.popitem(last=False)
+        session = DecodeSession(model, key, device)
+    kept[key] = session  # the most recently used last
     return session
 
 
