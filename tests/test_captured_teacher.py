@@ -345,3 +345,29 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(tmp_
     # on the GPU, bf16 autocast and SDPA's backward (atomics) round differently from run to run
     tolerance = dict(rtol=1e-5, atol=1e-7) if device == "cpu" else dict(rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(torch.tensor(resumed[2:]), torch.tensor(whole[2:]), **tolerance)
+
+
+def test_enabling_again_with_the_same_settings_keeps_the_graphs(tmp_path):
+    """A second Trainer over the same teacher (a sweep, a benchmark's warm-up then its timed run) replays what the
+    first captured; other settings start afresh; after disable, enable starts afresh too."""
+    teacher = _teacher(torch.float32)
+    first = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    _hidden(teacher, torch.randint(0, VOCAB, (2, 5)))
+    assert first.captures == 1
+    assert enable_captured_backbone(teacher, capture="eager", length_multiple=8) is first
+    other = enable_captured_backbone(teacher, capture="eager", length_multiple=16)
+    assert other is not first and other.captures == 0 and captured_backbone_of(teacher) is other
+    disable_captured_backbone(teacher)
+    assert enable_captured_backbone(teacher, capture="eager", length_multiple=16) is not other
+    disable_captured_backbone(teacher)
+    kept = []
+    for _ in range(2):  # through KDTrainer: the teacher's graphs of the first run are the second run's
+        trainer = KDTrainer(
+            model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
+            args=_args(tmp_path, use_kd_patch=True, max_steps=2, kd_teacher_cuda_graphs=True),
+            train_dataset=_dataset(),
+        )  # fmt: skip
+        trainer.train()
+        kept.append(captured_backbone_of(teacher))
+    assert kept[0] is kept[1] and kept[0].captures >= 1
+    disable_captured_backbone(teacher)

@@ -78,6 +78,10 @@ class CapturedBackbone:
         self.refused: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self._pool = None
 
+    def settings(self) -> tuple:
+        """What the constructor was given: two with the same settings capture the same graphs."""
+        return self.capture, self.length_multiple, self.max_graphs, self.trained_length
+
     def replay(self, model: nn.Module, backbone: nn.Module, input_ids, attention_mask, kwargs: dict):
         """The backbone's output from the graphs, or None where they do not apply (the caller runs it eagerly): no
         gradients, the model in eval mode, 2-D token ids, no mask and no keyword beyond `use_cache` off."""
@@ -189,7 +193,9 @@ def _end_generator_capture(device: torch.device) -> None:
 
 def enable_captured_backbone(model: nn.Module, capture: str | None = None, **options) -> CapturedBackbone:
     """Have `model`'s KD forward replay its decoder from CUDA graphs when it runs without gradients on tokens alone
-    (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given."""
+    (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given. A model already enabled
+    with the same settings keeps its graphs (a second Trainer over the same teacher replays what the first
+    captured; graphs of parameters since moved are captured again as always); other settings start afresh."""
     inner = unwrap_model(model)
     devices = {p.device.type for p in inner.parameters()}
     if capture is None:
@@ -210,6 +216,9 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
         text, "max_position_embeddings", None
     )
     captured = CapturedBackbone(capture, trained_length=trained_length, **options)
+    kept = inner.__dict__.get(CAPTURED_ATTR)
+    if kept is not None and kept.settings() == captured.settings():
+        return kept
     inner.__dict__[CAPTURED_ATTR] = captured  # not a submodule, not a parameter: state_dict and .to() ignore it
     return captured
 
