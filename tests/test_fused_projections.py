@@ -135,3 +135,46 @@ def test_a_tail_whose_input_changed_in_place_computes_its_own():
         block.q_proj(x)
         x.mul_(3)
         torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_float32_weights_under_autocast_are_held_cast_and_decode_the_same_bits(monkeypatch, fuse):
+    """float32 weights under bfloat16 autocast: the session holds every plain Linear's weights in bfloat16 (fused
+    or alone), cast once a call, where autocast cast them at every product of every step. The tokens and log-probs
+    are bit for bit those of the same decode with autocast casting (the copy is autocast's cast), and an update
+    made in place is in the next call's copies."""
+    import liger_patch_kd.generation.fused_projections as copies
+
+    model = _model("llama", torch.float32, seed=5)
+    ids, mask = _prompts()
+    runs = {}
+    for held in (False, True):
+        if not held:  # autocast casts the weights at every product, as before the copies
+            monkeypatch.setattr(copies, "_cast_dtype", lambda linear, autocast: None)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", torch.bfloat16):
+            runs[held] = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0, logprobs=True,
+                                fuse_projections=fuse)  # fmt: skip
+        monkeypatch.undo()
+        session = session_of(model)
+        if held:
+            linears = [m for m in session.model.modules() if type(m) is nn.Linear]
+            covered = {id(lin) for group in session.fused.groups for lin in group.linears}
+            assert covered == {id(lin) for lin in linears}  # q/k/v, o, gate/up, down of every layer, lm_head
+            assert all(group.weight.dtype == torch.bfloat16 for group in session.fused.groups)
+            assert len(session.fused.groups) == (2 * model.config.num_hidden_layers + 2 * model.config.num_hidden_layers
+                                                 + 1 if fuse else len(linears))  # fmt: skip
+        else:
+            assert session.fused is None or not fuse or all(g.weight.dtype == torch.float32
+                                                            for g in session.fused.groups)  # fmt: skip
+        release_sessions(model)
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    head = model.lm_head.weight
+    with torch.autocast("cpu", torch.bfloat16):
+        decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0, fuse_projections=fuse)
+        with torch.no_grad():
+            head.add_(1.0)  # in place: the session's copy is stale until its next call
+        decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0, fuse_projections=fuse)
+    (copy,) = [g.weight for g in session_of(model).fused.groups if g.linears[0].weight is head]
+    assert torch.equal(copy, head.detach().to(torch.bfloat16))
+    release_sessions(model)

@@ -146,7 +146,9 @@ class DecodeSession:
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.fused = FusedProjections(self.model) if key.fuse else None
+        # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
+        copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
+        self.fused = copies if copies.groups else None
 
     def nbytes(self) -> int:
         """The memory the session holds between calls: KV cache, fused weights, output buffers."""

@@ -1,14 +1,18 @@
-"""One matrix product where a layer runs several on the same input: q/k/v, and a gated MLP's gate/up.
+"""The decode step's own copies of its projection weights: one product where a layer runs several on the same
+input (q/k/v, and a gated MLP's gate/up), and weights already in the autocast dtype.
 
 A decode step multiplies a few rows by each weight: every projection is a short kernel bound by its launch and
 ramp-up, not by the bytes it reads (the k and v projections of a 1B model read 2 MB each). Multiplying by the
-concatenated weights once reads the same bytes in fewer, fuller kernels.
+concatenated weights once reads the same bytes in fewer, fuller kernels. And float32 weights under bfloat16
+autocast (the usual mixed-precision training) are cast by autocast at every product of every step: a read of the
+float32 weights, a write of their bfloat16 copy and one more kernel each, per token. Held already cast, a step reads
+half the bytes and launches no cast; the product is the same bits (autocast's cast of the weight is this copy's).
 
-The concatenated weights are a copy the session owns (at fixed addresses, which a captured graph reads), refreshed
-by `sync()` at the start of every decode call: an optimizer's in-place update of q_proj.weight is in the copy by
-the next call, and the model's parameters, their storage and the module tree stay as they were (optimizers,
-checkpoints and DDP see nothing). The copy costs the projections' bytes once more in memory (1.3 GB for a 1B
-Llama) and one read + write of them per call, small beside a call's hundreds of steps.
+The copies are the session's (at fixed addresses, which a captured graph reads), refreshed by `sync()` at the start
+of every decode call: an optimizer's in-place update of q_proj.weight is in the copy by the next call, and the
+model's parameters, their storage and the module tree stay as they were (optimizers, checkpoints and DDP see
+nothing). A copy costs its weights' bytes once more in memory, in its dtype (1.3 GB for a 1B Llama's fused
+projections in bfloat16), and one read + write of them per call, small beside a call's hundreds of steps.
 
 While installed, the first projection of a group computes them all and keeps the others' outputs with the input
 they belong to; the others hand theirs back only for that very input, with gradients off, else they compute their
@@ -31,23 +35,31 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """Linears of one module sharing an input, their weights (and biases) concatenated into one buffer."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype | None = None) -> None:
         self.linears = linears
         first = linears[0].weight
         self.sizes = [lin.out_features for lin in linears]
-        self.weight = first.new_empty(sum(self.sizes), first.shape[1])
-        self.bias = first.new_empty(sum(self.sizes)) if linears[0].bias is not None else None
+        self.weight = first.new_empty(sum(self.sizes), first.shape[1], dtype=dtype)
+        self.bias = first.new_empty(sum(self.sizes), dtype=dtype) if linears[0].bias is not None else None
         # (input, its version, the outputs of the tails that have not taken theirs yet)
         self.last: tuple[torch.Tensor, int | None, dict[int, torch.Tensor]] | None = None
 
     def sync(self) -> None:
-        torch.cat([lin.weight for lin in self.linears], out=self.weight)
-        if self.bias is not None:
-            torch.cat([lin.bias for lin in self.linears], out=self.bias)
+        for copy, name in ((self.weight, "weight"), (self.bias, "bias")):
+            if copy is None:
+                continue
+            parts = [getattr(lin, name) for lin in self.linears]
+            if len(parts) > 1 and copy.dtype == parts[0].dtype:
+                torch.cat(parts, out=copy)
+            else:  # copy_ rounds as autocast's cast does
+                for part, rows in zip(parts, copy.split(self.sizes)):
+                    rows.copy_(part)
 
     def head_forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # the copy is no parameter: a forward with gradients takes the model's own
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
+        if len(self.linears) == 1:  # a cast copy alone: nothing to keep for another projection
+            return F.linear(x, self.weight, self.bias)
         outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self.last = (x, _version(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
@@ -73,8 +85,14 @@ def _version(x: torch.Tensor) -> int | None:
     return None if x.is_inference() else x._version
 
 
+def _plain(lin) -> bool:
+    """A plain nn.Linear (a LoRA / quantized wrapper computes more than x @ W.T) with no one else's instance-level
+    forward."""
+    return type(lin) is nn.Linear and "forward" not in lin.__dict__
+
+
 def _fusable(linears: list) -> bool:
-    if not all(type(lin) is nn.Linear for lin in linears):  # a LoRA / quantized wrapper computes more than x @ W.T
+    if not all(_plain(lin) for lin in linears):
         return False
     first = linears[0]
     return all(
@@ -82,21 +100,35 @@ def _fusable(linears: list) -> bool:
         and lin.weight.dtype == first.weight.dtype
         and lin.weight.device == first.weight.device
         and (lin.bias is None) == (first.bias is None)
-        and "forward" not in lin.__dict__  # someone else's instance-level forward: leave it
         for lin in linears
     )
 
 
-class FusedProjections:
-    """The fusable groups of `model` (every module with all of a GROUPS entry as plain nn.Linear children)."""
+def _cast_dtype(linear: nn.Linear, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype autocast computes `linear` in where that is not its weights' own (None: no cast)."""
+    weight = linear.weight
+    return autocast if autocast is not None and weight.is_floating_point() and weight.dtype != autocast else None
 
-    def __init__(self, model: nn.Module) -> None:
+
+class FusedProjections:
+    """`model`'s projection copies: with `fuse`, every module with all of a GROUPS entry as plain nn.Linear
+    children gets one concatenated copy; with `autocast` (the dtype autocast computes in during the calls), every
+    plain nn.Linear whose weights autocast would cast is held in that dtype (fused or alone)."""
+
+    def __init__(self, model: nn.Module, fuse: bool = True, autocast: torch.dtype | None = None) -> None:
         self.groups: list[FusedGroup] = []
+        grouped: set[int] = set()
         for module in model.modules():
-            for names in GROUPS:
+            for names in GROUPS if fuse else ():
                 linears = [getattr(module, name, None) for name in names]
                 if _fusable(linears):
-                    self.groups.append(FusedGroup(linears))
+                    self.groups.append(FusedGroup(linears, _cast_dtype(linears[0], autocast)))
+                    grouped.update(id(lin) for lin in linears)
+        for module in model.modules():
+            dtype = _cast_dtype(module, autocast) if _plain(module) else None
+            if dtype is not None and id(module) not in grouped:
+                grouped.add(id(module))  # a module reached twice (shared) gets one copy
+                self.groups.append(FusedGroup([module], dtype))
 
     def tensors(self) -> list[torch.Tensor]:
         """The concatenated weights and biases (what a captured step reads)."""

@@ -195,7 +195,7 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     """Have `model`'s KD forward replay its decoder from CUDA graphs when it runs without gradients on tokens alone
     (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given. A model already enabled
     with the same settings keeps its graphs (a second Trainer over the same teacher replays what the first
-    captured; graphs of parameters since moved are captured again as always); other settings start afresh."""
+    captured, and tries again the shapes it could not capture); other settings start afresh."""
     inner = unwrap_model(model)
     devices = {p.device.type for p in inner.parameters()}
     if capture is None:
@@ -218,6 +218,7 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
     captured = CapturedBackbone(capture, trained_length=trained_length, **options)
     kept = inner.__dict__.get(CAPTURED_ATTR)
     if kept is not None and kept.settings() == captured.settings():
+        kept.refused.clear()  # shapes whose capture failed are tried again
         return kept
     inner.__dict__[CAPTURED_ATTR] = captured  # not a submodule, not a parameter: state_dict and .to() ignore it
     return captured
