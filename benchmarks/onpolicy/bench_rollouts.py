@@ -26,6 +26,7 @@ vLLM, or sample as generate_rollouts does with the static, compiled cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -78,7 +79,7 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
-    floor_s = weight_bytes(student) / HBM_BYTES_PER_S  # every weight read once per step
+    floor_s = weight_bytes(student) / HBM_BYTES_PER_S  # every weight read once per step (in bf16 under autocast)
     step_ms = replay_ms(student, prompts, cache, a, device) if direct or cache == "graph" else None
     print(f"{rows} rows, {cache}: {seconds[-1] / a.completion * 1e3:.3f} ms a step with the prefill, {step_ms} alone")
     return {
@@ -99,7 +100,10 @@ HBM_BYTES_PER_S = 4.8e12  # an H200's
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """The bytes a step reads of the weights: in the autocast dtype where it is on (what the products read)."""
+    cast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    return sum(p.numel() * (cast.itemsize if cast and p.is_floating_point() else p.element_size())
+               for p in model.parameters())  # fmt: skip
 
 
 def replay_ms(student, prompts: list[list[int]], cache: str, a: argparse.Namespace, device) -> float | None:
@@ -207,6 +211,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled call (CUDA) after the cells")
     parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend (CUDA)")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--weights", choices=("bf16", "fp32-autocast"), default="bf16",
+                        help="the student's weights: bf16, or fp32 decoded under bf16 autocast (mixed-precision "
+                             "training's student, bf16=True in the Trainer); fp32 either way on a CPU")  # fmt: skip
     a = parser.parse_args()
     if a.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -215,12 +222,16 @@ def main() -> None:
     from liger_patch_kd import apply_kd_patch
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mixed = a.weights == "fp32-autocast" and device.type == "cuda"
+    dtype = torch.bfloat16 if device.type == "cuda" and not mixed else torch.float32
     s_kw, _, vocab = SHAPES["tiny" if a.tiny else "llama"]
     student = build(s_kw, vocab, device, dtype, seed=0)
     apply_kd_patch(model=student)
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
+    # fp32 weights compute in bf16 under autocast, as the Trainer's bf16=True runs its rollouts
+    precision = torch.autocast("cuda", torch.bfloat16) if mixed else contextlib.nullcontext()
+    with precision:
+        results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
     columns = ["rows", "cache", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms", "first_call_s"]
     print_table(results, [*columns, "last_call_s", "peak_gib", "frames_compiled"])
     profiled = []
