@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import autocast_dtype, select_backend
+from .bookkeeping_kernel import advance_in_one_kernel
 from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
@@ -145,6 +146,7 @@ class DecodeSession:
         self.cache_keyword = cache_keyword(self.model)
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
+        self.fused_bookkeeping = select_backend(device) == "triton"  # the step's counters and flags in one kernel
         self.graph: torch.cuda.CUDAGraph | None = None
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
@@ -158,8 +160,9 @@ class DecodeSession:
         return held + (self.fused.nbytes() if self.fused is not None else 0)
 
     # ----------------------------------------------------------------------------------------- the step
-    def _advance(self, logits: torch.Tensor) -> None:
-        """Sample from (rows, V) logits and book it: padding after a row's end, its end, the next input."""
+    def _advance(self, logits: torch.Tensor, bump_slot: bool = False) -> None:
+        """Sample from (rows, V) logits and book it: padding after a row's end, its end, the next input (and, for
+        a decode step, the next cache column: `bump_slot`)."""
         sampling = self.key.sampling
         if self.fused_draw:  # one kernel; its noise keyed by (the call's seed, the step)
             tokens = gumbel_argmax(logits, self.seed, self.count, temperature=sampling.temperature,
@@ -173,6 +176,10 @@ class DecodeSession:
                 top = own_logprobs.topk(self.key.top_logprobs, dim=-1)
                 self.out_top[0].index_copy_(1, self.count, top.indices[:, None])
                 self.out_top[1].index_copy_(1, self.count, top.values[:, None])
+        if self.fused_bookkeeping:  # what follows, in one kernel (bookkeeping_kernel.py)
+            advance_in_one_kernel(tokens.contiguous(), self.done, self.eos, self.out, self.token, self.count, self.used,
+                                  self.slot if bump_slot else None, self.key.pad_id)  # fmt: skip
+            return
         if len(self.key.eos_ids):
             tokens = torch.where(self.done, self.key.pad_id, tokens)
             self.used.copy_(torch.where(self.done.all(), self.used, self.count + 1))  # some row was still going
@@ -182,6 +189,8 @@ class DecodeSession:
         self.out.index_copy_(1, self.count, tokens[:, None])
         self.token.copy_(tokens[:, None])
         self.count.add_(1)
+        if bump_slot:
+            self.slot.add_(1)
 
     def step(self) -> None:
         """One decode step, all on the device, no host sync: what the CUDA graph holds."""
@@ -189,8 +198,7 @@ class DecodeSession:
         out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.base + self.slot,
                          use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache},
                          **decode_forward_options(self.model))  # fmt: skip
-        self._advance(out.logits[:, -1])
-        self.slot.add_(1)
+        self._advance(out.logits[:, -1], bump_slot=True)
 
     # -------------------------------------------------------------------------------------------- a call
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:

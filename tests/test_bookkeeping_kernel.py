@@ -1,0 +1,100 @@
+"""The decode step's bookkeeping in one kernel (generation/bookkeeping_kernel.py) against the torch ops it replaces
+(the engine's own path on a CPU), through the Triton interpreter (compiled on a GPU machine): the same buffers
+after every step, with and without EOS ids, rows already done, the prefill's draw (slot left) and a decode step's
+(slot moved); and the engine decoding through it samples what it samples through the torch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from liger_patch_kd.generation import Sampling, decode, release_sessions  # noqa: E402
+from liger_patch_kd.generation import engine as engine_module  # noqa: E402
+from liger_patch_kd.generation.bookkeeping_kernel import advance_in_one_kernel  # noqa: E402
+
+from .helpers import DEVICE  # noqa: E402
+from .test_generation import _model, _prompts  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+
+def torch_bookkeeping(tokens, done, eos, out, next_input, count, used, slot, pad_id):
+    """DecodeSession._advance's torch ops after the draw (and the step's slot increment)."""
+    if eos.numel():
+        tokens = torch.where(done, pad_id, tokens)
+        used.copy_(torch.where(done.all(), used, count + 1))
+        done |= torch.isin(tokens, eos)
+    else:
+        used.copy_(count + 1)
+    out.index_copy_(1, count, tokens[:, None])
+    next_input.copy_(tokens[:, None])
+    count.add_(1)
+    if slot is not None:
+        slot.add_(1)
+
+
+def _state(rows, length, eos, generator):
+    long = dict(dtype=torch.long, device=DEVICE)
+    return dict(
+        done=(torch.rand(rows, generator=generator) < 0.3).to(DEVICE),
+        eos=torch.tensor(eos, **long),
+        out=torch.randint(0, 50, (rows, length), generator=generator).to(DEVICE),
+        next_input=torch.zeros(rows, 1, **long),
+        count=torch.tensor([3], **long),
+        used=torch.tensor([2], **long),
+        slot=torch.tensor([7], **long),
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 1030])  # one block, a partial block, more rows than one block holds
+@pytest.mark.parametrize("eos", [(), (4,), (4, 9, 11)])
+@pytest.mark.parametrize("bump_slot", [True, False])
+def test_one_kernel_books_what_the_torch_ops_book(rows, eos, bump_slot):
+    generator = torch.Generator().manual_seed(rows + len(eos))
+    want, got = _state(rows, 9, eos, generator), None
+    got = {k: v.clone() for k, v in want.items()}
+    for step in range(4):  # the counters and flags carry from step to step
+        tokens = torch.randint(0, 12, (rows,), generator=generator).to(DEVICE)
+        torch_bookkeeping(tokens, want["done"], want["eos"], want["out"], want["next_input"], want["count"],
+                          want["used"], want["slot"] if bump_slot else None, 0)  # fmt: skip
+        advance_in_one_kernel(tokens, got["done"], got["eos"], got["out"], got["next_input"], got["count"],
+                              got["used"], got["slot"] if bump_slot else None, 0)  # fmt: skip
+        for name in want:
+            assert torch.equal(got[name], want[name]), (name, step)
+
+
+def test_every_row_done_keeps_used_and_pads():
+    long = dict(dtype=torch.long, device=DEVICE)
+    done = torch.ones(3, dtype=torch.bool, device=DEVICE)
+    out, next_input = torch.zeros(3, 4, **long), torch.zeros(3, 1, **long)
+    count, used, slot = torch.tensor([2], **long), torch.tensor([1], **long), torch.tensor([5], **long)
+    advance_in_one_kernel(torch.tensor([7, 8, 9], **long), done, torch.tensor([9], **long), out, next_input, count,
+                          used, slot, pad_id=6)  # fmt: skip
+    assert out[:, 2].tolist() == [6, 6, 6] and next_input[:, 0].tolist() == [6, 6, 6]
+    assert (int(count), int(used), int(slot)) == (3, 1, 6) and bool(done.all())
+
+
+def test_the_engine_through_the_kernel_samples_what_it_samples_through_the_torch_ops(monkeypatch):
+    """decode() on the Triton backend (the fused draw and this kernel) against the same decode with the torch ops
+    in the kernel's place: the same tokens and log-probs, EOS ids included (rows end and pad)."""
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _model("llama", torch.float32, seed=6).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+    torch.manual_seed(1)
+    free, _ = decode(model, ids, mask, max_new_tokens=8, sampling=Sampling(), pad_id=0, capture="eager")
+    eos = (int(free[0, 2]), int(free[3, 4]))  # rows 0 and 3 end early
+    runs, calls = [], []
+    for kernel in (True, False):
+        book = advance_in_one_kernel if kernel else torch_bookkeeping
+        monkeypatch.setattr(engine_module, "advance_in_one_kernel",
+                            lambda *a, book=book, kernel=kernel: calls.append(kernel) or book(*a))  # fmt: skip
+        release_sessions(model)
+        torch.manual_seed(1)
+        runs.append(decode(model, ids, mask, max_new_tokens=8, sampling=Sampling(), pad_id=0, eos_ids=eos,
+                           capture="eager", logprobs=True))  # fmt: skip
+    assert calls.count(True) == calls.count(False) == 8  # the prefill's draw and 7 steps, each run
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert (runs[0][0][0, 3:] == 0).all() and runs[0][0].shape[1] == 8
+    release_sessions(model)
