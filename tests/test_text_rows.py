@@ -109,6 +109,25 @@ def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path,
                   train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)  # fmt: skip
 
 
+def test_kd_max_prompt_length_beside_text_rows_is_refused_not_ignored(tmp_path, tokenizer):
+    """A text row is trained whole and has no prompt: kd_max_prompt_length beside text rows (training or
+    evaluation) would cut nothing; refused in one line before tokenizing, naming the option, the rows and the fix.
+    kd_max_length still cuts them."""
+    rows = [{"text": t} for t in TEXTS]
+    prompts = [{"prompt": t, "completion": " yes"} for t in TEXTS]  # prompt rows: the option applies to them
+    for where in ("train_dataset", "eval_dataset"):
+        with pytest.raises(ValueError, match=rf"{where} holds {{'text': ...}} rows, which have no prompt: "
+                                             r"kd_max_prompt_length=3 would never be used; leave it unset") as e:
+            KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1),
+                      teacher_model=tiny_model("llama", dtype=torch.float32),
+                      args=make_args(tmp_path, kd_max_prompt_length=3, kd_max_length=4, eval_strategy="no"),
+                      processing_class=tokenizer, train_dataset=rows if where == "train_dataset" else prompts,
+                      **({"eval_dataset": rows} if where == "eval_dataset" else {}))  # fmt: skip
+        assert "\n" not in str(e.value)
+    assert len(trainer_for(tmp_path, rows, tokenizer, kd_max_length=4).train_dataset[0]["input_ids"]) == 4
+    trainer_for(tmp_path, prompts, tokenizer, kd_max_prompt_length=3)
+
+
 def test_a_prompt_as_long_as_kd_max_length_is_refused_as_it_leaves_nothing_to_score(tmp_path, tokenizer):
     from liger_patch_kd.batch.prompts import PromptCollator
 

@@ -175,8 +175,8 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
 
 def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset",
                                unset: str = "leave {} unset") -> None:  # fmt: skip
-    """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows: rows
-    that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
+    """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows (a text
+    row has no prompt: the option beside text rows is refused too): rows that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
     option set beside them would never be used. Refused in one line, before the rows are tokenized, unless the
     store was cut to at most that length when it was made (the option then has nothing left to cut). `unset`: how
     the caller's user drops the options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
@@ -184,6 +184,13 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
     asked = {option: getattr(args, option, None) for option in made_as}
     asked = {option: value for option, value in asked.items() if value is not None}
     row = first_row_of(dataset) if asked else None
+    if isinstance(row, Mapping) and "text" in row and "input_ids" not in row and not is_prompt_row(row):
+        if "kd_max_prompt_length" in asked:  # a text row is trained whole: it has no prompt to cut
+            drop = unset.format("it")
+            raise ValueError(f"{name} holds {{'text': ...}} rows, which have no prompt: kd_max_prompt_length="
+                             f"{asked['kd_max_prompt_length']} would never be used; {drop} (kd_max_length cuts text "
+                             f"rows; prompt rows are {{'prompt', 'completion'}} or 'messages')")  # fmt: skip
+        return
     if not isinstance(row, Mapping) or "input_ids" not in row or "text" in row or is_prompt_row(row):
         return
     meta = store_meta(dataset)
