@@ -176,10 +176,11 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
 def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset",
                                unset: str = "leave {} unset") -> None:  # fmt: skip
     """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows (a text
-    row has no prompt: the option beside text rows is refused too): rows that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained whole, so either
-    option set beside them would never be used. Refused in one line, before the rows are tokenized, unless the
-    store was cut to at most that length when it was made (the option then has nothing left to cut). `unset`: how
-    the caller's user drops the options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
+    row has no prompt: that option beside text rows is refused too): rows that come tokenized (input_ids; a teacher
+    or rollout store, scored as they are) are trained whole, so either option set beside them would never be used.
+    Refused in one line, before the rows are tokenized, unless the store was cut to at most that length when it was
+    made (the option then has nothing left to cut). `unset`: how the caller's user drops the options ({} is 'it' or
+    'them'; a command line's YAML --config may be setting them)."""
     made_as = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}  # precompute's inputs
     asked = {option: getattr(args, option, None) for option in made_as}
     asked = {option: value for option, value in asked.items() if value is not None}
