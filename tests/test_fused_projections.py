@@ -178,3 +178,23 @@ def test_float32_weights_under_autocast_are_held_cast_and_decode_the_same_bits(m
     (copy,) = [g.weight for g in session_of(model).fused.groups if g.linears[0].weight is head]
     assert torch.equal(copy, head.detach().to(torch.bfloat16))
     release_sessions(model)
+
+
+def test_a_cast_copy_stands_in_only_under_the_autocast_it_was_made_for():
+    """A projection the model runs outside autocast (a float32 router under autocast(enabled=False)) gets its own
+    float32 weights, not the bfloat16 copy; with gradients on, the model's own weights too."""
+    linear = nn.Linear(8, 4)
+    copies = FusedProjections(nn.Sequential(linear), fuse=False, autocast=torch.bfloat16)
+    copies.sync()
+    x = torch.randn(3, 8)
+    with copies.installed(), torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16):
+            cast = linear(x)
+            with torch.autocast("cpu", enabled=False):
+                plain = linear(x)
+        with torch.autocast("cpu", torch.float16):  # another autocast dtype: not this copy's
+            half = linear(x)
+    assert cast.dtype == torch.bfloat16 and plain.dtype == torch.float32 and half.dtype == torch.float16
+    torch.testing.assert_close(plain, F.linear(x, linear.weight, linear.bias), rtol=0, atol=0)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(cast, F.linear(x, linear.weight, linear.bias))  # autocast's own cast: the same bits

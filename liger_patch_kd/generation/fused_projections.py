@@ -56,13 +56,24 @@ class FusedGroup:
                     rows.copy_(part)
 
     def head_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():  # the copy is no parameter: a forward with gradients takes the model's own
+        # the copy is no parameter: a forward with gradients takes the model's own weights; so does a product the
+        # model runs outside the autocast a cast copy stands for (a router in float32 under autocast(enabled=False))
+        if torch.is_grad_enabled() or not self.stands_in(x):
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
         if len(self.linears) == 1:  # a cast copy alone: nothing to keep for another projection
             return F.linear(x, self.weight, self.bias)
         outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self.last = (x, _version(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
+
+    def stands_in(self, x: torch.Tensor) -> bool:
+        """Whether the copy computes here what the weights would: always in their own dtype; a cast copy only where
+        autocast would cast the weights to its dtype."""
+        own = self.linears[0].weight.dtype
+        if self.weight.dtype == own:
+            return True
+        kind = x.device.type
+        return torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == self.weight.dtype
 
     def tail_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         last = self.last  # one read: another thread may replace it meanwhile
