@@ -1,7 +1,8 @@
 """The decode step's bookkeeping in one kernel (generation/bookkeeping_kernel.py) against the torch ops it replaces
 (the engine's own path on a CPU), through the Triton interpreter (compiled on a GPU machine): the same buffers
 after every step, with and without EOS ids, rows already done, the prefill's draw (slot left) and a decode step's
-(slot moved); and the engine decoding through it samples what it samples through the torch ops."""
+(slot moved); and the engine decoding through it (engine.BOOKKEEPING_KERNEL on) samples what it samples through
+the torch ops."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_the_engine_through_the_kernel_samples_what_it_samples_through_the_torch
     """decode() on the Triton backend (the fused draw and this kernel) against the same decode with the torch ops
     in the kernel's place: the same tokens and log-probs, EOS ids included (rows end and pad)."""
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    monkeypatch.setattr(engine_module, "BOOKKEEPING_KERNEL", True)
     model = _model("llama", torch.float32, seed=6).to(DEVICE)
     ids, mask = _prompts(DEVICE)
     torch.manual_seed(1)

@@ -58,6 +58,10 @@ from .sampling_kernel import gumbel_argmax
 CAPTURES = ("graph", "eager")  # both attend through the Triton split-KV kernel (decode_kernel.py)
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
+# The step's bookkeeping after the draw in one Triton kernel instead of a dozen torch ops. Checked against the torch
+# ops through the Triton interpreter (tests/test_bookkeeping_kernel.py); off until a GPU run has checked it compiled
+# and measured what it saves.
+BOOKKEEPING_KERNEL = False
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,8 @@ class DecodeSession:
         self.cache_keyword = cache_keyword(self.model)
         self.seed = torch.zeros(1, **long)  # the fused draw's Philox key, drawn from torch's generator per call
         self.fused_draw = fused_draw_applies(key, device)
-        self.fused_bookkeeping = select_backend(device) == "triton"  # the step's counters and flags in one kernel
+        # the step's counters and flags in one kernel (bookkeeping_kernel.py), where BOOKKEEPING_KERNEL allows
+        self.fused_bookkeeping = BOOKKEEPING_KERNEL and select_backend(device) == "triton"
         self.graph: torch.cuda.CUDAGraph | None = None
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
