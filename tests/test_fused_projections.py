@@ -198,3 +198,39 @@ def test_a_cast_copy_stands_in_only_under_the_autocast_it_was_made_for():
     torch.testing.assert_close(plain, F.linear(x, linear.weight, linear.bias), rtol=0, atol=0)
     with torch.autocast("cpu", torch.bfloat16):
         assert torch.equal(cast, F.linear(x, linear.weight, linear.bias))  # autocast's own cast: the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_step_with_cast_copies_decodes_the_same_bits_under_cuda_autocast(monkeypatch):
+    """float32 weights under CUDA bf16 autocast, the step captured: with the session's bf16 copies (cast once a
+    call) the same tokens and log-probs as with autocast casting at every product, and an update in place is in
+    the next call's copies."""
+    import liger_patch_kd.generation.fused_projections as copies
+
+    model = _model("llama", torch.float32, seed=8).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+    runs = {}
+    for held in (False, True):
+        if not held:
+            monkeypatch.setattr(copies, "_cast_dtype", lambda linear, autocast: None)
+        with torch.autocast("cuda", torch.bfloat16):
+            for _ in range(2):  # capture, then replay
+                torch.manual_seed(2)
+                runs[held] = decode(model, ids, mask, max_new_tokens=10, sampling=Sampling(), pad_id=0,
+                                    logprobs=True, capture="graph", fuse_projections=True)  # fmt: skip
+        monkeypatch.undo()
+        release_sessions(model)
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
+    greedy = Sampling(temperature=0.0)
+    with torch.autocast("cuda", torch.bfloat16):
+        before, _ = decode(model, ids, mask, max_new_tokens=10, sampling=greedy, pad_id=0, capture="graph")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1.0)
+        after, _ = decode(model, ids, mask, max_new_tokens=10, sampling=greedy, pad_id=0, capture="graph")
+        release_sessions(model)
+        fresh, _ = decode(model, ids, mask, max_new_tokens=10, sampling=greedy, pad_id=0, capture="graph")
+    assert torch.equal(after, fresh)  # the kept session's copies are the updated weights', as a new session's
+    assert not torch.equal(after, before)
+    release_sessions(model)
