@@ -544,3 +544,21 @@ def test_a_cancelled_decode_stops_at_the_next_step_and_the_next_call_is_unchange
     assert len(prefills) == 2
     assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
     release_sessions(model)
+
+
+def test_kept_sessions_that_weigh_on_memory_go_before_a_new_one_allocates(monkeypatch):
+    """A model's kept CUDA sessions holding more than KEEP_FRACTION of the memory beside them (a large model's KV
+    cache) weigh on memory: a new bucket releases them first, as one session at a time did; small ones, and a
+    CPU's, are kept side by side."""
+    from types import SimpleNamespace
+
+    from liger_patch_kd.generation import engine
+
+    def held(nbytes, kind="cuda"):
+        return SimpleNamespace(device=torch.device(kind), nbytes=lambda: nbytes)
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    assert not engine.weigh_on_memory([held(90)])  # 90 <= 0.1 * (1000 - 90)
+    assert engine.weigh_on_memory([held(95)])  # 95 > 0.1 * 905
+    assert engine.weigh_on_memory([held(50), held(50)])  # together
+    assert not engine.weigh_on_memory([held(10**6, "cpu")]) and not engine.weigh_on_memory([])

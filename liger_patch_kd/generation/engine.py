@@ -18,9 +18,10 @@ call of a bucket, across optimizer steps: the graph reads the parameters where t
 (what optimizers do) is what the next call samples from. Two, so that a training run's rollouts and an evaluation's
 greedy decode between its steps alternate without either being built and captured again. Parameters moved to new
 storage (a new model, a reload) change the key: the sessions of the old storage are dropped and a new one is built;
-a call of a bucket beyond KEEP_SESSIONS releases the least recently used one first; `release_sessions` frees them
-all; `release_if_large` frees them when they would weigh on a training step's peak (the Trainer's in-process
-rollouts call it after each generation).
+a call of a bucket beyond KEEP_SESSIONS releases the least recently used one first, and a new bucket releases the
+kept ones first where they hold more than a tenth of the memory beside them (a large model's: the one-at-a-time
+peak as before); `release_sessions` frees them all; `release_if_large` frees them when they would weigh on a
+training step's peak (the Trainer's in-process rollouts call it after each generation).
 
 A call given a `cancel` event (cancellation.py) reads it before the prefill and before each replay of the step, on
 the host, with no sync added: a set event ends the call with Cancelled. On CUDA the host runs ahead of the device by
@@ -320,14 +321,20 @@ def release_if_large(model: nn.Module, fraction: float = KEEP_FRACTION) -> bool:
     its graph as it is; released, it allocates and captures again (a small cost beside the call's generation). A 1B
     student at 64 rows of 1024 columns holds about a sixth of its run's memory: released; at 8 rows less than a
     tenth: kept. Returns whether it released them."""
-    kept = [s for s in _SESSIONS.get(model, {}).values() if s.device.type == "cuda"]
-    if not kept:
-        return False
-    held = sum(s.nbytes() for s in kept)
-    if held <= fraction * (torch.cuda.memory_allocated(kept[0].device) - held):
+    if not weigh_on_memory(list(_SESSIONS.get(model, {}).values()), fraction):
         return False
     release_sessions(model)
     return True
+
+
+def weigh_on_memory(sessions: list[DecodeSession], fraction: float = KEEP_FRACTION) -> bool:
+    """Whether `sessions` (CUDA ones; a CPU's are not device memory) hold more than `fraction` of the CUDA memory
+    allocated beside them."""
+    kept = [s for s in sessions if s.device.type == "cuda"]
+    if not kept:
+        return False
+    held = sum(s.nbytes() for s in kept)
+    return held > fraction * (torch.cuda.memory_allocated(kept[0].device) - held)
 
 
 def session_of(model: nn.Module) -> DecodeSession | None:
@@ -342,8 +349,10 @@ def sessions_of(model: nn.Module) -> list[DecodeSession]:
 
 
 def session_for(model: nn.Module, key: SessionKey, device: torch.device) -> DecodeSession:
-    """`model`'s session for `key`: the kept one, or a new one built after the sessions of other parameter storage
-    and those beyond KEEP_SESSIONS - 1 are released (their memory back before the new one allocates)."""
+    """`model`'s session for `key`: the kept one, or a new one built after the sessions of other parameter storage,
+    those beyond KEEP_SESSIONS - 1, and any that weigh on memory (weigh_on_memory: a 1B model's KV cache at 64 rows,
+    say) are released, their memory back before the new one allocates. Small sessions (an evaluation's, a small
+    model's) are what is kept side by side."""
     kept = _SESSIONS.setdefault(model, OrderedDict())
     session = kept.pop(key, None)
     if session is None:
@@ -351,6 +360,8 @@ def session_for(model: nn.Module, key: SessionKey, device: torch.device) -> Deco
             del kept[stale]
         while len(kept) >= KEEP_SESSIONS:
             kept.popitem(last=False)
+        if weigh_on_memory(list(kept.values())):
+            kept.clear()
         session = DecodeSession(model, key, device)
     kept[key] = session  # the most recently used last
     return session
