@@ -241,3 +241,22 @@ def test_precompute_names_the_data_file_that_is_not_utf8(tmp_path, tokenizer):
     data.write_bytes(b'{"text": "ok"}\r\n\r\n{"text": "caf\xc3\xa9"}\r\n')  # Windows line ends read as open() reads
     assert read_jsonl_sequences(data, tokenizer=tokenizer)[0] == [tokenizer("ok")["input_ids"],
                                                                   tokenizer("caf\u00e9")["input_ids"]]  # fmt: skip
+
+
+def test_an_iterable_datasets_known_columns_get_the_same_refusals(tmp_path, tokenizer):
+    """A datasets.IterableDataset whose columns are known is checked by its column names (nothing of it read):
+    text rows for generated steps, kd_max_prompt_length beside text rows and kd_max_length beside input_ids rows
+    are refused as for a list; an iterable whose columns are unknown is left to its first batch."""
+    datasets = pytest.importorskip("datasets")
+    text = datasets.Dataset.from_list([{"text": t} for t in TEXTS]).to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"\{'text': \.\.\.\} rows, and kd_lmbda=1.0"):
+        trainer_for(tmp_path, text, tokenizer, kd_lmbda=1.0)
+    with pytest.raises(ValueError, match=r"\{'text': \.\.\.\} rows, which have no prompt: kd_max_prompt_length=3"):
+        trainer_for(tmp_path, text, tokenizer, kd_max_prompt_length=3)
+    ids = datasets.Dataset.from_list([{"input_ids": [5, 6, 7, 8]}] * 4).to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"rows given as input_ids, which nothing cuts: kd_max_length=2 would never"):
+        trainer_for(tmp_path, ids, tokenizer, kd_max_length=2)
+    trainer_for(tmp_path, text, tokenizer, kd_max_length=4)  # kd_max_length cuts text rows: built
+    unknown = datasets.IterableDataset.from_generator(lambda: iter({"text": t} for t in TEXTS))
+    assert unknown.column_names is None
+    trainer_for(tmp_path, unknown, tokenizer, kd_max_prompt_length=3)  # nothing to read the columns from: built

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
@@ -32,11 +33,25 @@ def first_row_is(dataset: Any, test) -> bool:
 
 
 def first_row_of(dataset: Any) -> Any:
-    """The dataset's first row, or None for an iterable dataset (or none)."""
+    """The dataset's first row, or None for an iterable dataset (or none). An iterable is never indexed: a
+    datasets.IterableDataset answers [0] with a column object, not a row."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
     try:
         return dataset[0]
     except Exception:  # an iterable dataset, or none: the collator given decides
         return None
+
+
+def columns_of(dataset: Any) -> Any:
+    """What a check that reads only a row's column names needs: the first row, or for an iterable dataset whose
+    columns are known (a datasets.IterableDataset with features) a row of those names with no values; None
+    otherwise. An iterable is not read, so nothing of it is consumed."""
+    row = first_row_of(dataset)
+    if row is not None:
+        return row
+    names = getattr(dataset, "column_names", None)
+    return dict.fromkeys(names) if isinstance(names, (list, tuple)) and names else None
 
 
 def check_chat_template(tokenizer: Any, datasets: Mapping[str, Any], whose: str = "processing_class") -> None:
@@ -184,7 +199,7 @@ def check_length_options_apply(args: Any, dataset: Any, name: str = "train_datas
     made_as = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}  # precompute's inputs
     asked = {option: getattr(args, option, None) for option in made_as}
     asked = {option: value for option, value in asked.items() if value is not None}
-    row = first_row_of(dataset) if asked else None
+    row = columns_of(dataset) if asked else None  # column names only: an iterable's known columns will do
     if isinstance(row, Mapping) and "text" in row and "input_ids" not in row and not is_prompt_row(row):
         if "kd_max_prompt_length" in asked:  # a text row is trained whole: it has no prompt to cut
             drop = unset.format("it")
@@ -215,7 +230,7 @@ def check_no_text_rows_to_generate_from(args: Any, dataset: Any, name: str = "tr
     names none (tokenized whole, every token is scored, so its prompt would be empty and its text unused): refused
     when KDTrainer is built (and by `liger-kd train` before the weights load; `name`: how the caller names the
     rows)."""
-    row = first_row_of(dataset)
+    row = columns_of(dataset)  # column names only: an iterable's known columns will do
     if not (args.kd_lmbda > 0 or args.kd_seq_kd) or not isinstance(row, Mapping) or "text" not in row:
         return
     if any(c in row for c in ("input_ids", "prompt", "messages")):  # the text is not what trains
