@@ -102,6 +102,12 @@ def test_keys_follow_the_parameters_and_at_most_max_graphs_are_kept():
         disable_captured_backbone(teacher)
 
 
+def _trainer(tmp_path, teacher, **overrides):
+    """A KDTrainer over a float32 tiny student and `teacher`, with the fused loss (what the captured teacher needs)."""
+    return KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
+                     args=_args(tmp_path, use_kd_patch=True, **overrides), train_dataset=_dataset())  # fmt: skip
+
+
 def test_trainer_with_captured_teacher_trains_as_the_eager_one(tmp_path, caplog):
     """Through KDTrainer.train(): right-padded batches (the collator pads, the SDPA teacher's mask is dropped) reach
     the captured forward; on the CPU it runs eagerly, said once, and the losses are the eager teacher's."""
@@ -109,11 +115,7 @@ def test_trainer_with_captured_teacher_trains_as_the_eager_one(tmp_path, caplog)
     for graphs in (False, True):
         teacher = _teacher(torch.float32)
         with caplog.at_level("WARNING"):
-            trainer = KDTrainer(
-                model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
-                args=_args(tmp_path, use_kd_patch=True, max_steps=4, kd_teacher_cuda_graphs=graphs),
-                train_dataset=_dataset(),
-            )  # fmt: skip
+            trainer = _trainer(tmp_path, teacher, max_steps=4, kd_teacher_cuda_graphs=graphs)
         trainer.train()
         losses[graphs] = torch.tensor(_losses(trainer))
         captured = captured_backbone_of(trainer.teacher_model)
@@ -362,11 +364,7 @@ def test_enabling_again_with_the_same_settings_keeps_the_graphs(tmp_path):
     disable_captured_backbone(teacher)
     kept = []
     for _ in range(2):  # through KDTrainer: the teacher's graphs of the first run are the second run's
-        trainer = KDTrainer(
-            model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=teacher,
-            args=_args(tmp_path, use_kd_patch=True, max_steps=2, kd_teacher_cuda_graphs=True),
-            train_dataset=_dataset(),
-        )  # fmt: skip
+        trainer = _trainer(tmp_path, teacher, max_steps=2, kd_teacher_cuda_graphs=True)
         trainer.train()
         kept.append(captured_backbone_of(teacher))
     assert kept[0] is kept[1] and kept[0].captures >= 1
