@@ -116,9 +116,11 @@ def _fusable(linears: list) -> bool:
 
 
 def _cast_dtype(linear: nn.Linear, autocast: torch.dtype | None) -> torch.dtype | None:
-    """The dtype autocast computes `linear` in where that is not its weights' own (None: no cast)."""
+    """The dtype autocast computes `linear` in where that is not its weights' own (None: no cast). Autocast never
+    casts float64 tensors (a float64 product stays float64), so float64 weights get no copy."""
     weight = linear.weight
-    return autocast if autocast is not None and weight.is_floating_point() and weight.dtype != autocast else None
+    eligible = weight.is_floating_point() and weight.dtype != torch.float64
+    return autocast if autocast is not None and eligible and weight.dtype != autocast else None
 
 
 class FusedProjections:
