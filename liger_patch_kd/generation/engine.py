@@ -129,7 +129,9 @@ class DecodeSession:
     def __init__(self, model: nn.Module, key: SessionKey, device: torch.device) -> None:
         # the twin (the model's own parameters, the kernels bound on its modules) or, without kernels, the model's
         # own forward: the KD forward of a patched model gives way to transformers' either way
-        self.model = kernel_twin(model) if key.kernels else model
+        # (the model itself by a weak reference: _SESSIONS is keyed weakly by it, and a session holding it strongly
+        # kept the model, and so its sessions, alive for good)
+        self._model = kernel_twin(model) if key.kernels else weakref.ref(model)
         self.key, self.device = key, device
         rows, length = key.rows, key.length
         long = dict(dtype=torch.long, device=device)
@@ -157,6 +159,11 @@ class DecodeSession:
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
         self.fused = copies if copies.groups else None
+
+    @property
+    def model(self) -> nn.Module:
+        """What the step runs: the twin, or (kernels=False) the model itself."""
+        return self._model() if isinstance(self._model, weakref.ref) else self._model
 
     def nbytes(self) -> int:
         """The memory the session holds between calls: KV cache, fused weights, output buffers."""
