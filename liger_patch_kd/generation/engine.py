@@ -79,6 +79,8 @@ class SessionKey:
     kernels: bool  # the step runs the project's RMSNorm / RoPE / gated-MLP kernels (kernel_twin.py)
     key_dtype: torch.dtype | None  # the autocast dtype in force (None: none), which sets the cache's dtype
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
+    inference: bool = False  # made under torch.inference_mode: its buffers are inference tensors, which a call
+    # outside that mode cannot update in place (each mode its own session)
 
 
 def left_padded(
@@ -444,7 +446,7 @@ def decode(
     eos = tuple(sorted(set(eos_ids)))
     fuse, kernels = bool(fuse_projections), bool(kernels)
     key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, top_logprobs, fuse, kernels, autocast,
-                     storage)  # fmt: skip
+                     storage, torch.is_inference_mode_enabled())  # fmt: skip
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every, cancel)
