@@ -234,3 +234,26 @@ def test_captured_step_with_cast_copies_decodes_the_same_bits_under_cuda_autocas
     assert torch.equal(after, fresh)  # the kept session's copies are the updated weights', as a new session's
     assert not torch.equal(after, before)
     release_sessions(model)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_float64_weights_under_bf16_autocast_get_no_cast_copies(monkeypatch, fuse):
+    """Autocast never casts float64 tensors (a float64 product stays float64): the session holds no bfloat16 copy
+    of float64 weights, and decodes as without copies (a copy made the step multiply a float64 input by a bfloat16
+    weight and crash)."""
+    import liger_patch_kd.generation.fused_projections as copies
+
+    model = _model("llama", torch.float64, seed=1)
+    ids, mask = _prompts()
+    runs = []
+    for cast in (False, True):
+        with monkeypatch.context() as patch:
+            if not cast:
+                patch.setattr(copies, "_cast_dtype", lambda *a: None)
+            release_sessions(model)
+            torch.manual_seed(3)
+            with torch.autocast("cpu", torch.bfloat16):
+                runs.append(decode(model, ids, mask, max_new_tokens=5, sampling=Sampling(), pad_id=0,
+                                   capture="eager", logprobs=True, fuse_projections=fuse))  # fmt: skip
+    release_sessions(model)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -562,3 +562,36 @@ def test_kept_sessions_that_weigh_on_memory_go_before_a_new_one_allocates(monkey
     assert engine.weigh_on_memory([held(95)])  # 95 > 0.1 * 905
     assert engine.weigh_on_memory([held(50), held(50)])  # together
     assert not engine.weigh_on_memory([held(10**6, "cpu")]) and not engine.weigh_on_memory([])
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_dropped_model_takes_its_sessions_with_it(kernels):
+    """Sessions are kept per model in a WeakKeyDictionary, so that a model's sessions (KV caches, weight copies) go
+    with it. A kernels=False session runs the model itself: it refers to it weakly, else the value would keep its
+    key, and so the model and its sessions, alive for good."""
+    import gc
+    import weakref
+
+    model = _model("llama", torch.float32, seed=2)
+    ids, mask = _prompts()
+    decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0, capture="eager", kernels=kernels)
+    assert len(sessions_of(model)) == 1
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None, "a kept session keeps the model alive"
+
+
+def test_a_bucket_decoded_under_inference_mode_then_under_no_grad_decodes_both_times():
+    """A call under torch.inference_mode builds its session's buffers as inference tensors; a call of the same
+    bucket outside that mode (no_grad, as the Trainer's rollouts run) cannot update them in place: each mode has
+    its own session, and both decode the same tokens."""
+    model = _model("llama", torch.float32, seed=4)
+    ids, mask = _prompts()
+    runs = []
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        torch.manual_seed(3)
+        with mode():
+            runs.append(decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0, capture="eager"))
+    release_sessions(model)
+    assert all(torch.equal(runs[0][0], r[0]) for r in runs)
