@@ -109,21 +109,27 @@ def test_a_row_of_no_input_ids_is_refused_by_its_index_before_training(tmp_path,
                   train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)  # fmt: skip
 
 
-def test_kd_max_prompt_length_beside_text_rows_is_refused_not_ignored(tmp_path, tokenizer):
-    """A text row is trained whole and has no prompt: kd_max_prompt_length beside text rows (training or
-    evaluation) would cut nothing; refused in one line before tokenizing, naming the option, the rows and the fix.
-    kd_max_length still cuts them."""
+def test_kd_max_prompt_length_beside_text_rows_alone_is_refused_not_ignored(tmp_path, tokenizer):
+    """A text row is trained whole and has no prompt: kd_max_prompt_length where no rows of the run have a prompt
+    (training and evaluation text rows) would cut nothing; refused in one line before tokenizing, naming the
+    option, the rows and the fix. Where some rows have prompts (training or evaluation) it cuts those: built.
+    kd_max_length still cuts text rows."""
     rows = [{"text": t} for t in TEXTS]
     prompts = [{"prompt": t, "completion": " yes"} for t in TEXTS]  # prompt rows: the option applies to them
-    for where in ("train_dataset", "eval_dataset"):
-        with pytest.raises(ValueError, match=rf"{where} holds {{'text': ...}} rows, which have no prompt: "
+
+    def build(train, evaluation=None, **options):
+        return KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1),
+                         teacher_model=tiny_model("llama", dtype=torch.float32),
+                         args=make_args(tmp_path, eval_strategy="no", **options), processing_class=tokenizer,
+                         train_dataset=train, **({"eval_dataset": evaluation} if evaluation is not None else {}))
+
+    for evaluation in (None, rows):
+        with pytest.raises(ValueError, match=r"train_dataset holds {'text': ...} rows, which have no prompt: "
                                              r"kd_max_prompt_length=3 would never be used; leave it unset") as e:
-            KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1),
-                      teacher_model=tiny_model("llama", dtype=torch.float32),
-                      args=make_args(tmp_path, kd_max_prompt_length=3, kd_max_length=4, eval_strategy="no"),
-                      processing_class=tokenizer, train_dataset=rows if where == "train_dataset" else prompts,
-                      **({"eval_dataset": rows} if where == "eval_dataset" else {}))  # fmt: skip
+            build(rows, evaluation, kd_max_prompt_length=3, kd_max_length=4)
         assert "\n" not in str(e.value)
+    build(prompts, rows, kd_max_prompt_length=3)  # training's prompts are cut; the text rows are evaluated whole
+    build(rows, prompts, kd_max_prompt_length=3)  # the evaluation's prompts are cut
     assert len(trainer_for(tmp_path, rows, tokenizer, kd_max_length=4).train_dataset[0]["input_ids"]) == 4
     trainer_for(tmp_path, prompts, tokenizer, kd_max_prompt_length=3)
 

@@ -110,12 +110,11 @@ def train(argv: list[str] | None = None):
     train_rows = f"--dataset_name {script.dataset_name} (split {script.dataset_train_split})"
     check_no_text_rows_to_generate_from(training, splits.train, train_rows)
     unset = "drop {} from the command line and from --config's YAML (a recipe sets them)"
-    check_length_options_apply(training, splits.train, train_rows, unset)
+    evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"
+    evaluation = [(evaluation_rows, splits.evaluation)] if splits.evaluation is not None else []
+    check_length_options_apply(training, [(train_rows, splits.train), *evaluation], unset)
     check_messages_end_with_the_completion(first_row_of(splits.train), train_rows)
     check_completions_for_off_policy(training, splits.train)
-    evaluation_rows = f"--dataset_name {script.dataset_name} (evaluation rows)"
-    if splits.evaluation is not None:
-        check_length_options_apply(training, splits.evaluation, evaluation_rows, unset)
     check_evaluation_scores_completions(splits.evaluation, evaluation_rows,
                                         "evaluate on none: --dataset_test_split none, no --eval_fraction")  # fmt: skip
     check_chat_template(tokenizer, {train_rows: splits.train,

@@ -188,27 +188,42 @@ def check_store_tokenizer(tokenizer: Any, train_dataset: Any, eval_dataset: Any 
                 )
 
 
-def check_length_options_apply(args: Any, dataset: Any, name: str = "train_dataset",
-                               unset: str = "leave {} unset") -> None:  # fmt: skip
-    """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows (a text
-    row has no prompt: that option beside text rows is refused too): rows that come tokenized (input_ids; a teacher
-    or rollout store, scored as they are) are trained whole, so either option set beside them would never be used.
-    Refused in one line, before the rows are tokenized, unless the store was cut to at most that length when it was
-    made (the option then has nothing left to cut). `unset`: how the caller's user drops the options ({} is 'it' or
-    'them'; a command line's YAML --config may be setting them)."""
+def check_length_options_apply(args: Any, datasets: list[tuple[str, Any]], unset: str = "leave {} unset") -> None:
+    """kd_max_length cuts the text and prompt rows KDTrainer tokenizes, kd_max_prompt_length the prompt rows.
+
+    Rows that come tokenized (input_ids; a teacher or rollout store, scored as they are) are trained or evaluated
+    whole: either option beside them would not hold for them, so it is refused naming them, unless the store was
+    cut to at most that length when it was made (the option has nothing left to cut). A text row has no prompt:
+    kd_max_prompt_length holds for it trivially, and is refused only where no rows of the run have a prompt (it
+    would never be used). `datasets`: (how the caller names it, its rows), the training rows first, then the
+    evaluation's. Refused in one line, before the rows are tokenized; rows whose columns cannot be read without
+    consuming them (an iterable of unknown columns) are not checked. `unset`: how the caller's user drops the
+    options ({} is 'it' or 'them'; a command line's YAML --config may be setting them)."""
     made_as = {"kd_max_length": "max_length", "kd_max_prompt_length": "max_prompt_length"}  # precompute's inputs
     asked = {option: getattr(args, option, None) for option in made_as}
     asked = {option: value for option, value in asked.items() if value is not None}
-    row = columns_of(dataset) if asked else None  # column names only: an iterable's known columns will do
-    if isinstance(row, Mapping) and "text" in row and "input_ids" not in row and not is_prompt_row(row):
-        if "kd_max_prompt_length" in asked:  # a text row is trained whole: it has no prompt to cut
-            drop = unset.format("it")
-            raise ValueError(f"{name} holds {{'text': ...}} rows, which have no prompt: kd_max_prompt_length="
-                             f"{asked['kd_max_prompt_length']} would never be used; {drop} (kd_max_length cuts text "
-                             f"rows; prompt rows are {{'prompt', 'completion'}} or 'messages')")  # fmt: skip
+    if not asked:
         return
-    if not isinstance(row, Mapping) or "input_ids" not in row or "text" in row or is_prompt_row(row):
-        return
+    text_only = []  # the datasets of text rows, while no dataset of prompts has shown up
+    prompts = False
+    for name, dataset in datasets:
+        row = columns_of(dataset)  # column names only: an iterable's known columns will do
+        if not isinstance(row, Mapping):
+            prompts = True  # unknown rows may hold prompts
+        elif is_prompt_row(row):
+            prompts = True
+        elif "text" in row and "input_ids" not in row:
+            text_only.append(name)
+        elif "input_ids" in row and "text" not in row:
+            _check_tokenized_rows_are_cut(name, dataset, asked, made_as, unset)
+    if "kd_max_prompt_length" in asked and text_only and not prompts:
+        raise ValueError(f"{text_only[0]} holds {{'text': ...}} rows, which have no prompt: kd_max_prompt_length="
+                         f"{asked['kd_max_prompt_length']} would never be used; {unset.format('it')} (kd_max_length "
+                         f"cuts text rows; prompt rows are {{'prompt', 'completion'}} or 'messages')")  # fmt: skip
+
+
+def _check_tokenized_rows_are_cut(name: str, dataset: Any, asked: dict[str, int], made_as: dict[str, str],
+                                  unset: str) -> None:  # fmt: skip
     meta = store_meta(dataset)
     store = meta is not None
     # a store cut when it was made (liger-kd precompute --max-length / --max-prompt-length) to at most the option's

@@ -77,8 +77,7 @@ class KDTrainer(Trainer):
         model, teacher_model = loaded_models(model, teacher_model, args)  # models given by name or path
         check_no_text_rows_to_generate_from(args, kwargs.get("train_dataset"))  # before they become token rows
         training = [("train_dataset", kwargs.get("train_dataset"))]
-        for name, rows in training + named_evaluations(kwargs.get("eval_dataset")):
-            check_length_options_apply(args, rows, name)
+        check_length_options_apply(args, training + named_evaluations(kwargs.get("eval_dataset")))
         tokenize_text_datasets(kwargs, args.kd_max_length, bool(args.kd_teacher_tokenizer or teacher_tokenizer))
         # the teacher's kind, collator, columns, vocabulary and checks, chosen once (teachers/plan.py)
         self.teacher_plan = resolve_teacher(model, teacher_model, args, teacher_tokenizer, kwargs)
