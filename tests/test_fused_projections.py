@@ -23,7 +23,7 @@ def test_fused_decode_samples_what_the_uncached_reference_samples(arch):
     sampling = Sampling(temperature=0.7, top_k=20, top_p=0.9, vocab_limit=250)
     decodes_as_the_reference(model, sampling, fuse_projections=True)
     layers = model.config.num_hidden_layers
-    assert len(session_of(model).fused.groups) == 2 * layers  # q/k/v and gate/up of every layer
+    assert len(session_of(model).projection_copies.groups) == 2 * layers  # q/k/v and gate/up of every layer
     release_sessions(model)
 
 
@@ -159,14 +159,14 @@ def test_float32_weights_under_autocast_are_held_cast_and_decode_the_same_bits(m
         session = session_of(model)
         if held:
             linears = [m for m in session.model.modules() if type(m) is nn.Linear]
-            covered = {id(lin) for group in session.fused.groups for lin in group.linears}
+            covered = {id(lin) for group in session.projection_copies.groups for lin in group.linears}
             assert covered == {id(lin) for lin in linears}  # q/k/v, o, gate/up, down of every layer, lm_head
-            assert all(group.weight.dtype == torch.bfloat16 for group in session.fused.groups)
-            assert len(session.fused.groups) == (2 * model.config.num_hidden_layers + 2 * model.config.num_hidden_layers
-                                                 + 1 if fuse else len(linears))  # fmt: skip
+            assert all(group.weight.dtype == torch.bfloat16 for group in session.projection_copies.groups)
+            layers = model.config.num_hidden_layers  # fused: q/k/v and gate/up; alone: o and down; and lm_head
+            assert len(session.projection_copies.groups) == (4 * layers + 1 if fuse else len(linears))
         else:
-            assert session.fused is None or not fuse or all(g.weight.dtype == torch.float32
-                                                            for g in session.fused.groups)  # fmt: skip
+            groups = session.projection_copies.groups if session.projection_copies is not None else []
+            assert not fuse or all(g.weight.dtype == torch.float32 for g in groups)
         release_sessions(model)
     assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
     head = model.lm_head.weight
@@ -175,7 +175,7 @@ def test_float32_weights_under_autocast_are_held_cast_and_decode_the_same_bits(m
         with torch.no_grad():
             head.add_(1.0)  # in place: the session's copy is stale until its next call
         decode(model, ids, mask, max_new_tokens=2, sampling=Sampling(), pad_id=0, fuse_projections=fuse)
-    (copy,) = [g.weight for g in session_of(model).fused.groups if g.linears[0].weight is head]
+    (copy,) = [g.weight for g in session_of(model).projection_copies.groups if g.linears[0].weight is head]
     assert torch.equal(copy, head.detach().to(torch.bfloat16))
     release_sessions(model)
 

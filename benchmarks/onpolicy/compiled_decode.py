@@ -35,8 +35,8 @@ class CompiledDecodeSession(DecodeSession):
             eager_step = super().step
             if self.key.capture == "reduce-overhead":  # every buffer the step mutates at a fixed address, or no graph
                 buffers = (self.token, self.slot, self.count, self.used, self.base, self.valid, self.done, self.out)
-                fused = self.fused.tensors() if self.fused is not None else []
-                for t in (*buffers, *self.cache.keys, *self.cache.values, *fused):
+                copies = self.projection_copies.tensors() if self.projection_copies is not None else []
+                for t in (*buffers, *self.cache.keys, *self.cache.values, *copies):
                     torch._dynamo.mark_static_address(t)
                 self.compiled = torch.compile(eager_step, mode="reduce-overhead")
             else:  # inductor's kernels, captured by the engine's capture (graph breaks cost nothing there)

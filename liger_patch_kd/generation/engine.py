@@ -160,7 +160,7 @@ class DecodeSession:
         self.graph: torch.cuda.CUDAGraph | None = None
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
-        self.fused = copies if copies.groups else None
+        self.projection_copies = copies if copies.groups else None
 
     @property
     def model(self) -> nn.Module:
@@ -168,11 +168,11 @@ class DecodeSession:
         return self._model() if isinstance(self._model, weakref.ref) else self._model
 
     def nbytes(self) -> int:
-        """The memory the session holds between calls: KV cache, fused weights, output buffers."""
+        """The memory the session holds between calls: KV cache, projection weight copies, output buffers."""
         buffers = [self.out, self.valid] + ([self.out_logprobs] if self.out_logprobs is not None else [])
         buffers += list(self.out_top or ())
         held = self.cache.nbytes() + sum(t.numel() * t.element_size() for t in buffers)
-        return held + (self.fused.nbytes() if self.fused is not None else 0)
+        return held + (self.projection_copies.nbytes() if self.projection_copies is not None else 0)
 
     # ----------------------------------------------------------------------------------------- the step
     def _advance(self, logits: torch.Tensor, bump_slot: bool = False) -> None:
@@ -267,12 +267,13 @@ class DecodeSession:
 
     @contextlib.contextmanager
     def projections(self) -> Iterator[None]:
-        """The fused projections, their weights refreshed (an in-place update since the last call included)."""
-        if self.fused is None:
+        """The projection copies (fused, or cast to the autocast dtype), refreshed (an in-place update since the last
+        call included) and installed."""
+        if self.projection_copies is None:
             yield
             return
-        self.fused.sync()
-        with self.fused.installed():
+        self.projection_copies.sync()
+        with self.projection_copies.installed():
             yield
 
     def run(
