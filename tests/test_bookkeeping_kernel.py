@@ -77,9 +77,13 @@ def test_every_row_done_keeps_used_and_pads():
     assert (int(count), int(used), int(slot)) == (3, 1, 6) and bool(done.all())
 
 
-def test_the_engine_through_the_kernel_samples_what_it_samples_through_the_torch_ops(monkeypatch):
+@pytest.mark.parametrize("capture", ["eager", pytest.param("graph", marks=pytest.mark.gpu)])
+def test_the_engine_through_the_kernel_samples_what_it_samples_through_the_torch_ops(monkeypatch, capture):
     """decode() on the Triton backend (the fused draw and this kernel) against the same decode with the torch ops
-    in the kernel's place: the same tokens and log-probs, EOS ids included (rows end and pad)."""
+    in the kernel's place: the same tokens and log-probs, EOS ids included (rows end and pad); on a GPU also with
+    the step captured as a CUDA graph (the kernel launched once at capture, replayed at every step)."""
+    if capture == "graph" and DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
     monkeypatch.setattr(engine_module, "BOOKKEEPING_KERNEL", True)
     model = _model("llama", torch.float32, seed=6).to(DEVICE)
@@ -95,8 +99,9 @@ def test_the_engine_through_the_kernel_samples_what_it_samples_through_the_torch
         release_sessions(model)
         torch.manual_seed(1)
         runs.append(decode(model, ids, mask, max_new_tokens=8, sampling=Sampling(), pad_id=0, eos_ids=eos,
-                           capture="eager", logprobs=True))  # fmt: skip
-    assert calls.count(True) == calls.count(False) == 8  # the prefill's draw and 7 steps, each run
+                           capture=capture, logprobs=True))  # fmt: skip
+    # the prefill's draw and 7 steps each run (a captured step calls it at its warm-ups and capture, then replays)
+    assert calls.count(True) == calls.count(False) and (capture == "graph" or calls.count(True) == 8)
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert (runs[0][0][0, 3:] == 0).all() and runs[0][0].shape[1] == 8
     release_sessions(model)

@@ -79,7 +79,8 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - began)
-    floor_s = weight_bytes(student) / HBM_BYTES_PER_S  # every weight read once per step (in bf16 under autocast)
+    bandwidth = hbm_bytes_per_s(device)  # every weight read once per step (in bf16 under autocast)
+    floor_s = weight_bytes(student) / bandwidth if bandwidth else None
     step_ms = replay_ms(student, prompts, cache, a, device) if direct or cache == "graph" else None
     print(f"{rows} rows, {cache}: {seconds[-1] / a.completion * 1e3:.3f} ms a step with the prefill, {step_ms} alone")
     return {
@@ -90,13 +91,22 @@ def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, 
         "tokens_per_s": tokens / seconds[-1],
         "ms_per_step": seconds[-1] / a.completion * 1e3,  # the prompt's prefill included, as the issue's table
         "decode_step_ms": step_ms,  # the captured step alone (CUDA events around its replays)
-        "floor_ms": floor_s * 1e3,
+        "floor_ms": floor_s * 1e3 if floor_s else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
         "frames_compiled": counters["frames"]["ok"] - frames_before,
     }
 
 
-HBM_BYTES_PER_S = 4.8e12  # an H200's
+# Peak memory bandwidth by the device's name (the vendors' data sheets); a floor is reported only for these
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
+
+
+def hbm_bytes_per_s(device) -> float | None:
+    """The data-sheet memory bandwidth of `device` (the first name of HBM_BYTES_PER_S in its name), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((speed for key, speed in HBM_BYTES_PER_S.items() if key in name), None)
 
 
 def weight_bytes(model) -> int:

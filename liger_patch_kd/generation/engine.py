@@ -59,10 +59,10 @@ from .sampling_kernel import gumbel_argmax
 CAPTURES = ("graph", "eager")  # both attend through the Triton split-KV kernel (decode_kernel.py)
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
-# The step's bookkeeping after the draw in one Triton kernel instead of a dozen torch ops. Checked against the torch
-# ops through the Triton interpreter (tests/test_bookkeeping_kernel.py); off until a GPU run has checked it compiled
-# and measured what it saves.
-BOOKKEEPING_KERNEL = False
+# The step's bookkeeping after the draw in one Triton kernel instead of a dozen torch ops (on the Triton backend).
+# Checked against the torch ops step for step, through the interpreter on a CPU and compiled and captured on a GPU
+# (tests/test_bookkeeping_kernel.py); a switch so a profile can compare both (bench_rollouts).
+BOOKKEEPING_KERNEL = True
 
 
 @dataclass(frozen=True)

@@ -173,15 +173,20 @@ def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, t
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), _autocast_as_now(device):
             hidden = backbone(input_ids=input_ids, attention_mask=None, use_cache=False).last_hidden_state
     except RuntimeError:
-        _end_generator_capture(device)
+        _repair_after_failed_capture(device, pool)
         raise
     return graph, hidden
 
 
-def _end_generator_capture(device: torch.device) -> None:
-    """A capture that fails ends before torch's CUDA generator hears that it ended (capture_end raises first), and
-    every random op on the device fails after it ("Offset increment outside graph capture"). A capture that
-    succeeds, on a side stream, tells the generator it ended."""
+def _repair_after_failed_capture(device: torch.device, pool) -> None:
+    """A capture that fails ends before the caching allocator and torch's CUDA generator hear that it ended
+    (capture_end raises first). The allocator would keep the pool marked as recording (every later capture into it
+    is refused: "already recording to mempool_id"), so it is told here; the generator would fail every random op
+    on the device ("Offset increment outside graph capture"), and a capture that succeeds, on a side stream, tells
+    it the capture ended."""
+    end_allocating = getattr(torch._C, "_cuda_endAllocateToPool", None)  # what capture_end calls after its check
+    if end_allocating is not None:
+        end_allocating(device.index if device.index is not None else torch.cuda.current_device(), pool)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
