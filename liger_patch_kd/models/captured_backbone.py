@@ -26,6 +26,7 @@ the graph is tested against.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,7 @@ class CapturedBackbone:
                 graph, hidden = _capture(backbone, static_ids, self._graph_pool())
             except RuntimeError as err:  # an op a capture refuses (a host sync in the forward or a hook, say)
                 self.refused.add(key)
+                self._pool = None  # the failed capture's pool may stay marked as recording: later ones take a new one
                 logger.warning("the teacher's forward could not be captured for shape %s (%s): it runs eagerly",
                                tuple(static_ids.shape), str(err).splitlines()[0])  # fmt: skip
                 return None
@@ -179,14 +181,16 @@ def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, t
 
 
 def _repair_after_failed_capture(device: torch.device, pool) -> None:
-    """A capture that fails ends before the caching allocator and torch's CUDA generator hear that it ended
-    (capture_end raises first). The allocator would keep the pool marked as recording (every later capture into it
-    is refused: "already recording to mempool_id"), so it is told here; the generator would fail every random op
-    on the device ("Offset increment outside graph capture"), and a capture that succeeds, on a side stream, tells
-    it the capture ended."""
+    """A capture that fails ends before torch's allocators and its CUDA generator hear that it ended (capture_end
+    raises first). The allocators keep the pool marked as recording: a later capture into it is refused ("already
+    recording to mempool_id"), so the caller moves to a new pool, and the device allocator is told the capture
+    ended where torch lets it be (else it would test every later allocation against the dead capture; the pinned
+    host allocator has no such call). The generator would fail every random op on the device ("Offset increment
+    outside graph capture"): a capture that succeeds, on a side stream, tells it the capture ended."""
     end_allocating = getattr(torch._C, "_cuda_endAllocateToPool", None)  # what capture_end calls after its check
     if end_allocating is not None:
-        end_allocating(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        with contextlib.suppress(RuntimeError):  # "not currently recording": capture_end got that far itself
+            end_allocating(device.index if device.index is not None else torch.cuda.current_device(), pool)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
