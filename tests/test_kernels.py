@@ -53,8 +53,9 @@ def test_rms_norm(dtype, casting, offset, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_cos", [1, 2])
-def test_rope_q_and_k_in_one_kernel(dtype, batch_cos):
-    bsz, heads, kv_heads, seq, dim = 2, 4, 2, 9, 16
+@pytest.mark.parametrize("dim", [16, 24, 80])  # halves 8, 12 and 40: a power of two, and masked tiles
+def test_rope_q_and_k_in_one_kernel(dtype, batch_cos, dim):
+    bsz, heads, kv_heads, seq = 2, 4, 2, 9
     # HF layout: (B, T, heads, D) projections transposed to (B, heads, T, D) views
     q = torch.randn(bsz, seq, heads, dim, device=DEVICE, dtype=dtype).transpose(1, 2)
     k = torch.randn(bsz, seq, kv_heads, dim, device=DEVICE, dtype=dtype).transpose(1, 2)
@@ -248,3 +249,31 @@ def test_jsd_launch_refuses_a_tile_or_warp_count_triton_cannot_launch(options, n
 
     with pytest.raises(ValueError, match=needle):
         JSDLaunch(**options)
+
+
+@pytest.mark.parametrize("dim", [24, 64])
+def test_rope_with_fp32_tables_for_bf16_q_rotates_in_fp32_in_one_launch(monkeypatch, dim):
+    """fp32 weights under bf16 autocast: q and k come out of the products in bf16, cos / sin stay fp32. The kernel
+    reads the tables in fp32 and rotates in fp32, as transformers' apply_rotary_pos_emb does by type promotion,
+    and rounds once to bf16 (what attention then casts it to): at most one bf16 step from that reference; in one
+    launch, head sizes whose half is no power of
+    two included (the arithmetic benchmark's student has 24)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    import liger_patch_kd.ops.rope as rope_module
+
+    launches = count_launches(monkeypatch, rope_module, "_rope_kernel")
+    q = torch.randn(3, 5, 4, dim, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(3, 5, 2, dim, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    angles = torch.randn(1, 5, dim // 2, device=DEVICE) * 4
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos(), emb.sin()
+    with torch.no_grad():
+        got = rope(q, k, cos, sin, backend="triton")
+        want = [w.to(torch.bfloat16) for w in apply_rotary_pos_emb(q, k, cos, sin)]
+    assert len(launches) == 1
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        # one bf16 step at most (2^-7 relative): the same fp32 value rounded once (the interpreter's conversion
+        # to bf16 may round another way than a GPU's round-to-nearest-even)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2**-7)

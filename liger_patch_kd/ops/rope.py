@@ -31,11 +31,11 @@ if triton_available():
 
     @triton.jit
     def _rotate_heads(x_ptr, out_ptr, b, t, sxb, sxh, sxt, sob, soh, sot, n_heads, cos1, cos2, sin1, sin2,
-                      ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                      ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
         """Both halves of the rotation for every head of one (batch, position) of one tensor."""
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, BLOCK_D)
         heads = tl.arange(0, BLOCK_H)
-        hmask = heads[:, None] < n_heads
+        hmask = (heads[:, None] < n_heads) & (d[None, :] < HALF)
         base = x_ptr + b * sxb + t * sxt + heads[:, None] * sxh
         x1 = tl.load(base + d[None, :], mask=hmask, other=0.0).to(ACC)
         x2 = tl.load(base + HALF + d[None, :], mask=hmask, other=0.0).to(ACC)
@@ -49,26 +49,29 @@ if triton_available():
     def _rope_kernel(
         q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
         sqb, sqh, sqt, skb, skh, skt, soqb, soqh, soqt, sokb, sokh, sokt, scb, sct, T, q_heads, k_heads,
-        BACKWARD: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
-        BLOCK_KH: tl.constexpr,
+        BACKWARD: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
     ):  # fmt: skip
         """One program per (batch, position): every head of q and of k, cos / sin read once for both (one launch:
         a decode step's few rows are bound by launches, not bytes). The backward applies the transposed rotation:
-        sin halves swapped and negated."""
+        sin halves swapped and negated. cos / sin are read in their own dtype and the rotation computed in ACC, as
+        the torch path's type promotion does (float32 tables for bf16 q stay float32). A half that is not a power
+        of two (head size 80, 96, 24) is a masked BLOCK_D-wide tile."""
         pid = tl.program_id(0)
         b = (pid // T).to(tl.int64)
         t = (pid % T).to(tl.int64)
-        d = tl.arange(0, HALF)
-        cos1 = tl.load(cos_ptr + b * scb + t * sct + d).to(ACC)
-        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d).to(ACC)
-        sin1 = tl.load(sin_ptr + b * scb + t * sct + d).to(ACC)
-        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d).to(ACC)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HALF
+        cos1 = tl.load(cos_ptr + b * scb + t * sct + d, mask=dmask, other=0.0).to(ACC)
+        cos2 = tl.load(cos_ptr + b * scb + t * sct + HALF + d, mask=dmask, other=0.0).to(ACC)
+        sin1 = tl.load(sin_ptr + b * scb + t * sct + d, mask=dmask, other=0.0).to(ACC)
+        sin2 = tl.load(sin_ptr + b * scb + t * sct + HALF + d, mask=dmask, other=0.0).to(ACC)
         if BACKWARD:
             sin1, sin2 = -sin2, -sin1
         _rotate_heads(q_ptr, q_out_ptr, b, t, sqb, sqh, sqt, soqb, soqh, soqt, q_heads, cos1, cos2, sin1, sin2,
-                      ACC, HALF, BLOCK_QH)  # fmt: skip
+                      ACC, HALF, BLOCK_D, BLOCK_QH)  # fmt: skip
         _rotate_heads(k_ptr, k_out_ptr, b, t, skb, skh, skt, sokb, sokh, sokt, k_heads, cos1, cos2, sin1, sin2,
-                      ACC, HALF, BLOCK_KH)  # fmt: skip
+                      ACC, HALF, BLOCK_D, BLOCK_KH)  # fmt: skip
 
     def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
         bsz, q_heads, seq, dim = q.shape
@@ -81,7 +84,8 @@ if triton_available():
             q, k, q_out, k_out, cos, sin,
             *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3], cb, cos.stride(1),
             seq, q_heads, k_heads, BACKWARD=backward, ACC=acc_type(q.dtype), HALF=dim // 2,
-            BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(k_heads),
+            BLOCK_D=triton.next_power_of_2(dim // 2), BLOCK_QH=triton.next_power_of_2(q_heads),
+            BLOCK_KH=triton.next_power_of_2(k_heads),
         )  # fmt: skip
         return q_out, k_out
 
@@ -108,7 +112,6 @@ def _triton_can_take(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> 
         and cos.dim() == 3
         and cos.shape[-1] == dim  # partial rotary (Phi-4-mini) goes to the torch path
         and dim % 2 == 0
-        and (dim // 2) & (dim // 2 - 1) == 0  # power-of-two half: tl.arange needs it
         and q.stride(-1) == 1
     )
 
@@ -131,4 +134,4 @@ def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, backend: str
         _triton_can_take(q, cos, unsqueeze_dim) and _pairs_with(q, k) and _tables_fit(q, cos, sin)
     ):
         return rope_torch(q, k, cos, sin, unsqueeze_dim)
-    return RoPEFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))
+    return RoPEFunction.apply(q, k, cos, sin)  # tables in their own dtype: the torch path's promotion
