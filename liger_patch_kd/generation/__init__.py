@@ -8,6 +8,8 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   fused_projections q/k/v and gate/up as one product each, over a session-owned copy refreshed every call
   kernel_twin       the model a session runs: its module tree copied over the same parameters, the project's
                     RMSNorm / RoPE / gated-MLP kernels bound on the copies (patched or not, the same step)
+  rotary_table      a session's cos / sin of every cache position, made once by the model's own rotary module
+  bookkeeping_kernel the step's counters, EOS flags and output column after the draw, in one Triton kernel
   model_config      text_config: the language model's config (a VLM's text config)
   forward_options   decode_forward_options: router outputs off in decode forwards (MoE configs that ask)
   special_tokens    special_ids: a generator's pad id, EOS ids and start token (generation config, then tokenizer)

@@ -53,6 +53,7 @@ from .kernel_twin import kernel_twin
 from .kv_cache import SlotCache
 from .model_config import text_config
 from .padding import self_visible_causal
+from .rotary_table import install_rotary_tables
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 from .sampling_kernel import gumbel_argmax
 
@@ -136,6 +137,8 @@ class DecodeSession:
         self._model = kernel_twin(model) if key.kernels else weakref.ref(model)
         self.key, self.device = key, device
         rows, length = key.rows, key.length
+        if key.kernels:  # cos / sin looked up from a table of the cache's positions (rotary_table.py)
+            install_rotary_tables(self._model, length)
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(rows, 1, **long)  # the step's input ids
         self.slot = torch.zeros(1, **long)  # the cache column the step writes
