@@ -10,6 +10,7 @@ from liger_patch_kd.generation import Sampling, decode, release_sessions
 from liger_patch_kd.generation import engine as engine_module
 from liger_patch_kd.generation.rotary_table import RotaryTable, install_rotary_tables
 
+from .helpers import DEVICE
 from .test_generation import _model, _prompts
 from .tiny_models import tiny_model
 
@@ -73,8 +74,7 @@ def test_a_module_that_computes_otherwise_keeps_its_own_values():
 def test_positions_of_another_layout_and_extra_arguments_go_to_the_module():
     module = _rotary(ROPES["default"])
     calls = []
-    own = module.forward
-    module.forward = lambda *a, **k: calls.append((a, k)) or own(*a[:2])
+    module.forward = lambda *a, **k: calls.append((a, k)) or (a[0], a[0])  # takes any layout
     table = RotaryTable(module, length=32)
     x = torch.randn(2, 4, 96, dtype=torch.float64)
     table.forward(x, torch.arange(4).expand(3, 2, 4))  # (3, rows, T): Qwen-VL's multimodal positions
@@ -85,8 +85,8 @@ def test_positions_of_another_layout_and_extra_arguments_go_to_the_module():
 def test_decode_through_the_table_samples_what_it_samples_through_the_module(monkeypatch):
     """The same tokens and log-probs with and without the tables, EOS ids included; the module's own forward runs
     only to make and check the table (the prefill), never at a step; the user's module is left as it was."""
-    model = _model("llama", torch.float64, seed=4)
-    ids, mask = _prompts()
+    model = _model("llama", torch.float64, seed=4).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
     calls = []
     own = type(model.model.rotary_emb).forward
     def counted(self, x, position_ids):

@@ -1,0 +1,30 @@
+"""benchmarks.onpolicy.count_decode_ops: the census of one decode step, and what it guards. The accuracy
+benchmark's student (head size 24, float32 weights under bf16 autocast) rotates q and k in the RoPE kernel (the
+kernel used to take power-of-two halves only, and a dozen torch ops per layer stood in) and reads cos / sin with
+one gather from its session's table (seven kernels a step before)."""
+
+import collections
+
+import pytest
+import torch
+
+from benchmarks.onpolicy.count_decode_ops import decode_step_ops
+from liger_patch_kd.demo.arithmetic import ModelShape
+from liger_patch_kd.generation import release_sessions
+
+pytestmark = pytest.mark.usefixtures("clean_patches")
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_the_students_decode_step_rotates_in_the_kernel_and_reads_cos_sin_from_its_table(autocast):
+    model = ModelShape(96, 2).build(264, seed=0, device="cpu").eval()
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    ops, kernels = decode_step_ops(model, rows=4, prompt=6, autocast=autocast)
+    launched = collections.Counter(kernels)
+    assert launched["_rope_kernel"] == 2 and launched["_rms_norm_fwd_kernel"] == 5  # a layer each; 2 norms + final
+    names = collections.Counter(name for name, _ in ops)
+    assert not {"cos", "sin", "neg", "cat"} & set(names)  # no torch rotation, no per-step rotary module
+    assert [where.split(":")[0] for name, where in ops if name == "index"] == ["rotary_table.py"]
+    assert not [where for _, where in ops if where.startswith("rope.py")]
+    release_sessions(model)
