@@ -259,6 +259,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_leaves_the_device_us
             torch.testing.assert_close(_hidden(teacher, ids), want, rtol=0, atol=0)
         assert captured.captures == 0 and len(captured.refused) == 1
         assert any("could not be captured" in r.getMessage() for r in caplog.records)
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the caller's stream is back
         torch.randint(0, 10, (4,), device="cuda")  # the generator works outside a capture again
     finally:
         hook.remove()

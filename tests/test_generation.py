@@ -373,6 +373,34 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
     assert not math.isnan(float(got.sum()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_that_cannot_be_captured_raises_and_leaves_the_device_and_the_session_usable():
+    """A host sync inside the step (here a hook) fails its capture: the call raises, the caller's stream is back,
+    random ops work, and once the hook is gone the same bucket captures and samples what the eager step does."""
+    model = _model("llama", torch.float32, seed=7).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+
+    def sync_while_captured(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+
+    hook = model.model.layers[0].register_forward_pre_hook(sync_while_captured)
+    try:
+        with pytest.raises(RuntimeError):
+            decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0, capture="graph")
+    finally:
+        hook.remove()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randint(0, 10, (4,), device="cuda")  # torch's generator is out of capture mode
+    runs = []
+    for capture in ("eager", "graph"):
+        torch.manual_seed(11)
+        runs.append(decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0, capture=capture)[0])
+    assert torch.equal(runs[0], runs[1])
+    release_sessions(model)
+
+
 def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():
     from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 

@@ -48,7 +48,7 @@ def test_rope_types_that_follow_the_length_keep_their_forward():
     """"dynamic" rescales its frequencies past the trained length: one table could not hold every step's."""
     model = tiny_model("llama", seed=2, hidden=96, rope_scaling={"rope_type": "dynamic", "factor": 2.0,
                                                                    "rope_theta": 10000.0})  # fmt: skip
-    assert install_rotary_tables(model, 64) == 0
+    assert install_rotary_tables(model, 64) == []
     assert "forward" not in model.model.rotary_emb.__dict__
 
 
@@ -97,7 +97,7 @@ def test_decode_through_the_table_samples_what_it_samples_through_the_module(mon
     runs = []
     for tables in (True, False):
         if not tables:
-            monkeypatch.setattr(engine_module, "install_rotary_tables", lambda *a: 0)
+            monkeypatch.setattr(engine_module, "install_rotary_tables", lambda *a: [])
         release_sessions(model)
         calls.clear()
         torch.manual_seed(5)
@@ -110,4 +110,38 @@ def test_decode_through_the_table_samples_what_it_samples_through_the_module(mon
             assert len(calls) == runs[-1][0].shape[1]  # the prefill and every step
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert "forward" not in model.model.rotary_emb.__dict__
+    release_sessions(model)
+
+
+def _greedy(model, ids, mask):
+    return decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(temperature=0.0), pad_id=0, eos_ids=(3,),
+                  capture="eager", logprobs=True)  # fmt: skip
+
+
+def test_a_rotary_module_with_a_rope_type_per_layer_type_decodes_as_before(monkeypatch):
+    """Gemma-3's rotary module keeps rope_type as a dict per layer type (and takes the layer type at each call):
+    no table, and the engine decodes what it decoded without tables (the install once failed on the dict)."""
+    model = _model("gemma3_text", torch.float64, seed=4, layer_types=["full_attention"] * 2, sliding_window=None)
+    assert engine_module.decode_applies(model) is None and isinstance(model.model.rotary_emb.rope_type, dict)
+    ids, mask = _prompts()
+    got = _greedy(model, ids, mask)
+    release_sessions(model)
+    monkeypatch.setattr(engine_module, "install_rotary_tables", lambda *a: [])
+    want = _greedy(model, ids, mask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    release_sessions(model)
+
+
+def test_inverse_frequencies_changed_in_place_are_what_a_kept_session_rotates_by_next_call():
+    """The twin shares the model's buffers: an in-place change of inv_freq between calls is in the kept session's
+    table at the next call (refreshed in place, as a captured step reads it), as in a fresh session's."""
+    model = _model("llama", torch.float64, seed=4)
+    ids, mask = _prompts()
+    _greedy(model, ids, mask)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.25)
+    kept = _greedy(model, ids, mask)
+    release_sessions(model)
+    fresh = _greedy(model, ids, mask)
+    assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
     release_sessions(model)

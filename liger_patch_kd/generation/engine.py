@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import autocast_dtype, select_backend
+from ..utils.cuda_graphs import graph_capture
 from .bookkeeping_kernel import advance_in_one_kernel
 from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
@@ -137,8 +138,8 @@ class DecodeSession:
         self._model = kernel_twin(model) if key.kernels else weakref.ref(model)
         self.key, self.device = key, device
         rows, length = key.rows, key.length
-        if key.kernels:  # cos / sin looked up from a table of the cache's positions (rotary_table.py)
-            install_rotary_tables(self._model, length)
+        # cos / sin looked up from a table of the cache's positions (rotary_table.py), refreshed at each call
+        self.rotary_tables = install_rotary_tables(self._model, length) if key.kernels else []
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(rows, 1, **long)  # the step's input ids
         self.slot = torch.zeros(1, **long)  # the cache column the step writes
@@ -252,12 +253,15 @@ class DecodeSession:
             for _ in range(3):
                 step()  # writes cache columns the real steps overwrite before anything reads them
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            step()
-        for saved, live in zip(state, (self.token, self.slot, self.count, self.used, self.done)):
-            live.copy_(saved)
-        torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
+        graph = torch.cuda.CUDAGraph()
+        try:  # a failed capture raises with the stream, allocator and generator put right (utils/cuda_graphs.py)
+            with graph_capture(graph, self.device, torch.cuda.graph_pool_handle()):
+                step()
+            self.graph = graph
+        finally:  # captured or not, the session's state and the call's seed are as the prefill left them
+            for saved, live in zip(state, (self.token, self.slot, self.count, self.used, self.done)):
+                live.copy_(saved)
+            torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
 
     def run_step(self) -> None:
         """The step as the session runs it: captured at its first call and replayed ("graph"), or op by op."""
@@ -286,6 +290,8 @@ class DecodeSession:
         """(rows, n) sampled ids (n <= max_new_tokens: fewer when every row ended) and their log-probs or None;
         Cancelled once `cancel` is set (read before the prefill and each step)."""
         stop_if_cancelled(cancel)
+        for table in self.rotary_tables:
+            table.refresh()
         with self.projections():
             self.prefill(input_ids, attention_mask)
             checks = len(self.key.eos_ids) > 0

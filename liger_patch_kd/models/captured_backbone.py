@@ -26,7 +26,6 @@ the graph is tested against.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import logging
 
+from ..utils.cuda_graphs import graph_capture
 from .state import unwrap_model
 
 logger = logging.get_logger(__name__)
@@ -171,33 +171,10 @@ def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, t
             backbone(input_ids=input_ids, attention_mask=None, use_cache=False)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), _autocast_as_now(device):
-            hidden = backbone(input_ids=input_ids, attention_mask=None, use_cache=False).last_hidden_state
-    except RuntimeError:
-        _repair_after_failed_capture(device, pool)
-        raise
+    # a failed capture raises with the stream, the allocator and the generator put right (utils/cuda_graphs.py)
+    with graph_capture(graph, device, pool, capture_error_mode="thread_local"), _autocast_as_now(device):
+        hidden = backbone(input_ids=input_ids, attention_mask=None, use_cache=False).last_hidden_state
     return graph, hidden
-
-
-def _repair_after_failed_capture(device: torch.device, pool) -> None:
-    """A capture that fails ends before torch's allocators and its CUDA generator hear that it ended (capture_end
-    raises first). The allocators keep the pool marked as recording: a later capture into it is refused ("already
-    recording to mempool_id"), so the caller moves to a new pool, and the device allocator is told the capture
-    ended where torch lets it be (else it would test every later allocation against the dead capture; the pinned
-    host allocator has no such call). The generator would fail every random op on the device ("Offset increment
-    outside graph capture"): a capture that succeeds, on a side stream, tells it the capture ended."""
-    end_allocating = getattr(torch._C, "_cuda_endAllocateToPool", None)  # what capture_end calls after its check
-    if end_allocating is not None:
-        with contextlib.suppress(RuntimeError):  # "not currently recording": capture_end got that far itself
-            end_allocating(device.index if device.index is not None else torch.cuda.current_device(), pool)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            torch.zeros(1, device=device)
-    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def enable_captured_backbone(model: nn.Module, capture: str | None = None, **options) -> CapturedBackbone:
