@@ -98,8 +98,11 @@ def _census_of_a_step(model: torch.nn.Module, ids: torch.Tensor, autocast: bool)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--student", choices=("arithmetic", "llama-1b"), default="arithmetic",
+                        help="the accuracy benchmark's student (--shape, --vocab), or bench_rollouts' Llama-1B-shaped "
+                             "one (random weights; a few GB of memory and minutes through the interpreter)")
     parser.add_argument("--shape", type=int, nargs=2, default=(96, 2), metavar=("HIDDEN", "LAYERS"),
-                        help="the student's hidden size and layers (the accuracy benchmark's: 96 2, head size 24)")
+                        help="the arithmetic student's hidden size and layers (the benchmark's: 96 2, head size 24)")
     parser.add_argument("--vocab", type=int, default=264)
     parser.add_argument("--weights", choices=("fp32-autocast", "bf16"), default="fp32-autocast",
                         help="fp32 weights under bf16 autocast (the benchmark's bf16=True), or bf16 weights")
@@ -108,7 +111,13 @@ def main() -> None:
     from benchmarks.common import environment, print_table, write_json
     from liger_patch_kd.demo.arithmetic import ModelShape
 
-    model = ModelShape(*a.shape).build(a.vocab, seed=0, device="cpu").eval()
+    if a.student == "llama-1b":
+        from benchmarks.common.onpolicy import SHAPES, build
+
+        student, _, vocab = SHAPES["llama"]
+        model = build(student, vocab, "cpu", torch.float32, seed=0).eval()
+    else:
+        model = ModelShape(*a.shape).build(a.vocab, seed=0, device="cpu").eval()
     if a.weights == "bf16":
         model = model.to(torch.bfloat16)
     ops, kernels = decode_step_ops(model, autocast=a.weights == "fp32-autocast")
