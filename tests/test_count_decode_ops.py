@@ -1,7 +1,9 @@
 """benchmarks.onpolicy.count_decode_ops: the census of one decode step, and what it guards. The accuracy
 benchmark's student (head size 24, float32 weights under bf16 autocast) rotates q and k in the RoPE kernel (the
 kernel used to take power-of-two halves only, and a dozen torch ops per layer stood in) and reads cos / sin with
-one gather from its session's table (seven kernels a step before)."""
+one gather from its session's table (seven kernels a step before). Each residual add runs in the kernel of the norm
+that reads its sum (generation/residual_fusion.py), which under autocast also writes the norm in bf16 for the
+products that read it."""
 
 import collections
 
@@ -22,8 +24,13 @@ def test_the_students_decode_step_rotates_in_the_kernel_and_reads_cos_sin_from_i
         model = model.to(torch.bfloat16)
     ops, kernels = decode_step_ops(model, rows=4, prompt=6, autocast=autocast)
     launched = collections.Counter(kernels)
-    assert launched["_rope_kernel"] == 2 and launched["_rms_norm_fwd_kernel"] == 5  # a layer each; 2 norms + final
+    assert launched["_rope_kernel"] == 2  # a layer each
+    # 2 norms a layer + the final one: each but the first layer's input norm with the add before it
+    assert launched["_rms_norm_fwd_kernel"] == 1 and launched["_add_rms_norm_fwd_kernel"] == 4
     names = collections.Counter(name for name, _ in ops)
+    assert not [where for name, where in ops if name == "add" and where.startswith("modeling_llama")]
+    # autocast casts the first input norm's and the final norm's outputs for their products, no other norm's
+    assert names["_to_copy"] == (2 if autocast else 0)
     assert not {"cos", "sin", "neg", "cat"} & set(names)  # no torch rotation, no per-step rotary module
     assert [where.split(":")[0] for name, where in ops if name == "index"] == ["rotary_table.py"]
     assert not [where for _, where in ops if where.startswith("rope.py")]

@@ -17,7 +17,9 @@ What the twin shares and what it owns:
     for logits, never a loss); any other instance-level forward stays as it is, on the user's module (exact, slower);
   - the kernels go where the architecture's registry entry (models/registry.py) says its RMSNorm and gated-MLP
     classes are, and RoPE into a copy of each attention forward whose `apply_rotary_pos_emb` is the kernel's
-    (the function itself, and transformers' module, unchanged). An architecture without an entry runs as it is.
+    (the function itself, and transformers' module, unchanged); decoder layers laid out as Llama's add their
+    residuals in the kernel of the norm that reads them (residual_fusion.py). An architecture without an entry
+    runs as it is.
 
 The twin is made with its decode session and kept with it: what a module keeps in plain attributes and the user
 changes later (PEFT's adapter switches, say) is not in a kept session's step, as a captured graph would not hold it
@@ -38,6 +40,7 @@ from torch import nn
 from ..models.patch import gated_mlp_kernel_forward, rms_norm_kernel_forward, rope_kernel_function
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
+from .residual_fusion import fold_residual_adds
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
 
@@ -56,6 +59,7 @@ def kernel_twin(model: nn.Module) -> nn.Module:
     spec = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
     if spec is not None:
         bind_kernels(twin, spec)
+        fold_residual_adds(twin, spec)
     return twin
 
 

@@ -35,6 +35,10 @@ class ArchSpec:
     logits: frozenset[str] = frozenset()  # what the forward does to logits after lm_head (transforms.py)
     router_aux_loss: bool = False  # the forward adds router_aux_loss_coef * load_balancing_loss_func(...)
     vision_inputs: Names = ()  # a VLM's non-text inputs; a VLM teacher is given those its student received
+    # decoder-layer classes laid out as Llama's (input norm, attention, add, post-attention norm, MLP, add), whose
+    # residual adds a decode step folds into the norms that read them (generation/residual_fusion.py);
+    # tests/test_residual_fusion.py checks each against the installed transformers' source
+    residual_layers: Names = ()
 
     def load(self) -> ModuleType:
         try:
@@ -62,6 +66,8 @@ def _spec(model_type: str, prefix: str, module: str | None = None, **quirks) -> 
     module = module or model_type
     quirks.setdefault("rms_norm", (f"{prefix}RMSNorm",))
     quirks.setdefault("mlp", (f"{prefix}MLP",))
+    if quirks.pop("llama_layers", False):
+        quirks["residual_layers"] = (f"{prefix}DecoderLayer",)
     return ArchSpec(
         model_type=model_type,
         module=f"transformers.models.{module}.modeling_{module}",
@@ -79,16 +85,16 @@ REGISTRY: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
         # dense, Llama-like
-        _spec("llama", "Llama"),
-        _spec("mistral", "Mistral"),
-        _spec("qwen2", "Qwen2"),
-        _spec("qwen3", "Qwen3"),
-        _spec("smollm3", "SmolLM3"),  # NoPE layers skip RoPE inside attention: nothing to do here
+        _spec("llama", "Llama", llama_layers=True),
+        _spec("mistral", "Mistral", llama_layers=True),
+        _spec("qwen2", "Qwen2", llama_layers=True),
+        _spec("qwen3", "Qwen3", llama_layers=True),
+        _spec("smollm3", "SmolLM3", llama_layers=True),  # NoPE layers skip RoPE inside attention: nothing to do here
         # OLMo-2 / GPT-OSS normalise in fp32 and multiply by w before casting back: ops/rms_norm.py's "olmo" mode
         _spec("olmo2", "Olmo2", rms_norm_casting="olmo"),
         _spec("glm4", "Glm4", fused_gate_up=True, rope=False),  # interleaved, partial RoPE
         _spec("phi3", "Phi3", fused_gate_up=True),
-        _spec("gemma", "Gemma", **_GEMMA),
+        _spec("gemma", "Gemma", **_GEMMA, llama_layers=True),
         _spec("gemma2", "Gemma2", **_GEMMA, logits=_SOFTCAP),
         _spec("gemma3_text", "Gemma3", "gemma3", **_GEMMA, logits=_SOFTCAP),
         # a logit scale
@@ -99,7 +105,7 @@ REGISTRY: dict[str, ArchSpec] = {
         # mixture of experts
         _spec("mixtral", "Mixtral", mlp=(), experts=("MixtralExperts", "MixtralBlockSparseTop2MLP"), **_MOE),
         # Qwen3-MoE's dense layers (mlp_only_layers) use Qwen3MoeMLP; transformers 4.57's experts are that class too
-        _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE),
+        _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE, llama_layers=True),
         # GPT-OSS: GptOssMLP is the router + experts block; experts use a clamped SwiGLU (alpha, limit) and biases;
         # its RoPE takes a half-width cos/sin (the kernel wrapper would fall back anyway)
         _spec("gpt_oss", "GptOss", rms_norm_casting="olmo", mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),
@@ -118,6 +124,7 @@ REGISTRY: dict[str, ArchSpec] = {
             rms_norm=("Qwen2_5_VLRMSNorm", "Qwen2RMSNorm"),
             mlp=("Qwen2MLP",),
             vision_inputs=(*_QWEN_VL_INPUTS, "second_per_grid_ts"),
+            llama_layers=True,
         ),
         _spec(
             "qwen3_vl",
@@ -126,6 +133,7 @@ REGISTRY: dict[str, ArchSpec] = {
             rms_norm=("Qwen3VLTextRMSNorm",),
             mlp=("Qwen3VLTextMLP",),
             vision_inputs=_QWEN_VL_INPUTS,
+            residual_layers=("Qwen3VLTextDecoderLayer",),
         ),
     )
 }

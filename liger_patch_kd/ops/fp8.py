@@ -222,7 +222,7 @@ def rms_norm_quantized(
         return y, quantize_rows_torch(y.reshape(-1, hidden))
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
-    y = torch.empty((rows, hidden), dtype=norm_output_dtype(x, weight, casting), device=x.device)
+    y = torch.empty((rows, hidden), dtype=norm_output_dtype(x.dtype, weight.dtype, casting), device=x.device)
     q = torch.empty((rows, hidden), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(hidden)

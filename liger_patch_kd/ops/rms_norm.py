@@ -22,10 +22,10 @@ def check_casting(casting: str) -> None:
         raise ValueError(f"casting must be one of {CASTING_MODES}; got casting={casting!r}")
 
 
-def norm_output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
+def norm_output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, casting: str) -> torch.dtype:
     """The norm's output dtype: "llama" multiplies the input-dtype result by the weight (promoted), the others
     cast at the end to the input's dtype."""
-    return x.dtype if casting != "llama" else torch.promote_types(x.dtype, weight.dtype)
+    return x_dtype if casting != "llama" else torch.promote_types(x_dtype, weight_dtype)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, casting: str = "llama"):
@@ -44,12 +44,8 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST: tl.constexpr, BLOCK: tl.constexpr):
-        """(y in fp32 before its cast to the output dtype, rstd, the column mask) of one row, as the casting mode
-        computes it; shared with the FP8 teacher's norm that also quantises its output (ops/fp8.py)."""
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    def rms_norm_values(x, w_ptr, cols, mask, H, eps, offset, CAST_LAST: tl.constexpr):
+        """(y in fp32 before its cast to the output dtype, rstd) of one row already loaded (x, in its own dtype)."""
         x32 = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -58,6 +54,16 @@ if triton_available():
             y = normed * (offset + w.to(tl.float32))
         else:
             y = normed.to(x.dtype).to(tl.float32) * (offset + w.to(tl.float32))
+        return y, rstd
+
+    @triton.jit
+    def rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST: tl.constexpr, BLOCK: tl.constexpr):
+        """(y in fp32 before its cast to the output dtype, rstd, the column mask) of one row, as the casting mode
+        computes it; shared with the FP8 teacher's norm that also quantises its output (ops/fp8.py)."""
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        y, rstd = rms_norm_values(x, w_ptr, cols, mask, H, eps, offset, CAST_LAST)
         return y, rstd, cols, mask
 
     @triton.jit
@@ -69,6 +75,23 @@ if triton_available():
         y, rstd, cols, mask = rms_norm_row(x_ptr, w_ptr, row, stride_x, H, eps, offset, CAST_LAST, BLOCK)
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _add_rms_norm_fwd_kernel(
+        x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, H, eps, offset,
+        CAST_LAST: tl.constexpr, ADD_F64: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """s = r + x rounded to s's dtype (as torch's add rounds it), then y = RMSNorm(s), one read of each row."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        add_dtype = tl.float64 if ADD_F64 else tl.float32  # an fp64 sum is exact only added in fp64
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(add_dtype)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(add_dtype)
+        summed = (r + x).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + cols, summed, mask=mask)
+        y, _ = rms_norm_values(summed, w_ptr, cols, mask, H, eps, offset, CAST_LAST)
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_bwd_kernel(
@@ -106,7 +129,7 @@ class RMSNormFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n_rows, hidden = x2.shape
-        y = torch.empty((n_rows, hidden), dtype=norm_output_dtype(x, weight, casting), device=x.device)
+        y = torch.empty((n_rows, hidden), dtype=norm_output_dtype(x.dtype, weight.dtype, casting), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(hidden)
         _rms_norm_fwd_kernel[(n_rows,)](
@@ -158,3 +181,42 @@ def rms_norm(
     if select_backend(x.device, backend) == "torch":
         return rms_norm_torch(x, weight, eps, offset, casting)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    casting: str = "llama",
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed, normed): summed = residual + x as torch adds them (dtype promoted, rounded once), normed =
+    RMSNorm(summed), in one kernel on CUDA (a decoder layer's residual add and the norm that reads it). Forward only:
+    nothing here is differentiated. `out_dtype`: the norm's output dtype where its readers would cast it anyway (a
+    product under autocast): the same values, rounded once, without the cast's kernel; default the norm's own."""
+    check_casting(casting)
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    summed_dtype = torch.promote_types(residual.dtype, x.dtype)
+    normed_dtype = out_dtype or norm_output_dtype(summed_dtype, weight.dtype, casting)
+    if select_backend(x.device, backend) == "torch":
+        summed = residual + x
+        return summed, rms_norm_torch(summed, weight, eps, offset, casting).to(normed_dtype)
+    hidden = x.shape[-1]
+    x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    summed = torch.empty(x2.shape, dtype=summed_dtype, device=x.device)
+    normed = torch.empty(x2.shape, dtype=normed_dtype, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_fwd_kernel[(x2.shape[0],)](
+        x2, r2, weight, summed, normed, x2.stride(0), r2.stride(0), summed.stride(0), normed.stride(0), hidden,
+        float(eps), float(offset), CAST_LAST=casting != "llama", ADD_F64=summed_dtype == torch.float64,
+        BLOCK=block, num_warps=norm_warps(block),
+    )  # fmt: skip
+    return summed.reshape(x.shape), normed.reshape(x.shape)
