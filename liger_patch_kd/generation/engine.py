@@ -44,7 +44,7 @@ from torch import nn
 
 from ..ops.backend import autocast_dtype, select_backend
 from ..utils.cuda_graphs import graph_capture
-from .bookkeeping_kernel import advance_in_one_kernel
+from .bookkeeping_kernel import NextColumn, advance_in_one_kernel
 from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
 from .decode_attention import decode_kernel, packed_decode_attention
@@ -148,6 +148,10 @@ class DecodeSession:
         self.base = torch.zeros(rows, 1, **long)  # position id = base + slot (each row's prompt length - W)
         self.valid = torch.ones(rows, length, dtype=torch.bool, device=device)  # columns a row may attend to
         self.columns = torch.arange(length, **long)
+        # the step's inputs, made when the slot moves (in the bookkeeping kernel where it runs), not by the step:
+        # the mask of the columns it may attend to (valid & columns <= slot) and its position ids (base + slot)
+        self.step_mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(rows, 1, **long)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(rows, length, **long)
         self.out_logprobs = torch.zeros(rows, length, dtype=torch.float32, device=device) if key.logprobs else None
@@ -196,8 +200,9 @@ class DecodeSession:
                 self.out_top[0].index_copy_(1, self.count, top.indices[:, None])
                 self.out_top[1].index_copy_(1, self.count, top.values[:, None])
         if self.fused_bookkeeping:  # what follows, in one kernel (bookkeeping_kernel.py)
+            next_column = NextColumn(self.slot, self.valid, self.step_mask, self.positions) if bump_slot else None
             advance_in_one_kernel(tokens.contiguous(), self.done, self.eos, self.out, self.token, self.count, self.used,
-                                  self.slot if bump_slot else None, self.key.pad_id)  # fmt: skip
+                                  self.key.pad_id, next_column)  # fmt: skip
             return
         if len(self.key.eos_ids):
             tokens = torch.where(self.done, self.key.pad_id, tokens)
@@ -210,11 +215,17 @@ class DecodeSession:
         self.count.add_(1)
         if bump_slot:
             self.slot.add_(1)
+            self._inputs_through_slot()
+
+    def _inputs_through_slot(self) -> None:
+        """The next step's mask (the prompt's columns and those written, up to the slot) and position ids."""
+        torch.logical_and(self.valid, self.columns <= self.slot, out=self.step_mask)
+        torch.add(self.base, self.slot, out=self.positions)
 
     def step(self) -> None:
         """One decode step, all on the device, no host sync: what the CUDA graph holds."""
-        mask = (self.valid & (self.columns <= self.slot))[:, None, None, :]  # prompt, and the columns written
-        out = self.model(input_ids=self.token, attention_mask=mask, position_ids=self.base + self.slot,
+        out = self.model(input_ids=self.token, attention_mask=self.step_mask[:, None, None, :],
+                         position_ids=self.positions,
                          use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache},
                          **decode_forward_options(self.model))  # fmt: skip
         self._advance(out.logits[:, -1], bump_slot=True)
@@ -236,6 +247,7 @@ class DecodeSession:
         self.valid[:, width:].fill_(True)
         self.base.copy_(attended.long().sum(-1, keepdim=True) - width)
         self.slot.fill_(width)
+        self._inputs_through_slot()
         self.count.zero_()
         self.used.zero_()
         self.done.zero_()
@@ -245,7 +257,8 @@ class DecodeSession:
     def capture(self) -> None:
         """Warm the step up on a side stream (allocator, lazy kernels), put the state back, capture it."""
         step = self.step
-        state = [t.clone() for t in (self.token, self.slot, self.count, self.used, self.done)]
+        live = (self.token, self.slot, self.count, self.used, self.done, self.step_mask, self.positions)
+        state = [t.clone() for t in live]
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -259,8 +272,8 @@ class DecodeSession:
                 step()
             self.graph = graph
         finally:  # captured or not, the session's state and the call's seed are as the prefill left them
-            for saved, live in zip(state, (self.token, self.slot, self.count, self.used, self.done)):
-                live.copy_(saved)
+            for saved, buffer in zip(state, live):
+                buffer.copy_(saved)
             torch.cuda.set_rng_state(rng, self.device)  # warm-up draws consumed nothing of the call's seed
 
     def run_step(self) -> None:

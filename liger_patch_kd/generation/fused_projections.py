@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .same_input import input_mark
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -63,7 +65,7 @@ class FusedGroup:
         if len(self.linears) == 1:  # a cast copy alone: nothing to keep for another projection
             return F.linear(x, self.weight, self.bias)
         outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        self.last = (x, _version(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
+        self.last = (x, input_mark(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
 
     def stands_in(self, x: torch.Tensor) -> bool:
@@ -78,7 +80,7 @@ class FusedGroup:
     def tail_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         last = self.last  # one read: another thread may replace it meanwhile
         # the very input, not changed in place since the head read it
-        if last is not None and last[0] is x and last[1] == _version(x) and not torch.is_grad_enabled():
+        if last is not None and last[0] is x and last[1] == input_mark(x) and not torch.is_grad_enabled():
             taken = last[2].pop(index, None)
             # Once every tail has taken its output nothing is kept: a prefill's outputs are large (at 64 rows of 512
             # tokens a 1B Llama's gate/up output is 1 GiB a layer), and holding them until the group's next call kept
@@ -89,11 +91,6 @@ class FusedGroup:
                 return taken
         lin = self.linears[index]
         return F.linear(x, lin.weight, lin.bias)
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """x's in-place version counter; None for an inference-mode tensor, which has none (identity alone then)."""
-    return None if x.is_inference() else x._version
 
 
 def _plain(lin) -> bool:

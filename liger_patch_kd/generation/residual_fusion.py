@@ -30,9 +30,11 @@ from torch import nn
 
 from ..models.registry import ArchSpec
 from ..models.state import FP8_OUTPUT_ATTR
-from ..ops.rms_norm import add_rms_norm
+from ..ops.rms_norm import add_rms_norm, norm_output_dtype
+from .same_input import input_mark
 
-PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, its version, the norm of it)
+AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes autocast casts to its own
+PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, its input_mark, the norm of it)
 
 
 def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
@@ -87,7 +89,7 @@ def _take_prenormed(norm: object) -> None:
 
     def forward(self, hidden_states):
         left = self.__dict__.pop(PRENORMED, None)
-        if left is not None and left[0] is hidden_states and left[1] == hidden_states._version:
+        if left is not None and left[0] is hidden_states and left[1] == input_mark(hidden_states):
             return left[2]
         return function(self, hidden_states)
 
@@ -106,11 +108,13 @@ def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: 
     kind = x.device.type
     out_dtype = None
     if read_in_autocast and torch.is_autocast_enabled(kind):
-        out_dtype = torch.get_autocast_dtype(kind)
+        # autocast casts its readers' float16 / 32 inputs, never float64 ones (a float64 product stays float64)
+        own = norm_output_dtype(torch.promote_types(residual.dtype, x.dtype), norm.weight.dtype, spec.rms_norm_casting)
+        out_dtype = torch.get_autocast_dtype(kind) if own in AUTOCAST_CASTS else None
     summed, normed = add_rms_norm(
         x, residual, norm.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting, out_dtype=out_dtype
     )
-    norm.__dict__[PRENORMED] = (summed, summed._version, normed)
+    norm.__dict__[PRENORMED] = (summed, input_mark(summed), normed)
     return summed
 
 

@@ -13,9 +13,10 @@ another call with that seed, not the plain loop's). Anything else: None, and the
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
 from ..generation import Sampling, decode, decode_applies, left_padded
+from ..utils.seeding import seeded
 
 
 def captured_sample(engine, rows: list[list[int]], req, cancel=None) -> tuple[list, list, list] | None:
@@ -29,9 +30,7 @@ def captured_sample(engine, rows: list[list[int]], req, cancel=None) -> tuple[li
     stop = sorted(engine.eos_ids | set(req.stop_ids))
     sampling = Sampling(req.temperature, req.top_k, req.top_p, vocab_limit=req.allowed)
     devices = [engine.device] if engine.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=req.seed is not None):
-        if req.seed is not None:
-            torch.manual_seed(req.seed)
+    with seeded(req.seed, devices) if req.seed is not None else contextlib.nullcontext():
         decoded = decode(engine.model, ids.to(engine.device), mask.to(engine.device), logprobs=True,
                          top_logprobs=req.logprobs or 0, max_new_tokens=req.max_tokens, sampling=sampling,
                          pad_id=engine.pad_id, eos_ids=stop, fuse_projections=engine.fuse_projections,

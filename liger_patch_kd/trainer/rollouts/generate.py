@@ -33,6 +33,7 @@ from ...generation import (
     text_config,
 )
 from ...models import transformers_code, unwrap_model
+from ...utils.seeding import seeded
 from ..arguments import checks_arguments
 from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens, weights_precision
 
@@ -291,8 +292,7 @@ def generate_rollouts(
                 # transformers' static cache decodes in the weights' dtype, autocast off (decode.weights_precision:
                 # under autocast a layer's keys and values can differ in dtype, which that cache does not hold)
                 precision = weights_precision(generator, device) if cache == "static" else contextlib.nullcontext()
-                with precision, code, torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(call_seed(settings.seed, step, call))
+                with precision, code, seeded(call_seed(settings.seed, step, call), devices):
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
                     elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
