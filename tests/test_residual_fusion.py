@@ -160,6 +160,22 @@ def test_the_fused_twin_computes_what_the_unfused_twin_computes(arch, dtype, mon
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_under_autocast_the_fused_twin_computes_what_the_unfused_twin_computes(arch, monkeypatch):
+    """float32 weights under bf16 autocast, the kernels' PyTorch paths: the fused norms written in bf16 for the
+    products (q/k/v, gate/up, the head) are autocast's own cast of them, so the logits are the same bits."""
+    model = _engine_model(arch, torch.float32, seed=8)
+    ids, mask = _prompts()
+    fused = kernel_twin(model)
+    with monkeypatch.context() as m:
+        _unfused(m)
+        plain = kernel_twin(model)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = plain(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+        got = fused(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_fused_decoding_samples_what_the_model_samples(monkeypatch):
     """Through the engine (eager steps), sampled tokens and their log-probs: fused and unfused runs alike."""
     runs = []

@@ -13,8 +13,9 @@ something else changes before its norm reads it (Qwen3-VL's deepstack adds image
 only the unused norm.
 
 Where the layer's readers of a norm are products under autocast (the attention's q/k/v projections, a dense gated
-MLP's gate/up), the fused kernel writes the norm in autocast's dtype: the same values rounded once, without the cast
-autocast would launch before each product. The final norm keeps its own dtype (it is the model's last hidden state).
+MLP's gate/up, the head after the final norm), the fused kernel writes the norm in autocast's dtype: the same values
+rounded once, without the cast autocast would launch before each product. The twin's last hidden state is then in
+that dtype too: the twin is the decode sessions', which read its logits and nothing else.
 
 Only for inference: a forward with gradients (the twin is never trained, but a caller might) adds and normalises as
 the model does. The layout is the registry's claim about the installed transformers (ArchSpec.residual_layers);
@@ -63,7 +64,7 @@ def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
                 next_norm = after if isinstance(after, nn.Module) and _kernel_norm(after) else None
                 # the MLP's products read the post-attention norm when it is a dense gated MLP (a router may not)
                 mlp_reads_in_autocast = bool(dense_mlps) and isinstance(layer.mlp, dense_mlps)
-                next_reads_in_autocast = index + 1 < len(layers)  # the next layer's q/k/v; not the final norm
+                next_reads_in_autocast = True  # the next layer's q/k/v, or the head (after the final norm)
                 layer.forward = types.MethodType(
                     _layer_forward(spec, next_norm, mlp_reads_in_autocast, next_reads_in_autocast), layer
                 )
