@@ -248,3 +248,52 @@ def test_on_a_gpu_the_fused_twin_computes_what_the_unfused_twin_computes_in_bf16
         want = plain(input_ids=ids, attention_mask=mask).logits
         got = fused(input_ids=ids, attention_mask=mask).logits
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _steered_decode(write: str, mode: str, fold: bool, monkeypatch):
+    """Greedy decode of a float64 Llama whose first layer has the user's activation-steering hook: it adds a vector
+    to the layer's output in place (under inference mode, which keeps no version counter; or through `.data`,
+    which the counter does not see)."""
+    import contextlib
+
+    model = _engine_model("llama", torch.float64, seed=3)
+    steer = 5 * torch.randn(model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def hook(module, args, output):
+        (output.data if write == "data" else output).add_(steer)
+
+    model.model.layers[0].register_forward_hook(hook)
+    ids, mask = _prompts()
+    with monkeypatch.context() as m:
+        if not fold:
+            _unfused(m)
+        with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+            tokens, logprobs = decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(temperature=0.0),
+                                      pad_id=0, capture="eager", logprobs=True)  # fmt: skip
+    release_sessions(model)
+    return tokens.clone(), logprobs.clone()
+
+
+@pytest.mark.parametrize("mode, write", [("inference", "in_place"), ("no_grad", "data")])
+def test_a_hook_that_changes_a_sum_in_place_unseen_gets_the_norm_of_what_it_left(mode, write, monkeypatch):
+    """Found by an adversarial pass: the handed-over norm was that of the sum before the hook's change. Where a hook
+    of the user's runs between the fused add and its norm, the norm computes its own."""
+    fused = _steered_decode(write, mode, True, monkeypatch)
+    unfused = _steered_decode(write, mode, False, monkeypatch)
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
+
+
+def test_a_16_bit_norm_under_another_16_bit_autocast_keeps_its_own_dtype(monkeypatch):
+    """Found by an adversarial pass: a bf16 model's norm under fp16 autocast is bf16 values that autocast casts; the
+    fused kernel wrote the float32 norm straight to fp16 (other values). Only a float32 norm is written in autocast's
+    dtype."""
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton" if triton_available() else "torch")
+    model = _engine_model("llama", torch.bfloat16, seed=5)
+    twin = kernel_twin(model)
+    norm = twin.model.layers[0].post_attention_layernorm
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    residual = torch.randn(x.shape, generator=g).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", torch.float16):
+        summed = residual_fusion.add_for_norm(REGISTRY["llama"], residual, x, norm, read_in_autocast=True)
+        assert norm(summed).dtype == torch.bfloat16

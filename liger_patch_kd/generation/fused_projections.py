@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .same_input import input_mark
+from .same_input import input_mark, no_hooks
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -64,6 +64,9 @@ class FusedGroup:
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
         if len(self.linears) == 1:  # a cast copy alone: nothing to keep for another projection
             return F.linear(x, self.weight, self.bias)
+        if not no_hooks(after=self.linears, before=self.linears[1:]):  # a hook may change x before a tail reads it
+            rows = self.sizes[0]
+            return F.linear(x, self.weight[:rows], None if self.bias is None else self.bias[:rows])
         outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self.last = (x, input_mark(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]

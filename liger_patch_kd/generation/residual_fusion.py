@@ -32,9 +32,8 @@ from torch import nn
 from ..models.registry import ArchSpec
 from ..models.state import FP8_OUTPUT_ATTR
 from ..ops.rms_norm import add_rms_norm, norm_output_dtype
-from .same_input import input_mark
+from .same_input import input_mark, no_hooks
 
-AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes autocast casts to its own
 PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, its input_mark, the norm of it)
 
 
@@ -62,11 +61,12 @@ def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
                 for norm in (layer.input_layernorm, layer.post_attention_layernorm, after):
                     _take_prenormed(norm)
                 next_norm = after if isinstance(after, nn.Module) and _kernel_norm(after) else None
+                next_layer = layers[index + 1] if index + 1 < len(layers) else None
                 # the MLP's products read the post-attention norm when it is a dense gated MLP (a router may not)
                 mlp_reads_in_autocast = bool(dense_mlps) and isinstance(layer.mlp, dense_mlps)
                 next_reads_in_autocast = True  # the next layer's q/k/v, or the head (after the final norm)
                 layer.forward = types.MethodType(
-                    _layer_forward(spec, next_norm, mlp_reads_in_autocast, next_reads_in_autocast), layer
+                    _layer_forward(spec, next_norm, next_layer, mlp_reads_in_autocast, next_reads_in_autocast), layer
                 )
                 folded += 1
     return folded
@@ -100,18 +100,24 @@ def _take_prenormed(norm: object) -> None:
 
 
 def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: nn.Module | None,
-                 read_in_autocast: bool) -> torch.Tensor:  # fmt: skip
+                 read_in_autocast: bool, between: tuple[tuple, tuple] = ((), ())) -> torch.Tensor:  # fmt: skip
     """residual + x; where `norm` (spec's RMSNorm) will read that sum, its output made in the same kernel and left
-    on it."""
+    on it. `between`: (the modules whose forward hooks, the modules whose pre-hooks) run between this add and the
+    norm's forward (the norm's own pre-hooks always): with any of them, or a global one, the norm computes its own
+    (a hook may change the sum in place unseen)."""
     if norm is None or torch.is_grad_enabled() or x.shape != residual.shape:
+        return residual + x
+    after, before = between
+    if not no_hooks(after=after, before=(*before, norm)):
         return residual + x
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     kind = x.device.type
     out_dtype = None
     if read_in_autocast and torch.is_autocast_enabled(kind):
-        # autocast casts its readers' float16 / 32 inputs, never float64 ones (a float64 product stays float64)
+        # only a float32 norm: autocast's cast of it is one rounding of the float32 value, which the kernel makes;
+        # a 16-bit norm is rounded to its own dtype first, a float64 one autocast never casts
         own = norm_output_dtype(torch.promote_types(residual.dtype, x.dtype), norm.weight.dtype, spec.rms_norm_casting)
-        out_dtype = torch.get_autocast_dtype(kind) if own in AUTOCAST_CASTS else None
+        out_dtype = torch.get_autocast_dtype(kind) if own == torch.float32 else None
     summed, normed = add_rms_norm(
         x, residual, norm.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting, out_dtype=out_dtype
     )
@@ -119,8 +125,8 @@ def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: 
     return summed
 
 
-def _layer_forward(spec: ArchSpec, next_norm: nn.Module | None, mlp_reads_in_autocast: bool,
-                   next_reads_in_autocast: bool):  # fmt: skip
+def _layer_forward(spec: ArchSpec, next_norm: nn.Module | None, next_layer: nn.Module | None,
+                   mlp_reads_in_autocast: bool, next_reads_in_autocast: bool):  # fmt: skip
     """The Llama layout's forward, each add fused with the norm after it. Every keyword goes on to the attention, as
     the layer passes each of its own (whatever transformers calls the cache; the registry's test holds the layer to
     that); the models call their layers with keywords, and a positional one would be a TypeError here."""
@@ -135,7 +141,9 @@ def _layer_forward(spec: ArchSpec, next_norm: nn.Module | None, mlp_reads_in_aut
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return add_for_norm(spec, residual, hidden_states, next_norm, next_reads_in_autocast)
+        # between this return and the next norm: this layer's forward hooks, the next layer's pre-hooks
+        between = ((self,), () if next_layer is None else (next_layer,))
+        return add_for_norm(spec, residual, hidden_states, next_norm, next_reads_in_autocast, between)
 
     forward.__liger_kd__ = True
     return forward
