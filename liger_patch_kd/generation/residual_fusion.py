@@ -53,14 +53,14 @@ def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
             layers = list(stack)
             final_norm = getattr(parent, "norm", None)
             for index, layer in enumerate(layers):
-                after = layers[index + 1].input_layernorm if index + 1 < len(layers) else final_norm
+                following = layers[index + 1].input_layernorm if index + 1 < len(layers) else final_norm
                 if not (_kernel_norm(layer.input_layernorm) and _kernel_norm(layer.post_attention_layernorm)):
                     continue
                 if layer.__dict__.get("forward") is not None:  # someone else's forward on this instance: theirs
                     continue
-                for norm in (layer.input_layernorm, layer.post_attention_layernorm, after):
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm, following):
                     _take_prenormed(norm)
-                next_norm = after if isinstance(after, nn.Module) and _kernel_norm(after) else None
+                next_norm = following if isinstance(following, nn.Module) and _kernel_norm(following) else None
                 next_layer = layers[index + 1] if index + 1 < len(layers) else None
                 # the MLP's products read the post-attention norm when it is a dense gated MLP (a router may not)
                 mlp_reads_in_autocast = bool(dense_mlps) and isinstance(layer.mlp, dense_mlps)
