@@ -177,8 +177,8 @@ class DecodeSession:
 
     def nbytes(self) -> int:
         """The memory the session holds between calls: KV cache, projection weight copies, output buffers."""
-        buffers = [self.out, self.valid] + ([self.out_logprobs] if self.out_logprobs is not None else [])
-        buffers += list(self.out_top or ())
+        buffers = [self.out, self.valid, self.step_mask, *(self.out_top or ())]
+        buffers += [self.out_logprobs] if self.out_logprobs is not None else []
         held = self.cache.nbytes() + sum(t.numel() * t.element_size() for t in buffers)
         return held + (self.projection_copies.nbytes() if self.projection_copies is not None else 0)
 
