@@ -342,6 +342,7 @@ def test_speedup_against_trl_pairs_seeds_and_leaves_out_students_already_there()
     assert verdict["levels"] == pytest.approx([0.9, 0.5])
     assert verdict["ours_seconds"] == pytest.approx(3.5) and verdict["trl_seconds"] == pytest.approx(15.0)
     assert verdict["ratio"] == pytest.approx(15.0 / 3.5)
+    assert verdict["ratio_by_seed"] == pytest.approx([4.0, 5.0]) and "(by seed 4.0x, 5.0x)" in verdict["text"]
     fell = speedup([ours[1]], [theirs[2]], target=0.9)
     assert fell["ratio"] is None and fell["text"].startswith("undecided")
 

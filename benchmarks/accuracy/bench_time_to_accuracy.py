@@ -712,7 +712,8 @@ def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
     """Training seconds to one accuracy, ours against TRL's, seed by seed (both trainers of a seed start from that
     seed's student; seed_pairs): the level is the target, or the lower final accuracy of the two runs where
     either ends below it, so both runs reach it. A seed whose starting student already has that level says nothing
-    (neither trainer moved it there) and is left out; the ratio is TRL's mean seconds over ours."""
+    (neither trainer moved it there) and is left out; the ratio is TRL's mean seconds over ours, and ratio_by_seed
+    each seed's own."""
     levels, mine, other = [], [], []
     for run, their in seed_pairs(ours, theirs):
         level = min(target, run["curve"][-1]["accuracy"], their["curve"][-1]["accuracy"])
@@ -726,11 +727,15 @@ def speedup(ours: list[dict], theirs: list[dict], target: float) -> dict:
         return dict(accuracy=None, seeds=0, ours_seconds=None, trl_seconds=None, ratio=None, text=text)
     mine_mean, other_mean = mean_std(mine)[0], mean_std(other)[0]
     ratio = other_mean / mine_mean if mine_mean else None
+    # each seed's own ratio: how much of the spread is where a seed's curve crosses its level, not the step's cost
+    by_seed = [theirs_s / ours_s if ours_s else None for ours_s, theirs_s in zip(mine, other)]
     level = mean_std(levels)[0]
     text = (f"accuracy {level:.3f} (mean over {len(levels)} seed(s)) in {mine_mean:.1f} s against {other_mean:.1f} s"
-            + (f": {ratio:.1f}x" if ratio else ""))  # fmt: skip
+            + (f": {ratio:.1f}x" if ratio else "")
+            + (f" (by seed {', '.join('-' if r is None else f'{r:.1f}x' for r in by_seed)})" if len(by_seed) > 1
+               else ""))  # fmt: skip
     return dict(accuracy=level, levels=levels, seeds=len(levels), ours_seconds=mine_mean, trl_seconds=other_mean,
-                ratio=ratio, text=text)  # fmt: skip
+                ratio=ratio, ratio_by_seed=by_seed, text=text)  # fmt: skip
 
 
 if __name__ == "__main__":
