@@ -131,6 +131,8 @@ def test_a_fused_norm_output_in_autocasts_dtype_is_the_norm_cast_once():
 def test_mismatched_shapes_are_one_line_naming_both():
     with pytest.raises(ValueError, match=r"x \(2, 8\) and residual \(2, 4\)"):
         add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"weight \(4,\) must be \(8,\)"):
+        add_rms_norm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(4), 1e-6)
 
 
 def _unfused(monkeypatch):

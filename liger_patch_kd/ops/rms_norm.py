@@ -200,6 +200,11 @@ def add_rms_norm(
     check_casting(casting)
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} must be ({x.shape[-1]},), x's last dimension")
+    if not (x.device == residual.device == weight.device):
+        raise ValueError(f"add_rms_norm: x, residual and weight must be on one device; got {x.device}, "
+                         f"{residual.device} and {weight.device}")  # fmt: skip
     summed_dtype = torch.promote_types(residual.dtype, x.dtype)
     normed_dtype = out_dtype or norm_output_dtype(summed_dtype, weight.dtype, casting)
     if select_backend(x.device, backend) == "torch":
