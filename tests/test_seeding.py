@@ -31,3 +31,13 @@ def test_an_exception_inside_puts_the_state_back():
     except RuntimeError:
         pass
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_numpy_integer_seeds_as_the_int_does():
+    import numpy as np
+
+    with seeded(np.int64(11)):
+        got = torch.rand(3)
+    with seeded(11):
+        want = torch.rand(3)
+    assert torch.equal(got, want)

@@ -21,7 +21,8 @@ import torch
 @contextlib.contextmanager
 def seeded(seed: int, devices: Sequence[torch.device] = ()) -> Iterator[None]:
     """The CPU's generator and each CUDA device's in `devices` seeded with `seed` inside, their states restored on
-    exit (an exception included)."""
+    exit (an exception included). `seed`: anything int() takes, as torch.manual_seed (a numpy integer too)."""
+    seed = int(seed)
     with torch.random.fork_rng(devices=list(devices)):
         torch.default_generator.manual_seed(seed)
         for device in devices:
