@@ -152,6 +152,7 @@ class DecodeSession:
         # the mask of the columns it may attend to (valid & columns <= slot) and its position ids (base + slot)
         self.step_mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.positions = torch.zeros(rows, 1, **long)
+        self.next_column = NextColumn(self.slot, self.valid, self.step_mask, self.positions)  # the kernel's, per step
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out = torch.zeros(rows, length, **long)
         self.out_logprobs = torch.zeros(rows, length, dtype=torch.float32, device=device) if key.logprobs else None
@@ -200,9 +201,8 @@ class DecodeSession:
                 self.out_top[0].index_copy_(1, self.count, top.indices[:, None])
                 self.out_top[1].index_copy_(1, self.count, top.values[:, None])
         if self.fused_bookkeeping:  # what follows, in one kernel (bookkeeping_kernel.py)
-            next_column = NextColumn(self.slot, self.valid, self.step_mask, self.positions) if bump_slot else None
             advance_in_one_kernel(tokens.contiguous(), self.done, self.eos, self.out, self.token, self.count, self.used,
-                                  self.key.pad_id, next_column)  # fmt: skip
+                                  self.key.pad_id, self.next_column if bump_slot else None)  # fmt: skip
             return
         if len(self.key.eos_ids):
             tokens = torch.where(self.done, self.key.pad_id, tokens)

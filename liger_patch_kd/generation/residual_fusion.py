@@ -29,6 +29,7 @@ import types
 import torch
 from torch import nn
 
+from ..models.patch import norm_eps
 from ..models.registry import ArchSpec
 from ..models.state import FP8_OUTPUT_ATTR
 from ..ops.rms_norm import add_rms_norm, norm_output_dtype
@@ -53,7 +54,8 @@ def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
             layers = list(stack)
             final_norm = getattr(parent, "norm", None)
             for index, layer in enumerate(layers):
-                following = layers[index + 1].input_layernorm if index + 1 < len(layers) else final_norm
+                next_layer = layers[index + 1] if index + 1 < len(layers) else None
+                following = final_norm if next_layer is None else next_layer.input_layernorm
                 if not (_kernel_norm(layer.input_layernorm) and _kernel_norm(layer.post_attention_layernorm)):
                     continue
                 if layer.__dict__.get("forward") is not None:  # someone else's forward on this instance: theirs
@@ -61,12 +63,10 @@ def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
                 for norm in (layer.input_layernorm, layer.post_attention_layernorm, following):
                     _take_prenormed(norm)
                 next_norm = following if isinstance(following, nn.Module) and _kernel_norm(following) else None
-                next_layer = layers[index + 1] if index + 1 < len(layers) else None
                 # the MLP's products read the post-attention norm when it is a dense gated MLP (a router may not)
                 mlp_reads_in_autocast = bool(dense_mlps) and isinstance(layer.mlp, dense_mlps)
-                next_reads_in_autocast = True  # the next layer's q/k/v, or the head (after the final norm)
                 layer.forward = types.MethodType(
-                    _layer_forward(spec, next_norm, next_layer, mlp_reads_in_autocast, next_reads_in_autocast), layer
+                    _layer_forward(spec, next_norm, next_layer, mlp_reads_in_autocast), layer
                 )
                 folded += 1
     return folded
@@ -110,7 +110,7 @@ def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: 
     after, before = between
     if not no_hooks(after=after, before=(*before, norm)):
         return residual + x
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    eps = norm_eps(norm)
     kind = x.device.type
     out_dtype = None
     if read_in_autocast and torch.is_autocast_enabled(kind):
@@ -126,7 +126,7 @@ def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: 
 
 
 def _layer_forward(spec: ArchSpec, next_norm: nn.Module | None, next_layer: nn.Module | None,
-                   mlp_reads_in_autocast: bool, next_reads_in_autocast: bool):  # fmt: skip
+                   mlp_reads_in_autocast: bool):  # fmt: skip
     """The Llama layout's forward, each add fused with the norm after it. Every keyword goes on to the attention, as
     the layer passes each of its own (whatever transformers calls the cache; the registry's test holds the layer to
     that); the models call their layers with keywords, and a positional one would be a TypeError here."""
@@ -141,9 +141,10 @@ def _layer_forward(spec: ArchSpec, next_norm: nn.Module | None, next_layer: nn.M
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        # between this return and the next norm: this layer's forward hooks, the next layer's pre-hooks
+        # between this return and the next norm: this layer's forward hooks, the next layer's pre-hooks; that norm's
+        # readers are products (the next layer's q/k/v, or the head after the final norm)
         between = ((self,), () if next_layer is None else (next_layer,))
-        return add_for_norm(spec, residual, hidden_states, next_norm, next_reads_in_autocast, between)
+        return add_for_norm(spec, residual, hidden_states, next_norm, True, between)
 
     forward.__liger_kd__ = True
     return forward

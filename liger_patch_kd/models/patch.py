@@ -53,11 +53,16 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ patched methods
+def norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm module's epsilon, under the name its architecture keeps it."""
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+
+
 def rms_norm_kernel_forward(spec: ArchSpec):
     """The RMSNorm forward through the kernel, as `spec`'s norm computes it (to bind on a norm module)."""
 
     def forward(self, hidden_states):
-        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+        eps = norm_eps(self)
         if self.__dict__.get(FP8_OUTPUT_ATTR) and not torch.is_grad_enabled():  # an FP8 teacher's: see state.py
             out, quantized = rms_norm_quantized(
                 hidden_states, self.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting
