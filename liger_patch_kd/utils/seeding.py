@@ -5,8 +5,8 @@
 
 What torch.manual_seed(seed) inside torch.random.fork_rng(devices) does for the generators that sampling reads,
 without seeding every other backend torch knows (each CUDA device, MPS, XPU): XPU's seeding, queued while XPU is
-not initialised, formats a stack trace at each call, a fraction of a millisecond that an on-policy step paid at
-every generation call. It also leaves the other CUDA devices' generators alone, which manual_seed reseeded for good
+not initialised, formats a stack trace at each call, which an on-policy step paid at every generation call. It
+also leaves the other CUDA devices' generators alone, which manual_seed reseeded for good
 (fork_rng puts back only the devices it is given).
 """
 
