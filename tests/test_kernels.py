@@ -240,9 +240,71 @@ def test_jsd_kernel_walk_orders_agree_with_float64_math(reverse_middle, l2_hints
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.skipif(not triton_available(), reason="the Triton JSD kernel's segment walk")
+@pytest.mark.parametrize("segment,phased", [(2048, False), (256, False), (256, True)])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature,hard_weight,softcap", [(1.7, 0.3, None), (1.0, 0.3, 30.0), (1.0, 0.0, None)])
+def test_jsd_segment_walk_agrees_with_float64_math(segment, phased, beta, temperature, hard_weight, softcap):
+    """Rows split over programs that each hold a segment in registers (`JSDLaunch.segment`): V = 1271 is one
+    segment of 2048 or five of 255 (the last 251), each row's partial log-sum-exps and sums combined across them.
+    On a GPU the unphased walk is one launch whose row programs meet at barriers and write the gradient over the
+    teacher logits; the interpreter (programs run one after another) runs a lone segment the same way and several
+    as three phased launches, the same arithmetic. Float64 rows: the only difference from the reference is the
+    order of the partial sums (rounding, 1e-12); a weight of 0 and a loss without a gradient included."""
+    from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch, jsd_chunk_torch, jsd_chunk_triton
+
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 4, 1271
+    zs = (torch.randn(rows, vocab, generator=g) * 3).double()
+    zt = (torch.randn(rows, vocab, generator=g) * 4).double()
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[1] = -100
+    w = torch.tensor([0.5, 0.0, 1.25, 2.0], dtype=torch.float64)
+    cfg = KDLossConfig(beta=beta, temperature=temperature, hard_weight=hard_weight, softcap=softcap,
+                       teacher_softcap=softcap)  # fmt: skip
+    launch = JSDLaunch(segment=segment, phased=phased)
+    for grad_dtype in (torch.float64, None):
+        want = jsd_chunk_torch(zs, zt, labels, w, w, grad_dtype, cfg)
+        args = (t.to(DEVICE) for t in (zs, zt.clone(), labels, w, w))
+        got = jsd_chunk_triton(*args, grad_dtype, cfg, launch=launch)
+        assert (got[2] is None) == (grad_dtype is None)
+        for name, a, b in zip(("soft", "hard", "grad"), got, want):
+            if b is not None:
+                torch.testing.assert_close(a.cpu(), b, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not triton_available(), reason="the Triton JSD kernel's segment walk")
+def test_jsd_segment_walk_writes_the_bf16_gradient_the_streaming_walk_writes():
+    """fp32 logits and a bf16 gradient, as in training: the segment walk (several segments; on a GPU written over
+    the teacher logits after the row's first barrier) gives the streaming walk's loss to fp32 summation order and
+    its gradient to one bf16 rounding step."""
+    from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch, jsd_chunk_triton
+
+    g = torch.Generator().manual_seed(8)
+    rows, vocab = 6, 1000
+    zs = (torch.randn(rows, vocab, generator=g) * 3).to(DEVICE)
+    zt = (torch.randn(rows, vocab, generator=g) * 4).to(DEVICE)
+    labels = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    w = torch.full((rows,), 1 / rows, device=DEVICE)
+    cfg = KDLossConfig(beta=0.5, hard_weight=0.5)
+    soft_a, hard_a, grad_a = jsd_chunk_triton(zs, zt.clone(), labels, w, w, torch.bfloat16, cfg)
+    soft_b, hard_b, grad_b = jsd_chunk_triton(zs, zt.clone(), labels, w, w, torch.bfloat16, cfg,
+                                              launch=JSDLaunch(segment=256))  # fmt: skip
+    torch.testing.assert_close(soft_b, soft_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hard_b, hard_a, rtol=1e-5, atol=1e-6)
+    assert grad_b.dtype == torch.bfloat16 and grad_b.shape == grad_a.shape
+    torch.testing.assert_close(grad_b.float(), grad_a.float(), rtol=2**-7, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "options,needle",
-    [(dict(block=100), "power of two"), (dict(block=8), "power of two"), (dict(num_warps=3), "one of")],
+    [
+        (dict(block=100), "power of two"),
+        (dict(block=8), "power of two"),
+        (dict(num_warps=3), "one of"),
+        (dict(segment=1000), "JSDLaunch.segment must be a power of two"),
+        (dict(programs_per_sm=0), "programs_per_sm"),
+    ],
 )
 def test_jsd_launch_refuses_a_tile_or_warp_count_triton_cannot_launch(options, needle):
     from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch

@@ -3,7 +3,8 @@
 The kernel (ops/fused_linear_jsd.py) streams each row of both fp32 logit arrays three times (beta strictly
 between 0 and 1) and is bound by that traffic. Its `JSDLaunch` can walk pass 2 right to left (so pass 2 starts
 on the tiles pass 1 read last, and pass 3 on those pass 2 read last), ask L2 to keep passes 1-2's loads and drop
-pass 3's, and change the tile width and warps. This probe times each variant twice over:
+pass 3's, and change the tile width and warps; or split each row over programs that hold a segment of it in
+registers and meet at per-row barriers (`segment`: each logit read once). This probe times each variant twice over:
 
 - the kernel alone on one chunk (--rows x V, fp32 logits; the timed call includes a clone of the teacher logits
   the gradient overwrites, also timed alone, so "kernel ms" is the difference), with its largest difference
@@ -36,6 +37,15 @@ VARIANTS = {
     "reverse + hints, 16 warps": jsd_op.JSDLaunch(reverse_middle=True, l2_hints=True, num_warps=16),
     "reverse + hints, tile 2048": jsd_op.JSDLaunch(reverse_middle=True, l2_hints=True, block=2048),
     "default, 16 warps": jsd_op.JSDLaunch(num_warps=16),
+    # rows split over programs holding a segment each in registers (one read of each logit), met at barriers
+    "segments 8192": jsd_op.JSDLaunch(segment=8192),
+    "segments 8192, 16 warps": jsd_op.JSDLaunch(segment=8192, num_warps=16),
+    "segments 8192, 16 warps, 2/SM": jsd_op.JSDLaunch(segment=8192, num_warps=16, programs_per_sm=2),
+    "segments 4096": jsd_op.JSDLaunch(segment=4096),
+    "segments 4096, 2/SM": jsd_op.JSDLaunch(segment=4096, programs_per_sm=2),
+    "segments 4096, 4 warps, 4/SM": jsd_op.JSDLaunch(segment=4096, num_warps=4, programs_per_sm=4),
+    "segments 16384, 16 warps": jsd_op.JSDLaunch(segment=16384, num_warps=16),
+    "segments 8192, phased": jsd_op.JSDLaunch(segment=8192, phased=True),
 }
 
 
@@ -68,7 +78,7 @@ def kernel_rows(rows: int, vocab: int, betas: list[float]) -> list[dict]:
     return out
 
 
-def loss_rows(ns: list[int], hidden: int) -> list[dict]:
+def loss_rows(ns: list[int], hidden: int, variants: dict) -> list[dict]:
     out = []
     for n in ns:
         x = make_inputs(n, hidden, LLAMA_V)
@@ -81,7 +91,7 @@ def loss_rows(ns: list[int], hidden: int) -> list[dict]:
             x["h_s"].grad = x["w_s"].grad = None
             fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
 
-        for name, launch in VARIANTS.items():
+        for name, launch in variants.items():
             jsd_op.JSD_LAUNCH = launch
             try:
                 step()
@@ -103,9 +113,18 @@ def main() -> None:
     parser.add_argument("--ns", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--out", default="runs/probe_jsd_order.json")
+    parser.add_argument(
+        "--loss-variants", nargs="+", default=None,
+        help="the variants timed in the whole loss (default: all; 'fastest': the default and the two fastest "
+             "others in the kernel rows at beta 0.5); the kernel rows time all",
+    )  # fmt: skip
     args = parser.parse_args()
     kernels = kernel_rows(args.rows, LLAMA_V, [0.5, 1.0, 0.0])
-    losses = loss_rows(args.ns, args.hidden)
+    names = args.loss_variants or list(VARIANTS)
+    if names == ["fastest"]:
+        timed = [r for r in kernels if r["beta"] == 0.5 and isinstance(r["ms"], float) and r["variant"] != "default"]
+        names = ["default"] + [r["variant"] for r in sorted(timed, key=lambda r: r["ms"])[:2]]
+    losses = loss_rows(args.ns, args.hidden, {name: VARIANTS[name] for name in names})
     print_table(kernels, ["beta", "variant", "ms", "loss_diff", "grad_diff"])
     print_table(losses, ["N", "variant", "ms", "x_floor"])
     write_json(args.out, {"environment": environment(), "kernel": kernels, "loss": losses})
