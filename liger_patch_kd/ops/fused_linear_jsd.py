@@ -494,7 +494,8 @@ def _jsd_segments(
     seg_len = -(-vocab // segments)
     seg = 1 << (seg_len - 1).bit_length()
     phased = launch.phased or segments > 1 and not barriers_hold(device)  # a lone segment never waits
-    part = torch.zeros(rows, segments, 8, dtype=student_logits.dtype, device=device)
+    # every slot a launch reads, it writes first (4 and 5 only with a CE term at T != 1)
+    part = torch.empty(rows, segments, 8, dtype=student_logits.dtype, device=device)
     hard = torch.zeros(rows, dtype=student_logits.dtype, device=device)
     grad = None
     if grad_dtype is not None:
@@ -540,16 +541,15 @@ def resident_programs(args: tuple, common: dict, launch: JSDLaunch, device: torc
            tuple(a.dtype for a in args[:3] if isinstance(a, torch.Tensor)))  # fmt: skip
     if key not in _RESIDENT:
         props = torch.cuda.get_device_properties(device)
-        compiled = _jsd_segment_kernel.warmup(*args, grid=(1,), PHASE=0, **common)
-        compiled._init_handles()  # n_regs is read from the loaded module
-        threads = 32 * common["num_warps"]
-        fits = [
-            launch.programs_per_sm,
-            getattr(props, "regs_per_multiprocessor", 65536) // (max(1, compiled.n_regs) * threads),
-            getattr(props, "max_threads_per_multi_processor", 2048) // threads,
-        ]
-        if compiled.metadata.shared:
-            fits.append(getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // compiled.metadata.shared)
+        fits = [launch.programs_per_sm]
+        if launch.programs_per_sm > 1:
+            compiled = _jsd_segment_kernel.warmup(*args, grid=(1,), PHASE=0, **common)
+            compiled._init_handles()  # n_regs is read from the loaded module
+            threads = 32 * common["num_warps"]
+            fits.append(getattr(props, "regs_per_multiprocessor", 65536) // (max(1, compiled.n_regs) * threads))
+            fits.append(getattr(props, "max_threads_per_multi_processor", 2048) // threads)
+            if compiled.metadata.shared:
+                fits.append(getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // compiled.metadata.shared)
         _RESIDENT[key] = props.multi_processor_count * max(1, min(fits))
     return _RESIDENT[key]
 
