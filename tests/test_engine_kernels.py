@@ -218,3 +218,108 @@ def test_the_students_benchmark_runs_its_smoke_mode(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["student"], r["rows"]) for r in rows] == [(s, 2) for s in bench_decode_students.STUDENTS]
     assert all(r["ms_per_step"] > 0 and r["of_patched"] > 0 for r in rows)
+
+
+def _zero_act_output(module, args, output):
+    return torch.zeros_like(output)
+
+
+def _swap_class(module_name: str, base: type, forward):
+    """A subclass of `base` with a forward of its own, set on every module `module_name` selects."""
+    return type(f"My{base.__name__}", (base,), {"forward": forward})
+
+
+def _user_change(change: str, model, monkeypatch):
+    """Apply one of the user's changes to what the model computes (the adversarial pass's cases)."""
+    from transformers.models.llama import modeling_llama
+
+    layers = model.model.layers
+    if change == "hook on act_fn":
+        for layer in layers:
+            layer.mlp.act_fn.register_forward_hook(_zero_act_output)
+    elif change == "act_fn replaced":
+        for layer in layers:
+            layer.mlp.act_fn = torch.nn.ReLU()
+    elif change == "MLP subclass with its own forward":
+        cls = _swap_class("mlp", modeling_llama.LlamaMLP, lambda self, x: self.down_proj(self.up_proj(x) * 0.5))
+        for layer in layers:
+            layer.mlp.__class__ = cls
+    elif change == "RMSNorm forward set on the class":
+        original = modeling_llama.LlamaRMSNorm.forward
+        monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: original(self, x) * 2.0)
+    elif change == "apply_rotary_pos_emb replaced":
+        monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: (q, -k))
+    elif change == "decoder layer subclass with its own forward":
+        def forward(self, hidden_states, *args, **kwargs):
+            return modeling_llama.LlamaDecoderLayer.forward(self, hidden_states * 0.5, *args, **kwargs)
+
+        cls = _swap_class("layer", modeling_llama.LlamaDecoderLayer, forward)
+        for layer in layers:
+            layer.__class__ = cls
+
+
+USER_CHANGES = ["hook on act_fn", "act_fn replaced", "MLP subclass with its own forward",
+                "RMSNorm forward set on the class", "apply_rotary_pos_emb replaced",
+                "decoder layer subclass with its own forward"]  # fmt: skip
+
+
+@pytest.mark.parametrize("change", USER_CHANGES)
+def test_the_engine_decodes_what_a_changed_model_computes(change, monkeypatch):
+    """A kernel replaces only the computation it knows: where the user changed what a module computes (a hook on
+    the activation, which the gated-MLP kernel never calls; a replaced activation; a subclass or a class with a
+    forward of its own; their own RoPE function), the twin keeps the model's forward there, and decodes the
+    tokens and log-probs of the model's own generate() and forward (found by an adversarial pass: each of these
+    once decoded from the unchanged architecture's kernels instead)."""
+    model = _engine_model("llama", torch.float64, seed=3)
+    with torch.no_grad():  # for RoPE: attention sharper, louder than a tiny random model's, where RoPE barely counts
+        for layer in model.model.layers if change == "apply_rotary_pos_emb replaced" else ():
+            for proj, scale in (("q_proj", 6.0), ("k_proj", 6.0), ("o_proj", 20.0)):
+                getattr(layer.self_attn, proj).weight.mul_(scale)
+    ids, mask = _prompts()
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+                              bos_token_id=None)  # fmt: skip
+    with torch.no_grad():
+        unchanged = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    _user_change(change, model, monkeypatch)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    assert not torch.equal(want, unchanged)  # the change does change what the model computes
+    got, logprobs = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(temperature=0.0), pad_id=0,
+                           logprobs=True, capture="eager")  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logprobs.double(), _forward_logprobs(model, ids, mask, got), rtol=0,
+                               atol=TOLERANCE[torch.float64])  # fmt: skip
+    release_sessions(model)
+
+
+def test_a_hook_on_the_activation_added_to_a_kept_session_is_run():
+    """The activation's hooks are read at every call: one added after the session was made is run too."""
+    model = _engine_model("llama", torch.float64, seed=3)
+    ids, mask = _prompts()
+    greedy = Sampling(temperature=0.0)
+    decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, capture="eager")
+    handles = [layer.mlp.act_fn.register_forward_hook(_zero_act_output) for layer in model.model.layers]
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+                              bos_token_id=None)  # fmt: skip
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    got, _ = decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, capture="eager")
+    assert torch.equal(got, want)
+    for handle in handles:
+        handle.remove()
+    release_sessions(model)
+
+
+@pytest.mark.parametrize("change", ["hook on act_fn", "MLP subclass with its own forward",
+                                    "decoder layer subclass with its own forward"])  # fmt: skip
+def test_the_training_patch_keeps_what_a_changed_model_computes(change, monkeypatch):
+    """apply_kd_patch's kernels likewise: the patched model's logits are the changed model's own."""
+    model = _engine_model("llama", torch.float64, seed=3)
+    ids, mask = _prompts()
+    _user_change(change, model, monkeypatch)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    apply_kd_patch(model=model)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

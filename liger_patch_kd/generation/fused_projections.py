@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .same_input import input_mark, no_hooks
+from ..utils.hooks import no_hooks
+from .same_input import input_mark
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

@@ -19,7 +19,11 @@ What the twin shares and what it owns:
     classes are, and RoPE into a copy of each attention forward whose `apply_rotary_pos_emb` is the kernel's
     (the function itself, and transformers' module, unchanged); decoder layers laid out as Llama's add their
     residuals in the kernel of the norm that reads them (residual_fusion.py). An architecture without an entry
-    runs as it is.
+    runs as it is;
+  - only where the module computes what the kernel computes: an instance whose class's forward is transformers'
+    own (`ArchSpec.is_stock`: not a subclass's forward, not one set on the class), an MLP whose activation module
+    is transformers' and has no hook on it (read at every call: `models.patch.activation_name`), a RoPE function
+    that is transformers' (`models.patch.is_stock_rope`). Elsewhere the module's own forward runs.
 
 The twin is made with its decode session and kept with it: what a module keeps in plain attributes and the user
 changes later (PEFT's adapter switches, say) is not in a kept session's step, as a captured graph would not hold it
@@ -37,7 +41,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..models.patch import gated_mlp_kernel_forward, rms_norm_kernel_forward, rope_kernel_function
+from ..models.patch import gated_mlp_kernel_forward, is_stock_rope, rms_norm_kernel_forward, rope_kernel_function
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
 from .residual_fusion import fold_residual_adds
@@ -66,24 +70,24 @@ def kernel_twin(model: nn.Module) -> nn.Module:
 def bind_kernels(twin: nn.Module, spec: ArchSpec) -> int:
     """Bind the kernels on the modules of `twin` that `spec` names; returns how many modules got one. A module with
     a forward of someone else's on its instance keeps it."""
-    norms, mlps = tuple(spec.classes(spec.rms_norm)), tuple(spec.classes(spec.mlp))
     norm_forward, mlp_forward = rms_norm_kernel_forward(spec), gated_mlp_kernel_forward(spec)
     module = spec.load()
     current = getattr(module, ROPE_NAME, None)
     rope = None
-    if spec.rope and current is not None:  # already the kernel where the classes are patched: nothing to swap
-        rope = current if getattr(current, "__liger_kd__", False) else rope_kernel_function(current)
+    # already the kernel where the classes are patched: nothing to swap; a function of the user's: theirs
+    if spec.rope and is_stock_rope(current):
+        rope = rope_kernel_function(current)
     rope_forwards: dict[type, Callable | None] = {}  # per attention class: its forward with the kernel's RoPE
     bound = 0
     for sub in twin.modules():
         own = sub.__dict__.get("forward")
         if own is not None and not _is_kernel(own):
             continue
-        if norms and isinstance(sub, norms):
+        if spec.is_stock(sub, spec.rms_norm):
             sub.forward = types.MethodType(norm_forward, sub)
-        elif mlps and isinstance(sub, mlps):
+        elif spec.is_stock(sub, spec.mlp):
             sub.forward = types.MethodType(mlp_forward, sub)
-        elif rope is not None and current is not rope:
+        elif rope is not None:
             cls = type(sub)
             if cls not in rope_forwards:
                 rope_forwards[cls] = _with_global(cls.forward, ROPE_NAME, current, rope)

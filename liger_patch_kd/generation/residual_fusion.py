@@ -33,7 +33,8 @@ from ..models.patch import norm_eps
 from ..models.registry import ArchSpec
 from ..models.state import FP8_OUTPUT_ATTR
 from ..ops.rms_norm import add_rms_norm, norm_output_dtype
-from .same_input import input_mark, no_hooks
+from ..utils.hooks import no_hooks
+from .same_input import input_mark
 
 PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, its input_mark, the norm of it)
 
@@ -41,15 +42,15 @@ PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, 
 def fold_residual_adds(twin: nn.Module, spec: ArchSpec) -> int:
     """Bind the fused layer forward on every layer of `twin` that `spec.residual_layers` names and whose norms run
     the kernel (bind_kernels' forward); returns how many layers got it."""
-    layer_classes = tuple(spec.classes(spec.residual_layers))
-    if not layer_classes:
+    if not spec.classes(spec.residual_layers):
         return 0
     dense_mlps = tuple(spec.classes(spec.mlp))
     folded = 0
     for parent in twin.modules():
         for stack in parent.children():
             layered = isinstance(stack, nn.ModuleList) and len(stack) > 0
-            if not (layered and all(isinstance(m, layer_classes) for m in stack)):
+            # transformers' own layer forward only: a subclass's, or one set on the class, computes something else
+            if not (layered and all(spec.is_stock(m, spec.residual_layers) for m in stack)):
                 continue
             layers = list(stack)
             final_norm = getattr(parent, "norm", None)

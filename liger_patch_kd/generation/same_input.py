@@ -6,7 +6,7 @@ none, or through `.data`), as activation steering does.
 
     mark = input_mark(x)                 # when computing ahead
     y is x and input_mark(y) == mark     # when asked: the very input, unchanged
-    no_hooks(after=(layer,), before=(next_layer, norm))   # nothing of the user's runs between the two
+    no_hooks(after=(layer,), before=(next_layer, norm))   # nothing of the user's runs between the two (utils/hooks.py)
 """
 
 from __future__ import annotations
@@ -18,13 +18,3 @@ def input_mark(x: torch.Tensor) -> int | None:
     """x's in-place version counter; None for an inference-mode tensor, which has none (identity alone then: such a
     tensor is changed in place only inside inference mode, by code the decode step does not run between the two)."""
     return None if x.is_inference() else x._version
-
-
-def no_hooks(after: tuple = (), before: tuple = ()) -> bool:
-    """Whether no forward hook runs after the modules of `after` and no forward pre-hook before those of `before`,
-    their own or the global ones (torch.nn.modules.module.register_module_forward_hook and _pre_hook)."""
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return False
-    return not any(m._forward_hooks for m in after) and not any(m._forward_pre_hooks for m in before)

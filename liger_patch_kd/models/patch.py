@@ -23,6 +23,7 @@ from ..ops.fp8 import QUANTIZED_INPUTS, rms_norm_quantized
 from ..ops.rms_norm import rms_norm as rms_norm_kernel
 from ..ops.rope import rope as rope_kernel
 from ..ops.swiglu import ACTIVATIONS, gated_act, recomputed_gated_outputs
+from ..utils.hooks import no_hooks
 from .facts import FACTS_ATTR
 from .forward_audit import check_forward
 from .kd_forward import kd_causal_lm_forward
@@ -75,11 +76,30 @@ def rms_norm_kernel_forward(spec: ArchSpec):
     return forward
 
 
+ACTIVATION_ATTRS = ("act_fn", "activation_fn")  # where transformers' gated MLPs keep their activation module
+
+
 def activation_name(mlp: nn.Module) -> str | None:
-    """The gated MLP's activation when the kernels know it (ops.swiglu.ACTIVATIONS), else None."""
+    """The gated MLP's activation when the kernels know it (ops.swiglu.ACTIVATIONS) and the MLP's activation module
+    computes just that, else None. The kernel reads the activation from the config and never calls the module:
+    one replaced, or with a hook of the user's on it (activation steering, ablation), keeps the MLP's own forward."""
     config = getattr(mlp, "config", None)
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    return name if name in ACTIVATIONS else None
+    if name not in ACTIVATIONS:
+        return None
+    act = next((getattr(mlp, attr) for attr in ACTIVATION_ATTRS if isinstance(getattr(mlp, attr, None), nn.Module)),
+               None)  # fmt: skip
+    if act is not None and (type(act) is not _stock_activation_type(name) or not no_hooks(after=(act,), before=(act,))):
+        return None
+    return name
+
+
+@functools.cache
+def _stock_activation_type(name: str) -> type:
+    """The class transformers builds for activation `name` (ACT2FN)."""
+    from transformers.activations import ACT2FN
+
+    return type(ACT2FN[name])
 
 
 def _act_scope(mlp: nn.Module):
@@ -176,11 +196,10 @@ def apply_kd_patch(
         )
     _patch_rope(spec, rope)
     norm_forward, mlp_forward = rms_norm_kernel_forward(spec), gated_mlp_kernel_forward(spec)
-    norm_classes, mlp_classes = tuple(spec.classes(spec.rms_norm)), tuple(spec.classes(spec.mlp))
     for sub in inner.modules():
-        if rms_norm and isinstance(sub, norm_classes):
+        if rms_norm and spec.is_stock(sub, spec.rms_norm):
             _bind(sub, norm_forward)
-        elif swiglu and isinstance(sub, mlp_classes):
+        elif swiglu and spec.is_stock(sub, spec.mlp):
             _bind(sub, mlp_forward)
     lm_cls = spec.model_class()
     original = CLASS_STATE[lm_cls].original_forward if lm_cls in CLASS_STATE else type(inner).forward
@@ -215,8 +234,16 @@ def _patch_rope(spec: ArchSpec, rope: bool) -> None:
     module = spec.load()
     if rope and spec.rope and hasattr(module, "apply_rotary_pos_emb"):
         current = module.apply_rotary_pos_emb
-        if not getattr(current, "__liger_kd__", False):
+        if is_stock_rope(current):
             _set(module, "apply_rotary_pos_emb", rope_kernel_function(current))
+
+
+def is_stock_rope(function) -> bool:
+    """Whether a modeling module's apply_rotary_pos_emb is transformers' own, which the kernel computes; one of the
+    user's set in its place is theirs to keep (the kernel would compute something else). Already the kernel:
+    nothing to swap."""
+    return not getattr(function, "__liger_kd__", False) and \
+        getattr(function, "__module__", "").startswith("transformers.")  # fmt: skip
 
 
 def gated_mlp_kernel_forward(spec: ArchSpec):

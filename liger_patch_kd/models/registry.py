@@ -57,6 +57,23 @@ class ArchSpec:
         module = self.load()
         return [getattr(module, n) for n in names if hasattr(module, n)]
 
+    def is_stock(self, module: nn.Module, names: Names) -> bool:
+        """Whether `module` is one of the classes `names` names computing with that class's own forward: the one
+        transformers defines (or a kernel of this project's, bound on the class by apply_kd_patch), not a
+        subclass's forward of its own nor one someone set on the class. A kernel replaces only what it knows the
+        module computes; a module that computes something else keeps its forward."""
+        forward, owner = None, None
+        for owner in type(module).__mro__:
+            forward = owner.__dict__.get("forward")
+            if forward is not None:
+                break
+        if owner not in self.classes(names):
+            return False
+        if getattr(forward, "__liger_kd__", False):
+            return True
+        return getattr(forward, "__module__", None) == owner.__module__ and \
+            getattr(forward, "__qualname__", None) == f"{owner.__qualname__}.forward"  # fmt: skip
+
     @property
     def is_vlm(self) -> bool:
         return bool(self.vision_inputs)
