@@ -186,6 +186,16 @@ def test_text_rows_without_a_tokenizer_are_refused_in_one_line(tmp_path):
         make_args(tmp_path, kd_max_length=0)
 
 
+@pytest.mark.parametrize("prompt_length", [8, 9])
+def test_a_prompt_cap_at_or_past_the_row_cap_is_refused_before_any_model_loads(tmp_path, prompt_length):
+    """kd_max_prompt_length >= kd_max_length: a prompt kept whole can fill the row and leave no completion; said
+    when the arguments are made (a new user met it only at the first batch, after both models loaded)."""
+    with pytest.raises(ValueError, match=rf"kd_max_prompt_length={prompt_length} must be below kd_max_length=8") as e:
+        make_args(tmp_path, kd_max_prompt_length=prompt_length, kd_max_length=8)
+    assert "\n" not in str(e.value)
+    make_args(tmp_path, kd_max_prompt_length=7, kd_max_length=8)
+
+
 @pytest.mark.parametrize("generated", [{"kd_lmbda": 0.5}, {"kd_lmbda": 1.0}, {"kd_seq_kd": True}])
 def test_text_rows_are_refused_for_generated_steps(tmp_path, tokenizer, generated):
     """A generated step samples after each row's prompt, which a text row does not name (tokenized whole, its

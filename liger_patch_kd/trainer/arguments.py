@@ -358,6 +358,13 @@ class KDTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}")
+        caps = (self.kd_max_prompt_length, self.kd_max_length)
+        if None not in caps and caps[0] >= caps[1]:
+            raise ValueError(
+                f"kd_max_prompt_length={self.kd_max_prompt_length} must be below kd_max_length={self.kd_max_length}: "
+                f"a prompt kept to its last {self.kd_max_prompt_length} tokens can fill the whole row and leave no "
+                f"completion token to train on; set kd_max_prompt_length < kd_max_length"
+            )
         unknown = sorted(set(self.kd_patch_config or {}) - set(PATCH_TOGGLES))
         if unknown:
             raise ValueError(
