@@ -49,7 +49,7 @@ VARIANTS = {
 }
 
 
-def kernel_rows(rows: int, vocab: int, betas: list[float]) -> list[dict]:
+def kernel_rows(rows: int, vocab: int, betas: list[float], variants: dict) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     zs = torch.randn(rows, vocab, device="cuda", generator=g) * 4
     zt = torch.randn(rows, vocab, device="cuda", generator=g) * 4
@@ -64,7 +64,7 @@ def kernel_rows(rows: int, vocab: int, betas: list[float]) -> list[dict]:
             return jsd_op.jsd_chunk_triton(zs, zt.clone(), labels, ones, ones * 0, torch.bfloat16, cfg, launch=launch)
 
         ref_soft, _, ref_grad = call(VARIANTS["default"])
-        for name, launch in VARIANTS.items():
+        for name, launch in variants.items():
             row = dict(stage="kernel", beta=beta, variant=name)
             try:
                 soft, _, grad = call(launch)
@@ -118,8 +118,11 @@ def main() -> None:
         help="the variants timed in the whole loss (default: all; 'fastest': the default and the two fastest "
              "others in the kernel rows at beta 0.5); the kernel rows time all",
     )  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=None, help="the variants timed (default: all)")
+    parser.add_argument("--betas", type=float, nargs="+", default=[0.5, 1.0, 0.0])
     args = parser.parse_args()
-    kernels = kernel_rows(args.rows, LLAMA_V, [0.5, 1.0, 0.0])
+    chosen = {name: VARIANTS[name] for name in (args.variants or VARIANTS)}
+    kernels = kernel_rows(args.rows, LLAMA_V, args.betas, {"default": VARIANTS["default"], **chosen})
     names = args.loss_variants or list(VARIANTS)
     if names == ["fastest"]:
         timed = [r for r in kernels if r["beta"] == 0.5 and isinstance(r["ms"], float) and r["variant"] != "default"]
