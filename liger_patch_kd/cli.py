@@ -24,6 +24,14 @@ from .cli_checks import (
 
 
 def _demo(args) -> None:
+    if args.write_tiny_pair:  # a pair and a dataset on disk for `liger-kd train` (demo/tiny_pair.py)
+        from .demo.tiny_pair import train_command, write_tiny_pair
+
+        paths = write_tiny_pair(args.write_tiny_pair)
+        print(f"wrote a tiny student, teacher (random weights) and chat dataset to {Path(args.write_tiny_pair)}; "
+              f"distil it with (add `pip install 'liger_patch_kd[formats]'` first for the dataset):\n"
+              f"{train_command(paths)}")  # fmt: skip
+        return
     if args.several_teachers:  # one student routed between two specialist teachers (demo/multi_teacher.py)
         from .demo.multi_teacher import run_multi_teacher_demo
 
@@ -259,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="instead: two specialist teachers, one student routed between them")  # fmt: skip
     demo.add_argument("--context", action="store_true",
                       help="instead: context distillation, a teacher that reads the previous sentence")  # fmt: skip
+    demo.add_argument("--write-tiny-pair", metavar="DIR", default=None,
+                      help="instead: write a tiny student, teacher (random weights) and chat dataset to the new "
+                           "folder DIR, and print the `liger-kd train` command that distils them (no hub)")  # fmt: skip
     demo.set_defaults(func=_demo)
 
     pre = sub.add_parser("precompute", help="write a teacher's top-k log-probs to a store (resumable)",

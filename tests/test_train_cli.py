@@ -630,3 +630,28 @@ def test_length_options_beside_tokenized_rows_are_refused_before_any_model_loads
     with pytest.raises(AssertionError, match="a model was loaded"):  # every check passed: the weights would load
         train_run.train([*PAIR, *FAST, "--output_dir", str(tmp_path / "o"), "--kd_max_length", "64",
                          "--kd_max_prompt_length", "32"])  # fmt: skip
+
+
+def test_the_tiny_pair_is_written_and_its_printed_train_command_runs(tmp_path, monkeypatch, capsys):
+    """`liger-kd demo --write-tiny-pair DIR`: a student, a teacher and a chat dataset on disk with no hub, and the
+    command it prints trains them as printed (a new user without hub access had nothing to run `liger-kd train`
+    on); a folder that holds anything is refused in one line, with nothing written."""
+    import shlex
+
+    pytest.importorskip("datasets")
+    folder = tmp_path / "tiny"
+    cli.main(["demo", "--write-tiny-pair", str(folder)])
+    printed = capsys.readouterr().out
+    command = printed.strip().splitlines()[-1]
+    assert command.startswith("liger-kd train ") and "--use_kd_patch" in command
+    assert sorted(p.name for p in folder.iterdir()) == ["data", "student", "teacher"]
+    monkeypatch.chdir(tmp_path)
+    trainer = train_run.train(shlex.split(command)[2:] + ["--report_to", "none", "--disable_tqdm", "true"])
+    assert any("kd_soft_loss" in h for h in trainer.state.log_history)
+    assert (folder / "out" / "model.safetensors").exists()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert cli.main(["demo", "--write-tiny-pair", str(tmp_path / "busy")]) == 2
+    err = capsys.readouterr().err
+    assert "--write-tiny-pair" in err and "not an empty folder" in err
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["notes.txt"]
