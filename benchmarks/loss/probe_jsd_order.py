@@ -14,6 +14,8 @@ registers and meet at per-row barriers (`segment`: each logit read once). This p
   ops.fused_linear_jsd.JSD_LAUNCH.
 
     python -m benchmarks.loss.probe_jsd_order --out $OUT/probe_jsd_order.json
+    python -m benchmarks.loss.probe_jsd_order --rows 1024 --ns 8192 2048 --betas 0.5 --variants streaming \
+        --loss-variants default streaming     # the default (the segment walk) against the streaming walk
     bash benchmarks/run_gpu_suite.sh probe-jsd-order     # the same, then the kernel's float64 tests compiled
 """
 
@@ -30,7 +32,8 @@ from ..common import cuda_time_ms, environment, print_table, write_json
 from ..common.losses import LLAMA_V, floor_products, make_inputs
 
 VARIANTS = {
-    "default": jsd_op.JSDLaunch(),
+    "default": jsd_op.JSD_LAUNCH,
+    "streaming": jsd_op.JSDLaunch(),
     "reverse pass 2": jsd_op.JSDLaunch(reverse_middle=True),
     "L2 hints": jsd_op.JSDLaunch(l2_hints=True),
     "reverse + hints": jsd_op.JSDLaunch(reverse_middle=True, l2_hints=True),
@@ -45,6 +48,9 @@ VARIANTS = {
     "segments 4096, 2/SM": jsd_op.JSDLaunch(segment=4096, programs_per_sm=2),
     "segments 4096, 4 warps, 4/SM": jsd_op.JSDLaunch(segment=4096, num_warps=4, programs_per_sm=4),
     "segments 16384, 16 warps": jsd_op.JSDLaunch(segment=16384, num_warps=16),
+    "segments 16384, 32 warps": jsd_op.JSDLaunch(segment=16384, num_warps=32),
+    "segments 32768, 32 warps": jsd_op.JSDLaunch(segment=32768, num_warps=32),
+    "segments 32768, 16 warps": jsd_op.JSDLaunch(segment=32768, num_warps=16),
     "segments 8192, phased": jsd_op.JSDLaunch(segment=8192, phased=True),
 }
 

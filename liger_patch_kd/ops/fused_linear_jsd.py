@@ -1,9 +1,10 @@
 """Fused linear generalized JSD: the online-teacher distillation loss without materialised logits.
 
-Per row chunk (see `chunked.py`) the student and teacher logits come from two fp32-output products; then
-`_jsd_chunk_kernel` (Triton) or `jsd_chunk_torch` (PyTorch, same math) reads both logit rows, computes both
-log-sum-exps, the loss and dLoss/dlogits, and writes the gradient in the input dtype for the backward
-products.
+Per row chunk (see `chunked.py`) the student and teacher logits come from two fp32-output products; then a Triton
+kernel or `jsd_chunk_torch` (PyTorch, same math) reads both logit rows, computes both log-sum-exps, the loss and
+dLoss/dlogits, and writes the gradient in the input dtype for the backward products. Two Triton walks
+(`JSDLaunch`): `_jsd_segment_kernel` splits a row over programs that hold it in registers, read once (large
+vocabularies, the default there); `_jsd_chunk_kernel` streams it, one program a row, three passes.
 
 Gradient of the tempered student logits u = cap(z) / T, with S = softmax(u), P = softmax(cap(z_t) / T): the
 divergence.py form dL/du = a - S * sum(a), which here reads
@@ -413,6 +414,7 @@ class JSDLaunch:
     segment: int | None = None
     programs_per_sm: int = 1
     phased: bool = False
+    segment_from: int = 0  # the segment walk for rows of at least this many columns, the streaming walk below
 
     def __post_init__(self):
         for name in ("block", "segment"):
@@ -425,7 +427,10 @@ class JSDLaunch:
             raise ValueError(f"JSDLaunch.programs_per_sm must be 1, 2, 3 or 4; got {self.programs_per_sm}")
 
 
-JSD_LAUNCH = JSDLaunch()
+# The segment walk where a row spans at least one segment (a 128K vocabulary: 8 segments of 16384 columns, the
+# fastest size in benchmarks/loss/probe_jsd_order.py's sweep); smaller vocabularies keep the streaming walk, one
+# program a row (never measured against it there).
+JSD_LAUNCH = JSDLaunch(segment=16384, num_warps=16, segment_from=16384)
 
 
 def row_launch_config(vocab: int) -> tuple[int, int]:
@@ -448,7 +453,7 @@ def jsd_chunk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch` (`launch`: JSD_LAUNCH unless given)."""
     launch = JSD_LAUNCH if launch is None else launch
-    if launch.segment is not None:
+    if launch.segment is not None and student_logits.shape[1] >= launch.segment_from:
         return _jsd_segments(student_logits, teacher_logits, labels, w_soft, w_hard, grad_dtype, cfg, launch)
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
