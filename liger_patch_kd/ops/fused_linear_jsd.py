@@ -462,23 +462,32 @@ def jsd_chunk_triton(
     block, num_warps = row_launch_config(vocab)
     block = min(block, launch.block) if launch.block else block
     num_warps = launch.num_warps or num_warps
-    teacher_cap = cfg.teacher_softcap
+    options, meta = _loss_options(cfg, student_logits.dtype, grad_dtype)
     _jsd_chunk_kernel[(rows,)](
         # pointers
         student_logits, teacher_logits, grad, labels, w_soft, w_hard, soft, hard,
         # strides and shapes
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad_dtype else 0, vocab,
-        # loss options
-        *fp32_pair(1.0 / cfg.temperature), *fp32_pair(float(cfg.beta)), *fp32_pair(1.0 - float(cfg.beta)),
-        float(cfg.softcap or 1.0), float(teacher_cap or 1.0), cfg.ignore_index,
-        # meta-parameters
-        MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
-        CAP_S=cfg.softcap is not None, CAP_T=teacher_cap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        PAIR=student_logits.dtype == torch.float64, BLOCK=block, REVERSE_MIDDLE=launch.reverse_middle,
+        *options, **meta, BLOCK=block, REVERSE_MIDDLE=launch.reverse_middle,
         KEEP="evict_last" if launch.l2_hints else "", DROP="evict_first" if launch.l2_hints else "",
         num_warps=num_warps,
     )  # fmt: skip
     return soft, hard, grad if grad_dtype else None
+
+
+def _loss_options(cfg: KDLossConfig, dtype: torch.dtype, grad_dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """Both JSD kernels' loss options: (1/T, beta and 1 - beta as fp32 pairs, the two soft-caps, ignore_index) and
+    their meta-parameters (MODE ... PAIR)."""
+    options = (
+        *fp32_pair(1.0 / cfg.temperature), *fp32_pair(float(cfg.beta)), *fp32_pair(1.0 - float(cfg.beta)),
+        float(cfg.softcap or 1.0), float(cfg.teacher_softcap or 1.0), cfg.ignore_index,
+    )  # fmt: skip
+    meta = dict(
+        MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
+        CAP_S=cfg.softcap is not None, CAP_T=cfg.teacher_softcap is not None, COMPUTE_GRAD=grad_dtype is not None,
+        PAIR=dtype == torch.float64,
+    )  # fmt: skip
+    return options, meta
 
 
 def _jsd_segments(
@@ -492,7 +501,7 @@ def _jsd_segments(
     launch: JSDLaunch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_jsd_segment_kernel`: one persistent launch whose row programs meet at barriers, or three phased launches
-    where a barrier cannot be trusted (see `segment_walk`)."""
+    where a barrier cannot be trusted (see `barriers_hold`)."""
     rows, vocab = student_logits.shape
     device = student_logits.device
     segments = -(-vocab // launch.segment)
@@ -511,17 +520,13 @@ def _jsd_segments(
         grad = torch.empty(student_logits.shape, dtype=grad_dtype, device=device) if shared else \
             _grad_view_of(teacher_logits, grad_dtype)  # fmt: skip
     count = torch.zeros(rows if not phased else 1, dtype=torch.int32, device=device)
-    common = dict(
-        MODE=_mode(cfg.beta), HAS_HARD=bool(cfg.hard_weight), UNIT_TEMP=cfg.temperature == 1.0,
-        CAP_S=cfg.softcap is not None, CAP_T=cfg.teacher_softcap is not None, COMPUTE_GRAD=grad_dtype is not None,
-        PAIR=student_logits.dtype == torch.float64, SEGMENTS=segments,
-        SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), SEG=seg, num_warps=launch.num_warps or 8,
-    )  # fmt: skip
+    options, meta = _loss_options(cfg, student_logits.dtype, grad_dtype)
+    common = dict(**meta, SEGMENTS=segments, SEGMENTS_P2=max(2, 1 << (segments - 1).bit_length()), SEG=seg,
+                  num_warps=launch.num_warps or 8)  # fmt: skip
     args = (
         student_logits, teacher_logits, grad if grad is not None else part, labels, w_soft, w_hard, part, hard, count,
         student_logits.stride(0), teacher_logits.stride(0), grad.stride(0) if grad is not None else 0, rows, vocab,
-        seg_len, *fp32_pair(1.0 / cfg.temperature), *fp32_pair(float(cfg.beta)), *fp32_pair(1.0 - float(cfg.beta)),
-        float(cfg.softcap or 1.0), float(cfg.teacher_softcap or 1.0), cfg.ignore_index,
+        seg_len, *options,
     )  # fmt: skip
     if phased:
         for phase in (1, 2, 3):
