@@ -224,8 +224,8 @@ def _zero_act_output(module, args, output):
     return torch.zeros_like(output)
 
 
-def _swap_class(module_name: str, base: type, forward):
-    """A subclass of `base` with a forward of its own, set on every module `module_name` selects."""
+def _swap_class(base: type, forward):
+    """A subclass of `base` with a forward of its own."""
     return type(f"My{base.__name__}", (base,), {"forward": forward})
 
 
@@ -241,7 +241,7 @@ def _user_change(change: str, model, monkeypatch):
         for layer in layers:
             layer.mlp.act_fn = torch.nn.ReLU()
     elif change == "MLP subclass with its own forward":
-        cls = _swap_class("mlp", modeling_llama.LlamaMLP, lambda self, x: self.down_proj(self.up_proj(x) * 0.5))
+        cls = _swap_class(modeling_llama.LlamaMLP, lambda self, x: self.down_proj(self.up_proj(x) * 0.5))
         for layer in layers:
             layer.mlp.__class__ = cls
     elif change == "RMSNorm forward set on the class":
@@ -253,7 +253,7 @@ def _user_change(change: str, model, monkeypatch):
         def forward(self, hidden_states, *args, **kwargs):
             return modeling_llama.LlamaDecoderLayer.forward(self, hidden_states * 0.5, *args, **kwargs)
 
-        cls = _swap_class("layer", modeling_llama.LlamaDecoderLayer, forward)
+        cls = _swap_class(modeling_llama.LlamaDecoderLayer, forward)
         for layer in layers:
             layer.__class__ = cls
 
