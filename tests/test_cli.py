@@ -32,13 +32,15 @@ def assert_one_line_error(out, command: str, *needles: str) -> str:
 
 
 def test_help_and_argument_errors_import_no_torch():
-    """`liger-kd --help` took 6 s importing torch: help, usage errors and the torch-free checks must not."""
+    """`liger-kd --help` took 6 s importing torch: help, usage errors (an unknown option, a missing required one)
+    and the torch-free checks must not, and their lines are the ones a user reads. `liger-kd train` is not here: its
+    parser is transformers' HfArgumentParser over KDTrainingArguments, which imports torch."""
     code = """
 import sys
 from liger_patch_kd import cli
 for argv in (["--help"], ["demo", "--help"], ["precompute", "--help"], ["convert", "--help"], ["serve", "--help"],
-             ["bench", "--help"], [], ["demo", "--bogus"], ["convert", "--from", "nope"],
-             ["serve", "--teacher", "x", "--port", "99999"],
+             ["bench", "--help"], [], ["demo", "--bogus"], ["bench", "--bogus"], ["convert", "--from", "nope"],
+             ["precompute"], ["serve"], ["serve", "--teacher", "x", "--port", "99999"],
              ["precompute", "--teacher", "x", "--data", "setup.cfg", "--out", "o", "--temperature", "0"],
              ["precompute", "--teacher", "/nonexistent/model", "--data", "setup.cfg", "--out", "o"]):
     try:
@@ -52,6 +54,14 @@ print("TORCH", "torch" in sys.modules)
                          env=subprocess_env(), timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "TORCH False", out.stdout
+    errors = out.stderr.splitlines()
+    for line in (
+        "liger-kd bench: error: unrecognized arguments: --bogus (see liger-kd bench --help)",
+        "liger-kd precompute: error: the following arguments are required: --data, --out (see liger-kd precompute "
+        "--help)",
+        "liger-kd serve: error: the following arguments are required: --teacher (see liger-kd serve --help)",
+    ):
+        assert line in errors, (line, out.stderr)
 
 
 def test_usage_errors_are_one_line_naming_the_command():
