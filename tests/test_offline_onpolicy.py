@@ -4,6 +4,7 @@ estimators, refreshed in part by the current student, and refused when a differe
 
 import copy
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -320,6 +321,26 @@ def test_refresh_replaces_exactly_its_slice(tmp_path, models, tokenizer):
                 assert torch.equal(batch[key][1, :keep], value[1, :keep]), key
     trainer.train()
     assert offline.refresh.refreshed_steps == [2, 2] and len(_losses(trainer)) == 3  # the call above, then step 2
+
+
+def test_a_refresh_is_logged_with_its_step_and_rows_and_counted_in_the_trainers_logs(tmp_path, models, tokenizer,
+                                                                                        caplog):
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path, max_steps=5, kd_store_refresh_steps=2,
+                                                       kd_store_refresh_fraction=0.5))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="liger_patch_kd.trainer.offline_onpolicy"):
+        trainer.train()
+    # 2 rows a step: ceil(0.5 x 2) = 1 regenerated at steps 2 and 4; per log (every step) the rows since the last
+    assert _losses(trainer, "kd_refreshed_rows") == [0, 0, 1, 0, 1]
+    said = [r.getMessage() for r in caplog.records if "regenerated" in r.getMessage()]
+    assert said == [f"kd_store_refresh_steps=2: step {s} regenerated 1 of its 2 stored rows with the current student, "
+                    f"rescored by the teacher" for s in (2, 4)]  # fmt: skip
+    offline = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
+                        args=_args(tmp_path / "b", max_steps=1))  # fmt: skip
+    offline.train()
+    assert not _losses(offline, "kd_refreshed_rows")  # no refresh asked for: no figure
 
 
 def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenizer):

@@ -3,12 +3,14 @@ completions scored up to and including EOS, seeded rollouts, and the sampled-tok
 materialised reference."""
 
 import copy
+import logging
 import math
 
 import pytest
 import torch
 
 import liger_patch_kd.models as M
+import liger_patch_kd.trainer.rollouts.generate as R
 from liger_patch_kd.batch.prompts import PromptCollator, tokenize_prompt_row
 from liger_patch_kd.trainer import KDTrainer, KDTrainingArguments
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts, prompts_of
@@ -397,3 +399,57 @@ def test_on_policy_steps_with_a_kd_term_of_weight_zero_run_no_teacher_under_ever
                             train_dataset=[{"prompt": "the cat"}, {"prompt": "a dog"}] * 4, processing_class=tokenizer)
         trainer.train()
         assert trainer.state.global_step == 2 and calls == [], loss
+
+
+class RecordingBar:
+    """Stands in for transformers' tqdm in generate_rollouts: records the bar's total, updates and close."""
+
+    made: list = []
+
+    def __init__(self, total, **kwargs):
+        self.total, self.kwargs, self.updates, self.closed = total, kwargs, [], False
+        RecordingBar.made.append(self)
+
+    def update(self, n=1):
+        self.updates.append(n)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("loop", ["lean", "generate"])
+def test_a_rollout_progress_bar_counts_each_decode_step_on_a_cpu_and_changes_no_token(monkeypatch, loop):
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    if loop == "generate":
+        monkeypatch.setattr(R, "lean_decode_applies", lambda *a: False)
+    monkeypatch.setattr(R.logging, "tqdm", RecordingBar)
+    monkeypatch.setattr(RecordingBar, "made", [])
+    prompts, kw = [[5, 6, 7], [8], [9, 10]], dict(pad_id=0, eos_ids={2}, start_id=1, step=1)
+    settings = RolloutSettings(max_new_tokens=6, num_generations=2, batch_size=2, seed=3, cache="dynamic")
+    quiet = generate_rollouts(model, prompts, settings, **kw)
+    assert RecordingBar.made == []  # no bar unless asked for
+    assert generate_rollouts(model, prompts, settings, progress=True, **kw) == quiet
+    (bar,) = RecordingBar.made
+    assert bar.total == 2 * 6 and sum(bar.updates) == bar.total and bar.closed  # 2 calls (2 prompts each) x 6 steps
+    assert bar.updates.count(1) >= 2 * 6 - 2  # a tick per decode step (the last update of a call fills what EOS cut)
+    assert bar.kwargs["leave"] is False and bar.kwargs["delay"] == R.PROGRESS_DELAY_S
+
+
+def test_the_first_generated_step_says_how_it_generates_once_and_a_progress_bar_follows_it(tmp_path, tokenizer,
+                                                                                           caplog, capsys, monkeypatch):
+    """On a CPU a generated step can take long with the Trainer's bar standing still: the first says at INFO what
+    it generates and how, once a run; with the Trainer's bars on, a bar of its own follows the decode steps."""
+    monkeypatch.setattr(R, "PROGRESS_DELAY_S", 0.0)  # shown at once: the tiny model's rollouts take no time
+    trainer = KDTrainer(
+        model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=tiny_model("llama", dtype=torch.float32,
+        seed=2), processing_class=tokenizer, args=_args(tmp_path, max_steps=2, disable_tqdm=False),
+        train_dataset=PROMPTS,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="liger_patch_kd.trainer.rollouts"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if r.name == "liger_patch_kd.trainer.rollouts.onpolicy"]
+    assert len(said) == 1, said  # the first generated step only, not every step
+    assert said[0].startswith("on-policy step 0: the student samples 4 completions (4 prompts x 1) of up to 5 new "
+                              "tokens in 1 call (4 rows) on cpu, eager: the lean sampling loop")  # fmt: skip
+    err = capsys.readouterr().err
+    assert "rollouts (step 0)" in err and "rollouts (step 1)" in err

@@ -311,6 +311,8 @@ class KDTrainer(Trainer):
                 logs["kd_top1_agreement"] = round(float(self._kd_agreement), 4)
             if self.onpolicy.staleness:  # steps between the engine's weights and the student's, latest rollout
                 logs["kd_rollout_staleness"] = self.onpolicy.staleness[-1]
+            if self.offline is not None and self.offline.refresh is not None:  # kd_store_refresh_steps: since the log
+                logs["kd_refreshed_rows"] = self.offline.refresh.take_unlogged_rows()
             for key, value in (self._kd_teacher_metrics or {}).items():  # kd_soft_loss/<name>, kd_behaviour_kl
                 logs[key] = round(float(value), 6)
             self._kd_sums, self._kd_count, self._kd_agreement, self._kd_teacher_metrics = {}, 0, None, None

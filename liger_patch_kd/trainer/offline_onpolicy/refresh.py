@@ -4,7 +4,8 @@ get a new completion sampled by the current student from the same prompt, with t
 are rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of
 the new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
 rewritten. Steps 0 apart, every 1 with fraction 1 is fully online (every step on the current student's samples);
-none (0) is fully offline."""
+none (0) is fully offline. Each refresh is logged at INFO (the step, the rows), and the Trainer's logs carry
+kd_refreshed_rows: the rows refreshed since the previous log."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from ...batch.columns import BEHAVIOUR_LOGPROBS, TEACHER_LOGPROBS, TEACHER_TOKEN_IDS, TEACHER_TOKEN_LOGPROBS
 from ...batch.rollout_store import RolloutStoreCollator, rows_of
@@ -20,9 +22,11 @@ from ...models import unwrap_model
 from ...teacher.store import LOGPROB_DTYPES
 from ...teacher.store.rollouts import IGNORE_INDEX, rollouts_of
 from ...teacher.store.samples import samples_of
-from ..rollouts.generate import Rollout, RolloutSettings, generate_rollouts
+from ..rollouts.generate import Rollout, RolloutSettings, generate_rollouts, shows_progress
 from ..rollouts.onpolicy import special_ids
 from .scoring import ScoredRow, ScoreOptions, score_rollouts
+
+logger = logging.get_logger(__name__)
 
 
 def prompt_of(item: dict[str, torch.Tensor]) -> list[int]:
@@ -47,7 +51,9 @@ class StoreRefresh:
                                   temperature=meta.get("temperature", 1.0), seed=meta.get("sample_seed", 0))
         self.dtype = LOGPROB_DTYPES[meta.get("logprob_dtype", "float32")]
         self.collator = collator
+        self.progress = shows_progress(args)  # a progress bar over the decode steps (generate_rollouts)
         self.refreshed_steps: list[int] = []
+        self.unlogged_rows = 0  # rows refreshed since the Trainer's last log (take_unlogged_rows)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step > 0 and step % self.every == 0
@@ -65,7 +71,7 @@ class StoreRefresh:
         pad, eos_ids, start = special_ids(generator, tokenizer)
         settings = replace(self.settings, vocab_size=vocab_size)
         rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
-                                                    start_id=start, step=step)  # fmt: skip
+                                                    start_id=start, step=step, progress=self.progress)  # fmt: skip
         scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size))
         out = []
         for batch, own, n in zip(batches, rows, counts):
@@ -77,7 +83,15 @@ class StoreRefresh:
             device = batch["input_ids"].device
             out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in fresh.items()})
         self.refreshed_steps.append(step)
+        self.unlogged_rows += len(prompts)
+        logger.info("kd_store_refresh_steps=%d: step %d regenerated %d of its %d stored rows with the current student, "
+                    "rescored by the teacher", self.every, step, len(prompts), sum(len(r) for r in rows))  # fmt: skip
         return out
+
+    def take_unlogged_rows(self) -> int:
+        """The rows refreshed since the last call (the Trainer's log: kd_refreshed_rows), the count then reset."""
+        rows, self.unlogged_rows = self.unlogged_rows, 0
+        return rows
 
     def counts(self, sizes: list[int]) -> list[int]:
         """Rows refreshed in each micro-batch of `sizes` rows: ceil(fraction x the step's rows) in all, the first

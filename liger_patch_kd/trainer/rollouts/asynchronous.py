@@ -134,6 +134,7 @@ class AsyncRollouts:
             self._send(source.sync.stage(generator, step), f"the weights of step {step} (its push)")
         for h in held:
             plan = h.plan
+            self.steps.announce(generator, plan, h.step)  # once a run, at INFO
             h.staleness, request = source.ask(
                 generator, plan.sources, settings, eos_ids=plan.eos_ids, start_id=plan.start, step=h.step
             )

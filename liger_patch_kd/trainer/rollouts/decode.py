@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -105,6 +105,7 @@ def sample_tokens(
     pad_token_id: int,
     eos_token_id: list[int] | None,
     suppress_tokens: list[int] | None = None,
+    on_token: Callable[[], object] | None = None,
 ) -> torch.Tensor:
     """(B, W + n) prompt + sampled ids, as generate(do_sample=True, cache_implementation="dynamic") returns them.
 
@@ -115,6 +116,7 @@ def sample_tokens(
             of keywords serves both).
         pad_token_id: what a row gets after its EOS; eos_token_id: the ids that end a row (None: none does).
         suppress_tokens: ids never sampled (a head's padding rows).
+        on_token: called once per decode step (a progress bar's tick).
 
     Returns:
         (B, W + n) int64, n <= max_new_tokens: the loop stops when every row has ended.
@@ -122,11 +124,11 @@ def sample_tokens(
     warpers = _warpers(temperature, top_k, top_p, list(suppress_tokens or ()), input_ids.device)
     eos = torch.tensor(sorted(eos_token_id or ()), dtype=torch.long, device=input_ids.device)
     with torch.inference_mode():  # less per-op work than no_grad; nothing made here is trained through
-        sequences = _sample_loop(model, input_ids, attention_mask, max_new_tokens, warpers, pad_token_id, eos)
+        sequences = _sample_loop(model, input_ids, attention_mask, max_new_tokens, warpers, pad_token_id, eos, on_token)
     return sequences.clone()  # outside inference mode: an ordinary tensor
 
 
-def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers, pad_token_id: int, eos):
+def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers, pad_token_id: int, eos, on_token=None):
     """generate()'s sampling loop, step for step: the same forward inputs, draws and padding after EOS."""
     batch, device = input_ids.shape[0], input_ids.device
     cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -149,6 +151,8 @@ def _sample_loop(model, input_ids, attention_mask, max_new_tokens: int, warpers,
         if len(eos):
             tokens = tokens * unfinished + pad_token_id * (1 - unfinished)
         sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+        if on_token is not None:
+            on_token()
         if len(eos):
             unfinished = unfinished & ~torch.isin(tokens, eos)
             if not bool(unfinished.any()):

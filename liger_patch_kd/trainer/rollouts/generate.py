@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ...batch.columns import BEHAVIOUR
 from ...batch.teacher_data import JoinedRows, pad_joined, positions_in_rows
@@ -42,6 +44,18 @@ CACHES = ("auto", "dynamic", "static", "graph")
 # prompts are left-padded to a multiple of this, so a run sees a few widths (a few compilations), not one per batch.
 STATIC_WIDTH_MULTIPLE = 64
 STATIC_UP_TO_ROWS = 256  # "auto" takes the static cache up to this many rows on CUDA (see RolloutSettings.cache)
+# A rollout progress bar appears only once generation has run this long: short calls (a GPU's, mostly) print nothing
+PROGRESS_DELAY_S = 2.0
+# How each decode loop of generate_rollouts (decode_loop) is named where a run says how it generates
+LOOP_NAMES = {
+    ("graph", "cuda"): "captured: the decode engine's step as a CUDA graph",
+    ("graph", "cpu"): "eager: the decode engine's step, not captured off CUDA",
+    ("lean", "cpu"): "eager: the lean sampling loop over the model's own forward, dynamic KV cache",
+    ("static", "cuda"): "compiled: transformers' generate() with a static KV cache (each new shape compiles once)",
+    ("static", "cpu"): "eager: transformers' generate() with a static KV cache",
+    ("dynamic", "cuda"): "eager: transformers' generate() with a dynamic KV cache",
+    ("dynamic", "cpu"): "eager: transformers' generate() with a dynamic KV cache",
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,50 @@ def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool
     if device.type != "cuda" or rows > STATIC_UP_TO_ROWS:
         return "dynamic"
     return "graph" if engine_applies else "static"
+
+
+def decode_loop(generator: nn.Module, rows: int, device: torch.device, choice: str, refusal: str | None) -> str:
+    """How generate_rollouts decodes a call of `rows` rows: "graph" (the decode engine), "lean" (decode.sample_tokens:
+    generate()'s tokens with less work per step), or "static" / "dynamic" (transformers' generate() with that cache).
+    `choice` is kd_generation_cache, `refusal` engine_refusal's answer (None: the engine can decode the generator)."""
+    cache = cache_for(rows, device, choice, engine_applies=refusal is None)
+    return "lean" if lean_decode_applies(generator, cache, device) else cache
+
+
+def describe_generation(generator: nn.Module, prompts: int, settings: RolloutSettings) -> str:
+    """generate_rollouts' plan for `prompts` prompts in words (rows, calls, the decode loop of the first call), for
+    a run to say once how its rollouts are made."""
+    generator = unwrap_model(generator)
+    device = next(generator.parameters(), torch.empty(0)).device
+    rows = prompts * settings.num_generations
+    per_call = min(rows, settings.batch_size * settings.num_generations if settings.batch_size else rows)
+    calls = math.ceil(rows / per_call) if per_call else 0
+    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    loop = decode_loop(generator, per_call, device, settings.cache, refusal)
+    where = "cuda" if device.type == "cuda" else "cpu"
+    call_rows = f"{per_call} rows" if calls == 1 else f"up to {per_call} rows each"
+    return (f"{rows} completions ({prompts} prompts x {settings.num_generations}) of up to "
+            f"{settings.max_new_tokens} new tokens in {calls} call{'s' * (calls != 1)} ({call_rows}) on "
+            f"{device}, {LOOP_NAMES.get((loop, where), loop)}")  # fmt: skip
+
+
+def shows_progress(args: Any) -> bool:
+    """Whether in-process rollouts show a progress bar: the Trainer's own bars are on (disable_tqdm false) and this is
+    the process whose bars show (the first)."""
+    return not getattr(args, "disable_tqdm", True) and getattr(args, "process_index", 0) == 0
+
+
+def _progress_tick(tick: Callable[[], Any]) -> Any:
+    """A generate() stopping criterion that stops nothing and calls `tick` once per decode step (on a CPU only,
+    where reading nothing back from a device costs nothing)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Tick(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
+            tick()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Tick()])
 
 
 def engine_refusal(generator: nn.Module) -> str | None:
@@ -229,6 +287,7 @@ def generate_rollouts(
     eos_ids: set[int],
     start_id: int,
     step: int = 0,
+    progress: bool = False,
 ) -> list[Rollout]:
     """Completions for `prompts` (token lists), each repeated settings.num_generations times, in prompt order.
 
@@ -240,6 +299,8 @@ def generate_rollouts(
         eos_ids: ids that end a completion (kept as its last token, so the loss scores stopping).
         start_id: the token an empty prompt begins with.
         step: the optimizer step, mixed into the seed.
+        progress: show a progress bar over the decode steps (transformers' tqdm, cleared when done), once generation
+            has run PROGRESS_DELAY_S seconds: advanced per token on a CPU, per call elsewhere (no host sync added).
 
     Returns:
         one Rollout per (prompt, generation), prompt-major: rows [i * n, (i + 1) * n) belong to prompt i.
@@ -267,6 +328,10 @@ def generate_rollouts(
     if settings.cache == "graph" and refusal is not None:
         raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
                          f"'dynamic'")  # fmt: skip
+    calls = math.ceil(len(order) / per_call) if per_call else 0
+    bar = logging.tqdm(total=calls * settings.max_new_tokens, desc=f"rollouts (step {step})", unit="tok",
+                       leave=False, delay=PROGRESS_DELAY_S) if progress else None  # fmt: skip
+    per_token = bar is not None and device.type == "cpu"
     was_training = generator.training
     generator.eval()
     try:
@@ -274,7 +339,9 @@ def generate_rollouts(
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
-                cache = cache_for(len(batch), device, settings.cache, engine_applies=refusal is None)
+                loop = decode_loop(generator, len(batch), device, settings.cache, refusal)
+                cache = "dynamic" if loop == "lean" else loop
+                ticks = per_token and loop != "graph"  # the engine's step is its own loop: its call counts at its end
                 width = max(len(p) for p in batch)
                 if cache == "static":
                     width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
@@ -295,19 +362,23 @@ def generate_rollouts(
                 with precision, code, seeded(call_seed(settings.seed, step, call), devices):
                     if cache == "graph":  # the captured decode step (generation/engine.py)
                         generated = engine_sequences(generator, ids, mask, settings, pad_id, eos_ids, padding)
-                    elif lean_decode_applies(generator, cache, device):  # generate()'s tokens, less work per step
-                        generated = sample_tokens(generator, ids, mask, **options)
+                    elif loop == "lean":  # generate()'s tokens, less work per step
+                        tick = {"on_token": bar.update} if ticks else {}
+                        generated = sample_tokens(generator, ids, mask, **options, **tick)
                     else:
                         if masked_rows_give_nan(generator) and not bool(mask.all()):  # generate() builds its own
                             raise ValueError(  # masks: the padding rows' NaN (generation/padding.py) reaches it
                                 "attn_implementation='eager' in float64 gives NaN logits for left-padded prompts in "
                                 f"generate() (kd_generation_cache={settings.cache!r}): load the student with "
                                 "attn_implementation='sdpa'")
+                        tick = {"stopping_criteria": _progress_tick(bar.update)} if ticks else {}
                         generated = generator.generate(
                             input_ids=ids, attention_mask=mask, do_sample=True, cache_implementation=cache,
-                            **options, **decode_forward_options(generator),
+                            **options, **tick, **decode_forward_options(generator),
                         )
                 tails = generated[:, width:].cpu()  # one copy off the device for the call, not one per row
+                if bar is not None:  # the call's share, less the steps ticked (fewer ran when every row ended early)
+                    bar.update(settings.max_new_tokens - (tails.shape[1] if ticks else 0))
                 ends, finished = eos_cuts(tails, eos_ids)
                 for row, (index, tail, end, done) in enumerate(zip(chunk, tails.tolist(), ends, finished)):
                     out[index] = Rollout(rows[index], tail[:end], done)
@@ -316,6 +387,8 @@ def generate_rollouts(
         release_if_large(generator)
     finally:
         generator.train(was_training)
+        if bar is not None:
+            bar.close()
     return out  # type: ignore[return-value]
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ...batch.columns import (
     BEHAVIOUR,
@@ -37,10 +38,21 @@ from ...generation.special_tokens import special_ids
 from ...models import unwrap_model
 from .asynchronous import AsyncRollouts, take
 from .engine import rollout_source
-from .generate import Rollout, behaviour_logprobs, check_context, prompts_of, rollout_batch, rollout_settings
+from .generate import (
+    Rollout,
+    behaviour_logprobs,
+    check_context,
+    describe_generation,
+    prompts_of,
+    rollout_batch,
+    rollout_settings,
+    shows_progress,
+)
 
 AttachTeacher = Callable[[dict[str, Any]], dict[str, Any]]  # a served teacher's top-k added to a batch
 MakeRows = Callable[[list[Rollout], dict[str, Any]], dict[str, Any]]  # (rollouts, the micro-batch) -> batch
+
+logger = logging.get_logger(__name__)
 
 
 class OnPolicySteps:
@@ -58,6 +70,7 @@ class OnPolicySteps:
         self.behaviour = bool(args.kd_generation_url) and args.kd_onpolicy_loss == "pg"
         # kd_async_rollouts: the next steps' rollouts requested from the engine while this one trains
         self.pipeline = AsyncRollouts(self, args.kd_async_rollouts) if args.kd_async_rollouts else None
+        self.announced = False  # the first generated step says how rollouts are made (announce)
 
     @property
     def enabled(self) -> bool:
@@ -135,10 +148,13 @@ class OnPolicySteps:
         (rollouts, the micro-batch they replace) -> batch builds them (default rollout_batch; across tokenizers
         cross_tokenizer_rollouts.rows_maker)."""
         plan = self.plan(generator, batches, tokenizer)
+        self.announce(generator, plan, step)
+        # in process, a progress bar over the decode steps when the Trainer's bars show (generate_rollouts)
+        progress = {"progress": True} if not self.args.kd_generation_url and shows_progress(self.args) else {}
         began = time.perf_counter()
         rollouts = self.source(
             generator, plan.sources, self.settings, pad_id=plan.pad, eos_ids=plan.eos_ids, start_id=plan.start,
-            step=step,
+            step=step, **progress,
         )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -157,6 +173,28 @@ class OnPolicySteps:
         check_context(generator, [p or [start] for group in sources for p in group], self.settings.max_new_tokens)
         return RolloutPlan(batches, prompts, teacher_prompts, [p for group in sources for p in group], pad, eos_ids,
                            start)  # fmt: skip
+
+    def announce(self, generator: nn.Module, plan: RolloutPlan, step: int) -> None:
+        """Once a run, at INFO before its first generated step waits for its rollouts: how many, how long, and how
+        they are made (in process: the decode loop, captured / eager; or served by an engine), since the Trainer's
+        progress bar stands still meanwhile."""
+        if self.announced:
+            return
+        self.announced = True
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        who = "the teacher (kd_seq_kd)" if self.args.kd_seq_kd else "the student"
+        if self.args.kd_generation_url:
+            rows = len(plan.sources) * self.settings.num_generations
+            how = (f"{rows} completions ({len(plan.sources)} prompts x {self.settings.num_generations}) of up to "
+                   f"{self.settings.max_new_tokens} new tokens, served: the engine at {self.args.kd_generation_url} "
+                   f"(weights pushed every {self.args.kd_sync_steps} step(s))")  # fmt: skip
+        else:
+            how = describe_generation(generator, len(plan.sources), self.settings)
+        when = (f"requested {self.args.kd_async_rollouts} step(s) ahead" if self.pipeline is not None
+                else "the step trains once they are made")  # fmt: skip
+        logger.info("on-policy step %d: %s samples %s; %s (trainer.kd_rollout_seconds: seconds per generated step)",
+                    step, who, how, when)  # fmt: skip
 
     def build(
         self, plan: RolloutPlan, rollouts: list[Rollout], attach_teacher: AttachTeacher | None = None,
