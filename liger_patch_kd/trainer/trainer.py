@@ -16,6 +16,7 @@ from .. import distributed
 from ..batch.columns import BEHAVIOUR, GENERATED, HAS_COMPLETION, TEACHER_DATA_COLUMNS
 from ..models import apply_kd_patch, patch_teacher_kernels, unwrap_model
 from ..models.recompute import limit_recompute
+from ..utils.logs import follow_log_level
 from .arguments import KDTrainingArguments
 from .dataset_setup import (
     check_evaluation_has_teacher,
@@ -70,6 +71,9 @@ class KDTrainer(Trainer):
     ):
         if args is None or not isinstance(args, KDTrainingArguments):
             raise ValueError("KDTrainer needs args=KDTrainingArguments(...)")
+        # the package's INFO lines at --log_level info, as transformers' own
+        follow_log_level(args.get_process_log_level(), (args.log_level if args.should_log else
+                                                        args.log_level_replica) != "passive")  # fmt: skip
         if kwargs.get("processing_class") is None:  # a model given by name: its saved tokenizer, as TRL loads it
             kwargs["processing_class"] = tokenizer_of_named(model)
         across_tokenizers = bool(args.kd_teacher_tokenizer or teacher_tokenizer)
