@@ -323,3 +323,43 @@ def test_the_training_patch_keeps_what_a_changed_model_computes(change, monkeypa
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_peft_adapter_switches_decode_with_the_adapters_in_force():
+    """PEFT keeps which adapters compute in plain attributes that set_adapter / disable_adapter() / merge_adapter()
+    reassign; a kept session's twin (shallow copies) once decoded with the adapters of the call that made it. The
+    switches are in the session's key: each state decodes what generate() gives in it, and going back to a state
+    finds its session."""
+    peft = pytest.importorskip("peft")
+    model = _engine_model("llama", torch.float64, seed=4)
+    lora = dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                init_lora_weights=False)  # fmt: skip  (random B: each adapter changes what the model computes)
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    wrapped.add_adapter("other", peft.LoraConfig(**lora))
+    inner = wrapped.base_model.model  # the LM with the adapter layers in it: what the engine decodes
+    ids, mask = _prompts()
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+                              bos_token_id=None)  # fmt: skip
+    greedy = Sampling(temperature=0.0)
+
+    def both():
+        with torch.no_grad():
+            want = inner.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        got, logprobs = decode(inner, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, logprobs=True,
+                               capture="eager")  # fmt: skip
+        assert torch.equal(got, want)
+        torch.testing.assert_close(logprobs.double(), _forward_logprobs(inner, ids, mask, got), rtol=0,
+                                   atol=TOLERANCE[torch.float64])  # fmt: skip
+        return got
+
+    first = both()
+    wrapped.set_adapter("other")
+    second = both()
+    with wrapped.disable_adapter():
+        base = both()
+    wrapped.set_adapter("default")
+    assert torch.equal(both(), first)
+    assert len({tuple(t.flatten().tolist()) for t in (first, second, base)}) == 3  # each state decodes its own
+    assert len(session_of(inner).key.adapters) > 0
+    release_sessions(inner)

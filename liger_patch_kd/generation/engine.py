@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -83,6 +84,7 @@ class SessionKey:
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
     inference: bool = False  # made under torch.inference_mode: its buffers are inference tensors, which a call
     # outside that mode cannot update in place (each mode its own session)
+    adapters: tuple = ()  # PEFT's switches on each adapter layer (adapter_switches): a switch is another session
 
 
 def left_padded(
@@ -99,6 +101,20 @@ def left_padded(
     ids = ids.reshape(len(prompts), width)
     mask = (torch.arange(width)[None] >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).long()
     return ids.to(device), mask.to(device)
+
+
+def adapter_switches(model: nn.Module) -> tuple:
+    """What PEFT's adapter layers compute by, per layer: (active adapters, disabled, merged). PEFT keeps them in plain
+    attributes that set_adapter, disable_adapter() and merge_adapter() reassign, which a kept session's twin
+    (kernel_twin.py, shallow copies) and its captured graph would not see: in the key, a switch makes (or finds)
+    the session of that state instead of decoding with the adapters of another. Empty for a model without any (and
+    where peft was never imported, so none can be in it)."""
+    if "peft" not in sys.modules:
+        return ()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return tuple((tuple(m.active_adapters), bool(m.disable_adapters), bool(m.merged))
+                 for m in model.modules() if isinstance(m, BaseTunerLayer))  # fmt: skip
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -469,7 +485,7 @@ def decode(
     eos = tuple(sorted(set(eos_ids)))
     fuse, kernels = bool(fuse_projections), bool(kernels)
     key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, top_logprobs, fuse, kernels, autocast,
-                     storage, torch.is_inference_mode_enabled())  # fmt: skip
+                     storage, torch.is_inference_mode_enabled(), adapter_switches(model))  # fmt: skip
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every, cancel)

@@ -26,8 +26,9 @@ What the twin shares and what it owns:
     that is transformers' (`models.patch.is_stock_rope`). Elsewhere the module's own forward runs.
 
 The twin is made with its decode session and kept with it: what a module keeps in plain attributes and the user
-changes later (PEFT's adapter switches, say) is not in a kept session's step, as a captured graph would not hold it
-either; `release_sessions(model)` after such a change. Parameters replaced by new tensors make a new session anyway.
+changes later is not in a kept session's step, as a captured graph would not hold it either; `release_sessions(model)`
+after such a change. PEFT's adapter switches (set_adapter, disable_adapter(), merge_adapter()) and parameters replaced
+by new tensors are in the session's key (engine.py): they make or find the session of that state on their own.
 
 The kernels compute the model's maths to rounding (each is tested against transformers' module on its own), so the
 twin decodes what the model decodes; tests/test_generation.py checks tokens and log-probs against the model.
