@@ -6,6 +6,7 @@ The GPU tests check the replay against the eager forward."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -370,3 +371,36 @@ def test_enabling_again_with_the_same_settings_keeps_the_graphs(tmp_path):
         kept.append(captured_backbone_of(teacher))
     assert kept[0] is kept[1] and kept[0].captures >= 1
     disable_captured_backbone(teacher)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")])])  # fmt: skip
+def test_a_peft_adapter_switch_replays_the_capture_of_the_adapters_in_force(device):
+    """PEFT's switches are plain attributes a captured graph would not see: they are in the key, so a teacher whose
+    adapter is switched (or disabled) between calls computes with the adapters in force, and going back replays the
+    first capture."""
+    peft = pytest.importorskip("peft")
+    lora = dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    wrapped = peft.get_peft_model(_teacher(dtype, device), peft.LoraConfig(**lora))
+    wrapped.add_adapter("other", peft.LoraConfig(**lora))
+    teacher = wrapped.base_model.model.requires_grad_(False)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3)).to(device)
+    want = {}
+    for state in ("default", "other", "off"):
+        wrapped.set_adapter("default" if state == "off" else state)
+        with wrapped.disable_adapter() if state == "off" else contextlib.nullcontext():
+            want[state] = _hidden(teacher, ids).clone()
+    captured = enable_captured_backbone(teacher, capture="graph" if device == "cuda" else "eager")
+    try:
+        for state in ("default", "other", "off", "default"):
+            wrapped.set_adapter("default" if state == "off" else state)
+            with wrapped.disable_adapter() if state == "off" else contextlib.nullcontext():
+                got = _hidden(teacher, ids)
+            # float32 on a GPU: the padded products may pick another kernel (one rounding step apart)
+            torch.testing.assert_close(got, want[state], **({} if device == "cpu" else dict(rtol=1e-4, atol=1e-4)))
+        assert captured.captures == 3  # one capture per adapter state; the last call replays the first
+        assert not torch.allclose(want["default"], want["other"]) and not torch.allclose(want["default"], want["off"])
+    finally:
+        disable_captured_backbone(teacher)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -44,6 +43,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import autocast_dtype, select_backend
+from ..utils.adapters import adapter_switches
 from ..utils.cuda_graphs import graph_capture
 from .bookkeeping_kernel import NextColumn, advance_in_one_kernel
 from .cancellation import stop_if_cancelled
@@ -84,7 +84,7 @@ class SessionKey:
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
     inference: bool = False  # made under torch.inference_mode: its buffers are inference tensors, which a call
     # outside that mode cannot update in place (each mode its own session)
-    adapters: tuple = ()  # PEFT's switches on each adapter layer (adapter_switches): a switch is another session
+    adapters: tuple = ()  # PEFT's switches on each adapter layer (utils/adapters.py): a switch is another session
 
 
 def left_padded(
@@ -101,20 +101,6 @@ def left_padded(
     ids = ids.reshape(len(prompts), width)
     mask = (torch.arange(width)[None] >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).long()
     return ids.to(device), mask.to(device)
-
-
-def adapter_switches(model: nn.Module) -> tuple:
-    """What PEFT's adapter layers compute by, per layer: (active adapters, disabled, merged). PEFT keeps them in plain
-    attributes that set_adapter, disable_adapter() and merge_adapter() reassign, which a kept session's twin
-    (kernel_twin.py, shallow copies) and its captured graph would not see: in the key, a switch makes (or finds)
-    the session of that state instead of decoding with the adapters of another. Empty for a model without any (and
-    where peft was never imported, so none can be in it)."""
-    if "peft" not in sys.modules:
-        return ()
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return tuple((tuple(m.active_adapters), bool(m.disable_adapters), bool(m.merged))
-                 for m in model.modules() if isinstance(m, BaseTunerLayer))  # fmt: skip
 
 
 def cache_keyword(model: nn.Module) -> str:

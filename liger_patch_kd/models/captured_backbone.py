@@ -16,9 +16,11 @@ model's trained length.
 
 The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_) is
 what the next replay computes with. Parameters or buffers moved to new storage (`.to(dtype)`, a reload) are seen by
-their addresses and the graphs are captured again. A replay returns a view of the graph's output buffer, which the next
-replay of that shape overwrites: what the caller keeps, it clones. Autocast is part of a graph's key, and its cast cache
-is off while capturing (a cached cast would be freed when the caller's autocast region ends, under the graph's feet).
+their addresses and the graphs are captured again; PEFT's adapter switches (utils/adapters.py) are part of a graph's
+key, so a switched teacher replays the graph of its adapters in force. A replay returns a view of the graph's output
+buffer, which the next replay of that shape overwrites: what the caller keeps, it clones. Autocast is part of a
+graph's key, and its cast cache is off while capturing (a cached cast would be freed when the caller's autocast region
+ends, under the graph's feet).
 
 `capture="eager"` runs the same padded buffers op by op instead of replaying: what a CPU runs, and the reference
 the graph is tested against.
@@ -35,6 +37,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import logging
 
+from ..utils.adapters import adapter_switches
 from ..utils.cuda_graphs import graph_capture
 from .state import unwrap_model
 
@@ -108,7 +111,8 @@ class CapturedBackbone:
         if self.trained_length is not None:  # never across the trained length (the module docstring)
             padded = max(length, min(padded, self.trained_length))
         key = (rows, padded, input_ids.device, torch.is_autocast_enabled(input_ids.device.type),
-               torch.get_autocast_dtype(input_ids.device.type), torch.is_inference_mode_enabled())  # fmt: skip
+               torch.get_autocast_dtype(input_ids.device.type), torch.is_inference_mode_enabled(),
+               adapter_switches(model))  # fmt: skip
         if key in self.refused:
             return None
         at = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
