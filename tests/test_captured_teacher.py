@@ -404,3 +404,35 @@ def test_a_peft_adapter_switch_replays_the_capture_of_the_adapters_in_force(devi
         assert not torch.allclose(want["default"], want["other"]) and not torch.allclose(want["default"], want["off"])
     finally:
         disable_captured_backbone(teacher)
+
+
+def test_a_change_made_after_enabling_is_what_the_next_call_computes():
+    """What a graph bakes in besides the weights (a plain attribute, a config flag its forward reads) is in its key
+    and its padding is decided per call (an adversarial pass: Gemma-3's use_bidirectional_attention set after
+    enabling kept the padded buffer, whose tail real positions then saw: 0.39 off its own forward)."""
+    teacher = _teacher()
+    captured = enable_captured_backbone(teacher, capture="eager", length_multiple=8)
+    try:
+        ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+        _hidden(teacher, ids)
+        for module in teacher.modules():
+            if hasattr(module, "variance_epsilon"):
+                module.variance_epsilon = 0.25
+        with torch.no_grad():
+            want = teacher.model(input_ids=ids, use_cache=False).last_hidden_state
+        torch.testing.assert_close(_hidden(teacher, ids), want)
+        assert captured.captures == 2  # the epsilon is another state: another capture
+    finally:
+        disable_captured_backbone(teacher)
+    gemma = tiny_model("gemma3_text", dtype=torch.float64, seed=2).eval().requires_grad_(False)
+    gemma.set_attn_implementation("sdpa")
+    captured = enable_captured_backbone(gemma, capture="eager", length_multiple=8)
+    try:
+        _hidden(gemma, ids)
+        gemma.config.use_bidirectional_attention = True  # read by Gemma-3's forward at run time
+        with torch.no_grad():
+            want = gemma.model(input_ids=ids, use_cache=False).last_hidden_state
+        torch.testing.assert_close(_hidden(gemma, ids), want)
+        assert [entry.input_ids.shape[1] for entry in captured.entries.values()] == [8, 5]  # then not padded
+    finally:
+        disable_captured_backbone(gemma)

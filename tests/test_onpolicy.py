@@ -453,3 +453,26 @@ def test_the_first_generated_step_says_how_it_generates_once_and_a_progress_bar_
                               "tokens in 1 call (4 rows) on cpu, eager: the lean sampling loop")  # fmt: skip
     err = capsys.readouterr().err
     assert "rollouts (step 0)" in err and "rollouts (step 1)" in err
+
+
+def test_an_on_policy_run_builds_its_decode_session_once(tmp_path, tokenizer, monkeypatch):
+    """The session's key reads the model's state at every call (utils/module_state.py): nothing the Trainer, the KD
+    forward or its caches do between steps may change it, or every step would build (on a GPU: capture) anew."""
+    import liger_patch_kd.generation.engine as E
+
+    made = []
+    build = E.DecodeSession.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(args[1])
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(E.DecodeSession, "__init__", counted)
+    student = tiny_model("llama", dtype=torch.float32, seed=1)
+    student.set_attn_implementation("sdpa")
+    trainer = KDTrainer(model=student, teacher_model=tiny_model("llama", dtype=torch.float32, seed=2),
+                        processing_class=tokenizer, train_dataset=PROMPTS,
+                        args=_args(tmp_path, max_steps=4, kd_generation_cache="graph",
+                                   gradient_checkpointing=True))  # fmt: skip
+    trainer.train()
+    assert len(made) == 1, [key.rows for key in made]

@@ -13,15 +13,17 @@ The session runs a twin of the model (kernel_twin.py: the same parameters, its o
 and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
 decode at the same speed, and the model itself (its training forward) is left as it is.
 
-Sessions (cache, buffers, graph) are kept per model for its latest KEEP_SESSIONS buckets and reused by the next
-call of a bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place
-(what optimizers do) is what the next call samples from. Two, so that a training run's rollouts and an evaluation's
-greedy decode between its steps alternate without either being built and captured again. Parameters moved to new
-storage (a new model, a reload) change the key: the sessions of the old storage are dropped and a new one is built;
-a call of a bucket beyond KEEP_SESSIONS releases the least recently used one first, and a new bucket releases the
-kept ones first where they hold more than a tenth of the memory beside them (a large model's: the one-at-a-time
-peak as before); `release_sessions` frees them all; `release_if_large` frees them when they would weigh on a
-training step's peak (the Trainer's in-process rollouts call it after each generation).
+Sessions (cache, buffers, graph) are kept per model for its latest KEEP_SESSIONS buckets and reused by the next call
+of a bucket, across optimizer steps: the graph reads the parameters where they are, so an update made in place (what
+optimizers do) is what the next call samples from. Two, so that a training run's rollouts and an evaluation's greedy
+decode between its steps alternate without either being built and captured again. Parameters moved to new storage (a
+new model, a reload) change the key: the sessions of the old storage are dropped and a new one is built; so does any
+other change to what the model computes by (utils/module_state.py: a module replaced, a forward, hook, epsilon or
+scaling changed, PEFT's adapter switches), which the session's twin and graph would not see; a call of a bucket beyond
+KEEP_SESSIONS releases the least recently used one first, and a new bucket releases the kept ones first where they
+hold more than a tenth of the memory beside them (a large model's: the one-at-a-time peak as before);
+`release_sessions` frees them all; `release_if_large` frees them when they would weigh on a training step's peak (the
+Trainer's in-process rollouts call it after each generation).
 
 A call given a `cancel` event (cancellation.py) reads it before the prefill and before each replay of the step, on
 the host, with no sync added: a set event ends the call with Cancelled. On CUDA the host runs ahead of the device by
@@ -43,8 +45,8 @@ import torch
 from torch import nn
 
 from ..ops.backend import autocast_dtype, select_backend
-from ..utils.adapters import adapter_switches
 from ..utils.cuda_graphs import graph_capture
+from ..utils.module_state import module_state
 from .bookkeeping_kernel import NextColumn, advance_in_one_kernel
 from .cancellation import stop_if_cancelled
 from .checks import check_decode_arguments
@@ -84,7 +86,9 @@ class SessionKey:
     storage: tuple[int, ...]  # where the parameters live: the graph reads them there
     inference: bool = False  # made under torch.inference_mode: its buffers are inference tensors, which a call
     # outside that mode cannot update in place (each mode its own session)
-    adapters: tuple = ()  # PEFT's switches on each adapter layer (utils/adapters.py): a switch is another session
+    # what the model computes by beyond its tensors (utils/module_state.py: its modules, their attributes and hooks,
+    # PEFT's switches, the config): the twin and the graph are snapshots of it, so a change is another session
+    state: tuple = ()
 
 
 def left_padded(
@@ -471,7 +475,7 @@ def decode(
     eos = tuple(sorted(set(eos_ids)))
     fuse, kernels = bool(fuse_projections), bool(kernels)
     key = SessionKey(rows, length, sampling, pad_id, eos, capture, logprobs, top_logprobs, fuse, kernels, autocast,
-                     storage, torch.is_inference_mode_enabled(), adapter_switches(model))  # fmt: skip
+                     storage, torch.is_inference_mode_enabled(), module_state(model))  # fmt: skip
     with torch.no_grad(), packed_decode_attention(), decode_kernel():
         session = session_for(model, key, device)
         return session.run(input_ids, attention_mask, max_new_tokens, check_every, cancel)

@@ -25,10 +25,11 @@ What the twin shares and what it owns:
     is transformers' and has no hook on it (read at every call: `models.patch.activation_name`), a RoPE function
     that is transformers' (`models.patch.is_stock_rope`). Elsewhere the module's own forward runs.
 
-The twin is made with its decode session and kept with it: what a module keeps in plain attributes and the user
-changes later is not in a kept session's step, as a captured graph would not hold it either; `release_sessions(model)`
-after such a change. PEFT's adapter switches (set_adapter, disable_adapter(), merge_adapter()) and parameters replaced
-by new tensors are in the session's key (engine.py): they make or find the session of that state on their own.
+The twin is made with its decode session and kept with it, a snapshot of the tree: what the user changes later (a
+module replaced, a forward set on a module or its class, a plain attribute such as an epsilon, a hook, PEFT's adapter
+switches, a function of the modeling module) is not in it, as a captured graph would not hold it either. The session's
+key reads all of that at every call (utils/module_state.py), so such a change makes, or finds, the session of the
+model as it is now; parameters replaced by new tensors make a new session through the key's storage.
 
 The kernels compute the model's maths to rounding (each is tested against transformers' module on its own), so the
 twin decodes what the model decodes; tests/test_generation.py checks tokens and log-probs against the model.

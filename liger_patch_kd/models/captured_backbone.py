@@ -16,8 +16,9 @@ model's trained length.
 
 The graphs read the parameters where they are: an update made in place (`load_state_dict`, an EMA teacher's copy_) is
 what the next replay computes with. Parameters or buffers moved to new storage (`.to(dtype)`, a reload) are seen by
-their addresses and the graphs are captured again; PEFT's adapter switches (utils/adapters.py) are part of a graph's
-key, so a switched teacher replays the graph of its adapters in force. A replay returns a view of the graph's output
+their addresses and the graphs are captured again. What the model computes by beyond its tensors (its modules, their
+plain attributes and hooks, PEFT's adapter switches, the config: utils/module_state.py) is part of a graph's key, so a
+teacher changed between calls replays the graph of what it is now. A replay returns a view of the graph's output
 buffer, which the next replay of that shape overwrites: what the caller keeps, it clones. Autocast is part of a
 graph's key, and its cast cache is off while capturing (a cached cast would be freed when the caller's autocast region
 ends, under the graph's feet).
@@ -37,8 +38,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import logging
 
-from ..utils.adapters import adapter_switches
 from ..utils.cuda_graphs import graph_capture
+from ..utils.module_state import module_state
 from .state import unwrap_model
 
 logger = logging.get_logger(__name__)
@@ -107,12 +108,12 @@ class CapturedBackbone:
         buffer, which the next replay of that shape overwrites: clone them to keep them (the fused loss reads
         them at once)."""
         rows, length = input_ids.shape
-        padded = -(-length // self.length_multiple) * self.length_multiple
+        padded = -(-length // self.length_multiple) * self.length_multiple if length_may_be_padded(model) else length
         if self.trained_length is not None:  # never across the trained length (the module docstring)
             padded = max(length, min(padded, self.trained_length))
         key = (rows, padded, input_ids.device, torch.is_autocast_enabled(input_ids.device.type),
                torch.get_autocast_dtype(input_ids.device.type), torch.is_inference_mode_enabled(),
-               adapter_switches(model))  # fmt: skip
+               module_state(model))  # fmt: skip
         if key in self.refused:
             return None
         at = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
@@ -181,6 +182,18 @@ def _capture(backbone: nn.Module, input_ids: torch.Tensor, pool) -> tuple[Any, t
     return graph, hidden
 
 
+def length_may_be_padded(model: nn.Module) -> bool:
+    """Whether a padded tail leaves every real position's output as it is: attention causal and RoPE's frequencies
+    not following the length (LENGTH_DEPENDENT_ROPE). Read at every call as well as when enabled: a config changed
+    in between (Gemma-3's use_bidirectional_attention, read by its forward at run time) is not padded into."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    bidirectional = getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False
+    return rope_type not in LENGTH_DEPENDENT_ROPE and not bidirectional
+
+
 def enable_captured_backbone(model: nn.Module, capture: str | None = None, **options) -> CapturedBackbone:
     """Have `model`'s KD forward replay its decoder from CUDA graphs when it runs without gradients on tokens alone
     (the module docstring). `capture`: "graph" on CUDA, "eager" elsewhere unless given. A model already enabled
@@ -197,10 +210,7 @@ def enable_captured_backbone(model: nn.Module, capture: str | None = None, **opt
         )
     config = getattr(inner, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    bidirectional = getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False
-    if rope_type in LENGTH_DEPENDENT_ROPE or bidirectional:  # the length shows in every position: no padding
+    if not length_may_be_padded(inner):  # the length shows in every position: no padding
         options["length_multiple"] = 1
     trained_length = getattr(text, "original_max_position_embeddings", None) or getattr(
         text, "max_position_embeddings", None
