@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections import OrderedDict
 
 from torch import nn
 
@@ -64,8 +65,18 @@ def module_state(model: nn.Module) -> tuple:
     entries, modules = [], set()
     for name, module in model.named_modules():
         cls = type(module)
-        attributes = tuple((k, held) for k, v in module.__dict__.items()
-                           if k not in _SKIPPED and (held := _value(v)) is not _OPAQUE)  # fmt: skip
+        attributes = []
+        for k, v in module.__dict__.items():  # a loop, not nested generators: it runs at every call of a replay
+            if k in _SKIPPED:
+                continue
+            kind = type(v)
+            if kind in _PLAIN:
+                attributes.append((k, v))
+            elif kind is OrderedDict and not v:  # nn.Module's hook dicts, nearly always empty
+                continue
+            elif (held := _value(v)) is not _OPAQUE:
+                attributes.append((k, held))
+        attributes = tuple(attributes)
         entries.append((name, id(module), cls, getattr(cls, "forward", None), attributes))
         modules.add(cls.__module__)
     config = getattr(model, "config", None)
