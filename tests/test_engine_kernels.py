@@ -271,6 +271,11 @@ def _user_change(change: str, model, monkeypatch):
 
         for layer in layers:
             layer.mlp = Negated(layer.mlp)
+    elif change == "MLP forward set as a functools.partial":  # how accelerate's hooks set a forward
+        import functools
+
+        for layer in layers:
+            layer.mlp.forward = functools.partial(lambda mlp, x: mlp.down_proj(mlp.up_proj(x) * 0.5), layer.mlp)
     elif change == "RMSNorm epsilon changed":
         for module in model.modules():
             if isinstance(module, modeling_llama.LlamaRMSNorm):
@@ -314,7 +319,8 @@ def test_the_engine_decodes_what_a_changed_model_computes(change, monkeypatch):
     release_sessions(model)
 
 
-LATER_CHANGES = [*USER_CHANGES, "MLP forward set on the instance", "MLP wrapped in a module of the user's",
+LATER_CHANGES = [*USER_CHANGES, "MLP forward set on the instance", "MLP forward set as a functools.partial",
+                 "MLP wrapped in a module of the user's",
                  "RMSNorm epsilon changed", "attention scaling changed"]  # fmt: skip
 
 

@@ -53,9 +53,13 @@ def _value(value):
     if issubclass(kind, (set, frozenset)):
         return frozenset(map(_shallow, value))
     shallow = _shallow(value)
+    if shallow is not kind or issubclass(kind, type):
+        return shallow
+    if callable(value):  # a forward set as a functools.partial (accelerate's hooks) or a callable object: by identity
+        return id(value)
     # another object (a cache the project or transformers keeps on the model, a config): by its type alone it would
     # only tell that it appeared, which a cache does after the first call, not what the forward computes
-    return _OPAQUE if shallow is kind and not issubclass(kind, type) else shallow
+    return _OPAQUE
 
 
 def module_state(model: nn.Module) -> tuple:
