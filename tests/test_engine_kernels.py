@@ -290,6 +290,17 @@ USER_CHANGES = ["hook on act_fn", "act_fn replaced", "MLP subclass with its own 
                 "decoder layer subclass with its own forward"]  # fmt: skip
 
 
+def _model_to_change(change: str):
+    """The tiny Llama the change tests decode; for the RoPE change its attention sharper and louder than a tiny
+    random model's, where RoPE barely counts."""
+    model = _engine_model("llama", torch.float64, seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers if change == "apply_rotary_pos_emb replaced" else ():
+            for proj, scale in (("q_proj", 6.0), ("k_proj", 6.0), ("o_proj", 20.0)):
+                getattr(layer.self_attn, proj).weight.mul_(scale)
+    return model
+
+
 @pytest.mark.parametrize("change", USER_CHANGES)
 def test_the_engine_decodes_what_a_changed_model_computes(change, monkeypatch):
     """A kernel replaces only the computation it knows: where the user changed what a module computes (a hook on
@@ -297,11 +308,7 @@ def test_the_engine_decodes_what_a_changed_model_computes(change, monkeypatch):
     forward of its own; their own RoPE function), the twin keeps the model's forward there, and decodes the
     tokens and log-probs of the model's own generate() and forward (found by an adversarial pass: each of these
     once decoded from the unchanged architecture's kernels instead)."""
-    model = _engine_model("llama", torch.float64, seed=3)
-    with torch.no_grad():  # for RoPE: attention sharper, louder than a tiny random model's, where RoPE barely counts
-        for layer in model.model.layers if change == "apply_rotary_pos_emb replaced" else ():
-            for proj, scale in (("q_proj", 6.0), ("k_proj", 6.0), ("o_proj", 20.0)):
-                getattr(layer.self_attn, proj).weight.mul_(scale)
+    model = _model_to_change(change)
     ids, mask = _prompts()
     config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
                               bos_token_id=None)  # fmt: skip
@@ -319,6 +326,21 @@ def test_the_engine_decodes_what_a_changed_model_computes(change, monkeypatch):
     release_sessions(model)
 
 
+def _decodes_as_generate(model, ids, mask, new: int = 6) -> torch.Tensor:
+    """Greedy decode() of `new` tokens, checked against the model's own generate() (tokens) and forward (log-probs,
+    to TOLERANCE): returns the tokens."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=new, pad_token_id=0, eos_token_id=None,
+                              bos_token_id=None)  # fmt: skip
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    got, logprobs = decode(model, ids, mask, max_new_tokens=new, sampling=Sampling(temperature=0.0), pad_id=0,
+                           logprobs=True, capture="eager")  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logprobs.double(), _forward_logprobs(model, ids, mask, got), rtol=0,
+                               atol=TOLERANCE[torch.float64])  # fmt: skip
+    return got
+
+
 LATER_CHANGES = [*USER_CHANGES, "MLP forward set on the instance", "MLP forward set as a functools.partial",
                  "MLP wrapped in a module of the user's",
                  "RMSNorm epsilon changed", "attention scaling changed"]  # fmt: skip
@@ -329,25 +351,12 @@ def test_a_change_made_after_the_session_is_decoded(change, monkeypatch):
     """The twin and a graph are snapshots of the module tree; a change made after a session was kept (found by an
     adversarial pass: each decoded from the snapshot, up to 0.15 nats and other tokens) makes the session of the
     model as it is now, whose tokens and log-probs are the changed model's own."""
-    model = _engine_model("llama", torch.float64, seed=3)
-    with torch.no_grad():  # for RoPE: attention sharper, louder than a tiny random model's, where RoPE barely counts
-        for layer in model.model.layers if change == "apply_rotary_pos_emb replaced" else ():
-            for proj, scale in (("q_proj", 6.0), ("k_proj", 6.0), ("o_proj", 20.0)):
-                getattr(layer.self_attn, proj).weight.mul_(scale)
+    model = _model_to_change(change)
     ids, mask = _prompts()
-    greedy = Sampling(temperature=0.0)
-    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
-                              bos_token_id=None)  # fmt: skip
-    before, before_logprobs = decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, logprobs=True,
-                                     capture="eager")  # fmt: skip
+    before, before_logprobs = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(temperature=0.0),
+                                     pad_id=0, logprobs=True, capture="eager")  # fmt: skip
     _user_change(change, model, monkeypatch)
-    with torch.no_grad():
-        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
-    got, logprobs = decode(model, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, logprobs=True,
-                           capture="eager")  # fmt: skip
-    assert torch.equal(got, want)
-    torch.testing.assert_close(logprobs.double(), _forward_logprobs(model, ids, mask, got), rtol=0,
-                               atol=TOLERANCE[torch.float64])  # fmt: skip
+    want = _decodes_as_generate(model, ids, mask)
     # the change changes what the model computes: other tokens, or the first call's tokens at other log-probs
     moved = (_forward_logprobs(model, ids, mask, before) - before_logprobs.double()).abs().max()
     assert not torch.equal(before, want) or moved > 10 * TOLERANCE[torch.float64]
@@ -361,10 +370,7 @@ def test_cohere_logit_scale_changed_after_the_session_is_decoded():
     ids, mask = _prompts()
     decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(temperature=0.0), pad_id=0, capture="eager")
     model.logit_scale = 3.0
-    got, logprobs = decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(temperature=0.0), pad_id=0,
-                           logprobs=True, capture="eager")  # fmt: skip
-    torch.testing.assert_close(logprobs.double(), _forward_logprobs(model, ids, mask, got), rtol=0,
-                               atol=TOLERANCE[torch.float64])  # fmt: skip
+    _decodes_as_generate(model, ids, mask, new=4)
     release_sessions(model)
 
 
@@ -433,19 +439,9 @@ def test_peft_adapter_switches_decode_with_the_adapters_in_force():
     wrapped.add_adapter("other", peft.LoraConfig(**lora))
     inner = wrapped.base_model.model  # the LM with the adapter layers in it: what the engine decodes
     ids, mask = _prompts()
-    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
-                              bos_token_id=None)  # fmt: skip
-    greedy = Sampling(temperature=0.0)
 
     def both():
-        with torch.no_grad():
-            want = inner.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
-        got, logprobs = decode(inner, ids, mask, max_new_tokens=6, sampling=greedy, pad_id=0, logprobs=True,
-                               capture="eager")  # fmt: skip
-        assert torch.equal(got, want)
-        torch.testing.assert_close(logprobs.double(), _forward_logprobs(inner, ids, mask, got), rtol=0,
-                                   atol=TOLERANCE[torch.float64])  # fmt: skip
-        return got
+        return _decodes_as_generate(inner, ids, mask)
 
     first = both()
     wrapped.set_adapter("other")
