@@ -151,15 +151,23 @@ def decode_loop(generator: nn.Module, rows: int, device: torch.device, choice: s
     return "lean" if lean_decode_applies(generator, cache, device) else cache
 
 
+def call_plan(generator: nn.Module, rows: int, settings: RolloutSettings) -> tuple[int, int, str | None]:
+    """How generate_rollouts splits `rows` rows: (rows per call, calls, engine_refusal's answer where the cache
+    choice asks for the engine, else "not asked for"); one home for it and for describe_generation's words."""
+    per_call = settings.batch_size * settings.num_generations if settings.batch_size else rows
+    calls = math.ceil(rows / per_call) if per_call else 0
+    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    return per_call, calls, refusal
+
+
 def describe_generation(generator: nn.Module, prompts: int, settings: RolloutSettings) -> str:
     """generate_rollouts' plan for `prompts` prompts in words (rows, calls, the decode loop of the first call), for
     a run to say once how its rollouts are made."""
     generator = unwrap_model(generator)
     device = next(generator.parameters(), torch.empty(0)).device
     rows = prompts * settings.num_generations
-    per_call = min(rows, settings.batch_size * settings.num_generations if settings.batch_size else rows)
-    calls = math.ceil(rows / per_call) if per_call else 0
-    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    per_call, calls, refusal = call_plan(generator, rows, settings)
+    per_call = min(rows, per_call)  # what a call holds: all of them where they are fewer than a call takes
     loop = decode_loop(generator, per_call, device, settings.cache, refusal)
     where = "cuda" if device.type == "cuda" else "cpu"
     call_rows = f"{per_call} rows" if calls == 1 else f"up to {per_call} rows each"
@@ -318,17 +326,15 @@ def generate_rollouts(
     check_context(generator, [p if p else [start_id] for p in prompts], settings.max_new_tokens)
     rows = [p if p else [start_id] for p in prompts for _ in range(settings.num_generations)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-    per_call = settings.batch_size * settings.num_generations if settings.batch_size else len(rows)
+    per_call, calls, refusal = call_plan(generator, len(rows), settings)
     out: list[Rollout | None] = [None] * len(rows)
     padding = []  # a head padded past the real ids (kd_vocab_size): its extra rows are no tokens the loss knows
     if settings.vocab_size:
         head = unwrap_model(generator).get_output_embeddings()
         padding = list(range(settings.vocab_size, getattr(head, "out_features", 0)))  # nn.Linear: never sharded
-    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
     if settings.cache == "graph" and refusal is not None:
         raise ValueError(f"kd_generation_cache='graph' cannot decode this generator: {refusal}; use 'static' or "
                          f"'dynamic'")  # fmt: skip
-    calls = math.ceil(len(order) / per_call) if per_call else 0
     bar = logging.tqdm(total=calls * settings.max_new_tokens, desc=f"rollouts (step {step})", unit="tok",
                        leave=False, delay=PROGRESS_DELAY_S) if progress else None  # fmt: skip
     per_token = bar is not None and device.type == "cpu"
