@@ -18,6 +18,7 @@ from liger_patch_kd.generation.checks import check_decode_arguments
 from liger_patch_kd.generation.decode_attention import decode_kernel, packed_decode_attention
 from liger_patch_kd.generation.engine import LENGTH_MULTIPLE, DecodeSession, SessionKey, decode_applies
 from liger_patch_kd.generation.sampling import Sampling
+from liger_patch_kd.utils.module_state import module_state
 
 COMPILED_CAPTURES = ("compile", "reduce-overhead")
 
@@ -79,8 +80,9 @@ def compiled_decode(
     length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     storage = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    key = SessionKey(rows, length, Sampling(), pad_id, tuple(sorted(set(eos_ids))), capture, False,
-                     fuse_projections, autocast, storage)  # fmt: skip
+    key = SessionKey(rows, length, Sampling(), pad_id, tuple(sorted(set(eos_ids))), capture, logprobs=False,
+                     top_logprobs=0, fuse=fuse_projections, kernels=True, key_dtype=autocast, storage=storage,
+                     inference=torch.is_inference_mode_enabled(), state=module_state(model))  # fmt: skip
     session = _latest.get(id(model))
     if session is None or session.key != key:
         _latest.pop(id(model), None)
