@@ -30,7 +30,11 @@ import torch
 from ..ops.backend import triton_available, triton_interpreted
 
 QUERY_ROWS = 16  # the padded query rows of a program: the least M of a tensor-core product
-BLOCK_N = 128  # cache columns per inner step
+BLOCK_N = 128  # cache columns per inner step, at most (block_columns)
+# Bytes of one key (or value) tile: the software-pipelined loop keeps two stages of both in shared memory, so
+# 4 tiles of 32 KiB plus the kernel's own scratch (~25 KiB) fit Hopper's 227 KiB and Ampere's 163 KiB; 128 columns of
+# a 256-wide bf16 head (or a 128-wide float32 one) would ask for 280 KiB and not launch
+TILE_BYTES = 32 << 10
 MASK_BLOCK = 1024  # mask columns per step of the first pass
 PROGRAMS_WANTED = 2  # per SM: enough programs in flight to keep the memory system busy
 
@@ -142,13 +146,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_count(pairs: int, length: int, device: torch.device) -> int:
+def block_columns(dim: int, dtype: torch.dtype) -> int:
+    """Cache columns per inner step: BLOCK_N, fewer where a tile of that many would pass TILE_BYTES (head dims
+    past 128 in bf16, past 64 in float32); at least 16, the least N of a tensor-core product (enough for the head
+    dims up to 256 that decode_attention.kernel_takes passes, in any dtype)."""
+    row_bytes = max(16, 1 << (dim - 1).bit_length()) * torch.empty((), dtype=dtype).element_size()
+    return max(16, min(BLOCK_N, 1 << (TILE_BYTES // row_bytes).bit_length() - 1))
+
+
+def split_count(pairs: int, length: int, device: torch.device, block: int = BLOCK_N) -> int:
     """Splits of the columns per (row, key/value head): enough programs for every SM to hold PROGRAMS_WANTED, at
-    least BLOCK_N columns a split: a GPU of 132 SMs gives 8 rows x 8 heads 5 splits, and 64 rows 1."""
+    least `block` columns a split: a GPU of 132 SMs gives 8 rows x 8 heads 5 splits, and 64 rows 1."""
     sms = 4  # the interpreter's (CPU tests): a few splits, so that the merge is exercised
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(math.ceil(PROGRAMS_WANTED * sms / pairs), math.ceil(length / BLOCK_N)))
+    return max(1, min(math.ceil(PROGRAMS_WANTED * sms / pairs), math.ceil(length / block)))
 
 
 def layout_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
@@ -194,8 +206,9 @@ def decode_attention(
         raise ValueError(f"decode_attention {reason}")
     group = heads // kv_heads
     pairs = batch * kv_heads
-    splits = split_count(pairs, length, query.device)
-    split_len = math.ceil(math.ceil(length / splits) / BLOCK_N) * BLOCK_N
+    block = block_columns(dim, query.dtype)
+    splits = split_count(pairs, length, query.device, block)
+    split_len = math.ceil(math.ceil(length / splits) / block) * block
     splits = math.ceil(length / split_len)
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
     direct = splits == 1  # a split per (row, head), as many rows on a large GPU: it writes the output, no merge
@@ -210,7 +223,7 @@ def decode_attention(
         kv_heads, length, split_len, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1), out.stride(0), out.stride(2),
-        GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
+        GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=block,
         MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct, num_warps=4,
         num_stages=2,
     )  # fmt: skip
