@@ -107,10 +107,16 @@ def _precompute_rollouts(args) -> None:
     from .teacher import tokenizer_fingerprint
     from .teacher.precompute import check_precompute_args, file_fingerprint
     from .teacher.store import check_store_folder
+    from .teacher.store.writer import check_resumable
     from .trainer.offline_onpolicy import ScoreOptions, precompute_rollouts
     from .trainer.offline_onpolicy.engine_student import EngineStudent
     from .trainer.offline_onpolicy.served_teacher import ServedTeacher
-    from .trainer.offline_onpolicy.store import check_rollout_inputs, check_vocabularies, read_prompt_rows
+    from .trainer.offline_onpolicy.store import (
+        check_rollout_inputs,
+        check_vocabularies,
+        read_prompt_rows,
+        rollout_section,
+    )
     from .trainer.rollouts.generate import RolloutSettings
 
     connection = {"timeout": 600.0 if args.url_timeout is None else args.url_timeout,
@@ -172,6 +178,10 @@ def _precompute_rollouts(args) -> None:
     check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size,
                          context=min((c for c in contexts if isinstance(c, int)), default=None),
                          vocab_size=min(vocabs))  # fmt: skip
+    # a resume with other sampling, scoring or data is refused now, from its manifest, before any model loads
+    section = rollout_section(settings, {}, {}, args.batch_size, score, len(prompts))
+    check_resumable(args.out, {"rollouts": {k: v for k, v in section.items() if not k.endswith("_fingerprint")},
+                               "inputs": {"data file": file_fingerprint(args.data)}})  # fmt: skip
     generation_config = None
     if engine is not None:
         try:  # the student's EOS ids, as the in-process path reads them (else the tokenizer's)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import liger_patch_kd.trainer.rollouts.generate as R
-from liger_patch_kd.trainer.rollouts.decode import lean_decode_applies, sample_tokens
+from liger_patch_kd.trainer.rollouts.decode import lean_decode_applies, sample_tokens, sampling_only
 from liger_patch_kd.trainer.rollouts.generate import RolloutSettings, generate_rollouts
 
 from .tiny_models import tiny_model
@@ -67,9 +67,8 @@ def test_the_loop_applies_only_where_it_equals_generate():
     model = tiny_model("llama", dtype=torch.float32, seed=1)
     assert lean_decode_applies(model, "dynamic", CPU) and not lean_decode_applies(model, "static", CPU)
     assert not lean_decode_applies(model, "dynamic", torch.device("cuda"))  # generate() and its deferred stop check
-    model.generation_config.repetition_penalty = 1.2  # generate() would apply it: the loop does not
-    assert not lean_decode_applies(model, "dynamic", CPU)
-    model.generation_config.repetition_penalty = 1.0
+    model.generation_config.repetition_penalty = 1.2  # set aside around every rollout call (sampling_only)
+    assert lean_decode_applies(model, "dynamic", CPU)
     model.generate = lambda **kw: None  # a generate replaced on the instance is the caller's: it runs
     assert not lean_decode_applies(model, "dynamic", CPU)
 
@@ -156,3 +155,20 @@ def test_moe_models_that_output_router_logits_decode(arch):
     req = GenerationRequest(prompts=prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_tokens=4, seed=1,
                             logprobs=None, stop_ids=(), return_token_ids=True, model=None)  # fmt: skip
     assert [c["token_ids"] for c in GenerationEngine(model, "m").complete(req)["choices"]] == expected
+
+
+def test_sampling_only_sets_aside_every_generation_config_of_the_tree_and_puts_it_back():
+    """Inside: each generation config of the model's tree (PEFT reads the base model's, and writes it back before
+    generate()) holds only the special ids; after, even when the block raises, the very objects are back."""
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama", dtype=torch.float32, seed=1)
+    own = base.generation_config
+    own.repetition_penalty, own.min_new_tokens, own.eos_token_id = 1.2, 3, 2
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(RuntimeError, match="inside"):
+        with sampling_only(model):
+            inside = model.generation_config  # through PEFT's delegation: the base model's
+            assert inside is not own and inside.eos_token_id == 2
+            assert inside.repetition_penalty in (None, 1.0) and not inside.min_new_tokens
+            raise RuntimeError("inside")
+    assert base.generation_config is own and model.generation_config is own and own.repetition_penalty == 1.2

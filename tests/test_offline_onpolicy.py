@@ -5,6 +5,7 @@ estimators, refreshed in part by the current student, and refused when a differe
 import copy
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -281,6 +282,32 @@ def resumed_store_is_the_uninterrupted_one(build, tmp_path: Path, monkeypatch) -
     for name in names:
         assert (whole / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
     return whole
+
+
+@pytest.mark.parametrize(
+    "extra", [{"repetition_penalty": 1.3}, {"suppress_tokens": list(range(10, 190))}, {"no_repeat_ngram_size": 1}]
+)
+def test_a_students_own_generation_config_is_set_aside_when_it_samples(tmp_path, models, tokenizer, extra, caplog):
+    """A checkpoint's generation_config.json may ask generate() for more than sampling (Qwen2.5-Instruct's
+    repetition_penalty). Applied, the tokens would come from another distribution than the raw policy whose
+    log-probs the store keeps as the behaviour's and the manifest names (temperature 1, no truncation: what pg and
+    k1 assume). The student samples its own distribution: the very store of the same student without them, one
+    warning naming them, and its own generation config back in place after."""
+    student, teacher = models
+    plain = TeacherLogprobsDataset(_store(tmp_path / "plain", models, tokenizer))
+    tuned = copy.deepcopy(student)
+    own = tuned.generation_config
+    for key, value in extra.items():
+        setattr(own, key, value)
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        store = TeacherLogprobsDataset(_store(tmp_path / "tuned", (tuned, teacher), tokenizer))
+    assert tuned.generation_config is own and all(getattr(own, k) == v for k, v in extra.items())
+    assert len(store) == len(plain) == len(PROMPTS) * SETTINGS.num_generations
+    for a, b in zip(store, plain):
+        for column in ("input_ids", "labels", "behaviour_logprobs"):
+            assert torch.equal(a[column], b[column]), column
+    said = [r.getMessage() for r in caplog.records if "generation_config asks for" in r.getMessage()]
+    assert len(said) == 1 and all(key in said[0] for key in extra), said
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_store(tmp_path, models, tokenizer, monkeypatch):
@@ -893,3 +920,82 @@ def test_length_options_beside_a_tokenized_evaluation_set_are_refused(tmp_path, 
         with pytest.raises(ValueError, match=re.escape(f"{name} holds a teacher store's rows") + ".*kd_max_length=4"):
             KDTrainer(model=copy.deepcopy(models[0]), teacher_model=models[1], processing_class=tokenizer,
                       train_dataset=text, eval_dataset=evaluation, args=_args(tmp_path / "t", kd_max_length=4))
+
+
+def test_a_teacher_url_beside_a_rollout_store_is_refused(tmp_path, models, tokenizer):
+    """A rollout store carries the scores of the teacher that made it, and a refresh rescores with teacher_model:
+    a kd_teacher_url beside one would never be asked (a run trained on the stored scores, an unreachable URL
+    unnoticed, an adversarial pass), so it is refused when the Trainer is built."""
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=re.escape("kd_teacher_url='http://127.0.0.1:9' would never be asked")):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path, kd_teacher_url="http://127.0.0.1:9"))  # fmt: skip
+
+
+def test_a_refresh_samples_in_calls_of_kd_rollout_batch_size(tmp_path, models, tokenizer, monkeypatch):
+    """kd_rollout_batch_size bounds the prompts of one generation call (its KV cache) on-policy; a refresh took all
+    of a step's rows in one call whatever it said (an adversarial pass)."""
+    from liger_patch_kd.trainer.offline_onpolicy import refresh as refresh_module
+
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path, per_device_train_batch_size=4,
+                                                       kd_store_refresh_steps=1, kd_rollout_batch_size=1))  # fmt: skip
+    seen, real = [], refresh_module.generate_rollouts
+
+    def spy(generator, prompts, settings, **options):
+        seen.append((len(prompts), settings.batch_size))
+        return real(generator, prompts, settings, **options)
+
+    monkeypatch.setattr(refresh_module, "generate_rollouts", spy)
+    batches = [trainer.offline.collator([data[i] for i in range(4)])]
+    trainer.offline.refreshed(batches, trainer.model, trainer.teacher_model, tokenizer=tokenizer, step=1,
+                              vocab_size=None)  # fmt: skip
+    assert seen == [(4, 1)]
+
+
+def test_heads_of_two_sizes_sample_the_tokenizers_ids_and_train(tmp_path, tokenizer):
+    """Heads padded past the tokenizer by different amounts (Qwen2.5-0.5B's 151936 rows beside Qwen2.5-7B's 152064,
+    tokenizer 151665), the student's the smaller: the store samples, and normalises the behaviour over, the
+    tokenizer's ids, as KDTrainer normalises such a pair (kd_vocab_size = len(tokenizer)); it sampled the student's
+    padding rows and the first training step died on an index past the vocabulary (an adversarial pass)."""
+    vocab = len(tokenizer)
+    student = tiny_model("llama", dtype=torch.float32, seed=1, vocab=vocab + 41)
+    teacher = tiny_model("llama", dtype=torch.float32, seed=2, vocab=vocab + 80)
+    settings = RolloutSettings(max_new_tokens=8, num_generations=2, seed=3)
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", (student, teacher), tokenizer, settings=settings,
+                                         score=ScoreOptions(top_k=4)))  # fmt: skip
+    assert read_manifest(tmp_path / "s")["rollouts"]["sampled_vocab_size"] == vocab
+    scored = torch.cat([item["input_ids"][item["labels"] != -100] for item in data])
+    assert scored.numel() and int(scored.max()) < vocab
+    for item in data:  # the behaviour: the student's log-softmax over the tokenizer's ids at each sampled token
+        logits = student(input_ids=item["input_ids"][None]).logits[0, :-1, :vocab].double()
+        want = torch.log_softmax(logits, -1).gather(-1, item["input_ids"][1:, None])[:, 0]
+        where = item["labels"][1:] != -100
+        torch.testing.assert_close(item["behaviour_logprobs"][1:][where].double(), want[where], rtol=0, atol=2e-5)
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path, kd_onpolicy_loss="pg", kd_max_new_tokens=8,
+                                                       kd_store_refresh_steps=1, max_steps=2))  # fmt: skip
+    trainer.train()
+    assert all(math.isfinite(v) for v in _losses(trainer))
+
+
+@pytest.mark.parametrize("change", [["--seed", "5"], ["--num-generations", "3"], ["--generation-temperature", "0.7"]])
+def test_a_resume_with_other_sampling_is_refused_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch,
+                                                                         change):  # fmt: skip
+    """The store's manifest and the command line alone decide that a resume would mix two stores: said before the
+    student and the teacher load (minutes for large models), in the words StoreWriter.open uses later."""
+    import transformers
+
+    out = tmp_path / "out"
+    assert main(_command(checkpoints, out)) == 0
+    capsys.readouterr()
+
+    def never(*_, **__):
+        raise AssertionError("a model loaded before the resume's other inputs were refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    assert main([*_command(checkpoints, out), *change]) == 2
+    err = capsys.readouterr().err
+    assert "started with other inputs" in err and f"set by {change[0]}" in err

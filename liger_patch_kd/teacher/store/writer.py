@@ -90,6 +90,29 @@ def _mismatch_message(out_dir: Path, changed: dict) -> str:
     )
 
 
+def _projected(existing: Any, shape: Any) -> Any:
+    """`existing` cut to the keys of `shape` (nested dicts), None where it lacks one."""
+    if not isinstance(shape, dict):
+        return existing
+    return {k: _projected(existing.get(k) if isinstance(existing, dict) else None, v) for k, v in shape.items()}
+
+
+def check_resumable(out_dir: str | Path, expected: dict) -> None:
+    """Refuse, before any long work, to resume a store in `out_dir` whose manifest differs from `expected` at any
+    leaf `expected` has: a partial manifest of what is known before any model loads (a rollout store's sampling and
+    score options, the data file's fingerprint under "inputs"). StoreWriter.open compares the whole manifest later;
+    this says the same sooner. Nothing to compare where out_dir holds no manifest."""
+    out_dir = Path(out_dir)
+    if not (out_dir / MANIFEST).exists():
+        return
+    existing = read_manifest(out_dir)
+    existing = {**existing, **(existing.get("inputs") or {})}  # inputs named by their own keys, as open() does
+    expected = {**{k: v for k, v in expected.items() if k != "inputs"}, **(expected.get("inputs") or {})}
+    changed = _differences(_projected(existing, expected), expected)
+    if changed:
+        raise TeacherStoreError(_mismatch_message(out_dir, changed))
+
+
 @dataclass
 class StoreWriter:
     """Writes shards of (sequences, top-k) into `out_dir`; `done_shards()` tells a resuming caller where to start."""

@@ -46,6 +46,7 @@ class StoreRefresh:
         self.settings = RolloutSettings(
             max_new_tokens=section["max_new_tokens"], temperature=sampling["temperature"], top_p=sampling["top_p"],
             top_k=sampling["top_k"], num_generations=1, cache=args.kd_generation_cache, seed=args.seed,
+            batch_size=args.kd_rollout_batch_size,  # the calls' size bounds generation memory, as on-policy
         )  # fmt: skip
         self.score = ScoreOptions(top_k=meta["top_k"], samples=samples_of(meta),
                                   temperature=meta.get("temperature", 1.0), seed=meta.get("sample_seed", 0))

@@ -86,15 +86,18 @@ def check_sampled_vocabulary(meta: dict, vocab_size: int | None, student: Any) -
     has more rows), and its behaviour log-probs are normalised over them: a student normalised over another number
     of rows (its whole padded head, kd_vocab_size unset) would give every token a ratio to its behaviour that is no
     staleness. Refused in one line, naming the kd_vocab_size to set."""
-    stored = meta.get("vocab_size")
+    # the ids the store was drawn from: recorded where they were fewer than the generator's head (heads of two sizes:
+    # the tokenizer's); stores made before they were recorded drew from the scoring teacher's head, vocab_size
+    stored = (rollouts_of(meta) or {}).get("sampled_vocab_size") or meta.get("vocab_size")
     head = getattr(student.get_output_embeddings(), "out_features", None) if student is not None else None
     if not isinstance(stored, int) or not isinstance(head, int) or head <= stored:
         return
     if (vocab_size or head) != stored:
         raise ValueError(
-            f"the rollout store was sampled from ids [0, {stored}) (its manifest's vocab_size: the scoring teacher's "
-            f"head) and the student's head has {head} rows, so the student must be normalised over those {stored} "
-            f"ids as its behaviour log-probs are (kd_vocab_size is {vocab_size}): set kd_vocab_size={stored}"
+            f"the rollout store was sampled from ids [0, {stored}) (its manifest's sampled_vocab_size, else its "
+            f"vocab_size: the scoring teacher's head) and the student's head has {head} rows, so the student must be "
+            f"normalised over those {stored} ids as its behaviour log-probs are (kd_vocab_size is {vocab_size}): set "
+            f"kd_vocab_size={stored}"
         )
 
 
@@ -203,6 +206,13 @@ class OfflineRollouts:
                 f"kd_onpolicy_loss='divergence' to train the tempered divergence on the stored top-k"
             )
         check_options_a_store_fixes(args, section)
+        if args.kd_teacher_url:
+            raise ValueError(
+                f"kd_teacher_url={args.kd_teacher_url!r} would never be asked: train_dataset is a rollout store, which "
+                f"carries the scores of the teacher that made it (its manifest names it), and a refresh rescores with "
+                f"teacher_model: unset kd_teacher_url (a store scored by a served teacher: liger-kd precompute "
+                f"--rollouts-from with --teacher-url)"
+            )
         if teacher_model is not None:
             check_teacher_consistency(meta, teacher_model)
         elif args.kd_store_refresh_steps:

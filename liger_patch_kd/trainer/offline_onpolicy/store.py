@@ -212,6 +212,9 @@ def precompute_rollouts(
     check_precompute_args(vocab, top_k=score.top_k, temperature=score.temperature, shard_size=shard_size,
                           logprob_dtype=logprob_dtype, encoding=encoding, samples=score.samples)  # fmt: skip
     real = min(vocab, student_vocab)  # a head padded past the other's rows: those ids are never sampled
+    if vocab != student_vocab and tokenizer is not None and hasattr(tokenizer, "__len__"):
+        real = min(real, len(tokenizer))  # heads of two sizes, both padded (check_vocabularies): the tokenizer's ids,
+        # the vocabulary KDTrainer normalises such a pair over (kd_vocab_size), on-policy and on the store alike
     settings = replace(settings, batch_size=None, vocab_size=real if real < student_vocab else settings.vocab_size)
     context = [context_of(m) for m in (student, teacher)]
     context = min((c for c in context if c is not None), default=None)
@@ -226,6 +229,8 @@ def precompute_rollouts(
     scorer = ({"teacher_server": teacher.section()} if isinstance(teacher, ServedTeacher)
               else {"teacher_fingerprint": teacher_fingerprint(teacher)})  # fmt: skip
     section = rollout_section(settings, generator, scorer, prompts_per_call, score, len(prompts))
+    if real < student_vocab:  # the ids drawn from and normalised over: fewer than the generator's head
+        section["sampled_vocab_size"] = real
     writer = StoreWriter.open(
         out_dir, teacher=teacher_name, generator=student_name, vocab_size=vocab, tokenizer_fingerprint=tokenizer_fp,
         top_k=score.top_k, logprob_dtype=logprob_dtype, temperature=score.temperature,

@@ -7,8 +7,10 @@ check). For what rollouts ask — plain sampling with temperature / top-k / top-
 does the same steps in the same order: the same forward inputs (position ids from the mask, the mask dropped
 when the prompts have no padding, last-position logits), transformers' own logits warpers, one
 torch.multinomial draw per step on the global generator, padding after EOS. So a seed gives the same tokens as
-generate() (tests/test_decode.py checks it), in less time. Anything else (a GPU, a static cache, a generation config
-that asks for more, a model whose generate is not transformers' own) goes to generate().
+generate() (tests/test_decode.py checks it), in less time. Anything else (a GPU, a static cache, a model whose
+generate is not transformers' own) goes to generate(). Rollouts sample the model's own distribution at the given
+temperature / top-k / top-p whatever the loop: `sampling_only` sets aside what a checkpoint's generation config asks
+for beyond that.
 """
 
 from __future__ import annotations
@@ -19,16 +21,55 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
+from transformers.utils import logging
 
 from ...generation import decode_forward_options, prefill_mask
 from ...ops.backend import no_autocast
 
+logger = logging.get_logger(__name__)
+
 # generation-config entries that change nothing here: special ids, bookkeeping, and what rollouts pass explicitly
+SPECIAL_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 NEUTRAL_GENERATION_KEYS = frozenset({
-    "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "transformers_version",
-    "_from_model_config", "do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens",
-    "cache_implementation", "output_attentions", "output_hidden_states", "use_cache",
+    *SPECIAL_ID_KEYS, "transformers_version", "_from_model_config", "do_sample", "temperature", "top_p", "top_k",
+    "max_length", "max_new_tokens", "cache_implementation", "output_attentions", "output_hidden_states", "use_cache",
 })  # fmt: skip
+_CHECKED: set[int] = set()  # the generation configs (by id) sampling_only has looked at, and warned about if need be
+
+
+@contextlib.contextmanager
+def sampling_only(model: nn.Module) -> Iterator[None]:
+    """Within the block every generation config in the model's tree holds only its special ids, so generate()
+    applies nothing beyond what the rollouts pass it (temperature, top-k, top-p, a padded head's suppressed rows).
+
+    A checkpoint's generation_config.json carries decoding preferences (Qwen2.5-Instruct's repetition_penalty 1.05; a
+    minimum length, suppressed or bad words, beams): generate() would apply them and the samples would come from
+    another distribution than the one the behaviour log-probs, a rollout store's manifest and the on-policy
+    estimators take them from, and the decode engine (which samples exactly the given settings) could not run.
+    Warns once per generation config that they are set aside. PEFT reads and writes the base model's config,
+    which is swapped here too: its tree holds it."""
+    swapped = []
+    for module in model.modules():
+        gen = vars(module).get("generation_config")
+        if isinstance(gen, GenerationConfig):
+            swapped.append((module, gen))
+    for module, gen in swapped:
+        extra = () if id(gen) in _CHECKED else tuple(sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS))
+        _CHECKED.add(id(gen))
+        if extra:
+            logger.warning(
+                f"the generator's generation_config asks for {', '.join(f'{k}={getattr(gen, k)!r}' for k in extra)}: "
+                "rollouts sample the model's own distribution at kd_temperature / top-k / top-p only (what the "
+                "on-policy losses and a rollout store's behaviour log-probs assume), so these are not applied"
+            )
+        module.generation_config = GenerationConfig(**{k: getattr(gen, k) for k in SPECIAL_ID_KEYS
+                                                       if getattr(gen, k, None) is not None})  # fmt: skip
+    try:
+        yield
+    finally:
+        for module, gen in swapped:
+            module.generation_config = gen
 
 
 @contextlib.contextmanager
@@ -58,9 +99,9 @@ def weights_precision(model: nn.Module, device: torch.device) -> Iterator[None]:
 def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> bool:
     """Whether the lean loop does exactly what generate() would: the dynamic cache, a decoder-only model whose
     generate() is transformers' own (not replaced on the class or the instance), taking `logits_to_keep` and
-    `position_ids`, and a generation config that asks for nothing beyond sampling (no repetition penalty, bad
-    words, min length, ...). CPU only: that is where it was measured to win; on CUDA its stop check would sync
-    every step, which generate()'s deferred check avoids."""
+    `position_ids` (its generation config is set aside by sampling_only around every rollout call). CPU only: that
+    is where it was measured to win; on CUDA its stop check would sync every step, which generate()'s deferred
+    check avoids."""
     from transformers.generation.utils import GenerationMixin
 
     config = getattr(model, "config", None)
@@ -73,10 +114,7 @@ def lean_decode_applies(model: nn.Module, cache: str, device: torch.device) -> b
         return False
     if not {"logits_to_keep", "position_ids"} <= set(inspect.signature(type(model).forward).parameters):
         return False  # generate() would not pass them: the loop's inputs would not be its inputs
-    diff = gen.to_diff_dict()
-    if diff.get("use_cache", True) is not True or diff.get("output_attentions") or diff.get("output_hidden_states"):
-        return False
-    return set(diff) <= NEUTRAL_GENERATION_KEYS
+    return True  # generate_rollouts decodes under sampling_only: the model's generation config asks for nothing
 
 
 def _warpers(temperature: float, top_k: int, top_p: float, suppress: list[int], device):

@@ -37,7 +37,7 @@ from ...generation import (
 from ...models import transformers_code, unwrap_model
 from ...utils.seeding import seeded
 from ..arguments import checks_arguments
-from .decode import NEUTRAL_GENERATION_KEYS, lean_decode_applies, sample_tokens, weights_precision
+from .decode import lean_decode_applies, sample_tokens, sampling_only, weights_precision
 
 CACHES = ("auto", "dynamic", "static", "graph")
 # A static KV cache (and the compiled decode step transformers builds for it) is allocated for one prompt width:
@@ -146,17 +146,17 @@ def cache_for(rows: int, device: torch.device, choice: str, engine_applies: bool
 def decode_loop(generator: nn.Module, rows: int, device: torch.device, choice: str, refusal: str | None) -> str:
     """How generate_rollouts decodes a call of `rows` rows: "graph" (the decode engine), "lean" (decode.sample_tokens:
     generate()'s tokens with less work per step), or "static" / "dynamic" (transformers' generate() with that cache).
-    `choice` is kd_generation_cache, `refusal` engine_refusal's answer (None: the engine can decode the generator)."""
+    `choice` is kd_generation_cache, `refusal` generation.decode_applies' answer (None: the engine decodes it)."""
     cache = cache_for(rows, device, choice, engine_applies=refusal is None)
     return "lean" if lean_decode_applies(generator, cache, device) else cache
 
 
 def call_plan(generator: nn.Module, rows: int, settings: RolloutSettings) -> tuple[int, int, str | None]:
-    """How generate_rollouts splits `rows` rows: (rows per call, calls, engine_refusal's answer where the cache
-    choice asks for the engine, else "not asked for"); one home for it and for describe_generation's words."""
+    """How generate_rollouts splits `rows` rows: (rows per call, calls, generation.decode_applies' answer where the
+    cache choice asks for the engine, else "not asked for"); one home for it and for describe_generation's words."""
     per_call = settings.batch_size * settings.num_generations if settings.batch_size else rows
     calls = math.ceil(rows / per_call) if per_call else 0
-    refusal = engine_refusal(generator) if settings.cache in ("graph", "auto") else "not asked for"
+    refusal = decode_applies(generator) if settings.cache in ("graph", "auto") else "not asked for"
     return per_call, calls, refusal
 
 
@@ -193,16 +193,6 @@ def _progress_tick(tick: Callable[[], Any]) -> Any:
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([Tick()])
-
-
-def engine_refusal(generator: nn.Module) -> str | None:
-    """None if the decode engine samples what generate() would here, else why not: the model's own conditions
-    (generation.decode_applies) and a generation config that asks for nothing beyond sampling."""
-    gen = getattr(generator, "generation_config", None)
-    extra = sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS) if gen is not None else []
-    if extra:
-        return f"its generation_config asks for {extra}, which only generate() honours"
-    return decode_applies(generator)
 
 
 def engine_sequences(generator: nn.Module, ids, mask, settings: RolloutSettings, pad_id: int, eos_ids: set[int],
@@ -341,7 +331,9 @@ def generate_rollouts(
     was_training = generator.training
     generator.eval()
     try:
-        with packed_decode_attention():  # decode steps without the grouped-query cache copy
+        # the model's own distribution at the settings' temperature / top-k / top-p, whatever its generation config
+        # asks for beyond that; decode steps without the grouped-query cache copy
+        with sampling_only(generator), packed_decode_attention():
             for call, first in enumerate(range(0, len(order), per_call)):
                 chunk = order[first : first + per_call]
                 batch = [rows[i] for i in chunk]
