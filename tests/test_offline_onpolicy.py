@@ -999,3 +999,14 @@ def test_a_resume_with_other_sampling_is_refused_before_any_model_loads(tmp_path
     assert main([*_command(checkpoints, out), *change]) == 2
     err = capsys.readouterr().err
     assert "started with other inputs" in err and f"set by {change[0]}" in err
+
+
+def test_a_set_of_teachers_beside_a_rollout_store_is_refused_when_the_trainer_is_built(tmp_path, models, tokenizer):
+    """A rollout store's rows carry the scores of its one teacher: a set of teachers beside it was refused only at
+    the first batch, by the routing or the live mixture (an adversarial pass); now when the Trainer is built."""
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=re.escape("teacher_model is a set of 2 (['a', 'b'])")):
+        KDTrainer(model=copy.deepcopy(student), teacher_model={"a": teacher, "b": copy.deepcopy(teacher)},
+                  processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path, kd_teacher_weights={"a": 0.5, "b": 0.5}))  # fmt: skip

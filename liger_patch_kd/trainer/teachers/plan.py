@@ -200,6 +200,12 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     # a rollout store (offline on-policy): its checks (teacher consistency) before long work, its collator
     evaluation = kwargs.get("eval_dataset")
     offline = OfflineRollouts.setup(args, rows, teacher_model, tokenizer, evaluation, model, kd_config.vocab_size)
+    if offline is not None and members is not None:
+        raise ValueError(
+            f"train_dataset is a rollout store, scored by the one teacher its manifest names, and teacher_model is a "
+            f"set of {len(members)} ({sorted(members)}): its rows carry their scores already; pass the scoring teacher "
+            f"alone (a refresh rescores with it) or none"
+        )
     if offline is not None and kwargs.get("data_collator") is None:
         kwargs["data_collator"] = offline.collator
     check_training_rows(args, kd_config, rows, kwargs.get("data_collator"), teacher_model, evaluation)
