@@ -18,7 +18,7 @@ from liger_patch_kd.batch.prompts import PromptCollator  # noqa: E402
 from liger_patch_kd.losses import fused_linear_jsd  # noqa: E402
 from liger_patch_kd.teacher.client import TeacherServerError  # noqa: E402
 from liger_patch_kd.trainer import KDTrainer  # noqa: E402
-from liger_patch_kd.trainer.rollouts.engine import EngineRollouts, rollouts_from_reply  # noqa: E402
+from liger_patch_kd.trainer.rollouts.engine import EngineRollouts, completion_request, rollouts_from_reply  # noqa: E402
 from liger_patch_kd.trainer.rollouts.generate import BEHAVIOUR, RolloutSettings  # noqa: E402
 from liger_patch_kd.trainer.rollouts.onpolicy import OnPolicySteps  # noqa: E402
 from liger_patch_kd.wire import TeacherReplyError  # noqa: E402
@@ -312,3 +312,13 @@ def test_a_full_weight_student_against_vllm_gets_a_clear_error(tmp_path):
         assert root is not None and not root.exists()  # the refused push left nothing behind
     finally:
         stub.shutdown()
+
+
+def test_rollout_requests_pin_what_vllm_would_take_from_the_generation_config():
+    """vLLM fills a request's unsent penalties and min_p from the model's generation_config.json (its default
+    --generation-config auto): a rollout request sends them neutral, so the engine samples the distribution whose
+    log-probs it returns."""
+    body = completion_request([[5, 6]], RolloutSettings(max_new_tokens=3, temperature=0.7), "m", seed=9, eos_ids={2})
+    assert {k: body[k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")} == {
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+    assert body["temperature"] == 0.7 and body["top_k"] == -1 and body["stop_token_ids"] == [2]

@@ -236,11 +236,15 @@ def completion_request(
 ) -> dict[str, Any]:
     """vLLM's /v1/completions body for `prompts`: n completions each, the sampled tokens' ids and log-probs (the
     seed folded into 63 bits, what a torch generator takes); `allowed` k: only ids below k are sampled (vLLM's
-    allowed_token_ids, for a head padded past the real vocabulary)."""
+    allowed_token_ids, for a head padded past the real vocabulary). The penalties and min_p are sent at their
+    neutral values: vLLM takes unsent ones from the model's generation_config.json (its default
+    --generation-config auto: Qwen2.5-Instruct's repetition_penalty), which would sample another distribution than
+    the one the returned log-probs describe, as in process (rollouts.decode.sampling_only)."""
     extra = {} if allowed is None else {"allowed_token_ids": list(range(allowed))}
     return {**extra,
         "model": model, "prompt": prompts, "n": settings.num_generations, "max_tokens": settings.max_new_tokens,
         "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
         "seed": seed % 2**63, "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids),
     }  # fmt: skip
 
