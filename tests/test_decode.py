@@ -2,10 +2,12 @@
 EOS ending rows at different steps, temperature / top-k / top-p, suppressed ids, sliding-window and soft-capped models),
 and rollouts fall back to generate() wherever the loop would not be generate()'s equal."""
 
+import logging
 import math
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import liger_patch_kd.trainer.rollouts.generate as R
 from liger_patch_kd.trainer.rollouts.decode import lean_decode_applies, sample_tokens, sampling_only
@@ -172,3 +174,27 @@ def test_sampling_only_sets_aside_every_generation_config_of_the_tree_and_puts_i
             assert inside.repetition_penalty in (None, 1.0) and not inside.min_new_tokens
             raise RuntimeError("inside")
     assert base.generation_config is own and model.generation_config is own and own.repetition_penalty == 1.2
+
+
+def test_every_generation_config_with_extras_is_warned_about(caplog):
+    """One warning per generation config that asks for more than sampling, also when configs are made and freed in
+    turn (a sweep, a notebook: a freed config's id comes back; keyed by id alone, 3 of 20 were warned about)."""
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        for i in range(1, 21):
+            model.generation_config = GenerationConfig(eos_token_id=2, repetition_penalty=1.0 + i / 10)
+            with sampling_only(model):
+                pass
+    said = [r.getMessage() for r in caplog.records if "generation_config asks for" in r.getMessage()]
+    assert len(said) == 20, f"{len(said)} warnings for 20 configs with a repetition penalty"
+
+
+def test_the_set_aside_warning_names_the_rollout_temperature_option(caplog):
+    """The warning names the rollouts' temperature option (kd_generation_temperature), not the loss's."""
+    model = tiny_model("llama", dtype=torch.float32, seed=1)
+    model.generation_config = GenerationConfig(eos_token_id=2, repetition_penalty=1.37)
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        with sampling_only(model):
+            pass
+    (said,) = [r.getMessage() for r in caplog.records if "generation_config asks for" in r.getMessage()]
+    assert "kd_generation_temperature" in said, said

@@ -1010,3 +1010,29 @@ def test_a_set_of_teachers_beside_a_rollout_store_is_refused_when_the_trainer_is
         KDTrainer(model=copy.deepcopy(student), teacher_model={"a": teacher, "b": copy.deepcopy(teacher)},
                   processing_class=tokenizer, train_dataset=data,
                   args=_args(tmp_path, kd_teacher_weights={"a": 0.5, "b": 0.5}))  # fmt: skip
+
+
+@pytest.mark.parametrize("kd_vocab_size", [252, 250])
+def test_a_kd_vocab_size_below_the_stores_sampled_ids_is_refused(tmp_path, models, tokenizer, kd_vocab_size):
+    """A store of equal heads (257 rows) was sampled from, and its behaviour normalised over, all 257 ids: a
+    kd_vocab_size of 252 would put every k1 / pg ratio off by the mass of ids 252..256 (it trained, silently), one
+    of 250 stopped at the first step on an index past it (an adversarial pass). Refused when the Trainer is built,
+    naming what to do."""
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    with pytest.raises(ValueError, match=re.escape("leave kd_vocab_size unset")):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path, kd_onpolicy_loss="k1", kd_vocab_size=kd_vocab_size, max_steps=1))  # fmt: skip
+
+
+def test_rollouts_into_a_plain_teacher_store_say_it_is_not_a_rollout_store(tmp_path, checkpoints, capsys):
+    """--out holding a plain teacher store: refused before any model loads as another kind of store, not as a
+    resume whose every sampling flag changed (an adversarial pass)."""
+    out = tmp_path / "plain"
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("the cat sat on the mat", "a dog ran")))
+    assert main(["precompute", "--teacher", str(checkpoints / "teacher"), "--data", str(text), "--out", str(out),
+                 "--top-k", "4", "--dtype", "float32"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(_command(checkpoints, out)) == 2
+    err = capsys.readouterr().err
+    assert "without a 'rollouts' section" in err and "set by --" not in err, err

@@ -106,6 +106,12 @@ def check_resumable(out_dir: str | Path, expected: dict) -> None:
     if not (out_dir / MANIFEST).exists():
         return
     existing = read_manifest(out_dir)
+    missing = [k for k, v in expected.items() if isinstance(v, dict) and k != "inputs" and k not in existing]
+    if missing:  # another kind of store (a plain teacher store where a rollout store is asked for)
+        raise TeacherStoreError(
+            f"{out_dir} holds a store without a {missing[0]!r} section, another kind of store than this run writes: "
+            f"use another --out"
+        )
     existing = {**existing, **(existing.get("inputs") or {})}  # inputs named by their own keys, as open() does
     expected = {**{k: v for k, v in expected.items() if k != "inputs"}, **(expected.get("inputs") or {})}
     changed = _differences(_projected(existing, expected), expected)

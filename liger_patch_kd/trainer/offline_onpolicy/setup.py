@@ -90,14 +90,15 @@ def check_sampled_vocabulary(meta: dict, vocab_size: int | None, student: Any) -
     # the tokenizer's); stores made before they were recorded drew from the scoring teacher's head, vocab_size
     stored = (rollouts_of(meta) or {}).get("sampled_vocab_size") or meta.get("vocab_size")
     head = getattr(student.get_output_embeddings(), "out_features", None) if student is not None else None
-    if not isinstance(stored, int) or not isinstance(head, int) or head <= stored:
+    if not isinstance(stored, int) or not isinstance(head, int):
         return
-    if (vocab_size or head) != stored:
+    sampled = min(stored, head)  # a generator's head never draws past its own rows
+    if (vocab_size or head) != sampled:
+        fix = f"set kd_vocab_size={sampled}" if head > sampled else "leave kd_vocab_size unset"
         raise ValueError(
-            f"the rollout store was sampled from ids [0, {stored}) (its manifest's sampled_vocab_size, else its "
-            f"vocab_size: the scoring teacher's head) and the student's head has {head} rows, so the student must be "
-            f"normalised over those {stored} ids as its behaviour log-probs are (kd_vocab_size is {vocab_size}): set "
-            f"kd_vocab_size={stored}"
+            f"the rollout store was sampled from ids [0, {sampled}) (its manifest's sampled_vocab_size, else its "
+            f"vocab_size, within the student's head of {head} rows), so the student must be normalised over those "
+            f"{sampled} ids as its behaviour log-probs are (kd_vocab_size is {vocab_size}): {fix}"
         )
 
 

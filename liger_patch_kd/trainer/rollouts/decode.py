@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -35,7 +36,9 @@ NEUTRAL_GENERATION_KEYS = frozenset({
     *SPECIAL_ID_KEYS, "transformers_version", "_from_model_config", "do_sample", "temperature", "top_p", "top_k",
     "max_length", "max_new_tokens", "cache_implementation", "output_attentions", "output_hidden_states", "use_cache",
 })  # fmt: skip
-_CHECKED: set[int] = set()  # the generation configs (by id) sampling_only has looked at, and warned about if need be
+# the generation configs sampling_only has looked at (warned about if need be): id -> a weak reference, so that a
+# later config given a freed one's id is looked at too (GenerationConfig defines __eq__, so no WeakSet)
+_CHECKED: dict[int, weakref.ref] = {}
 
 
 @contextlib.contextmanager
@@ -55,13 +58,16 @@ def sampling_only(model: nn.Module) -> Iterator[None]:
         if isinstance(gen, GenerationConfig):
             swapped.append((module, gen))
     for module, gen in swapped:
-        extra = () if id(gen) in _CHECKED else tuple(sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS))
-        _CHECKED.add(id(gen))
+        seen = _CHECKED.get(id(gen))
+        extra = () if seen is not None and seen() is gen else \
+            tuple(sorted(set(gen.to_diff_dict()) - NEUTRAL_GENERATION_KEYS))  # fmt: skip
+        _CHECKED[id(gen)] = weakref.ref(gen)
         if extra:
             logger.warning(
                 f"the generator's generation_config asks for {', '.join(f'{k}={getattr(gen, k)!r}' for k in extra)}: "
-                "rollouts sample the model's own distribution at kd_temperature / top-k / top-p only (what the "
-                "on-policy losses and a rollout store's behaviour log-probs assume), so these are not applied"
+                "rollouts sample the model's own distribution at their own settings only (kd_generation_temperature; "
+                "liger-kd precompute's --generation-temperature / --top-p / --generation-top-k), what the on-policy "
+                "losses and a rollout store's behaviour log-probs assume, so these are not applied"
             )
         module.generation_config = GenerationConfig(**{k: getattr(gen, k) for k in SPECIAL_ID_KEYS
                                                        if getattr(gen, k, None) is not None})  # fmt: skip
