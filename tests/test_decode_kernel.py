@@ -158,8 +158,9 @@ def test_compiled_kernel_at_the_1b_students_shapes_is_sdpa_within_bf16_rounding(
 
 
 def test_blocks_narrow_for_wide_heads_so_the_pipelined_tiles_fit_shared_memory():
-    """Two stages of key and value tiles must fit a multiprocessor's shared memory: 128 columns of a 256-wide bf16
-    head asked for 280 KiB on an H200 (227 KiB) and did not launch; the common 128-wide bf16 head keeps 128."""
+    """Pipelined stages of key and value tiles must fit a multiprocessor's shared memory: 128 columns of a 256-wide
+    float32 head asked for 280 KiB on an H200 (227 KiB) and did not launch (tests/test_kernel_resources.py compiles
+    the chosen blocks); the common 128-wide bf16 head keeps 128."""
     assert block_columns(128, torch.bfloat16) == block_columns(64, torch.float32) == BLOCK_N
     for dim in (8, 24, 64, 96, 128, 200, 256):
         for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
@@ -174,8 +175,8 @@ def test_blocks_narrow_for_wide_heads_so_the_pipelined_tiles_fit_shared_memory()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dim, dtype", [(256, torch.bfloat16), (128, torch.float32), (256, torch.float32)])
 def test_compiled_kernel_takes_wide_heads(dim, dtype):
-    """Head dims past what 128-column tiles fit in shared memory (Gemma's 256 in bf16, 128 in float32) launch and
-    equal float64 attention: the 1024 x 24 teacher of the time-to-accuracy benchmark, 4 heads of 256, did not."""
+    """Wide heads (Gemma's 256 in bf16; 128 and 256 in float32, at narrower blocks) launch and equal float64
+    attention: the float32 1024 x 24 teacher of the time-to-accuracy benchmark, 4 heads of 256, did not."""
     q, k, v, attend = (t.cuda() for t in _case(8, 4, 2, dim, 700, dtype=dtype, seed=3))
     out = decode_attention(q, k, v, attend, scale=dim**-0.5)
     want = _reference(q.double(), k.double(), v.double(), attend[:, None, None, :], dim**-0.5)

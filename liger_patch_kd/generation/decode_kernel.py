@@ -31,9 +31,10 @@ from ..ops.backend import triton_available, triton_interpreted
 
 QUERY_ROWS = 16  # the padded query rows of a program: the least M of a tensor-core product
 BLOCK_N = 128  # cache columns per inner step, at most (block_columns)
-# Bytes of one key (or value) tile: the software-pipelined loop keeps two stages of both in shared memory, so
-# 4 tiles of 32 KiB plus the kernel's own scratch (~25 KiB) fit Hopper's 227 KiB and Ampere's 163 KiB; 128 columns of
-# a 256-wide bf16 head (or a 128-wide float32 one) would ask for 280 KiB and not launch
+# Bytes of one key (or value) tile: the software-pipelined loop keeps stages of both in shared memory. At 32 KiB a
+# tile every head up to 256 wide, in any dtype, asks for at most 84 KiB, within the smallest multiprocessor since
+# Ampere (99 KiB; tests/test_kernel_resources.py compiles it for sm_80 and sm_90); 128 columns of a 256-wide float32
+# head asked for 280 KiB and did not launch
 TILE_BYTES = 32 << 10
 MASK_BLOCK = 1024  # mask columns per step of the first pass
 PROGRAMS_WANTED = 2  # per SM: enough programs in flight to keep the memory system busy

@@ -1,0 +1,53 @@
+"""The Triton kernels whose tiles grow with a model's shape launch on every NVIDIA GPU since Ampere: compiled here
+for sm_80 and sm_90 (Triton's wheel carries ptxas, no GPU needed), the shared memory each asks for at the tiles its
+launcher picks stays within the smallest multiprocessor's (99 KiB). The decode attention kernel asked for 280 KiB at
+a 256-wide float32 head before its column blocks narrowed (an on-policy run with a 1024 x 24 teacher stopped on an
+H200 with OutOfResources)."""
+
+import pytest
+import torch
+
+from benchmarks.common.kernel_resources import SHARED_LIMITS, compiled_resources, tools_available
+from liger_patch_kd.generation import decode_kernel
+
+pytestmark = pytest.mark.skipif(not tools_available(), reason="this Triton ships no NVIDIA ptxas / cuobjdump")
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+HEADS = [(128, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16), (128, torch.float32), (256, torch.float32)]
+
+
+def _decode_split(dim: int, dtype: torch.dtype, block: int, arch: int) -> dict:
+    """decode_kernel._split_kernel as decode_attention launches it (4 warps, 2 stages; 4 query heads a key/value
+    head, padded to 16 rows)."""
+    t = TYPES[dtype]
+    pointers = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "mask_ptr": "i1", "acc_ptr": "fp32", "max_ptr": "fp32",
+                "sum_ptr": "fp32", "out_ptr": t}  # fmt: skip
+    scalars = ["kv_heads", "length", "split_len", "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn",
+               "stride_vb", "stride_vh", "stride_vn", "stride_mb", "stride_mn", "stride_ob", "stride_oh"]  # fmt: skip
+    types = {**{p: "*" + v for p, v in pointers.items()}, **dict.fromkeys(scalars, "i32"), "scale": "fp32"}
+    constexprs = dict(GROUP=4, ROWS=decode_kernel.QUERY_ROWS, DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
+                      BLOCK=block, MASK_BLOCK=decode_kernel.MASK_BLOCK, ACC="tl.float32", UPCAST=False, DIRECT=False)
+    return dict(kernel="liger_patch_kd.generation.decode_kernel:_split_kernel", types=types, constexprs=constexprs,
+                num_warps=4, num_stages=2, arch=arch, aligned=list(pointers))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """Shared bytes by (dim, dtype, block, arch): the launcher's blocks on both architectures, and the 128-column
+    block of a 256-wide float32 head (the one that did not launch), compiled in one go."""
+    cases = [(d, t, decode_kernel.block_columns(d, t), a) for d, t in HEADS for a in (80, 90)]
+    cases.append((256, torch.float32, decode_kernel.BLOCK_N, 90))
+    found = compiled_resources([_decode_split(*case) for case in cases])
+    return {case: r["shared_bytes"] for case, r in zip(cases, found)}
+
+
+@pytest.mark.parametrize("dim, dtype", HEADS)
+def test_the_decode_kernel_fits_every_multiprocessors_shared_memory(shared, dim, dtype):
+    block = decode_kernel.block_columns(dim, dtype)
+    for arch in (80, 90):
+        assert shared[dim, dtype, block, arch] <= min(SHARED_LIMITS.values()), (dim, dtype, block, arch)
+
+
+def test_the_check_has_teeth(shared):
+    """128 columns of a 256-wide float32 head: more than an H200 holds, what the kernel asked for before."""
+    assert shared[256, torch.float32, decode_kernel.BLOCK_N, 90] > SHARED_LIMITS["sm_90"]
