@@ -276,3 +276,25 @@ def test_an_iterable_datasets_known_columns_get_the_same_refusals(tmp_path, toke
     unknown = datasets.IterableDataset.from_generator(lambda: iter({"text": t} for t in TEXTS))
     assert unknown.column_names is None
     trainer_for(tmp_path, unknown, tokenizer, kd_max_prompt_length=3)  # nothing to read the columns from: built
+
+
+@pytest.mark.parametrize("kind", ["list", "datasets.Dataset"])
+def test_a_row_that_would_be_cut_to_nothing_is_refused_by_index_before_training(tmp_path, tokenizer, kind):
+    """The collator refuses such a row at its batch: hours into a run, and again on resuming (the order is seeded).
+    The Trainer reads every prompt row first, as training will tokenize it, and names the row's index; rows cut
+    with a completion token left, or kept short by kd_max_prompt_length, pass."""
+    long_prompt = len(tokenizer(TEXTS[2])["input_ids"])
+    rows = [{"prompt": TEXTS[0], "completion": " yes"}] * 700 + [{"prompt": TEXTS[2], "completion": " no"}]
+    if kind != "list":
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    with pytest.raises(ValueError, match=rf"^train_dataset\[700\] .*its prompt has {long_prompt} tokens .*"
+                                         rf"kd_max_length={long_prompt} cuts prompt \+ completion"):  # fmt: skip
+        trainer_for(tmp_path, rows, tokenizer, kd_max_length=long_prompt)
+    trainer_for(tmp_path, rows, tokenizer, kd_max_length=long_prompt + 1)
+    trainer_for(tmp_path, rows, tokenizer, kd_max_length=long_prompt, kd_max_prompt_length=long_prompt - 2)
+    evaluation = [{"prompt": TEXTS[2], "completion": " no"}]
+    with pytest.raises(ValueError, match=r"^eval_dataset\[0\] "):
+        KDTrainer(model=tiny_model("llama", dtype=torch.float32, seed=1), teacher_model=tiny_model("llama"),
+                  args=make_args(tmp_path, kd_max_length=long_prompt, eval_strategy="steps", eval_steps=1),
+                  train_dataset=rows[:1] if kind == "list" else rows.select([0]), eval_dataset=evaluation,
+                  processing_class=tokenizer)  # fmt: skip

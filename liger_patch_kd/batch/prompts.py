@@ -17,6 +17,7 @@ conversational one is the template's rendering of prompt + completion past the p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,13 +183,7 @@ class PromptCollator:
             label = [self.ignore_index] * len(prompt) + (completion or [])
             if self.max_length is not None:
                 if completion and len(prompt) >= self.max_length:  # the cut would leave no completion token
-                    raise ValueError(
-                        f"prompt row {index} of this batch ({str(row.get('prompt', row.get('messages')))[:40]!r}...): "
-                        f"its prompt has {len(prompt)} tokens (kd_max_prompt_length={self.max_prompt_length}), and "
-                        f"kd_max_length={self.max_length} cuts prompt + completion there, leaving no completion token "
-                        f"to train on: set kd_max_prompt_length below kd_max_length (it keeps a prompt's last "
-                        f"tokens), raise kd_max_length above {len(prompt)}, or drop such rows"
-                    )
+                    raise ValueError(self.cut_to_nothing(f"prompt row {index} of this batch", row, len(prompt)))
                 tokens, label = tokens[: self.max_length], label[: self.max_length]
             features.append({"input_ids": tokens, "labels": label})
             if privileged:
@@ -200,6 +195,35 @@ class PromptCollator:
         collate = PrivilegedCollator if privileged else TeacherDataCollator
         batch = collate(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
         return {**batch, HAS_COMPLETION: torch.tensor(has_completion)}
+
+    def cut_to_nothing(self, where: str, row: dict[str, Any], prompt_tokens: int) -> str:
+        """The error for a row whose prompt fills max_length, leaving no completion token to train on."""
+        return (
+            f"{where} ({str(row.get('prompt', row.get('messages')))[:40]!r}...): its prompt has {prompt_tokens} "
+            f"tokens (kd_max_prompt_length={self.max_prompt_length}), and kd_max_length={self.max_length} cuts "
+            f"prompt + completion there, leaving no completion token to train on: set kd_max_prompt_length below "
+            f"kd_max_length (it keeps a prompt's last tokens), raise kd_max_length above {prompt_tokens}, or drop "
+            f"such rows"
+        )
+
+    def first_row_cut_to_nothing(self, dataset: Any, chunk: int = 512) -> tuple[int, dict[str, Any], int] | None:
+        """(index, row, prompt tokens) of the first row of `dataset` (a list of rows or a datasets.Dataset) with a
+        completion whose prompt fills max_length, tokenized as training will; None where no row can be (no
+        max_length, or a max_prompt_length below it) or none is. Read in chunks of rows, the text prompts of a
+        chunk encoded in one tokenizer call: a run that would stop at the batch holding such a row (after hours,
+        and again on resuming) is refused before it starts."""
+        if self.max_length is None or (self.max_prompt_length is not None and self.max_prompt_length < self.max_length):
+            return None
+        for start in range(0, len(dataset), chunk):
+            rows = dataset[start : start + chunk]
+            if isinstance(rows, Mapping):  # a datasets.Dataset's slice: columns of values
+                rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
+            for offset, (prompt, completion) in enumerate(tokenize_prompt_rows(self.tokenizer, list(rows))):
+                if self.max_prompt_length is not None:
+                    prompt = prompt[-self.max_prompt_length :]
+                if completion and len(prompt) >= self.max_length:
+                    return start + offset, rows[offset], len(prompt)
+        return None
 
     def _teacher_prompt(self, row: dict[str, Any], index: int, completion: list[int] | None, prompt: list[int]):
         """The teacher prompt's ids, checked to be followed by the very completion tokens the student scores."""

@@ -19,7 +19,8 @@ TRL_AMBIGUOUS = {
     "and the loss's softmax temperature at once (DistillationConfig); here they are two options: "
     "--kd_generation_temperature (sampling) and --kd_temperature (the loss's softmax)",
     "max_length": "TRL's `max_length` truncates the tokenized rows; here that is --kd_max_length (text rows, and "
-    "prompt + completion of prompt rows)",
+    "prompt + completion of prompt rows), with --kd_max_prompt_length to keep a long prompt's last tokens (a prompt "
+    "that fills --kd_max_length would leave no completion token, and is refused)",
 }
 # TRL names with no option of that name here, each with what to do instead (docs/coming-from-trl.md's tables)
 DROPOUT_AS_CONFIGURED = (

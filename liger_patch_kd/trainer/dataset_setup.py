@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..batch.columns import TEACHER_DATA_COLUMNS, TEACHER_INPUT_IDS, TEACHER_LABELS, TEACHER_SAMPLE_IDS, TOPK_COLUMNS
-from ..batch.prompts import conversation_column, is_prompt_row
+from ..batch.prompts import PromptCollator, conversation_column, is_prompt_row
 from ..config import KDLossConfig
 from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
@@ -372,6 +372,24 @@ def check_no_empty_rows(dataset: Any, name: str) -> None:
             where = where if where == name else f"{name}[{where!r}]"
             raise ValueError(f"{where}[{empty}] has no tokens (input_ids of length 0): remove empty rows (e.g. "
                              f"dataset.filter(lambda row: len(row['input_ids']) > 0))")  # fmt: skip
+
+
+def check_prompts_leave_completions(args: Any, tokenizer: Any, datasets: list[tuple[str, Any]]) -> None:
+    """Every prompt row of each dataset (a list of rows or a datasets.Dataset) keeps a completion token under
+    kd_max_length: a prompt that fills it would leave nothing to train on, which the collator refuses at the batch
+    holding the row (hours in, and again on resuming from a checkpoint, the order being seeded). Refused here by
+    index, before training. Nothing is read where no row can be cut so (kd_max_length unset, or
+    kd_max_prompt_length below it)."""
+    collate = PromptCollator(tokenizer, max_prompt_length=args.kd_max_prompt_length, max_length=args.kd_max_length)
+    for name, dataset in datasets:
+        indexed = isinstance(dataset, (list, tuple)) or (
+            type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"))
+        if not indexed or not first_row_is_prompt(dataset):
+            continue
+        found = collate.first_row_cut_to_nothing(dataset)
+        if found is not None:
+            index, row, prompt_tokens = found
+            raise ValueError(collate.cut_to_nothing(f"{name}[{index}]", row, prompt_tokens))
 
 
 def scores_sampled_tokens_only(args: Any, dataset: Any) -> bool:

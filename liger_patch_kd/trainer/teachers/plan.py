@@ -43,11 +43,13 @@ from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
 from ..dataset_setup import (
     check_chat_template,
+    check_prompts_leave_completions,
     check_store_tokenizer,
     check_training_rows,
     first_row_is,
     first_row_is_prompt,
     first_row_of,
+    named_evaluations,
     with_vocab_size,
 )
 from ..offline_onpolicy import OfflineRollouts
@@ -223,6 +225,8 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
     plan = TeacherPlan(args, kind, kd_config, teacher_model, routes, members, xtok, offline,
                        True in prompt_kinds, tokenizer)  # fmt: skip
     both_kinds = len(prompt_kinds) > 1  # prompt rows and token rows: each batch collated by its kind
+    if plan.prompt_rows and kwargs.get("data_collator") is None and tokenizer is not None:  # ours cuts them
+        check_prompts_leave_completions(args, tokenizer, [("train_dataset", rows), *named_evaluations(evaluation)])
     kwargs["data_collator"] = teacher_collator(plan, kwargs.get("data_collator"), rows, both_kinds)
     plan.columns = kept_columns(plan)
     return plan
