@@ -29,7 +29,7 @@ def _demo(args) -> None:
 
         paths = write_tiny_pair(args.write_tiny_pair)
         print(f"wrote a tiny student, teacher (random weights) and chat dataset to {Path(args.write_tiny_pair)}; "
-              f"distil it with (add `pip install 'liger_patch_kd[formats]'` first for the dataset):\n"
+              f"distil it with:\n"
               f"{train_command(paths)}")  # fmt: skip
         return
     if args.several_teachers:  # one student routed between two specialist teachers (demo/multi_teacher.py)

@@ -533,8 +533,10 @@ def test_resume_from_checkpoint_latest_continues_from_the_newest_checkpoint(in_s
     whole = train_run.train([*options, "--output_dir", str(tmp_path / "whole"), "--max_steps", "3"])
     for step in (1, 2):  # a run of the same options stopped after its second step
         shutil.copytree(tmp_path / "whole" / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    capsys.readouterr()
     resumed = train_run.train([*options, "--output_dir", str(out), "--max_steps", "3",
                                "--resume_from_checkpoint", "latest"])  # fmt: skip
+    assert f"liger-kd train: resuming from {out / 'checkpoint-2'}\n" in capsys.readouterr().out
     assert resumed.state.global_step == 3
     losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert losses(resumed)[-1] == pytest.approx(losses(whole)[-1], rel=1e-4)  # step 3 of the same run
@@ -563,6 +565,22 @@ def test_prompt_only_rows_train_on_policy_and_their_evaluation_is_refused_before
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and err and err[-1].startswith("liger-kd train: error: "), err
         assert all(n in err[-1] for n in needles), err[-1]
+
+
+def test_a_resume_at_another_max_steps_says_what_the_restored_schedule_does(tmp_path):
+    """The Trainer restores the learning-rate scheduler with the checkpoint: a run resumed at another --max_steps
+    trains its first step at the rate the old schedule had reached (0 at the end of a linear one), then follows the
+    new one. Said on the line that names the checkpoint (a new user's trial found the step at 0 unannounced)."""
+    from liger_patch_kd.train_cli.output import resume_note
+
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 4, "max_steps": 4}))
+    assert resume_note(str(checkpoint), 4) == resume_note(str(checkpoint), -1) == \
+        f"liger-kd train: resuming from {checkpoint}"  # fmt: skip
+    note = resume_note(str(checkpoint), 8)
+    assert note.startswith(f"liger-kd train: resuming from {checkpoint} (step 4 of a run of 4 steps); --max_steps 8")
+    assert "--max_steps 4 continues the run as it was" in note
 
 
 @pytest.mark.parametrize("word", ["false", "False", "none", " ", ""])

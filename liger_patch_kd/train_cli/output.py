@@ -124,3 +124,20 @@ def checked_resume(value: Any, output_dir: str) -> Any:
         raise ValueError(f"--resume_from_checkpoint {value}: not a checkpoint, it has no {CHECKPOINT_STATE}{hint}; "
                          "name a checkpoint folder a run saved (OUTPUT_DIR/checkpoint-STEP)")  # fmt: skip
     return value
+
+
+def resume_note(checkpoint: str, max_steps: int) -> str:
+    """The line saying which checkpoint a run resumes from; where --max_steps is not the length of the checkpoint's
+    run, also what the Trainer then does with its restored learning-rate schedule."""
+    note = f"liger-kd train: resuming from {checkpoint}"
+    try:
+        state = json.loads((Path(checkpoint) / CHECKPOINT_STATE).read_text())
+    except (OSError, ValueError):
+        return note
+    was, step = state.get("max_steps"), state.get("global_step")
+    if max_steps > 0 and isinstance(was, int) and was != max_steps:
+        note += (f" (step {step} of a run of {was} steps); --max_steps {max_steps} is another length: the restored "
+                 f"scheduler's first step keeps the learning rate that run had reached (0 at the end of a linear "
+                 f"schedule), then the schedule of {max_steps} steps takes over; --max_steps {was} continues the run "
+                 f"as it was")  # fmt: skip
+    return note

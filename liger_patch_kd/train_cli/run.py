@@ -20,7 +20,7 @@ from ..trainer.dataset_setup import (
 from ..trainer.output_checkpoints import check_rotation_spares_others
 from .data import check_dataset_name, load_splits
 from .models import check_model_options, check_same_tokenizer, load_model, load_tokenizer, with_lora
-from .output import check_output_dir, checked_resume, drop_stale, earlier_saves, record_saved
+from .output import check_output_dir, checked_resume, drop_stale, earlier_saves, record_saved, resume_note
 from .parser import parse
 
 
@@ -82,6 +82,8 @@ def train(argv: list[str] | None = None):
     check_model_options(model)
     check_dataset_name(script)
     training.resume_from_checkpoint = checked_resume(training.resume_from_checkpoint, training.output_dir)
+    if isinstance(training.resume_from_checkpoint, str) and training.process_index == 0:
+        print(resume_note(training.resume_from_checkpoint, training.max_steps))
     check_reporting(training.report_to)
     check_trains(training)
     check_rotation_spares_others(training, training.resume_from_checkpoint)  # KDTrainer.train's check, said early
