@@ -177,12 +177,11 @@ class PromptCollator:
         privileged = any(TEACHER_PROMPT in row for row in examples)
         for index, (row, (prompt, completion)) in enumerate(zip(examples, tokenize_prompt_rows(self.tokenizer,
                                                                                                examples))):  # fmt: skip
-            if self.max_prompt_length is not None:
-                prompt = prompt[-self.max_prompt_length :]
+            prompt = self._kept_prompt(prompt)
             tokens = prompt + (completion or [])
             label = [self.ignore_index] * len(prompt) + (completion or [])
             if self.max_length is not None:
-                if completion and len(prompt) >= self.max_length:  # the cut would leave no completion token
+                if self._leaves_no_completion(prompt, completion):
                     raise ValueError(self.cut_to_nothing(f"prompt row {index} of this batch", row, len(prompt)))
                 tokens, label = tokens[: self.max_length], label[: self.max_length]
             features.append({"input_ids": tokens, "labels": label})
@@ -195,6 +194,14 @@ class PromptCollator:
         collate = PrivilegedCollator if privileged else TeacherDataCollator
         batch = collate(pad_token_id=0 if pad is None else pad, ignore_index=self.ignore_index)(features)
         return {**batch, HAS_COMPLETION: torch.tensor(has_completion)}
+
+    def _kept_prompt(self, prompt: list[int]) -> list[int]:
+        """A prompt's tokens as training keeps them: its last max_prompt_length."""
+        return prompt if self.max_prompt_length is None else prompt[-self.max_prompt_length :]
+
+    def _leaves_no_completion(self, prompt: list[int], completion: list[int] | None) -> bool:
+        """Whether cutting a kept prompt and its completion at max_length leaves no completion token."""
+        return bool(completion) and self.max_length is not None and len(prompt) >= self.max_length
 
     def cut_to_nothing(self, where: str, row: dict[str, Any], prompt_tokens: int) -> str:
         """The error for a row whose prompt fills max_length, leaving no completion token to train on."""
@@ -219,9 +226,8 @@ class PromptCollator:
             if isinstance(rows, Mapping):  # a datasets.Dataset's slice: columns of values
                 rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
             for offset, (prompt, completion) in enumerate(tokenize_prompt_rows(self.tokenizer, list(rows))):
-                if self.max_prompt_length is not None:
-                    prompt = prompt[-self.max_prompt_length :]
-                if completion and len(prompt) >= self.max_length:
+                prompt = self._kept_prompt(prompt)
+                if self._leaves_no_completion(prompt, completion):
                     return start + offset, rows[offset], len(prompt)
         return None
 

@@ -292,6 +292,17 @@ def check_messages_end_with_the_completion(row: Any, name: str) -> None:
         )
 
 
+def is_datasets_dataset(dataset: Any) -> bool:
+    """A datasets.Dataset (map-style, read by column), told by its type's name and module: datasets is an optional
+    extra, not imported to ask."""
+    return type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets")
+
+
+def prompt_collator(args: Any, tokenizer: Any) -> PromptCollator:
+    """The collator of prompt rows as the run's options cut them (kd_max_prompt_length, kd_max_length)."""
+    return PromptCollator(tokenizer, max_prompt_length=args.kd_max_prompt_length, max_length=args.kd_max_length)
+
+
 def is_prompt_alone(row: Any) -> bool:
     """A row that is a prompt with no completion: 'prompt' and no 'completion', or a null one (how a
     datasets.Dataset holds a row without it), and no 'messages'."""
@@ -303,7 +314,7 @@ def first_prompt_without_completion(dataset: Any) -> int | None:
     column); None when there is none or the dataset is neither (a store, an iterable)."""
     if isinstance(dataset, (list, tuple)):
         return next((i for i, row in enumerate(dataset) if is_prompt_alone(row)), None)
-    if type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"):
+    if is_datasets_dataset(dataset):
         columns = dataset.column_names or ()
         if "prompt" not in columns or "messages" in columns or len(dataset) == 0:
             return None
@@ -351,7 +362,7 @@ def _first_empty_row(dataset: Any) -> int | None:
     if isinstance(dataset, (list, tuple)):
         return next((i for i, row in enumerate(dataset) if isinstance(row, Mapping) and row.get("input_ids") is not None
                      and len(row["input_ids"]) == 0), None)  # fmt: skip
-    if type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"):
+    if is_datasets_dataset(dataset):
         if "input_ids" not in (dataset.column_names or ()):
             return None
         import pyarrow.compute as pc  # datasets' own dependency
@@ -380,10 +391,9 @@ def check_prompts_leave_completions(args: Any, tokenizer: Any, datasets: list[tu
     holding the row (hours in, and again on resuming from a checkpoint, the order being seeded). Refused here by
     index, before training. Nothing is read where no row can be cut so (kd_max_length unset, or
     kd_max_prompt_length below it)."""
-    collate = PromptCollator(tokenizer, max_prompt_length=args.kd_max_prompt_length, max_length=args.kd_max_length)
+    collate = prompt_collator(args, tokenizer)
     for name, dataset in datasets:
-        indexed = isinstance(dataset, (list, tuple)) or (
-            type(dataset).__name__ == "Dataset" and type(dataset).__module__.startswith("datasets"))
+        indexed = isinstance(dataset, (list, tuple)) or is_datasets_dataset(dataset)
         if not indexed or not first_row_is_prompt(dataset):
             continue
         found = collate.first_row_cut_to_nothing(dataset)

@@ -97,6 +97,11 @@ def _projected(existing: Any, shape: Any) -> Any:
     return {k: _projected(existing.get(k) if isinstance(existing, dict) else None, v) for k, v in shape.items()}
 
 
+def _inputs_flattened(meta: dict) -> dict:
+    """A manifest with its "inputs" fingerprints named by their own keys, as open() names them in its message."""
+    return {**{k: v for k, v in meta.items() if k != "inputs"}, **(meta.get("inputs") or {})}
+
+
 def check_resumable(out_dir: str | Path, expected: dict) -> None:
     """Refuse, before any long work, to resume a store in `out_dir` whose manifest differs from `expected` at any
     leaf `expected` has: a partial manifest of what is known before any model loads (a rollout store's sampling and
@@ -112,8 +117,7 @@ def check_resumable(out_dir: str | Path, expected: dict) -> None:
             f"{out_dir} holds a store without a {missing[0]!r} section, another kind of store than this run writes: "
             f"use another --out"
         )
-    existing = {**existing, **(existing.get("inputs") or {})}  # inputs named by their own keys, as open() does
-    expected = {**{k: v for k, v in expected.items() if k != "inputs"}, **(expected.get("inputs") or {})}
+    existing, expected = _inputs_flattened(existing), _inputs_flattened(expected)
     changed = _differences(_projected(existing, expected), expected)
     if changed:
         raise TeacherStoreError(_mismatch_message(out_dir, changed))

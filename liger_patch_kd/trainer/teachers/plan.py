@@ -38,7 +38,7 @@ from ...batch.columns import (
     TEACHER_DATA_COLUMNS,
 )
 from ...batch.privileged import PrivilegedCollator, is_privileged_row
-from ...batch.prompts import PromptCollator, PromptOrTokenCollator
+from ...batch.prompts import PromptOrTokenCollator
 from ...batch.teacher_data import TeacherDataCollator
 from ...config import KDLossConfig
 from ..dataset_setup import (
@@ -50,6 +50,7 @@ from ..dataset_setup import (
     first_row_is_prompt,
     first_row_of,
     named_evaluations,
+    prompt_collator,
     with_vocab_size,
 )
 from ..offline_onpolicy import OfflineRollouts
@@ -243,8 +244,7 @@ def teacher_collator(plan: TeacherPlan, given: Any, rows: Any, both_kinds: bool 
     if given is None and plan.prompt_rows:
         if plan.tokenizer is None:
             raise ValueError("a dataset of prompts needs processing_class=tokenizer to tokenize them")
-        prompts = PromptCollator(plan.tokenizer, max_prompt_length=plan.args.kd_max_prompt_length,
-                                 max_length=plan.args.kd_max_length)  # fmt: skip
+        prompts = prompt_collator(plan.args, plan.tokenizer)
         given = None if both_kinds else prompts
     if given is None and first_row_is(rows, is_privileged_row):
         given = PrivilegedCollator(pad_token_id=pad)  # the teacher's own token rows
