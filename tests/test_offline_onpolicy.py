@@ -370,6 +370,35 @@ def test_a_refresh_is_logged_with_its_step_and_rows_and_counted_in_the_trainers_
     assert not _losses(offline, "kd_refreshed_rows")  # no refresh asked for: no figure
 
 
+def test_a_refresh_scores_under_the_trainers_autocast_and_samples_outside_it(tmp_path, models, tokenizer,
+                                                                              monkeypatch):  # fmt: skip
+    """bf16=True with float32 weights: the live teacher's forward runs under the Trainer's autocast (compute_loss),
+    so the refreshed rows are scored under it too (in float32 they took twice a live step's time on a GPU), while
+    their completions are sampled outside it, as an on-policy step's are."""
+    from liger_patch_kd.trainer.offline_onpolicy import refresh
+
+    seen = []
+    real_score, real_generate = refresh.score_rollouts, refresh.generate_rollouts
+
+    def score(*args, **kwargs):
+        seen.append(("score", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real_score(*args, **kwargs)
+
+    def generate(*args, **kwargs):
+        seen.append(("generate", torch.is_autocast_enabled("cpu")))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(refresh, "score_rollouts", score)
+    monkeypatch.setattr(refresh, "generate_rollouts", generate)
+    student, teacher = models
+    data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
+    trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
+                        train_dataset=data, args=_args(tmp_path, max_steps=3, bf16=True, kd_store_refresh_steps=2,
+                                                       kd_store_refresh_fraction=0.5))  # fmt: skip
+    trainer.train()
+    assert seen == [("generate", False), ("score", True, torch.bfloat16)]  # one refresh, at step 2
+
+
 def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenizer):
     student, _ = models
     data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))

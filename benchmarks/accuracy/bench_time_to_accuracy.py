@@ -33,7 +33,8 @@ live on-policy GKD row samples over that many steps (set it to what the live row
 `--store-generations` per prompt (default 1, so its prompts are as many and as varied as the live row's) from
 `--store-steps` x `--batch` / `--store-generations` training prompts drawn with the seed, sampled at temperature 1
 in calls of `--store-batch` rows (default `--batch`, a live step's), scored by the teacher (its top `--store-top-k`
-log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket). Its
+log-probs at each position; the rest of its mass, near nothing on this task, is the loss's tail bucket), under the
+live rows' bf16 autocast on a GPU. Its
 seconds (generation, teacher scoring, writing) are the start of the row's clock: its curve has a second step-0
 point there, and its cap counts them. Both rows train with the live GKD row's objective (the beta 0.5 divergence,
 on the stored top-k instead of the live teacher's full distribution) at its learning rate, for one pass over the
@@ -334,14 +335,18 @@ def rollout_store(a, data, student, teacher, seed: int, steps: int, device, fold
                          f"or --store-generations")  # fmt: skip
     picks = random.Random(seed).sample(range(len(data["prompts"])), wanted)
     settings = RolloutSettings(max_new_tokens=data["max_new_tokens"], num_generations=generations, seed=seed)
+    # under the autocast the live rows train in (bf16=True on a GPU): the teacher scores and the student samples in
+    # the precision they do live, as a bf16 checkpoint loaded by `liger-kd precompute` (dtype "auto") would
+    precision = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     sync(device)
     began = time.perf_counter()
-    precompute_rollouts(
-        student, teacher, [data["prompts"][i] for i in picks], folder, settings=settings,
-        score=ScoreOptions(top_k=a.store_top_k), prompts_per_call=max(1, (a.store_batch or a.batch) // generations),
-        tokenizer=data["tokenizer"], student_name=f"format-tuned student, seed {seed}", teacher_name="teacher",
-        tokenizer_fp=tokenizer_fingerprint(data["tokenizer"]), progress=False,
-    )  # fmt: skip
+    with precision:
+        precompute_rollouts(
+            student, teacher, [data["prompts"][i] for i in picks], folder, settings=settings,
+            score=ScoreOptions(top_k=a.store_top_k), prompts_per_call=max(1, (a.store_batch or a.batch) // generations),
+            tokenizer=data["tokenizer"], student_name=f"format-tuned student, seed {seed}", teacher_name="teacher",
+            tokenizer_fp=tokenizer_fingerprint(data["tokenizer"]), progress=False,
+        )  # fmt: skip
     sync(device)
     seconds = time.perf_counter() - began
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())

@@ -3,7 +3,10 @@ cannot apply), its collator, its teacher source and its optional refresh."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ...batch.columns import ROLLOUT_LOGPROB_COLUMNS
@@ -232,9 +235,14 @@ class OfflineRollouts:
     def teacher_source(self, fused: bool) -> StoredRolloutsTeacher:
         return StoredRolloutsTeacher(fused)
 
-    def refreshed(self, batches: list, student, teacher, *, tokenizer: Any, step: int, vocab_size: int | None) -> list:
-        """The step's micro-batches, a slice of them regenerated when the refresh is due (refresh.py)."""
+    def refreshed(
+        self, batches: list, student, teacher, *, tokenizer: Any, step: int, vocab_size: int | None,
+        scoring_precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    ) -> list:  # fmt: skip
+        """The step's micro-batches, a slice of them regenerated when the refresh is due (refresh.py), the teacher
+        scoring under `scoring_precision()` (the Trainer's autocast)."""
         if self.refresh is None:
             return batches
-        return self.refresh(batches, student, teacher, tokenizer=tokenizer, step=step, vocab_size=vocab_size)
+        return self.refresh(batches, student, teacher, tokenizer=tokenizer, step=step, vocab_size=vocab_size,
+                            scoring_precision=scoring_precision)  # fmt: skip
 
