@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from liger_patch_kd.generation import Sampling, decode, release_sessions
-from liger_patch_kd.generation.engine import CAPTURES, session_of, sessions_of
+from liger_patch_kd.generation.engine import CAPTURES, PREFILL_WIDTH_MULTIPLE, session_of, sessions_of, widened
 from liger_patch_kd.generation.sampling import draw, filtered_scores
 
 from .tiny_models import tiny_model
@@ -399,6 +399,82 @@ def test_a_step_that_cannot_be_captured_raises_and_leaves_the_device_and_the_ses
         runs.append(decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0, capture=capture)[0])
     assert torch.equal(runs[0], runs[1])
     release_sessions(model)
+
+
+def test_prompts_widened_on_the_left_decode_what_they_decode_as_given():
+    """On CUDA the engine left-pads prompts to a multiple of PREFILL_WIDTH_MULTIPLE columns (few prefill graphs):
+    the padding is masked and moves no position, so in float64 the tokens are the same and the log-probs agree to
+    float64 rounding."""
+    model = _model("llama", torch.float64, seed=5)
+    ids, mask = _prompts()
+    wide_ids, wide_mask = widened(ids, mask, 0, PREFILL_WIDTH_MULTIPLE)
+    assert wide_ids.shape == (5, PREFILL_WIDTH_MULTIPLE) and torch.equal(wide_ids[:, -6:], ids)
+    assert int(wide_mask[:, :-6].sum()) == 0 and torch.equal(wide_mask[:, -6:], mask)
+    assert widened(wide_ids, wide_mask, 0, PREFILL_WIDTH_MULTIPLE)[0] is wide_ids  # a multiple already: as it is
+    runs = []
+    for prompt_ids, prompt_mask in ((ids, mask), (wide_ids, wide_mask)):
+        torch.manual_seed(4)
+        runs.append(decode(model, prompt_ids, prompt_mask, max_new_tokens=8, sampling=Sampling(), pad_id=0,
+                           capture="eager", logprobs=True))  # fmt: skip
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-6)  # float32 log-probs of float64 logits
+    release_sessions(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_is_captured_at_its_widths_second_call_and_replays_the_eager_prefill_and_in_place_updates():
+    model = _model("llama", torch.float32, seed=7).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+    sampling = Sampling(temperature=0.9, top_k=50)
+
+    def sampled(capture):
+        torch.manual_seed(11)
+        return decode(model, ids, mask, max_new_tokens=12, sampling=sampling, pad_id=0, capture=capture)[0]
+
+    want = sampled("eager")
+    runs = [sampled("graph") for _ in range(3)]  # eager prefill, then captured, then replayed
+    session = session_of(model)
+    assert list(session.prefill_graphs) == [PREFILL_WIDTH_MULTIPLE]  # 6 columns widened to one multiple
+    assert all(torch.equal(run, want) for run in runs)
+    graph = session.prefill_graphs[PREFILL_WIDTH_MULTIPLE][0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0).add_(torch.randn_like(p) * 0.3)
+    got = sampled("graph")
+    assert session.prefill_graphs[PREFILL_WIDTH_MULTIPLE][0] is graph  # replayed, reading the updated weights
+    assert torch.equal(got, sampled("eager"))
+    release_sessions(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_that_cannot_be_captured_runs_op_by_op_and_the_step_stays_captured():
+    """A host sync in the prompt's forward only (a hook on the prefill's shapes) fails the prefill's capture: the
+    call goes on with the prefill op by op, from then on, and samples what the eager capture samples."""
+    model = _model("llama", torch.float32, seed=7).to(DEVICE)
+    ids, mask = _prompts(DEVICE)
+
+    def sync_in_a_captured_prefill(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if torch.cuda.is_current_stream_capturing() and hidden.shape[1] > 1:
+            torch.cuda.synchronize()
+
+    hook = model.model.layers[0].register_forward_pre_hook(sync_in_a_captured_prefill, with_kwargs=True)
+    try:
+        runs = {}
+        for capture in ("eager", "graph", "graph", "graph"):
+            torch.manual_seed(11)
+            runs.setdefault(capture, []).append(
+                decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(), pad_id=0, capture=capture)[0])
+        session = session_of(model)
+        assert not session.prefill_captures and not session.prefill_graphs and session.graph is not None
+        assert all(torch.equal(run, runs["eager"][0]) for run in runs["graph"])
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        torch.randint(0, 10, (4,), device="cuda")  # torch's generator is out of capture mode
+    finally:
+        hook.remove()
+        release_sessions(model)
 
 
 def test_rollouts_through_the_graph_cache_are_the_engines_tokens_and_keep_eos():

@@ -6,8 +6,12 @@ replayed, the host asking whether every row has ended only every `check_every` s
                     eos_ids=(2,), capture="graph")
 
 Captures: "graph" (torch.cuda.CUDAGraph, explicit capture of the step's own kernels) and "eager" (the same step run
-op by op: what a CPU runs, and the reference of the graph). Prefill runs eagerly through the model's own attention
-over the prompt (not captured: one call per width).
+op by op: what a CPU runs, and the reference of the graph). The prefill runs through the model's own attention over
+the prompt. On CUDA, prompts are left-padded to a multiple of PREFILL_WIDTH_MULTIPLE columns (both captures, so the
+two compute the same), and under "graph" a small prefill (rows x width up to PREFILL_CAPTURE_TOKENS, where launching
+its few hundred small kernels from Python costs more than running them) is captured too, at the second call of its
+width (the first runs it eagerly: lazy kernels, autotuning, the cache's allocation), one graph per width, the last
+PREFILL_GRAPHS widths kept, sharing one memory pool; a prefill whose capture fails runs eagerly from then on.
 
 The session runs a twin of the model (kernel_twin.py: the same parameters, its own module tree) whose RMSNorm, RoPE
 and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..ops.backend import autocast_dtype, select_backend
 from ..utils.cuda_graphs import graph_capture
@@ -61,8 +66,14 @@ from .rotary_table import install_rotary_tables
 from .sampling import Sampling, allowed_logits, draw, filtered_scores
 from .sampling_kernel import gumbel_argmax
 
+logger = logging.get_logger(__name__)
+
 CAPTURES = ("graph", "eager")  # both attend through the Triton split-KV kernel (decode_kernel.py)
 LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few buckets (few captures, few caches)
+PREFILL_WIDTH_MULTIPLE = 16  # CUDA prompts are left-padded to this: a run's prompts share few prefill graphs
+PREFILL_CAPTURE_TOKENS = 8192  # prefills of at most rows x width tokens are captured ("graph"); larger ones are
+# bound by their products, not their launches, and a graph would hold their activations' memory between calls
+PREFILL_GRAPHS = 4  # prefill widths a session keeps a graph for (the least recently used goes first)
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
 # The step's bookkeeping after the draw in one Triton kernel instead of a dozen torch ops (on the Triton backend).
 # Checked against the torch ops step for step, through the interpreter on a CPU and compiled and captured on a GPU
@@ -105,6 +116,19 @@ def left_padded(
     ids = ids.reshape(len(prompts), width)
     mask = (torch.arange(width)[None] >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).long()
     return ids.to(device), mask.to(device)
+
+
+def widened(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts padded further on the left to a multiple of `multiple` columns: `pad_id`, mask 0. The
+    positions (from the mask) and what each prompt token attends to are unchanged."""
+    extra = -input_ids.shape[1] % multiple
+    if extra == 0:
+        return input_ids, attention_mask
+    pad = input_ids.new_full((input_ids.shape[0], extra), pad_id)
+    unattended = torch.zeros_like(pad, dtype=attention_mask.dtype)
+    return torch.cat([pad, input_ids], 1), torch.cat([unattended, attention_mask], 1)
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -173,6 +197,13 @@ class DecodeSession:
         # the step's counters and flags in one kernel (bookkeeping_kernel.py), where BOOKKEEPING_KERNEL allows
         self.fused_bookkeeping = BOOKKEEPING_KERNEL and select_backend(device) == "triton"
         self.graph: torch.cuda.CUDAGraph | None = None
+        # captured prefills by width: (graph, its input ids, its attention mask); widths run once eagerly so far
+        self.prefill_graphs: OrderedDict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.prefill_widths_seen: set[int] = set()
+        self.prefill_captures = key.capture == "graph"  # False once a capture failed: eager from then on
+        # one memory pool for every prefill graph of the session: they run one at a time and hand nothing out of
+        # their pool (their results land in the session's own buffers), so one prefill's activations are held
+        self.prefill_pool = None
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
         self.projection_copies = copies if copies.groups else None
@@ -238,7 +269,53 @@ class DecodeSession:
 
     # -------------------------------------------------------------------------------------------- a call
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """The prompts through the model's own attention into the cache, and the first token sampled."""
+        """The prompts through the model's own attention into the cache, and the first token sampled: replayed from
+        the width's captured graph where there is one (module docstring), else run op by op."""
+        width = input_ids.shape[1]
+        captured = self.prefill_graph(width)
+        if captured is None:
+            self.prefill_ops(input_ids, attention_mask)
+            return
+        graph, ids, mask = captured
+        ids.copy_(input_ids)
+        mask.copy_(attention_mask)
+        graph.replay()
+        self.cache.prefilled = width  # what the Python side of the forward set when the graph was captured
+
+    def prefill_graph(self, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor] | None:
+        """The width's captured prefill: kept, or captured now at the width's second call; None where the prefill
+        runs op by op (the first call of a width, an eager session, a large prefill, a capture that failed)."""
+        kept = self.prefill_graphs.get(width)
+        if kept is not None:
+            self.prefill_graphs.move_to_end(width)
+            return kept
+        if not self.prefill_captures or self.key.rows * width > PREFILL_CAPTURE_TOKENS:
+            return None
+        if width not in self.prefill_widths_seen:
+            self.prefill_widths_seen.add(width)
+            return None
+        ids = torch.zeros(self.key.rows, width, dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        graph = torch.cuda.CUDAGraph()
+        rng = torch.cuda.get_rng_state(self.device)
+        try:  # a failed capture raises with the stream, allocator and generator put right (utils/cuda_graphs.py)
+            self.prefill_pool = self.prefill_pool or torch.cuda.graph_pool_handle()
+            with graph_capture(graph, self.device, self.prefill_pool):
+                self.prefill_ops(ids, mask)
+        except RuntimeError as error:  # something in the forward a graph cannot hold: eager prefills from now on
+            self.prefill_captures = False
+            logger.info("the decode engine's prefill could not be captured (%s); it runs op by op", error)
+            return None
+        finally:
+            self.cache.decoding = True
+            torch.cuda.set_rng_state(rng, self.device)  # the capture drew nothing of the call's seed
+        while len(self.prefill_graphs) >= PREFILL_GRAPHS:
+            self.prefill_graphs.popitem(last=False)
+        self.prefill_graphs[width] = (graph, ids, mask)
+        return self.prefill_graphs[width]
+
+    def prefill_ops(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """The prefill op by op (what a prefill graph holds)."""
         rows, width = input_ids.shape
         attended = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -468,6 +545,8 @@ def decode(
     device = input_ids.device
     if device.type != "cuda":
         capture = "eager"
+    if device.type == "cuda":  # few prefill widths, so few prefill graphs (module docstring)
+        input_ids, attention_mask = widened(input_ids, attention_mask, pad_id, PREFILL_WIDTH_MULTIPLE)
     rows, width = input_ids.shape
     length = -(-(width + max_new_tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
     autocast = autocast_dtype(device)
