@@ -432,6 +432,8 @@ def test_config_is_an_option_of_the_usage(capsys):
         cli.main(["train", "--help"])
     out = capsys.readouterr().out
     assert "[--config FILE]" in out.split("\n\n")[0]  # the usage synopsis
+    # KDTrainingArguments fields this command refuses for flags of its own are not offered
+    assert "model_init_kwargs" not in out and "--dtype" in out and "--teacher_dtype" in out
     _, _, args = train_parser.parse(["--output_dir", "o"])  # no config attribute is left over beside the dataclasses
     assert args.output_dir == "o"
 
@@ -673,3 +675,28 @@ def test_the_tiny_pair_is_written_and_its_printed_train_command_runs(tmp_path, m
     err = capsys.readouterr().err
     assert "--write-tiny-pair" in err and "not an empty folder" in err
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["notes.txt"]
+
+
+def test_an_unreachable_hub_is_one_line_that_keeps_its_offline_hint(monkeypatch):
+    """transformers' message for a hub it cannot reach ends with where to read about offline mode (about 260
+    characters): the refusal quotes it whole, on one line; a longer error is cut with an ellipsis."""
+    import transformers
+
+    from liger_patch_kd.train_cli.arguments import ModelArguments
+    from liger_patch_kd.train_cli.models import load_tokenizer
+    from liger_patch_kd.utils.errors import reason_of
+
+    offline = ("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in the "
+               "cached files.\nCheck your internet connection or see how to run the library in offline mode at "
+               "'https://huggingface.co/docs/transformers/installation#offline-mode'.")  # fmt: skip
+
+    def unreachable(*args, **kwargs):
+        raise OSError(offline)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreachable)
+    with pytest.raises(ValueError) as e:
+        load_tokenizer("org/model", ModelArguments(model_name_or_path="org/model"), "--model_name_or_path")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("--model_name_or_path org/model: no tokenizer loads from there")
+    assert message.endswith("installation#offline-mode'.)")
+    assert reason_of(OSError("x" * 600)) == "x" * 497 + "..." and reason_of(OSError()) == "OSError"

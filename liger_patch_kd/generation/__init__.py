@@ -16,7 +16,8 @@ It knows transformers models, not the Trainer. Modules, lowest first:
   padding           prefill_mask: a left-padded prefill's mask without fully masked rows (eager float64's NaN)
   checks            decode()'s arguments refused before any work (one-line errors)
   cancellation      Cancelled: a decode loop stopped part-way by an event another thread sets (a client gone)
-  engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed
+  engine            decode(): prefill, then the one-token step captured as a CUDA graph and replayed (a small
+                    prefill captured too)
 """
 
 from .cancellation import Cancelled, stop_if_cancelled

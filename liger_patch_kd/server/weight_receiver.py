@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..utils.errors import reason_of
 from ..wire.conventions import JOINED_KEY
 from .validation import RequestError
 from .weight_updates import tensor_specs
@@ -145,7 +146,7 @@ class WeightReceiver:
         joining.join(CONNECT_TIMEOUT.total_seconds() + 2)
         if "group" not in made:  # a thread still stuck in the connect is a daemon: it holds nothing of ours
             e = made.get("error")
-            text = (" ".join(str(e).split())[:160] or type(e).__name__) if e is not None else "no answer"
+            text = reason_of(e, 160) if e is not None else "no answer"
             raise RequestError(504, f"init_info.master_address:master_port {address}: no trainer's store answered "
                                     f"within {CONNECT_TIMEOUT.seconds} s ({text}); give the trainer's address as "
                                     f"this server reaches it, with the trainer listening")  # fmt: skip
@@ -191,7 +192,7 @@ class WeightReceiver:
                 self.shutdown(None)
                 raise RequestError(
                     500, f"the weight broadcast broke at tensor {index + 1} of {total} ({name}): "
-                         f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}. No weight changed; the "
+                         f"{reason_of(e, 200)}. No weight changed; the "
                          f"group is closed: POST /init_weight_transfer_engine again"
                 ) from e  # fmt: skip
             if refusal is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..utils.errors import reason_of
 from ..wire.conventions import is_int
 from .validation import RequestError
 
@@ -128,9 +129,8 @@ def read_safetensors(path: str, check: Callable[[dict[str, TensorSpec]], None]) 
     except RequestError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors' own errors (a truncated header or data): the file's fault
-        text = " ".join(str(e).split())[:200] or type(e).__name__
-        raise RequestError(400, f"model_path {path!r} does not read as safetensors ({text}); is a file truncated? "
-                                f"write it again") from None  # fmt: skip
+        raise RequestError(400, f"model_path {path!r} does not read as safetensors ({reason_of(e, 200)}); is a file "
+                                f"truncated? write it again") from None  # fmt: skip
 
 
 def _safetensors_dtype(sliced: Any) -> torch.dtype:

@@ -21,6 +21,7 @@ from ..cli_checks import looks_like_path
 from ..teacher.store import MANIFEST, store_meta
 from ..teacher.store.rollouts import rollouts_of
 from ..trainer.text_rows import TRAINED_COLUMNS
+from ..utils.errors import reason_of
 from ..utils.text_files import read_utf8
 from .arguments import NO_SPLIT, ScriptArguments
 
@@ -117,7 +118,7 @@ def _hub_splits(name: str, config: str | None) -> dict[str, Any]:
         return dict(datasets.load_dataset(name, config))
     except (OSError, ValueError) as e:  # not found, or not reachable (ConnectionError is an OSError)
         raise ValueError(f"--dataset_name {name}: no local file or folder of that name, and the hub dataset did not "
-                         f"load ({' '.join(str(e).split())[:300]}); check the name, or give a local .jsonl / .json / "
+                         f"load ({reason_of(e)}); check the name, or give a local .jsonl / .json / "
                          f".parquet file or folder") from None  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_checks import looks_like_path
+from ..utils.errors import reason_of
 from .arguments import DTYPES, LORA_TASK_TYPES, ModelArguments
 
 PEFT_EXTRA = "pip install 'liger_patch_kd[peft]'"
@@ -55,7 +56,7 @@ def load_tokenizer(name: str, model: ModelArguments, option: str, revision: str 
     try:
         return AutoTokenizer.from_pretrained(name, revision=revision, **_common(model))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{option} {name}: no tokenizer loads from there ({' '.join(str(e).split())[:200]})") from None
+        raise ValueError(f"{option} {name}: no tokenizer loads from there ({reason_of(e)})") from None
 
 
 def check_same_tokenizer(student: Any, teacher: Any, model: ModelArguments) -> None:

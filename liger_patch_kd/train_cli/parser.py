@@ -43,6 +43,9 @@ def build_parser() -> TrainParser:
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="a YAML file of options (the flags' names without --, TRL's names too; an `env:` mapping "
                              "sets environment variables); the command line overrides it")  # fmt: skip
+    for action in parser._actions:  # fields of KDTrainingArguments this command has flags of its own for (refused
+        if action.dest in TRL_WITHOUT_OPTION:  # by name with those flags, trl_problem): not offered in --help
+            action.help = argparse.SUPPRESS
     return parser
 
 

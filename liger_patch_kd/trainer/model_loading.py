@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.errors import reason_of
+
 DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
@@ -67,9 +69,8 @@ def load_named_model(value: Any, init_kwargs: dict | None, role: str) -> nn.Modu
     try:
         return AutoModelForCausalLM.from_pretrained(os.fspath(value), **kwargs)
     except (OSError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{role}={os.fspath(value)!r}: no causal LM loads from there ({reason}); give a model id, a "
-                         f"directory saved with save_pretrained, or the model itself") from None  # fmt: skip
+        raise ValueError(f"{role}={os.fspath(value)!r}: no causal LM loads from there ({reason_of(e)}); give a model "
+                         f"id, a directory saved with save_pretrained, or the model itself") from None  # fmt: skip
 
 
 def loaded_models(model: Any, teacher_model: Any, args: Any) -> tuple[Any, Any]:
