@@ -53,6 +53,11 @@ def reference(model, ids, mask, max_new_tokens, sampling, pad_id, eos_ids):
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
 
+def _gpu_case():
+    """The CUDA graph tests' float32 Llama on the GPU and its left-padded prompts."""
+    return _model("llama", torch.float32, seed=7).to(DEVICE), *_prompts(DEVICE)
+
+
 SAMPLINGS = {
     "plain": Sampling(),
     "warped": Sampling(temperature=0.7, top_k=20, top_p=0.9, vocab_limit=250),
@@ -346,8 +351,7 @@ def test_decode_options_out_of_range_are_refused(keywords, match):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_updates():
-    model = _model("llama", torch.float32, seed=7).to(DEVICE)
-    ids, mask = _prompts(DEVICE)
+    model, ids, mask = _gpu_case()
     sampling = Sampling(temperature=0.9, top_k=50)
     runs = {}
     for capture in ("eager", "graph", "graph"):  # the second graph call replays the captured graph
@@ -378,8 +382,7 @@ def test_the_cuda_graph_samples_what_the_eager_step_samples_and_sees_in_place_up
 def test_a_step_that_cannot_be_captured_raises_and_leaves_the_device_and_the_session_usable():
     """A host sync inside the step (here a hook) fails its capture: the call raises, the caller's stream is back,
     random ops work, and once the hook is gone the same bucket captures and samples what the eager step does."""
-    model = _model("llama", torch.float32, seed=7).to(DEVICE)
-    ids, mask = _prompts(DEVICE)
+    model, ids, mask = _gpu_case()
 
     def sync_while_captured(module, args):
         if torch.cuda.is_current_stream_capturing():
@@ -424,8 +427,7 @@ def test_prompts_widened_on_the_left_decode_what_they_decode_as_given():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_prefill_is_captured_at_its_widths_second_call_and_replays_the_eager_prefill_and_in_place_updates():
-    model = _model("llama", torch.float32, seed=7).to(DEVICE)
-    ids, mask = _prompts(DEVICE)
+    model, ids, mask = _gpu_case()
     sampling = Sampling(temperature=0.9, top_k=50)
 
     def sampled(capture):
@@ -452,8 +454,7 @@ def test_a_prefill_is_captured_at_its_widths_second_call_and_replays_the_eager_p
 def test_a_prefill_that_cannot_be_captured_runs_op_by_op_and_the_step_stays_captured():
     """A host sync in the prompt's forward only (a hook on the prefill's shapes) fails the prefill's capture: the
     call goes on with the prefill op by op, from then on, and samples what the eager capture samples."""
-    model = _model("llama", torch.float32, seed=7).to(DEVICE)
-    ids, mask = _prompts(DEVICE)
+    model, ids, mask = _gpu_case()
 
     def sync_in_a_captured_prefill(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
