@@ -172,6 +172,10 @@ def _precompute_rollouts(args) -> None:
         top_k=args.generation_top_k, num_generations=args.num_generations, seed=args.seed,
     )  # fmt: skip
     prompts = read_prompt_rows(args.data, tokenizer)
+    shaping = {"data file": file_fingerprint(args.data)}
+    if args.max_prompt_length is not None:  # each prompt's last tokens, as kd_max_prompt_length keeps them
+        prompts = [p[-args.max_prompt_length :] for p in prompts]
+        shaping["max_prompt_length"] = args.max_prompt_length
     contexts = [getattr(cfg, "max_position_embeddings", None) for cfg in configs.values()]
     contexts += [m.context for m in (engine, served) if m is not None]
     vocabs = [v for v in (student_vocab, teacher_vocab) if v is not None] or [store_vocab]
@@ -181,7 +185,7 @@ def _precompute_rollouts(args) -> None:
     # a resume with other sampling, scoring or data is refused now, from its manifest, before any model loads
     section = rollout_section(settings, {}, {}, args.batch_size, score, len(prompts))
     check_resumable(args.out, {"rollouts": {k: v for k, v in section.items() if not k.endswith("_fingerprint")},
-                               "inputs": {"data file": file_fingerprint(args.data)}})  # fmt: skip
+                               "inputs": shaping})  # fmt: skip
     generation_config = None
     if engine is not None:
         try:  # the student's EOS ids, as the in-process path reads them (else the tokenizer's)
@@ -196,7 +200,7 @@ def _precompute_rollouts(args) -> None:
             shard_size=args.shard_size, logprob_dtype=args.dtype, encoding=args.encoding, tokenizer=tokenizer,
             student_name=engine.url if engine else args.rollouts_from,
             teacher_name=served.url if served else args.teacher, tokenizer_fp=tokenizer_fingerprint(tokenizer),
-            inputs={"data file": file_fingerprint(args.data)}, generation_config=generation_config,
+            inputs=shaping, generation_config=generation_config,
         )  # fmt: skip
     finally:
         if served is not None:
@@ -298,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="truncate sequences to this many tokens (>= 1), as kd_max_length does; None: keep them "
                           "whole")  # fmt: skip
     pre.add_argument("--max-prompt-length", type=int, default=None,
-                     help="prompt rows: keep a prompt's last this many tokens (>= 1), as kd_max_prompt_length does; "
-                          "None: whole prompts")  # fmt: skip
+                     help="prompt rows (and --rollouts-from's prompts): keep a prompt's last this many tokens (>= 1), "
+                          "as kd_max_prompt_length does; None: whole prompts")  # fmt: skip
     pre.add_argument("--batch-size", type=int, default=8,
                      help="sequences per teacher forward (--rollouts-from: prompts per generation call)")
     pre.add_argument("--shard-size", type=int, default=1024, help="sequences per shard file")

@@ -157,13 +157,13 @@ def check_rollout_options(args) -> None:
                              f"{given[0]}")  # fmt: skip
         return
     text_only = [flag for flag, given in (("--max-length", getattr(args, "max_length", None) is not None),
-                                          ("--max-prompt-length", getattr(args, "max_prompt_length", None) is not None),
                                           ("--skip-bad-lines", getattr(args, "skip_bad_lines", False)))
                  if given]  # fmt: skip
     if text_only:  # they shape how text lines are read; a prompt file is read whole, every line checked
         raise ValueError(f"{text_only[0]} applies to --data of text sequences (precompute without --rollouts-from); "
-                         f"--rollouts-from reads --data as prompts, every line checked and kept whole "
-                         f"(--max-new-tokens bounds the rollouts): drop {text_only[0]}")  # fmt: skip
+                         f"--rollouts-from reads --data as prompts, every line checked (--max-prompt-length "
+                         f"keeps a prompt's last tokens, --max-new-tokens bounds the rollouts): "
+                         f"drop {text_only[0]}")  # fmt: skip
     for dest, default in ROLLOUT_OPTIONS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)

@@ -447,6 +447,27 @@ def test_the_command_writes_a_store_that_names_who_generated_and_scored(tmp_path
     assert len(TeacherLogprobsDataset(tmp_path / "out")) == 8
 
 
+def test_max_prompt_length_keeps_each_prompts_last_tokens_so_a_long_prompt_fits(tmp_path, checkpoints, models,
+                                                                               tokenizer):  # fmt: skip
+    """--max-prompt-length with --rollouts-from keeps each prompt's last tokens, as kd_max_prompt_length does (a
+    prompt too long for the context had no other fix than editing the data); the manifest records it, so training
+    the store with that kd_max_prompt_length is no option left unused."""
+    out = tmp_path / "cut"
+    assert main(_command(checkpoints, out, "long.jsonl", "teacher", "short", "--max-prompt-length", "8")) == 0
+    assert read_manifest(out)["inputs"]["max_prompt_length"] == 8
+    whole = rollout_store.read_prompt_rows(checkpoints / "long.jsonl", tokenizer)[0]
+    assert len(whole) > 14  # past the short model's context
+    data = TeacherLogprobsDataset(out)
+    for row in data:
+        scored = int((row["labels"] != -100).nonzero()[0])
+        assert row["input_ids"][:scored].tolist() == whole[-8:]
+    KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+              args=_args(tmp_path, kd_max_prompt_length=8, kd_max_new_tokens=4))  # fmt: skip
+    with pytest.raises(ValueError, match="kd_max_prompt_length=4 would never be used.*--max-prompt-length cut"):
+        KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
+                  args=_args(tmp_path, kd_max_prompt_length=4, kd_max_new_tokens=4))  # fmt: skip
+
+
 @pytest.mark.parametrize("case,needle", [
     ("no prompts", "no prompts"),
     ("another tokenizer", "has another tokenizer"),

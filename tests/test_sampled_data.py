@@ -232,3 +232,24 @@ def test_converters_refuse_a_sampled_store_rather_than_drop_its_draws(tmp_path):
     out = _store(tmp_path, "s", top_k=2)[0]
     with pytest.raises(TD.TeacherStoreError, match="holds sampled teacher tokens .* which this format cannot hold"):
         next(TD.iter_store(out))
+
+
+def test_a_store_of_top_k_tempered_already_is_not_tempered_again(tmp_path, caplog):
+    """precompute --temperature 2 without samples stores a teacher at T = 2; the loss tempers stored log-probs by
+    kd_temperature, so kd_temperature 2 would train a teacher at 4 against a student at 2: refused with the fix. At
+    kd_temperature 1 the stored teacher trains as it is, said once."""
+    import logging
+
+    out = _store(tmp_path, "t", samples=0, top_k=4, temperature=2.0)[0]
+    data = TD.TeacherLogprobsDataset(out)
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"kd_temperature=2.0: the train_dataset store holds its teacher's top-4 "
+                                         r"log-probs at temperature 2.0 already.* teacher would be at 4 against the "
+                                         r"student at 2\. Precompute at --temperature 1"):  # fmt: skip
+        KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0, kd_temperature=2.0), train_dataset=data)
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0), train_dataset=data)
+    said = [r.getMessage() for r in caplog.records if "at temperature 2" in r.getMessage()]
+    assert len(said) == 1 and "kd_temperature=1 trains the student at temperature 1" in said[0]
+    plain = TD.TeacherLogprobsDataset(_store(tmp_path, "one", samples=0, top_k=4)[0])
+    KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0, kd_temperature=2.0), train_dataset=plain)  # T = 1: fine

@@ -16,7 +16,7 @@ from ..models import unwrap_model
 from ..teacher.store import store_meta, tokenizer_fingerprint
 from ..teacher.store.rollouts import rollouts_of
 from .teachers.other_tokenizer import padded_vocab_size
-from .teachers.sampled_data import check_sampled_dataset
+from .teachers.sampled_data import check_sampled_dataset, check_tempered_topk
 from .teachers.self_distill import is_self_teacher
 from .teachers.set_fetch import check_rows_for_several_served
 
@@ -234,7 +234,8 @@ def _check_tokenized_rows_are_cut(name: str, dataset: Any, asked: dict[str, int]
     if not unused:
         return
     kind = "a teacher store's rows, trained whole as they were scored" if store else "rows given as input_ids"
-    fix = "liger-kd precompute --max-length cuts a store's rows when it is made" if store else "cut the rows yourself"
+    fix = ("liger-kd precompute --max-length / --max-prompt-length cut a store's rows when it is made" if store
+           else "cut the rows yourself")  # fmt: skip
     drop = unset.format("it" if len(unused) == 1 else "them")
     raise ValueError(f"{name} holds {kind}, which nothing cuts: {' and '.join(unused)} would never be used; {drop} "
                      f"({fix})")  # fmt: skip
@@ -424,6 +425,9 @@ def check_training_rows(
     check_messages_end_with_the_completion(first_row, "train_dataset")
     if not scores_sampled_tokens_only(args, dataset):  # the estimators on a rollout store never read its samples
         check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
+        check_tempered_topk(dataset, cfg)  # nor its top-k
+    if eval_dataset is not None:  # evaluation scores the kd_beta divergence on the top-k, under any estimator
+        check_tempered_topk(eval_dataset, cfg, "eval_dataset")
     check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
     check_completions_for_off_policy(args, dataset)
