@@ -181,7 +181,7 @@ def _precompute_rollouts(args) -> None:
     vocabs = [v for v in (student_vocab, teacher_vocab) if v is not None] or [store_vocab]
     check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size,
                          context=min((c for c in contexts if isinstance(c, int)), default=None),
-                         vocab_size=min(vocabs))  # fmt: skip
+                         vocab_size=min(vocabs), where=f"--data {args.data}: prompt row", first=1)  # fmt: skip
     # a resume with other sampling, scoring or data is refused now, from its manifest, before any model loads
     section = rollout_section(settings, {}, {}, args.batch_size, score, len(prompts))
     check_resumable(args.out, {"rollouts": {k: v for k, v in section.items() if not k.endswith("_fingerprint")},
@@ -496,6 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     return _guarded(args.command, run, args.debug)
 
 
+# what a command stopped part-way kept, and how to go on from it
+AFTER_INTERRUPT = {
+    "precompute": "; the shards finished so far are kept: rerun the same command to resume from them",
+    "train": "; the checkpoints saved so far are in --output_dir: rerun with --resume_from_checkpoint to go on",
+}
+
+
 def _guarded(command: str, run, debug: bool) -> int:
     """run()'s status; a user's mistake is one line and status 2 (its traceback with --debug or LIGER_KD_DEBUG)."""
     debug = debug or os.environ.get("LIGER_KD_DEBUG", "") not in ("", "0")
@@ -510,7 +517,7 @@ def _guarded(command: str, run, debug: bool) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"liger-kd {command}: interrupted", file=sys.stderr)
+        print(f"liger-kd {command}: interrupted{AFTER_INTERRUPT.get(command, '')}", file=sys.stderr)
         return 130
 
 

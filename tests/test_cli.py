@@ -296,3 +296,18 @@ def test_bench_reports_an_out_of_memory_row_instead_of_stopping(monkeypatch, cap
     fused = next(line for line in lines if line.startswith("fused"))
     materialised = next(line for line in lines if line.startswith("materialised logits"))
     assert "out of memory" in materialised and "out of memory" not in fused and "peak MiB:" in lines[-1]
+
+
+def test_an_interrupted_command_says_what_it_kept_and_how_to_go_on(capsys):
+    """Ctrl-C: status 130, one line; a precompute says its finished shards are kept and a rerun resumes from them."""
+    from liger_patch_kd import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert cli._guarded("precompute", interrupted, debug=False) == 130
+    said = capsys.readouterr().err
+    assert said == ("liger-kd precompute: interrupted; the shards finished so far are kept: rerun the same command "
+                    "to resume from them\n")  # fmt: skip
+    assert cli._guarded("serve", interrupted, debug=False) == 130
+    assert capsys.readouterr().err == "liger-kd serve: interrupted\n"

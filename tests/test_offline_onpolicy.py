@@ -187,7 +187,7 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     ("kd_max_new_tokens", 3, "kd_max_new_tokens=3 (the store's completions, and a refresh's, are at most 5 tokens"),
     ("kd_generation_temperature", 0.5, "kd_generation_temperature=0.5 (the store was sampled, and a refresh samples, "
                                        "at 1.0"),
-    ("kd_num_generations", 2, "kd_num_generations=2 (each stored row is one completion"),
+    ("kd_num_generations", 3, "kd_num_generations=3 (the store holds 2 completion(s) a prompt, each a row"),
 ])  # fmt: skip
 def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, tokenizer, option, value, needle):
     """Rows cut or sampled when the store was made: an option that would cut or sample them otherwise did nothing
@@ -199,7 +199,8 @@ def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, to
                   args=_args(tmp_path / "t", **{option: value}))  # fmt: skip
     assert "\n" not in str(e.value) and "would never be used: leave it unset" in str(e.value)
     KDTrainer(model=copy.deepcopy(models[0]), processing_class=tokenizer, train_dataset=data,
-              args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens))  # the store's: no change
+              args=_args(tmp_path / "t", kd_max_new_tokens=SETTINGS.max_new_tokens,
+                         kd_num_generations=SETTINGS.num_generations))  # the store's own values: no change
 
 
 @pytest.mark.parametrize("options", [{"kd_max_length": 4}, {"kd_max_prompt_length": 2},
@@ -481,6 +482,7 @@ def test_max_prompt_length_keeps_each_prompts_last_tokens_so_a_long_prompt_fits(
     ("--out under a file", "a file, so no folder can be made there"),
     ("--tokenizer not the student's", "is not the tokenizer in --rollouts-from"),
     ("another tool's manifest", "not a teacher store's manifest (another tool's manifest.json?); give a folder"),
+    ("--out a model's folder", "holds a config.json: a model's folder, not a store's"),
 ])  # fmt: skip
 def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, capsys, monkeypatch, case, needle):
     import transformers
@@ -502,6 +504,7 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
         "a teacher prompt": _command(checkpoints, out, "privileged.jsonl"),
         "--out under a file": _command(checkpoints, out / "store"),  # was [Errno 20] once the models had run
         "another tool's manifest": _command(checkpoints, out),
+        "--out a model's folder": _command(checkpoints, out),
         # the teacher's folder without a tokenizer: nothing else would have compared --tokenizer with the student's
         "--tokenizer not the student's": _command(checkpoints, out, "prompts.jsonl", "bare teacher", "student",
                                                   "--tokenizer", str(checkpoints / "other")),
@@ -514,6 +517,9 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     if case == "foreign files":
         out.mkdir()
         (out / "shard-00000.safetensors").write_bytes(b"mine")
+    if case == "--out a model's folder":
+        out.mkdir()
+        (out / "config.json").write_text('{"model_type": "llama"}')
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
@@ -524,7 +530,8 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     if case == "not UTF-8":
         assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
     if case == "past the context":
-        assert "prompt 3 has 11 tokens, and 11 + 4 exceeds the context of 14 tokens" in err and "<= 3 " in err
+        assert "prompts.jsonl: prompt row 4 has 11 tokens, and 11 + 4 exceeds the context of 14 tokens" in err
+        assert "<= 3 " in err
     if case == "a prompt as long as the context":  # the fix names the prompt, never a --max-new-tokens of 0 or less
         assert "shorten it to at most 13 tokens" in err and "--max-new-tokens <=" not in err
 

@@ -273,3 +273,23 @@ def test_own_token_logprobs_of_json_replies():
     vllm["choices"][0]["prompt_logprobs"][2]["9"]["logprob"] = 0.5
     with pytest.raises(TeacherReplyError, match="the log-prob of token 2 \\(9\\) is '0.5'"):
         own_token_logprobs("vllm", vllm, [seq], request="r")
+
+
+def test_nothing_listening_is_one_line_naming_the_student_or_the_teacher_it_was_asked_for():
+    """A URL where nothing listens: one line naming the flag, the connection's own error and what to start there
+    (the student's engine for --rollouts-from), not the training client's words about a teacher."""
+    from liger_patch_kd.trainer.offline_onpolicy.engine_student import EngineStudent
+    from liger_patch_kd.trainer.offline_onpolicy.served_teacher import ServedTeacher
+
+    with socket.socket() as s:  # a port just freed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ValueError) as student:
+        EngineStudent(url, retries=0)
+    with pytest.raises(ValueError) as teacher:
+        ServedTeacher(url, retries=0)
+    for error, flag in ((student, "--rollouts-from"), (teacher, "--teacher-url")):
+        text = str(error.value)
+        assert text.startswith(f"{flag} {url}: no server answers GET /v1/models (") and "\n" not in text
+        assert "teacher server" not in text and "training" not in text
+    assert "start the student's engine" in str(student.value)

@@ -402,7 +402,8 @@ def test_a_rollout_store_and_its_teacher_are_one_teacher_when_the_store_is_refre
     with pytest.raises(ValueError, match="--kd_store_refresh_steps 2: .* rollout store"):
         train_run.check_teacher(model, args, tmp_path, SimpleNamespace(meta={}))
     args = train_parser.parse(["--output_dir", "o"])[2]
-    with pytest.raises(ValueError, match="each name a teacher"):
+    with pytest.raises(ValueError, match="each name a teacher: give one .the teacher that scored a rollout store "
+                                         "goes beside it with --kd_store_refresh_steps"):  # fmt: skip
         train_run.check_teacher(model, args, tmp_path, rollout_store)
 
 

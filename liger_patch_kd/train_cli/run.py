@@ -44,7 +44,11 @@ def check_teacher(model: Any, training: Any, store: Path | None, train_rows: Any
     on_policy = training.kd_lmbda > 0 or training.kd_seq_kd  # a store's rows plus a live teacher for generated steps
     rescores = refresh and model.teacher_model_name_or_path  # the teacher that scored the store rescores its rows
     if len(sources) > 1 and not ((on_policy or rescores) and store is not None and len(sources) == 2):
-        raise ValueError(f"{' and '.join(sources)} each name a teacher: give one")
+        beside = ""
+        if store is not None and model.teacher_model_name_or_path and rollouts_of(store_meta(train_rows) or {}):
+            beside = (" (the teacher that scored a rollout store goes beside it with --kd_store_refresh_steps, "
+                      "which rescores the rows it regenerates)")  # fmt: skip
+        raise ValueError(f"{' and '.join(sources)} each name a teacher: give one{beside}")
 
 
 def check_trains(training: Any) -> None:

@@ -101,7 +101,8 @@ def check_store_folder(out_dir: str | Path) -> None:
     file (or a path under one), or a folder holding names it writes (shard-NNNNN.safetensors, temporaries, PENDING)
     that no run of this tool left there and its manifest does not list: writing a shard would overwrite them.
     Recorded ones are an interrupted run's, which a rerun starts over. A folder with a manifest is a store to resume:
-    its manifest is read here (a damaged one fails now)."""
+    its manifest is read here (a damaged one fails now). A model's folder (a config.json) is refused too: a store
+    there mixes with the model's files, and a later save_pretrained into it would leave the store's beside them."""
     out_dir = Path(out_dir)
     blocking = file_in_the_way(out_dir)  # the folder could never be made: found now, not at the first shard
     if blocking == out_dir:
@@ -111,6 +112,9 @@ def check_store_folder(out_dir: str | Path) -> None:
                                 f"a folder for the store")  # fmt: skip
     if not out_dir.is_dir():
         return
+    if (out_dir / "config.json").is_file() and not (out_dir / MANIFEST).exists():
+        raise TeacherStoreError(f"--out {out_dir} holds a config.json: a model's folder, not a store's; pass a "
+                                f"folder of its own for the store")  # fmt: skip
     _, taken = leftovers(out_dir)
     if not taken:
         return

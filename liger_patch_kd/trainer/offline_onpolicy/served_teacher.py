@@ -30,6 +30,7 @@ from ...teacher.client.client import AUTO_PROTOCOL
 from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.token_client import TopKTokenClient
 from ...teacher.precompute import hidden_chunks
+from ...utils.errors import reason_of
 from ...wire.conventions import API_KEY_ENV, is_int
 from .scoring import RowScores, ScoreOptions, TeacherScores, right_padded, rows_of_chunks
 
@@ -59,9 +60,12 @@ def served_model(client: TeacherClient, flag: str) -> dict:
     try:
         return client.served_model()
     except TeacherServerError as e:
-        raise ValueError(f"{flag} {client.url}: no server answers GET /v1/models ({e}); start it (e.g. `liger-kd "
-                         f"serve --teacher PATH --port PORT`) or fix the URL; the API key is read from "
-                         f"{API_KEY_ENV}") from None  # fmt: skip
+        # no answer at all: the connection's own error (the client's message speaks of a teacher during training)
+        reason = reason_of(e.__cause__) if isinstance(e.__cause__, OSError) else reason_of(e)
+        what = "the student's engine (vLLM, SGLang, or `liger-kd serve --teacher STUDENT --port PORT`)" \
+            if flag == "--rollouts-from" else "it (e.g. `liger-kd serve --teacher PATH --port PORT`)"  # fmt: skip
+        raise ValueError(f"{flag} {client.url}: no server answers GET /v1/models ({reason}); start {what} or fix "
+                         f"the URL; the API key is read from {API_KEY_ENV}") from None  # fmt: skip
 
 
 class ServedTeacher:

@@ -73,9 +73,11 @@ def check_options_a_store_fixes(args: Any, section: dict) -> None:
         unused.append(f"kd_generation_temperature={args.kd_generation_temperature} (the store was sampled, and a "
                       f"refresh samples, at {stored_temperature}: --generation-temperature of liger-kd "
                       f"precompute)")  # fmt: skip
-    if args.kd_num_generations != 1:
-        unused.append(f"kd_num_generations={args.kd_num_generations} (each stored row is one completion, and a "
-                      f"refresh replaces a row with one: --num-generations of liger-kd precompute)")  # fmt: skip
+    stored_generations = section.get("num_generations", 1)
+    if args.kd_num_generations not in (1, stored_generations):
+        unused.append(f"kd_num_generations={args.kd_num_generations} (the store holds {stored_generations} "
+                      f"completion(s) a prompt, each a row, and a refresh replaces a row with one: --num-generations "
+                      f"of liger-kd precompute)")  # fmt: skip
     if unused:
         raise ValueError(
             f"train_dataset is a rollout store, whose rows were sampled and scored when it was made, so "

@@ -80,9 +80,12 @@ def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1
     return prompts
 
 
-def check_rollout_inputs(prompts: Sequence[Sequence[int]], settings: RolloutSettings, *, prompts_per_call: int,
-                         context: int | None, vocab_size: int, where: str = "prompt") -> None:  # fmt: skip
-    """Everything about the prompts and sampling checked before any model runs: a ValueError naming the fix."""
+def check_rollout_inputs(
+    prompts: Sequence[Sequence[int]], settings: RolloutSettings, *, prompts_per_call: int, context: int | None,
+    vocab_size: int, where: str = "prompt", first: int = 0,
+) -> None:  # fmt: skip
+    """Everything about the prompts and sampling checked before any model runs: a ValueError naming the fix, the
+    prompt named `where` and its index counted from `first` (1 for a file's rows, as a reader counts them)."""
     if len(prompts) == 0:
         raise ValueError("no prompts: --data must hold rows with a 'prompt' (text or messages) or 'messages' (TRL's "
                          "formats); rollouts are sampled from them")  # fmt: skip
@@ -91,19 +94,19 @@ def check_rollout_inputs(prompts: Sequence[Sequence[int]], settings: RolloutSett
     for n, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(f"{where} {n} holds token id {bad[0]}, outside the student's vocabulary [0, "
+            raise ValueError(f"{where} {n + first} holds token id {bad[0]}, outside the student's vocabulary [0, "
                              f"{vocab_size}): tokenize the prompts with the student's tokenizer")  # fmt: skip
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(len(prompts[longest]), 1)
     if context is not None and size >= context:  # no --max-new-tokens fits: the prompt is the problem
         raise ValueError(
-            f"{where} {longest} has {size} tokens, which leaves no room for a completion in the context of {context} "
-            f"tokens (max_position_embeddings): shorten it to at most {context - 1} tokens, leaving "
+            f"{where} {longest + first} has {size} tokens, which leaves no room for a completion in the context of "
+            f"{context} tokens (max_position_embeddings): shorten it to at most {context - 1} tokens, leaving "
             f"--max-new-tokens for the completion, or drop the row"
         )
     if context is not None and size + settings.max_new_tokens > context:
         raise ValueError(
-            f"--max-new-tokens {settings.max_new_tokens}: {where} {longest} has {size} tokens, and {size} + "
+            f"--max-new-tokens {settings.max_new_tokens}: {where} {longest + first} has {size} tokens, and {size} + "
             f"{settings.max_new_tokens} exceeds the context of {context} tokens (max_position_embeddings); pass "
             f"--max-new-tokens <= {context - size} or shorter prompts"
         )
