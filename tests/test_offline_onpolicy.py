@@ -188,6 +188,8 @@ def test_kd_behaviour_kl_is_the_whole_optimizer_steps_under_gradient_accumulatio
     ("kd_generation_temperature", 0.5, "kd_generation_temperature=0.5 (the store was sampled, and a refresh samples, "
                                        "at 1.0"),
     ("kd_num_generations", 3, "kd_num_generations=3 (the store holds 2 completion(s) a prompt, each a row"),
+    ("kd_store_refresh_fraction", 0.5, "kd_store_refresh_fraction=0.5 (the share of a step a refresh regenerates"),
+    ("kd_rollout_batch_size", 4, "kd_rollout_batch_size=4 (the prompts of a refresh's generation calls"),
 ])  # fmt: skip
 def test_options_that_a_store_fixes_are_refused_not_ignored(tmp_path, models, tokenizer, option, value, needle):
     """Rows cut or sampled when the store was made: an option that would cut or sample them otherwise did nothing
@@ -363,8 +365,9 @@ def test_a_refresh_is_logged_with_its_step_and_rows_and_counted_in_the_trainers_
     # 2 rows a step: ceil(0.5 x 2) = 1 regenerated at steps 2 and 4; per log (every step) the rows since the last
     assert _losses(trainer, "kd_refreshed_rows") == [0, 0, 1, 0, 1]
     said = [r.getMessage() for r in caplog.records if "regenerated" in r.getMessage()]
-    assert said == [f"kd_store_refresh_steps=2: step {s} regenerated 1 of its 2 stored rows with the current student, "
-                    f"rescored by the teacher" for s in (2, 4)]  # fmt: skip
+    # counted as the Trainer's logs count steps: the rows of optimizer steps 3 and 5 (2 and 4 done before them)
+    assert said == [f"kd_store_refresh_steps=2: optimizer step {s} regenerated 1 of its 2 stored rows with the "
+                    f"current student, rescored by the teacher" for s in (3, 5)]  # fmt: skip
     offline = KDTrainer(model=copy.deepcopy(student), processing_class=tokenizer, train_dataset=data,
                         args=_args(tmp_path / "b", max_steps=1))  # fmt: skip
     offline.train()
@@ -960,6 +963,7 @@ def test_eval_fraction_holds_out_whole_prompts_of_a_rollout_store(tmp_path, mode
         train, held = set(splits.train.indices), set(splits.evaluation.indices)
         assert train | held == set(range(8)) and not train & held and len(held) == 4
         assert all((i in held) == (i ^ 1 in held) for i in range(8)), (seed, sorted(held))
+        assert splits.description.endswith("held out of 'train' (2 of 4 prompts, their 2 completions each)")
     with pytest.raises(ValueError, match=r"holds out 4 of the train split's 4 prompts \(2 completions each\)"):
         load_splits(ScriptArguments(dataset_name=str(folder), eval_fraction=0.99), seed=0,
                     store_dataset=TeacherLogprobsDataset)  # fmt: skip

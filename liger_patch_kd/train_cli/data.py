@@ -195,6 +195,9 @@ def load_splits(script: ScriptArguments, seed: int, store_dataset: Callable[[Pat
         group = int(section.get("num_generations", 1)) if section else 1
         train, evaluation = _hold_out(train, fraction, seed, group=group)
         description = f"evaluating on {len(evaluation)} rows held out of '{script.dataset_train_split}'"
+        if group > 1:  # whole prompts are held out, so the share of rows is a multiple of a prompt's
+            description += (f" ({len(evaluation) // group} of {(len(train) + len(evaluation)) // group} prompts, "
+                            f"their {group} completions each)")  # fmt: skip
     elif dropped:
         evaluation, description = None, f"no evaluation (--dataset_test_split {NO_SPLIT})"
     else:

@@ -94,8 +94,10 @@ class StoreRefresh:
             out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in fresh.items()})
         self.refreshed_steps.append(step)
         self.unlogged_rows += len(prompts)
-        logger.info("kd_store_refresh_steps=%d: step %d regenerated %d of its %d stored rows with the current student, "
-                    "rescored by the teacher", self.every, step, len(prompts), sum(len(r) for r in rows))  # fmt: skip
+        # the step counted as the Trainer's logs count it (from 1: `step` optimizer steps are done before it)
+        logger.info("kd_store_refresh_steps=%d: optimizer step %d regenerated %d of its %d stored rows with the "
+                    "current student, rescored by the teacher", self.every, step + 1, len(prompts),
+                    sum(len(r) for r in rows))  # fmt: skip
         return out
 
     def take_unlogged_rows(self) -> int:

@@ -78,6 +78,13 @@ def check_options_a_store_fixes(args: Any, section: dict) -> None:
         unused.append(f"kd_num_generations={args.kd_num_generations} (the store holds {stored_generations} "
                       f"completion(s) a prompt, each a row, and a refresh replaces a row with one: --num-generations "
                       f"of liger-kd precompute)")  # fmt: skip
+    if not args.kd_store_refresh_steps:  # the options of a refresh, which only kd_store_refresh_steps makes
+        if args.kd_store_refresh_fraction != defaults.get("kd_store_refresh_fraction", 1.0):
+            unused.append(f"kd_store_refresh_fraction={args.kd_store_refresh_fraction} (the share of a step a refresh "
+                          f"regenerates, and kd_store_refresh_steps=0 makes none)")  # fmt: skip
+        if args.kd_rollout_batch_size is not None:
+            unused.append(f"kd_rollout_batch_size={args.kd_rollout_batch_size} (the prompts of a refresh's generation "
+                          f"calls, and kd_store_refresh_steps=0 makes none)")  # fmt: skip
     if unused:
         raise ValueError(
             f"train_dataset is a rollout store, whose rows were sampled and scored when it was made, so "
