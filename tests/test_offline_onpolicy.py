@@ -936,14 +936,20 @@ def test_a_bf16_pair_stores_log_probs_of_fp32_logits_as_training_reads_them(tmp_
     assert worst["behaviour_logprobs"] < 1e-5 and worst["teacher_token_logprobs"] < 1e-5, worst
 
 
-def test_prompt_rows_are_read_in_tokenizer_batches_as_one_by_one_and_a_bad_line_is_named(tmp_path, tokenizer):
-    """read_prompt_rows encodes many rows per tokenizer call: the ids are one-by-one's (a completion ignored, a
-    conversation through the chat path), and a bad row in a later batch is still named by its line."""
+def test_prompt_rows_are_read_in_tokenizer_batches_as_one_by_one_and_a_bad_line_is_named(tmp_path, tokenizer,
+                                                                                         caplog):  # fmt: skip
+    """read_prompt_rows encodes many rows per tokenizer call: the ids are one-by-one's (a completion ignored, and
+    said once, a conversation through the chat path), and a bad row in a later batch is still named by its line."""
     rows = [*PROMPTS, {"prompt": "the park", "completion": " is warm"}, {"prompt": ""}] * 3
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     expected = [tokenize_prompt_row(tokenizer, {"prompt": r["prompt"]})[0] for r in rows]
-    assert rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4) == expected
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        assert rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4) == expected
+    said = [r.getMessage() for r in caplog.records if "'completion'" in r.getMessage()]
+    first = rows.index({"prompt": "the park", "completion": " is warm"}) + 1
+    assert said == [f"{data}: 3 of {len(rows)} rows carry a 'completion' (the first at line {first}), which a rollout "
+                    f"store does not read: the student samples its own after each prompt"]  # fmt: skip
     assert rollout_store.read_prompt_rows(data, tokenizer) == expected
     data.write_text("\n".join(json.dumps(r) for r in [*rows, {"prompt": 5}]))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(data))}:{len(rows) + 1}: 'prompt' must be a string"):

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 from transformers import GenerationConfig
+from transformers.utils import logging
 
 from ...batch.columns import TEACHER_PROMPT
 from ...batch.prompts import tokenize_prompt_rows
@@ -34,6 +35,8 @@ from ..rollouts.onpolicy import special_ids
 from .engine_student import EngineStudent
 from .scoring import ScoredRollouts, ScoreOptions, score_rollouts
 from .served_teacher import ServedTeacher
+
+logger = logging.get_logger(__name__)
 
 
 def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: int) -> int:
@@ -47,8 +50,10 @@ def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1
     not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
     blank lines ignored. A line that is neither, or that has a 'teacher_prompt' (which the store could not honour),
     is a ValueError naming file:line. The text prompts are encoded
-    `rows_per_call` rows to a tokenizer call (the same ids as one by one)."""
+    `rows_per_call` rows to a tokenizer call (the same ids as one by one). Rows with a completion are counted
+    and said once (a user may expect them to be trained on)."""
     numbered = []  # (line number, the row without its completion)
+    completions = []  # the line numbers of rows with a completion, which is not read
     for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
         if not line.strip():
             continue
@@ -64,7 +69,13 @@ def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1
                              f"scores the student's own prompt + completion, so the privileged prompt would be "
                              f"dropped: remove the column, or distil with the teacher prompt on-policy online "
                              f"(KDTrainer on these rows with kd_lmbda=1)")  # fmt: skip
+        if "completion" in row:
+            completions.append(line_no)
         numbered.append((line_no, {k: v for k, v in row.items() if k != "completion"}))
+    if completions:
+        logger.warning("%s: %d of %d rows carry a 'completion' (the first at line %d), which a rollout store does not "
+                       "read: the student samples its own after each prompt", path, len(completions), len(numbered),
+                       completions[0])  # fmt: skip
     prompts = []
     for first in range(0, len(numbered), rows_per_call):
         part = numbered[first : first + rows_per_call]
