@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # what a command stopped part-way kept, and how to go on from it
 AFTER_INTERRUPT = {
-    "precompute": "; the shards finished so far are kept: rerun the same command to resume from them",
+    "precompute": "; any shard finished so far is kept: rerun the same command to resume",
     "train": "; the checkpoints saved so far are in --output_dir: rerun with --resume_from_checkpoint to go on",
 }
 

@@ -307,7 +307,7 @@ def test_an_interrupted_command_says_what_it_kept_and_how_to_go_on(capsys):
 
     assert cli._guarded("precompute", interrupted, debug=False) == 130
     said = capsys.readouterr().err
-    assert said == ("liger-kd precompute: interrupted; the shards finished so far are kept: rerun the same command "
-                    "to resume from them\n")  # fmt: skip
+    assert said == ("liger-kd precompute: interrupted; any shard finished so far is kept: rerun the same command to "
+                    "resume\n")  # fmt: skip
     assert cli._guarded("serve", interrupted, debug=False) == 130
     assert capsys.readouterr().err == "liger-kd serve: interrupted\n"

@@ -700,3 +700,33 @@ def test_a_bucket_decoded_under_inference_mode_then_under_no_grad_decodes_both_t
             runs.append(decode(model, ids, mask, max_new_tokens=4, sampling=Sampling(), pad_id=0, capture="eager"))
     release_sessions(model)
     assert all(torch.equal(runs[0][0], r[0]) for r in runs)
+
+
+def test_prefill_widths_in_rotation_are_captured_once_each_and_at_most_prefill_graphs_of_them(monkeypatch):
+    """A capture syncs and empties the allocator's cache: widths in rotation (a server's, varied prompts') must not
+    be captured again and again. Each width is captured at its second call, the first PREFILL_GRAPHS widths only,
+    and replayed after; the others run op by op. (The CUDA calls are stood in for: the bookkeeping alone.)"""
+    import contextlib
+    import types
+
+    from liger_patch_kd.generation import engine
+
+    captured = []
+    monkeypatch.setattr(engine, "graph_capture", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    for name in ("get_rng_state", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: None)
+    session = object.__new__(engine.DecodeSession)
+    session.key = types.SimpleNamespace(rows=8, capture="graph")
+    session.device = torch.device("cpu")
+    session.cache = types.SimpleNamespace(decoding=True)
+    session.prefill_graphs, session.prefill_widths_seen, session.prefill_captures = {}, set(), True
+    session.prefill_pool, session.prefill_pool_bytes = None, 0
+    session.prefill_ops = lambda ids, mask: captured.append(ids.shape[1])
+    widths = [16, 32, 48, 64, 80, 96] * 4
+    replayed = [session.prefill_graph(width) is not None for width in widths]
+    assert captured == [16, 32, 48, 64]  # once each, at the second round; 80 and 96 never
+    assert sum(replayed) == 4 * 3 and not any(replayed[:6])
+    assert session.prefill_graph(engine.PREFILL_CAPTURE_TOKENS // 8 + 16) is None  # too large: op by op

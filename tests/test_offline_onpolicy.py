@@ -377,16 +377,27 @@ def test_a_refresh_is_logged_with_its_step_and_rows_and_counted_in_the_trainers_
 def test_a_refresh_scores_under_the_trainers_autocast_and_samples_outside_it(tmp_path, models, tokenizer,
                                                                               monkeypatch):  # fmt: skip
     """bf16=True with float32 weights: the live teacher's forward runs under the Trainer's autocast (compute_loss),
-    so the refreshed rows are scored under it too (in float32 they took twice a live step's time on a GPU), while
-    their completions are sampled outside it, as an on-policy step's are."""
-    from liger_patch_kd.trainer.offline_onpolicy import refresh
+    so the teacher scores the refreshed rows under it too (in float32 they took twice a live step's time on a GPU),
+    while their completions are sampled, and their behaviour log-probs taken, outside it, as an on-policy step's
+    are."""
+    from liger_patch_kd.trainer.offline_onpolicy import refresh, scoring
 
     seen = []
     real_score, real_generate = refresh.score_rollouts, refresh.generate_rollouts
 
     def score(*args, **kwargs):
-        seen.append(("score", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        seen.append(("score", torch.is_autocast_enabled("cpu")))
         return real_score(*args, **kwargs)
+
+    real_teacher_rows, real_behaviour = scoring.teacher_rows, scoring.student_next_logprobs
+
+    def teacher_rows(*args, **kwargs):
+        seen.append(("teacher", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real_teacher_rows(*args, **kwargs)
+
+    def behaviour(*args, **kwargs):
+        seen.append(("behaviour", torch.is_autocast_enabled("cpu")))
+        return real_behaviour(*args, **kwargs)
 
     def generate(*args, **kwargs):
         seen.append(("generate", torch.is_autocast_enabled("cpu")))
@@ -394,13 +405,17 @@ def test_a_refresh_scores_under_the_trainers_autocast_and_samples_outside_it(tmp
 
     monkeypatch.setattr(refresh, "score_rollouts", score)
     monkeypatch.setattr(refresh, "generate_rollouts", generate)
+    monkeypatch.setattr(scoring, "teacher_rows", teacher_rows)
+    monkeypatch.setattr(scoring, "student_next_logprobs", behaviour)
     student, teacher = models
     data = TeacherLogprobsDataset(_store(tmp_path / "s", models, tokenizer))
     trainer = KDTrainer(model=copy.deepcopy(student), teacher_model=teacher, processing_class=tokenizer,
                         train_dataset=data, args=_args(tmp_path, max_steps=3, bf16=True, kd_store_refresh_steps=2,
                                                        kd_store_refresh_fraction=0.5))  # fmt: skip
+    seen.clear()  # the store's own scoring above
     trainer.train()
-    assert seen == [("generate", False), ("score", True, torch.bfloat16)]  # one refresh, at step 2
+    # one refresh, at step 2: the teacher under the autocast, the sampling and the behaviour log-probs outside it
+    assert seen == [("generate", False), ("score", False), ("teacher", True, torch.bfloat16), ("behaviour", False)]
 
 
 def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenizer):

@@ -10,8 +10,10 @@ op by op: what a CPU runs, and the reference of the graph). The prefill runs thr
 the prompt. On CUDA, prompts are left-padded to a multiple of PREFILL_WIDTH_MULTIPLE columns (both captures, so the
 two compute the same), and under "graph" a small prefill (rows x width up to PREFILL_CAPTURE_TOKENS, where launching
 its few hundred small kernels from Python costs more than running them) is captured too, at the second call of its
-width (the first runs it eagerly: lazy kernels, autotuning, the cache's allocation), one graph per width, the last
-PREFILL_GRAPHS widths kept, sharing one memory pool; a prefill whose capture fails runs eagerly from then on.
+width (the first runs it eagerly: lazy kernels, autotuning, the cache's allocation), one graph per width, for the
+first PREFILL_GRAPHS widths that come back (later ones run eagerly: a capture syncs and empties the allocator's
+cache, so widths in rotation must never be captured again and again), sharing one memory pool that the session's
+size (nbytes) counts. A model whose prefill cannot be captured runs it eagerly from then on, in every session.
 
 The session runs a twin of the model (kernel_twin.py: the same parameters, its own module tree) whose RMSNorm, RoPE
 and gated MLP are the project's kernels, whether or not the model is patched: a patched and an unpatched student
@@ -73,7 +75,7 @@ LENGTH_MULTIPLE = 128  # cache lengths are rounded up to this: a run sees few bu
 PREFILL_WIDTH_MULTIPLE = 16  # CUDA prompts are left-padded to this: a run's prompts share few prefill graphs
 PREFILL_CAPTURE_TOKENS = 8192  # prefills of at most rows x width tokens are captured ("graph"); larger ones are
 # bound by their products, not their launches, and a graph would hold their activations' memory between calls
-PREFILL_GRAPHS = 4  # prefill widths a session keeps a graph for (the least recently used goes first)
+PREFILL_GRAPHS = 4  # prefill widths a session captures, the first four that come back; others run eagerly
 CHECK_EVERY = 16  # decode steps between the host's "has every row ended?" checks (a sync each): measured in bench
 # The step's bookkeeping after the draw in one Triton kernel instead of a dozen torch ops (on the Triton backend).
 # Checked against the torch ops step for step, through the interpreter on a CPU and compiled and captured on a GPU
@@ -167,6 +169,7 @@ class DecodeSession:
         # kept the model, and so its sessions, alive for good)
         self._model = kernel_twin(model) if key.kernels else weakref.ref(model)
         self.key, self.device = key, device
+        self._source = weakref.ref(model)  # the model itself, for what is remembered of it beyond this session
         rows, length = key.rows, key.length
         # cos / sin looked up from a table of the cache's positions (rotary_table.py), refreshed at each call
         self.rotary_tables = install_rotary_tables(self._model, length) if key.kernels else []
@@ -200,10 +203,13 @@ class DecodeSession:
         # captured prefills by width: (graph, its input ids, its attention mask); widths run once eagerly so far
         self.prefill_graphs: OrderedDict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
         self.prefill_widths_seen: set[int] = set()
-        self.prefill_captures = key.capture == "graph"  # False once a capture failed: eager from then on
+        # False for a model whose prefill capture failed (in any session: it would fail again, each time reserving
+        # memory), and once this session holds PREFILL_GRAPHS graphs
+        self.prefill_captures = key.capture == "graph" and model not in _PREFILL_UNCAPTURABLE
         # one memory pool for every prefill graph of the session: they run one at a time and hand nothing out of
         # their pool (their results land in the session's own buffers), so one prefill's activations are held
         self.prefill_pool = None
+        self.prefill_pool_bytes = 0  # the memory the capture reserved for it, counted in nbytes
         # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
         copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
         self.projection_copies = copies if copies.groups else None
@@ -217,7 +223,7 @@ class DecodeSession:
         """The memory the session holds between calls: KV cache, projection weight copies, output buffers."""
         buffers = [self.out, self.valid, self.step_mask, *(self.out_top or ())]
         buffers += [self.out_logprobs] if self.out_logprobs is not None else []
-        held = self.cache.nbytes() + sum(t.numel() * t.element_size() for t in buffers)
+        held = self.cache.nbytes() + sum(t.numel() * t.element_size() for t in buffers) + self.prefill_pool_bytes
         return held + (self.projection_copies.nbytes() if self.projection_copies is not None else 0)
 
     # ----------------------------------------------------------------------------------------- the step
@@ -287,9 +293,9 @@ class DecodeSession:
         runs op by op (the first call of a width, an eager session, a large prefill, a capture that failed)."""
         kept = self.prefill_graphs.get(width)
         if kept is not None:
-            self.prefill_graphs.move_to_end(width)
             return kept
-        if not self.prefill_captures or self.key.rows * width > PREFILL_CAPTURE_TOKENS:
+        if not self.prefill_captures or self.key.rows * width > PREFILL_CAPTURE_TOKENS \
+                or len(self.prefill_graphs) >= PREFILL_GRAPHS:  # fmt: skip
             return None
         if width not in self.prefill_widths_seen:
             self.prefill_widths_seen.add(width)
@@ -300,17 +306,21 @@ class DecodeSession:
         rng = torch.cuda.get_rng_state(self.device)
         try:  # a failed capture raises with the stream, allocator and generator put right (utils/cuda_graphs.py)
             self.prefill_pool = self.prefill_pool or torch.cuda.graph_pool_handle()
-            with graph_capture(graph, self.device, self.prefill_pool):
+            # thread_local: another thread's allocation (the server's weight receiver) is not refused meanwhile
+            with graph_capture(graph, self.device, self.prefill_pool, capture_error_mode="thread_local"):
+                reserved = torch.cuda.memory_reserved(self.device)  # after the capture emptied the cache
                 self.prefill_ops(ids, mask)
+            self.prefill_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         except RuntimeError as error:  # something in the forward a graph cannot hold: eager prefills from now on
             self.prefill_captures = False
+            source = self._source()
+            if source is not None:
+                _PREFILL_UNCAPTURABLE.add(source)
             logger.info("the decode engine's prefill could not be captured (%s); it runs op by op", error)
             return None
         finally:
             self.cache.decoding = True
             torch.cuda.set_rng_state(rng, self.device)  # the capture drew nothing of the call's seed
-        while len(self.prefill_graphs) >= PREFILL_GRAPHS:
-            self.prefill_graphs.popitem(last=False)
         self.prefill_graphs[width] = (graph, ids, mask)
         return self.prefill_graphs[width]
 
@@ -416,6 +426,8 @@ def fused_draw_applies(key: SessionKey, device: torch.device) -> bool:
 KEEP_SESSIONS = 2  # buckets kept per model: a run's rollouts and an evaluation's decode between its steps
 # per model, its sessions by key, the least recently used first
 _SESSIONS: weakref.WeakKeyDictionary[nn.Module, OrderedDict[SessionKey, DecodeSession]] = weakref.WeakKeyDictionary()
+# models whose prefill could not be captured: their sessions prefill op by op (DecodeSession.prefill_graph)
+_PREFILL_UNCAPTURABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def release_sessions(model: nn.Module | None = None) -> None:

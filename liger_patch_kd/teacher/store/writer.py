@@ -67,7 +67,8 @@ SET_BY = {"rollouts.teacher_fingerprint": "--teacher", "rollouts.generator_finge
           "rollouts.score.top_k": "--top-k", "rollouts.score.samples": "--samples",
           "rollouts.score.temperature": "--temperature", "rollouts.score.seed": "--seed", "top_k": "--top-k",
           "temperature": "--temperature", "logprob_dtype": "--dtype", "encoding": "--encoding",
-          "data file": "--data", "max_length": "--max-length", "skip_bad_lines": "--skip-bad-lines"}  # fmt: skip
+          "data file": "--data", "max_length": "--max-length", "skip_bad_lines": "--skip-bad-lines",
+          "max_prompt_length": "--max-prompt-length"}  # fmt: skip
 
 
 def _differences(old: Any, new: Any, where: str = "") -> dict[str, tuple[Any, Any]]:

@@ -3,12 +3,12 @@
 get a new completion sampled by the current student from the same prompt, with the store's sampling settings, and
 are rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of
 the new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
-rewritten. The new completions are sampled as an on-policy step's are (outside the training step's autocast); the
-teacher scores them in the precision its forward has in the Trainer's loss (`scoring_precision`, the Trainer's
-autocast): a bf16=True run with float32 teacher weights rescores in bf16 autocast, as its live teacher would, not in
-float32. Steps 0 apart, every 1 with fraction 1 is fully online (every step on the current student's samples); none
-(0) is fully offline. Each refresh is logged at INFO (the step, the rows), and the Trainer's logs carry
-kd_refreshed_rows: the rows refreshed since the previous log."""
+rewritten. The new completions are sampled, and their behaviour log-probs taken, as an on-policy step's are (outside
+the training step's autocast); the teacher scores them in the precision its forward has in the Trainer's loss
+(`scoring_precision`, the Trainer's autocast): a bf16=True run with float32 teacher weights rescores in bf16
+autocast, as its live teacher would, not in float32. Steps 0 apart, every 1 with fraction 1 is fully online (every
+step on the current student's samples); none (0) is fully offline. Each refresh is logged at INFO (the step, the
+rows), and the Trainer's logs carry kd_refreshed_rows: the rows refreshed since the previous log."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ class StoreRefresh:
         settings = replace(self.settings, vocab_size=vocab_size)
         rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
                                                     start_id=start, step=step, progress=self.progress)  # fmt: skip
-        with scoring_precision():
-            scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size))
+        scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size,
+                                     teacher_precision=scoring_precision))  # fmt: skip
         out = []
         for batch, own, n in zip(batches, rows, counts):
             if n == 0:  # none of its rows due: the batch as it came

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -219,7 +220,7 @@ def student_next_logprobs(student: nn.Module, padded: tuple[torch.Tensor, torch.
 @torch.no_grad()
 def score_rollouts(
     student: nn.Module | None, teacher: nn.Module | TeacherRows, rollouts: list[Rollout], options: ScoreOptions,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, teacher_precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> ScoredRollouts:
     """Each rollout scored by `teacher` (top-k / samples and its log-prob of every completion token), in process or
     served (a TeacherRows: served_teacher.ServedTeacher), and by `student` (the behaviour log-prob of every
@@ -227,12 +228,15 @@ def score_rollouts(
     `student`, the behaviour log-probs are the rollouts' own, an engine's (Rollout.logprobs). A model runs in eval
     mode and is put back in its mode. The rows come back together (ScoredRollouts; a row of it is a ScoredRow).
     `vocab_size`: the ids the student sampled from (RolloutSettings.vocab_size, a head padded past its tokenizer:
-    its extra rows are never drawn), so the behaviour log-probs are normalised over those alone."""
+    its extra rows are never drawn), so the behaviour log-probs are normalised over those alone.
+    `teacher_precision()`: the context an in-process teacher scores in (a refresh: the Trainer's autocast, as its
+    live forward); the student's behaviour log-probs are taken outside it, as the rollouts were sampled."""
     sequences = [list(r.prompt) + list(r.completion) for r in rollouts]
     lengths = [len(s) for s in sequences]
     padded = right_padded(sequences, torch.device("cpu"))
     if isinstance(teacher, nn.Module):
-        scores = teacher_rows(teacher, sequences, options, padded)
+        with teacher_precision():
+            scores = teacher_rows(teacher, sequences, options, padded)
     else:
         scores = teacher.rows(sequences, options)
     ends = torch.tensor(lengths).cumsum(0)
