@@ -169,7 +169,7 @@ class DecodeSession:
         # kept the model, and so its sessions, alive for good)
         self._model = kernel_twin(model) if key.kernels else weakref.ref(model)
         self.key, self.device = key, device
-        self._source = weakref.ref(model)  # the model itself, for what is remembered of it beyond this session
+        self._source = weakref.ref(model)  # the model itself: what is remembered of it outlives its sessions
         rows, length = key.rows, key.length
         # cos / sin looked up from a table of the cache's positions (rotary_table.py), refreshed at each call
         self.rotary_tables = install_rotary_tables(self._model, length) if key.kernels else []
@@ -203,8 +203,8 @@ class DecodeSession:
         # captured prefills by width: (graph, its input ids, its attention mask); widths run once eagerly so far
         self.prefill_graphs: OrderedDict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
         self.prefill_widths_seen: set[int] = set()
-        # False for a model whose prefill capture failed (in any session: it would fail again, each time reserving
-        # memory), and once this session holds PREFILL_GRAPHS graphs
+        # False for a model whose prefill capture failed in any of its sessions (it would fail again, each time
+        # reserving memory); prefill_graph also stops capturing once PREFILL_GRAPHS graphs are held
         self.prefill_captures = key.capture == "graph" and model not in _PREFILL_UNCAPTURABLE
         # one memory pool for every prefill graph of the session: they run one at a time and hand nothing out of
         # their pool (their results land in the session's own buffers), so one prefill's activations are held
