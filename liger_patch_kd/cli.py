@@ -114,7 +114,7 @@ def _precompute_rollouts(args) -> None:
     from .trainer.offline_onpolicy.store import (
         check_rollout_inputs,
         check_vocabularies,
-        read_prompt_rows,
+        read_prompt_lines,
         rollout_section,
     )
     from .trainer.rollouts.generate import RolloutSettings
@@ -171,7 +171,7 @@ def _precompute_rollouts(args) -> None:
         max_new_tokens=args.max_new_tokens, temperature=args.generation_temperature, top_p=args.top_p,
         top_k=args.generation_top_k, num_generations=args.num_generations, seed=args.seed,
     )  # fmt: skip
-    prompts = read_prompt_rows(args.data, tokenizer)
+    prompts, lines = read_prompt_lines(args.data, tokenizer)
     shaping = {"data file": file_fingerprint(args.data)}
     if args.max_prompt_length is not None:  # each prompt's last tokens, as kd_max_prompt_length keeps them
         prompts = [p[-args.max_prompt_length :] for p in prompts]
@@ -181,7 +181,7 @@ def _precompute_rollouts(args) -> None:
     vocabs = [v for v in (student_vocab, teacher_vocab) if v is not None] or [store_vocab]
     check_rollout_inputs(prompts, settings, prompts_per_call=args.batch_size,
                          context=min((c for c in contexts if isinstance(c, int)), default=None),
-                         vocab_size=min(vocabs), where=f"--data {args.data}: prompt row", first=1)  # fmt: skip
+                         vocab_size=min(vocabs), names=[f"{args.data}:{n}" for n in lines])  # fmt: skip
     # a resume with other sampling, scoring or data is refused now, from its manifest, before any model loads
     section = rollout_section(settings, {}, {}, args.batch_size, score, len(prompts))
     check_resumable(args.out, {"rollouts": {k: v for k, v in section.items() if not k.endswith("_fingerprint")},

@@ -474,7 +474,7 @@ def test_max_prompt_length_keeps_each_prompts_last_tokens_so_a_long_prompt_fits(
     out = tmp_path / "cut"
     assert main(_command(checkpoints, out, "long.jsonl", "teacher", "short", "--max-prompt-length", "8")) == 0
     assert read_manifest(out)["inputs"]["max_prompt_length"] == 8
-    whole = rollout_store.read_prompt_rows(checkpoints / "long.jsonl", tokenizer)[0]
+    whole = rollout_store.read_prompt_lines(checkpoints / "long.jsonl", tokenizer)[0][0]
     assert len(whole) > 14  # past the short model's context
     data = TeacherLogprobsDataset(out)
     for row in data:
@@ -548,7 +548,7 @@ def test_bad_inputs_are_one_line_before_any_model_loads(tmp_path, checkpoints, c
     if case == "not UTF-8":
         assert "latin.jsonl: not UTF-8 text: byte 0xe9 at offset 15 (line 1)" in err and "re-encode" in err
     if case == "past the context":
-        assert "prompts.jsonl: prompt row 4 has 11 tokens, and 11 + 4 exceeds the context of 14 tokens" in err
+        assert "prompts.jsonl:4 has 11 tokens, and 11 + 4 exceeds the context of 14 tokens" in err
         assert "<= 3 " in err
     if case == "a prompt as long as the context":  # the fix names the prompt, never a --max-new-tokens of 0 or less
         assert "shorten it to at most 13 tokens" in err and "--max-new-tokens <=" not in err
@@ -953,22 +953,23 @@ def test_a_bf16_pair_stores_log_probs_of_fp32_logits_as_training_reads_them(tmp_
 
 def test_prompt_rows_are_read_in_tokenizer_batches_as_one_by_one_and_a_bad_line_is_named(tmp_path, tokenizer,
                                                                                          caplog):  # fmt: skip
-    """read_prompt_rows encodes many rows per tokenizer call: the ids are one-by-one's (a completion ignored, and
+    """read_prompt_lines encodes many rows per tokenizer call: the ids are one-by-one's (a completion ignored, and
     said once, a conversation through the chat path), and a bad row in a later batch is still named by its line."""
     rows = [*PROMPTS, {"prompt": "the park", "completion": " is warm"}, {"prompt": ""}] * 3
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     expected = [tokenize_prompt_row(tokenizer, {"prompt": r["prompt"]})[0] for r in rows]
     with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
-        assert rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4) == expected
+        prompts, lines = rollout_store.read_prompt_lines(data, tokenizer, rows_per_call=4)
+        assert prompts == expected and lines == list(range(1, len(rows) + 1))  # the line each came from
     said = [r.getMessage() for r in caplog.records if "'completion'" in r.getMessage()]
     first = rows.index({"prompt": "the park", "completion": " is warm"}) + 1
     assert said == [f"{data}: 3 of {len(rows)} rows carry a 'completion' (the first at line {first}), which a rollout "
                     f"store does not read: the student samples its own after each prompt"]  # fmt: skip
-    assert rollout_store.read_prompt_rows(data, tokenizer) == expected
+    assert rollout_store.read_prompt_lines(data, tokenizer)[0] == expected
     data.write_text("\n".join(json.dumps(r) for r in [*rows, {"prompt": 5}]))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(data))}:{len(rows) + 1}: 'prompt' must be a string"):
-        rollout_store.read_prompt_rows(data, tokenizer, rows_per_call=4)
+        rollout_store.read_prompt_lines(data, tokenizer, rows_per_call=4)
 
 
 def test_eval_fraction_holds_out_whole_prompts_of_a_rollout_store(tmp_path, models, tokenizer):

@@ -45,13 +45,15 @@ def prompts_per_shard(shard_size: int, num_generations: int, prompts_per_call: i
     return max(per_call, (shard_size // num_generations) // per_call * per_call)
 
 
-def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1024) -> list[list[int]]:
+def read_prompt_lines(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1024
+                      ) -> tuple[list[list[int]], list[int]]:  # fmt: skip
     """Prompt token ids from a JSONL file of TRL's rows: {"prompt": text or messages} (a completion, if given, is
     not read: the student writes its own) or {"messages": [..., the assistant's turn]} (the turns before it);
     blank lines ignored. A line that is neither, or that has a 'teacher_prompt' (which the store could not honour),
     is a ValueError naming file:line. The text prompts are encoded
     `rows_per_call` rows to a tokenizer call (the same ids as one by one). Rows with a completion are counted
-    and said once (a user may expect them to be trained on)."""
+    and said once (a user may expect them to be trained on). Returns the prompts and each one's line in the file
+    (counted from 1), by which later checks name a prompt."""
     numbered = []  # (line number, the row without its completion)
     completions = []  # the line numbers of rows with a completion, which is not read
     for line_no, line in enumerate(read_utf8(path, "--data").split("\n"), 1):
@@ -88,15 +90,16 @@ def read_prompt_rows(path: str | Path, tokenizer: Any, *, rows_per_call: int = 1
                 except ValueError as e:
                     raise ValueError(f"{path}:{line_no}: {e}") from None
             raise
-    return prompts
+    return prompts, [line_no for line_no, _ in numbered]
 
 
 def check_rollout_inputs(
     prompts: Sequence[Sequence[int]], settings: RolloutSettings, *, prompts_per_call: int, context: int | None,
-    vocab_size: int, where: str = "prompt", first: int = 0,
+    vocab_size: int, names: Sequence[str] | None = None,
 ) -> None:  # fmt: skip
     """Everything about the prompts and sampling checked before any model runs: a ValueError naming the fix, the
-    prompt named `where` and its index counted from `first` (1 for a file's rows, as a reader counts them)."""
+    prompt named by `names` (a file's `path:line`, as read_prompt_lines gives them), else as "prompt i"."""
+    name = (lambda i: names[i]) if names is not None else (lambda i: f"prompt {i}")  # noqa: E731
     if len(prompts) == 0:
         raise ValueError("no prompts: --data must hold rows with a 'prompt' (text or messages) or 'messages' (TRL's "
                          "formats); rollouts are sampled from them")  # fmt: skip
@@ -105,19 +108,19 @@ def check_rollout_inputs(
     for n, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(f"{where} {n + first} holds token id {bad[0]}, outside the student's vocabulary [0, "
+            raise ValueError(f"{name(n)} holds token id {bad[0]}, outside the student's vocabulary [0, "
                              f"{vocab_size}): tokenize the prompts with the student's tokenizer")  # fmt: skip
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(len(prompts[longest]), 1)
     if context is not None and size >= context:  # no --max-new-tokens fits: the prompt is the problem
         raise ValueError(
-            f"{where} {longest + first} has {size} tokens, which leaves no room for a completion in the context of "
+            f"{name(longest)} has {size} tokens, which leaves no room for a completion in the context of "
             f"{context} tokens (max_position_embeddings): shorten it to at most {context - 1} tokens, leaving "
             f"--max-new-tokens for the completion, or drop the row"
         )
     if context is not None and size + settings.max_new_tokens > context:
         raise ValueError(
-            f"--max-new-tokens {settings.max_new_tokens}: {where} {longest + first} has {size} tokens, and {size} + "
+            f"--max-new-tokens {settings.max_new_tokens}: {name(longest)} has {size} tokens, and {size} + "
             f"{settings.max_new_tokens} exceeds the context of {context} tokens (max_position_embeddings); pass "
             f"--max-new-tokens <= {context - size} or shorter prompts"
         )
