@@ -21,6 +21,7 @@ from .cli_checks import (
     option_names,
     suggestions,
 )
+from .utils.errors import reason_of
 
 
 def _demo(args) -> None:
@@ -511,7 +512,7 @@ def _guarded(command: str, run, debug: bool) -> int:
     except Exception as e:
         if debug or not _is_user_error(e):
             raise
-        message = " ".join(str(e).split()) or type(e).__name__  # one line
+        message = reason_of(e, limit=None)  # one line
         print(f"liger-kd {command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

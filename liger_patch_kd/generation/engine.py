@@ -201,7 +201,7 @@ class DecodeSession:
         self.fused_bookkeeping = BOOKKEEPING_KERNEL and select_backend(device) == "triton"
         self.graph: torch.cuda.CUDAGraph | None = None
         # captured prefills by width: (graph, its input ids, its attention mask); widths run once eagerly so far
-        self.prefill_graphs: OrderedDict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.prefill_widths_seen: set[int] = set()
         # False for a model whose prefill capture failed in any of its sessions (it would fail again, each time
         # reserving memory); prefill_graph also stops capturing once PREFILL_GRAPHS graphs are held

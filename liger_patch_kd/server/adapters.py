@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..utils.errors import reason_of
 from .validation import RequestError
 
 
@@ -31,7 +32,7 @@ def read_adapter(path: str) -> dict[str, torch.Tensor]:
         PeftConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure to read the config is the adapter's fault: one line
         raise RequestError(400, f"lora_path {path!r}: adapter_config.json does not read as a PEFT config: "
-                                f"{_one_line(e)}; save the adapter with PEFT's save_pretrained")  # fmt: skip
+                                f"{reason_of(e, 300)}; save the adapter with PEFT's save_pretrained")  # fmt: skip
     names = ("adapter_model.safetensors", "adapter_model.bin")
     if not any((Path(path) / n).is_file() for n in names):
         raise RequestError(400, f"lora_path {path!r} holds no {' or '.join(names)}: save the adapter with PEFT's "
@@ -39,7 +40,7 @@ def read_adapter(path: str) -> dict[str, torch.Tensor]:
     try:
         state = load_peft_weights(path, device="cpu")
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt file raises whatever its reader raises
-        raise RequestError(400, f"lora_path {path!r}: the adapter's weights do not read ({_one_line(e)}); is the "
+        raise RequestError(400, f"lora_path {path!r}: the adapter's weights do not read ({reason_of(e, 300)}); is the "
                                 f"file truncated? save the adapter again")  # fmt: skip
     if not state:
         raise RequestError(400, f"lora_path {path!r}: the adapter's weights file holds no tensors")
@@ -71,7 +72,7 @@ def attach_adapter(model: torch.nn.Module, peft: Any, name: str, path: str, stat
     except Exception as e:  # noqa: BLE001 - whatever PEFT raised, the model goes back to what it was first
         restored = _undo(model, before, first=first, peft=peft, name=name)
         status = 400 if restored else 500
-        raise RequestError(status, f"the LoRA adapter at {path!r} does not load on this model ({_one_line(e)}); "
+        raise RequestError(status, f"the LoRA adapter at {path!r} does not load on this model ({reason_of(e, 300)}); "
                                    f"nothing changed{'' if restored else ' - NOT undone: restart the server'}"
                            ) from None  # fmt: skip
     return peft
@@ -105,8 +106,3 @@ def _undo(model: torch.nn.Module, before: dict, *, first: bool, peft: Any, name:
         if n in params:
             params[n].requires_grad_(flag)
     return list(model.state_dict()) == before["keys"]
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text[:300]
