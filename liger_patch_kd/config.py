@@ -41,6 +41,21 @@ def check_shared_options(cfg: Any) -> None:
         raise ValueError(f"ignore_index must be an int; got ignore_index={cfg.ignore_index!r}")
 
 
+def check_grad_chunk_size(grad_chunk_size: Any, chunk_size: int | None) -> None:
+    """A gradient group is whole chunks: None, or an int > 0 that chunk_size (when given) divides."""
+    if grad_chunk_size is None:
+        return
+    if not (isinstance(grad_chunk_size, int) and grad_chunk_size > 0):
+        raise ValueError(
+            f"grad_chunk_size must be None (automatic) or an int > 0; got grad_chunk_size={grad_chunk_size!r}"
+        )
+    if chunk_size is not None and grad_chunk_size % chunk_size:
+        raise ValueError(
+            f"grad_chunk_size={grad_chunk_size} must be a multiple of chunk_size={chunk_size} (a gradient group is "
+            f"whole chunks); e.g. grad_chunk_size={-(-grad_chunk_size // chunk_size) * chunk_size}"
+        )
+
+
 def require_full_teacher(cfg: Any) -> None:
     """Top-k teacher data cannot serve a sampled-token estimator: the sampled token may be outside the top-k, and
     its teacher log-prob is then unknown (guessing it would change the objective)."""
@@ -103,6 +118,11 @@ class KDLossConfig:
     teacher_softcap: the teacher's own soft-capping; None for none. The two are independent because teacher and
         student may be different architectures (the patched forward reads each from its model's config).
     chunk_size: rows per chunk of the fused loss; None lets the op choose from the shapes and free memory.
+    grad_chunk_size: rows per gradient group of the full-vocabulary and top-k fused losses: the gradients of that
+        many rows (whole chunks) are gathered in one buffer of the input dtype, then the input- and
+        weight-gradient products run once on them. The weight-gradient product writes the whole V x H gradient
+        each time it runs, so fewer, larger products move fewer bytes; the chunks get smaller for the same memory.
+        None: chunk_size when that is given, else chosen with it (groups on a GPU where memory allows).
     tail: with top-k teacher log-probs, how the mass outside the top-k is treated
         ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
     fp32_weight_grad: accumulate the lm_head weight gradient in float32 across chunks
@@ -138,6 +158,7 @@ class KDLossConfig:
     softcap: float | None = None
     teacher_softcap: float | None = None
     chunk_size: int | None = None
+    grad_chunk_size: int | None = None
     tail: str = "bucket"
     fp32_weight_grad: bool = False
     vocab_size: int | None = None
@@ -149,6 +170,7 @@ class KDLossConfig:
     def __post_init__(self) -> None:
         check_shared_options(self)
         check_fp8_options(self)
+        check_grad_chunk_size(self.grad_chunk_size, self.chunk_size)
         if self.estimator is not None:
             if self.estimator not in ESTIMATORS:
                 raise ValueError(f"estimator must be None or one of {ESTIMATORS}; got estimator={self.estimator!r}")

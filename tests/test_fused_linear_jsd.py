@@ -326,3 +326,40 @@ def test_second_backward_through_a_retained_graph_recomputes():
     second = torch.autograd.grad(3.0 * loss, pair.params())
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("chunk,group", [(4, 12), (5, 20), (8, 64)])
+def test_gradient_groups_match_reference_float64(backend, beta, reduction, chunk, group):
+    """Several chunks' gradients gathered in one group buffer, then one pair of gradient products per group: 41
+    rows make groups of 12 (the last of 5), of 20 (the last of 1) or one group larger than the rows. Bias, soft-caps,
+    T != 1, a CE term and ignored rows; "none" recomputes in its backward, grouped too."""
+    pair = make_pair(bias=True, scale=6.0, device=DEVICE)
+    cfg = KDLossConfig(beta=beta, temperature=1.3, hard_weight=0.4, softcap=9.0, teacher_softcap=11.0,
+                       reduction=reduction, chunk_size=chunk, grad_chunk_size=group)  # fmt: skip
+    _check(pair, cfg, backend)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_gradient_groups_with_no_items_in_batch_and_nan_in_ignored_rows(backend):
+    """Every row ignored (num_items_in_batch=0) with NaN in the hidden rows: loss 0 and zero gradients, grouped as
+    ungrouped (the group's hidden rows are masked before its products read them)."""
+    pair = make_pair(device=DEVICE)
+    with torch.no_grad():
+        pair.student_input[::2] = float("nan")
+    labels = torch.full_like(pair.labels, -100)
+    cfg = KDLossConfig(chunk_size=4, grad_chunk_size=16)
+    loss = fused_linear_jsd(pair.student_input, pair.student_weight, pair.teacher_input, pair.teacher_weight, labels,
+                            num_items_in_batch=0, config=cfg, backend=backend)  # fmt: skip
+    assert loss.item() == 0.0
+    for g in grads(loss, [pair.student_input, pair.student_weight]):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_grad_chunk_size_must_be_whole_chunks():
+    with pytest.raises(ValueError, match=r"grad_chunk_size=6 must be a multiple of chunk_size=4.*grad_chunk_size=8"):
+        KDLossConfig(chunk_size=4, grad_chunk_size=6)
+    with pytest.raises(ValueError, match="grad_chunk_size must be None"):
+        KDLossConfig(grad_chunk_size=0)

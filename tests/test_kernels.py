@@ -296,6 +296,35 @@ def test_jsd_segment_walk_writes_the_bf16_gradient_the_streaming_walk_writes():
     torch.testing.assert_close(grad_b.float(), grad_a.float(), rtol=2**-7, atol=1e-7)
 
 
+@pytest.mark.skipif(not triton_available(), reason="the Triton JSD kernel")
+@pytest.mark.parametrize("segment", [None, 256, 2048])
+def test_jsd_kernel_writes_its_gradient_into_a_given_group_buffer(segment):
+    """`grad_out=` (a gradient group, ops/chunked.py): the kernel writes the gradient it would return into the given
+    rows of a larger buffer, touches none of the buffer's other rows, and leaves the teacher logits as they were
+    (without it the gradient may take their bytes). Streaming walk, several segments, one segment."""
+    from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch, jsd_chunk_triton
+
+    g = torch.Generator().manual_seed(9)
+    rows, vocab = 5, 1271
+    zs = (torch.randn(rows, vocab, generator=g) * 3).to(DEVICE)
+    zt = (torch.randn(rows, vocab, generator=g) * 4).to(DEVICE)
+    labels = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+    w = torch.full((rows,), 0.2, device=DEVICE)
+    cfg = KDLossConfig(beta=0.5, temperature=1.5, hard_weight=0.3)
+    launch = JSDLaunch(segment=segment)
+    soft_a, hard_a, grad_a = jsd_chunk_triton(zs, zt.clone(), labels, w, w, torch.bfloat16, cfg, launch=launch)
+    group = torch.full((rows + 4, vocab), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    teacher = zt.clone()
+    soft_b, hard_b, grad_b = jsd_chunk_triton(zs, teacher, labels, w, w, torch.bfloat16, cfg, launch=launch,
+                                              grad_out=group[2 : 2 + rows])  # fmt: skip
+    assert grad_b.data_ptr() == group[2].data_ptr()
+    torch.testing.assert_close(soft_b, soft_a, rtol=0, atol=0)
+    torch.testing.assert_close(hard_b, hard_a, rtol=0, atol=0)
+    torch.testing.assert_close(grad_b, grad_a, rtol=0, atol=0)
+    assert group[:2].isnan().all() and group[2 + rows :].isnan().all()
+    assert torch.equal(teacher, zt)
+
+
 @pytest.mark.parametrize(
     "options,needle",
     [

@@ -317,3 +317,43 @@ def test_gpu_chunk_rows_stay_under_one_gib(monkeypatch, n_rows, vocab, bytes_per
     assert rows == expected
     assert rows * vocab * bytes_per_logit <= chunked._GPU_CHUNK_BYTES < 1 << 30
     assert -(-n_rows // rows) * rows - n_rows < rows  # no chunk is empty
+
+
+@pytest.mark.parametrize(
+    "n_rows,vocab,expected",
+    [
+        (8192, 128256, (512, 2048)),  # four groups of four 512-row chunks in the budget a plain chunk of 1024 had
+        (2048, 128256, (512, 2048)),
+        (3000, 128256, (512, 1536)),  # two equal groups of whole chunks
+        (1000, 128256, (1000, 1000)),  # one plain chunk holds every row: nothing to gather
+        (8192, 262144, (482, 482)),  # no room for two chunks' gradients beside a 512-row chunk: plain chunks
+        (65536, 32000, (4096, 4096)),  # plain chunks of 4096 rows: their products gain nothing from groups
+        (8192, 151936, (512, 1024)),
+    ],
+)
+def test_gpu_gradient_groups_fit_the_same_budget(monkeypatch, n_rows, vocab, expected):
+    """plan_chunk_rows's GPU rule, free memory faked: a 512-row chunk's fp32 student and teacher logits (8 bytes a
+    logit) beside a group of bf16 gradients (2 bytes), together within the budget one plain chunk has."""
+    from liger_patch_kd.ops import chunked
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 141 << 30))
+    rows, group = chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2)
+    assert (rows, group) == expected
+    assert group % rows == 0
+    held = rows * vocab * 8 + (group * vocab * 2 if group > rows else 0)
+    assert held <= chunked._GPU_CHUNK_BYTES < 1 << 30
+
+
+def test_gradient_groups_are_refused_by_a_loss_whose_kernel_cannot_write_into_one():
+    """The multi-teacher loss folds its teachers in a kernel of its own: grad_chunk_size is refused by name, not
+    ignored; on the CPU an automatic plan never groups."""
+    from liger_patch_kd import fused_linear_multi_teacher_jsd
+    from liger_patch_kd.ops import chunked
+
+    h = torch.randn(6, 4, dtype=torch.float64)
+    w = torch.randn(10, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="grad_chunk_size=4 gathers the gradients.*leave grad_chunk_size=None"):
+        mixture = torch.tensor([0.5, 0.5], dtype=torch.float64)
+        fused_linear_multi_teacher_jsd(h, w, [h, h], [w, w], mixture, torch.zeros(6, dtype=torch.long),
+                                       config=KDLossConfig(grad_chunk_size=4))  # fmt: skip
+    assert chunked.plan_chunk_rows(100000, 128256, torch.device("cpu"), 8, 8, 2) == (32, 32)

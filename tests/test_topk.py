@@ -233,3 +233,15 @@ def test_logprob_losses_of_bf16_log_probs_do_their_math_in_fp32(tail):
         got = kl_estimator(lp_s[:, 0], lp_t[:, 0], kind=kind)
         want = kl_estimator(lp_s[:, 0].detach().double(), lp_t[:, 0].double(), kind=kind)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("tail", ["bucket", "renormalize"])
+def test_gradient_groups_match_reference_float64(backend, tail):
+    """The top-k loss with its chunks' gradients gathered in groups (23 rows: groups of 9, the last of 5) and with
+    a group larger than the rows."""
+    h, w, b, _, ids, logprobs, labels = _data(16, bias=True)
+    for chunk, group in ((3, 9), (4, 32)):
+        cfg = KDLossConfig(beta=0.5, tail=tail, temperature=1.5, hard_weight=0.3, chunk_size=chunk,
+                           grad_chunk_size=group)  # fmt: skip
+        _check(h, w, b, ids, logprobs, labels, cfg, backend)

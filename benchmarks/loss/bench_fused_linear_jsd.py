@@ -45,6 +45,12 @@ def method_ours(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg)
 
 
+def method_ours_ungrouped(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    """Each 1024-row chunk runs its own gradient products (no gradient groups), in the same 1 GiB."""
+    config = cfg.replace(chunk_size=1024, grad_chunk_size=1024)
+    return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=config)
+
+
 def method_ours_chunk_2048(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     """The memory / speed trade-off: fewer, larger chunks (2 GiB of logits) re-read the weight gradient less."""
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg.replace(chunk_size=2048))
@@ -206,8 +212,9 @@ def main() -> None:
     liger, liger_note = liger_methods(cfg)
     trl, trl_note = trl_methods(cfg)
     note = "; ".join(n for n in (liger_note, trl_note) if n) or None
-    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
-               "plain pytorch": method_torch, **liger, **trl}  # fmt: skip
+    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 1024, no groups": method_ours_ungrouped,
+               "liger_patch_kd chunk 2048": method_ours_chunk_2048, "plain pytorch": method_torch,
+               **liger, **trl}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
     if not args.quick and "vocab" in groups:
         cases += [(8192, QWEN_V, cfg, False), (8192, GEMMA_V, cfg, False)]

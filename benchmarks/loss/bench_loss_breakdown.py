@@ -119,7 +119,7 @@ def host_overhead(n: int, hidden: int, vocab: int) -> dict:
     per call) timed alone, and the fused call with the automatic chunk size against the same size given."""
     import time
 
-    from liger_patch_kd.ops.chunked import choose_chunk_size
+    from liger_patch_kd.ops.chunked import plan_chunk_rows
 
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -127,9 +127,10 @@ def host_overhead(n: int, hidden: int, vocab: int) -> dict:
         torch.cuda.mem_get_info()
     info_ms = (time.perf_counter() - start) * 10
     x = make_inputs(n, hidden, vocab)
-    rows = choose_chunk_size(n, vocab, torch.device("cuda"), bytes_per_logit=8)
-    out = dict(N=n, mem_get_info_ms=info_ms, chunk_rows=rows)
-    for label, cfg in (("automatic", KDLossConfig(beta=0.5)), ("given", KDLossConfig(beta=0.5, chunk_size=rows))):
+    rows, group = plan_chunk_rows(n, vocab, torch.device("cuda"), 8, 8, 2)  # fused_linear_jsd's plan, bf16 rows
+    out = dict(N=n, mem_get_info_ms=info_ms, chunk_rows=rows, grad_rows=group)
+    given = KDLossConfig(beta=0.5, chunk_size=rows, grad_chunk_size=group)
+    for label, cfg in (("automatic", KDLossConfig(beta=0.5)), ("given", given)):
         out[f"{label}_ms"] = cuda_time_ms(loss_step(x, cfg), reps=10)
     print(out, flush=True)
     return out

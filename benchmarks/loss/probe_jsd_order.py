@@ -16,6 +16,8 @@ registers and meet at per-row barriers (`segment`: each logit read once). This p
     python -m benchmarks.loss.probe_jsd_order --out $OUT/probe_jsd_order.json
     python -m benchmarks.loss.probe_jsd_order --rows 1024 --ns 8192 2048 --betas 0.5 --variants streaming \
         --loss-variants default streaming     # the default (the segment walk) against the streaming walk
+    python -m benchmarks.loss.probe_jsd_order --rows 512 --betas 0.5 --variants "segments 8192, 2/SM" \
+        --loss-variants default --plans auto 1024/1024 640/1280     # gradient groups against plain chunks
     bash benchmarks/run_gpu_suite.sh probe-jsd-order     # the same, then the kernel's float64 tests compiled
 """
 
@@ -44,6 +46,7 @@ VARIANTS = {
     "segments 8192": jsd_op.JSDLaunch(segment=8192),
     "segments 8192, 16 warps": jsd_op.JSDLaunch(segment=8192, num_warps=16),
     "segments 8192, 16 warps, 2/SM": jsd_op.JSDLaunch(segment=8192, num_warps=16, programs_per_sm=2),
+    "segments 8192, 2/SM": jsd_op.JSDLaunch(segment=8192, programs_per_sm=2),
     "segments 4096": jsd_op.JSDLaunch(segment=4096),
     "segments 4096, 2/SM": jsd_op.JSDLaunch(segment=4096, programs_per_sm=2),
     "segments 4096, 4 warps, 4/SM": jsd_op.JSDLaunch(segment=4096, num_warps=4, programs_per_sm=4),
@@ -84,27 +87,38 @@ def kernel_rows(rows: int, vocab: int, betas: list[float], variants: dict) -> li
     return out
 
 
-def loss_rows(ns: list[int], hidden: int, variants: dict) -> list[dict]:
+def parse_plan(text: str) -> tuple[int | None, int | None]:
+    """A chunk plan for the loss rows: "auto" (the op's own), or "ROWS/GROUP" (chunk_size / grad_chunk_size)."""
+    if text == "auto":
+        return None, None
+    rows, group = (int(v) for v in text.split("/"))
+    return rows, group
+
+
+def loss_rows(ns: list[int], hidden: int, variants: dict, plans: list[str] | None = None) -> list[dict]:
     out = []
+    plans = plans or ["auto"]
     for n in ns:
         x = make_inputs(n, hidden, LLAMA_V)
         logit_products, grad_products = floor_products(x)
         floor = cuda_time_ms(lambda: (logit_products(), grad_products()))
         out.append(dict(stage="loss", N=n, variant="matmul floor", ms=floor, x_floor=1.0))
-        cfg = KDLossConfig(beta=0.5)
+        for (name, launch), plan in ((v, p) for v in variants.items() for p in plans):
+            rows, group = parse_plan(plan)
+            cfg = KDLossConfig(beta=0.5, chunk_size=rows, grad_chunk_size=group)
 
-        def step():
-            x["h_s"].grad = x["w_s"].grad = None
-            fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
+            def step(cfg=cfg):
+                x["h_s"].grad = x["w_s"].grad = None
+                fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg).backward()
 
-        for name, launch in variants.items():
             jsd_op.JSD_LAUNCH = launch
+            label = name if plan == "auto" else f"{name}, chunks {plan}"
             try:
                 step()
                 ms = cuda_time_ms(step, warmup=2, reps=10)
-                out.append(dict(stage="loss", N=n, variant=name, ms=ms, x_floor=ms / floor))
+                out.append(dict(stage="loss", N=n, variant=label, ms=ms, x_floor=ms / floor))
             except Exception as e:
-                out.append(dict(stage="loss", N=n, variant=name, ms=f"error: {type(e).__name__}: {str(e)[:120]}"))
+                out.append(dict(stage="loss", N=n, variant=label, ms=f"error: {type(e).__name__}: {str(e)[:120]}"))
             finally:
                 jsd_op.JSD_LAUNCH = VARIANTS["default"]
             print(out[-1], flush=True)
@@ -126,6 +140,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=None, help="the variants timed (default: all)")
     parser.add_argument("--betas", type=float, nargs="+", default=[0.5, 1.0, 0.0])
+    parser.add_argument(
+        "--plans", nargs="+", default=["auto"],
+        help="chunk plans the loss rows run each variant with: 'auto' (the op's choice) or ROWS/GROUP (chunk_size / "
+             "grad_chunk_size, e.g. 1024/1024 for chunks without gradient groups)",
+    )  # fmt: skip
     args = parser.parse_args()
     chosen = {name: VARIANTS[name] for name in (args.variants or VARIANTS)}
     kernels = kernel_rows(args.rows, LLAMA_V, args.betas, {"default": VARIANTS["default"], **chosen})
@@ -133,7 +152,7 @@ def main() -> None:
     if names == ["fastest"]:
         timed = [r for r in kernels if r["beta"] == 0.5 and isinstance(r["ms"], float) and r["variant"] != "default"]
         names = ["default"] + [r["variant"] for r in sorted(timed, key=lambda r: r["ms"])[:2]]
-    losses = loss_rows(args.ns, args.hidden, {name: VARIANTS[name] for name in names})
+    losses = loss_rows(args.ns, args.hidden, {name: VARIANTS[name] for name in names}, args.plans)
     print_table(kernels, ["beta", "variant", "ms", "loss_diff", "grad_diff"])
     print_table(losses, ["N", "variant", "ms", "x_floor"])
     write_json(args.out, {"environment": environment(), "kernel": kernels, "loss": losses})

@@ -15,7 +15,7 @@ from ..conventions import column_bias, computed_columns, resolve_vocab
 from ..ops import fused_linear_jsd as jsd_op
 from ..ops import fused_linear_topk_kd as topk_op
 from ..ops.backend import compute_dtype, eager, logits_fp32, no_autocast, select_backend
-from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, choose_chunk_size
+from ..ops.chunked import ChunkPlan, FusedLinearKDFunction, plan_chunk_rows
 from ..ops.fp8_logits import Fp8Product, check_fp8_hidden, fp8_logits, quantize_head, require_fp8
 from .checks import (
     check_linear,
@@ -79,25 +79,32 @@ def check_fp8_request(
 
 def run_fused(
     student_input, student_weight, student_bias, flat_labels, cfg: KDLossConfig, num_items_in_batch, backend,
-    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, columns=None, row_scale=None,
+    return_components, *, vocab, teacher_chunk, kernels, bytes_per_logit, grouped_bytes_per_logit=None, columns=None,
+    row_scale=None,
 ):  # fmt: skip
-    """What both fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
+    """What the fused losses share: dtype policy, row weights, chunking and the autograd call. The full weight
     and bias go in (autograd then hands back a full-size gradient without a copy); the chunks see [:vocab].
-    `row_scale` (N,): each row's share of the loss, multiplied into its row weight (KD and CE terms alike)."""
+    `row_scale` (N,): each row's share of the loss, multiplied into its row weight (KD and CE terms alike).
+    `bytes_per_logit` / `grouped_bytes_per_logit`: what a chunk holds per logit on its own / with its gradient in
+    a group (None: the kernels cannot write into one; ops.chunked.plan_chunk_rows)."""
     leading = student_input.shape[:-1]
     device = student_input.device
     dtype = compute_dtype(device, student_input)
     h_s = student_input.reshape(-1, student_input.shape[-1]).to(dtype)
     w_s = student_weight.to(dtype)
     kernel = kernels[select_backend(device, backend)]
-    rows = cfg.chunk_size or choose_chunk_size(h_s.shape[0], vocab, device, bytes_per_logit=bytes_per_logit)
+    rows, grad_rows = plan_chunk_rows(
+        h_s.shape[0], vocab, device, bytes_per_logit, grouped_bytes_per_logit, h_s.element_size(), cfg.chunk_size,
+        cfg.grad_chunk_size,
+    )  # fmt: skip
     student_product = None
     if cfg.student_logits_fp8:  # the head quantised once per call: the student's weight changes every step
         student_product = Fp8Product(w_s, vocab if columns is None else columns)
     plan = ChunkPlan(
         teacher_chunk=teacher_chunk(torch.float64 if dtype == torch.float64 else torch.float32),
-        kernel=lambda *args: kernel(*args, cfg),
+        kernel=lambda *args, **out: kernel(*args, cfg, **out),
         chunk_size=rows,
+        grad_rows=grad_rows,
         vocab=vocab,
         columns=columns,
         temperature=cfg.temperature,
@@ -223,6 +230,7 @@ def fused_linear_jsd(
         teacher_chunk=teacher_chunk,
         kernels=jsd_op.CHUNK_KERNELS,
         bytes_per_logit=8,  # fp32 student and teacher logits; the gradient reuses the teacher's storage
+        grouped_bytes_per_logit=8,  # the same, the gradient in its group
     )
 
 
@@ -311,4 +319,5 @@ def fused_linear_topk_kd(
         teacher_chunk=teacher_chunk,
         kernels=topk_op.CHUNK_KERNELS,
         bytes_per_logit=6,  # fp32 student logits and a bf16 gradient
+        grouped_bytes_per_logit=4,  # fp32 student logits, the gradient in its group
     )

@@ -4,6 +4,12 @@ For each chunk of rows: student logits in fp32 from one product, the teacher's c
 product, or precomputed log-probs), a per-chunk kernel that turns both into per-row losses and dLoss/dlogits
 (already weighted per row), then the two gradient products. Only one chunk of (rows x V) logits lives at a
 time, so peak memory does not grow with the number of rows.
+
+Gradient groups: a loss whose kernel can write its gradient where it is told (`grad_out=`) may gather the
+gradients of several chunks in one (group rows x V) buffer of the input dtype and run the two gradient products
+once per group. The weight-gradient product writes (and, after the first group, reads back) the whole V x H
+gradient each time it runs, whatever its row count, so fewer, larger products move fewer bytes for the same
+arithmetic; the price is smaller logit chunks in the same memory (`plan_chunk_rows`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from ..conventions import column_bias
 from .backend import logits_fp32, no_autocast
 from .scale import scale_
 
-# (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None)
-#   -> (soft_rows, hard_rows, grad_logits | None)
+# (student_logits_chunk fp32, teacher_chunk, labels_chunk, w_soft, w_hard, grad_dtype | None[, grad_out=])
+#   -> (soft_rows, hard_rows, grad_logits | None); a kernel given grad_out writes its gradient there and returns it
 # A teacher chunk source: (start, end, active rows of the chunk) -> what the kernel compares with (teacher logits,
 # or top-k ids and log-probs), with the inactive rows replaced by harmless values.
 ChunkKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -44,9 +50,7 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
     on the GPU a chunk is a multiple of 128 rows (tensor-core tiles) where that fits the budget.
     """
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = min(_GPU_CHUNK_BYTES, free // _GPU_FREE_FRACTION)
-        max_rows = max(128, budget // (vocab * bytes_per_logit))
+        max_rows = max(128, _chunk_budget_bytes(device) // (vocab * bytes_per_logit))
     else:
         max_rows = max(1, _CPU_CHUNK_ELEMS // vocab)
     n_chunks = -(-n_rows // max_rows)
@@ -54,6 +58,75 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
     if device.type == "cuda" and -(-rows // 128) * 128 <= max_rows:
         rows = -(-rows // 128) * 128
     return max(1, min(n_rows, rows))
+
+
+# Rows of a logit chunk when the gradients are gathered in groups: a multiple of the tensor-core tiles that still
+# leaves room for a group of four chunks' bf16 gradients in the budget at a 128K vocabulary. Groups are formed only
+# where a plain chunk would hold fewer than GROUP_BELOW_ROWS rows: from there on each weight-gradient product has
+# enough rows that its write of the V x H gradient is a small share of it, and smaller logit chunks would cost more
+# in their own products than fewer gradient products save (bench_loss_floor.py times the split).
+GROUPED_CHUNK_ROWS = 512
+GROUP_BELOW_ROWS = 2048
+
+
+def plan_chunk_rows(
+    n_rows: int,
+    vocab: int,
+    device: torch.device,
+    bytes_per_logit: int,
+    grouped_bytes_per_logit: int | None = None,
+    grad_bytes_per_logit: int = 2,
+    chunk_size: int | None = None,
+    grad_chunk_size: int | None = None,
+) -> tuple[int, int]:
+    """(rows per logit chunk, rows per gradient group); the group is a multiple of the chunk.
+
+    `bytes_per_logit`: a chunk's (rows x V) buffers when it runs its own gradient products;
+    `grouped_bytes_per_logit`: the same when its gradient goes to a group (None: the loss's kernel cannot write
+    into one, and every chunk runs its own products); `grad_bytes_per_logit`: the gradient's element size. Given
+    sizes are taken as they are. Automatic: on the GPU, gradient groups where the rows need more than one plain
+    chunk of fewer than `GROUP_BELOW_ROWS` rows and the budget holds at least two `GROUPED_CHUNK_ROWS` chunks'
+    gradients beside one chunk's logits; otherwise one chunk per group.
+    """
+    if grad_chunk_size is not None and grouped_bytes_per_logit is None:
+        raise ValueError(
+            f"grad_chunk_size={grad_chunk_size} gathers the gradients of several chunks, which this loss's kernel "
+            f"cannot do (only fused_linear_jsd and fused_linear_topk_kd can); leave grad_chunk_size=None"
+        )
+    if chunk_size is not None:
+        group = grad_chunk_size or chunk_size
+        if group % chunk_size:
+            raise ValueError(
+                f"grad_chunk_size={group} must be a multiple of chunk_size={chunk_size} (a gradient group is whole "
+                f"chunks); e.g. grad_chunk_size={-(-group // chunk_size) * chunk_size}"
+            )
+        return chunk_size, group
+    budget = _chunk_budget_bytes(device)
+    if grad_chunk_size is not None:
+        # the largest chunk that divides the group and fits beside the group's gradients (a group larger than the
+        # budget is taken as asked, with chunks of up to 128 rows)
+        room = (budget - grad_chunk_size * vocab * grad_bytes_per_logit) // (vocab * grouped_bytes_per_logit)
+        fits = min(grad_chunk_size, max(room, 128))
+        return next(r for r in range(fits, 0, -1) if grad_chunk_size % r == 0), grad_chunk_size
+    plain = choose_chunk_size(n_rows, vocab, device, bytes_per_logit)
+    if device.type != "cuda" or grouped_bytes_per_logit is None or plain >= min(n_rows, GROUP_BELOW_ROWS):
+        return plain, plain
+    rows = GROUPED_CHUNK_ROWS
+    room = budget - rows * vocab * grouped_bytes_per_logit
+    group_max = room // (vocab * grad_bytes_per_logit) // rows * rows
+    if group_max < 2 * rows:
+        return plain, plain
+    per_group = -(-n_rows // -(-n_rows // group_max))  # equal groups
+    return rows, -(-per_group // rows) * rows  # of whole chunks
+
+
+def _chunk_budget_bytes(device: torch.device) -> int:
+    """What one call's (rows x V) buffers may hold: `_GPU_CHUNK_BYTES` or an eighth of the free memory on the GPU,
+    `_CPU_CHUNK_ELEMS` fp32 logits elsewhere."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(_GPU_CHUNK_BYTES, free // _GPU_FREE_FRACTION)
+    return _CPU_CHUNK_ELEMS * 4
 
 
 @dataclass
@@ -82,6 +155,7 @@ def run_chunked(
     temperature: float = 1.0,
     fp32_weight_grad: bool = False,
     student_product: Callable | None = None,
+    grad_rows: int | None = None,
 ) -> ChunkedResult:
     """Loop over row chunks; see the module docstring. `needs_grad` = (input, weight, bias).
 
@@ -119,10 +193,32 @@ def run_chunked(
         grad_weight[columns:].zero_()
     grad_bias = torch.zeros(full_vocab, dtype=acc_dtype, device=student_input.device) if need_bias else None
 
+    def gradient_products(grad_logits: torch.Tensor, hidden: torch.Tensor, start: int, end: int) -> None:
+        if need_input:
+            torch.mm(grad_logits, weight, out=grad_input[start:end])
+        if need_weight:
+            _accumulate_weight_grad(grad_weight[:columns], grad_logits, hidden, first=start == 0)
+        if need_bias:
+            grad_bias[:vocab] += grad_logits[:, :vocab].sum(0, dtype=acc_dtype)
+
+    grouped = any_grad and grad_rows is not None and grad_rows > chunk_size
+    group_grad = group_hidden = None
+    group_start = group_end = 0
     for start in range(0, n_rows, chunk_size):
         end = min(n_rows, start + chunk_size)
         chunk_active = active[start:end]
-        hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
+        grad_out = {}
+        if grouped:
+            if start == group_end:  # a new group: its masked hidden rows once, its gradient buffer reused
+                group_start, group_end = start, min(n_rows, start + grad_rows)
+                rows = slice(group_start, group_end)
+                group_hidden = torch.where(active[rows, None], student_input[rows], 0.0)
+                if group_grad is None:
+                    group_grad = student_input.new_empty((group_end - group_start, columns))
+            hidden = group_hidden[start - group_start : end - group_start]
+            grad_out = {"grad_out": group_grad[start - group_start : end - group_start]}
+        else:
+            hidden = torch.where(chunk_active[:, None], student_input[start:end], 0.0)
         logits = (student_product or logits_fp32)(hidden, weight, bias)
         soft, hard, grad_logits = kernel(
             logits,
@@ -131,19 +227,19 @@ def run_chunked(
             w_soft[start:end],
             w_hard[start:end],
             student_input.dtype if any_grad else None,
+            **grad_out,
         )
         soft_rows[start:end] = soft
         hard_rows[start:end] = hard
         del logits
         if grad_logits is None:
             continue
-        if need_input:
-            torch.mm(grad_logits, weight, out=grad_input[start:end])
-        if need_weight:
-            _accumulate_weight_grad(grad_weight[:columns], grad_logits, hidden, first=start == 0)
-        if need_bias:
-            grad_bias[:vocab] += grad_logits[:, :vocab].sum(0, dtype=acc_dtype)
-        # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk, not two
+        if not grouped:
+            gradient_products(grad_logits, hidden, start, end)
+        elif end == group_end:
+            gradient_products(group_grad[: group_end - group_start], group_hidden, group_start, group_end)
+        # free this chunk's buffers before the next chunk allocates its own: peak memory is one chunk (and one
+        # group of gradients), not two
         del grad_logits
     if grad_bias is not None and student_bias is not None:
         grad_bias = grad_bias.to(student_bias.dtype)
@@ -186,6 +282,7 @@ class ChunkPlan:
     columns: int | None = None  # rows the products use (>= vocab; see conventions.computed_columns)
     temperature: float = 1.0  # scales the padding columns' bias
     student_product: Callable | None = None  # the student's forward product (run_chunked's default: logits_fp32)
+    grad_rows: int | None = None  # rows per gradient group (run_chunked); None: each chunk's own products
 
 
 def _plan_release_token(ctx) -> torch.Tensor:
@@ -288,6 +385,7 @@ def _run(plan: ChunkPlan, student_input, student_weight, student_bias, labels, r
         temperature=plan.temperature,
         fp32_weight_grad=plan.fp32_weight_grad,
         student_product=plan.student_product,
+        grad_rows=plan.grad_rows,
     )
 
 
@@ -317,10 +415,11 @@ def finish_chunk(
     w_hard: torch.Tensor,
     grad_dtype: torch.dtype | None,
     cfg,
+    grad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What every PyTorch chunk kernel does after its own divergence: the hard CE term, then dLoss/du (u = the
     tempered capped logits, from `grad_u()`, only called when a gradient is wanted) weighted per row and
-    chained back to the raw logits through 1/T and the soft-cap."""
+    chained back to the raw logits through 1/T and the soft-cap (into `grad_out` when given)."""
     hard, hard_grad = torch.zeros_like(soft), None
     if cfg.hard_weight:
         hard, hard_grad = hard_ce_rows_and_grad(capped, labels, cfg.ignore_index, grad_dtype is not None)
@@ -332,4 +431,6 @@ def finish_chunk(
         grad += hard_grad * w_hard.to(grad.dtype)[:, None]
     if cfg.softcap is not None:
         grad *= 1 - (capped / cfg.softcap) ** 2
+    if grad_out is not None:
+        return soft, hard, grad_out.copy_(grad)
     return soft, hard, grad.to(grad_dtype)

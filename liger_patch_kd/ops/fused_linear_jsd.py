@@ -44,15 +44,17 @@ def jsd_chunk_torch(
     w_hard: torch.Tensor,
     grad_dtype: torch.dtype | None,
     cfg: KDLossConfig,
+    grad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
+    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None; into `grad_out` when
+    given)."""
     inv_t = 1.0 / cfg.temperature
     teacher_logits = teacher_logits.to(student_logits.dtype)  # bf16 teacher logits (FP8 products) in fp32 math
     capped = apply_softcap(student_logits, cfg.softcap)
     log_s = F.log_softmax(capped * inv_t, dim=-1)
     log_p = F.log_softmax(apply_softcap(teacher_logits, cfg.teacher_softcap) * inv_t, dim=-1)
     soft, grad_u = dense_divergence(log_s, log_p, cfg.beta)
-    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg)
+    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg, grad_out)
 
 
 # ---------------------------------------------------------------------------------------------- Triton chunk
@@ -450,15 +452,18 @@ def jsd_chunk_triton(
     grad_dtype: torch.dtype | None,
     cfg: KDLossConfig,
     launch: JSDLaunch | None = None,
+    grad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch `_jsd_chunk_kernel`; same contract as `jsd_chunk_torch` (`launch`: JSD_LAUNCH unless given)."""
     launch = JSD_LAUNCH if launch is None else launch
     if launch.segment is not None and student_logits.shape[1] >= launch.segment_from:
-        return _jsd_segments(student_logits, teacher_logits, labels, w_soft, w_hard, grad_dtype, cfg, launch)
+        return _jsd_segments(student_logits, teacher_logits, labels, w_soft, w_hard, grad_dtype, cfg, launch, grad_out)
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
-    grad = _grad_view_of(teacher_logits, grad_dtype) if grad_dtype else soft
+    grad = soft
+    if grad_dtype:
+        grad = grad_out if grad_out is not None else _grad_view_of(teacher_logits, grad_dtype)
     block, num_warps = row_launch_config(vocab)
     block = min(block, launch.block) if launch.block else block
     num_warps = launch.num_warps or num_warps
@@ -499,6 +504,7 @@ def _jsd_segments(
     grad_dtype: torch.dtype | None,
     cfg: KDLossConfig,
     launch: JSDLaunch,
+    grad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_jsd_segment_kernel`: one persistent launch whose row programs meet at barriers, or three phased launches
     where a barrier cannot be trusted (see `barriers_hold`)."""
@@ -511,8 +517,8 @@ def _jsd_segments(
     # every slot a launch reads, it writes first (4 and 5 only with a CE term at T != 1)
     part = torch.empty(rows, segments, 8, dtype=student_logits.dtype, device=device)
     hard = torch.zeros(rows, dtype=student_logits.dtype, device=device)
-    grad = None
-    if grad_dtype is not None:
+    grad = grad_out if grad_dtype is not None else None
+    if grad_dtype is not None and grad_out is None:
         # once a row's programs have passed their first barrier, each has read its inputs: the gradient may take
         # the teacher's bytes (a lone segment has read the whole row before it writes); phase 3 of a phased launch
         # reads the other segments' teacher bytes while this one writes, so it gets a buffer of its own

@@ -33,8 +33,9 @@ def _mode(beta: float) -> int:
 
 
 # --------------------------------------------------------------------------------------------- PyTorch chunk
-def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
-    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None)."""
+def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig, grad_out=None):
+    """The per-chunk math in PyTorch: (soft rows, hard rows, weighted dLoss/dlogits or None; into `grad_out` when
+    given)."""
     ids, logprobs = teacher
     vocab, beta, inv_t = student_logits.shape[-1], cfg.beta, 1.0 / cfg.temperature
     capped = apply_softcap(student_logits, cfg.softcap)
@@ -71,7 +72,7 @@ def topk_chunk_torch(student_logits, teacher, labels, w_soft, w_hard, grad_dtype
         grad = -dense_c[:, None] * log_s_full.exp()
         return grad.scatter_add_(-1, safe, torch.where(valid, sparse, 0.0))
 
-    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg)
+    return finish_chunk(soft, grad_u, capped, labels, w_soft, w_hard, grad_dtype, cfg, grad_out)
 
 
 # ---------------------------------------------------------------------------------------------- Triton chunk
@@ -266,13 +267,15 @@ def slots_launch_config(vocab: int, slots: int) -> tuple[int, int, int]:
     return min(4096, 1 << (vocab - 1).bit_length()), min(1024, 1 << (max(slots, 16) - 1).bit_length()), 8
 
 
-def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig):
+def topk_chunk_triton(student_logits, teacher, labels, w_soft, w_hard, grad_dtype, cfg: KDLossConfig, grad_out=None):
     """Launch `_topk_chunk_kernel`; same contract as `topk_chunk_torch`."""
     ids, logprobs = teacher
     rows, vocab = student_logits.shape
     soft = torch.empty(rows, dtype=student_logits.dtype, device=student_logits.device)
     hard = torch.zeros_like(soft)
-    grad = torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device) if grad_dtype else soft
+    grad = soft
+    if grad_dtype:
+        grad = grad_out if grad_out is not None else torch.empty((rows, vocab), dtype=grad_dtype, device=soft.device)
     block_v, block_k, num_warps = slots_launch_config(vocab, ids.shape[1])
     _topk_chunk_kernel[(rows,)](
         # pointers
