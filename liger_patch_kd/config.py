@@ -122,7 +122,8 @@ class KDLossConfig:
         many rows (whole chunks) are gathered in one buffer of the input dtype, then the input- and
         weight-gradient products run once on them. The weight-gradient product writes the whole V x H gradient
         each time it runs, so fewer, larger products move fewer bytes; the chunks get smaller for the same memory.
-        None: chunk_size when that is given, else chosen with it (groups on a GPU where memory allows).
+        None: chunk_size when that is given, else chosen with it (groups on a GPU with fp32_weight_grad, where
+        they were measured to pay; with the weight's own dtype they do not, and each chunk runs its products).
     tail: with top-k teacher log-probs, how the mass outside the top-k is treated
         ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
     fp32_weight_grad: accumulate the lm_head weight gradient in float32 across chunks

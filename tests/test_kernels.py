@@ -241,21 +241,16 @@ def test_jsd_kernel_walk_orders_agree_with_float64_math(reverse_middle, l2_hints
 
 
 @pytest.mark.skipif(not triton_available(), reason="the Triton JSD kernel's segment walk")
-@pytest.mark.parametrize(
-    "segment,phased,prefetch", [(2048, False, False), (2048, False, True), (256, False, False), (256, True, False),
-                                (256, False, True)]
-)  # fmt: skip
+@pytest.mark.parametrize("segment,phased", [(2048, False), (256, False), (256, True)])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature,hard_weight,softcap", [(1.7, 0.3, None), (1.0, 0.3, 30.0), (1.0, 0.0, None)])
-def test_jsd_segment_walk_agrees_with_float64_math(segment, phased, prefetch, beta, temperature, hard_weight, softcap):
+def test_jsd_segment_walk_agrees_with_float64_math(segment, phased, beta, temperature, hard_weight, softcap):
     """Rows split over programs that each hold a segment in registers (`JSDLaunch.segment`): V = 1271 is one
     segment of 2048 or five of 255 (the last 251), each row's partial log-sum-exps and sums combined across them.
     On a GPU the unphased walk is one launch whose row programs meet at barriers and write the gradient over the
     teacher logits; the interpreter (programs run one after another) runs a lone segment the same way and several
-    as three phased launches, the same arithmetic. With `prefetch` the one launch loads each program's next
-    segment before the current one's barriers (the interpreter's one program walks every row of a lone segment
-    so). Float64 rows: the only difference from the reference is the order of the partial sums (rounding, 1e-12);
-    a weight of 0 and a loss without a gradient included."""
+    as three phased launches, the same arithmetic. Float64 rows: the only difference from the reference is the
+    order of the partial sums (rounding, 1e-12); a weight of 0 and a loss without a gradient included."""
     from liger_patch_kd.ops.fused_linear_jsd import JSDLaunch, jsd_chunk_torch, jsd_chunk_triton
 
     g = torch.Generator().manual_seed(5)
@@ -267,7 +262,7 @@ def test_jsd_segment_walk_agrees_with_float64_math(segment, phased, prefetch, be
     w = torch.tensor([0.5, 0.0, 1.25, 2.0], dtype=torch.float64)
     cfg = KDLossConfig(beta=beta, temperature=temperature, hard_weight=hard_weight, softcap=softcap,
                        teacher_softcap=softcap)  # fmt: skip
-    launch = JSDLaunch(segment=segment, phased=phased, prefetch=prefetch)
+    launch = JSDLaunch(segment=segment, phased=phased)
     for grad_dtype in (torch.float64, None):
         want = jsd_chunk_torch(zs, zt, labels, w, w, grad_dtype, cfg)
         args = (t.to(DEVICE) for t in (zs, zt.clone(), labels, w, w))

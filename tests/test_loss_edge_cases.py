@@ -332,13 +332,17 @@ def test_gpu_chunk_rows_stay_under_one_gib(monkeypatch, n_rows, vocab, bytes_per
     ],
 )
 def test_gpu_gradient_groups_fit_the_same_budget(monkeypatch, n_rows, vocab, expected):
-    """plan_chunk_rows's GPU rule, free memory faked: a 512-row chunk's fp32 student and teacher logits (8 bytes a
-    logit) beside a group of bf16 gradients (2 bytes), together within the budget one plain chunk has."""
+    """plan_chunk_rows's GPU rule with an fp32 weight gradient, free memory faked: a 512-row chunk's fp32 student and
+    teacher logits (8 bytes a logit) beside a group of bf16 gradients (2 bytes), together within the budget one plain
+    chunk has."""
     from liger_patch_kd.ops import chunked
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 141 << 30))
-    rows, group = chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2)
+    rows, group = chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2, fp32_weight_grad=True)
     assert (rows, group) == expected
+    # with the weight's own (bf16) gradient, groups do not pay: the plain chunk
+    plain = chunked.choose_chunk_size(n_rows, vocab, torch.device("cuda"), 8)
+    assert chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2) == (plain, plain)
     assert group % rows == 0
     held = rows * vocab * 8 + (group * vocab * 2 if group > rows else 0)
     assert held <= chunked._GPU_CHUNK_BYTES < 1 << 30
@@ -356,4 +360,4 @@ def test_gradient_groups_are_refused_by_a_loss_whose_kernel_cannot_write_into_on
         mixture = torch.tensor([0.5, 0.5], dtype=torch.float64)
         fused_linear_multi_teacher_jsd(h, w, [h, h], [w, w], mixture, torch.zeros(6, dtype=torch.long),
                                        config=KDLossConfig(grad_chunk_size=4))  # fmt: skip
-    assert chunked.plan_chunk_rows(100000, 128256, torch.device("cpu"), 8, 8, 2) == (32, 32)
+    assert chunked.plan_chunk_rows(100000, 128256, torch.device("cpu"), 8, 8, 2, fp32_weight_grad=True) == (32, 32)

@@ -18,13 +18,21 @@ from pathlib import Path
 import torch
 
 
-def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8) -> float:
-    """Median wall time of fn() on the GPU, in ms, measured with CUDA events after `warmup` calls."""
+def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8, host_ahead: bool = False) -> float:
+    """Median wall time of fn() on the GPU, in ms, measured with CUDA events after `warmup` calls.
+
+    Each rep is synchronised, so by default the time includes the host's work before fn's first kernel (the GPU
+    waits for it). `host_ahead`: the GPU is first held by a sleep kernel long enough for the host to queue the
+    whole call, as it is queued behind the model's forward in a training step; the time is then the GPU's alone:
+    its kernels and the gaps between them."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    hold = _sleep_cycles_covering(fn) if host_ahead else 0
     times = []
     for _ in range(reps):
+        if hold:
+            torch.cuda._sleep(hold)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -32,6 +40,25 @@ def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8) ->
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _sleep_cycles_covering(fn: Callable[[], object]) -> int:
+    """Cycles of torch.cuda._sleep that outlast twice the host's time to queue fn(), plus 5 ms."""
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = probe / max(start.elapsed_time(end), 1e-3)
+    return int(cycles_per_ms * (2 * host_ms + 5))
 
 
 def peak_extra_gib(fn: Callable[[], object], exclude_bytes: int = 0) -> float:

@@ -3,7 +3,9 @@ losses, TRL's divergence kernel and the matmul floor, in one run.
 
     python -m benchmarks.loss.bench_fused_linear_jsd --out runs/bench_fused_linear_jsd.json
 
-Columns: ms (median fwd+bwd), extra GiB (peak memory beyond the inputs and the gradients every method must
+Columns: ms (median fwd+bwd, each call timed alone: the host's work before its first kernel included), gpu ms (the
+same with the host ahead, as behind a model's forward in a training step: the GPU's kernels and the gaps between
+them; benchmarks.common.cuda_time_ms), extra GiB (peak memory beyond the inputs and the gradients every method must
 return, so a method's own buffers, fp32 weight-grad copies included), grad err (max over d/dinput and
 d/dweight of ||g - g_ref|| / ||g_ref||, g_ref from float32 products and float32 softmax).
 """
@@ -45,9 +47,15 @@ def method_ours(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=cfg)
 
 
-def method_ours_ungrouped(x: dict, cfg: KDLossConfig) -> torch.Tensor:
-    """Each 1024-row chunk runs its own gradient products (no gradient groups), in the same 1 GiB."""
-    config = cfg.replace(chunk_size=1024, grad_chunk_size=1024)
+def method_ours_fp32_weight_grad(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    """The weight gradient accumulated in float32 across chunks; its chunks' gradients gathered in groups."""
+    config = cfg.replace(fp32_weight_grad=True)
+    return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=config)
+
+
+def method_ours_fp32_weight_grad_ungrouped(x: dict, cfg: KDLossConfig) -> torch.Tensor:
+    """The same, each 1024-row chunk running its own gradient products (no gradient groups), in the same 1 GiB."""
+    config = cfg.replace(fp32_weight_grad=True, chunk_size=1024, grad_chunk_size=1024)
     return fused_linear_jsd(x["h_s"], x["w_s"], x["h_t"], x["w_t"], x["labels"], config=config)
 
 
@@ -64,7 +72,7 @@ def method_torch(x: dict, cfg: KDLossConfig) -> torch.Tensor:
     return R.kd_loss(s.float(), t.float(), x["labels"], cfg)
 
 
-def floor_ms(x: dict) -> float:
+def floor_ms(x: dict, host_ahead: bool = False) -> float:
     """The four N x H x V bf16 products an exact online method cannot avoid, back to back."""
     n, vocab = x["h_s"].shape[0], x["w_s"].shape[0]
     logits = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +86,7 @@ def floor_ms(x: dict) -> float:
         torch.mm(logits, w_s, out=g_in)
         torch.mm(logits.T, h_s, out=g_w)
 
-    return cuda_time_ms(products)  # the buffers go with this frame
+    return cuda_time_ms(products, host_ahead=host_ahead)  # the buffers go with this frame
 
 
 def run_padded_case(n: int, hidden: int) -> list[dict]:
@@ -117,10 +125,11 @@ def run_padded_case(n: int, hidden: int) -> list[dict]:
 def run_case(n: int, hidden: int, vocab: int, cfg: KDLossConfig, methods: dict, with_error: bool) -> list[dict]:
     x = make_inputs(n, hidden, vocab)
     ref = reference_grads(x, cfg) if with_error else None
-    floor = floor_ms(x)
+    floor, floor_gpu = floor_ms(x), floor_ms(x, host_ahead=True)
     params = [x["h_s"], x["w_s"]]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    rows = [dict(N=n, V=vocab, beta=cfg.beta, method="matmul floor (4 bf16 products)", ms=floor, x_floor=1.0)]
+    rows = [dict(N=n, V=vocab, beta=cfg.beta, method="matmul floor (4 bf16 products)", ms=floor, x_floor=1.0,
+                 gpu_ms=floor_gpu, gpu_x_floor=1.0)]  # fmt: skip
     for name, fn in methods.items():
         row = dict(N=n, V=vocab, beta=cfg.beta, method=name)
 
@@ -133,6 +142,8 @@ def run_case(n: int, hidden: int, vocab: int, cfg: KDLossConfig, methods: dict, 
             step()  # compile / autotune outside the measurement
             row["ms"] = cuda_time_ms(step)
             row["x_floor"] = row["ms"] / floor
+            row["gpu_ms"] = cuda_time_ms(step, host_ahead=True)
+            row["gpu_x_floor"] = row["gpu_ms"] / floor_gpu
             for p in params:
                 p.grad = None
             row["extra_GiB"] = peak_extra_gib(step, exclude_bytes=grad_bytes)
@@ -166,7 +177,9 @@ def run_topk_case(n: int, hidden: int, vocab: int, k: int, cfg: KDLossConfig) ->
         torch.mm(logits.T, h_s, out=g_w)
 
     floor = cuda_time_ms(products)  # its buffers stay allocated: extra_GiB counts from what exists before a step
-    rows = [dict(N=n, V=vocab, beta=cfg.beta, method=f"top-{k} floor (3 bf16 products)", ms=floor, x_floor=1.0)]
+    floor_gpu = cuda_time_ms(products, host_ahead=True)
+    rows = [dict(N=n, V=vocab, beta=cfg.beta, method=f"top-{k} floor (3 bf16 products)", ms=floor, x_floor=1.0,
+                 gpu_ms=floor_gpu, gpu_x_floor=1.0)]  # fmt: skip
     methods = {
         f"liger_patch_kd top-{k}": lambda: fused_linear_topk_kd(
             x["h_s"], x["w_s"], ids, teacher_lp, x["labels"], config=cfg, check_inputs=False
@@ -188,6 +201,8 @@ def run_topk_case(n: int, hidden: int, vocab: int, k: int, cfg: KDLossConfig) ->
             step()
             row["ms"] = cuda_time_ms(step)
             row["x_floor"] = row["ms"] / floor
+            row["gpu_ms"] = cuda_time_ms(step, host_ahead=True)
+            row["gpu_x_floor"] = row["gpu_ms"] / floor_gpu
             row["extra_GiB"] = peak_extra_gib(step, exclude_bytes=sum(p.numel() * p.element_size() for p in params))
         except torch.OutOfMemoryError:
             row["ms"] = "OOM"
@@ -212,9 +227,10 @@ def main() -> None:
     liger, liger_note = liger_methods(cfg)
     trl, trl_note = trl_methods(cfg)
     note = "; ".join(n for n in (liger_note, trl_note) if n) or None
-    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 1024, no groups": method_ours_ungrouped,
-               "liger_patch_kd chunk 2048": method_ours_chunk_2048, "plain pytorch": method_torch,
-               **liger, **trl}  # fmt: skip
+    methods = {"liger_patch_kd": method_ours, "liger_patch_kd chunk 2048": method_ours_chunk_2048,
+               "liger_patch_kd fp32 weight grad": method_ours_fp32_weight_grad,
+               "liger_patch_kd fp32 weight grad, no groups": method_ours_fp32_weight_grad_ungrouped,
+               "plain pytorch": method_torch, **liger, **trl}  # fmt: skip
     cases = [(n, LLAMA_V, cfg, n <= 8192) for n in ns] if "sweep" in groups else []
     if not args.quick and "vocab" in groups:
         cases += [(8192, QWEN_V, cfg, False), (8192, GEMMA_V, cfg, False)]
@@ -236,7 +252,8 @@ def main() -> None:
     if not args.quick and "padded" in groups:
         rows += run_padded_case(8192, args.hidden)
     print(f"\nH={args.hidden}, bf16, forward+backward" + (f"; note: {note}" if note else ""))
-    columns = ["N", "V", "beta", "method", "ms", "x_floor", "extra_GiB", "grad_err", "padding_rows_grad_zero"]
+    columns = ["N", "V", "beta", "method", "ms", "x_floor", "gpu_ms", "gpu_x_floor", "extra_GiB", "grad_err",
+               "padding_rows_grad_zero"]  # fmt: skip
     table = print_table(rows, columns)
     write_json(args.out, dict(environment=environment(), hidden=args.hidden, note=note, rows=rows, table=table))
 

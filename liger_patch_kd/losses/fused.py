@@ -95,7 +95,7 @@ def run_fused(
     kernel = kernels[select_backend(device, backend)]
     rows, grad_rows = plan_chunk_rows(
         h_s.shape[0], vocab, device, bytes_per_logit, grouped_bytes_per_logit, h_s.element_size(), cfg.chunk_size,
-        cfg.grad_chunk_size,
+        cfg.grad_chunk_size, cfg.fp32_weight_grad,
     )  # fmt: skip
     student_product = None
     if cfg.student_logits_fp8:  # the head quantised once per call: the student's weight changes every step

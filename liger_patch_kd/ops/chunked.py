@@ -9,7 +9,7 @@ Gradient groups: a loss whose kernel can write its gradient where it is told (`g
 gradients of several chunks in one (group rows x V) buffer of the input dtype and run the two gradient products
 once per group. The weight-gradient product writes (and, after the first group, reads back) the whole V x H
 gradient each time it runs, whatever its row count, so fewer, larger products move fewer bytes for the same
-arithmetic; the price is smaller logit chunks in the same memory (`plan_chunk_rows`).
+arithmetic; the price is smaller logit chunks in the same memory (`plan_chunk_rows` says when that pays).
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
 
 
 # Rows of a logit chunk when the gradients are gathered in groups: a multiple of the tensor-core tiles that still
-# leaves room for a group of four chunks' bf16 gradients in the budget at a 128K vocabulary. Groups are formed only
-# where a plain chunk would hold fewer than GROUP_BELOW_ROWS rows: from there on each weight-gradient product has
-# enough rows that its write of the V x H gradient is a small share of it, and smaller logit chunks would cost more
-# in their own products than fewer gradient products save (bench_loss_floor.py times the split).
+# leaves room for a group of four chunks' gradients in the budget at a 128K vocabulary. Groups are formed
+# automatically only for an fp32 weight gradient (fp32_weight_grad), whose every product reads and writes V x H in
+# float32: there fewer products save more than the smaller logit chunks cost. With the weight's own bf16 gradient
+# they do not (benchmarks/loss/probe_jsd_order.py --plans, in docs/benchmarks.md), and a plain chunk stays. Nor
+# where a plain chunk already holds GROUP_BELOW_ROWS rows.
 GROUPED_CHUNK_ROWS = 512
 GROUP_BELOW_ROWS = 2048
 
@@ -78,15 +79,16 @@ def plan_chunk_rows(
     grad_bytes_per_logit: int = 2,
     chunk_size: int | None = None,
     grad_chunk_size: int | None = None,
+    fp32_weight_grad: bool = False,
 ) -> tuple[int, int]:
     """(rows per logit chunk, rows per gradient group); the group is a multiple of the chunk.
 
     `bytes_per_logit`: a chunk's (rows x V) buffers when it runs its own gradient products;
     `grouped_bytes_per_logit`: the same when its gradient goes to a group (None: the loss's kernel cannot write
     into one, and every chunk runs its own products); `grad_bytes_per_logit`: the gradient's element size. Given
-    sizes are taken as they are. Automatic: on the GPU, gradient groups where the rows need more than one plain
-    chunk of fewer than `GROUP_BELOW_ROWS` rows and the budget holds at least two `GROUPED_CHUNK_ROWS` chunks'
-    gradients beside one chunk's logits; otherwise one chunk per group.
+    sizes are taken as they are. Automatic: on the GPU with `fp32_weight_grad`, gradient groups where the rows need
+    more than one plain chunk of fewer than `GROUP_BELOW_ROWS` rows and the budget holds at least two
+    `GROUPED_CHUNK_ROWS` chunks' gradients beside one chunk's logits; otherwise one chunk per group.
     """
     if grad_chunk_size is not None and grouped_bytes_per_logit is None:
         raise ValueError(
@@ -109,7 +111,8 @@ def plan_chunk_rows(
         fits = min(grad_chunk_size, max(room, 128))
         return next(r for r in range(fits, 0, -1) if grad_chunk_size % r == 0), grad_chunk_size
     plain = choose_chunk_size(n_rows, vocab, device, bytes_per_logit)
-    if device.type != "cuda" or grouped_bytes_per_logit is None or plain >= min(n_rows, GROUP_BELOW_ROWS):
+    grouping_pays = fp32_weight_grad and grouped_bytes_per_logit is not None
+    if device.type != "cuda" or not grouping_pays or plain >= min(n_rows, GROUP_BELOW_ROWS):
         return plain, plain
     rows = GROUPED_CHUNK_ROWS
     room = budget - rows * vocab * grouped_bytes_per_logit

@@ -233,17 +233,6 @@ if triton_available():
         return lse_finish(m_k.to(acc_ty), d_k.to(acc_ty))
 
     @triton.jit
-    def _segment_loads(zs_ptr, zt_ptr, item, total, stride_zs, stride_zt, V, seg_len, cols_in_seg,
-                       SEGMENTS: tl.constexpr):  # fmt: skip
-        """Item `item`'s segment of the student and teacher logit rows as loaded (nothing past the last item)."""
-        row = tl.cast(item // SEGMENTS, tl.int64)
-        cols = (item % SEGMENTS) * seg_len + cols_in_seg
-        mask = (cols_in_seg < tl.where(item < total, seg_len, 0)) & (cols < V)
-        xs = tl.load(zs_ptr + row * stride_zs + cols, mask=mask, other=0.0)
-        xt = tl.load(zt_ptr + row * stride_zt + cols, mask=mask, other=0.0)
-        return xs, xt
-
-    @triton.jit
     def _segment_lse_state(x):
         """(max, sum of exp(x - max)) of one segment held in registers: one exponential a value, where the
         streaming walk's online update takes two."""
@@ -292,7 +281,6 @@ if triton_available():
         SEGMENTS_P2: tl.constexpr,  # the next power of two (a Triton vector of the partials)
         SEG: tl.constexpr,  # seg_len rounded up to a power of two: one segment is one register tile
         PHASE: tl.constexpr,  # 0: the three phases in one launch, met at per-row barriers; 1, 2, 3: that phase
-        PREFETCH: tl.constexpr,  # PHASE 0: load the program's next segment before this one's first barrier
     ):
         """The JSD chunk with each row split over SEGMENTS programs that each hold their segment of both logit rows
         in registers: read from memory once (10 bytes a logit with the bf16 gradient, against the streaming
@@ -307,11 +295,7 @@ if triton_available():
         acc_ty = zs_ptr.dtype.element_ty
         cols_in_seg = tl.arange(0, SEG)
         total = rows * SEGMENTS
-        step = tl.num_programs(0)
-        if PREFETCH:
-            next_s, next_t = _segment_loads(zs_ptr, zt_ptr, tl.program_id(0), total, stride_zs, stride_zt, V, seg_len,
-                                            cols_in_seg, SEGMENTS)  # fmt: skip
-        for item in range(tl.program_id(0), total, step):
+        for item in range(tl.program_id(0), total, tl.num_programs(0)):
             row = tl.cast(item // SEGMENTS, tl.int64)
             seg = item % SEGMENTS
             cols = seg * seg_len + cols_in_seg
@@ -319,13 +303,9 @@ if triton_available():
             zs_row = zs_ptr + row * stride_zs
             part_row = part_ptr + row * (SEGMENTS * 8)
             part = part_row + seg * 8
-            if PREFETCH:
-                raw_s, raw_t = next_s, next_t
-            else:
-                raw_s, raw_t = _segment_loads(zs_ptr, zt_ptr, item, total, stride_zs, stride_zt, V, seg_len,
-                                              cols_in_seg, SEGMENTS)  # fmt: skip
-            xs = softcap(raw_s, cap_s, CAP_S)
-            xt = softcap(raw_t.to(acc_ty), cap_t, CAP_T)
+            xs = softcap(tl.load(zs_row + cols, mask=mask, other=0.0), cap_s, CAP_S)
+            xt = tl.load(zt_ptr + row * stride_zt + cols, mask=mask, other=0.0).to(acc_ty)
+            xt = softcap(xt, cap_t, CAP_T)
             us = scale_exact(xs, inv_hi, inv_lo, PAIR)  # finite in the masked lanes (0), which no sum reads
             ut = scale_exact(xt, inv_hi, inv_lo, PAIR)
 
@@ -340,12 +320,6 @@ if triton_available():
                     m, d = _segment_lse_state(tl.where(mask, xs, float("-inf")))
                     tl.store(part + 4, m)
                     tl.store(part + 5, d)
-            if PREFETCH:
-                # the next item's segment is loaded while this one waits at its barriers and computes; it lies in
-                # a row no program writes before that row's own first barrier, which every reader passes after
-                # its loads
-                next_s, next_t = _segment_loads(zs_ptr, zt_ptr, item + step, total, stride_zs, stride_zt, V, seg_len,
-                                                cols_in_seg, SEGMENTS)  # fmt: skip
             if PHASE == 0:
                 _arrive_and_wait(count_ptr + row, SEGMENTS)
             if PHASE != 1:
@@ -443,9 +417,6 @@ class JSDLaunch:
     programs_per_sm: int = 1
     phased: bool = False
     segment_from: int = 0  # the segment walk for rows of at least this many columns, the streaming walk below
-    # `prefetch`: the persistent segment walk loads a program's next segment before its current one's barriers, so
-    # the loads overlap the waits and the arithmetic (twice the registers for the logits in flight)
-    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block", "segment"):
@@ -565,9 +536,8 @@ def _jsd_segments(
     )  # fmt: skip
     if phased:
         for phase in (1, 2, 3):
-            _jsd_segment_kernel[(rows * segments,)](*args, PHASE=phase, PREFETCH=False, **common)
+            _jsd_segment_kernel[(rows * segments,)](*args, PHASE=phase, **common)
     else:
-        common["PREFETCH"] = launch.prefetch
         programs = resident_programs(args, common, launch, device) // segments * segments
         _jsd_segment_kernel[(max(segments, min(programs, rows * segments)),)](*args, PHASE=0, **common)
     return part[:, :, 6].sum(1), hard, grad
