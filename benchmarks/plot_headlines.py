@@ -20,11 +20,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOOR_PREFIX = "matmul floor"
 
 
-def loss_rows(results: dict, beta: float = 0.5) -> dict[int, list[dict]]:
-    """Rows of bench_fused_linear_jsd at `beta` on the Llama vocabulary, grouped by N, floor excluded."""
+def loss_rows(results: dict, beta: float = 0.5, names: dict[str, str] | None = None) -> dict[int, list[dict]]:
+    """Rows of bench_fused_linear_jsd at `beta` on the Llama vocabulary, grouped by N, floor excluded; with `names`,
+    only the methods it lists, under the names it gives them."""
     by_n: dict[int, list[dict]] = {}
     for row in results["rows"]:
         if row["beta"] == beta and row["V"] == LLAMA_V and not row["method"].startswith(FLOOR_PREFIX):
+            if names is not None:
+                if row["method"] not in names:
+                    continue
+                row = {**row, "method": names[row["method"]]}
             by_n.setdefault(row["N"], []).append(row)
     return dict(sorted(by_n.items()))
 
@@ -53,6 +58,34 @@ def plot_loss(results: dict, out: Path) -> None:
     time_ax.set_title("fused JSD, forward + backward (lower is better)")
     mem_ax.set_title("memory beyond inputs and gradients")
     time_ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(_source_line(results), fontsize=7, y=0.02)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def plot_loss_two_timings(results: dict, out: Path, names: dict[str, str]) -> None:
+    """Each method's time as a multiple of the floor, timed alone (solid) and with the host ahead (hatched)."""
+    import matplotlib.pyplot as plt
+
+    by_n = loss_rows(results, names=names)
+    methods = list(dict.fromkeys(r["method"] for rows in by_n.values() for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        for j, rows in enumerate(by_n.values()):
+            row = next((r for r in rows if r["method"] == method), None)
+            if row is None or not isinstance(row.get("ms"), float):
+                continue
+            x = j + i * width
+            color = f"C{i}"
+            ax.bar(x - width / 4, row["x_floor"], width / 2, color=color, label=method if j == 0 else None)
+            ax.bar(x + width / 4, row["gpu_x_floor"], width / 2, color=color, alpha=0.55, hatch="//")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(by_n))], [f"N = {n}" for n in by_n])
+    ax.set_ylabel("time / matmul floor")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_title("fused JSD, fwd + bwd: each pair timed alone (solid) and with the host ahead (hatched)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(_source_line(results), fontsize=7, y=0.02)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=130)
@@ -92,6 +125,14 @@ def main() -> None:
         "bench_fused_linear_jsd_trl.json": ("loss_vs_floor_trl.png", plot_loss),  # every method, TRL's kernel too
         "bench_rollouts_graph.json": ("decode_vs_floor.png", plot_decode),
     }
+    # that run's "liger_patch_kd" row ran gradient groups, no longer the default for a bf16 weight gradient; its
+    # "chunk 1024, no groups" row is what the default runs (the file's read_me)
+    two_timings = {"liger_patch_kd chunk 1024, no groups": "liger_patch_kd", "liger_patch_kd chunk 2048":
+                   "liger_patch_kd chunk 2048 (2 GiB)", "trl divergence kernel": "TRL's divergence kernel",
+                   "liger chunked (compiled)": "Liger chunked (compiled)", "liger triton": "Liger Triton"}  # fmt: skip
+    charts["bench_fused_linear_jsd_two_timings_h100.json"] = (
+        "loss_two_timings_h100.png", lambda results, out: plot_loss_two_timings(results, out, two_timings)
+    )
     for results, (chart, draw) in charts.items():
         draw(json.loads((args.results / results).read_text()), args.out / chart)
         print(f"wrote {args.out / chart}")
