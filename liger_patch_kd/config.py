@@ -45,7 +45,7 @@ def check_grad_chunk_size(grad_chunk_size: Any, chunk_size: int | None) -> None:
     """A gradient group is whole chunks: None, or an int > 0 that chunk_size (when given) divides."""
     if grad_chunk_size is None:
         return
-    if not (isinstance(grad_chunk_size, int) and grad_chunk_size > 0):
+    if isinstance(grad_chunk_size, bool) or not (isinstance(grad_chunk_size, int) and grad_chunk_size > 0):
         raise ValueError(
             f"grad_chunk_size must be None (automatic) or an int > 0; got grad_chunk_size={grad_chunk_size!r}"
         )
@@ -124,6 +124,7 @@ class KDLossConfig:
         each time it runs, so fewer, larger products move fewer bytes; the chunks get smaller for the same memory.
         None: chunk_size when that is given, else chosen with it (groups on a GPU with fp32_weight_grad, where
         they were measured to pay; with the weight's own dtype they do not, and each chunk runs its products).
+        Given without chunk_size, it is split into equal chunks that fit beside it (and rounded up to whole ones).
     tail: with top-k teacher log-probs, how the mass outside the top-k is treated
         ("bucket", "renormalize" or "none"; see `losses.fused_linear_topk_kd`).
     fp32_weight_grad: accumulate the lm_head weight gradient in float32 across chunks
@@ -172,6 +173,11 @@ class KDLossConfig:
         check_shared_options(self)
         check_fp8_options(self)
         check_grad_chunk_size(self.grad_chunk_size, self.chunk_size)
+        if self.estimator is not None and self.grad_chunk_size is not None:
+            raise ValueError(
+                f"grad_chunk_size={self.grad_chunk_size} gathers full-vocabulary gradients, and estimator="
+                f"{self.estimator!r} scores one token a row, with no such gradient: leave grad_chunk_size=None"
+            )
         if self.estimator is not None:
             if self.estimator not in ESTIMATORS:
                 raise ValueError(f"estimator must be None or one of {ESTIMATORS}; got estimator={self.estimator!r}")

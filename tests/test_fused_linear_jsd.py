@@ -363,3 +363,8 @@ def test_grad_chunk_size_must_be_whole_chunks():
         KDLossConfig(chunk_size=4, grad_chunk_size=6)
     with pytest.raises(ValueError, match="grad_chunk_size must be None"):
         KDLossConfig(grad_chunk_size=0)
+    with pytest.raises(ValueError, match="grad_chunk_size must be None"):
+        KDLossConfig(grad_chunk_size=True)
+    # a sampled-token estimator has no full-vocabulary gradient to gather: refused, not ignored
+    with pytest.raises(ValueError, match="grad_chunk_size=8 gathers full-vocabulary gradients.*estimator='k1'"):
+        KDLossConfig(estimator="k1", grad_chunk_size=8)

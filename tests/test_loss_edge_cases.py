@@ -329,6 +329,7 @@ def test_gpu_chunk_rows_stay_under_one_gib(monkeypatch, n_rows, vocab, bytes_per
         (8192, 262144, (482, 482)),  # no room for two chunks' gradients beside a 512-row chunk: plain chunks
         (65536, 32000, (4096, 4096)),  # plain chunks of 4096 rows: their products gain nothing from groups
         (8192, 151936, (512, 1024)),
+        (2049, 128256, (384, 1152)),  # two groups of three equal chunks, none of a single row
     ],
 )
 def test_gpu_gradient_groups_fit_the_same_budget(monkeypatch, n_rows, vocab, expected):
@@ -343,9 +344,30 @@ def test_gpu_gradient_groups_fit_the_same_budget(monkeypatch, n_rows, vocab, exp
     # with the weight's own (bf16) gradient, groups do not pay: the plain chunk
     plain = chunked.choose_chunk_size(n_rows, vocab, torch.device("cuda"), 8)
     assert chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2) == (plain, plain)
+    # nor without a gradient to gather (evaluation, no_grad): smaller chunks would buy nothing
+    no_grad = chunked.plan_chunk_rows(n_rows, vocab, torch.device("cuda"), 8, 8, 2, fp32_weight_grad=True,
+                                      needs_grad=False)  # fmt: skip
+    assert no_grad == (plain, plain)
     assert group % rows == 0
     held = rows * vocab * 8 + (group * vocab * 2 if group > rows else 0)
     assert held <= chunked._GPU_CHUNK_BYTES < 1 << 30
+
+
+@pytest.mark.parametrize(
+    "n_rows,group,expected",
+    [
+        (8192, 2048, (512, 2048)),  # four equal chunks fit beside a 2048-row group
+        (8192, 1009, (505, 1010)),  # two chunks: a group no chunk divides is rounded up by a row, never 1-row chunks
+        (300, 4096, (300, 300)),  # never more than the rows there are
+    ],
+)
+def test_a_given_gradient_group_is_split_into_equal_chunks_that_fit_beside_it(monkeypatch, n_rows, group, expected):
+    from liger_patch_kd.ops import chunked
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 141 << 30))
+    rows, got = chunked.plan_chunk_rows(n_rows, 128256, torch.device("cuda"), 8, 8, 2, grad_chunk_size=group)
+    assert (rows, got) == expected
+    assert got % rows == 0 and rows * 128256 * 8 + got * 128256 * 2 <= chunked._GPU_CHUNK_BYTES
 
 
 def test_gradient_groups_are_refused_by_a_loss_whose_kernel_cannot_write_into_one():

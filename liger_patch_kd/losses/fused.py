@@ -96,6 +96,8 @@ def run_fused(
     rows, grad_rows = plan_chunk_rows(
         h_s.shape[0], vocab, device, bytes_per_logit, grouped_bytes_per_logit, h_s.element_size(), cfg.chunk_size,
         cfg.grad_chunk_size, cfg.fp32_weight_grad,
+        needs_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                   for t in (student_input, student_weight, student_bias)),
     )  # fmt: skip
     student_product = None
     if cfg.student_logits_fp8:  # the head quantised once per call: the student's weight changes every step

@@ -80,20 +80,23 @@ def plan_chunk_rows(
     chunk_size: int | None = None,
     grad_chunk_size: int | None = None,
     fp32_weight_grad: bool = False,
+    needs_grad: bool = True,
 ) -> tuple[int, int]:
     """(rows per logit chunk, rows per gradient group); the group is a multiple of the chunk.
 
     `bytes_per_logit`: a chunk's (rows x V) buffers when it runs its own gradient products;
     `grouped_bytes_per_logit`: the same when its gradient goes to a group (None: the loss's kernel cannot write
-    into one, and every chunk runs its own products); `grad_bytes_per_logit`: the gradient's element size. Given
-    sizes are taken as they are. Automatic: on the GPU with `fp32_weight_grad`, gradient groups where the rows need
-    more than one plain chunk of fewer than `GROUP_BELOW_ROWS` rows and the budget holds at least two
-    `GROUPED_CHUNK_ROWS` chunks' gradients beside one chunk's logits; otherwise one chunk per group.
+    into one, and every chunk runs its own products); `grad_bytes_per_logit`: the gradient's element size. A given
+    chunk_size is taken as it is; a grad_chunk_size given alone (at most the rows there are) is split into equal chunks
+    that fit beside it, and rounded up to whole chunks. Automatic: on the GPU with `fp32_weight_grad` and a
+    gradient wanted (`needs_grad`), gradient groups where the rows need more than one plain chunk of fewer than
+    `GROUP_BELOW_ROWS` rows and the budget holds at least two `GROUPED_CHUNK_ROWS` chunks' gradients beside one
+    chunk's logits; otherwise one chunk per group.
     """
     if grad_chunk_size is not None and grouped_bytes_per_logit is None:
         raise ValueError(
-            f"grad_chunk_size={grad_chunk_size} gathers the gradients of several chunks, which this loss's kernel "
-            f"cannot do (only fused_linear_jsd and fused_linear_topk_kd can); leave grad_chunk_size=None"
+            f"grad_chunk_size={grad_chunk_size} gathers the gradients of several chunks, which this loss cannot do "
+            f"(fused_linear_jsd without an estimator and fused_linear_topk_kd can): leave grad_chunk_size=None"
         )
     if chunk_size is not None:
         group = grad_chunk_size or chunk_size
@@ -105,22 +108,25 @@ def plan_chunk_rows(
         return chunk_size, group
     budget = _chunk_budget_bytes(device)
     if grad_chunk_size is not None:
-        # the largest chunk that divides the group and fits beside the group's gradients (a group larger than the
-        # budget is taken as asked, with chunks of up to 128 rows)
-        room = (budget - grad_chunk_size * vocab * grad_bytes_per_logit) // (vocab * grouped_bytes_per_logit)
-        fits = min(grad_chunk_size, max(room, 128))
-        return next(r for r in range(fits, 0, -1) if grad_chunk_size % r == 0), grad_chunk_size
+        group = max(1, min(grad_chunk_size, n_rows))
+        # equal chunks, each within what fits beside the group's gradients (a group larger than the budget is taken
+        # as asked, with chunks of up to 128 rows); the group rounded up to whole chunks, by fewer rows than chunks
+        room = (budget - group * vocab * grad_bytes_per_logit) // (vocab * grouped_bytes_per_logit)
+        chunks = -(-group // min(group, max(room, 128)))
+        rows = -(-group // chunks)
+        return rows, rows * chunks
     plain = choose_chunk_size(n_rows, vocab, device, bytes_per_logit)
-    grouping_pays = fp32_weight_grad and grouped_bytes_per_logit is not None
+    grouping_pays = fp32_weight_grad and needs_grad and grouped_bytes_per_logit is not None
     if device.type != "cuda" or not grouping_pays or plain >= min(n_rows, GROUP_BELOW_ROWS):
         return plain, plain
-    rows = GROUPED_CHUNK_ROWS
-    room = budget - rows * vocab * grouped_bytes_per_logit
-    group_max = room // (vocab * grad_bytes_per_logit) // rows * rows
-    if group_max < 2 * rows:
+    room = budget - GROUPED_CHUNK_ROWS * vocab * grouped_bytes_per_logit
+    group_max = room // (vocab * grad_bytes_per_logit) // GROUPED_CHUNK_ROWS * GROUPED_CHUNK_ROWS
+    if group_max < 2 * GROUPED_CHUNK_ROWS:
         return plain, plain
     per_group = -(-n_rows // -(-n_rows // group_max))  # equal groups
-    return rows, -(-per_group // rows) * rows  # of whole chunks
+    chunks = -(-per_group // GROUPED_CHUNK_ROWS)  # and equal chunks in each, multiples of 128 rows: no runt chunk
+    rows = -(-(-(-per_group // chunks)) // 128) * 128
+    return rows, rows * chunks
 
 
 def _chunk_budget_bytes(device: torch.device) -> int:
@@ -205,6 +211,8 @@ def run_chunked(
             grad_bias[:vocab] += grad_logits[:, :vocab].sum(0, dtype=acc_dtype)
 
     grouped = any_grad and grad_rows is not None and grad_rows > chunk_size
+    if grouped and grad_rows % chunk_size:
+        raise ValueError(f"grad_rows={grad_rows} must be a multiple of chunk_size={chunk_size} (whole chunks)")
     group_grad = group_hidden = None
     group_start = group_end = 0
     for start in range(0, n_rows, chunk_size):
