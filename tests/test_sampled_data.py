@@ -251,5 +251,18 @@ def test_a_store_of_top_k_tempered_already_is_not_tempered_again(tmp_path, caplo
         KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0), train_dataset=data)
     said = [r.getMessage() for r in caplog.records if "at temperature 2" in r.getMessage()]
     assert len(said) == 1 and "kd_temperature=1 trains the student at temperature 1" in said[0]
+    # the same store for evaluation is not spoken about twice; another tempered store is
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0, eval_strategy="no"), train_dataset=data,
+                  eval_dataset=TD.TeacherLogprobsDataset(out))  # fmt: skip
+    assert len([r for r in caplog.records if "at temperature 2" in r.getMessage()]) == 1
+    other = TD.TeacherLogprobsDataset(_store(tmp_path, "t3", samples=0, top_k=4, temperature=3.0)[0])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0, eval_strategy="no"), train_dataset=data,
+                  eval_dataset=other)  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "at temperature" in r.getMessage()]
+    assert len(said) == 2 and "eval_dataset store" in said[1] and "temperature 3" in said[1]
     plain = TD.TeacherLogprobsDataset(_store(tmp_path, "one", samples=0, top_k=4)[0])
     KDTrainer(model=model, args=_args(tmp_path, kd_beta=0.0, kd_temperature=2.0), train_dataset=plain)  # T = 1: fine

@@ -423,10 +423,15 @@ def check_training_rows(
     check_collator_keeps_teacher_columns(dataset, collator)
     first_row = first_row_of(dataset)
     check_messages_end_with_the_completion(first_row, "train_dataset")
-    if not scores_sampled_tokens_only(args, dataset):  # the estimators on a rollout store never read its samples
+    train_store_checked = not scores_sampled_tokens_only(args, dataset)
+    if train_store_checked:  # the estimators on a rollout store never read its samples
         check_sampled_dataset(dataset, cfg, first_row, args.kd_teacher_sample_temperature)
         check_tempered_topk(dataset, cfg)  # nor its top-k
-    if eval_dataset is not None:  # evaluation scores the kd_beta divergence on the top-k, under any estimator
+    # evaluation scores the kd_beta divergence on the top-k, under any estimator; a store the train set's check has
+    # spoken about already (the same store, or a split of it) is not spoken about twice
+    eval_meta = store_meta(eval_dataset) if eval_dataset is not None else None
+    if eval_dataset is not None and not (train_store_checked and eval_meta is not None
+                                         and eval_meta == store_meta(dataset)):  # fmt: skip
         check_tempered_topk(eval_dataset, cfg, "eval_dataset")
     check_rows_for_several_served(args, first_row)
     check_teacher_is_used(args, teacher_model, first_row, eval_dataset)
