@@ -78,3 +78,31 @@ def test_every_served_client_names_a_bad_timeout_or_retry_count_the_same_way(tmp
     with pytest.raises(ValueError, match=r"a served teacher needs kd_teacher_timeout > 0 \(seconds\) and "
                                          r"kd_teacher_retries >= 0; got"):  # fmt: skip
         KDTrainingArguments(**{**options, **kind, **timing})
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        (dict(kd_teacher_top_k=16), "kd_teacher_top_k=16 is"),
+        (dict(kd_teacher_samples=4, kd_teacher_protocol="liger"),
+         "kd_teacher_protocol='liger' and kd_teacher_samples=4 are"),
+        (dict(kd_teacher_hidden_dtype="fp8"), "kd_teacher_hidden_dtype='fp8' is"),
+    ],
+)
+def test_server_options_without_a_server_are_said_to_be_unused(tmp_path, caplog, options, named):
+    """A teacher model in process with options only a server reads: said once, naming them, before any step (not
+    refused: one config may serve a served run and an in-process one); the defaults say nothing."""
+    import logging
+
+    args = KDTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to="none",
+                               use_cpu=True, save_strategy="no", disable_tqdm=True, **options)  # fmt: skip
+    student, teacher = tiny_model("llama", dtype=torch.float32, seed=1), tiny_model("llama", dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        KDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=ROWS)
+    said = [r.getMessage() for r in caplog.records if "read only from a teacher server" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(named) and "kd_teacher_url is not set" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="liger_patch_kd"):
+        KDTrainer(model=student, teacher_model=teacher, args=KDTrainingArguments(
+            output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True), train_dataset=ROWS)
+    assert not [r for r in caplog.records if "read only from a teacher server" in r.getMessage()]

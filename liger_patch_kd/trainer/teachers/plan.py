@@ -61,7 +61,7 @@ from .member_set import MemberSet, set_of
 from .other_tokenizer import CrossTokenizerSetup, OtherTokenizerTeacher, cross_tokenizer_enabled
 from .routes import TeacherRoutes
 from .self_distill import SelfDistillTeacher, self_distill_teacher
-from .served import ServedTeacher
+from .served import ServedTeacher, say_unused_server_options
 from .served_hidden import HIDDEN_PROTOCOL, ServedHiddenTeacher
 from .stored import StoredTeacher
 
@@ -190,6 +190,7 @@ def resolve_teacher(model: nn.Module, teacher_model: Any, args: Any, teacher_tok
         teacher_model = None
     if args.kd_teacher_url and teacher_model is not None:
         raise ValueError("pass teacher_model or set kd_teacher_url (a teacher server), not both")
+    say_unused_server_options(args)
     xtok, kd_config = None, args.kd_loss_config()
     if members is None and cross_tokenizer_enabled(args, teacher_tokenizer):  # one, of another tokenizer
         check_other_tokenizer_wraps(kind_of(args, None, teacher_model), args)

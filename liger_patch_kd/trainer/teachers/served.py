@@ -3,6 +3,7 @@ DataLoaders wrapped with a TeacherPrefetcher (teacher/client/) asking the server
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -254,3 +255,24 @@ class ServedTeacher(TeacherSource):
 
     def loss(self, model, inputs: dict, num_items_in_batch, cfg, log_now: bool, behaviour=None) -> KDStepOutput:
         return self.rows.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
+
+
+# options only a teacher server reads: with no kd_teacher_url they describe a teacher the run does not have
+SERVER_ONLY_OPTIONS = ("kd_teacher_top_k", "kd_teacher_samples", "kd_teacher_sample_seed", "kd_teacher_protocol",
+                       "kd_teacher_hidden_dtype")  # fmt: skip
+
+
+def say_unused_server_options(args: Any) -> None:
+    """A server-only option changed from its default with no kd_teacher_url is said to be unused, once, naming it:
+    the run trains against another teacher (a model, a store) than the one the option describes. Said, not refused:
+    one config may serve a served run and an in-process one."""
+    if args.kd_teacher_url:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(args) if f.name in SERVER_ONLY_OPTIONS}
+    unused = [f"{name}={getattr(args, name)!r}" for name, default in defaults.items() if getattr(args, name) != default]
+    if unused:
+        logger.warning(
+            "%s %s read only from a teacher server, and kd_teacher_url is not set: %s unused (set kd_teacher_url to "
+            "the server to use %s)", " and ".join(unused), "is" if len(unused) == 1 else "are",
+            "it is" if len(unused) == 1 else "they are", "it" if len(unused) == 1 else "them",
+        )
