@@ -64,7 +64,7 @@ def choose_chunk_size(n_rows: int, vocab: int, device: torch.device, bytes_per_l
 # leaves room for a group of four chunks' gradients in the budget at a 128K vocabulary. Groups are formed
 # automatically only for an fp32 weight gradient (fp32_weight_grad), whose every product reads and writes V x H in
 # float32: there fewer products save more than the smaller logit chunks cost. With the weight's own bf16 gradient
-# they do not (benchmarks/loss/probe_jsd_order.py --plans, in docs/benchmarks.md), and a plain chunk stays. Nor
+# they do not (benchmarks/loss/probe_gradient_groups.py, in docs/benchmarks.md), and a plain chunk stays. Nor
 # where a plain chunk already holds GROUP_BELOW_ROWS rows.
 GROUPED_CHUNK_ROWS = 512
 GROUP_BELOW_ROWS = 2048
