@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config import check_grad_chunk_size
 from ..conventions import column_bias
 from .backend import logits_fp32, no_autocast
 from .scale import scale_
@@ -98,14 +99,9 @@ def plan_chunk_rows(
             f"grad_chunk_size={grad_chunk_size} gathers the gradients of several chunks, which this loss cannot do "
             f"(fused_linear_jsd without an estimator and fused_linear_topk_kd can): leave grad_chunk_size=None"
         )
+    check_grad_chunk_size(grad_chunk_size, chunk_size)
     if chunk_size is not None:
-        group = grad_chunk_size or chunk_size
-        if group % chunk_size:
-            raise ValueError(
-                f"grad_chunk_size={group} must be a multiple of chunk_size={chunk_size} (a gradient group is whole "
-                f"chunks); e.g. grad_chunk_size={-(-group // chunk_size) * chunk_size}"
-            )
-        return chunk_size, group
+        return chunk_size, grad_chunk_size or chunk_size
     budget = _chunk_budget_bytes(device)
     if grad_chunk_size is not None:
         group = max(1, min(grad_chunk_size, n_rows))
@@ -222,8 +218,8 @@ def run_chunked(
         if grouped:
             if start == group_end:  # a new group: its masked hidden rows once, its gradient buffer reused
                 group_start, group_end = start, min(n_rows, start + grad_rows)
-                rows = slice(group_start, group_end)
-                group_hidden = torch.where(active[rows, None], student_input[rows], 0.0)
+                span = slice(group_start, group_end)
+                group_hidden = torch.where(active[span, None], student_input[span], 0.0)
                 if group_grad is None:
                     group_grad = student_input.new_empty((group_end - group_start, columns))
             hidden = group_hidden[start - group_start : end - group_start]

@@ -11,6 +11,7 @@ any KDTrainingArguments is made.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -44,6 +45,12 @@ def loss_option_names(message: str) -> str:
 # (rank, check(args)) of the features, run by __post_init__ in rank order: rollout settings 0, several teachers 1
 # (before the served checks: kd_teacher_url as a dict is refused there), a served teacher 2, the engine 3
 FEATURE_CHECKS: list[tuple[int, Callable[[Any], None]]] = []
+
+
+def field_defaults(args: Any) -> dict[str, Any]:
+    """Each field's declared default of a dataclass of arguments (KDTrainingArguments), to tell an option a user set
+    from one left alone; {} for arguments that are not a dataclass."""
+    return {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
 
 
 def checks_arguments(rank: int) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:

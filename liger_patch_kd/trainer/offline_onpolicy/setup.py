@@ -4,7 +4,6 @@ cannot apply), its collator, its teacher source and its optional refresh."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -15,7 +14,7 @@ from ...models import unwrap_model
 from ...teacher.precompute import teacher_fingerprint
 from ...teacher.store import store_meta
 from ...teacher.store.rollouts import rollouts_of, sampling_is_the_policy
-from ..arguments import checks_arguments
+from ..arguments import checks_arguments, field_defaults
 from .refresh import StoreRefresh
 from .source import StoredRolloutsTeacher
 
@@ -63,7 +62,7 @@ def check_options_a_store_fixes(args: Any, section: dict) -> None:
     nothing beside one. One that was set to another value than the store's is refused in one line, all named, rather
     than silently unused (the defaults, and values equal to the store's, pass)."""
     sampling = section.get("sampling") or {}
-    defaults = {f.name: f.default for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else {}
+    defaults = field_defaults(args)
     stored_length, stored_temperature = section.get("max_new_tokens"), sampling.get("temperature", 1.0)
     unused = []
     if args.kd_max_new_tokens not in (defaults.get("kd_max_new_tokens"), stored_length):

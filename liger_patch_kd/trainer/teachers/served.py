@@ -3,7 +3,6 @@ DataLoaders wrapped with a TeacherPrefetcher (teacher/client/) asking the server
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +15,7 @@ from ...teacher.client.hidden_client import HIDDEN_PROTOCOL, HiddenClient
 from ...teacher.client.prefetch import TEACHER_KEYS
 from ...wire import PROTOCOLS
 from ...wire.sampled_tokens import MAX_SAMPLES
-from ..arguments import KDTrainingArguments, checks_arguments
+from ..arguments import KDTrainingArguments, checks_arguments, field_defaults
 from .base import KDStepOutput, TeacherSource
 from .stored import StoredTeacher
 
@@ -257,9 +256,10 @@ class ServedTeacher(TeacherSource):
         return self.rows.loss(model, inputs, num_items_in_batch, cfg, log_now, behaviour)
 
 
-# options only a teacher server reads: with no kd_teacher_url they describe a teacher the run does not have
-SERVER_ONLY_OPTIONS = ("kd_teacher_top_k", "kd_teacher_samples", "kd_teacher_sample_seed", "kd_teacher_protocol",
-                       "kd_teacher_hidden_dtype")  # fmt: skip
+# options only a teacher server reads: with no kd_teacher_url they describe a teacher the run does not have (in
+# KDTrainingArguments' order, the order they are named in)
+SERVER_ONLY_OPTIONS = ("kd_teacher_protocol", "kd_teacher_hidden_dtype", "kd_teacher_top_k", "kd_teacher_samples",
+                       "kd_teacher_sample_seed")  # fmt: skip
 
 
 def say_unused_server_options(args: Any) -> None:
@@ -268,8 +268,9 @@ def say_unused_server_options(args: Any) -> None:
     one config may serve a served run and an in-process one."""
     if args.kd_teacher_url:
         return
-    defaults = {f.name: f.default for f in dataclasses.fields(args) if f.name in SERVER_ONLY_OPTIONS}
-    unused = [f"{name}={getattr(args, name)!r}" for name, default in defaults.items() if getattr(args, name) != default]
+    defaults = field_defaults(args)
+    unused = [f"{name}={getattr(args, name)!r}" for name in SERVER_ONLY_OPTIONS
+              if name in defaults and getattr(args, name) != defaults[name]]  # fmt: skip
     if unused:
         logger.warning(
             "%s %s read only from a teacher server, and kd_teacher_url is not set: %s unused (set kd_teacher_url to "
