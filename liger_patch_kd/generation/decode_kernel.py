@@ -50,14 +50,17 @@ if triton_available():
     def _split_kernel(
         # pointers
         q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr,
+        # the new position's (FUSED): its key and value, cos / sin, the cache column they go to
+        new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, slot_ptr,
         # shapes
         kv_heads, length, split_len, scale,
         # strides
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_mn,
-        stride_ob, stride_oh,
+        stride_ob, stride_oh, stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cb, stride_sb,
         # meta-parameters
         GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK: tl.constexpr, MASK_BLOCK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+        FUSED: tl.constexpr,
     ):  # fmt: skip
         pair, split = tl.program_id(0), tl.program_id(1)
         splits = tl.num_programs(1)
@@ -65,15 +68,45 @@ if triton_available():
         g = tl.arange(0, ROWS)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < DIM
-        q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        if UPCAST:
-            q = q.to(ACC)
+        q_at = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh
+        q = tl.load(q_at + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         running_max = tl.full((ROWS,), float("-inf"), ACC)
         total = tl.zeros((ROWS,), ACC)
         acc = tl.zeros((ROWS, BLOCK_D), ACC)
         first = split * split_len
         last = tl.minimum(first + split_len, length)
+        slot = first - 1  # no column of the cache is left out of the loop below unless FUSED
+        if FUSED:
+            # RoPE (rotate-half) of the query heads and the new key, computed in ACC and rounded to the inputs' dtype
+            # as ops/rope.py's kernel does: out[i] = x[i] cos[i] - x[i + D/2] sin[i] for i < D/2, and
+            # x[i] cos[i] + x[i - D/2] sin[i] above
+            half = DIM // 2
+            partner = tl.where(d < half, d + half, d - half)
+            sign = tl.where(d < half, -1.0, 1.0).to(ACC)
+            cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0).to(ACC)
+            sin = tl.load(sin_ptr + b * stride_sb + d, mask=d_ok, other=0.0).to(ACC) * sign
+            q_pair = tl.load(q_at + partner[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+            q = (q.to(ACC) * cos[None, :] + q_pair.to(ACC) * sin[None, :]).to(q_ptr.dtype.element_ty)
+            k_at = new_k_ptr + b * stride_nkb + h * stride_nkh
+            key = tl.load(k_at + d, mask=d_ok, other=0.0).to(ACC) * cos + tl.load(k_at + partner, mask=d_ok,
+                                                                                  other=0.0).to(ACC) * sin
+            key = key.to(k_ptr.dtype.element_ty)
+            value = tl.load(new_v_ptr + b * stride_nvb + h * stride_nvh + d, mask=d_ok, other=0.0)
+            # the program whose split holds the slot writes the new column and starts its softmax with it (from
+            # registers: the column is left out of every program's loop, so no program reads it before the write)
+            slot = tl.load(slot_ptr).to(tl.int32)
+            holds = (slot >= first) & (slot < last)
+            slot_at = tl.where(holds, slot, first).to(tl.int64)
+            written = d < tl.where(holds, DIM, 0)  # (a scalar condition and'ed with a block: the interpreter refuses)
+            tl.store(k_ptr + b * stride_kb + h * stride_kh + slot_at * stride_kn + d, key, mask=written)
+            tl.store(v_ptr + b * stride_vb + h * stride_vh + slot_at * stride_vn + d, value, mask=written)
+            seeded = holds & (tl.load(mask_ptr + b * stride_mb + slot_at * stride_mn) != 0)
+            score = tl.sum(q.to(ACC) * key.to(ACC)[None, :], axis=1) * scale
+            running_max = tl.where(seeded, score, running_max)
+            total = tl.where(seeded, total + 1.0, total)  # its p is exp(0) = 1
+            acc = tl.where(seeded, acc + value.to(ACC)[None, :], acc)
+        if UPCAST:
+            q = q.to(ACC)
         # the attended extent [lo, hi) of this split's columns (an empty one, lo >= hi, when nobody attends here)
         lo = last
         hi = first
@@ -82,11 +115,11 @@ if triton_available():
             attends = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n < last, other=0) != 0
             lo = tl.minimum(lo, tl.min(tl.where(attends, n, last), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(attends, n + 1, first), axis=0))
-        # from lo's block: the first block read holds an attended column, so every running max is finite after it
-        # and a later block with none gives p = 0, alpha = 1
+        # from lo's block: the first block read holds an attended column (or the slot's, whose score seeded the
+        # running max), so every running max is finite after it and a later block with none gives p = 0, alpha = 1
         for start in range(first + (lo - first) // BLOCK * BLOCK, hi, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            attends = tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n < hi, other=0) != 0
+            attends = (tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=n < hi, other=0) != 0) & (n != slot)
             k = tl.load(k_ptr + b * stride_kb + h * stride_kh + n[:, None] * stride_kn + d[None, :],
                         mask=attends[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
             if UPCAST:  # the interpreter's bf16 products are wrong: the same roundings, products in float32
@@ -199,12 +232,81 @@ def decode_attention(
         raise ValueError(f"decode_attention takes query (batch, H, 1, d) and key / value (batch, H_kv, length, d), "
                          f"H a multiple of H_kv; got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
                          f"{tuple(value.shape)}")  # fmt: skip
+    _check_mask_and_layout("decode_attention", query, key, value, mask)
+    return _attend(query[:, :, 0], key, value, mask, scale, None)
+
+
+def rope_write_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention for a new position not in the cache yet, in one launch (two with split merging):
+    the query and the new key rotated by RoPE (rotate-half, transformers' `apply_rotary_pos_emb`), the rotated key
+    and the value written into column `slot` of the cache, and the query's attention over the cache with them,
+    what rope + `kv_cache.write_slot` + `decode_attention` compute in three.
+
+    Args:
+        query: (batch, H, d), not rotated; its last dim contiguous (a view of a fused q/k/v product's output is).
+        key, value: (batch, H_kv, d), the new position's, the key not rotated; last dims contiguous.
+        keys, values: the cache, (batch, H_kv, length, d), last dim contiguous; written at column `slot`.
+        slot: one-element int64 device tensor (read by the kernel: one captured graph serves every step); a slot
+            outside [0, length) writes nothing and attends to the cache alone.
+        cos, sin: (batch or 1, d), the new position's, in any float dtype (the rotation is computed in float32, in
+            float64 for float64 inputs).
+        mask: (batch, length) boolean, True where the row attends; column `slot` is the new position's.
+        scale: the scores' factor.
+
+    Returns:
+        (batch, 1, H, d) in the query's dtype.
+    """
+    batch, heads, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if not (query.dim() == 3 and key.shape == value.shape == (batch, kv_heads, dim) and keys.shape == values.shape
+            and keys.shape[::3] == (batch, dim) and heads % kv_heads == 0 and dim % 2 == 0):  # fmt: skip
+        raise ValueError(f"rope_write_attend takes query (batch, H, d), key / value (batch, H_kv, d) and keys / values "
+                         f"(batch, H_kv, length, d), H a multiple of H_kv, d even; got query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}, value {tuple(value.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}")  # fmt: skip
+    if not query.dtype == key.dtype == value.dtype == keys.dtype == values.dtype:
+        raise ValueError(f"rope_write_attend takes one dtype for query, key, value and the cache; got "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}, {keys.dtype}, {values.dtype}")  # fmt: skip
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, batch) or cos.shape[1] != dim \
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1:  # fmt: skip
+        raise ValueError(f"rope_write_attend takes cos / sin (batch or 1, d) = ({batch} or 1, {dim}), last dim "
+                         f"contiguous; got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
+    if not (slot.numel() == 1 and slot.dtype == torch.int64 and slot.device == query.device):
+        raise ValueError(f"rope_write_attend takes slot as a one-element int64 tensor on {query.device}; got "
+                         f"{slot.dtype} {tuple(slot.shape)} on {slot.device}")  # fmt: skip
+    _check_mask_and_layout("rope_write_attend", query, keys, values, mask)
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"rope_write_attend reads the head dim as contiguous: key and value need stride 1 in their "
+                         f"last dim; got {key.stride(-1)}, {value.stride(-1)} (call .contiguous() first)")  # fmt: skip
+    return _attend(query, keys, values, mask, scale, (key, value, cos, sin, slot))
+
+
+def _check_mask_and_layout(name: str, query, key, value, mask) -> None:
+    batch, length = key.shape[0], key.shape[2]
     if mask.shape != (batch, length) or mask.dtype != torch.bool or not query.dtype == key.dtype == value.dtype:
-        raise ValueError(f"decode_attention takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
+        raise ValueError(f"{name} takes a boolean mask (batch, length) = {(batch, length)} and one dtype; "
                          f"got mask {mask.dtype} {tuple(mask.shape)}, query {query.dtype}, key {key.dtype}, value "
                          f"{value.dtype}")  # fmt: skip
     if (reason := layout_refusal(query, key, value)) is not None:
-        raise ValueError(f"decode_attention {reason}")
+        raise ValueError(f"{name} {reason}")
+
+
+def _attend(query, key, value, mask, scale, new) -> torch.Tensor:
+    """The launch: query (batch, H, d) over key / value (batch, H_kv, length, d); `new` None, or the new
+    position's (key, value, cos, sin, slot) for rope_write_attend."""
+    batch, heads, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads
     pairs = batch * kv_heads
     block = block_columns(dim, query.dtype)
@@ -219,14 +321,21 @@ def decode_attention(
     maxima = torch.empty(scratch, dtype=acc_dtype, device=query.device)
     sums = torch.empty_like(maxima)
     block_d = max(16, triton.next_power_of_2(dim))
+    if new is None:  # the pointers FUSED reads: any tensor stands in
+        new_key = new_value = cos = sin = slot = query
+    else:
+        new_key, new_value, cos, sin, slot = new
+    table_stride = [0 if t.shape[0] == 1 else t.stride(0) for t in (cos, sin)] if new is not None else [0, 0]
     _split_kernel[(pairs, splits)](
         query, key, value, mask, acc, maxima, sums, out,
+        new_key, new_value, cos, sin, slot,
         kv_heads, length, split_len, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(1), out.stride(0), out.stride(2),
+        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1), *table_stride,
         GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=block,
-        MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct, num_warps=4,
-        num_stages=2,
+        MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct,
+        FUSED=new is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     if direct:
         return out
