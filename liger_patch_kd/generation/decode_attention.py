@@ -30,6 +30,19 @@ from .decode_kernel import decode_attention, layout_refusal
 _DEFERRED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions")
 
 
+def packable(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict) -> bool:
+    """Whether packed_gqa_sdpa attends to this call itself (one query position, grouped heads, a mask shared by
+    every head, nothing in `kwargs` it would have to honour) rather than handing it to transformers' SDPA."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (
+        groups > 1
+        and query.shape[2] == 1
+        and key.shape[1] * groups == query.shape[1]
+        and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1))
+        and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _DEFERRED_KWARGS)
+    )
+
+
 def packed_gqa_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -56,18 +69,11 @@ def packed_gqa_sdpa(
 
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
-    packable = (
-        groups > 1
-        and q_len == 1
-        and key.shape[1] * groups == heads
-        and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1))
-        and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _DEFERRED_KWARGS)
-    )
-    if not packable:
+    if not packable(module, query, key, attention_mask, kwargs):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    if _Kernel.wanted() and kernel_takes(query, key, value, attention_mask, dropout):
+    if kernel_wanted() and kernel_takes(query, key, value, attention_mask, dropout):
         length = key.shape[-2]
         mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
                 else key.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
@@ -94,6 +100,11 @@ def kernel_takes(
     if not query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256:
         return False
     return layout_refusal(query, key, value) is None
+
+
+def kernel_wanted() -> bool:
+    """Whether this thread is inside a decode_kernel() block: the decode engine's steps."""
+    return _Kernel.wanted()
 
 
 class _Kernel:

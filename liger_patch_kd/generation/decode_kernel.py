@@ -227,7 +227,7 @@ def decode_attention(
         (batch, 1, H, d) in the query's dtype: transformers' attention-function layout.
     """
     batch, heads, q_len, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     if q_len != 1 or heads % kv_heads or key.shape != value.shape or key.shape[::3] != (batch, dim):
         raise ValueError(f"decode_attention takes query (batch, H, 1, d) and key / value (batch, H_kv, length, d), "
                          f"H a multiple of H_kv; got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
@@ -268,7 +268,7 @@ def rope_write_attend(
         (batch, 1, H, d) in the query's dtype.
     """
     batch, heads, dim = query.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     if not (query.dim() == 3 and key.shape == value.shape == (batch, kv_heads, dim) and keys.shape == values.shape
             and keys.shape[::3] == (batch, dim) and heads % kv_heads == 0 and dim % 2 == 0):  # fmt: skip
         raise ValueError(f"rope_write_attend takes query (batch, H, d), key / value (batch, H_kv, d) and keys / values "

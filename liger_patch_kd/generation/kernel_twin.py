@@ -18,8 +18,9 @@ What the twin shares and what it owns:
   - the kernels go where the architecture's registry entry (models/registry.py) says its RMSNorm and gated-MLP
     classes are, and RoPE into a copy of each attention forward whose `apply_rotary_pos_emb` is the kernel's
     (the function itself, and transformers' module, unchanged); decoder layers laid out as Llama's add their
-    residuals in the kernel of the norm that reads them (residual_fusion.py). An architecture without an entry
-    runs as it is;
+    residuals in the kernel of the norm that reads them (residual_fusion.py), and attention laid out as Llama's
+    rotates, writes the cache and attends in one kernel at decode steps (attention_fusion.py). An architecture
+    without an entry runs as it is;
   - only where the module computes what the kernel computes: an instance whose class's forward is transformers'
     own (`ArchSpec.is_stock`: not a subclass's forward, not one set on the class), an MLP whose activation module
     is transformers' and has no hook on it (read at every call: `models.patch.activation_name`), a RoPE function
@@ -46,6 +47,7 @@ from torch import nn
 from ..models.patch import gated_mlp_kernel_forward, is_stock_rope, rms_norm_kernel_forward, rope_kernel_function
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
+from .attention_fusion import ROTATES_IN_KERNEL, fuse_decode_attention
 from .residual_fusion import fold_residual_adds
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
@@ -66,6 +68,7 @@ def kernel_twin(model: nn.Module) -> nn.Module:
     if spec is not None:
         bind_kernels(twin, spec)
         fold_residual_adds(twin, spec)
+        fuse_decode_attention(twin, spec)
     return twin
 
 
@@ -93,6 +96,8 @@ def bind_kernels(twin: nn.Module, spec: ArchSpec) -> int:
             cls = type(sub)
             if cls not in rope_forwards:
                 rope_forwards[cls] = _with_global(cls.forward, ROPE_NAME, current, rope)
+                if rope_forwards[cls] is not None:  # what attention_fusion looks for
+                    setattr(rope_forwards[cls], ROTATES_IN_KERNEL, True)
             if rope_forwards[cls] is None:
                 continue
             sub.forward = types.MethodType(rope_forwards[cls], sub)

@@ -80,7 +80,9 @@ class SlotCache(Cache):
         self.decoding = False
         self.prefilled = 0
 
-    def _tensors(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_tensors(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values (made at its first write, in the dtype and heads `key` has), refused
+        where `key` comes in another dtype than the cache holds."""
         keys = self.keys[layer]
         if keys is None:  # first write: the dtype and heads the model's keys have here (autocast included)
             shape = (self.rows, key.shape[1], self.length)
@@ -94,7 +96,7 @@ class SlotCache(Cache):
         return self.keys[layer], self.values[layer]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self._tensors(layer_idx, key_states, value_states)
+        keys, values = self.layer_tensors(layer_idx, key_states, value_states)
         if self.decoding:
             write_slot(keys, values, key_states, value_states, self.slot)
             return keys, values

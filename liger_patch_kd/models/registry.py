@@ -39,6 +39,12 @@ class ArchSpec:
     # residual adds a decode step folds into the norms that read them (generation/residual_fusion.py);
     # tests/test_residual_fusion.py checks each against the installed transformers' source
     residual_layers: Names = ()
+    # attention classes laid out as Llama's (q/k/v projections, RoPE, the cache's update, the attention function,
+    # o_proj), whose decode steps rotate, write the cache and attend in one kernel (generation/attention_fusion.py);
+    # `attention_norms`: q and k go through the module's q_norm / k_norm per head before RoPE (Qwen3's layout);
+    # tests/test_attention_fusion.py checks each against the installed transformers' source
+    attention: Names = ()
+    attention_norms: bool = False
 
     def load(self) -> ModuleType:
         try:
@@ -85,6 +91,8 @@ def _spec(model_type: str, prefix: str, module: str | None = None, **quirks) -> 
     quirks.setdefault("mlp", (f"{prefix}MLP",))
     if quirks.pop("llama_layers", False):
         quirks["residual_layers"] = (f"{prefix}DecoderLayer",)
+    if quirks.pop("llama_attention", False):
+        quirks["attention"] = (f"{prefix}Attention",)
     return ArchSpec(
         model_type=model_type,
         module=f"transformers.models.{module}.modeling_{module}",
@@ -102,27 +110,28 @@ REGISTRY: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
         # dense, Llama-like
-        _spec("llama", "Llama", llama_layers=True),
-        _spec("mistral", "Mistral", llama_layers=True),
-        _spec("qwen2", "Qwen2", llama_layers=True),
-        _spec("qwen3", "Qwen3", llama_layers=True),
+        _spec("llama", "Llama", llama_layers=True, llama_attention=True),
+        _spec("mistral", "Mistral", llama_layers=True, llama_attention=True),
+        _spec("qwen2", "Qwen2", llama_layers=True, llama_attention=True),
+        _spec("qwen3", "Qwen3", llama_layers=True, llama_attention=True, attention_norms=True),
         _spec("smollm3", "SmolLM3", llama_layers=True),  # NoPE layers skip RoPE inside attention: nothing to do here
         # OLMo-2 / GPT-OSS normalise in fp32 and multiply by w before casting back: ops/rms_norm.py's "olmo" mode
         _spec("olmo2", "Olmo2", rms_norm_casting="olmo"),
         _spec("glm4", "Glm4", fused_gate_up=True, rope=False),  # interleaved, partial RoPE
         _spec("phi3", "Phi3", fused_gate_up=True),
-        _spec("gemma", "Gemma", **_GEMMA, llama_layers=True),
+        _spec("gemma", "Gemma", **_GEMMA, llama_layers=True, llama_attention=True),
         _spec("gemma2", "Gemma2", **_GEMMA, logits=_SOFTCAP),
         _spec("gemma3_text", "Gemma3", "gemma3", **_GEMMA, logits=_SOFTCAP),
         # a logit scale
-        _spec("granite", "Granite", logits=frozenset({"logits_scaling"})),
+        _spec("granite", "Granite", logits=frozenset({"logits_scaling"}), llama_attention=True),
         # Cohere: LayerNorm (mean-centred, not an RMSNorm) and interleaved RoPE stay as they are
         _spec("cohere", "Cohere", rms_norm=(), rope=False, logits=frozenset({"logit_scale"})),
         _spec("cohere2", "Cohere2", rms_norm=(), rope=False, logits=frozenset({"logit_scale"})),
         # mixture of experts
         _spec("mixtral", "Mixtral", mlp=(), experts=("MixtralExperts", "MixtralBlockSparseTop2MLP"), **_MOE),
         # Qwen3-MoE's dense layers (mlp_only_layers) use Qwen3MoeMLP; transformers 4.57's experts are that class too
-        _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE, llama_layers=True),
+        _spec("qwen3_moe", "Qwen3Moe", experts=("Qwen3MoeExperts",), **_MOE, llama_layers=True, llama_attention=True,
+              attention_norms=True),
         # GPT-OSS: GptOssMLP is the router + experts block; experts use a clamped SwiGLU (alpha, limit) and biases;
         # its RoPE takes a half-width cos/sin (the kernel wrapper would fall back anyway)
         _spec("gpt_oss", "GptOss", rms_norm_casting="olmo", mlp=(), rope=False, experts=("GptOssExperts",), **_MOE),

@@ -1,0 +1,197 @@
+"""generation.attention_fusion: a decode twin's Llama-laid-out attention rotates q and k, writes the cache's new column
+and attends in one kernel at the engine's decode steps. The registry's claim about each class's layout holds for
+the installed transformers; a fused session decodes what an unfused one decodes (tokens, log-probs) and what the
+uncached reference loop samples; every step outside the engine's decode (a prefill, a forward with gradients, a
+caller outside the engine's kernel block) runs the forward the module had; the user's modules keep theirs."""
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from liger_patch_kd.generation import Sampling, decode, release_sessions
+from liger_patch_kd.generation import kernel_twin as kernel_twin_module
+from liger_patch_kd.generation.engine import session_of
+from liger_patch_kd.generation.kernel_twin import kernel_twin
+from liger_patch_kd.models.registry import REGISTRY
+from liger_patch_kd.ops.backend import triton_available
+
+from .helpers import DEVICE, count_launches
+from .test_engine_kernels import ENGINE_ARCHS, _engine_model, _prompts
+from .test_generation import decodes_as_the_reference
+
+pytestmark = [
+    pytest.mark.usefixtures("clean_patches"),
+    pytest.mark.skipif(not triton_available(), reason="the fused step is a Triton kernel"),
+]
+
+FUSED_ARCHS = [arch for arch in ENGINE_ARCHS if REGISTRY[arch].attention]
+# the statements of an attention forward laid out as Llama's (the cache argument named `cache` or `past_key_values`,
+# a sliding_window keyword to the attention function dropped: the fused step takes no window)
+LLAMA_LAYOUT = [
+    "input_shape = hidden_states.shape[:-1]",
+    "hidden_shape = (*input_shape, -1, self.head_dim)",
+    "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "cos, sin = position_embeddings",
+    "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",
+    "if CACHE is not None:\n    key_states, value_states = CACHE.update(key_states, value_states, self.layer_idx, ...)",
+    "attention_interface: Callable = ...",
+    "attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask, "
+    "dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)",
+    "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
+    "attn_output = self.o_proj(attn_output)",
+    "return (attn_output, attn_weights)",
+]
+NORMS_LAYOUT = [
+    *LLAMA_LAYOUT[:2],
+    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
+    "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
+    *LLAMA_LAYOUT[4:],
+]
+
+
+def _layout(cls) -> list[str]:
+    """The statements of `cls.forward`, unparsed, with the cache's name, the update's trailing arguments (the cache
+    kwargs of one transformers or another: SlotCache.update takes and ignores them), the attention function's lookup
+    and a sliding_window keyword normalised."""
+    function = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    cache = next((a.arg for a in function.args.args if a.arg in ("cache", "past_key_values")), None)
+    statements = []
+    for node in function.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # the docstring
+            continue
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "attention_interface":
+            statements.append("attention_interface: Callable = ...")
+            continue
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and ast.unparse(call.func) == "attention_interface":
+                call.keywords = [k for k in call.keywords if k.arg != "sliding_window"]
+            if isinstance(call, ast.Call) and ast.unparse(call.func) == f"{cache}.update":
+                call.args, call.keywords = call.args[:3] + [ast.Name("...")], []
+        text = ast.unparse(node)
+        statements.append(text.replace(f"{cache} is not None", "CACHE is not None").replace(f"{cache}.update",
+                                                                                             "CACHE.update"))
+    return statements
+
+
+@pytest.mark.parametrize("arch", sorted(a for a, spec in REGISTRY.items() if spec.attention))
+def test_each_attention_the_registry_names_is_laid_out_as_claimed_in_the_installed_transformers(arch):
+    spec = REGISTRY[arch]
+    classes = spec.classes(spec.attention)
+    assert classes, f"{arch}: none of {spec.attention} in the installed transformers"
+    for cls in classes:
+        assert _layout(cls) == (NORMS_LAYOUT if spec.attention_norms else LLAMA_LAYOUT), cls.__name__
+
+
+@pytest.mark.parametrize("module, name", [("olmo2", "Olmo2Attention"), ("smollm3", "SmolLM3Attention"),
+                                          ("qwen3", "Qwen3Attention"), ("llama", "LlamaAttention")])  # fmt: skip
+def test_a_layout_of_another_kind_is_told_apart(module, name):
+    """The check above can fail: OLMo-2 normalises whole projections, SmolLM3 skips RoPE on some layers, and each
+    of Llama's and Qwen3's layouts is not the other's."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    layout = _layout(cls)
+    assert layout != (LLAMA_LAYOUT if name == "Qwen3Attention" else NORMS_LAYOUT)
+    if name not in ("Qwen3Attention", "LlamaAttention"):
+        assert layout != LLAMA_LAYOUT
+
+
+def _unfused(monkeypatch):
+    monkeypatch.setattr(kernel_twin_module, "fuse_decode_attention", lambda twin, spec: 0)
+
+
+def _decode(model, monkeypatch, fuse: bool, **options):
+    with monkeypatch.context() as m:
+        if not fuse:
+            _unfused(m)
+        ids, mask = (t.to(DEVICE) for t in _prompts())
+        torch.manual_seed(9)
+        out = decode(model, ids, mask, max_new_tokens=7, sampling=Sampling(temperature=0.9), pad_id=0,
+                     logprobs=True, capture="eager", **options)  # fmt: skip
+        twin = session_of(model).model
+        bound = sum("forward" in m.__dict__ and m.forward.__func__.__name__ == "forward"
+                    and m.forward.__func__.__module__.endswith("attention_fusion") for m in twin.modules())  # fmt: skip
+    release_sessions(model)
+    return out, bound
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_fused_session_decodes_what_an_unfused_one_decodes(arch, dtype, monkeypatch):
+    """float64 on a CPU: the interpreter's float64 kernels, attention summed in another order (the new column first),
+    so log-probs agree to float64 rounding; float32 (compiled on a GPU): to float32 rounding."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    if dtype == torch.float64 and DEVICE.type == "cuda":
+        pytest.skip("Triton lowers no float64 product on a GPU: float64 attends through SDPA there")
+    model = _engine_model(arch, dtype, seed=4).to(DEVICE)
+    (fused, fused_lp), bound = _decode(model, monkeypatch, fuse=True)
+    (plain, plain_lp), unbound = _decode(model, monkeypatch, fuse=False)
+    layers = model.config.get_text_config().num_hidden_layers
+    assert bound == layers and unbound == 0
+    assert torch.equal(fused, plain)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(fused_lp, plain_lp, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_fused_session_samples_what_the_uncached_reference_samples(arch, monkeypatch):
+    if DEVICE.type == "cuda":
+        pytest.skip("float64 through the interpreter")
+    monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model(arch, torch.float64, seed=1)
+    decodes_as_the_reference(model, Sampling(temperature=0.8, top_k=30))  # top-k: torch's draw, as the reference
+    assert sum("forward" in m.__dict__ for m in session_of(model).model.modules()
+               if isinstance(m, tuple(REGISTRY[arch].classes(REGISTRY[arch].attention))))  # fmt: skip
+    release_sessions(model)
+
+
+def test_a_step_outside_the_engines_decode_runs_the_forward_the_module_had(monkeypatch):
+    """A prefill (every position), a forward with gradients, a one-position call outside the engine: the rotating
+    forward, no fused launch."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    import liger_patch_kd.generation.attention_fusion as fusion
+
+    model = _engine_model("llama", torch.float32, seed=2).to(DEVICE)
+    twin = kernel_twin(model)
+    ids, mask = (t.to(DEVICE) for t in _prompts())
+    launches = count_launches(monkeypatch, fusion, "rope_write_attend")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got = twin(input_ids=ids, attention_mask=mask).logits
+        got_one = twin(input_ids=ids[:, -1:], attention_mask=mask[:, -1:]).logits
+        want_one = model(input_ids=ids[:, -1:], attention_mask=mask[:, -1:]).logits
+    twin(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert not launches
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-5)
+
+
+def test_the_users_attention_modules_keep_their_forward():
+    model = _engine_model("llama", torch.float64, seed=0)
+    kernel_twin(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_rope_function_of_the_users_keeps_the_fused_step_away(monkeypatch):
+    """apply_rotary_pos_emb replaced by the user (not transformers'): bind_kernels leaves the attention forward as
+    it is, and so does the fusion: the user's rotation runs."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    calls = []
+    original = modeling.apply_rotary_pos_emb
+
+    def mine(q, k, cos, sin, *args, **kwargs):
+        calls.append(1)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", mine)
+    twin = kernel_twin(_engine_model("llama", torch.float64, seed=0))
+    attention = [m for m in twin.modules() if type(m).__name__ == "LlamaAttention"]
+    assert attention and not any("forward" in m.__dict__ for m in attention)
