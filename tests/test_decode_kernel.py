@@ -7,7 +7,14 @@ import torch
 
 from liger_patch_kd.generation import Sampling, packed_decode_attention, release_sessions
 from liger_patch_kd.generation.decode_attention import decode_kernel, packed_gqa_sdpa
-from liger_patch_kd.generation.decode_kernel import BLOCK_N, TILE_BYTES, block_columns, decode_attention, split_count
+from liger_patch_kd.generation.decode_kernel import (
+    BLOCK_N,
+    TILE_BYTES,
+    block_columns,
+    decode_attention,
+    rope_write_attend,
+    split_count,
+)
 from liger_patch_kd.generation.sampling_kernel import gumbel_argmax
 
 from .helpers import DEVICE, count_launches
@@ -130,16 +137,21 @@ def test_packed_sdpa_takes_the_kernel_only_when_asked(monkeypatch):
 
 
 @INTERPRETER_ONLY
-def test_the_engine_steps_through_the_kernel_and_sample_what_the_reference_samples(monkeypatch):
+@pytest.mark.parametrize("arch, attends_in", [("llama", "rope_write_attend"), ("olmo2", "decode_attention")])
+def test_the_engine_steps_through_the_kernel_and_sample_what_the_reference_samples(monkeypatch, arch, attends_in):
+    """Llama's attention layout rotates, writes and attends in one launch (generation/attention_fusion.py); OLMo-2's
+    (whole-projection q/k norms) rotates and writes on its own and attends through packed_gqa_sdpa's kernel."""
+    import liger_patch_kd.generation.attention_fusion as F
     import liger_patch_kd.generation.decode_attention as D
 
     calls = []
-    monkeypatch.setattr(D, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
+    monkeypatch.setattr(D, "decode_attention", lambda *a: calls.append("decode_attention") or decode_attention(*a))
+    monkeypatch.setattr(F, "rope_write_attend", lambda *a: calls.append("rope_write_attend") or rope_write_attend(*a))
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
-    model = _model("llama", torch.float64, seed=6)
+    model = _model(arch, torch.float64, seed=6)
     with packed_decode_attention():
         decodes_as_the_reference(model, Sampling(temperature=0.8, top_k=30))
-    assert calls  # the kernel attended the engine's decode steps
+    assert calls and set(calls) == {attends_in}  # the kernel attended the engine's decode steps
     release_sessions(model)
 
 
