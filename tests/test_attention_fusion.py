@@ -18,7 +18,7 @@ from liger_patch_kd.generation.kernel_twin import kernel_twin
 from liger_patch_kd.models.registry import REGISTRY
 from liger_patch_kd.ops.backend import triton_available
 
-from .helpers import DEVICE, count_launches
+from .helpers import DEVICE
 from .test_engine_kernels import ENGINE_ARCHS, _engine_model, _prompts
 from .test_generation import decodes_as_the_reference
 
@@ -101,6 +101,13 @@ def test_a_layout_of_another_kind_is_told_apart(module, name):
         assert layout != LLAMA_LAYOUT
 
 
+def _calls(monkeypatch, module, name: str) -> list:
+    """Record every call of `module.<name>`, still calling it."""
+    calls, function = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or function(*a, **k))
+    return calls
+
+
 def _unfused(monkeypatch):
     monkeypatch.setattr(kernel_twin_module, "fuse_decode_attention", lambda twin, spec: 0)
 
@@ -161,7 +168,7 @@ def test_a_step_outside_the_engines_decode_runs_the_forward_the_module_had(monke
     model = _engine_model("llama", torch.float32, seed=2).to(DEVICE)
     twin = kernel_twin(model)
     ids, mask = (t.to(DEVICE) for t in _prompts())
-    launches = count_launches(monkeypatch, fusion, "rope_write_attend")
+    launches = _calls(monkeypatch, fusion, "rope_write_attend")
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
         got = twin(input_ids=ids, attention_mask=mask).logits
@@ -195,3 +202,63 @@ def test_a_rope_function_of_the_users_keeps_the_fused_step_away(monkeypatch):
     twin = kernel_twin(_engine_model("llama", torch.float64, seed=0))
     attention = [m for m in twin.modules() if type(m).__name__ == "LlamaAttention"]
     assert attention and not any("forward" in m.__dict__ for m in attention)
+
+
+def test_a_student_patched_by_apply_kd_patch_is_fused(monkeypatch):
+    """KDTrainer patches its student (apply_kd_patch: the modeling module's apply_rotary_pos_emb is the kernel):
+    its session's attention is fused all the same, and decodes what the unfused one decodes."""
+    from liger_patch_kd.models import apply_kd_patch
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model("llama", torch.float32, seed=5).to(DEVICE)
+    apply_kd_patch(model=model)
+    (fused, fused_lp), bound = _decode(model, monkeypatch, fuse=True)
+    (plain, plain_lp), _ = _decode(model, monkeypatch, fuse=False)
+    assert bound == model.config.num_hidden_layers
+    assert torch.equal(fused, plain)
+    torch.testing.assert_close(fused_lp, plain_lp, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch, kv_heads, autocast", [("llama", 4, False), ("qwen3", 2, True)])
+def test_a_step_the_kernel_does_not_take_projects_once(arch, kv_heads, autocast, monkeypatch):
+    """Plain multi-head attention (told before the projections) and Qwen3's float32 q/k norms under bf16 autocast
+    (told after them: dtypes the kernel does not take): each projection runs once a step, and the tokens are the
+    unfused session's."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model(arch, torch.float32, seed=6).to(DEVICE)
+    if not autocast:  # the tiny config's 4 query heads over 4 key/value heads: no groups
+        model = tiny_mha(arch, kv_heads)
+    import liger_patch_kd.generation.attention_fusion as fusion
+
+    tails = _calls(monkeypatch, fusion, "rope") if autocast else None  # the forward's remaining steps
+    runs = []
+    for fuse in (True, False):
+        calls = []
+        hooks = [layer.self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+                 for layer in model.model.layers]  # fmt: skip
+        context = torch.autocast(DEVICE.type, torch.bfloat16) if autocast else torch.enable_grad()
+        with context:
+            (tokens, logprobs), _ = _decode(model, monkeypatch, fuse=fuse)
+        for hook in hooks:
+            hook.remove()
+        runs.append((tokens, logprobs, len(calls)))
+    assert runs[0][2] == runs[1][2]
+    assert tails is None or tails  # Qwen3 under autocast: told after the projections
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+
+
+def tiny_mha(arch, heads):
+    """A tiny Llama with as many key/value heads as query heads (tiny_model's configs all group them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert arch == "llama"
+    torch.manual_seed(6)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=heads, vocab_size=257, max_position_embeddings=128)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None
+    return model.eval().to(DEVICE)

@@ -47,10 +47,8 @@ from torch import nn
 from ..models.patch import gated_mlp_kernel_forward, is_stock_rope, rms_norm_kernel_forward, rope_kernel_function
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
-from .attention_fusion import ROTATES_IN_KERNEL, fuse_decode_attention
+from .attention_fusion import ROPE_NAME, ROTATES_IN_KERNEL, fuse_decode_attention
 from .residual_fusion import fold_residual_adds
-
-ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
 
 
 def kernel_twin(model: nn.Module) -> nn.Module:
