@@ -110,13 +110,14 @@ def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("kind", ["jsd", "topk"])
 @pytest.mark.parametrize("how", ["transposed", "every_other"])
-def test_non_contiguous_inputs_give_the_reference(backend, kind, how):
+@pytest.mark.parametrize("group", [None, 14])  # 14: gradient groups of two 7-row chunks, the last group short
+def test_non_contiguous_inputs_give_the_reference(backend, kind, how, group):
     pair = make_pair(n=19, h_s=9, h_t=7, vocab=83, bias=True, device=DEVICE)
     pair.teacher_bias = None
     teacher = tuple(_strided(t, how) for t in _teacher(kind, pair))
     h, w, b, labels = (_strided(t, how) for t in (*pair.params(), pair.labels))
     assert not any(t.is_contiguous() for t in (h, w, b, labels, *teacher))
-    cfg = KDLossConfig(beta=0.3, temperature=1.4, hard_weight=0.5, chunk_size=7)
+    cfg = KDLossConfig(beta=0.3, temperature=1.4, hard_weight=0.5, chunk_size=7, grad_chunk_size=group)
     loss = _fused(kind, h, w, teacher, labels, cfg, backend, student_bias=b)
     logits = h @ w.T + b
     if kind == "jsd":
