@@ -38,6 +38,7 @@ BLOCK_N = 128  # cache columns per inner step, at most (block_columns)
 TILE_BYTES = 32 << 10
 MASK_BLOCK = 1024  # mask columns per step of the first pass
 PROGRAMS_WANTED = 2  # per SM: enough programs in flight to keep the memory system busy
+NUM_WARPS, NUM_STAGES = 4, 2  # of the split kernel (benchmarks/onpolicy/probe_decode_attention.py sweeps them)
 
 
 if triton_available():
@@ -335,7 +336,7 @@ def _attend(query, key, value, mask, scale, new) -> torch.Tensor:
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1), *table_stride,
         GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=block,
         MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct,
-        FUSED=new is not None, num_warps=4, num_stages=2,
+        FUSED=new is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if direct:
         return out
