@@ -180,3 +180,14 @@ def run_child(cmd: list[str], timeout: float, **env: str) -> subprocess.Complete
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{cmd} still running after {timeout:g} s; its stderr:\n{stop_with_stacks(proc)}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def claimed_classes(arch: str, field: str) -> list:
+    """The classes a registry entry's `field` (residual_layers, attention) names, asserting the installed
+    transformers has some: a layout claim about none is no claim."""
+    from liger_patch_kd.models.registry import REGISTRY
+
+    spec = REGISTRY[arch]
+    classes = spec.classes(getattr(spec, field))
+    assert classes, f"{arch}: none of {getattr(spec, field)} in the installed transformers"
+    return classes

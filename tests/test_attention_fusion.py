@@ -18,7 +18,7 @@ from liger_patch_kd.generation.kernel_twin import kernel_twin
 from liger_patch_kd.models.registry import REGISTRY
 from liger_patch_kd.ops.backend import triton_available
 
-from .helpers import DEVICE
+from .helpers import DEVICE, claimed_classes
 from .test_engine_kernels import ENGINE_ARCHS, _engine_model, _prompts
 from .test_generation import decodes_as_the_reference
 
@@ -80,11 +80,8 @@ def _layout(cls) -> list[str]:
 
 @pytest.mark.parametrize("arch", sorted(a for a, spec in REGISTRY.items() if spec.attention))
 def test_each_attention_the_registry_names_is_laid_out_as_claimed_in_the_installed_transformers(arch):
-    spec = REGISTRY[arch]
-    classes = spec.classes(spec.attention)
-    assert classes, f"{arch}: none of {spec.attention} in the installed transformers"
-    for cls in classes:
-        assert _layout(cls) == (NORMS_LAYOUT if spec.attention_norms else LLAMA_LAYOUT), cls.__name__
+    want = NORMS_LAYOUT if REGISTRY[arch].attention_norms else LLAMA_LAYOUT
+    assert all(_layout(cls) == want for cls in claimed_classes(arch, "attention"))
 
 
 @pytest.mark.parametrize("module, name", [("olmo2", "Olmo2Attention"), ("smollm3", "SmolLM3Attention"),

@@ -19,7 +19,7 @@ from liger_patch_kd.models.registry import REGISTRY
 from liger_patch_kd.ops.backend import triton_available
 from liger_patch_kd.ops.rms_norm import add_rms_norm, rms_norm_torch
 
-from .helpers import DEVICE
+from .helpers import DEVICE, claimed_classes
 from .test_engine_kernels import ENGINE_ARCHS, _engine_model, _prompts
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
@@ -64,10 +64,7 @@ def _layout(cls) -> list[str]:
 
 @pytest.mark.parametrize("arch", sorted(a for a, spec in REGISTRY.items() if spec.residual_layers))
 def test_each_layer_the_registry_names_is_laid_out_as_llamas_in_the_installed_transformers(arch):
-    spec = REGISTRY[arch]
-    classes = spec.classes(spec.residual_layers)
-    assert classes, f"{arch}: none of {spec.residual_layers} in the installed transformers"
-    for cls in classes:
+    for cls in claimed_classes(arch, "residual_layers"):
         assert _layout(cls) == LLAMA_LAYOUT, cls.__name__
         assert list(inspect.signature(inspect.unwrap(cls.forward)).parameters)[:2] == ["self", "hidden_states"]
 
