@@ -259,3 +259,42 @@ def tiny_mha(arch, heads):
     model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = None
     return model.eval().to(DEVICE)
+
+
+def test_a_users_wrapper_of_the_patched_kernel_keeps_the_fused_step_away(monkeypatch):
+    """apply_kd_patch, then the user's own apply_rotary_pos_emb made with functools.wraps around the kernel (which
+    copies the kernel's attributes): the wrapper is theirs, so it runs at every decode step, as unfused."""
+    import functools
+
+    import transformers.models.llama.modeling_llama as modeling
+
+    from liger_patch_kd.models import apply_kd_patch
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model("llama", torch.float32, seed=5).to(DEVICE)
+    apply_kd_patch(model=model)
+    kernel, calls = modeling.apply_rotary_pos_emb, []
+
+    @functools.wraps(kernel)
+    def mine(q, k, cos, sin, *args, **kwargs):
+        calls.append(q.shape[2])
+        return kernel(q, k, cos, sin, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", mine)
+    _, bound = _decode(model, monkeypatch, fuse=True)
+    assert bound == 0 and calls.count(1) == 6 * model.config.num_hidden_layers  # every decode step, every layer
+
+
+def test_a_strided_new_key_runs_the_forwards_remaining_steps(monkeypatch):
+    """A hook on k_proj handing on the same values as a stride-2 view: the kernel reads the head dim as contiguous,
+    so the step runs the forward's remaining steps (which copy it into the cache) and decodes as unfused."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model("llama", torch.float32, seed=7).to(DEVICE)
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.register_forward_hook(lambda module, args, out: torch.stack([out, out], -1)[..., 0])
+    (fused, fused_lp), _ = _decode(model, monkeypatch, fuse=True)
+    (plain, plain_lp), _ = _decode(model, monkeypatch, fuse=False)
+    assert torch.equal(fused, plain)
+    torch.testing.assert_close(fused_lp, plain_lp, rtol=0, atol=0)

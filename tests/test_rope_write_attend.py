@@ -127,6 +127,12 @@ def test_bf16_is_the_three_steps_at_bf16_rounding():
         (lambda a: {**a, "slot": a["slot"].int()}, "slot as a one-element int64"),
         (lambda a: {**a, "mask": a["mask"].long()}, "boolean mask"),
         (lambda a: {**a, "value": a["value"].float()}, "one dtype"),
+        (lambda a: {**a, "cos": a["cos"].long()}, "of one float dtype"),
+        (lambda a: {**a, "sin": a["sin"].float()}, "of one float dtype"),
+        (lambda a: {**a, "query": a["query"][None]}, "a floating-point query (batch, H, d)"),
+        (lambda a: {k: v.long() if k in ("query", "key", "value", "keys", "values") else v for k, v in a.items()},
+         "a floating-point query"),
+        (lambda a: {**a, "mask": a["mask"].to("meta")}, "on the query's device"),
     ],
 )
 def test_bad_inputs_are_one_line_naming_them(change, message):

@@ -28,6 +28,7 @@ import types
 import torch
 from torch import nn
 
+from ..models.patch import is_rope_kernel
 from ..models.registry import ArchSpec
 from ..ops.rope import rope
 from .decode_attention import kernel_takes, kernel_wanted, packable, packed_gqa_sdpa
@@ -48,7 +49,7 @@ def fuse_decode_attention(twin: nn.Module, spec: ArchSpec) -> int:
     classes = tuple(spec.classes(spec.attention))
     if not classes:
         return 0
-    patched_rope = getattr(getattr(spec.load(), ROPE_NAME, None), "__liger_kd__", False)
+    patched_rope = is_rope_kernel(getattr(spec.load(), ROPE_NAME, None))
     fused = 0
     for module in twin.modules():
         if not (isinstance(module, classes) and spec.is_stock(module, spec.attention)):
@@ -84,7 +85,7 @@ def _step_forward(rotating, norms: bool):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         keys, values = cache.layer_tensors(self.layer_idx, key, value)
         cos, sin = position_embeddings
-        if kernel_takes(query, keys, values, attention_mask) and key.dtype == value.dtype == query.dtype:
+        if kernel_takes(query, keys, values, attention_mask) and _new_column_taken(query, key, value):
             length = keys.shape[2]
             mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
                     else keys.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
@@ -100,6 +101,12 @@ def _step_forward(rotating, norms: bool):
         return self.o_proj(out.reshape(batch, 1, -1).contiguous()), None
 
     return forward
+
+
+def _new_column_taken(query, key, value) -> bool:
+    """The new key and value as rope_write_attend reads them: the query's dtype, head dims contiguous (a hook on
+    k_proj may hand on a strided view; the unfused path copies it into the cache, the kernel would refuse it)."""
+    return key.dtype == value.dtype == query.dtype and key.stride(-1) == value.stride(-1) == 1
 
 
 def _step_applies(module, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> bool:

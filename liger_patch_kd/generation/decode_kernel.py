@@ -268,9 +268,16 @@ def rope_write_attend(
     Returns:
         (batch, 1, H, d) in the query's dtype.
     """
+    tensors = dict(query=query, key=key, value=value, keys=keys, values=values, cos=cos, sin=sin, mask=mask, slot=slot)
+    elsewhere = {name: str(t.device) for name, t in tensors.items() if t.device != query.device}
+    if elsewhere:
+        raise ValueError(f"rope_write_attend takes every tensor on the query's device {query.device}; got {elsewhere}")
+    if query.dim() != 3 or keys.dim() != 4 or not query.is_floating_point():
+        raise ValueError(f"rope_write_attend takes a floating-point query (batch, H, d) and keys (batch, H_kv, length, "
+                         f"d); got query {query.dtype} {tuple(query.shape)}, keys {tuple(keys.shape)}")  # fmt: skip
     batch, heads, dim = query.shape
     kv_heads = keys.shape[1]
-    if not (query.dim() == 3 and key.shape == value.shape == (batch, kv_heads, dim) and keys.shape == values.shape
+    if not (key.shape == value.shape == (batch, kv_heads, dim) and keys.shape == values.shape
             and keys.shape[::3] == (batch, dim) and heads % kv_heads == 0 and dim % 2 == 0):  # fmt: skip
         raise ValueError(f"rope_write_attend takes query (batch, H, d), key / value (batch, H_kv, d) and keys / values "
                          f"(batch, H_kv, length, d), H a multiple of H_kv, d even; got query {tuple(query.shape)}, "
@@ -280,12 +287,13 @@ def rope_write_attend(
         raise ValueError(f"rope_write_attend takes one dtype for query, key, value and the cache; got "
                          f"{query.dtype}, {key.dtype}, {value.dtype}, {keys.dtype}, {values.dtype}")  # fmt: skip
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] not in (1, batch) or cos.shape[1] != dim \
-            or cos.stride(-1) != 1 or sin.stride(-1) != 1:  # fmt: skip
-        raise ValueError(f"rope_write_attend takes cos / sin (batch or 1, d) = ({batch} or 1, {dim}), last dim "
-                         f"contiguous; got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
-    if not (slot.numel() == 1 and slot.dtype == torch.int64 and slot.device == query.device):
-        raise ValueError(f"rope_write_attend takes slot as a one-element int64 tensor on {query.device}; got "
-                         f"{slot.dtype} {tuple(slot.shape)} on {slot.device}")  # fmt: skip
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != sin.dtype or not cos.is_floating_point():
+        raise ValueError(f"rope_write_attend takes cos / sin (batch or 1, d) = ({batch} or 1, {dim}) of one float "
+                         f"dtype, last dim contiguous; got cos {cos.dtype} {tuple(cos.shape)}, sin {sin.dtype} "
+                         f"{tuple(sin.shape)}")  # fmt: skip
+    if not (slot.numel() == 1 and slot.dtype == torch.int64):
+        raise ValueError(f"rope_write_attend takes slot as a one-element int64 tensor; got {slot.dtype} "
+                         f"{tuple(slot.shape)}")  # fmt: skip
     _check_mask_and_layout("rope_write_attend", query, keys, values, mask)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"rope_write_attend reads the head dim as contiguous: key and value need stride 1 in their "

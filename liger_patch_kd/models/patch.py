@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,19 @@ def _fused_gate_up_mlp_forward(self, x):
 _gated_mlp_forward.__liger_kd__ = _fused_gate_up_mlp_forward.__liger_kd__ = True
 
 
+# the functions rope_kernel_function made: by identity, not by an attribute (functools.wraps copies attributes, so a
+# user's wrapper of the kernel would carry them)
+_ROPE_KERNELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_rope_kernel(function) -> bool:
+    """Whether `function` is one rope_kernel_function made (not a wrapper of one, which may compute otherwise)."""
+    try:
+        return function in _ROPE_KERNELS
+    except TypeError:  # not weakly referenceable: no function of ours
+        return False
+
+
 def rope_kernel_function(original):
     """apply_rotary_pos_emb through the kernel; `original` (the module's own function) takes partial rotary."""
 
@@ -141,6 +155,7 @@ def rope_kernel_function(original):
         return rope_kernel(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     apply_rotary_pos_emb.__liger_kd__ = True
+    _ROPE_KERNELS.add(apply_rotary_pos_emb)
     return apply_rotary_pos_emb
 
 
