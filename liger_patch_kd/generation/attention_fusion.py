@@ -30,6 +30,7 @@ from torch import nn
 
 from ..models.patch import is_rope_kernel
 from ..models.registry import ArchSpec
+from ..ops.backend import select_backend
 from ..ops.rope import rope
 from .decode_attention import kernel_takes, kernel_wanted, packable, packed_gqa_sdpa
 from .decode_kernel import rope_write_attend
@@ -114,7 +115,7 @@ def _step_applies(module, hidden_states, position_embeddings, attention_mask, ca
     takes to its kernel (grouped heads, a boolean mask shared by the heads, nothing it defers on), with cos / sin
     of the full head size. The window is not looked at: decode_applies refuses a model with one before any step,
     as packed_gqa_sdpa's kernel path relies on."""
-    if torch.is_grad_enabled() or not kernel_wanted():
+    if torch.is_grad_enabled() or not kernel_wanted() or select_backend(hidden_states.device) != "triton":
         return False
     if not (isinstance(cache, SlotCache) and cache.decoding and cache.keys[module.layer_idx] is not None):
         return False
