@@ -298,3 +298,23 @@ def test_a_strided_new_key_runs_the_forwards_remaining_steps(monkeypatch):
     (plain, plain_lp), _ = _decode(model, monkeypatch, fuse=False)
     assert torch.equal(fused, plain)
     torch.testing.assert_close(fused_lp, plain_lp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_student_patched_at_class_level_decodes_in_the_engine(kernels, monkeypatch):
+    """apply_kd_patch_to_llama() (the classes, before a model is loaded, as Liger's own functions are used): the
+    KD forward hands a call without labels to transformers' forward, so the engine decodes it, fused, the same
+    tokens as the unpatched model (decode_applies read the class's KD forward and refused it)."""
+    from liger_patch_kd.generation import decode_applies
+    from liger_patch_kd.models import apply_kd_patch_to_llama
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model("llama", torch.float32, seed=5).to(DEVICE)
+    (want, want_lp), _ = _decode(model, monkeypatch, fuse=True, kernels=kernels)
+    apply_kd_patch_to_llama()
+    assert decode_applies(model) is None
+    (got, got_lp), bound = _decode(model, monkeypatch, fuse=True, kernels=kernels)
+    assert bound == (model.config.num_hidden_layers if kernels else 0)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=2e-5)

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from ..models.state import transformers_forward
 from ..ops.backend import autocast_dtype, select_backend
 from ..utils.cuda_graphs import graph_capture
 from ..utils.module_state import module_state
@@ -136,7 +137,8 @@ def widened(
 def cache_keyword(model: nn.Module) -> str:
     """The name the forward that `model(...)` runs takes its KV cache by (transformers 5.2x renamed
     past_key_values to cache)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    forward = transformers_forward(model) or model.forward  # a patched model's KD forward hands it on to this one
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def decode_applies(model: nn.Module) -> str | None:
@@ -146,7 +148,9 @@ def decode_applies(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return "not a decoder-only transformers model"
-    params = inspect.signature(type(model).forward).parameters
+    # a student patched at class level (apply_kd_patch_to_<arch>()) runs the KD forward, which hands a call without
+    # labels to transformers' own forward, keywords and all: that forward's parameters are what a step can pass
+    params = inspect.signature(transformers_forward(model) or type(model).forward).parameters
     if not {"logits_to_keep", "position_ids"} <= set(params):
         return "its forward takes no logits_to_keep / position_ids"
     text = text_config(model)
