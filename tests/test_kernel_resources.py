@@ -16,27 +16,32 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEADS = [(128, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16), (128, torch.float32), (256, torch.float32)]
 
 
-def _decode_split(dim: int, dtype: torch.dtype, block: int, arch: int) -> dict:
-    """decode_kernel._split_kernel as decode_attention launches it (4 warps, 2 stages; 4 query heads a key/value
-    head, padded to 16 rows)."""
+def _decode_split(dim: int, dtype: torch.dtype, block: int, arch: int, fused: bool = True) -> dict:
+    """decode_kernel._split_kernel as it is launched (4 warps, 2 stages; 4 query heads a key/value head, padded to
+    16 rows): by rope_write_attend (`fused`: RoPE and the cache write in the same program, the engine's steps) or
+    by decode_attention."""
     t = TYPES[dtype]
     pointers = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "mask_ptr": "i1", "acc_ptr": "fp32", "max_ptr": "fp32",
-                "sum_ptr": "fp32", "out_ptr": t}  # fmt: skip
+                "sum_ptr": "fp32", "out_ptr": t, "new_k_ptr": t, "new_v_ptr": t, "cos_ptr": t, "sin_ptr": t,
+                "slot_ptr": "i64"}  # fmt: skip
     scalars = ["kv_heads", "length", "split_len", "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn",
-               "stride_vb", "stride_vh", "stride_vn", "stride_mb", "stride_mn", "stride_ob", "stride_oh"]  # fmt: skip
+               "stride_vb", "stride_vh", "stride_vn", "stride_mb", "stride_mn", "stride_ob", "stride_oh",
+               "stride_nkb", "stride_nkh", "stride_nvb", "stride_nvh", "stride_cb", "stride_sb"]  # fmt: skip
     types = {**{p: "*" + v for p, v in pointers.items()}, **dict.fromkeys(scalars, "i32"), "scale": "fp32"}
     constexprs = dict(GROUP=4, ROWS=decode_kernel.QUERY_ROWS, DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-                      BLOCK=block, MASK_BLOCK=decode_kernel.MASK_BLOCK, ACC="tl.float32", UPCAST=False, DIRECT=False)
+                      BLOCK=block, MASK_BLOCK=decode_kernel.MASK_BLOCK, ACC="tl.float32", UPCAST=False, DIRECT=False,
+                      FUSED=fused)  # fmt: skip
     return dict(kernel="liger_patch_kd.generation.decode_kernel:_split_kernel", types=types, constexprs=constexprs,
-                num_warps=4, num_stages=2, arch=arch, aligned=list(pointers))  # fmt: skip
+                num_warps=decode_kernel.NUM_WARPS, num_stages=decode_kernel.NUM_STAGES, arch=arch,
+                aligned=list(pointers))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def shared():
-    """Shared bytes by (dim, dtype, block, arch): the launcher's blocks on both architectures, and the 128-column
-    block of a 256-wide float32 head (the one that did not launch), compiled in one go."""
-    cases = [(d, t, decode_kernel.block_columns(d, t), a) for d, t in HEADS for a in (80, 90)]
-    cases.append((256, torch.float32, decode_kernel.BLOCK_N, 90))
+    """Shared bytes by (dim, dtype, block, arch, fused): the launcher's blocks on both architectures, fused and
+    not, and the 128-column block of a 256-wide float32 head (the one that did not launch), compiled in one go."""
+    cases = [(d, t, decode_kernel.block_columns(d, t), a, f) for d, t in HEADS for a in (80, 90) for f in (True, False)]
+    cases.append((256, torch.float32, decode_kernel.BLOCK_N, 90, True))
     found = compiled_resources([_decode_split(*case) for case in cases])
     return {case: r["shared_bytes"] for case, r in zip(cases, found)}
 
@@ -45,9 +50,10 @@ def shared():
 def test_the_decode_kernel_fits_every_multiprocessors_shared_memory(shared, dim, dtype):
     block = decode_kernel.block_columns(dim, dtype)
     for arch in (80, 90):
-        assert shared[dim, dtype, block, arch] <= min(SHARED_LIMITS.values()), (dim, dtype, block, arch)
+        for fused in (True, False):
+            assert shared[dim, dtype, block, arch, fused] <= min(SHARED_LIMITS.values()), (dim, dtype, block, arch)
 
 
 def test_the_check_has_teeth(shared):
     """128 columns of a 256-wide float32 head: more than an H200 holds, what the kernel asked for before."""
-    assert shared[256, torch.float32, decode_kernel.BLOCK_N, 90] > SHARED_LIMITS["sm_90"]
+    assert shared[256, torch.float32, decode_kernel.BLOCK_N, 90, True] > SHARED_LIMITS["sm_90"]
