@@ -32,7 +32,7 @@ from ..models.patch import is_rope_kernel
 from ..models.registry import ArchSpec
 from ..ops.backend import select_backend
 from ..ops.rope import rope
-from .decode_attention import kernel_takes, kernel_wanted, packable, packed_gqa_sdpa
+from .decode_attention import kernel_mask_and_scale, kernel_takes, kernel_wanted, packable, packed_gqa_sdpa
 from .decode_kernel import rope_write_attend
 from .kv_cache import SlotCache
 
@@ -87,10 +87,7 @@ def _step_forward(rotating, norms: bool):
         keys, values = cache.layer_tensors(self.layer_idx, key, value)
         cos, sin = position_embeddings
         if kernel_takes(query, keys, values, attention_mask) and _new_column_taken(query, key, value):
-            length = keys.shape[2]
-            mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
-                    else keys.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
-            scale = self.scaling if self.scaling is not None else self.head_dim**-0.5
+            mask, scale = kernel_mask_and_scale(attention_mask, keys, batch, self.scaling)
             out = rope_write_attend(query[:, :, 0], key[:, :, 0], value[:, :, 0], keys, values, cache.slot, cos[:, 0],
                                     sin[:, 0], mask, scale)  # fmt: skip
         else:  # what the module's forward does from here, the projections not run again (their hooks fire once)

@@ -74,10 +74,7 @@ def packed_gqa_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if kernel_wanted() and kernel_takes(query, key, value, attention_mask, dropout):
-        length = key.shape[-2]
-        mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
-                else key.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
-        scale = scaling if scaling is not None else dim**-0.5
+        mask, scale = kernel_mask_and_scale(attention_mask, key, batch, scaling)
         return decode_attention(query, key, value, mask, scale), None
     rows = query.reshape(batch, heads // groups, groups, dim)  # query heads j*G .. j*G+G-1 read key/value head j
     if attention_mask is not None:
@@ -100,6 +97,16 @@ def kernel_takes(
     if not query.shape[-1] == key.shape[-1] == value.shape[-1] <= 256:
         return False
     return layout_refusal(query, key, value) is None
+
+
+def kernel_mask_and_scale(attention_mask: torch.Tensor | None, key: torch.Tensor, batch: int, scaling: float | None):
+    """What the Triton kernel reads for a packable call: the (batch, length) boolean mask from the attention
+    function's (batch or 1, 1, 1, >= length) one (None: every column of `key`, the cache), and the scores' factor
+    (1 / sqrt(d) where the call gives none)."""
+    length = key.shape[-2]
+    mask = (attention_mask[:, 0, 0, :length] if attention_mask is not None
+            else key.new_ones((1, length), dtype=torch.bool)).expand(batch, length)  # fmt: skip
+    return mask, scaling if scaling is not None else key.shape[-1] ** -0.5
 
 
 def kernel_wanted() -> bool:
