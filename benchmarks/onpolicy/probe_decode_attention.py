@@ -1,6 +1,5 @@
 """The decode step's fused attention (decode_kernel.rope_write_attend) alone, at a 1B Llama's shapes, over tile
-variants (cache columns a step, warps, pipeline stages): where the 64-row step spends about three times the bytes of
-the keys and values it reads.
+variants (cache columns a step, warps, pipeline stages), to set decode_kernel's tile constants by measurement.
 
     python -m benchmarks.onpolicy.probe_decode_attention --rows 8 64 --out runs/probe_decode_attention.json
 
