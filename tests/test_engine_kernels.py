@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from liger_patch_kd.generation import Sampling, decode, decode_applies, decode_forward_options, release_sessions
+from liger_patch_kd.generation import few_row_linear as few_row_module
 from liger_patch_kd.generation.engine import session_of
 from liger_patch_kd.generation.kernel_twin import kernel_twin
 from liger_patch_kd.models import apply_kd_patch
@@ -75,6 +76,8 @@ class KernelCalls:
         for name, attr in (("rms_norm", "rms_norm_kernel"), ("rope", "rope_kernel"), ("gated_act", "gated_act")):
             original = getattr(patch_module, attr)
             monkeypatch.setattr(patch_module, attr, self._counted(name, original))
+        # at a few rows the decode twin's MLP runs its activation inside the gate/up product (mlp_fusion.py)
+        monkeypatch.setattr(few_row_module, "few_row_gated", self._counted("gated_act", few_row_module.few_row_gated))
 
     def _counted(self, name, original):
         def wrapper(*args, **kwargs):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.common.kernel_resources import SHARED_LIMITS, compiled_resources, tools_available
-from liger_patch_kd.generation import decode_kernel
+from liger_patch_kd.generation import decode_kernel, few_row_linear
 
 pytestmark = pytest.mark.skipif(not tools_available(), reason="this Triton ships no NVIDIA ptxas / cuobjdump")
 
@@ -57,3 +57,36 @@ def test_the_decode_kernel_fits_every_multiprocessors_shared_memory(shared, dim,
 def test_the_check_has_teeth(shared):
     """128 columns of a 256-wide float32 head: more than an H200 holds, what the kernel asked for before."""
     assert shared[256, torch.float32, decode_kernel.BLOCK_N, 90, True] > SHARED_LIMITS["sm_90"]
+
+
+def _few_row(rows: int, n: int, k: int, dtype: torch.dtype, arch: int, gated: bool) -> dict:
+    """few_row_linear._few_row_kernel at the tiles launch_config picks off a GPU (the smallest multiprocessor's
+    shared memory), programmatic dependent launch on where the architecture has it."""
+    t = TYPES[dtype]
+    config = few_row_linear.launch_config(rows, n, k, dtype.itemsize, torch.device("cpu"), weights=2 if gated else 1)
+    pointers = {"x_ptr": t, "w_ptr": t, "w2_ptr": t, "b_ptr": t, "out_ptr": t}
+    scalars = ["rows", "N", "K", "stride_xm", "stride_wn", "stride_w2n", "stride_om"]
+    types = {**{p: "*" + v for p, v in pointers.items()}, **dict.fromkeys(scalars, "i32")}
+    constexprs = dict(HAS_BIAS=False, EVEN_K=True, GATED=gated, GELU=False, DTYPE=f"tl.{dtype_name(dtype)}",
+                      BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=config["BLOCK_N"],
+                      BLOCK_K=config["BLOCK_K"], ACC="tl.float32", UPCAST=False, PDL=arch >= 90)  # fmt: skip
+    return dict(kernel="liger_patch_kd.generation.few_row_linear:_few_row_kernel", types=types, constexprs=constexprs,
+                num_warps=config["num_warps"], num_stages=config["num_stages"], arch=arch, aligned=list(pointers))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+FEW_ROW_SHAPES = [(8, 3072, 2048), (64, 2048, 8192), (64, 16384, 2048), (8, 128256, 4096), (64, 8192, 2048)]
+
+
+def test_the_few_row_product_fits_every_multiprocessors_shared_memory():
+    """Its tiles and stages (launch_config off a GPU: the smallest budget) in the 16-bit dtypes it takes on a GPU,
+    plain and gated (two weights' tiles a stage), on both architectures. (Registers are the benchmarks' business:
+    a 64-row tile spills a few hundred bytes and still keeps up with cuBLAS, probe_few_row_linear.py.)"""
+    cases = [(*shape, dtype, arch, gated) for shape in FEW_ROW_SHAPES for dtype in (torch.bfloat16, torch.float16)
+             for arch in (80, 90) for gated in (False, True)]  # fmt: skip
+    found = compiled_resources([_few_row(*case) for case in cases])
+    for case, resources in zip(cases, found):
+        assert resources["shared_bytes"] <= min(SHARED_LIMITS.values()), case

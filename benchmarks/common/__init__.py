@@ -42,6 +42,27 @@ def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8, ho
     return statistics.median(times)
 
 
+def graph_us_per_call(step: Callable[[], object], calls: int, reps: int = 50) -> float:
+    """µs a call of a CUDA graph holding `step()`, which makes `calls` calls: the graph is captured once (after one
+    eager step, which compiles), replayed 3 times, then `reps` times between two events. What a decode step's
+    graph does: no launch gaps of the host's, and each call's inputs where step() put them (give each call its own
+    weights or cache when they should come from memory, not L2)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / calls
+
+
 def _sleep_cycles_covering(fn: Callable[[], object]) -> int:
     """Cycles of torch.cuda._sleep that outlast twice the host's time to queue fn(), plus 5 ms."""
     import time

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from ..common import environment, print_table, write_json
+from ..common import environment, graph_us_per_call, print_table, write_json
 
 VARIANTS = ["128,4,2", "128,4,3", "128,8,2", "64,4,2", "64,4,3", "64,2,3", "64,8,3", "32,4,4"]
 
@@ -42,20 +42,7 @@ def time_cell(rows: int, variant: str, a: argparse.Namespace) -> dict:
         for keys, values in caches:
             kernel.rope_write_attend(q, k, v, keys, values, slot, cos, sin, mask, dim**-0.5)
 
-    step()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(a.reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1000 / a.reps / a.layers
+    us = graph_us_per_call(step, a.layers, a.reps)
     read = rows * kv_heads * (a.written + 1) * dim * 2 * 2  # keys and values attended, bf16
     return dict(rows=rows, variant=variant, us_per_call=round(us, 2), gb_per_s=round(read / us / 1e3, 1))
 

@@ -214,9 +214,10 @@ class DecodeSession:
         # their pool (their results land in the session's own buffers), so one prefill's activations are held
         self.prefill_pool = None
         self.prefill_pool_bytes = 0  # the memory the capture reserved for it, counted in nbytes
-        # fused q/k/v and gate/up, and under autocast weights held in its dtype (cast once a call, not every step)
-        copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype)
-        self.projection_copies = copies if copies.groups else None
+        # fused q/k/v and gate/up, under autocast weights held in its dtype (cast once a call, not every step), and
+        # with the kernels every product of a step through the few-row kernel
+        copies = FusedProjections(self.model, fuse=key.fuse, autocast=key.key_dtype, few_rows=key.kernels)
+        self.projection_copies = copies if copies else None
 
     @property
     def model(self) -> nn.Module:

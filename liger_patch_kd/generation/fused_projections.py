@@ -17,6 +17,10 @@ projections in bfloat16), and one read + write of them per call, small beside a 
 While installed, the first projection of a group computes them all and keeps the others' outputs with the input
 they belong to; the others hand theirs back only for that very input, with gradients off, else they compute their
 own (so an architecture that feeds k_proj something else, or a concurrent forward with gradients, stays exact).
+
+Every product here goes through `few_row_linear.linear`: at a decode step's few rows, the few-row kernel, which
+reads a weight faster than cuBLAS's tiles for so few rows do; elsewhere F.linear. With `few_rows`, the plain
+linears that get no copy (o_proj, down_proj, the head) take that kernel too, through their own weights.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.hooks import no_hooks
+from .few_row_linear import linear
 from .same_input import input_mark
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -64,11 +69,11 @@ class FusedGroup:
         if torch.is_grad_enabled() or not self.stands_in(x):
             return F.linear(x, self.linears[0].weight, self.linears[0].bias)
         if len(self.linears) == 1:  # a cast copy alone: nothing to keep for another projection
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         if not no_hooks(after=self.linears, before=self.linears[1:]):  # a hook may change x before a tail reads it
             rows = self.sizes[0]
-            return F.linear(x, self.weight[:rows], None if self.bias is None else self.bias[:rows])
-        outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            return linear(x, self.weight[:rows], None if self.bias is None else self.bias[:rows])
+        outputs = linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self.last = (x, input_mark(x), dict(enumerate(outputs[1:], start=1)))  # each tail takes its own once
         return outputs[0]
 
@@ -94,7 +99,26 @@ class FusedGroup:
             if taken is not None:
                 return taken
         lin = self.linears[index]
-        return F.linear(x, lin.weight, lin.bias)
+        return linear(x, lin.weight, lin.bias)
+
+
+def step_weight(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The weight `lin` computes x with while FusedProjections are installed: its rows of its group's copy (fused,
+    or cast to the autocast dtype) where that copy stands in for x, else its own."""
+    forward = lin.__dict__.get("forward")
+    if isinstance(forward, functools.partial):  # a tail's, or a plain linear's own (no copy)
+        owner, index = getattr(forward.func, "__self__", None), forward.args[0] if forward.args else None
+    else:  # a head's: the group's bound method
+        owner, index = getattr(forward, "__self__", None), 0
+    if not isinstance(owner, FusedGroup) or not owner.stands_in(x) or owner.linears[index] is not lin:
+        return lin.weight
+    start = sum(owner.sizes[:index])
+    return owner.weight[start : start + owner.sizes[index]]
+
+
+def own_weights_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A plain linear's forward through `linear` (the few-row kernel at a decode step), with its own weights."""
+    return linear(x, lin.weight, lin.bias)
 
 
 def _plain(lin) -> bool:
@@ -127,10 +151,14 @@ def _cast_dtype(linear: nn.Linear, autocast: torch.dtype | None) -> torch.dtype 
 class FusedProjections:
     """`model`'s projection copies: with `fuse`, every module with all of a GROUPS entry as plain nn.Linear
     children gets one concatenated copy; with `autocast` (the dtype autocast computes in during the calls), every
-    plain nn.Linear whose weights autocast would cast is held in that dtype (fused or alone)."""
+    plain nn.Linear whose weights autocast would cast is held in that dtype (fused or alone); with `few_rows`, every
+    other plain nn.Linear computes through the few-row kernel at decode steps, with its own weights (no copy)."""
 
-    def __init__(self, model: nn.Module, fuse: bool = True, autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, fuse: bool = True, autocast: torch.dtype | None = None, few_rows: bool = False
+    ) -> None:
         self.groups: list[FusedGroup] = []
+        self.alone: list[nn.Linear] = []
         grouped: set[int] = set()
         for module in model.modules():
             for names in GROUPS if fuse else ():
@@ -143,6 +171,14 @@ class FusedProjections:
             if dtype is not None and id(module) not in grouped:
                 grouped.add(id(module))  # a module reached twice (shared) gets one copy
                 self.groups.append(FusedGroup([module], dtype))
+        for module in model.modules() if few_rows else ():
+            if _plain(module) and id(module) not in grouped:
+                grouped.add(id(module))
+                self.alone.append(module)
+
+    def __bool__(self) -> bool:
+        """Whether there is anything to install."""
+        return bool(self.groups or self.alone)
 
     def tensors(self) -> list[torch.Tensor]:
         """The concatenated weights and biases (what a captured step reads)."""
@@ -167,9 +203,13 @@ class FusedProjections:
                 head.forward = group.head_forward
                 for index, tail in enumerate(tails, start=1):
                     tail.forward = functools.partial(group.tail_forward, index)
+            for lin in self.alone:
+                lin.forward = functools.partial(own_weights_forward, lin)
             yield
         finally:
             for group in self.groups:
                 for lin in group.linears:
                     lin.__dict__.pop("forward", None)
                 group.last = None  # no reference kept to the step's tensors
+            for lin in self.alone:
+                lin.__dict__.pop("forward", None)

@@ -19,8 +19,9 @@ What the twin shares and what it owns:
     classes are, and RoPE into a copy of each attention forward whose `apply_rotary_pos_emb` is the kernel's
     (the function itself, and transformers' module, unchanged); decoder layers laid out as Llama's add their
     residuals in the kernel of the norm that reads them (residual_fusion.py), and attention laid out as Llama's
-    rotates, writes the cache and attends in one kernel at decode steps (attention_fusion.py). An architecture
-    without an entry runs as it is;
+    rotates, writes the cache and attends in one kernel at decode steps (attention_fusion.py), and a gated MLP
+    runs its gate/up product and activation in one kernel there (mlp_fusion.py). An architecture without an entry
+    runs as it is;
   - only where the module computes what the kernel computes: an instance whose class's forward is transformers'
     own (`ArchSpec.is_stock`: not a subclass's forward, not one set on the class), an MLP whose activation module
     is transformers' and has no hook on it (read at every call: `models.patch.activation_name`), a RoPE function
@@ -48,6 +49,7 @@ from ..models.patch import gated_mlp_kernel_forward, is_stock_rope, rms_norm_ker
 from ..models.registry import REGISTRY, ArchSpec
 from ..models.state import transformers_forward
 from .attention_fusion import ROPE_NAME, ROTATES_IN_KERNEL, fuse_decode_attention
+from .mlp_fusion import fuse_decode_mlp
 from .residual_fusion import fold_residual_adds
 
 
@@ -67,6 +69,7 @@ def kernel_twin(model: nn.Module) -> nn.Module:
         bind_kernels(twin, spec)
         fold_residual_adds(twin, spec)
         fuse_decode_attention(twin, spec)
+        fuse_decode_mlp(twin, spec)
     return twin
 
 

@@ -1,0 +1,88 @@
+"""A decode step's gated MLP in two launches: the gate and up products with the activation in one kernel
+(few_row_linear.few_row_gated), then down. The MLP forward a decode session's twin (kernel_twin.py) binds on the
+gated MLPs it gave the project's kernel forward.
+
+    fuse_decode_mlp(twin, spec)   # after bind_kernels: the MLP classes spec.mlp names
+
+The kernel forward (models/patch.py) computes down(act(gate(x)) * up(x)) with the activation in a kernel of its own
+(ops/swiglu.py). At a decode step's few rows that kernel is bound by its launch, and the gate/up product writes an
+output only it reads. Here the product rounds gate and up to x's dtype in registers, as the unfused product's
+output is rounded, and applies the same activation arithmetic: the same bits, one launch fewer a layer.
+
+Only where the step computes what the kernel forward computes: no gradient, inside the engine's decode_kernel()
+block, what few_row_linear.applies takes (a few rows, the dtype F.linear computes in); an activation the kernel
+knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias and
+without the user's hooks. The weights are what the step's projections compute with (fused_projections.step_weight:
+under autocast, the session's copy in the autocast dtype). down_proj is called as the module (its hooks run). Else
+the forward the module had.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ..models.patch import activation_name, gated_mlp_kernel_forward
+from ..models.registry import ArchSpec
+from ..utils.hooks import no_hooks
+from . import few_row_linear
+from .fused_projections import step_weight
+
+
+def fuse_decode_mlp(twin: nn.Module, spec: ArchSpec) -> int:
+    """Bind the decode-step forward on every MLP module of `twin` that computes through the kernel forward (bound on
+    the instance by bind_kernels, or on the class by apply_kd_patch). Returns how many."""
+    classes = tuple(spec.classes(spec.mlp))
+    if not classes:
+        return 0
+    kernel = gated_mlp_kernel_forward(spec)
+    fused = 0
+    for module in twin.modules():
+        if not isinstance(module, classes):
+            continue
+        own = module.__dict__.get("forward")
+        current = own.__func__ if isinstance(own, types.MethodType) and own.__self__ is module else None
+        if own is None:
+            current = type(module).forward
+        if current is not kernel:
+            continue
+        module.forward = types.MethodType(_decode_forward(kernel, spec.fused_gate_up), module)
+        fused += 1
+    return fused
+
+
+def _decode_forward(kernel, fused_gate_up: bool):
+    def forward(self, x):
+        weights = _gate_and_up(self, x, fused_gate_up)
+        if weights is None:
+            return kernel(self, x)
+        activation = activation_name(self)
+        return self.down_proj(few_row_linear.few_row_gated(x, *weights, activation, pdl=few_row_linear.PDL))
+
+    forward.__liger_kd_decode_mlp__ = True
+    return forward
+
+
+def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gate and up weights the fused step computes x with, or None where it does not apply (module docstring)."""
+    if torch.is_grad_enabled() or activation_name(mlp) is None:
+        return None
+    linears = (mlp.gate_up_proj,) if fused_gate_up else (mlp.gate_proj, mlp.up_proj)
+    if not all(type(lin) is nn.Linear and lin.bias is None for lin in linears):
+        return None
+    if not no_hooks(after=linears, before=linears):
+        return None
+    if fused_gate_up:
+        both = step_weight(linears[0], x)
+        if both.shape[0] % 2:
+            return None
+        gate, up = both.chunk(2, dim=0)
+    else:
+        gate, up = (step_weight(lin, x) for lin in linears)
+    if gate.shape != up.shape or gate.shape[0] < few_row_linear.MIN_OUT_FEATURES:
+        return None
+    if not (few_row_linear.applies(x, gate, None) and few_row_linear.applies(x, up, None)):
+        return None
+    return gate, up
