@@ -98,8 +98,11 @@ def test_strided_views_leading_dims_and_the_edges():
     ("dtypes", "one float dtype for x, weight and bias"),
     ("shapes", "x (..., K) and weight (N, K)"),
     ("bias", "bias (N,) = (48,)"),
-    ("stride", "x and weight need stride 1 in their last dim"),
+    ("stride", "stride 1 in the last dim wanted; got {'weight': 48}"),
+    ("bias stride", "got {'bias': 2}"),
     ("ints", "one float dtype"),
+    ("gradient", "computes no gradient: call it under torch.no_grad()"),
+    ("subclass", "takes plain tensors; got {'weight': 'Marked'}"),
 ])  # fmt: skip
 def test_bad_input_gets_a_one_line_error(case, message):
     x, weight, bias = torch.randn(8, 32), torch.randn(48, 32), None
@@ -113,11 +116,36 @@ def test_bad_input_gets_a_one_line_error(case, message):
         bias = torch.randn(47)
     elif case == "stride":
         weight = torch.randn(32, 48).T
+    elif case == "bias stride":
+        bias = torch.randn(96)[::2]
+    elif case == "gradient":
+        weight.requires_grad_()
+    elif case == "subclass":  # what a quantized weight is: its storage is no plain matrix
+        weight = weight.as_subclass(Marked)
     else:
         x, weight = x.long(), weight.long()
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         few_row_linear(x, weight, bias)
     assert "\n" not in str(error.value)
+
+
+class Marked(torch.Tensor):
+    pass
+
+
+def test_rows_of_a_long_prefill_are_read_past_2_to_the_31(monkeypatch):
+    """The head reads a prefill's last position: 64 rows a whole prompt apart, the last one past 2**31 elements
+    from the first (64 rows x 8,200 tokens x 4,160 features). Only the rows are written (the rest of the buffer is
+    never touched, so it stays unmapped memory)."""
+    rows, k, stride = 64, 4160, 8200 * 4160
+    assert (rows - 1) * stride > 2**31
+    storage = torch.empty((rows - 1) * stride + k, dtype=torch.float16, device=DEVICE)
+    x = storage.as_strided((rows, 1, k), (stride, k, 1))
+    x.copy_(torch.randn(rows, 1, k, dtype=torch.float64).half())
+    weight = torch.randn(16, k, dtype=torch.float64).half().to(DEVICE)
+    got = few_row_linear(x, weight)
+    want = _reference(x, weight, None)
+    assert ((got.double() - want).abs() <= _tolerance(torch.float16, want, k)).all()
 
 
 def test_linear_takes_the_kernel_only_at_a_decode_step(monkeypatch):
@@ -201,3 +229,22 @@ def test_a_session_decodes_what_it_decodes_with_cublas_every_product_through_the
     assert {tuple(attention.o_proj.weight.shape), tuple(mlp.down_proj.weight.shape), tuple(model.lm_head.weight.shape),
             (sum(getattr(attention, p).out_features for p in ("q_proj", "k_proj", "v_proj")), hidden),
             tuple(mlp.up_proj.weight.shape)} <= shapes  # fmt: skip
+
+
+def test_a_patch_of_nn_linear_itself_keeps_every_kernel_away(monkeypatch):
+    """A library that patches nn.Linear.forward (every linear computing something else): no linear of the decode
+    step takes the kernel or a copy, fused or not, and the session decodes what the patched model's forward
+    gives."""
+    from .test_engine_kernels import _forward_logprobs
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model("llama", STEP_DTYPE, seed=3).to(DEVICE)
+    original = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: original(self, x) * 0.9)
+    ids, mask = (t.to(DEVICE) for t in _prompts())
+    for fuse in (False, True):
+        (tokens, logprobs), shapes = _decode(model, monkeypatch, kernel=True, fuse=fuse)
+        assert not shapes
+        want = _forward_logprobs(model, ids, mask, tokens)
+        torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=2e-6 if DEVICE.type == "cpu" else 0.1)

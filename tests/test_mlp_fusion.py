@@ -139,3 +139,32 @@ def test_a_hook_gradients_or_a_call_outside_the_engine_run_the_forward_the_modul
     assert not calls
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 if DEVICE.type == "cpu" else 2e-2)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ["phi3", "llama"])
+def test_a_forward_of_someone_elses_on_gate_or_up_keeps_the_fused_mlp_away(arch, monkeypatch):
+    """accelerate's hook (an instance-level forward) on Phi-3's gate_up_proj, a user's wrapper on Llama's
+    gate_proj: the fused MLP would compute x @ W.T without them; those layers run the forward they had, and the
+    session decodes what the model's own forward gives."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from .test_engine_kernels import _forward_logprobs
+
+    class Halved(ModelHook):
+        def post_forward(self, module, output):
+            return output * 0.5
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    model = _engine_model(arch, STEP_DTYPE, seed=7).to(DEVICE)
+    for layer in model.model.layers:
+        if arch == "phi3":
+            add_hook_to_module(layer.mlp.gate_up_proj, Halved())
+        else:
+            gate = layer.mlp.gate_proj
+            gate.forward = lambda x, _f=gate.forward: _f(x) * 0.5
+    (tokens, logprobs), launches = _decode(model, monkeypatch, fuse=True)
+    assert launches == 0
+    ids, mask = (t.to(DEVICE) for t in _prompts())
+    want = _forward_logprobs(model, ids, mask, tokens)
+    torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=2e-6 if DEVICE.type == "cpu" else 0.1)

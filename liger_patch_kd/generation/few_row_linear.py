@@ -24,6 +24,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..ops.backend import select_backend, triton_available, triton_interpreted
 from ..ops.swiglu import ACTIVATIONS, gated_act_torch
@@ -91,7 +92,7 @@ if triton_available():
         (ops/swiglu.py), whose arithmetic this is. PDL (launched as a programmatic dependent of the kernel before
         it): the first weight tiles are read while that kernel finishes, then the program waits for its writes (x)
         and lets the next kernel launch."""
-        row = tl.arange(0, BLOCK_M)
+        row = tl.arange(0, BLOCK_M).to(tl.int64)  # x may be rows of a longer prefill: offsets past 2**31
         col = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         row_ok = row < rows
@@ -138,17 +139,19 @@ if triton_available():
 def launch_config(rows: int, n: int, k: int, element_size: int, device: torch.device, weights: int = 1) -> dict:
     """BLOCK_N, BLOCK_K, warps and stages for a (rows x k) @ (k x n) product, as the tile sweep on an H100 ranked
     them (benchmarks/onpolicy/probe_few_row_linear.py, at 8 and 64 rows): wide products (an MLP's gate/up, a head)
-    in 64-row tiles of the weight, 3 stages; long ones (down: K several times N) in 16-row tiles 256 wide, so
-    that N = 2048 still makes 128 programs; the rest in 32-row tiles, 5 stages; BLOCK_K cut to what two stages
-    of one weight's tiles need in shared memory, the stages to what `weights` weights' tiles leave (the gated
-    kernel reads two). BLOCK_N and BLOCK_K depend on the product's shape alone, so the gated kernel sums each of
-    its products as the plain kernel does."""
+    in 64-row tiles of the weight, 3 stages; long ones (down: K several times N) in 16-row tiles, so that N = 2048
+    still makes 128 programs; the rest in 32-row tiles, 5 stages; tiles 256 wide from K = 8192 up, else 128. BLOCK_K
+    is cut to what two stages of one weight's tiles need in shared memory, the stages to what `weights` weights'
+    tiles leave (the gated kernel reads two). BLOCK_K depends on K alone (where shared memory allows): the order
+    of each output's sum, so that the gated kernel's products are the bits of the plain kernel's over the gate/up
+    copy."""
     if n >= 8192:
-        block_n, block_k, stages = 64, 128, 3
+        block_n, stages = 64, 3
     elif k >= 4 * n:
-        block_n, block_k, stages = 16, 256, 5
+        block_n, stages = 16, 5
     else:
-        block_n, block_k, stages = 32, 128, 5
+        block_n, stages = 32, 5
+    block_k = 256 if k >= 8192 else 128
     budget, padded_rows = shared_memory_bytes(device), max(16, triton.next_power_of_2(rows))
     while block_k > 32 and 2 * (padded_rows + block_n) * block_k * element_size > budget:  # two stages at least
         block_k //= 2
@@ -173,6 +176,12 @@ def shared_memory_bytes(device: torch.device) -> int:
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why few_row_linear cannot compute F.linear(x, weight, bias) (None: it can)."""
+    if not triton_available():
+        return "needs triton: pip install triton"
+    tensors = {"x": x, "weight": weight} | ({} if bias is None else {"bias": bias})
+    odd = {name: type(t).__name__ for name, t in tensors.items() if type(t) not in (torch.Tensor, nn.Parameter)}
+    if odd:  # a quantized weight's subclass, a tracer's fake tensor: its storage is no plain matrix
+        return f"takes plain tensors; got {odd}"
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return f"takes x (..., K) and weight (N, K); got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     if x.dtype not in DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -182,11 +191,16 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         return f"takes bias (N,) = ({weight.shape[0]},); got {tuple(bias.shape)}"
     if math.prod(x.shape[:-1]) > FEW_ROWS:
         return f"takes at most {FEW_ROWS} rows; got {math.prod(x.shape[:-1])} (x {tuple(x.shape)})"
-    if weight.stride(1) != 1 or x.stride(-1) != 1 or (bias is not None and bias.stride(0) != 1):
-        return f"reads K as contiguous: x and weight need stride 1 in their last dim; got {x.stride()}, " \
-               f"{weight.stride()}"  # fmt: skip
-    if not (x.device == weight.device and (bias is None or bias.device == x.device)):
-        return f"takes x, weight and bias on one device; got {x.device}, {weight.device}"
+    strides = {name: t.stride(-1) for name, t in tensors.items() if t.stride(-1) != 1}
+    if strides:
+        return f"reads K (and the bias) as contiguous: stride 1 in the last dim wanted; got {strides} (.contiguous())"
+    devices = {name: str(t.device) for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        return f"takes x, weight and bias on one device; got {devices}"
+    if x.device.type != "cuda" and not triton_interpreted():
+        return f"runs on CUDA tensors (or any under TRITON_INTERPRET=1); got {x.device.type} tensors"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+        return "computes no gradient: call it under torch.no_grad() (or use F.linear)"
     return None
 
 

@@ -121,10 +121,27 @@ def own_weights_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, lin.weight, lin.bias)
 
 
+# nn.Linear's forward as torch defines it (read when this module is imported): a library that patches the class
+# (every linear computing something else) keeps every linear out of the copies and the few-row kernel
+TORCH_LINEAR_FORWARD = nn.Linear.forward
+
+
 def _plain(lin) -> bool:
-    """A plain nn.Linear (a LoRA / quantized wrapper computes more than x @ W.T) with no one else's instance-level
-    forward."""
-    return type(lin) is nn.Linear and "forward" not in lin.__dict__
+    """A plain nn.Linear (a LoRA / quantized wrapper computes more than x @ W.T) with torch's forward: no one else's
+    on the instance or on the class."""
+    return type(lin) is nn.Linear and "forward" not in lin.__dict__ and nn.Linear.forward is TORCH_LINEAR_FORWARD
+
+
+def computes_plainly(lin: nn.Module) -> bool:
+    """Whether `lin` computes x @ W.T (+ b) and nothing else: a plain nn.Linear, or one whose forward
+    FusedProjections installed (its copies stand in for its weights; step_weight says which)."""
+    forward = lin.__dict__.get("forward")
+    if forward is None:
+        return _plain(lin)
+    function = forward.func if isinstance(forward, functools.partial) else forward
+    owner = getattr(function, "__self__", None)
+    ours = isinstance(owner, FusedGroup) or function is own_weights_forward
+    return ours and type(lin) is nn.Linear and nn.Linear.forward is TORCH_LINEAR_FORWARD
 
 
 def _fusable(linears: list) -> bool:

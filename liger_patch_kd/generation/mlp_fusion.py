@@ -11,10 +11,11 @@ output is rounded, and applies the same activation arithmetic: the same bits, on
 
 Only where the step computes what the kernel forward computes: no gradient, inside the engine's decode_kernel()
 block, what few_row_linear.applies takes (a few rows, the dtype F.linear computes in); an activation the kernel
-knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias and
-without the user's hooks. The weights are what the step's projections compute with (fused_projections.step_weight:
-under autocast, the session's copy in the autocast dtype). down_proj is called as the module (its hooks run). Else
-the forward the module had.
+knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias, without
+the user's hooks and without a forward of anyone else's (accelerate's hooks, a user's wrapper, a patch of
+nn.Linear itself: fused_projections.computes_plainly). The weights are what the step's projections compute with
+(fused_projections.step_weight: under autocast, the session's copy in the autocast dtype). down_proj is called as
+the module (its hooks run). Else the forward the module had.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..models.patch import activation_name, gated_mlp_kernel_forward
 from ..models.registry import ArchSpec
 from ..utils.hooks import no_hooks
 from . import few_row_linear
-from .fused_projections import step_weight
+from .fused_projections import computes_plainly, step_weight
 
 
 def fuse_decode_mlp(twin: nn.Module, spec: ArchSpec) -> int:
@@ -70,7 +71,7 @@ def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[
     if torch.is_grad_enabled() or activation_name(mlp) is None:
         return None
     linears = (mlp.gate_up_proj,) if fused_gate_up else (mlp.gate_proj, mlp.up_proj)
-    if not all(type(lin) is nn.Linear and lin.bias is None for lin in linears):
+    if not all(computes_plainly(lin) and lin.bias is None for lin in linears):  # no forward of anyone else's
         return None
     if not no_hooks(after=linears, before=linears):
         return None
