@@ -28,6 +28,13 @@ from .test_engine_kernels import _engine_model, _prompts
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="the few-row product is a Triton kernel")
 
+@pytest.fixture(autouse=True)
+def every_product(monkeypatch):
+    """The tiny models' products are far narrower than few_row_linear.MIN_OUT_FEATURES (which products take the
+    kernel at a real model's shapes): every product takes it here, so that each path is checked through it."""
+    monkeypatch.setattr(few_row_module, "MIN_OUT_FEATURES", 0)
+
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] + ([torch.float64] if DEVICE.type == "cpu" else [])
 # what a decode step runs through the kernel: float64 on a CPU (the interpreter, sums checked to float64 rounding),
 # bfloat16 on a GPU (few_row_linear.GPU_DTYPES)
@@ -248,3 +255,18 @@ def test_a_patch_of_nn_linear_itself_keeps_every_kernel_away(monkeypatch):
         assert not shapes
         want = _forward_logprobs(model, ids, mask, tokens)
         torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=2e-6 if DEVICE.type == "cpu" else 0.1)
+
+
+def test_only_the_wide_products_take_the_kernel_by_default(monkeypatch):
+    """MIN_OUT_FEATURES as shipped: a head-wide product takes the kernel, a q/k/v-wide one stays with cuBLAS."""
+    monkeypatch.undo()  # the shipped threshold (every_product lowered it)
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    assert few_row_module.MIN_OUT_FEATURES == 8192
+    widths, kernel = [], few_row_module.few_row_linear
+    monkeypatch.setattr(few_row_module, "few_row_linear", lambda *a, **k: widths.append(len(a[1])) or kernel(*a, **k))
+    x = torch.randn(4, 16, device=DEVICE, dtype=STEP_DTYPE)
+    with torch.no_grad(), decode_kernel():
+        for n in (8192, 3072):
+            assert linear(x, torch.randn(n, 16, device=DEVICE, dtype=STEP_DTYPE)).shape == (4, n)
+    assert widths == [8192]

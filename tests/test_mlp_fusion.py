@@ -25,6 +25,13 @@ pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="the fused step is a Triton kernel"),
 ]
 
+@pytest.fixture(autouse=True)
+def every_product(monkeypatch):
+    """The tiny models' products are far narrower than few_row_linear.MIN_OUT_FEATURES (which products take the
+    kernel at a real model's shapes): every product takes it here, so that each path is checked through it."""
+    monkeypatch.setattr(few_row_module, "MIN_OUT_FEATURES", 0)
+
+
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float64] if DEVICE.type == "cpu" else [])
 # what a decode step runs through the kernel: float64 on a CPU (the interpreter), bfloat16 on a GPU
 STEP_DTYPE = torch.float64 if DEVICE.type == "cpu" else torch.bfloat16

@@ -34,8 +34,13 @@ FEW_ROWS = 64  # at most this many rows take the kernel (padded to a power of tw
 # tensor-core product)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # what the kernel computes in
 GPU_DTYPES = (torch.bfloat16, torch.float16)  # what a decode step takes it for on a GPU: the dtypes measured
-PDL = False  # decode steps launch the kernel as a programmatic dependent of the kernel before it
-MIN_OUT_FEATURES = 0  # products with fewer output features stay with cuBLAS
+# Which products of a decode step take the kernel: those with at least MIN_OUT_FEATURES output features (a gated
+# MLP's gate/up counted as one product of 2 x intermediate). Timed one by one on an H100 at 8 and 64 rows
+# (benchmarks/results/probe_few_row_linear_h100.json), the kernel read a 1B Llama's head 6 % faster than cuBLAS at
+# 8 rows and 3 % at 64, and its gate/up as fast, where q/k/v, o and down were 3-11 % slower: the wide products take
+# it, and the gated MLP drops its activation kernel with it (mlp_fusion.py).
+MIN_OUT_FEATURES = 8192
+PDL = False  # launched as programmatic dependents of the kernel before (Hopper): built, not yet timed in a step
 
 
 if triton_available():

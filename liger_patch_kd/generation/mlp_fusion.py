@@ -82,7 +82,7 @@ def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[
         gate, up = both.chunk(2, dim=0)
     else:
         gate, up = (step_weight(lin, x) for lin in linears)
-    if gate.shape != up.shape or gate.shape[0] < few_row_linear.MIN_OUT_FEATURES:
+    if gate.shape != up.shape or 2 * gate.shape[0] < few_row_linear.MIN_OUT_FEATURES:  # as the gate/up product
         return None
     if not (few_row_linear.applies(x, gate, None) and few_row_linear.applies(x, up, None)):
         return None
