@@ -41,6 +41,22 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(rows)]
 
 
+@contextlib.contextmanager
+def few_row_products(products: str, pdl: bool, student):
+    """The decode step's products as `products` says (main's --products), each setting in sessions of its own."""
+    from liger_patch_kd.generation import few_row_linear, release_sessions
+
+    shipped = few_row_linear.MIN_OUT_FEATURES, few_row_linear.PDL
+    few_row_linear.MIN_OUT_FEATURES = {"default": shipped[0], "cublas": 1 << 62, "all": 0}[products]
+    few_row_linear.PDL = pdl
+    release_sessions(student)  # a captured step keeps the kernels it was captured with
+    try:
+        yield
+    finally:
+        few_row_linear.MIN_OUT_FEATURES, few_row_linear.PDL = shipped
+        release_sessions(student)
+
+
 def run_cell(rows: int, cache: str, a: argparse.Namespace, student, vocab: int, device) -> dict:
     from torch._dynamo.utils import counters
 
@@ -221,6 +237,11 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="new tokens of a profiled call (CUDA) after the cells")
     parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend (CUDA)")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--products", nargs="+", choices=("default", "cublas", "all"), default=["default"],
+                        help="the decode step's products, one set of cells each: as shipped (the few-row kernel on "
+                             "the wide ones: generation/few_row_linear.py MIN_OUT_FEATURES), all through cuBLAS (the "
+                             "tree before the kernel), or all through the kernel")  # fmt: skip
+    parser.add_argument("--pdl", action="store_true", help="the few-row kernels launched as programmatic dependents")
     parser.add_argument("--weights", choices=("bf16", "fp32-autocast"), default="bf16",
                         help="the student's weights: bf16, or fp32 decoded under bf16 autocast (mixed-precision "
                              "training's student, bf16=True in the Trainer); fp32 either way on a CPU")  # fmt: skip
@@ -241,8 +262,12 @@ def main() -> None:
     # fp32 weights compute in bf16 under autocast, as the Trainer's bf16=True runs its rollouts
     precision = torch.autocast("cuda", torch.bfloat16) if mixed else contextlib.nullcontext()
     with precision:
-        results = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
-    columns = ["rows", "cache", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms", "first_call_s"]
+        results = []
+        for products in a.products:
+            with few_row_products(products, a.pdl, student):
+                cells = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
+            results += [{**cell, "products": products} for cell in cells]
+    columns = ["rows", "cache", "products", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms", "first_call_s"]
     print_table(results, [*columns, "last_call_s", "peak_gib", "frames_compiled"])
     profiled = []
     if a.profile and device.type == "cuda":

@@ -1,21 +1,22 @@
-"""x @ W.T + b for the few rows of a decode step, in Triton: one pass over the weight at the memory system's pace.
+"""x @ W.T + b for the few rows of a decode step, in Triton: each weight streamed once, and a gated MLP's gate/up
+product with its activation in the same launch.
 
 A decode step multiplies 8 to 64 rows by every weight of the model once: each product is bound by reading its
-weight, not by its arithmetic. cuBLAS picks its tiles for the rows, and at a few rows the tiles it picks leave the
-memory system idle part of the time: a Llama-1B layer's four products read their weights at about two thirds of the
-bandwidth a copy reaches, and a product with a long inner dimension (the MLP's down projection) runs as a split-K
-product plus a reduction kernel (benchmarks/onpolicy/probe_few_row_linear.py times them side by side).
+weight, not by its arithmetic, and a short one by its launch and ramp-up. Timed one product at a time against
+cuBLAS at a 1B Llama's shapes (benchmarks/onpolicy/probe_few_row_linear.py), this kernel reads the wide weights
+(the head; gate/up) as fast or faster and the narrow ones (q/k/v, o, down) slower: the decode step takes it where
+MIN_OUT_FEATURES says, and for the gated MLP's gate and up (few_row_gated, mlp_fusion.py), where it also saves the
+activation's own launch and the round trip of the gate/up output.
 
-This kernel gives each program BLOCK_N rows of the weight, whole: it streams them over K in software-pipelined
-tiles (NUM_STAGES in flight), multiplies the step's rows (padded to 16, the least M of a tensor-core product) by each
-tile, and rounds the float32 sums once into the output, as cuBLAS does. No split of K: a program's sum is one
-running sum, so a product is the same bits every step and every launch, and no second kernel reduces. The grid's
-BLOCK_N is chosen per shape so that every multiprocessor has a program and enough tiles in flight
-(`launch_config`).
+Each program holds BLOCK_N rows of the weight (two weights' for the gated kernel) and streams them over K in
+software-pipelined tiles, multiplies the step's rows (padded to 16, the least M of a tensor-core product) by each
+tile and rounds the float32 sums once into the output, as cuBLAS does. No split of K: a program's sum is one
+running sum, the same bits at every step and launch, and no second kernel reduces. `launch_config` picks the tiles
+by shape, from the probe's sweep.
 
 `linear(x, weight, bias)` is what the decode engine's projections call (fused_projections.py): the kernel where
-`applies` says so (a decode step inside `decode_kernel()`, gradients off, at most FEW_ROWS rows, one float dtype,
-the weight's rows contiguous), F.linear elsewhere.
+`applies` says so (a decode step inside `decode_kernel()`, gradients off, at most FEW_ROWS rows, a 16-bit dtype on a
+GPU, the weight's rows contiguous) and the product is wide enough, F.linear elsewhere.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ FEW_ROWS = 64  # at most this many rows take the kernel (padded to a power of tw
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # what the kernel computes in
 GPU_DTYPES = (torch.bfloat16, torch.float16)  # what a decode step takes it for on a GPU: the dtypes measured
 # Which products of a decode step take the kernel: those with at least MIN_OUT_FEATURES output features (a gated
-# MLP's gate/up counted as one product of 2 x intermediate). Timed one by one on an H100 at 8 and 64 rows
-# (benchmarks/results/probe_few_row_linear_h100.json), the kernel read a 1B Llama's head 6 % faster than cuBLAS at
-# 8 rows and 3 % at 64, and its gate/up as fast, where q/k/v, o and down were 3-11 % slower: the wide products take
-# it, and the gated MLP drops its activation kernel with it (mlp_fusion.py).
+# MLP's gate/up counted as one product of twice its intermediate size). Timed one by one against cuBLAS at a 1B
+# Llama's shapes (docs/benchmarks.md, "The few-row product again"), the kernel was faster on the head and as fast
+# on gate/up, slower on q/k/v, o and down: the wide products take it, and the gated MLP drops its activation's
+# launch with it (mlp_fusion.py).
 MIN_OUT_FEATURES = 8192
 PDL = False  # launched as programmatic dependents of the kernel before (Hopper): built, not yet timed in a step
 

@@ -10,9 +10,9 @@ output only it reads. Here the product rounds gate and up to x's dtype in regist
 output is rounded, and applies the same activation arithmetic: the same bits, one launch fewer a layer.
 
 Only where the step computes what the kernel forward computes: no gradient, inside the engine's decode_kernel()
-block, what few_row_linear.applies takes (a few rows, the dtype F.linear computes in); an activation the kernel
-knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias, without
-the user's hooks and without a forward of anyone else's (accelerate's hooks, a user's wrapper, a patch of
+block, at most FUSED_ROWS rows, what few_row_linear.applies takes (the dtype F.linear computes in); an activation
+the kernel knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias,
+without the user's hooks and without a forward of anyone else's (accelerate's hooks, a user's wrapper, a patch of
 nn.Linear itself: fused_projections.computes_plainly). The weights are what the step's projections compute with
 (fused_projections.step_weight: under autocast, the session's copy in the autocast dtype). down_proj is called as
 the module (its hooks run). Else the forward the module had.
@@ -30,6 +30,11 @@ from ..models.registry import ArchSpec
 from ..utils.hooks import no_hooks
 from . import few_row_linear
 from .fused_projections import computes_plainly, step_weight
+
+# At most this many rows take the fused step: the gated kernel holds two accumulators, and 64 rows of both spill
+# registers where 16 do not (tests/test_kernel_resources.py compiles it); untimed there, so 64-row steps keep the
+# product and the activation kernel.
+FUSED_ROWS = 16
 
 
 def fuse_decode_mlp(twin: nn.Module, spec: ArchSpec) -> int:
@@ -68,7 +73,7 @@ def _decode_forward(kernel, fused_gate_up: bool):
 
 def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The gate and up weights the fused step computes x with, or None where it does not apply (module docstring)."""
-    if torch.is_grad_enabled() or activation_name(mlp) is None:
+    if torch.is_grad_enabled() or activation_name(mlp) is None or x.numel() > FUSED_ROWS * x.shape[-1]:
         return None
     linears = (mlp.gate_up_proj,) if fused_gate_up else (mlp.gate_proj, mlp.up_proj)
     if not all(computes_plainly(lin) and lin.bias is None for lin in linears):  # no forward of anyone else's
