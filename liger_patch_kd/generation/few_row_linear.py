@@ -300,6 +300,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the few-row kernel at a decode step's few rows (`applies`)."""
-    if applies(x, weight, bias) and weight.shape[0] >= MIN_OUT_FEATURES:
+    if weight.shape[0] >= MIN_OUT_FEATURES and applies(x, weight, bias):  # the width first: the cheap question
         return few_row_linear(x, weight, bias, pdl=PDL)
     return F.linear(x, weight, bias)
