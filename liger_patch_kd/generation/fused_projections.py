@@ -18,9 +18,9 @@ While installed, the first projection of a group computes them all and keeps the
 they belong to; the others hand theirs back only for that very input, with gradients off, else they compute their
 own (so an architecture that feeds k_proj something else, or a concurrent forward with gradients, stays exact).
 
-Every product here goes through `few_row_linear.linear`: at a decode step's few rows, the few-row kernel, which
-reads a weight faster than cuBLAS's tiles for so few rows do; elsewhere F.linear. With `few_rows`, the plain
-linears that get no copy (o_proj, down_proj, the head) take that kernel too, through their own weights.
+Every product here goes through `few_row_linear.linear`: at a decode step's few rows and for the products wide
+enough (few_row_linear.MIN_OUT_FEATURES), the few-row kernel; elsewhere F.linear. With `few_rows`, the plain linears
+that get no copy (o_proj, down_proj, the head) go through it too, with their own weights.
 """
 
 from __future__ import annotations

@@ -67,7 +67,6 @@ def _decode_forward(kernel, fused_gate_up: bool):
         activation = activation_name(self)
         return self.down_proj(few_row_linear.few_row_gated(x, *weights, activation, pdl=few_row_linear.PDL))
 
-    forward.__liger_kd_decode_mlp__ = True
     return forward
 
 
