@@ -112,19 +112,19 @@ def test_strided_views_leading_dims_and_the_edges():
     ("subclass", "takes plain tensors; got {'weight': 'Marked'}"),
 ])  # fmt: skip
 def test_bad_input_gets_a_one_line_error(case, message):
-    x, weight, bias = torch.randn(8, 32), torch.randn(48, 32), None
+    x, weight, bias = torch.randn(8, 32, device=DEVICE), torch.randn(48, 32, device=DEVICE), None
     if case == "rows":
-        x = torch.randn(FEW_ROWS + 1, 32)
+        x = torch.randn(FEW_ROWS + 1, 32, device=DEVICE)
     elif case == "dtypes":
         weight = weight.half()
     elif case == "shapes":
-        weight = torch.randn(48, 31)
+        weight = torch.randn(48, 31, device=DEVICE)
     elif case == "bias":
-        bias = torch.randn(47)
+        bias = torch.randn(47, device=DEVICE)
     elif case == "stride":
-        weight = torch.randn(32, 48).T
+        weight = torch.randn(32, 48, device=DEVICE).T
     elif case == "bias stride":
-        bias = torch.randn(96)[::2]
+        bias = torch.randn(96, device=DEVICE)[::2]
     elif case == "gradient":
         weight.requires_grad_()
     elif case == "subclass":  # what a quantized weight is: its storage is no plain matrix

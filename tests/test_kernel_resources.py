@@ -19,7 +19,7 @@ HEADS = [(128, torch.bfloat16), (256, torch.bfloat16), (256, torch.float16), (12
 def _decode_split(dim: int, dtype: torch.dtype, block: int, arch: int, fused: bool = True) -> dict:
     """decode_kernel._split_kernel as it is launched (4 warps, 2 stages; 4 query heads a key/value head, padded to
     16 rows): by rope_write_attend (`fused`: RoPE and the cache write in the same program, the engine's steps) or
-    by decode_attention."""
+    by decode_attention; on Hopper as a programmatic dependent (generation/dependent_launch.py)."""
     t = TYPES[dtype]
     pointers = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "mask_ptr": "i1", "acc_ptr": "fp32", "max_ptr": "fp32",
                 "sum_ptr": "fp32", "out_ptr": t, "new_k_ptr": t, "new_v_ptr": t, "cos_ptr": t, "sin_ptr": t,
@@ -30,7 +30,7 @@ def _decode_split(dim: int, dtype: torch.dtype, block: int, arch: int, fused: bo
     types = {**{p: "*" + v for p, v in pointers.items()}, **dict.fromkeys(scalars, "i32"), "scale": "fp32"}
     constexprs = dict(GROUP=4, ROWS=decode_kernel.QUERY_ROWS, DIM=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
                       BLOCK=block, MASK_BLOCK=decode_kernel.MASK_BLOCK, ACC="tl.float32", UPCAST=False, DIRECT=False,
-                      FUSED=fused)  # fmt: skip
+                      FUSED=fused, PDL=arch >= 90)  # fmt: skip
     return dict(kernel="liger_patch_kd.generation.decode_kernel:_split_kernel", types=types, constexprs=constexprs,
                 num_warps=decode_kernel.NUM_WARPS, num_stages=decode_kernel.NUM_STAGES, arch=arch,
                 aligned=list(pointers))  # fmt: skip

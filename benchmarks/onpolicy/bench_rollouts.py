@@ -42,18 +42,19 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
 
 
 @contextlib.contextmanager
-def few_row_products(products: str, pdl: bool, student):
-    """The decode step's products as `products` says (main's --products), each setting in sessions of its own."""
-    from liger_patch_kd.generation import few_row_linear, release_sessions
+def step_setting(products: str, launch: str, student):
+    """The decode step's products as `products` says and its kernels launched as `launch` says (main's --products,
+    --launch), each setting in sessions of its own."""
+    from liger_patch_kd.generation import dependent_launch, few_row_linear, release_sessions
 
-    shipped = few_row_linear.MIN_OUT_FEATURES, few_row_linear.PDL
+    shipped = few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED
     few_row_linear.MIN_OUT_FEATURES = {"default": shipped[0], "cublas": 1 << 62, "all": 0}[products]
-    few_row_linear.PDL = pdl
+    dependent_launch.ENABLED = {"default": shipped[1], "plain": False, "dependent": True}[launch]
     release_sessions(student)  # a captured step keeps the kernels it was captured with
     try:
         yield
     finally:
-        few_row_linear.MIN_OUT_FEATURES, few_row_linear.PDL = shipped
+        few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED = shipped
         release_sessions(student)
 
 
@@ -241,7 +242,10 @@ def main() -> None:
                         help="the decode step's products, one set of cells each: as shipped (the few-row kernel on "
                              "the wide ones: generation/few_row_linear.py MIN_OUT_FEATURES), all through cuBLAS (the "
                              "tree before the kernel), or all through the kernel")  # fmt: skip
-    parser.add_argument("--pdl", action="store_true", help="the few-row kernels launched as programmatic dependents")
+    parser.add_argument("--launch", nargs="+", choices=("default", "plain", "dependent"), default=["default"],
+                        help="the decode step's kernels, one set of cells each (times each --products): as shipped "
+                             "(generation/dependent_launch.py ENABLED), launched one after another, or as "
+                             "programmatic dependents of the kernel before (Hopper; captured steps only)")  # fmt: skip
     parser.add_argument("--weights", choices=("bf16", "fp32-autocast"), default="bf16",
                         help="the student's weights: bf16, or fp32 decoded under bf16 autocast (mixed-precision "
                              "training's student, bf16=True in the Trainer); fp32 either way on a CPU")  # fmt: skip
@@ -264,11 +268,12 @@ def main() -> None:
     with precision:
         results = []
         for products in a.products:
-            with few_row_products(products, a.pdl, student):
-                cells = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
-            results += [{**cell, "products": products} for cell in cells]
-    columns = ["rows", "cache", "products", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms", "first_call_s"]
-    print_table(results, [*columns, "last_call_s", "peak_gib", "frames_compiled"])
+            for launch in a.launch:
+                with step_setting(products, launch, student):
+                    cells = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
+                results += [{**cell, "products": products, "launch": launch} for cell in cells]
+    columns = ["rows", "cache", "products", "launch", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms"]
+    print_table(results, [*columns, "first_call_s", "last_call_s", "peak_gib", "frames_compiled"])
     profiled = []
     if a.profile and device.type == "cuda":
         profiled = [profile_call(r["rows"], r["cache"], a, student, vocab) for r in results

@@ -14,7 +14,7 @@ product of the gate/up copy then ops.swiglu's activation kernel, against few_row
 `--chain` times what a step runs instead: `--layers` layers of q/k/v, o, gate/up with the activation, and down, then
 the head, each product reading the one before's output, in one graph: through cuBLAS (and the activation kernel),
 through the kernels (the gated one for gate/up), and through the kernels launched as programmatic dependents of the
-one before (`pdl`: each reads its first weight tiles while that one finishes).
+one before (`pdl`: each launched while that one runs, waiting for it to finish before it reads).
 
     python -m benchmarks.onpolicy.probe_few_row_linear --chain --rows 8 64 --out runs/chain.json
 """

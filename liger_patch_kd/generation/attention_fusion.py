@@ -34,6 +34,7 @@ from ..ops.backend import select_backend
 from ..ops.rope import rope
 from .decode_attention import kernel_mask_and_scale, kernel_takes, kernel_wanted, packable, packed_gqa_sdpa
 from .decode_kernel import rope_write_attend
+from .dependent_launch import dependent_launch
 from .kv_cache import SlotCache
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function transformers' attention forwards call
@@ -89,7 +90,7 @@ def _step_forward(rotating, norms: bool):
         if kernel_takes(query, keys, values, attention_mask) and _new_column_taken(query, key, value):
             mask, scale = kernel_mask_and_scale(attention_mask, keys, batch, self.scaling)
             out = rope_write_attend(query[:, :, 0], key[:, :, 0], value[:, :, 0], keys, values, cache.slot, cos[:, 0],
-                                    sin[:, 0], mask, scale)  # fmt: skip
+                                    sin[:, 0], mask, scale, dependent_launch(query.device))  # fmt: skip
         else:  # what the module's forward does from here, the projections not run again (their hooks fire once)
             query, key = rope(query, key, cos, sin)
             keys, values = cache.update(key, value, self.layer_idx)

@@ -45,7 +45,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..ops.triton_utils import acc_type
+    from ..ops.triton_utils import acc_type, await_prior_grids, dependent_launch_options
 
     @triton.jit
     def _split_kernel(
@@ -61,8 +61,9 @@ if triton_available():
         # meta-parameters
         GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK: tl.constexpr, MASK_BLOCK: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-        FUSED: tl.constexpr,
+        FUSED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        await_prior_grids(PDL)
         pair, split = tl.program_id(0), tl.program_id(1)
         splits = tl.num_programs(1)
         b, h = pair // kv_heads, pair % kv_heads
@@ -159,8 +160,9 @@ if triton_available():
         # strides
         stride_ob, stride_oh,
         # meta-parameters
-        GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        await_prior_grids(PDL)
         pair, g = tl.program_id(0), tl.program_id(1)
         b, h = pair // kv_heads, pair % kv_heads
         s = tl.arange(0, BLOCK_S)
@@ -248,6 +250,7 @@ def rope_write_attend(
     sin: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    dependent: bool = False,
 ) -> torch.Tensor:
     """A decode step's attention for a new position not in the cache yet, in one launch (two with split merging):
     the query and the new key rotated by RoPE (rotate-half, transformers' `apply_rotary_pos_emb`), the rotated key
@@ -264,6 +267,7 @@ def rope_write_attend(
             float64 for float64 inputs).
         mask: (batch, length) boolean, True where the row attends; column `slot` is the new position's.
         scale: the scores' factor.
+        dependent: launched as programmatic dependents of the kernel before (generation/dependent_launch.py).
 
     Returns:
         (batch, 1, H, d) in the query's dtype.
@@ -298,7 +302,7 @@ def rope_write_attend(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError(f"rope_write_attend reads the head dim as contiguous: key and value need stride 1 in their "
                          f"last dim; got {key.stride(-1)}, {value.stride(-1)} (call .contiguous() first)")  # fmt: skip
-    return _attend(query, keys, values, mask, scale, (key, value, cos, sin, slot))
+    return _attend(query, keys, values, mask, scale, (key, value, cos, sin, slot), dependent)
 
 
 def _check_mask_and_layout(name: str, query, key, value, mask) -> None:
@@ -311,7 +315,7 @@ def _check_mask_and_layout(name: str, query, key, value, mask) -> None:
         raise ValueError(f"{name} {reason}")
 
 
-def _attend(query, key, value, mask, scale, new) -> torch.Tensor:
+def _attend(query, key, value, mask, scale, new, dependent=False) -> torch.Tensor:
     """The launch: query (batch, H, d) over key / value (batch, H_kv, length, d); `new` None, or the new
     position's (key, value, cos, sin, slot) for rope_write_attend."""
     batch, heads, dim = query.shape
@@ -345,6 +349,7 @@ def _attend(query, key, value, mask, scale, new) -> torch.Tensor:
         GROUP=group, ROWS=max(QUERY_ROWS, triton.next_power_of_2(group)), DIM=dim, BLOCK_D=block_d, BLOCK=block,
         MASK_BLOCK=MASK_BLOCK, ACC=acc_type(query.dtype), UPCAST=triton_interpreted(), DIRECT=direct,
         FUSED=new is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **dependent_launch_options(dependent, query.device),
     )  # fmt: skip
     if direct:
         return out
@@ -353,5 +358,6 @@ def _attend(query, key, value, mask, scale, new) -> torch.Tensor:
         kv_heads, splits,
         out.stride(0), out.stride(2),
         GROUP=group, DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        **dependent_launch_options(dependent, query.device),
     )  # fmt: skip
     return out

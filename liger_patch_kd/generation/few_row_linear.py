@@ -30,6 +30,7 @@ from torch import nn
 from ..ops.backend import select_backend, triton_available, triton_interpreted
 from ..ops.swiglu import ACTIVATIONS, gated_act_torch
 from .decode_attention import kernel_wanted
+from .dependent_launch import dependent_launch
 
 FEW_ROWS = 64  # at most this many rows take the kernel (padded to a power of two from 16, the least M of a
 # tensor-core product)
@@ -41,7 +42,6 @@ GPU_DTYPES = (torch.bfloat16, torch.float16)  # what a decode step takes it for 
 # on gate/up, slower on q/k/v, o and down: the wide products take it, and the gated MLP drops its activation's
 # launch with it (mlp_fusion.py).
 MIN_OUT_FEATURES = 8192
-PDL = False  # launched as programmatic dependents of the kernel before (Hopper): built, not yet timed in a step
 
 
 if triton_available():
@@ -49,12 +49,7 @@ if triton_available():
     import triton.language as tl
 
     from ..ops.swiglu import act_and_grad
-    from ..ops.triton_utils import acc_type
-
-    try:  # grid dependency control (Triton 3.3 and later)
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:
-        gdc_launch_dependents = gdc_wait = None
+    from ..ops.triton_utils import acc_type, await_prior_grids, dependent_launch_options
 
     TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
                  torch.float64: tl.float64}  # fmt: skip
@@ -95,9 +90,9 @@ if triton_available():
         """out[:, n0:n0 + BLOCK_N] = x @ W[n0:n0 + BLOCK_N].T (+ b): the program's weight rows read once, in
         BLOCK_K-wide tiles, their products summed in ACC in K order. GATED: act(x @ W.T) * (x @ W2.T), each
         product rounded to the output dtype first, as the unfused products hand them to the activation kernel
-        (ops/swiglu.py), whose arithmetic this is. PDL (launched as a programmatic dependent of the kernel before
-        it): the first weight tiles are read while that kernel finishes, then the program waits for its writes (x)
-        and lets the next kernel launch."""
+        (ops/swiglu.py), whose arithmetic this is. PDL: launched as a programmatic dependent of the kernel before
+        (ops.triton_utils.await_prior_grids)."""
+        await_prior_grids(PDL)
         row = tl.arange(0, BLOCK_M).to(tl.int64)  # x may be rows of a longer prefill: offsets past 2**31
         col = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -108,22 +103,7 @@ if triton_available():
         w2_tile = w2_ptr + col[:, None] * stride_w2n + k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-        first = 0
-        if PDL:  # the weights are no kernel's output: their first tiles are read before the wait
-            w = _tile(w_tile, col_ok, k, K, 0, EVEN_K)
-            if GATED:
-                w2 = _tile(w2_tile, col_ok, k, K, 0, EVEN_K)
-            gdc_wait()
-            gdc_launch_dependents()
-            x = _tile(x_tile, row_ok, k, K, 0, EVEN_K)
-            acc = _accumulate(acc, x, w, ACC, UPCAST)
-            if GATED:
-                acc2 = _accumulate(acc2, x, w2, ACC, UPCAST)
-            x_tile += BLOCK_K
-            w_tile += BLOCK_K
-            w2_tile += BLOCK_K
-            first = BLOCK_K
-        for start in range(first, K, BLOCK_K):
+        for start in range(0, K, BLOCK_K):
             x = _tile(x_tile, row_ok, k, K, start, EVEN_K)
             acc = _accumulate(acc, x, _tile(w_tile, col_ok, k, K, start, EVEN_K), ACC, UPCAST)
             if GATED:
@@ -163,12 +143,6 @@ def launch_config(rows: int, n: int, k: int, element_size: int, device: torch.de
         block_k //= 2
     stages = max(1, min(stages, budget // ((padded_rows + weights * block_n) * block_k * element_size)))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled for a GPU of compute capability 9.0 or later."""
-    return (device.type == "cuda" and not triton_interpreted() and gdc_wait is not None
-            and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
 
 
 def shared_memory_bytes(device: torch.device) -> int:
@@ -268,7 +242,6 @@ def _launch(x, weight, up_weight, bias, activation, config, pdl) -> torch.Tensor
         return (bias if bias is not None else x.new_zeros(n)).expand(rows, n).clone().reshape(*lead, n)
     gated = up_weight is not None
     config = config or launch_config(rows, n, k, x.element_size(), x.device, weights=2 if gated else 1)
-    pdl = pdl and pdl_supported(x.device)
     second = up_weight if gated else weight
     _few_row_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2, weight, second, weight if bias is None else bias, out,
@@ -276,8 +249,8 @@ def _launch(x, weight, up_weight, bias, activation, config, pdl) -> torch.Tensor
         x2.stride(0), weight.stride(0), second.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % config["BLOCK_K"] == 0, GATED=gated,
         GELU=gated and ACTIVATIONS[activation] == 1, DTYPE=TL_DTYPES[x.dtype],
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), ACC=acc_type(x.dtype), UPCAST=triton_interpreted(), PDL=pdl,
-        **config, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), ACC=acc_type(x.dtype), UPCAST=triton_interpreted(),
+        **config, **dependent_launch_options(pdl, x.device),
     )  # fmt: skip
     return out.reshape(*lead, n)
 
@@ -301,5 +274,5 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the few-row kernel at a decode step's few rows (`applies`)."""
     if weight.shape[0] >= MIN_OUT_FEATURES and applies(x, weight, bias):  # the width first: the cheap question
-        return few_row_linear(x, weight, bias, pdl=PDL)
+        return few_row_linear(x, weight, bias, pdl=dependent_launch(x.device))
     return F.linear(x, weight, bias)

@@ -29,6 +29,7 @@ from ..models.patch import activation_name, gated_mlp_kernel_forward
 from ..models.registry import ArchSpec
 from ..utils.hooks import no_hooks
 from . import few_row_linear
+from .dependent_launch import dependent_launch
 from .fused_projections import computes_plainly, step_weight
 
 # At most this many rows take the fused step: the gated kernel holds two accumulators, and 64 rows of both spill
@@ -65,7 +66,7 @@ def _decode_forward(kernel, fused_gate_up: bool):
         if weights is None:
             return kernel(self, x)
         activation = activation_name(self)
-        return self.down_proj(few_row_linear.few_row_gated(x, *weights, activation, pdl=few_row_linear.PDL))
+        return self.down_proj(few_row_linear.few_row_gated(x, *weights, activation, pdl=dependent_launch(x.device)))
 
     return forward
 

@@ -34,6 +34,7 @@ from ..models.registry import ArchSpec
 from ..models.state import FP8_OUTPUT_ATTR
 from ..ops.rms_norm import add_rms_norm, norm_output_dtype
 from ..utils.hooks import no_hooks
+from .dependent_launch import dependent_launch
 from .same_input import input_mark
 
 PRENORMED = "_kd_prenormed"  # on a norm module: (the sum it will be called on, its input_mark, the norm of it)
@@ -119,9 +120,8 @@ def add_for_norm(spec: ArchSpec, residual: torch.Tensor, x: torch.Tensor, norm: 
         # a 16-bit norm is rounded to its own dtype first, a float64 one autocast never casts
         own = norm_output_dtype(torch.promote_types(residual.dtype, x.dtype), norm.weight.dtype, spec.rms_norm_casting)
         out_dtype = torch.get_autocast_dtype(kind) if own == torch.float32 else None
-    summed, normed = add_rms_norm(
-        x, residual, norm.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting, out_dtype=out_dtype
-    )
+    summed, normed = add_rms_norm(x, residual, norm.weight, eps, spec.rms_norm_offset, spec.rms_norm_casting,
+                                  out_dtype=out_dtype, dependent=dependent_launch(x.device))  # fmt: skip
     norm.__dict__[PRENORMED] = (summed, input_mark(summed), normed)
     return summed
 

@@ -43,6 +43,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .triton_utils import await_prior_grids, dependent_launch_options
+
     @triton.jit
     def rms_norm_values(x, w_ptr, cols, mask, H, eps, offset, CAST_LAST: tl.constexpr):
         """(y in fp32 before its cast to the output dtype, rstd) of one row already loaded (x, in its own dtype)."""
@@ -79,9 +81,10 @@ if triton_available():
     @triton.jit
     def _add_rms_norm_fwd_kernel(
         x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, H, eps, offset,
-        CAST_LAST: tl.constexpr, ADD_F64: tl.constexpr, BLOCK: tl.constexpr,
+        CAST_LAST: tl.constexpr, ADD_F64: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """s = r + x rounded to s's dtype (as torch's add rounds it), then y = RMSNorm(s), one read of each row."""
+        await_prior_grids(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -192,11 +195,14 @@ def add_rms_norm(
     casting: str = "llama",
     out_dtype: torch.dtype | None = None,
     backend: str | None = None,
+    dependent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed, normed): summed = residual + x as torch adds them (dtype promoted, rounded once), normed =
     RMSNorm(summed), in one kernel on CUDA (a decoder layer's residual add and the norm that reads it). Forward only:
     nothing here is differentiated. `out_dtype`: the norm's output dtype where its readers would cast it anyway (a
-    product under autocast): the same values, rounded once, without the cast's kernel; default the norm's own."""
+    product under autocast): the same values, rounded once, without the cast's kernel; default the norm's own.
+    `dependent`: launched as a programmatic dependent of the kernel before it where the GPU supports it
+    (ops.triton_utils.await_prior_grids; a captured decode step's choice, generation/dependent_launch.py)."""
     check_casting(casting)
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
@@ -222,6 +228,6 @@ def add_rms_norm(
     _add_rms_norm_fwd_kernel[(x2.shape[0],)](
         x2, r2, weight, summed, normed, x2.stride(0), r2.stride(0), summed.stride(0), normed.stride(0), hidden,
         float(eps), float(offset), CAST_LAST=casting != "llama", ADD_F64=summed_dtype == torch.float64,
-        BLOCK=block, num_warps=norm_warps(block),
+        BLOCK=block, num_warps=norm_warps(block), **dependent_launch_options(dependent, x.device),
     )  # fmt: skip
     return summed.reshape(x.shape), normed.reshape(x.shape)

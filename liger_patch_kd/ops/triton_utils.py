@@ -4,6 +4,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import triton_interpreted
+
+try:  # grid dependency control (Triton 3.3 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
 
 def acc_type(dtype: torch.dtype):
     """The kernels' arithmetic type: fp32 for 16- and 32-bit inputs, fp64 for fp64 inputs (tests, references)."""
@@ -16,6 +23,32 @@ def fp32_pair(value: float) -> tuple[float, float]:
     would scale by 1/T rounded to 2^-24, and agree with a float64 reference to ~1e-7 only on the GPU."""
     hi = float(torch.tensor(value, dtype=torch.float32))
     return hi, float(torch.tensor(value - hi, dtype=torch.float32))
+
+
+def dependent_launch_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (`launch_pdl=True`, `await_prior_grids` in the kernel): compiled for a GPU of
+    compute capability 9.0 or later, with a Triton that has grid dependency control."""
+    return (device.type == "cuda" and not triton_interpreted() and gdc_wait is not None
+            and torch.cuda.get_device_capability(device)[0] >= 9)  # fmt: skip
+
+
+def dependent_launch_options(dependent: bool, device: torch.device) -> dict:
+    """A launch's keywords for a kernel taking a PDL meta-parameter (await_prior_grids): launched as a programmatic
+    dependent where `dependent` and the GPU supports it, as a plain launch elsewhere."""
+    if dependent and dependent_launch_supported(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def await_prior_grids(PDL: tl.constexpr):
+    """In a kernel launched as a programmatic dependent (PDL): wait until the kernels before it have finished and
+    their writes are visible, then let the next kernel launch (it waits in turn before reading anything). Called
+    before any load of what an earlier kernel wrote and before any store (an earlier kernel may still read the
+    memory a store reuses); loads of what no kernel of the step writes (weights) may come before it."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
