@@ -77,7 +77,13 @@ class KernelCalls:
             original = getattr(patch_module, attr)
             monkeypatch.setattr(patch_module, attr, self._counted(name, original))
         # at a few rows the decode twin's MLP runs its activation inside the gate/up product (mlp_fusion.py)
-        monkeypatch.setattr(few_row_module, "few_row_gated", self._counted("gated_act", few_row_module.few_row_gated))
+        launch = few_row_module.launch
+
+        def launched(x, weight, up_weight=None, **options):
+            self.counts["gated_act"] += up_weight is not None
+            return launch(x, weight, up_weight, **options)
+
+        monkeypatch.setattr(few_row_module, "launch", launched)
 
     def _counted(self, name, original):
         def wrapper(*args, **kwargs):

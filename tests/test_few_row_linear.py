@@ -175,7 +175,7 @@ def test_linear_takes_the_kernel_only_at_a_decode_step(monkeypatch):
                 assert applies(x.bfloat16(), weight.bfloat16(), None)
                 assert applies(x.double(), weight.double(), None) == (DEVICE.type == "cpu")
     calls = []
-    monkeypatch.setattr(few_row_module, "few_row_linear", lambda *a, **k: calls.append(1) or F.linear(*a))
+    monkeypatch.setattr(few_row_module, "launch", lambda x, w, **k: calls.append(1) or F.linear(x, w, k["bias"]))
     with torch.no_grad(), decode_kernel():
         linear(x, weight)
     linear(x, weight)
@@ -198,13 +198,16 @@ def _decode(model, monkeypatch, kernel: bool, fuse: bool):
     with monkeypatch.context() as m:
         shapes = []
         if kernel:
-            m.setattr(few_row_module, "few_row_linear",
-                      lambda *a, _f=few_row_linear, **k: shapes.append(tuple(a[1].shape)) or _f(*a, **k))  # fmt: skip
-            m.setattr(few_row_module, "few_row_gated",  # gate/up with the activation (mlp_fusion.py)
-                      lambda *a, _f=few_row_module.few_row_gated, **k: shapes.extend(tuple(w.shape) for w in a[1:3])
-                      or _f(*a, **k))  # fmt: skip
+            launch = few_row_module.launch
+
+            def recorded(x, weight, up_weight=None, **options):
+                # every product the step launches: a weight, or gate and up with the activation (mlp_fusion.py)
+                shapes.extend(tuple(w.shape) for w in (weight, up_weight) if w is not None)
+                return launch(x, weight, up_weight, **options)
+
+            m.setattr(few_row_module, "launch", recorded)
         else:
-            m.setattr(few_row_module, "applies", lambda *a: False)
+            m.setattr(few_row_module, "step_applies", lambda x: False)
         ids, mask = (t.to(DEVICE) for t in _prompts())
         torch.manual_seed(3)
         out = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(temperature=0.9), pad_id=0,
@@ -263,8 +266,8 @@ def test_only_the_wide_products_take_the_kernel_by_default(monkeypatch):
     if DEVICE.type == "cpu":
         monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
     assert few_row_module.MIN_OUT_FEATURES == 8192
-    widths, kernel = [], few_row_module.few_row_linear
-    monkeypatch.setattr(few_row_module, "few_row_linear", lambda *a, **k: widths.append(len(a[1])) or kernel(*a, **k))
+    widths, kernel = [], few_row_module.launch
+    monkeypatch.setattr(few_row_module, "launch", lambda *a, **k: widths.append(len(a[1])) or kernel(*a, **k))
     x = torch.randn(4, 16, device=DEVICE, dtype=STEP_DTYPE)
     with torch.no_grad(), decode_kernel():
         for n in (8192, 3072):

@@ -74,14 +74,49 @@ def test_views_of_one_fused_weight_and_bad_input():
         assert "\n" not in str(error.value)
 
 
+def test_gated_step_takes_the_kernel_only_where_a_decode_step_would(monkeypatch):
+    """gated_step: the gated kernel's bits inside the engine's decode with gradients off, for gate and up wide enough
+    together; None (the caller computes its own way) outside the engine, with gradients, below MIN_OUT_FEATURES,
+    for mismatched weights or an activation the kernel does not know."""
+    from liger_patch_kd.generation.decode_attention import decode_kernel
+    from liger_patch_kd.generation.few_row_linear import gated_step
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    x, gate, up = (torch.randn(*shape, dtype=STEP_DTYPE, device=DEVICE) for shape in ((4, 64), (48, 64), (48, 64)))
+    with torch.no_grad():
+        assert gated_step(x, gate, up, "silu") is None  # outside the engine's decode
+        with decode_kernel():
+            assert torch.equal(gated_step(x, gate, up, "silu"), few_row_gated(x, gate, up, "silu"))
+            assert gated_step(x, gate, up[:-1], "silu") is None
+            assert gated_step(x, gate, up, "relu") is None
+            monkeypatch.setattr(few_row_module, "MIN_OUT_FEATURES", 2 * 48 + 1)
+            assert gated_step(x, gate, up, "silu") is None
+            monkeypatch.setattr(few_row_module, "MIN_OUT_FEATURES", 2 * 48)
+            assert gated_step(x, gate, up, "silu") is not None
+    with decode_kernel():
+        assert gated_step(x, gate.requires_grad_(), up, "silu") is None  # gradients on
+
+
+def _counted_gated(calls: list):
+    """few_row_linear.launch, appending to `calls` at each launch of the gated kernel (an up weight given)."""
+    launch = few_row_module.launch
+
+    def counted(x, weight, up_weight=None, **options):
+        if up_weight is not None:
+            calls.append(1)
+        return launch(x, weight, up_weight, **options)
+
+    return counted
+
+
 def _decode(model, monkeypatch, fuse: bool, **options):
     """(tokens, log-probs) of a decode call, and how many fused MLP launches it made."""
     with monkeypatch.context() as m:
         if not fuse:
             m.setattr(kernel_twin_module, "fuse_decode_mlp", lambda twin, spec: 0)
         calls = []
-        gated = few_row_module.few_row_gated
-        m.setattr(few_row_module, "few_row_gated", lambda *a, **k: calls.append(1) or gated(*a, **k))
+        m.setattr(few_row_module, "launch", _counted_gated(calls))
         ids, mask = (t.to(DEVICE) for t in _prompts())
         torch.manual_seed(5)
         out = decode(model, ids, mask, max_new_tokens=6, sampling=Sampling(temperature=0.9), pad_id=0,
@@ -137,8 +172,7 @@ def test_a_hook_gradients_or_a_call_outside_the_engine_run_the_forward_the_modul
     twin = kernel_twin(model)
     ids, mask = (t.to(DEVICE) for t in _prompts())
     calls = []
-    gated = few_row_module.few_row_gated
-    monkeypatch.setattr(few_row_module, "few_row_gated", lambda *a, **k: calls.append(1) or gated(*a, **k))
+    monkeypatch.setattr(few_row_module, "launch", _counted_gated(calls))
     with torch.no_grad():
         got = twin(input_ids=ids[:, -1:], attention_mask=mask[:, -1:]).logits
         want = model(input_ids=ids[:, -1:], attention_mask=mask[:, -1:]).logits

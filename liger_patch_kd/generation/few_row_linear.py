@@ -197,7 +197,7 @@ def few_row_linear(
     reason = refusal(x, weight, bias)
     if reason is not None:
         raise ValueError(f"few_row_linear {reason}")
-    return _launch(x, weight, None, bias, None, config, pdl)
+    return launch(x, weight, bias=bias, config=config, pdl=pdl)
 
 
 def few_row_gated(
@@ -214,7 +214,7 @@ def few_row_gated(
     reason = gated_refusal(x, gate_weight, up_weight, activation)
     if reason is not None:
         raise ValueError(f"few_row_gated {reason}")
-    return _launch(x, gate_weight, up_weight, None, activation, config, pdl)
+    return launch(x, gate_weight, up_weight, activation=activation, config=config, pdl=pdl)
 
 
 def gated_refusal(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, activation: str) -> str | None:
@@ -227,7 +227,19 @@ def gated_refusal(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.T
     return refusal(x, gate_weight, None) or refusal(x, up_weight, None)
 
 
-def _launch(x, weight, up_weight, bias, activation, config, pdl) -> torch.Tensor:
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    up_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    config: dict | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The kernel's launch, unchecked: F.linear(x, weight, bias), or with `up_weight` the gated product, for inputs
+    that `refusal` (`gated_refusal`) passed. Each entry point checks once and calls it: few_row_linear and
+    few_row_gated (a ValueError on a refusal), linear and gated_step (the decode step's, F.linear or None
+    elsewhere)."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
@@ -255,24 +267,41 @@ def _launch(x, weight, up_weight, bias, activation, config, pdl) -> torch.Tensor
     return out.reshape(*lead, n)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes the kernel: a decode step (inside decode_kernel(), gradients off) on a device the
-    project's kernels run on, with what few_row_linear takes, in the dtype F.linear would compute in (under
-    autocast: the autocast dtype, or float64, which autocast leaves alone); on a GPU in 16 bits (GPU_DTYPES: a
-    float32 product through the kernel is neither measured nor free of register spills; the interpreter runs
-    every dtype, so that CPU tests check the kernel's sums in float64)."""
+def step_applies(x: torch.Tensor) -> bool:
+    """Whether a product of x would take the kernel at this point, whatever its weight: a decode step (inside
+    decode_kernel(), gradients off) on a device the project's kernels run on, in the dtype F.linear would compute in
+    (under autocast: the autocast dtype, or float64, which autocast leaves alone); on a GPU in 16 bits (GPU_DTYPES: a
+    float32 product through the kernel is neither measured nor free of register spills; the interpreter runs every
+    dtype, so that CPU tests check the kernel's sums in float64)."""
     if not kernel_wanted() or torch.is_grad_enabled() or select_backend(x.device) != "triton":
         return False
     kind = x.device.type
     if torch.is_autocast_enabled(kind) and x.dtype not in (torch.get_autocast_dtype(kind), torch.float64):
         return False
-    if kind == "cuda" and x.dtype not in GPU_DTYPES:
-        return False
-    return refusal(x, weight, bias) is None
+    return kind != "cuda" or x.dtype in GPU_DTYPES
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` takes the kernel for a product of any width: `step_applies`, and what few_row_linear takes."""
+    return step_applies(x) and refusal(x, weight, bias) is None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the few-row kernel at a decode step's few rows (`applies`)."""
+    """F.linear, through the few-row kernel at a decode step's few rows (`applies`) for the products of at least
+    MIN_OUT_FEATURES output features."""
     if weight.shape[0] >= MIN_OUT_FEATURES and applies(x, weight, bias):  # the width first: the cheap question
-        return few_row_linear(x, weight, bias, pdl=dependent_launch(x.device))
+        return launch(x, weight, bias=bias, pdl=dependent_launch(x.device))
     return F.linear(x, weight, bias)
+
+
+def gated_step(
+    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, activation: str
+) -> torch.Tensor | None:
+    """act(x @ gate_weight.T) * (x @ up_weight.T) through the gated kernel where a decode step takes it (gate and up
+    counted as one product of twice the width against MIN_OUT_FEATURES, `step_applies`, what few_row_gated takes);
+    None elsewhere, for the caller to compute its own way."""
+    if 2 * gate_weight.shape[0] < MIN_OUT_FEATURES or not step_applies(x):
+        return None
+    if gated_refusal(x, gate_weight, up_weight, activation) is not None:
+        return None
+    return launch(x, gate_weight, up_weight, activation=activation, pdl=dependent_launch(x.device))

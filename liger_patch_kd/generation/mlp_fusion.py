@@ -29,7 +29,6 @@ from ..models.patch import activation_name, gated_mlp_kernel_forward
 from ..models.registry import ArchSpec
 from ..utils.hooks import no_hooks
 from . import few_row_linear
-from .dependent_launch import dependent_launch
 from .fused_projections import computes_plainly, step_weight
 
 # At most this many rows take the fused step: the gated kernel holds two accumulators, and 64 rows of both spill
@@ -62,18 +61,18 @@ def fuse_decode_mlp(twin: nn.Module, spec: ArchSpec) -> int:
 
 def _decode_forward(kernel, fused_gate_up: bool):
     def forward(self, x):
-        weights = _gate_and_up(self, x, fused_gate_up)
-        if weights is None:
-            return kernel(self, x)
         activation = activation_name(self)
-        return self.down_proj(few_row_linear.few_row_gated(x, *weights, activation, pdl=dependent_launch(x.device)))
+        weights = None if activation is None else _gate_and_up(self, x, fused_gate_up)
+        gated = None if weights is None else few_row_linear.gated_step(x, *weights, activation)
+        return kernel(self, x) if gated is None else self.down_proj(gated)
 
     return forward
 
 
 def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The gate and up weights the fused step computes x with, or None where it does not apply (module docstring)."""
-    if torch.is_grad_enabled() or activation_name(mlp) is None or x.numel() > FUSED_ROWS * x.shape[-1]:
+    """The gate and up weights the fused step would compute x with, or None where the module's own path must run
+    (module docstring; few_row_linear.gated_step decides the rest)."""
+    if torch.is_grad_enabled() or x.numel() > FUSED_ROWS * x.shape[-1]:
         return None
     linears = (mlp.gate_up_proj,) if fused_gate_up else (mlp.gate_proj, mlp.up_proj)
     if not all(computes_plainly(lin) and lin.bias is None for lin in linears):  # no forward of anyone else's
@@ -82,13 +81,5 @@ def _gate_and_up(mlp: nn.Module, x: torch.Tensor, fused_gate_up: bool) -> tuple[
         return None
     if fused_gate_up:
         both = step_weight(linears[0], x)
-        if both.shape[0] % 2:
-            return None
-        gate, up = both.chunk(2, dim=0)
-    else:
-        gate, up = (step_weight(lin, x) for lin in linears)
-    if gate.shape != up.shape or 2 * gate.shape[0] < few_row_linear.MIN_OUT_FEATURES:  # as the gate/up product
-        return None
-    if not (few_row_linear.applies(x, gate, None) and few_row_linear.applies(x, up, None)):
-        return None
-    return gate, up
+        return None if both.shape[0] % 2 else both.chunk(2, dim=0)
+    return step_weight(linears[0], x), step_weight(linears[1], x)
