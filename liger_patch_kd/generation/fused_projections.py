@@ -105,15 +105,23 @@ class FusedGroup:
 def step_weight(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The weight `lin` computes x with while FusedProjections are installed: its rows of its group's copy (fused,
     or cast to the autocast dtype) where that copy stands in for x, else its own."""
-    forward = lin.__dict__.get("forward")
-    if isinstance(forward, functools.partial):  # a tail's, or a plain linear's own (no copy)
-        owner, index = getattr(forward.func, "__self__", None), forward.args[0] if forward.args else None
-    else:  # a head's: the group's bound method
-        owner, index = getattr(forward, "__self__", None), 0
-    if not isinstance(owner, FusedGroup) or not owner.stands_in(x) or owner.linears[index] is not lin:
+    _, owner, index = _installed(lin.__dict__.get("forward"))
+    if owner is None or not owner.stands_in(x) or owner.linears[index] is not lin:
         return lin.weight
     start = sum(owner.sizes[:index])
     return owner.weight[start : start + owner.sizes[index]]
+
+
+def _installed(forward) -> tuple[object, FusedGroup | None, object]:
+    """(the function, its FusedGroup or None, the linear's index in that group) of an instance-level forward, as
+    `installed` binds them: a head's is the group's bound method (index 0), a tail's a partial of the group's
+    tail_forward over its index, a plain linear's a partial of own_weights_forward."""
+    if isinstance(forward, functools.partial):
+        function, index = forward.func, forward.args[0] if forward.args else None
+    else:
+        function, index = forward, 0
+    owner = getattr(function, "__self__", None)
+    return function, owner if isinstance(owner, FusedGroup) else None, index
 
 
 def own_weights_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -138,9 +146,8 @@ def computes_plainly(lin: nn.Module) -> bool:
     forward = lin.__dict__.get("forward")
     if forward is None:
         return _plain(lin)
-    function = forward.func if isinstance(forward, functools.partial) else forward
-    owner = getattr(function, "__self__", None)
-    ours = isinstance(owner, FusedGroup) or function is own_weights_forward
+    function, owner, _ = _installed(forward)
+    ours = owner is not None or function is own_weights_forward
     return ours and type(lin) is nn.Linear and nn.Linear.forward is TORCH_LINEAR_FORWARD
 
 
