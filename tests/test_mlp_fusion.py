@@ -60,13 +60,17 @@ def test_the_gated_kernel_gives_the_unfused_bits(dtype, activation, rows, n, k, 
 
 
 def test_views_of_one_fused_weight_and_bad_input():
-    """gate and up as the two halves of a gate_up copy (Phi-3's layout); a one-line error for mismatched weights
-    and an unknown activation."""
-    dtype = torch.float64 if DEVICE.type == "cpu" else torch.float32
-    x, both = torch.randn(4, 64, dtype=dtype, device=DEVICE), torch.randn(96, 64, dtype=dtype, device=DEVICE)
+    """gate and up as the two halves of a gate_up copy (Phi-3's layout), against float64: each product's float32 or
+    float64 sum of k terms is off by at most k eps (|x| @ |w|.T), through silu (slope at most 1.1) and the product
+    of the two within 3 k eps A B (A, B those bounds); a one-line error for mismatched weights and an unknown
+    activation."""
+    dtype, k = (torch.float64 if DEVICE.type == "cpu" else torch.float32), 64
+    x, both = torch.randn(4, k, dtype=dtype, device=DEVICE), torch.randn(96, k, dtype=dtype, device=DEVICE)
     gate, up = both.chunk(2)
-    want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
-    torch.testing.assert_close(few_row_gated(x, gate, up), want, rtol=1e-9, atol=1e-9)
+    xd, gated, upd = x.double(), gate.double(), up.double()
+    want = torch.nn.functional.silu(xd @ gated.T) * (xd @ upd.T)
+    bound = 3 * k * torch.finfo(dtype).eps * (xd.abs() @ gated.abs().T) * (xd.abs() @ upd.abs().T)
+    assert ((few_row_gated(x, gate, up).double() - want).abs() <= bound).all()
     for bad, message in [((x, gate, up[:-1]), "gate and up weights of one shape and dtype"),
                          ((x, gate, up, "relu"), "activation one of")]:  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(message)) as error:

@@ -287,12 +287,12 @@ def test_a_16_bit_norm_under_another_16_bit_autocast_keeps_its_own_dtype(monkeyp
     fused kernel wrote the float32 norm straight to fp16 (other values). Only a float32 norm is written in autocast's
     dtype."""
     monkeypatch.setenv("LIGER_KD_BACKEND", "triton" if triton_available() else "torch")
-    model = _engine_model("llama", torch.bfloat16, seed=5)
+    model = _engine_model("llama", torch.bfloat16, seed=5).to(DEVICE)
     twin = kernel_twin(model)
     norm = twin.model.layers[0].post_attention_layernorm
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 3, model.config.hidden_size, generator=g).to(torch.bfloat16)
-    residual = torch.randn(x.shape, generator=g).to(torch.bfloat16)
-    with torch.no_grad(), torch.autocast("cpu", torch.float16):
+    x = torch.randn(2, 3, model.config.hidden_size, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad(), torch.autocast(DEVICE.type, torch.float16):
         summed = residual_fusion.add_for_norm(REGISTRY["llama"], residual, x, norm, read_in_autocast=True)
         assert norm(summed).dtype == torch.bfloat16
