@@ -6,7 +6,8 @@ variants (cache columns a step, warps, pipeline stages), to set decode_kernel's 
 Each cell captures one CUDA graph of `--layers` calls (each layer its own cache, so the keys and values come from
 memory, not L2, as in a step), replays it and reports µs a call, and the keys' and values' bytes over that time.
 The first `--written` columns and the slot are attended (a prompt and a completion so far); the cache has
-`--length` columns. Variants set decode_kernel's BLOCK_N, NUM_WARPS and NUM_STAGES before their calls.
+`--length` columns. Variants set decode_kernel's BLOCK_N (and DIRECT_BLOCK_N), NUM_WARPS and NUM_STAGES before their
+calls.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def time_cell(rows: int, variant: str, a: argparse.Namespace) -> dict:
     import liger_patch_kd.generation.decode_kernel as kernel
 
     block, warps, stages = (int(x) for x in variant.split(","))
-    kernel.BLOCK_N, kernel.NUM_WARPS, kernel.NUM_STAGES = block, warps, stages
+    kernel.BLOCK_N = kernel.DIRECT_BLOCK_N = block  # with or without splits
+    kernel.NUM_WARPS, kernel.NUM_STAGES = warps, stages
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     heads, kv_heads, dim = 32, 8, 64
     shape = (rows, kv_heads, a.length, dim)

@@ -31,6 +31,9 @@ from ..ops.backend import triton_available, triton_interpreted
 
 QUERY_ROWS = 16  # the padded query rows of a program: the least M of a tensor-core product
 BLOCK_N = 128  # cache columns per inner step, at most (block_columns)
+# ... and where each (row, key/value head) is one program's (many rows: no split, no merge), fewer: the tile sweep
+# (benchmarks/onpolicy/probe_decode_attention.py) ranked 64 above 128 there, and 128 above 64 with splits
+DIRECT_BLOCK_N = 64
 # Bytes of one key (or value) tile: the software-pipelined loop keeps stages of both in shared memory. At 32 KiB a
 # tile every head up to 256 wide, in any dtype, asks for at most 84 KiB, within the smallest multiprocessor since
 # Ampere (99 KiB; tests/test_kernel_resources.py compiles it for sm_80 and sm_90); 128 columns of a 256-wide float32
@@ -324,6 +327,8 @@ def _attend(query, key, value, mask, scale, new, dependent=False) -> torch.Tenso
     pairs = batch * kv_heads
     block = block_columns(dim, query.dtype)
     splits = split_count(pairs, length, query.device, block)
+    if splits == 1:
+        block = min(block, DIRECT_BLOCK_N)
     split_len = math.ceil(math.ceil(length / splits) / block) * block
     splits = math.ceil(length / split_len)
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
