@@ -25,6 +25,7 @@ from liger_patch_kd.ops.backend import triton_available
 
 from .helpers import DEVICE
 from .test_engine_kernels import _engine_model, _prompts
+from .test_onpolicy import tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="the few-row product is a Triton kernel")
 
@@ -273,3 +274,55 @@ def test_only_the_wide_products_take_the_kernel_by_default(monkeypatch):
         for n in (8192, 3072):
             assert linear(x, torch.randn(n, 16, device=DEVICE, dtype=STEP_DTYPE)).shape == (4, n)
     assert widths == [8192]
+
+
+@pytest.mark.parametrize("precision", ["float64", "bf16 autocast"])
+def test_kdtrainer_trains_on_policy_through_the_kernel(precision, tmp_path, tokenizer, monkeypatch):  # noqa: F811
+    """KDTrainer.train() on-policy, its rollouts through the decode engine: every product of a decode step through
+    the few-row kernel (the gated one for gate/up). A float64 student (no autocast) trains to the losses the same
+    run gives through the CPU's BLAS, to float64 rounding (the same completions); a float32 student under bf16
+    autocast (bf16=True) launches the kernel in bf16 on the session's cast copies and trains to finite losses."""
+    from liger_patch_kd.generation.engine import session_of
+    from liger_patch_kd.trainer import KDTrainer
+
+    from .test_onpolicy import PROMPTS, _args
+    from .tiny_models import tiny_model
+
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("LIGER_KD_BACKEND", "triton")
+    dtype = torch.float64 if precision == "float64" else torch.float32
+
+    def run(kernel: bool):
+        launched, launch = [], few_row_module.launch
+
+        def recorded(x, weight, up_weight=None, **options):
+            launched.append((x.dtype, up_weight is not None))
+            return launch(x, weight, up_weight, **options)
+
+        with monkeypatch.context() as m:
+            m.setattr(few_row_module, "launch", recorded)
+            if not kernel:
+                m.setattr(few_row_module, "step_applies", lambda x: False)
+            student = tiny_model("llama", dtype=dtype, seed=1).to(DEVICE)
+            student.set_attn_implementation("sdpa")
+            trainer = KDTrainer(model=student, teacher_model=tiny_model("llama", dtype=dtype, seed=2).to(DEVICE),
+                                processing_class=tokenizer, train_dataset=PROMPTS,
+                                args=_args(tmp_path, max_steps=2, kd_generation_cache="graph",
+                                           bf16=precision != "float64", use_cpu=DEVICE.type == "cpu"))  # fmt: skip
+            trainer.train()
+        session = session_of(student)
+        # the rollouts decode under the Trainer's autocast from the call's start (OnPolicySteps' precision): the
+        # session holds bf16 copies of the float32 weights, not autocast casting them inside every step
+        assert session is not None and session.key.key_dtype == (None if dtype == torch.float64 else torch.bfloat16)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return torch.tensor(losses, dtype=torch.float64), launched
+
+    losses, launched = run(kernel=True)
+    assert len(losses) == 2 and torch.isfinite(losses).all()
+    assert {gated for _, gated in launched} == {True, False}  # the plain kernel and the gated one
+    if precision == "float64":
+        plain, none = run(kernel=False)
+        assert not none
+        torch.testing.assert_close(losses, plain, rtol=1e-9, atol=0)
+    else:
+        assert {dtype for dtype, _ in launched} == {torch.bfloat16}

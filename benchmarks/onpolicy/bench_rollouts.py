@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--launch", nargs="+", choices=("default", "plain", "dependent"), default=["default"],
                         help="the decode step's kernels, one set of cells each (times each --products): as shipped "
                              "(generation/dependent_launch.py ENABLED), launched one after another, or as "
-                             "programmatic dependents of the kernel before (Hopper; captured steps only)")  # fmt: skip
+                             "programmatic dependents of the kernel before (Hopper)")  # fmt: skip
     parser.add_argument("--weights", choices=("bf16", "fp32-autocast"), default="bf16",
                         help="the student's weights: bf16, or fp32 decoded under bf16 autocast (mixed-precision "
                              "training's student, bf16=True in the Trainer); fp32 either way on a CPU")  # fmt: skip

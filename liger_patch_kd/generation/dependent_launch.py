@@ -7,8 +7,9 @@ kernels before it to finish before it reads or writes anything, then lets the ne
 
     dependent_launch(x.device)   # whether the project's decode-step kernels launch so here
 
-Only while a decode step is being captured (the engine's "graph" cache), where the step's launches are what the
-graph replays. Off unless ENABLED: timed side by side by `bench_rollouts --launch plain dependent`.
+The kernels that consult it run in the decode engine's twin (generation/kernel_twin.py), captured or not: a captured
+step replays them as launched, with or without the attribute. Off unless ENABLED: timed side by side by
+`bench_rollouts --launch plain dependent`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ if triton_available():
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether the decode step's kernels on `device` launch as programmatic dependents now: ENABLED, a step being
-    captured on this thread's stream, a GPU that supports it."""
-    if not (ENABLED and triton_available() and device.type == "cuda"):
-        return False
-    return torch.cuda.is_current_stream_capturing() and dependent_launch_supported(device)
+    """Whether the decode step's kernels on `device` launch as programmatic dependents: ENABLED, on a GPU that
+    supports it (the same answer for a captured step's warm-up and its capture, so both compile one variant)."""
+    return ENABLED and triton_available() and device.type == "cuda" and dependent_launch_supported(device)

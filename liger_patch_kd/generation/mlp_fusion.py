@@ -10,7 +10,7 @@ output only it reads. Here the product rounds gate and up to x's dtype in regist
 output is rounded, and applies the same activation arithmetic: the same bits, one launch fewer a layer.
 
 Only where the step computes what the kernel forward computes: no gradient, inside the engine's decode_kernel()
-block, at most FUSED_ROWS rows, what few_row_linear.applies takes (the dtype F.linear computes in); an activation
+block, at most FUSED_ROWS rows, what few_row_linear.gated_step takes (the dtype F.linear computes in); an activation
 the kernel knows (models.patch.activation_name); gate and up (or Phi-3's gate_up_proj) plain nn.Linear without bias,
 without the user's hooks and without a forward of anyone else's (accelerate's hooks, a user's wrapper, a patch of
 nn.Linear itself: fused_projections.computes_plainly). The weights are what the step's projections compute with

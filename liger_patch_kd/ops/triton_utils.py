@@ -43,9 +43,9 @@ def dependent_launch_options(dependent: bool, device: torch.device) -> dict:
 @triton.jit
 def await_prior_grids(PDL: tl.constexpr):
     """In a kernel launched as a programmatic dependent (PDL): wait until the kernels before it have finished and
-    their writes are visible, then let the next kernel launch (it waits in turn before reading anything). Called
-    before any load of what an earlier kernel wrote and before any store (an earlier kernel may still read the
-    memory a store reuses); loads of what no kernel of the step writes (weights) may come before it."""
+    their writes are visible, then let the next kernel launch (it waits in turn before reading anything). The
+    kernel's first statement: before any load (an earlier kernel may still be writing it) and any store (an earlier
+    kernel may still read the memory a store reuses)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

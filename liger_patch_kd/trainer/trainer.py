@@ -103,7 +103,7 @@ class KDTrainer(Trainer):
         self._kd_agreement: torch.Tensor | None = None
         self._kd_teacher_metrics: StepMetrics | None = None  # teacher figures of the logging step (teachers/base.py)
         self._kd_recompute_limited = False
-        self.onpolicy = OnPolicySteps(args)
+        self.onpolicy = OnPolicySteps(args, precision=self.accelerator.autocast)
         self.onpolicy.settings = replace(self.onpolicy.settings, vocab_size=self.kd_config.vocab_size)
         self.teacher_plan.check_generation(self.onpolicy.enabled)
 

@@ -14,6 +14,7 @@ kd_sync_steps - 1 steps old.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -60,8 +61,12 @@ class OnPolicySteps:
     kd_lmbda fraction otherwise, a draw that is a function of (args.seed, the step) alone: step_generates), and
     makes them."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, precision: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.args = args
+        # the autocast the student's forward runs in (the Trainer's accelerator.autocast: bf16=True / fp16=True), in
+        # force around the rollouts: the decode engine reads it before its first step (the weight copies it casts
+        # once a call, its cache's dtype), where a forward wrapper's autocast is entered only inside each step
+        self.precision = precision or contextlib.nullcontext
         self.settings = rollout_settings(args)
         self.warmup_steps = 0  # kd_onpolicy_warmup_steps, as steps: set when the run's length is known
         self.seconds: list[float] = []  # time inside generate() per generated step
@@ -152,10 +157,11 @@ class OnPolicySteps:
         # in process, a progress bar over the decode steps when the Trainer's bars show (generate_rollouts)
         progress = {"progress": True} if not self.args.kd_generation_url and shows_progress(self.args) else {}
         began = time.perf_counter()
-        rollouts = self.source(
-            generator, plan.sources, self.settings, pad_id=plan.pad, eos_ids=plan.eos_ids, start_id=plan.start,
-            step=step, **progress,
-        )  # fmt: skip
+        with self.precision():
+            rollouts = self.source(
+                generator, plan.sources, self.settings, pad_id=plan.pad, eos_ids=plan.eos_ids, start_id=plan.start,
+                step=step, **progress,
+            )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.seconds.append(time.perf_counter() - began)
