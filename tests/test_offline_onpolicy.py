@@ -374,12 +374,12 @@ def test_a_refresh_is_logged_with_its_step_and_rows_and_counted_in_the_trainers_
     assert not _losses(offline, "kd_refreshed_rows")  # no refresh asked for: no figure
 
 
-def test_a_refresh_scores_under_the_trainers_autocast_and_samples_outside_it(tmp_path, models, tokenizer,
-                                                                              monkeypatch):  # fmt: skip
+def test_a_refresh_samples_and_scores_under_the_trainers_autocast(tmp_path, models, tokenizer, monkeypatch):
     """bf16=True with float32 weights: the live teacher's forward runs under the Trainer's autocast (compute_loss),
-    so the teacher scores the refreshed rows under it too (in float32 they took twice a live step's time on a GPU),
-    while their completions are sampled, and their behaviour log-probs taken, outside it, as an on-policy step's
-    are."""
+    so the teacher scores the refreshed rows under it too (in float32 they took twice a live step's time on a GPU);
+    their completions are sampled under it, as an on-policy step's are (the decode engine reads the autocast before
+    its first step: its weight copies and cache in bf16, as the student's forward computes); their behaviour
+    log-probs are taken by the student's forward, under accelerate's wrapper of it, as before."""
     from liger_patch_kd.trainer.offline_onpolicy import refresh, scoring
 
     seen = []
@@ -414,8 +414,9 @@ def test_a_refresh_scores_under_the_trainers_autocast_and_samples_outside_it(tmp
                                                        kd_store_refresh_fraction=0.5))  # fmt: skip
     seen.clear()  # the store's own scoring above
     trainer.train()
-    # one refresh, at step 2: the teacher under the autocast, the sampling and the behaviour log-probs outside it
-    assert seen == [("generate", False), ("score", False), ("teacher", True, torch.bfloat16), ("behaviour", False)]
+    # one refresh, at step 2: the sampling and the teacher under the autocast, the behaviour log-probs called outside
+    # it (the student's forward enters it itself)
+    assert seen == [("generate", True), ("score", False), ("teacher", True, torch.bfloat16), ("behaviour", False)]
 
 
 def test_a_store_scored_by_another_teacher_is_refused(tmp_path, models, tokenizer):

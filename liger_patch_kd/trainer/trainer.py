@@ -281,11 +281,11 @@ class KDTrainer(Trainer):
             make_rows=rows,
         )  # fmt: skip
         if self.offline is not None:  # kd_store_refresh_steps: a slice of the stored rows resampled now
-            # rescored under the autocast the live teacher's forward runs in (accelerate's, around the student's
-            # forward that calls it), sampled outside it as on-policy rollouts are
+            # sampled as on-policy rollouts are and rescored as the live teacher's forward runs: under the
+            # Trainer's autocast (accelerate's, around the student's forward that calls the teacher)
             batches = self.offline.refreshed(batches, self.model, self.teacher_model, tokenizer=self.processing_class,
                                              step=self.state.global_step, vocab_size=self.kd_config.vocab_size,
-                                             scoring_precision=self.accelerator.autocast)  # fmt: skip
+                                             precision=self.accelerator.autocast)  # fmt: skip
         return batches, self._get_num_items_in_batch(batches, device)
 
     # -------------------------------------------------------------------------------------------- logging

@@ -3,10 +3,10 @@
 get a new completion sampled by the current student from the same prompt, with the store's sampling settings, and
 are rescored by the teacher (top-k / samples as the store holds them, the teacher's and the behaviour log-probs of
 the new tokens). The rows are replaced in memory, in the batches that train next; the store's files are never
-rewritten. The new completions are sampled, and their behaviour log-probs taken, as an on-policy step's are (outside
-the training step's autocast); the teacher scores them in the precision its forward has in the Trainer's loss
-(`scoring_precision`, the Trainer's autocast): a bf16=True run with float32 teacher weights rescores in bf16
-autocast, as its live teacher would, not in float32. Steps 0 apart, every 1 with fraction 1 is fully online (every
+rewritten. The new completions are sampled, and their behaviour log-probs taken, as an on-policy step's are, and the
+teacher scores them in the precision its forward has in the Trainer's loss: both under `precision`, the Trainer's
+autocast (a bf16=True run with float32 weights samples and rescores in bf16 autocast, as its student's and live
+teacher's forwards run, not in float32). Steps 0 apart, every 1 with fraction 1 is fully online (every
 step on the current student's samples); none (0) is fully offline. Each refresh is logged at INFO (the step, the
 rows), and the Trainer's logs carry kd_refreshed_rows: the rows refreshed since the previous log."""
 
@@ -67,10 +67,10 @@ class StoreRefresh:
 
     def __call__(self, batches: list[dict[str, Any]], student, teacher, *, tokenizer: Any, step: int,
                  vocab_size: int | None,
-                 scoring_precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                 precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  ) -> list[dict[str, Any]]:  # fmt: skip
         """The step's micro-batches, the slice of each replaced (all of the step's new rollouts sampled in one call,
-        seeded from (seed, step) as an on-policy step's are; the teacher scores them under `scoring_precision()`)."""
+        seeded from (seed, step) as an on-policy step's are; sampled and scored under `precision()`)."""
         if not batches or not self.due(step):
             return batches
         rows = [rows_of(batch) for batch in batches]
@@ -79,10 +79,11 @@ class StoreRefresh:
         generator = unwrap_model(student)
         pad, eos_ids, start = special_ids(generator, tokenizer)
         settings = replace(self.settings, vocab_size=vocab_size)
-        rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
-                                                    start_id=start, step=step, progress=self.progress)  # fmt: skip
+        with precision():  # what an on-policy step's rollouts decode under (rollouts/onpolicy.py: OnPolicySteps)
+            rollouts: list[Rollout] = generate_rollouts(generator, prompts, settings, pad_id=pad, eos_ids=eos_ids,
+                                                        start_id=start, step=step, progress=self.progress)  # fmt: skip
         scored = iter(score_rollouts(generator, teacher, rollouts, self.score, vocab_size=vocab_size,
-                                     teacher_precision=scoring_precision))  # fmt: skip
+                                     teacher_precision=precision))  # fmt: skip
         out = []
         for batch, own, n in zip(batches, rows, counts):
             if n == 0:  # none of its rows due: the batch as it came

@@ -245,12 +245,12 @@ class OfflineRollouts:
 
     def refreshed(
         self, batches: list, student, teacher, *, tokenizer: Any, step: int, vocab_size: int | None,
-        scoring_precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        precision: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> list:  # fmt: skip
-        """The step's micro-batches, a slice of them regenerated when the refresh is due (refresh.py), the teacher
-        scoring under `scoring_precision()` (the Trainer's autocast)."""
+        """The step's micro-batches, a slice of them regenerated when the refresh is due (refresh.py), sampled and
+        scored under `precision()` (the Trainer's autocast)."""
         if self.refresh is None:
             return batches
         return self.refresh(batches, student, teacher, tokenizer=tokenizer, step=step, vocab_size=vocab_size,
-                            scoring_precision=scoring_precision)  # fmt: skip
+                            precision=precision)  # fmt: skip
 
