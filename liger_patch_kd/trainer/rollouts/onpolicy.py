@@ -64,8 +64,9 @@ class OnPolicySteps:
     def __init__(self, args: Any, precision: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.args = args
         # the autocast the student's forward runs in (the Trainer's accelerator.autocast: bf16=True / fp16=True), in
-        # force around the rollouts: the decode engine reads it before its first step (the weight copies it casts
-        # once a call, its cache's dtype), where a forward wrapper's autocast is entered only inside each step
+        # force around the rollouts made in this process: the decode engine reads it before its first step (the
+        # weight copies it casts once a call, its cache's dtype), where a forward wrapper's autocast is entered only
+        # inside each step
         self.precision = precision or contextlib.nullcontext
         self.settings = rollout_settings(args)
         self.warmup_steps = 0  # kd_onpolicy_warmup_steps, as steps: set when the run's length is known
@@ -157,7 +158,8 @@ class OnPolicySteps:
         # in process, a progress bar over the decode steps when the Trainer's bars show (generate_rollouts)
         progress = {"progress": True} if not self.args.kd_generation_url and shows_progress(self.args) else {}
         began = time.perf_counter()
-        with self.precision():
+        # an engine at kd_generation_url decodes in its own precision: nothing of this process computes the rollouts
+        with contextlib.nullcontext() if self.args.kd_generation_url else self.precision():
             rollouts = self.source(
                 generator, plan.sources, self.settings, pad_id=plan.pad, eos_ids=plan.eos_ids, start_id=plan.start,
                 step=step, **progress,
