@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the kernels of a captured decode step.
+"""Programmatic dependent launch (PDL) for the kernels of the decode engine's steps.
 
 At a decode step's few rows every kernel is short, and between two of them the GPU drains the first, then launches
 and schedules the second. Launched as a programmatic dependent (Hopper and later), a kernel is launched and its

@@ -202,7 +202,7 @@ def add_rms_norm(
     nothing here is differentiated. `out_dtype`: the norm's output dtype where its readers would cast it anyway (a
     product under autocast): the same values, rounded once, without the cast's kernel; default the norm's own.
     `dependent`: launched as a programmatic dependent of the kernel before it where the GPU supports it
-    (ops.triton_utils.await_prior_grids; a captured decode step's choice, generation/dependent_launch.py)."""
+    (ops.triton_utils.await_prior_grids; the decode engine's choice, generation/dependent_launch.py)."""
     check_casting(casting)
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
