@@ -95,10 +95,10 @@ def time_chain(rows: int, variant: str, a: argparse.Namespace) -> dict:
             return gated_act(*F.linear(x, w).chunk(2, dim=-1))
     else:
         def product(x, w):
-            return few_row_linear(x, w, pdl=pdl)
+            return few_row_linear(x, w, dependent=pdl)
 
         def mlp_in(x, w):
-            return few_row_gated(x, *w.chunk(2, dim=0), pdl=pdl)
+            return few_row_gated(x, *w.chunk(2, dim=0), dependent=pdl)
 
     def step():
         h = x

@@ -189,15 +189,15 @@ def few_row_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: dict | None = None,
-    pdl: bool = False,
+    dependent: bool = False,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for at most FEW_ROWS rows of x (its leading dims flattened), through the kernel;
-    a one-line ValueError where it cannot (`refusal`). `config`: launch_config's keys, to time others; `pdl`:
+    a one-line ValueError where it cannot (`refusal`). `config`: launch_config's keys, to time others; `dependent`:
     launched as a programmatic dependent of the kernel before it (Hopper and later; ignored elsewhere)."""
     reason = refusal(x, weight, bias)
     if reason is not None:
         raise ValueError(f"few_row_linear {reason}")
-    return launch(x, weight, bias=bias, config=config, pdl=pdl)
+    return launch(x, weight, bias=bias, config=config, dependent=dependent)
 
 
 def few_row_gated(
@@ -206,7 +206,7 @@ def few_row_gated(
     up_weight: torch.Tensor,
     activation: str = "silu",
     config: dict | None = None,
-    pdl: bool = False,
+    dependent: bool = False,
 ) -> torch.Tensor:
     """act(F.linear(x, gate_weight)) * F.linear(x, up_weight) in one launch, each product rounded to x's dtype
     before the activation (ops.swiglu.gated_act's arithmetic on the two products' outputs); activation one of
@@ -214,7 +214,7 @@ def few_row_gated(
     reason = gated_refusal(x, gate_weight, up_weight, activation)
     if reason is not None:
         raise ValueError(f"few_row_gated {reason}")
-    return launch(x, gate_weight, up_weight, activation=activation, config=config, pdl=pdl)
+    return launch(x, gate_weight, up_weight, activation=activation, config=config, dependent=dependent)
 
 
 def gated_refusal(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, activation: str) -> str | None:
@@ -234,7 +234,7 @@ def launch(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     config: dict | None = None,
-    pdl: bool = False,
+    dependent: bool = False,
 ) -> torch.Tensor:
     """The kernel's launch, unchecked: F.linear(x, weight, bias), or with `up_weight` the gated product, for inputs
     that `refusal` (`gated_refusal`) passed. Each entry point checks once and calls it: few_row_linear and
@@ -262,7 +262,7 @@ def launch(
         HAS_BIAS=bias is not None, EVEN_K=k % config["BLOCK_K"] == 0, GATED=gated,
         GELU=gated and ACTIVATIONS[activation] == 1, DTYPE=TL_DTYPES[x.dtype],
         BLOCK_M=max(16, triton.next_power_of_2(rows)), ACC=acc_type(x.dtype), UPCAST=triton_interpreted(),
-        **config, **dependent_launch_options(pdl, x.device),
+        **config, **dependent_launch_options(dependent, x.device),
     )  # fmt: skip
     return out.reshape(*lead, n)
 
@@ -290,7 +290,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through the few-row kernel at a decode step's few rows (`applies`) for the products of at least
     MIN_OUT_FEATURES output features."""
     if weight.shape[0] >= MIN_OUT_FEATURES and applies(x, weight, bias):  # the width first: the cheap question
-        return launch(x, weight, bias=bias, pdl=dependent_launch(x.device))
+        return launch(x, weight, bias=bias, dependent=dependent_launch(x.device))
     return F.linear(x, weight, bias)
 
 
@@ -304,4 +304,4 @@ def gated_step(
         return None
     if gated_refusal(x, gate_weight, up_weight, activation) is not None:
         return None
-    return launch(x, gate_weight, up_weight, activation=activation, pdl=dependent_launch(x.device))
+    return launch(x, gate_weight, up_weight, activation=activation, dependent=dependent_launch(x.device))
