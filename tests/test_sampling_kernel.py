@@ -89,28 +89,36 @@ def test_low_mass_token_rate():
 
 
 @triton.jit
-def _uniform_kernel(hi_ptr, lo_ptr, u_ptr, N: tl.constexpr):
+def _noise_kernel(hi_ptr, lo_ptr, noise_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     hi = tl.load(hi_ptr + i).to(tl.uint32, bitcast=True)
     lo = tl.load(lo_ptr + i).to(tl.uint32, bitcast=True)
-    tl.store(u_ptr + i, sampling_kernel._uniform52(hi, lo))
+    tl.store(noise_ptr + i, sampling_kernel._gumbel_noise(hi, lo))
 
 
-def test_uniforms_have_52_bits():
-    """The uniforms are (m + 0.5) * 2**-52 exactly for m = the 52 top bits of (hi, lo): never 0 or 1, so the
-    Gumbel noise -log(-log u) is finite and reaches 36.7 (float32 uniforms stop at ~16.6: a token trailing the top
-    score by more than ~21 nats could never be drawn; here up to ~36, as sampling.draw's float64)."""
-    hi, lo = torch.randint(0, 2**32, (2, 16), dtype=torch.int64)
-    hi[:4] = torch.tensor([0, 2**32 - 1, 2**32 - 1, 0])  # the extremes, and one word full with the other empty
-    lo[:4] = torch.tensor([0, 2**32 - 1, 0, 2**32 - 1])
-    as_int32 = [torch.where(w >= 2**31, w - 2**32, w).to(torch.int32) for w in (hi, lo)]  # the same 32 bits
-    u = torch.empty(16, dtype=torch.float64)
-    _uniform_kernel[(1,)](*as_int32, u, N=16)
-    m = [h * 2**20 + low // 2**12 for h, low in zip(hi.tolist(), lo.tolist())]
-    assert u.tolist() == [(x + 0.5) / 2**52 for x in m]  # exact: (2m + 1) * 2**-53 has 53 significant bits
-    assert u[0] == 2**-53 and u[1] == 1 - 2**-53
-    noise = -torch.log(-torch.log(u))
-    assert noise.isfinite().all() and noise.max() > 36.5 and noise.min() < -3.5
+def test_noise_is_float64_gumbel_noise_of_52_bit_uniforms():
+    """The noise is -log(-log u) of u = (m + 0.5) * 2**-52, m the 52 top bits of (hi, lo), as float64 computes it:
+    never infinite, up to 36.7 at u = 1 - 2**-53 (float32 uniforms stop at ~16.6: a token trailing the top score by
+    more than ~21 nats could never be drawn; here up to ~36, as sampling.draw's float64), down to -3.6 at u = 2**-53,
+    and near either end of (0, 1) and at 1/2, where the kernel changes formula. The bound, in float32 ulps: t, s and
+    the series each carry a few 2**-24 of relative error into E, which -log turns into as much absolute error, and
+    the result is rounded to float32 (2**-24 |noise|, up to 2**-19 at 36.7) after a log within an ulp: 2**-21
+    + 2**-22 |noise| allowed."""
+    m = torch.randint(0, 2**52, (64,), dtype=torch.int64, device="cpu")
+    m[:12] = torch.tensor([0, 2**52 - 1, 1, 2**52 - 2, 2**51 - 1, 2**51, 2**51 + 1, 2**40, 2**52 - 2**40,
+                           2**28, 2**52 - 2**28 - 1, 2**52 - 2**30])  # fmt: skip
+    hi, lo = m >> 20, (m & (2**20 - 1)) << 12  # lo's low 12 bits are not read: left 0, then set below
+    lo[12:] |= torch.randint(0, 2**12, (52,), dtype=torch.int64)
+    as_int32 = [torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).to(DEVICE) for w in (hi, lo)]
+    noise = torch.empty(64, dtype=torch.float32, device=DEVICE)
+    _noise_kernel[(1,)](*as_int32, noise, N=64)
+    u = (m.double() + 0.5) / 2**52
+    # -log(-log u) in float64, with -log u = -log1p(-(1 - u)) where 1 - u is the exact (2**52 - 1 - m + 0.5) / 2**52
+    exact = -torch.where(m < 2**51, -torch.log(u), -torch.log1p(-((2**52 - 1 - m).double() + 0.5) / 2**52)).log()
+    assert noise.isfinite().all()
+    error = (noise.cpu().double() - exact).abs()
+    assert (error <= 2**-21 + 2**-22 * exact.abs()).all(), error.max()
+    assert exact[1] > 36.7 and exact[0] < -3.6
 
 
 def test_steps_and_rows_are_independent():

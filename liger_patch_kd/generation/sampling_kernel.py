@@ -2,21 +2,25 @@
 
 `sampling.draw` draws argmax(scores - log E), E ~ Exp(1) in float64, with torch ops (a float copy, exponential_,
 clamp, log, subtract, argmax): at 64 rows x V=128256 a noticeable share of a decode step. `gumbel_argmax` reads
-the (bf16) logits once, makes the noise in registers and writes one id per row, several times faster than the
-torch ops in a CUDA graph, bound by the float64 logs and Philox rather than by reading the logits.
+the (bf16) logits once, makes the noise in registers and writes one id per row.
 
 Random numbers: Philox-4x32-10 keyed by the call's seed (64 bits), with the 128-bit counter
 (column pair, row, step low 32 bits, step high 32 bits). Every (seed, step, row, column) thus has its own counter
 under one key: no two draws of a decode call share random numbers, across steps, rows or columns, for any
 rows < 2**32 and V < 2**31 (no packing into a 32-bit offset, so nothing can wrap or collide). Seed and step are
 loaded from device tensors, so a captured CUDA graph replays with the values they hold at replay time.
-One Philox call gives four 32-bit words: two columns (j and j + HALF of a block) take 52 bits each,
-u = (m + 0.5) * 2**-52, m in [0, 2**52): u lies in [2**-53, 1 - 2**-53], exactly, so E = -log u is never 0 or inf
-and the noise -log E reaches ~36.7, as sampling.draw's float64 does: a token trailing the top score by d < ~36
-nats is drawn at its softmax rate (float32 uniforms would stop at d ~ 21).
+One Philox call gives four 32-bit words: two columns (j and j + HALF of a block) take 52 bits m each, the uniform
+u = (m + 0.5) * 2**-52 in [2**-53, 1 - 2**-53], so E = -log u is never 0 or inf and the noise -log E reaches ~36.7,
+as sampling.draw's float64 does: a token trailing the top score by d < ~36 nats is drawn at its softmax rate
+(float32 uniforms would stop at d ~ 21).
 
-Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (float64; 1 / temperature is passed
-to the kernel as a float32 scalar, a relative change below 6e-8). Ties go to the lowest id, as torch.argmax.
+The noise is computed in float32 from the distance of u to its nearer end of (0, 1), which float32 holds to 24
+bits at either end: E = -log u below 1/2, E = -log(1 - t) by its series in t = 1 - u above, so neither end rounds
+away (`_gumbel_noise`). The noise is within a few float32 ulps of the float64 formula's (under 1e-5 nats at its
+largest, 36.7); the float64 logs the kernel took before made the draw several times slower at 64 rows.
+
+Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (the key in float64; 1 / temperature
+is passed to the kernel as a float32 scalar, a relative change below 6e-8). Ties go to the lowest id, as torch.argmax.
 A -inf or NaN logit is never drawn; a row with nothing drawable (all -inf / NaN) returns 0. +inf logits are
 drawn first (the lowest such id).
 Work: a 2-D grid (row tiles, column blocks) writes each tile row's best (key, id), and a small second kernel picks
@@ -73,17 +77,34 @@ if triton_available():
         """Per row, (max key, its id) over `cols`: key = logit / T - log E, E = -log u, u from 52 bits of hi, lo."""
         mask = live & (cols < limit)
         x = tl.load(base + cols.to(tl.int64) * stride_col, mask=mask, other=float("-inf")).to(tl.float64)
-        key = x * inv_temp - tl.log(-tl.log(_uniform52(hi, lo)))  # float64 (a multiplication: a division costs more)
+        key = x * inv_temp + _gumbel_noise(hi, lo).to(tl.float64)  # a multiplication: a division costs more
         key = tl.where(mask & (key == key), key, float("-inf"))  # NaN (key != key) and ids past the limit: never
         top = tl.max(key, axis=1)
         return top, tl.min(tl.where(key == top[:, None], cols, 2147483647), axis=1)  # ties: the lowest id
 
     @triton.jit
-    def _uniform52(hi, lo):
-        """A float64 uniform in the open (0, 1) from two uint32 words: (m + 0.5) * 2**-52 for the 52 bits m of
-        hi and lo's top 20, exact, in [2**-53, 1 - 2**-53] (53 bits would round the top value to 1.0)."""
+    def _gumbel_noise(hi, lo):
+        """-log(-log u) in float32 for u = (m + 0.5) * 2**-52, m the 52 bits of hi and lo's top 20, to a few float32
+        ulps at both ends of (0, 1). t = (k + 0.5) * 2**-52 is u itself below 1/2 (k = m) and 1 - u above
+        (k = 2**52 - 1 - m), exact in integers and held by float32 to 24 bits however small: E = -log t below, and
+        above E = -log(1 - t) = 2 atanh(s) = 2 (s + s**3/3 + s**5/5 + ...), s = t / (2 - t) <= 1/3, whose terms
+        past the eighth fall under 2**-28 of the first (a float32 log of 1 - t would lose small t's digits)."""
         m = (hi.to(tl.int64) << 20) | (lo >> 12).to(tl.int64)
-        return (m.to(tl.float64) + 0.5) * 2.220446049250313e-16
+        low = m < (1 << 51)
+        k = tl.where(low, m, (1 << 52) - 1 - m)
+        t = (k.to(tl.float32) + 0.5) * 2.220446049250313e-16
+        s = t / (2.0 - t)
+        q = s * s
+        series = 1.0 / 15.0
+        series = series * q + 1.0 / 13.0
+        series = series * q + 1.0 / 11.0
+        series = series * q + 1.0 / 9.0
+        series = series * q + 1.0 / 7.0
+        series = series * q + 1.0 / 5.0
+        series = series * q + 1.0 / 3.0
+        series = series * q + 1.0
+        e = tl.where(low, -tl.log(t), 2.0 * s * series)
+        return -tl.log(e)
 
     @triton.jit
     def _gumbel_finish_kernel(
