@@ -106,9 +106,9 @@ def test_noise_is_float64_gumbel_noise_of_52_bit_uniforms():
     + 2**-22 |noise| allowed."""
     m = torch.randint(0, 2**52, (64,), dtype=torch.int64, device="cpu")
     m[:12] = torch.tensor([0, 2**52 - 1, 1, 2**52 - 2, 2**51 - 1, 2**51, 2**51 + 1, 2**40, 2**52 - 2**40,
-                           2**28, 2**52 - 2**28 - 1, 2**52 - 2**30])  # fmt: skip
+                           2**28, 2**52 - 2**28 - 1, 2**52 - 2**30], device="cpu")  # fmt: skip
     hi, lo = m >> 20, (m & (2**20 - 1)) << 12  # lo's low 12 bits are not read: left 0, then set below
-    lo[12:] |= torch.randint(0, 2**12, (52,), dtype=torch.int64)
+    lo[12:] |= torch.randint(0, 2**12, (52,), dtype=torch.int64, device="cpu")
     as_int32 = [torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).to(DEVICE) for w in (hi, lo)]
     noise = torch.empty(64, dtype=torch.float32, device=DEVICE)
     _noise_kernel[(1,)](*as_int32, noise, N=64)

@@ -16,8 +16,9 @@ as sampling.draw's float64 does: a token trailing the top score by d < ~36 nats 
 
 The noise is computed in float32 from the distance of u to its nearer end of (0, 1), which float32 holds to 24
 bits at either end: E = -log u below 1/2, E = -log(1 - t) by its series in t = 1 - u above, so neither end rounds
-away (`_gumbel_noise`). The noise is within a few float32 ulps of the float64 formula's (under 1e-5 nats at its
-largest, 36.7); the float64 logs the kernel took before made the draw several times slower at 64 rows.
+away (`_gumbel_noise`). The noise is within 2**-21 + 2**-22 |noise| nats of the float64 formula's (a few 1e-7
+near 0, under 1e-5 at its largest, 36.7), which moves a draw's probabilities by about 1e-6 relative at most; the
+float64 logs the kernel took before made the draw several times slower at 64 rows.
 
 Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (the key in float64; 1 / temperature
 is passed to the kernel as a float32 scalar, a relative change below 6e-8). Ties go to the lowest id, as torch.argmax.
@@ -84,8 +85,8 @@ if triton_available():
 
     @triton.jit
     def _gumbel_noise(hi, lo):
-        """-log(-log u) in float32 for u = (m + 0.5) * 2**-52, m the 52 bits of hi and lo's top 20, to a few float32
-        ulps at both ends of (0, 1). t = (k + 0.5) * 2**-52 is u itself below 1/2 (k = m) and 1 - u above
+        """-log(-log u) in float32 for u = (m + 0.5) * 2**-52, m the 52 bits of hi and lo's top 20, within 2**-21 +
+        2**-22 |noise| nats of the float64 formula at both ends of (0, 1). t = (k + 0.5) * 2**-52 is u itself below 1/2 (k = m) and 1 - u above
         (k = 2**52 - 1 - m), exact in integers and held by float32 to 24 bits however small: E = -log t below, and
         above E = -log(1 - t) = 2 atanh(s) = 2 (s + s**3/3 + s**5/5 + ...), s = t / (2 - t) <= 1/3, whose terms
         past the eighth fall under 2**-28 of the first (a float32 log of 1 - t would lose small t's digits)."""
