@@ -86,10 +86,11 @@ if triton_available():
     @triton.jit
     def _gumbel_noise(hi, lo):
         """-log(-log u) in float32 for u = (m + 0.5) * 2**-52, m the 52 bits of hi and lo's top 20, within 2**-21 +
-        2**-22 |noise| nats of the float64 formula at both ends of (0, 1). t = (k + 0.5) * 2**-52 is u itself below 1/2 (k = m) and 1 - u above
-        (k = 2**52 - 1 - m), exact in integers and held by float32 to 24 bits however small: E = -log t below, and
-        above E = -log(1 - t) = 2 atanh(s) = 2 (s + s**3/3 + s**5/5 + ...), s = t / (2 - t) <= 1/3, whose terms
-        past the eighth fall under 2**-28 of the first (a float32 log of 1 - t would lose small t's digits)."""
+        2**-22 |noise| nats of the float64 formula at both ends of (0, 1). t = (k + 0.5) * 2**-52 is u itself below
+        1/2 (k = m) and 1 - u above (k = 2**52 - 1 - m), exact in integers and held by float32 to 24 bits however
+        small: E = -log t below, and above E = -log(1 - t) = 2 atanh(s) = 2 (s + s**3/3 + s**5/5 + ...),
+        s = t / (2 - t) <= 1/3, whose terms past the eighth fall under 2**-28 of the first (a float32 log of 1 - t
+        would lose small t's digits)."""
         m = (hi.to(tl.int64) << 20) | (lo >> 12).to(tl.int64)
         low = m < (1 << 51)
         k = tl.where(low, m, (1 << 52) - 1 - m)
