@@ -18,21 +18,27 @@ from pathlib import Path
 import torch
 
 
-def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 2, reps: int = 8, host_ahead: bool = False) -> float:
+def cuda_time_ms(
+    fn: Callable[[], object], *, warmup: int = 2, reps: int = 8, host_ahead: bool = False, after_spin: bool = False
+) -> float:
     """Median wall time of fn() on the GPU, in ms, measured with CUDA events after `warmup` calls.
 
     Each rep is synchronised, so by default the time includes the host's work before fn's first kernel (the GPU
     waits for it). `host_ahead`: the GPU is first held by a sleep kernel long enough for the host to queue the
     whole call, as it is queued behind the model's forward in a training step; the time is then the GPU's alone:
-    its kernels and the gaps between them."""
+    its kernels and the gaps between them. `after_spin`: the same sleep kernel runs before each rep, but the host
+    waits for it before it calls fn, so the host is not ahead: against the default it tells what the sleep itself
+    changes (a GPU kept busy, clocks) from what the host's lead changes."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    hold = _sleep_cycles_covering(fn) if host_ahead else 0
+    hold = _sleep_cycles_covering(fn) if host_ahead or after_spin else 0
     times = []
     for _ in range(reps):
         if hold:
             torch.cuda._sleep(hold)
+            if after_spin:
+                torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
