@@ -42,19 +42,21 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int) -> list[list[i
 
 
 @contextlib.contextmanager
-def step_setting(products: str, launch: str, student):
-    """The decode step's products as `products` says and its kernels launched as `launch` says (main's --products,
-    --launch), each setting in sessions of its own."""
-    from liger_patch_kd.generation import dependent_launch, few_row_linear, release_sessions
+def step_setting(products: str, launch: str, fused_rows: int | None, student):
+    """The decode step's products as `products` says, its kernels launched as `launch` says and its gated MLPs fused
+    up to `fused_rows` rows (None: as shipped; main's --products, --launch, --fused-rows), each setting in sessions
+    of its own."""
+    from liger_patch_kd.generation import dependent_launch, few_row_linear, mlp_fusion, release_sessions
 
-    shipped = few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED
+    shipped = few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED, mlp_fusion.FUSED_ROWS
     few_row_linear.MIN_OUT_FEATURES = {"default": shipped[0], "cublas": 1 << 62, "all": 0}[products]
     dependent_launch.ENABLED = {"default": shipped[1], "plain": False, "dependent": True}[launch]
+    mlp_fusion.FUSED_ROWS = shipped[2] if fused_rows is None else fused_rows
     release_sessions(student)  # a captured step keeps the kernels it was captured with
     try:
         yield
     finally:
-        few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED = shipped
+        few_row_linear.MIN_OUT_FEATURES, dependent_launch.ENABLED, mlp_fusion.FUSED_ROWS = shipped
         release_sessions(student)
 
 
@@ -246,6 +248,10 @@ def main() -> None:
                         help="the decode step's kernels, one set of cells each (times each --products): as shipped "
                              "(generation/dependent_launch.py ENABLED), launched one after another, or as "
                              "programmatic dependents of the kernel before (Hopper)")  # fmt: skip
+    parser.add_argument("--fused-rows", type=int, nargs="+", default=[None],
+                        help="the most rows whose gated MLP takes gate/up and the activation in one launch, one set "
+                             "of cells each (times each --products and --launch); as shipped "
+                             "(generation/mlp_fusion.py FUSED_ROWS) unless given")  # fmt: skip
     parser.add_argument("--weights", choices=("bf16", "fp32-autocast"), default="bf16",
                         help="the student's weights: bf16, or fp32 decoded under bf16 autocast (mixed-precision "
                              "training's student, bf16=True in the Trainer); fp32 either way on a CPU")  # fmt: skip
@@ -269,10 +275,14 @@ def main() -> None:
         results = []
         for products in a.products:
             for launch in a.launch:
-                with step_setting(products, launch, student):
-                    cells = [run_cell(rows, cache, a, student, vocab, device) for cache in a.caches for rows in a.rows]
-                results += [{**cell, "products": products, "launch": launch} for cell in cells]
-    columns = ["rows", "cache", "products", "launch", "tokens_per_s", "ms_per_step", "decode_step_ms", "floor_ms"]
+                for fused_rows in a.fused_rows:
+                    with step_setting(products, launch, fused_rows, student):
+                        cells = [run_cell(rows, cache, a, student, vocab, device)
+                                 for cache in a.caches for rows in a.rows]  # fmt: skip
+                    results += [{**cell, "products": products, "launch": launch, "fused_rows": fused_rows or "shipped"}
+                                for cell in cells]  # fmt: skip
+    columns = ["rows", "cache", "products", "launch", "fused_rows", "tokens_per_s", "ms_per_step", "decode_step_ms",
+               "floor_ms"]  # fmt: skip
     print_table(results, [*columns, "first_call_s", "last_call_s", "peak_gib", "frames_compiled"])
     profiled = []
     if a.profile and device.type == "cuda":

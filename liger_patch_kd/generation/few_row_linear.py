@@ -142,7 +142,11 @@ def launch_config(rows: int, n: int, k: int, element_size: int, device: torch.de
     while block_k > 32 and 2 * (padded_rows + block_n) * block_k * element_size > budget:  # two stages at least
         block_k //= 2
     stages = max(1, min(stages, budget // ((padded_rows + weights * block_n) * block_k * element_size)))
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}
+    # the gated kernel's two accumulators past 16 rows spill at 4 warps and not at 8 (compiled for sm_90 by Triton
+    # 3.9: at 64 rows 255 registers and 72 bytes of spill, against 128 and none); the decode step fuses at most
+    # mlp_fusion.FUSED_ROWS rows, so this serves few_row_gated's own callers until a step at 64 rows is timed
+    warps = 8 if weights == 2 and padded_rows > 16 else 4
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
 def shared_memory_bytes(device: torch.device) -> int:
