@@ -100,7 +100,7 @@ def test_noise_is_float64_gumbel_noise_of_52_bit_uniforms():
     """The noise is -log(-log u) of u = (m + 0.5) * 2**-52, m the 52 top bits of (hi, lo), as float64 computes it:
     never infinite, up to 36.7 at u = 1 - 2**-53 (float32 uniforms stop at ~16.6: a token trailing the top score by
     more than ~21 nats could never be drawn; here up to ~36, as sampling.draw's float64), down to -3.6 at u = 2**-53,
-    and near either end of (0, 1) and at 1/2, where the kernel changes formula. The bound, in float32 ulps: t, s and
+    and near either end of (0, 1) and at 1/2, where the kernel changes formula. The bound, absolute: t, s and
     the series each carry a few 2**-24 of relative error into E, which -log turns into as much absolute error, and
     the result is rounded to float32 (2**-24 |noise|, up to 2**-19 at 36.7) after a log within an ulp: 2**-21
     + 2**-22 |noise| allowed."""

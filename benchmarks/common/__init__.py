@@ -29,6 +29,8 @@ def cuda_time_ms(
     its kernels and the gaps between them. `after_spin`: the same sleep kernel runs before each rep, but the host
     waits for it before it calls fn, so the host is not ahead: against the default it tells what the sleep itself
     changes (a GPU kept busy, clocks) from what the host's lead changes."""
+    if host_ahead and after_spin:
+        raise ValueError("cuda_time_ms: host_ahead and after_spin are two ways to time fn; pass one of them")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -279,7 +279,8 @@ def main() -> None:
                     with step_setting(products, launch, fused_rows, student):
                         cells = [run_cell(rows, cache, a, student, vocab, device)
                                  for cache in a.caches for rows in a.rows]  # fmt: skip
-                    results += [{**cell, "products": products, "launch": launch, "fused_rows": fused_rows or "shipped"}
+                    rows_fused = "shipped" if fused_rows is None else fused_rows  # 0 is a setting: fuse none
+                    results += [{**cell, "products": products, "launch": launch, "fused_rows": rows_fused}
                                 for cell in cells]  # fmt: skip
     columns = ["rows", "cache", "products", "launch", "fused_rows", "tokens_per_s", "ms_per_step", "decode_step_ms",
                "floor_ms"]  # fmt: skip

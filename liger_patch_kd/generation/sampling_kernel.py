@@ -17,8 +17,8 @@ as sampling.draw's float64 does: a token trailing the top score by d < ~36 nats 
 The noise is computed in float32 from the distance of u to its nearer end of (0, 1), which float32 holds to 24
 bits at either end: E = -log u below 1/2, E = -log(1 - t) by its series in t = 1 - u above, so neither end rounds
 away (`_gumbel_noise`). The noise is within 2**-21 + 2**-22 |noise| nats of the float64 formula's (a few 1e-7
-near 0, under 1e-5 at its largest, 36.7), which moves a draw's probabilities by about 1e-6 relative at most; the
-float64 logs the kernel took before made the draw several times slower at 64 rows.
+near 0, under 1e-5 at its largest, 36.7), which moves a draw's probabilities by about 1e-6 relative at most, where
+float64 logarithms run at a small fraction of float32's rate on a GPU (docs/benchmarks.md times the draw).
 
 Per row the draw is argmax over ids < vocab_limit of logit / temperature - log E (the key in float64; 1 / temperature
 is passed to the kernel as a float32 scalar, a relative change below 6e-8). Ties go to the lowest id, as torch.argmax.
